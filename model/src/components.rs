@@ -1,0 +1,30 @@
+//! The interfaces pipelines use, so one pipeline serves real checkpoints and the tiny model alike.
+use crate::error::Result;
+use tch::Tensor;
+
+/// Prompt embeddings as Flux consumes them.
+#[derive(Debug)]
+pub struct TextEmbeddings {
+    /// `[B, T, joint_attention_dim]`: the per-token sequence (T5's role in Flux).
+    pub hidden: Tensor,
+    /// `[B, pooled_projection_dim]`: one vector per prompt (CLIP's pooled output in Flux).
+    pub pooled: Tensor,
+}
+
+/// Turns prompts into embeddings.
+pub trait TextEncoder: Send {
+    fn encode(&self, prompts: &[String]) -> Result<TextEmbeddings>;
+    /// Number of text tokens T every prompt is padded/truncated to.
+    fn max_tokens(&self) -> i64;
+}
+
+/// Maps images to the latent space the transformer denoises and back.
+/// Images are `[B, 3, H, W]` floats in [-1, 1]; latents are `[B, C, H/f, W/f]`, already scaled
+/// (for AutoencoderKL: `(mean - shift_factor) * scaling_factor`).
+pub trait LatentCodec: Send {
+    fn encode(&self, images: &Tensor) -> Result<Tensor>;
+    fn decode(&self, latents: &Tensor) -> Result<Tensor>;
+    fn latent_channels(&self) -> i64;
+    /// Spatial downscale factor f from pixels to latents.
+    fn downscale_factor(&self) -> i64;
+}

@@ -1,0 +1,222 @@
+//! `cargo xtask up` / `down`: run the whole mesh on this machine.
+//!
+//! Starts a local `nats-server` with JetStream when none answers at the configured URL, then every
+//! service with its log in the run directory. Foreground mode stops everything on Ctrl-C;
+//! `--detach` records the process ids for `down`.
+use crate::setup::nats_server_binary;
+use crate::toolchain::{render, run, workspace_root, Toolchain};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args)]
+pub struct UpArgs {
+    /// Return once every service is ready; stop them later with `cargo xtask down`.
+    #[arg(long)]
+    detach: bool,
+    /// NATS server URL; a local server is started there when none answers.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+    /// Port of the gateway's REST API.
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Model directory the denoisers serve (diffusers layout).
+    #[arg(long, default_value = "models/tiny")]
+    model_dir: PathBuf,
+    /// Number of denoiser workers.
+    #[arg(long, default_value_t = 1)]
+    denoisers: u32,
+    /// Directory for logs and process ids.
+    #[arg(long, default_value = "run")]
+    run_dir: PathBuf,
+}
+
+/// A process `up` started: its name and pid, one per line in `<run_dir>/pids`.
+struct Started {
+    name: String,
+    child: Child,
+}
+
+const SERVICES: &[&str] = &["cachestore", "codec", "router", "denoiser", "gateway"];
+/// Health/metrics port of each service, counted from this base (the gateway serves them on its API port).
+const HEALTH_PORT_BASE: u16 = 9100;
+
+pub fn up(tc: &Toolchain, args: UpArgs) -> anyhow::Result<()> {
+    let root = workspace_root();
+    let run_dir = root.join(&args.run_dir);
+    std::fs::create_dir_all(run_dir.join("logs"))?;
+    anyhow::ensure!(!run_dir.join("pids").exists(), "{} exists: a mesh may be running (cargo xtask down)", run_dir.join("pids").display());
+
+    let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    build.current_dir(&root).args(["build", "--release"]);
+    for s in SERVICES {
+        build.args(["-p", &format!("diffmesh-{s}")]);
+    }
+    tc.apply(&mut build)?;
+    run(&mut build)?;
+
+    let mut started = Vec::new();
+    let result = start_all(tc, &args, &root, &run_dir, &mut started);
+    write_pids(&run_dir, &started)?;
+    if let Err(e) = result {
+        eprintln!("start failed: {e:#}; stopping what was started (logs in {})", run_dir.join("logs").display());
+        stop(&run_dir)?;
+        return Err(e);
+    }
+    print_examples(args.port);
+    if args.detach {
+        println!("running detached; stop with: cargo xtask down");
+        return Ok(());
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    ctrlc::set_handler(move || {
+        let _ = tx.send(());
+    })?;
+    println!("press Ctrl-C to stop");
+    let _ = rx.recv();
+    stop(&run_dir)
+}
+
+fn start_all(tc: &Toolchain, args: &UpArgs, root: &Path, run_dir: &Path, started: &mut Vec<Started>) -> anyhow::Result<()> {
+    let nats_addr = nats_socket_addr(&args.nats_url)?;
+    if TcpStream::connect_timeout(&nats_addr, Duration::from_millis(500)).is_err() {
+        let bin = nats_server_binary().ok_or_else(|| anyhow::anyhow!("nats-server is not installed (cargo xtask setup)"))?;
+        let store = run_dir.join("nats");
+        std::fs::create_dir_all(&store)?;
+        let mut cmd = Command::new(bin);
+        cmd.args(["-js", "-a", &nats_addr.ip().to_string(), "-p", &nats_addr.port().to_string(), "-sd"]).arg(&store);
+        started.push(spawn("nats-server", cmd, run_dir)?);
+        wait_until(Duration::from_secs(10), "nats-server", || TcpStream::connect(nats_addr).is_ok())?;
+    } else {
+        println!("using the NATS server at {}", args.nats_url);
+    }
+
+    let release = crate::target_dir(root).join("release");
+    for (i, svc) in SERVICES.iter().enumerate() {
+        let copies = if *svc == "denoiser" { args.denoisers } else { 1 };
+        for copy in 0..copies {
+            let mut cmd = Command::new(release.join(format!("diffmesh-{svc}")));
+            cmd.current_dir(root).env("NATS_URL", &args.nats_url).env("RUST_LOG", "info");
+            let health_port = HEALTH_PORT_BASE + (i as u16) * 10 + copy as u16;
+            match *svc {
+                "gateway" => {
+                    cmd.env("HTTP_ADDR", format!("0.0.0.0:{}", args.port));
+                }
+                "denoiser" => {
+                    cmd.env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"))
+                        .env("MODEL_DIR", &args.model_dir)
+                        .env("WORKER_ID", format!("denoiser-{copy}"));
+                }
+                _ => {
+                    cmd.env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"));
+                }
+            }
+            tc.apply(&mut cmd)?;
+            let name = if copies > 1 { format!("{svc}-{copy}") } else { svc.to_string() };
+            started.push(spawn(&name, cmd, run_dir)?);
+        }
+    }
+    let gateway = format!("127.0.0.1:{}", args.port);
+    wait_until(Duration::from_secs(120), "the gateway's /readyz", || http_ok(&gateway, "/readyz"))
+}
+
+fn spawn(name: &str, mut cmd: Command, run_dir: &Path) -> anyhow::Result<Started> {
+    let log = File::create(run_dir.join("logs").join(format!("{name}.log")))?;
+    cmd.stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+    println!("starting {name}: {}", render(&cmd));
+    let child = cmd.spawn().map_err(|e| anyhow::anyhow!("could not start {name}: {e}"))?;
+    Ok(Started { name: name.to_string(), child })
+}
+
+fn write_pids(run_dir: &Path, started: &[Started]) -> anyhow::Result<()> {
+    let mut f = File::create(run_dir.join("pids"))?;
+    for s in started {
+        writeln!(f, "{} {}", s.name, s.child.id())?;
+    }
+    Ok(())
+}
+
+/// Stop a mesh started by `up`: SIGTERM to every recorded process (services finish in-flight work),
+/// SIGKILL to what is still alive after a grace period.
+pub fn down() -> anyhow::Result<()> {
+    stop(&workspace_root().join("run"))
+}
+
+fn stop(run_dir: &Path) -> anyhow::Result<()> {
+    let pids_file = run_dir.join("pids");
+    let Ok(text) = std::fs::read_to_string(&pids_file) else {
+        println!("nothing to stop ({} not found)", pids_file.display());
+        return Ok(());
+    };
+    // Services first (reverse start order), NATS last, so in-flight work can be handed back.
+    let procs: Vec<(String, String)> = text
+        .lines()
+        .filter_map(|l| l.split_once(' ').map(|(n, p)| (n.to_string(), p.to_string())))
+        .rev()
+        .collect();
+    for (name, pid) in &procs {
+        if alive(pid) {
+            println!("stopping {name} ({pid})");
+            let _ = Command::new("kill").args(["-TERM", pid]).status();
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while alive(pid) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            if alive(pid) {
+                eprintln!("{name} did not stop in time: killing it");
+                let _ = Command::new("kill").args(["-KILL", pid]).status();
+            }
+        }
+    }
+    std::fs::remove_file(&pids_file)?;
+    Ok(())
+}
+
+fn alive(pid: &str) -> bool {
+    // A zombie (exited, not reaped by a parent that is gone) counts as stopped.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
+fn nats_socket_addr(url: &str) -> anyhow::Result<std::net::SocketAddr> {
+    let hostport = url.trim_start_matches("nats://").trim_end_matches('/');
+    let hostport = if hostport.contains(':') { hostport.to_string() } else { format!("{hostport}:4222") };
+    hostport.to_socket_addrs()?.next().ok_or_else(|| anyhow::anyhow!("cannot resolve {url}"))
+}
+
+fn wait_until(limit: Duration, what: &str, mut ready: impl FnMut() -> bool) -> anyhow::Result<()> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if ready() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    anyhow::bail!("{what} was not ready within {limit:?}")
+}
+
+/// A plain HTTP/1.0 GET answering 200 (no HTTP client dependency needed for a health probe).
+fn http_ok(addr: &str, path: &str) -> bool {
+    let Ok(mut s) = TcpStream::connect(addr) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 32];
+    let n = s.read(&mut buf).unwrap_or(0);
+    String::from_utf8_lossy(&buf[..n]).split_whitespace().nth(1) == Some("200")
+}
+
+fn print_examples(port: u16) {
+    println!(
+        "\ndiffmesh is up. Try:\n\
+  curl -s http://127.0.0.1:{port}/v1/images/edits -F image=@docs/examples/template.png -F mask=@docs/examples/mask.png \\\n\
+       -F prompt='a red circle on the left on a blue background' -F response_format=png -o edited.png\n\
+  curl -s http://127.0.0.1:{port}/v1/images/generations -H 'content-type: application/json' \\\n\
+       -d '{{\"prompt\":\"a yellow square in the center on a green background\",\"response_format\":\"b64_json\"}}'\n"
+    );
+}

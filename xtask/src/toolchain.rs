@@ -1,0 +1,105 @@
+//! Where the project's external toolchain lives and how child processes see it.
+//!
+//! libtorch comes from the PyPI `torch` wheel installed into a virtual environment in a cache
+//! directory outside the checkout (so CI and later clones re-use it). Every cargo or service
+//! process we start gets the same environment, so torch-sys never sees a change and rebuilds.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Pinned versions: tch 0.24 requires exactly libtorch 2.11.0.
+pub const TORCH_VERSION: &str = "2.11.0";
+/// Everything the venv must hold: torch (libtorch for tch, and the parity reference), diffusers
+/// (parity reference), and the small packages the parity scripts use.
+pub const PY_REQUIREMENTS: &[&str] = &[
+    "torch==2.11.0",
+    "diffusers==0.42.1",
+    "safetensors==0.8.0",
+    "numpy==2.4.6",
+    "pillow==13.0.0",
+];
+
+pub struct Toolchain {
+    pub root: PathBuf,
+}
+
+impl Toolchain {
+    /// `$DIFFMESH_CACHE`, else `$XDG_CACHE_HOME/diffmesh`, else `~/.cache/diffmesh`.
+    pub fn locate() -> anyhow::Result<Self> {
+        let root = if let Some(dir) = std::env::var_os("DIFFMESH_CACHE") {
+            PathBuf::from(dir)
+        } else if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
+            PathBuf::from(dir).join("diffmesh")
+        } else {
+            let home = std::env::var_os("HOME").ok_or_else(|| anyhow::anyhow!("HOME is not set"))?;
+            PathBuf::from(home).join(".cache").join("diffmesh")
+        };
+        Ok(Self { root })
+    }
+
+    pub fn venv(&self) -> PathBuf {
+        self.root.join("venv")
+    }
+
+    pub fn python(&self) -> PathBuf {
+        self.venv().join("bin").join("python")
+    }
+
+    /// Stamp written after a successful install, holding the requirement list it satisfied.
+    pub fn stamp(&self) -> PathBuf {
+        self.venv().join("diffmesh-requirements.txt")
+    }
+
+    /// The libtorch lib dir inside the torch wheel (asked from Python, so the layout of the
+    /// venv never needs guessing).
+    pub fn torch_lib(&self) -> anyhow::Result<PathBuf> {
+        let out = Command::new(self.python())
+            .args(["-c", "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))"])
+            .output()?;
+        anyhow::ensure!(out.status.success(), "python could not import torch: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
+    }
+
+    /// Apply the toolchain environment to a command (cargo, a service, a test binary).
+    pub fn apply(&self, cmd: &mut Command) -> anyhow::Result<()> {
+        let bin = self.venv().join("bin");
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let mut paths = vec![bin];
+        paths.extend(std::env::split_paths(&path));
+        cmd.env("PATH", std::env::join_paths(paths)?)
+            .env("VIRTUAL_ENV", self.venv())
+            .env("LIBTORCH_USE_PYTORCH", "1")
+            .env("DIFFMESH_PYTHON", self.python())
+            .env("LD_LIBRARY_PATH", prepend_env("LD_LIBRARY_PATH", &self.torch_lib()?)?);
+        Ok(())
+    }
+}
+
+fn prepend_env(var: &str, dir: &Path) -> anyhow::Result<std::ffi::OsString> {
+    let mut paths = vec![dir.to_path_buf()];
+    if let Some(old) = std::env::var_os(var) {
+        paths.extend(std::env::split_paths(&old));
+    }
+    Ok(std::env::join_paths(paths)?)
+}
+
+/// The workspace root (xtask lives one level below it).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask is inside the workspace").to_path_buf()
+}
+
+/// Run a command to completion, failing with its rendering when it fails.
+pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    eprintln!("+ {}", render(cmd));
+    let status = cmd.status().map_err(|e| anyhow::anyhow!("could not start {}: {e}", render(cmd)))?;
+    anyhow::ensure!(status.success(), "command failed ({status}): {}", render(cmd));
+    Ok(())
+}
+
+pub fn render(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for a in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&a.to_string_lossy());
+    }
+    s
+}
