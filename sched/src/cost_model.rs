@@ -1,0 +1,402 @@
+//! Cost models: per-block compute latency linear in the batch's FLOPs, cache-load latency linear
+//! in bytes, least-squares fitted from a profile file.
+//!
+//! FLOPs follow FlashPS Table 1 for one DiT block: the linear layers (QKV, output projection, a
+//! 4x MLP) cost `24 H^2` FLOPs per computed token and attention costs `4 a H` per computed token
+//! that attends to `a` tokens. A mask-aware edit computes only text + masked image tokens
+//! (attending to all tokens); a full pass computes every token. Both costs and the cache size
+//! scale linearly with the mask ratio, which is why linear models fit (FlashPS reports R^2 0.99).
+use crate::error::SchedError;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// The served model's shape: what turns a mask into FLOPs and bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelShape {
+    /// Transformer blocks per denoising step (Flux: 19 double + 38 single = 57).
+    pub blocks: u32,
+    /// Hidden size H.
+    pub hidden: u32,
+    /// Image tokens at the model resolution (Flux at 1024x1024: 4096).
+    pub image_tokens: u32,
+    /// Text tokens that every pass computes.
+    pub text_tokens: u32,
+    /// Bytes of cached activations per unmasked image token per block (bf16 Y: 2*H).
+    pub cache_bytes_per_token: u64,
+    /// Default denoising steps per request.
+    pub steps: u32,
+}
+
+impl ModelShape {
+    pub fn validate(&self) -> Result<(), SchedError> {
+        let checks: [(&str, u64); 5] = [
+            ("shape.blocks", self.blocks as u64),
+            ("shape.hidden", self.hidden as u64),
+            ("shape.image_tokens", self.image_tokens as u64),
+            ("shape.cache_bytes_per_token", self.cache_bytes_per_token),
+            ("shape.steps", self.steps as u64),
+        ];
+        for (field, v) in checks {
+            if v == 0 {
+                return Err(SchedError::field(field, "must be > 0"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Masked image tokens for a mask ratio (rounded up, so any mask computes at least a token).
+    pub fn masked_tokens(&self, mask_ratio: f64) -> u32 {
+        let r = mask_ratio.clamp(0.0, 1.0);
+        ((r * self.image_tokens as f64).ceil() as u32).min(self.image_tokens)
+    }
+
+    /// All tokens one request attends to.
+    pub fn total_tokens(&self) -> u64 {
+        self.image_tokens as u64 + self.text_tokens as u64
+    }
+
+    /// Tokens a mask-aware pass computes for one request.
+    pub fn computed_tokens(&self, masked: u32) -> u64 {
+        self.text_tokens as u64 + masked.min(self.image_tokens) as u64
+    }
+
+    /// FLOPs of one block for one request using the cache (masked + text tokens computed).
+    pub fn flops_cached(&self, masked: u32) -> f64 {
+        block_flops(
+            self.hidden,
+            self.computed_tokens(masked),
+            self.total_tokens(),
+        )
+    }
+
+    /// FLOPs of one block for one request computing every token.
+    pub fn flops_full(&self) -> f64 {
+        block_flops(self.hidden, self.total_tokens(), self.total_tokens())
+    }
+
+    /// Bytes of one block's cached activations for one request (the unmasked image tokens).
+    pub fn cache_bytes(&self, masked: u32) -> f64 {
+        (self.image_tokens - masked.min(self.image_tokens)) as f64
+            * self.cache_bytes_per_token as f64
+    }
+}
+
+/// FLOPs of one DiT block (FlashPS Table 1): `computed` tokens through the linear layers and
+/// attention over `attended` keys.
+pub fn block_flops(hidden: u32, computed: u64, attended: u64) -> f64 {
+    let h = hidden as f64;
+    let c = computed as f64;
+    24.0 * h * h * c + 4.0 * c * attended as f64 * h
+}
+
+/// One profiled block forward of a batch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ComputeSample {
+    /// Computed tokens summed over the batch.
+    pub tokens: u64,
+    /// Requests in the batch.
+    pub batch: u32,
+    /// Attended (key) tokens summed over the batch.
+    pub attended: u64,
+    /// FLOPs of the block for the whole batch (sum of [`block_flops`] per request).
+    pub flops: f64,
+    pub latency_s: f64,
+}
+
+/// One profiled load of a block's cached activations (host to device).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadSample {
+    pub bytes: u64,
+    pub latency_s: f64,
+}
+
+/// The profile file the denoiser's profiler writes and the router/simulator fit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    /// Where the numbers come from (device, model, command).
+    pub label: String,
+    /// True when the samples were generated, not measured.
+    #[serde(default)]
+    pub synthetic: bool,
+    pub shape: ModelShape,
+    pub compute: Vec<ComputeSample>,
+    pub load: Vec<LoadSample>,
+}
+
+impl Profile {
+    pub fn read(path: &Path) -> Result<Self, SchedError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SchedError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        serde_json::from_str(&text).map_err(|source| SchedError::Json {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    pub fn write(&self, path: &Path) -> Result<(), SchedError> {
+        let text = serde_json::to_string_pretty(self).map_err(|source| SchedError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        std::fs::write(path, text).map_err(|source| SchedError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+}
+
+/// `y = intercept + slope * x`, with its coefficient of determination.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LinearFit {
+    pub slope: f64,
+    pub intercept: f64,
+    pub r2: f64,
+    pub samples: usize,
+}
+
+impl LinearFit {
+    /// Ordinary least squares of `ys` on `xs`; `what` names the data in errors.
+    pub fn fit(what: &str, xs: &[f64], ys: &[f64]) -> Result<Self, SchedError> {
+        let fail = |message: &str| SchedError::Fit {
+            what: what.to_string(),
+            message: message.to_string(),
+        };
+        if xs.len() != ys.len() {
+            return Err(fail("x and y lengths differ"));
+        }
+        if xs.len() < 2 {
+            return Err(fail("need at least 2 samples"));
+        }
+        if let Some(i) = xs.iter().chain(ys).position(|v| !v.is_finite()) {
+            return Err(fail(&format!("sample value {i} is not finite")));
+        }
+        let n = xs.len() as f64;
+        let mx = xs.iter().sum::<f64>() / n;
+        let my = ys.iter().sum::<f64>() / n;
+        let (mut sxx, mut sxy, mut syy) = (0.0, 0.0, 0.0);
+        for (x, y) in xs.iter().zip(ys) {
+            sxx += (x - mx) * (x - mx);
+            sxy += (x - mx) * (y - my);
+            syy += (y - my) * (y - my);
+        }
+        if sxx <= f64::EPSILON * mx.abs().max(1.0) {
+            return Err(fail("all x values are equal"));
+        }
+        let slope = sxy / sxx;
+        let intercept = my - slope * mx;
+        let sse: f64 = xs
+            .iter()
+            .zip(ys)
+            .map(|(x, y)| (y - intercept - slope * x).powi(2))
+            .sum();
+        let r2 = if syy > 0.0 { 1.0 - sse / syy } else { 1.0 };
+        Ok(LinearFit {
+            slope,
+            intercept,
+            r2,
+            samples: xs.len(),
+        })
+    }
+
+    /// Predicted latency, never negative.
+    pub fn predict(&self, x: f64) -> f64 {
+        (self.intercept + self.slope * x).max(0.0)
+    }
+}
+
+/// Per-block latencies of one batch, the planner's inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct BlockCosts {
+    /// Compute with cached activations (masked + text tokens only).
+    pub cached_s: f64,
+    /// Compute of every token (no cache needed).
+    pub full_s: f64,
+    /// Loading the block's cached activations for the whole batch.
+    pub load_s: f64,
+}
+
+/// Per-request sums a batch's block costs are linear in; add and remove requests cheaply.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct BatchTotals {
+    pub requests: u32,
+    pub flops_cached: f64,
+    pub flops_full: f64,
+    pub bytes: f64,
+}
+
+impl BatchTotals {
+    pub fn add(&mut self, shape: &ModelShape, masked: u32) {
+        self.requests += 1;
+        self.flops_cached += shape.flops_cached(masked);
+        self.flops_full += shape.flops_full();
+        self.bytes += shape.cache_bytes(masked);
+    }
+}
+
+/// The fitted models plus the shape they apply to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostModels {
+    pub label: String,
+    pub synthetic: bool,
+    pub shape: ModelShape,
+    /// Block compute latency (s) against block FLOPs of the batch.
+    pub compute: LinearFit,
+    /// Block cache-load latency (s) against bytes of the batch.
+    pub load: LinearFit,
+}
+
+impl CostModels {
+    pub fn fit(profile: &Profile) -> Result<Self, SchedError> {
+        profile.shape.validate()?;
+        let cx: Vec<f64> = profile.compute.iter().map(|s| s.flops).collect();
+        let cy: Vec<f64> = profile.compute.iter().map(|s| s.latency_s).collect();
+        let lx: Vec<f64> = profile.load.iter().map(|s| s.bytes as f64).collect();
+        let ly: Vec<f64> = profile.load.iter().map(|s| s.latency_s).collect();
+        Ok(CostModels {
+            label: profile.label.clone(),
+            synthetic: profile.synthetic,
+            shape: profile.shape.clone(),
+            compute: LinearFit::fit("compute (profile.compute)", &cx, &cy)?,
+            load: LinearFit::fit("load (profile.load)", &lx, &ly)?,
+        })
+    }
+
+    /// Block costs of a batch from its totals; an empty batch costs nothing.
+    pub fn block_costs(&self, totals: &BatchTotals) -> BlockCosts {
+        if totals.requests == 0 {
+            return BlockCosts::default();
+        }
+        BlockCosts {
+            cached_s: self.compute.predict(totals.flops_cached),
+            full_s: self.compute.predict(totals.flops_full),
+            load_s: self.load.predict(totals.bytes),
+        }
+    }
+
+    /// Predicted latency of one denoising step of a batch (every block alike, exact planner).
+    pub fn step_latency(&self, totals: &BatchTotals) -> f64 {
+        if totals.requests == 0 {
+            return 0.0;
+        }
+        let c = self.block_costs(totals);
+        crate::planner::uniform_latency(self.shape.blocks, c)
+    }
+
+    /// Standalone service time of one request: its steps alone on an idle worker.
+    pub fn standalone_s(&self, masked: u32, steps: u32) -> f64 {
+        let mut t = BatchTotals::default();
+        t.add(&self.shape, masked);
+        self.step_latency(&t) * steps as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    #[test]
+    fn exact_line_is_recovered() {
+        let xs: Vec<f64> = (0..10).map(|i| i as f64 * 3.5).collect();
+        let ys: Vec<f64> = xs.iter().map(|x| 0.25 + 2.0 * x).collect();
+        let f = LinearFit::fit("t", &xs, &ys).unwrap();
+        assert!((f.slope - 2.0).abs() < 1e-12, "{f:?}");
+        assert!((f.intercept - 0.25).abs() < 1e-12, "{f:?}");
+        assert!((f.r2 - 1.0).abs() < 1e-12, "{f:?}");
+    }
+
+    #[test]
+    fn noisy_line_has_high_r2_and_close_coefficients() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let xs: Vec<f64> = (0..400).map(|_| rng.random_range(1e9..1e13)).collect();
+        let ys: Vec<f64> = xs
+            .iter()
+            .map(|x| (2e-4 + x / 4e14) * (1.0 + rng.random_range(-0.03..0.03)))
+            .collect();
+        let f = LinearFit::fit("t", &xs, &ys).unwrap();
+        assert!(f.r2 > 0.99, "{f:?}");
+        assert!((f.slope * 4e14 - 1.0).abs() < 0.02, "{f:?}");
+    }
+
+    #[test]
+    fn pure_noise_has_low_r2() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let xs: Vec<f64> = (0..400).map(|i| i as f64).collect();
+        let ys: Vec<f64> = xs.iter().map(|_| rng.random_range(0.0..1.0)).collect();
+        let f = LinearFit::fit("t", &xs, &ys).unwrap();
+        assert!(f.r2 < 0.1, "{f:?}");
+    }
+
+    #[test]
+    fn degenerate_inputs_are_rejected_with_the_name() {
+        let e = LinearFit::fit("load", &[1.0, 1.0], &[2.0, 3.0]).unwrap_err();
+        assert!(e.to_string().contains("load"), "{e}");
+        assert!(LinearFit::fit("x", &[1.0], &[2.0]).is_err());
+        assert!(LinearFit::fit("x", &[1.0, f64::NAN], &[2.0, 3.0]).is_err());
+    }
+
+    #[test]
+    fn flops_match_table1_scaling() {
+        let s = ModelShape {
+            blocks: 2,
+            hidden: 8,
+            image_tokens: 100,
+            text_tokens: 0,
+            cache_bytes_per_token: 16,
+            steps: 4,
+        };
+        // No text tokens: cached FLOPs scale exactly with the mask ratio (Table 1: speedup 1/m).
+        let ratio = s.flops_cached(25) / s.flops_full();
+        assert!((ratio - 0.25).abs() < 1e-12, "{ratio}");
+        assert_eq!(s.cache_bytes(25), 75.0 * 16.0);
+        assert_eq!(block_flops(8, 1, 1), 24.0 * 64.0 + 32.0);
+        assert_eq!(s.masked_tokens(0.011), 2);
+    }
+
+    #[test]
+    fn profile_round_trips_and_fits() {
+        let shape = ModelShape {
+            blocks: 4,
+            hidden: 64,
+            image_tokens: 256,
+            text_tokens: 16,
+            cache_bytes_per_token: 128,
+            steps: 10,
+        };
+        let compute = (1..6)
+            .map(|b| ComputeSample {
+                tokens: 100 * b,
+                batch: b as u32,
+                attended: 272 * b,
+                flops: 1e9 * b as f64,
+                latency_s: 1e-4 + 1e-12 * 1e9 * b as f64,
+            })
+            .collect();
+        let load = (1..6)
+            .map(|b| LoadSample {
+                bytes: 1_000_000 * b,
+                latency_s: 2e-5 + b as f64 * 1e-4,
+            })
+            .collect();
+        let p = Profile {
+            label: "test".into(),
+            synthetic: true,
+            shape,
+            compute,
+            load,
+        };
+        let dir = std::env::temp_dir().join(format!("diffmesh-sched-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("profile.json");
+        p.write(&path).unwrap();
+        let q = Profile::read(&path).unwrap();
+        assert_eq!(p, q);
+        let m = CostModels::fit(&q).unwrap();
+        assert!((m.compute.slope - 1e-12).abs() < 1e-18);
+        assert!((m.load.intercept - 2e-5).abs() < 1e-12);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

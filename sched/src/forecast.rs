@@ -1,0 +1,240 @@
+//! Forecast of when a new request would start and finish on a worker: a fast-forward of the
+//! worker's running batch and queue under the engine's batching rule, with every step's latency
+//! from the cost models and the exact planner (the "extend Algorithm 1" of FlashPS Algorithm 2).
+//!
+//! Between two retirements the batch is fixed, so one planner call covers a whole phase; a
+//! forecast costs O(requests) planner calls of O(1) each.
+use crate::batching::admit_count;
+use crate::cost_model::{BatchTotals, CostModels};
+use crate::policy::{ActiveRequest, RequestInfo, WorkerState};
+
+/// Predicted seconds from now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Forecast {
+    /// When the new request joins the running batch.
+    pub start_s: f64,
+    pub finish_s: f64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    masked: u32,
+    remaining: u32,
+    is_new: bool,
+}
+
+/// Reusable scratch space so a forecast allocates nothing in steady state.
+#[derive(Debug, Default, Clone)]
+pub struct Forecaster {
+    batch: Vec<Slot>,
+}
+
+impl Forecaster {
+    /// Forecast of `req` placed at the tail of `worker`'s queue.
+    pub fn forecast(
+        &mut self,
+        worker: &WorkerState,
+        req: &RequestInfo,
+        model: &CostModels,
+    ) -> Forecast {
+        self.run(worker, Some(req), model, false).0
+    }
+
+    /// Sum over every request on the worker (and `req`, if given) of its predicted finish time:
+    /// the difference with and without `req` is the delay it adds to everyone, itself included.
+    pub fn total_finish(
+        &mut self,
+        worker: &WorkerState,
+        req: Option<&RequestInfo>,
+        model: &CostModels,
+    ) -> f64 {
+        self.run(worker, req, model, true).1
+    }
+
+    /// Fast-forward; stops when the new request finishes unless `drain`.
+    fn run(
+        &mut self,
+        worker: &WorkerState,
+        req: Option<&RequestInfo>,
+        model: &CostModels,
+        drain: bool,
+    ) -> (Forecast, f64) {
+        let shape = &model.shape;
+        let new = req.map(|r| ActiveRequest {
+            masked_tokens: r.masked_tokens,
+            remaining_steps: r.steps.max(1),
+        });
+        let queue_len = worker.queued.len() + usize::from(new.is_some());
+        let queued = |i: usize| -> ActiveRequest {
+            match (worker.queued.get(i), new) {
+                (Some(q), _) => *q,
+                (None, Some(n)) => n,
+                (None, None) => ActiveRequest {
+                    masked_tokens: 0,
+                    remaining_steps: 1,
+                },
+            }
+        };
+        self.batch.clear();
+        self.batch.extend(
+            worker
+                .running
+                .iter()
+                .filter(|r| r.remaining_steps > 0)
+                .map(|r| Slot {
+                    masked: r.masked_tokens,
+                    remaining: r.remaining_steps,
+                    is_new: false,
+                }),
+        );
+        let mut t = worker.step_remaining_s.max(0.0);
+        // Running requests with no step left finish when the step in flight ends.
+        let mut sum_finish = t * worker
+            .running
+            .iter()
+            .filter(|r| r.remaining_steps == 0)
+            .count() as f64;
+        let mut start = None;
+        let mut finish = None;
+        let mut next = 0;
+        loop {
+            let tokens: u64 = self
+                .batch
+                .iter()
+                .map(|s| shape.computed_tokens(s.masked))
+                .sum();
+            let admit = admit_count(
+                &worker.limits,
+                self.batch.len(),
+                tokens,
+                (next..queue_len).map(|i| shape.computed_tokens(queued(i).masked_tokens)),
+            );
+            for i in next..next + admit {
+                let q = queued(i);
+                let is_new = new.is_some() && i + 1 == queue_len;
+                if is_new {
+                    start = Some(t);
+                }
+                self.batch.push(Slot {
+                    masked: q.masked_tokens,
+                    remaining: q.remaining_steps.max(1),
+                    is_new,
+                });
+            }
+            next += admit;
+            let Some(phase) = self.batch.iter().map(|s| s.remaining).min() else {
+                break;
+            };
+            let mut totals = BatchTotals::default();
+            for s in &self.batch {
+                totals.add(shape, s.masked);
+            }
+            t += phase as f64 * model.step_latency(&totals);
+            for s in &mut self.batch {
+                s.remaining -= phase;
+                if s.remaining == 0 {
+                    sum_finish += t;
+                    if s.is_new {
+                        finish = Some(t);
+                    }
+                }
+            }
+            if finish.is_some() && !drain {
+                break;
+            }
+            self.batch.retain(|s| s.remaining > 0);
+        }
+        let finish = finish.unwrap_or(t);
+        let forecast = Forecast {
+            start_s: start.unwrap_or(finish),
+            finish_s: finish,
+        };
+        (forecast, sum_finish)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::batching::BatchLimits;
+    use crate::cost_model::{LinearFit, ModelShape};
+
+    /// One block, no text, H = 1, 100 image tokens, free loads: a step costs the batch's summed
+    /// masked tokens in seconds (cached FLOPs per request = 424 * masked).
+    pub(crate) fn token_seconds_model() -> CostModels {
+        CostModels {
+            label: "test".into(),
+            synthetic: true,
+            shape: ModelShape {
+                blocks: 1,
+                hidden: 1,
+                image_tokens: 100,
+                text_tokens: 0,
+                cache_bytes_per_token: 1,
+                steps: 10,
+            },
+            compute: LinearFit {
+                slope: 1.0 / 424.0,
+                intercept: 0.0,
+                r2: 1.0,
+                samples: 0,
+            },
+            load: LinearFit {
+                slope: 0.0,
+                intercept: 0.0,
+                r2: 1.0,
+                samples: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn hand_computed_timeline() {
+        let m = token_seconds_model();
+        let w = WorkerState {
+            running: vec![ActiveRequest {
+                masked_tokens: 2,
+                remaining_steps: 3,
+            }],
+            queued: vec![ActiveRequest {
+                masked_tokens: 1,
+                remaining_steps: 2,
+            }],
+            step_remaining_s: 0.5,
+            limits: BatchLimits {
+                max_batch: 2,
+                ..BatchLimits::default()
+            },
+            ..WorkerState::idle(BatchLimits::default())
+        };
+        let req = RequestInfo {
+            masked_tokens: 4,
+            steps: 1,
+            template: None,
+        };
+        // t=0.5: batch {2,1} runs 2 steps of 3 s -> 6.5; the queued one retires, the new one
+        // joins: batch {2,4} runs 1 step of 6 s -> 12.5.
+        let f = Forecaster::default().forecast(&w, &req, &m);
+        assert!((f.start_s - 6.5).abs() < 1e-9, "{f:?}");
+        assert!((f.finish_s - 12.5).abs() < 1e-9, "{f:?}");
+        // Everyone: running one at 12.5, queued one at 6.5, new one at 12.5; without the new
+        // one: 6.5, then the running one alone for 1 step of 2 s -> 8.5.
+        let mut fc = Forecaster::default();
+        assert!((fc.total_finish(&w, Some(&req), &m) - 31.5).abs() < 1e-9);
+        assert!((fc.total_finish(&w, None, &m) - 15.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn idle_worker_forecast_is_standalone_time() {
+        let m = crate::synthetic::default_models();
+        let req = RequestInfo {
+            masked_tokens: 450,
+            steps: 28,
+            template: None,
+        };
+        let f =
+            Forecaster::default().forecast(&WorkerState::idle(BatchLimits::default()), &req, &m);
+        assert_eq!(f.start_s, 0.0);
+        assert!((f.finish_s - m.standalone_s(450, 28)).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,24 @@
+//! Scheduling for diffmesh.
+//!
+//! - [`cost_model`]: per-block compute latency linear in FLOPs, load latency linear in bytes,
+//!   least-squares fitted from a profile file (with R^2).
+//! - [`planner`]: FlashPS Algorithm 1, made exact: per block, use the cached activations (loaded
+//!   in order on a copy stream) or recompute all tokens, minimising the step latency.
+//! - [`batching`]: the engine's step-level continuous-batching admission rule.
+//! - [`policy`] / [`mask_aware`]: the one placement trait shared by the live router and the
+//!   simulator, with round-robin, request-count, token-count and mask-aware (Algorithm 2) policies.
+//! - [`sim`]: a discrete-event simulator that drives the same policies with the fitted costs.
+pub mod batching;
+pub mod cost_model;
+pub mod error;
+pub mod forecast;
+pub mod mask_aware;
+pub mod planner;
+pub mod policy;
+pub mod sim;
+pub mod synthetic;
+
+pub use cost_model::{CostModels, LinearFit, ModelShape, Profile};
+pub use error::SchedError;
+pub use planner::{plan, Plan};
+pub use policy::{policy_by_name, Policy, RequestInfo, WorkerState};

@@ -1,0 +1,364 @@
+//! Pipeline planner: FlashPS Algorithm 1, made exact.
+//!
+//! A step runs the blocks in order on the compute stream. Block `i` either uses its cached
+//! activations (compute `cached_s`, but only after its cache finished loading) or recomputes every
+//! token (`full_s`, no load). Loads run back to back, in block order, on a copy stream that starts
+//! with the step, so they overlap the computation of earlier blocks.
+//!
+//! FlashPS's Algorithm 1 decides block by block greedily, which is not always optimal (loading an
+//! early block can delay every later load). [`plan`] is exact: a forward DP over the Pareto front
+//! of (compute finish, load finish) pairs. When every block costs the same (the usual case: one
+//! block shape), [`plan_uniform`] is exact in O(N): for `k` cached blocks the last `k` blocks are
+//! best (every "compute waits for load" bound only shrinks when cached blocks move later), so only
+//! `k` is searched.
+use crate::cost_model::BlockCosts;
+
+/// Timing of one block in a plan (seconds from the step's start).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockTiming {
+    pub use_cache: bool,
+    /// Load interval on the copy stream (empty when the block recomputes).
+    pub load_start_s: f64,
+    pub load_end_s: f64,
+    pub compute_start_s: f64,
+    pub compute_end_s: f64,
+}
+
+/// A step's per-block decisions and predicted timeline.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub blocks: Vec<BlockTiming>,
+    /// Finish time of the last block.
+    pub latency_s: f64,
+    /// Time the compute stream waited for loads (bubbles).
+    pub compute_idle_s: f64,
+}
+
+impl Plan {
+    pub fn use_cache(&self) -> Vec<bool> {
+        self.blocks.iter().map(|b| b.use_cache).collect()
+    }
+}
+
+/// Timeline of fixed decisions (used by the planners and as the brute-force oracle).
+pub fn schedule(costs: &[BlockCosts], use_cache: &[bool]) -> Plan {
+    let mut comp = 0.0f64;
+    let mut load = 0.0f64;
+    let mut idle = 0.0;
+    let mut blocks = Vec::with_capacity(costs.len());
+    for (c, &cache) in costs.iter().zip(use_cache) {
+        if cache {
+            let load_start = load;
+            load += c.load_s;
+            let start = comp.max(load);
+            idle += start - comp;
+            comp = start + c.cached_s;
+            blocks.push(BlockTiming {
+                use_cache: true,
+                load_start_s: load_start,
+                load_end_s: load,
+                compute_start_s: start,
+                compute_end_s: comp,
+            });
+        } else {
+            let start = comp;
+            comp += c.full_s;
+            blocks.push(BlockTiming {
+                use_cache: false,
+                load_start_s: load,
+                load_end_s: load,
+                compute_start_s: start,
+                compute_end_s: comp,
+            });
+        }
+    }
+    Plan {
+        blocks,
+        latency_s: comp,
+        compute_idle_s: idle,
+    }
+}
+
+/// FlashPS Algorithm 1 as published: per block, use the cache iff that finishes the block no
+/// later than recomputing it. Kept for comparison; not optimal in general.
+pub fn plan_greedy(costs: &[BlockCosts]) -> Plan {
+    let (mut comp, mut load) = (0.0f64, 0.0f64);
+    let mut dec = Vec::with_capacity(costs.len());
+    for c in costs {
+        let with = (load + c.load_s).max(comp) + c.cached_s;
+        if with <= comp + c.full_s {
+            load += c.load_s;
+            comp = with;
+            dec.push(true);
+        } else {
+            comp += c.full_s;
+            dec.push(false);
+        }
+    }
+    schedule(costs, &dec)
+}
+
+/// Exact plan for arbitrary per-block costs (Pareto-front DP).
+///
+/// The front holds non-dominated (compute finish, load finish) states; it is bounded by the
+/// number of distinct load sums, which is at most `i + 1` per distinct block cost (a handful of
+/// block kinds in real models), so this is polynomial in practice.
+pub fn plan(costs: &[BlockCosts]) -> Plan {
+    if costs.windows(2).all(|w| w[0] == w[1]) {
+        return match costs.first() {
+            Some(c) => plan_uniform(costs.len() as u32, *c),
+            None => schedule(&[], &[]),
+        };
+    }
+    #[derive(Clone, Copy)]
+    struct State {
+        comp: f64,
+        load: f64,
+        parent: usize,
+        cache: bool,
+    }
+    let mut layers: Vec<Vec<State>> = Vec::with_capacity(costs.len() + 1);
+    layers.push(vec![State {
+        comp: 0.0,
+        load: 0.0,
+        parent: 0,
+        cache: false,
+    }]);
+    for c in costs {
+        let prev = &layers[layers.len() - 1];
+        let mut next: Vec<State> = Vec::with_capacity(prev.len() * 2);
+        for (pi, s) in prev.iter().enumerate() {
+            next.push(State {
+                comp: s.comp + c.full_s,
+                load: s.load,
+                parent: pi,
+                cache: false,
+            });
+            let load = s.load + c.load_s;
+            next.push(State {
+                comp: load.max(s.comp) + c.cached_s,
+                load,
+                parent: pi,
+                cache: true,
+            });
+        }
+        next.sort_by(|a, b| a.load.total_cmp(&b.load).then(a.comp.total_cmp(&b.comp)));
+        let mut front: Vec<State> = Vec::with_capacity(next.len());
+        for s in next {
+            if front.last().is_none_or(|f| s.comp < f.comp) {
+                front.push(s);
+            }
+        }
+        layers.push(front);
+    }
+    let last = &layers[layers.len() - 1];
+    let mut best = 0;
+    for (i, s) in last.iter().enumerate() {
+        if s.comp < last[best].comp {
+            best = i;
+        }
+    }
+    let mut dec = vec![false; costs.len()];
+    let mut idx = best;
+    for layer in (1..layers.len()).rev() {
+        let s = layers[layer][idx];
+        dec[layer - 1] = s.cache;
+        idx = s.parent;
+    }
+    schedule(costs, &dec)
+}
+
+/// Latency of `k` cached blocks placed last among `n` identical blocks.
+fn uniform_cost(n: u32, k: u32, c: BlockCosts) -> f64 {
+    let (n, k) = (n as f64, k as f64);
+    let total = k * c.cached_s + (n - k) * c.full_s;
+    if k == 0.0 {
+        return total;
+    }
+    total
+        .max(c.load_s + k * c.cached_s)
+        .max(k * c.load_s + c.cached_s)
+}
+
+/// Best number of cached blocks. For k >= 1 the cost is the max of three lines in k, hence convex,
+/// so its integer minimum lies next to a pairwise crossing or at an end: O(1) candidates.
+fn uniform_best_k(n: u32, c: BlockCosts) -> (u32, f64) {
+    let mut best = (0, uniform_cost(n, 0, c));
+    if n == 0 {
+        return best;
+    }
+    let nf = n as f64;
+    // (slope, intercept) of the three lines of uniform_cost for k >= 1.
+    let lines = [
+        (c.cached_s - c.full_s, nf * c.full_s),
+        (c.cached_s, c.load_s),
+        (c.load_s, c.cached_s),
+    ];
+    let mut consider = |k: f64| {
+        let k = k.clamp(1.0, nf) as u32;
+        let v = uniform_cost(n, k, c);
+        if v < best.1 || (v == best.1 && k < best.0) {
+            best = (k, v);
+        }
+    };
+    consider(1.0);
+    consider(nf);
+    for i in 0..3 {
+        for j in i + 1..3 {
+            let ds = lines[i].0 - lines[j].0;
+            if ds.abs() > 0.0 {
+                let x = (lines[j].1 - lines[i].1) / ds;
+                if x.is_finite() {
+                    consider(x.floor());
+                    consider(x.ceil());
+                }
+            }
+        }
+    }
+    best
+}
+
+/// Exact latency of `n` identical blocks, without building the timeline (the policies' hot path).
+pub fn uniform_latency(n: u32, c: BlockCosts) -> f64 {
+    uniform_best_k(n, c).1
+}
+
+/// Exact plan of `n` identical blocks: recompute the first `n - k`, use the cache for the rest.
+pub fn plan_uniform(n: u32, c: BlockCosts) -> Plan {
+    let (k, _) = uniform_best_k(n, c);
+    let dec: Vec<bool> = (0..n).map(|i| i >= n - k).collect();
+    schedule(&vec![c; n as usize], &dec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn brute_force(costs: &[BlockCosts]) -> f64 {
+        let n = costs.len();
+        let mut best = f64::INFINITY;
+        for mask in 0u32..(1 << n) {
+            let dec: Vec<bool> = (0..n).map(|i| mask >> i & 1 == 1).collect();
+            best = best.min(schedule(costs, &dec).latency_s);
+        }
+        best
+    }
+
+    fn random_costs(rng: &mut ChaCha8Rng) -> BlockCosts {
+        let full = rng.random_range(0.5..3.0);
+        BlockCosts {
+            cached_s: full * rng.random_range(0.05..1.2),
+            full_s: full,
+            load_s: rng.random_range(0.0..4.0),
+        }
+    }
+
+    #[test]
+    fn exact_plan_matches_brute_force_on_random_instances() {
+        let mut greedy_worse = 0;
+        for seed in 0..600u64 {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let n = rng.random_range(1..=11);
+            let costs: Vec<BlockCosts> = (0..n).map(|_| random_costs(&mut rng)).collect();
+            let want = brute_force(&costs);
+            let got = plan(&costs);
+            assert!(
+                (got.latency_s - want).abs() < 1e-9,
+                "seed {seed}: plan {} brute {want}",
+                got.latency_s
+            );
+            // The reported timeline is the timeline of the reported decisions.
+            assert_eq!(schedule(&costs, &got.use_cache()), got);
+            let g = plan_greedy(&costs).latency_s;
+            assert!(g >= want - 1e-9, "seed {seed}: greedy beat the optimum");
+            if g > want + 1e-9 {
+                greedy_worse += 1;
+            }
+        }
+        // The published greedy is suboptimal on some instances (why the exact DP exists).
+        assert!(greedy_worse > 0);
+    }
+
+    #[test]
+    fn uniform_plan_matches_brute_force() {
+        for seed in 0..400u64 {
+            let mut rng = ChaCha8Rng::seed_from_u64(1000 + seed);
+            let n = rng.random_range(1..=12u32);
+            let c = random_costs(&mut rng);
+            let costs = vec![c; n as usize];
+            let want = brute_force(&costs);
+            let p = plan_uniform(n, c);
+            assert!((p.latency_s - want).abs() < 1e-9, "seed {seed}");
+            assert!((uniform_latency(n, c) - want).abs() < 1e-9, "seed {seed}");
+            // `plan` routes uniform costs here; the general DP must agree as well.
+            assert!((plan(&costs).latency_s - want).abs() < 1e-9);
+        }
+    }
+
+    #[test]
+    fn closed_form_best_k_matches_a_scan_on_large_n() {
+        for seed in 0..2000u64 {
+            let mut rng = ChaCha8Rng::seed_from_u64(5000 + seed);
+            let n = rng.random_range(1..=80u32);
+            let c = random_costs(&mut rng);
+            let scan = (0..=n)
+                .map(|k| uniform_cost(n, k, c))
+                .fold(f64::INFINITY, f64::min);
+            let got = uniform_latency(n, c);
+            assert!((got - scan).abs() <= 1e-9 * scan.max(1.0), "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn timeline_respects_stream_order() {
+        let mut rng = ChaCha8Rng::seed_from_u64(42);
+        let costs: Vec<BlockCosts> = (0..20).map(|_| random_costs(&mut rng)).collect();
+        let p = plan(&costs);
+        let mut prev_load_end = 0.0;
+        let mut prev_comp_end = 0.0;
+        for b in &p.blocks {
+            assert!(b.compute_start_s >= prev_comp_end - 1e-12);
+            if b.use_cache {
+                assert!(b.load_start_s >= prev_load_end - 1e-12);
+                assert!(b.compute_start_s >= b.load_end_s - 1e-12);
+                prev_load_end = b.load_end_s;
+            }
+            prev_comp_end = b.compute_end_s;
+        }
+        assert_eq!(p.latency_s, prev_comp_end);
+    }
+
+    #[test]
+    fn known_cases() {
+        // Free loads and cheap cached compute: cache everywhere, no bubble.
+        let c = BlockCosts {
+            cached_s: 1.0,
+            full_s: 4.0,
+            load_s: 0.0,
+        };
+        let p = plan_uniform(5, c);
+        assert_eq!(p.use_cache(), vec![true; 5]);
+        assert_eq!(p.latency_s, 5.0);
+        // Cache no cheaper than recomputing: never load.
+        let c = BlockCosts {
+            cached_s: 2.0,
+            full_s: 2.0,
+            load_s: 1.0,
+        };
+        assert_eq!(plan_uniform(4, c).latency_s, 8.0);
+        // Slow loads (FlashPS Fig. 9 bottom): recompute the first blocks while loads stream in.
+        let c = BlockCosts {
+            cached_s: 1.0,
+            full_s: 3.0,
+            load_s: 2.0,
+        };
+        // k=1: 10, k=2: max(8, 4, 5) = 8, k=3: max(6, 5, 7) = 7, k=4: max(4, 6, 9) = 9.
+        let p = plan_uniform(4, c);
+        assert_eq!(p.latency_s, 7.0);
+        assert_eq!(p.use_cache(), vec![false, true, true, true]);
+        // The last load (ends at 6) still stalls compute for 1 s; fewer loads would cost more.
+        assert_eq!(p.compute_idle_s, 1.0);
+    }
+}

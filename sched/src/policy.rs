@@ -1,0 +1,258 @@
+//! The placement trait shared by the live router and the simulator (the GF-DiT idea: a policy
+//! compared offline is deployed unchanged), with the baseline policies.
+//!
+//! A policy sees only what a router can know from heartbeats and its own placements: each
+//! worker's running batch and queue (masked tokens and remaining steps per request), template
+//! cache residency, limits and liveness. It never sees simulator internals.
+use crate::batching::BatchLimits;
+use crate::cost_model::CostModels;
+use crate::error::SchedError;
+use crate::mask_aware::{FlashPsGreedy, MaskAware, MaskAwareMarginal};
+
+/// A request to place.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RequestInfo {
+    /// Masked image tokens (what the mask-aware pass computes besides the text tokens).
+    pub masked_tokens: u32,
+    pub steps: u32,
+    /// Template whose cached activations the request reuses, if any.
+    pub template: Option<u64>,
+}
+
+/// A request on a worker, running or queued.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ActiveRequest {
+    pub masked_tokens: u32,
+    /// Steps not yet started (for a queued request: all its steps). A running request with 0
+    /// finishes when the step in flight ends.
+    pub remaining_steps: u32,
+}
+
+/// What a policy knows about one worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerState {
+    /// False when heartbeats stopped or the worker is draining.
+    pub alive: bool,
+    pub running: Vec<ActiveRequest>,
+    /// FIFO order.
+    pub queued: Vec<ActiveRequest>,
+    /// Templates whose cached activations are in this worker's fast tier.
+    pub resident_templates: Vec<u64>,
+    pub limits: BatchLimits,
+    /// Seconds until the step in flight ends (0 when idle).
+    pub step_remaining_s: f64,
+}
+
+impl WorkerState {
+    pub fn idle(limits: BatchLimits) -> Self {
+        WorkerState {
+            alive: true,
+            running: Vec::new(),
+            queued: Vec::new(),
+            resident_templates: Vec::new(),
+            limits,
+            step_remaining_s: 0.0,
+        }
+    }
+
+    /// Alive and with room in its queue.
+    pub fn accepts(&self) -> bool {
+        self.alive && (self.queued.len() as u64) < self.limits.queue_capacity as u64
+    }
+
+    pub fn holds(&self, template: Option<u64>) -> bool {
+        template.is_none_or(|t| self.resident_templates.contains(&t))
+    }
+
+    pub fn requests(&self) -> usize {
+        self.running.len() + self.queued.len()
+    }
+
+    pub fn masked_tokens(&self) -> u64 {
+        self.running
+            .iter()
+            .chain(&self.queued)
+            .map(|r| r.masked_tokens as u64)
+            .sum()
+    }
+}
+
+/// Chooses a worker for each arriving request.
+pub trait Policy: Send {
+    fn name(&self) -> &str;
+    /// Index into `workers` of the chosen one, or `None` when no worker accepts.
+    fn place(
+        &mut self,
+        req: &RequestInfo,
+        workers: &[WorkerState],
+        model: &CostModels,
+    ) -> Option<usize>;
+}
+
+/// Every policy name [`policy_by_name`] knows.
+pub const POLICY_NAMES: [&str; 6] = [
+    "round-robin",
+    "request-count",
+    "token-count",
+    "mask-aware",
+    "mask-aware-marginal",
+    "flashps-greedy",
+];
+
+pub fn policy_by_name(name: &str) -> Result<Box<dyn Policy>, SchedError> {
+    Ok(match name {
+        "round-robin" => Box::new(RoundRobin::default()),
+        "request-count" => Box::new(RequestCount),
+        "token-count" => Box::new(TokenCount),
+        "mask-aware" => Box::new(MaskAware::default()),
+        "mask-aware-marginal" => Box::new(MaskAwareMarginal::default()),
+        "flashps-greedy" => Box::new(FlashPsGreedy),
+        other => return Err(SchedError::UnknownPolicy(other.to_string())),
+    })
+}
+
+/// Index of the accepting worker with the smallest key; ties go to the lowest index.
+pub(crate) fn argmin_by<K: PartialOrd>(
+    workers: &[WorkerState],
+    mut key: impl FnMut(&WorkerState) -> K,
+) -> Option<usize> {
+    let mut best: Option<(usize, K)> = None;
+    for (i, w) in workers.iter().enumerate() {
+        if !w.accepts() {
+            continue;
+        }
+        let k = key(w);
+        if best.as_ref().is_none_or(|(_, b)| k < *b) {
+            best = Some((i, k));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+/// Next accepting worker in turn.
+#[derive(Debug, Default)]
+pub struct RoundRobin {
+    next: usize,
+}
+
+impl Policy for RoundRobin {
+    fn name(&self) -> &str {
+        "round-robin"
+    }
+    fn place(&mut self, _: &RequestInfo, workers: &[WorkerState], _: &CostModels) -> Option<usize> {
+        let n = workers.len();
+        let chosen = (0..n)
+            .map(|o| (self.next + o) % n)
+            .find(|&i| workers[i].accepts())?;
+        self.next = (chosen + 1) % n;
+        Some(chosen)
+    }
+}
+
+/// Fewest requests (running + queued).
+#[derive(Debug, Default)]
+pub struct RequestCount;
+
+impl Policy for RequestCount {
+    fn name(&self) -> &str {
+        "request-count"
+    }
+    fn place(&mut self, _: &RequestInfo, workers: &[WorkerState], _: &CostModels) -> Option<usize> {
+        argmin_by(workers, |w| w.requests())
+    }
+}
+
+/// Fewest masked tokens (running + queued).
+#[derive(Debug, Default)]
+pub struct TokenCount;
+
+impl Policy for TokenCount {
+    fn name(&self) -> &str {
+        "token-count"
+    }
+    fn place(&mut self, _: &RequestInfo, workers: &[WorkerState], _: &CostModels) -> Option<usize> {
+        argmin_by(workers, |w| w.masked_tokens())
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::synthetic;
+
+    pub(crate) fn req(masked: u32) -> ActiveRequest {
+        ActiveRequest {
+            masked_tokens: masked,
+            remaining_steps: 10,
+        }
+    }
+
+    pub(crate) fn worker(running: &[ActiveRequest], queued: &[ActiveRequest]) -> WorkerState {
+        WorkerState {
+            running: running.to_vec(),
+            queued: queued.to_vec(),
+            ..WorkerState::idle(BatchLimits::default())
+        }
+    }
+
+    pub(crate) fn new_req() -> RequestInfo {
+        RequestInfo {
+            masked_tokens: 400,
+            steps: 28,
+            template: None,
+        }
+    }
+
+    #[test]
+    fn round_robin_cycles_and_skips_dead_workers() {
+        let m = synthetic::default_models();
+        let mut ws = vec![worker(&[], &[]); 3];
+        ws[1].alive = false;
+        let mut p = RoundRobin::default();
+        let got: Vec<_> = (0..4).map(|_| p.place(&new_req(), &ws, &m)).collect();
+        assert_eq!(got, vec![Some(0), Some(2), Some(0), Some(2)]);
+        for w in &mut ws {
+            w.alive = false;
+        }
+        assert_eq!(p.place(&new_req(), &ws, &m), None);
+    }
+
+    #[test]
+    fn request_count_picks_fewest_requests() {
+        let m = synthetic::default_models();
+        let ws = vec![
+            worker(&[req(10), req(10)], &[req(10)]),
+            worker(&[req(4000)], &[req(4000)]),
+            worker(&[req(1), req(1)], &[]),
+        ];
+        // Worker 1 and 2 both hold 2; the tie goes to the lower index.
+        assert_eq!(RequestCount.place(&new_req(), &ws, &m), Some(1));
+    }
+
+    #[test]
+    fn token_count_picks_fewest_masked_tokens() {
+        let m = synthetic::default_models();
+        let ws = vec![
+            worker(&[req(10), req(10)], &[req(10)]),
+            worker(&[req(4000)], &[]),
+            worker(&[req(100)], &[req(100)]),
+        ];
+        assert_eq!(TokenCount.place(&new_req(), &ws, &m), Some(0));
+    }
+
+    #[test]
+    fn full_queues_are_skipped() {
+        let m = synthetic::default_models();
+        let mut ws = vec![worker(&[], &[req(1)]), worker(&[req(5), req(5)], &[])];
+        ws[0].limits.queue_capacity = 1;
+        assert_eq!(RequestCount.place(&new_req(), &ws, &m), Some(1));
+    }
+
+    #[test]
+    fn names_resolve() {
+        for n in POLICY_NAMES {
+            assert_eq!(policy_by_name(n).unwrap().name(), n);
+        }
+        assert!(policy_by_name("nope").is_err());
+    }
+}

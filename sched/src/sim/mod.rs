@@ -1,0 +1,230 @@
+//! Discrete-event simulator: the live router's [`Policy`] places each arrival; workers follow the
+//! engine's step-level continuous batching ([`crate::batching`]); each step lasts the planner's
+//! latency for the batch under the fitted cost models. Policies see only [`WorkerState`]
+//! snapshots, exactly what the live router builds from heartbeats.
+pub mod metrics;
+pub mod workload;
+
+use crate::batching::{admit_count, BatchLimits};
+use crate::cost_model::{BatchTotals, CostModels};
+use crate::policy::{ActiveRequest, Policy, RequestInfo, WorkerState};
+use metrics::{percentile, Summary};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::VecDeque;
+pub use workload::Arrival;
+
+/// Simulation settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    pub workers: u32,
+    pub limits: BatchLimits,
+    /// Deadline = arrival + `slo_factor` x the request's standalone service time.
+    pub slo_factor: f64,
+    /// Std-dev of multiplicative Gaussian noise on each step's latency (0: steps take exactly
+    /// what the cost model predicts, so a model-based policy predicts perfectly).
+    pub step_noise: f64,
+    /// Seeds the step noise (arrivals are generated outside, so every policy sees the same ones).
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    arrival_s: f64,
+    masked: u32,
+    /// Steps not yet completed.
+    remaining: u32,
+    start_s: f64,
+    deadline_s: f64,
+}
+
+#[derive(Debug, Default)]
+struct Worker {
+    running: Vec<Job>,
+    queue: VecDeque<Job>,
+    step_end: Option<f64>,
+    busy_s: f64,
+}
+
+struct Totals {
+    latencies: Vec<f64>,
+    queue_sum: f64,
+    slo_met: usize,
+    last_finish: f64,
+    steps: u64,
+    batch_sum: u64,
+}
+
+/// Replays `arrivals` (sorted by time) through `policy` and returns the summary.
+pub fn simulate(
+    cfg: &SimConfig,
+    model: &CostModels,
+    policy: &mut dyn Policy,
+    arrivals: &[Arrival],
+) -> Summary {
+    let n = cfg.workers.max(1) as usize;
+    let mut workers: Vec<Worker> = (0..n).map(|_| Worker::default()).collect();
+    let mut views: Vec<WorkerState> = (0..n).map(|_| WorkerState::idle(cfg.limits)).collect();
+    let mut noise = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x005e_ed0f_57e9);
+    let mut tot = Totals {
+        latencies: Vec::with_capacity(arrivals.len()),
+        queue_sum: 0.0,
+        slo_met: 0,
+        last_finish: 0.0,
+        steps: 0,
+        batch_sum: 0,
+    };
+    let mut rejected = 0;
+    let mut next_arrival = 0;
+    loop {
+        let step = workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, w)| w.step_end.map(|t| (t, i)))
+            .min_by(|a, b| a.0.total_cmp(&b.0));
+        let arrival = arrivals.get(next_arrival);
+        match (step, arrival) {
+            (None, None) => break,
+            (Some((t, w)), a) if a.is_none_or(|a| t <= a.time_s) => {
+                finish_step(&mut workers[w], t, &mut tot);
+                start_step(&mut workers[w], t, cfg, model, &mut noise, &mut tot);
+            }
+            (_, Some(a)) => {
+                next_arrival += 1;
+                let now = a.time_s;
+                for (w, v) in workers.iter().zip(views.iter_mut()) {
+                    snapshot(w, now, v);
+                }
+                let req = RequestInfo {
+                    masked_tokens: a.masked_tokens,
+                    steps: a.steps.max(1),
+                    template: a.template,
+                };
+                let Some(w) = policy.place(&req, &views, model).filter(|&w| w < n) else {
+                    rejected += 1;
+                    continue;
+                };
+                let standalone = model.standalone_s(a.masked_tokens, req.steps);
+                workers[w].queue.push_back(Job {
+                    arrival_s: now,
+                    masked: a.masked_tokens,
+                    remaining: req.steps,
+                    start_s: now,
+                    deadline_s: now + cfg.slo_factor * standalone,
+                });
+                if workers[w].step_end.is_none() {
+                    start_step(&mut workers[w], now, cfg, model, &mut noise, &mut tot);
+                }
+            }
+            (Some(_), None) => unreachable!("handled by the guard above"),
+        }
+    }
+    summarize(policy.name(), arrivals, rejected, &workers, tot)
+}
+
+/// What the router would know about a worker at `now`.
+fn snapshot(w: &Worker, now: f64, v: &mut WorkerState) {
+    let in_flight = w.step_end.is_some();
+    v.running.clear();
+    v.running.extend(w.running.iter().map(|j| ActiveRequest {
+        masked_tokens: j.masked,
+        remaining_steps: j.remaining - u32::from(in_flight),
+    }));
+    v.queued.clear();
+    v.queued.extend(w.queue.iter().map(|j| ActiveRequest {
+        masked_tokens: j.masked,
+        remaining_steps: j.remaining,
+    }));
+    v.step_remaining_s = w.step_end.map_or(0.0, |t| (t - now).max(0.0));
+}
+
+fn finish_step(w: &mut Worker, t: f64, tot: &mut Totals) {
+    w.step_end = None;
+    for j in &mut w.running {
+        j.remaining -= 1;
+        if j.remaining == 0 {
+            tot.latencies.push(t - j.arrival_s);
+            tot.queue_sum += j.start_s - j.arrival_s;
+            tot.slo_met += usize::from(t <= j.deadline_s + 1e-12);
+            tot.last_finish = tot.last_finish.max(t);
+        }
+    }
+    w.running.retain(|j| j.remaining > 0);
+}
+
+fn start_step(
+    w: &mut Worker,
+    now: f64,
+    cfg: &SimConfig,
+    model: &CostModels,
+    noise: &mut ChaCha8Rng,
+    tot: &mut Totals,
+) {
+    let shape = &model.shape;
+    let tokens: u64 = w
+        .running
+        .iter()
+        .map(|j| shape.computed_tokens(j.masked))
+        .sum();
+    let admit = admit_count(
+        &cfg.limits,
+        w.running.len(),
+        tokens,
+        w.queue.iter().map(|j| shape.computed_tokens(j.masked)),
+    );
+    for mut j in w.queue.drain(..admit) {
+        j.start_s = now;
+        w.running.push(j);
+    }
+    if w.running.is_empty() {
+        return;
+    }
+    let mut totals = BatchTotals::default();
+    for j in &w.running {
+        totals.add(shape, j.masked);
+    }
+    let mut latency = model.step_latency(&totals);
+    if cfg.step_noise > 0.0 {
+        let u1: f64 = 1.0 - noise.random::<f64>();
+        let u2: f64 = noise.random::<f64>();
+        let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+        latency *= (1.0 + cfg.step_noise * z).max(0.1);
+    }
+    w.step_end = Some(now + latency);
+    w.busy_s += latency;
+    tot.steps += 1;
+    tot.batch_sum += w.running.len() as u64;
+}
+
+fn summarize(
+    policy: &str,
+    arrivals: &[Arrival],
+    rejected: usize,
+    workers: &[Worker],
+    mut tot: Totals,
+) -> Summary {
+    tot.latencies.sort_by(f64::total_cmp);
+    let completed = tot.latencies.len();
+    let first = arrivals.first().map_or(0.0, |a| a.time_s);
+    let span = (tot.last_finish - first).max(f64::MIN_POSITIVE);
+    let busy: f64 = workers.iter().map(|w| w.busy_s).sum();
+    let div = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    Summary {
+        policy: policy.to_string(),
+        submitted: arrivals.len(),
+        completed,
+        rejected,
+        p50: percentile(&tot.latencies, 50.0),
+        p95: percentile(&tot.latencies, 95.0),
+        p99: percentile(&tot.latencies, 99.0),
+        mean_latency: div(tot.latencies.iter().sum(), completed as f64),
+        mean_queue: div(tot.queue_sum, completed as f64),
+        throughput: div(completed as f64, span),
+        slo_attainment: div(tot.slo_met as f64, arrivals.len() as f64),
+        mean_batch: div(tot.batch_sum as f64, tot.steps as f64),
+        utilization: div(busy, span * workers.len() as f64),
+    }
+}
+
+#[cfg(test)]
+mod tests;
