@@ -95,32 +95,37 @@ fn start_all(tc: &Toolchain, args: &UpArgs, root: &Path, run_dir: &Path, started
     }
 
     let release = crate::target_dir(root).join("release");
+    let mut gateway_health = None;
+    let mut denoiser_health = Vec::new();
     for (i, svc) in SERVICES.iter().enumerate() {
         let copies = if *svc == "denoiser" { args.denoisers } else { 1 };
         for copy in 0..copies {
             let mut cmd = Command::new(release.join(format!("diffmesh-{svc}")));
             cmd.current_dir(root).env("NATS_URL", &args.nats_url).env("RUST_LOG", "info");
             let health_port = HEALTH_PORT_BASE + (i as u16) * 10 + copy as u16;
+            cmd.env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"));
             match *svc {
                 "gateway" => {
-                    cmd.env("HTTP_ADDR", format!("0.0.0.0:{}", args.port));
+                    cmd.env("GATEWAY_BIND", format!("0.0.0.0:{}", args.port));
+                    gateway_health = Some(health_port);
                 }
                 "denoiser" => {
-                    cmd.env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"))
-                        .env("MODEL_DIR", &args.model_dir)
-                        .env("WORKER_ID", format!("denoiser-{copy}"));
+                    cmd.env("MODEL_DIR", &args.model_dir).env("WORKER_ID", format!("denoiser-{copy}"));
+                    denoiser_health.push(health_port);
                 }
-                _ => {
-                    cmd.env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"));
-                }
+                _ => {}
             }
             tc.apply(&mut cmd)?;
             let name = if copies > 1 { format!("{svc}-{copy}") } else { svc.to_string() };
             started.push(spawn(&name, cmd, run_dir)?);
         }
     }
-    let gateway = format!("127.0.0.1:{}", args.port);
-    wait_until(Duration::from_secs(120), "the gateway's /readyz", || http_ok(&gateway, "/readyz"))
+    // Ready when every denoiser has loaded its model and the gateway answers.
+    for port in denoiser_health.into_iter().chain(gateway_health) {
+        let addr = format!("127.0.0.1:{port}");
+        wait_until(Duration::from_secs(120), &format!("/readyz on {addr}"), || http_ok(&addr, "/readyz"))?;
+    }
+    Ok(())
 }
 
 fn spawn(name: &str, mut cmd: Command, run_dir: &Path) -> anyhow::Result<Started> {

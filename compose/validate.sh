@@ -1,0 +1,291 @@
+#!/usr/bin/env bash
+# Static checks of the compose deployment files; needs no Docker daemon and no network.
+# Each check runs with the best tool present and says so when it has to skip:
+#   compose file   docker compose config > docker-compose (v1) config > YAML + structure (python)
+#   prometheus.yml promtool check config
+#   dashboard      JSON + structure (python); its PromQL through promtool check rules
+#   provisioning   YAML (python)
+#   nats.conf      nats-server -t
+#   shell scripts  sh -n, shellcheck when installed
+#   Dockerfiles    hadolint when installed; paths they COPY exist
+# Exit status: 1 when a check that ran failed, 0 otherwise (skips do not fail).
+# Usage: compose/validate.sh    (from anywhere; installs nothing itself except PyYAML into a
+#        temporary venv when python3 lacks it; promtool: apt-get install prometheus)
+set -uo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+tmp="$(mktemp -d)"
+# The v1 compose check needs its temporary copy next to the original (relative paths).
+v1copy="$here/.validate-compose.yml"
+trap 'rm -rf "$tmp" "$v1copy"' EXIT
+
+failed=0
+pass() { printf 'PASS  %s\n' "$1"; }
+fail() { printf 'FAIL  %s\n' "$1"; failed=1; }
+skip() { printf 'SKIP  %s\n' "$1"; }
+have() { command -v "$1" >/dev/null 2>&1; }
+
+# A python3 that can import yaml, or empty.
+python=""
+if have python3 && python3 -c 'import yaml' >/dev/null 2>&1; then
+  python=python3
+elif have python3 && python3 -m venv "$tmp/venv" >/dev/null 2>&1 \
+  && "$tmp/venv/bin/pip" install -q pyyaml >/dev/null 2>&1; then
+  python="$tmp/venv/bin/python"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Compose file
+# ---------------------------------------------------------------------------------------------
+compose="$here/docker-compose.yml"
+if have docker && docker compose version >/dev/null 2>&1; then
+  if out="$(docker compose -f "$compose" config -q 2>&1)"; then
+    pass "docker compose config"
+  else
+    fail "docker compose config: $out"
+  fi
+elif have docker-compose; then
+  # Compose v1 predates the top-level `name:` key; check a copy without it.
+  grep -v '^name:' "$compose" >"$v1copy"
+  if out="$(docker-compose -f "$v1copy" config -q 2>&1)"; then
+    pass "docker-compose (v1) config (top-level 'name' removed for v1)"
+  else
+    fail "docker-compose (v1) config: $out"
+  fi
+  rm -f "$v1copy"
+else
+  skip "compose CLI: neither 'docker compose' nor 'docker-compose' found; structural check only"
+fi
+
+if [ -n "$python" ]; then
+  if out="$("$python" - "$compose" "$here" <<'EOF' 2>&1
+import os, sys, yaml
+path, here = sys.argv[1], sys.argv[2]
+doc = yaml.safe_load(open(path))
+services = doc["services"]
+errors = []
+mesh = ["gateway", "router", "denoiser", "codec", "cachestore"]
+for name in mesh:
+    s = services.get(name)
+    if s is None:
+        errors.append(f"service {name} missing")
+        continue
+    for key in ("image", "build", "environment", "healthcheck", "deploy"):
+        if key not in s:
+            errors.append(f"{name}: no {key}")
+    if "replicas" not in s.get("deploy", {}):
+        errors.append(f"{name}: no deploy.replicas")
+    env = s.get("environment", {})
+    for var in ("NATS_URL", "OTEL_EXPORTER_OTLP_ENDPOINT", "HEALTH_ADDR"):
+        if var not in env:
+            errors.append(f"{name}: environment lacks {var}")
+    dockerfile = os.path.join(here, "..", s.get("build", {}).get("dockerfile", ""))
+    if not os.path.isfile(dockerfile):
+        errors.append(f"{name}: dockerfile {dockerfile} not found")
+for name in ("nats-1", "nats-2", "nats-3", "nats-init", "prometheus", "grafana", "jaeger"):
+    if name not in services:
+        errors.append(f"service {name} missing")
+for name, s in services.items():
+    for vol in s.get("volumes", []):
+        src = vol.split(":")[0] if isinstance(vol, str) else vol.get("source", "")
+        if src.startswith("./") and not os.path.exists(os.path.join(here, src)):
+            errors.append(f"{name}: bind-mount source {src} not found")
+if errors:
+    print("; ".join(errors))
+    sys.exit(1)
+print(f"{len(services)} services")
+EOF
+)"; then
+    pass "compose structure: $out"
+  else
+    fail "compose structure: $out"
+  fi
+else
+  skip "compose structure: python3 with PyYAML unavailable (and could not be installed)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus
+# ---------------------------------------------------------------------------------------------
+if have promtool; then
+  if out="$(promtool check config "$here/prometheus/prometheus.yml" 2>&1)"; then
+    pass "promtool check config prometheus/prometheus.yml"
+  else
+    fail "promtool check config: $out"
+  fi
+else
+  skip "promtool not found (Debian: apt-get install prometheus)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Grafana: dashboard JSON and its PromQL, provisioning YAML
+# ---------------------------------------------------------------------------------------------
+dashboard="$here/grafana/dashboards/diffmesh-overview.json"
+if have python3; then
+  # Writes every panel query as a recording rule (Grafana macros replaced) for promtool.
+  if out="$(python3 - "$dashboard" "$tmp/dashboard-rules.yml" <<'EOF' 2>&1
+import json, sys
+dash = json.load(open(sys.argv[1]))
+errors, exprs, ids = [], [], set()
+for key in ("uid", "title", "panels", "schemaVersion"):
+    if key not in dash:
+        errors.append(f"dashboard lacks {key}")
+for p in dash.get("panels", []):
+    if p.get("id") in ids:
+        errors.append(f"duplicate panel id {p.get('id')}")
+    ids.add(p.get("id"))
+    if p.get("type") == "row":
+        continue
+    ds = p.get("datasource", {})
+    if ds.get("uid") != "prometheus":
+        errors.append(f"panel {p.get('title')!r}: datasource uid {ds.get('uid')!r} is not provisioned")
+    for t in p.get("targets", []):
+        if not t.get("expr"):
+            errors.append(f"panel {p.get('title')!r}: target {t.get('refId')} has no expr")
+        exprs.append(t.get("expr", ""))
+subst = {"$__rate_interval": "1m", "$__interval": "1m", "${histogram}": "diffmesh_x_seconds"}
+with open(sys.argv[2], "w") as f:
+    f.write("groups:\n  - name: dashboard\n    rules:\n")
+    for i, e in enumerate(exprs):
+        for k, v in subst.items():
+            e = e.replace(k, v)
+        f.write(f"      - record: dashboard:expr_{i}\n        expr: {json.dumps(e)}\n")
+if errors:
+    print("; ".join(errors))
+    sys.exit(1)
+print(f"{len(dash['panels'])} panels, {len(exprs)} queries")
+EOF
+)"; then
+    pass "dashboard JSON: $out"
+    if have promtool; then
+      if rules="$(promtool check rules "$tmp/dashboard-rules.yml" 2>&1)"; then
+        pass "dashboard PromQL parses (promtool check rules)"
+      else
+        fail "dashboard PromQL: $rules"
+      fi
+    else
+      skip "dashboard PromQL: promtool not found"
+    fi
+  else
+    fail "dashboard JSON: $out"
+  fi
+else
+  skip "dashboard JSON: python3 not found"
+fi
+
+# Every diffmesh_* metric the dashboard queries must be defined in the Rust sources: as a string
+# literal, or through shared::metrics helpers (histogram_vec / counter_vec / FailureCounter).
+if have python3; then
+  if out="$(python3 - "$dashboard" "$root" <<'EOF' 2>&1
+import json, pathlib, re, sys
+dash = json.load(open(sys.argv[1]))
+root = pathlib.Path(sys.argv[2])
+used = set()
+for p in dash.get("panels", []):
+    for t in p.get("targets", []):
+        used |= set(re.findall(r"diffmesh_[a-z0-9_]+", t.get("expr", "")))
+suffix = {"Seconds": "_seconds", "Bytes": "_bytes", "Total": "_total", "Ratio": "_ratio", "None": ""}
+defined = set()
+for path in list(root.glob("services/*/src/**/*.rs")) + list(root.glob("shared/src/**/*.rs")):
+    text = path.read_text(errors="replace")
+    defined |= set(re.findall(r'"(diffmesh_[a-z0-9_]+)"', text))
+    for sub, name, unit in re.findall(r'histogram_vec\(\s*[^,]+,\s*"(\w+)",\s*"(\w+)",\s*Unit::(\w+)', text):
+        defined.add(f"diffmesh_{sub}_{name}{suffix.get(unit, '')}")
+    for sub, name in re.findall(r'counter_vec\(\s*[^,]+,\s*"(\w+)",\s*"(\w+)"', text):
+        defined.add(f"diffmesh_{sub}_{name}_total")
+    for sub in re.findall(r'FailureCounter::register\(\s*[^,]+,\s*"(\w+)"', text):
+        defined.add(f"diffmesh_{sub}_failures_total")
+def base(name):
+    for s in ("_bucket", "_sum", "_count"):
+        if name.endswith(s) and name[: -len(s)] in defined:
+            return name[: -len(s)]
+    return name
+missing = sorted(n for n in used if base(n) not in defined)
+if missing:
+    print("queried by the dashboard but defined nowhere in services/ or shared/: " + ", ".join(missing))
+    sys.exit(1)
+print(f"{len(used)} metric names, all defined in the sources")
+EOF
+)"; then
+    pass "dashboard metric names: $out"
+  else
+    fail "dashboard metric names: $out"
+  fi
+fi
+
+if [ -n "$python" ]; then
+  for f in "$here"/grafana/provisioning/*/*.yml; do
+    if out="$("$python" -c 'import sys, yaml; d = yaml.safe_load(open(sys.argv[1])); assert d.get("apiVersion") == 1, "apiVersion must be 1"' "$f" 2>&1)"; then
+      pass "grafana provisioning ${f#"$here"/}"
+    else
+      fail "grafana provisioning ${f#"$here"/}: $out"
+    fi
+  done
+else
+  skip "grafana provisioning: python3 with PyYAML unavailable"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# NATS config and scripts
+# ---------------------------------------------------------------------------------------------
+if have nats-server; then
+  if out="$(NATS_SERVER_NAME=validate nats-server -t -c "$here/nats/nats.conf" 2>&1)"; then
+    pass "nats-server -t nats/nats.conf"
+  else
+    fail "nats-server -t: $out"
+  fi
+else
+  skip "nats-server not found (cargo xtask setup installs it)"
+fi
+
+# Each script with the shell its shebang names (init-buckets.sh runs under nats-box's sh).
+for f in "$here"/nats/*.sh "$here"/validate.sh; do
+  shell="$(head -1 "$f" | grep -q bash && echo bash || echo sh)"
+  if out="$("$shell" -n "$f" 2>&1)"; then
+    pass "shell syntax ${f#"$here"/}"
+  else
+    fail "shell syntax ${f#"$here"/}: $out"
+  fi
+done
+if have shellcheck; then
+  if out="$(shellcheck "$here"/nats/*.sh "$here"/validate.sh 2>&1)"; then
+    pass "shellcheck"
+  else
+    fail "shellcheck: $out"
+  fi
+else
+  skip "shellcheck not found"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfiles
+# ---------------------------------------------------------------------------------------------
+for f in "$here/Dockerfile" "$here/Dockerfile.torch"; do
+  name="${f#"$here"/}"
+  # COPY sources relative to the build context (the repository root), other stages excluded.
+  missing=""
+  while read -r src; do
+    [ -e "$root/$src" ] || missing="$missing $src"
+  done < <(awk '$1 == "COPY" && $0 !~ /--from=/ { for (i = 2; i < NF; i++) if ($i !~ /^--/) print $i }' "$f")
+  if [ -z "$missing" ]; then
+    pass "$name: COPY sources exist"
+  else
+    fail "$name: COPY sources missing:$missing"
+  fi
+  [ -f "$f.dockerignore" ] || fail "$name: $name.dockerignore missing (build context would include target/)"
+  if have hadolint; then
+    if out="$(hadolint --ignore DL3008 "$f" 2>&1)"; then
+      pass "hadolint $name"
+    else
+      fail "hadolint $name: $out"
+    fi
+  fi
+done
+have hadolint || skip "hadolint not found (Dockerfile lint)"
+
+if [ "$failed" -ne 0 ]; then
+  echo "compose/validate.sh: some checks FAILED"
+  exit 1
+fi
+echo "compose/validate.sh: all checks that ran passed"
