@@ -21,7 +21,11 @@ pub enum ModelError {
     #[error("weights in {dir} do not match the model:\n{report}")]
     Weights { dir: PathBuf, report: String },
     #[error("unsupported component `{component}` of class `{class}`: {reason}")]
-    Unsupported { component: String, class: String, reason: String },
+    Unsupported {
+        component: String,
+        class: String,
+        reason: String,
+    },
     #[error("invalid input `{field}`: {reason}")]
     Input { field: String, reason: String },
     #[error("invalid config `{field}`: {reason}")]
@@ -30,10 +34,16 @@ pub enum ModelError {
 
 impl ModelError {
     pub fn input(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        Self::Input { field: field.into(), reason: reason.into() }
+        Self::Input {
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
     pub fn config(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        Self::Config { field: field.into(), reason: reason.into() }
+        Self::Config {
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
 }
 
@@ -41,7 +51,12 @@ pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
 /// Read and parse a JSON file, naming the file on error.
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> Result<T> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
-    serde_json::from_str(&text).map_err(|source| ModelError::Json { path: path.to_path_buf(), source })
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| ModelError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
 }

@@ -12,10 +12,16 @@ use tch::{nn::VarStore, Tensor};
 /// The safetensors files of a component folder: the shards named by an index file if there is
 /// one, otherwise every `*.safetensors` file (sorted, so loading is deterministic).
 pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let entries = std::fs::read_dir(dir).map_err(|source| ModelError::Io { path: dir.to_path_buf(), source })?;
+    let entries = std::fs::read_dir(dir).map_err(|source| ModelError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let mut names: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
     names.sort();
-    if let Some(index) = names.iter().find(|p| p.to_string_lossy().ends_with(".safetensors.index.json")) {
+    if let Some(index) = names
+        .iter()
+        .find(|p| p.to_string_lossy().ends_with(".safetensors.index.json"))
+    {
         #[derive(serde::Deserialize)]
         struct Index {
             weight_map: HashMap<String, String>,
@@ -24,9 +30,15 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
         let shards: BTreeSet<String> = index.weight_map.into_values().collect();
         return Ok(shards.into_iter().map(|s| dir.join(s)).collect());
     }
-    let files: Vec<PathBuf> = names.into_iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")).collect();
+    let files: Vec<PathBuf> = names
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
     if files.is_empty() {
-        return Err(ModelError::Weights { dir: dir.to_path_buf(), report: "no *.safetensors file found".into() });
+        return Err(ModelError::Weights {
+            dir: dir.to_path_buf(),
+            report: "no *.safetensors file found".into(),
+        });
     }
     Ok(files)
 }
@@ -52,9 +64,11 @@ pub fn load_strict(vs: &mut VarStore, dir: &Path) -> Result<Vec<String>> {
     for (name, var) in &variables {
         match checkpoint.get(name) {
             None => missing.push(name.clone()),
-            Some(t) if t.size() != var.size() => {
-                misshaped.push(format!("{name}: checkpoint {:?}, model {:?}", t.size(), var.size()))
-            }
+            Some(t) if t.size() != var.size() => misshaped.push(format!(
+                "{name}: checkpoint {:?}, model {:?}",
+                t.size(),
+                var.size()
+            )),
             Some(_) => {}
         }
     }
@@ -68,7 +82,10 @@ pub fn load_strict(vs: &mut VarStore, dir: &Path) -> Result<Vec<String>> {
         for m in &misshaped {
             report.push_str(&format!("  mis-shaped key: {m}\n"));
         }
-        return Err(ModelError::Weights { dir: dir.to_path_buf(), report });
+        return Err(ModelError::Weights {
+            dir: dir.to_path_buf(),
+            report,
+        });
     }
     tch::no_grad(|| -> Result<()> {
         for (name, mut var) in variables {

@@ -1,0 +1,44 @@
+//! Train (default) or evaluate the tiny default model. `cargo xtask train-tiny` calls this.
+//!
+//! diffmesh-train-tiny --out models/tiny --steps 2919 --seed 0 --threads 1 --batch-size 12
+//! diffmesh-train-tiny eval --model-dir models/tiny --untrained-seed 0 --report models/tiny
+use clap::{Parser, Subcommand};
+use diffmesh_model::tiny::{eval, train};
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Train or evaluate diffmesh's tiny Flux-architecture model",
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    train: train::TrainArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Train from scratch (the default when no subcommand is given).
+    Train(train::TrainArgs),
+    /// Generate the 100 held-out prompts and check the images; prints a JSON line last.
+    Eval(eval::EvalArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Eval(args)) => {
+            let summary = eval::run(&args)?;
+            println!("{}", serde_json::to_string(&summary)?);
+        }
+        Some(Command::Train(args)) => report(train::train(&args)?)?,
+        None => report(train::train(&cli.train)?)?,
+    }
+    Ok(())
+}
+
+fn report(summary: train::TrainSummary) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string(&summary)?);
+    Ok(())
+}

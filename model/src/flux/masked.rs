@@ -1,0 +1,428 @@
+//! FlashPS mask-aware forward for Flux (paper §3.1 / §4.2, the K/V-caching variant).
+//!
+//! A template is registered with a full forward that captures, per block, the K/V of its N image
+//! tokens (`FluxTransformer::forward_capture`, in a `KvFormat` the caller picks). An edit then runs
+//! only the text tokens and its M masked image tokens through every block. In attention, the
+//! computed tokens are the queries; keys/values are the text tokens plus all N image tokens, where
+//! masked positions take freshly computed K/V and unmasked positions take the cached K/V (for raw
+//! caches, QK RMSNorm and RoPE are applied to the cached keys at their true positions first).
+//! Text K/V are never cached.
+//!
+//! Several requests (different masks, timesteps, prompts, templates) are packed into one token
+//! sequence without padding for every token-wise op; each token carries its request index so it
+//! gathers its own request's AdaLN rows. Only attention is split per request.
+use super::blocks::{attention, to_heads, QkvProj};
+use super::embeddings::Rope;
+use super::gather::{cat_rows, check_token_index, gather_rows, merge_rows_, offsets, request_ids};
+use super::{check_batch_vector, ids_2d, FluxTransformer};
+use crate::error::{ModelError, Result};
+use tch::{Device, Kind, Tensor};
+
+pub use super::kv::{CapturedKv, FnSink, KvCache, KvFormat, KvSink};
+
+/// One request of a mask-aware forward, at its own denoising step.
+pub struct MaskedRequest<'a> {
+    /// `[M, in_channels]` packed latents of the masked image tokens only.
+    pub hidden_states: Tensor,
+    /// `[M]` distinct indices of those tokens among the N image tokens (int64).
+    pub token_index: Tensor,
+    /// `[T, joint_attention_dim]` this request's text sequence.
+    pub encoder_hidden_states: Tensor,
+    /// `[pooled_projection_dim]` (or `[1, P]`).
+    pub pooled_projections: Tensor,
+    /// Diffusers units (sigma in [0, 1]); multiplied by 1000 inside like the full forward.
+    pub timestep: f64,
+    /// Required iff the model has `guidance_embeds`.
+    pub guidance: Option<f64>,
+    /// `[N, 3]` positions of all N image tokens of the template.
+    pub img_ids: Tensor,
+    /// `[T, 3]`.
+    pub txt_ids: Tensor,
+    /// K/V of all N image tokens of this request's template at this request's step, in the
+    /// cache's `format()`. Not read when every token is masked (M = N).
+    pub cache: &'a dyn KvCache,
+}
+
+/// Per-request data fixed for the whole forward.
+struct Prepared {
+    txt: i64,
+    masked: i64,
+    img: i64,
+    /// Rows of the computed tokens in the joint text-then-image sequence: `0..T`, then
+    /// `T + token_index` (int64, on the model's device).
+    rows: Tensor,
+    /// RoPE rows of the computed tokens (text, then masked image tokens), for queries and keys.
+    rope: Rope,
+    /// RoPE rows of all N image tokens: only for a raw cache that is read.
+    rope_img: Option<Rope>,
+    format: KvFormat,
+    /// M = N: nothing is cached, the request is a plain full forward.
+    all_masked: bool,
+}
+
+/// Offsets of each request's tokens inside one packed stream.
+struct Layout {
+    txt_off: Vec<i64>,
+    img_off: Vec<i64>,
+}
+
+impl FluxTransformer {
+    /// Mask-aware forward over a batch of requests; returns each request's predicted velocity for
+    /// its masked tokens, `[M_i, patch^2 * out_channels]`, in `token_index` order.
+    pub fn forward_masked(&self, requests: &[MaskedRequest]) -> Result<Vec<Tensor>> {
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (device, kind) = self.device_kind();
+        let prep: Vec<Prepared> = requests
+            .iter()
+            .enumerate()
+            .map(|(r, q)| self.prepare(r, q, device))
+            .collect::<Result<_>>()?;
+        let txt_lens: Vec<i64> = prep.iter().map(|p| p.txt).collect();
+        let img_lens: Vec<i64> = prep.iter().map(|p| p.masked).collect();
+        let layout = Layout {
+            txt_off: offsets(&txt_lens),
+            img_off: offsets(&img_lens),
+        };
+        let total_txt: i64 = txt_lens.iter().sum();
+
+        // Token-wise inputs, packed without padding.
+        let on_dev = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_device(device)?.f_to_kind(kind)?) };
+        let hs: Vec<Tensor> = requests
+            .iter()
+            .map(|q| on_dev(&q.hidden_states))
+            .collect::<Result<_>>()?;
+        let es: Vec<Tensor> = requests
+            .iter()
+            .map(|q| on_dev(&q.encoder_hidden_states))
+            .collect::<Result<_>>()?;
+        let pooled: Vec<Tensor> = requests
+            .iter()
+            .map(|q| on_dev(&q.pooled_projections.f_reshape([1, -1])?))
+            .collect::<Result<_>>()?;
+        let mut img = self.x_embedder.forward(&cat_rows(&hs)?)?;
+        let mut txt = self.context_embedder.forward(&cat_rows(&es)?)?;
+
+        // Per-request conditioning rows, gathered per token below.
+        let steps: Vec<f32> = requests.iter().map(|q| q.timestep as f32).collect();
+        let timestep = Tensor::f_from_slice(&steps)?.f_to_device(device)?;
+        let guidance = guidance_tensor(requests, device)?;
+        let cond = self.conditioning(&timestep, guidance.as_ref(), &cat_rows(&pooled)?)?;
+
+        let single_request = requests.len() == 1;
+        // One request: its rows [1, C] broadcast over all tokens, no gather (nor index) needed.
+        let (txt_rid, img_rid, all_rid) = if single_request {
+            (None, None, None)
+        } else {
+            let t = request_ids(&txt_lens, device)?;
+            let i = request_ids(&img_lens, device)?;
+            let a = Tensor::f_cat(&[&t, &i], 0)?;
+            (Some(t), Some(i), Some(a))
+        };
+        let gather = |rid: &Option<Tensor>, c: &Tensor| -> Result<Tensor> {
+            match rid {
+                None => Ok(c.shallow_clone()),
+                Some(rid) => gather_rows(c, rid),
+            }
+        };
+        let img_rows = |c: &Tensor| gather(&img_rid, c);
+        let txt_rows = |c: &Tensor| gather(&txt_rid, c);
+        let all_rows = |c: &Tensor| gather(&all_rid, c);
+
+        for (i, block) in self.transformer_blocks.iter().enumerate() {
+            let (img_mod, txt_mod) = block.mods(&cond.temb_silu, &img_rows, &txt_rows)?;
+            let (qi, qt) = block.pre(&img, &txt, &img_mod, &txt_mod)?;
+            let mut out_txt = Vec::with_capacity(prep.len());
+            let mut out_img = Vec::with_capacity(prep.len());
+            for (r, (p, q)) in prep.iter().zip(requests).enumerate() {
+                let (to, mo) = (layout.txt_off[r], layout.img_off[r]);
+                // Text then masked image rows of this request (small: T + M rows).
+                let join = |t: &Tensor, m: &Tensor| -> Result<Tensor> {
+                    Ok(Tensor::f_cat(
+                        &[t.f_narrow(0, to, p.txt)?, m.f_narrow(0, mo, p.masked)?],
+                        0,
+                    )?)
+                };
+                let o = self.request_attention(
+                    i,
+                    p,
+                    q.cache,
+                    &block.img,
+                    Streams {
+                        q: join(&qt.q, &qi.q)?,
+                        k: join(&qt.k, &qi.k)?,
+                        v: join(&qt.v, &qi.v)?,
+                    },
+                )?;
+                out_txt.push(o.f_narrow(0, 0, p.txt)?);
+                out_img.push(o.f_narrow(0, p.txt, p.masked)?);
+            }
+            let (attn_img, attn_txt) = (cat_rows(&out_img)?, cat_rows(&out_txt)?);
+            (img, txt) = block.post(&img, &txt, &attn_img, &attn_txt, &img_mod, &txt_mod)?;
+        }
+
+        // Single blocks: one packed stream, all text tokens first, then all masked image tokens.
+        // With one request that stream is exactly its text-then-masked sequence: no copies.
+        let mut x = Tensor::f_cat(&[&txt, &img], 0)?;
+        let first_single = self.transformer_blocks.len();
+        for (j, block) in self.single_transformer_blocks.iter().enumerate() {
+            let m = block.mods(&cond.temb_silu, &all_rows)?;
+            let pre = block.pre(&x, &m)?;
+            let qkv = &pre.qkv;
+            let attn = if single_request {
+                self.request_attention(
+                    first_single + j,
+                    &prep[0],
+                    requests[0].cache,
+                    &block.attn,
+                    Streams {
+                        q: qkv.q.shallow_clone(),
+                        k: qkv.k.shallow_clone(),
+                        v: qkv.v.shallow_clone(),
+                    },
+                )?
+            } else {
+                let mut out_txt = Vec::with_capacity(prep.len());
+                let mut out_img = Vec::with_capacity(prep.len());
+                for (r, (p, q)) in prep.iter().zip(requests).enumerate() {
+                    let (to, mo) = (layout.txt_off[r], total_txt + layout.img_off[r]);
+                    let join = |t: &Tensor| -> Result<Tensor> {
+                        Ok(Tensor::f_cat(
+                            &[t.f_narrow(0, to, p.txt)?, t.f_narrow(0, mo, p.masked)?],
+                            0,
+                        )?)
+                    };
+                    let o = self.request_attention(
+                        first_single + j,
+                        p,
+                        q.cache,
+                        &block.attn,
+                        Streams {
+                            q: join(&qkv.q)?,
+                            k: join(&qkv.k)?,
+                            v: join(&qkv.v)?,
+                        },
+                    )?;
+                    out_txt.push(o.f_narrow(0, 0, p.txt)?);
+                    out_img.push(o.f_narrow(0, p.txt, p.masked)?);
+                }
+                out_txt.extend(out_img);
+                Tensor::f_cat(&out_txt, 0)?
+            };
+            x = block.post(&x, &attn, &pre.mlp, &m)?;
+        }
+        let img = x.f_narrow(0, total_txt, x.size()[0] - total_txt)?;
+        let out = self.final_layer(&img, &cond.temb_silu, &img_rows)?;
+        prep.iter()
+            .zip(&layout.img_off)
+            .map(|(p, &o)| Ok(out.f_narrow(0, o, p.masked)?))
+            .collect()
+    }
+
+    /// Attention of one request: queries are its text + masked tokens; keys/values are its text
+    /// tokens plus all N image tokens, fresh K/V at masked positions and cached K/V elsewhere.
+    ///
+    /// Requests are looped rather than packed into one block-diagonal call: SDPA on CPU (and the
+    /// fused kernels on GPU) only skip work for a missing mask, so a block-diagonal mask would cost
+    /// (sum of lengths)^2 and use the slow masked path, while a loop does exactly the per-request
+    /// FLOPs. A varlen kernel (cumulative offsets) can replace this loop on GPU.
+    fn request_attention(
+        &self,
+        block: usize,
+        p: &Prepared,
+        cache: &dyn KvCache,
+        proj: &QkvProj,
+        s: Streams,
+    ) -> Result<Tensor> {
+        let head_dim = self.cfg.attention_head_dim;
+        let q = p.rope.apply(&s.q)?;
+        let k = p.rope.apply(&s.k)?;
+        let v = to_heads(&s.v, head_dim)?;
+        let (k, v) = if p.all_masked {
+            // Attention does not depend on the order of keys (with values in the same order), so
+            // the computed rows alone, text then masked tokens, are the whole key set.
+            (k, v)
+        } else {
+            let (ck, cv) = self.cached_kv(block, p, cache, proj)?;
+            // Cached rows at `T..T + N`, then the fresh rows written over their positions; text
+            // rows are among the fresh ones, so every row of the buffer is written.
+            let size = [p.txt + p.img, k.size()[1], head_dim];
+            let opts = (k.kind(), k.device());
+            let mut kb = Tensor::f_empty(size, opts)?;
+            let mut vb = Tensor::f_empty(size, opts)?;
+            merge_rows_(&mut kb, p.txt, &ck, &p.rows, &k)?;
+            merge_rows_(&mut vb, p.txt, &cv, &p.rows, &v)?;
+            (kb, vb)
+        };
+        let o = attention(&q.f_unsqueeze(0)?, &k.f_unsqueeze(0)?, &v.f_unsqueeze(0)?)?;
+        Ok(o.f_squeeze_dim(0)?)
+    }
+
+    /// One block's cached image K/V as `[N, H, D]`, keys normed and rotated (by us for a raw cache).
+    fn cached_kv(
+        &self,
+        block: usize,
+        p: &Prepared,
+        cache: &dyn KvCache,
+        proj: &QkvProj,
+    ) -> Result<(Tensor, Tensor)> {
+        let (device, kind) = self.device_kind();
+        let (inner, head_dim) = (self.cfg.inner_dim(), self.cfg.attention_head_dim);
+        let (k, v) = cache.block_kv(block)?;
+        let k = cached_rows("cache.k", block, k, p.img, inner, device, kind)?;
+        let v = cached_rows("cache.v", block, v, p.img, inner, device, kind)?;
+        let k = match (p.format, &p.rope_img) {
+            (KvFormat::Prepared, _) => to_heads(&k, head_dim)?,
+            (KvFormat::Raw, Some(rope)) => rope.apply(&proj.norm_k(&k)?)?,
+            (KvFormat::Raw, None) => {
+                return Err(ModelError::input(
+                    "cache",
+                    "raw cache read without image RoPE tables (internal error)",
+                ))
+            }
+        };
+        Ok((k, to_heads(&v, head_dim)?))
+    }
+
+    /// Validate one request and precompute its positions and RoPE rows.
+    fn prepare(&self, r: usize, q: &MaskedRequest, device: Device) -> Result<Prepared> {
+        let cfg = &self.cfg;
+        let field = |name: &str| format!("requests[{r}].{name}");
+        let hs = q.hidden_states.size();
+        if hs.len() != 2 || hs[1] != cfg.in_channels {
+            return Err(ModelError::input(
+                field("hidden_states"),
+                format!("expected [M, {}], got {hs:?}", cfg.in_channels),
+            ));
+        }
+        let es = q.encoder_hidden_states.size();
+        if es.len() != 2 || es[1] != cfg.joint_attention_dim {
+            return Err(ModelError::input(
+                field("encoder_hidden_states"),
+                format!("expected [T, {}], got {es:?}", cfg.joint_attention_dim),
+            ));
+        }
+        let ps = q.pooled_projections.size();
+        if ps.iter().product::<i64>() != cfg.pooled_projection_dim || ps.len() > 2 {
+            return Err(ModelError::input(
+                field("pooled_projections"),
+                format!("expected [{}], got {ps:?}", cfg.pooled_projection_dim),
+            ));
+        }
+        let (m, t) = (hs[0], es[0]);
+        let axes = cfg.axes_dims_rope.len() as i64;
+        let img_ids = ids_2d(
+            &field("img_ids"),
+            &q.img_ids,
+            q.img_ids.size().first().copied().unwrap_or(0),
+            axes,
+        )?;
+        let n = img_ids.size()[0];
+        let txt_ids = ids_2d(&field("txt_ids"), &q.txt_ids, t, axes)?;
+        let index = check_token_index(&field("token_index"), &q.token_index, n, device)?;
+        if index.size()[0] != m {
+            return Err(ModelError::input(
+                field("token_index"),
+                format!(
+                    "has {} entries but hidden_states has {m} tokens",
+                    index.size()[0]
+                ),
+            ));
+        }
+        for (name, v) in [("timestep", Some(q.timestep)), ("guidance", q.guidance)] {
+            if let Some(v) = v {
+                if !v.is_finite() {
+                    return Err(ModelError::input(
+                        field(name),
+                        format!("must be finite, got {v}"),
+                    ));
+                }
+            }
+        }
+        let format = q.cache.format();
+        let all_masked = m == n;
+        // RoPE tables only for the rows that need them: the computed tokens always, all N image
+        // tokens only when a raw cache is read.
+        let img_ids = img_ids.f_to_device(device)?;
+        let q_ids = Tensor::f_cat(
+            &[
+                &txt_ids.f_to_device(device)?.f_to_kind(img_ids.kind())?,
+                &img_ids.f_index_select(0, &index)?,
+            ],
+            0,
+        )?;
+        let rope = Rope::new(&q_ids, &cfg.axes_dims_rope)?;
+        let rope_img = match format {
+            KvFormat::Raw if !all_masked => Some(Rope::new(&img_ids, &cfg.axes_dims_rope)?),
+            _ => None,
+        };
+        let rows = Tensor::f_cat(
+            &[
+                &Tensor::f_arange(t, (Kind::Int64, device))?,
+                &index.f_add_scalar(t)?,
+            ],
+            0,
+        )?;
+        Ok(Prepared {
+            txt: t,
+            masked: m,
+            img: n,
+            rows,
+            rope,
+            rope_img,
+            format,
+            all_masked,
+        })
+    }
+}
+
+/// One request's rows of the projections in a block: text, then masked image tokens.
+struct Streams {
+    /// `[T + M, H, D]` after `norm_q`/`norm_added_q`, before RoPE.
+    q: Tensor,
+    /// `[T + M, H, D]` after `norm_k`/`norm_added_k`, before RoPE.
+    k: Tensor,
+    /// `[T + M, inner]` raw.
+    v: Tensor,
+}
+
+/// A cached `[N, inner]` tensor on the model's device and dtype; errors name block and field.
+fn cached_rows(
+    field: &str,
+    block: usize,
+    t: Tensor,
+    n: i64,
+    inner: i64,
+    device: Device,
+    kind: Kind,
+) -> Result<Tensor> {
+    let s = t.size();
+    if s != [n, inner] {
+        return Err(ModelError::input(
+            field,
+            format!("block {block}: expected [{n}, {inner}], got {s:?}"),
+        ));
+    }
+    Ok(t.f_to_device(device)?.f_to_kind(kind)?)
+}
+
+/// Guidance of every request as `[R]`, or `None` when no request has one; a mix is an error.
+fn guidance_tensor(requests: &[MaskedRequest], device: Device) -> Result<Option<Tensor>> {
+    let given: Vec<f32> = requests
+        .iter()
+        .filter_map(|q| q.guidance.map(|g| g as f32))
+        .collect();
+    if given.is_empty() {
+        return Ok(None);
+    }
+    if given.len() != requests.len() {
+        return Err(ModelError::input(
+            "guidance",
+            "either every request or none must carry guidance",
+        ));
+    }
+    let g = Tensor::f_from_slice(&given)?.f_to_device(device)?;
+    check_batch_vector("guidance", &g, requests.len() as i64)?;
+    Ok(Some(g))
+}

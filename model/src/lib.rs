@@ -1,0 +1,17 @@
+//! diffmesh model core: diffusion model code written with tch (libtorch).
+//!
+//! Laid out like HuggingFace diffusers so real checkpoints load by key name.
+pub mod components;
+pub mod error;
+pub mod flux;
+pub mod model_dir;
+pub mod packing;
+pub mod pipeline;
+pub mod scheduler;
+pub mod tiny;
+pub mod vae;
+pub mod weights;
+
+pub use error::{ModelError, Result};
+pub use tch;
+pub use vae::cli_forward_vae;

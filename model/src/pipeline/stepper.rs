@@ -1,0 +1,439 @@
+//! Per-request denoising state with a `step()`, for engines that batch requests at the step level
+//! (continuous batching): each request keeps its own schedule, step index and (for edits) template
+//! blend, and [`step_batch`] runs one transformer forward for many requests at different steps.
+//!
+//! The math is the pipeline's: [`Prepared`] builds conditioning, schedule and noise exactly as
+//! [`super::text_to_image`] / [`super::inpaint`] do, the Euler step is `Schedule::step`, and the
+//! edit blend is the inpainting pipeline's token-level blend, so a request stepped here alone
+//! ends on the same latents as the pipeline functions with the same seed.
+use super::{FluxPipeline, GenerateOptions, GenerationRequest, Prepared};
+use crate::error::{ModelError, Result};
+use crate::flux::FluxInputs;
+use crate::packing::pack_latents;
+use crate::scheduler::scale_noise_with_sigmas;
+use tch::{Kind, Tensor};
+
+/// The template of an edit: blend target outside the mask.
+#[derive(Debug)]
+pub struct EditSpec {
+    /// `[1, 3, H, W]` in [-1, 1] at the request's resolution.
+    pub template: Tensor,
+    /// `[N]` bool (or 0/1 integers), one per packed image token, true = repaint.
+    pub token_mask: Tensor,
+    /// Fraction of the schedule to run, in (0, 1]; 1 starts from pure noise.
+    pub strength: f64,
+}
+
+/// One request to step.
+#[derive(Debug)]
+pub struct StepRequest {
+    pub prompt: String,
+    pub seed: u64,
+    pub height: i64,
+    pub width: i64,
+    pub steps: usize,
+    /// Embedded guidance (guidance-distilled models only).
+    pub guidance_scale: f64,
+    pub edit: Option<EditSpec>,
+}
+
+struct EditState {
+    image_latents: Tensor,
+    noise: Tensor,
+    /// `[1, N, 1]` 1.0 for repainted tokens.
+    blend: Tensor,
+    keep: Tensor,
+}
+
+/// Denoising state of one request (batch of one image).
+pub struct DenoiseState {
+    prep: Prepared,
+    latents: Tensor,
+    /// Next step index into `prep.schedule`.
+    index: usize,
+    start: usize,
+    edit: Option<EditState>,
+}
+
+impl DenoiseState {
+    /// Encode the prompt, draw the seeded noise and, for edits, encode the template.
+    pub fn new(p: &FluxPipeline<'_>, req: &StepRequest) -> Result<Self> {
+        tch::no_grad(|| {
+            let opts = GenerateOptions {
+                height: req.height,
+                width: req.width,
+                steps: req.steps,
+                guidance_scale: req.guidance_scale,
+                true_cfg_scale: 1.0,
+                negative_prompt: None,
+            };
+            let prep = Prepared::new(
+                p,
+                &[GenerationRequest {
+                    prompt: req.prompt.clone(),
+                    seed: req.seed,
+                }],
+                &opts,
+            )?;
+            let noise = prep.noise(&[req.seed], p.codec.latent_channels())?;
+            let Some(edit) = &req.edit else {
+                return Ok(Self {
+                    prep,
+                    latents: noise,
+                    index: 0,
+                    start: 0,
+                    edit: None,
+                });
+            };
+            let expect = [1, 3, req.height, req.width];
+            if edit.template.size() != expect {
+                return Err(ModelError::input(
+                    "template",
+                    format!("expected {expect:?}, got {:?}", edit.template.size()),
+                ));
+            }
+            let tokens = noise.size()[1];
+            if edit.token_mask.size() != [tokens] {
+                return Err(ModelError::input(
+                    "token_mask",
+                    format!(
+                        "expected [{tokens}] (one per image token), got {:?}",
+                        edit.token_mask.size()
+                    ),
+                ));
+            }
+            let start = prep.schedule.start_index(edit.strength)?;
+            let template = edit
+                .template
+                .f_to_device(prep.device)?
+                .f_to_kind(prep.kind)?;
+            let image_latents = pack_latents(&p.codec.encode(&template)?.f_to_kind(prep.kind)?)?;
+            let blend = edit
+                .token_mask
+                .f_to_device(prep.device)?
+                .f_ne(0)?
+                .f_to_kind(prep.kind)?
+                .f_view([1, tokens, 1])?;
+            let keep = blend.f_neg()?.f_add_scalar(1.0)?;
+            let latents =
+                scale_noise_with_sigmas(&image_latents, &[prep.schedule.sigmas[start]], &noise)?;
+            Ok(Self {
+                prep,
+                latents,
+                index: start,
+                start,
+                edit: Some(EditState {
+                    image_latents,
+                    noise,
+                    blend,
+                    keep,
+                }),
+            })
+        })
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.index >= self.prep.schedule.len()
+    }
+
+    /// Steps taken so far and steps this request runs in total (edits with strength < 1 skip
+    /// the first part of the schedule).
+    pub fn progress(&self) -> (usize, usize) {
+        (
+            self.index - self.start,
+            self.prep.schedule.len() - self.start,
+        )
+    }
+
+    /// Requests with equal keys can share one transformer forward (same token counts).
+    pub fn batch_key(&self) -> (i64, i64, i64) {
+        (
+            self.prep.latent_h,
+            self.prep.latent_w,
+            self.prep.text.hidden.size().get(1).copied().unwrap_or(0),
+        )
+    }
+
+    /// Current packed latents `[1, N, 4C]`.
+    pub fn latents(&self) -> &Tensor {
+        &self.latents
+    }
+
+    /// Run this request's next step alone.
+    pub fn step(&mut self, p: &FluxPipeline<'_>) -> Result<()> {
+        step_batch(p, &mut [self])
+    }
+
+    /// Euler step with this request's velocity row, then the edit blend.
+    fn apply(&mut self, velocity: &Tensor) -> Result<()> {
+        let schedule = &self.prep.schedule;
+        let index = self.index;
+        let mut latents = schedule.step(index, velocity, &self.latents)?;
+        if let Some(e) = &self.edit {
+            let proper = if index + 1 < schedule.len() {
+                schedule.scale_noise(&e.image_latents, index + 1, &e.noise)?
+            } else {
+                e.image_latents.shallow_clone()
+            };
+            latents = e.keep.f_mul(&proper)?.f_add(&e.blend.f_mul(&latents)?)?;
+        }
+        self.latents = latents;
+        self.index += 1;
+        Ok(())
+    }
+
+    /// Decode the final latents: `[1, 3, H, W]`, unclamped (nominally [-1, 1]).
+    pub fn decode(&self, p: &FluxPipeline<'_>) -> Result<Tensor> {
+        if !self.is_done() {
+            return Err(ModelError::input(
+                "state",
+                "decode called before the last step",
+            ));
+        }
+        tch::no_grad(|| self.prep.decode(p.codec, &self.latents))
+    }
+}
+
+/// One denoising step for every unfinished state, each at its own step index: states with the
+/// same [`DenoiseState::batch_key`] share one transformer forward (per-row timesteps).
+pub fn step_batch(p: &FluxPipeline<'_>, states: &mut [&mut DenoiseState]) -> Result<()> {
+    tch::no_grad(|| {
+        let mut groups: Vec<((i64, i64, i64), Vec<usize>)> = Vec::new();
+        for (i, s) in states.iter().enumerate().filter(|(_, s)| !s.is_done()) {
+            let key = s.batch_key();
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((key, vec![i])),
+            }
+        }
+        for (_, members) in groups {
+            let velocity = group_velocity(p, states, &members)?;
+            for (row, &i) in members.iter().enumerate() {
+                states[i].apply(&velocity.f_narrow(0, row as i64, 1)?)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// The transformer's velocity for a group of same-shaped states, rows in `members` order.
+fn group_velocity(
+    p: &FluxPipeline<'_>,
+    states: &[&mut DenoiseState],
+    members: &[usize],
+) -> Result<Tensor> {
+    let first = &states[members[0]].prep;
+    let rows: Vec<&DenoiseState> = members.iter().map(|&i| &*states[i]).collect();
+    let cat = |f: &dyn Fn(&DenoiseState) -> Tensor| -> Result<Tensor> {
+        let parts: Vec<Tensor> = rows.iter().map(|s| f(s)).collect();
+        Ok(Tensor::f_cat(&parts, 0)?)
+    };
+    // diffusers: `t.expand(B).to(latents.dtype) / 1000`, here one t per row.
+    let t: Vec<f32> = rows
+        .iter()
+        .map(|s| s.prep.schedule.timesteps[s.index])
+        .collect();
+    let timestep = Tensor::from_slice(&t)
+        .f_to_device(first.device)?
+        .f_to_kind(first.kind)?
+        .f_div_scalar(1000.0)?;
+    // Every state of one pipeline has guidance iff the transformer embeds it.
+    let guidance: Option<Vec<Tensor>> = rows
+        .iter()
+        .map(|s| s.prep.guidance.as_ref().map(Tensor::shallow_clone))
+        .collect();
+    let guidance = guidance.map(|g| Tensor::f_cat(&g, 0)).transpose()?;
+    p.transformer.forward(&FluxInputs {
+        hidden_states: cat(&|s| s.latents.shallow_clone())?,
+        encoder_hidden_states: cat(&|s| s.prep.text.hidden.shallow_clone())?,
+        pooled_projections: cat(&|s| s.prep.text.pooled.shallow_clone())?,
+        timestep,
+        img_ids: first.img_ids.shallow_clone(),
+        txt_ids: first.txt_ids.shallow_clone(),
+        guidance,
+    })
+}
+
+/// Kind of the latents a state computes in (for callers converting outputs).
+pub fn state_kind(state: &DenoiseState) -> Kind {
+    state.prep.kind
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::{inpaint, text_to_image, InpaintInputs};
+    use crate::scheduler::{
+        FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
+    };
+    use crate::tiny::model::TinyModel;
+    use tch::Device;
+
+    fn model() -> (TinyModel, FlowMatchEulerDiscreteScheduler) {
+        tch::manual_seed(7);
+        let m = TinyModel::new(Device::Cpu).unwrap();
+        // Random (non-zero) modulation weights so the transformer output depends on its inputs.
+        tch::no_grad(|| {
+            for (_, mut v) in m.transformer_vs.variables() {
+                let r = Tensor::randn(v.size(), (Kind::Float, Device::Cpu)) * 0.05;
+                v.copy_(&r);
+            }
+        });
+        let cfg: FlowMatchEulerDiscreteSchedulerConfig =
+            serde_json::from_value(crate::tiny::model::scheduler_config_json()).unwrap();
+        (m, FlowMatchEulerDiscreteScheduler::new(cfg).unwrap())
+    }
+
+    fn pipe<'a>(m: &'a TinyModel, s: &'a FlowMatchEulerDiscreteScheduler) -> FluxPipeline<'a> {
+        FluxPipeline {
+            transformer: &m.transformer,
+            text_encoder: &m.text_encoder,
+            codec: &m.codec,
+            scheduler: s,
+        }
+    }
+
+    fn req(prompt: &str, seed: u64, steps: usize) -> StepRequest {
+        StepRequest {
+            prompt: prompt.into(),
+            seed,
+            height: 64,
+            width: 64,
+            steps,
+            guidance_scale: 1.0,
+            edit: None,
+        }
+    }
+
+    #[test]
+    fn stepping_alone_matches_text_to_image() {
+        let (m, s) = model();
+        let p = pipe(&m, &s);
+        let mut st = DenoiseState::new(&p, &req("a red circle", 3, 4)).unwrap();
+        while !st.is_done() {
+            st.step(&p).unwrap();
+        }
+        assert_eq!(st.progress(), (4, 4));
+        let opts = GenerateOptions {
+            height: 64,
+            width: 64,
+            steps: 4,
+            ..Default::default()
+        };
+        let reference = text_to_image(
+            &p,
+            &[GenerationRequest {
+                prompt: "a red circle".into(),
+                seed: 3,
+            }],
+            &opts,
+            None,
+        )
+        .unwrap();
+        let diff = st
+            .latents()
+            .f_sub(&reference.latents)
+            .unwrap()
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(diff < 1e-5, "max diff {diff}");
+    }
+
+    #[test]
+    fn batch_at_different_steps_matches_alone() {
+        let (m, s) = model();
+        let p = pipe(&m, &s);
+        let run_alone = |r: StepRequest| {
+            let mut st = DenoiseState::new(&p, &r).unwrap();
+            while !st.is_done() {
+                st.step(&p).unwrap();
+            }
+            st.latents().shallow_clone()
+        };
+        let a_alone = run_alone(req("a red circle", 1, 4));
+        let b_alone = run_alone(req("a blue square", 2, 6));
+        let mut a = DenoiseState::new(&p, &req("a red circle", 1, 4)).unwrap();
+        let mut b = DenoiseState::new(&p, &req("a blue square", 2, 6)).unwrap();
+        b.step(&p).unwrap(); // b is one step ahead
+        while !a.is_done() || !b.is_done() {
+            step_batch(&p, &mut [&mut a, &mut b]).unwrap();
+        }
+        for (x, y) in [(a.latents(), &a_alone), (b.latents(), &b_alone)] {
+            let diff = x.f_sub(y).unwrap().abs().max().double_value(&[]);
+            assert!(diff < 1e-4, "max diff {diff}");
+        }
+    }
+
+    #[test]
+    fn edit_matches_inpaint_pipeline() {
+        let (m, s) = model();
+        let p = pipe(&m, &s);
+        let template = Tensor::rand([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
+        // Repaint the top-left quarter: pixel mask and the matching 16x16 token mask.
+        let mask = Tensor::zeros([1, 1, 64, 64], (Kind::Float, Device::Cpu));
+        let _ = mask.narrow(2, 0, 32).narrow(3, 0, 32).fill_(1.0);
+        let token_mask = crate::packing::token_mask(&mask, 4).unwrap().view([-1]);
+        let mut r = req("a green triangle", 5, 4);
+        r.edit = Some(EditSpec {
+            template: template.shallow_clone(),
+            token_mask,
+            strength: 1.0,
+        });
+        let mut st = DenoiseState::new(&p, &r).unwrap();
+        while !st.is_done() {
+            st.step(&p).unwrap();
+        }
+        let opts = GenerateOptions {
+            height: 64,
+            width: 64,
+            steps: 4,
+            ..Default::default()
+        };
+        let requests = [GenerationRequest {
+            prompt: "a green triangle".into(),
+            seed: 5,
+        }];
+        let reference = inpaint(
+            &p,
+            &InpaintInputs {
+                requests: &requests,
+                templates: &template,
+                masks: &mask,
+                strength: 1.0,
+            },
+            &opts,
+            None,
+        )
+        .unwrap();
+        let diff = st
+            .latents()
+            .f_sub(&reference.latents)
+            .unwrap()
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(diff < 1e-5, "max diff {diff}");
+    }
+
+    #[test]
+    fn bad_edit_inputs_name_the_field() {
+        let (m, s) = model();
+        let p = pipe(&m, &s);
+        let mut r = req("x", 1, 2);
+        r.edit = Some(EditSpec {
+            template: Tensor::zeros([1, 3, 32, 32], (Kind::Float, Device::Cpu)),
+            token_mask: Tensor::zeros([256], (Kind::Bool, Device::Cpu)),
+            strength: 1.0,
+        });
+        let err = DenoiseState::new(&p, &r).err().unwrap().to_string();
+        assert!(err.contains("template"), "{err}");
+        r.edit = Some(EditSpec {
+            template: Tensor::zeros([1, 3, 64, 64], (Kind::Float, Device::Cpu)),
+            token_mask: Tensor::zeros([10], (Kind::Bool, Device::Cpu)),
+            strength: 1.0,
+        });
+        let err = DenoiseState::new(&p, &r).err().unwrap().to_string();
+        assert!(err.contains("token_mask"), "{err}");
+    }
+}

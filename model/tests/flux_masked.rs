@@ -1,0 +1,307 @@
+//! The FlashPS mask-aware forward against the full forward (fp32 CPU, random weights).
+use diffmesh_model::flux::{
+    CapturedKv, FluxConfig, FluxInputs, FluxTransformer, KvFormat, MaskedRequest,
+};
+use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
+
+const N_H: i64 = 6;
+const N_W: i64 = 7;
+const N: i64 = N_H * N_W;
+
+fn model() -> (FluxTransformer, nn::VarStore) {
+    tch::manual_seed(11);
+    let cfg = FluxConfig {
+        in_channels: 16,
+        out_channels: Some(8),
+        num_layers: 2,
+        num_single_layers: 2,
+        attention_head_dim: 16,
+        num_attention_heads: 2,
+        joint_attention_dim: 24,
+        pooled_projection_dim: 12,
+        guidance_embeds: true,
+        axes_dims_rope: vec![4, 6, 6],
+        ..Default::default()
+    };
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = FluxTransformer::new(&vs.root(), cfg).unwrap();
+    // Perturb the norm weights away from their all-ones init so a mix-up of norms would show.
+    tch::no_grad(|| {
+        for (name, mut v) in vs.variables() {
+            if name.contains(".norm_") && v.dim() == 1 {
+                let _ = v.copy_(&(1.0 + 0.2 * v.randn_like()));
+            }
+        }
+    });
+    (model, vs)
+}
+
+/// One request's full inputs (batch 1) on an `N_H x N_W` grid with `t` text tokens.
+struct Case {
+    hs: Tensor,
+    text: Tensor,
+    pooled: Tensor,
+    timestep: f64,
+    guidance: f64,
+    img_ids: Tensor,
+    txt_ids: Tensor,
+}
+
+impl Case {
+    fn new(t: i64, timestep: f64, guidance: f64) -> Self {
+        let opts = (Kind::Float, Device::Cpu);
+        let rows = Tensor::arange(N_H, opts)
+            .view([N_H, 1])
+            .expand([N_H, N_W], false);
+        let cols = Tensor::arange(N_W, opts)
+            .view([1, N_W])
+            .expand([N_H, N_W], false);
+        let img_ids =
+            Tensor::stack(&[Tensor::zeros([N_H, N_W], opts), rows, cols], -1).view([N, 3]);
+        Self {
+            hs: Tensor::randn([1, N, 16], opts),
+            text: Tensor::randn([1, t, 24], opts),
+            pooled: Tensor::randn([1, 12], opts),
+            timestep,
+            guidance,
+            img_ids,
+            txt_ids: Tensor::zeros([t, 3], opts),
+        }
+    }
+
+    fn inputs(&self) -> FluxInputs {
+        FluxInputs {
+            hidden_states: self.hs.shallow_clone(),
+            encoder_hidden_states: self.text.shallow_clone(),
+            pooled_projections: self.pooled.shallow_clone(),
+            timestep: Tensor::from_slice(&[self.timestep as f32]),
+            img_ids: self.img_ids.shallow_clone(),
+            txt_ids: self.txt_ids.shallow_clone(),
+            guidance: Some(Tensor::from_slice(&[self.guidance as f32])),
+        }
+    }
+
+    /// Full forward of this case, capturing its K/V cache in `format`.
+    fn full_with_cache(&self, model: &FluxTransformer, format: KvFormat) -> (Tensor, CapturedKv) {
+        let mut cache = CapturedKv::new(format);
+        let out = tch::no_grad(|| model.forward_capture(&self.inputs(), &mut cache)).unwrap();
+        assert_eq!(cache.blocks.len(), model.num_blocks());
+        assert_eq!(cache.blocks[0].0.size(), [N, model.inner_dim()]);
+        (out.squeeze_dim(0), cache)
+    }
+
+    fn request<'a>(&self, index: &Tensor, cache: &'a CapturedKv) -> MaskedRequest<'a> {
+        MaskedRequest {
+            hidden_states: self.hs.squeeze_dim(0).index_select(0, index),
+            token_index: index.shallow_clone(),
+            encoder_hidden_states: self.text.squeeze_dim(0),
+            pooled_projections: self.pooled.squeeze_dim(0),
+            timestep: self.timestep as f32 as f64,
+            guidance: Some(self.guidance as f32 as f64),
+            img_ids: self.img_ids.shallow_clone(),
+            txt_ids: self.txt_ids.shallow_clone(),
+            cache,
+        }
+    }
+}
+
+/// `count` distinct token indices in random order.
+fn random_mask(count: i64) -> Tensor {
+    Tensor::randperm(N, (Kind::Int64, Device::Cpu)).narrow(0, 0, count)
+}
+
+fn max_err(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    f64::try_from((a - b).abs().max()).unwrap()
+}
+
+fn masked(model: &FluxTransformer, reqs: &[MaskedRequest]) -> Vec<Tensor> {
+    tch::no_grad(|| model.forward_masked(reqs)).unwrap()
+}
+
+const FORMATS: [KvFormat; 2] = [KvFormat::Raw, KvFormat::Prepared];
+
+/// A copy of `cache` (same format) with every block's K/V passed through `f`.
+fn map_cache(cache: &CapturedKv, f: impl Fn(&Tensor) -> Tensor) -> CapturedKv {
+    CapturedKv {
+        blocks: cache.blocks.iter().map(|(k, v)| (f(k), f(v))).collect(),
+        format: cache.format,
+    }
+}
+
+#[test]
+fn all_tokens_masked_equals_full_forward_without_reading_the_cache() {
+    let (model, _vs) = model();
+    let case = Case::new(5, 0.63, 3.5);
+    let (full, _) = case.full_with_cache(&model, KvFormat::Raw);
+    let index = random_mask(N); // every token, in shuffled order
+    for format in FORMATS {
+        let empty = CapturedKv::new(format); // reading it would fail
+        let out = masked(&model, &[case.request(&index, &empty)]);
+        assert_eq!(out[0].size(), [N, 8]);
+        let err = max_err(&out[0], &full.index_select(0, &index));
+        println!("{format:?} mask 1.0: max abs err {err:.3e}");
+        assert!(err <= 1e-5, "{format:?}: {err}");
+    }
+}
+
+#[test]
+fn partial_mask_with_captured_cache_equals_full_forward_at_masked_tokens() {
+    let (model, _vs) = model();
+    let case = Case::new(5, 0.4, 2.0);
+    let index = random_mask(13);
+    let mut outs = Vec::new();
+    for format in FORMATS {
+        let (full, cache) = case.full_with_cache(&model, format);
+        assert_eq!(cache.format, format);
+        let expected = full.index_select(0, &index);
+        let out = masked(&model, &[case.request(&index, &cache)]);
+        let err = max_err(&out[0], &expected);
+        println!("{format:?} mask 13/{N}: max abs err {err:.3e}");
+        assert!(err <= 1e-4, "{format:?}: {err}");
+
+        // Garbage at the masked rows of the cache changes nothing: masked positions use fresh K/V.
+        let noisy = |t: &Tensor, rows: &Tensor| {
+            t.index_copy(
+                0,
+                rows,
+                &Tensor::randn([rows.size()[0], t.size()[1]], (Kind::Float, Device::Cpu)),
+            )
+        };
+        let at_masked = map_cache(&cache, |t| noisy(t, &index));
+        let err = max_err(
+            &masked(&model, &[case.request(&index, &at_masked)])[0],
+            &expected,
+        );
+        assert!(
+            err <= 1e-4,
+            "{format:?}: masked cache rows were read: {err}"
+        );
+
+        // Garbage at one unmasked row does change the output: the cache really provides context.
+        let all: Vec<i64> = Vec::try_from(&index).unwrap();
+        let unmasked = (0..N).find(|i| !all.contains(i)).unwrap();
+        let row = Tensor::from_slice(&[unmasked]);
+        let at_unmasked = map_cache(&cache, |t| noisy(t, &row));
+        let err = max_err(
+            &masked(&model, &[case.request(&index, &at_unmasked)])[0],
+            &expected,
+        );
+        assert!(
+            err > 1e-3,
+            "{format:?}: an unmasked cache row had no effect: {err}"
+        );
+        outs.push(out.into_iter().next().unwrap());
+    }
+    // Both formats describe the same attention inputs.
+    let err = max_err(&outs[0], &outs[1]);
+    println!("raw vs prepared: max abs err {err:.3e}");
+    assert!(err <= 1e-5, "raw vs prepared: {err}");
+}
+
+#[test]
+fn cache_format_is_honoured() {
+    let (model, _vs) = model();
+    let case = Case::new(5, 0.4, 2.0);
+    let index = random_mask(13);
+    let (full, raw) = case.full_with_cache(&model, KvFormat::Raw);
+    let (_, prepared) = case.full_with_cache(&model, KvFormat::Prepared);
+    // Values are raw in both formats; keys differ (norm + RoPE applied at capture).
+    for ((rk, rv), (pk, pv)) in raw.blocks.iter().zip(&prepared.blocks) {
+        assert_eq!(rk.size(), pk.size());
+        assert!(max_err(rv, pv) <= 1e-6);
+        assert!(max_err(rk, pk) > 1e-2);
+    }
+    // Prepared keys read as raw ones (norm + RoPE applied twice) give a wrong result.
+    let mislabelled = map_cache(&prepared, |t| t.shallow_clone());
+    let mislabelled = CapturedKv {
+        format: KvFormat::Raw,
+        ..mislabelled
+    };
+    let out = masked(&model, &[case.request(&index, &mislabelled)]);
+    let err = max_err(&out[0], &full.index_select(0, &index));
+    assert!(err > 1e-3, "format ignored: {err}");
+}
+
+#[test]
+fn packed_batch_equals_each_request_alone() {
+    let (model, _vs) = model();
+    // Different prompts (and text lengths), timesteps, guidance, masks and cache formats.
+    let cases = [
+        Case::new(5, 0.9, 3.5),
+        Case::new(3, 0.35, 1.0),
+        Case::new(7, 0.05, 4.0),
+        Case::new(4, 0.5, 2.5),
+    ];
+    let formats = [
+        KvFormat::Raw,
+        KvFormat::Prepared,
+        KvFormat::Prepared,
+        KvFormat::Raw,
+    ];
+    let caches: Vec<CapturedKv> = cases
+        .iter()
+        .zip(formats)
+        .map(|(c, f)| c.full_with_cache(&model, f).1)
+        .collect();
+    let masks = [
+        random_mask(4),
+        random_mask(N),
+        random_mask(21),
+        random_mask(9),
+    ];
+    let reqs: Vec<MaskedRequest> = cases
+        .iter()
+        .zip(&caches)
+        .zip(&masks)
+        .map(|((c, kv), m)| c.request(m, kv))
+        .collect();
+    let batched = masked(&model, &reqs);
+    assert_eq!(batched.len(), reqs.len());
+    for (r, req) in reqs.iter().enumerate() {
+        let alone = masked(&model, std::slice::from_ref(req));
+        let err = max_err(&batched[r], &alone[0]);
+        let scale = f64::try_from(alone[0].abs().max()).unwrap();
+        println!(
+            "request {r} ({:?}): batch vs alone max abs err {err:.3e} (output max {scale:.3})",
+            formats[r]
+        );
+        // Not bitwise: GEMMs over different row counts may round differently (as in torch itself).
+        assert!(err <= 1e-5, "request {r}: {err} (output max {scale})");
+    }
+}
+
+#[test]
+fn rejects_bad_requests_naming_the_field() {
+    let (model, _vs) = model();
+    let case = Case::new(5, 0.5, 3.5);
+    for format in FORMATS {
+        let (_, cache) = case.full_with_cache(&model, format);
+        let mut req = case.request(&random_mask(5), &cache);
+        req.token_index = Tensor::from_slice(&[1i64, 2, 3, 4, N]);
+        let err = model.forward_masked(&[req]).unwrap_err().to_string();
+        assert!(err.contains("requests[0].token_index"), "{err}");
+        let mut req = case.request(&random_mask(5), &cache);
+        req.guidance = None;
+        let err = model.forward_masked(&[req]).unwrap_err().to_string();
+        assert!(err.contains("guidance"), "{err}");
+        let short = CapturedKv {
+            blocks: cache.blocks[..1]
+                .iter()
+                .map(|(k, v)| (k.shallow_clone(), v.shallow_clone()))
+                .collect(),
+            format,
+        };
+        let err = model
+            .forward_masked(&[case.request(&random_mask(5), &short)])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("block 1 missing"), "{err}");
+        let wrong = map_cache(&cache, |t| t.narrow(0, 0, N - 1));
+        let err = model
+            .forward_masked(&[case.request(&random_mask(5), &wrong)])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cache.k") && err.contains("block 0"), "{err}");
+    }
+}
