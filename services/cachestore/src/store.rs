@@ -1,0 +1,298 @@
+//! The tiered store: memory (moka, bytes-weighed) -> local disk -> JetStream object store.
+//!
+//! Reads fall through the tiers and promote hits into memory; writes go to memory and through to
+//! the cluster tier (so other nodes find them); memory evictions spill to disk.
+use crate::disk::DiskTier;
+use crate::memory::MemoryTier;
+use crate::metrics::CacheMetrics;
+use bytes::Bytes;
+use diffmesh_shared::cachestore::{CacheStatsReply, CacheTier, TierStats};
+use diffmesh_shared::error::MeshError;
+use diffmesh_shared::nats::BlobStore;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("invalid `key` {key:?}: {reason}")]
+    InvalidKey { key: String, reason: &'static str },
+    #[error("disk tier at {dir}: {source}")]
+    Disk {
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cluster tier: {0}")]
+    Cluster(#[from] MeshError),
+    #[error("value for `{key}` is not inline and no cluster tier is configured")]
+    NoClusterTier { key: String },
+}
+
+impl StoreError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            StoreError::InvalidKey { .. } => "invalid_key",
+            StoreError::Disk { .. } => "disk",
+            StoreError::Cluster(e) => e.reason(),
+            StoreError::NoClusterTier { .. } => "no_cluster_tier",
+        }
+    }
+}
+
+/// Keys must be valid object-store names too: `[-/_=.a-zA-Z0-9]`, 1..=512 bytes, no leading '/'.
+pub fn validate_key(key: &str) -> Result<(), StoreError> {
+    let bad = |reason| {
+        Err(StoreError::InvalidKey {
+            key: key.chars().take(80).collect(),
+            reason,
+        })
+    };
+    if key.is_empty() || key.len() > 512 {
+        return bad("must be 1 to 512 bytes long");
+    }
+    if key.starts_with('/') || key.starts_with('.') {
+        return bad("must not start with '/' or '.'");
+    }
+    if !key
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-/_=.".contains(&b))
+    {
+        return bad("may only contain letters, digits and -/_=.");
+    }
+    Ok(())
+}
+
+pub struct TieredStore {
+    memory: MemoryTier,
+    disk: Arc<DiskTier>,
+    disk_dir: PathBuf,
+    cluster: Option<BlobStore>,
+    metrics: CacheMetrics,
+}
+
+impl TieredStore {
+    pub fn new(
+        memory_bytes: u64,
+        disk_dir: PathBuf,
+        disk_bytes: u64,
+        cluster: Option<BlobStore>,
+        metrics: CacheMetrics,
+    ) -> Result<Self, StoreError> {
+        let disk =
+            Arc::new(
+                DiskTier::open(&disk_dir, disk_bytes).map_err(|source| StoreError::Disk {
+                    dir: disk_dir.clone(),
+                    source,
+                })?,
+            );
+        let memory = MemoryTier::new(memory_bytes, Some(disk.clone()));
+        Ok(Self {
+            memory,
+            disk,
+            disk_dir,
+            cluster,
+            metrics,
+        })
+    }
+
+    fn disk_err(&self, source: std::io::Error) -> StoreError {
+        StoreError::Disk {
+            dir: self.disk_dir.clone(),
+            source,
+        }
+    }
+
+    /// Find a value in the fastest tier holding it.
+    pub async fn get(&self, key: &str) -> Result<Option<(CacheTier, Bytes)>, StoreError> {
+        validate_key(key)?;
+        if let Some(v) = self.memory.get(key) {
+            self.metrics.hit(CacheTier::Memory);
+            return Ok(Some((CacheTier::Memory, v)));
+        }
+        self.metrics.miss(CacheTier::Memory);
+        if let Some(v) = self.disk.get(key).map_err(|e| self.disk_err(e))? {
+            self.metrics.hit(CacheTier::Disk);
+            let v = Bytes::from(v);
+            self.memory.put(key, v.clone());
+            return Ok(Some((CacheTier::Disk, v)));
+        }
+        self.metrics.miss(CacheTier::Disk);
+        let Some(cluster) = &self.cluster else {
+            return Ok(None);
+        };
+        match cluster.get(key).await {
+            Ok(v) => {
+                self.metrics.hit(CacheTier::Cluster);
+                let v = Bytes::from(v);
+                self.memory.put(key, v.clone());
+                Ok(Some((CacheTier::Cluster, v)))
+            }
+            Err(MeshError::BlobNotFound { .. }) => {
+                self.metrics.miss(CacheTier::Cluster);
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Store a value. `in_cluster` says the caller already wrote it to the cluster tier.
+    pub async fn put(&self, key: &str, value: Bytes, in_cluster: bool) -> Result<u64, StoreError> {
+        validate_key(key)?;
+        let size = value.len() as u64;
+        // An older copy on disk would be served after this one is evicted from memory.
+        self.disk.delete(key).map_err(|e| self.disk_err(e))?;
+        if let (Some(cluster), false) = (&self.cluster, in_cluster) {
+            cluster.put(key, &value).await?;
+        }
+        self.memory.put(key, value);
+        self.metrics.puts.inc();
+        Ok(size)
+    }
+
+    /// Read a value the caller wrote to the cluster tier, then store it locally.
+    pub async fn put_from_cluster(&self, key: &str) -> Result<u64, StoreError> {
+        validate_key(key)?;
+        let cluster = self
+            .cluster
+            .as_ref()
+            .ok_or_else(|| StoreError::NoClusterTier {
+                key: key.to_string(),
+            })?;
+        let value = Bytes::from(cluster.get(key).await?);
+        self.put(key, value, true).await
+    }
+
+    /// Remove a value from every tier; true when any tier held it.
+    pub async fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        validate_key(key)?;
+        let in_memory = self.memory.delete(key);
+        let on_disk = self.disk.delete(key).map_err(|e| self.disk_err(e))?;
+        let mut in_cluster = false;
+        if let Some(cluster) = &self.cluster {
+            in_cluster = !matches!(
+                cluster.get_limited(key, 0).await,
+                Err(MeshError::BlobNotFound { .. })
+            );
+            cluster.delete(key).await?;
+        }
+        Ok(in_memory || on_disk || in_cluster)
+    }
+
+    /// Make sure a large value can be read from the cluster tier (it is written through on put,
+    /// but a value may have arrived before the cluster tier was configured).
+    pub async fn ensure_in_cluster(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        let cluster = self
+            .cluster
+            .as_ref()
+            .ok_or_else(|| StoreError::NoClusterTier {
+                key: key.to_string(),
+            })?;
+        match cluster.get_limited(key, 0).await {
+            Err(MeshError::BlobNotFound { .. }) => Ok(cluster.put(key, value).await?),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn metrics(&self) -> &CacheMetrics {
+        &self.metrics
+    }
+
+    pub fn has_cluster(&self) -> bool {
+        self.cluster.is_some()
+    }
+
+    /// Settled per-tier numbers (also refreshes the entry/byte gauges).
+    pub fn stats(&self) -> CacheStatsReply {
+        self.memory.settle();
+        let tier = |t: CacheTier, entries: u64, bytes: u64| {
+            self.metrics.set_size(t, entries, bytes);
+            TierStats {
+                entries,
+                bytes,
+                hits: self.metrics.hits_of(t),
+                misses: self.metrics.misses_of(t),
+            }
+        };
+        CacheStatsReply {
+            memory: tier(
+                CacheTier::Memory,
+                self.memory.entries(),
+                self.memory.bytes(),
+            ),
+            disk: tier(CacheTier::Disk, self.disk.entries(), self.disk.bytes()),
+            cluster: TierStats {
+                entries: 0,
+                bytes: 0,
+                hits: self.metrics.hits_of(CacheTier::Cluster),
+                misses: self.metrics.misses_of(CacheTier::Cluster),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(dir: &std::path::Path, memory: u64) -> TieredStore {
+        let metrics = CacheMetrics::new(&prometheus::Registry::new()).unwrap();
+        TieredStore::new(memory, dir.to_path_buf(), 1 << 20, None, metrics).unwrap()
+    }
+
+    #[tokio::test]
+    async fn falls_through_tiers_and_promotes() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path(), 1000);
+        assert_eq!(s.get("tpl/a").await.unwrap(), None);
+        for i in 0..6u8 {
+            s.put(&format!("tpl/{i}"), Bytes::from(vec![i; 300]), false)
+                .await
+                .unwrap();
+            s.memory.settle();
+        }
+        // The first keys were pushed out of memory onto disk; a get finds them there and
+        // promotes them back into memory.
+        let (tier, v) = s.get("tpl/0").await.unwrap().unwrap();
+        assert_eq!(tier, CacheTier::Disk);
+        assert_eq!(v, Bytes::from(vec![0; 300]));
+        let (tier, _) = s.get("tpl/0").await.unwrap().unwrap();
+        assert_eq!(tier, CacheTier::Memory);
+        let stats = s.stats();
+        assert_eq!(stats.disk.hits, 1);
+        assert!(stats.memory.hits >= 1);
+        assert!(stats.memory.misses >= 2);
+        assert!(stats.memory.bytes <= 1000);
+    }
+
+    #[tokio::test]
+    async fn overwrite_and_delete_reach_every_tier() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path(), 1000);
+        s.put("k", Bytes::from_static(b"old"), false).await.unwrap();
+        s.disk.put("k", b"old").unwrap(); // as if spilled earlier
+        s.put("k", Bytes::from_static(b"new"), false).await.unwrap();
+        assert!(
+            !s.disk.contains("k"),
+            "stale disk copy must go on overwrite"
+        );
+        assert_eq!(
+            s.get("k").await.unwrap().unwrap().1,
+            Bytes::from_static(b"new")
+        );
+        assert!(s.delete("k").await.unwrap());
+        assert_eq!(s.get("k").await.unwrap(), None);
+        assert!(!s.delete("k").await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn bad_keys_name_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path(), 1000);
+        for key in ["", "/abs", "sp ace", "../up"] {
+            let err = s.get(key).await.unwrap_err().to_string();
+            assert!(err.contains("`key`"), "{err}");
+        }
+        let err = s.put_from_cluster("k").await.unwrap_err();
+        assert_eq!(err.reason(), "no_cluster_tier");
+    }
+}

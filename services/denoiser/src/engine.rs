@@ -1,0 +1,513 @@
+//! The engine: one OS thread that owns the model (tch tensors are `Send`, not `Sync`) and runs
+//! step-level continuous batching, fed by a bounded channel of commands.
+//!
+//! Every iteration: take commands, drop cancelled jobs, admit waiting jobs up to the batch
+//! budget, run one denoising step for every active job (each at its own step index) in one
+//! batched forward, report progress, and retire finished jobs as RGB images. A panic or error in
+//! a batched step is retried job by job, so one bad job fails alone and the engine lives on.
+use crate::metrics::DenoiserMetrics;
+use crate::model::{job_resolution, step_requests, tensor_to_rgb, EditInputs, EngineModel};
+use diffmesh_model::pipeline::stepper::{step_batch, DenoiseState};
+use diffmesh_model::ModelError;
+use diffmesh_shared::messages::{DenoiseJob, RunningJob};
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::{mpsc, oneshot};
+use tracing::Span;
+
+/// A job with the inputs the NATS side fetched for it.
+#[derive(Debug)]
+pub struct EngineJob {
+    pub job: DenoiseJob,
+    pub edit: Option<EditInputs>,
+}
+
+/// Why the engine did not take a job.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("queue full ({0} jobs waiting)")]
+    QueueFull(usize),
+    #[error("denoiser is shutting down")]
+    ShuttingDown,
+    #[error("job {0} is already on this denoiser")]
+    Duplicate(String),
+}
+
+pub enum Command {
+    /// Queue a job; the reply carries its queue position.
+    Submit {
+        job: Box<EngineJob>,
+        span: Span,
+        reply: oneshot::Sender<Result<u32, SubmitError>>,
+    },
+    /// Drop a job at the next step boundary (or from the queue).
+    Cancel { job_id: String, span: Span },
+    /// Stop taking jobs, hand back the queued ones (reply), finish the running ones, then exit.
+    Shutdown {
+        span: Span,
+        reply: oneshot::Sender<Vec<DenoiseJob>>,
+    },
+}
+
+/// What the engine reports; the NATS side turns these into job events and post-processing.
+#[derive(Debug)]
+pub enum EngineEvent {
+    Started {
+        job_id: String,
+    },
+    Step {
+        job_id: String,
+        step: u32,
+        total: u32,
+    },
+    /// Model-resolution RGB outputs, one per image.
+    Finished {
+        job: DenoiseJob,
+        images: Vec<Vec<u8>>,
+        width: u32,
+        height: u32,
+        span: Span,
+    },
+    Failed {
+        job: DenoiseJob,
+        error: EngineJobError,
+        span: Span,
+    },
+    Cancelled {
+        job_id: String,
+    },
+}
+
+/// Why one job failed inside the engine.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineJobError {
+    /// The job's inputs were unusable (names the field).
+    #[error("{0}")]
+    Input(String),
+    #[error("model error: {0}")]
+    Model(String),
+    #[error("the model panicked: {0}")]
+    Panic(String),
+}
+
+impl EngineJobError {
+    fn from_model(e: ModelError) -> Self {
+        match e {
+            ModelError::Input { .. } => EngineJobError::Input(e.to_string()),
+            other => EngineJobError::Model(other.to_string()),
+        }
+    }
+
+    pub fn reason(&self) -> &'static str {
+        match self {
+            EngineJobError::Input(_) => "invalid_input",
+            EngineJobError::Model(_) => "model_error",
+            EngineJobError::Panic(_) => "panic",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct EngineConfig {
+    /// Images denoised together in one step (a job of n images takes n rows).
+    pub max_batch: usize,
+    /// Jobs waiting beyond the running batch.
+    pub max_queue: usize,
+}
+
+/// Load snapshot for heartbeats.
+#[derive(Debug, Clone, Default)]
+pub struct EngineStatus {
+    pub running: Vec<RunningJob>,
+    pub queued: u32,
+    pub draining: bool,
+}
+
+/// The async side's handle on the engine thread (cheap to clone).
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    status: Arc<Mutex<EngineStatus>>,
+}
+
+/// Joins the engine thread once it has drained.
+pub struct EngineThread(std::thread::JoinHandle<()>);
+
+impl EngineThread {
+    /// Wait (without blocking the runtime) for the engine to finish its running jobs and exit.
+    pub async fn join(self) {
+        let _ = tokio::task::spawn_blocking(move || self.0.join()).await;
+    }
+}
+
+/// Start the engine thread. `command_capacity` bounds the command channel.
+pub fn spawn_engine(
+    model: EngineModel,
+    config: EngineConfig,
+    command_capacity: usize,
+    events: mpsc::Sender<EngineEvent>,
+    metrics: Option<DenoiserMetrics>,
+) -> std::io::Result<(EngineHandle, EngineThread)> {
+    let (tx, rx) = mpsc::channel(command_capacity.max(1));
+    let status = Arc::new(Mutex::new(EngineStatus::default()));
+    let engine = Engine {
+        model,
+        config,
+        rx,
+        events,
+        status: status.clone(),
+        metrics,
+        waiting: VecDeque::new(),
+        active: Vec::new(),
+        shutting_down: false,
+    };
+    let thread = std::thread::Builder::new()
+        .name("denoiser-engine".into())
+        .spawn(move || engine.run())?;
+    Ok((EngineHandle { tx, status }, EngineThread(thread)))
+}
+
+impl EngineHandle {
+    /// Queue a job. Fails fast when the command channel is full (the engine is saturated).
+    pub async fn submit(&self, job: EngineJob, span: Span) -> Result<u32, SubmitError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .try_send(Command::Submit {
+                job: Box::new(job),
+                span,
+                reply,
+            })
+            .map_err(|e| match e {
+                mpsc::error::TrySendError::Full(_) => {
+                    SubmitError::QueueFull(self.tx.max_capacity())
+                }
+                mpsc::error::TrySendError::Closed(_) => SubmitError::ShuttingDown,
+            })?;
+        rx.await.unwrap_or(Err(SubmitError::ShuttingDown))
+    }
+
+    pub async fn cancel(&self, job_id: String, span: Span) {
+        // Waits for room: a cancel must not be lost when the channel is momentarily full.
+        if self
+            .tx
+            .send(Command::Cancel { job_id, span })
+            .await
+            .is_err()
+        {
+            tracing::debug!("cancel after engine exit ignored");
+        }
+    }
+
+    /// Ask the engine to stop; returns the queued jobs it had not started (to hand back). The
+    /// engine finishes its running jobs, then exits (see [`EngineThread::join`]).
+    pub async fn begin_shutdown(&self) -> Vec<DenoiseJob> {
+        let (reply, rx) = oneshot::channel();
+        if self
+            .tx
+            .send(Command::Shutdown {
+                span: Span::current(),
+                reply,
+            })
+            .await
+            .is_err()
+        {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
+    pub fn status(&self) -> EngineStatus {
+        self.status.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+}
+
+struct Active {
+    job: DenoiseJob,
+    span: Span,
+    states: Vec<DenoiseState>,
+    cancelled: bool,
+    failed: Option<EngineJobError>,
+}
+
+struct Engine {
+    model: EngineModel,
+    config: EngineConfig,
+    rx: mpsc::Receiver<Command>,
+    events: mpsc::Sender<EngineEvent>,
+    status: Arc<Mutex<EngineStatus>>,
+    metrics: Option<DenoiserMetrics>,
+    waiting: VecDeque<(EngineJob, Span)>,
+    active: Vec<Active>,
+    shutting_down: bool,
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+impl Engine {
+    fn run(mut self) {
+        tracing::info!(model = %self.model.model_id, max_batch = self.config.max_batch, "engine started");
+        loop {
+            if self.active.is_empty() && self.waiting.is_empty() {
+                if self.shutting_down {
+                    break;
+                }
+                match self.rx.blocking_recv() {
+                    Some(cmd) => self.handle(cmd),
+                    None => break, // every handle dropped
+                }
+            }
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.handle(cmd);
+            }
+            self.drop_cancelled();
+            self.admit();
+            self.step();
+            self.retire();
+            self.publish_status();
+        }
+        self.publish_status();
+        tracing::info!("engine stopped");
+    }
+
+    fn emit(&self, event: EngineEvent) {
+        // Backpressure: a slow NATS side slows the engine rather than growing a queue.
+        if self.events.blocking_send(event).is_err() {
+            tracing::debug!("engine event dropped: receiver gone");
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit { job, span, reply } => {
+                let id = &job.job.job_id;
+                let result = if self.shutting_down {
+                    Err(SubmitError::ShuttingDown)
+                } else if self.waiting.iter().any(|(j, _)| &j.job.job_id == id)
+                    || self.active.iter().any(|a| &a.job.job_id == id)
+                {
+                    Err(SubmitError::Duplicate(id.clone()))
+                } else if self.waiting.len() >= self.config.max_queue {
+                    Err(SubmitError::QueueFull(self.config.max_queue))
+                } else {
+                    self.waiting.push_back((*job, span));
+                    Ok(self.waiting.len() as u32)
+                };
+                let _ = reply.send(result);
+            }
+            Command::Cancel { job_id, span } => {
+                let _e = span.enter();
+                if let Some(pos) = self
+                    .waiting
+                    .iter()
+                    .position(|(j, _)| j.job.job_id == job_id)
+                {
+                    self.waiting.remove(pos);
+                    tracing::info!(%job_id, "cancelled while queued");
+                    self.emit(EngineEvent::Cancelled { job_id });
+                } else if let Some(a) = self.active.iter_mut().find(|a| a.job.job_id == job_id) {
+                    a.cancelled = true;
+                } else {
+                    tracing::debug!(%job_id, "cancel for an unknown job");
+                }
+            }
+            Command::Shutdown { span, reply } => {
+                let _e = span.enter();
+                self.shutting_down = true;
+                let handed_back: Vec<DenoiseJob> =
+                    self.waiting.drain(..).map(|(j, _)| j.job).collect();
+                tracing::info!(
+                    handed_back = handed_back.len(),
+                    running = self.active.len(),
+                    "engine draining"
+                );
+                let _ = reply.send(handed_back);
+            }
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        let (cancelled, keep): (Vec<Active>, Vec<Active>) =
+            self.active.drain(..).partition(|a| a.cancelled);
+        self.active = keep;
+        for a in cancelled {
+            let _e = a.span.enter();
+            tracing::info!(job_id = %a.job.job_id, "cancelled at step boundary");
+            self.emit(EngineEvent::Cancelled {
+                job_id: a.job.job_id.clone(),
+            });
+        }
+    }
+
+    fn rows(&self) -> usize {
+        self.active.iter().map(|a| a.states.len()).sum()
+    }
+
+    fn admit(&mut self) {
+        while let Some((next, _)) = self.waiting.front() {
+            let n = next.job.params.n.max(1) as usize;
+            // A job larger than the whole budget still runs, alone.
+            if !self.active.is_empty() && self.rows() + n > self.config.max_batch {
+                break;
+            }
+            let Some((job, span)) = self.waiting.pop_front() else {
+                break;
+            };
+            let prepared = {
+                let _e = span.enter();
+                let model = &self.model;
+                catch_unwind(AssertUnwindSafe(
+                    || -> Result<Vec<DenoiseState>, ModelError> {
+                        let pipeline = model.pipeline();
+                        step_requests(&job.job, job.edit.as_ref(), model)?
+                            .iter()
+                            .map(|r| DenoiseState::new(&pipeline, r))
+                            .collect()
+                    },
+                ))
+            };
+            match prepared {
+                Ok(Ok(states)) => {
+                    self.emit(EngineEvent::Started {
+                        job_id: job.job.job_id.clone(),
+                    });
+                    self.active.push(Active {
+                        job: job.job,
+                        span,
+                        states,
+                        cancelled: false,
+                        failed: None,
+                    });
+                }
+                Ok(Err(e)) => self.fail(job.job, EngineJobError::from_model(e), span),
+                Err(p) => self.fail(job.job, EngineJobError::Panic(panic_message(p)), span),
+            }
+        }
+    }
+
+    fn fail(&self, job: DenoiseJob, error: EngineJobError, span: Span) {
+        {
+            let _e = span.enter();
+            tracing::warn!(job_id = %job.job_id, %error, "job failed in the engine");
+        }
+        if let Some(m) = &self.metrics {
+            m.failures.with_label_values(&[error.reason()]).inc();
+        }
+        self.emit(EngineEvent::Failed { job, error, span });
+    }
+
+    /// One step for every active job, batched; on failure, again job by job to isolate it.
+    fn step(&mut self) {
+        if self.active.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        let rows = self.rows();
+        let pipeline = self.model.pipeline();
+        let batched = {
+            let mut states: Vec<&mut DenoiseState> = self
+                .active
+                .iter_mut()
+                .flat_map(|a| a.states.iter_mut())
+                .collect();
+            catch_unwind(AssertUnwindSafe(|| step_batch(&pipeline, &mut states)))
+        };
+        let ok = matches!(batched, Ok(Ok(())));
+        if !ok {
+            tracing::warn!("batched step failed; stepping jobs one by one");
+            for a in self.active.iter_mut() {
+                let _e = a.span.enter();
+                let mut states: Vec<&mut DenoiseState> = a.states.iter_mut().collect();
+                match catch_unwind(AssertUnwindSafe(|| step_batch(&pipeline, &mut states))) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => a.failed = Some(EngineJobError::from_model(e)),
+                    Err(p) => a.failed = Some(EngineJobError::Panic(panic_message(p))),
+                }
+            }
+        }
+        if let Some(m) = &self.metrics {
+            m.step_seconds.observe(started.elapsed().as_secs_f64());
+            m.batch_rows.observe(rows as f64);
+        }
+        for a in self.active.iter().filter(|a| a.failed.is_none()) {
+            if let Some(s) = a.states.first() {
+                let (step, total) = s.progress();
+                self.emit(EngineEvent::Step {
+                    job_id: a.job.job_id.clone(),
+                    step: step as u32,
+                    total: total as u32,
+                });
+            }
+        }
+    }
+
+    fn retire(&mut self) {
+        let (finished, keep): (Vec<Active>, Vec<Active>) = self
+            .active
+            .drain(..)
+            .partition(|a| a.failed.is_some() || a.states.iter().all(|s| s.is_done()));
+        self.active = keep;
+        for a in finished {
+            if let Some(error) = a.failed {
+                self.fail(a.job, error, a.span);
+                continue;
+            }
+            let (height, width) = job_resolution(&a.job, &self.model);
+            let pipeline = self.model.pipeline();
+            let decoded = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<Vec<u8>>, ModelError> {
+                a.states
+                    .iter()
+                    .map(|s| tensor_to_rgb(&s.decode(&pipeline)?))
+                    .collect()
+            }));
+            match decoded {
+                Ok(Ok(images)) => {
+                    if let Some(m) = &self.metrics {
+                        m.jobs_done.inc();
+                    }
+                    self.emit(EngineEvent::Finished {
+                        job: a.job,
+                        images,
+                        width: width as u32,
+                        height: height as u32,
+                        span: a.span,
+                    });
+                }
+                Ok(Err(e)) => self.fail(a.job, EngineJobError::from_model(e), a.span),
+                Err(p) => self.fail(a.job, EngineJobError::Panic(panic_message(p)), a.span),
+            }
+        }
+    }
+
+    fn publish_status(&self) {
+        let running = self
+            .active
+            .iter()
+            .map(|a| {
+                let (done, total) = a.states.first().map(|s| s.progress()).unwrap_or((0, 0));
+                RunningJob {
+                    job_id: a.job.job_id.clone(),
+                    masked_tokens: a.job.inputs.masked_tokens,
+                    remaining_steps: (total - done) as u32,
+                }
+            })
+            .collect();
+        if let Some(m) = &self.metrics {
+            m.queued.set(self.waiting.len() as i64);
+            m.running.set(self.active.len() as i64);
+        }
+        if let Ok(mut s) = self.status.lock() {
+            *s = EngineStatus {
+                running,
+                queued: self.waiting.len() as u32,
+                draining: self.shutting_down,
+            };
+        }
+    }
+}

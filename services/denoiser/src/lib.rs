@@ -1,0 +1,324 @@
+//! diffmesh denoiser: one engine thread per device that owns the model and runs step-level
+//! continuous batching; NATS tasks around it take submits and cancels, send heartbeats, and hand
+//! finished outputs to the codec.
+//!
+//! Start it in-process with [`start`] (tests) or run it until a signal with [`run`] (the binary).
+pub mod engine;
+pub mod metrics;
+pub mod model;
+pub mod service;
+
+use diffmesh_model::tch::{Device, Kind};
+use diffmesh_shared::health::{HealthServer, Readiness};
+use diffmesh_shared::nats::BlobStore;
+use diffmesh_shared::{CommonConfig, MeshError};
+use engine::{spawn_engine, EngineConfig, EngineThread};
+use service::Service;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Denoiser flags (every one also from the environment).
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "diffmesh-denoiser",
+    about = "Runs denoising jobs on one device"
+)]
+pub struct DenoiserConfig {
+    #[command(flatten)]
+    pub common: CommonConfig,
+    /// Unique id of this worker in the mesh (default: hostname and process id).
+    #[arg(long, env = "WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Diffusers-format model directory (relative paths are tried from the working directory,
+    /// then from the repository root).
+    #[arg(long, env = "MODEL_DIR", default_value = "models/tiny")]
+    pub model_dir: PathBuf,
+    /// Model id announced in heartbeats (default: the model directory's name).
+    #[arg(long, env = "MODEL_ID")]
+    pub model_id: Option<String>,
+    /// Device: auto (CUDA when available), cpu, cuda, or cuda:N.
+    #[arg(long, env = "DEVICE", default_value = "auto")]
+    pub device: String,
+    /// Weight and activation dtype: f32, bf16 or f16.
+    #[arg(long, env = "DTYPE", default_value = "f32")]
+    pub dtype: String,
+    /// Image rows denoised together in one step.
+    #[arg(long, env = "MAX_BATCH", default_value_t = 8)]
+    pub max_batch: usize,
+    /// Jobs that may wait for a batch slot; more are rejected (the router tries elsewhere).
+    #[arg(long, env = "MAX_QUEUE", default_value_t = 16)]
+    pub max_queue: usize,
+    /// Capacity of the engine's command channel.
+    #[arg(long, env = "COMMAND_CAPACITY", default_value_t = 64)]
+    pub command_capacity: usize,
+    /// Heartbeat period (ms); the router expires workers after a few missed ones.
+    #[arg(long, env = "HEARTBEAT_INTERVAL_MS", default_value_t = 500)]
+    pub heartbeat_interval_ms: u64,
+    /// Resolution (square, pixels) of jobs that do not carry a model resolution.
+    #[arg(long, env = "DEFAULT_RESOLUTION", default_value_t = 64)]
+    pub default_resolution: i64,
+    /// Deadline of the post-processing request to the codec (ms).
+    #[arg(long, env = "CODEC_TIMEOUT_MS", default_value_t = 30000)]
+    pub codec_timeout_ms: u64,
+    /// Deadline of each hand-back of a queued job to the router at shutdown (ms).
+    #[arg(long, env = "HANDBACK_TIMEOUT_MS", default_value_t = 5000)]
+    pub handback_timeout_ms: u64,
+    /// Retry hint sent with rejections (ms).
+    #[arg(long, env = "RETRY_AFTER_MS", default_value_t = 500)]
+    pub retry_after_ms: u64,
+}
+
+impl DenoiserConfig {
+    /// In-process test config: health on a free port, fast heartbeats, CPU.
+    pub fn for_tests(nats_url: impl Into<String>, model_dir: PathBuf, worker_id: &str) -> Self {
+        Self {
+            common: CommonConfig::for_tests(nats_url),
+            worker_id: Some(worker_id.to_string()),
+            model_dir,
+            model_id: Some("tiny".into()),
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            max_batch: 4,
+            max_queue: 8,
+            command_capacity: 16,
+            heartbeat_interval_ms: 100,
+            default_resolution: 64,
+            codec_timeout_ms: 10000,
+            handback_timeout_ms: 2000,
+            retry_after_ms: 200,
+        }
+    }
+
+    pub fn parse_device(&self) -> Result<Device, DenoiserError> {
+        match self.device.as_str() {
+            "auto" => Ok(Device::cuda_if_available()),
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            d => d
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| DenoiserError::Flag {
+                    flag: "device",
+                    value: d.into(),
+                    expected: "auto, cpu, cuda or cuda:N",
+                }),
+        }
+    }
+
+    pub fn parse_dtype(&self) -> Result<Kind, DenoiserError> {
+        match self.dtype.as_str() {
+            "f32" => Ok(Kind::Float),
+            "bf16" => Ok(Kind::BFloat16),
+            "f16" => Ok(Kind::Half),
+            d => Err(DenoiserError::Flag {
+                flag: "dtype",
+                value: d.into(),
+                expected: "f32, bf16 or f16",
+            }),
+        }
+    }
+
+    /// The model directory: as given when it exists, else relative to the repository root.
+    pub fn resolved_model_dir(&self) -> PathBuf {
+        let dir = &self.model_dir;
+        if dir.is_absolute() || dir.exists() {
+            return dir.clone();
+        }
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(dir);
+        if repo.exists() {
+            repo
+        } else {
+            dir.clone()
+        }
+    }
+
+    fn resolved_worker_id(&self) -> String {
+        self.worker_id.clone().unwrap_or_else(|| {
+            let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "denoiser".into());
+            format!("{host}-{}", std::process::id())
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DenoiserError {
+    #[error(transparent)]
+    Mesh(#[from] MeshError),
+    #[error("loading the model from {dir}: {source}")]
+    Model {
+        dir: PathBuf,
+        #[source]
+        source: diffmesh_model::ModelError,
+    },
+    #[error("invalid --{flag} `{value}`: expected {expected}")]
+    Flag {
+        flag: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+    #[error("worker id `{0}` must be a single NATS subject token (no '.', '*', '>' or spaces)")]
+    WorkerId(String),
+    #[error("starting the engine thread: {0}")]
+    Thread(#[source] std::io::Error),
+    #[error("health server on {addr}: {source}")]
+    Health {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("metrics registration: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// A running denoiser.
+pub struct DenoiserHandle {
+    /// Where /healthz, /readyz and /metrics answer (the bound port when 0 was asked).
+    pub health_addr: SocketAddr,
+    pub worker_id: String,
+    pub service: Arc<Service>,
+    intake: CancellationToken,
+    background: CancellationToken,
+    submits: JoinHandle<Result<(), MeshError>>,
+    others: Vec<JoinHandle<Result<(), MeshError>>>,
+    pump: JoinHandle<Result<(), MeshError>>,
+    engine_thread: EngineThread,
+    health: HealthServer,
+}
+
+impl DenoiserHandle {
+    /// Graceful stop: take no new jobs (heartbeats say draining), hand queued jobs back to the
+    /// router, finish the running ones (outputs post-processed and Done published), then stop.
+    pub async fn shutdown(self) -> Result<(), DenoiserError> {
+        let s = &self.service;
+        s.draining.store(true, Ordering::SeqCst);
+        s.send_heartbeat().await;
+        self.intake.cancel();
+        let _ = self.submits.await;
+        let queued = s.engine.begin_shutdown().await;
+        tracing::info!(handed_back = queued.len(), "denoiser draining");
+        s.hand_back(queued).await;
+        self.engine_thread.join().await;
+        let _ = self.pump.await;
+        self.background.cancel();
+        for t in self.others {
+            let _ = t.await;
+        }
+        let _ = s.client.flush().await;
+        self.health.stop().await;
+        tracing::info!("denoiser stopped");
+        Ok(())
+    }
+}
+
+/// Load the model, start the engine thread, connect, subscribe, and serve in the background.
+pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserError> {
+    let worker_id = config.resolved_worker_id();
+    if worker_id.is_empty() || worker_id.contains(['.', '*', '>', ' ']) {
+        return Err(DenoiserError::WorkerId(worker_id));
+    }
+    let device = config.parse_device()?;
+    let kind = config.parse_dtype()?;
+    let dir = config.resolved_model_dir();
+    let model_id = config.model_id.clone().unwrap_or_else(|| {
+        dir.file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| "model".into())
+    });
+    let load_dir = dir.clone();
+    let id = model_id.clone();
+    let size = config.default_resolution;
+    let model = tokio::task::spawn_blocking(move || {
+        model::EngineModel::load(&load_dir, device, kind, id, size)
+    })
+    .await
+    .map_err(|e| DenoiserError::Thread(std::io::Error::other(e.to_string())))?
+    .map_err(|source| DenoiserError::Model {
+        dir: dir.clone(),
+        source,
+    })?;
+    tracing::info!(model = %model_id, dir = %dir.display(), ?device, "model loaded");
+
+    let registry = prometheus::Registry::new();
+    let metrics = metrics::DenoiserMetrics::new(&registry)?;
+    let client = diffmesh_shared::nats::connect(
+        &config.common.nats_url,
+        &format!("diffmesh-denoiser-{worker_id}"),
+        Duration::from_secs(config.common.nats_connect_timeout_s),
+    )
+    .await?;
+    let js = async_nats::jetstream::new(client.clone());
+    let blobs = BlobStore::open(&js).await?;
+
+    let (events_tx, events_rx) = tokio::sync::mpsc::channel(1024);
+    let engine_config = EngineConfig {
+        max_batch: config.max_batch.max(1),
+        max_queue: config.max_queue,
+    };
+    let (engine, engine_thread) = spawn_engine(
+        model,
+        engine_config,
+        config.command_capacity,
+        events_tx,
+        Some(metrics.clone()),
+    )
+    .map_err(DenoiserError::Thread)?;
+    let service = Arc::new(Service::new(
+        client.clone(),
+        blobs,
+        engine,
+        metrics,
+        config.clone(),
+        worker_id.clone(),
+        model_id,
+    ));
+    let intake = CancellationToken::new();
+    let background = CancellationToken::new();
+    let submits = tokio::spawn(service.clone().submits(intake.clone()));
+    let others = vec![
+        tokio::spawn(service.clone().cancels(background.clone())),
+        tokio::spawn(service.clone().heartbeats(background.clone())),
+    ];
+    let pump = tokio::spawn(service.clone().pump(events_rx));
+    client
+        .flush()
+        .await
+        .map_err(|e| MeshError::Telemetry(format!("NATS flush: {e}")))?;
+
+    // Ready while connected and not draining (a draining worker takes no new jobs).
+    let (nats, svc) = (client.clone(), service.clone());
+    let ready: Readiness = Arc::new(move || {
+        nats.connection_state() == async_nats::connection::State::Connected
+            && !svc.draining.load(Ordering::SeqCst)
+    });
+    let addr = config.common.health_addr;
+    let health = HealthServer::start(addr, registry, ready)
+        .map_err(|source| DenoiserError::Health { addr, source })?;
+    tracing::info!(%worker_id, health = %health.addr, "denoiser up");
+    Ok(DenoiserHandle {
+        health_addr: health.addr,
+        worker_id,
+        service,
+        intake,
+        background,
+        submits,
+        others,
+        pump,
+        engine_thread,
+        health,
+    })
+}
+
+/// Serve until `shutdown` is cancelled, then drain and stop.
+pub async fn run(config: DenoiserConfig, shutdown: CancellationToken) -> Result<(), DenoiserError> {
+    let handle = start(config).await?;
+    shutdown.cancelled().await;
+    handle.shutdown().await
+}

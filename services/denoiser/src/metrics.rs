@@ -1,0 +1,81 @@
+//! Denoiser metrics, registered in the registry the health server exposes on /metrics.
+use diffmesh_shared::metrics::LATENCY_BUCKETS_SECONDS;
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+
+#[derive(Clone)]
+pub struct DenoiserMetrics {
+    /// Wall time of one engine step over the whole batch.
+    pub step_seconds: Histogram,
+    /// Image rows in each step's batch.
+    pub batch_rows: Histogram,
+    /// Submit to Done, per job.
+    pub job_seconds: Histogram,
+    pub jobs_done: IntCounter,
+    pub queued: IntGauge,
+    pub running: IntGauge,
+    /// Jobs and submits that failed, by reason.
+    pub failures: IntCounterVec,
+}
+
+impl DenoiserMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let step_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_step_duration_seconds",
+                "One batched denoising step",
+            )
+            .buckets(vec![
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+            ]),
+        )?;
+        let batch_rows = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_batch_rows",
+                "Images denoised together in one step",
+            )
+            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]),
+        )?;
+        let job_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_job_duration_seconds",
+                "Submit to finished outputs, per job",
+            )
+            .buckets(LATENCY_BUCKETS_SECONDS.to_vec()),
+        )?;
+        let jobs_done = IntCounter::new(
+            "diffmesh_denoiser_jobs_done_total",
+            "Jobs whose denoising finished",
+        )?;
+        let queued = IntGauge::new(
+            "diffmesh_denoiser_queued_jobs",
+            "Jobs waiting for a batch slot",
+        )?;
+        let running = IntGauge::new(
+            "diffmesh_denoiser_running_jobs",
+            "Jobs in the running batch",
+        )?;
+        let failures = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_failures_total",
+                "Denoiser failures by reason",
+            ),
+            &["reason"],
+        )?;
+        registry.register(Box::new(step_seconds.clone()))?;
+        registry.register(Box::new(batch_rows.clone()))?;
+        registry.register(Box::new(job_seconds.clone()))?;
+        registry.register(Box::new(jobs_done.clone()))?;
+        registry.register(Box::new(queued.clone()))?;
+        registry.register(Box::new(running.clone()))?;
+        registry.register(Box::new(failures.clone()))?;
+        Ok(Self {
+            step_seconds,
+            batch_rows,
+            job_seconds,
+            jobs_done,
+            queued,
+            running,
+            failures,
+        })
+    }
+}

@@ -1,0 +1,158 @@
+//! The model the engine owns, and the conversion of wire jobs into stepper requests and of
+//! decoded images back into RGB bytes.
+use diffmesh_model::model_dir::LoadedModel;
+use diffmesh_model::pipeline::stepper::{EditSpec, StepRequest};
+use diffmesh_model::pipeline::FluxPipeline;
+use diffmesh_model::tch::{Device, Kind, Tensor};
+use diffmesh_model::ModelError;
+use diffmesh_shared::messages::{DenoiseJob, JobKind};
+use std::path::Path;
+
+/// A loaded model plus what the engine needs to know about it.
+pub struct EngineModel {
+    pub model: LoadedModel,
+    /// Id reported in heartbeats (router places only compatible jobs).
+    pub model_id: String,
+    /// Resolution used when a job does not carry one (generations).
+    pub default_width: i64,
+    pub default_height: i64,
+}
+
+impl EngineModel {
+    pub fn load(
+        dir: &Path,
+        device: Device,
+        kind: Kind,
+        model_id: String,
+        default_size: i64,
+    ) -> Result<Self, ModelError> {
+        let model = LoadedModel::load(dir, device, kind)?;
+        Ok(Self {
+            model,
+            model_id,
+            default_width: default_size,
+            default_height: default_size,
+        })
+    }
+
+    pub fn pipeline(&self) -> FluxPipeline<'_> {
+        self.model.pipeline()
+    }
+}
+
+/// Model-resolution inputs of an edit, fetched from the object store by the NATS side.
+#[derive(Debug, Default, Clone)]
+pub struct EditInputs {
+    /// RGB u8, `height * width * 3`, row-major.
+    pub template_rgb: Vec<u8>,
+    /// One u8 per packed image token (1 = repaint), row-major over the token grid.
+    pub token_mask: Vec<u8>,
+}
+
+/// Resolution a job runs at: what the codec prepared, else the model default.
+pub fn job_resolution(job: &DenoiseJob, model: &EngineModel) -> (i64, i64) {
+    let w = if job.inputs.model_width > 0 {
+        job.inputs.model_width as i64
+    } else {
+        model.default_width
+    };
+    let h = if job.inputs.model_height > 0 {
+        job.inputs.model_height as i64
+    } else {
+        model.default_height
+    };
+    (h, w)
+}
+
+/// The stepper requests of a job: one per image, image `i` seeded with `seed + i`.
+pub fn step_requests(
+    job: &DenoiseJob,
+    edit: Option<&EditInputs>,
+    model: &EngineModel,
+) -> Result<Vec<StepRequest>, ModelError> {
+    let p = &job.params;
+    if p.n == 0 {
+        return Err(ModelError::input("params.n", "must be at least 1"));
+    }
+    let (height, width) = job_resolution(job, model);
+    let mut out = Vec::with_capacity(p.n as usize);
+    for i in 0..p.n {
+        let edit = match job.kind {
+            JobKind::Generate => None,
+            JobKind::Edit => {
+                let e = edit.ok_or_else(|| {
+                    ModelError::input(
+                        "inputs.image_key",
+                        "an edit needs the prepared template and token mask",
+                    )
+                })?;
+                Some(EditSpec {
+                    template: rgb_to_tensor(&e.template_rgb, height, width, "inputs.image_key")?,
+                    token_mask: Tensor::from_slice(&e.token_mask),
+                    strength: 1.0,
+                })
+            }
+        };
+        out.push(StepRequest {
+            prompt: p.prompt.clone(),
+            seed: p.seed.wrapping_add(i as u64),
+            height,
+            width,
+            steps: p.num_inference_steps as usize,
+            guidance_scale: p.guidance_scale as f64,
+            edit,
+        });
+    }
+    Ok(out)
+}
+
+/// Row-major RGB bytes -> `[1, 3, H, W]` in [-1, 1].
+pub fn rgb_to_tensor(
+    rgb: &[u8],
+    height: i64,
+    width: i64,
+    field: &str,
+) -> Result<Tensor, ModelError> {
+    let expect = (height * width * 3) as usize;
+    if rgb.len() != expect {
+        return Err(ModelError::input(
+            field,
+            format!(
+                "{} bytes, expected {height}x{width}x3 = {expect}",
+                rgb.len()
+            ),
+        ));
+    }
+    Ok(Tensor::from_slice(rgb)
+        .f_view([height, width, 3])?
+        .f_permute([2, 0, 1])?
+        .f_to_kind(Kind::Float)?
+        .f_div_scalar(127.5)?
+        .f_sub_scalar(1.0)?
+        .f_unsqueeze(0)?)
+}
+
+/// `[1, 3, H, W]` in [-1, 1] (clamped) -> row-major RGB bytes.
+pub fn tensor_to_rgb(image: &Tensor) -> Result<Vec<u8>, ModelError> {
+    let rgb = diffmesh_model::tiny::model::images_to_rgb(image)?;
+    rgb.into_iter()
+        .next()
+        .ok_or_else(|| ModelError::input("image", "empty batch"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rgb_round_trip() {
+        let rgb: Vec<u8> = (0..4 * 2 * 3).map(|i| (i * 10) as u8).collect();
+        let t = rgb_to_tensor(&rgb, 4, 2, "image").unwrap();
+        assert_eq!(t.size(), vec![1, 3, 4, 2]);
+        assert_eq!(tensor_to_rgb(&t).unwrap(), rgb);
+        let err = rgb_to_tensor(&rgb, 4, 4, "inputs.image_key")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("inputs.image_key"), "{err}");
+    }
+}

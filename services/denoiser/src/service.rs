@@ -1,0 +1,437 @@
+//! NATS side of the denoiser: submits and cancels in, heartbeats and job events out, finished
+//! outputs written to the object store and handed to the codec for compositing and PNG encoding.
+use crate::engine::{EngineEvent, EngineHandle, EngineJob, SubmitError};
+use crate::metrics::DenoiserMetrics;
+use crate::model::EditInputs;
+use crate::DenoiserConfig;
+use diffmesh_shared::messages::{
+    decode, error_types, CancelJob, DenoiseJob, Heartbeat, JobEvent, JobKind, PostprocessReply,
+    PostprocessRequest, SubmitReply,
+};
+use diffmesh_shared::nats::{
+    blob_key, publish_msgpack, reply_msgpack, request_msgpack_job, BlobStore,
+};
+use diffmesh_shared::{subjects, MeshError};
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// Largest prepared input the denoiser reads from the object store (bytes).
+const MAX_INPUT_BYTES: usize = 64 << 20;
+
+pub struct Service {
+    pub client: async_nats::Client,
+    pub blobs: BlobStore,
+    pub engine: EngineHandle,
+    pub metrics: DenoiserMetrics,
+    pub config: DenoiserConfig,
+    pub worker_id: String,
+    pub model_id: String,
+    /// Set once shutdown begins: heartbeats say draining, so the router places nothing new here.
+    pub draining: AtomicBool,
+    submitted_at: Mutex<HashMap<String, Instant>>,
+}
+
+impl Service {
+    pub fn new(
+        client: async_nats::Client,
+        blobs: BlobStore,
+        engine: EngineHandle,
+        metrics: DenoiserMetrics,
+        config: DenoiserConfig,
+        worker_id: String,
+        model_id: String,
+    ) -> Self {
+        Self {
+            client,
+            blobs,
+            engine,
+            metrics,
+            config,
+            worker_id,
+            model_id,
+            draining: AtomicBool::new(false),
+            submitted_at: Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn publish_event(&self, job_id: &str, event: &JobEvent) {
+        if let Err(err) = publish_msgpack(
+            &self.client,
+            subjects::job_events(job_id),
+            Some(job_id),
+            event,
+        )
+        .await
+        {
+            tracing::warn!(%job_id, error = %err, "could not publish job event");
+        }
+    }
+
+    async fn publish_failed(&self, job_id: &str, message: String, error_type: &str) {
+        self.submitted_at.lock().map(|mut m| m.remove(job_id)).ok();
+        let event = JobEvent::Failed {
+            message,
+            error_type: error_type.to_string(),
+        };
+        self.publish_event(job_id, &event).await;
+    }
+
+    /// Serve `denoiser_submit(worker_id)` until `intake` is cancelled; answers every taken submit.
+    pub async fn submits(self: Arc<Self>, intake: CancellationToken) -> Result<(), MeshError> {
+        let mut sub = self
+            .client
+            .subscribe(subjects::denoiser_submit(&self.worker_id))
+            .await?;
+        let mut tasks = tokio::task::JoinSet::new();
+        loop {
+            let msg = tokio::select! {
+                _ = intake.cancelled() => break,
+                msg = sub.next() => match msg { Some(m) => m, None => break },
+            };
+            let this = self.clone();
+            tasks.spawn(async move { this.handle_submit(msg).await });
+            while tasks.try_join_next().is_some() {}
+        }
+        let _ = sub.unsubscribe().await;
+        while tasks.join_next().await.is_some() {}
+        Ok(())
+    }
+
+    async fn handle_submit(&self, msg: async_nats::Message) {
+        let job = match decode::<DenoiseJob>(&msg.payload) {
+            Ok(job) => job,
+            Err(err) => {
+                self.metrics
+                    .failures
+                    .with_label_values(&["bad_request"])
+                    .inc();
+                let reply = SubmitReply::Rejected {
+                    reason: format!("undecodable DenoiseJob: {err}"),
+                    retry_after_ms: 0,
+                };
+                let _ = reply_msgpack(&self.client, &msg, &reply).await;
+                return;
+            }
+        };
+        let span = tracing::info_span!("denoise_job", job_id = %job.job_id, attempt = job.attempt, worker = %self.worker_id);
+        diffmesh_shared::trace_context::set_parent_from(&span, msg.headers.as_ref());
+        async {
+            let job_id = job.job_id.clone();
+            // Inputs are read before acceptance so a job whose blobs are missing fails with a
+            // clear error instead of occupying a batch slot.
+            let edit = match self.fetch_edit_inputs(&job).await {
+                Ok(edit) => edit,
+                Err(message) => {
+                    let reply = SubmitReply::Accepted {
+                        worker_id: self.worker_id.clone(),
+                    };
+                    let _ = reply_msgpack(&self.client, &msg, &reply).await;
+                    self.metrics
+                        .failures
+                        .with_label_values(&["input_fetch"])
+                        .inc();
+                    self.publish_failed(&job_id, message, error_types::INVALID_REQUEST)
+                        .await;
+                    return;
+                }
+            };
+            let result = self
+                .engine
+                .submit(EngineJob { job, edit }, tracing::Span::current())
+                .await;
+            let reply = match &result {
+                Ok(_) | Err(SubmitError::Duplicate(_)) => SubmitReply::Accepted {
+                    worker_id: self.worker_id.clone(),
+                },
+                Err(err) => {
+                    self.metrics.failures.with_label_values(&["busy"]).inc();
+                    SubmitReply::Rejected {
+                        reason: err.to_string(),
+                        retry_after_ms: self.config.retry_after_ms,
+                    }
+                }
+            };
+            if let Ok(position) = result {
+                self.submitted_at
+                    .lock()
+                    .map(|mut m| m.insert(job_id.clone(), Instant::now()))
+                    .ok();
+                let event = JobEvent::Queued {
+                    worker_id: self.worker_id.clone(),
+                    position,
+                };
+                self.publish_event(&job_id, &event).await;
+            }
+            if let Err(err) = reply_msgpack(&self.client, &msg, &reply).await {
+                tracing::warn!(error = %err, "could not answer a submit");
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The prepared template and token mask of an edit (None for generations).
+    async fn fetch_edit_inputs(&self, job: &DenoiseJob) -> Result<Option<EditInputs>, String> {
+        if job.kind != JobKind::Edit {
+            return Ok(None);
+        }
+        let image_key = job
+            .inputs
+            .image_key
+            .as_deref()
+            .ok_or("edit job without `inputs.image_key`")?;
+        let mask_key = job
+            .inputs
+            .token_mask_key
+            .as_deref()
+            .ok_or("edit job without `inputs.token_mask_key`")?;
+        let template_rgb = self
+            .blobs
+            .get_limited(image_key, MAX_INPUT_BYTES)
+            .await
+            .map_err(|e| format!("reading `inputs.image_key` {image_key}: {e}"))?;
+        let token_mask = self
+            .blobs
+            .get_limited(mask_key, MAX_INPUT_BYTES)
+            .await
+            .map_err(|e| format!("reading `inputs.token_mask_key` {mask_key}: {e}"))?;
+        Ok(Some(EditInputs {
+            template_rgb,
+            token_mask,
+        }))
+    }
+
+    /// Forward cancels from `denoiser_cancel(worker_id)` to the engine.
+    pub async fn cancels(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), MeshError> {
+        let mut sub = self
+            .client
+            .subscribe(subjects::denoiser_cancel(&self.worker_id))
+            .await?;
+        loop {
+            let msg = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                msg = sub.next() => match msg { Some(m) => m, None => return Ok(()) },
+            };
+            match decode::<CancelJob>(&msg.payload) {
+                Ok(c) => {
+                    let span = tracing::info_span!("cancel", job_id = %c.job_id);
+                    diffmesh_shared::trace_context::set_parent_from(&span, msg.headers.as_ref());
+                    self.engine.cancel(c.job_id, span).await;
+                }
+                Err(err) => tracing::warn!(error = %err, "undecodable cancel"),
+            }
+        }
+    }
+
+    pub fn heartbeat(&self) -> Heartbeat {
+        let status = self.engine.status();
+        Heartbeat {
+            worker_id: self.worker_id.clone(),
+            running: status.running,
+            queued: status.queued,
+            max_batch: self.config.max_batch as u32,
+            model: self.model_id.clone(),
+            draining: status.draining || self.draining.load(Ordering::SeqCst),
+            queue_capacity: self.config.max_queue as u32,
+        }
+    }
+
+    pub async fn send_heartbeat(&self) {
+        if let Err(err) = publish_msgpack(
+            &self.client,
+            subjects::DENOISER_HEARTBEAT,
+            None,
+            &self.heartbeat(),
+        )
+        .await
+        {
+            tracing::warn!(error = %err, "could not publish heartbeat");
+        }
+    }
+
+    pub async fn heartbeats(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), MeshError> {
+        let mut tick = tokio::time::interval(Duration::from_millis(
+            self.config.heartbeat_interval_ms.max(10),
+        ));
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tick.tick() => self.send_heartbeat().await,
+            }
+        }
+    }
+
+    /// Turn engine events into job events; post-process finished jobs. Ends when the engine
+    /// thread has exited and every post-processing task is done.
+    pub async fn pump(
+        self: Arc<Self>,
+        mut events: mpsc::Receiver<EngineEvent>,
+    ) -> Result<(), MeshError> {
+        let mut post = tokio::task::JoinSet::new();
+        while let Some(event) = events.recv().await {
+            match event {
+                EngineEvent::Started { job_id } => {
+                    let event = JobEvent::Started {
+                        worker_id: self.worker_id.clone(),
+                    };
+                    self.publish_event(&job_id, &event).await;
+                }
+                EngineEvent::Step {
+                    job_id,
+                    step,
+                    total,
+                } => {
+                    self.publish_event(&job_id, &JobEvent::Step { step, total })
+                        .await;
+                }
+                EngineEvent::Finished {
+                    job,
+                    images,
+                    width,
+                    height,
+                    span,
+                } => {
+                    let this = self.clone();
+                    post.spawn(
+                        async move { this.postprocess(job, images, width, height).await }
+                            .instrument(span),
+                    );
+                }
+                EngineEvent::Failed { job, error, span } => {
+                    let error_type = match error {
+                        crate::engine::EngineJobError::Input(_) => error_types::INVALID_REQUEST,
+                        _ => error_types::INTERNAL,
+                    };
+                    self.publish_failed(&job.job_id, error.to_string(), error_type)
+                        .instrument(span)
+                        .await;
+                }
+                EngineEvent::Cancelled { job_id } => {
+                    self.publish_failed(&job_id, "job cancelled".into(), "cancelled")
+                        .await;
+                }
+            }
+            while post.try_join_next().is_some() {}
+        }
+        while post.join_next().await.is_some() {}
+        Ok(())
+    }
+
+    /// Write the RGB outputs, ask the codec for PNGs, publish Done (or Failed).
+    async fn postprocess(&self, job: DenoiseJob, images: Vec<Vec<u8>>, width: u32, height: u32) {
+        let job_id = job.job_id.clone();
+        let mut output_keys = Vec::with_capacity(images.len());
+        for (i, rgb) in images.iter().enumerate() {
+            let key = blob_key(&job_id, &format!("output-{i}.rgb"));
+            if let Err(err) = self.blobs.put(&key, rgb).await {
+                self.metrics
+                    .failures
+                    .with_label_values(&[err.reason()])
+                    .inc();
+                self.publish_failed(
+                    &job_id,
+                    format!("writing output {key}: {err}"),
+                    error_types::INTERNAL,
+                )
+                .await;
+                return;
+            }
+            output_keys.push(key);
+        }
+        let request = PostprocessRequest {
+            job,
+            output_keys,
+            model_width: width,
+            model_height: height,
+        };
+        let timeout = Duration::from_millis(self.config.codec_timeout_ms);
+        let reply = request_msgpack_job::<_, PostprocessReply>(
+            &self.client,
+            subjects::CODEC_POST,
+            &job_id,
+            &request,
+            timeout,
+        )
+        .await;
+        match reply {
+            Ok(PostprocessReply::Done { png_keys }) => {
+                let started = self
+                    .submitted_at
+                    .lock()
+                    .ok()
+                    .and_then(|mut m| m.remove(&job_id));
+                if let Some(t) = started {
+                    self.metrics.job_seconds.observe(t.elapsed().as_secs_f64());
+                }
+                tracing::info!(%job_id, images = png_keys.len(), "job done");
+                self.publish_event(&job_id, &JobEvent::Done { png_keys })
+                    .await;
+            }
+            Ok(PostprocessReply::Failed { message }) => {
+                self.metrics
+                    .failures
+                    .with_label_values(&["codec_post"])
+                    .inc();
+                self.publish_failed(
+                    &job_id,
+                    format!("post-processing failed: {message}"),
+                    error_types::INTERNAL,
+                )
+                .await;
+            }
+            Err(err) => {
+                self.metrics
+                    .failures
+                    .with_label_values(&[err.reason()])
+                    .inc();
+                self.publish_failed(
+                    &job_id,
+                    format!("post-processing request failed: {err}"),
+                    error_types::INTERNAL,
+                )
+                .await;
+            }
+        }
+    }
+
+    /// Give queued jobs that never started back to the router, which places them elsewhere.
+    pub async fn hand_back(&self, jobs: Vec<DenoiseJob>) {
+        let timeout = Duration::from_millis(self.config.handback_timeout_ms);
+        for job in jobs {
+            let job_id = job.job_id.clone();
+            let reply = request_msgpack_job::<_, SubmitReply>(
+                &self.client,
+                subjects::ROUTER_SUBMIT,
+                &job_id,
+                &job,
+                timeout,
+            )
+            .await;
+            match reply {
+                Ok(SubmitReply::Accepted { worker_id }) => {
+                    tracing::info!(%job_id, to = %worker_id, "queued job handed back and placed again");
+                }
+                Ok(SubmitReply::Rejected { reason, .. }) => {
+                    let message = format!(
+                        "denoiser {} shut down before starting the job; {reason}",
+                        self.worker_id
+                    );
+                    self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
+                        .await;
+                }
+                Err(err) => {
+                    let message =
+                        format!("denoiser {} shut down before starting the job; handing it back failed: {err}", self.worker_id);
+                    self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
+                        .await;
+                }
+            }
+        }
+    }
+}

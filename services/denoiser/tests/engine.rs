@@ -1,0 +1,327 @@
+//! Engine-level tests on a random-weights tiny model (no NATS): batching does not change a job's
+//! images, cancellation frees the slot, a bad job fails alone.
+use diffmesh_denoiser::engine::{
+    spawn_engine, EngineConfig, EngineEvent, EngineHandle, EngineJob, EngineThread,
+};
+use diffmesh_denoiser::model::{EditInputs, EngineModel};
+use diffmesh_model::tch::{self, Device, Kind, Tensor};
+use diffmesh_model::tiny::model::TinyModel;
+use diffmesh_shared::messages::{DenoiseJob, GenerationParams, JobKind, PreparedInputs};
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tracing::Span;
+
+/// A tiny model folder with random (non-zero) weights, so outputs depend on prompt and seed.
+fn write_random_model(dir: &Path) {
+    tch::manual_seed(11);
+    let m = TinyModel::new(Device::Cpu).unwrap();
+    tch::no_grad(|| {
+        for (_, mut v) in m.transformer_vs.variables() {
+            let r = Tensor::randn(v.size(), (Kind::Float, Device::Cpu)) * 0.05;
+            v.copy_(&r);
+        }
+    });
+    m.save(dir, None).unwrap();
+}
+
+fn job(id: &str, prompt: &str, seed: u64, steps: u32) -> DenoiseJob {
+    DenoiseJob {
+        job_id: id.into(),
+        kind: JobKind::Generate,
+        params: GenerationParams {
+            prompt: prompt.into(),
+            n: 1,
+            num_inference_steps: steps,
+            guidance_scale: 1.0,
+            seed,
+            width: 64,
+            height: 64,
+        },
+        inputs: PreparedInputs {
+            image_key: None,
+            token_mask_key: None,
+            mask_ratio: 1.0,
+            masked_tokens: 256,
+            input_width: 64,
+            input_height: 64,
+            model_width: 64,
+            model_height: 64,
+            token_rows: 0,
+            token_cols: 0,
+            template_id: None,
+        },
+        raw_image_key: None,
+        raw_mask_key: None,
+        attempt: 0,
+    }
+}
+
+struct Harness {
+    engine: EngineHandle,
+    thread: EngineThread,
+    events: mpsc::Receiver<EngineEvent>,
+    _dir: tempfile::TempDir,
+}
+
+fn harness(max_batch: usize, max_queue: usize) -> Harness {
+    let dir = tempfile::tempdir().unwrap();
+    write_random_model(dir.path());
+    let model = EngineModel::load(dir.path(), Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
+    let (tx, events) = mpsc::channel(256);
+    let (engine, thread) = spawn_engine(
+        model,
+        EngineConfig {
+            max_batch,
+            max_queue,
+        },
+        16,
+        tx,
+        None,
+    )
+    .unwrap();
+    Harness {
+        engine,
+        thread,
+        events,
+        _dir: dir,
+    }
+}
+
+/// Collect events until every id in `ids` finished, failed or was cancelled.
+async fn drain(h: &mut Harness, ids: &[&str]) -> (HashMap<String, Vec<u8>>, Vec<String>) {
+    let mut images = HashMap::new();
+    let mut log = Vec::new();
+    let mut left: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
+    while !left.is_empty() {
+        let event = tokio::time::timeout(Duration::from_secs(120), h.events.recv())
+            .await
+            .expect("engine stalled")
+            .unwrap();
+        match event {
+            EngineEvent::Started { job_id } => log.push(format!("started {job_id}")),
+            EngineEvent::Step {
+                job_id,
+                step,
+                total,
+            } => log.push(format!("step {job_id} {step}/{total}")),
+            EngineEvent::Finished {
+                job,
+                images: mut imgs,
+                width,
+                height,
+                ..
+            } => {
+                assert_eq!((width, height), (64, 64));
+                assert_eq!(imgs.len(), 1);
+                assert_eq!(imgs[0].len(), 64 * 64 * 3);
+                log.push(format!("finished {}", job.job_id));
+                left.retain(|j| j != &job.job_id);
+                images.insert(job.job_id, imgs.remove(0));
+            }
+            EngineEvent::Failed { job, error, .. } => {
+                log.push(format!("failed {}: {error}", job.job_id));
+                left.retain(|j| j != &job.job_id);
+            }
+            EngineEvent::Cancelled { job_id } => {
+                log.push(format!("cancelled {job_id}"));
+                left.retain(|j| j != &job_id);
+            }
+        }
+    }
+    (images, log)
+}
+
+async fn submit(h: &Harness, j: DenoiseJob, edit: Option<EditInputs>) {
+    h.engine
+        .submit(EngineJob { job: j, edit }, Span::none())
+        .await
+        .unwrap();
+}
+
+fn max_abs_diff(a: &[u8], b: &[u8]) -> u8 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| x.abs_diff(*y))
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_of_two_equals_each_alone() {
+    let mut h = harness(4, 8);
+    submit(&h, job("a", "a red circle", 1, 4), None).await;
+    let (alone_a, _) = drain(&mut h, &["a"]).await;
+    submit(&h, job("b", "a blue square", 2, 6), None).await;
+    let (alone_b, _) = drain(&mut h, &["b"]).await;
+    assert!(
+        max_abs_diff(&alone_a["a"], &alone_b["b"]) > 10,
+        "different prompts/seeds must give different images"
+    );
+
+    submit(&h, job("a2", "a red circle", 1, 4), None).await;
+    submit(&h, job("b2", "a blue square", 2, 6), None).await;
+    let (batched, log) = drain(&mut h, &["a2", "b2"]).await;
+    // They shared steps at different step indices: b2 stepped before a2 finished.
+    let a_done = log.iter().position(|l| l == "finished a2").unwrap();
+    assert!(
+        log[..a_done].iter().any(|l| l.starts_with("step b2")),
+        "{log:?}"
+    );
+    // Float reductions may order differently in a batch: allow one level of rounding.
+    assert!(max_abs_diff(&batched["a2"], &alone_a["a"]) <= 1);
+    assert!(max_abs_diff(&batched["b2"], &alone_b["b"]) <= 1);
+    h.engine.begin_shutdown().await;
+    h.thread.join().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancellation_frees_the_slot() {
+    let mut h = harness(1, 8);
+    submit(&h, job("long", "a red circle", 1, 50), None).await;
+    submit(&h, job("next", "a blue square", 2, 2), None).await;
+    // Wait until the long job is running, then cancel it.
+    loop {
+        match h.events.recv().await.unwrap() {
+            EngineEvent::Step { job_id, step, .. } if job_id == "long" && step >= 1 => break,
+            EngineEvent::Step { job_id, .. } => {
+                assert_eq!(job_id, "long", "batch budget is one job")
+            }
+            _ => {}
+        }
+    }
+    h.engine.cancel("long".into(), Span::none()).await;
+    let (images, log) = drain(&mut h, &["long", "next"]).await;
+    assert!(log.contains(&"cancelled long".to_string()), "{log:?}");
+    assert!(images.contains_key("next"), "{log:?}");
+    let steps_of_long = log.iter().filter(|l| l.starts_with("step long")).count();
+    assert!(steps_of_long < 10, "cancel took {steps_of_long} more steps");
+    // The status snapshot is refreshed at the end of the engine iteration that retired `next`.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !h.engine.status().running.is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "slot not freed: {:?}",
+            h.engine.status()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    h.engine.begin_shutdown().await;
+    h.thread.join().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_edit_fails_alone_and_engine_lives_on() {
+    let mut h = harness(4, 8);
+    let mut bad = job("bad", "a red circle", 1, 3);
+    bad.kind = JobKind::Edit;
+    // Template of the wrong size: the error names the field.
+    let edit = EditInputs {
+        template_rgb: vec![0; 10],
+        token_mask: vec![1; 256],
+    };
+    submit(&h, bad, Some(edit)).await;
+    let mut bad_mask = job("bad-mask", "a red circle", 1, 3);
+    bad_mask.kind = JobKind::Edit;
+    let edit = EditInputs {
+        template_rgb: vec![128; 64 * 64 * 3],
+        token_mask: vec![1; 7],
+    };
+    submit(&h, bad_mask, Some(edit)).await;
+    let mut good_edit = job("edit", "a green triangle", 3, 3);
+    good_edit.kind = JobKind::Edit;
+    let mut mask = vec![0u8; 256];
+    mask[..16].fill(1); // repaint the top token row only
+    let template: Vec<u8> = (0..64 * 64 * 3).map(|i| (i % 251) as u8).collect();
+    submit(
+        &h,
+        good_edit,
+        Some(EditInputs {
+            template_rgb: template.clone(),
+            token_mask: mask,
+        }),
+    )
+    .await;
+    submit(&h, job("ok", "a blue square", 2, 3), None).await;
+    let (images, log) = drain(&mut h, &["bad", "bad-mask", "edit", "ok"]).await;
+    let failed: Vec<&String> = log.iter().filter(|l| l.starts_with("failed")).collect();
+    assert_eq!(failed.len(), 2, "{log:?}");
+    assert!(
+        failed
+            .iter()
+            .any(|l| l.contains("bad:") && l.contains("inputs.image_key")),
+        "{failed:?}"
+    );
+    assert!(
+        failed
+            .iter()
+            .any(|l| l.contains("bad-mask:") && l.contains("token_mask")),
+        "{failed:?}"
+    );
+    assert!(images.contains_key("ok"));
+    // Outside the repainted top 4 pixel rows, the edit reproduces the template exactly.
+    let out = &images["edit"];
+    assert_eq!(&out[4 * 64 * 3..], &template[4 * 64 * 3..]);
+    assert_ne!(&out[..4 * 64 * 3], &template[..4 * 64 * 3]);
+    h.engine.begin_shutdown().await;
+    h.thread.join().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_hands_back_queued_and_finishes_running() {
+    let mut h = harness(1, 8);
+    submit(&h, job("run", "a red circle", 1, 3), None).await;
+    submit(&h, job("queued", "a blue square", 2, 3), None).await;
+    loop {
+        if let EngineEvent::Started { job_id } = h.events.recv().await.unwrap() {
+            assert_eq!(job_id, "run");
+            break;
+        }
+    }
+    let handed = h.engine.begin_shutdown().await;
+    assert_eq!(
+        handed.iter().map(|j| j.job_id.as_str()).collect::<Vec<_>>(),
+        vec!["queued"]
+    );
+    let (images, _) = drain(&mut h, &["run"]).await;
+    assert!(images.contains_key("run"));
+    let refused = h
+        .engine
+        .submit(
+            EngineJob {
+                job: job("late", "x", 1, 1),
+                edit: None,
+            },
+            Span::none(),
+        )
+        .await;
+    assert!(refused.is_err());
+    h.thread.join().await;
+}
+
+/// Rough timing, not a check: images/s of 8 jobs run one at a time vs all in one batch.
+/// `cargo test -p diffmesh-denoiser --test engine -- --ignored --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn throughput_batch_1_vs_8() {
+    let steps = 20;
+    for max_batch in [1usize, 8] {
+        let mut h = harness(max_batch, 16);
+        let ids: Vec<String> = (0..8).map(|i| format!("t{i}")).collect();
+        let started = std::time::Instant::now();
+        for (i, id) in ids.iter().enumerate() {
+            submit(&h, job(id, "a red circle", i as u64, steps), None).await;
+        }
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        drain(&mut h, &refs).await;
+        let secs = started.elapsed().as_secs_f64();
+        println!(
+            "max_batch {max_batch}: 8 jobs x {steps} steps in {secs:.2} s = {:.2} images/s, {:.1} ms per job-step",
+            8.0 / secs,
+            secs * 1000.0 / (8.0 * steps as f64)
+        );
+        h.engine.begin_shutdown().await;
+        h.thread.join().await;
+    }
+}

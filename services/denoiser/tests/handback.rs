@@ -1,0 +1,145 @@
+//! Graceful shutdown in a small mesh (router + two denoisers + fake codec on a real nats-server):
+//! the stopping denoiser finishes its running job and hands its queued job back to the router,
+//! which places it on the other denoiser; both jobs end Done.
+use diffmesh_denoiser::{start, DenoiserConfig};
+use diffmesh_model::tch::{self, Device, Kind, Tensor};
+use diffmesh_model::tiny::model::TinyModel;
+use diffmesh_router::RouterConfig;
+use diffmesh_shared::messages::{
+    decode, encode, DenoiseJob, GenerationParams, JobEvent, JobKind, PostprocessReply,
+    PostprocessRequest, PreparedInputs, SubmitReply,
+};
+use diffmesh_shared::nats::request_msgpack;
+use diffmesh_shared::subjects;
+use diffmesh_shared::testing::NatsServer;
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::time::Duration;
+
+fn job(id: &str, steps: u32) -> DenoiseJob {
+    DenoiseJob {
+        job_id: id.into(),
+        kind: JobKind::Generate,
+        params: GenerationParams {
+            prompt: "a red circle".into(),
+            n: 1,
+            num_inference_steps: steps,
+            guidance_scale: 1.0,
+            seed: 4,
+            width: 64,
+            height: 64,
+        },
+        inputs: PreparedInputs {
+            image_key: None,
+            token_mask_key: None,
+            mask_ratio: 1.0,
+            masked_tokens: 256,
+            input_width: 64,
+            input_height: 64,
+            model_width: 64,
+            model_height: 64,
+            token_rows: 0,
+            token_cols: 0,
+            template_id: None,
+        },
+        raw_image_key: None,
+        raw_mask_key: None,
+        attempt: 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_hands_queued_job_to_another_denoiser() {
+    let nats = NatsServer::start();
+    let model_dir = tempfile::tempdir().unwrap();
+    tch::manual_seed(5);
+    let m = TinyModel::new(Device::Cpu).unwrap();
+    tch::no_grad(|| {
+        for (_, mut v) in m.transformer_vs.variables() {
+            v.copy_(&(Tensor::randn(v.size(), (Kind::Float, Device::Cpu)) * 0.05));
+        }
+    });
+    m.save(model_dir.path(), None).unwrap();
+
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut codec = client.subscribe(subjects::CODEC_POST).await.unwrap();
+    let c = client.clone();
+    tokio::spawn(async move {
+        while let Some(msg) = codec.next().await {
+            let req: PostprocessRequest = decode(&msg.payload).unwrap();
+            let reply = PostprocessReply::Done {
+                png_keys: req.output_keys.iter().map(|k| format!("{k}.png")).collect(),
+            };
+            c.publish(msg.reply.unwrap(), encode(&reply).unwrap().into())
+                .await
+                .unwrap();
+        }
+    });
+    let mut events = client.subscribe(subjects::job_events("*")).await.unwrap();
+    client.flush().await.unwrap();
+
+    let router = diffmesh_router::start(RouterConfig::for_tests(nats.url()))
+        .await
+        .unwrap();
+    let mut cfg1 = DenoiserConfig::for_tests(nats.url(), model_dir.path().to_path_buf(), "w1");
+    cfg1.max_batch = 1;
+    let w1 = start(cfg1).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // router saw w1
+
+    // Long enough that "running" is still running when w1 begins to shut down.
+    for (id, steps) in [("running", 300), ("queued", 3)] {
+        let reply: SubmitReply = request_msgpack(
+            &client,
+            subjects::ROUTER_SUBMIT,
+            &job(id, steps),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        assert!(
+            matches!(reply, SubmitReply::Accepted { ref worker_id } if worker_id == "w1"),
+            "{reply:?}"
+        );
+    }
+    let w2 = start(DenoiserConfig::for_tests(
+        nats.url(),
+        model_dir.path().to_path_buf(),
+        "w2",
+    ))
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // router saw w2
+
+    let stop = tokio::spawn(w1.shutdown());
+    let mut started_on: HashMap<String, String> = HashMap::new();
+    let mut done: Vec<String> = Vec::new();
+    tokio::time::timeout(Duration::from_secs(120), async {
+        while done.len() < 2 {
+            let msg = events.next().await.unwrap();
+            let id = msg.subject.split('.').nth(2).unwrap().to_string();
+            match decode::<JobEvent>(&msg.payload).unwrap() {
+                JobEvent::Started { worker_id } => {
+                    started_on.insert(id, worker_id);
+                }
+                JobEvent::Done { .. } => done.push(id),
+                JobEvent::Failed { message, .. } => panic!("{id} failed: {message}"),
+                _ => {}
+            }
+        }
+    })
+    .await
+    .expect("jobs did not finish");
+    stop.await.unwrap().unwrap();
+    assert_eq!(
+        started_on.get("running").map(String::as_str),
+        Some("w1"),
+        "{started_on:?}"
+    );
+    assert_eq!(
+        started_on.get("queued").map(String::as_str),
+        Some("w2"),
+        "{started_on:?}"
+    );
+    w2.shutdown().await.unwrap();
+    router.shutdown().await.unwrap();
+}

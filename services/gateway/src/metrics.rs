@@ -1,0 +1,50 @@
+//! The gateway's Prometheus metrics.
+use diffmesh_shared::metrics::{
+    counter_vec, histogram_vec, FailureCounter, Unit, LATENCY_BUCKETS_SECONDS,
+};
+use prometheus::{HistogramVec, IntCounterVec, Registry};
+
+#[derive(Clone)]
+pub struct GatewayMetrics {
+    /// `diffmesh_gateway_requests_total{endpoint, status}`.
+    pub requests: IntCounterVec,
+    /// `diffmesh_gateway_request_duration_seconds{endpoint}`: end-to-end latency.
+    pub request_duration: HistogramVec,
+    /// `diffmesh_gateway_stage_duration_seconds{stage}`: store, codec_pre, submit, denoise, fetch.
+    pub stage_duration: HistogramVec,
+    /// `diffmesh_gateway_failures_total{reason}`.
+    pub failures: FailureCounter,
+}
+
+impl GatewayMetrics {
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            requests: counter_vec(
+                registry,
+                "gateway",
+                "requests",
+                "API requests by endpoint and HTTP status",
+                &["endpoint", "status"],
+            )?,
+            request_duration: histogram_vec(
+                registry,
+                "gateway",
+                "request_duration",
+                Unit::Seconds,
+                "End-to-end API request latency",
+                &["endpoint"],
+                LATENCY_BUCKETS_SECONDS,
+            )?,
+            stage_duration: histogram_vec(
+                registry,
+                "gateway",
+                "stage_duration",
+                Unit::Seconds,
+                "Time spent in each stage of a job as seen by the gateway",
+                &["stage"],
+                LATENCY_BUCKETS_SECONDS,
+            )?,
+            failures: FailureCounter::register(registry, "gateway")?,
+        })
+    }
+}

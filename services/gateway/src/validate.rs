@@ -1,0 +1,349 @@
+//! Raw API requests -> validated requests. Every error names the field and, for ranges, the
+//! limit, so clients can fix the request without reading server logs.
+use diffmesh_shared::messages::{FieldError, GenerationParams};
+
+/// Request limits, set by gateway flags.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_n: u32,
+    pub min_steps: u32,
+    pub max_steps: u32,
+    pub max_guidance: f32,
+    /// Largest image (edits) or requested size (generations) in pixels.
+    pub max_pixels: u64,
+    pub max_prompt_chars: usize,
+}
+
+/// Values used when a request leaves a parameter out.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    pub steps: u32,
+    pub guidance: f32,
+    pub width: u32,
+    pub height: u32,
+}
+
+/// How the client wants the images back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResponseFormat {
+    /// OpenAI-style JSON with base64 PNGs.
+    B64Json,
+    /// The raw PNG as `image/png` (only with n = 1).
+    Png,
+}
+
+/// Parameters as the client sent them (JSON body or multipart text fields), before checks.
+/// Integers are signed so a negative value is reported as out of range, not as a type error.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+pub struct RawParams {
+    pub prompt: Option<String>,
+    pub n: Option<i64>,
+    pub size: Option<String>,
+    pub response_format: Option<String>,
+    pub num_inference_steps: Option<i64>,
+    pub guidance_scale: Option<f64>,
+    pub seed: Option<u64>,
+}
+
+/// A request that passed every check.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidParams {
+    pub params: GenerationParams,
+    pub response_format: ResponseFormat,
+}
+
+fn invalid(field: &str, message: impl Into<String>) -> FieldError {
+    FieldError::invalid(field, message)
+}
+
+fn in_range(
+    field: &str,
+    value: Option<i64>,
+    default: u32,
+    min: u32,
+    max: u32,
+) -> Result<u32, FieldError> {
+    let v = value.unwrap_or(i64::from(default));
+    if v < i64::from(min) || v > i64::from(max) {
+        return Err(invalid(
+            field,
+            format!("must be between {min} and {max}, got {v}"),
+        ));
+    }
+    Ok(v as u32)
+}
+
+/// Parse `"WxH"` (OpenAI's `size`).
+pub fn parse_size(size: &str) -> Result<(u32, u32), FieldError> {
+    let bad = || invalid("size", format!("must look like 512x512, got {size:?}"));
+    let (w, h) = size.split_once(['x', 'X']).ok_or_else(bad)?;
+    let w: u32 = w.trim().parse().map_err(|_| bad())?;
+    let h: u32 = h.trim().parse().map_err(|_| bad())?;
+    if w == 0 || h == 0 {
+        return Err(bad());
+    }
+    Ok((w, h))
+}
+
+fn check_pixels(field: &str, w: u32, h: u32, limits: &Limits) -> Result<(), FieldError> {
+    let pixels = u64::from(w) * u64::from(h);
+    if pixels > limits.max_pixels {
+        return Err(invalid(
+            field,
+            format!(
+                "{w}x{h} = {pixels} pixels is above the limit of {}",
+                limits.max_pixels
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Validate the parameters shared by both endpoints; `size` is the output size (the request's
+/// `size` for generations, the uploaded image's size for edits).
+fn validate_common(
+    raw: RawParams,
+    size: (u32, u32),
+    limits: &Limits,
+    defaults: &Defaults,
+) -> Result<ValidParams, FieldError> {
+    let prompt = raw.prompt.unwrap_or_default();
+    if prompt.trim().is_empty() {
+        return Err(invalid("prompt", "required and must not be empty"));
+    }
+    let chars = prompt.chars().count();
+    if chars > limits.max_prompt_chars {
+        return Err(invalid(
+            "prompt",
+            format!(
+                "is {chars} characters, above the limit of {}",
+                limits.max_prompt_chars
+            ),
+        ));
+    }
+    let n = in_range("n", raw.n, 1, 1, limits.max_n)?;
+    let steps = in_range(
+        "num_inference_steps",
+        raw.num_inference_steps,
+        defaults.steps,
+        limits.min_steps,
+        limits.max_steps,
+    )?;
+    let guidance = raw.guidance_scale.unwrap_or(f64::from(defaults.guidance));
+    if !guidance.is_finite() || guidance < 0.0 || guidance > f64::from(limits.max_guidance) {
+        return Err(invalid(
+            "guidance_scale",
+            format!(
+                "must be between 0 and {}, got {guidance}",
+                limits.max_guidance
+            ),
+        ));
+    }
+    let response_format = match raw.response_format.as_deref().unwrap_or("b64_json") {
+        "b64_json" => ResponseFormat::B64Json,
+        "png" => ResponseFormat::Png,
+        "url" => {
+            return Err(invalid(
+                "response_format",
+                "url is not supported; use b64_json or png",
+            ))
+        }
+        other => {
+            return Err(invalid(
+                "response_format",
+                format!("must be b64_json or png, got {other:?}"),
+            ))
+        }
+    };
+    if response_format == ResponseFormat::Png && n != 1 {
+        return Err(invalid(
+            "response_format",
+            format!("png returns one image; n must be 1, got {n}"),
+        ));
+    }
+    let seed = raw.seed.unwrap_or_else(rand_seed);
+    Ok(ValidParams {
+        params: GenerationParams {
+            prompt,
+            n,
+            num_inference_steps: steps,
+            guidance_scale: guidance as f32,
+            seed,
+            width: size.0,
+            height: size.1,
+        },
+        response_format,
+    })
+}
+
+/// Validate a text-to-image request.
+pub fn validate_generation(
+    raw: RawParams,
+    limits: &Limits,
+    defaults: &Defaults,
+) -> Result<ValidParams, FieldError> {
+    let size = match raw.size.as_deref() {
+        Some(s) => parse_size(s)?,
+        None => (defaults.width, defaults.height),
+    };
+    check_pixels("size", size.0, size.1, limits)?;
+    validate_common(raw, size, limits, defaults)
+}
+
+/// Validate an edit whose image header says `image_size`.
+pub fn validate_edit(
+    raw: RawParams,
+    image_size: (u32, u32),
+    limits: &Limits,
+    defaults: &Defaults,
+) -> Result<ValidParams, FieldError> {
+    check_pixels("image", image_size.0, image_size.1, limits)?;
+    if let Some(size) = raw.size.as_deref() {
+        // Accepted for OpenAI compatibility, but edits always come back at the input's size.
+        parse_size(size)?;
+    }
+    validate_common(raw, image_size, limits, defaults)
+}
+
+/// A seed for requests that give none (time-based; reproducibility needs an explicit seed).
+fn rand_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    // splitmix64 so nearby timestamps give unrelated seeds.
+    let mut z = nanos.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            max_n: 4,
+            min_steps: 1,
+            max_steps: 100,
+            max_guidance: 30.0,
+            max_pixels: 1024 * 1024,
+            max_prompt_chars: 100,
+        }
+    }
+    fn defaults() -> Defaults {
+        Defaults {
+            steps: 20,
+            guidance: 3.5,
+            width: 64,
+            height: 64,
+        }
+    }
+    fn raw(prompt: &str) -> RawParams {
+        RawParams {
+            prompt: Some(prompt.into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn defaults_fill_in() {
+        let v = validate_generation(raw("cat"), &limits(), &defaults()).unwrap();
+        assert_eq!(v.params.n, 1);
+        assert_eq!(v.params.num_inference_steps, 20);
+        assert_eq!((v.params.width, v.params.height), (64, 64));
+        assert_eq!(v.response_format, ResponseFormat::B64Json);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let l = limits();
+        let d = defaults();
+        let field = |r: RawParams| validate_generation(r, &l, &d).unwrap_err().field;
+        assert_eq!(field(RawParams::default()), "prompt");
+        assert_eq!(field(raw("  ")), "prompt");
+        assert_eq!(
+            field(RawParams {
+                n: Some(5),
+                ..raw("x")
+            }),
+            "n"
+        );
+        assert_eq!(
+            field(RawParams {
+                n: Some(0),
+                ..raw("x")
+            }),
+            "n"
+        );
+        let e = validate_generation(
+            RawParams {
+                num_inference_steps: Some(101),
+                ..raw("x")
+            },
+            &l,
+            &d,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "num_inference_steps");
+        assert!(e.message.contains("1 and 100"), "{}", e.message);
+        assert_eq!(
+            field(RawParams {
+                num_inference_steps: Some(-3),
+                ..raw("x")
+            }),
+            "num_inference_steps"
+        );
+        assert_eq!(
+            field(RawParams {
+                guidance_scale: Some(f64::NAN),
+                ..raw("x")
+            }),
+            "guidance_scale"
+        );
+        assert_eq!(
+            field(RawParams {
+                size: Some("big".into()),
+                ..raw("x")
+            }),
+            "size"
+        );
+        assert_eq!(
+            field(RawParams {
+                size: Some("4096x4096".into()),
+                ..raw("x")
+            }),
+            "size"
+        );
+        assert_eq!(
+            field(RawParams {
+                response_format: Some("url".into()),
+                ..raw("x")
+            }),
+            "response_format"
+        );
+        let png_many = RawParams {
+            response_format: Some("png".into()),
+            n: Some(2),
+            ..raw("x")
+        };
+        assert_eq!(field(png_many), "response_format");
+        assert_eq!(field(raw(&"a".repeat(101))), "prompt");
+    }
+
+    #[test]
+    fn edits_keep_input_size_and_check_pixels() {
+        let v = validate_edit(raw("x"), (300, 200), &limits(), &defaults()).unwrap();
+        assert_eq!((v.params.width, v.params.height), (300, 200));
+        let e = validate_edit(raw("x"), (2048, 2048), &limits(), &defaults()).unwrap_err();
+        assert_eq!(e.field, "image");
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("512x256").unwrap(), (512, 256));
+        assert!(parse_size("0x5").is_err());
+        assert!(parse_size("512").is_err());
+    }
+}

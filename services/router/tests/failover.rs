@@ -1,0 +1,190 @@
+//! Router against a real nats-server with hand-driven fake denoisers: placement, rejection when
+//! no denoiser is live, re-placement after a worker goes silent, and failure when none is left.
+use diffmesh_router::{start, RouterConfig};
+use diffmesh_shared::messages::{
+    decode, encode, DenoiseJob, GenerationParams, Heartbeat, JobEvent, JobKind, PreparedInputs,
+    SubmitReply,
+};
+use diffmesh_shared::nats::request_msgpack;
+use diffmesh_shared::subjects;
+use diffmesh_shared::testing::NatsServer;
+use futures::StreamExt;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+fn job(id: &str) -> DenoiseJob {
+    DenoiseJob {
+        job_id: id.into(),
+        kind: JobKind::Generate,
+        params: GenerationParams {
+            prompt: "a red circle".into(),
+            n: 1,
+            num_inference_steps: 4,
+            guidance_scale: 1.0,
+            seed: 1,
+            width: 64,
+            height: 64,
+        },
+        inputs: PreparedInputs {
+            image_key: None,
+            token_mask_key: None,
+            mask_ratio: 1.0,
+            masked_tokens: 256,
+            input_width: 64,
+            input_height: 64,
+            model_width: 64,
+            model_height: 64,
+            token_rows: 0,
+            token_cols: 0,
+            template_id: None,
+        },
+        raw_image_key: None,
+        raw_mask_key: None,
+        attempt: 0,
+    }
+}
+
+/// A fake denoiser: heartbeats until `stop`, accepts every submit and reports it on `jobs`.
+async fn fake_worker(
+    client: async_nats::Client,
+    id: &str,
+    jobs: mpsc::Sender<(String, DenoiseJob)>,
+) -> CancellationToken {
+    let stop = CancellationToken::new();
+    let mut sub = client
+        .subscribe(subjects::denoiser_submit(id))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let (c, s, worker) = (client.clone(), stop.clone(), id.to_string());
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = s.cancelled() => return,
+                _ = tick.tick() => {
+                    let hb = Heartbeat {
+                        worker_id: worker.clone(), running: vec![], queued: 0, max_batch: 2,
+                        model: "tiny".into(), draining: false, queue_capacity: 2,
+                    };
+                    c.publish(subjects::DENOISER_HEARTBEAT, encode(&hb).unwrap().into()).await.unwrap();
+                }
+                msg = sub.next() => {
+                    let Some(msg) = msg else { return };
+                    let job: DenoiseJob = decode(&msg.payload).unwrap();
+                    let reply = SubmitReply::Accepted { worker_id: worker.clone() };
+                    c.publish(msg.reply.unwrap(), encode(&reply).unwrap().into()).await.unwrap();
+                    jobs.send((worker.clone(), job)).await.unwrap();
+                }
+            }
+        }
+    });
+    stop
+}
+
+async fn submit(client: &async_nats::Client, j: &DenoiseJob) -> SubmitReply {
+    request_msgpack(client, subjects::ROUTER_SUBMIT, j, Duration::from_secs(5))
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn places_fails_over_and_gives_up_cleanly() {
+    let nats = NatsServer::start();
+    let router = start(RouterConfig::for_tests(nats.url())).await.unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+
+    // No denoiser yet: rejected at once with a retry hint.
+    match submit(&client, &job("early")).await {
+        SubmitReply::Rejected {
+            reason,
+            retry_after_ms,
+        } => {
+            assert!(reason.contains("no denoiser"), "{reason}");
+            assert!(retry_after_ms > 0);
+        }
+        other => panic!("expected rejection, got {other:?}"),
+    }
+
+    let (tx, mut placed) = mpsc::channel(16);
+    let stop_a = fake_worker(client.clone(), "wa", tx.clone()).await;
+    let stop_b = fake_worker(client.clone(), "wb", tx.clone()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await; // both heartbeats seen
+
+    let mut events = client.subscribe(subjects::job_events("j1")).await.unwrap();
+    client.flush().await.unwrap();
+    let SubmitReply::Accepted { worker_id: first } = submit(&client, &job("j1")).await else {
+        panic!("not placed")
+    };
+    let (w, j) = placed.recv().await.unwrap();
+    assert_eq!((w.as_str(), j.attempt), (first.as_str(), 0));
+
+    // The chosen worker goes silent: the job is placed on the other one, attempt 1.
+    let (lost, survivor_stop, other_stop) = if first == "wa" {
+        ("wa", stop_b.clone(), stop_a.clone())
+    } else {
+        ("wb", stop_a.clone(), stop_b.clone())
+    };
+    other_stop.cancel();
+    let (w2, j2) = tokio::time::timeout(Duration::from_secs(5), placed.recv())
+        .await
+        .expect("no re-placement")
+        .unwrap();
+    assert_ne!(w2, lost);
+    assert_eq!((j2.job_id.as_str(), j2.attempt), ("j1", 1));
+    let ev = tokio::time::timeout(Duration::from_secs(2), events.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        decode::<JobEvent>(&ev.payload).unwrap(),
+        JobEvent::Retrying { attempt: 1, .. }
+    ));
+
+    // The survivor goes silent too: nothing left, the job fails with a clear message.
+    survivor_stop.cancel();
+    let failed = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let ev = events.next().await.unwrap();
+            if let JobEvent::Failed {
+                message,
+                error_type,
+            } = decode::<JobEvent>(&ev.payload).unwrap()
+            {
+                return (message, error_type);
+            }
+        }
+    })
+    .await
+    .expect("job never failed");
+    assert!(
+        failed.0.contains("lost; no other denoiser available"),
+        "{}",
+        failed.0
+    );
+    assert_eq!(failed.1, "worker_lost");
+
+    let metrics = http_get(router.health_addr, "/metrics").await;
+    assert!(
+        metrics.contains("diffmesh_router_replacements_total 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("diffmesh_router_decision_duration_seconds_count"),
+        "{metrics}"
+    );
+    router.shutdown().await.unwrap();
+}
+
+/// Minimal HTTP GET over a TCP stream (keeps the test free of an HTTP client dependency).
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}

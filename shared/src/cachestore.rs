@@ -1,0 +1,207 @@
+//! The cachestore's request/reply contract (subjects under `subjects::CACHESTORE_PREFIX`).
+//!
+//! Small values ride inline as MessagePack `bin`; values above the inline limit go through the
+//! JetStream object store bucket [`CACHE_BUCKET`] under the cache key itself, and the messages
+//! only say so (`in_object_store`).
+use crate::subjects::CACHESTORE_PREFIX;
+use serde::{Deserialize, Serialize};
+
+/// JetStream object store bucket of the cluster cache tier (also the transport for large values).
+pub const CACHE_BUCKET: &str = "diffmesh-cache";
+/// Values up to this size may ride inline in a message; larger ones must use the object store.
+pub const DEFAULT_INLINE_LIMIT: usize = 256 * 1024;
+
+pub fn get_subject() -> String {
+    format!("{CACHESTORE_PREFIX}.get")
+}
+pub fn put_subject() -> String {
+    format!("{CACHESTORE_PREFIX}.put")
+}
+pub fn delete_subject() -> String {
+    format!("{CACHESTORE_PREFIX}.delete")
+}
+pub fn stats_subject() -> String {
+    format!("{CACHESTORE_PREFIX}.stats")
+}
+/// Queue group of cachestore instances.
+pub const CACHESTORE_QUEUE: &str = "cachestore";
+
+/// Which tier answered a get.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum CacheTier {
+    Memory,
+    Disk,
+    Cluster,
+}
+
+impl CacheTier {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheTier::Memory => "memory",
+            CacheTier::Disk => "disk",
+            CacheTier::Cluster => "cluster",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheGet {
+    pub key: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CacheGetReply {
+    /// The value, inline (small values).
+    Inline {
+        tier: CacheTier,
+        #[serde(with = "bin")]
+        value: Vec<u8>,
+    },
+    /// The value is in [`CACHE_BUCKET`] under the same key; read it from there.
+    InObjectStore {
+        tier: CacheTier,
+        size: u64,
+    },
+    Missing,
+    Failed {
+        message: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CachePut {
+    pub key: String,
+    /// Inline value; `None` when the caller already wrote it to [`CACHE_BUCKET`] under `key`.
+    #[serde(with = "opt_bin", default)]
+    pub value: Option<Vec<u8>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CachePutReply {
+    Stored { size: u64 },
+    Failed { message: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheDelete {
+    pub key: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CacheDeleteReply {
+    Deleted { existed: bool },
+    Failed { message: String },
+}
+
+/// Per-tier counters of one cachestore instance.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TierStats {
+    pub entries: u64,
+    pub bytes: u64,
+    pub hits: u64,
+    pub misses: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CacheStatsReply {
+    pub memory: TierStats,
+    pub disk: TierStats,
+    /// Entries/bytes of the cluster tier are not counted (shared bucket); hits/misses are this
+    /// instance's.
+    pub cluster: TierStats,
+}
+
+/// Serialize `Vec<u8>` as MessagePack `bin` (serde's default would be an array of integers).
+mod bin {
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(v)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        d.deserialize_byte_buf(BytesVisitor)
+    }
+
+    pub(super) struct BytesVisitor;
+
+    impl<'de> serde::de::Visitor<'de> for BytesVisitor {
+        type Value = Vec<u8>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a byte string")
+        }
+        fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+            Ok(v.to_vec())
+        }
+        fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+            Ok(v)
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+            while let Some(b) = seq.next_element::<u8>()? {
+                out.push(b);
+            }
+            Ok(out)
+        }
+    }
+}
+
+mod opt_bin {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Option<Vec<u8>>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(b) => s.serialize_some(&Wrapper(b)),
+            None => s.serialize_none(),
+        }
+    }
+
+    struct Wrapper<'a>(&'a [u8]);
+    impl serde::Serialize for Wrapper<'_> {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_bytes(self.0)
+        }
+    }
+
+    struct Owned(Vec<u8>);
+    impl<'de> Deserialize<'de> for Owned {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_byte_buf(super::bin::BytesVisitor).map(Owned)
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u8>>, D::Error> {
+        Ok(Option::<Owned>::deserialize(d)?.map(|o| o.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::messages::{decode, encode};
+
+    #[test]
+    fn values_travel_as_compact_bin() {
+        let value: Vec<u8> = (0..=255).collect();
+        let reply = CacheGetReply::Inline {
+            tier: CacheTier::Disk,
+            value: value.clone(),
+        };
+        let bytes = encode(&reply).unwrap();
+        // bin8/16 header + 256 raw bytes + small envelope; an int array would be ~384+ bytes.
+        assert!(bytes.len() < 256 + 40, "encoded {} bytes", bytes.len());
+        assert_eq!(decode::<CacheGetReply>(&bytes).unwrap(), reply);
+        for put in [
+            CachePut {
+                key: "k".into(),
+                value: Some(value),
+            },
+            CachePut {
+                key: "k".into(),
+                value: None,
+            },
+        ] {
+            assert_eq!(decode::<CachePut>(&encode(&put).unwrap()).unwrap(), put);
+        }
+    }
+}

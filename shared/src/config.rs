@@ -1,0 +1,64 @@
+//! Flags every service shares; flattened into each service's own clap struct.
+use std::net::SocketAddr;
+
+/// Common service flags (`#[command(flatten)]` this into a service's config).
+#[derive(Debug, Clone, clap::Args)]
+pub struct CommonConfig {
+    /// NATS server URL(s), comma-separated.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    /// Address of the small HTTP server for /healthz, /readyz and /metrics (port 0 = any free port).
+    #[arg(long, env = "HEALTH_ADDR", default_value = "0.0.0.0:9090")]
+    pub health_addr: SocketAddr,
+    /// OTLP/gRPC collector endpoint for traces (e.g. http://otel-collector:4317); unset = no export.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// Log as JSON lines instead of human-readable text.
+    #[arg(long, env = "LOG_JSON", default_value_t = false)]
+    pub log_json: bool,
+    /// How long to keep retrying the first NATS connection before giving up (seconds).
+    #[arg(long, env = "NATS_CONNECT_TIMEOUT_S", default_value_t = 30)]
+    pub nats_connect_timeout_s: u64,
+}
+
+impl CommonConfig {
+    /// Config for in-process tests: the given NATS URL, health server on a free local port.
+    pub fn for_tests(nats_url: impl Into<String>) -> Self {
+        Self {
+            nats_url: nats_url.into(),
+            health_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            otlp_endpoint: None,
+            log_json: false,
+            nats_connect_timeout_s: 10,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        common: CommonConfig,
+    }
+
+    #[test]
+    fn flattens_and_parses() {
+        let cli = Cli::try_parse_from([
+            "svc",
+            "--nats-url",
+            "nats://n:4222",
+            "--health-addr",
+            "127.0.0.1:0",
+            "--log-json",
+        ])
+        .unwrap();
+        assert_eq!(cli.common.nats_url, "nats://n:4222");
+        assert!(cli.common.log_json);
+        assert_eq!(cli.common.health_addr.port(), 0);
+        assert!(Cli::try_parse_from(["svc", "--health-addr", "not-an-addr"]).is_err());
+    }
+}

@@ -1,0 +1,111 @@
+//! The mesh layer's error type: NATS, JetStream, encoding and telemetry failures.
+//!
+//! Services wrap it in their own error enums (`#[from] MeshError`) and map those to HTTP status
+//! or reply messages in one place.
+use std::time::Duration;
+
+use async_nats::jetstream::{context, kv, object_store};
+
+/// Anything that can go wrong talking to the mesh.
+#[derive(Debug, thiserror::Error)]
+pub enum MeshError {
+    #[error("connecting to NATS at {url} failed after {attempts} attempts: {source}")]
+    Connect {
+        url: String,
+        attempts: u32,
+        #[source]
+        source: async_nats::ConnectError,
+    },
+    /// Nobody answered within the deadline (the subscriber exists but is slow or stuck).
+    #[error("request on {subject} timed out after {timeout:?}")]
+    Timeout { subject: String, timeout: Duration },
+    /// Nobody subscribes to the subject (the service is not running).
+    #[error("no service answers on {subject}")]
+    NoResponders { subject: String },
+    #[error("request on {subject} failed: {source}")]
+    Request {
+        subject: String,
+        #[source]
+        source: async_nats::RequestError,
+    },
+    #[error("publish failed: {0}")]
+    Publish(#[from] async_nats::PublishError),
+    #[error("subscribe failed: {0}")]
+    Subscribe(#[from] async_nats::SubscribeError),
+    #[error("encoding a message failed: {0}")]
+    Encode(#[from] rmp_serde::encode::Error),
+    #[error("decoding a message failed: {0}")]
+    Decode(#[from] rmp_serde::decode::Error),
+    #[error("job record is not valid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("blob {key} not found in the object store")]
+    BlobNotFound { key: String },
+    #[error("blob {key} is {size} bytes, above the limit of {limit}")]
+    BlobTooLarge {
+        key: String,
+        size: usize,
+        limit: usize,
+    },
+    /// Creating a JetStream object store or KV bucket failed (both share one error type).
+    #[error("opening bucket {bucket} failed: {source}")]
+    BucketOpen {
+        bucket: String,
+        #[source]
+        source: context::CreateObjectStoreError,
+    },
+    #[error("object store put failed: {0}")]
+    BlobPut(#[from] object_store::PutError),
+    #[error("object store get failed: {0}")]
+    BlobGet(#[from] object_store::GetError),
+    #[error("object store delete failed: {0}")]
+    BlobDelete(#[from] object_store::DeleteError),
+    #[error("creating a JetStream stream failed: {0}")]
+    StreamCreate(#[from] context::CreateStreamError),
+    #[error("opening key-value bucket failed: {0}")]
+    KvOpen(#[from] context::KeyValueError),
+    #[error("key-value read failed: {0}")]
+    KvEntry(#[from] kv::EntryError),
+    #[error("key-value put failed: {0}")]
+    KvPut(#[from] kv::PutError),
+    #[error("key-value create failed: {0}")]
+    KvCreate(#[from] kv::CreateError),
+    #[error("key-value update failed: {0}")]
+    KvUpdate(#[from] kv::UpdateError),
+    #[error("job {job_id} not found")]
+    JobNotFound { job_id: String },
+    #[error("job {job_id} changed concurrently {attempts} times; giving up")]
+    JobContention { job_id: String, attempts: u32 },
+    #[error("reading a blob failed: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("telemetry setup failed: {0}")]
+    Telemetry(String),
+}
+
+impl MeshError {
+    /// A short, stable label for the failure counter (`reason` label).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            MeshError::Connect { .. } => "nats_connect",
+            MeshError::Timeout { .. } => "timeout",
+            MeshError::NoResponders { .. } => "no_responders",
+            MeshError::Request { .. } | MeshError::Publish(_) | MeshError::Subscribe(_) => "nats",
+            MeshError::Encode(_) | MeshError::Decode(_) | MeshError::Json(_) => "codec",
+            MeshError::BlobNotFound { .. } => "blob_not_found",
+            MeshError::BlobTooLarge { .. } => "blob_too_large",
+            MeshError::BucketOpen { .. }
+            | MeshError::BlobPut(_)
+            | MeshError::BlobGet(_)
+            | MeshError::BlobDelete(_)
+            | MeshError::Io(_) => "object_store",
+            MeshError::StreamCreate(_)
+            | MeshError::KvOpen(_)
+            | MeshError::KvEntry(_)
+            | MeshError::KvPut(_)
+            | MeshError::KvCreate(_)
+            | MeshError::KvUpdate(_)
+            | MeshError::JobNotFound { .. }
+            | MeshError::JobContention { .. } => "job_store",
+            MeshError::Telemetry(_) => "telemetry",
+        }
+    }
+}

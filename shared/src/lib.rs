@@ -1,0 +1,17 @@
+//! diffmesh shared crate: message types, NATS subjects, configuration, telemetry, errors.
+pub mod cachestore;
+pub mod config;
+pub mod error;
+pub mod health;
+pub mod job;
+pub mod messages;
+pub mod metrics;
+pub mod nats;
+pub mod shutdown;
+pub mod subjects;
+pub mod telemetry;
+pub mod testing;
+pub mod trace_context;
+
+pub use config::CommonConfig;
+pub use error::MeshError;

@@ -1,0 +1,349 @@
+//! Message types exchanged over NATS, encoded with MessagePack (rmp-serde).
+//!
+//! Large payloads (images, masks, tensors) never ride in a message: they are written to the
+//! JetStream object store (`subjects::BLOB_BUCKET`) and messages carry their keys.
+use serde::{Deserialize, Serialize};
+
+/// What a job asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobKind {
+    /// Text-to-image.
+    Generate,
+    /// Inpainting/editing of an uploaded image under a mask.
+    Edit,
+}
+
+/// Validated generation parameters shared by every hop.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerationParams {
+    pub prompt: String,
+    /// Number of images to produce for this request.
+    pub n: u32,
+    pub num_inference_steps: u32,
+    pub guidance_scale: f32,
+    pub seed: u64,
+    /// Output size for text-to-image (edits keep the input image's size).
+    pub width: u32,
+    pub height: u32,
+}
+
+/// Gateway -> codec (`CODEC_PRE`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PreprocessRequest {
+    pub job_id: String,
+    pub kind: JobKind,
+    /// Object-store keys of the raw uploaded bytes (edits only).
+    pub image_key: Option<String>,
+    pub mask_key: Option<String>,
+    pub params: GenerationParams,
+}
+
+/// Model-resolution inputs the codec prepared, stored in the object store.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PreparedInputs {
+    /// Key of the model-resolution image (RGB u8, `model_height * model_width * 3`), edits only.
+    pub image_key: Option<String>,
+    /// Key of the latent-token mask (one u8 per image token, 1 = repaint), edits only.
+    pub token_mask_key: Option<String>,
+    /// Fraction of image tokens that are repainted (1.0 for generations).
+    pub mask_ratio: f32,
+    /// Image tokens repainted (all of them for generations).
+    pub masked_tokens: u32,
+    /// The original input size, for the post-processing step.
+    pub input_width: u32,
+    pub input_height: u32,
+    /// Model resolution the codec resized to (pixels); the denoiser checks it matches its model.
+    #[serde(default)]
+    pub model_width: u32,
+    #[serde(default)]
+    pub model_height: u32,
+    /// Image-token grid at the model resolution (the token mask, when present, is
+    /// `token_rows * token_cols` bytes, row-major).
+    #[serde(default)]
+    pub token_rows: u32,
+    #[serde(default)]
+    pub token_cols: u32,
+    /// Content hash of the model-resolution template image (hex), so template activation caches
+    /// (cachestore) are keyed by content, not by upload; edits only.
+    #[serde(default)]
+    pub template_id: Option<String>,
+}
+
+/// A field-level validation error, returned to the client as a 4xx.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FieldError {
+    pub field: String,
+    pub message: String,
+    pub error_type: String,
+}
+
+/// Codec -> gateway.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum PreprocessReply {
+    Prepared(PreparedInputs),
+    Invalid(FieldError),
+    Failed { message: String },
+}
+
+/// A prepared job: gateway -> router (`ROUTER_SUBMIT`) and router -> denoiser.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DenoiseJob {
+    pub job_id: String,
+    pub kind: JobKind,
+    pub params: GenerationParams,
+    pub inputs: PreparedInputs,
+    /// Object-store keys of the raw uploads, for compositing at the input size.
+    pub raw_image_key: Option<String>,
+    pub raw_mask_key: Option<String>,
+    /// How many times this job was placed already (retries after a denoiser loss).
+    pub attempt: u32,
+}
+
+/// Router/denoiser answer to a submit.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum SubmitReply {
+    Accepted {
+        worker_id: String,
+    },
+    /// No capacity now; the caller may retry after the given delay.
+    Rejected {
+        reason: String,
+        retry_after_ms: u64,
+    },
+}
+
+/// Denoiser -> codec (`CODEC_POST`): turn the model output into PNGs at the input's size.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PostprocessRequest {
+    pub job: DenoiseJob,
+    /// Object-store keys of the model-resolution outputs (RGB u8), one per image.
+    pub output_keys: Vec<String>,
+    pub model_width: u32,
+    pub model_height: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum PostprocessReply {
+    /// Object-store keys of the final PNGs, one per image.
+    Done {
+        png_keys: Vec<String>,
+    },
+    Failed {
+        message: String,
+    },
+}
+
+/// Progress and terminal events, published on `subjects::job_events(job_id)`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum JobEvent {
+    Queued {
+        worker_id: String,
+        position: u32,
+    },
+    Started {
+        worker_id: String,
+    },
+    Step {
+        step: u32,
+        total: u32,
+    },
+    Done {
+        png_keys: Vec<String>,
+    },
+    Failed {
+        message: String,
+        error_type: String,
+    },
+    /// The job lost its worker (or the worker failed it) and was placed again.
+    Retrying {
+        attempt: u32,
+        reason: String,
+    },
+}
+
+/// Machine-readable `error_type` values used in [`FieldError`], [`JobEvent::Failed`] and the
+/// gateway's HTTP errors, so every hop spells them the same way.
+pub mod error_types {
+    /// The request is malformed or a field is out of range (HTTP 400).
+    pub const INVALID_REQUEST: &str = "invalid_request_error";
+    /// The request body or an upload is larger than allowed (HTTP 413).
+    pub const TOO_LARGE: &str = "request_too_large";
+    /// No denoiser can take the job now (HTTP 503).
+    pub const UNAVAILABLE: &str = "service_unavailable";
+    /// The job did not finish within its deadline (HTTP 504).
+    pub const TIMEOUT: &str = "timeout";
+    /// A worker was lost and the job could not be placed again.
+    pub const WORKER_LOST: &str = "worker_lost";
+    /// Anything else that went wrong inside the mesh (HTTP 500).
+    pub const INTERNAL: &str = "internal_error";
+}
+
+/// Denoiser -> router heartbeat.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub worker_id: String,
+    /// Jobs running in the current batch plus queued ones.
+    pub running: Vec<RunningJob>,
+    pub queued: u32,
+    pub max_batch: u32,
+    /// Model id the worker serves, so the router only places compatible jobs.
+    pub model: String,
+    pub draining: bool,
+    /// Jobs the worker accepts beyond its running batch (its bounded wait queue), so the router
+    /// knows when a worker is full. 0 from older senders.
+    #[serde(default)]
+    pub queue_capacity: u32,
+}
+
+/// Gateway -> router (`ROUTER_CANCEL`) and router -> denoiser (`denoiser_cancel`): drop a job at
+/// the next step boundary.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CancelJob {
+    pub job_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunningJob {
+    pub job_id: String,
+    pub masked_tokens: u32,
+    pub remaining_steps: u32,
+}
+
+impl FieldError {
+    /// An `invalid_request_error` naming `field`.
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            message: message.into(),
+            error_type: error_types::INVALID_REQUEST.to_string(),
+        }
+    }
+}
+
+/// Encode a message as MessagePack (named fields, so versions can add fields).
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, rmp_serde::encode::Error> {
+    rmp_serde::to_vec_named(msg)
+}
+
+/// Decode a MessagePack message.
+pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, rmp_serde::decode::Error> {
+    rmp_serde::from_slice(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> GenerationParams {
+        GenerationParams {
+            prompt: "a red square".into(),
+            n: 2,
+            num_inference_steps: 8,
+            guidance_scale: 3.5,
+            seed: 42,
+            width: 64,
+            height: 48,
+        }
+    }
+
+    fn prepared() -> PreparedInputs {
+        PreparedInputs {
+            image_key: Some("job/prepared-image".into()),
+            token_mask_key: Some("job/token-mask".into()),
+            mask_ratio: 0.25,
+            masked_tokens: 64,
+            input_width: 640,
+            input_height: 480,
+            model_width: 64,
+            model_height: 64,
+            token_rows: 16,
+            token_cols: 16,
+            template_id: Some("abc".into()),
+        }
+    }
+
+    #[test]
+    fn denoise_job_round_trips() {
+        let job = DenoiseJob {
+            job_id: "j1".into(),
+            kind: JobKind::Edit,
+            params: params(),
+            inputs: prepared(),
+            raw_image_key: Some("j1/image".into()),
+            raw_mask_key: None,
+            attempt: 1,
+        };
+        let back: DenoiseJob = decode(&encode(&job).unwrap()).unwrap();
+        assert_eq!(back.job_id, job.job_id);
+        assert_eq!(back.kind, job.kind);
+        assert_eq!(back.params, job.params);
+        assert_eq!(back.inputs, job.inputs);
+        assert_eq!(back.raw_image_key, job.raw_image_key);
+        assert_eq!(back.raw_mask_key, None);
+        assert_eq!(back.attempt, 1);
+    }
+
+    #[test]
+    fn enums_round_trip() {
+        let events = vec![
+            JobEvent::Queued {
+                worker_id: "w".into(),
+                position: 3,
+            },
+            JobEvent::Step { step: 2, total: 8 },
+            JobEvent::Done {
+                png_keys: vec!["a".into(), "b".into()],
+            },
+            JobEvent::Failed {
+                message: "boom".into(),
+                error_type: error_types::INTERNAL.into(),
+            },
+            JobEvent::Retrying {
+                attempt: 2,
+                reason: "worker lost".into(),
+            },
+        ];
+        for e in events {
+            let back: JobEvent = decode(&encode(&e).unwrap()).unwrap();
+            assert_eq!(back, e);
+        }
+        let reply = PreprocessReply::Invalid(FieldError::invalid("mask", "size differs"));
+        match decode::<PreprocessReply>(&encode(&reply).unwrap()).unwrap() {
+            PreprocessReply::Invalid(f) => {
+                assert_eq!(f, FieldError::invalid("mask", "size differs"))
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    /// Messages from an older sender (without the fields added later) still decode.
+    #[test]
+    fn added_fields_default_when_missing() {
+        #[derive(Serialize)]
+        struct OldPrepared {
+            image_key: Option<String>,
+            token_mask_key: Option<String>,
+            mask_ratio: f32,
+            masked_tokens: u32,
+            input_width: u32,
+            input_height: u32,
+        }
+        let old = OldPrepared {
+            image_key: None,
+            token_mask_key: None,
+            mask_ratio: 1.0,
+            masked_tokens: 0,
+            input_width: 8,
+            input_height: 8,
+        };
+        let back: PreparedInputs = decode(&encode(&old).unwrap()).unwrap();
+        assert_eq!(back.model_width, 0);
+        assert_eq!(back.template_id, None);
+        assert_eq!(back.input_width, 8);
+    }
+
+    #[test]
+    fn garbage_is_a_decode_error() {
+        assert!(decode::<DenoiseJob>(b"\xc1not msgpack").is_err());
+    }
+}

@@ -1,0 +1,273 @@
+//! NATS plumbing every service uses: connecting with retry, MessagePack request/reply that
+//! always has a deadline and carries trace headers, and the JetStream object store for blobs.
+use std::time::Duration;
+
+use async_nats::jetstream::{self, object_store};
+use async_nats::{Client, HeaderMap, Message, RequestErrorKind};
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::io::AsyncReadExt;
+
+use crate::error::MeshError;
+use crate::messages::{decode, encode};
+use crate::subjects::BLOB_BUCKET;
+use crate::trace_context::headers_for;
+
+/// Connect to NATS, retrying with capped exponential backoff for up to `give_up_after`
+/// (services often start before the server in compose). `name` shows in `nats server report`.
+pub async fn connect(url: &str, name: &str, give_up_after: Duration) -> Result<Client, MeshError> {
+    let start = tokio::time::Instant::now();
+    let mut delay = Duration::from_millis(100);
+    let mut attempts = 0u32;
+    // A cluster is given as comma-separated URLs; async-nats parses a single `&str` as one URL.
+    let servers: Vec<&str> = url
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    loop {
+        attempts += 1;
+        let result = async_nats::ConnectOptions::new()
+            .name(name)
+            .connection_timeout(Duration::from_secs(2))
+            .connect(servers.as_slice())
+            .await;
+        match result {
+            Ok(client) => return Ok(client),
+            Err(source) if start.elapsed() + delay >= give_up_after => {
+                return Err(MeshError::Connect {
+                    url: url.to_string(),
+                    attempts,
+                    source,
+                })
+            }
+            Err(err) => {
+                tracing::warn!(%url, attempts, error = %err, "NATS not reachable yet; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// Send `req` as MessagePack on `subject` and decode the reply, failing after `timeout`.
+/// The current span's trace context rides in the headers.
+pub async fn request_msgpack<Req, Resp>(
+    client: &Client,
+    subject: &str,
+    req: &Req,
+    timeout: Duration,
+) -> Result<Resp, MeshError>
+where
+    Req: Serialize,
+    Resp: DeserializeOwned,
+{
+    request_with_headers(client, subject, headers_for(None), req, timeout).await
+}
+
+/// [`request_msgpack`] that also sets the job id header (`subjects::JOB_ID_HEADER`).
+pub async fn request_msgpack_job<Req, Resp>(
+    client: &Client,
+    subject: &str,
+    job_id: &str,
+    req: &Req,
+    timeout: Duration,
+) -> Result<Resp, MeshError>
+where
+    Req: Serialize,
+    Resp: DeserializeOwned,
+{
+    request_with_headers(client, subject, headers_for(Some(job_id)), req, timeout).await
+}
+
+async fn request_with_headers<Req, Resp>(
+    client: &Client,
+    subject: &str,
+    headers: HeaderMap,
+    req: &Req,
+    timeout: Duration,
+) -> Result<Resp, MeshError>
+where
+    Req: Serialize,
+    Resp: DeserializeOwned,
+{
+    let payload = Bytes::from(encode(req)?);
+    let request = async_nats::Request::new()
+        .payload(payload)
+        .headers(headers)
+        .timeout(Some(timeout));
+    let message = client
+        .send_request(subject.to_string(), request)
+        .await
+        .map_err(|source| match source.kind() {
+            RequestErrorKind::TimedOut => MeshError::Timeout {
+                subject: subject.to_string(),
+                timeout,
+            },
+            RequestErrorKind::NoResponders => MeshError::NoResponders {
+                subject: subject.to_string(),
+            },
+            _ => MeshError::Request {
+                subject: subject.to_string(),
+                source,
+            },
+        })?;
+    Ok(decode(&message.payload)?)
+}
+
+/// Publish `msg` as MessagePack with trace headers (and the job id header when given).
+pub async fn publish_msgpack<T: Serialize>(
+    client: &Client,
+    subject: impl Into<String>,
+    job_id: Option<&str>,
+    msg: &T,
+) -> Result<(), MeshError> {
+    let payload = Bytes::from(encode(msg)?);
+    client
+        .publish_with_headers(subject.into(), headers_for(job_id), payload)
+        .await?;
+    Ok(())
+}
+
+/// Answer a request message with `resp` (MessagePack). A message without a reply subject was
+/// published fire-and-forget; answering it is a no-op.
+pub async fn reply_msgpack<T: Serialize>(
+    client: &Client,
+    request: &Message,
+    resp: &T,
+) -> Result<(), MeshError> {
+    let Some(reply) = request.reply.clone() else {
+        return Ok(());
+    };
+    let job_id = crate::trace_context::job_id_of(request.headers.as_ref());
+    let payload = Bytes::from(encode(resp)?);
+    client
+        .publish_with_headers(reply, headers_for(job_id.as_deref()), payload)
+        .await?;
+    Ok(())
+}
+
+/// Settings of a blob bucket when this process has to create it.
+#[derive(Debug, Clone)]
+pub struct BlobBucketConfig {
+    pub bucket: String,
+    /// Objects older than this are dropped by the server (0 = keep forever).
+    pub max_age: Duration,
+}
+
+impl Default for BlobBucketConfig {
+    fn default() -> Self {
+        Self {
+            bucket: BLOB_BUCKET.to_string(),
+            // Uploads and results are per-request; a day is ample for clients to fetch results.
+            max_age: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
+/// Bytes by key in a JetStream object store bucket (images, masks, prepared tensors, results).
+#[derive(Clone)]
+pub struct BlobStore {
+    store: object_store::ObjectStore,
+    bucket: String,
+}
+
+impl BlobStore {
+    /// Open `subjects::BLOB_BUCKET`, creating it when missing.
+    pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
+        Self::open_with(js, &BlobBucketConfig::default()).await
+    }
+
+    /// Open (get or create) a bucket with the given settings. Creating races are harmless:
+    /// if another service created it meanwhile, the existing bucket is used.
+    pub async fn open_with(
+        js: &jetstream::Context,
+        config: &BlobBucketConfig,
+    ) -> Result<Self, MeshError> {
+        if let Ok(store) = js.get_object_store(&config.bucket).await {
+            return Ok(Self {
+                store,
+                bucket: config.bucket.clone(),
+            });
+        }
+        let created = js
+            .create_object_store(object_store::Config {
+                bucket: config.bucket.clone(),
+                max_age: config.max_age,
+                ..Default::default()
+            })
+            .await;
+        let store = match created {
+            Ok(store) => store,
+            Err(err) => match js.get_object_store(&config.bucket).await {
+                Ok(store) => store,
+                Err(_) => {
+                    return Err(MeshError::BucketOpen {
+                        bucket: config.bucket.clone(),
+                        source: err,
+                    })
+                }
+            },
+        };
+        Ok(Self {
+            store,
+            bucket: config.bucket.clone(),
+        })
+    }
+
+    pub fn bucket(&self) -> &str {
+        &self.bucket
+    }
+
+    /// Store `data` under `key` (keys use `[-/_=.a-zA-Z0-9]`), replacing any previous object.
+    pub async fn put(&self, key: &str, data: &[u8]) -> Result<(), MeshError> {
+        let mut reader = data;
+        self.store.put(key, &mut reader).await?;
+        Ok(())
+    }
+
+    /// Read the object under `key` whole.
+    pub async fn get(&self, key: &str) -> Result<Vec<u8>, MeshError> {
+        self.get_limited(key, usize::MAX).await
+    }
+
+    /// Read the object under `key`, refusing objects above `limit` bytes before reading them.
+    pub async fn get_limited(&self, key: &str, limit: usize) -> Result<Vec<u8>, MeshError> {
+        let mut object = self.store.get(key).await.map_err(|err| {
+            if err.kind() == object_store::GetErrorKind::NotFound {
+                MeshError::BlobNotFound {
+                    key: key.to_string(),
+                }
+            } else {
+                MeshError::BlobGet(err)
+            }
+        })?;
+        let size = object.info.size;
+        if size > limit {
+            return Err(MeshError::BlobTooLarge {
+                key: key.to_string(),
+                size,
+                limit,
+            });
+        }
+        let mut buf = Vec::with_capacity(size);
+        object.read_to_end(&mut buf).await?;
+        Ok(buf)
+    }
+
+    /// Remove the object under `key`; removing a missing key is not an error.
+    pub async fn delete(&self, key: &str) -> Result<(), MeshError> {
+        match self.store.delete(key).await {
+            Ok(()) => Ok(()),
+            Err(err) if err.kind() == object_store::DeleteErrorKind::NotFound => Ok(()),
+            Err(err) => Err(err.into()),
+        }
+    }
+}
+
+/// Object-store key of a blob belonging to one job (`<job_id>/<name>`), so one job's blobs
+/// sort together and can be listed or cleaned up by prefix.
+pub fn blob_key(job_id: &str, name: &str) -> String {
+    format!("{job_id}/{name}")
+}

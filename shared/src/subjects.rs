@@ -1,0 +1,40 @@
+//! Every NATS subject, bucket and header name the mesh uses, in one place.
+
+/// Gateway -> codec: decode and validate inputs, resize to model resolution (request/reply).
+pub const CODEC_PRE: &str = "diffmesh.codec.pre";
+/// Denoiser -> codec: decode the model output, composite, encode PNG at the input size (request/reply).
+pub const CODEC_POST: &str = "diffmesh.codec.post";
+/// Queue group shared by codec workers so each request goes to one of them.
+pub const CODEC_QUEUE: &str = "codec";
+/// Gateway -> router: place a prepared job on a denoiser (request/reply: accepted or rejected).
+pub const ROUTER_SUBMIT: &str = "diffmesh.router.submit";
+/// Gateway -> router: cancel a job (fire-and-forget).
+pub const ROUTER_CANCEL: &str = "diffmesh.router.cancel";
+/// Denoisers -> router: periodic heartbeat with load and capacity.
+pub const DENOISER_HEARTBEAT: &str = "diffmesh.denoiser.heartbeat";
+/// Cachestore requests (get/put/prefetch of activation caches).
+pub const CACHESTORE_PREFIX: &str = "diffmesh.cachestore";
+
+/// Router -> one denoiser: run this job (request/reply: accepted or busy).
+pub fn denoiser_submit(worker_id: &str) -> String {
+    format!("diffmesh.denoiser.{worker_id}.submit")
+}
+/// Router -> one denoiser: cancel a job at the next step boundary.
+pub fn denoiser_cancel(worker_id: &str) -> String {
+    format!("diffmesh.denoiser.{worker_id}.cancel")
+}
+/// Progress and terminal events of one job (queued, started, step k/N, done, failed).
+pub fn job_events(job_id: &str) -> String {
+    format!("diffmesh.job.{job_id}.events")
+}
+
+/// JetStream object store bucket for images, masks, prepared tensors and results.
+pub const BLOB_BUCKET: &str = "diffmesh-blobs";
+/// JetStream KV bucket for job records.
+pub const JOB_BUCKET: &str = "diffmesh-jobs";
+
+/// W3C trace context header carried on every NATS message.
+pub const TRACEPARENT_HEADER: &str = "traceparent";
+pub const TRACESTATE_HEADER: &str = "tracestate";
+/// Job id header, so logs and traces can be joined without decoding the payload.
+pub const JOB_ID_HEADER: &str = "diffmesh-job-id";

@@ -1,0 +1,104 @@
+//! Test fixture: a real `nats-server` (with JetStream) on a free local port, removed on drop.
+//!
+//! The one fixture every test of the workspace uses (service crates and the mesh tests alike).
+//! The binary is `$NATS_SERVER_BIN`, else Debian's `/usr/sbin/nats-server`, else `nats-server` on
+//! `PATH`. Tests need no network: the server listens on 127.0.0.1 only and keeps its JetStream
+//! data and log in a fresh temp directory.
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub struct NatsServer {
+    child: Child,
+    pub port: u16,
+    dir: PathBuf,
+}
+
+fn nats_server_binary() -> PathBuf {
+    if let Ok(p) = std::env::var("NATS_SERVER_BIN") {
+        return PathBuf::from(p);
+    }
+    let debian = Path::new("/usr/sbin/nats-server");
+    if debian.exists() {
+        return debian.to_path_buf();
+    }
+    PathBuf::from("nats-server")
+}
+
+/// A currently free local TCP port (another process could take it before use, so `start`
+/// retries with a new port when the server fails to come up).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free local port")
+}
+
+impl NatsServer {
+    /// Start a server and wait until it accepts connections. Panics with the server's log when
+    /// it cannot start (this is test code: a missing fixture must fail the test loudly).
+    pub fn start() -> Self {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let bin = nats_server_binary();
+        let mut last_log = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+            let dir = std::env::temp_dir()
+                .join(format!("diffmesh-nats-{}-{seq}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("create nats temp dir");
+            let log = std::fs::File::create(dir.join("nats.log")).expect("create nats log");
+            let child = Command::new(&bin)
+                .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+                .arg(dir.join("js"))
+                .stdout(Stdio::from(log.try_clone().expect("clone log handle")))
+                .stderr(Stdio::from(log))
+                .spawn()
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "cannot start `{}` (install nats-server or set NATS_SERVER_BIN): {e}",
+                        bin.display()
+                    )
+                });
+            let mut server = Self { child, port, dir };
+            if server.wait_ready(Duration::from_secs(10)) {
+                return server;
+            }
+            last_log = server.log();
+        }
+        panic!("nats-server did not come up after 5 tries; last log:\n{last_log}")
+    }
+
+    fn wait_ready(&mut self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return false;
+            }
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's log so far (for failure messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("nats.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

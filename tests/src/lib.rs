@@ -1,0 +1,3 @@
+//! Integration tests of the whole mesh live in tests/tests/; this crate holds their harness.
+pub mod harness;
+pub mod images;

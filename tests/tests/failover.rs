@@ -1,0 +1,114 @@
+//! A denoiser killed in the middle of a job: the job is placed again on the other denoiser and
+//! succeeds, or fails with a clear error; the request never hangs.
+use std::time::{Duration, Instant};
+
+use diffmesh_shared::messages::{decode, JobEvent};
+use diffmesh_tests::harness::{
+    init_test_logging, start_codec, start_denoiser, start_gateway, start_router, tiny_model_dir,
+    NatsServer, Service,
+};
+use diffmesh_tests::images::decode_b64_images;
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_denoiser_mid_job_is_retried_or_fails_clearly() {
+    init_test_logging();
+    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+    let nats = NatsServer::start();
+    let codec = start_codec(&nats, |_| {}).expect("codec");
+    let router = start_router(&nats, |_| {}).expect("router");
+    let mut denoisers = vec![
+        start_denoiser(&nats, &model, "d1", |_| {}).expect("denoiser d1"),
+        start_denoiser(&nats, &model, "d2", |_| {}).expect("denoiser d2"),
+    ];
+    let gateway = start_gateway(&nats, |g| g.job_timeout_s = 90.0).expect("gateway");
+    for s in [&codec, &router, &gateway]
+        .into_iter()
+        .chain(denoisers.iter())
+    {
+        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
+    }
+    // Give the router a heartbeat from both denoisers.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let events_client = async_nats::connect(&nats.url()).await.unwrap();
+    let mut events = events_client
+        .subscribe(diffmesh_shared::subjects::job_events("*"))
+        .await
+        .unwrap();
+    events_client.flush().await.unwrap();
+
+    // A long job: many steps so it is surely still running when its denoiser dies.
+    let api = gateway.addrs.api.unwrap();
+    let request = tokio::spawn(async move {
+        let start = Instant::now();
+        let r = reqwest::Client::new()
+            .post(format!("http://{api}/v1/images/generations"))
+            .json(&json!({"prompt": "a cat", "n": 4, "num_inference_steps": 100, "seed": 1}))
+            .timeout(Duration::from_secs(150))
+            .send()
+            .await
+            .expect("the request must get an answer, not hang");
+        let status = r.status().as_u16();
+        let body: Value = r.json().await.expect("JSON body");
+        (status, body, start.elapsed())
+    });
+
+    // Wait until the job is running (a step done) and learn on which denoiser.
+    let mut worker = None;
+    let mut stepped = false;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !(stepped && worker.is_some()) {
+        let msg = tokio::time::timeout_at(deadline, events.next())
+            .await
+            .expect("the job never started")
+            .expect("event stream ended");
+        match decode::<JobEvent>(&msg.payload).expect("event decodes") {
+            JobEvent::Started { worker_id } => worker = Some(worker_id),
+            JobEvent::Step { .. } => stepped = true,
+            JobEvent::Done { .. } => panic!("the job finished before the kill; make it longer"),
+            _ => {}
+        }
+    }
+    let worker = worker.unwrap();
+    let idx = denoisers
+        .iter()
+        .position(|d| d.name == format!("denoiser-{worker}"))
+        .expect("started on a known denoiser");
+    let victim: Service = denoisers.remove(idx);
+    tokio::task::spawn_blocking(move || victim.kill())
+        .await
+        .unwrap();
+
+    let mut retried = false;
+    let watch = async {
+        while let Some(msg) = events.next().await {
+            if let Ok(JobEvent::Retrying { .. }) = decode::<JobEvent>(&msg.payload) {
+                retried = true;
+            }
+        }
+    };
+    let (status, body, took) = tokio::select! {
+        r = request => r.expect("request task"),
+        _ = watch => unreachable!("event stream ended"),
+    };
+    eprintln!("failover outcome: HTTP {status} after {took:?}, re-placed: {retried}");
+    assert!(took < Duration::from_secs(120), "took {took:?}");
+    match status {
+        200 => {
+            assert!(
+                retried,
+                "a 200 after the kill needs a re-placement (Retrying event)"
+            );
+            let images = decode_b64_images(&body).unwrap();
+            assert_eq!(images.len(), 4);
+        }
+        _ => {
+            assert!(status >= 500, "{status}: {body}");
+            let message = body["error"]["message"].as_str().unwrap_or_default();
+            assert!(!message.is_empty(), "unclear error: {body}");
+            assert!(body["error"]["error_type"].is_string(), "{body}");
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! The shared mesh layer against a real nats-server: object store blobs, KV job records, and
+//! request/reply errors (timeouts and missing services are typed, never a hang).
+use std::time::{Duration, Instant};
+
+use diffmesh_shared::job::{JobRecord, JobState, JobStore};
+use diffmesh_shared::messages::{CancelJob, JobKind};
+use diffmesh_shared::nats::{connect, reply_msgpack, request_msgpack, BlobStore};
+use diffmesh_shared::MeshError;
+use diffmesh_tests::harness::NatsServer;
+use futures::StreamExt;
+
+#[tokio::test]
+async fn blobs_jobs_and_request_errors() {
+    let nats = NatsServer::start();
+    let client = connect(&nats.url(), "test", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+
+    // Blobs: round trip, size guard, missing key, idempotent open and delete.
+    let blobs = BlobStore::open(&js).await.unwrap();
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    blobs.put("job-1/image", &data).await.unwrap();
+    assert_eq!(blobs.get("job-1/image").await.unwrap(), data);
+    assert!(matches!(
+        blobs.get_limited("job-1/image", 1000).await,
+        Err(MeshError::BlobTooLarge { size: 300_000, .. })
+    ));
+    assert!(matches!(
+        blobs.get("nope").await,
+        Err(MeshError::BlobNotFound { .. })
+    ));
+    let again = BlobStore::open(&js).await.unwrap();
+    assert_eq!(again.get("job-1/image").await.unwrap(), data);
+    blobs.delete("job-1/image").await.unwrap();
+    blobs.delete("job-1/image").await.unwrap();
+    assert!(matches!(
+        blobs.get("job-1/image").await,
+        Err(MeshError::BlobNotFound { .. })
+    ));
+
+    // Job records: create once, compare-and-set updates, missing jobs.
+    let jobs = JobStore::open(&js).await.unwrap();
+    let record = JobRecord::new("job-2", JobKind::Edit);
+    jobs.create(&record).await.unwrap();
+    assert!(
+        jobs.create(&record).await.is_err(),
+        "a job id is created once"
+    );
+    let updated = jobs
+        .update("job-2", |r| r.mark_running("w1"))
+        .await
+        .unwrap();
+    assert_eq!(updated.state, JobState::Running);
+    let stored = jobs.get("job-2").await.unwrap().unwrap();
+    assert_eq!(stored.worker_id.as_deref(), Some("w1"));
+    assert!(jobs.get("job-3").await.unwrap().is_none());
+    assert!(matches!(
+        jobs.update("job-3", |_| {}).await,
+        Err(MeshError::JobNotFound { .. })
+    ));
+    // Concurrent updates all land (CAS retries).
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let jobs = jobs.clone();
+        tasks.push(tokio::spawn(async move {
+            jobs.update("job-2", |r| r.attempt += 1).await.unwrap();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(jobs.get("job-2").await.unwrap().unwrap().attempt, 8);
+    assert!(JobStore::open(&js).await.is_ok());
+
+    // Request/reply: nobody listening, a slow listener, a working one.
+    let msg = CancelJob { job_id: "j".into() };
+    let err = request_msgpack::<_, CancelJob>(&client, "svc.none", &msg, Duration::from_secs(2))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, MeshError::NoResponders { .. }), "{err}");
+
+    let _silent = client.subscribe("svc.silent").await.unwrap();
+    let start = Instant::now();
+    let err =
+        request_msgpack::<_, CancelJob>(&client, "svc.silent", &msg, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+    assert!(matches!(err, MeshError::Timeout { .. }), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(2));
+
+    let mut echo = client.subscribe("svc.echo").await.unwrap();
+    let responder = client.clone();
+    tokio::spawn(async move {
+        while let Some(req) = echo.next().await {
+            let got: CancelJob = diffmesh_shared::messages::decode(&req.payload).unwrap();
+            let reply = CancelJob {
+                job_id: format!("{}-echo", got.job_id),
+            };
+            reply_msgpack(&responder, &req, &reply).await.unwrap();
+        }
+    });
+    client.flush().await.unwrap();
+    let back: CancelJob = request_msgpack(&client, "svc.echo", &msg, Duration::from_secs(2))
+        .await
+        .unwrap();
+    assert_eq!(back.job_id, "j-echo");
+}
