@@ -102,3 +102,43 @@ impl Drop for NatsServer {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A valid text-to-image job at the tiny model's 64x64 resolution (256 image tokens), for tests
+/// that need some job to place, run or fail.
+pub fn generation_job(
+    job_id: &str,
+    prompt: &str,
+    seed: u64,
+    steps: u32,
+) -> crate::messages::DenoiseJob {
+    use crate::messages::{DenoiseJob, GenerationParams, JobKind, PreparedInputs};
+    DenoiseJob {
+        job_id: job_id.into(),
+        kind: JobKind::Generate,
+        params: GenerationParams {
+            prompt: prompt.into(),
+            n: 1,
+            num_inference_steps: steps,
+            guidance_scale: 1.0,
+            seed,
+            width: 64,
+            height: 64,
+        },
+        inputs: PreparedInputs {
+            image_key: None,
+            token_mask_key: None,
+            mask_ratio: 1.0,
+            masked_tokens: 256,
+            input_width: 64,
+            input_height: 64,
+            model_width: 64,
+            model_height: 64,
+            token_rows: 0,
+            token_cols: 0,
+            template_id: None,
+        },
+        raw_image_key: None,
+        raw_mask_key: None,
+        attempt: 0,
+    }
+}

@@ -56,7 +56,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Test { args } => {
             setup::setup(&tc)?;
             let mut cmd = Command::new(cargo());
-            cmd.current_dir(workspace_root()).args(["test", "--workspace", "--no-fail-fast"]).args(args);
+            cmd.current_dir(workspace_root())
+                .args(["test", "--workspace", "--no-fail-fast"])
+                .args(args);
             tc.apply(&mut cmd)?;
             run(&mut cmd)
         }
@@ -82,7 +84,9 @@ fn release_bin(tc: &Toolchain, package: &str, bin: &str, args: &[String]) -> any
     setup::setup(tc)?;
     let root = workspace_root();
     let mut build = Command::new(cargo());
-    build.current_dir(&root).args(["build", "--release", "--quiet", "-p", package, "--bin", bin]);
+    build
+        .current_dir(&root)
+        .args(["build", "--release", "--quiet", "-p", package, "--bin", bin]);
     tc.apply(&mut build)?;
     run(&mut build)?;
     let mut cmd = Command::new(target_dir(&root).join("release").join(bin));
@@ -92,5 +96,7 @@ fn release_bin(tc: &Toolchain, package: &str, bin: &str, args: &[String]) -> any
 }
 
 fn target_dir(root: &std::path::Path) -> std::path::PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map(Into::into).unwrap_or_else(|| root.join("target"))
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(Into::into)
+        .unwrap_or_else(|| root.join("target"))
 }

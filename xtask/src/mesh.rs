@@ -48,7 +48,11 @@ pub fn up(tc: &Toolchain, args: UpArgs) -> anyhow::Result<()> {
     let root = workspace_root();
     let run_dir = root.join(&args.run_dir);
     std::fs::create_dir_all(run_dir.join("logs"))?;
-    anyhow::ensure!(!run_dir.join("pids").exists(), "{} exists: a mesh may be running (cargo xtask down)", run_dir.join("pids").display());
+    anyhow::ensure!(
+        !run_dir.join("pids").exists(),
+        "{} exists: a mesh may be running (cargo xtask down)",
+        run_dir.join("pids").display()
+    );
 
     let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     build.current_dir(&root).args(["build", "--release"]);
@@ -62,7 +66,10 @@ pub fn up(tc: &Toolchain, args: UpArgs) -> anyhow::Result<()> {
     let result = start_all(tc, &args, &root, &run_dir, &mut started);
     write_pids(&run_dir, &started)?;
     if let Err(e) = result {
-        eprintln!("start failed: {e:#}; stopping what was started (logs in {})", run_dir.join("logs").display());
+        eprintln!(
+            "start failed: {e:#}; stopping what was started (logs in {})",
+            run_dir.join("logs").display()
+        );
         stop(&run_dir)?;
         return Err(e);
     }
@@ -80,16 +87,33 @@ pub fn up(tc: &Toolchain, args: UpArgs) -> anyhow::Result<()> {
     stop(&run_dir)
 }
 
-fn start_all(tc: &Toolchain, args: &UpArgs, root: &Path, run_dir: &Path, started: &mut Vec<Started>) -> anyhow::Result<()> {
+fn start_all(
+    tc: &Toolchain,
+    args: &UpArgs,
+    root: &Path,
+    run_dir: &Path,
+    started: &mut Vec<Started>,
+) -> anyhow::Result<()> {
     let nats_addr = nats_socket_addr(&args.nats_url)?;
     if TcpStream::connect_timeout(&nats_addr, Duration::from_millis(500)).is_err() {
-        let bin = nats_server_binary().ok_or_else(|| anyhow::anyhow!("nats-server is not installed (cargo xtask setup)"))?;
+        let bin = nats_server_binary()
+            .ok_or_else(|| anyhow::anyhow!("nats-server is not installed (cargo xtask setup)"))?;
         let store = run_dir.join("nats");
         std::fs::create_dir_all(&store)?;
         let mut cmd = Command::new(bin);
-        cmd.args(["-js", "-a", &nats_addr.ip().to_string(), "-p", &nats_addr.port().to_string(), "-sd"]).arg(&store);
+        cmd.args([
+            "-js",
+            "-a",
+            &nats_addr.ip().to_string(),
+            "-p",
+            &nats_addr.port().to_string(),
+            "-sd",
+        ])
+        .arg(&store);
         started.push(spawn("nats-server", cmd, run_dir)?);
-        wait_until(Duration::from_secs(10), "nats-server", || TcpStream::connect(nats_addr).is_ok())?;
+        wait_until(Duration::from_secs(10), "nats-server", || {
+            TcpStream::connect(nats_addr).is_ok()
+        })?;
     } else {
         println!("using the NATS server at {}", args.nats_url);
     }
@@ -98,10 +122,16 @@ fn start_all(tc: &Toolchain, args: &UpArgs, root: &Path, run_dir: &Path, started
     let mut gateway_health = None;
     let mut denoiser_health = Vec::new();
     for (i, svc) in SERVICES.iter().enumerate() {
-        let copies = if *svc == "denoiser" { args.denoisers } else { 1 };
+        let copies = if *svc == "denoiser" {
+            args.denoisers
+        } else {
+            1
+        };
         for copy in 0..copies {
             let mut cmd = Command::new(release.join(format!("diffmesh-{svc}")));
-            cmd.current_dir(root).env("NATS_URL", &args.nats_url).env("RUST_LOG", "info");
+            cmd.current_dir(root)
+                .env("NATS_URL", &args.nats_url)
+                .env("RUST_LOG", "info");
             let health_port = HEALTH_PORT_BASE + (i as u16) * 10 + copy as u16;
             cmd.env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"));
             match *svc {
@@ -110,30 +140,46 @@ fn start_all(tc: &Toolchain, args: &UpArgs, root: &Path, run_dir: &Path, started
                     gateway_health = Some(health_port);
                 }
                 "denoiser" => {
-                    cmd.env("MODEL_DIR", &args.model_dir).env("WORKER_ID", format!("denoiser-{copy}"));
+                    cmd.env("MODEL_DIR", &args.model_dir)
+                        .env("WORKER_ID", format!("denoiser-{copy}"));
                     denoiser_health.push(health_port);
                 }
                 _ => {}
             }
             tc.apply(&mut cmd)?;
-            let name = if copies > 1 { format!("{svc}-{copy}") } else { svc.to_string() };
+            let name = if copies > 1 {
+                format!("{svc}-{copy}")
+            } else {
+                svc.to_string()
+            };
             started.push(spawn(&name, cmd, run_dir)?);
         }
     }
     // Ready when every denoiser has loaded its model and the gateway answers.
     for port in denoiser_health.into_iter().chain(gateway_health) {
         let addr = format!("127.0.0.1:{port}");
-        wait_until(Duration::from_secs(120), &format!("/readyz on {addr}"), || http_ok(&addr, "/readyz"))?;
+        wait_until(
+            Duration::from_secs(120),
+            &format!("/readyz on {addr}"),
+            || http_ok(&addr, "/readyz"),
+        )?;
     }
     Ok(())
 }
 
 fn spawn(name: &str, mut cmd: Command, run_dir: &Path) -> anyhow::Result<Started> {
     let log = File::create(run_dir.join("logs").join(format!("{name}.log")))?;
-    cmd.stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+    cmd.stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
     println!("starting {name}: {}", render(&cmd));
-    let child = cmd.spawn().map_err(|e| anyhow::anyhow!("could not start {name}: {e}"))?;
-    Ok(Started { name: name.to_string(), child })
+    let child = cmd
+        .spawn()
+        .map_err(|e| anyhow::anyhow!("could not start {name}: {e}"))?;
+    Ok(Started {
+        name: name.to_string(),
+        child,
+    })
 }
 
 fn write_pids(run_dir: &Path, started: &[Started]) -> anyhow::Result<()> {
@@ -159,7 +205,10 @@ fn stop(run_dir: &Path) -> anyhow::Result<()> {
     // Services first (reverse start order), NATS last, so in-flight work can be handed back.
     let procs: Vec<(String, String)> = text
         .lines()
-        .filter_map(|l| l.split_once(' ').map(|(n, p)| (n.to_string(), p.to_string())))
+        .filter_map(|l| {
+            l.split_once(' ')
+                .map(|(n, p)| (n.to_string(), p.to_string()))
+        })
         .rev()
         .collect();
     for (name, pid) in &procs {
@@ -183,14 +232,24 @@ fn stop(run_dir: &Path) -> anyhow::Result<()> {
 fn alive(pid: &str) -> bool {
     // A zombie (exited, not reaped by a parent that is gone) counts as stopped.
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| !s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
+        .map(|s| {
+            !s.rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
         .unwrap_or(false)
 }
 
 fn nats_socket_addr(url: &str) -> anyhow::Result<std::net::SocketAddr> {
     let hostport = url.trim_start_matches("nats://").trim_end_matches('/');
-    let hostport = if hostport.contains(':') { hostport.to_string() } else { format!("{hostport}:4222") };
-    hostport.to_socket_addrs()?.next().ok_or_else(|| anyhow::anyhow!("cannot resolve {url}"))
+    let hostport = if hostport.contains(':') {
+        hostport.to_string()
+    } else {
+        format!("{hostport}:4222")
+    };
+    hostport
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("cannot resolve {url}"))
 }
 
 fn wait_until(limit: Duration, what: &str, mut ready: impl FnMut() -> bool) -> anyhow::Result<()> {
@@ -206,7 +265,9 @@ fn wait_until(limit: Duration, what: &str, mut ready: impl FnMut() -> bool) -> a
 
 /// A plain HTTP/1.0 GET answering 200 (no HTTP client dependency needed for a health probe).
 fn http_ok(addr: &str, path: &str) -> bool {
-    let Ok(mut s) = TcpStream::connect(addr) else { return false };
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return false;
+    };
     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
     if write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").is_err() {
         return false;

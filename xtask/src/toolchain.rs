@@ -30,7 +30,8 @@ impl Toolchain {
         } else if let Some(dir) = std::env::var_os("XDG_CACHE_HOME") {
             PathBuf::from(dir).join("diffmesh")
         } else {
-            let home = std::env::var_os("HOME").ok_or_else(|| anyhow::anyhow!("HOME is not set"))?;
+            let home =
+                std::env::var_os("HOME").ok_or_else(|| anyhow::anyhow!("HOME is not set"))?;
             PathBuf::from(home).join(".cache").join("diffmesh")
         };
         Ok(Self { root })
@@ -53,9 +54,16 @@ impl Toolchain {
     /// venv never needs guessing).
     pub fn torch_lib(&self) -> anyhow::Result<PathBuf> {
         let out = Command::new(self.python())
-            .args(["-c", "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))"])
+            .args([
+                "-c",
+                "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))",
+            ])
             .output()?;
-        anyhow::ensure!(out.status.success(), "python could not import torch: {}", String::from_utf8_lossy(&out.stderr));
+        anyhow::ensure!(
+            out.status.success(),
+            "python could not import torch: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         Ok(PathBuf::from(String::from_utf8(out.stdout)?.trim()))
     }
 
@@ -69,7 +77,10 @@ impl Toolchain {
             .env("VIRTUAL_ENV", self.venv())
             .env("LIBTORCH_USE_PYTORCH", "1")
             .env("DIFFMESH_PYTHON", self.python())
-            .env("LD_LIBRARY_PATH", prepend_env("LD_LIBRARY_PATH", &self.torch_lib()?)?);
+            .env(
+                "LD_LIBRARY_PATH",
+                prepend_env("LD_LIBRARY_PATH", &self.torch_lib()?)?,
+            );
         Ok(())
     }
 }
@@ -84,14 +95,23 @@ fn prepend_env(var: &str, dir: &Path) -> anyhow::Result<std::ffi::OsString> {
 
 /// The workspace root (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask is inside the workspace").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask is inside the workspace")
+        .to_path_buf()
 }
 
 /// Run a command to completion, failing with its rendering when it fails.
 pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
     eprintln!("+ {}", render(cmd));
-    let status = cmd.status().map_err(|e| anyhow::anyhow!("could not start {}: {e}", render(cmd)))?;
-    anyhow::ensure!(status.success(), "command failed ({status}): {}", render(cmd));
+    let status = cmd
+        .status()
+        .map_err(|e| anyhow::anyhow!("could not start {}: {e}", render(cmd)))?;
+    anyhow::ensure!(
+        status.success(),
+        "command failed ({status}): {}",
+        render(cmd)
+    );
     Ok(())
 }
 

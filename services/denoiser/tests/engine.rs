@@ -6,7 +6,7 @@ use diffmesh_denoiser::engine::{
 use diffmesh_denoiser::model::{EditInputs, EngineModel};
 use diffmesh_model::tch::{self, Device, Kind, Tensor};
 use diffmesh_model::tiny::model::TinyModel;
-use diffmesh_shared::messages::{DenoiseJob, GenerationParams, JobKind, PreparedInputs};
+use diffmesh_shared::messages::{DenoiseJob, JobKind};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
@@ -27,35 +27,7 @@ fn write_random_model(dir: &Path) {
 }
 
 fn job(id: &str, prompt: &str, seed: u64, steps: u32) -> DenoiseJob {
-    DenoiseJob {
-        job_id: id.into(),
-        kind: JobKind::Generate,
-        params: GenerationParams {
-            prompt: prompt.into(),
-            n: 1,
-            num_inference_steps: steps,
-            guidance_scale: 1.0,
-            seed,
-            width: 64,
-            height: 64,
-        },
-        inputs: PreparedInputs {
-            image_key: None,
-            token_mask_key: None,
-            mask_ratio: 1.0,
-            masked_tokens: 256,
-            input_width: 64,
-            input_height: 64,
-            model_width: 64,
-            model_height: 64,
-            token_rows: 0,
-            token_cols: 0,
-            template_id: None,
-        },
-        raw_image_key: None,
-        raw_mask_key: None,
-        attempt: 0,
-    }
+    diffmesh_shared::testing::generation_job(id, prompt, seed, steps)
 }
 
 struct Harness {

@@ -6,8 +6,7 @@ use diffmesh_model::tch::{self, Device, Kind, Tensor};
 use diffmesh_model::tiny::model::TinyModel;
 use diffmesh_router::RouterConfig;
 use diffmesh_shared::messages::{
-    decode, encode, DenoiseJob, GenerationParams, JobEvent, JobKind, PostprocessReply,
-    PostprocessRequest, PreparedInputs, SubmitReply,
+    decode, encode, DenoiseJob, JobEvent, PostprocessReply, PostprocessRequest, SubmitReply,
 };
 use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::subjects;
@@ -17,35 +16,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 fn job(id: &str, steps: u32) -> DenoiseJob {
-    DenoiseJob {
-        job_id: id.into(),
-        kind: JobKind::Generate,
-        params: GenerationParams {
-            prompt: "a red circle".into(),
-            n: 1,
-            num_inference_steps: steps,
-            guidance_scale: 1.0,
-            seed: 4,
-            width: 64,
-            height: 64,
-        },
-        inputs: PreparedInputs {
-            image_key: None,
-            token_mask_key: None,
-            mask_ratio: 1.0,
-            masked_tokens: 256,
-            input_width: 64,
-            input_height: 64,
-            model_width: 64,
-            model_height: 64,
-            token_rows: 0,
-            token_cols: 0,
-            template_id: None,
-        },
-        raw_image_key: None,
-        raw_mask_key: None,
-        attempt: 0,
-    }
+    diffmesh_shared::testing::generation_job(id, "a red circle", 4, steps)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

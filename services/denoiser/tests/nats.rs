@@ -5,8 +5,8 @@ use diffmesh_denoiser::{start, DenoiserConfig};
 use diffmesh_model::tch::{self, Device, Kind, Tensor};
 use diffmesh_model::tiny::model::TinyModel;
 use diffmesh_shared::messages::{
-    decode, encode, DenoiseJob, GenerationParams, Heartbeat, JobEvent, JobKind, PostprocessReply,
-    PostprocessRequest, PreparedInputs, SubmitReply,
+    decode, encode, DenoiseJob, Heartbeat, JobEvent, PostprocessReply, PostprocessRequest,
+    SubmitReply,
 };
 use diffmesh_shared::nats::{request_msgpack, BlobStore};
 use diffmesh_shared::subjects;
@@ -14,36 +14,11 @@ use diffmesh_shared::testing::NatsServer;
 use futures::StreamExt;
 use std::time::Duration;
 
+/// A two-image job, so outputs of a batch of n come back in order.
 fn job(id: &str, steps: u32) -> DenoiseJob {
-    DenoiseJob {
-        job_id: id.into(),
-        kind: JobKind::Generate,
-        params: GenerationParams {
-            prompt: "a red circle".into(),
-            n: 2,
-            num_inference_steps: steps,
-            guidance_scale: 1.0,
-            seed: 9,
-            width: 64,
-            height: 64,
-        },
-        inputs: PreparedInputs {
-            image_key: None,
-            token_mask_key: None,
-            mask_ratio: 1.0,
-            masked_tokens: 256,
-            input_width: 64,
-            input_height: 64,
-            model_width: 0, // the model default applies
-            model_height: 0,
-            token_rows: 0,
-            token_cols: 0,
-            template_id: None,
-        },
-        raw_image_key: None,
-        raw_mask_key: None,
-        attempt: 0,
-    }
+    let mut job = diffmesh_shared::testing::generation_job(id, "a red circle", 9, steps);
+    job.params.n = 2;
+    job
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -194,7 +194,6 @@ impl WorkerRegistry {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use diffmesh_shared::messages::{GenerationParams, JobKind, PreparedInputs};
 
     pub fn heartbeat(id: &str, max_batch: u32, queued: u32) -> Heartbeat {
         Heartbeat {
@@ -209,35 +208,7 @@ pub(crate) mod tests {
     }
 
     pub fn job(id: &str) -> DenoiseJob {
-        DenoiseJob {
-            job_id: id.into(),
-            kind: JobKind::Generate,
-            params: GenerationParams {
-                prompt: "a red circle".into(),
-                n: 1,
-                num_inference_steps: 4,
-                guidance_scale: 1.0,
-                seed: 1,
-                width: 64,
-                height: 64,
-            },
-            inputs: PreparedInputs {
-                image_key: None,
-                token_mask_key: None,
-                mask_ratio: 1.0,
-                masked_tokens: 256,
-                input_width: 64,
-                input_height: 64,
-                model_width: 64,
-                model_height: 64,
-                token_rows: 0,
-                token_cols: 0,
-                template_id: None,
-            },
-            raw_image_key: None,
-            raw_mask_key: None,
-            attempt: 0,
-        }
+        diffmesh_shared::testing::generation_job(id, "a red circle", 1, 4)
     }
 
     pub fn policy() -> ExpiryPolicy {

@@ -1,10 +1,7 @@
 //! Router against a real nats-server with hand-driven fake denoisers: placement, rejection when
 //! no denoiser is live, re-placement after a worker goes silent, and failure when none is left.
 use diffmesh_router::{start, RouterConfig};
-use diffmesh_shared::messages::{
-    decode, encode, DenoiseJob, GenerationParams, Heartbeat, JobEvent, JobKind, PreparedInputs,
-    SubmitReply,
-};
+use diffmesh_shared::messages::{decode, encode, DenoiseJob, Heartbeat, JobEvent, SubmitReply};
 use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::subjects;
 use diffmesh_shared::testing::NatsServer;
@@ -14,35 +11,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 fn job(id: &str) -> DenoiseJob {
-    DenoiseJob {
-        job_id: id.into(),
-        kind: JobKind::Generate,
-        params: GenerationParams {
-            prompt: "a red circle".into(),
-            n: 1,
-            num_inference_steps: 4,
-            guidance_scale: 1.0,
-            seed: 1,
-            width: 64,
-            height: 64,
-        },
-        inputs: PreparedInputs {
-            image_key: None,
-            token_mask_key: None,
-            mask_ratio: 1.0,
-            masked_tokens: 256,
-            input_width: 64,
-            input_height: 64,
-            model_width: 64,
-            model_height: 64,
-            token_rows: 0,
-            token_cols: 0,
-            template_id: None,
-        },
-        raw_image_key: None,
-        raw_mask_key: None,
-        attempt: 0,
-    }
+    diffmesh_shared::testing::generation_job(id, "a red circle", 1, 4)
 }
 
 /// A fake denoiser: heartbeats until `stop`, accepts every submit and reports it on `jobs`.
