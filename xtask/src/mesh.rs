@@ -278,11 +278,12 @@ fn http_ok(addr: &str, path: &str) -> bool {
 }
 
 fn print_examples(port: u16) {
-    println!(
-        "\ndiffmesh is up. Try:\n\
-  curl -s http://127.0.0.1:{port}/v1/images/edits -F image=@docs/examples/template.png -F mask=@docs/examples/mask.png \\\n\
-       -F prompt='a red circle on the left on a blue background' -F response_format=png -o edited.png\n\
-  curl -s http://127.0.0.1:{port}/v1/images/generations -H 'content-type: application/json' \\\n\
-       -d '{{\"prompt\":\"a yellow square in the center on a green background\",\"response_format\":\"b64_json\"}}'\n"
-    );
+    let url = format!("http://127.0.0.1:{port}");
+    println!();
+    println!("diffmesh is up. Try:");
+    println!("  curl -s {url}/v1/images/edits -F image=@docs/examples/template.png -F mask=@docs/examples/mask.png \\");
+    println!("       -F prompt='a yellow square on the right on a blue background' -F response_format=png -o edited.png");
+    println!("  curl -s {url}/v1/images/generations -H 'content-type: application/json' \\");
+    println!("       -d '{{\"prompt\":\"a red circle on the left on a blue background\",\"response_format\":\"b64_json\"}}'");
+    println!();
 }
