@@ -240,9 +240,14 @@ impl FluxTransformer {
         let k = p.rope.apply(&s.k)?;
         let v = to_heads(&s.v, head_dim)?;
         let (k, v) = if p.all_masked {
-            // Attention does not depend on the order of keys (with values in the same order), so
-            // the computed rows alone, text then masked tokens, are the whole key set.
-            (k, v)
+            // The computed rows are the whole key set. Put them in token order anyway: key order
+            // does not change the math but does change float rounding, and in token order the
+            // result matches the full forward's.
+            let mut kb = k.f_empty_like()?;
+            let mut vb = v.f_empty_like()?;
+            kb.f_index_copy_(0, &p.rows, &k)?;
+            vb.f_index_copy_(0, &p.rows, &v)?;
+            (kb, vb)
         } else {
             let (ck, cv) = self.cached_kv(block, p, cache, proj)?;
             // Cached rows at `T..T + N`, then the fresh rows written over their positions; text
