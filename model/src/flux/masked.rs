@@ -13,7 +13,9 @@
 //! gathers its own request's AdaLN rows. Only attention is split per request.
 use super::blocks::{attention, to_heads, QkvProj};
 use super::embeddings::Rope;
-use super::gather::{cat_rows, check_token_index, gather_rows, merge_rows_, offsets, request_ids};
+use super::gather::{
+    cat_rows, check_token_index, gather_rows, merge_rows_, offsets, request_ids, scatter_rows_,
+};
 use super::{check_batch_vector, ids_2d, FluxTransformer};
 use crate::error::{ModelError, Result};
 use tch::{Device, Kind, Tensor};
@@ -245,8 +247,8 @@ impl FluxTransformer {
             // result matches the full forward's.
             let mut kb = k.f_empty_like()?;
             let mut vb = v.f_empty_like()?;
-            kb.f_index_copy_(0, &p.rows, &k)?;
-            vb.f_index_copy_(0, &p.rows, &v)?;
+            scatter_rows_(&mut kb, &p.rows, &k)?;
+            scatter_rows_(&mut vb, &p.rows, &v)?;
             (kb, vb)
         } else {
             let (ck, cv) = self.cached_kv(block, p, cache, proj)?;
