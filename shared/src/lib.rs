@@ -7,6 +7,7 @@ pub mod job;
 pub mod messages;
 pub mod metrics;
 pub mod nats;
+pub mod serve;
 pub mod shutdown;
 pub mod subjects;
 pub mod telemetry;

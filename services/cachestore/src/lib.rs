@@ -151,7 +151,12 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
         (proto::delete_subject(), Op::Delete),
         (proto::stats_subject(), Op::Stats),
     ] {
-        tasks.spawn(handler.clone().serve(subject, op, shutdown.child_token()));
+        let sub = handler.subscribe(&subject).await.map_err(MeshError::from)?;
+        tasks.spawn(
+            handler
+                .clone()
+                .serve(subject, sub, op, shutdown.child_token()),
+        );
     }
     // Subscriptions must reach the server before callers are told we are up.
     client

@@ -7,7 +7,7 @@ use diffmesh_shared::cachestore::{
 };
 use diffmesh_shared::messages::decode;
 use diffmesh_shared::nats::reply_msgpack;
-use futures::StreamExt;
+use diffmesh_shared::serve::serve_subscription;
 use std::sync::Arc;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -28,35 +28,30 @@ pub struct Handler {
 }
 
 impl Handler {
-    /// Serve one subject until `shutdown`; requests in flight finish before this returns.
+    /// Subscribe to one subject (in the queue group shared by cachestore replicas). Done before
+    /// serving starts, so the subscription reaches the server before `start` reports ready.
+    pub async fn subscribe(
+        &self,
+        subject: &str,
+    ) -> Result<async_nats::Subscriber, async_nats::SubscribeError> {
+        self.client
+            .queue_subscribe(subject.to_string(), CACHESTORE_QUEUE.to_string())
+            .await
+    }
+
+    /// Serve one subscription until `shutdown`; requests in flight finish before this returns.
     pub async fn serve(
         self: Arc<Self>,
         subject: String,
+        sub: async_nats::Subscriber,
         op: Op,
         shutdown: CancellationToken,
     ) -> Result<(), async_nats::SubscribeError> {
-        let mut sub = self
-            .client
-            .queue_subscribe(subject.clone(), CACHESTORE_QUEUE.to_string())
-            .await?;
-        let mut tasks = tokio::task::JoinSet::new();
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => break,
-                msg = sub.next() => {
-                    let Some(msg) = msg else { break };
-                    let Ok(permit) = self.in_flight.clone().acquire_owned().await else { break };
-                    let this = self.clone();
-                    tasks.spawn(async move {
-                        this.handle(op, msg).await;
-                        drop(permit);
-                    });
-                }
-            }
-            while tasks.try_join_next().is_some() {}
-        }
-        let _ = sub.unsubscribe().await;
-        while tasks.join_next().await.is_some() {}
+        serve_subscription(sub, shutdown, self.in_flight.clone(), |msg| {
+            let this = self.clone();
+            async move { this.handle(op, msg).await }
+        })
+        .await;
         tracing::info!(%subject, "cachestore handler stopped");
         Ok(())
     }

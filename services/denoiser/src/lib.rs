@@ -281,7 +281,8 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     ));
     let intake = CancellationToken::new();
     let background = CancellationToken::new();
-    let submits = tokio::spawn(service.clone().submits(intake.clone()));
+    let submit_sub = service.subscribe_submits().await?;
+    let submits = tokio::spawn(service.clone().submits(submit_sub, intake.clone()));
     let others = vec![
         tokio::spawn(service.clone().cancels(background.clone())),
         tokio::spawn(service.clone().heartbeats(background.clone())),

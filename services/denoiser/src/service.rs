@@ -11,13 +11,14 @@ use diffmesh_shared::messages::{
 use diffmesh_shared::nats::{
     blob_key, publish_msgpack, reply_msgpack, request_msgpack_job, BlobStore,
 };
+use diffmesh_shared::serve::serve_subscription;
 use diffmesh_shared::{subjects, MeshError};
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -82,24 +83,28 @@ impl Service {
         self.publish_event(job_id, &event).await;
     }
 
-    /// Serve `denoiser_submit(worker_id)` until `intake` is cancelled; answers every taken submit.
-    pub async fn submits(self: Arc<Self>, intake: CancellationToken) -> Result<(), MeshError> {
-        let mut sub = self
+    /// Subscribe to this worker's submit subject. Done before any heartbeat goes out, so the
+    /// router never places a job on a worker whose subscription has not reached the server.
+    pub async fn subscribe_submits(&self) -> Result<async_nats::Subscriber, MeshError> {
+        Ok(self
             .client
             .subscribe(subjects::denoiser_submit(&self.worker_id))
-            .await?;
-        let mut tasks = tokio::task::JoinSet::new();
-        loop {
-            let msg = tokio::select! {
-                _ = intake.cancelled() => break,
-                msg = sub.next() => match msg { Some(m) => m, None => break },
-            };
+            .await?)
+    }
+
+    /// Serve the submit subscription until `intake` is cancelled; answers every taken submit.
+    pub async fn submits(
+        self: Arc<Self>,
+        sub: async_nats::Subscriber,
+        intake: CancellationToken,
+    ) -> Result<(), MeshError> {
+        // Each submit ends in a command to the engine, so its channel size bounds them too.
+        let limit = Arc::new(Semaphore::new(self.config.command_capacity.max(1)));
+        serve_subscription(sub, intake, limit, |msg| {
             let this = self.clone();
-            tasks.spawn(async move { this.handle_submit(msg).await });
-            while tasks.try_join_next().is_some() {}
-        }
-        let _ = sub.unsubscribe().await;
-        while tasks.join_next().await.is_some() {}
+            async move { this.handle_submit(msg).await }
+        })
+        .await;
         Ok(())
     }
 

@@ -7,12 +7,13 @@ use diffmesh_shared::messages::{
     decode, error_types, CancelJob, DenoiseJob, Heartbeat, JobEvent, SubmitReply,
 };
 use diffmesh_shared::nats::{publish_msgpack, reply_msgpack, request_msgpack_job};
+use diffmesh_shared::serve::serve_subscription;
 use diffmesh_shared::{subjects, MeshError};
 use futures::StreamExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -36,6 +37,9 @@ impl PlaceError {
         }
     }
 }
+
+/// Submit handlers in flight beyond the admission queue (those answered without waiting).
+const SUBMITS_BEYOND_QUEUE: usize = 64;
 
 pub struct Router {
     pub client: async_nats::Client,
@@ -194,23 +198,21 @@ impl Router {
     }
 
     pub async fn submits(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), MeshError> {
-        let mut sub = self
+        let sub = self
             .client
             .queue_subscribe(subjects::ROUTER_SUBMIT, "router".to_string())
             .await?;
-        let mut tasks = tokio::task::JoinSet::new();
-        loop {
-            let msg = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                msg = sub.next() => match msg { Some(m) => m, None => break },
-            };
-            let this = self.clone();
-            tasks.spawn(async move { this.handle_submit(msg).await });
-            while tasks.try_join_next().is_some() {}
-        }
-        let _ = sub.unsubscribe().await;
+        // Room for a full admission queue plus submits that are answered at once (placed or
+        // rejected), so a full queue still gets its rejections out promptly.
+        let limit = Arc::new(Semaphore::new(
+            self.config.admission_queue + SUBMITS_BEYOND_QUEUE,
+        ));
         // Submits already taken get their answer before the router stops.
-        while tasks.join_next().await.is_some() {}
+        serve_subscription(sub, shutdown, limit, |msg| {
+            let this = self.clone();
+            async move { this.handle_submit(msg).await }
+        })
+        .await;
         Ok(())
     }
 
