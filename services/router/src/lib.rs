@@ -130,17 +130,18 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     let router = Arc::new(Router::new(client.clone(), state, metrics, config.clone()));
     let shutdown = CancellationToken::new();
     let mut tasks = JoinSet::new();
-    tasks.spawn(router.clone().heartbeats(shutdown.clone()));
-    tasks.spawn(router.clone().submits(shutdown.clone()));
-    tasks.spawn(router.clone().cancels(shutdown.clone()));
-    tasks.spawn(router.clone().job_events(shutdown.clone()));
+    let subs = service::Subscriptions::new(&client).await?;
+    tasks.spawn(router.clone().heartbeats(subs.heartbeats, shutdown.clone()));
+    tasks.spawn(router.clone().submits(subs.submits, shutdown.clone()));
+    tasks.spawn(router.clone().cancels(subs.cancels, shutdown.clone()));
+    tasks.spawn(router.clone().job_events(subs.job_events, shutdown.clone()));
     let r = router.clone();
     let s = shutdown.clone();
     tasks.spawn(async move {
         r.expiry(s).await;
         Ok(())
     });
-    // Give the subscriptions a moment to be registered before anyone relies on them.
+    // The subscriptions reach the server before anyone is told the router is up.
     client
         .flush()
         .await

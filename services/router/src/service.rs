@@ -3,6 +3,7 @@
 use crate::metrics::RouterMetrics;
 use crate::state::{no_worker_message, Decision, Failover, RouterState};
 use crate::RouterConfig;
+use async_nats::Subscriber;
 use diffmesh_shared::messages::{
     decode, error_types, CancelJob, DenoiseJob, Heartbeat, JobEvent, SubmitReply,
 };
@@ -35,6 +36,28 @@ impl PlaceError {
             PlaceError::NoCapacity => "no_capacity",
             PlaceError::QueueFull(_) => "admission_queue_full",
         }
+    }
+}
+
+/// The router's subscriptions, made before any task runs (and flushed by `start`), so none of
+/// them misses a message sent right after `start` returns.
+pub struct Subscriptions {
+    pub heartbeats: Subscriber,
+    pub submits: Subscriber,
+    pub cancels: Subscriber,
+    pub job_events: Subscriber,
+}
+
+impl Subscriptions {
+    pub async fn new(client: &async_nats::Client) -> Result<Self, MeshError> {
+        Ok(Self {
+            heartbeats: client.subscribe(subjects::DENOISER_HEARTBEAT).await?,
+            submits: client
+                .queue_subscribe(subjects::ROUTER_SUBMIT, "router".to_string())
+                .await?,
+            cancels: client.subscribe(subjects::ROUTER_CANCEL).await?,
+            job_events: client.subscribe(subjects::job_events("*")).await?,
+        })
     }
 }
 
@@ -73,8 +96,11 @@ impl Router {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub async fn heartbeats(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), MeshError> {
-        let mut sub = self.client.subscribe(subjects::DENOISER_HEARTBEAT).await?;
+    pub async fn heartbeats(
+        self: Arc<Self>,
+        mut sub: Subscriber,
+        shutdown: CancellationToken,
+    ) -> Result<(), MeshError> {
         loop {
             let msg = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
@@ -197,11 +223,11 @@ impl Router {
         }
     }
 
-    pub async fn submits(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), MeshError> {
-        let sub = self
-            .client
-            .queue_subscribe(subjects::ROUTER_SUBMIT, "router".to_string())
-            .await?;
+    pub async fn submits(
+        self: Arc<Self>,
+        sub: Subscriber,
+        shutdown: CancellationToken,
+    ) -> Result<(), MeshError> {
         // Room for a full admission queue plus submits that are answered at once (placed or
         // rejected), so a full queue still gets its rejections out promptly.
         let limit = Arc::new(Semaphore::new(
@@ -342,8 +368,11 @@ impl Router {
         }
     }
 
-    pub async fn cancels(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), MeshError> {
-        let mut sub = self.client.subscribe(subjects::ROUTER_CANCEL).await?;
+    pub async fn cancels(
+        self: Arc<Self>,
+        mut sub: Subscriber,
+        shutdown: CancellationToken,
+    ) -> Result<(), MeshError> {
         loop {
             let msg = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
@@ -378,8 +407,11 @@ impl Router {
     }
 
     /// Watch every job's events to learn when placed jobs finish.
-    pub async fn job_events(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), MeshError> {
-        let mut sub = self.client.subscribe(subjects::job_events("*")).await?;
+    pub async fn job_events(
+        self: Arc<Self>,
+        mut sub: Subscriber,
+        shutdown: CancellationToken,
+    ) -> Result<(), MeshError> {
         loop {
             let msg = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
