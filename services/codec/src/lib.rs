@@ -20,12 +20,11 @@ use diffmesh_shared::messages::{
     decode, PostprocessReply, PostprocessRequest, PreprocessReply, PreprocessRequest,
 };
 use diffmesh_shared::nats::{self, BlobStore};
+use diffmesh_shared::serve::serve_subscription;
 use diffmesh_shared::subjects::{CODEC_POST, CODEC_PRE, CODEC_QUEUE};
 use diffmesh_shared::trace_context::{job_id_of, set_parent_from};
 use diffmesh_shared::{CommonConfig, MeshError};
-use futures::StreamExt;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::task::JoinSet;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -215,42 +214,28 @@ struct Subscriptions {
 
 async fn serve(
     worker: Arc<Worker>,
-    mut subs: Subscriptions,
+    subs: Subscriptions,
     concurrency: usize,
     health: HealthServer,
     shutdown: CancellationToken,
 ) {
+    // One bound for both subjects: pre- and post-processing share the CPU cores.
     let limit = Arc::new(Semaphore::new(concurrency));
-    let mut tasks = JoinSet::new();
-    loop {
-        let (op, msg) = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            Some(msg) = subs.pre.next() => (Op::Pre, msg),
-            Some(msg) = subs.post.next() => (Op::Post, msg),
-            else => break,
-        };
-        // Bounded concurrency: wait for a slot before taking more work off the subscription.
-        let permit = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            permit = limit.clone().acquire_owned() => match permit {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-        };
-        tasks.spawn(handle(worker.clone(), op, msg, permit));
-        while tasks.try_join_next().is_some() {}
-    }
-    tracing::info!(in_flight = tasks.len(), "codec shutting down");
-    // Stop receiving new work, finish what was taken.
-    let _ = subs.pre.unsubscribe().await;
-    let _ = subs.post.unsubscribe().await;
-    while tasks.join_next().await.is_some() {}
+    let serve_op = |sub, op| {
+        let worker = worker.clone();
+        serve_subscription(sub, shutdown.clone(), limit.clone(), move |msg| {
+            handle(worker.clone(), op, msg)
+        })
+    };
+    // Each stops taking work on shutdown and finishes what it took.
+    tokio::join!(serve_op(subs.pre, Op::Pre), serve_op(subs.post, Op::Post));
+    tracing::info!("codec stopped taking work");
     // Bounded: with the server gone a flush would wait for a reconnect forever.
     let _ = tokio::time::timeout(Duration::from_secs(2), worker.client.flush()).await;
     health.stop().await;
 }
 
-async fn handle(worker: Arc<Worker>, op: Op, msg: Message, _permit: OwnedSemaphorePermit) {
+async fn handle(worker: Arc<Worker>, op: Op, msg: Message) {
     let job_id = job_id_of(msg.headers.as_ref()).unwrap_or_default();
     let span = tracing::info_span!("codec", op = op.as_str(), job_id = %job_id);
     set_parent_from(&span, msg.headers.as_ref());
