@@ -270,15 +270,7 @@ mod tests {
     use tch::Device;
 
     fn model() -> (TinyModel, FlowMatchEulerDiscreteScheduler) {
-        tch::manual_seed(7);
-        let m = TinyModel::new(Device::Cpu).unwrap();
-        // Random (non-zero) modulation weights so the transformer output depends on its inputs.
-        tch::no_grad(|| {
-            for (_, mut v) in m.transformer_vs.variables() {
-                let r = Tensor::randn(v.size(), (Kind::Float, Device::Cpu)) * 0.05;
-                v.copy_(&r);
-            }
-        });
+        let m = TinyModel::random_for_tests(7, Device::Cpu).unwrap();
         let cfg: FlowMatchEulerDiscreteSchedulerConfig =
             serde_json::from_value(crate::tiny::model::scheduler_config_json()).unwrap();
         (m, FlowMatchEulerDiscreteScheduler::new(cfg).unwrap())

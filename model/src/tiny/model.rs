@@ -90,6 +90,23 @@ impl TinyModel {
         )
     }
 
+    /// A model whose transformer weights are all random (normal, std 0.05) and non-zero, seeded
+    /// from `seed`. The trained-from-scratch init zeroes the modulation, which makes the output
+    /// independent of the inputs; tests that compare outputs (batch vs alone, seeds, cancellation)
+    /// need a model whose output depends on prompt, timestep and noise.
+    pub fn random_for_tests(seed: i64, device: Device) -> Result<Self> {
+        tch::manual_seed(seed);
+        let m = Self::new(device)?;
+        tch::no_grad(|| -> Result<()> {
+            for (_, mut v) in m.transformer_vs.variables() {
+                let r = Tensor::f_randn(v.size(), (Kind::Float, device))?.f_mul_scalar(0.05)?;
+                v.f_copy_(&r)?;
+            }
+            Ok(())
+        })?;
+        Ok(m)
+    }
+
     /// Load a folder written by [`TinyModel::save`] (strict: every weight must be present).
     pub fn load(dir: &Path, device: Device) -> Result<Self> {
         let (text_encoder, text_vs) =

@@ -4,7 +4,7 @@ use diffmesh_denoiser::engine::{
     spawn_engine, EngineConfig, EngineEvent, EngineHandle, EngineJob, EngineThread,
 };
 use diffmesh_denoiser::model::{EditInputs, EngineModel};
-use diffmesh_model::tch::{self, Device, Kind, Tensor};
+use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
 use diffmesh_shared::messages::{DenoiseJob, JobKind};
 use std::collections::HashMap;
@@ -15,14 +15,7 @@ use tracing::Span;
 
 /// A tiny model folder with random (non-zero) weights, so outputs depend on prompt and seed.
 fn write_random_model(dir: &Path) {
-    tch::manual_seed(11);
-    let m = TinyModel::new(Device::Cpu).unwrap();
-    tch::no_grad(|| {
-        for (_, mut v) in m.transformer_vs.variables() {
-            let r = Tensor::randn(v.size(), (Kind::Float, Device::Cpu)) * 0.05;
-            v.copy_(&r);
-        }
-    });
+    let m = TinyModel::random_for_tests(11, Device::Cpu).unwrap();
     m.save(dir, None).unwrap();
 }
 

@@ -2,7 +2,7 @@
 //! the stopping denoiser finishes its running job and hands its queued job back to the router,
 //! which places it on the other denoiser; both jobs end Done.
 use diffmesh_denoiser::{start, DenoiserConfig};
-use diffmesh_model::tch::{self, Device, Kind, Tensor};
+use diffmesh_model::tch::Device;
 use diffmesh_model::tiny::model::TinyModel;
 use diffmesh_router::RouterConfig;
 use diffmesh_shared::messages::{
@@ -23,13 +23,7 @@ fn job(id: &str, steps: u32) -> DenoiseJob {
 async fn shutdown_hands_queued_job_to_another_denoiser() {
     let nats = NatsServer::start();
     let model_dir = tempfile::tempdir().unwrap();
-    tch::manual_seed(5);
-    let m = TinyModel::new(Device::Cpu).unwrap();
-    tch::no_grad(|| {
-        for (_, mut v) in m.transformer_vs.variables() {
-            v.copy_(&(Tensor::randn(v.size(), (Kind::Float, Device::Cpu)) * 0.05));
-        }
-    });
+    let m = TinyModel::random_for_tests(5, Device::Cpu).unwrap();
     m.save(model_dir.path(), None).unwrap();
 
     let client = async_nats::connect(nats.url()).await.unwrap();

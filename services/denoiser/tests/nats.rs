@@ -2,7 +2,7 @@
 //! the object store, the (fake) codec is asked to post-process them, and Done is published;
 //! heartbeats announce the worker; shutdown is clean.
 use diffmesh_denoiser::{start, DenoiserConfig};
-use diffmesh_model::tch::{self, Device, Kind, Tensor};
+use diffmesh_model::tch::Device;
 use diffmesh_model::tiny::model::TinyModel;
 use diffmesh_shared::messages::{
     decode, encode, DenoiseJob, Heartbeat, JobEvent, PostprocessReply, PostprocessRequest,
@@ -25,13 +25,7 @@ fn job(id: &str, steps: u32) -> DenoiseJob {
 async fn job_runs_to_done_over_nats() {
     let nats = NatsServer::start();
     let model_dir = tempfile::tempdir().unwrap();
-    tch::manual_seed(3);
-    let m = TinyModel::new(Device::Cpu).unwrap();
-    tch::no_grad(|| {
-        for (_, mut v) in m.transformer_vs.variables() {
-            v.copy_(&(Tensor::randn(v.size(), (Kind::Float, Device::Cpu)) * 0.05));
-        }
-    });
+    let m = TinyModel::random_for_tests(3, Device::Cpu).unwrap();
     m.save(model_dir.path(), None).unwrap();
 
     let client = async_nats::connect(nats.url()).await.unwrap();
