@@ -1,12 +1,14 @@
 //! diffmesh model core: diffusion model code written with tch (libtorch).
 //!
 //! Laid out like HuggingFace diffusers so real checkpoints load by key name.
+pub mod bench_inputs;
 pub mod components;
 pub mod error;
 pub mod flux;
 pub mod model_dir;
 pub mod packing;
 pub mod pipeline;
+pub mod quality;
 pub mod scheduler;
 pub mod tiny;
 pub mod vae;

@@ -101,6 +101,7 @@ impl Case {
             img_ids: self.img_ids.shallow_clone(),
             txt_ids: self.txt_ids.shallow_clone(),
             cache,
+            full_hidden_states: Some(self.hs.squeeze_dim(0)),
         }
     }
 }
@@ -304,4 +305,60 @@ fn rejects_bad_requests_naming_the_field() {
             .to_string();
         assert!(err.contains("cache.k") && err.contains("block 0"), "{err}");
     }
+}
+
+/// A full prefix of blocks reads no cache and keeps the result exact: with the cache of every
+/// prefix block poisoned (NaN), the output still equals the full forward at the masked tokens,
+/// alone and packed with a second request, for prefixes ending in the double and single blocks.
+#[test]
+fn full_prefix_blocks_read_no_cache_and_stay_exact() {
+    let (model, _vs) = model();
+    let n_blocks = model.num_blocks();
+    let a = Case::new(5, 0.4, 2.0);
+    let b = Case::new(3, 0.8, 2.0);
+    let (ia, ib) = (random_mask(13), random_mask(30));
+    for format in FORMATS {
+        let (full_a, cache_a) = a.full_with_cache(&model, format);
+        let (full_b, cache_b) = b.full_with_cache(&model, format);
+        for prefix in 0..=n_blocks {
+            let poison = |c: &CapturedKv| CapturedKv {
+                blocks: c
+                    .blocks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (k, v))| {
+                        if i < prefix {
+                            (k.full_like(f64::NAN), v.full_like(f64::NAN))
+                        } else {
+                            (k.shallow_clone(), v.shallow_clone())
+                        }
+                    })
+                    .collect(),
+                format: c.format,
+            };
+            let (pa, pb) = (poison(&cache_a), poison(&cache_b));
+            let reqs = [a.request(&ia, &pa), b.request(&ib, &pb)];
+            let out = tch::no_grad(|| model.forward_masked_prefix(&reqs, prefix)).unwrap();
+            let ea = max_err(&out[0], &full_a.index_select(0, &ia));
+            let eb = max_err(&out[1], &full_b.index_select(0, &ib));
+            println!("{format:?} prefix {prefix}: max abs err {ea:.3e} / {eb:.3e}");
+            assert!(ea <= 1e-4 && eb <= 1e-4, "{format:?} prefix {prefix}: {ea} {eb}");
+            let alone = tch::no_grad(|| model.forward_masked_prefix(&reqs[..1], prefix)).unwrap();
+            assert!(max_err(&alone[0], &out[0]) <= 1e-5);
+        }
+    }
+}
+
+#[test]
+fn full_prefix_without_full_hidden_states_names_the_field() {
+    let (model, _vs) = model();
+    let case = Case::new(5, 0.4, 2.0);
+    let (_, cache) = case.full_with_cache(&model, KvFormat::Raw);
+    let index = random_mask(9);
+    let mut req = case.request(&index, &cache);
+    req.full_hidden_states = None;
+    let err = tch::no_grad(|| model.forward_masked_prefix(&[req], 1))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("requests[0].full_hidden_states"), "{err}");
 }

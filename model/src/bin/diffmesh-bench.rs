@@ -9,7 +9,7 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use diffmesh_model::flux::{
-    CapturedKv, FluxConfig, FluxInputs, FluxTransformer, KvFormat, MaskedRequest,
+    CapturedKv, FluxConfig, FluxTransformer, KvFormat, MaskedRequest,
 };
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 use serde_json::{json, Map, Value};
@@ -68,21 +68,7 @@ struct ModelArgs {
     tiny_txt_tokens: i64,
 }
 
-/// Medium config: Flux's head layout (head_dim 128, RoPE axes 16/56/56) at 8 heads (hidden 1024),
-/// 4 double + 8 single blocks, FLUX.1-dev's input widths (64 latent channels, T5 4096, CLIP 768,
-/// guidance embedding); 32x32 = 1024 image tokens, 64 text tokens.
-fn medium_config() -> FluxConfig {
-    FluxConfig {
-        num_layers: 4,
-        num_single_layers: 8,
-        attention_head_dim: 128,
-        num_attention_heads: 8,
-        guidance_embeds: true,
-        ..FluxConfig::default()
-    }
-}
-const MEDIUM_SIDE: i64 = 32;
-const MEDIUM_TXT: i64 = 64;
+use diffmesh_model::bench_inputs::{medium_config, random_inputs, MEDIUM_SIDE, MEDIUM_TXT};
 
 fn main() -> Result<()> {
     let Cmd::Model(args) = Cli::parse().cmd;
@@ -193,6 +179,7 @@ fn bench_model(
                     img_ids: inputs.img_ids.shallow_clone(),
                     txt_ids: inputs.txt_ids.shallow_clone(),
                     cache,
+                    full_hidden_states: None,
                 })
                 .collect()
         })
@@ -278,26 +265,6 @@ fn bench_model(
     out.insert("image_tokens".into(), json!(n));
     out.insert("text_tokens".into(), json!(txt));
     Ok(out)
-}
-
-fn random_inputs(cfg: &FluxConfig, side: i64, txt: i64) -> FluxInputs {
-    let opts = (Kind::Float, Device::Cpu);
-    let n = side * side;
-    let rows = Tensor::arange(side, opts)
-        .view([side, 1])
-        .expand([side, side], false);
-    let cols = Tensor::arange(side, opts)
-        .view([1, side])
-        .expand([side, side], false);
-    FluxInputs {
-        hidden_states: Tensor::randn([1, n, cfg.in_channels], opts),
-        encoder_hidden_states: Tensor::randn([1, txt, cfg.joint_attention_dim], opts),
-        pooled_projections: Tensor::randn([1, cfg.pooled_projection_dim], opts),
-        timestep: Tensor::from_slice(&[0.5f32]),
-        img_ids: Tensor::stack(&[Tensor::zeros([side, side], opts), rows, cols], -1).view([n, 3]),
-        txt_ids: Tensor::zeros([txt, 3], opts),
-        guidance: cfg.guidance_embeds.then(|| Tensor::from_slice(&[3.5f32])),
-    }
 }
 
 fn time_ms(f: impl FnOnce() -> diffmesh_model::Result<()>) -> Result<f64> {

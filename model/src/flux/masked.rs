@@ -43,13 +43,19 @@ pub struct MaskedRequest<'a> {
     /// K/V of all N image tokens of this request's template at this request's step, in the
     /// cache's `format()`. Not read when every token is masked (M = N).
     pub cache: &'a dyn KvCache,
+    /// `[N, in_channels]` packed latents of all N image tokens: read only when the batch runs a
+    /// full prefix of blocks ([`FluxTransformer::forward_masked_prefix`]) and M < N.
+    pub full_hidden_states: Option<Tensor>,
 }
 
-/// Per-request data fixed for the whole forward.
+/// Per-request data fixed for one phase of the forward.
 struct Prepared {
     txt: i64,
+    /// Computed image tokens (M; N in the full-prefix phase).
     masked: i64,
     img: i64,
+    /// `[M]` the computed image tokens among the N (int64, on the model's device).
+    index: Tensor,
     /// Rows of the computed tokens in the joint text-then-image sequence: `0..T`, then
     /// `T + token_index` (int64, on the model's device).
     rows: Tensor,
@@ -68,32 +74,126 @@ struct Layout {
     img_off: Vec<i64>,
 }
 
+/// The packing of one phase: every request's prepared rows, offsets, and per-token request ids
+/// (`None` for a single request, whose AdaLN rows broadcast without a gather).
+struct Phase {
+    prep: Vec<Prepared>,
+    layout: Layout,
+    total_txt: i64,
+    txt_rid: Option<Tensor>,
+    img_rid: Option<Tensor>,
+    all_rid: Option<Tensor>,
+}
+
+impl Phase {
+    fn new(prep: Vec<Prepared>, device: Device) -> Result<Self> {
+        let txt_lens: Vec<i64> = prep.iter().map(|p| p.txt).collect();
+        let img_lens: Vec<i64> = prep.iter().map(|p| p.masked).collect();
+        let (txt_rid, img_rid, all_rid) = if prep.len() == 1 {
+            (None, None, None)
+        } else {
+            let t = request_ids(&txt_lens, device)?;
+            let i = request_ids(&img_lens, device)?;
+            let a = Tensor::f_cat(&[&t, &i], 0)?;
+            (Some(t), Some(i), Some(a))
+        };
+        Ok(Self {
+            layout: Layout {
+                txt_off: offsets(&txt_lens),
+                img_off: offsets(&img_lens),
+            },
+            total_txt: txt_lens.iter().sum(),
+            prep,
+            txt_rid,
+            img_rid,
+            all_rid,
+        })
+    }
+
+    fn single_request(&self) -> bool {
+        self.prep.len() == 1
+    }
+
+    fn rows(rid: &Option<Tensor>, c: &Tensor) -> Result<Tensor> {
+        match rid {
+            None => Ok(c.shallow_clone()),
+            Some(rid) => gather_rows(c, rid),
+        }
+    }
+
+    /// Packed image rows of `from` (this phase must compute a superset of `to`'s tokens) at the
+    /// positions of `to`'s computed tokens: how the full-prefix phase hands over to the masked one.
+    fn select_img(from: &Phase, to: &Phase, img: &Tensor) -> Result<Tensor> {
+        let parts: Vec<Tensor> = to
+            .prep
+            .iter()
+            .zip(&from.layout.img_off)
+            .map(|(p, &off)| Ok(p.index.f_add_scalar(off)?))
+            .collect::<Result<_>>()?;
+        gather_rows(img, &cat_rows(&parts)?)
+    }
+}
+
 impl FluxTransformer {
     /// Mask-aware forward over a batch of requests; returns each request's predicted velocity for
     /// its masked tokens, `[M_i, patch^2 * out_channels]`, in `token_index` order.
     pub fn forward_masked(&self, requests: &[MaskedRequest]) -> Result<Vec<Tensor>> {
+        self.forward_masked_prefix(requests, 0)
+    }
+
+    /// [`Self::forward_masked`] with the first `full_prefix` blocks (double blocks first, then
+    /// single blocks) computed over every image token, as the full forward does, and only the
+    /// rest in cached mode. The prefix reads no cache (its blocks need no loading) at the price of
+    /// computing all N tokens; a planner picks `full_prefix` to balance that against cache
+    /// loading (FlashPS Algorithm 1 restricted to prefixes: once the unmasked tokens are dropped
+    /// they cannot come back). Requests with M < N need `full_hidden_states` when it is > 0.
+    pub fn forward_masked_prefix(
+        &self,
+        requests: &[MaskedRequest],
+        full_prefix: usize,
+    ) -> Result<Vec<Tensor>> {
         if requests.is_empty() {
             return Ok(Vec::new());
         }
         let (device, kind) = self.device_kind();
-        let prep: Vec<Prepared> = requests
-            .iter()
-            .enumerate()
-            .map(|(r, q)| self.prepare(r, q, device))
-            .collect::<Result<_>>()?;
-        let txt_lens: Vec<i64> = prep.iter().map(|p| p.txt).collect();
-        let img_lens: Vec<i64> = prep.iter().map(|p| p.masked).collect();
-        let layout = Layout {
-            txt_off: offsets(&txt_lens),
-            img_off: offsets(&img_lens),
+        let n_double = self.transformer_blocks.len();
+        let n_blocks = n_double + self.single_transformer_blocks.len();
+        let prefix = full_prefix.min(n_blocks);
+        let masked = Phase::new(
+            requests
+                .iter()
+                .enumerate()
+                .map(|(r, q)| self.prepare(r, q, device, false))
+                .collect::<Result<_>>()?,
+            device,
+        )?;
+        let full = if prefix > 0 {
+            Some(Phase::new(
+                requests
+                    .iter()
+                    .enumerate()
+                    .map(|(r, q)| self.prepare(r, q, device, true))
+                    .collect::<Result<_>>()?,
+                device,
+            )?)
+        } else {
+            None
         };
-        let total_txt: i64 = txt_lens.iter().sum();
 
         // Token-wise inputs, packed without padding.
         let on_dev = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_device(device)?.f_to_kind(kind)?) };
         let hs: Vec<Tensor> = requests
             .iter()
-            .map(|q| on_dev(&q.hidden_states))
+            .enumerate()
+            .map(|(r, q)| match (&full, &q.full_hidden_states) {
+                (Some(f), _) if f.prep[r].masked == masked.prep[r].masked => on_dev(&q.hidden_states),
+                (Some(_), Some(h)) => on_dev(h),
+                (Some(_), None) => Err(ModelError::input(
+                    format!("requests[{r}].full_hidden_states"),
+                    "required when blocks run over every token (full_prefix > 0)",
+                )),
+                (None, _) => on_dev(&q.hidden_states),
+            })
             .collect::<Result<_>>()?;
         let es: Vec<Tensor> = requests
             .iter()
@@ -112,114 +212,148 @@ impl FluxTransformer {
         let guidance = guidance_tensor(requests, device)?;
         let cond = self.conditioning(&timestep, guidance.as_ref(), &cat_rows(&pooled)?)?;
 
-        let single_request = requests.len() == 1;
-        // One request: its rows [1, C] broadcast over all tokens, no gather (nor index) needed.
-        let (txt_rid, img_rid, all_rid) = if single_request {
-            (None, None, None)
-        } else {
-            let t = request_ids(&txt_lens, device)?;
-            let i = request_ids(&img_lens, device)?;
-            let a = Tensor::f_cat(&[&t, &i], 0)?;
-            (Some(t), Some(i), Some(a))
-        };
-        let gather = |rid: &Option<Tensor>, c: &Tensor| -> Result<Tensor> {
-            match rid {
-                None => Ok(c.shallow_clone()),
-                Some(rid) => gather_rows(c, rid),
-            }
-        };
-        let img_rows = |c: &Tensor| gather(&img_rid, c);
-        let txt_rows = |c: &Tensor| gather(&txt_rid, c);
-        let all_rows = |c: &Tensor| gather(&all_rid, c);
-
+        let mut phase = full.as_ref().unwrap_or(&masked);
         for (i, block) in self.transformer_blocks.iter().enumerate() {
-            let (img_mod, txt_mod) = block.mods(&cond.temb_silu, &img_rows, &txt_rows)?;
-            let (qi, qt) = block.pre(&img, &txt, &img_mod, &txt_mod)?;
-            let mut out_txt = Vec::with_capacity(prep.len());
-            let mut out_img = Vec::with_capacity(prep.len());
-            for (r, (p, q)) in prep.iter().zip(requests).enumerate() {
-                let (to, mo) = (layout.txt_off[r], layout.img_off[r]);
-                // Text then masked image rows of this request (small: T + M rows).
-                let join = |t: &Tensor, m: &Tensor| -> Result<Tensor> {
+            if i == prefix {
+                if let Some(f) = &full {
+                    img = Phase::select_img(f, &masked, &img)?;
+                    phase = &masked;
+                }
+            }
+            (img, txt) = self.masked_double_block(i, block, phase, requests, &img, &txt, &cond)?;
+        }
+
+        // Single blocks: one packed stream, all text tokens first, then all computed image tokens.
+        // With one request that stream is exactly its text-then-image sequence: no copies.
+        let mut x = Tensor::f_cat(&[&txt, &img], 0)?;
+        for (j, block) in self.single_transformer_blocks.iter().enumerate() {
+            if n_double + j == prefix {
+                if let Some(f) = &full {
+                    x = switch_joint(f, &masked, &x)?;
+                    phase = &masked;
+                }
+            }
+            x = self.masked_single_block(n_double + j, block, phase, requests, &x, &cond)?;
+        }
+        let total_txt = masked.total_txt;
+        let mut img = x.f_narrow(0, total_txt, x.size()[0] - total_txt)?;
+        if let (Some(f), true) = (&full, prefix == n_blocks) {
+            // Every block ran in full: the final layer is token-wise, so select first.
+            img = Phase::select_img(f, &masked, &img)?;
+        }
+        let img_rows = |c: &Tensor| Phase::rows(&masked.img_rid, c);
+        let out = self.final_layer(&img, &cond.temb_silu, &img_rows)?;
+        masked
+            .prep
+            .iter()
+            .zip(&masked.layout.img_off)
+            .map(|(p, &o)| Ok(out.f_narrow(0, o, p.masked)?))
+            .collect()
+    }
+
+    /// One double-stream block of the packed mask-aware forward.
+    #[allow(clippy::too_many_arguments)]
+    fn masked_double_block(
+        &self,
+        i: usize,
+        block: &super::blocks::DoubleBlock,
+        phase: &Phase,
+        requests: &[MaskedRequest],
+        img: &Tensor,
+        txt: &Tensor,
+        cond: &super::Conditioning,
+    ) -> Result<(Tensor, Tensor)> {
+        let img_rows = |c: &Tensor| Phase::rows(&phase.img_rid, c);
+        let txt_rows = |c: &Tensor| Phase::rows(&phase.txt_rid, c);
+        let (img_mod, txt_mod) = block.mods(&cond.temb_silu, &img_rows, &txt_rows)?;
+        let (qi, qt) = block.pre(img, txt, &img_mod, &txt_mod)?;
+        let mut out_txt = Vec::with_capacity(phase.prep.len());
+        let mut out_img = Vec::with_capacity(phase.prep.len());
+        for (r, (p, q)) in phase.prep.iter().zip(requests).enumerate() {
+            let (to, mo) = (phase.layout.txt_off[r], phase.layout.img_off[r]);
+            // Text then computed image rows of this request (small: T + M rows).
+            let join = |t: &Tensor, m: &Tensor| -> Result<Tensor> {
+                Ok(Tensor::f_cat(
+                    &[t.f_narrow(0, to, p.txt)?, m.f_narrow(0, mo, p.masked)?],
+                    0,
+                )?)
+            };
+            let o = self.request_attention(
+                i,
+                p,
+                q.cache,
+                &block.img,
+                Streams {
+                    q: join(&qt.q, &qi.q)?,
+                    k: join(&qt.k, &qi.k)?,
+                    v: join(&qt.v, &qi.v)?,
+                },
+            )?;
+            out_txt.push(o.f_narrow(0, 0, p.txt)?);
+            out_img.push(o.f_narrow(0, p.txt, p.masked)?);
+        }
+        let (attn_img, attn_txt) = (cat_rows(&out_img)?, cat_rows(&out_txt)?);
+        block.post(img, txt, &attn_img, &attn_txt, &img_mod, &txt_mod)
+    }
+
+    /// One single-stream block of the packed mask-aware forward (`x` = all text, then all image).
+    fn masked_single_block(
+        &self,
+        b: usize,
+        block: &super::blocks::SingleBlock,
+        phase: &Phase,
+        requests: &[MaskedRequest],
+        x: &Tensor,
+        cond: &super::Conditioning,
+    ) -> Result<Tensor> {
+        let all_rows = |c: &Tensor| Phase::rows(&phase.all_rid, c);
+        let m = block.mods(&cond.temb_silu, &all_rows)?;
+        let pre = block.pre(x, &m)?;
+        let qkv = &pre.qkv;
+        let attn = if phase.single_request() {
+            self.request_attention(
+                b,
+                &phase.prep[0],
+                requests[0].cache,
+                &block.attn,
+                Streams {
+                    q: qkv.q.shallow_clone(),
+                    k: qkv.k.shallow_clone(),
+                    v: qkv.v.shallow_clone(),
+                },
+            )?
+        } else {
+            let mut out_txt = Vec::with_capacity(phase.prep.len());
+            let mut out_img = Vec::with_capacity(phase.prep.len());
+            for (r, (p, q)) in phase.prep.iter().zip(requests).enumerate() {
+                let (to, mo) = (
+                    phase.layout.txt_off[r],
+                    phase.total_txt + phase.layout.img_off[r],
+                );
+                let join = |t: &Tensor| -> Result<Tensor> {
                     Ok(Tensor::f_cat(
-                        &[t.f_narrow(0, to, p.txt)?, m.f_narrow(0, mo, p.masked)?],
+                        &[t.f_narrow(0, to, p.txt)?, t.f_narrow(0, mo, p.masked)?],
                         0,
                     )?)
                 };
                 let o = self.request_attention(
-                    i,
+                    b,
                     p,
                     q.cache,
-                    &block.img,
+                    &block.attn,
                     Streams {
-                        q: join(&qt.q, &qi.q)?,
-                        k: join(&qt.k, &qi.k)?,
-                        v: join(&qt.v, &qi.v)?,
+                        q: join(&qkv.q)?,
+                        k: join(&qkv.k)?,
+                        v: join(&qkv.v)?,
                     },
                 )?;
                 out_txt.push(o.f_narrow(0, 0, p.txt)?);
                 out_img.push(o.f_narrow(0, p.txt, p.masked)?);
             }
-            let (attn_img, attn_txt) = (cat_rows(&out_img)?, cat_rows(&out_txt)?);
-            (img, txt) = block.post(&img, &txt, &attn_img, &attn_txt, &img_mod, &txt_mod)?;
-        }
-
-        // Single blocks: one packed stream, all text tokens first, then all masked image tokens.
-        // With one request that stream is exactly its text-then-masked sequence: no copies.
-        let mut x = Tensor::f_cat(&[&txt, &img], 0)?;
-        let first_single = self.transformer_blocks.len();
-        for (j, block) in self.single_transformer_blocks.iter().enumerate() {
-            let m = block.mods(&cond.temb_silu, &all_rows)?;
-            let pre = block.pre(&x, &m)?;
-            let qkv = &pre.qkv;
-            let attn = if single_request {
-                self.request_attention(
-                    first_single + j,
-                    &prep[0],
-                    requests[0].cache,
-                    &block.attn,
-                    Streams {
-                        q: qkv.q.shallow_clone(),
-                        k: qkv.k.shallow_clone(),
-                        v: qkv.v.shallow_clone(),
-                    },
-                )?
-            } else {
-                let mut out_txt = Vec::with_capacity(prep.len());
-                let mut out_img = Vec::with_capacity(prep.len());
-                for (r, (p, q)) in prep.iter().zip(requests).enumerate() {
-                    let (to, mo) = (layout.txt_off[r], total_txt + layout.img_off[r]);
-                    let join = |t: &Tensor| -> Result<Tensor> {
-                        Ok(Tensor::f_cat(
-                            &[t.f_narrow(0, to, p.txt)?, t.f_narrow(0, mo, p.masked)?],
-                            0,
-                        )?)
-                    };
-                    let o = self.request_attention(
-                        first_single + j,
-                        p,
-                        q.cache,
-                        &block.attn,
-                        Streams {
-                            q: join(&qkv.q)?,
-                            k: join(&qkv.k)?,
-                            v: join(&qkv.v)?,
-                        },
-                    )?;
-                    out_txt.push(o.f_narrow(0, 0, p.txt)?);
-                    out_img.push(o.f_narrow(0, p.txt, p.masked)?);
-                }
-                out_txt.extend(out_img);
-                Tensor::f_cat(&out_txt, 0)?
-            };
-            x = block.post(&x, &attn, &pre.mlp, &m)?;
-        }
-        let img = x.f_narrow(0, total_txt, x.size()[0] - total_txt)?;
-        let out = self.final_layer(&img, &cond.temb_silu, &img_rows)?;
-        prep.iter()
-            .zip(&layout.img_off)
-            .map(|(p, &o)| Ok(out.f_narrow(0, o, p.masked)?))
-            .collect()
+            out_txt.extend(out_img);
+            Tensor::f_cat(&out_txt, 0)?
+        };
+        block.post(x, &attn, &pre.mlp, &m)
     }
 
     /// Attention of one request: queries are its text + masked tokens; keys/values are its text
@@ -292,8 +426,15 @@ impl FluxTransformer {
         Ok((k, to_heads(&v, head_dim)?))
     }
 
-    /// Validate one request and precompute its positions and RoPE rows.
-    fn prepare(&self, r: usize, q: &MaskedRequest, device: Device) -> Result<Prepared> {
+    /// Validate one request and precompute its positions and RoPE rows; `full` prepares the
+    /// full-prefix phase (every image token computed, no cache read).
+    fn prepare(
+        &self,
+        r: usize,
+        q: &MaskedRequest,
+        device: Device,
+        full: bool,
+    ) -> Result<Prepared> {
         let cfg = &self.cfg;
         let field = |name: &str| format!("requests[{r}].{name}");
         let hs = q.hidden_states.size();
@@ -328,6 +469,14 @@ impl FluxTransformer {
         let n = img_ids.size()[0];
         let txt_ids = ids_2d(&field("txt_ids"), &q.txt_ids, t, axes)?;
         let index = check_token_index(&field("token_index"), &q.token_index, n, device)?;
+        if let (true, Some(h)) = (full && m < n, &q.full_hidden_states) {
+            if h.size() != [n, cfg.in_channels] {
+                return Err(ModelError::input(
+                    field("full_hidden_states"),
+                    format!("expected [{n}, {}], got {:?}", cfg.in_channels, h.size()),
+                ));
+            }
+        }
         if index.size()[0] != m {
             return Err(ModelError::input(
                 field("token_index"),
@@ -348,6 +497,11 @@ impl FluxTransformer {
             }
         }
         let format = q.cache.format();
+        let (index, m) = if full {
+            (Tensor::f_arange(n, (Kind::Int64, device))?, n)
+        } else {
+            (index, m)
+        };
         let all_masked = m == n;
         // RoPE tables only for the rows that need them: the computed tokens always, all N image
         // tokens only when a raw cache is read.
@@ -375,6 +529,7 @@ impl FluxTransformer {
             txt: t,
             masked: m,
             img: n,
+            index,
             rows,
             rope,
             rope_img,
@@ -382,6 +537,17 @@ impl FluxTransformer {
             all_masked,
         })
     }
+}
+
+/// The joint stream `x` (all text rows, then the packed image rows of phase `from`) with its image
+/// rows narrowed to phase `to`'s computed tokens.
+fn switch_joint(from: &Phase, to: &Phase, x: &Tensor) -> Result<Tensor> {
+    let t = from.total_txt;
+    let img = x.f_narrow(0, t, x.size()[0] - t)?;
+    Ok(Tensor::f_cat(
+        &[&x.f_narrow(0, 0, t)?, &Phase::select_img(from, to, &img)?],
+        0,
+    )?)
 }
 
 /// One request's rows of the projections in a block: text, then masked image tokens.

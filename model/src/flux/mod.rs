@@ -9,6 +9,7 @@ pub mod config;
 pub mod embeddings;
 pub mod gather;
 pub mod kv;
+pub mod kv_codec;
 pub mod layers;
 pub mod masked;
 

@@ -10,6 +10,7 @@
 pub mod inpaint;
 pub mod noise;
 pub mod stepper;
+pub mod template;
 
 pub use inpaint::{inpaint, InpaintInputs, InpaintOutput};
 

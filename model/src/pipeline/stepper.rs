@@ -8,7 +8,7 @@
 //! ends on the same latents as the pipeline functions with the same seed.
 use super::{FluxPipeline, GenerateOptions, GenerationRequest, Prepared};
 use crate::error::{ModelError, Result};
-use crate::flux::FluxInputs;
+use crate::flux::{FluxInputs, KvCache, KvSink, MaskedRequest};
 use crate::packing::pack_latents;
 use crate::scheduler::scale_noise_with_sigmas;
 use tch::{Kind, Tensor};
@@ -22,6 +22,11 @@ pub struct EditSpec {
     pub token_mask: Tensor,
     /// Fraction of the schedule to run, in (0, 1]; 1 starts from pure noise.
     pub strength: f64,
+    /// Seed of the noise at the unmasked tokens; `None` = the request's seed. An edit that reads
+    /// a template's activation cache must use the seed the cache was captured with, so that its
+    /// unmasked tokens follow exactly the trajectory the cache recorded; its masked tokens still
+    /// start from the request's own noise.
+    pub template_seed: Option<u64>,
 }
 
 /// One request to step.
@@ -43,6 +48,18 @@ struct EditState {
     /// `[1, N, 1]` 1.0 for repainted tokens.
     blend: Tensor,
     keep: Tensor,
+    /// `[M]` int64 indices of the repainted tokens (what a mask-aware step computes).
+    masked_index: Tensor,
+}
+
+/// How one state takes its next step in [`step_batch_modes`].
+#[derive(Clone, Copy)]
+pub enum StepMode<'a> {
+    /// Every token through every block.
+    Full,
+    /// Only the repainted tokens (mask-aware); the unmasked tokens' K/V of this state's current
+    /// step come from `cache` (a template's activation cache for that step). Edits only.
+    Cached(&'a dyn KvCache),
 }
 
 /// Denoising state of one request (batch of one image).
@@ -75,7 +92,7 @@ impl DenoiseState {
                 }],
                 &opts,
             )?;
-            let noise = prep.noise(&[req.seed], p.codec.latent_channels())?;
+            let mut noise = prep.noise(&[req.seed], p.codec.latent_channels())?;
             let Some(edit) = &req.edit else {
                 return Ok(Self {
                     prep,
@@ -115,6 +132,16 @@ impl DenoiseState {
                 .f_to_kind(prep.kind)?
                 .f_view([1, tokens, 1])?;
             let keep = blend.f_neg()?.f_add_scalar(1.0)?;
+            if let Some(seed) = edit.template_seed.filter(|&s| s != req.seed) {
+                let template_noise = prep.noise(&[seed], p.codec.latent_channels())?;
+                noise = blend.f_mul(&noise)?.f_add(&keep.f_mul(&template_noise)?)?;
+            }
+            let masked_index = edit
+                .token_mask
+                .f_to_device(prep.device)?
+                .f_ne(0)?
+                .f_nonzero()?
+                .f_view([-1])?;
             let latents =
                 scale_noise_with_sigmas(&image_latents, &[prep.schedule.sigmas[start]], &noise)?;
             Ok(Self {
@@ -127,6 +154,7 @@ impl DenoiseState {
                     noise,
                     blend,
                     keep,
+                    masked_index,
                 }),
             })
         })
@@ -152,6 +180,41 @@ impl DenoiseState {
             self.prep.latent_w,
             self.prep.text.hidden.size().get(1).copied().unwrap_or(0),
         )
+    }
+
+    /// Schedule index of the next step (the step of a template cache this state reads next).
+    pub fn step_index(&self) -> usize {
+        self.index
+    }
+
+    /// Text tokens of this request's prompt (T).
+    pub fn text_tokens(&self) -> i64 {
+        self.prep.text.hidden.size().get(1).copied().unwrap_or(0)
+    }
+
+    /// Image tokens of this request (N).
+    pub fn image_tokens(&self) -> i64 {
+        self.latents.size()[1]
+    }
+
+    /// Repainted tokens of an edit (M); `None` for a generation.
+    pub fn masked_tokens(&self) -> Option<i64> {
+        self.edit.as_ref().map(|e| e.masked_index.size()[0])
+    }
+
+    /// Run this state's next step with full compute while recording the K/V of every image
+    /// token in every block into `sink`: the capture pass of a template (an edit whose mask
+    /// repaints nothing, so every token follows the template's noised trajectory).
+    pub fn capture_step(&mut self, p: &FluxPipeline<'_>, sink: &mut dyn KvSink) -> Result<()> {
+        if self.is_done() {
+            return Err(ModelError::input("state", "capture_step after the last step"));
+        }
+        tch::no_grad(|| {
+            let states = [&mut *self];
+            let inputs = group_inputs(&states, &[0])?;
+            let velocity = p.transformer.forward_capture(&inputs, sink)?;
+            states[0].apply(&velocity)
+        })
     }
 
     /// Current packed latents `[1, N, 4C]`.
@@ -197,9 +260,40 @@ impl DenoiseState {
 /// One denoising step for every unfinished state, each at its own step index: states with the
 /// same [`DenoiseState::batch_key`] share one transformer forward (per-row timesteps).
 pub fn step_batch(p: &FluxPipeline<'_>, states: &mut [&mut DenoiseState]) -> Result<()> {
+    let modes = vec![StepMode::Full; states.len()];
+    step_batch_modes(p, states, &modes, 0)
+}
+
+/// [`step_batch`] where each state has its own [`StepMode`]: full-compute states are grouped by
+/// shape as there, and every mask-aware state (any shapes, masks, steps) is packed into one
+/// mask-aware forward whose first `full_prefix` blocks run over all tokens (see
+/// [`crate::flux::FluxTransformer::forward_masked_prefix`]).
+pub fn step_batch_modes(
+    p: &FluxPipeline<'_>,
+    states: &mut [&mut DenoiseState],
+    modes: &[StepMode<'_>],
+    full_prefix: usize,
+) -> Result<()> {
+    if modes.len() != states.len() {
+        return Err(ModelError::input(
+            "modes",
+            format!("{} modes for {} states", modes.len(), states.len()),
+        ));
+    }
     tch::no_grad(|| {
         let mut groups: Vec<((i64, i64, i64), Vec<usize>)> = Vec::new();
+        let mut cached: Vec<(usize, &dyn KvCache)> = Vec::new();
         for (i, s) in states.iter().enumerate().filter(|(_, s)| !s.is_done()) {
+            if let StepMode::Cached(cache) = modes[i] {
+                if s.edit.is_none() {
+                    return Err(ModelError::input(
+                        "modes",
+                        format!("state {i}: a mask-aware step needs an edit (template + mask)"),
+                    ));
+                }
+                cached.push((i, cache));
+                continue;
+            }
             let key = s.batch_key();
             match groups.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, members)) => members.push(i),
@@ -207,21 +301,58 @@ pub fn step_batch(p: &FluxPipeline<'_>, states: &mut [&mut DenoiseState]) -> Res
             }
         }
         for (_, members) in groups {
-            let velocity = group_velocity(p, states, &members)?;
+            let velocity = p.transformer.forward(&group_inputs(states, &members)?)?;
             for (row, &i) in members.iter().enumerate() {
                 states[i].apply(&velocity.f_narrow(0, row as i64, 1)?)?;
+            }
+        }
+        if !cached.is_empty() {
+            let requests: Vec<MaskedRequest> = cached
+                .iter()
+                .map(|&(i, cache)| states[i].masked_request(cache, full_prefix > 0))
+                .collect::<Result<_>>()?;
+            let velocities = p.transformer.forward_masked_prefix(&requests, full_prefix)?;
+            drop(requests);
+            for (&(i, _), v) in cached.iter().zip(velocities) {
+                let s = &mut states[i];
+                let index = &s.edit.as_ref().expect("checked above").masked_index;
+                // Unmasked rows stay zero: the edit blend replaces them with the template anyway.
+                let full = s.latents.f_zeros_like()?.f_index_copy(1, index, &v.f_unsqueeze(0)?)?;
+                s.apply(&full)?;
             }
         }
         Ok(())
     })
 }
 
-/// The transformer's velocity for a group of same-shaped states, rows in `members` order.
-fn group_velocity(
-    p: &FluxPipeline<'_>,
-    states: &[&mut DenoiseState],
-    members: &[usize],
-) -> Result<Tensor> {
+impl DenoiseState {
+    /// This state's next step as one request of a mask-aware forward.
+    fn masked_request<'c>(&self, cache: &'c dyn KvCache, with_full: bool) -> Result<MaskedRequest<'c>> {
+        let e = self.edit.as_ref().ok_or_else(|| ModelError::input("modes", "not an edit"))?;
+        let latents = self.latents.f_squeeze_dim(0)?;
+        let t = self.prep.schedule.timesteps[self.index];
+        let guidance = match &self.prep.guidance {
+            Some(g) => Some(g.f_to_kind(Kind::Double)?.f_view([-1])?.double_value(&[0])),
+            None => None,
+        };
+        Ok(MaskedRequest {
+            hidden_states: latents.f_index_select(0, &e.masked_index)?,
+            token_index: e.masked_index.shallow_clone(),
+            encoder_hidden_states: self.prep.text.hidden.f_squeeze_dim(0)?,
+            pooled_projections: self.prep.text.pooled.f_squeeze_dim(0)?,
+            // The full forward's `t / 1000` in f32, so both paths see the same timestep.
+            timestep: (t / 1000.0) as f64,
+            guidance,
+            img_ids: self.prep.img_ids.shallow_clone(),
+            txt_ids: self.prep.txt_ids.shallow_clone(),
+            cache,
+            full_hidden_states: with_full.then(|| latents.shallow_clone()),
+        })
+    }
+}
+
+/// The transformer inputs of a group of same-shaped states, rows in `members` order.
+fn group_inputs(states: &[&mut DenoiseState], members: &[usize]) -> Result<FluxInputs> {
     let first = &states[members[0]].prep;
     let rows: Vec<&DenoiseState> = members.iter().map(|&i| &*states[i]).collect();
     let cat = |f: &dyn Fn(&DenoiseState) -> Tensor| -> Result<Tensor> {
@@ -243,7 +374,7 @@ fn group_velocity(
         .map(|s| s.prep.guidance.as_ref().map(Tensor::shallow_clone))
         .collect();
     let guidance = guidance.map(|g| Tensor::f_cat(&g, 0)).transpose()?;
-    p.transformer.forward(&FluxInputs {
+    Ok(FluxInputs {
         hidden_states: cat(&|s| s.latents.shallow_clone())?,
         encoder_hidden_states: cat(&|s| s.prep.text.hidden.shallow_clone())?,
         pooled_projections: cat(&|s| s.prep.text.pooled.shallow_clone())?,
@@ -371,6 +502,7 @@ mod tests {
             template: template.shallow_clone(),
             token_mask,
             strength: 1.0,
+            template_seed: None,
         });
         let mut st = DenoiseState::new(&p, &r).unwrap();
         while !st.is_done() {
@@ -417,6 +549,7 @@ mod tests {
             template: Tensor::zeros([1, 3, 32, 32], (Kind::Float, Device::Cpu)),
             token_mask: Tensor::zeros([256], (Kind::Bool, Device::Cpu)),
             strength: 1.0,
+            template_seed: None,
         });
         let err = DenoiseState::new(&p, &r).err().unwrap().to_string();
         assert!(err.contains("template"), "{err}");
@@ -424,6 +557,7 @@ mod tests {
             template: Tensor::zeros([1, 3, 64, 64], (Kind::Float, Device::Cpu)),
             token_mask: Tensor::zeros([10], (Kind::Bool, Device::Cpu)),
             strength: 1.0,
+            template_seed: None,
         });
         let err = DenoiseState::new(&p, &r).err().unwrap().to_string();
         assert!(err.contains("token_mask"), "{err}");

@@ -1,0 +1,209 @@
+//! Mask-aware edits through the step-level API: template capture, cached steps, packing of
+//! requests at different steps (random tiny model, fp32 CPU).
+use diffmesh_model::flux::KvFormat;
+use diffmesh_model::pipeline::stepper::{
+    step_batch_modes, DenoiseState, EditSpec, StepMode, StepRequest,
+};
+use diffmesh_model::pipeline::template::{capture_template, TemplateKv, TemplateSpec};
+use diffmesh_model::pipeline::FluxPipeline;
+use diffmesh_model::scheduler::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
+use diffmesh_model::tch::{Device, Kind, Tensor};
+use diffmesh_model::tiny::model::{scheduler_config_json, TinyModel};
+
+const SIZE: i64 = 64;
+const TOKENS: i64 = 256;
+const TEMPLATE_SEED: u64 = 99;
+
+struct Fixture {
+    model: TinyModel,
+    scheduler: FlowMatchEulerDiscreteScheduler,
+    template: Tensor,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let model = TinyModel::random_for_tests(5, Device::Cpu).unwrap();
+        let cfg: FlowMatchEulerDiscreteSchedulerConfig =
+            serde_json::from_value(scheduler_config_json()).unwrap();
+        diffmesh_model::tch::manual_seed(21);
+        Self {
+            model,
+            scheduler: FlowMatchEulerDiscreteScheduler::new(cfg).unwrap(),
+            template: Tensor::rand([1, 3, SIZE, SIZE], (Kind::Float, Device::Cpu)) * 2.0 - 1.0,
+        }
+    }
+
+    fn pipe(&self) -> FluxPipeline<'_> {
+        FluxPipeline {
+            transformer: &self.model.transformer,
+            text_encoder: &self.model.text_encoder,
+            codec: &self.model.codec,
+            scheduler: &self.scheduler,
+        }
+    }
+
+    fn capture(&self, steps: usize, format: KvFormat) -> TemplateKv {
+        let mut kv = TemplateKv::new(format);
+        let spec = TemplateSpec {
+            template: self.template.shallow_clone(),
+            prompt: "a blue background".into(),
+            seed: TEMPLATE_SEED,
+            steps,
+            guidance_scale: 1.0,
+        };
+        let n = capture_template(&self.pipe(), &spec, &mut kv).unwrap();
+        assert_eq!(n, steps);
+        assert_eq!(kv.steps.len(), steps);
+        kv
+    }
+
+    fn edit(&self, prompt: &str, seed: u64, steps: usize, mask: &Tensor) -> DenoiseState {
+        let req = StepRequest {
+            prompt: prompt.into(),
+            seed,
+            height: SIZE,
+            width: SIZE,
+            steps,
+            guidance_scale: 1.0,
+            edit: Some(EditSpec {
+                template: self.template.shallow_clone(),
+                token_mask: mask.shallow_clone(),
+                strength: 1.0,
+                template_seed: Some(TEMPLATE_SEED),
+            }),
+        };
+        DenoiseState::new(&self.pipe(), &req).unwrap()
+    }
+}
+
+/// A token mask repainting `count` tokens chosen by `seed`.
+fn mask(count: i64, seed: i64) -> Tensor {
+    diffmesh_model::tch::manual_seed(seed);
+    let idx = Tensor::randperm(TOKENS, (Kind::Int64, Device::Cpu)).narrow(0, 0, count);
+    Tensor::zeros([TOKENS], (Kind::Bool, Device::Cpu)).index_fill(0, &idx, 1)
+}
+
+fn max_err(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+/// Step every state to the end, each with the cache of its own current step.
+fn run_cached(f: &Fixture, kv: &TemplateKv, states: &mut [&mut DenoiseState], prefix: usize) {
+    while states.iter().any(|s| !s.is_done()) {
+        let steps: Vec<usize> = states.iter().map(|s| s.step_index()).collect();
+        let modes: Vec<StepMode> = steps
+            .iter()
+            .map(|&i| StepMode::Cached(kv.step(i.min(kv.steps.len() - 1)).unwrap()))
+            .collect();
+        step_batch_modes(&f.pipe(), states, &modes, prefix).unwrap();
+    }
+}
+
+fn run_full(f: &Fixture, state: &mut DenoiseState) {
+    while !state.is_done() {
+        state.step(&f.pipe()).unwrap();
+    }
+}
+
+#[test]
+fn every_token_masked_equals_full_compute() {
+    let f = Fixture::new();
+    let all = Tensor::ones([TOKENS], (Kind::Bool, Device::Cpu));
+    let empty = TemplateKv::new(KvFormat::Raw); // never read when every token is computed
+    let mut full = f.edit("a red circle", 3, 4, &all);
+    run_full(&f, &mut full);
+    let mut cached = f.edit("a red circle", 3, 4, &all);
+    while !cached.is_done() {
+        let cache = diffmesh_model::flux::CapturedKv::new(KvFormat::Raw);
+        step_batch_modes(&f.pipe(), &mut [&mut cached], &[StepMode::Cached(&cache)], 0).unwrap();
+    }
+    let err = max_err(cached.latents(), full.latents());
+    println!("mask 1.0: max abs err {err:.3e}");
+    assert!(err <= 1e-5, "{err}");
+    assert!(empty.steps.is_empty());
+}
+
+/// At the first step the edit's unmasked inputs are pure template noise, exactly what the capture
+/// saw; with the template's prompt the cached K/V are then exact, so the first cached step equals
+/// the first full step. This pins down capture inputs, timesteps, noise seeds and step indexing.
+#[test]
+fn first_cached_step_with_the_templates_prompt_is_exact() {
+    let f = Fixture::new();
+    for format in [KvFormat::Raw, KvFormat::Prepared] {
+        let kv = f.capture(4, format);
+        let m = mask(40, 1);
+        let mut full = f.edit("a blue background", TEMPLATE_SEED, 4, &m);
+        full.step(&f.pipe()).unwrap();
+        let mut cached = f.edit("a blue background", TEMPLATE_SEED, 4, &m);
+        let modes = [StepMode::Cached(kv.step(0).unwrap())];
+        step_batch_modes(&f.pipe(), &mut [&mut cached], &modes, 0).unwrap();
+        let err = max_err(cached.latents(), full.latents());
+        println!("{format:?} first step: max abs err {err:.3e}");
+        assert!(err <= 1e-5, "{format:?}: {err}");
+
+        // The wrong step's cache gives a different result: the step index matters.
+        let mut wrong = f.edit("a blue background", TEMPLATE_SEED, 4, &m);
+        let modes = [StepMode::Cached(kv.step(2).unwrap())];
+        step_batch_modes(&f.pipe(), &mut [&mut wrong], &modes, 0).unwrap();
+        assert!(max_err(wrong.latents(), full.latents()) > 1e-4);
+    }
+}
+
+/// Requests with different masks, prompts and seeds, at different steps, packed in one batch:
+/// each reads its own step's cache and ends exactly where it ends alone; full prefixes of any
+/// length agree too.
+#[test]
+fn packed_requests_at_different_steps_match_each_alone() {
+    let f = Fixture::new();
+    let kv = f.capture(5, KvFormat::Prepared);
+    let specs = [("a red circle", 1u64, mask(30, 2)), ("a green square", 2, mask(90, 3)), ("x", 3, mask(7, 4))];
+    let n_blocks = f.model.transformer.num_blocks();
+    for prefix in [0, 1, n_blocks] {
+        let alone: Vec<Tensor> = specs
+            .iter()
+            .map(|(p, s, m)| {
+                let mut st = f.edit(p, *s, 5, m);
+                run_cached(&f, &kv, &mut [&mut st], prefix);
+                st.latents().shallow_clone()
+            })
+            .collect();
+        let mut states: Vec<DenoiseState> =
+            specs.iter().map(|(p, s, m)| f.edit(p, *s, 5, m)).collect();
+        // Stagger: the second request starts two steps ahead, the third one step ahead.
+        for (i, ahead) in [(1usize, 2usize), (2, 1)] {
+            for _ in 0..ahead {
+                let step = states[i].step_index();
+                let modes = [StepMode::Cached(kv.step(step).unwrap())];
+                step_batch_modes(&f.pipe(), &mut [&mut states[i]], &modes, prefix).unwrap();
+            }
+        }
+        let mut refs: Vec<&mut DenoiseState> = states.iter_mut().collect();
+        run_cached(&f, &kv, &mut refs, prefix);
+        for (i, (s, a)) in states.iter().zip(&alone).enumerate() {
+            let err = max_err(s.latents(), a);
+            println!("prefix {prefix} request {i}: max abs err {err:.3e}");
+            assert!(err <= 1e-4, "prefix {prefix} request {i}: {err}");
+        }
+    }
+}
+
+#[test]
+fn cached_mode_on_a_generation_names_the_field() {
+    let f = Fixture::new();
+    let kv = f.capture(2, KvFormat::Raw);
+    let req = StepRequest {
+        prompt: "x".into(),
+        seed: 1,
+        height: SIZE,
+        width: SIZE,
+        steps: 2,
+        guidance_scale: 1.0,
+        edit: None,
+    };
+    let mut st = DenoiseState::new(&f.pipe(), &req).unwrap();
+    let modes = [StepMode::Cached(kv.step(0).unwrap())];
+    let err = step_batch_modes(&f.pipe(), &mut [&mut st], &modes, 0).unwrap_err().to_string();
+    assert!(err.contains("modes"), "{err}");
+    let missing = kv.step(7).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(missing.contains("step 7 missing"), "{missing}");
+}
