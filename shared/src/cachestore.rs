@@ -23,6 +23,14 @@ pub fn delete_subject() -> String {
 pub fn stats_subject() -> String {
     format!("{CACHESTORE_PREFIX}.stats")
 }
+/// Request/reply: which tiers hold each of some keys ([`CacheLocate`]).
+pub fn locate_subject() -> String {
+    format!("{CACHESTORE_PREFIX}.locate")
+}
+/// Publish (fire and forget) or request: promote keys into the memory tier ([`CachePrefetch`]).
+pub fn prefetch_subject() -> String {
+    format!("{CACHESTORE_PREFIX}.prefetch")
+}
 /// Queue group of cachestore instances.
 pub const CACHESTORE_QUEUE: &str = "cachestore";
 
@@ -91,6 +99,63 @@ pub struct CacheDelete {
 pub enum CacheDeleteReply {
     Deleted { existed: bool },
     Failed { message: String },
+}
+
+/// Which tiers hold each key. Answered from one cachestore instance: its own memory and disk
+/// tiers and the shared cluster tier.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheLocate {
+    pub keys: Vec<String>,
+}
+
+/// Where one key is, fastest tier first (empty: nowhere).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KeyLocation {
+    pub key: String,
+    pub tiers: Vec<CacheTier>,
+    /// Size of the value in bytes, when any tier holds it.
+    pub size: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CacheLocateReply {
+    /// One location per requested key, in request order.
+    Located {
+        keys: Vec<KeyLocation>,
+    },
+    Failed {
+        message: String,
+    },
+}
+
+/// Promote keys into the memory tier in the background, so a later get is a memory hit.
+/// Keys already in memory, and keys no tier holds, are skipped.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CachePrefetch {
+    pub keys: Vec<String>,
+}
+
+/// Sent only when the prefetch was a request (it is usually published without a reply subject).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CachePrefetchReply {
+    /// How many keys were queued for promotion (the promotion itself runs after this reply).
+    Scheduled {
+        keys: u32,
+    },
+    Failed {
+        message: String,
+    },
+}
+
+/// Most keys one locate or prefetch request may name (a template cache is `steps + 1` keys).
+pub const MAX_KEYS_PER_REQUEST: usize = 1024;
+
+/// Every cachestore key of a template cache of `steps` steps: its meta entry, then the step
+/// entries `s0 .. s<steps-1>` (`shared::templates` names them).
+pub fn template_keys(cache_key: &str, steps: u32) -> Vec<String> {
+    std::iter::once(crate::templates::meta_key(cache_key))
+        .chain((0..steps).map(|s| crate::templates::step_key(cache_key, s)))
+        .collect()
 }
 
 /// Per-tier counters of one cachestore instance.
@@ -179,6 +244,25 @@ mod opt_bin {
 mod tests {
     use super::*;
     use crate::messages::{decode, encode};
+
+    #[test]
+    fn template_keys_are_meta_then_every_step() {
+        assert_eq!(
+            template_keys("tpl-x", 3),
+            vec!["tpl-x/meta", "tpl-x/s0", "tpl-x/s1", "tpl-x/s2"]
+        );
+        let locate = CacheLocateReply::Located {
+            keys: vec![KeyLocation {
+                key: "k".into(),
+                tiers: vec![CacheTier::Memory, CacheTier::Cluster],
+                size: Some(3),
+            }],
+        };
+        assert_eq!(
+            decode::<CacheLocateReply>(&encode(&locate).unwrap()).unwrap(),
+            locate
+        );
+    }
 
     #[test]
     fn values_travel_as_compact_bin() {

@@ -71,6 +71,10 @@ pub enum MeshError {
     KvCreate(#[from] kv::CreateError),
     #[error("key-value update failed: {0}")]
     KvUpdate(#[from] kv::UpdateError),
+    #[error("key-value watch failed: {0}")]
+    KvWatch(#[from] kv::WatchError),
+    #[error("key-value watcher failed: {0}")]
+    KvWatcher(#[from] kv::WatcherError),
     #[error("job {job_id} not found")]
     JobNotFound { job_id: String },
     #[error("job {job_id} changed concurrently {attempts} times; giving up")]
@@ -103,6 +107,8 @@ impl MeshError {
             | MeshError::KvPut(_)
             | MeshError::KvCreate(_)
             | MeshError::KvUpdate(_)
+            | MeshError::KvWatch(_)
+            | MeshError::KvWatcher(_)
             | MeshError::JobNotFound { .. }
             | MeshError::JobContention { .. } => "job_store",
             MeshError::Telemetry(_) => "telemetry",

@@ -1,6 +1,6 @@
 //! The small HTTP server every service runs next to its NATS work: `/healthz` (the process is
 //! up), `/readyz` (the service can do work now, from a readiness callback) and `/metrics`
-//! (Prometheus text format from the service's registry).
+//! (Prometheus text format from the service's registry and `metrics::process_registry`).
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -91,8 +91,11 @@ async fn readyz(state: web::Data<HealthState>) -> HttpResponse {
 }
 
 async fn metrics(state: web::Data<HealthState>) -> HttpResponse {
+    // The service's own metrics plus those shared code records (NATS round trips).
+    let mut families = state.registry.gather();
+    families.extend(crate::metrics::process_registry().gather());
     let mut buf = Vec::new();
-    match TextEncoder::new().encode(&state.registry.gather(), &mut buf) {
+    match TextEncoder::new().encode(&families, &mut buf) {
         Ok(()) => HttpResponse::Ok()
             .content_type(prometheus::TEXT_FORMAT)
             .body(buf),

@@ -1,30 +1,38 @@
 //! Job records in JetStream KV (`subjects::JOB_BUCKET`): the durable state of every accepted
 //! job, so a restarted service can see what was in flight. Stored as JSON so operators can read
-//! them with `nats kv get`.
+//! them with `nats kv get`. Also the idempotency map (`subjects::IDEMPOTENCY_BUCKET`): which job
+//! an API key's `Idempotency-Key` created.
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::{self, kv, stream};
 use bytes::Bytes;
+use futures::stream::BoxStream;
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::error::MeshError;
 use crate::messages::{DenoiseJob, JobKind};
-use crate::subjects::JOB_BUCKET;
+use crate::subjects::{IDEMPOTENCY_BUCKET, JOB_BUCKET};
 
 /// Where a job is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
-    /// Accepted by the gateway, not yet running on a denoiser.
+    /// Accepted by the gateway, not yet running on a denoiser (possibly waiting in a queue).
     Queued,
     Running,
     Done,
     Failed,
+    /// Cancelled by its owner (or its synchronous client went away) before it finished.
+    Cancelled,
 }
 
 impl JobState {
     pub fn is_terminal(self) -> bool {
-        matches!(self, JobState::Done | JobState::Failed)
+        matches!(
+            self,
+            JobState::Done | JobState::Failed | JobState::Cancelled
+        )
     }
 }
 
@@ -45,9 +53,22 @@ pub struct JobRecord {
     /// Unix milliseconds.
     pub created_at_ms: u64,
     pub updated_at_ms: u64,
+    /// When a denoiser started the job / when it reached a terminal state (Unix ms).
+    #[serde(default)]
+    pub started_at_ms: Option<u64>,
+    #[serde(default)]
+    pub finished_at_ms: Option<u64>,
     /// Denoiser running (or that last ran) the job.
     #[serde(default)]
     pub worker_id: Option<String>,
+    /// Jobs ahead of this one in its denoiser's queue when it was queued there (0 = next).
+    #[serde(default)]
+    pub queue_position: Option<u32>,
+    /// Denoising steps done and in total (0 of 0 until the job is submitted).
+    #[serde(default)]
+    pub step: u32,
+    #[serde(default)]
+    pub steps_total: u32,
     /// Placements so far (retries after a lost worker increase it).
     #[serde(default)]
     pub attempt: u32,
@@ -56,6 +77,9 @@ pub struct JobRecord {
     pub result_keys: Vec<String>,
     #[serde(default)]
     pub error: Option<JobFailure>,
+    /// Who created the job (the gateway's API key id); `None` when authentication is off.
+    #[serde(default)]
+    pub owner: Option<String>,
     /// The prepared job as submitted, so it can be placed again after a restart.
     #[serde(default)]
     pub submitted: Option<DenoiseJob>,
@@ -69,6 +93,8 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// State changes of a record. A terminal record (done, failed, cancelled) never changes state
+/// again: whichever ending was recorded first wins, so a late `Done` cannot undo a cancel.
 impl JobRecord {
     /// A fresh record in state `Queued`.
     pub fn new(job_id: impl Into<String>, kind: JobKind) -> Self {
@@ -79,34 +105,148 @@ impl JobRecord {
             state: JobState::Queued,
             created_at_ms: now,
             updated_at_ms: now,
+            started_at_ms: None,
+            finished_at_ms: None,
             worker_id: None,
+            queue_position: None,
+            step: 0,
+            steps_total: 0,
             attempt: 0,
             result_keys: Vec::new(),
             error: None,
+            owner: None,
             submitted: None,
         }
     }
 
-    pub fn mark_running(&mut self, worker_id: &str) {
-        self.state = JobState::Running;
+    /// The job was placed on `worker_id` (it may still wait in that worker's queue).
+    pub fn mark_placed(&mut self, worker_id: &str) {
+        if self.state.is_terminal() {
+            return;
+        }
         self.worker_id = Some(worker_id.to_string());
         self.updated_at_ms = now_ms();
     }
 
-    pub fn mark_done(&mut self, result_keys: Vec<String>) {
-        self.state = JobState::Done;
-        self.result_keys = result_keys;
-        self.error = None;
+    /// The job waits in `worker_id`'s queue with `position` jobs ahead of it.
+    pub fn mark_queued_on(&mut self, worker_id: &str, position: u32) {
+        if self.state.is_terminal() {
+            return;
+        }
+        self.state = JobState::Queued;
+        self.worker_id = Some(worker_id.to_string());
+        self.queue_position = Some(position);
         self.updated_at_ms = now_ms();
     }
 
+    /// The job lost its worker and is being placed again (`attempt` placements so far).
+    pub fn mark_retrying(&mut self, attempt: u32) {
+        if self.state.is_terminal() {
+            return;
+        }
+        self.state = JobState::Queued;
+        self.attempt = attempt;
+        self.queue_position = None;
+        self.step = 0;
+        self.updated_at_ms = now_ms();
+    }
+
+    pub fn mark_running(&mut self, worker_id: &str) {
+        if self.state.is_terminal() {
+            return;
+        }
+        self.state = JobState::Running;
+        self.worker_id = Some(worker_id.to_string());
+        self.queue_position = None;
+        let now = now_ms();
+        self.started_at_ms.get_or_insert(now);
+        self.updated_at_ms = now;
+    }
+
+    /// Progress of a running job: `step` of `total` denoising steps done.
+    pub fn mark_step(&mut self, step: u32, total: u32) {
+        if self.state.is_terminal() {
+            return;
+        }
+        self.step = step;
+        self.steps_total = total;
+        self.updated_at_ms = now_ms();
+    }
+
+    pub fn mark_done(&mut self, result_keys: Vec<String>) {
+        if self.state.is_terminal() {
+            return;
+        }
+        self.state = JobState::Done;
+        self.step = self.steps_total;
+        self.result_keys = result_keys;
+        self.error = None;
+        self.finish();
+    }
+
     pub fn mark_failed(&mut self, message: impl Into<String>, error_type: impl Into<String>) {
+        if self.state.is_terminal() {
+            return;
+        }
         self.state = JobState::Failed;
         self.error = Some(JobFailure {
             message: message.into(),
             error_type: error_type.into(),
         });
-        self.updated_at_ms = now_ms();
+        self.finish();
+    }
+
+    pub fn mark_cancelled(&mut self, message: impl Into<String>) {
+        if self.state.is_terminal() {
+            return;
+        }
+        self.state = JobState::Cancelled;
+        self.error = Some(JobFailure {
+            message: message.into(),
+            error_type: crate::messages::error_types::CANCELLED.to_string(),
+        });
+        self.finish();
+    }
+
+    fn finish(&mut self) {
+        let now = now_ms();
+        self.finished_at_ms = Some(now);
+        self.updated_at_ms = now;
+    }
+}
+
+/// Get a KV bucket, creating it when missing (`max_age` per entry).
+///
+/// The bucket's stream is created directly (the layout async-nats' `create_key_value` would
+/// make) because that call needs account-info fields older servers (2.9) do not send.
+pub async fn open_kv(
+    js: &jetstream::Context,
+    bucket: &str,
+    max_age: Duration,
+) -> Result<kv::Store, MeshError> {
+    if let Ok(kv) = js.get_key_value(bucket).await {
+        return Ok(kv);
+    }
+    let created = js
+        .create_stream(stream::Config {
+            name: format!("KV_{bucket}"),
+            subjects: vec![format!("$KV.{bucket}.>")],
+            max_messages_per_subject: 1,
+            max_age,
+            allow_rollup: true,
+            deny_delete: true,
+            allow_direct: true,
+            discard: stream::DiscardPolicy::New,
+            ..Default::default()
+        })
+        .await;
+    match js.get_key_value(bucket).await {
+        Ok(kv) => Ok(kv),
+        // Report the creation error when there was one (a lost race is not an error).
+        Err(err) => match created {
+            Err(create_err) => Err(MeshError::StreamCreate(create_err)),
+            Ok(_) => Err(MeshError::KvOpen(err)),
+        },
     }
 }
 
@@ -121,34 +261,9 @@ const MAX_UPDATE_ATTEMPTS: u32 = 16;
 
 impl JobStore {
     /// Open `subjects::JOB_BUCKET`, creating it when missing (records expire after a week).
-    ///
-    /// The bucket's stream is created directly (the layout async-nats' `create_key_value` would
-    /// make) because that call needs account-info fields older servers (2.9) do not send.
     pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
-        if let Ok(kv) = js.get_key_value(JOB_BUCKET).await {
-            return Ok(Self { kv });
-        }
-        let created = js
-            .create_stream(stream::Config {
-                name: format!("KV_{JOB_BUCKET}"),
-                subjects: vec![format!("$KV.{JOB_BUCKET}.>")],
-                max_messages_per_subject: 1,
-                max_age: Duration::from_secs(7 * 24 * 3600),
-                allow_rollup: true,
-                deny_delete: true,
-                allow_direct: true,
-                discard: stream::DiscardPolicy::New,
-                ..Default::default()
-            })
-            .await;
-        match js.get_key_value(JOB_BUCKET).await {
-            Ok(kv) => Ok(Self { kv }),
-            // Report the creation error when there was one (a lost race is not an error).
-            Err(err) => match created {
-                Err(create_err) => Err(MeshError::StreamCreate(create_err)),
-                Ok(_) => Err(MeshError::KvOpen(err)),
-            },
-        }
+        let kv = open_kv(js, JOB_BUCKET, Duration::from_secs(7 * 24 * 3600)).await?;
+        Ok(Self { kv })
     }
 
     /// Store a new record; fails if the job id already exists.
@@ -177,6 +292,25 @@ impl JobStore {
             ))),
             _ => Ok(None),
         }
+    }
+
+    /// The record now (first item, once it exists) and every later version of it.
+    pub async fn watch(
+        &self,
+        job_id: &str,
+    ) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
+        let watch = self.kv.watch_with_history(job_id).await?;
+        Ok(watch
+            .filter_map(|entry| async move {
+                match entry {
+                    Ok(e) if e.operation == kv::Operation::Put => {
+                        Some(serde_json::from_slice::<JobRecord>(&e.value).map_err(MeshError::from))
+                    }
+                    Ok(_) => None,
+                    Err(err) => Some(Err(MeshError::from(err))),
+                }
+            })
+            .boxed())
     }
 
     /// Read-modify-write with compare-and-set, retrying when another writer got in between.
@@ -208,6 +342,64 @@ impl JobStore {
     }
 }
 
+/// What an `Idempotency-Key` points at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IdempotencyRecord {
+    pub job_id: String,
+    /// Hash of the request that created the job: a repeat with another request is refused.
+    pub fingerprint: String,
+    pub created_at_ms: u64,
+}
+
+/// The first claim of a key wins; later claims learn the winner's job.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claim {
+    Created,
+    Existing(IdempotencyRecord),
+}
+
+/// `Idempotency-Key` -> job, per API key, in `subjects::IDEMPOTENCY_BUCKET` (a day's memory).
+#[derive(Clone)]
+pub struct IdempotencyStore {
+    kv: kv::Store,
+}
+
+/// How long a repeated key returns the same job.
+pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
+
+impl IdempotencyStore {
+    pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
+        let kv = open_kv(js, IDEMPOTENCY_BUCKET, IDEMPOTENCY_TTL).await?;
+        Ok(Self { kv })
+    }
+
+    /// `key` must be a valid KV key (callers hash the client's key and scope into hex).
+    pub async fn get(&self, key: &str) -> Result<Option<IdempotencyRecord>, MeshError> {
+        match self.kv.entry(key).await? {
+            Some(entry) if entry.operation == kv::Operation::Put => {
+                Ok(Some(serde_json::from_slice(&entry.value)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Atomically map `key` to `record` unless it is mapped already.
+    pub async fn claim(&self, key: &str, record: &IdempotencyRecord) -> Result<Claim, MeshError> {
+        let value = Bytes::from(serde_json::to_vec(record)?);
+        match self.kv.create(key, value).await {
+            Ok(_) => Ok(Claim::Created),
+            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
+                match self.get(key).await? {
+                    Some(existing) => Ok(Claim::Existing(existing)),
+                    // Expired between the two calls: the next claim will create it.
+                    None => Err(MeshError::KvCreate(err)),
+                }
+            }
+            Err(err) => Err(err.into()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,5 +416,38 @@ mod tests {
         assert!(json.contains("\"state\":\"failed\""));
         let back: JobRecord = serde_json::from_str(&json).unwrap();
         assert_eq!(back, r);
+    }
+
+    #[test]
+    fn terminal_records_keep_their_ending() {
+        let mut r = JobRecord::new("j2", JobKind::Generate);
+        r.mark_placed("w1");
+        assert_eq!(
+            (r.state, r.worker_id.as_deref()),
+            (JobState::Queued, Some("w1"))
+        );
+        r.mark_running("w1");
+        r.mark_step(2, 4);
+        assert!(r.started_at_ms.is_some());
+        r.mark_cancelled("cancelled by its owner");
+        assert_eq!(r.state, JobState::Cancelled);
+        assert!(r.finished_at_ms.is_some());
+        // A late Done or Failed does not undo the cancel.
+        r.mark_done(vec!["k".into()]);
+        r.mark_failed("boom", "internal_error");
+        r.mark_running("w2");
+        assert_eq!(r.state, JobState::Cancelled);
+        assert!(r.result_keys.is_empty());
+        assert_eq!(r.error.as_ref().unwrap().error_type, "cancelled");
+        assert_eq!(r.worker_id.as_deref(), Some("w1"));
+    }
+
+    /// Records written before the progress and owner fields existed still load.
+    #[test]
+    fn old_records_load() {
+        let old =
+            r#"{"job_id":"j","kind":"Edit","state":"running","created_at_ms":1,"updated_at_ms":2}"#;
+        let r: JobRecord = serde_json::from_str(old).unwrap();
+        assert_eq!((r.step, r.steps_total, r.owner), (0, 0, None));
     }
 }

@@ -11,6 +11,7 @@ pub mod serve;
 pub mod shutdown;
 pub mod subjects;
 pub mod telemetry;
+pub mod templates;
 pub mod testing;
 pub mod trace_context;
 

@@ -11,6 +11,29 @@ pub enum JobKind {
     Generate,
     /// Inpainting/editing of an uploaded image under a mask.
     Edit,
+    /// Template registration: the capture pass that records a template's activation cache
+    /// (FlashPS). Produces no image; the denoiser stores the cache and reports
+    /// [`JobEvent::Captured`] before `Done`.
+    Capture,
+}
+
+/// The template an edit reads (or a capture job records): what its activation cache depends on,
+/// besides the model and the template's pixels (`PreparedInputs::template_id`). Capture and edit
+/// must agree on all of it; the denoiser derives the cache key from it and its own model
+/// (`shared::templates::cache_key`) and falls back to full compute when no cache matches.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateRef {
+    /// Public id (`/v1/templates/{id}`).
+    pub template_id: String,
+    /// Text the template's tokens attended to during capture (may be empty).
+    pub prompt: String,
+    /// Seed of the template's noise; edits use it for their unmasked tokens.
+    pub seed: u64,
+    pub steps: u32,
+    pub guidance_scale: f32,
+    /// Cache key the capturing denoiser reported (empty until captured).
+    #[serde(default)]
+    pub cache_key: String,
 }
 
 /// Validated generation parameters shared by every hop.
@@ -97,6 +120,16 @@ pub struct DenoiseJob {
     pub raw_mask_key: Option<String>,
     /// How many times this job was placed already (retries after a denoiser loss).
     pub attempt: u32,
+    /// The registered template: what a `Capture` job records, or what an `Edit` reads.
+    #[serde(default)]
+    pub template: Option<TemplateRef>,
+}
+
+/// Gateway -> denoisers (`subjects::TEMPLATES_EVICT`): a template was deleted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EvictTemplate {
+    pub template_id: String,
+    pub cache_key: String,
 }
 
 /// Router/denoiser answer to a submit.
@@ -108,6 +141,11 @@ pub enum SubmitReply {
     /// No capacity now; the caller may retry after the given delay.
     Rejected {
         reason: String,
+        retry_after_ms: u64,
+    },
+    /// The router's admission queue is full: the client should back off (HTTP 429).
+    Overloaded {
+        queue_depth: u32,
         retry_after_ms: u64,
     },
 }
@@ -154,6 +192,13 @@ pub enum JobEvent {
         message: String,
         error_type: String,
     },
+    /// A capture job stored its template's cache (sent before `Done`).
+    Captured {
+        cache_key: String,
+        steps: u32,
+        blocks: u32,
+        bytes: u64,
+    },
     /// The job lost its worker (or the worker failed it) and was placed again.
     Retrying {
         attempt: u32,
@@ -172,6 +217,10 @@ pub mod error_types {
     pub const UNAVAILABLE: &str = "service_unavailable";
     /// The job did not finish within its deadline (HTTP 504).
     pub const TIMEOUT: &str = "timeout";
+    /// Too many requests: the admission queue or a per-key limit is full (HTTP 429).
+    pub const RATE_LIMITED: &str = "rate_limited";
+    /// The job was cancelled (by its owner, or because its synchronous client went away).
+    pub const CANCELLED: &str = "cancelled";
     /// A worker was lost and the job could not be placed again.
     pub const WORKER_LOST: &str = "worker_lost";
     /// Anything else that went wrong inside the mesh (HTTP 500).
@@ -193,6 +242,9 @@ pub struct Heartbeat {
     /// knows when a worker is full. 0 from older senders.
     #[serde(default)]
     pub queue_capacity: u32,
+    /// Template cache keys resident in the worker's local tier (the router prefers such a worker).
+    #[serde(default)]
+    pub cached_templates: Vec<String>,
 }
 
 /// Gateway -> router (`ROUTER_CANCEL`) and router -> denoiser (`denoiser_cancel`): drop a job at
@@ -272,6 +324,7 @@ mod tests {
             raw_image_key: Some("j1/image".into()),
             raw_mask_key: None,
             attempt: 1,
+            template: None,
         };
         let back: DenoiseJob = decode(&encode(&job).unwrap()).unwrap();
         assert_eq!(back.job_id, job.job_id);

@@ -1,6 +1,12 @@
 //! Metric naming and registration helpers so every service spells metrics the same way:
 //! `diffmesh_<subsystem>_<name>_<unit>`, explicit histogram buckets, and one failure counter
 //! per service labelled by reason.
+//!
+//! Besides each service's own registry there is one [`process_registry`] for metrics that
+//! shared code records (NATS request round trips, [`NatsMetrics`]); the health server's
+//! `/metrics` serves both.
+use std::sync::OnceLock;
+
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 
 /// Prefix of every diffmesh metric.
@@ -45,6 +51,127 @@ pub const RATIO_BUCKETS: &[f64] = &[0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 
 pub const SIZE_BUCKETS_BYTES: &[f64] = &[
     1024.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0, 16777216.0, 67108864.0,
 ];
+
+/// NATS request/reply round trips: 0.5 ms to 30 s (request deadlines are seconds).
+pub const NATS_BUCKETS_SECONDS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Metrics whose name carries no unit suffix on purpose: counts of things at one moment
+/// (gauges) or per event (histograms). Every other diffmesh metric ends in `_seconds`,
+/// `_bytes`, `_ratio` or (counters) `_total`; see [`naming_problem`]. Name and what it counts.
+pub const UNITLESS_METRICS: &[(&str, &str)] = &[
+    (
+        "diffmesh_router_live_workers",
+        "denoisers with recent heartbeats",
+    ),
+    (
+        "diffmesh_router_policy",
+        "1 for the placement policy in use, by `name` (an info gauge)",
+    ),
+    (
+        "diffmesh_router_admission_waiting",
+        "submits queued in the router waiting for a denoiser slot",
+    ),
+    (
+        "diffmesh_denoiser_queued_jobs",
+        "jobs waiting for a batch slot",
+    ),
+    (
+        "diffmesh_denoiser_running_jobs",
+        "jobs in the running batch",
+    ),
+    (
+        "diffmesh_denoiser_batch_rows",
+        "images denoised together in one step (histogram)",
+    ),
+    ("diffmesh_cachestore_entries", "entries held per tier"),
+];
+
+/// Why `name` (of Prometheus type `kind`: "counter", "gauge", "histogram", "summary") breaks the
+/// naming convention, or `None` when it follows it.
+pub fn naming_problem(name: &str, kind: &str) -> Option<String> {
+    let Some(rest) = name.strip_prefix(&format!("{PREFIX}_")) else {
+        return Some(format!("{name}: does not start with `{PREFIX}_`"));
+    };
+    if rest.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    {
+        return Some(format!("{name}: not lower snake case"));
+    }
+    let documented = UNITLESS_METRICS.iter().any(|(n, _)| *n == name);
+    match kind {
+        "counter" if name.ends_with("_total") => None,
+        "counter" => Some(format!("{name}: a counter must end in `_total`")),
+        _ if name.ends_with("_total") => Some(format!("{name}: only counters end in `_total`")),
+        _ if ["_seconds", "_bytes", "_ratio"]
+            .iter()
+            .any(|u| name.ends_with(u)) =>
+        {
+            None
+        }
+        _ if documented => None,
+        _ => Some(format!(
+            "{name}: a {kind} needs a unit suffix (`_seconds`, `_bytes`, `_ratio`) or an entry \
+             in `shared::metrics::UNITLESS_METRICS`"
+        )),
+    }
+}
+
+/// Registry of metrics recorded by shared code rather than by one service; the health
+/// server's `/metrics` serves it next to the service's own registry. Services in one process
+/// (integration tests) share it.
+pub fn process_registry() -> &'static Registry {
+    static REGISTRY: OnceLock<Registry> = OnceLock::new();
+    REGISTRY.get_or_init(Registry::new)
+}
+
+/// Round trips of the NATS request helpers (`shared::nats::request_msgpack*`), by subject.
+///
+/// Request subjects name a service and at most a worker id, so the `subject` label stays
+/// bounded.
+#[derive(Clone)]
+pub struct NatsMetrics {
+    /// `diffmesh_nats_request_duration_seconds{subject}`: send to decoded reply, answered
+    /// requests only.
+    pub request_duration: HistogramVec,
+    /// `diffmesh_nats_request_failures_total{subject, reason}`: timeouts, no responders, errors.
+    pub request_failures: IntCounterVec,
+}
+
+impl NatsMetrics {
+    /// The process-wide instance, registered in [`process_registry`] on first use.
+    pub fn global() -> &'static NatsMetrics {
+        static METRICS: OnceLock<NatsMetrics> = OnceLock::new();
+        METRICS.get_or_init(|| {
+            Self::register(process_registry())
+                .expect("the NATS metrics are registered once, with valid names")
+        })
+    }
+
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        Ok(Self {
+            request_duration: histogram_vec(
+                registry,
+                "nats",
+                "request_duration",
+                Unit::Seconds,
+                "NATS request/reply round trip (send to decoded reply), answered requests",
+                &["subject"],
+                NATS_BUCKETS_SECONDS,
+            )?,
+            request_failures: counter_vec(
+                registry,
+                "nats",
+                "request_failures",
+                "NATS requests that got no usable reply, by subject and reason",
+                &["subject", "reason"],
+            )?,
+        })
+    }
+}
 
 /// Register a histogram with explicit buckets.
 pub fn histogram_vec(
@@ -95,6 +222,20 @@ impl FailureCounter {
         .map(Self)
     }
 
+    /// [`FailureCounter::register`] with `reasons` exported at 0 from the start, so the family
+    /// is on `/metrics` before the first failure and `rate()` sees the first one.
+    pub fn register_with_reasons(
+        registry: &Registry,
+        subsystem: &str,
+        reasons: &[&str],
+    ) -> Result<Self, prometheus::Error> {
+        let counter = Self::register(registry, subsystem)?;
+        for reason in reasons {
+            counter.0.with_label_values(&[*reason]);
+        }
+        Ok(counter)
+    }
+
     pub fn inc(&self, reason: &str) {
         self.0.with_label_values(&[reason]).inc();
     }
@@ -132,5 +273,60 @@ mod tests {
         assert_eq!(text[0].name(), "diffmesh_test_failures_total");
         // Registering the same name twice is an error, not a silent duplicate.
         assert!(FailureCounter::register(&registry, "test").is_err());
+    }
+
+    #[test]
+    fn known_failure_reasons_are_exported_before_any_failure() {
+        let registry = Registry::new();
+        FailureCounter::register_with_reasons(&registry, "test", &["timeout", "invalid"]).unwrap();
+        let families = registry.gather();
+        assert_eq!(families.len(), 1);
+        assert_eq!(families[0].get_metric().len(), 2);
+        assert!(families[0]
+            .get_metric()
+            .iter()
+            .all(|m| m.get_counter().value() == 0.0));
+    }
+
+    #[test]
+    fn naming_convention() {
+        for (name, kind) in [
+            ("diffmesh_gateway_requests_total", "counter"),
+            ("diffmesh_codec_duration_seconds", "histogram"),
+            ("diffmesh_cachestore_bytes", "gauge"),
+            ("diffmesh_codec_mask_ratio", "histogram"),
+            ("diffmesh_denoiser_queued_jobs", "gauge"),
+        ] {
+            assert_eq!(naming_problem(name, kind), None, "{name}");
+        }
+        for (name, kind) in [
+            ("gateway_requests_total", "counter"),
+            ("diffmesh_gateway_requests", "counter"),
+            ("diffmesh_gateway_errors_total", "gauge"),
+            ("diffmesh_codec_duration", "histogram"),
+            ("diffmesh_codec_undocumented_jobs", "gauge"),
+            ("diffmesh_Codec_duration_seconds", "histogram"),
+        ] {
+            assert!(naming_problem(name, kind).is_some(), "{name} passed");
+        }
+        for (name, _) in UNITLESS_METRICS {
+            assert_eq!(naming_problem(name, "gauge"), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn nats_metrics_live_in_the_process_registry() {
+        let nats = NatsMetrics::global();
+        nats.request_duration
+            .with_label_values(&["diffmesh.test"])
+            .observe(0.001);
+        let names: Vec<String> = process_registry()
+            .gather()
+            .iter()
+            .map(|f| f.name().to_string())
+            .collect();
+        assert!(names.contains(&"diffmesh_nats_request_duration_seconds".to_string()));
+        // A second call is the same instance: registering twice would have failed.
+        assert!(std::ptr::eq(nats, NatsMetrics::global()));
     }
 }

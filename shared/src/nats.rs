@@ -11,6 +11,7 @@ use tokio::io::AsyncReadExt;
 
 use crate::error::MeshError;
 use crate::messages::{decode, encode};
+use crate::metrics::NatsMetrics;
 use crate::subjects::BLOB_BUCKET;
 use crate::trace_context::headers_for;
 
@@ -52,7 +53,8 @@ pub async fn connect(url: &str, name: &str, give_up_after: Duration) -> Result<C
 }
 
 /// Send `req` as MessagePack on `subject` and decode the reply, failing after `timeout`.
-/// The current span's trace context rides in the headers.
+/// The current span's trace context rides in the headers; the round trip is recorded in
+/// `diffmesh_nats_request_duration_seconds{subject}` (`metrics::NatsMetrics`).
 pub async fn request_msgpack<Req, Resp>(
     client: &Client,
     subject: &str,
@@ -97,7 +99,8 @@ where
         .payload(payload)
         .headers(headers)
         .timeout(Some(timeout));
-    let message = client
+    let started = std::time::Instant::now();
+    let result = client
         .send_request(subject.to_string(), request)
         .await
         .map_err(|source| match source.kind() {
@@ -112,8 +115,27 @@ where
                 subject: subject.to_string(),
                 source,
             },
-        })?;
-    Ok(decode(&message.payload)?)
+        })
+        .and_then(|message| Ok(decode(&message.payload)?));
+    record_round_trip(subject, started, result.as_ref().err());
+    result
+}
+
+/// `diffmesh_nats_request_duration_seconds{subject}` for answered requests, or
+/// `diffmesh_nats_request_failures_total{subject, reason}` for the others. Timeouts stay out
+/// of the histogram: their duration is the deadline, not a round trip.
+fn record_round_trip(subject: &str, started: std::time::Instant, error: Option<&MeshError>) {
+    let metrics = NatsMetrics::global();
+    match error {
+        None => metrics
+            .request_duration
+            .with_label_values(&[subject])
+            .observe(started.elapsed().as_secs_f64()),
+        Some(err) => metrics
+            .request_failures
+            .with_label_values(&[subject, err.reason()])
+            .inc(),
+    }
 }
 
 /// Publish `msg` as MessagePack with trace headers (and the job id header when given).

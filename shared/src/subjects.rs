@@ -14,6 +14,12 @@ pub const ROUTER_CANCEL: &str = "diffmesh.router.cancel";
 pub const DENOISER_HEARTBEAT: &str = "diffmesh.denoiser.heartbeat";
 /// Cachestore requests (get/put/prefetch of activation caches).
 pub const CACHESTORE_PREFIX: &str = "diffmesh.cachestore";
+/// gateway -> every denoiser (publish): drop a deleted template's cache from local tiers
+/// (`messages::EvictTemplate`).
+pub const TEMPLATES_EVICT: &str = "diffmesh.templates.evict";
+/// JetStream KV bucket of template records (JSON), and the object store of template images
+/// (kept until the template is deleted, unlike `BLOB_BUCKET`'s 24 h).
+pub const TEMPLATE_BUCKET: &str = "diffmesh-templates";
 
 /// Router -> one denoiser: run this job (request/reply: accepted or busy).
 pub fn denoiser_submit(worker_id: &str) -> String {
@@ -32,6 +38,8 @@ pub fn job_events(job_id: &str) -> String {
 pub const BLOB_BUCKET: &str = "diffmesh-blobs";
 /// JetStream KV bucket for job records.
 pub const JOB_BUCKET: &str = "diffmesh-jobs";
+/// JetStream KV bucket mapping an API key's `Idempotency-Key` to the job it created.
+pub const IDEMPOTENCY_BUCKET: &str = "diffmesh-idempotency";
 
 /// W3C trace context header carried on every NATS message.
 pub const TRACEPARENT_HEADER: &str = "traceparent";

@@ -140,5 +140,6 @@ pub fn generation_job(
         raw_image_key: None,
         raw_mask_key: None,
         attempt: 0,
+        template: None,
     }
 }

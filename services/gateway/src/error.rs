@@ -5,6 +5,20 @@ use actix_web::{HttpResponse, ResponseError};
 use diffmesh_shared::messages::{error_types, FieldError};
 use diffmesh_shared::MeshError;
 use serde::Serialize;
+use utoipa::ToSchema;
+
+/// `error_type` values that only the gateway produces (the mesh's are in
+/// `shared::messages::error_types`).
+pub mod gateway_error_types {
+    /// Missing or unknown API key (HTTP 401).
+    pub const AUTHENTICATION: &str = "authentication_error";
+    /// No such job for this API key, or no such result (HTTP 404).
+    pub const NOT_FOUND: &str = "not_found_error";
+    /// The job's state does not allow the request (HTTP 409).
+    pub const CONFLICT: &str = "conflict_error";
+    /// An `Idempotency-Key` was reused with a different request (HTTP 422).
+    pub const IDEMPOTENCY: &str = "idempotency_error";
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -17,6 +31,31 @@ pub enum ApiError {
     /// No worker can take the job now; the client should retry later.
     #[error("{message}")]
     Unavailable { message: String, retry_after_s: u64 },
+    /// The router's admission queue is full (HTTP 429 with Retry-After).
+    #[error("{message}")]
+    Overloaded { message: String, retry_after_s: u64 },
+    /// This API key is over its request-rate or concurrency limit (HTTP 429 with Retry-After).
+    #[error("{message}")]
+    RateLimited { message: String, retry_after_s: u64 },
+    /// No API key, or an unknown one (HTTP 401).
+    #[error("{message}")]
+    Unauthorized { message: String },
+    /// Nothing under this name for this API key (HTTP 404); `field` names the path parameter.
+    #[error("{message}")]
+    NotFound { field: String, message: String },
+    /// The job's state does not allow this (HTTP 409), e.g. cancelling a finished job.
+    #[error("{message}")]
+    Conflict { message: String },
+    /// The `Idempotency-Key` was used before with a different request (HTTP 422).
+    #[error("{message}")]
+    IdempotencyMismatch { message: String },
+    /// The job was cancelled before it finished (HTTP 409).
+    #[error("{message}")]
+    Cancelled { message: String },
+    /// The client closed the connection before its job finished; the job was cancelled. No
+    /// one reads this answer: its 499 (nginx's "client closed request") is for logs and metrics.
+    #[error("the client closed the connection before the job finished; it was cancelled")]
+    ClientGone,
     /// The job did not finish in time.
     #[error("{message}")]
     Timeout { message: String },
@@ -42,6 +81,14 @@ impl ApiError {
             ApiError::Invalid(_) => "invalid_request",
             ApiError::TooLarge { .. } => "too_large",
             ApiError::Unavailable { .. } => "unavailable",
+            ApiError::Overloaded { .. } => "overloaded",
+            ApiError::RateLimited { .. } => "rate_limited",
+            ApiError::Unauthorized { .. } => "unauthorized",
+            ApiError::NotFound { .. } => "not_found",
+            ApiError::Conflict { .. } => "conflict",
+            ApiError::IdempotencyMismatch { .. } => "idempotency_mismatch",
+            ApiError::Cancelled { .. } => "cancelled",
+            ApiError::ClientGone => "client_closed",
             ApiError::Timeout { .. } => "timeout",
             ApiError::JobFailed { .. } => "job_failed",
             ApiError::Mesh(e) => e.reason(),
@@ -49,11 +96,18 @@ impl ApiError {
         }
     }
 
-    fn error_type(&self) -> &str {
+    /// The machine-readable `error_type` (also what a failed job's record keeps).
+    pub fn error_type(&self) -> &str {
         match self {
             ApiError::Invalid(e) => &e.error_type,
             ApiError::TooLarge { .. } => error_types::TOO_LARGE,
             ApiError::Unavailable { .. } => error_types::UNAVAILABLE,
+            ApiError::Overloaded { .. } | ApiError::RateLimited { .. } => error_types::RATE_LIMITED,
+            ApiError::Unauthorized { .. } => gateway_error_types::AUTHENTICATION,
+            ApiError::NotFound { .. } => gateway_error_types::NOT_FOUND,
+            ApiError::Conflict { .. } => gateway_error_types::CONFLICT,
+            ApiError::IdempotencyMismatch { .. } => gateway_error_types::IDEMPOTENCY,
+            ApiError::Cancelled { .. } | ApiError::ClientGone => error_types::CANCELLED,
             ApiError::Timeout { .. } => error_types::TIMEOUT,
             ApiError::JobFailed { error_type, .. } => error_type,
             ApiError::Mesh(MeshError::NoResponders { .. }) => error_types::UNAVAILABLE,
@@ -65,22 +119,28 @@ impl ApiError {
     fn field(&self) -> Option<&str> {
         match self {
             ApiError::Invalid(e) => Some(&e.field),
-            ApiError::TooLarge { field, .. } => Some(field),
+            ApiError::TooLarge { field, .. } | ApiError::NotFound { field, .. } => Some(field),
+            ApiError::Unauthorized { .. } => Some("Authorization"),
+            ApiError::IdempotencyMismatch { .. } => Some("Idempotency-Key"),
             _ => None,
         }
     }
 }
 
-#[derive(Serialize)]
-struct ErrorBody<'a> {
-    error: ErrorDetail<'a>,
+/// Every error response: `{"error": {"message", "error_type", "field"}}`.
+#[derive(Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
 }
 
-#[derive(Serialize)]
-struct ErrorDetail<'a> {
-    message: String,
-    error_type: &'a str,
-    field: Option<&'a str>,
+#[derive(Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// What went wrong, in words a client can act on.
+    pub message: String,
+    /// Machine-readable kind, e.g. `invalid_request_error`, `rate_limited`.
+    pub error_type: String,
+    /// The request field (or header, or path parameter) at fault, when one is.
+    pub field: Option<String>,
 }
 
 impl ResponseError for ApiError {
@@ -91,6 +151,14 @@ impl ResponseError for ApiError {
             ApiError::Unavailable { .. } | ApiError::Mesh(MeshError::NoResponders { .. }) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
+            ApiError::Overloaded { .. } | ApiError::RateLimited { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::Conflict { .. } | ApiError::Cancelled { .. } => StatusCode::CONFLICT,
+            ApiError::IdempotencyMismatch { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::ClientGone => StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
             ApiError::Timeout { .. } | ApiError::Mesh(MeshError::Timeout { .. }) => {
                 StatusCode::GATEWAY_TIMEOUT
             }
@@ -101,6 +169,9 @@ impl ResponseError for ApiError {
                 }
                 error_types::TIMEOUT => StatusCode::GATEWAY_TIMEOUT,
                 error_types::INVALID_REQUEST => StatusCode::BAD_REQUEST,
+                error_types::TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+                error_types::RATE_LIMITED => StatusCode::TOO_MANY_REQUESTS,
+                error_types::CANCELLED => StatusCode::CONFLICT,
                 _ => StatusCode::INTERNAL_SERVER_ERROR,
             },
             ApiError::Mesh(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -109,8 +180,16 @@ impl ResponseError for ApiError {
 
     fn error_response(&self) -> HttpResponse {
         let mut response = HttpResponse::build(self.status_code());
-        if let ApiError::Unavailable { retry_after_s, .. } = self {
-            response.insert_header((header::RETRY_AFTER, retry_after_s.to_string()));
+        match self {
+            ApiError::Unavailable { retry_after_s, .. }
+            | ApiError::Overloaded { retry_after_s, .. }
+            | ApiError::RateLimited { retry_after_s, .. } => {
+                response.insert_header((header::RETRY_AFTER, retry_after_s.to_string()));
+            }
+            ApiError::Unauthorized { .. } => {
+                response.insert_header((header::WWW_AUTHENTICATE, "Bearer realm=\"diffmesh\""));
+            }
+            _ => {}
         }
         let message = match self {
             // Downstream services that are not running: say which, in words a client can act on.
@@ -122,8 +201,8 @@ impl ResponseError for ApiError {
         response.json(ErrorBody {
             error: ErrorDetail {
                 message,
-                error_type: self.error_type(),
-                field: self.field(),
+                error_type: self.error_type().to_string(),
+                field: self.field().map(str::to_string),
             },
         })
     }
@@ -166,5 +245,60 @@ mod tests {
         };
         assert_eq!(e.status_code(), StatusCode::PAYLOAD_TOO_LARGE);
         assert_eq!(body_json(&e)["error"]["field"], "image");
+    }
+
+    #[test]
+    fn limits_and_auth_errors_say_when_and_what() {
+        let e = ApiError::Overloaded {
+            message: "queue full".into(),
+            retry_after_s: 2,
+        };
+        let resp = e.error_response();
+        assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(resp.headers().get(header::RETRY_AFTER).unwrap(), "2");
+        assert_eq!(
+            body_json(&e)["error"]["error_type"],
+            error_types::RATE_LIMITED
+        );
+
+        let e = ApiError::RateLimited {
+            message: "slow down".into(),
+            retry_after_s: 5,
+        };
+        let resp = e.error_response();
+        assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(resp.headers().get(header::RETRY_AFTER).unwrap(), "5");
+
+        let e = ApiError::Unauthorized {
+            message: "missing API key".into(),
+        };
+        let resp = e.error_response();
+        assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+        assert!(resp.headers().contains_key(header::WWW_AUTHENTICATE));
+        let v = body_json(&e);
+        assert_eq!(v["error"]["field"], "Authorization");
+        assert_eq!(
+            v["error"]["error_type"],
+            gateway_error_types::AUTHENTICATION
+        );
+
+        let e = ApiError::NotFound {
+            field: "id".into(),
+            message: "no such job".into(),
+        };
+        assert_eq!(e.status_code(), StatusCode::NOT_FOUND);
+        assert_eq!(body_json(&e)["error"]["field"], "id");
+        let e = ApiError::IdempotencyMismatch {
+            message: "different request".into(),
+        };
+        assert_eq!(e.status_code(), StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(body_json(&e)["error"]["field"], "Idempotency-Key");
+
+        // A job the mesh reports cancelled is a 409, not a server error.
+        let e = ApiError::JobFailed {
+            message: "job cancelled".into(),
+            error_type: error_types::CANCELLED.into(),
+        };
+        assert_eq!(e.status_code(), StatusCode::CONFLICT);
     }
 }

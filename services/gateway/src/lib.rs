@@ -2,12 +2,25 @@
 //!
 //! `POST /v1/images/edits` (multipart) and `POST /v1/images/generations` (JSON) are validated
 //! here (4xx naming the field), then driven through codec -> router -> denoiser -> codec over
-//! NATS (see `pipeline`). `/healthz`, `/readyz`, `/metrics` answer on the API port and on the
-//! common health port.
+//! NATS (see `pipeline`), answered when done or, with `Prefer: respond-async`, at once as a job
+//! (`jobs`, `events`: state, progress stream, results, cancel). API keys and per-key limits are
+//! in `auth` and `limits`, the OpenAPI document in `openapi`, the browser playground at `/` in
+//! `playground`. `/healthz`, `/readyz`,
+//! `/metrics` answer on the API port and on the common health port.
+pub mod auth;
+pub mod disconnect;
 pub mod error;
+pub mod events;
+pub mod idempotency;
+pub mod jobs;
+pub mod limits;
 pub mod metrics;
+pub mod openapi;
+pub mod parse;
 pub mod pipeline;
+pub mod playground;
 pub mod routes;
+pub mod templates;
 pub mod validate;
 
 use std::net::SocketAddr;
@@ -16,12 +29,15 @@ use std::time::Duration;
 
 use actix_web::{web, App, HttpServer};
 use diffmesh_shared::health::{configure_health_routes, health_data, HealthServer, Readiness};
-use diffmesh_shared::job::JobStore;
+use diffmesh_shared::job::{IdempotencyStore, JobStore};
 use diffmesh_shared::nats::{self, BlobStore};
 use diffmesh_shared::{CommonConfig, MeshError};
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
+use auth::ApiKeys;
 pub use error::ApiError;
+use limits::{KeyLimiter, KeyLimits};
 use metrics::GatewayMetrics;
 use pipeline::{FlowConfig, Mesh};
 use routes::ApiState;
@@ -77,6 +93,23 @@ pub struct GatewayConfig {
     /// Whole-job deadline; a job still running then is cancelled and answered 504 (seconds).
     #[arg(long, env = "GATEWAY_JOB_TIMEOUT_S", default_value_t = 120.0)]
     pub job_timeout_s: f64,
+    /// File of API keys, one a line: `key` or `name:key` (`#` comments). With no keys from
+    /// here or GATEWAY_API_KEYS, authentication is off.
+    #[arg(long, env = "GATEWAY_API_KEYS_FILE")]
+    pub api_keys_file: Option<std::path::PathBuf>,
+    /// API keys, comma-separated, each `key` or `name:key` (environment only: keys do not
+    /// belong on a command line).
+    #[arg(skip = std::env::var("GATEWAY_API_KEYS").ok())]
+    pub api_keys: Option<String>,
+    /// Image requests per second per API key, sustained (token bucket; 0 = unlimited).
+    #[arg(long, env = "GATEWAY_RATE_LIMIT_PER_S", default_value_t = 0.0)]
+    pub rate_limit_per_s: f64,
+    /// Image requests a key may make at once after being idle (0 = one second's worth).
+    #[arg(long, env = "GATEWAY_RATE_LIMIT_BURST", default_value_t = 0)]
+    pub rate_limit_burst: u32,
+    /// Jobs in flight per API key, synchronous and async together (0 = unlimited).
+    #[arg(long, env = "GATEWAY_MAX_CONCURRENT_PER_KEY", default_value_t = 0)]
+    pub max_concurrent_per_key: usize,
 }
 
 impl GatewayConfig {
@@ -99,6 +132,11 @@ impl GatewayConfig {
             router_timeout_s: 3.0,
             submit_wait_s: 2.0,
             job_timeout_s: 60.0,
+            api_keys_file: None,
+            api_keys: None,
+            rate_limit_per_s: 0.0,
+            rate_limit_burst: 0,
+            max_concurrent_per_key: 0,
         }
     }
 
@@ -137,13 +175,27 @@ pub struct GatewayHandle {
     server: actix_web::dev::ServerHandle,
     task: tokio::task::JoinHandle<()>,
     health: HealthServer,
+    /// Async jobs and cancels still running.
+    background: TaskTracker,
+    job_timeout: Duration,
 }
 
 impl GatewayHandle {
-    /// Stop accepting requests, let in-flight ones finish (up to the job deadline), stop.
+    /// Stop accepting requests, let in-flight requests and async jobs finish (each up to the
+    /// job deadline), stop.
     pub async fn shutdown(self) {
         self.server.stop(true).await;
         let _ = self.task.await;
+        self.background.close();
+        if tokio::time::timeout(self.job_timeout, self.background.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                left = self.background.len(),
+                "async jobs still running at shutdown were abandoned"
+            );
+        }
         self.health.stop().await;
     }
 }
@@ -172,6 +224,29 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         width: dw,
         height: dh,
     };
+    let keys = ApiKeys::load(config.api_keys_file.as_deref(), config.api_keys.as_deref())
+        .map_err(GatewayError::Config)?;
+    if keys.is_enabled() {
+        tracing::info!(
+            keys = keys.len(),
+            "API keys configured: Bearer authentication is on"
+        );
+    } else {
+        tracing::warn!(
+            "no API keys configured (--api-keys-file, GATEWAY_API_KEYS): authentication is off \
+             and every caller sees every job"
+        );
+    }
+    if !config.rate_limit_per_s.is_finite() || config.rate_limit_per_s < 0.0 {
+        return Err(GatewayError::Config(
+            "--rate-limit-per-s must be a non-negative number".into(),
+        ));
+    }
+    let key_limits = KeyLimiter::new(KeyLimits {
+        rate_per_s: config.rate_limit_per_s,
+        burst: config.rate_limit_burst,
+        max_concurrent: config.max_concurrent_per_key,
+    });
     let registry = prometheus::Registry::new();
     let metrics = GatewayMetrics::register(&registry)?;
     let client = nats::connect(
@@ -181,18 +256,29 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
     )
     .await?;
     let js = async_nats::jetstream::new(client.clone());
+    let background = TaskTracker::new();
     let mesh = Mesh {
         blobs: BlobStore::open(&js).await?,
         jobs: JobStore::open(&js).await?,
+        idempotency: IdempotencyStore::open(&js).await?,
         client: client.clone(),
         flow: flow.clone(),
         metrics,
+        runtime: tokio::runtime::Handle::current(),
+        background: background.clone(),
+        driving: Default::default(),
     };
+    let templates = templates::Templates::open(&client).await?;
+    let openapi = openapi::document(&limits);
     let api = web::Data::new(ApiState {
         mesh,
         limits,
         defaults,
         max_body_bytes: config.max_body_bytes,
+        openapi,
+        keys,
+        key_limits,
+        templates,
     });
     let probe = client.clone();
     let ready: Readiness =
@@ -210,6 +296,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
             .configure(routes::configure)
             .configure(configure_health_routes)
     })
+    .on_connect(disconnect::on_connect)
     .workers(config.http_workers.max(1))
     .disable_signals()
     // In-flight jobs may take up to the job deadline; give them that long on shutdown.
@@ -234,6 +321,8 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         server: server_handle,
         task,
         health,
+        background,
+        job_timeout: flow.job_timeout,
     })
 }
 

@@ -1,19 +1,25 @@
-//! One job's path through the mesh, as the gateway drives it: store uploads -> job record ->
-//! codec pre -> subscribe to job events -> router submit (bounded retry) -> await Done/Failed
-//! -> fetch PNGs. The job record in KV follows every step.
+//! One job's path through the mesh, as the gateway drives it: job record -> store uploads ->
+//! codec pre (`prepare`, whose errors are the request's 4xx) -> subscribe to job events ->
+//! router submit (bounded retry) -> await Done/Failed (`complete`). The job record in KV
+//! follows every step, so `GET /v1/jobs/{id}` and the event stream can show it from any
+//! gateway. A job cancelled in its record (`DELETE`) is stopped at the next check.
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::Client;
-use diffmesh_shared::job::{JobRecord, JobStore};
+use diffmesh_shared::job::{IdempotencyStore, JobRecord, JobState, JobStore};
 use diffmesh_shared::messages::{
     decode, error_types, CancelJob, DenoiseJob, JobEvent, JobKind, PreparedInputs, PreprocessReply,
-    PreprocessRequest, SubmitReply,
+    PreprocessRequest, SubmitReply, TemplateRef,
 };
 use diffmesh_shared::nats::{blob_key, publish_msgpack, request_msgpack_job, BlobStore};
 use diffmesh_shared::subjects::{job_events, CODEC_PRE, ROUTER_CANCEL, ROUTER_SUBMIT};
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::error::ApiError;
@@ -33,12 +39,22 @@ pub struct FlowConfig {
 }
 
 /// The gateway's handles on the mesh.
+#[derive(Clone)]
 pub struct Mesh {
     pub client: Client,
     pub blobs: BlobStore,
     pub jobs: JobStore,
+    pub idempotency: IdempotencyStore,
     pub flow: FlowConfig,
     pub metrics: GatewayMetrics,
+    /// The runtime `start` ran on: async jobs and cancels run there, not on an HTTP worker's
+    /// runtime (which ends with the worker).
+    pub runtime: tokio::runtime::Handle,
+    /// Async jobs and cancels in flight, awaited on shutdown.
+    pub background: TaskTracker,
+    /// Jobs this gateway is driving, so a cancel here stops the driver at once (a cancel on
+    /// another gateway reaches it through the mesh's `Failed` event).
+    pub driving: DrivingMap,
 }
 
 /// A validated request ready to run.
@@ -47,79 +63,146 @@ pub struct JobInput {
     pub valid: ValidParams,
     pub image: Option<Vec<u8>>,
     pub mask: Option<Vec<u8>>,
+    /// The registered template an edit reads or a capture records (`templates`).
+    pub template: Option<TemplateRef>,
 }
 
-/// Cancels the job in the mesh if the request is dropped (client went away) or times out
-/// before the job finished.
-struct CancelGuard {
-    client: Client,
+/// A job whose record exists and whose inputs the codec prepared: ready to submit.
+pub struct PreparedJob {
+    pub job: DenoiseJob,
+    deadline: Instant,
+    span: tracing::Span,
+    guard: AbandonGuard,
+}
+
+impl PreparedJob {
+    pub fn job_id(&self) -> &str {
+        &self.job.job_id
+    }
+}
+
+/// Cancels a job whose driver is dropped before it finished (a synchronous client went away):
+/// the record becomes `cancelled` and, once submitted, the mesh is told to drop it.
+struct AbandonGuard {
+    mesh: Mesh,
     job_id: String,
+    submitted: bool,
     armed: bool,
 }
 
-impl Drop for CancelGuard {
+impl AbandonGuard {
+    /// Stop guarding; returns whether the job was submitted.
+    fn disarm(&mut self) -> bool {
+        self.armed = false;
+        self.submitted
+    }
+}
+
+impl Drop for AbandonGuard {
     fn drop(&mut self) {
         if !self.armed {
             return;
         }
-        let client = self.client.clone();
+        let mesh = self.mesh.clone();
         let job_id = self.job_id.clone();
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                let cancel = CancelJob {
-                    job_id: job_id.clone(),
-                };
-                if let Err(err) =
-                    publish_msgpack(&client, ROUTER_CANCEL, Some(&job_id), &cancel).await
-                {
-                    tracing::warn!(%job_id, error = %err, "could not send cancel");
-                }
-            });
-        }
+        let submitted = self.submitted;
+        tracing::info!(%job_id, "client went away; cancelling the job");
+        self.mesh.spawn_background(async move {
+            let message = "the client closed the connection before the job finished";
+            if let Err(err) = mesh
+                .jobs
+                .update(&job_id, |r| r.mark_cancelled(message))
+                .await
+            {
+                tracing::warn!(%job_id, error = %err, "could not record the cancel");
+            }
+            if submitted {
+                mesh.cancel_in_mesh(&job_id, mesh.placement_window()).await;
+            }
+        });
+    }
+}
+
+type DrivingMap = Arc<Mutex<HashMap<String, CancellationToken>>>;
+
+fn lock(map: &DrivingMap) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
+    map.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A job this gateway drives; dropping it (the driver ended or was dropped) forgets it.
+struct Driving {
+    driving: DrivingMap,
+    job_id: String,
+    token: CancellationToken,
+}
+
+impl Drop for Driving {
+    fn drop(&mut self) {
+        lock(&self.driving).remove(&self.job_id);
+    }
+}
+
+/// How often at most a running job's step progress is written to its record.
+const PROGRESS_WRITE_INTERVAL: Duration = Duration::from_millis(200);
+
+fn cancelled_error(job_id: &str) -> ApiError {
+    ApiError::Cancelled {
+        message: format!("job {job_id} was cancelled"),
     }
 }
 
 impl Mesh {
-    /// Run one job to completion; returns the PNG bytes, one per image.
-    pub async fn run_job(&self, input: JobInput) -> Result<Vec<Vec<u8>>, ApiError> {
-        let job_id = uuid::Uuid::new_v4().to_string();
-        let span = tracing::info_span!("job", job_id = %job_id, kind = ?input.kind);
-        async {
-            let deadline = Instant::now() + self.flow.job_timeout;
-            let record = JobRecord::new(job_id.clone(), input.kind);
-            self.jobs.create(&record).await?;
-            let result = self.drive(&job_id, input, deadline).await;
-            if let Err(err) = &result {
-                let (message, error_type) = (err.to_string(), err_type(err));
-                // The record is bookkeeping: a failed update is logged, never the request's error.
-                let written = self
-                    .jobs
-                    .update(&job_id, |r| {
-                        r.mark_failed(message.clone(), error_type.clone())
-                    })
-                    .await;
-                if let Err(err) = written {
-                    tracing::warn!(error = %err, "could not record the job's failure");
-                }
-            }
-            result
-        }
-        .instrument(span)
-        .await
+    /// Run one job to completion; returns the job id and the PNG bytes, one per image.
+    pub async fn run_job(
+        &self,
+        input: JobInput,
+        owner: Option<&str>,
+    ) -> Result<(String, Vec<Vec<u8>>), ApiError> {
+        let prepared = self.prepare(input, owner).await?;
+        let job_id = prepared.job_id().to_string();
+        let png_keys = self.complete(prepared).await?;
+        Ok((job_id, self.fetch_pngs(&png_keys).await?))
     }
 
-    async fn drive(
+    /// Create the job record (owned by `owner`), store the uploads and have the codec prepare
+    /// the inputs. Errors here (bad image or mask) are the request's own.
+    pub async fn prepare(
         &self,
-        job_id: &str,
         input: JobInput,
-        deadline: Instant,
-    ) -> Result<Vec<Vec<u8>>, ApiError> {
-        let stage = |name: &str, start: Instant| {
-            self.metrics
-                .stage_duration
-                .with_label_values(&[name])
-                .observe(start.elapsed().as_secs_f64());
+        owner: Option<&str>,
+    ) -> Result<PreparedJob, ApiError> {
+        let job_id = uuid::Uuid::new_v4().to_string();
+        let span = tracing::info_span!("job", job_id = %job_id, kind = ?input.kind);
+        let deadline = Instant::now() + self.flow.job_timeout;
+        let mut record = JobRecord::new(job_id.clone(), input.kind);
+        record.owner = owner.map(str::to_string);
+        self.jobs.create(&record).instrument(span.clone()).await?;
+        let mut guard = AbandonGuard {
+            mesh: self.clone(),
+            job_id: job_id.clone(),
+            submitted: false,
+            armed: true,
         };
+        match self
+            .preprocess(&job_id, input)
+            .instrument(span.clone())
+            .await
+        {
+            Ok(job) => Ok(PreparedJob {
+                job,
+                deadline,
+                span,
+                guard,
+            }),
+            Err(err) => {
+                guard.disarm();
+                self.record_failure(&job_id, &err).instrument(span).await;
+                Err(err)
+            }
+        }
+    }
+
+    async fn preprocess(&self, job_id: &str, input: JobInput) -> Result<DenoiseJob, ApiError> {
         let t = Instant::now();
         let image_key = match &input.image {
             Some(bytes) => Some(self.put(job_id, "image", bytes).await?),
@@ -129,7 +212,7 @@ impl Mesh {
             Some(bytes) => Some(self.put(job_id, "mask", bytes).await?),
             None => None,
         };
-        stage("store", t);
+        self.stage("store", t);
 
         let t = Instant::now();
         let params = input.valid.params;
@@ -157,15 +240,8 @@ impl Mesh {
                 )))
             }
         };
-        stage("codec_pre", t);
-
-        // Subscribe before submitting so no event can be missed.
-        let mut events = self
-            .client
-            .subscribe(job_events(job_id))
-            .await
-            .map_err(MeshError::from)?;
-        let job = DenoiseJob {
+        self.stage("codec_pre", t);
+        Ok(DenoiseJob {
             job_id: job_id.to_string(),
             kind: input.kind,
             params,
@@ -173,47 +249,218 @@ impl Mesh {
             raw_image_key: image_key,
             raw_mask_key: mask_key,
             attempt: 0,
-        };
-        let submitted = job.clone();
+            template: input.template,
+        })
+    }
+
+    /// Run `task` on the gateway's runtime; shutdown waits for it (up to the job deadline).
+    pub fn spawn_background<F>(&self, task: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.runtime.spawn(self.background.track_future(task));
+    }
+
+    /// Drop a prepared job that is not needed after all (another request with the same
+    /// `Idempotency-Key` got in first); its record says why.
+    pub async fn discard(&self, mut prepared: PreparedJob, reason: &str) {
+        prepared.guard.disarm();
+        let job_id = prepared.job_id().to_string();
         if let Err(err) = self
             .jobs
-            .update(job_id, |r| r.submitted = Some(submitted.clone()))
+            .update(&job_id, |r| r.mark_cancelled(reason))
             .await
         {
-            tracing::warn!(error = %err, "could not record the submitted job");
+            tracing::warn!(%job_id, error = %err, "could not record the discarded job");
+        }
+    }
+
+    /// Submit a prepared job and wait for its end; returns the result PNGs' blob keys. The
+    /// record ends `done`, `failed` or `cancelled`.
+    pub async fn complete(&self, mut prepared: PreparedJob) -> Result<Vec<String>, ApiError> {
+        let span = prepared.span.clone();
+        async {
+            let job_id = prepared.job_id().to_string();
+            let driving = self.register_driving(&job_id);
+            let result = tokio::select! {
+                r = self.submit_and_wait(&mut prepared) => r,
+                _ = driving.token.cancelled() => Err(cancelled_error(&job_id)),
+            };
+            drop(driving);
+            let submitted = prepared.guard.disarm();
+            match result {
+                Ok(png_keys) => {
+                    let written = self
+                        .jobs
+                        .update(&job_id, |r| r.mark_done(png_keys.clone()))
+                        .await;
+                    match written {
+                        // Cancelled just before it finished: the cancel stands.
+                        Ok(r) if r.state == JobState::Cancelled => Err(cancelled_error(&job_id)),
+                        Ok(_) => Ok(png_keys),
+                        Err(err) => {
+                            tracing::warn!(error = %err, "could not mark the job done");
+                            Ok(png_keys)
+                        }
+                    }
+                }
+                Err(err) => {
+                    // The mesh ended the job itself when it reported a failure; otherwise
+                    // (deadline, cancel seen here) tell it to stop.
+                    if submitted && !matches!(err, ApiError::JobFailed { .. }) {
+                        self.cancel_in_mesh(&job_id, Duration::ZERO).await;
+                    }
+                    self.record_failure(&job_id, &err).await;
+                    Err(err)
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn submit_and_wait(&self, prepared: &mut PreparedJob) -> Result<Vec<String>, ApiError> {
+        let job = prepared.job.clone();
+        let job_id = job.job_id.as_str();
+        let deadline = prepared.deadline;
+        // Subscribe before submitting so no event can be missed.
+        let mut events = self
+            .client
+            .subscribe(job_events(job_id))
+            .await
+            .map_err(MeshError::from)?;
+        let steps = job.params.num_inference_steps;
+        let recorded = self
+            .jobs
+            .update(job_id, |r| {
+                r.submitted = Some(job.clone());
+                r.steps_total = steps;
+            })
+            .await;
+        match recorded {
+            Ok(r) if r.state == JobState::Cancelled => return Err(cancelled_error(job_id)),
+            Ok(_) => {}
+            Err(err) => tracing::warn!(error = %err, "could not record the submitted job"),
         }
 
         let t = Instant::now();
-        let mut guard = CancelGuard {
-            client: self.client.clone(),
-            job_id: job_id.to_string(),
-            armed: true,
-        };
+        // From here a dropped driver must also cancel in the mesh: the router may place the
+        // job even if its answer never arrives.
+        prepared.guard.submitted = true;
         let worker = self.submit(&job, deadline).await?;
-        stage("submit", t);
-        if let Err(err) = self.jobs.update(job_id, |r| r.mark_running(&worker)).await {
-            tracing::warn!(error = %err, "could not mark the job running");
+        self.stage("submit", t);
+        // A cancel that arrived while the router held the job could not reach a denoiser yet.
+        match self.jobs.update(job_id, |r| r.mark_placed(&worker)).await {
+            Ok(r) if r.state == JobState::Cancelled => return Err(cancelled_error(job_id)),
+            Ok(_) => {}
+            Err(err) => tracing::warn!(error = %err, "could not record the placement"),
         }
 
         let t = Instant::now();
         let png_keys = self.await_result(job_id, &mut events, deadline).await?;
-        guard.armed = false;
-        stage("denoise", t);
+        self.stage("denoise", t);
+        Ok(png_keys)
+    }
 
+    /// Fetch result PNGs from the object store.
+    pub async fn fetch_pngs(&self, png_keys: &[String]) -> Result<Vec<Vec<u8>>, ApiError> {
         let t = Instant::now();
         let mut pngs = Vec::with_capacity(png_keys.len());
-        for key in &png_keys {
+        for key in png_keys {
             pngs.push(self.blobs.get(key).await?);
         }
-        if let Err(err) = self
-            .jobs
-            .update(job_id, |r| r.mark_done(png_keys.clone()))
-            .await
-        {
-            tracing::warn!(error = %err, "could not mark the job done");
-        }
-        stage("fetch", t);
+        self.stage("fetch", t);
         Ok(pngs)
+    }
+
+    /// Record why a job ended without a result (bookkeeping: a failed write is only logged).
+    async fn record_failure(&self, job_id: &str, err: &ApiError) {
+        let message = err.to_string();
+        let error_type = err.error_type().to_string();
+        let written = self
+            .jobs
+            .update(job_id, |r| {
+                if error_type == error_types::CANCELLED {
+                    r.mark_cancelled(message.clone())
+                } else {
+                    r.mark_failed(message.clone(), error_type.clone())
+                }
+            })
+            .await;
+        if let Err(err) = written {
+            tracing::warn!(error = %err, "could not record the job's failure");
+        }
+    }
+
+    /// Tell the router to drop `job_id`. The router only knows jobs it has placed, so for
+    /// `chase` afterwards (a job the router may still be admitting) the cancel is sent again
+    /// as soon as the job shows up on a denoiser.
+    pub async fn cancel_in_mesh(&self, job_id: &str, chase: Duration) {
+        let events = if chase.is_zero() {
+            None
+        } else {
+            self.client.subscribe(job_events(job_id)).await.ok()
+        };
+        self.publish_cancel(job_id).await;
+        let Some(mut events) = events else { return };
+        let until = Instant::now() + chase;
+        while let Ok(Some(msg)) = tokio::time::timeout_at(until, events.next()).await {
+            match decode::<JobEvent>(&msg.payload) {
+                Ok(JobEvent::Queued { .. } | JobEvent::Started { .. } | JobEvent::Step { .. }) => {
+                    self.publish_cancel(job_id).await;
+                    return;
+                }
+                Ok(JobEvent::Done { .. } | JobEvent::Failed { .. }) => return,
+                _ => {}
+            }
+        }
+    }
+
+    async fn publish_cancel(&self, job_id: &str) {
+        let cancel = CancelJob {
+            job_id: job_id.to_string(),
+        };
+        if let Err(err) = publish_msgpack(&self.client, ROUTER_CANCEL, Some(job_id), &cancel).await
+        {
+            tracing::warn!(%job_id, error = %err, "could not send cancel");
+        }
+    }
+
+    /// Note that this gateway drives `job_id` until the returned entry is dropped.
+    fn register_driving(&self, job_id: &str) -> Driving {
+        let token = CancellationToken::new();
+        lock(&self.driving).insert(job_id.to_string(), token.clone());
+        Driving {
+            driving: self.driving.clone(),
+            job_id: job_id.to_string(),
+            token,
+        }
+    }
+
+    /// Stop this gateway's driver of `job_id`, if it has one (after its record was cancelled).
+    pub fn stop_driving(&self, job_id: &str) {
+        if let Some(token) = lock(&self.driving).get(job_id) {
+            token.cancel();
+        }
+    }
+
+    /// The longest a submitted job can take to reach a denoiser.
+    pub fn placement_window(&self) -> Duration {
+        self.flow.router_timeout + self.flow.submit_wait
+    }
+
+    async fn is_cancelled(&self, job_id: &str) -> bool {
+        matches!(
+            self.jobs.get(job_id).await,
+            Ok(Some(r)) if r.state == JobState::Cancelled
+        )
+    }
+
+    fn stage(&self, name: &str, start: Instant) {
+        self.metrics
+            .stage_duration
+            .with_label_values(&[name])
+            .observe(start.elapsed().as_secs_f64());
     }
 
     async fn put(&self, job_id: &str, name: &str, bytes: &[u8]) -> Result<String, ApiError> {
@@ -223,7 +470,7 @@ impl Mesh {
     }
 
     /// Submit to the router, retrying while it has no denoiser for the job, for at most
-    /// `submit_wait` (and never past the job deadline).
+    /// `submit_wait` (and never past the job deadline or a cancel).
     async fn submit(&self, job: &DenoiseJob, deadline: Instant) -> Result<String, ApiError> {
         let wait = self.flow.submit_wait;
         let give_up = (Instant::now() + wait).min(deadline);
@@ -240,6 +487,17 @@ impl Mesh {
             .await;
             let (reason, delay) = match reply {
                 Ok(SubmitReply::Accepted { worker_id }) => return Ok(worker_id),
+                Ok(SubmitReply::Overloaded {
+                    queue_depth,
+                    retry_after_ms,
+                }) => {
+                    return Err(ApiError::Overloaded {
+                        message: format!(
+                            "the mesh is at capacity ({queue_depth} jobs waiting); retry later"
+                        ),
+                        retry_after_s: retry_after_ms.div_ceil(1000).max(1),
+                    })
+                }
                 Ok(SubmitReply::Rejected {
                     reason,
                     retry_after_ms: 0,
@@ -277,16 +535,21 @@ impl Mesh {
             }
             tracing::debug!(%reason, attempts, "submit rejected; retrying");
             tokio::time::sleep(delay).await;
+            if self.is_cancelled(&job.job_id).await {
+                return Err(cancelled_error(&job.job_id));
+            }
         }
     }
 
-    /// Wait for the job's terminal event, keeping the job record in step.
+    /// Wait for the job's terminal event, keeping the job record in step (queue position,
+    /// started, step k of N at most every `PROGRESS_WRITE_INTERVAL`, retries).
     async fn await_result(
         &self,
         job_id: &str,
         events: &mut async_nats::Subscriber,
         deadline: Instant,
     ) -> Result<Vec<String>, ApiError> {
+        let mut last_progress_write: Option<Instant> = None;
         loop {
             let msg = match tokio::time::timeout_at(deadline, events.next()).await {
                 Err(_) => {
@@ -300,7 +563,7 @@ impl Mesh {
                 Ok(None) => return Err(ApiError::Internal("job event subscription closed".into())),
                 Ok(Some(msg)) => msg,
             };
-            match decode::<JobEvent>(&msg.payload) {
+            let written = match decode::<JobEvent>(&msg.payload) {
                 Ok(JobEvent::Done { png_keys }) => return Ok(png_keys),
                 Ok(JobEvent::Failed {
                     message,
@@ -313,29 +576,40 @@ impl Mesh {
                 }
                 Ok(JobEvent::Retrying { attempt, reason }) => {
                     tracing::info!(attempt, %reason, "job placed again");
-                    let _ = self.jobs.update(job_id, |r| r.attempt = attempt).await;
+                    self.jobs.update(job_id, |r| r.mark_retrying(attempt)).await
+                }
+                Ok(JobEvent::Queued {
+                    worker_id,
+                    position,
+                }) => {
+                    self.jobs
+                        .update(job_id, |r| r.mark_queued_on(&worker_id, position))
+                        .await
                 }
                 Ok(JobEvent::Started { worker_id }) => {
-                    let _ = self
-                        .jobs
+                    self.jobs
                         .update(job_id, |r| r.mark_running(&worker_id))
-                        .await;
+                        .await
                 }
-                Ok(JobEvent::Queued { .. }) | Ok(JobEvent::Step { .. }) => {}
-                Err(err) => tracing::warn!(error = %err, "undecodable job event"),
+                Ok(JobEvent::Step { step, total }) => {
+                    let due =
+                        last_progress_write.is_none_or(|t| t.elapsed() >= PROGRESS_WRITE_INTERVAL);
+                    if !due {
+                        continue;
+                    }
+                    last_progress_write = Some(Instant::now());
+                    self.jobs.update(job_id, |r| r.mark_step(step, total)).await
+                }
+                // Template captures report their cache; image jobs have nothing to record.
+                Ok(JobEvent::Captured { .. }) => continue,
+                Err(err) => {
+                    tracing::warn!(error = %err, "undecodable job event");
+                    continue;
+                }
+            };
+            if let Err(err) = written {
+                tracing::warn!(error = %err, "could not record job progress");
             }
         }
-    }
-}
-
-/// The `error_type` recorded for a failed job.
-fn err_type(err: &ApiError) -> String {
-    match err {
-        ApiError::Invalid(f) => f.error_type.clone(),
-        ApiError::TooLarge { .. } => error_types::TOO_LARGE.into(),
-        ApiError::Unavailable { .. } => error_types::UNAVAILABLE.into(),
-        ApiError::Timeout { .. } => error_types::TIMEOUT.into(),
-        ApiError::JobFailed { error_type, .. } => error_type.clone(),
-        ApiError::Mesh(_) | ApiError::Internal(_) => error_types::INTERNAL.into(),
     }
 }

@@ -1,21 +1,28 @@
-//! HTTP handlers: parse the OpenAI-style requests, validate them, run the job, shape the
-//! response (`{"created", "data": [{"b64_json"}]}` or raw `image/png`).
-use std::collections::HashMap;
-use std::io::Cursor;
+//! The route table and the image endpoints: authenticate, apply the key's limits, read and
+//! validate the request, then either run the job and answer with the images (as before:
+//! `{"created", "data": [{"b64_json"}]}` or raw `image/png`) or, with `Prefer: respond-async`,
+//! answer 202 with the job at once and run it in the background.
+use std::sync::Arc;
 use std::time::Instant;
 
 use actix_multipart::Multipart;
-use actix_web::{web, HttpResponse, ResponseError};
+use actix_web::http::header::{self, AUTHORIZATION};
+use actix_web::http::Method;
+use actix_web::{web, HttpRequest, HttpResponse, Resource, ResponseError, Route};
 use base64::Engine;
-use bytes::BytesMut;
-use diffmesh_shared::messages::{FieldError, JobKind};
-use futures::{Stream, StreamExt, TryStreamExt};
-use image::{ImageFormat, ImageReader};
-use serde_json::{json, Value};
+use diffmesh_shared::job::{now_ms, Claim, IdempotencyRecord, JobRecord, JobState};
+use serde::Serialize;
+use utoipa::ToSchema;
 
-use crate::error::ApiError;
-use crate::pipeline::{JobInput, Mesh};
-use crate::validate::{self, Defaults, Limits, RawParams, ResponseFormat};
+use crate::auth::{ApiKeys, Caller};
+use crate::error::{ApiError, ErrorBody};
+use crate::idempotency::{self, IdempotencyKey};
+use crate::jobs::{self, job_path, JobView};
+use crate::limits::KeyLimiter;
+use crate::parse::{self, ImageRequest};
+use crate::pipeline::Mesh;
+use crate::validate::{Defaults, Limits, RawParams, ResponseFormat};
+use crate::{disconnect, events, openapi};
 
 /// Shared state of the API handlers.
 pub struct ApiState {
@@ -24,30 +31,389 @@ pub struct ApiState {
     pub defaults: Defaults,
     /// Largest request body (all multipart parts together), bytes.
     pub max_body_bytes: usize,
+    pub keys: ApiKeys,
+    pub key_limits: Arc<KeyLimiter>,
+    /// The OpenAPI document served at `/openapi.json` (`openapi::document`).
+    pub openapi: String,
+    /// Registered templates (`templates`).
+    pub templates: crate::templates::Templates,
 }
 
-/// Text fields are small; this caps each one independently of the body limit.
-const MAX_TEXT_FIELD_BYTES: usize = 64 * 1024;
+impl ApiState {
+    /// Who sent `req` (401 when keys are configured and it carries no valid one).
+    pub fn caller(&self, req: &HttpRequest) -> Result<Caller, ApiError> {
+        self.keys.authenticate(req.headers().get(AUTHORIZATION))
+    }
+}
 
+/// Every API route (method, path, handler). `configure` registers exactly these, and the
+/// OpenAPI test checks that each one is documented.
+pub fn routes() -> Vec<(Method, &'static str, Route)> {
+    vec![
+        (Method::POST, "/v1/images/edits", web::post().to(edits)),
+        (
+            Method::POST,
+            "/v1/images/generations",
+            web::post().to(generations),
+        ),
+        (Method::GET, "/v1/jobs/{id}", web::get().to(jobs::get_job)),
+        (
+            Method::DELETE,
+            "/v1/jobs/{id}",
+            web::delete().to(jobs::cancel_job),
+        ),
+        (
+            Method::GET,
+            "/v1/jobs/{id}/events",
+            web::get().to(events::job_event_stream),
+        ),
+        (
+            Method::GET,
+            "/v1/jobs/{id}/result/{n}",
+            web::get().to(jobs::get_result),
+        ),
+        (Method::GET, "/openapi.json", web::get().to(openapi::serve)),
+    ]
+    .into_iter()
+    .chain(crate::templates::routes())
+    .chain(crate::playground::routes())
+    .collect()
+}
+
+/// Register `routes()`, one resource per path (so GET and DELETE share `/v1/jobs/{id}`).
 pub fn configure(cfg: &mut web::ServiceConfig) {
-    cfg.route("/v1/images/edits", web::post().to(edits))
-        .route("/v1/images/generations", web::post().to(generations));
+    let mut by_path: Vec<(&'static str, Resource)> = Vec::new();
+    for (_, path, route) in routes() {
+        match by_path.iter().position(|(p, _)| *p == path) {
+            Some(i) => {
+                let (p, resource) = by_path.remove(i);
+                by_path.insert(i, (p, resource.route(route)));
+            }
+            None => by_path.push((path, web::resource(path).route(route))),
+        }
+    }
+    for (_, resource) in by_path {
+        cfg.service(resource);
+    }
 }
 
-async fn edits(state: web::Data<ApiState>, payload: Multipart) -> HttpResponse {
+/// The OpenAI images response.
+#[derive(Serialize, ToSchema)]
+pub struct ImagesResponse {
+    /// Unix seconds.
+    pub created: u64,
+    pub data: Vec<ImageData>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct ImageData {
+    /// The PNG, base64-encoded.
+    pub b64_json: String,
+}
+
+/// The multipart form of `POST /v1/images/edits` (documentation of what `parse::read_edit`
+/// reads; text fields are those of the JSON generation request).
+#[derive(ToSchema)]
+pub struct EditForm {
+    /// The template: PNG, JPEG or WebP. Its transparent pixels are the region to repaint when
+    /// no mask is given. Required unless `template_id` is given (exactly one of the two).
+    #[schema(value_type = Option<String>, format = Binary)]
+    pub image: Option<Vec<u8>>,
+    /// A registered template (`POST /v1/templates`) instead of `image`: the edit reads its
+    /// activation cache and computes only the masked tokens; 404 if unknown, 409 if not ready.
+    pub template_id: Option<String>,
+    /// The region to repaint, same size as `image`: alpha < 128 repaints (RGBA masks, OpenAI's
+    /// convention), otherwise luma >= 128 repaints.
+    #[schema(value_type = Option<String>, format = Binary)]
+    pub mask: Option<Vec<u8>>,
+    #[schema(min_length = 1)]
+    pub prompt: String,
+    #[schema(minimum = 1)]
+    pub n: Option<i64>,
+    /// Accepted for OpenAI compatibility; edits come back at the image's size.
+    pub size: Option<String>,
+    /// `b64_json` (default) or `png` (the raw PNG, n = 1 only).
+    pub response_format: Option<String>,
+    #[schema(minimum = 1)]
+    pub num_inference_steps: Option<i64>,
+    #[schema(minimum = 0.0)]
+    pub guidance_scale: Option<f64>,
+    #[schema(minimum = 0)]
+    pub seed: Option<u64>,
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/images/edits",
+    tag = "images",
+    request_body(content = EditForm, content_type = "multipart/form-data"),
+    params(
+        ("Prefer" = Option<String>, Header,
+            description = "`respond-async`: answer 202 with the job at once"),
+        ("Idempotency-Key" = Option<String>, Header,
+            description = "A repeat with the same key (per API key, for a day) returns the same job"),
+    ),
+    responses(
+        (status = 200, description = "The edited image(s), at the input's size", content(
+            (ImagesResponse = "application/json"),
+            ([u8] = "image/png"),
+        )),
+        (status = 202, description = "Accepted (`Prefer: respond-async`): the job",
+            body = JobView, headers(("Location" = String, description = "The job's URL"))),
+        (status = 400, description = "A field is missing, malformed or out of range", body = ErrorBody),
+        (status = 401, description = "Missing or unknown API key", body = ErrorBody),
+        (status = 404, description = "No such template (`template_id`) for this API key", body = ErrorBody),
+        (status = 409, description = "The job was cancelled, or the template is not ready", body = ErrorBody),
+        (status = 413, description = "The body or a part is too large", body = ErrorBody),
+        (status = 422, description = "Idempotency-Key reused for another request", body = ErrorBody),
+        (status = 429, description = "Over the key's limits or the mesh's admission queue",
+            body = ErrorBody, headers(("Retry-After" = u64, description = "Seconds"))),
+        (status = 500, description = "Internal error", body = ErrorBody),
+        (status = 503, description = "No denoiser could take the job", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds"))),
+        (status = 504, description = "The job did not finish in time", body = ErrorBody),
+    ),
+    security((), ("api_key" = []))
+)]
+pub async fn edits(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    payload: Multipart,
+) -> HttpResponse {
     let start = Instant::now();
-    let result = edit(&state, payload).await;
+    let result = async {
+        let caller = admit(&req, &state)?;
+        let request = parse::read_edit(&state, &caller, payload).await?;
+        serve(&req, &state, caller, request).await
+    }
+    .await;
     finish(&state, "edits", start, result)
 }
 
-async fn generations(state: web::Data<ApiState>, payload: web::Payload) -> HttpResponse {
+#[utoipa::path(
+    post,
+    path = "/v1/images/generations",
+    tag = "images",
+    request_body(content = RawParams, content_type = "application/json"),
+    params(
+        ("Prefer" = Option<String>, Header,
+            description = "`respond-async`: answer 202 with the job at once"),
+        ("Idempotency-Key" = Option<String>, Header,
+            description = "A repeat with the same key (per API key, for a day) returns the same job"),
+    ),
+    responses(
+        (status = 200, description = "The generated image(s)", content(
+            (ImagesResponse = "application/json"),
+            ([u8] = "image/png"),
+        )),
+        (status = 202, description = "Accepted (`Prefer: respond-async`): the job",
+            body = JobView, headers(("Location" = String, description = "The job's URL"))),
+        (status = 400, description = "A field is missing, malformed or out of range", body = ErrorBody),
+        (status = 401, description = "Missing or unknown API key", body = ErrorBody),
+        (status = 409, description = "The job was cancelled", body = ErrorBody),
+        (status = 413, description = "The body is too large", body = ErrorBody),
+        (status = 422, description = "Idempotency-Key reused for another request", body = ErrorBody),
+        (status = 429, description = "Over the key's limits or the mesh's admission queue",
+            body = ErrorBody, headers(("Retry-After" = u64, description = "Seconds"))),
+        (status = 500, description = "Internal error", body = ErrorBody),
+        (status = 503, description = "No denoiser could take the job", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds"))),
+        (status = 504, description = "The job did not finish in time", body = ErrorBody),
+    ),
+    security((), ("api_key" = []))
+)]
+pub async fn generations(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    payload: web::Payload,
+) -> HttpResponse {
     let start = Instant::now();
-    let result = generation(&state, payload).await;
+    let result = async {
+        let caller = admit(&req, &state)?;
+        let request = parse::read_generation(&state, payload).await?;
+        serve(&req, &state, caller, request).await
+    }
+    .await;
     finish(&state, "generations", start, result)
 }
 
+/// Authenticate and take one request from the key's rate budget (before reading the body).
+fn admit(req: &HttpRequest, state: &ApiState) -> Result<Caller, ApiError> {
+    let caller = state.caller(req)?;
+    state.key_limits.check_rate(caller.limit_key())?;
+    Ok(caller)
+}
+
+/// `Prefer: respond-async` (RFC 7240; other preferences may ride along).
+fn prefers_async(req: &HttpRequest) -> bool {
+    req.headers()
+        .get_all("prefer")
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|pref| pref.split([';', '=']).next().unwrap_or("").trim())
+        .any(|token| token.eq_ignore_ascii_case("respond-async"))
+}
+
+async fn serve(
+    req: &HttpRequest,
+    state: &web::Data<ApiState>,
+    caller: Caller,
+    request: ImageRequest,
+) -> Result<HttpResponse, ApiError> {
+    let respond_async = prefers_async(req);
+    let format = request.input.valid.response_format;
+    let idem = idempotency::from_request(req, &caller, request.fingerprint)?;
+    if let Some(key) = &idem {
+        if let Some(existing) = state.mesh.idempotency.get(&key.store_key).await? {
+            return replay(req, state, key, existing, respond_async, format).await;
+        }
+    }
+    let slot = state.key_limits.acquire(caller.limit_key())?;
+    let prepared = state.mesh.prepare(request.input, caller.owner()).await?;
+    let job_id = prepared.job_id().to_string();
+    let kind = prepared.job.kind;
+    if let Some(key) = &idem {
+        let mine = IdempotencyRecord {
+            job_id: job_id.clone(),
+            fingerprint: key.fingerprint.clone(),
+            created_at_ms: now_ms(),
+        };
+        if let Claim::Existing(first) = state.mesh.idempotency.claim(&key.store_key, &mine).await? {
+            // A concurrent request with the same key got in first: answer with its job.
+            let reason = format!("superseded by job {} (same Idempotency-Key)", first.job_id);
+            state.mesh.discard(prepared, &reason).await;
+            return replay(req, state, key, first, respond_async, format).await;
+        }
+    }
+    if respond_async {
+        let mesh = state.mesh.clone();
+        state.mesh.spawn_background(async move {
+            let _slot = slot;
+            if let Err(err) = mesh.complete(prepared).await {
+                tracing::info!(error = %err, "async job ended without a result");
+            }
+        });
+        // The record as the job starts (a fresh one if it cannot be read back right now).
+        let record = match state.mesh.jobs.get(&job_id).await {
+            Ok(Some(r)) => r,
+            _ => JobRecord::new(job_id, kind),
+        };
+        return Ok(accepted(&record, false));
+    }
+    // Dropping the job's driver when the client leaves cancels the job (see `pipeline`).
+    let png_keys = tokio::select! {
+        done = state.mesh.complete(prepared) => done?,
+        _ = disconnect::closed(req) => return Err(ApiError::ClientGone),
+    };
+    drop(slot);
+    let pngs = state.mesh.fetch_pngs(&png_keys).await?;
+    Ok(respond(pngs, format))
+}
+
+/// 202 with the job, its URL in `Location`.
+fn accepted(record: &JobRecord, replayed: bool) -> HttpResponse {
+    let mut response = HttpResponse::Accepted();
+    response
+        .insert_header((header::LOCATION, job_path(&record.job_id)))
+        .insert_header(("Preference-Applied", "respond-async"));
+    if replayed {
+        response.insert_header(("Idempotent-Replayed", "true"));
+    }
+    response.json(JobView::of(record))
+}
+
+/// Answer a repeated `Idempotency-Key` with the job it created: at once when async, else once
+/// the job has ended, as the first request was (or would have been) answered.
+async fn replay(
+    req: &HttpRequest,
+    state: &ApiState,
+    key: &IdempotencyKey,
+    first: IdempotencyRecord,
+    respond_async: bool,
+    format: ResponseFormat,
+) -> Result<HttpResponse, ApiError> {
+    if first.fingerprint != key.fingerprint {
+        return Err(idempotency::mismatch(&first.job_id));
+    }
+    let job_id = first.job_id;
+    if respond_async {
+        let record = state.mesh.jobs.get(&job_id).await?.ok_or_else(|| {
+            ApiError::Internal(format!("job {job_id} of this Idempotency-Key is gone"))
+        })?;
+        return Ok(accepted(&record, true));
+    }
+    let record = tokio::select! {
+        ended = wait_for_ending(&state.mesh, &job_id) => ended?,
+        _ = disconnect::closed(req) => return Err(ApiError::ClientGone),
+    };
+    let mut response = match record.state {
+        JobState::Done => respond(state.mesh.fetch_pngs(&record.result_keys).await?, format),
+        JobState::Cancelled => {
+            return Err(ApiError::Cancelled {
+                message: format!("job {job_id} was cancelled"),
+            })
+        }
+        _ => {
+            let (message, error_type) = record
+                .error
+                .map(|e| (e.message, e.error_type))
+                .unwrap_or_else(|| ("the job failed".into(), "internal_error".into()));
+            return Err(ApiError::JobFailed {
+                message,
+                error_type,
+            });
+        }
+    };
+    response.headers_mut().insert(
+        header::HeaderName::from_static("idempotent-replayed"),
+        header::HeaderValue::from_static("true"),
+    );
+    Ok(response)
+}
+
+/// The job's record once it has ended (504 after the job deadline).
+async fn wait_for_ending(mesh: &Mesh, job_id: &str) -> Result<JobRecord, ApiError> {
+    use futures::StreamExt;
+    let mut records = mesh.jobs.watch(job_id).await?;
+    let deadline = tokio::time::Instant::now() + mesh.flow.job_timeout;
+    loop {
+        match tokio::time::timeout_at(deadline, records.next()).await {
+            Ok(Some(Ok(r))) if r.state.is_terminal() => return Ok(r),
+            Ok(Some(Ok(_))) => {}
+            Ok(Some(Err(err))) => return Err(err.into()),
+            Ok(None) => return Err(ApiError::Internal("the job record watch ended".into())),
+            Err(_) => {
+                return Err(ApiError::Timeout {
+                    message: format!("job {job_id} did not finish in time"),
+                })
+            }
+        }
+    }
+}
+
+fn respond(pngs: Vec<Vec<u8>>, format: ResponseFormat) -> HttpResponse {
+    match format {
+        ResponseFormat::Png => match pngs.into_iter().next() {
+            Some(png) => HttpResponse::Ok().content_type("image/png").body(png),
+            None => ApiError::Internal("the job returned no image".into()).error_response(),
+        },
+        ResponseFormat::B64Json => {
+            let engine = base64::engine::general_purpose::STANDARD;
+            HttpResponse::Ok().json(ImagesResponse {
+                created: now_ms() / 1000,
+                data: pngs
+                    .iter()
+                    .map(|png| ImageData {
+                        b64_json: engine.encode(png),
+                    })
+                    .collect(),
+            })
+        }
+    }
+}
+
 /// Record metrics and turn the result into the response (errors via `ApiError`'s one mapping).
-fn finish(
+pub fn finish(
     state: &ApiState,
     endpoint: &str,
     start: Instant,
@@ -77,245 +443,35 @@ fn finish(
     response
 }
 
-async fn generation(state: &ApiState, payload: web::Payload) -> Result<HttpResponse, ApiError> {
-    let body = read_limited(payload, state.max_body_bytes, "body").await?;
-    let raw = raw_from_json(&body)?;
-    let valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
-    let format = valid.response_format;
-    let pngs = state
-        .mesh
-        .run_job(JobInput {
-            kind: JobKind::Generate,
-            valid,
-            image: None,
-            mask: None,
-        })
-        .await?;
-    Ok(respond(pngs, format))
-}
-
-async fn edit(state: &ApiState, mut payload: Multipart) -> Result<HttpResponse, ApiError> {
-    let mut budget = state.max_body_bytes;
-    let mut image = None;
-    let mut mask = None;
-    let mut text: HashMap<String, String> = HashMap::new();
-    while let Some(field) = payload
-        .try_next()
-        .await
-        .map_err(|e| FieldError::invalid("body", format!("malformed multipart body: {e}")))?
-    {
-        let name = field.name().unwrap_or_default().to_string();
-        let bytes = read_limited(field, budget, &name).await?;
-        budget -= bytes.len();
-        match name.as_str() {
-            "image" => image = Some(bytes),
-            "mask" => mask = Some(bytes),
-            _ if bytes.len() <= MAX_TEXT_FIELD_BYTES => {
-                let value = String::from_utf8(bytes)
-                    .map_err(|_| FieldError::invalid(&name, "must be UTF-8 text"))?;
-                text.insert(name, value);
-            }
-            _ => {
-                return Err(ApiError::TooLarge {
-                    field: name,
-                    limit: MAX_TEXT_FIELD_BYTES,
-                })
-            }
-        }
-    }
-    let image =
-        image.ok_or_else(|| FieldError::invalid("image", "required (multipart file field)"))?;
-    let size = image_size(&image, "image")?;
-    let raw = raw_from_text(&text)?;
-    let valid = validate::validate_edit(raw, size, &state.limits, &state.defaults)?;
-    let format = valid.response_format;
-    let pngs = state
-        .mesh
-        .run_job(JobInput {
-            kind: JobKind::Edit,
-            valid,
-            image: Some(image),
-            mask,
-        })
-        .await?;
-    Ok(respond(pngs, format))
-}
-
-fn respond(pngs: Vec<Vec<u8>>, format: ResponseFormat) -> HttpResponse {
-    match format {
-        ResponseFormat::Png => match pngs.into_iter().next() {
-            Some(png) => HttpResponse::Ok().content_type("image/png").body(png),
-            None => ApiError::Internal("the job returned no image".into()).error_response(),
-        },
-        ResponseFormat::B64Json => {
-            let engine = base64::engine::general_purpose::STANDARD;
-            let data: Vec<Value> = pngs
-                .iter()
-                .map(|png| json!({ "b64_json": engine.encode(png) }))
-                .collect();
-            HttpResponse::Ok().json(json!({
-                "created": diffmesh_shared::job::now_ms() / 1000,
-                "data": data,
-            }))
-        }
-    }
-}
-
-/// Read a body or multipart part, failing with 413 naming `field` above `limit` bytes.
-async fn read_limited<S, E>(mut stream: S, limit: usize, field: &str) -> Result<Vec<u8>, ApiError>
-where
-    S: Stream<Item = Result<bytes::Bytes, E>> + Unpin,
-    E: std::fmt::Display,
-{
-    let mut buf = BytesMut::new();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk
-            .map_err(|e| FieldError::invalid(field, format!("reading the upload failed: {e}")))?;
-        if buf.len() + chunk.len() > limit {
-            return Err(ApiError::TooLarge {
-                field: field.to_string(),
-                limit,
-            });
-        }
-        buf.extend_from_slice(&chunk);
-    }
-    Ok(buf.to_vec())
-}
-
-/// Image dimensions from the header only (no decode): the edit's output size and the pixel
-/// limit check. Full decoding and validation happen in the codec.
-fn image_size(bytes: &[u8], field: &str) -> Result<(u32, u32), FieldError> {
-    let not_image = || FieldError::invalid(field, "not a PNG, JPEG or WebP image");
-    let reader = ImageReader::new(Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|_| not_image())?;
-    match reader.format() {
-        Some(ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP) => {}
-        _ => return Err(not_image()),
-    }
-    reader
-        .into_dimensions()
-        .map_err(|e| FieldError::invalid(field, format!("unreadable image header: {e}")))
-}
-
-fn int_field(name: &str, value: &Value) -> Result<i64, FieldError> {
-    value
-        .as_i64()
-        .ok_or_else(|| FieldError::invalid(name, "must be an integer"))
-}
-
-/// Field-by-field reading of the JSON body, so type errors name the field.
-pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| FieldError::invalid("body", format!("not valid JSON: {e}")))?;
-    let obj = value
-        .as_object()
-        .ok_or_else(|| FieldError::invalid("body", "must be a JSON object"))?;
-    let mut raw = RawParams::default();
-    for (key, v) in obj {
-        if v.is_null() {
-            continue;
-        }
-        let string = || {
-            v.as_str()
-                .map(str::to_string)
-                .ok_or_else(|| FieldError::invalid(key, "must be a string"))
-        };
-        match key.as_str() {
-            "prompt" => raw.prompt = Some(string()?),
-            "size" => raw.size = Some(string()?),
-            "response_format" => raw.response_format = Some(string()?),
-            "n" => raw.n = Some(int_field(key, v)?),
-            "num_inference_steps" => raw.num_inference_steps = Some(int_field(key, v)?),
-            "guidance_scale" => {
-                raw.guidance_scale = Some(
-                    v.as_f64()
-                        .ok_or_else(|| FieldError::invalid(key, "must be a number"))?,
-                )
-            }
-            "seed" => {
-                raw.seed =
-                    Some(v.as_u64().ok_or_else(|| {
-                        FieldError::invalid(key, "must be a non-negative integer")
-                    })?)
-            }
-            // OpenAI fields that do not change what this server does (model, user, quality...).
-            _ => {}
-        }
-    }
-    Ok(raw)
-}
-
-/// Multipart text fields -> raw parameters.
-pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldError> {
-    fn parse<T: std::str::FromStr>(
-        text: &HashMap<String, String>,
-        name: &str,
-        what: &str,
-    ) -> Result<Option<T>, FieldError> {
-        text.get(name)
-            .map(|v| {
-                v.trim()
-                    .parse()
-                    .map_err(|_| FieldError::invalid(name, format!("must be {what}, got {v:?}")))
-            })
-            .transpose()
-    }
-    Ok(RawParams {
-        prompt: text.get("prompt").cloned(),
-        size: text.get("size").cloned(),
-        response_format: text.get("response_format").cloned(),
-        n: parse(text, "n", "an integer")?,
-        num_inference_steps: parse(text, "num_inference_steps", "an integer")?,
-        guidance_scale: parse(text, "guidance_scale", "a number")?,
-        seed: parse(text, "seed", "a non-negative integer")?,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use actix_web::test::TestRequest;
 
     #[test]
-    fn json_type_errors_name_the_field() {
-        assert_eq!(
-            raw_from_json(br#"{"prompt": 3}"#).unwrap_err().field,
-            "prompt"
-        );
-        assert_eq!(
-            raw_from_json(br#"{"prompt": "x", "n": "two"}"#)
-                .unwrap_err()
-                .field,
-            "n"
-        );
-        assert_eq!(raw_from_json(b"[1]").unwrap_err().field, "body");
-        assert_eq!(raw_from_json(b"{").unwrap_err().field, "body");
-        let raw = raw_from_json(br#"{"prompt": "x", "n": 2, "seed": 7, "model": "m"}"#).unwrap();
-        assert_eq!((raw.n, raw.seed), (Some(2), Some(7)));
+    fn prefer_header_is_parsed_per_rfc_7240() {
+        let with = |v: &str| {
+            TestRequest::default()
+                .insert_header(("Prefer", v))
+                .to_http_request()
+        };
+        assert!(prefers_async(&with("respond-async")));
+        assert!(prefers_async(&with("wait=10, Respond-Async")));
+        assert!(prefers_async(&with("respond-async; foo=bar")));
+        assert!(!prefers_async(&with("return=minimal")));
+        assert!(!prefers_async(&TestRequest::default().to_http_request()));
     }
 
     #[test]
-    fn text_fields_parse_with_field_errors() {
-        let mut text = HashMap::new();
-        text.insert("prompt".to_string(), "x".to_string());
-        text.insert("num_inference_steps".to_string(), "ten".to_string());
-        assert_eq!(
-            raw_from_text(&text).unwrap_err().field,
-            "num_inference_steps"
-        );
-        text.insert("num_inference_steps".to_string(), " 12 ".to_string());
-        assert_eq!(raw_from_text(&text).unwrap().num_inference_steps, Some(12));
-    }
-
-    #[test]
-    fn image_size_reads_the_header_only() {
-        assert_eq!(
-            image_size(b"GIF89a....", "image").unwrap_err().field,
-            "image"
-        );
-        let img = image::DynamicImage::ImageRgb8(image::RgbImage::new(7, 3));
-        let mut png = Cursor::new(Vec::new());
-        img.write_to(&mut png, ImageFormat::Png).unwrap();
-        assert_eq!(image_size(png.get_ref(), "image").unwrap(), (7, 3));
+    fn every_path_is_registered_once_per_method() {
+        let table = routes();
+        let mut seen = std::collections::HashSet::new();
+        for (method, path, _) in &table {
+            assert!(
+                seen.insert((method.clone(), *path)),
+                "{method} {path} twice"
+            );
+        }
+        assert!(seen.contains(&(Method::DELETE, "/v1/jobs/{id}")));
     }
 }

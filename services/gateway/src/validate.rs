@@ -34,14 +34,35 @@ pub enum ResponseFormat {
 
 /// Parameters as the client sent them (JSON body or multipart text fields), before checks.
 /// Integers are signed so a negative value is reported as out of range, not as a type error.
-#[derive(Debug, Clone, Default, serde::Deserialize)]
+/// Also the documented JSON body of `POST /v1/images/generations` (limits are gateway flags);
+/// other OpenAI fields (`model`, `user`, ...) are accepted and ignored.
+#[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize, utoipa::ToSchema)]
 pub struct RawParams {
+    /// What to draw (required, non-empty; at most `--max-prompt-chars` characters).
+    #[schema(
+        value_type = String,
+        required = true,
+        min_length = 1,
+        example = "a red circle on the left on a blue background"
+    )]
     pub prompt: Option<String>,
+    /// Images to make, 1 to `--max-n` (default 1).
+    #[schema(minimum = 1)]
     pub n: Option<i64>,
+    /// `WxH` output size of a generation (default `--default-size`); at most `--max-pixels`.
+    #[schema(example = "64x64")]
     pub size: Option<String>,
+    /// `b64_json` (default) or `png` (the raw PNG; n must be 1).
+    #[schema(example = "b64_json")]
     pub response_format: Option<String>,
+    /// Denoising steps, 1 to `--max-steps` (default `--default-steps`).
+    #[schema(minimum = 1)]
     pub num_inference_steps: Option<i64>,
+    /// 0 to `--max-guidance` (default `--default-guidance`).
+    #[schema(minimum = 0.0)]
     pub guidance_scale: Option<f64>,
+    /// Makes the result reproducible (random when left out).
+    #[schema(minimum = 0)]
     pub seed: Option<u64>,
 }
 
@@ -56,7 +77,7 @@ fn invalid(field: &str, message: impl Into<String>) -> FieldError {
     FieldError::invalid(field, message)
 }
 
-fn in_range(
+pub(crate) fn in_range(
     field: &str,
     value: Option<i64>,
     default: u32,
@@ -85,7 +106,7 @@ pub fn parse_size(size: &str) -> Result<(u32, u32), FieldError> {
     Ok((w, h))
 }
 
-fn check_pixels(field: &str, w: u32, h: u32, limits: &Limits) -> Result<(), FieldError> {
+pub(crate) fn check_pixels(field: &str, w: u32, h: u32, limits: &Limits) -> Result<(), FieldError> {
     let pixels = u64::from(w) * u64::from(h);
     if pixels > limits.max_pixels {
         return Err(invalid(
@@ -206,7 +227,7 @@ pub fn validate_edit(
 }
 
 /// A seed for requests that give none (time-based; reproducibility needs an explicit seed).
-fn rand_seed() -> u64 {
+pub(crate) fn rand_seed() -> u64 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)

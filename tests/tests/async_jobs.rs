@@ -1,0 +1,358 @@
+//! Async jobs on the whole mesh (NATS, codec, router, a denoiser with the tiny model, gateway):
+//! `Prefer: respond-async` answers 202 at once, the job's event stream shows queued (with its
+//! position), started, step k of N and done with result links, the results download, an
+//! `Idempotency-Key` returns the same job, `DELETE` stops a running job at a step boundary, and
+//! a synchronous client that disconnects has its job cancelled the same way.
+use std::time::Duration;
+
+use diffmesh_shared::job::{JobState, JobStore};
+use diffmesh_shared::messages::{decode, JobEvent};
+use diffmesh_tests::harness::{
+    init_test_logging, start_codec, start_denoiser, start_gateway, start_router, tiny_model_dir,
+    NatsServer, Service, SseReader,
+};
+use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask, template};
+use futures::StreamExt;
+use image::GenericImageView;
+use reqwest::multipart::{Form, Part};
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+const LONG_JOB_STEPS: u32 = 5000;
+
+struct Mesh {
+    _services: Vec<Service>,
+    api: std::net::SocketAddr,
+    http: reqwest::Client,
+    nats_url: String,
+    // Last: fields drop in order, and services must stop before their NATS server.
+    _nats: NatsServer,
+}
+
+/// One denoiser running one job at a time, so a second job waits in its queue. Jobs may take
+/// up to `LONG_JOB_STEPS` steps: the tiny model's steps take milliseconds, and a job that is
+/// cancelled mid-way must still be running when the cancel arrives.
+async fn start_mesh() -> Mesh {
+    init_test_logging();
+    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+    let nats = NatsServer::start();
+    let codec = start_codec(&nats, |_| {}).expect("codec");
+    let router = start_router(&nats, |_| {}).expect("router");
+    let denoiser = start_denoiser(&nats, &model, "d1", |d| d.max_batch = 1).expect("denoiser");
+    let gateway = start_gateway(&nats, |g| g.max_steps = LONG_JOB_STEPS).expect("gateway");
+    for s in [&codec, &router, &denoiser, &gateway] {
+        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
+    }
+    Mesh {
+        api: gateway.addrs.api.unwrap(),
+        nats_url: nats.url(),
+        _nats: nats,
+        _services: vec![gateway, denoiser, router, codec],
+        http: reqwest::Client::new(),
+    }
+}
+
+impl Mesh {
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.api)
+    }
+
+    async fn generate_async(&self, body: Value) -> Value {
+        let r = self
+            .http
+            .post(self.url("/v1/images/generations"))
+            .header("Prefer", "respond-async")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::ACCEPTED);
+        r.json().await.unwrap()
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, Value) {
+        let r = self.http.get(self.url(path)).send().await.unwrap();
+        (r.status(), r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn events(&self, job: &Value) -> SseReader {
+        let path = job["links"]["events"].as_str().unwrap();
+        SseReader::new(self.http.get(self.url(path)).send().await.unwrap())
+    }
+}
+
+fn steps_of(events: &[(String, Value)]) -> Vec<(u64, u64)> {
+    events
+        .iter()
+        .filter(|(n, _)| n == "step")
+        .map(|(_, d)| (d["step"].as_u64().unwrap(), d["total"].as_u64().unwrap()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_jobs_report_progress_results_and_repeat_by_idempotency_key() {
+    let mesh = start_mesh().await;
+    let wait = Duration::from_secs(120);
+
+    // A long job (100 steps: over a second on CPU) occupies the only batch slot, so the edit
+    // below waits in the queue.
+    let long = mesh
+        .generate_async(json!({"prompt": "a red circle", "num_inference_steps": 100, "seed": 1}))
+        .await;
+    assert_eq!(long["status"], "queued");
+
+    let (w, h) = (100, 60);
+    let tmpl = template(w, h);
+    let form = Form::new()
+        .part(
+            "image",
+            Part::bytes(png_bytes(&tmpl)).file_name("image.png"),
+        )
+        .part(
+            "mask",
+            Part::bytes(png_bytes(&rect_mask(w, h, 30, 10, 70, 40))).file_name("mask.png"),
+        )
+        .text("prompt", "a red square")
+        .text("num_inference_steps", "4")
+        .text("seed", "7");
+    let r = mesh
+        .http
+        .post(mesh.url("/v1/images/edits"))
+        .header("Prefer", "respond-async")
+        .multipart(form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::ACCEPTED);
+    assert_eq!(r.headers()["preference-applied"], "respond-async");
+    let location = r.headers()["location"].to_str().unwrap().to_string();
+    let edit: Value = r.json().await.unwrap();
+    let id = edit["id"].as_str().unwrap().to_string();
+    assert_eq!(location, format!("/v1/jobs/{id}"));
+    assert_eq!(edit["links"]["self"], location.as_str());
+    assert_eq!(edit["kind"], "edit");
+
+    let events = mesh.events(&edit).await.rest(wait).await.unwrap();
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    // Queued behind the long job with a position, then started, every step, done.
+    assert_eq!(names[0], "queued", "{events:?}");
+    assert!(
+        events
+            .iter()
+            .any(|(n, d)| n == "queued" && d["position"].is_u64()),
+        "no queue position: {events:?}"
+    );
+    let started = names.iter().position(|n| *n == "started").expect("started");
+    assert_eq!(
+        steps_of(&events),
+        vec![(1, 4), (2, 4), (3, 4), (4, 4)],
+        "{events:?}"
+    );
+    assert!(names.iter().position(|n| *n == "step").unwrap() > started);
+    let (last, done) = events.last().unwrap();
+    assert_eq!(last, "done", "{events:?}");
+    assert_eq!(done["status"], "done");
+    let result_url = done["results"][0]["url"].as_str().unwrap().to_string();
+    assert_eq!(result_url, format!("/v1/jobs/{id}/result/0"));
+
+    // The job resource agrees; the timings add up.
+    let (status, job) = mesh.get(&location).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(job["status"], "done");
+    assert_eq!(job["progress"], json!({"step": 4, "total": 4}));
+    let t = &job["timings"];
+    assert!(t["queued_ms"].as_u64().unwrap() > 0, "{job}");
+    assert!(t["total_ms"].as_u64().unwrap() >= t["queued_ms"].as_u64().unwrap());
+    assert!(t["running_ms"].as_u64().is_some(), "{job}");
+
+    // The result: the input's size, unmasked pixels exactly the template's.
+    let png = mesh.http.get(mesh.url(&result_url)).send().await.unwrap();
+    assert_eq!(png.headers()["content-type"], "image/png");
+    let out = image::load_from_memory(&png.bytes().await.unwrap()).unwrap();
+    assert_eq!(out.dimensions(), (w, h));
+    let (out, tmpl) = (out.to_rgb8(), tmpl.to_rgb8());
+    for (x, y, p) in out.enumerate_pixels() {
+        if !((30..70).contains(&x) && (10..40).contains(&y)) {
+            assert_eq!(p, tmpl.get_pixel(x, y), "unmasked pixel ({x},{y}) differs");
+        }
+    }
+    let (status, body) = mesh.get(&format!("{location}/result/1")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(body["error"]["field"], "n");
+
+    // The long job is done by now too.
+    let (_, long_job) = mesh.get(long["links"]["self"].as_str().unwrap()).await;
+    assert_eq!(long_job["status"], "done", "{long_job}");
+
+    // Idempotency-Key: the repeat returns the same job; a synchronous repeat returns its images.
+    let gen =
+        json!({"prompt": "a blue circle", "size": "48x40", "num_inference_steps": 3, "seed": 5});
+    let send = |prefer_async: bool| {
+        let mut req = mesh
+            .http
+            .post(mesh.url("/v1/images/generations"))
+            .header("Idempotency-Key", "request-42")
+            .json(&gen);
+        if prefer_async {
+            req = req.header("Prefer", "respond-async");
+        }
+        req.send()
+    };
+    let first: Value = send(true).await.unwrap().json().await.unwrap();
+    let again: Value = send(true).await.unwrap().json().await.unwrap();
+    assert_eq!(first["id"], again["id"]);
+    let sync = send(false).await.unwrap();
+    assert_eq!(sync.status(), StatusCode::OK);
+    assert_eq!(sync.headers()["idempotent-replayed"], "true");
+    let images = decode_b64_images(&sync.json().await.unwrap()).unwrap();
+    assert_eq!(images.len(), 1);
+    let stored = mesh
+        .http
+        .get(mesh.url(&format!(
+            "/v1/jobs/{}/result/0",
+            first["id"].as_str().unwrap()
+        )))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    assert_eq!(images[0], image::load_from_memory(&stored).unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_a_running_job_and_a_disconnect_cancels_a_sync_one() {
+    let mesh = start_mesh().await;
+    let client = async_nats::connect(&mesh.nats_url).await.unwrap();
+    let mut all_events = client.subscribe("diffmesh.job.*.events").await.unwrap();
+    client.flush().await.unwrap();
+    let jobs = JobStore::open(&async_nats::jetstream::new(client.clone()))
+        .await
+        .unwrap();
+
+    // DELETE a running async job.
+    let job = mesh
+        .generate_async(json!({"prompt": "a red circle", "num_inference_steps": LONG_JOB_STEPS}))
+        .await;
+    let id = job["id"].as_str().unwrap().to_string();
+    let mut stream = mesh.events(&job).await;
+    loop {
+        let (name, _) = stream
+            .next(Duration::from_secs(60))
+            .await
+            .unwrap()
+            .expect("an event");
+        if name == "step" {
+            break;
+        }
+    }
+    let cancelled_at = std::time::Instant::now();
+    let r = mesh
+        .http
+        .delete(mesh.url(&format!("/v1/jobs/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["status"], "cancelled");
+    let rest = stream.rest(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(rest.last().unwrap().0, "cancelled", "{rest:?}");
+    // The denoiser dropped it at a step boundary, long before its last step.
+    let last_step = wait_for_cancelled(&mut all_events, &id).await;
+    assert!(
+        last_step < LONG_JOB_STEPS,
+        "ran to the end ({last_step} steps)"
+    );
+    eprintln!(
+        "DELETE -> denoiser dropped the job: {:?} (at step {last_step})",
+        cancelled_at.elapsed()
+    );
+    let (status, body) = mesh.get(&format!("/v1/jobs/{id}/result/0")).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    let r = mesh
+        .http
+        .delete(mesh.url(&format!("/v1/jobs/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK, "cancelling twice is harmless");
+
+    // A synchronous request whose client goes away mid-job.
+    let http = mesh.http.clone();
+    let url = mesh.url("/v1/images/generations");
+    let request = tokio::spawn(async move {
+        http.post(url)
+            .json(&json!({"prompt": "a green square", "num_inference_steps": LONG_JOB_STEPS}))
+            .send()
+            .await
+    });
+    let sync_id = loop {
+        let msg = tokio::time::timeout(Duration::from_secs(60), all_events.next())
+            .await
+            .expect("the sync job started")
+            .unwrap();
+        if let Ok(JobEvent::Step { .. }) = decode::<JobEvent>(&msg.payload) {
+            let id = msg.subject.as_str().split('.').nth(2).unwrap().to_string();
+            if id != job["id"] {
+                break id;
+            }
+        }
+    };
+    request.abort();
+    let last_step = wait_for_cancelled(&mut all_events, &sync_id).await;
+    assert!(
+        last_step < LONG_JOB_STEPS,
+        "ran to the end ({last_step} steps)"
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let record = jobs.get(&sync_id).await.unwrap().expect("record");
+        if record.state == JobState::Cancelled {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "record stayed {:?}",
+            record.state
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // The freed slot serves the next job.
+    let r = mesh
+        .http
+        .post(mesh.url("/v1/images/generations"))
+        .json(&json!({"prompt": "a blue circle", "num_inference_steps": 2}))
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+}
+
+/// Wait for the denoiser's `Failed { error_type: "cancelled" }` for `job_id` (and no `Done`);
+/// returns the last step it reported.
+async fn wait_for_cancelled(events: &mut async_nats::Subscriber, job_id: &str) -> u32 {
+    let mut last_step = 0;
+    let subject = format!("diffmesh.job.{job_id}.events");
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(30), events.next())
+            .await
+            .expect("the denoiser reported the cancel")
+            .unwrap();
+        if msg.subject.as_str() != subject {
+            continue;
+        }
+        match decode::<JobEvent>(&msg.payload).unwrap() {
+            JobEvent::Step { step, .. } => last_step = step,
+            JobEvent::Failed { error_type, .. } => {
+                assert_eq!(error_type, "cancelled");
+                return last_step;
+            }
+            JobEvent::Done { .. } => panic!("job {job_id} finished despite the cancel"),
+            _ => {}
+        }
+    }
+}
