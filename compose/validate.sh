@@ -26,6 +26,15 @@ fail() { printf 'FAIL  %s\n' "$1"; failed=1; }
 skip() { printf 'SKIP  %s\n' "$1"; }
 have() { command -v "$1" >/dev/null 2>&1; }
 
+# promtool: on PATH, or where `cargo xtask setup` unpacks it from Debian's prometheus package.
+cache="${DIFFMESH_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/diffmesh}"
+promtool=""
+if have promtool; then
+  promtool=promtool
+elif [ -x "$cache/bin/promtool" ]; then
+  promtool="$cache/bin/promtool"
+fi
+
 # A python3 that can import yaml, or empty.
 python=""
 if have python3 && python3 -c 'import yaml' >/dev/null 2>&1; then
@@ -55,7 +64,12 @@ elif have docker-compose; then
   fi
   rm -f "$v1copy"
 else
-  skip "compose CLI: neither 'docker compose' nor 'docker-compose' found; structural check only"
+  if have docker; then
+    why="the docker client here has no compose plugin"
+  else
+    why="neither 'docker compose' nor 'docker-compose' found"
+  fi
+  skip "compose CLI: $why; structural check only"
 fi
 
 if [ -n "$python" ]; then
@@ -108,14 +122,44 @@ fi
 # ---------------------------------------------------------------------------------------------
 # Prometheus
 # ---------------------------------------------------------------------------------------------
-if have promtool; then
-  if out="$(promtool check config "$here/prometheus/prometheus.yml" 2>&1)"; then
+if [ -n "$promtool" ]; then
+  if out="$("$promtool" check config "$here/prometheus/prometheus.yml" 2>&1)"; then
     pass "promtool check config prometheus/prometheus.yml"
   else
     fail "promtool check config: $out"
   fi
 else
-  skip "promtool not found (Debian: apt-get install prometheus)"
+  skip "promtool not found on PATH nor in $cache/bin (cargo xtask setup unpacks it from Debian's prometheus package)"
+fi
+
+# Every mesh service is scraped, on the port its HEALTH_ADDR binds.
+if [ -n "$python" ]; then
+  if out="$("$python" - "$here/prometheus/prometheus.yml" <<'EOF' 2>&1
+import sys, yaml
+doc = yaml.safe_load(open(sys.argv[1]))
+jobs = {j["job_name"]: j for j in doc.get("scrape_configs", [])}
+errors = []
+for name in ("gateway", "router", "denoiser", "codec", "cachestore"):
+    job = jobs.get(name)
+    if job is None:
+        errors.append(f"no scrape job {name}")
+        continue
+    ports = [c.get("port") for c in job.get("dns_sd_configs", [])]
+    targets = [t for c in job.get("static_configs", []) for t in c.get("targets", [])]
+    if 9090 not in ports and not any(t.endswith(":9090") for t in targets):
+        errors.append(f"{name}: not scraped on the health port 9090")
+    if job.get("metrics_path", "/metrics") != "/metrics":
+        errors.append(f"{name}: metrics_path is not /metrics")
+if errors:
+    print("; ".join(errors))
+    sys.exit(1)
+print(f"{len(jobs)} scrape jobs")
+EOF
+)"; then
+    pass "prometheus scrape jobs: $out"
+  else
+    fail "prometheus scrape jobs: $out"
+  fi
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +188,22 @@ for p in dash.get("panels", []):
         if not t.get("expr"):
             errors.append(f"panel {p.get('title')!r}: target {t.get('refId')} has no expr")
         exprs.append(t.get("expr", ""))
+# The views the deployment promises, each recognised by what its queries read.
+everything = " ".join(exprs)
+views = {
+    "queue depth": ["diffmesh_router_admission_waiting", "diffmesh_denoiser_queued_jobs"],
+    "latency percentiles": ["histogram_quantile(0.5,", "histogram_quantile(0.95,",
+                            "histogram_quantile(0.99,", "diffmesh_gateway_request_duration_seconds_bucket"],
+    "batch size": ["diffmesh_denoiser_batch_rows"],
+    "cache hit rate": ["diffmesh_cachestore_hits_total", "diffmesh_cachestore_misses_total"],
+    "per-worker load": ["by (instance) (diffmesh_denoiser_running_jobs)"],
+    "NATS round trip": ["diffmesh_nats_request_duration_seconds_bucket"],
+    "queueing latency": ["diffmesh_denoiser_queue_wait_seconds_bucket"],
+}
+for view, needles in views.items():
+    lacking = [n for n in needles if n not in everything]
+    if lacking:
+        errors.append(f"no {view} panel (its queries would read {', '.join(lacking)})")
 subst = {"$__rate_interval": "1m", "$__interval": "1m", "${histogram}": "diffmesh_x_seconds"}
 with open(sys.argv[2], "w") as f:
     f.write("groups:\n  - name: dashboard\n    rules:\n")
@@ -158,8 +218,8 @@ print(f"{len(dash['panels'])} panels, {len(exprs)} queries")
 EOF
 )"; then
     pass "dashboard JSON: $out"
-    if have promtool; then
-      if rules="$(promtool check rules "$tmp/dashboard-rules.yml" 2>&1)"; then
+    if [ -n "$promtool" ]; then
+      if rules="$("$promtool" check rules "$tmp/dashboard-rules.yml" 2>&1)"; then
         pass "dashboard PromQL parses (promtool check rules)"
       else
         fail "dashboard PromQL: $rules"

@@ -221,6 +221,41 @@ pub fn start_denoiser(
     )
 }
 
+/// Start a cachestore whose disk tier lives in `disk_dir`.
+pub fn start_cachestore(
+    nats: &NatsServer,
+    disk_dir: &Path,
+    tweak: impl FnOnce(&mut diffmesh_cachestore::CachestoreConfig),
+) -> Result<Service> {
+    let mut config =
+        diffmesh_cachestore::CachestoreConfig::for_tests(nats.url(), disk_dir.to_path_buf());
+    tweak(&mut config);
+    Service::spawn(
+        "cachestore",
+        move || async move {
+            let h = diffmesh_cachestore::start(config).await?;
+            let addrs = Addrs {
+                health: h.health_addr,
+                api: None,
+            };
+            Ok((h, addrs))
+        },
+        |h| async move {
+            let _ = h.shutdown().await;
+        },
+    )
+}
+
+/// The Prometheus text a service serves on `/metrics` at `health`.
+pub async fn scrape_metrics(health: SocketAddr) -> Result<String> {
+    let url = format!("http://{health}/metrics");
+    let response = reqwest::get(&url).await?;
+    if !response.status().is_success() {
+        bail!("GET {url}: {}", response.status());
+    }
+    Ok(response.text().await?)
+}
+
 /// Log to the test output once (RUST_LOG picks the level; default warn).
 pub fn init_test_logging() {
     let _ = tracing_subscriber::fmt()
@@ -230,4 +265,121 @@ pub fn init_test_logging() {
         )
         .with_test_writer()
         .try_init();
+}
+
+/// A stand-in for the router: answers every submit with `reply` and remembers the job ids of
+/// the submits and cancels it saw, so gateway behaviour can be tested without denoisers.
+pub struct FakeRouter {
+    pub submits: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    pub cancels: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl FakeRouter {
+    /// Subscribe on `diffmesh.router.submit` and `.cancel` (ready when this returns).
+    pub async fn start(
+        nats: &NatsServer,
+        reply: diffmesh_shared::messages::SubmitReply,
+    ) -> Result<FakeRouter> {
+        use diffmesh_shared::messages::{decode, CancelJob, DenoiseJob};
+        use diffmesh_shared::subjects::{ROUTER_CANCEL, ROUTER_SUBMIT};
+        use futures::StreamExt;
+        let client = async_nats::connect(nats.url()).await?;
+        let mut submit_sub = client.subscribe(ROUTER_SUBMIT).await?;
+        let mut cancel_sub = client.subscribe(ROUTER_CANCEL).await?;
+        client.flush().await?;
+        let submits = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let cancels = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (seen, c) = (submits.clone(), client.clone());
+        let submit_task = tokio::spawn(async move {
+            while let Some(msg) = submit_sub.next().await {
+                if let Ok(job) = decode::<DenoiseJob>(&msg.payload) {
+                    seen.lock().unwrap().push(job.job_id);
+                }
+                let _ = diffmesh_shared::nats::reply_msgpack(&c, &msg, &reply).await;
+            }
+        });
+        let seen = cancels.clone();
+        let cancel_task = tokio::spawn(async move {
+            while let Some(msg) = cancel_sub.next().await {
+                if let Ok(cancel) = decode::<CancelJob>(&msg.payload) {
+                    seen.lock().unwrap().push(cancel.job_id);
+                }
+            }
+        });
+        Ok(FakeRouter {
+            submits,
+            cancels,
+            tasks: vec![submit_task, cancel_task],
+        })
+    }
+
+    pub fn cancelled(&self, job_id: &str) -> bool {
+        self.cancels.lock().unwrap().iter().any(|j| j == job_id)
+    }
+}
+
+impl Drop for FakeRouter {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Reads a Server-Sent Events response event by event.
+pub struct SseReader {
+    response: reqwest::Response,
+    buf: String,
+    ended: bool,
+}
+
+impl SseReader {
+    pub fn new(response: reqwest::Response) -> Self {
+        Self {
+            response,
+            buf: String::new(),
+            ended: false,
+        }
+    }
+
+    /// The next `(event, data)` (keep-alive comments skipped); `None` once the stream ended.
+    pub async fn next(&mut self, within: Duration) -> Result<Option<(String, serde_json::Value)>> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            while let Some(end) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..end + 2).collect();
+                let mut name = None;
+                let mut data = None;
+                for line in block.lines() {
+                    if let Some(v) = line.strip_prefix("event: ") {
+                        name = Some(v.to_string());
+                    } else if let Some(v) = line.strip_prefix("data: ") {
+                        data = Some(serde_json::from_str(v)?);
+                    }
+                }
+                if let (Some(name), Some(data)) = (name, data) {
+                    return Ok(Some((name, data)));
+                }
+            }
+            if self.ended {
+                return Ok(None);
+            }
+            match tokio::time::timeout_at(deadline, self.response.chunk()).await {
+                Err(_) => bail!("no event within {within:?}; unread: {:?}", self.buf),
+                Ok(Ok(Some(chunk))) => self.buf.push_str(&String::from_utf8_lossy(&chunk)),
+                Ok(Ok(None)) => self.ended = true,
+                Ok(Err(e)) => bail!("reading the event stream: {e}"),
+            }
+        }
+    }
+
+    /// Every remaining event until the stream ends (each within `within` of the last).
+    pub async fn rest(&mut self, within: Duration) -> Result<Vec<(String, serde_json::Value)>> {
+        let mut events = Vec::new();
+        while let Some(e) = self.next(within).await? {
+            events.push(e);
+        }
+        Ok(events)
+    }
 }

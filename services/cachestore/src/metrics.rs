@@ -8,6 +8,10 @@ pub struct CacheMetrics {
     misses: IntCounterVec,
     bytes: IntGaugeVec,
     entries: IntGaugeVec,
+    /// Bytes served by gets, by the tier that answered.
+    read_bytes: IntCounterVec,
+    /// Keys a prefetch handled, by outcome (see `store::Promotion::as_str`).
+    prefetches: IntCounterVec,
     pub puts: IntCounter,
     /// Requests that failed, by reason.
     pub failures: IntCounterVec,
@@ -34,6 +38,20 @@ impl CacheMetrics {
             Opts::new("diffmesh_cachestore_entries", "Entries held per tier"),
             &["tier"],
         )?;
+        let read_bytes = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_cachestore_read_bytes_total",
+                "Bytes served by gets, by the tier that answered",
+            ),
+            &["tier"],
+        )?;
+        let prefetches = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_cachestore_prefetches_total",
+                "Keys handled by prefetch requests, by outcome",
+            ),
+            &["outcome"],
+        )?;
         let puts = IntCounter::new("diffmesh_cachestore_puts_total", "Values stored")?;
         let failures = IntCounterVec::new(
             Opts::new(
@@ -46,20 +64,71 @@ impl CacheMetrics {
         registry.register(Box::new(misses.clone()))?;
         registry.register(Box::new(bytes.clone()))?;
         registry.register(Box::new(entries.clone()))?;
+        registry.register(Box::new(read_bytes.clone()))?;
+        registry.register(Box::new(prefetches.clone()))?;
         registry.register(Box::new(puts.clone()))?;
         registry.register(Box::new(failures.clone()))?;
+        // Every tier's series exist at 0 from the start: the hit rate and size panels (and
+        // `rate()`) see a tier before its first get.
+        for tier in [CacheTier::Memory, CacheTier::Disk, CacheTier::Cluster] {
+            let label = [tier.as_str()];
+            hits.with_label_values(&label);
+            misses.with_label_values(&label);
+            bytes.with_label_values(&label);
+            entries.with_label_values(&label);
+            read_bytes.with_label_values(&label);
+        }
+        // The store's own failure reasons (`StoreError::reason`; cluster-tier errors add the
+        // shared `MeshError` reasons when they happen).
+        for reason in [
+            "invalid_key",
+            "disk",
+            "no_cluster_tier",
+            "bad_request",
+            "too_many_keys",
+        ] {
+            failures.with_label_values(&[reason]);
+        }
+        // Every prefetch outcome (`store::Promotion::as_str`, and `failed`).
+        for outcome in [
+            "already_in_memory",
+            "from_disk",
+            "from_cluster",
+            "missing",
+            "failed",
+        ] {
+            prefetches.with_label_values(&[outcome]);
+        }
         Ok(Self {
             hits,
             misses,
             bytes,
             entries,
+            read_bytes,
+            prefetches,
             puts,
             failures,
         })
     }
 
-    pub fn hit(&self, tier: CacheTier) {
+    /// A get answered by `tier` with a value of `bytes` bytes.
+    pub fn hit(&self, tier: CacheTier, bytes: usize) {
         self.hits.with_label_values(&[tier.as_str()]).inc();
+        self.read_bytes
+            .with_label_values(&[tier.as_str()])
+            .inc_by(bytes as u64);
+    }
+
+    pub fn read_bytes_of(&self, tier: CacheTier) -> u64 {
+        self.read_bytes.with_label_values(&[tier.as_str()]).get()
+    }
+
+    pub fn prefetched(&self, outcome: &str) {
+        self.prefetches.with_label_values(&[outcome]).inc();
+    }
+
+    pub fn prefetches_of(&self, outcome: &str) -> u64 {
+        self.prefetches.with_label_values(&[outcome]).get()
     }
 
     pub fn miss(&self, tier: CacheTier) {

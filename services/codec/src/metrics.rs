@@ -4,6 +4,25 @@ use diffmesh_shared::metrics::{
 };
 use prometheus::{HistogramVec, IntCounterVec, Registry};
 
+/// Operations and outcomes, exported at 0 from the start so every series exists before the
+/// first request (dashboards' `rate()` then sees the first one).
+const OPS: &[&str] = &["pre", "post"];
+const OUTCOMES: &[&str] = &["ok", "invalid", "failed"];
+/// The reasons `CodecError::reason` gives for failures the codec counts, plus `reply`
+/// (sending the answer failed).
+const FAILURE_REASONS: &[&str] = &[
+    "encode",
+    "bad_message",
+    "panic",
+    "timeout",
+    "reply",
+    "blob_not_found",
+    "blob_too_large",
+    "object_store",
+    "codec",
+    "nats",
+];
+
 #[derive(Clone)]
 pub struct CodecMetrics {
     /// `diffmesh_codec_duration_seconds{op="pre"|"post"}`.
@@ -17,7 +36,7 @@ pub struct CodecMetrics {
 
 impl CodecMetrics {
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        Ok(Self {
+        let metrics = Self {
             duration: histogram_vec(
                 registry,
                 "codec",
@@ -43,7 +62,42 @@ impl CodecMetrics {
                 &[],
                 RATIO_BUCKETS,
             )?,
-            failures: FailureCounter::register(registry, "codec")?,
-        })
+            failures: FailureCounter::register_with_reasons(registry, "codec", FAILURE_REASONS)?,
+        };
+        for op in OPS {
+            metrics.duration.with_label_values(&[*op]);
+            for outcome in OUTCOMES {
+                metrics.requests.with_label_values(&[*op, *outcome]);
+            }
+        }
+        metrics.mask_ratio.with_label_values(&[] as &[&str]);
+        Ok(metrics)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every family is on /metrics before the first request.
+    #[test]
+    fn every_family_is_exported_from_the_start() {
+        let registry = Registry::new();
+        CodecMetrics::register(&registry).unwrap();
+        let mut names: Vec<String> = registry
+            .gather()
+            .iter()
+            .map(|f| f.name().to_string())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "diffmesh_codec_duration_seconds",
+                "diffmesh_codec_failures_total",
+                "diffmesh_codec_mask_ratio",
+                "diffmesh_codec_requests_total",
+            ]
+        );
     }
 }

@@ -1,0 +1,51 @@
+//! The deployment files in `compose/` pass `compose/validate.sh`: compose structure (and
+//! `docker compose config` where the CLI exists), Prometheus config (promtool), the Grafana
+//! dashboard's JSON, views and metric names, provisioning, NATS config, scripts, Dockerfiles.
+use std::path::Path;
+use std::process::Command;
+
+/// Checks that need only python3 (always there: the venv needs it), so they must have run.
+const ALWAYS_RUN: &[&str] = &[
+    "compose structure",
+    "prometheus scrape jobs",
+    "dashboard JSON",
+    "dashboard metric names",
+    "grafana provisioning",
+    "Dockerfile: COPY sources exist",
+];
+
+#[test]
+fn compose_files_pass_validate_sh() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../compose/validate.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .output()
+        .expect("run compose/validate.sh");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}{stderr}");
+    assert!(
+        out.status.success(),
+        "compose/validate.sh failed:\n{stdout}{stderr}"
+    );
+    assert!(!stdout.contains("\nFAIL"), "a check failed:\n{stdout}");
+    for check in ALWAYS_RUN {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with("PASS") && l.contains(check)),
+            "check `{check}` did not run:\n{stdout}"
+        );
+    }
+    // Where promtool is found, the Prometheus checks run with it.
+    if !stdout.contains("SKIP  promtool not found") {
+        assert!(
+            stdout.contains("PASS  promtool check config"),
+            "promtool check config did not run:\n{stdout}"
+        );
+        assert!(
+            stdout.contains("PASS  dashboard PromQL parses"),
+            "the dashboard's PromQL was not checked:\n{stdout}"
+        );
+    }
+}

@@ -1,0 +1,305 @@
+//! Every service's `/metrics` in a running mesh (gateway, codec, router, a denoiser with the
+//! tiny model, cachestore) after one edit and one bad request per service: the families the
+//! dashboards and alerts need exist, every name follows the convention
+//! (`diffmesh_` prefix; `_seconds`, `_bytes`, `_ratio`, counters `_total`, or a documented
+//! unitless metric: `shared::metrics::naming_problem`), and every metric the Grafana dashboard
+//! queries is really exported.
+//!
+//! The services share this process, so the process-wide NATS metrics
+//! (`diffmesh_nats_request_*`) show on every service's page here; in a deployment each
+//! process shows its own requests.
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::Duration;
+
+use diffmesh_shared::metrics::naming_problem;
+use diffmesh_shared::subjects;
+use diffmesh_tests::harness::{
+    init_test_logging, scrape_metrics, start_cachestore, start_codec, start_denoiser,
+    start_gateway, start_router, tiny_model_dir, NatsServer,
+};
+use diffmesh_tests::images::{png_bytes, rect_mask, template};
+use reqwest::multipart::{Form, Part};
+
+/// Families each service must export: name and what it stands for in issue #6's list.
+const REQUIRED: &[(&str, &[&str])] = &[
+    (
+        "gateway",
+        &[
+            "diffmesh_gateway_requests_total",
+            // End-to-end latency.
+            "diffmesh_gateway_request_duration_seconds",
+            // Per-stage latency; the `submit` stage includes waiting for admission.
+            "diffmesh_gateway_stage_duration_seconds",
+            "diffmesh_gateway_failures_total",
+            // NATS round trip time.
+            "diffmesh_nats_request_duration_seconds",
+        ],
+    ),
+    (
+        "codec",
+        &[
+            "diffmesh_codec_duration_seconds",
+            "diffmesh_codec_requests_total",
+            "diffmesh_codec_mask_ratio",
+            "diffmesh_codec_failures_total",
+        ],
+    ),
+    (
+        "router",
+        &[
+            // Queue depth (submits waiting for a slot) and time to place (queueing included).
+            "diffmesh_router_admission_waiting",
+            "diffmesh_router_decision_duration_seconds",
+            "diffmesh_router_live_workers",
+            "diffmesh_router_placements_total",
+            "diffmesh_router_failures_total",
+        ],
+    ),
+    (
+        "denoiser",
+        &[
+            // Queue depth, running batch size, step duration, per-job latency.
+            "diffmesh_denoiser_queued_jobs",
+            "diffmesh_denoiser_running_jobs",
+            "diffmesh_denoiser_batch_rows",
+            "diffmesh_denoiser_step_duration_seconds",
+            "diffmesh_denoiser_job_duration_seconds",
+            // Queueing latency on the worker.
+            "diffmesh_denoiser_queue_wait_seconds",
+            "diffmesh_denoiser_failures_total",
+        ],
+    ),
+    (
+        "cachestore",
+        &[
+            // Hits, misses and bytes per tier.
+            "diffmesh_cachestore_hits_total",
+            "diffmesh_cachestore_misses_total",
+            "diffmesh_cachestore_bytes",
+            "diffmesh_cachestore_read_bytes_total",
+            "diffmesh_cachestore_failures_total",
+        ],
+    ),
+];
+
+/// `# TYPE name kind` lines of a Prometheus text page: family name -> kind.
+fn families(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|rest| {
+            let mut parts = rest.split_whitespace();
+            Some((parts.next()?.to_string(), parts.next()?.to_string()))
+        })
+        .collect()
+}
+
+/// Sample lines (`name{labels} value`) of one family, labels included.
+fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+    text.lines()
+        .filter(move |l| l.starts_with(name) && !l.starts_with('#'))
+}
+
+/// Every `diffmesh_*` metric name a dashboard's queries mention.
+fn dashboard_metrics(path: &Path) -> BTreeSet<String> {
+    let text = std::fs::read_to_string(path).expect("read the dashboard");
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("dashboard JSON");
+    let mut names = BTreeSet::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().unwrap_or("");
+            let mut rest = expr;
+            while let Some(start) = rest.find("diffmesh_") {
+                let tail = &rest[start..];
+                let end = tail
+                    .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+                    .unwrap_or(tail.len());
+                // `diffmesh_.+_failures_total` is a regex over names, not a name.
+                if end > "diffmesh_".len() {
+                    names.insert(tail[..end].to_string());
+                }
+                rest = &tail[end.max(1)..];
+            }
+        }
+    }
+    names
+}
+
+/// Send bytes that are not MessagePack to `subject` and wait for the service's answer: the
+/// bad input is rejected (and counted as a failure), never a crash or silence.
+async fn send_garbage(client: &async_nats::Client, subject: String) {
+    let reply = tokio::time::timeout(
+        Duration::from_secs(10),
+        client.request(subject.clone(), "not msgpack".into()),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{subject}: no answer to a bad request within 10s"));
+    assert!(reply.is_ok(), "{subject}: {reply:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_service_exports_the_required_metrics_with_conventional_names() {
+    init_test_logging();
+    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+    let disk = tempfile::tempdir().expect("cachestore dir");
+    let nats = NatsServer::start();
+    let codec = start_codec(&nats, |_| {}).expect("codec");
+    let router = start_router(&nats, |_| {}).expect("router");
+    let denoiser = start_denoiser(&nats, &model, "d1", |_| {}).expect("denoiser");
+    let gateway = start_gateway(&nats, |_| {}).expect("gateway");
+    let cachestore = start_cachestore(&nats, disk.path(), |_| {}).expect("cachestore");
+    let services = [
+        ("gateway", &gateway),
+        ("codec", &codec),
+        ("router", &router),
+        ("denoiser", &denoiser),
+        ("cachestore", &cachestore),
+    ];
+    for (_, s) in &services {
+        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
+    }
+
+    // One edit through the whole mesh fills the latency histograms.
+    let (w, h) = (40, 40);
+    let edit = Form::new()
+        .part(
+            "image",
+            Part::bytes(png_bytes(&template(w, h))).file_name("image.png"),
+        )
+        .part(
+            "mask",
+            Part::bytes(png_bytes(&rect_mask(w, h, 4, 4, 20, 20))).file_name("mask.png"),
+        )
+        .text("prompt", "a red square")
+        .text("num_inference_steps", "2")
+        .text("response_format", "png");
+    let api = gateway.addrs.api.expect("gateway API address");
+    let http = reqwest::Client::new();
+    let r = http
+        .post(format!("http://{api}/v1/images/edits"))
+        .multipart(edit)
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .expect("edit");
+    assert_eq!(r.status().as_u16(), 200);
+    // One bad request per service: each failure counter gets a series with its reason.
+    let bad = Form::new().text("prompt", "no image");
+    let r = http
+        .post(format!("http://{api}/v1/images/edits"))
+        .multipart(bad)
+        .send()
+        .await
+        .expect("bad edit");
+    assert_eq!(r.status().as_u16(), 400);
+    let client = async_nats::connect(nats.url()).await.expect("NATS client");
+    send_garbage(&client, subjects::CODEC_PRE.to_string()).await;
+    send_garbage(&client, subjects::ROUTER_SUBMIT.to_string()).await;
+    send_garbage(&client, subjects::denoiser_submit("d1")).await;
+    send_garbage(&client, diffmesh_shared::cachestore::get_subject()).await;
+    // A request nobody answers is counted by the shared request helper, by subject and reason.
+    let unanswered = diffmesh_shared::nats::request_msgpack::<_, ()>(
+        &client,
+        "diffmesh.audit.nobody",
+        &(),
+        Duration::from_secs(2),
+    )
+    .await;
+    assert!(unanswered.is_err(), "nobody serves diffmesh.audit.nobody");
+
+    let mut pages: BTreeMap<&str, String> = BTreeMap::new();
+    for (name, s) in &services {
+        pages.insert(name, scrape_metrics(s.addrs.health).await.expect("scrape"));
+    }
+    // The gateway also serves /metrics on its API port, the same page.
+    let on_api = scrape_metrics(api).await.expect("scrape the API port");
+    assert!(families(&on_api).contains_key("diffmesh_gateway_requests_total"));
+
+    let mut problems = Vec::new();
+    let mut exported = BTreeMap::new();
+    for (service, text) in &pages {
+        let found = families(text);
+        assert!(!found.is_empty(), "{service}: /metrics has no families");
+        for (name, kind) in &found {
+            if let Some(problem) = naming_problem(name, kind) {
+                problems.push(format!("{service}: {problem}"));
+            }
+        }
+        let required = REQUIRED
+            .iter()
+            .find(|(s, _)| s == service)
+            .map(|(_, r)| *r)
+            .unwrap_or(&[]);
+        for name in required {
+            if !found.contains_key(*name) {
+                problems.push(format!("{service}: required family {name} missing"));
+            }
+        }
+        exported.extend(found);
+    }
+    assert!(
+        problems.is_empty(),
+        "metric problems:\n{}",
+        problems.join("\n")
+    );
+
+    // Failures carry their reason; the bad requests above each left one.
+    for (service, reason) in [
+        ("gateway", "invalid_request"),
+        ("codec", "codec"),
+        ("router", "bad_request"),
+        ("denoiser", "bad_request"),
+        ("cachestore", "bad_request"),
+    ] {
+        let name = format!("diffmesh_{service}_failures_total");
+        let label = format!("reason=\"{reason}\"");
+        let counted =
+            samples(&pages[service], &name).any(|l| l.contains(&label) && !l.ends_with(" 0"));
+        assert!(
+            counted,
+            "{service}: no {name}{{{label}}} after a bad request"
+        );
+    }
+
+    // Every NATS request hop of the edit has its round trip recorded, by subject.
+    let nats_rtt = "diffmesh_nats_request_duration_seconds_count";
+    for subject in [
+        subjects::CODEC_PRE.to_string(),
+        subjects::ROUTER_SUBMIT.to_string(),
+        subjects::denoiser_submit("d1"),
+        subjects::CODEC_POST.to_string(),
+    ] {
+        let label = format!("subject=\"{subject}\"");
+        assert!(
+            samples(&pages["gateway"], nats_rtt).any(|l| l.contains(&label) && !l.ends_with(" 0")),
+            "no NATS round trip recorded for {subject}"
+        );
+    }
+
+    assert!(
+        samples(&pages["gateway"], "diffmesh_nats_request_failures_total").any(|l| {
+            l.contains("subject=\"diffmesh.audit.nobody\"")
+                && l.contains("reason=\"no_responders\"")
+        }),
+        "the unanswered request is not counted in diffmesh_nats_request_failures_total"
+    );
+
+    // The Grafana dashboard queries only metrics that exist.
+    let dashboard = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../compose/grafana/dashboards/diffmesh-overview.json");
+    let histogram_part = |name: &str| {
+        ["_bucket", "_sum", "_count"].iter().find_map(|suffix| {
+            name.strip_suffix(suffix)
+                .filter(|base| exported.get(*base).map(String::as_str) == Some("histogram"))
+                .map(str::to_string)
+        })
+    };
+    let missing: Vec<String> = dashboard_metrics(&dashboard)
+        .into_iter()
+        .filter(|n| !exported.contains_key(n) && histogram_part(n).is_none())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "the dashboard queries metrics no service exports: {missing:?}"
+    );
+}
