@@ -168,6 +168,21 @@ impl DiskTier {
     pub fn contains(&self, key: &str) -> bool {
         self.lock().entries.contains_key(key)
     }
+
+    /// Keys held that start with `prefix`.
+    pub fn keys_with_prefix(&self, prefix: &str) -> Vec<String> {
+        self.lock()
+            .entries
+            .keys()
+            .filter(|k| k.starts_with(prefix))
+            .cloned()
+            .collect()
+    }
+
+    /// Size of the value under `key`, when held (eviction order unchanged).
+    pub fn size_of(&self, key: &str) -> Option<u64> {
+        self.lock().entries.get(key).map(|&(_, size)| size)
+    }
 }
 
 fn encode_name(key: &str) -> String {

@@ -47,6 +47,9 @@ pub struct CachestoreConfig {
     /// Requests handled at once per subject.
     #[arg(long, env = "CACHE_MAX_IN_FLIGHT", default_value_t = 64)]
     pub max_in_flight: usize,
+    /// Keys promoted into memory at once by prefetches (they run in the background).
+    #[arg(long, env = "CACHE_PREFETCH_CONCURRENCY", default_value_t = 4)]
+    pub prefetch_concurrency: usize,
 }
 
 impl CachestoreConfig {
@@ -61,6 +64,7 @@ impl CachestoreConfig {
             bucket: CACHE_BUCKET.to_string(),
             no_cluster_tier: false,
             max_in_flight: 16,
+            prefetch_concurrency: 2,
         }
     }
 }
@@ -142,6 +146,7 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
         store: store.clone(),
         inline_limit: config.inline_limit,
         in_flight: Arc::new(tokio::sync::Semaphore::new(config.max_in_flight.max(1))),
+        prefetch: service::Prefetcher::new(config.prefetch_concurrency),
     });
     let shutdown = CancellationToken::new();
     let mut tasks = JoinSet::new();
@@ -150,6 +155,8 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
         (proto::put_subject(), Op::Put),
         (proto::delete_subject(), Op::Delete),
         (proto::stats_subject(), Op::Stats),
+        (proto::locate_subject(), Op::Locate),
+        (proto::prefetch_subject(), Op::Prefetch),
     ] {
         let sub = handler.subscribe(&subject).await.map_err(MeshError::from)?;
         tasks.spawn(
@@ -158,6 +165,16 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
                 .serve(subject, sub, op, shutdown.child_token()),
         );
     }
+    // Every replica drops its local copies of deleted templates (no queue group).
+    let evictions = client
+        .subscribe(diffmesh_shared::subjects::TEMPLATES_EVICT)
+        .await
+        .map_err(MeshError::from)?;
+    tasks.spawn(service::serve_evictions(
+        store.clone(),
+        evictions,
+        shutdown.child_token(),
+    ));
     // Subscriptions must reach the server before callers are told we are up.
     client
         .flush()

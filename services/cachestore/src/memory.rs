@@ -53,6 +53,20 @@ impl MemoryTier {
         self.cache.insert(key.to_string(), value);
     }
 
+    /// Whether the key is held, without counting as a use (eviction order unchanged).
+    pub fn contains(&self, key: &str) -> bool {
+        self.cache.contains_key(key)
+    }
+
+    /// Keys held that start with `prefix`.
+    pub fn keys_with_prefix(&self, prefix: &str) -> Vec<String> {
+        self.cache
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(k, _)| k.as_ref().clone())
+            .collect()
+    }
+
     /// Remove without spilling; true when present.
     pub fn delete(&self, key: &str) -> bool {
         self.cache.remove(key).is_some()

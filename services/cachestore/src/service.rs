@@ -1,16 +1,20 @@
-//! NATS side of the cachestore: get/put/delete/stats request handlers over the tiered store.
+//! NATS side of the cachestore: get/put/delete/stats/locate/prefetch handlers over the tiered
+//! store.
 use crate::store::{StoreError, TieredStore};
 use bytes::Bytes;
 use diffmesh_shared::cachestore::{
-    CacheDelete, CacheDeleteReply, CacheGet, CacheGetReply, CachePut, CachePutReply,
-    CACHESTORE_QUEUE,
+    CacheDelete, CacheDeleteReply, CacheGet, CacheGetReply, CacheLocate, CacheLocateReply,
+    CachePrefetch, CachePrefetchReply, CachePut, CachePutReply, CACHESTORE_QUEUE,
+    MAX_KEYS_PER_REQUEST,
 };
 use diffmesh_shared::messages::decode;
 use diffmesh_shared::nats::reply_msgpack;
 use diffmesh_shared::serve::serve_subscription;
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 #[derive(Clone, Copy, Debug)]
 pub enum Op {
@@ -18,6 +22,8 @@ pub enum Op {
     Put,
     Delete,
     Stats,
+    Locate,
+    Prefetch,
 }
 
 pub struct Handler {
@@ -25,6 +31,66 @@ pub struct Handler {
     pub store: Arc<TieredStore>,
     pub inline_limit: usize,
     pub in_flight: Arc<Semaphore>,
+    /// Background promotions (prefetches run after their request is answered).
+    pub prefetch: Prefetcher,
+}
+
+/// Runs prefetches in the background, a bounded number at a time, never promoting one key
+/// twice at once (twenty edits of one template ask for the same keys together).
+pub struct Prefetcher {
+    slots: Arc<Semaphore>,
+    promoting: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Prefetcher {
+    pub fn new(concurrency: usize) -> Self {
+        Self {
+            slots: Arc::new(Semaphore::new(concurrency.max(1))),
+            promoting: Arc::new(Mutex::new(HashSet::new())),
+        }
+    }
+
+    /// Queue `keys` for promotion; returns how many were queued (the others are already being
+    /// promoted by an earlier request).
+    fn schedule(&self, store: Arc<TieredStore>, keys: Vec<String>) -> u32 {
+        let keys: Vec<String> = {
+            let mut promoting = self.promoting.lock().unwrap_or_else(|p| p.into_inner());
+            keys.into_iter()
+                .filter(|k| promoting.insert(k.clone()))
+                .collect()
+        };
+        let queued = keys.len() as u32;
+        for key in keys {
+            let (slots, promoting, store) =
+                (self.slots.clone(), self.promoting.clone(), store.clone());
+            tokio::spawn(
+                async move {
+                    // Only fails once the semaphore is closed, which this code never does.
+                    let _slot = slots.acquire_owned().await;
+                    match store.promote(&key).await {
+                        Ok(outcome) => {
+                            tracing::debug!(%key, outcome = outcome.as_str(), "prefetched")
+                        }
+                        Err(err) => {
+                            store.metrics().prefetched("failed");
+                            store
+                                .metrics()
+                                .failures
+                                .with_label_values(&[err.reason()])
+                                .inc();
+                            tracing::warn!(%key, error = %err, "prefetch failed");
+                        }
+                    }
+                    promoting
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&key);
+                }
+                .in_current_span(),
+            );
+        }
+        queued
+    }
 }
 
 impl Handler {
@@ -59,7 +125,10 @@ impl Handler {
     async fn handle(&self, op: Op, msg: async_nats::Message) {
         let span = tracing::info_span!("cachestore", op = ?op);
         diffmesh_shared::trace_context::set_parent_from(&span, msg.headers.as_ref());
-        let _e = span.enter();
+        self.handle_in_span(op, msg).instrument(span).await
+    }
+
+    async fn handle_in_span(&self, op: Op, msg: async_nats::Message) {
         let result = match op {
             Op::Get => match decode::<CacheGet>(&msg.payload) {
                 Ok(req) => {
@@ -88,6 +157,20 @@ impl Handler {
                 Err(e) => self.reply_bad(&msg, op, e.to_string()).await,
             },
             Op::Stats => reply_msgpack(&self.client, &msg, &self.store.stats()).await,
+            Op::Locate => match decode::<CacheLocate>(&msg.payload) {
+                Ok(req) => {
+                    let reply = self.locate(req).await;
+                    reply_msgpack(&self.client, &msg, &reply).await
+                }
+                Err(e) => self.reply_bad(&msg, op, e.to_string()).await,
+            },
+            Op::Prefetch => match decode::<CachePrefetch>(&msg.payload) {
+                Ok(req) => {
+                    let reply = self.prefetch(req);
+                    reply_msgpack(&self.client, &msg, &reply).await
+                }
+                Err(e) => self.reply_bad(&msg, op, e.to_string()).await,
+            },
         };
         if let Err(err) = result {
             tracing::warn!(error = %err, "could not send cachestore reply");
@@ -121,7 +204,60 @@ impl Handler {
             Op::Delete | Op::Stats => {
                 reply_msgpack(&self.client, msg, &CacheDeleteReply::Failed { message }).await
             }
+            Op::Locate => {
+                reply_msgpack(&self.client, msg, &CacheLocateReply::Failed { message }).await
+            }
+            Op::Prefetch => {
+                reply_msgpack(&self.client, msg, &CachePrefetchReply::Failed { message }).await
+            }
         }
+    }
+
+    /// Refuse requests naming too many keys (they would hold a handler slot for long).
+    fn too_many_keys(&self, keys: &[String]) -> Option<String> {
+        (keys.len() > MAX_KEYS_PER_REQUEST).then(|| {
+            self.store_metrics_failure("too_many_keys");
+            format!(
+                "`keys` names {} keys, above the limit of {MAX_KEYS_PER_REQUEST}",
+                keys.len()
+            )
+        })
+    }
+
+    async fn locate(&self, req: CacheLocate) -> CacheLocateReply {
+        if let Some(message) = self.too_many_keys(&req.keys) {
+            return CacheLocateReply::Failed { message };
+        }
+        let mut keys = Vec::with_capacity(req.keys.len());
+        for key in &req.keys {
+            match self.store.locate(key).await {
+                Ok(location) => keys.push(location),
+                Err(e) => {
+                    return CacheLocateReply::Failed {
+                        message: self.fail(e),
+                    }
+                }
+            }
+        }
+        CacheLocateReply::Located { keys }
+    }
+
+    fn prefetch(&self, req: CachePrefetch) -> CachePrefetchReply {
+        if let Some(message) = self.too_many_keys(&req.keys) {
+            return CachePrefetchReply::Failed { message };
+        }
+        // Check every key before scheduling any, so a bad request changes nothing.
+        if let Some(err) = req
+            .keys
+            .iter()
+            .find_map(|k| crate::store::validate_key(k).err())
+        {
+            return CachePrefetchReply::Failed {
+                message: self.fail(err),
+            };
+        }
+        let keys = self.prefetch.schedule(self.store.clone(), req.keys);
+        CachePrefetchReply::Scheduled { keys }
     }
 
     async fn get(&self, key: &str) -> CacheGetReply {
@@ -166,6 +302,42 @@ impl Handler {
             Err(e) => CachePutReply::Failed {
                 message: self.fail(e),
             },
+        }
+    }
+}
+
+/// Drop this instance's memory and disk copies of deleted templates' caches (every replica
+/// hears `subjects::TEMPLATES_EVICT`; the `CacheDelete`s that precede it reach only one replica
+/// and the shared cluster tier).
+pub async fn serve_evictions(
+    store: Arc<TieredStore>,
+    mut sub: async_nats::Subscriber,
+    shutdown: CancellationToken,
+) -> Result<(), async_nats::SubscribeError> {
+    use futures::StreamExt;
+    loop {
+        let msg = tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            msg = sub.next() => match msg { Some(m) => m, None => return Ok(()) },
+        };
+        match decode::<diffmesh_shared::messages::EvictTemplate>(&msg.payload) {
+            Ok(evict) if !evict.cache_key.is_empty() => {
+                match store.drop_local(&format!("{}/", evict.cache_key)) {
+                    Ok(dropped) => {
+                        tracing::info!(cache_key = %evict.cache_key, dropped, "template evicted")
+                    }
+                    Err(err) => {
+                        store
+                            .metrics()
+                            .failures
+                            .with_label_values(&[err.reason()])
+                            .inc();
+                        tracing::warn!(cache_key = %evict.cache_key, error = %err, "eviction failed");
+                    }
+                }
+            }
+            Ok(_) => {}
+            Err(err) => tracing::warn!(error = %err, "undecodable template eviction"),
         }
     }
 }

@@ -6,7 +6,7 @@ use crate::disk::DiskTier;
 use crate::memory::MemoryTier;
 use crate::metrics::CacheMetrics;
 use bytes::Bytes;
-use diffmesh_shared::cachestore::{CacheStatsReply, CacheTier, TierStats};
+use diffmesh_shared::cachestore::{CacheStatsReply, CacheTier, KeyLocation, TierStats};
 use diffmesh_shared::error::MeshError;
 use diffmesh_shared::nats::BlobStore;
 use std::path::PathBuf;
@@ -62,6 +62,28 @@ pub fn validate_key(key: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// What a prefetch did with one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Promotion {
+    AlreadyInMemory,
+    FromDisk,
+    FromCluster,
+    /// No tier holds the key.
+    Missing,
+}
+
+impl Promotion {
+    /// Label of `diffmesh_cachestore_prefetches_total{outcome}`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Promotion::AlreadyInMemory => "already_in_memory",
+            Promotion::FromDisk => "from_disk",
+            Promotion::FromCluster => "from_cluster",
+            Promotion::Missing => "missing",
+        }
+    }
+}
+
 pub struct TieredStore {
     memory: MemoryTier,
     disk: Arc<DiskTier>,
@@ -106,12 +128,12 @@ impl TieredStore {
     pub async fn get(&self, key: &str) -> Result<Option<(CacheTier, Bytes)>, StoreError> {
         validate_key(key)?;
         if let Some(v) = self.memory.get(key) {
-            self.metrics.hit(CacheTier::Memory);
+            self.metrics.hit(CacheTier::Memory, v.len());
             return Ok(Some((CacheTier::Memory, v)));
         }
         self.metrics.miss(CacheTier::Memory);
         if let Some(v) = self.disk.get(key).map_err(|e| self.disk_err(e))? {
-            self.metrics.hit(CacheTier::Disk);
+            self.metrics.hit(CacheTier::Disk, v.len());
             let v = Bytes::from(v);
             self.memory.put(key, v.clone());
             return Ok(Some((CacheTier::Disk, v)));
@@ -122,7 +144,7 @@ impl TieredStore {
         };
         match cluster.get(key).await {
             Ok(v) => {
-                self.metrics.hit(CacheTier::Cluster);
+                self.metrics.hit(CacheTier::Cluster, v.len());
                 let v = Bytes::from(v);
                 self.memory.put(key, v.clone());
                 Ok(Some((CacheTier::Cluster, v)))
@@ -131,6 +153,78 @@ impl TieredStore {
                 self.metrics.miss(CacheTier::Cluster);
                 Ok(None)
             }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Which tiers hold `key` (fastest first) and its size. Does not count as a use: eviction
+    /// order and hit/miss counters stay as they were.
+    pub async fn locate(&self, key: &str) -> Result<KeyLocation, StoreError> {
+        validate_key(key)?;
+        let mut tiers = Vec::new();
+        let mut size = None;
+        let in_memory = self.memory.contains(key);
+        if in_memory {
+            tiers.push(CacheTier::Memory);
+        }
+        if let Some(s) = self.disk.size_of(key) {
+            tiers.push(CacheTier::Disk);
+            size = Some(s);
+        }
+        if let Some(s) = self.cluster_size(key).await? {
+            tiers.push(CacheTier::Cluster);
+            size = size.or(Some(s));
+        }
+        if in_memory && size.is_none() {
+            // Only in memory (no cluster tier): reading it is the one way to learn its size.
+            size = self.memory.get(key).map(|v| v.len() as u64);
+        }
+        Ok(KeyLocation {
+            key: key.to_string(),
+            tiers,
+            size,
+        })
+    }
+
+    /// Size of `key` in the cluster tier (object metadata only), `None` when absent.
+    async fn cluster_size(&self, key: &str) -> Result<Option<u64>, StoreError> {
+        let Some(cluster) = &self.cluster else {
+            return Ok(None);
+        };
+        match cluster.get_limited(key, 0).await {
+            Ok(v) => Ok(Some(v.len() as u64)),
+            Err(MeshError::BlobTooLarge { size, .. }) => Ok(Some(size as u64)),
+            Err(MeshError::BlobNotFound { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Bring `key` into the memory tier from the fastest lower tier holding it (a prefetch).
+    /// Counted in `prefetches_total{outcome}`, not as a get's hit or miss.
+    pub async fn promote(&self, key: &str) -> Result<Promotion, StoreError> {
+        validate_key(key)?;
+        let outcome = self.promote_inner(key).await?;
+        self.metrics.prefetched(outcome.as_str());
+        Ok(outcome)
+    }
+
+    async fn promote_inner(&self, key: &str) -> Result<Promotion, StoreError> {
+        if self.memory.contains(key) {
+            return Ok(Promotion::AlreadyInMemory);
+        }
+        if let Some(v) = self.disk.get(key).map_err(|e| self.disk_err(e))? {
+            self.memory.put(key, Bytes::from(v));
+            return Ok(Promotion::FromDisk);
+        }
+        let Some(cluster) = &self.cluster else {
+            return Ok(Promotion::Missing);
+        };
+        match cluster.get(key).await {
+            Ok(v) => {
+                self.memory.put(key, Bytes::from(v));
+                Ok(Promotion::FromCluster)
+            }
+            Err(MeshError::BlobNotFound { .. }) => Ok(Promotion::Missing),
             Err(e) => Err(e.into()),
         }
     }
@@ -176,6 +270,20 @@ impl TieredStore {
             cluster.delete(key).await?;
         }
         Ok(in_memory || on_disk || in_cluster)
+    }
+
+    /// Drop this instance's memory and disk copies of every key under `prefix` (a deleted
+    /// template's cache; the shared cluster tier is left to `delete`). Returns how many copies
+    /// were dropped.
+    pub fn drop_local(&self, prefix: &str) -> Result<usize, StoreError> {
+        let mut dropped = 0;
+        for key in self.memory.keys_with_prefix(prefix) {
+            dropped += usize::from(self.memory.delete(&key));
+        }
+        for key in self.disk.keys_with_prefix(prefix) {
+            dropped += usize::from(self.disk.delete(&key).map_err(|e| self.disk_err(e))?);
+        }
+        Ok(dropped)
     }
 
     /// Make sure a large value can be read from the cluster tier (it is written through on put,
@@ -282,6 +390,38 @@ mod tests {
         assert!(s.delete("k").await.unwrap());
         assert_eq!(s.get("k").await.unwrap(), None);
         assert!(!s.delete("k").await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn locate_and_promote_leave_get_counters_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path(), 1000);
+        s.put("k", Bytes::from(vec![1; 300]), false).await.unwrap();
+        let loc = s.locate("k").await.unwrap();
+        assert_eq!((loc.tiers, loc.size), (vec![CacheTier::Memory], Some(300)));
+        // Push k down to disk with newer entries.
+        for i in 0..4u8 {
+            s.put(&format!("n{i}"), Bytes::from(vec![i; 300]), false)
+                .await
+                .unwrap();
+            s.memory.settle();
+        }
+        let loc = s.locate("k").await.unwrap();
+        assert_eq!((loc.tiers, loc.size), (vec![CacheTier::Disk], Some(300)));
+        assert!(s.locate("none").await.unwrap().tiers.is_empty());
+        let before = s.stats();
+        assert_eq!(s.promote("k").await.unwrap(), Promotion::FromDisk);
+        assert_eq!(s.promote("k").await.unwrap(), Promotion::AlreadyInMemory);
+        assert_eq!(s.promote("none").await.unwrap(), Promotion::Missing);
+        let after = s.stats();
+        assert_eq!(
+            (before.memory.hits, before.disk.hits),
+            (after.memory.hits, after.disk.hits)
+        );
+        assert_eq!(s.metrics.prefetches_of("from_disk"), 1);
+        let (tier, v) = s.get("k").await.unwrap().unwrap();
+        assert_eq!((tier, v.len()), (CacheTier::Memory, 300));
+        assert_eq!(s.metrics.read_bytes_of(CacheTier::Memory), 300);
     }
 
     #[tokio::test]

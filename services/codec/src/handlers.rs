@@ -85,8 +85,10 @@ impl Codec {
             token_cols: grid.cols(),
             template_id: None,
         };
-        if req.kind == JobKind::Generate {
-            return Ok(base);
+        match req.kind {
+            JobKind::Generate => return Ok(base),
+            JobKind::Capture => return self.prepare_capture(req, base).await,
+            JobKind::Edit => {}
         }
         let (image, mask) = self
             .fetch_edit_inputs(req.image_key.as_deref(), req.mask_key.as_deref())
@@ -132,6 +134,45 @@ impl Codec {
         })
     }
 
+    /// A template registration: the image alone (no mask, every token computed), stretched to
+    /// the model resolution and hashed exactly as an edit of the same image is, so the capture
+    /// and the template's edits agree on `template_id`.
+    async fn prepare_capture(
+        &self,
+        req: &PreprocessRequest,
+        base: PreparedInputs,
+    ) -> Result<PreparedInputs, CodecError> {
+        if req.mask_key.is_some() {
+            return Err(CodecError::BadMessage {
+                sender: "gateway",
+                message: "a capture takes no mask".into(),
+            });
+        }
+        let (image, _) = self
+            .fetch_edit_inputs(req.image_key.as_deref(), None)
+            .await?;
+        let (grid, max_pixels) = (self.grid, self.max_pixels);
+        let (model_rgb, width, height) =
+            tokio::task::spawn_blocking(move || -> Result<_, FieldError> {
+                let image = imaging::decode_upload(&image, "image", max_pixels)?;
+                Ok((
+                    imaging::to_model_rgb(&image, grid),
+                    image.width(),
+                    image.height(),
+                ))
+            })
+            .await??;
+        let image_key = blob_key(&req.job_id, PREPARED_IMAGE);
+        self.blobs.put(&image_key, &model_rgb).await?;
+        Ok(PreparedInputs {
+            image_key: Some(image_key),
+            input_width: width,
+            input_height: height,
+            template_id: Some(hex_sha256(&model_rgb)),
+            ..base
+        })
+    }
+
     /// Turn model-resolution outputs into PNGs at the input size; returns their keys.
     pub async fn postprocess(&self, req: &PostprocessRequest) -> Result<Vec<String>, CodecError> {
         let job = &req.job;
@@ -150,7 +191,7 @@ impl Codec {
                 self.fetch_edit_inputs(job.raw_image_key.as_deref(), job.raw_mask_key.as_deref())
                     .await?,
             ),
-            JobKind::Generate => None,
+            JobKind::Generate | JobKind::Capture => None,
         };
         let (mw, mh) = (req.model_width, req.model_height);
         let (w, h) = (job.inputs.input_width, job.inputs.input_height);

@@ -5,9 +5,13 @@
 //! budget, run one denoising step for every active job (each at its own step index) in one
 //! batched forward, report progress, and retire finished jobs as RGB images. A panic or error in
 //! a batched step is retried job by job, so one bad job fails alone and the engine lives on.
+use crate::cached_step::{CacheSettings, CachedStepper, CaptureSink, TemplateSlot};
 use crate::metrics::DenoiserMetrics;
-use crate::model::{job_resolution, step_requests, tensor_to_rgb, EditInputs, EngineModel};
-use diffmesh_model::pipeline::stepper::{step_batch, DenoiseState};
+use crate::templates::TemplateEntry;
+use crate::model::{
+    capture_state, job_resolution, step_requests, tensor_to_rgb, EditInputs, EngineModel,
+};
+use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::ModelError;
 use diffmesh_shared::messages::{DenoiseJob, RunningJob};
 use std::collections::VecDeque;
@@ -22,6 +26,22 @@ use tracing::Span;
 pub struct EngineJob {
     pub job: DenoiseJob,
     pub edit: Option<EditInputs>,
+    /// An edit of a registered template: its cache, once fetched (admission waits for it).
+    pub template: Option<TemplateSlot>,
+    /// A capture job: the key its cache is stored under.
+    pub capture_key: Option<String>,
+}
+
+impl EngineJob {
+    /// A generation or an edit without a template cache.
+    pub fn new(job: DenoiseJob, edit: Option<EditInputs>) -> Self {
+        Self {
+            job,
+            edit,
+            template: None,
+            capture_key: None,
+        }
+    }
 }
 
 /// Why the engine did not take a job.
@@ -33,7 +53,16 @@ pub enum SubmitError {
     ShuttingDown,
     #[error("job {0} is already on this denoiser")]
     Duplicate(String),
+    #[error("inline work panicked: {0}")]
+    InlinePanic(String),
 }
+
+/// Work run on the engine thread between two steps; a job it returns is queued like a submit.
+pub type InlineWork = Box<dyn FnOnce() -> Option<EngineJob> + Send>;
+
+/// Called on the engine thread with every event just before it is sent (so post-processing in
+/// it runs in the step loop, right as a job retires: the bench's inline strawman).
+pub type EventTap = Box<dyn Fn(&EngineEvent) + Send>;
 
 pub enum Command {
     /// Queue a job; the reply carries its queue position.
@@ -44,6 +73,18 @@ pub enum Command {
     },
     /// Drop a job at the next step boundary (or from the queue).
     Cancel { job_id: String, span: Span },
+    /// Run work on the engine thread at the next step boundary, pausing the step loop (the
+    /// engine bench's inline pre-processing strawman; the service never sends it).
+    Inline {
+        work: InlineWork,
+        span: Span,
+        reply: oneshot::Sender<Result<Option<u32>, SubmitError>>,
+    },
+    /// Install (or remove) the event tap; replies once it is in place.
+    SetEventTap {
+        tap: Option<EventTap>,
+        reply: oneshot::Sender<()>,
+    },
     /// Stop taking jobs, hand back the queued ones (reply), finish the running ones, then exit.
     Shutdown {
         span: Span,
@@ -61,6 +102,13 @@ pub enum EngineEvent {
         job_id: String,
         step: u32,
         total: u32,
+    },
+    /// A capture job recorded its template's cache.
+    Captured {
+        job: DenoiseJob,
+        entry: Arc<TemplateEntry>,
+        seconds: f64,
+        span: Span,
     },
     /// Model-resolution RGB outputs, one per image.
     Finished {
@@ -109,12 +157,42 @@ impl EngineJobError {
     }
 }
 
+/// When waiting jobs may join the running batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Batching {
+    /// Step-level continuous batching: jobs join at every step boundary, finished ones leave.
+    #[default]
+    Continuous,
+    /// Static batching (the baseline): a batch forms only when no job is active and runs until
+    /// its last job finishes.
+    Static,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct EngineConfig {
     /// Images denoised together in one step (a job of n images takes n rows).
     pub max_batch: usize,
     /// Jobs waiting beyond the running batch.
     pub max_queue: usize,
+    pub batching: Batching,
+    /// Most image tokens computed per step over the running batch, each row counting its job's
+    /// `inputs.masked_tokens` (every image token for generations); `None`: no limit. A job over
+    /// the budget still runs, alone.
+    pub token_budget: Option<u64>,
+    /// Template caches: stored format and dtype, loader lookahead, prefix planning.
+    pub cache: CacheSettings,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 8,
+            max_queue: 16,
+            batching: Batching::Continuous,
+            token_budget: None,
+            cache: CacheSettings::default(),
+        }
+    }
 }
 
 /// Load snapshot for heartbeats.
@@ -154,6 +232,7 @@ pub fn spawn_engine(
     let status = Arc::new(Mutex::new(EngineStatus::default()));
     let engine = Engine {
         model,
+        cached: CachedStepper::new(config.cache)?,
         config,
         rx,
         events,
@@ -162,6 +241,7 @@ pub fn spawn_engine(
         waiting: VecDeque::new(),
         active: Vec::new(),
         shutting_down: false,
+        tap: None,
     };
     let thread = std::thread::Builder::new()
         .name("denoiser-engine".into())
@@ -186,6 +266,31 @@ impl EngineHandle {
                 mpsc::error::TrySendError::Closed(_) => SubmitError::ShuttingDown,
             })?;
         rx.await.unwrap_or(Err(SubmitError::ShuttingDown))
+    }
+
+    /// Run `work` on the engine thread at its next step boundary (see [`Command::Inline`]);
+    /// returns the queue position of the job it produced, if any. Waits for room in the channel.
+    pub async fn run_inline(
+        &self,
+        work: InlineWork,
+        span: Span,
+    ) -> Result<Option<u32>, SubmitError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Inline { work, span, reply })
+            .await
+            .map_err(|_| SubmitError::ShuttingDown)?;
+        rx.await.unwrap_or(Err(SubmitError::ShuttingDown))
+    }
+
+    /// Install (`Some`) or remove (`None`) the [`EventTap`]; returns once the engine has it.
+    pub async fn set_event_tap(&self, tap: Option<EventTap>) -> Result<(), SubmitError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::SetEventTap { tap, reply })
+            .await
+            .map_err(|_| SubmitError::ShuttingDown)?;
+        rx.await.map_err(|_| SubmitError::ShuttingDown)
     }
 
     pub async fn cancel(&self, job_id: String, span: Span) {
@@ -229,10 +334,15 @@ struct Active {
     states: Vec<DenoiseState>,
     cancelled: bool,
     failed: Option<EngineJobError>,
+    /// The template cache its edit states read (mask-aware steps).
+    cache: Option<Arc<TemplateEntry>>,
+    /// A capture job: its sink, cache key and start.
+    capture: Option<(CaptureSink, String, Instant)>,
 }
 
 struct Engine {
     model: EngineModel,
+    cached: CachedStepper,
     config: EngineConfig,
     rx: mpsc::Receiver<Command>,
     events: mpsc::Sender<EngineEvent>,
@@ -241,6 +351,7 @@ struct Engine {
     waiting: VecDeque<(EngineJob, Span)>,
     active: Vec<Active>,
     shutting_down: bool,
+    tap: Option<EventTap>,
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -277,6 +388,11 @@ impl Engine {
     }
 
     fn emit(&self, event: EngineEvent) {
+        if let Some(tap) = &self.tap {
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| tap(&event))) {
+                tracing::warn!(panic = %panic_message(p), "event tap panicked");
+            }
+        }
         // Backpressure: a slow NATS side slows the engine rather than growing a queue.
         if self.events.blocking_send(event).is_err() {
             tracing::debug!("engine event dropped: receiver gone");
@@ -286,18 +402,21 @@ impl Engine {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit { job, span, reply } => {
-                let id = &job.job.job_id;
-                let result = if self.shutting_down {
-                    Err(SubmitError::ShuttingDown)
-                } else if self.waiting.iter().any(|(j, _)| &j.job.job_id == id)
-                    || self.active.iter().any(|a| &a.job.job_id == id)
-                {
-                    Err(SubmitError::Duplicate(id.clone()))
-                } else if self.waiting.len() >= self.config.max_queue {
-                    Err(SubmitError::QueueFull(self.config.max_queue))
-                } else {
-                    self.waiting.push_back((*job, span));
-                    Ok(self.waiting.len() as u32)
+                let _ = reply.send(self.enqueue(*job, span));
+            }
+            Command::SetEventTap { tap, reply } => {
+                self.tap = tap;
+                let _ = reply.send(());
+            }
+            Command::Inline { work, span, reply } => {
+                let result = {
+                    let _e = span.enter();
+                    catch_unwind(AssertUnwindSafe(work))
+                };
+                let result = match result {
+                    Ok(Some(job)) => self.enqueue(job, span).map(Some),
+                    Ok(None) => Ok(None),
+                    Err(p) => Err(SubmitError::InlinePanic(panic_message(p))),
                 };
                 let _ = reply.send(result);
             }
@@ -332,6 +451,22 @@ impl Engine {
         }
     }
 
+    fn enqueue(&mut self, job: EngineJob, span: Span) -> Result<u32, SubmitError> {
+        let id = &job.job.job_id;
+        if self.shutting_down {
+            Err(SubmitError::ShuttingDown)
+        } else if self.waiting.iter().any(|(j, _)| &j.job.job_id == id)
+            || self.active.iter().any(|a| &a.job.job_id == id)
+        {
+            Err(SubmitError::Duplicate(id.clone()))
+        } else if self.waiting.len() >= self.config.max_queue {
+            Err(SubmitError::QueueFull(self.config.max_queue))
+        } else {
+            self.waiting.push_back((job, span));
+            Ok(self.waiting.len() as u32)
+        }
+    }
+
     fn drop_cancelled(&mut self) {
         let (cancelled, keep): (Vec<Active>, Vec<Active>) =
             self.active.drain(..).partition(|a| a.cancelled);
@@ -349,14 +484,35 @@ impl Engine {
         self.active.iter().map(|a| a.states.len()).sum()
     }
 
+    /// Image tokens a job computes per step (see [`EngineConfig::token_budget`]).
+    fn job_tokens(job: &DenoiseJob) -> u64 {
+        u64::from(job.params.n.max(1)) * u64::from(job.inputs.masked_tokens)
+    }
+
     fn admit(&mut self) {
-        while let Some((next, _)) = self.waiting.front() {
+        if self.config.batching == Batching::Static && !self.active.is_empty() {
+            return;
+        }
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let next = &self.waiting[i].0;
+            // An edit whose template cache is still being fetched waits (its fetch overlaps the
+            // queueing); jobs behind it may go first.
+            if next.template.as_ref().is_some_and(|slot| slot.get().is_none()) {
+                i += 1;
+                continue;
+            }
             let n = next.job.params.n.max(1) as usize;
+            let tokens: u64 = self.active.iter().map(|a| Self::job_tokens(&a.job)).sum();
+            let over_tokens = self
+                .config
+                .token_budget
+                .is_some_and(|b| tokens + Self::job_tokens(&next.job) > b);
             // A job larger than the whole budget still runs, alone.
-            if !self.active.is_empty() && self.rows() + n > self.config.max_batch {
+            if !self.active.is_empty() && (self.rows() + n > self.config.max_batch || over_tokens) {
                 break;
             }
-            let Some((job, span)) = self.waiting.pop_front() else {
+            let Some((job, span)) = self.waiting.remove(i) else {
                 break;
             };
             let prepared = {
@@ -364,6 +520,9 @@ impl Engine {
                 let model = &self.model;
                 catch_unwind(AssertUnwindSafe(
                     || -> Result<Vec<DenoiseState>, ModelError> {
+                        if job.capture_key.is_some() {
+                            return Ok(vec![capture_state(&job.job, job.edit.as_ref(), model)?]);
+                        }
                         let pipeline = model.pipeline();
                         step_requests(&job.job, job.edit.as_ref(), model)?
                             .iter()
@@ -377,12 +536,21 @@ impl Engine {
                     self.emit(EngineEvent::Started {
                         job_id: job.job.job_id.clone(),
                     });
+                    let settings = self.cached.settings();
                     self.active.push(Active {
                         job: job.job,
                         span,
                         states,
                         cancelled: false,
                         failed: None,
+                        cache: job.template.and_then(|slot| slot.get().cloned().flatten()),
+                        capture: job.capture_key.map(|key| {
+                            (
+                                CaptureSink::new(settings.format, settings.dtype),
+                                key,
+                                Instant::now(),
+                            )
+                        }),
                     });
                 }
                 Ok(Err(e)) => self.fail(job.job, EngineJobError::from_model(e), span),
@@ -403,37 +571,78 @@ impl Engine {
     }
 
     /// One step for every active job, batched; on failure, again job by job to isolate it.
+    /// Capture passes step on their own (their forward records K/V; it cannot be shared).
     fn step(&mut self) {
         if self.active.is_empty() {
             return;
         }
         let started = Instant::now();
         let rows = self.rows();
+        // One child span per job over this step (run in one batch with the others): the job's
+        // trace shows every step's wall time. The step number is recorded once it is known.
+        let step_spans: Vec<Span> = self
+            .active
+            .iter()
+            .map(|a| {
+                tracing::info_span!(parent: &a.span, "denoise_step", batch_rows = rows,
+                    step = tracing::field::Empty, total = tracing::field::Empty)
+            })
+            .collect();
+        self.step_captures();
         let pipeline = self.model.pipeline();
+        let (cached, active) = (&mut self.cached, &mut self.active);
+        let denoising = |a: &Active| a.capture.is_none() && a.failed.is_none();
         let batched = {
-            let mut states: Vec<&mut DenoiseState> = self
-                .active
-                .iter_mut()
-                .flat_map(|a| a.states.iter_mut())
-                .collect();
-            catch_unwind(AssertUnwindSafe(|| step_batch(&pipeline, &mut states)))
-        };
-        let ok = matches!(batched, Ok(Ok(())));
-        if !ok {
-            tracing::warn!("batched step failed; stepping jobs one by one");
-            for a in self.active.iter_mut() {
-                let _e = a.span.enter();
-                let mut states: Vec<&mut DenoiseState> = a.states.iter_mut().collect();
-                match catch_unwind(AssertUnwindSafe(|| step_batch(&pipeline, &mut states))) {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => a.failed = Some(EngineJobError::from_model(e)),
-                    Err(p) => a.failed = Some(EngineJobError::Panic(panic_message(p))),
+            let mut states: Vec<&mut DenoiseState> = Vec::new();
+            let mut caches = Vec::new();
+            for a in active.iter_mut().filter(|a| denoising(a)) {
+                for s in a.states.iter_mut() {
+                    caches.push(a.cache.clone());
+                    states.push(s);
                 }
+            }
+            catch_unwind(AssertUnwindSafe(|| cached.step(&pipeline, &mut states, &caches)))
+        };
+        let mut reports = Vec::new();
+        match batched {
+            Ok(Ok(report)) => reports.push(report),
+            _ => {
+                tracing::warn!("batched step failed; stepping jobs one by one");
+                for a in active.iter_mut().filter(|a| denoising(a)) {
+                    let _e = a.span.enter();
+                    let caches = vec![a.cache.clone(); a.states.len()];
+                    let mut states: Vec<&mut DenoiseState> = a.states.iter_mut().collect();
+                    match catch_unwind(AssertUnwindSafe(|| {
+                        cached.step(&pipeline, &mut states, &caches)
+                    })) {
+                        Ok(Ok(report)) => reports.push(report),
+                        Ok(Err(e)) => a.failed = Some(EngineJobError::from_model(e)),
+                        Err(p) => a.failed = Some(EngineJobError::Panic(panic_message(p))),
+                    }
+                }
+            }
+        }
+        if let Some(m) = &self.metrics {
+            let mask_aware: usize = reports.iter().map(|r| r.cached).sum();
+            m.step_rows
+                .with_label_values(&["mask_aware"])
+                .inc_by(mask_aware as u64);
+            m.step_rows
+                .with_label_values(&["full"])
+                .inc_by(rows.saturating_sub(mask_aware) as u64);
+            for r in reports.iter().filter(|r| r.cached > 0) {
+                m.load_wait_seconds.observe(r.load_wait_s);
             }
         }
         if let Some(m) = &self.metrics {
             m.step_seconds.observe(started.elapsed().as_secs_f64());
             m.batch_rows.observe(rows as f64);
+        }
+        for (a, span) in self.active.iter().zip(step_spans) {
+            if let Some(s) = a.states.first() {
+                let (step, total) = s.progress();
+                span.record("step", step).record("total", total);
+            }
         }
         for a in self.active.iter().filter(|a| a.failed.is_none()) {
             if let Some(s) = a.states.first() {
@@ -447,15 +656,45 @@ impl Engine {
         }
     }
 
+    /// One capture step for every active capture job.
+    fn step_captures(&mut self) {
+        let pipeline = self.model.pipeline();
+        for a in self.active.iter_mut().filter(|a| a.failed.is_none()) {
+            let (Some((sink, _, _)), Some(state)) = (a.capture.as_mut(), a.states.first_mut())
+            else {
+                continue;
+            };
+            let _e = a.span.enter();
+            match catch_unwind(AssertUnwindSafe(|| state.capture_step(&pipeline, sink))) {
+                Ok(Ok(())) => sink.end_step(),
+                Ok(Err(e)) => a.failed = Some(EngineJobError::from_model(e)),
+                Err(p) => a.failed = Some(EngineJobError::Panic(panic_message(p))),
+            }
+        }
+    }
+
     fn retire(&mut self) {
         let (finished, keep): (Vec<Active>, Vec<Active>) = self
             .active
             .drain(..)
             .partition(|a| a.failed.is_some() || a.states.iter().all(|s| s.is_done()));
         self.active = keep;
-        for a in finished {
+        for mut a in finished {
             if let Some(error) = a.failed {
                 self.fail(a.job, error, a.span);
+                continue;
+            }
+            if let Some((sink, key, started)) = a.capture.take() {
+                let blocks = self.model.pipeline().transformer.num_blocks();
+                match sink.finish(key, blocks) {
+                    Ok(entry) => self.emit(EngineEvent::Captured {
+                        job: a.job,
+                        entry: Arc::new(entry),
+                        seconds: started.elapsed().as_secs_f64(),
+                        span: a.span,
+                    }),
+                    Err(e) => self.fail(a.job, EngineJobError::Model(e), a.span),
+                }
                 continue;
             }
             let (height, width) = job_resolution(&a.job, &self.model);

@@ -3,10 +3,13 @@
 //! finished outputs to the codec.
 //!
 //! Start it in-process with [`start`] (tests) or run it until a signal with [`run`] (the binary).
+pub mod bench;
+pub mod cached_step;
 pub mod engine;
 pub mod metrics;
 pub mod model;
 pub mod service;
+pub mod templates;
 
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_shared::health::{HealthServer, Readiness};
@@ -53,6 +56,14 @@ pub struct DenoiserConfig {
     /// Jobs that may wait for a batch slot; more are rejected (the router tries elsewhere).
     #[arg(long, env = "MAX_QUEUE", default_value_t = 16)]
     pub max_queue: usize,
+    /// Batch formation: `continuous` (jobs join at every step boundary) or `static` (a batch
+    /// forms only when none runs, the baseline).
+    #[arg(long, env = "DENOISER_BATCHING", value_enum, default_value_t = engine::Batching::Continuous)]
+    pub batching: engine::Batching,
+    /// Most image tokens (masked tokens per image) computed per step over the running batch;
+    /// unset: only --max-batch limits it.
+    #[arg(long, env = "TOKEN_BUDGET")]
+    pub token_budget: Option<u64>,
     /// Capacity of the engine's command channel.
     #[arg(long, env = "COMMAND_CAPACITY", default_value_t = 64)]
     pub command_capacity: usize,
@@ -71,6 +82,26 @@ pub struct DenoiserConfig {
     /// Retry hint sent with rejections (ms).
     #[arg(long, env = "RETRY_AFTER_MS", default_value_t = 500)]
     pub retry_after_ms: u64,
+    /// Key layout of captured template caches: `prepared` (keys after norm + RoPE, cheaper
+    /// edits) or `raw` (projections, as FlashPS caches them).
+    #[arg(long, env = "CACHE_FORMAT", default_value = "prepared")]
+    pub cache_format: String,
+    /// Storage dtype of template caches: f32, f16, bf16 or fp8 (lossy, per-row scaled).
+    #[arg(long, env = "CACHE_DTYPE", default_value = "bf16")]
+    pub cache_dtype: String,
+    /// Bytes of template caches kept in this denoiser's memory (local tier, LRU).
+    #[arg(long, env = "LOCAL_CACHE_BYTES", default_value_t = 1 << 30)]
+    pub local_cache_bytes: u64,
+    /// Cache blocks the loader thread decodes ahead of the compute, per request.
+    #[arg(long, env = "CACHE_LOOKAHEAD", default_value_t = 2)]
+    pub cache_lookahead: usize,
+    /// Leading blocks of a mask-aware step computed over all tokens: `auto` (planned from
+    /// measured compute and load costs) or a fixed count.
+    #[arg(long, env = "CACHE_PREFIX", default_value = "auto")]
+    pub cache_prefix: String,
+    /// Deadline of each cachestore request (ms).
+    #[arg(long, env = "CACHESTORE_TIMEOUT_MS", default_value_t = 10000)]
+    pub cachestore_timeout_ms: u64,
 }
 
 impl DenoiserConfig {
@@ -85,13 +116,39 @@ impl DenoiserConfig {
             dtype: "f32".into(),
             max_batch: 4,
             max_queue: 8,
+            batching: engine::Batching::Continuous,
+            token_budget: None,
             command_capacity: 16,
             heartbeat_interval_ms: 100,
             default_resolution: 64,
             codec_timeout_ms: 10000,
             handback_timeout_ms: 2000,
             retry_after_ms: 200,
+            cache_format: "prepared".into(),
+            cache_dtype: "bf16".into(),
+            local_cache_bytes: 256 << 20,
+            cache_lookahead: 2,
+            cache_prefix: "auto".into(),
+            cachestore_timeout_ms: 5000,
         }
+    }
+
+    /// The template-cache settings of the engine, from the flags.
+    pub fn cache_settings(&self) -> Result<cached_step::CacheSettings, DenoiserError> {
+        let flag = |flag: &'static str, value: &str, expected: &'static str| DenoiserError::Flag {
+            flag,
+            value: value.into(),
+            expected,
+        };
+        Ok(cached_step::CacheSettings {
+            format: cached_step::parse_format(&self.cache_format)
+                .map_err(|_| flag("cache-format", &self.cache_format, "prepared or raw"))?,
+            dtype: diffmesh_model::flux::kv_codec::CacheDtype::parse(&self.cache_dtype)
+                .map_err(|_| flag("cache-dtype", &self.cache_dtype, "f32, f16, bf16 or fp8"))?,
+            lookahead: self.cache_lookahead.max(1),
+            prefix: cached_step::PrefixPolicy::parse(&self.cache_prefix)
+                .map_err(|_| flag("cache-prefix", &self.cache_prefix, "auto or a block count"))?,
+        })
     }
 
     pub fn parse_device(&self) -> Result<Device, DenoiserError> {
@@ -226,6 +283,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     }
     let device = config.parse_device()?;
     let kind = config.parse_dtype()?;
+    let cache_settings = config.cache_settings()?;
     let dir = config.resolved_model_dir();
     let model_id = config.model_id.clone().unwrap_or_else(|| {
         dir.file_name()
@@ -261,6 +319,27 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let engine_config = EngineConfig {
         max_batch: config.max_batch.max(1),
         max_queue: config.max_queue,
+        batching: config.batching,
+        token_budget: config.token_budget,
+        cache: cache_settings,
+        ..Default::default()
+    };
+    let cache_bucket = BlobStore::open_with(
+        &js,
+        &diffmesh_shared::nats::BlobBucketConfig {
+            bucket: diffmesh_shared::cachestore::CACHE_BUCKET.into(),
+            max_age: Duration::ZERO,
+        },
+    )
+    .await?;
+    let templates = service::Templates {
+        local: templates::LocalTier::new(config.local_cache_bytes),
+        store: templates::store::CacheClient {
+            client: client.clone(),
+            bucket: cache_bucket,
+            timeout: Duration::from_millis(config.cachestore_timeout_ms),
+        },
+        settings: cache_settings,
     };
     let (engine, engine_thread) = spawn_engine(
         model,
@@ -278,6 +357,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         config.clone(),
         worker_id.clone(),
         model_id,
+        templates,
     ));
     let intake = CancellationToken::new();
     let background = CancellationToken::new();
@@ -285,6 +365,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let submits = tokio::spawn(service.clone().submits(submit_sub, intake.clone()));
     let others = vec![
         tokio::spawn(service.clone().cancels(background.clone())),
+        tokio::spawn(service.clone().evictions(background.clone())),
         tokio::spawn(service.clone().heartbeats(background.clone())),
     ];
     let pump = tokio::spawn(service.clone().pump(events_rx));

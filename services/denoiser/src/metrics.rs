@@ -10,11 +10,23 @@ pub struct DenoiserMetrics {
     pub batch_rows: Histogram,
     /// Submit to Done, per job.
     pub job_seconds: Histogram,
+    /// Accepted to admitted into the running batch: queueing on this worker, per job.
+    pub queue_wait_seconds: Histogram,
     pub jobs_done: IntCounter,
     pub queued: IntGauge,
     pub running: IntGauge,
     /// Jobs and submits that failed, by reason.
     pub failures: IntCounterVec,
+    /// Image rows stepped, by mode (`mask_aware` with a template cache, `full`).
+    pub step_rows: IntCounterVec,
+    /// Time a step's compute waited for the cache loader, per step with cached rows.
+    pub load_wait_seconds: Histogram,
+    /// Template caches looked up in the local tier, by result (`hit`, `miss`: fetched from the
+    /// cachestore, `unavailable`: neither; the edit ran in full compute).
+    pub local_cache_lookups: IntCounterVec,
+    pub local_cache_bytes: IntGauge,
+    /// Capture passes (template registration), whole pass.
+    pub capture_seconds: Histogram,
 }
 
 impl DenoiserMetrics {
@@ -42,6 +54,13 @@ impl DenoiserMetrics {
             )
             .buckets(LATENCY_BUCKETS_SECONDS.to_vec()),
         )?;
+        let queue_wait_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_queue_wait_seconds",
+                "Time a job waited in this denoiser's queue before joining the running batch",
+            )
+            .buckets(LATENCY_BUCKETS_SECONDS.to_vec()),
+        )?;
         let jobs_done = IntCounter::new(
             "diffmesh_denoiser_jobs_done_total",
             "Jobs whose denoising finished",
@@ -61,9 +80,47 @@ impl DenoiserMetrics {
             ),
             &["reason"],
         )?;
+        let step_rows = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_step_rows_total",
+                "Image rows stepped, by mode (mask_aware or full)",
+            ),
+            &["mode"],
+        )?;
+        let load_wait_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_cache_load_wait_seconds",
+                "Time a mask-aware step waited for its cache blocks",
+            )
+            .buckets(vec![0.0, 0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0]),
+        )?;
+        let local_cache_lookups = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_local_cache_lookups_total",
+                "Template cache lookups in the denoiser's local tier, by result",
+            ),
+            &["result"],
+        )?;
+        let local_cache_bytes = IntGauge::new(
+            "diffmesh_denoiser_local_cache_bytes",
+            "Bytes of template caches held in the local tier",
+        )?;
+        let capture_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_capture_duration_seconds",
+                "Template capture passes",
+            )
+            .buckets(LATENCY_BUCKETS_SECONDS.to_vec()),
+        )?;
+        registry.register(Box::new(step_rows.clone()))?;
+        registry.register(Box::new(load_wait_seconds.clone()))?;
+        registry.register(Box::new(local_cache_lookups.clone()))?;
+        registry.register(Box::new(local_cache_bytes.clone()))?;
+        registry.register(Box::new(capture_seconds.clone()))?;
         registry.register(Box::new(step_seconds.clone()))?;
         registry.register(Box::new(batch_rows.clone()))?;
         registry.register(Box::new(job_seconds.clone()))?;
+        registry.register(Box::new(queue_wait_seconds.clone()))?;
         registry.register(Box::new(jobs_done.clone()))?;
         registry.register(Box::new(queued.clone()))?;
         registry.register(Box::new(running.clone()))?;
@@ -72,10 +129,16 @@ impl DenoiserMetrics {
             step_seconds,
             batch_rows,
             job_seconds,
+            queue_wait_seconds,
             jobs_done,
             queued,
             running,
             failures,
+            step_rows,
+            load_wait_seconds,
+            local_cache_lookups,
+            local_cache_bytes,
+            capture_seconds,
         })
     }
 }

@@ -1,7 +1,8 @@
 //! The model the engine owns, and the conversion of wire jobs into stepper requests and of
 //! decoded images back into RGB bytes.
 use diffmesh_model::model_dir::LoadedModel;
-use diffmesh_model::pipeline::stepper::{EditSpec, StepRequest};
+use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest};
+use diffmesh_model::pipeline::template::{self, TemplateSpec};
 use diffmesh_model::pipeline::FluxPipeline;
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::ModelError;
@@ -79,6 +80,12 @@ pub fn step_requests(
     for i in 0..p.n {
         let edit = match job.kind {
             JobKind::Generate => None,
+            JobKind::Capture => {
+                return Err(ModelError::input(
+                    "kind",
+                    "a capture job is not a denoising request",
+                ))
+            }
             JobKind::Edit => {
                 let e = edit.ok_or_else(|| {
                     ModelError::input(
@@ -90,6 +97,9 @@ pub fn step_requests(
                     template: rgb_to_tensor(&e.template_rgb, height, width, "inputs.image_key")?,
                     token_mask: Tensor::from_slice(&e.token_mask),
                     strength: 1.0,
+                    // Edits of a registered template follow its noise outside the mask (what
+                    // its cache recorded), with or without the cache.
+                    template_seed: job.template.as_ref().map(|t| t.seed),
                 })
             }
         };
@@ -155,4 +165,29 @@ mod tests {
             .to_string();
         assert!(err.contains("inputs.image_key"), "{err}");
     }
+}
+
+/// The capture pass of a `Capture` job: its template (the prepared image) under the template's
+/// prompt, seed, steps and guidance.
+pub fn capture_state(
+    job: &DenoiseJob,
+    edit: Option<&EditInputs>,
+    model: &EngineModel,
+) -> Result<DenoiseState, ModelError> {
+    let t = job
+        .template
+        .as_ref()
+        .ok_or_else(|| ModelError::input("template", "a capture job names its template"))?;
+    let e = edit.ok_or_else(|| {
+        ModelError::input("inputs.image_key", "a capture job needs the prepared template")
+    })?;
+    let (height, width) = job_resolution(job, model);
+    let spec = TemplateSpec {
+        template: rgb_to_tensor(&e.template_rgb, height, width, "inputs.image_key")?,
+        prompt: t.prompt.clone(),
+        seed: t.seed,
+        steps: t.steps as usize,
+        guidance_scale: t.guidance_scale as f64,
+    };
+    template::capture_state(&model.pipeline(), &spec)
 }

@@ -1,13 +1,17 @@
 //! NATS side of the denoiser: submits and cancels in, heartbeats and job events out, finished
 //! outputs written to the object store and handed to the codec for compositing and PNG encoding.
+use crate::cached_step::{format_name, CacheSettings, TemplateSlot};
 use crate::engine::{EngineEvent, EngineHandle, EngineJob, SubmitError};
+use crate::templates::store::CacheClient;
+use crate::templates::{LocalTier, TemplateEntry};
 use crate::metrics::DenoiserMetrics;
 use crate::model::EditInputs;
 use crate::DenoiserConfig;
 use diffmesh_shared::messages::{
-    decode, error_types, CancelJob, DenoiseJob, Heartbeat, JobEvent, JobKind, PostprocessReply,
-    PostprocessRequest, SubmitReply,
+    decode, error_types, CancelJob, DenoiseJob, EvictTemplate, Heartbeat, JobEvent, JobKind,
+    PostprocessReply, PostprocessRequest, SubmitReply,
 };
+use diffmesh_shared::templates::{cache_key, CacheKeyParts};
 use diffmesh_shared::nats::{
     blob_key, publish_msgpack, reply_msgpack, request_msgpack_job, BlobStore,
 };
@@ -36,6 +40,24 @@ pub struct Service {
     /// Set once shutdown begins: heartbeats say draining, so the router places nothing new here.
     pub draining: AtomicBool,
     submitted_at: Mutex<HashMap<String, Instant>>,
+    pub templates: Templates,
+}
+
+/// Template caches on this denoiser: the local tier, the cachestore client, the cache settings.
+pub struct Templates {
+    pub local: LocalTier,
+    pub store: CacheClient,
+    pub settings: CacheSettings,
+}
+
+/// Sets a template slot to "unavailable" unless it was filled: a fetch that fails or panics
+/// never leaves its edit waiting forever.
+struct SlotGuard(TemplateSlot);
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        let _ = self.0.set(None);
+    }
 }
 
 impl Service {
@@ -47,6 +69,7 @@ impl Service {
         config: DenoiserConfig,
         worker_id: String,
         model_id: String,
+        templates: Templates,
     ) -> Self {
         Self {
             client,
@@ -58,6 +81,126 @@ impl Service {
             model_id,
             draining: AtomicBool::new(false),
             submitted_at: Mutex::new(HashMap::new()),
+            templates,
+        }
+    }
+
+    /// The cache key of a template job on this denoiser: its model (and compute dtype), the
+    /// prepared template's content hash, resolution, the template's parameters and our cache
+    /// format and dtype. `None` for jobs without a template.
+    pub fn template_cache_key(&self, job: &DenoiseJob) -> Option<String> {
+        let t = job.template.as_ref()?;
+        let model = format!("{}/{}", self.model_id, self.config.dtype);
+        let content = job.inputs.template_id.as_deref().unwrap_or("");
+        let settings = &self.templates.settings;
+        Some(cache_key(&CacheKeyParts::new(
+            &model,
+            content,
+            job.inputs.model_width,
+            job.inputs.model_height,
+            t,
+            format_name(settings.format),
+            settings.dtype.as_str(),
+        )))
+    }
+
+    /// Start fetching an edit's template cache (local tier, else the cachestore); the slot is
+    /// filled when done, `None` when no usable cache exists (the edit then runs in full).
+    fn template_slot(&self, job: &DenoiseJob) -> Option<TemplateSlot> {
+        if job.kind != JobKind::Edit {
+            return None;
+        }
+        let key = self.template_cache_key(job)?;
+        let slot: TemplateSlot = Default::default();
+        let captured = job.template.as_ref().map(|t| t.cache_key.as_str()).unwrap_or("");
+        let metrics = self.metrics.clone();
+        if captured != key {
+            // Captured under another model or cache setting (or never): nothing to read.
+            tracing::info!(%key, %captured, "no matching template cache; full compute");
+            metrics.local_cache_lookups.with_label_values(&["unavailable"]).inc();
+            let _ = slot.set(None);
+            return Some(slot);
+        }
+        if let Some(entry) = self.templates.local.get(&key) {
+            metrics.local_cache_lookups.with_label_values(&["hit"]).inc();
+            let _ = slot.set(Some(entry));
+            return Some(slot);
+        }
+        let guard = SlotGuard(slot.clone());
+        let (store, local) = (self.templates.store.clone(), self.templates.local.clone());
+        tokio::spawn(
+            async move {
+                let entry = match store.fetch(&key).await {
+                    Ok(Some(entry)) => {
+                        let entry = Arc::new(entry);
+                        local.insert(entry.clone());
+                        metrics.local_cache_bytes.set(local.bytes() as i64);
+                        metrics.local_cache_lookups.with_label_values(&["miss"]).inc();
+                        Some(entry)
+                    }
+                    Ok(None) => {
+                        tracing::warn!(%key, "template cache not in the cachestore; full compute");
+                        metrics.local_cache_lookups.with_label_values(&["unavailable"]).inc();
+                        None
+                    }
+                    Err(err) => {
+                        tracing::warn!(%key, error = %err, "template cache fetch failed; full compute");
+                        metrics.local_cache_lookups.with_label_values(&["unavailable"]).inc();
+                        None
+                    }
+                };
+                let _ = guard.0.set(entry);
+            }
+            .instrument(tracing::Span::current()),
+        );
+        Some(slot)
+    }
+
+    /// Store a fresh capture (cachestore and local tier) and report it; then the job is done.
+    async fn finish_capture(&self, job: DenoiseJob, entry: Arc<TemplateEntry>, seconds: f64) {
+        let job_id = job.job_id.clone();
+        self.metrics.capture_seconds.observe(seconds);
+        if let Err(message) = self.templates.store.store(&entry).await {
+            self.metrics.failures.with_label_values(&["cache_store"]).inc();
+            self.publish_failed(&job_id, message, error_types::INTERNAL).await;
+            return;
+        }
+        self.templates.local.insert(entry.clone());
+        self.metrics
+            .local_cache_bytes
+            .set(self.templates.local.bytes() as i64);
+        let meta = &entry.meta;
+        tracing::info!(%job_id, cache_key = %meta.cache_key, bytes = meta.bytes, seconds, "template captured");
+        let event = JobEvent::Captured {
+            cache_key: meta.cache_key.clone(),
+            steps: meta.steps,
+            blocks: meta.blocks,
+            bytes: meta.bytes,
+        };
+        self.publish_event(&job_id, &event).await;
+        self.submitted_at.lock().map(|mut m| m.remove(&job_id)).ok();
+        self.publish_event(&job_id, &JobEvent::Done { png_keys: Vec::new() })
+            .await;
+    }
+
+    /// Drop deleted templates from the local tier.
+    pub async fn evictions(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), MeshError> {
+        let mut sub = self.client.subscribe(subjects::TEMPLATES_EVICT).await?;
+        loop {
+            let msg = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                msg = sub.next() => match msg { Some(m) => m, None => return Ok(()) },
+            };
+            match decode::<EvictTemplate>(&msg.payload) {
+                Ok(e) => {
+                    self.templates.local.remove(&e.cache_key);
+                    self.metrics
+                        .local_cache_bytes
+                        .set(self.templates.local.bytes() as i64);
+                    tracing::info!(template_id = %e.template_id, cache_key = %e.cache_key, "template evicted");
+                }
+                Err(err) => tracing::warn!(error = %err, "undecodable eviction"),
+            }
         }
     }
 
@@ -146,9 +289,32 @@ impl Service {
                     return;
                 }
             };
+            let capture_key = match job.kind {
+                JobKind::Capture => match self.template_cache_key(&job) {
+                    Some(key) => Some(key),
+                    None => {
+                        let reply = SubmitReply::Accepted {
+                            worker_id: self.worker_id.clone(),
+                        };
+                        let _ = reply_msgpack(&self.client, &msg, &reply).await;
+                        let message = "a capture job needs `template`".to_string();
+                        self.publish_failed(&job_id, message, error_types::INVALID_REQUEST)
+                            .await;
+                        return;
+                    }
+                },
+                _ => None,
+            };
+            let template = self.template_slot(&job);
+            let engine_job = EngineJob {
+                job,
+                edit,
+                template,
+                capture_key,
+            };
             let result = self
                 .engine
-                .submit(EngineJob { job, edit }, tracing::Span::current())
+                .submit(engine_job, tracing::Span::current())
                 .await;
             let reply = match &result {
                 Ok(_) | Err(SubmitError::Duplicate(_)) => SubmitReply::Accepted {
@@ -183,7 +349,7 @@ impl Service {
 
     /// The prepared template and token mask of an edit (None for generations).
     async fn fetch_edit_inputs(&self, job: &DenoiseJob) -> Result<Option<EditInputs>, String> {
-        if job.kind != JobKind::Edit {
+        if job.kind == JobKind::Generate {
             return Ok(None);
         }
         let image_key = job
@@ -191,16 +357,22 @@ impl Service {
             .image_key
             .as_deref()
             .ok_or("edit job without `inputs.image_key`")?;
-        let mask_key = job
-            .inputs
-            .token_mask_key
-            .as_deref()
-            .ok_or("edit job without `inputs.token_mask_key`")?;
         let template_rgb = self
             .blobs
             .get_limited(image_key, MAX_INPUT_BYTES)
             .await
             .map_err(|e| format!("reading `inputs.image_key` {image_key}: {e}"))?;
+        if job.kind == JobKind::Capture {
+            return Ok(Some(EditInputs {
+                template_rgb,
+                token_mask: Vec::new(),
+            }));
+        }
+        let mask_key = job
+            .inputs
+            .token_mask_key
+            .as_deref()
+            .ok_or("edit job without `inputs.token_mask_key`")?;
         let token_mask = self
             .blobs
             .get_limited(mask_key, MAX_INPUT_BYTES)
@@ -244,6 +416,7 @@ impl Service {
             model: self.model_id.clone(),
             draining: status.draining || self.draining.load(Ordering::SeqCst),
             queue_capacity: self.config.max_queue as u32,
+            cached_templates: self.templates.local.keys(),
         }
     }
 
@@ -282,6 +455,16 @@ impl Service {
         while let Some(event) = events.recv().await {
             match event {
                 EngineEvent::Started { job_id } => {
+                    let accepted = self
+                        .submitted_at
+                        .lock()
+                        .ok()
+                        .and_then(|m| m.get(&job_id).copied());
+                    if let Some(t) = accepted {
+                        self.metrics
+                            .queue_wait_seconds
+                            .observe(t.elapsed().as_secs_f64());
+                    }
                     let event = JobEvent::Started {
                         worker_id: self.worker_id.clone(),
                     };
@@ -294,6 +477,18 @@ impl Service {
                 } => {
                     self.publish_event(&job_id, &JobEvent::Step { step, total })
                         .await;
+                }
+                EngineEvent::Captured {
+                    job,
+                    entry,
+                    seconds,
+                    span,
+                } => {
+                    let this = self.clone();
+                    post.spawn(
+                        async move { this.finish_capture(job, entry, seconds).await }
+                            .instrument(span),
+                    );
                 }
                 EngineEvent::Finished {
                     job,
@@ -425,6 +620,14 @@ impl Service {
                 Ok(SubmitReply::Rejected { reason, .. }) => {
                     let message = format!(
                         "denoiser {} shut down before starting the job; {reason}",
+                        self.worker_id
+                    );
+                    self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
+                        .await;
+                }
+                Ok(SubmitReply::Overloaded { queue_depth, .. }) => {
+                    let message = format!(
+                        "denoiser {} shut down before starting the job; the mesh is at capacity ({queue_depth} waiting)",
                         self.worker_id
                     );
                     self.publish_failed(&job_id, message, error_types::UNAVAILABLE)

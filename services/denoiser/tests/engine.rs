@@ -1,7 +1,7 @@
 //! Engine-level tests on a random-weights tiny model (no NATS): batching does not change a job's
 //! images, cancellation frees the slot, a bad job fails alone.
 use diffmesh_denoiser::engine::{
-    spawn_engine, EngineConfig, EngineEvent, EngineHandle, EngineJob, EngineThread,
+    spawn_engine, Batching, EngineConfig, EngineEvent, EngineHandle, EngineJob, EngineThread,
 };
 use diffmesh_denoiser::model::{EditInputs, EngineModel};
 use diffmesh_model::tch::{Device, Kind};
@@ -31,21 +31,19 @@ struct Harness {
 }
 
 fn harness(max_batch: usize, max_queue: usize) -> Harness {
+    harness_with(EngineConfig {
+        max_batch,
+        max_queue,
+        ..Default::default()
+    })
+}
+
+fn harness_with(config: EngineConfig) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     write_random_model(dir.path());
     let model = EngineModel::load(dir.path(), Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
     let (tx, events) = mpsc::channel(256);
-    let (engine, thread) = spawn_engine(
-        model,
-        EngineConfig {
-            max_batch,
-            max_queue,
-        },
-        16,
-        tx,
-        None,
-    )
-    .unwrap();
+    let (engine, thread) = spawn_engine(model, config, 16, tx, None).unwrap();
     Harness {
         engine,
         thread,
@@ -93,6 +91,10 @@ async fn drain(h: &mut Harness, ids: &[&str]) -> (HashMap<String, Vec<u8>>, Vec<
                 log.push(format!("cancelled {job_id}"));
                 left.retain(|j| j != &job_id);
             }
+            EngineEvent::Captured { job, .. } => {
+                log.push(format!("captured {}", job.job_id));
+                left.retain(|j| j != &job.job_id);
+            }
         }
     }
     (images, log)
@@ -100,7 +102,7 @@ async fn drain(h: &mut Harness, ids: &[&str]) -> (HashMap<String, Vec<u8>>, Vec<
 
 async fn submit(h: &Harness, j: DenoiseJob, edit: Option<EditInputs>) {
     h.engine
-        .submit(EngineJob { job: j, edit }, Span::none())
+        .submit(EngineJob::new(j, edit), Span::none())
         .await
         .unwrap();
 }
@@ -254,10 +256,7 @@ async fn shutdown_hands_back_queued_and_finishes_running() {
     let refused = h
         .engine
         .submit(
-            EngineJob {
-                job: job("late", "x", 1, 1),
-                edit: None,
-            },
+            EngineJob::new(job("late", "x", 1, 1), None),
             Span::none(),
         )
         .await;
@@ -289,4 +288,148 @@ async fn throughput_batch_1_vs_8() {
         h.engine.begin_shutdown().await;
         h.thread.join().await;
     }
+}
+
+/// Wait until `id` has run at least one step (it is in the running batch).
+async fn until_stepping(h: &mut Harness, id: &str, log: &mut Vec<String>) {
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(120), h.events.recv())
+            .await
+            .expect("engine stalled")
+            .unwrap();
+        match event {
+            EngineEvent::Started { job_id } => log.push(format!("started {job_id}")),
+            EngineEvent::Step { job_id, .. } if job_id == id => return,
+            _ => {}
+        }
+    }
+}
+
+fn position(log: &[String], line: &str) -> usize {
+    log.iter()
+        .position(|l| l == line)
+        .unwrap_or_else(|| panic!("no `{line}` in {log:?}"))
+}
+
+/// Static batching admits only into an empty engine (the whole batch then forms at once);
+/// continuous batching admits at the next step boundary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_batching_waits_for_the_batch_continuous_does_not() {
+    for batching in [Batching::Static, Batching::Continuous] {
+        let mut h = harness_with(EngineConfig {
+            max_batch: 4,
+            max_queue: 8,
+            batching,
+            ..Default::default()
+        });
+        submit(&h, job("long", "a red circle", 1, 40), None).await;
+        let mut log = Vec::new();
+        until_stepping(&mut h, "long", &mut log).await;
+        submit(&h, job("b", "a blue square", 2, 2), None).await;
+        submit(&h, job("c", "a green triangle", 3, 2), None).await;
+        let (images, rest) = drain(&mut h, &["long", "b", "c"]).await;
+        log.extend(rest);
+        assert_eq!(images.len(), 3, "{log:?}");
+        let long_done = position(&log, "finished long");
+        let (b, c) = (position(&log, "started b"), position(&log, "started c"));
+        match batching {
+            Batching::Static => {
+                assert!(b > long_done && c > long_done, "{batching:?}: {log:?}");
+                // b and c formed one batch: both started before either stepped.
+                let first_step = log.iter().position(|l| l.starts_with("step b")).unwrap();
+                assert!(b < first_step && c < first_step, "{log:?}");
+            }
+            Batching::Continuous => {
+                assert!(b < long_done && c < long_done, "{batching:?}: {log:?}")
+            }
+        }
+        h.engine.begin_shutdown().await;
+        h.thread.join().await;
+    }
+}
+
+/// The token budget counts each job's masked tokens: a small edit joins a running generation,
+/// a second generation waits for the first to finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_budget_limits_admission() {
+    let mut h = harness_with(EngineConfig {
+        max_batch: 4,
+        max_queue: 8,
+        token_budget: Some(300),
+        ..Default::default()
+    });
+    submit(&h, job("gen", "a red circle", 1, 40), None).await;
+    let mut log = Vec::new();
+    until_stepping(&mut h, "gen", &mut log).await;
+    let mut edit = job("edit", "a green triangle", 3, 3);
+    edit.kind = JobKind::Edit;
+    edit.inputs.masked_tokens = 16;
+    let mut mask = vec![0u8; 256];
+    mask[..16].fill(1);
+    let inputs = EditInputs {
+        template_rgb: vec![90; 64 * 64 * 3],
+        token_mask: mask,
+    };
+    submit(&h, edit, Some(inputs)).await;
+    submit(&h, job("gen2", "a blue square", 2, 3), None).await;
+    let (images, rest) = drain(&mut h, &["gen", "edit", "gen2"]).await;
+    log.extend(rest);
+    assert_eq!(images.len(), 3, "{log:?}");
+    let gen_done = position(&log, "finished gen");
+    // 256 + 16 tokens fit in 300; 256 + 256 do not.
+    assert!(position(&log, "started edit") < gen_done, "{log:?}");
+    assert!(position(&log, "started gen2") > gen_done, "{log:?}");
+    h.engine.begin_shutdown().await;
+    h.thread.join().await;
+}
+
+/// Inline work and the event tap run on the engine thread; a job inline work returns is queued,
+/// a panic in it is an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_work_queues_its_job_and_survives_a_panic() {
+    use diffmesh_denoiser::engine::SubmitError;
+    let mut h = harness(4, 8);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let tap_seen = seen.clone();
+    h.engine
+        .set_event_tap(Some(Box::new(move |event| {
+            let on_engine = std::thread::current().name() == Some("denoiser-engine");
+            if let EngineEvent::Finished { job, .. } = event {
+                let line = format!("finished {} on engine: {on_engine}", job.job_id);
+                tap_seen.lock().unwrap().push(line);
+            }
+        })))
+        .await
+        .unwrap();
+    let queued = h
+        .engine
+        .run_inline(
+            Box::new(|| {
+                let on_engine = std::thread::current().name() == Some("denoiser-engine");
+                let id = if on_engine { "inline" } else { "wrong-thread" };
+                Some(EngineJob::new(job(id, "a red circle", 1, 2), None))
+            }),
+            Span::none(),
+        )
+        .await;
+    assert_eq!(queued, Ok(Some(1)));
+    let (images, log) = drain(&mut h, &["inline"]).await;
+    assert!(images.contains_key("inline"), "{log:?}");
+    // The tap ran on the engine thread before the event reached the receiver.
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec!["finished inline on engine: true"]
+    );
+    h.engine.set_event_tap(None).await.unwrap();
+    let nothing = h.engine.run_inline(Box::new(|| None), Span::none()).await;
+    assert_eq!(nothing, Ok(None));
+    let panicked = h
+        .engine
+        .run_inline(Box::new(|| panic!("boom")), Span::none())
+        .await;
+    assert!(matches!(panicked, Err(SubmitError::InlinePanic(m)) if m.contains("boom")));
+    submit(&h, job("after", "a blue square", 2, 2), None).await;
+    assert!(drain(&mut h, &["after"]).await.0.contains_key("after"));
+    h.engine.begin_shutdown().await;
+    h.thread.join().await;
 }

@@ -1,0 +1,182 @@
+//! One template's cache as the denoiser holds it (encoded step entries, shared read-only between
+//! the NATS side and the loader thread), and the local tier: a byte-weighed LRU of such caches.
+use diffmesh_model::flux::kv_codec::{read_header, BlobHeader};
+use diffmesh_model::flux::KvFormat;
+use diffmesh_shared::templates::{step_block_ranges, CacheMeta};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// A whole template cache: one encoded entry per step, each holding every block.
+#[derive(Debug)]
+pub struct TemplateEntry {
+    pub meta: CacheMeta,
+    pub format: KvFormat,
+    steps: Vec<bytes::Bytes>,
+    ranges: Vec<Vec<Range<usize>>>,
+}
+
+impl TemplateEntry {
+    /// Check the entries against the metadata: step and block counts, every block's header, one
+    /// shape and format throughout. A damaged cache is refused here, not mid-step.
+    pub fn new(meta: CacheMeta, steps: Vec<bytes::Bytes>) -> Result<Self, String> {
+        if steps.len() != meta.steps as usize {
+            return Err(format!(
+                "cache {} has {} step entries, its metadata says {}",
+                meta.cache_key,
+                steps.len(),
+                meta.steps
+            ));
+        }
+        let mut ranges = Vec::with_capacity(steps.len());
+        let mut first: Option<BlobHeader> = None;
+        for (s, entry) in steps.iter().enumerate() {
+            let r = step_block_ranges(entry).map_err(|e| format!("step {s}: {e}"))?;
+            if r.len() != meta.blocks as usize {
+                return Err(format!(
+                    "step {s} has {} blocks, the metadata says {}",
+                    r.len(),
+                    meta.blocks
+                ));
+            }
+            for (b, range) in r.iter().enumerate() {
+                let h = read_header(&entry[range.clone()])
+                    .map_err(|e| format!("step {s} block {b}: {e}"))?;
+                match first {
+                    None => first = Some(h),
+                    Some(f) if f == h => {}
+                    Some(f) => {
+                        return Err(format!(
+                            "step {s} block {b}: {h:?} differs from the first block's {f:?}"
+                        ))
+                    }
+                }
+            }
+            ranges.push(r);
+        }
+        let format = first.map(|h| h.format).unwrap_or_default();
+        Ok(Self {
+            meta,
+            format,
+            steps,
+            ranges,
+        })
+    }
+
+    /// Encoded K/V of one (step, block).
+    pub fn block(&self, step: usize, block: usize) -> Option<&[u8]> {
+        let range = self.ranges.get(step)?.get(block)?;
+        Some(&self.steps[step][range.clone()])
+    }
+
+    pub fn steps(&self) -> usize {
+        self.steps.len()
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.meta.blocks as usize
+    }
+
+    /// Bytes held (what the local tier weighs).
+    pub fn bytes(&self) -> u64 {
+        self.steps.iter().map(|s| s.len() as u64).sum()
+    }
+
+    /// The encoded step entries (for storing a fresh capture).
+    pub fn step_entries(&self) -> &[bytes::Bytes] {
+        &self.steps
+    }
+}
+
+/// Whole template caches in host memory, least recently used out first, weighed in bytes.
+#[derive(Clone)]
+pub struct LocalTier {
+    cache: moka::sync::Cache<String, Arc<TemplateEntry>>,
+}
+
+impl LocalTier {
+    pub fn new(capacity_bytes: u64) -> Self {
+        let cache = moka::sync::Cache::builder()
+            .max_capacity(capacity_bytes)
+            .weigher(|_k: &String, v: &Arc<TemplateEntry>| {
+                u32::try_from(v.bytes()).unwrap_or(u32::MAX)
+            })
+            .build();
+        Self { cache }
+    }
+
+    pub fn get(&self, cache_key: &str) -> Option<Arc<TemplateEntry>> {
+        self.cache.get(cache_key)
+    }
+
+    pub fn insert(&self, entry: Arc<TemplateEntry>) {
+        self.cache.insert(entry.meta.cache_key.clone(), entry);
+    }
+
+    pub fn remove(&self, cache_key: &str) {
+        self.cache.invalidate(cache_key);
+    }
+
+    /// Cache keys resident now (for heartbeats).
+    pub fn keys(&self) -> Vec<String> {
+        self.cache.run_pending_tasks();
+        self.cache.iter().map(|(k, _)| (*k).clone()).collect()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.cache.run_pending_tasks();
+        self.cache.weighted_size()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use diffmesh_model::flux::kv_codec::{encode_block, CacheDtype};
+    use diffmesh_model::tch::{Device, Kind, Tensor};
+    use diffmesh_shared::templates::pack_step;
+
+    pub fn entry(key: &str, steps: u32, blocks: u32) -> TemplateEntry {
+        let t = Tensor::ones([4, 8], (Kind::Float, Device::Cpu));
+        let block = encode_block(&t, &t, KvFormat::Prepared, CacheDtype::Bf16).unwrap();
+        let step = pack_step(&vec![block; blocks as usize]);
+        let meta = CacheMeta {
+            cache_key: key.into(),
+            steps,
+            blocks,
+            bytes: step.len() as u64 * steps as u64,
+            format: "prepared".into(),
+            dtype: "bf16".into(),
+        };
+        TemplateEntry::new(meta, vec![bytes::Bytes::from(step); steps as usize]).unwrap()
+    }
+
+    #[test]
+    fn entries_check_counts_and_serve_blocks() {
+        let e = entry("k", 3, 2);
+        assert_eq!((e.steps(), e.blocks(), e.format), (3, 2, KvFormat::Prepared));
+        assert!(e.block(2, 1).is_some() && e.block(3, 0).is_none() && e.block(0, 2).is_none());
+        let mut meta = e.meta.clone();
+        meta.blocks = 3;
+        let err = TemplateEntry::new(meta, e.step_entries().to_vec()).unwrap_err();
+        assert!(err.contains("metadata says 3"), "{err}");
+        let mut meta = e.meta.clone();
+        meta.steps = 4;
+        assert!(TemplateEntry::new(meta, e.step_entries().to_vec()).is_err());
+        let damaged = vec![bytes::Bytes::from_static(b"DMST\x01\x00\x00\x00"); 3];
+        assert!(TemplateEntry::new(e.meta.clone(), damaged).is_err());
+    }
+
+    #[test]
+    fn local_tier_evicts_by_bytes() {
+        let one = entry("a", 2, 2).bytes();
+        let tier = LocalTier::new(one * 2 + one / 2);
+        for k in ["a", "b", "c"] {
+            tier.insert(Arc::new(entry(k, 2, 2)));
+        }
+        let keys = tier.keys();
+        assert_eq!(keys.len(), 2, "{keys:?}");
+        assert!(tier.bytes() <= one * 2 + one / 2);
+        tier.remove(&keys[0]);
+        assert_eq!(tier.keys().len(), 1);
+    }
+}

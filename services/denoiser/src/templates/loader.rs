@@ -1,0 +1,277 @@
+//! The streamed cache pipeline (FlashPS §4.2, Algorithm 1's copy stream): a loader thread turns
+//! one step's encoded blocks into tensors, block after block, while the engine thread computes.
+//! The engine reads them through [`StreamedKv`] (a `KvCache`), which waits only when the block it
+//! needs next has not arrived yet.
+//!
+//! Blocks are produced block-major across all requests of the step (block b of every request,
+//! then block b + 1), the order in which the mask-aware forward consumes them, so a bounded
+//! channel per request (`lookahead` blocks, like a ring of pinned buffers on a GPU) never stalls
+//! the pipeline. On CPU the "load" is decoding from the local tier (dtype conversion and copy);
+//! on GPU the same thread would copy from pinned memory on a copy stream.
+use super::entry::TemplateEntry;
+use diffmesh_model::flux::kv_codec::decode_block;
+use diffmesh_model::flux::{KvCache, KvFormat};
+use diffmesh_model::tch::{Device, Kind, Tensor};
+use diffmesh_model::{ModelError, Result};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+type Block = std::result::Result<(Tensor, Tensor), String>;
+
+/// One step's load: for each request, its cache and step; blocks `from_block..blocks`.
+struct LoadJob {
+    parts: Vec<(Arc<TemplateEntry>, usize, SyncSender<Block>)>,
+    from_block: usize,
+    blocks: usize,
+    kind: Kind,
+    device: Device,
+}
+
+/// What the loader measured (for the planner's load-cost model and for metrics).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LoadStats {
+    pub blocks: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+impl LoadStats {
+    /// Measured load bandwidth, bytes per second (None before any load).
+    pub fn bytes_per_second(&self) -> Option<f64> {
+        (self.seconds > 0.0).then(|| self.bytes as f64 / self.seconds)
+    }
+}
+
+/// The loader thread. Dropping it ends the thread once queued loads finish.
+pub struct KvLoader {
+    tx: Option<mpsc::Sender<LoadJob>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    lookahead: usize,
+    stats: Arc<Mutex<LoadStats>>,
+}
+
+impl KvLoader {
+    /// Start the thread; `lookahead` bounds the blocks decoded ahead per request.
+    pub fn spawn(lookahead: usize) -> std::io::Result<Self> {
+        let (tx, rx) = mpsc::channel::<LoadJob>();
+        let stats = Arc::new(Mutex::new(LoadStats::default()));
+        let thread_stats = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name("kv-loader".into())
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    run_job(job, &thread_stats);
+                }
+            })?;
+        Ok(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+            lookahead: lookahead.max(1),
+            stats,
+        })
+    }
+
+    /// Start streaming blocks `from_block..` of `step` of each cache; one [`StreamedKv`] per
+    /// part, in order. Tensors arrive as `kind` on `device`.
+    pub fn load_step(
+        &self,
+        parts: Vec<(Arc<TemplateEntry>, usize)>,
+        from_block: usize,
+        kind: Kind,
+        device: Device,
+    ) -> Vec<StreamedKv> {
+        let blocks = parts.iter().map(|(e, _)| e.blocks()).max().unwrap_or(0);
+        let mut caches = Vec::with_capacity(parts.len());
+        let mut job_parts = Vec::with_capacity(parts.len());
+        for (entry, step) in parts {
+            let (tx, rx) = mpsc::sync_channel(self.lookahead);
+            caches.push(StreamedKv {
+                rx: Mutex::new(rx),
+                format: entry.format,
+                next: Mutex::new(from_block),
+                waited: Mutex::new(Duration::ZERO),
+            });
+            job_parts.push((entry, step, tx));
+        }
+        let job = LoadJob {
+            parts: job_parts,
+            from_block,
+            blocks,
+            kind,
+            device,
+        };
+        if let Some(tx) = &self.tx {
+            // A closed channel means the thread died; every StreamedKv then reports it on read.
+            let _ = tx.send(job);
+        }
+        caches
+    }
+
+    pub fn stats(&self) -> LoadStats {
+        self.stats.lock().map(|s| *s).unwrap_or_default()
+    }
+}
+
+impl Drop for KvLoader {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run_job(job: LoadJob, stats: &Mutex<LoadStats>) {
+    let mut open: Vec<bool> = vec![true; job.parts.len()];
+    for block in job.from_block..job.blocks {
+        for (i, (entry, step, tx)) in job.parts.iter().enumerate() {
+            if !open[i] {
+                continue;
+            }
+            let started = Instant::now();
+            let result = load_block(entry, *step, block, job.kind, job.device);
+            if let Ok(mut s) = stats.lock() {
+                s.blocks += 1;
+                s.bytes += entry.block(*step, block).map_or(0, |b| b.len() as u64);
+                s.seconds += started.elapsed().as_secs_f64();
+            }
+            // The reader is gone (step failed or finished early): stop loading for it.
+            if tx.send(result).is_err() {
+                open[i] = false;
+            }
+        }
+    }
+}
+
+fn load_block(entry: &TemplateEntry, step: usize, block: usize, kind: Kind, device: Device) -> Block {
+    let blob = entry.block(step, block).ok_or_else(|| {
+        format!(
+            "cache {} has no step {step} block {block}",
+            entry.meta.cache_key
+        )
+    })?;
+    let (k, v, _) = decode_block(blob, kind).map_err(|e| e.to_string())?;
+    let on = |t: Tensor| t.f_to_device(device).map_err(|e| e.to_string());
+    Ok((on(k)?, on(v)?))
+}
+
+/// One request's K/V of one step, arriving block by block from the loader thread.
+pub struct StreamedKv {
+    rx: Mutex<Receiver<Block>>,
+    format: KvFormat,
+    next: Mutex<usize>,
+    waited: Mutex<Duration>,
+}
+
+impl StreamedKv {
+    /// Time the compute side spent waiting for blocks (pipeline bubbles).
+    pub fn waited(&self) -> Duration {
+        self.waited.lock().map(|w| *w).unwrap_or_default()
+    }
+}
+
+impl KvCache for StreamedKv {
+    fn block_kv(&self, block: usize) -> Result<(Tensor, Tensor)> {
+        let mut next = self
+            .next
+            .lock()
+            .map_err(|_| ModelError::input("cache", "loader state poisoned"))?;
+        if block != *next {
+            return Err(ModelError::input(
+                "cache",
+                format!("blocks must be read in order: expected {}, got {block}", *next),
+            ));
+        }
+        let started = Instant::now();
+        let got = self
+            .rx
+            .lock()
+            .map_err(|_| ModelError::input("cache", "loader state poisoned"))?
+            .recv();
+        if let Ok(mut w) = self.waited.lock() {
+            *w += started.elapsed();
+        }
+        *next += 1;
+        match got {
+            Ok(Ok(kv)) => Ok(kv),
+            Ok(Err(message)) => Err(ModelError::input("cache", message)),
+            Err(_) => Err(ModelError::input("cache", "the loader thread stopped")),
+        }
+    }
+
+    fn format(&self) -> KvFormat {
+        self.format
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use diffmesh_model::flux::kv_codec::{encode_block, CacheDtype};
+    use diffmesh_shared::templates::{pack_step, CacheMeta};
+
+    /// A cache whose (step, block) K is filled with `100 * step + block`.
+    fn entry(steps: usize, blocks: usize) -> Arc<TemplateEntry> {
+        let entries: Vec<bytes::Bytes> = (0..steps)
+            .map(|s| {
+                let blocks: Vec<Vec<u8>> = (0..blocks)
+                    .map(|b| {
+                        let k = Tensor::full([3, 4], (100 * s + b) as f64, (Kind::Float, Device::Cpu));
+                        encode_block(&k, &k, KvFormat::Raw, CacheDtype::F32).unwrap()
+                    })
+                    .collect();
+                bytes::Bytes::from(pack_step(&blocks))
+            })
+            .collect();
+        let meta = CacheMeta {
+            cache_key: "k".into(),
+            steps: steps as u32,
+            blocks: blocks as u32,
+            bytes: entries.iter().map(|e| e.len() as u64).sum(),
+            format: "raw".into(),
+            dtype: "f32".into(),
+        };
+        Arc::new(TemplateEntry::new(meta, entries).unwrap())
+    }
+
+    #[test]
+    fn streams_each_requests_step_in_block_order() {
+        let loader = KvLoader::spawn(1).unwrap();
+        let e = entry(3, 5);
+        let caches = loader.load_step(vec![(e.clone(), 2), (e, 0)], 1, Kind::Float, Device::Cpu);
+        // Consume as the forward does: block-major across requests.
+        for block in 1..5 {
+            for (c, step) in caches.iter().zip([2usize, 0]) {
+                let (k, _) = c.block_kv(block).unwrap();
+                assert_eq!(k.double_value(&[0, 0]), (100 * step + block) as f64);
+            }
+        }
+        let err = caches[0].block_kv(1).unwrap_err().to_string();
+        assert!(err.contains("in order"), "{err}");
+        let s = loader.stats();
+        assert_eq!(s.blocks, 8);
+        assert!(s.bytes > 0);
+    }
+
+    #[test]
+    fn an_abandoned_step_does_not_stall_the_next() {
+        let loader = KvLoader::spawn(1).unwrap();
+        let e = entry(2, 6);
+        let first = loader.load_step(vec![(e.clone(), 0)], 0, Kind::Float, Device::Cpu);
+        let _ = first[0].block_kv(0).unwrap();
+        drop(first); // the step failed after one block
+        let second = loader.load_step(vec![(e, 1)], 0, Kind::Float, Device::Cpu);
+        for b in 0..6 {
+            assert_eq!(second[0].block_kv(b).unwrap().0.double_value(&[0, 0]), (100 + b) as f64);
+        }
+    }
+
+    #[test]
+    fn a_missing_step_is_an_error_naming_the_cache() {
+        let loader = KvLoader::spawn(2).unwrap();
+        let caches = loader.load_step(vec![(entry(1, 2), 5)], 0, Kind::Float, Device::Cpu);
+        let err = caches[0].block_kv(0).unwrap_err().to_string();
+        assert!(err.contains("no step 5"), "{err}");
+    }
+}

@@ -1,0 +1,98 @@
+//! The denoiser's cachestore client for template caches: store a fresh capture (every step entry,
+//! then the metadata, so a reader that finds the metadata finds every step), and fetch a whole
+//! cache into a [`TemplateEntry`]. Values above the inline limit travel through the cache
+//! bucket of the object store, as the cachestore contract says.
+use super::entry::TemplateEntry;
+use diffmesh_shared::cachestore::{
+    get_subject, put_subject, CacheGet, CacheGetReply, CachePut, CachePutReply,
+    DEFAULT_INLINE_LIMIT,
+};
+use diffmesh_shared::nats::{request_msgpack, BlobStore};
+use diffmesh_shared::templates::{meta_key, step_key, CacheMeta};
+use std::time::Duration;
+
+/// Talks to the cachestore service (and its object-store bucket for large values).
+#[derive(Clone)]
+pub struct CacheClient {
+    pub client: async_nats::Client,
+    /// The cachestore's bucket (`shared::cachestore::CACHE_BUCKET`).
+    pub bucket: BlobStore,
+    pub timeout: Duration,
+}
+
+/// Largest step entry this client reads (a full-size Flux step in bf16 is ~1.4 GB; refuse more).
+const MAX_ENTRY_BYTES: usize = 2 << 30;
+
+impl CacheClient {
+    async fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
+        let inline = value.len() <= DEFAULT_INLINE_LIMIT;
+        if !inline {
+            self.bucket
+                .put(key, value)
+                .await
+                .map_err(|e| format!("writing {key} to the cache bucket: {e}"))?;
+        }
+        let req = CachePut {
+            key: key.to_string(),
+            value: inline.then(|| value.to_vec()),
+        };
+        match request_msgpack(&self.client, &put_subject(), &req, self.timeout).await {
+            Ok(CachePutReply::Stored { .. }) => Ok(()),
+            Ok(CachePutReply::Failed { message }) => Err(format!("cachestore refused {key}: {message}")),
+            Err(e) => Err(format!("cachestore put {key}: {e}")),
+        }
+    }
+
+    /// `Ok(None)` when the cachestore has no such key.
+    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
+        let req = CacheGet {
+            key: key.to_string(),
+        };
+        match request_msgpack(&self.client, &get_subject(), &req, self.timeout).await {
+            Ok(CacheGetReply::Inline { value, .. }) => Ok(Some(value)),
+            Ok(CacheGetReply::InObjectStore { .. }) => self
+                .bucket
+                .get_limited(key, MAX_ENTRY_BYTES)
+                .await
+                .map(Some)
+                .map_err(|e| format!("reading {key} from the cache bucket: {e}")),
+            Ok(CacheGetReply::Missing) => Ok(None),
+            Ok(CacheGetReply::Failed { message }) => Err(format!("cachestore get {key}: {message}")),
+            Err(e) => Err(format!("cachestore get {key}: {e}")),
+        }
+    }
+
+    /// Store a whole cache: steps first, metadata last.
+    pub async fn store(&self, entry: &TemplateEntry) -> Result<(), String> {
+        let key = &entry.meta.cache_key;
+        for (s, step) in entry.step_entries().iter().enumerate() {
+            self.put(&step_key(key, s as u32), step).await?;
+        }
+        let meta = serde_json::to_vec(&entry.meta).map_err(|e| e.to_string())?;
+        self.put(&meta_key(key), &meta).await
+    }
+
+    /// Fetch a whole cache; `Ok(None)` when it is not stored (never captured, or evicted).
+    pub async fn fetch(&self, cache_key: &str) -> Result<Option<TemplateEntry>, String> {
+        let Some(meta) = self.get(&meta_key(cache_key)).await? else {
+            return Ok(None);
+        };
+        let meta: CacheMeta = serde_json::from_slice(&meta)
+            .map_err(|e| format!("metadata of {cache_key} is not valid JSON: {e}"))?;
+        if meta.cache_key != cache_key {
+            return Err(format!(
+                "metadata under {cache_key} names {}",
+                meta.cache_key
+            ));
+        }
+        let mut steps = Vec::with_capacity(meta.steps as usize);
+        for s in 0..meta.steps {
+            match self.get(&step_key(cache_key, s)).await? {
+                Some(bytes) => steps.push(bytes::Bytes::from(bytes)),
+                // A step evicted from every tier: the cache is unusable as a whole.
+                None => return Ok(None),
+            }
+        }
+        TemplateEntry::new(meta, steps).map(Some)
+    }
+}

@@ -1,0 +1,346 @@
+//! Templates (FlashPS): an image registered once, whose activation cache a capture pass records,
+//! so later edits of it compute only their masked tokens.
+//!
+//! `POST /v1/templates` registers one and waits for its capture (`capture`), `GET
+//! /v1/templates[/{id}]` shows the records (and, for one, where its cache is: `cache_view`),
+//! `DELETE /v1/templates/{id}` removes the record, the image and the cache. An edit names a
+//! template with the `template_id` form field instead of uploading `image` (`edit`).
+pub mod cache_view;
+pub mod capture;
+pub mod edit;
+pub mod form;
+pub mod record;
+
+use std::time::{Duration, Instant};
+
+use actix_multipart::Multipart;
+use actix_web::http::Method;
+use actix_web::{web, HttpRequest, HttpResponse, Route};
+use diffmesh_shared::MeshError;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::error::{ApiError, ErrorBody};
+use crate::routes::{finish, ApiState};
+use cache_view::{CacheView, LocalTiers};
+use record::{TemplateRecord, TemplateState, TemplateStore};
+
+/// Deadline of one cachestore request (locate, delete) made for the template endpoints.
+const CACHESTORE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The gateway's template state: records and images, and the denoisers' local tiers.
+pub struct Templates {
+    pub store: TemplateStore,
+    pub local_tiers: LocalTiers,
+    pub cachestore_timeout: Duration,
+}
+
+impl Templates {
+    /// Open the template buckets and start following denoiser heartbeats.
+    pub async fn open(client: &async_nats::Client) -> Result<Self, MeshError> {
+        let js = async_nats::jetstream::new(client.clone());
+        Ok(Self {
+            store: TemplateStore::open(&js).await?,
+            local_tiers: LocalTiers::watch(client).await?,
+            cachestore_timeout: CACHESTORE_TIMEOUT,
+        })
+    }
+}
+
+/// The template routes, for `routes::routes()`.
+pub fn routes() -> Vec<(Method, &'static str, Route)> {
+    vec![
+        (
+            Method::POST,
+            "/v1/templates",
+            web::post().to(create_template),
+        ),
+        (Method::GET, "/v1/templates", web::get().to(list_templates)),
+        (
+            Method::GET,
+            "/v1/templates/{id}",
+            web::get().to(get_template),
+        ),
+        (
+            Method::DELETE,
+            "/v1/templates/{id}",
+            web::delete().to(delete_template),
+        ),
+    ]
+}
+
+/// A template as clients see it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TemplateView {
+    pub id: String,
+    /// Always `template`.
+    pub object: String,
+    pub status: TemplateState,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+    /// What the capture ran with; edits use the same steps (and, by default, guidance).
+    pub prompt: String,
+    pub seed: u64,
+    pub num_inference_steps: u32,
+    pub guidance_scale: f32,
+    /// The image's size: every edit of the template comes back at this size.
+    pub width: u32,
+    pub height: u32,
+    /// SHA-256 of the template at the model resolution.
+    pub content_hash: Option<String>,
+    /// The capture job (`/v1/jobs/{id}`).
+    pub capture_job_id: Option<String>,
+    pub cache_key: Option<String>,
+    /// Bytes of the stored cache and the number of transformer blocks it covers.
+    pub cache_bytes: u64,
+    pub blocks: u32,
+    /// Why the capture failed.
+    pub error: Option<String>,
+    /// Where the cache is now (single-template reads only).
+    pub cache: Option<CacheView>,
+}
+
+impl TemplateView {
+    pub fn of(r: &TemplateRecord, cache: Option<CacheView>) -> Self {
+        Self {
+            id: r.id.clone(),
+            object: "template".into(),
+            status: r.state,
+            created_at_ms: r.created_at_ms,
+            updated_at_ms: r.updated_at_ms,
+            prompt: r.prompt.clone(),
+            seed: r.seed,
+            num_inference_steps: r.steps,
+            guidance_scale: r.guidance_scale,
+            width: r.width,
+            height: r.height,
+            content_hash: r.content_hash.clone(),
+            capture_job_id: r.capture_job_id.clone(),
+            cache_key: r.cache_key.clone(),
+            cache_bytes: r.cache_bytes,
+            blocks: r.blocks,
+            error: r.error.clone(),
+            cache,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TemplateList {
+    /// Always `list`.
+    pub object: String,
+    pub data: Vec<TemplateView>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TemplateDeleted {
+    pub id: String,
+    /// Always `template`.
+    pub object: String,
+    pub deleted: bool,
+    /// Cachestore entries that existed and were removed.
+    pub cache_entries_deleted: u32,
+}
+
+/// The multipart form of `POST /v1/templates` (documentation of what `form::read` reads).
+#[derive(ToSchema)]
+pub struct TemplateFormDoc {
+    /// The template: PNG, JPEG or WebP, at most `--max-pixels`.
+    #[schema(value_type = String, format = Binary)]
+    pub image: Vec<u8>,
+    /// Text the template's tokens attend to during capture (default empty).
+    pub prompt: Option<String>,
+    /// Noise seed of the capture; edits reuse it for their unmasked tokens (default random).
+    #[schema(minimum = 0)]
+    pub seed: Option<u64>,
+    /// 1 to `--max-steps` (default `--default-steps`); every edit of the template uses it.
+    #[schema(minimum = 1)]
+    pub num_inference_steps: Option<i64>,
+    #[schema(minimum = 0.0)]
+    pub guidance_scale: Option<f64>,
+}
+
+/// The caller's template `id`: 404 naming `template_id` when it does not exist or belongs to
+/// another key.
+async fn owned(state: &ApiState, req: &HttpRequest, id: &str) -> Result<TemplateRecord, ApiError> {
+    let caller = state.caller(req)?;
+    state
+        .templates
+        .store
+        .get(id)
+        .await?
+        .filter(|r| caller.may_access(r.owner.as_deref()))
+        .ok_or_else(|| edit::not_found(id))
+}
+
+#[utoipa::path(
+    post,
+    path = "/v1/templates",
+    tag = "templates",
+    request_body(content = TemplateFormDoc, content_type = "multipart/form-data"),
+    responses(
+        (status = 201, description = "Registered and captured: the template, ready for edits",
+            body = TemplateView, headers(("Location" = String, description = "The template's URL"))),
+        (status = 400, description = "A field is missing, malformed or out of range", body = ErrorBody),
+        (status = 401, description = "Missing or unknown API key", body = ErrorBody),
+        (status = 413, description = "The body or a part is too large", body = ErrorBody),
+        (status = 429, description = "Over the key's limits or the mesh's admission queue",
+            body = ErrorBody, headers(("Retry-After" = u64, description = "Seconds"))),
+        (status = 500, description = "The capture failed (the template is kept as `failed`)",
+            body = ErrorBody),
+        (status = 503, description = "No denoiser could take the capture", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds"))),
+        (status = 504, description = "The capture did not finish in time", body = ErrorBody),
+    ),
+    security((), ("api_key" = []))
+)]
+pub async fn create_template(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    payload: Multipart,
+) -> HttpResponse {
+    let start = Instant::now();
+    let result = async {
+        let caller = state.caller(&req)?;
+        state.key_limits.check_rate(caller.limit_key())?;
+        let form = form::read(
+            payload,
+            state.max_body_bytes,
+            &state.limits,
+            &state.defaults,
+        )
+        .await?;
+        let _slot = state.key_limits.acquire(caller.limit_key())?;
+        let record = capture::register(&state, &caller, form).await?;
+        Ok(HttpResponse::Created()
+            .insert_header(("Location", format!("/v1/templates/{}", record.id)))
+            .json(TemplateView::of(&record, None)))
+    }
+    .await;
+    finish(&state, "templates_create", start, result)
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/templates",
+    tag = "templates",
+    responses(
+        (status = 200, description = "The caller's templates, oldest first", body = TemplateList),
+        (status = 401, description = "Missing or unknown API key", body = ErrorBody),
+    ),
+    security((), ("api_key" = []))
+)]
+pub async fn list_templates(req: HttpRequest, state: web::Data<ApiState>) -> HttpResponse {
+    let start = Instant::now();
+    let result = async {
+        let caller = state.caller(&req)?;
+        let data = state
+            .templates
+            .store
+            .list()
+            .await?
+            .iter()
+            .filter(|r| caller.may_access(r.owner.as_deref()))
+            .map(|r| TemplateView::of(r, None))
+            .collect();
+        Ok(HttpResponse::Ok().json(TemplateList {
+            object: "list".into(),
+            data,
+        }))
+    }
+    .await;
+    finish(&state, "templates_list", start, result)
+}
+
+#[utoipa::path(
+    get,
+    path = "/v1/templates/{id}",
+    tag = "templates",
+    params(("id" = String, Path, description = "Template id (UUID)")),
+    responses(
+        (status = 200, description = "The template and where its cache is: cachestore tiers per \
+            entry, denoisers holding it in their local tier", body = TemplateView),
+        (status = 401, description = "Missing or unknown API key", body = ErrorBody),
+        (status = 404, description = "No such template for this API key", body = ErrorBody),
+    ),
+    security((), ("api_key" = []))
+)]
+pub async fn get_template(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    id: web::Path<String>,
+) -> HttpResponse {
+    let start = Instant::now();
+    let result = async {
+        let record = owned(&state, &req, &id).await?;
+        let cache = match &record.cache_key {
+            Some(key) => {
+                let t = &state.templates;
+                let located =
+                    cache_view::locate(&state.mesh.client, key, record.steps, t.cachestore_timeout)
+                        .await;
+                Some(cache_view::view_of(
+                    record.steps + 1,
+                    located,
+                    t.local_tiers.holders(key),
+                ))
+            }
+            None => None,
+        };
+        Ok(HttpResponse::Ok().json(TemplateView::of(&record, cache)))
+    }
+    .await;
+    finish(&state, "template", start, result)
+}
+
+#[utoipa::path(
+    delete,
+    path = "/v1/templates/{id}",
+    tag = "templates",
+    params(("id" = String, Path, description = "Template id (UUID)")),
+    responses(
+        (status = 200, description = "Deleted: record, image and every cache entry; denoisers \
+            are told to drop their local copies", body = TemplateDeleted),
+        (status = 401, description = "Missing or unknown API key", body = ErrorBody),
+        (status = 404, description = "No such template for this API key", body = ErrorBody),
+        (status = 503, description = "No cachestore is running; the template was kept",
+            body = ErrorBody, headers(("Retry-After" = u64, description = "Seconds"))),
+    ),
+    security((), ("api_key" = []))
+)]
+pub async fn delete_template(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    id: web::Path<String>,
+) -> HttpResponse {
+    let start = Instant::now();
+    let result = async {
+        let record = owned(&state, &req, &id).await?;
+        let t = &state.templates;
+        // The cache first: if that fails the record stays, so the delete can be repeated.
+        let cache_entries_deleted = match &record.cache_key {
+            Some(key) => {
+                cache_view::remove(
+                    &state.mesh.client,
+                    &record.id,
+                    key,
+                    record.steps,
+                    t.cachestore_timeout,
+                )
+                .await?
+            }
+            None => 0,
+        };
+        t.store.delete_image(&record.id).await?;
+        t.store.delete(&record.id).await?;
+        tracing::info!(template_id = %record.id, cache_entries_deleted, "template deleted");
+        Ok(HttpResponse::Ok().json(TemplateDeleted {
+            id: record.id,
+            object: "template".into(),
+            deleted: true,
+            cache_entries_deleted,
+        }))
+    }
+    .await;
+    finish(&state, "template_delete", start, result)
+}

@@ -1,0 +1,255 @@
+//! Registering a template: store its image durably, create its record (`capturing`), have the
+//! codec prepare it (kind `Capture`: no mask, every token computed), run the capture job through
+//! the router and a denoiser like any job (`pipeline::Mesh::prepare` / `complete`), and record
+//! what the denoiser's `Captured` event reports (`ready`) or why it failed (`failed`).
+use std::time::Duration;
+
+use diffmesh_shared::messages::{decode, JobEvent, JobKind, TemplateRef};
+use diffmesh_shared::subjects::job_events;
+use diffmesh_shared::MeshError;
+use futures::StreamExt;
+use tracing::Instrument;
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::pipeline::{JobInput, Mesh};
+use crate::routes::ApiState;
+use crate::templates::cache_view;
+use crate::templates::form::TemplateForm;
+use crate::templates::record::{TemplateRecord, TemplateState, TemplateStore};
+use crate::templates::Templates;
+use crate::validate::{ResponseFormat, ValidParams};
+
+/// How long after the capture job's `Done` its `Captured` event may still be on the way (it is
+/// sent first, on the same connection, so it is normally there already).
+const CAPTURED_GRACE: Duration = Duration::from_secs(2);
+
+/// What the denoiser reported for a finished capture.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Captured {
+    pub cache_key: String,
+    pub steps: u32,
+    pub blocks: u32,
+    pub bytes: u64,
+}
+
+/// Marks the record failed if the registration is dropped before it finished (the client went
+/// away; the capture job itself is cancelled by the pipeline's own guard).
+struct AbandonGuard {
+    mesh: Mesh,
+    store: TemplateStore,
+    id: String,
+    armed: bool,
+}
+
+impl Drop for AbandonGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (store, id) = (self.store.clone(), self.id.clone());
+        self.mesh.spawn_background(async move {
+            let message = "the registration was abandoned: the client closed the connection \
+                           before the capture finished";
+            let written = store
+                .update(&id, |r| {
+                    if r.state == TemplateState::Capturing {
+                        r.mark_failed(message)
+                    }
+                })
+                .await;
+            if let Err(err) = written {
+                tracing::warn!(template_id = %id, error = %err, "could not record the abandon");
+            }
+        });
+    }
+}
+
+/// Register a template and wait for its capture; returns the record as it ended (`ready`).
+pub async fn register(
+    state: &ApiState,
+    caller: &Caller,
+    form: TemplateForm,
+) -> Result<TemplateRecord, ApiError> {
+    let templates = &state.templates;
+    let id = uuid::Uuid::new_v4().to_string();
+    let params = form.params;
+    let template = TemplateRef {
+        template_id: id.clone(),
+        prompt: params.prompt.clone(),
+        seed: params.seed,
+        steps: params.num_inference_steps,
+        guidance_scale: params.guidance_scale,
+        cache_key: String::new(),
+    };
+    let mut record = TemplateRecord::new(id.clone(), caller.owner().map(str::to_string), &template);
+    (record.width, record.height) = (params.width, params.height);
+    record.image_bytes = form.image.len() as u64;
+
+    templates.store.put_image(&id, &form.image).await?;
+    if let Err(err) = templates.store.create(&record).await {
+        forget(templates, &id).await;
+        return Err(err);
+    }
+    let mut guard = AbandonGuard {
+        mesh: state.mesh.clone(),
+        store: templates.store.clone(),
+        id: id.clone(),
+        armed: true,
+    };
+    let span = tracing::info_span!("template", template_id = %id);
+    let result = capture(state, caller, &id, form.image, params, template)
+        .instrument(span)
+        .await;
+    guard.armed = false;
+    match result {
+        Ok(captured) => finish(templates, &state.mesh, &id, captured).await,
+        // The request itself was bad (the codec could not read the image): no template exists.
+        Err(err @ (ApiError::Invalid(_) | ApiError::TooLarge { .. })) => {
+            forget(templates, &id).await;
+            Err(err)
+        }
+        Err(err) => {
+            let message = err.to_string();
+            if let Err(e) = templates
+                .store
+                .update(&id, |r| r.mark_failed(&message))
+                .await
+            {
+                tracing::warn!(template_id = %id, error = %e, "could not record the failure");
+            }
+            Err(err)
+        }
+    }
+}
+
+/// Prepare and run the capture job; returns its `Captured` report.
+async fn capture(
+    state: &ApiState,
+    caller: &Caller,
+    id: &str,
+    image: Vec<u8>,
+    params: diffmesh_shared::messages::GenerationParams,
+    template: TemplateRef,
+) -> Result<Captured, ApiError> {
+    let input = JobInput {
+        kind: JobKind::Capture,
+        valid: ValidParams {
+            params,
+            response_format: ResponseFormat::B64Json,
+        },
+        image: Some(image),
+        mask: None,
+        template: Some(template),
+    };
+    let prepared = state.mesh.prepare(input, caller.owner()).await?;
+    let job_id = prepared.job_id().to_string();
+    let content_hash = prepared.job.inputs.template_id.clone();
+    state
+        .templates
+        .store
+        .update(id, |r| {
+            r.capture_job_id = Some(job_id.clone());
+            r.content_hash = content_hash.clone();
+        })
+        .await?;
+    // The pipeline waits for Done/Failed only; `Captured` comes before Done, so subscribe to
+    // the job's events ourselves before it is submitted.
+    let mut events = state
+        .mesh
+        .client
+        .subscribe(job_events(&job_id))
+        .await
+        .map_err(MeshError::from)?;
+    state.mesh.complete(prepared).await?;
+    let deadline = tokio::time::Instant::now() + CAPTURED_GRACE;
+    loop {
+        let msg = match tokio::time::timeout_at(deadline, events.next()).await {
+            Ok(Some(msg)) => msg,
+            Ok(None) | Err(_) => {
+                return Err(ApiError::Internal(format!(
+                    "capture job {job_id} finished without reporting its cache (no Captured event)"
+                )))
+            }
+        };
+        if let Ok(JobEvent::Captured {
+            cache_key,
+            steps,
+            blocks,
+            bytes,
+        }) = decode::<JobEvent>(&msg.payload)
+        {
+            return Ok(Captured {
+                cache_key,
+                steps,
+                blocks,
+                bytes,
+            });
+        }
+    }
+}
+
+/// Record a finished capture (`ready`), after checking it is the cache edits will ask for.
+async fn finish(
+    templates: &Templates,
+    mesh: &Mesh,
+    id: &str,
+    captured: Captured,
+) -> Result<TemplateRecord, ApiError> {
+    let steps_expected = templates.store.get(id).await?.map(|r| r.steps);
+    let problem = match steps_expected {
+        _ if captured.cache_key.is_empty() => {
+            Some("the denoiser reported an empty cache key".into())
+        }
+        Some(steps) if steps != captured.steps => Some(format!(
+            "the denoiser captured {} steps, the template has {steps}",
+            captured.steps
+        )),
+        _ => None,
+    };
+    if let Some(problem) = problem {
+        templates
+            .store
+            .update(id, |r| r.mark_failed(problem.clone()))
+            .await?;
+        return Err(ApiError::Internal(format!("template {id}: {problem}")));
+    }
+    let written = templates
+        .store
+        .update(id, |r| {
+            r.state = TemplateState::Ready;
+            r.cache_key = Some(captured.cache_key.clone());
+            r.cache_bytes = captured.bytes;
+            r.blocks = captured.blocks;
+            r.error = None;
+        })
+        .await?;
+    match written {
+        Some(record) => Ok(record),
+        None => {
+            // Deleted while it was being captured: the new cache belongs to nobody.
+            let removed = cache_view::remove(
+                &mesh.client,
+                id,
+                &captured.cache_key,
+                captured.steps,
+                templates.cachestore_timeout,
+            )
+            .await;
+            if let Err(err) = removed {
+                tracing::warn!(template_id = %id, error = %err, "could not remove an orphaned cache");
+            }
+            Err(super::edit::not_found(id))
+        }
+    }
+}
+
+/// Remove a template that never came to be (its record and image); best effort.
+async fn forget(templates: &Templates, id: &str) {
+    if let Err(err) = templates.store.delete(id).await {
+        tracing::warn!(template_id = %id, error = %err, "could not delete the record");
+    }
+    if let Err(err) = templates.store.delete_image(id).await {
+        tracing::warn!(template_id = %id, error = %err, "could not delete the image");
+    }
+}

@@ -1,0 +1,210 @@
+//! An edit that names a registered template (`template_id`) instead of uploading the image:
+//! the template's stored image goes through the codec as an ordinary edit's would, and the
+//! denoise job carries the template's `TemplateRef`, so the denoiser reads its activation cache
+//! and computes only the masked tokens.
+use std::collections::HashMap;
+
+use diffmesh_shared::messages::{FieldError, JobKind};
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::idempotency;
+use crate::parse::{raw_from_text, ImageRequest};
+use crate::pipeline::JobInput;
+use crate::routes::ApiState;
+use crate::templates::record::{TemplateRecord, TemplateState};
+use crate::validate::{self, Defaults, Limits, RawParams, ValidParams};
+
+/// The 404 for a template that does not exist or belongs to another API key (the same answer,
+/// so ids of other keys cannot be confirmed).
+pub fn not_found(id: &str) -> ApiError {
+    ApiError::NotFound {
+        field: "template_id".into(),
+        message: format!("no template {id:?} for this API key"),
+    }
+}
+
+/// Build the job of an edit by template from the form's parts: `template_id` (a text field),
+/// no `image`, an optional `mask` and the usual text fields.
+pub async fn read(
+    state: &ApiState,
+    caller: &Caller,
+    template_id: &str,
+    image: Option<Vec<u8>>,
+    mask: Option<Vec<u8>>,
+    text: &HashMap<String, String>,
+) -> Result<ImageRequest, ApiError> {
+    if image.is_some() {
+        return Err(FieldError::invalid(
+            "template_id",
+            "give either `image` or `template_id`, not both",
+        )
+        .into());
+    }
+    let template_id = template_id.trim();
+    let record = state
+        .templates
+        .store
+        .get(template_id)
+        .await?
+        .filter(|r| caller.may_access(r.owner.as_deref()))
+        .ok_or_else(|| not_found(template_id))?;
+    ready(&record)?;
+    let raw = raw_from_text(text)?;
+    // The template's id stands for its image in the fingerprint: a repeat names the same one.
+    let named = format!("template:{template_id}");
+    let fingerprint =
+        idempotency::fingerprint("edits", &raw, Some(named.as_bytes()), mask.as_deref());
+    let valid = validate(raw, &record, &state.limits, &state.defaults)?;
+    let image = state.templates.store.image(template_id).await?;
+    Ok(ImageRequest {
+        input: JobInput {
+            kind: JobKind::Edit,
+            valid,
+            image: Some(image),
+            mask,
+            template: Some(record.template_ref()),
+        },
+        fingerprint,
+    })
+}
+
+/// 409 unless the template's cache is ready.
+fn ready(record: &TemplateRecord) -> Result<(), ApiError> {
+    match record.state {
+        TemplateState::Ready => Ok(()),
+        TemplateState::Capturing => Err(ApiError::Conflict {
+            message: format!(
+                "template {} is still being captured; retry when GET /v1/templates/{} says ready",
+                record.id, record.id
+            ),
+        }),
+        TemplateState::Failed => Err(ApiError::Conflict {
+            message: format!(
+                "template {} failed to capture ({}); delete it and register it again",
+                record.id,
+                record.error.as_deref().unwrap_or("no reason recorded")
+            ),
+        }),
+    }
+}
+
+/// Validate as an edit of the template's image (its size is the output size), with the
+/// template's step count and guidance as defaults. The step count cannot differ: the cache has
+/// one entry per step of the template's schedule.
+pub fn validate(
+    raw: RawParams,
+    record: &TemplateRecord,
+    limits: &Limits,
+    defaults: &Defaults,
+) -> Result<ValidParams, FieldError> {
+    let defaults = Defaults {
+        steps: record.steps,
+        guidance: record.guidance_scale,
+        ..defaults.clone()
+    };
+    let valid = validate::validate_edit(raw, (record.width, record.height), limits, &defaults)?;
+    if valid.params.num_inference_steps != record.steps {
+        return Err(FieldError::invalid(
+            "num_inference_steps",
+            format!(
+                "must be {} (the template's: its cache holds one entry per step), got {}",
+                record.steps, valid.params.num_inference_steps
+            ),
+        ));
+    }
+    Ok(valid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use diffmesh_shared::messages::TemplateRef;
+
+    fn record(state: TemplateState) -> TemplateRecord {
+        let t = TemplateRef {
+            template_id: "t".into(),
+            prompt: String::new(),
+            seed: 5,
+            steps: 4,
+            guidance_scale: 1.0,
+            cache_key: "tpl-k".into(),
+        };
+        let mut r = TemplateRecord::new("t".into(), None, &t);
+        r.state = state;
+        (r.width, r.height) = (100, 60);
+        r
+    }
+
+    fn limits() -> Limits {
+        Limits {
+            max_n: 4,
+            min_steps: 1,
+            max_steps: 100,
+            max_guidance: 30.0,
+            max_pixels: 1 << 20,
+            max_prompt_chars: 100,
+        }
+    }
+
+    fn defaults() -> Defaults {
+        Defaults {
+            steps: 20,
+            guidance: 3.5,
+            width: 64,
+            height: 64,
+        }
+    }
+
+    fn raw(steps: Option<i64>) -> RawParams {
+        RawParams {
+            prompt: Some("a red square".into()),
+            num_inference_steps: steps,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn steps_and_guidance_default_to_the_templates_and_size_is_its_size() {
+        let v = validate(
+            raw(None),
+            &record(TemplateState::Ready),
+            &limits(),
+            &defaults(),
+        )
+        .unwrap();
+        assert_eq!(v.params.num_inference_steps, 4);
+        assert_eq!(v.params.guidance_scale, 1.0);
+        assert_eq!((v.params.width, v.params.height), (100, 60));
+        assert!(validate(
+            raw(Some(4)),
+            &record(TemplateState::Ready),
+            &limits(),
+            &defaults()
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn other_step_counts_and_missing_prompts_name_the_field() {
+        let r = record(TemplateState::Ready);
+        let e = validate(raw(Some(8)), &r, &limits(), &defaults()).unwrap_err();
+        assert_eq!(e.field, "num_inference_steps");
+        assert!(e.message.contains("must be 4"), "{}", e.message);
+        let e = validate(RawParams::default(), &r, &limits(), &defaults()).unwrap_err();
+        assert_eq!(e.field, "prompt");
+    }
+
+    #[test]
+    fn only_ready_templates_take_edits() {
+        assert!(ready(&record(TemplateState::Ready)).is_ok());
+        for state in [TemplateState::Capturing, TemplateState::Failed] {
+            let err = ready(&record(state)).unwrap_err();
+            assert!(matches!(err, ApiError::Conflict { .. }), "{err}");
+        }
+        match not_found("x") {
+            ApiError::NotFound { field, .. } => assert_eq!(field, "template_id"),
+            other => panic!("{other}"),
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! Template records (JSON in the KV bucket `subjects::TEMPLATE_BUCKET`) and template images (the
+//! object store of the same name, kept until the template is deleted, unlike the 24 h blobs).
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use bytes::Bytes;
+use diffmesh_shared::job::{now_ms, open_kv};
+use diffmesh_shared::messages::TemplateRef;
+use diffmesh_shared::nats::{BlobBucketConfig, BlobStore};
+use diffmesh_shared::subjects::TEMPLATE_BUCKET;
+use diffmesh_shared::MeshError;
+use futures::TryStreamExt;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::error::ApiError;
+
+/// Where a template is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum TemplateState {
+    /// The capture pass is running; edits are refused (409) until it is ready.
+    Capturing,
+    /// The activation cache is stored; edits read it.
+    Ready,
+    /// The capture failed (`error` says why); the template can only be deleted.
+    Failed,
+}
+
+impl TemplateState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TemplateState::Capturing => "capturing",
+            TemplateState::Ready => "ready",
+            TemplateState::Failed => "failed",
+        }
+    }
+}
+
+/// One registered template, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateRecord {
+    pub id: String,
+    pub state: TemplateState,
+    /// Unix milliseconds.
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+    /// The API key that registered it (`None` with authentication off).
+    pub owner: Option<String>,
+    /// What the capture ran with (the `TemplateRef` fields; edits must match `steps`).
+    pub prompt: String,
+    pub seed: u64,
+    pub steps: u32,
+    pub guidance_scale: f32,
+    /// Size of the uploaded image (every edit's output size).
+    pub width: u32,
+    pub height: u32,
+    pub image_bytes: u64,
+    /// SHA-256 of the model-resolution template pixels (the codec's `template_id`), once
+    /// prepared.
+    pub content_hash: Option<String>,
+    /// The capture job (`/v1/jobs/{id}`).
+    pub capture_job_id: Option<String>,
+    /// What the capturing denoiser reported (`JobEvent::Captured`), once ready.
+    pub cache_key: Option<String>,
+    pub cache_bytes: u64,
+    pub blocks: u32,
+    pub error: Option<String>,
+}
+
+impl TemplateRecord {
+    pub fn new(id: String, owner: Option<String>, template: &TemplateRef) -> Self {
+        let now = now_ms();
+        Self {
+            id,
+            state: TemplateState::Capturing,
+            created_at_ms: now,
+            updated_at_ms: now,
+            owner,
+            prompt: template.prompt.clone(),
+            seed: template.seed,
+            steps: template.steps,
+            guidance_scale: template.guidance_scale,
+            width: 0,
+            height: 0,
+            image_bytes: 0,
+            content_hash: None,
+            capture_job_id: None,
+            cache_key: None,
+            cache_bytes: 0,
+            blocks: 0,
+            error: None,
+        }
+    }
+
+    /// What a capture records and an edit reads (`cache_key` empty until captured).
+    pub fn template_ref(&self) -> TemplateRef {
+        TemplateRef {
+            template_id: self.id.clone(),
+            prompt: self.prompt.clone(),
+            seed: self.seed,
+            steps: self.steps,
+            guidance_scale: self.guidance_scale,
+            cache_key: self.cache_key.clone().unwrap_or_default(),
+        }
+    }
+
+    pub fn mark_failed(&mut self, error: impl Into<String>) {
+        self.state = TemplateState::Failed;
+        self.error = Some(error.into());
+    }
+}
+
+/// Object-store key of a template's uploaded image.
+pub fn image_key(template_id: &str) -> String {
+    format!("{template_id}/image")
+}
+
+/// Template ids are UUIDs, which also keeps KV and object-store keys well-formed; anything else
+/// cannot name a template.
+pub fn is_template_id(id: &str) -> bool {
+    uuid::Uuid::parse_str(id).is_ok_and(|u| u.to_string() == id)
+}
+
+/// Compare-and-set attempts before an update gives up under contention.
+const MAX_UPDATE_ATTEMPTS: u32 = 16;
+
+/// Records and images of templates.
+#[derive(Clone)]
+pub struct TemplateStore {
+    kv: kv::Store,
+    images: BlobStore,
+}
+
+fn internal(what: &str, err: impl std::fmt::Display) -> ApiError {
+    ApiError::Internal(format!("template store: {what}: {err}"))
+}
+
+impl TemplateStore {
+    /// Open (creating when missing) the record bucket and the image bucket; neither expires.
+    pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
+        let kv = open_kv(js, TEMPLATE_BUCKET, Duration::ZERO).await?;
+        let images = BlobStore::open_with(
+            js,
+            &BlobBucketConfig {
+                bucket: TEMPLATE_BUCKET.to_string(),
+                max_age: Duration::ZERO,
+            },
+        )
+        .await?;
+        Ok(Self { kv, images })
+    }
+
+    pub async fn put_image(&self, template_id: &str, bytes: &[u8]) -> Result<(), ApiError> {
+        Ok(self.images.put(&image_key(template_id), bytes).await?)
+    }
+
+    pub async fn image(&self, template_id: &str) -> Result<Vec<u8>, ApiError> {
+        Ok(self.images.get(&image_key(template_id)).await?)
+    }
+
+    pub async fn delete_image(&self, template_id: &str) -> Result<(), ApiError> {
+        Ok(self.images.delete(&image_key(template_id)).await?)
+    }
+
+    /// Store a new record; fails if the id exists.
+    pub async fn create(&self, record: &TemplateRecord) -> Result<(), ApiError> {
+        let value = Bytes::from(serde_json::to_vec(record).map_err(MeshError::from)?);
+        self.kv
+            .create(&record.id, value)
+            .await
+            .map_err(MeshError::from)?;
+        Ok(())
+    }
+
+    pub async fn get(&self, template_id: &str) -> Result<Option<TemplateRecord>, ApiError> {
+        Ok(self.get_with_revision(template_id).await?.map(|(r, _)| r))
+    }
+
+    async fn get_with_revision(
+        &self,
+        template_id: &str,
+    ) -> Result<Option<(TemplateRecord, u64)>, ApiError> {
+        if !is_template_id(template_id) {
+            return Ok(None);
+        }
+        match self.kv.entry(template_id).await.map_err(MeshError::from)? {
+            Some(e) if e.operation == kv::Operation::Put => {
+                let record = serde_json::from_slice(&e.value).map_err(MeshError::from)?;
+                Ok(Some((record, e.revision)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Read-modify-write with compare-and-set. `Ok(None)` when the record is gone (deleted
+    /// meanwhile).
+    pub async fn update<F>(
+        &self,
+        template_id: &str,
+        mut change: F,
+    ) -> Result<Option<TemplateRecord>, ApiError>
+    where
+        F: FnMut(&mut TemplateRecord),
+    {
+        for _ in 0..MAX_UPDATE_ATTEMPTS {
+            let Some((mut record, revision)) = self.get_with_revision(template_id).await? else {
+                return Ok(None);
+            };
+            change(&mut record);
+            record.updated_at_ms = now_ms();
+            let value = Bytes::from(serde_json::to_vec(&record).map_err(MeshError::from)?);
+            match self.kv.update(template_id, value, revision).await {
+                Ok(_) => return Ok(Some(record)),
+                Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(err) => return Err(MeshError::from(err).into()),
+            }
+        }
+        Err(internal(
+            "update",
+            format!("record {template_id} kept changing ({MAX_UPDATE_ATTEMPTS} attempts)"),
+        ))
+    }
+
+    pub async fn delete(&self, template_id: &str) -> Result<(), ApiError> {
+        self.kv
+            .delete(template_id)
+            .await
+            .map_err(|e| internal("delete", e))
+    }
+
+    /// Every record, oldest first.
+    pub async fn list(&self) -> Result<Vec<TemplateRecord>, ApiError> {
+        let keys: Vec<String> = self
+            .kv
+            .keys()
+            .await
+            .map_err(|e| internal("list", e))?
+            .try_collect()
+            .await
+            .map_err(|e| internal("list", e))?;
+        let mut records = Vec::with_capacity(keys.len());
+        for key in keys {
+            // A record deleted between listing and reading is simply not listed.
+            if let Some(r) = self.get(&key).await? {
+                records.push(r);
+            }
+        }
+        records.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
+        Ok(records)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_uuids_only() {
+        let id = uuid::Uuid::new_v4().to_string();
+        assert!(is_template_id(&id));
+        assert!(!is_template_id(&id.to_uppercase()));
+        for bad in ["", "x", "../etc", "a.b", "tpl-1"] {
+            assert!(!is_template_id(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn record_carries_the_template_ref() {
+        let t = TemplateRef {
+            template_id: "t".into(),
+            prompt: "p".into(),
+            seed: 3,
+            steps: 4,
+            guidance_scale: 1.5,
+            cache_key: String::new(),
+        };
+        let mut r = TemplateRecord::new("t".into(), None, &t);
+        assert_eq!(r.state, TemplateState::Capturing);
+        assert_eq!(r.template_ref(), t);
+        r.cache_key = Some("tpl-abc".into());
+        assert_eq!(r.template_ref().cache_key, "tpl-abc");
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["state"], "capturing");
+        let back: TemplateRecord = serde_json::from_value(json).unwrap();
+        assert_eq!(back, r);
+    }
+}

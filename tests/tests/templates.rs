@@ -1,0 +1,417 @@
+//! Templates over the whole mesh (NATS, codec, router, a denoiser with the tiny model,
+//! cachestore, gateway): register `docs/examples/template.png`, see its cache in the cachestore's
+//! tiers, run 20 edits with different masks at once by `template_id` (each at the template's
+//! size with its unmasked pixels exactly the template's, the cache read rather than recomputed),
+//! and delete it (record, image and every cache entry gone).
+use std::path::Path;
+use std::time::Duration;
+
+use diffmesh_shared::cachestore::{
+    locate_subject, template_keys, CacheLocate, CacheLocateReply, KeyLocation,
+};
+use diffmesh_shared::nats::request_msgpack;
+use diffmesh_tests::harness::{
+    init_test_logging, scrape_metrics, start_cachestore, start_codec, start_denoiser,
+    start_gateway, start_router, tiny_model_dir, NatsServer, Service,
+};
+use diffmesh_tests::images::{decode_b64_images, png_bytes};
+use futures::future::join_all;
+use image::{DynamicImage, GenericImageView, GrayImage, Luma};
+use reqwest::multipart::{Form, Part};
+use serde_json::Value;
+
+const STEPS: u32 = 4;
+const EDITS: usize = 20;
+
+struct Mesh {
+    _services: Vec<Service>,
+    api: std::net::SocketAddr,
+    cachestore_health: std::net::SocketAddr,
+    denoiser_health: std::net::SocketAddr,
+    http: reqwest::Client,
+    nats_url: String,
+    _disk: tempfile::TempDir,
+    // Last: fields drop in order, and services must stop before their NATS server.
+    _nats: NatsServer,
+}
+
+async fn start_mesh() -> Mesh {
+    init_test_logging();
+    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+    let nats = NatsServer::start();
+    let disk = tempfile::tempdir().expect("tempdir");
+    let codec = start_codec(&nats, |_| {}).expect("codec");
+    let cachestore =
+        start_cachestore(&nats, disk.path(), |c| c.memory_bytes = 64 << 20).expect("cachestore");
+    let router = start_router(&nats, |c| {
+        // Twenty edits at once: let them wait for a slot instead of being turned away.
+        c.max_queue = 64;
+        c.admission_wait_ms = 3000;
+    })
+    .expect("router");
+    let denoiser = start_denoiser(&nats, &model, "d1", |c| {
+        c.max_batch = 8;
+        c.max_queue = 32;
+    })
+    .expect("denoiser");
+    let gateway = start_gateway(&nats, |c| {
+        c.router_timeout_s = 5.0;
+        c.submit_wait_s = 60.0;
+        c.job_timeout_s = 180.0;
+    })
+    .expect("gateway");
+    for s in [&codec, &cachestore, &router, &denoiser, &gateway] {
+        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
+    }
+    Mesh {
+        api: gateway.addrs.api.unwrap(),
+        cachestore_health: cachestore.addrs.health,
+        denoiser_health: denoiser.addrs.health,
+        _services: vec![gateway, denoiser, router, cachestore, codec],
+        http: reqwest::Client::new(),
+        nats_url: nats.url(),
+        _disk: disk,
+        _nats: nats,
+    }
+}
+
+impl Mesh {
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.api)
+    }
+
+    async fn get_json(&self, path: &str) -> (u16, Value) {
+        let r = self.http.get(self.url(path)).send().await.expect("GET");
+        let status = r.status().as_u16();
+        (status, r.json().await.expect("JSON body"))
+    }
+
+    async fn edit(&self, form: Form) -> (u16, Value) {
+        let r = self
+            .http
+            .post(self.url("/v1/images/edits"))
+            .multipart(form)
+            .timeout(Duration::from_secs(240))
+            .send()
+            .await
+            .expect("edit request");
+        let status = r.status().as_u16();
+        (status, r.json().await.expect("JSON body"))
+    }
+
+    /// Where the cachestore holds each entry of a cache.
+    async fn locate(&self, cache_key: &str) -> Vec<KeyLocation> {
+        let client = async_nats::connect(&self.nats_url).await.expect("NATS");
+        let req = CacheLocate {
+            keys: template_keys(cache_key, STEPS),
+        };
+        let reply: CacheLocateReply =
+            request_msgpack(&client, &locate_subject(), &req, Duration::from_secs(5))
+                .await
+                .expect("locate");
+        match reply {
+            CacheLocateReply::Located { keys } => keys,
+            CacheLocateReply::Failed { message } => panic!("locate failed: {message}"),
+        }
+    }
+}
+
+fn example(name: &str) -> Vec<u8> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../docs/examples")
+        .join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Mask `i` of the twenty: rectangles, discs and stripes of different sizes and places, so
+/// masked ratios range from a few percent to about half the image (white = repaint).
+fn mask(i: usize, w: u32, h: u32) -> GrayImage {
+    let k = i as i64;
+    GrayImage::from_fn(w, h, |x, y| {
+        let (x, y) = (i64::from(x), i64::from(y));
+        let (w, h) = (i64::from(w), i64::from(h));
+        let inside = match i % 4 {
+            // Rectangles growing with i, moving across the image.
+            0 => {
+                let (x0, y0) = ((k * 11) % (w / 2), (k * 7) % (h / 2));
+                let (rw, rh) = (w / 8 + k * 6, h / 10 + k * 4);
+                (x0..x0 + rw).contains(&x) && (y0..y0 + rh).contains(&y)
+            }
+            // Discs of radius 10 to 60 pixels.
+            1 => {
+                let (cx, cy, r) = (w / 4 + k * 7, h / 3 + k * 5, 10 + k * 3);
+                (x - cx).pow(2) + (y - cy).pow(2) <= r * r
+            }
+            // Narrow vertical stripes, further apart as i grows.
+            2 => x % (64 + 8 * k) < 8,
+            // A thin horizontal band.
+            _ => (y - (h / 2 + k)).abs() < 2 + k / 2,
+        };
+        Luma([if inside { 255 } else { 0 }])
+    })
+}
+
+fn edit_form(template_id: &str, mask: &GrayImage, seed: usize) -> Form {
+    Form::new()
+        .text("template_id", template_id.to_string())
+        .part(
+            "mask",
+            Part::bytes(png_bytes(&DynamicImage::ImageLuma8(mask.clone()))).file_name("mask.png"),
+        )
+        .text(
+            "prompt",
+            "a yellow square on the right on a blue background",
+        )
+        .text("seed", seed.to_string())
+}
+
+/// The value of a Prometheus sample line `name{labels} value` (0 when absent).
+fn sample(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn register_edit_concurrently_and_delete_a_template() {
+    let mesh = start_mesh().await;
+    let template_png = example("template.png");
+    let template = image::load_from_memory(&template_png).expect("template.png");
+    let (w, h) = template.dimensions();
+    let template_rgb = template.to_rgb8();
+
+    // A registration that is not an image leaves nothing behind.
+    let r = mesh
+        .http
+        .post(mesh.url("/v1/templates"))
+        .multipart(Form::new().part("image", Part::bytes(b"GIF89a...".to_vec())))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["field"], "image");
+
+    // Register.
+    let form = Form::new()
+        .part(
+            "image",
+            Part::bytes(template_png.clone()).file_name("template.png"),
+        )
+        .text("prompt", "a blue background")
+        .text("seed", "7")
+        .text("num_inference_steps", STEPS.to_string())
+        .text("guidance_scale", "1.0");
+    let r = mesh
+        .http
+        .post(mesh.url("/v1/templates"))
+        .multipart(form)
+        .timeout(Duration::from_secs(240))
+        .send()
+        .await
+        .expect("register");
+    let status = r.status().as_u16();
+    let created: Value = r.json().await.unwrap();
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["status"], "ready", "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+    let cache_key = created["cache_key"].as_str().unwrap().to_string();
+    assert!(cache_key.starts_with("tpl-"), "{created}");
+    assert!(created["cache_bytes"].as_u64().unwrap() > 0, "{created}");
+    assert!(created["blocks"].as_u64().unwrap() > 0, "{created}");
+    assert_eq!(
+        (created["width"].as_u64(), created["height"].as_u64()),
+        (Some(w.into()), Some(h.into()))
+    );
+
+    // GET: ready, every entry (meta + one per step) in the cachestore, at least in the cluster
+    // tier (writes go through to it).
+    let (status, got) = mesh.get_json(&format!("/v1/templates/{id}")).await;
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(got["status"], "ready");
+    let cache = &got["cache"];
+    assert_eq!(cache["expected_entries"], STEPS + 1, "{got}");
+    assert_eq!(cache["stored_entries"], STEPS + 1, "{got}");
+    assert_eq!(cache["by_tier"]["cluster"], STEPS + 1, "{got}");
+    assert_eq!(cache["error"], Value::Null, "{got}");
+    let (_, list) = mesh.get_json("/v1/templates").await;
+    assert!(
+        list["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["id"] == id.as_str()),
+        "{list}"
+    );
+
+    // Bad edits by template name the field.
+    let masks: Vec<GrayImage> = (0..EDITS).map(|i| mask(i, w, h)).collect();
+    let both = edit_form(&id, &masks[0], 1).part(
+        "image",
+        Part::bytes(template_png.clone()).file_name("t.png"),
+    );
+    let (status, body) = mesh.edit(both).await;
+    assert_eq!(
+        (status, &body["error"]["field"]),
+        (400, &Value::from("template_id")),
+        "{body}"
+    );
+    let (status, body) = mesh
+        .edit(edit_form(&id, &masks[0], 1).text("num_inference_steps", "8"))
+        .await;
+    assert_eq!(
+        (status, &body["error"]["field"]),
+        (400, &Value::from("num_inference_steps")),
+        "{body}"
+    );
+    let unknown = uuid_like();
+    let (status, body) = mesh.edit(edit_form(&unknown, &masks[0], 1)).await;
+    assert_eq!(
+        (status, &body["error"]["field"]),
+        (404, &Value::from("template_id")),
+        "{body}"
+    );
+
+    let cachestore_before = scrape_metrics(mesh.cachestore_health).await.unwrap();
+
+    // Twenty edits at once, each with its own mask.
+    let edits = masks
+        .iter()
+        .enumerate()
+        .map(|(i, m)| mesh.edit(edit_form(&id, m, 100 + i)));
+    let results = join_all(edits).await;
+    for (i, ((status, body), m)) in results.iter().zip(&masks).enumerate() {
+        assert_eq!(*status, 200, "edit {i}: {body}");
+        let images = decode_b64_images(body).unwrap();
+        let out = &images[0];
+        assert_eq!(out.dimensions(), (w, h), "edit {i}");
+        let out = out.to_rgb8();
+        let mut masked = 0;
+        for (x, y, p) in out.enumerate_pixels() {
+            if m.get_pixel(x, y).0[0] >= 128 {
+                masked += 1;
+            } else {
+                assert_eq!(
+                    p,
+                    template_rgb.get_pixel(x, y),
+                    "edit {i}: unmasked ({x},{y}) differs"
+                );
+            }
+        }
+        assert!(masked > 0, "mask {i} repaints nothing");
+    }
+
+    // The cache was read, not recomputed: the denoiser stepped rows mask-aware, and the cache
+    // came from its local tier or the cachestore (which the router asked to prefetch it).
+    let denoiser = scrape_metrics(mesh.denoiser_health).await.unwrap();
+    let cachestore = scrape_metrics(mesh.cachestore_health).await.unwrap();
+    let mask_aware = sample(
+        &denoiser,
+        "diffmesh_denoiser_step_rows_total{mode=\"mask_aware\"}",
+    );
+    assert!(
+        mask_aware >= (EDITS as f64) * f64::from(STEPS),
+        "{denoiser}"
+    );
+    let local_hits = sample(
+        &denoiser,
+        "diffmesh_denoiser_local_cache_lookups_total{result=\"hit\"}",
+    );
+    let store_hits: f64 = ["memory", "disk", "cluster"]
+        .iter()
+        .map(|t| {
+            let series = format!("diffmesh_cachestore_hits_total{{tier=\"{t}\"}}");
+            sample(&cachestore, &series) - sample(&cachestore_before, &series)
+        })
+        .sum();
+    assert!(
+        local_hits + store_hits > 0.0,
+        "no cache hit\n{denoiser}\n{cachestore}"
+    );
+    let prefetched: f64 = ["already_in_memory", "from_disk", "from_cluster", "missing"]
+        .iter()
+        .map(|o| {
+            sample(
+                &cachestore,
+                &format!("diffmesh_cachestore_prefetches_total{{outcome=\"{o}\"}}"),
+            )
+        })
+        .sum();
+    assert!(
+        prefetched >= f64::from(STEPS + 1),
+        "the router sent no prefetch\n{cachestore}"
+    );
+    eprintln!(
+        "templates: {EDITS} edits: mask-aware rows {mask_aware}, local-tier hits {local_hits}, \
+         cachestore hits {store_hits}, prefetched keys {prefetched}"
+    );
+
+    // After edits the denoiser holds the cache in its local tier, and says so in heartbeats.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, got) = mesh.get_json(&format!("/v1/templates/{id}")).await;
+        if got["cache"]["denoisers"]
+            .as_array()
+            .is_some_and(|d| d.iter().any(|w| w == "d1"))
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no denoiser reports the cache: {got}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Delete: the record, the image and every cache entry go.
+    let r = mesh
+        .http
+        .delete(mesh.url(&format!("/v1/templates/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let deleted: Value = r.json().await.unwrap();
+    assert_eq!(deleted["cache_entries_deleted"], STEPS + 1, "{deleted}");
+    let (status, body) = mesh.get_json(&format!("/v1/templates/{id}")).await;
+    assert_eq!(
+        (status, &body["error"]["field"]),
+        (404, &Value::from("template_id")),
+        "{body}"
+    );
+    for loc in mesh.locate(&cache_key).await {
+        assert!(
+            loc.tiers.is_empty(),
+            "{} is still in {:?}",
+            loc.key,
+            loc.tiers
+        );
+    }
+    // The denoiser heard the EvictTemplate and dropped its local copy.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let denoiser = scrape_metrics(mesh.denoiser_health).await.unwrap();
+        if sample(&denoiser, "diffmesh_denoiser_local_cache_bytes") == 0.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the denoiser kept the deleted template's cache\n{denoiser}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, _) = mesh.edit(edit_form(&id, &masks[0], 1)).await;
+    assert_eq!(status, 404);
+    let r = mesh
+        .http
+        .delete(mesh.url(&format!("/v1/templates/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+}
+
+/// A well-formed template id that names nothing.
+fn uuid_like() -> String {
+    "00000000-0000-4000-8000-000000000000".to_string()
+}
