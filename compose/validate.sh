@@ -7,7 +7,8 @@
 #   provisioning   YAML (python)
 #   nats.conf      nats-server -t
 #   shell scripts  sh -n, shellcheck when installed
-#   Dockerfiles    hadolint when installed; paths they COPY exist
+#   Dockerfiles    one per service, the one it builds from, multi-stage, non-root, health check
+#                  on the health port (python); paths they COPY exist; hadolint when installed
 # Exit status: 1 when a check that ran failed, 0 otherwise (skips do not fail).
 # Usage: compose/validate.sh    (from anywhere; installs nothing itself except PyYAML into a
 #        temporary venv when python3 lacks it; promtool: apt-get install prometheus)
@@ -319,9 +320,70 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------
-# Dockerfiles
+# Dockerfiles: one per mesh service (compose/<service>.Dockerfile), each the one its service
+# builds from, multi-stage, running as a non-root user, with a health check on the health port.
 # ---------------------------------------------------------------------------------------------
-for f in "$here/Dockerfile" "$here/Dockerfile.torch"; do
+if [ -n "$python" ]; then
+  if out="$("$python" - "$compose" "$here" gateway router codec cachestore denoiser <<'EOF' 2>&1
+import glob, os, re, sys, yaml
+compose, here, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+services = yaml.safe_load(open(compose))["services"]
+errors = []
+for name in names:
+    rel = f"compose/{name}.Dockerfile"
+    path = os.path.join(here, f"{name}.Dockerfile")
+    if not os.path.isfile(path):
+        errors.append(f"{rel} missing")
+        continue
+    build = (services.get(name) or {}).get("build") or {}
+    if build.get("dockerfile") != rel:
+        errors.append(f"service {name} builds from {build.get('dockerfile')!r}, not {rel}")
+    # Instructions with their continuation lines joined, comments dropped.
+    text = re.sub(r"\\\n", " ", open(path).read())
+    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith("#")]
+    def instructions(keyword):
+        return [l.split(None, 1)[1] if " " in l else "" for l in lines
+                if l.split(None, 1)[0].upper() == keyword]
+    stages = instructions("FROM")
+    if len(stages) < 2:
+        errors.append(f"{rel}: not a multi-stage build ({len(stages)} FROM)")
+    stage_names = {s.split()[-1].lower() for s in stages if " as " in s.lower()}
+    for copy in instructions("COPY"):
+        m = re.search(r"--from=(\S+)", copy)
+        if m and m.group(1).lower() not in stage_names:
+            errors.append(f"{rel}: COPY --from={m.group(1)} names no stage")
+    users = instructions("USER")
+    if not users or users[-1].split(":")[0] in ("root", "0"):
+        errors.append(f"{rel}: the final stage must switch to a non-root USER")
+    checks = instructions("HEALTHCHECK")
+    if not checks or "CMD" not in checks[-1]:
+        errors.append(f"{rel}: no HEALTHCHECK CMD")
+    elif not (re.search(r"HEALTH_ADDR|:9090", checks[-1]) and re.search(r"/(readyz|healthz)", checks[-1])):
+        errors.append(f"{rel}: the HEALTHCHECK does not probe /readyz or /healthz on the health port")
+    if not any("HEALTH_ADDR=" in e for e in instructions("ENV")):
+        errors.append(f"{rel}: no ENV HEALTH_ADDR (the port the health check probes)")
+    if not os.path.isfile(path + ".dockerignore"):
+        errors.append(f"{rel}.dockerignore missing (the build context would include target/)")
+used = {os.path.basename(((s or {}).get("build") or {}).get("dockerfile", "")) for s in services.values()}
+for path in sorted(glob.glob(os.path.join(here, "*Dockerfile*"))):
+    base = os.path.basename(path)
+    if not base.endswith(".dockerignore") and base not in used:
+        errors.append(f"compose/{base} is built by no service")
+if errors:
+    print("; ".join(errors))
+    sys.exit(1)
+print(f"{len(names)} Dockerfiles, each its service's, multi-stage, non-root, health-checked")
+EOF
+)"; then
+    pass "Dockerfile per service: $out"
+  else
+    fail "Dockerfile per service: $out"
+  fi
+else
+  skip "Dockerfile per service: python3 with PyYAML unavailable"
+fi
+
+for f in "$here"/*.Dockerfile; do
   name="${f#"$here"/}"
   # COPY sources relative to the build context (the repository root), other stages excluded.
   missing=""
@@ -333,7 +395,6 @@ for f in "$here/Dockerfile" "$here/Dockerfile.torch"; do
   else
     fail "$name: COPY sources missing:$missing"
   fi
-  [ -f "$f.dockerignore" ] || fail "$name: $name.dockerignore missing (build context would include target/)"
   if have hadolint; then
     if out="$(hadolint --ignore DL3008 "$f" 2>&1)"; then
       pass "hadolint $name"

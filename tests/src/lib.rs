@@ -1,3 +1,4 @@
 //! Integration tests of the whole mesh live in tests/tests/; this crate holds their harness.
 pub mod harness;
 pub mod images;
+pub mod tools;

@@ -1,6 +1,7 @@
 //! The deployment files in `compose/` pass `compose/validate.sh`: compose structure (and
 //! `docker compose config` where the CLI exists), Prometheus config (promtool), the Grafana
-//! dashboard's JSON, views and metric names, provisioning, NATS config, scripts, Dockerfiles.
+//! dashboard's JSON, views and metric names, provisioning, NATS config, scripts, and one
+//! Dockerfile per service (referenced by it, multi-stage, non-root, health-checked).
 use std::path::Path;
 use std::process::Command;
 
@@ -11,6 +12,7 @@ const ALWAYS_RUN: &[&str] = &[
     "dashboard JSON",
     "dashboard metric names",
     "grafana provisioning",
+    "Dockerfile per service",
     "Dockerfile: COPY sources exist",
 ];
 

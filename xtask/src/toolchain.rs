@@ -9,13 +9,15 @@ use std::process::Command;
 /// Pinned versions: tch 0.24 requires exactly libtorch 2.11.0.
 pub const TORCH_VERSION: &str = "2.11.0";
 /// Everything the venv must hold: torch (libtorch for tch, and the parity reference), diffusers
-/// (parity reference), and the small packages the parity scripts use.
+/// (parity reference), the small packages the parity scripts use, and schemathesis.
 pub const PY_REQUIREMENTS: &[&str] = &[
     "torch==2.11.0",
     "diffusers==0.42.1",
     "safetensors==0.8.0",
     "numpy==2.4.6",
     "pillow==13.0.0",
+    // Checks the gateway's OpenAPI document against the running server (tests/tests/schemathesis.rs).
+    "schemathesis==4.32.5",
 ];
 
 pub struct Toolchain {

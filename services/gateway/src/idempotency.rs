@@ -12,7 +12,7 @@ use crate::validate::RawParams;
 
 pub const HEADER: &str = "Idempotency-Key";
 /// Longest key accepted (UUIDs and similar tokens are far shorter).
-const MAX_KEY_CHARS: usize = 255;
+pub const MAX_KEY_CHARS: usize = 255;
 
 /// A request's idempotency key, scoped to its caller.
 #[derive(Debug, Clone, PartialEq)]

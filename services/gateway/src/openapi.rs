@@ -10,7 +10,7 @@ use utoipa::{Modify, OpenApi};
 
 use crate::routes::ApiState;
 use crate::validate::Limits;
-use crate::{events, jobs, playground, routes, templates};
+use crate::{events, idempotency, jobs, playground, routes, templates};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -120,17 +120,46 @@ pub fn document(limits: &Limits) -> String {
         Ok(v) => v,
         Err(e) => return format!(r#"{{"error": "building the document failed: {e}"}}"#),
     };
-    for form in ["RawParams", "EditForm"] {
+    for form in ["RawParams", "EditForm", "TemplateFormDoc"] {
         let props = &mut doc["components"]["schemas"][form]["properties"];
         if !props.is_object() {
             continue;
         }
         props["prompt"]["maxLength"] = json!(limits.max_prompt_chars);
-        props["n"]["maximum"] = json!(limits.max_n);
         props["num_inference_steps"]["minimum"] = json!(limits.min_steps);
         props["num_inference_steps"]["maximum"] = json!(limits.max_steps);
         props["guidance_scale"]["maximum"] = json!(limits.max_guidance);
-        props["size"]["pattern"] = json!("^[0-9]+[xX][0-9]+$");
+        if form == "TemplateFormDoc" {
+            continue;
+        }
+        props["n"]["maximum"] = json!(limits.max_n);
+        // WxH, each side 1 to 99999 (the pixel limit still applies to the product).
+        props["size"]["pattern"] = json!("^[1-9][0-9]{0,4}[xX][1-9][0-9]{0,4}$");
+        props["response_format"]["enum"] = json!(["b64_json", "png"]);
+    }
+    // Job and template ids are UUIDs (the handlers refuse anything else), and Idempotency-Key
+    // has a shape: say so, so clients and generated requests (schemathesis) use valid ones.
+    if let Some(paths) = doc["paths"].as_object_mut() {
+        let params = paths
+            .values_mut()
+            .filter_map(Value::as_object_mut)
+            .flat_map(|item| item.values_mut())
+            .filter_map(|op| op.get_mut("parameters").and_then(Value::as_array_mut))
+            .flat_map(|params| params.iter_mut());
+        for param in params {
+            if param["in"] == "path" && param["name"] == "id" {
+                param["schema"] = json!({"type": "string", "format": "uuid"});
+            }
+            // What `idempotency::from_request` accepts (visible ASCII, spaces inside).
+            if param["in"] == "header" && param["name"] == idempotency::HEADER {
+                param["schema"] = json!({
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": idempotency::MAX_KEY_CHARS,
+                    "pattern": "^[!-~]([ -~]*[!-~])?$",
+                });
+            }
+        }
     }
     // utoipa writes `[u8]` bodies as arrays of integers; an image is binary.
     if let Some(paths) = doc["paths"].as_object_mut() {
@@ -239,7 +268,26 @@ mod tests {
         let gen = &doc["paths"]["/v1/images/generations"]["post"];
         assert!(gen["responses"]["429"].is_object());
         let png = &gen["responses"]["200"]["content"]["image/png"]["schema"];
-        assert_eq!((&png["type"], &png["format"]), (&json!("string"), &json!("binary")));
+        assert_eq!(
+            (&png["type"], &png["format"]),
+            (&json!("string"), &json!("binary"))
+        );
+        let image = &doc["paths"]["/v1/templates/{id}/image"]["get"];
+        for media_type in ["image/png", "image/jpeg", "image/webp"] {
+            assert_eq!(
+                image["responses"]["200"]["content"][media_type]["schema"]["format"], "binary",
+                "{media_type}"
+            );
+        }
+        for path in [
+            "/v1/jobs/{id}",
+            "/v1/templates/{id}",
+            "/v1/jobs/{id}/result/{n}",
+        ] {
+            let params = doc["paths"][path]["get"]["parameters"].as_array().unwrap();
+            let id = params.iter().find(|p| p["name"] == "id").unwrap();
+            assert_eq!(id["schema"]["format"], "uuid", "{path}");
+        }
     }
 
     #[test]
@@ -250,6 +298,21 @@ mod tests {
             assert_eq!(props["n"]["maximum"], 3, "{form}");
             assert_eq!(props["num_inference_steps"]["maximum"], 50, "{form}");
             assert_eq!(props["prompt"]["maxLength"], 500, "{form}");
+            assert_eq!(props["response_format"]["enum"], json!(["b64_json", "png"]));
         }
+        let template = &doc["components"]["schemas"]["TemplateFormDoc"]["properties"];
+        assert_eq!(template["num_inference_steps"]["maximum"], 50);
+        assert_eq!(
+            doc["components"]["schemas"]["RawParams"]["properties"]["size"]["pattern"],
+            "^[1-9][0-9]{0,4}[xX][1-9][0-9]{0,4}$"
+        );
+        let params = doc["paths"]["/v1/images/generations"]["post"]["parameters"]
+            .as_array()
+            .unwrap();
+        let key = params
+            .iter()
+            .find(|p| p["name"] == "Idempotency-Key")
+            .unwrap();
+        assert_eq!(key["schema"]["maxLength"], 255);
     }
 }

@@ -150,10 +150,35 @@ pub(crate) fn image_size(bytes: &[u8], field: &str) -> Result<(u32, u32), FieldE
         .map_err(|e| FieldError::invalid(field, format!("unreadable image header: {e}")))
 }
 
+/// A JSON number with no fractional part (JSON Schema's `integer`: `2.0` is one, as some
+/// clients encode whole numbers).
+fn whole_number(value: &Value) -> Option<f64> {
+    value.as_f64().filter(|f| f.is_finite() && f.fract() == 0.0)
+}
+
 fn int_field(name: &str, value: &Value) -> Result<i64, FieldError> {
+    // i64's range is [-2^63, 2^63); the float comparison is exact at these powers of two.
+    let from_float = || {
+        whole_number(value)
+            .filter(|f| *f >= -9_223_372_036_854_775_808.0 && *f < 9_223_372_036_854_775_808.0)
+            .map(|f| f as i64)
+    };
     value
         .as_i64()
+        .or_else(from_float)
         .ok_or_else(|| FieldError::invalid(name, "must be an integer"))
+}
+
+fn u64_field(name: &str, value: &Value) -> Result<u64, FieldError> {
+    let from_float = || {
+        whole_number(value)
+            .filter(|f| *f >= 0.0 && *f < 18_446_744_073_709_551_616.0)
+            .map(|f| f as u64)
+    };
+    value
+        .as_u64()
+        .or_else(from_float)
+        .ok_or_else(|| FieldError::invalid(name, "must be a non-negative integer"))
 }
 
 /// Field-by-field reading of the JSON body, so type errors name the field.
@@ -185,12 +210,7 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
                         .ok_or_else(|| FieldError::invalid(key, "must be a number"))?,
                 )
             }
-            "seed" => {
-                raw.seed =
-                    Some(v.as_u64().ok_or_else(|| {
-                        FieldError::invalid(key, "must be a non-negative integer")
-                    })?)
-            }
+            "seed" => raw.seed = Some(u64_field(key, v)?),
             // OpenAI fields that do not change what this server does (model, user, quality...).
             _ => {}
         }
@@ -244,6 +264,28 @@ mod tests {
         assert_eq!(raw_from_json(b"{").unwrap_err().field, "body");
         let raw = raw_from_json(br#"{"prompt": "x", "n": 2, "seed": 7, "model": "m"}"#).unwrap();
         assert_eq!((raw.n, raw.seed), (Some(2), Some(7)));
+    }
+
+    #[test]
+    fn whole_floats_are_integers_and_fractions_are_not() {
+        let raw =
+            raw_from_json(br#"{"n": 2.0, "num_inference_steps": 4.0, "seed": 3149724.0}"#).unwrap();
+        assert_eq!(
+            (raw.n, raw.num_inference_steps, raw.seed),
+            (Some(2), Some(4), Some(3149724))
+        );
+        for (body, field) in [
+            (r#"{"n": 1.5}"#, "n"),
+            (r#"{"num_inference_steps": 1e300}"#, "num_inference_steps"),
+            (r#"{"seed": -1.0}"#, "seed"),
+            (r#"{"seed": 1.8446744073709552e19}"#, "seed"),
+        ] {
+            assert_eq!(
+                raw_from_json(body.as_bytes()).unwrap_err().field,
+                field,
+                "{body}"
+            );
+        }
     }
 
     #[test]

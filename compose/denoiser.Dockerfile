@@ -1,18 +1,17 @@
 # syntax=docker/dockerfile:1.7
 #
-# Image of a diffmesh service that links libtorch through tch (the denoiser).
+# diffmesh-denoiser: the engine thread with the model (libtorch through tch), step-level batching
+# (health and metrics on 9090).
 #
-# Why a separate file and not a branch in compose/Dockerfile: both stages differ, not just a
-# package name. The builder needs g++ (torch-sys compiles a C++ shim), python3 and the PyPI
-# `torch` wheel, whose libtorch tch 0.24 links against (it must be exactly 2.11.0); the runtime
-# needs libtorch's shared libraries (about 1 GB), the CUDA libraries the wheel depends on (about
-# 2.7 GB, GPU only) and the model directory. Conditionals for all of that would make the plain
-# services' file hard to read and their builds slow.
+# Unlike the other services' images, the builder needs g++ (torch-sys compiles a C++ shim),
+# python3 and the PyPI `torch` wheel, whose libtorch tch 0.24 links against (it must be exactly
+# 2.11.0); the runtime needs libtorch's shared libraries (about 1 GB), the CUDA libraries the
+# wheel depends on (about 2.7 GB, GPU only) and the model directory.
 #
 # Build from the repository root:
-#   docker build -f compose/Dockerfile.torch -t diffmesh-denoiser .                # CUDA wheel (GPU or CPU)
-#   docker build -f compose/Dockerfile.torch \
-#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu -t diffmesh-denoiser:cpu .
+#   docker build -f compose/denoiser.Dockerfile -t diffmesh/denoiser:dev .          # CUDA wheel (GPU or CPU)
+#   docker build -f compose/denoiser.Dockerfile \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu -t diffmesh/denoiser:cpu .
 # The CPU-only wheel makes a much smaller image; the default PyPI wheel is the CUDA build, which
 # also runs on CPU-only hosts.
 
@@ -60,19 +59,17 @@ RUN set -eu; \
     ln -s "$lib" /stage/opt/libtorch/lib; \
     echo "torch libraries staged:"; cat /stage/etc/ld.so.conf.d/diffmesh-torch.conf; du -sh /stage
 
-ARG SERVICE=denoiser
 WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target,id=diffmesh-target-torch \
-    cargo build --release --locked -p "diffmesh-${SERVICE}" \
- && install -D -m 0755 "target/release/diffmesh-${SERVICE}" "/out/diffmesh-${SERVICE}"
+    cargo build --release --locked -p diffmesh-denoiser \
+ && install -D -m 0755 target/release/diffmesh-denoiser /out/diffmesh-denoiser
 
 # ---------------------------------------------------------------------------------------------
 FROM debian:${DEBIAN_RELEASE}-slim AS runtime
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-ARG SERVICE=denoiser
 # libstdc++6/libgomp1: libtorch's C++ runtime (libgomp also ships in torch/lib; the system one
 # is a fallback). curl: the container health check.
 RUN apt-get update \
@@ -81,9 +78,8 @@ RUN apt-get update \
  && useradd --system --uid 10001 --user-group --home-dir /opt/diffmesh --create-home diffmesh
 COPY --from=builder /stage/ /
 RUN ldconfig
-COPY --from=builder /out/diffmesh-${SERVICE} /usr/local/bin/
-RUN ln -s "diffmesh-${SERVICE}" /usr/local/bin/diffmesh-service \
- && ! ldd "/usr/local/bin/diffmesh-${SERVICE}" | grep 'not found'
+COPY --from=builder /out/diffmesh-denoiser /usr/local/bin/diffmesh-denoiser
+RUN ! ldd /usr/local/bin/diffmesh-denoiser | grep 'not found'
 WORKDIR /opt/diffmesh
 # The default model (tiny, trained, shipped in the repo). The CUDA C sources of kernels/ are
 # expected inside the binary (include_str!), so the image needs no copy of them.
@@ -97,11 +93,12 @@ ENV RUST_LOG=info \
     MODEL_DIR=/opt/diffmesh/models/tiny \
     LD_LIBRARY_PATH=/opt/libtorch/lib \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
-LABEL org.opencontainers.image.title="diffmesh-${SERVICE}"
+LABEL org.opencontainers.image.title="diffmesh-denoiser"
 EXPOSE 9090
-# Loading the model takes a while on first start: a longer start period than the other services.
+# /readyz on the health port: the process is up and connected to NATS. Loading the model takes a
+# while on first start: a longer start period than the other services.
 # Shell form on purpose: the port comes from HEALTH_ADDR at run time.
 # hadolint ignore=DL3025
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
   CMD curl -fsS "http://127.0.0.1:${HEALTH_ADDR##*:}/readyz" >/dev/null || exit 1
-ENTRYPOINT ["/usr/local/bin/diffmesh-service"]
+ENTRYPOINT ["/usr/local/bin/diffmesh-denoiser"]
