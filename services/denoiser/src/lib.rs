@@ -322,7 +322,6 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         batching: config.batching,
         token_budget: config.token_budget,
         cache: cache_settings,
-        ..Default::default()
     };
     let cache_bucket = BlobStore::open_with(
         &js,

@@ -1,0 +1,402 @@
+//! The real engine in-process for the bench (CPU, no NATS): the model from a directory, the
+//! engine thread, its per-step cost by batch size, and an open-loop run of timed submits.
+use super::workload::ModelGrid;
+use crate::engine::{
+    spawn_engine, EngineConfig, EngineEvent, EngineHandle, EngineJob, EngineThread,
+};
+use crate::metrics::DenoiserMetrics;
+use crate::model::{step_requests, EngineModel};
+use anyhow::{bail, Context, Result};
+use diffmesh_model::pipeline::stepper::{step_batch, DenoiseState};
+use diffmesh_model::tch::{Device, Kind};
+use diffmesh_model::tiny::IMAGE_SIZE;
+use diffmesh_shared::messages::DenoiseJob;
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Instant;
+use tokio::sync::mpsc;
+use tracing::Span;
+
+/// Bench engines never reject for room: every request of a run may wait at once.
+const QUEUE: usize = 100_000;
+const CHANNEL: usize = 4096;
+
+pub fn load_model(dir: &Path) -> Result<EngineModel> {
+    EngineModel::load(dir, Device::Cpu, Kind::Float, "bench".into(), IMAGE_SIZE)
+        .with_context(|| format!("--model-dir {}: cannot load the model", dir.display()))
+}
+
+/// The image-token grid the model runs at by default.
+pub fn model_grid(model: &EngineModel) -> ModelGrid {
+    let token_px = 2 * model.pipeline().codec.downscale_factor();
+    ModelGrid {
+        pixels: model.default_width as u32,
+        tokens_per_side: (model.default_width / token_px) as u32,
+    }
+}
+
+/// A finished job as the engine reports it (model-resolution RGB images).
+pub struct Finished {
+    pub job: DenoiseJob,
+    pub images: Vec<Vec<u8>>,
+    /// Seconds since the run's start.
+    pub at_s: f64,
+}
+
+/// What the engine's own metrics say about a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    pub steps: u64,
+    pub step_seconds: f64,
+    pub rows: f64,
+}
+
+impl StepStats {
+    fn add(self, other: StepStats) -> StepStats {
+        StepStats {
+            steps: self.steps + other.steps,
+            step_seconds: self.step_seconds + other.step_seconds,
+            rows: self.rows + other.rows,
+        }
+    }
+
+    fn since(self, before: StepStats) -> StepStats {
+        StepStats {
+            steps: self.steps - before.steps,
+            step_seconds: self.step_seconds - before.step_seconds,
+            rows: self.rows - before.rows,
+        }
+    }
+
+    /// Mean wall time of one image row through one step (the engine's cost, contention included).
+    pub fn ms_per_row(&self) -> f64 {
+        self.step_seconds * 1e3 / self.rows.max(1.0)
+    }
+
+    /// Fraction of `wall_s` the engine spent stepping (its measured utilisation).
+    pub fn busy(&self, wall_s: f64) -> f64 {
+        self.step_seconds / wall_s.max(1e-9)
+    }
+}
+
+pub struct BenchEngine {
+    pub handle: EngineHandle,
+    pub grid: ModelGrid,
+    events: mpsc::Receiver<EngineEvent>,
+    thread: EngineThread,
+    metrics: DenoiserMetrics,
+    at_start: StepStats,
+    /// When each job was admitted (seconds since [`BenchEngine::mark_start`]).
+    pub started_s: HashMap<String, f64>,
+    start: Instant,
+}
+
+impl BenchEngine {
+    pub fn start(model_dir: &Path, config: EngineConfig) -> Result<Self> {
+        let model = load_model(model_dir)?;
+        let grid = model_grid(&model);
+        let (tx, events) = mpsc::channel(CHANNEL);
+        let config = EngineConfig {
+            max_queue: QUEUE,
+            ..config
+        };
+        let metrics = DenoiserMetrics::new(&prometheus::Registry::new())?;
+        let (handle, thread) = spawn_engine(model, config, CHANNEL, tx, Some(metrics.clone()))
+            .context("starting the engine")?;
+        Ok(Self {
+            handle,
+            grid,
+            events,
+            thread,
+            metrics,
+            at_start: StepStats::default(),
+            started_s: HashMap::new(),
+            start: Instant::now(),
+        })
+    }
+
+    /// Times from now on are relative to this instant.
+    pub fn mark_start(&mut self) -> Instant {
+        self.start = Instant::now();
+        self.started_s.clear();
+        self.at_start = self.step_totals();
+        self.start
+    }
+
+    fn step_totals(&self) -> StepStats {
+        StepStats {
+            steps: self.metrics.step_seconds.get_sample_count(),
+            step_seconds: self.metrics.step_seconds.get_sample_sum(),
+            rows: self.metrics.batch_rows.get_sample_sum(),
+        }
+    }
+
+    /// Steps since [`BenchEngine::mark_start`] (read once the run's jobs are done).
+    pub fn step_stats(&self) -> StepStats {
+        self.step_totals().since(self.at_start)
+    }
+
+    /// The next finished job; a failed or cancelled job is an error (the bench sends no bad
+    /// input, so one means the engine is broken).
+    pub async fn next_finished(&mut self) -> Result<Finished> {
+        loop {
+            let event = self
+                .events
+                .recv()
+                .await
+                .context("the engine stopped before every job finished")?;
+            let now = self.start.elapsed().as_secs_f64();
+            match event {
+                EngineEvent::Started { job_id } => {
+                    self.started_s.insert(job_id, now);
+                }
+                EngineEvent::Finished { job, images, .. } => {
+                    return Ok(Finished {
+                        job,
+                        images,
+                        at_s: now,
+                    })
+                }
+                EngineEvent::Failed { job, error, .. } => {
+                    bail!("job {} failed in the engine: {error}", job.job_id)
+                }
+                EngineEvent::Cancelled { job_id } => bail!("job {job_id} was cancelled"),
+                _ => {}
+            }
+        }
+    }
+
+    pub async fn submit(&self, job: EngineJob) -> Result<()> {
+        let id = job.job.job_id.clone();
+        self.handle
+            .submit(job, Span::none())
+            .await
+            .with_context(|| format!("submitting {id}"))?;
+        Ok(())
+    }
+
+    pub async fn stop(self) {
+        self.handle.begin_shutdown().await;
+        drop(self.events);
+        self.thread.join().await;
+    }
+}
+
+/// Per-request times of one run, seconds since its start.
+#[derive(Debug, Clone, Default)]
+pub struct RunTimes {
+    pub arrival_s: HashMap<String, f64>,
+    pub started_s: HashMap<String, f64>,
+    pub done_s: HashMap<String, f64>,
+}
+
+impl RunTimes {
+    /// End-to-end latencies (arrival to done) of every request.
+    pub fn latencies(&self) -> Result<Vec<f64>> {
+        self.arrival_s
+            .iter()
+            .map(|(id, a)| {
+                let d = self
+                    .done_s
+                    .get(id)
+                    .with_context(|| format!("{id} never finished"))?;
+                Ok(d - a)
+            })
+            .collect()
+    }
+
+    /// Mean time from arrival to admission into the running batch.
+    pub fn mean_queueing_s(&self) -> f64 {
+        let waits: Vec<f64> = self
+            .arrival_s
+            .iter()
+            .filter_map(|(id, a)| self.started_s.get(id).map(|s| s - a))
+            .collect();
+        waits.iter().sum::<f64>() / waits.len().max(1) as f64
+    }
+
+    /// Seconds from the run's start to its last request done.
+    pub fn makespan_s(&self) -> f64 {
+        self.done_s.values().copied().fold(0.0, f64::max)
+    }
+
+    /// Mean number of requests in the running batch over the run (Little's law on the
+    /// admission-to-done intervals).
+    pub fn mean_running(&self) -> f64 {
+        let busy: f64 = self
+            .started_s
+            .iter()
+            .filter_map(|(id, s)| self.done_s.get(id).map(|d| d - s))
+            .sum();
+        let first = self
+            .arrival_s
+            .values()
+            .copied()
+            .fold(f64::INFINITY, f64::min);
+        let last = self.done_s.values().copied().fold(0.0, f64::max);
+        busy / (last - first).max(1e-9)
+    }
+}
+
+/// One mode's figures pooled over the rounds of a part (rounds alternate between the modes, so
+/// a slow spell of the machine weighs on both alike).
+#[derive(Debug, Clone, Default)]
+pub struct Pooled {
+    pub latencies: Vec<f64>,
+    queueing_s: Vec<f64>,
+    running: Vec<f64>,
+    wall_s: f64,
+    pub stats: StepStats,
+}
+
+impl Pooled {
+    pub fn add(&mut self, times: &RunTimes, stats: StepStats) -> Result<()> {
+        self.latencies.extend(times.latencies()?);
+        self.queueing_s.push(times.mean_queueing_s());
+        self.running.push(times.mean_running());
+        self.wall_s += times.makespan_s();
+        self.stats = self.stats.add(stats);
+        Ok(())
+    }
+
+    fn mean(v: &[f64]) -> f64 {
+        v.iter().sum::<f64>() / v.len().max(1) as f64
+    }
+
+    /// Mean time from arrival to admission, averaged over rounds.
+    pub fn mean_queueing_s(&self) -> f64 {
+        Self::mean(&self.queueing_s)
+    }
+
+    /// Mean requests in the running batch, averaged over rounds.
+    pub fn mean_running(&self) -> f64 {
+        Self::mean(&self.running)
+    }
+
+    /// Fraction of the runs' wall time the engine spent stepping (its measured utilisation).
+    pub fn busy(&self) -> f64 {
+        self.stats.busy(self.wall_s)
+    }
+}
+
+/// Submit each job at its arrival time and wait until every one finished; done = the engine's
+/// `Finished` event (no post-processing).
+pub async fn open_loop(engine: &mut BenchEngine, jobs: Vec<(f64, EngineJob)>) -> Result<RunTimes> {
+    let n = jobs.len();
+    let mut times = RunTimes::default();
+    let start = tokio::time::Instant::from_std(engine.mark_start());
+    let handle = engine.handle.clone();
+    for (at, job) in &jobs {
+        times.arrival_s.insert(job.job.job_id.clone(), *at);
+    }
+    let submitter = tokio::spawn(async move {
+        let mut pending = Vec::with_capacity(jobs.len());
+        for (at, job) in jobs {
+            tokio::time::sleep_until(start + std::time::Duration::from_secs_f64(at)).await;
+            let h = handle.clone();
+            pending.push(tokio::spawn(
+                async move { h.submit(job, Span::none()).await },
+            ));
+        }
+        for p in pending {
+            p.await.context("submit task")?.context("submit")?;
+        }
+        anyhow::Ok(())
+    });
+    while times.done_s.len() < n {
+        let f = engine.next_finished().await?;
+        times.done_s.insert(f.job.job_id, f.at_s);
+    }
+    submitter.await.context("submitter task")??;
+    times.started_s = engine.started_s.clone();
+    Ok(times)
+}
+
+/// Seconds per engine step at each batch size `1..=max_batch`: generations of the model's
+/// default size, the median of `steps` timed steps (after one warm-up step) per size. The whole
+/// sweep runs `rounds` times and the median round is kept per size; the result is the
+/// least-squares line through those medians, so a burst of other work on the machine during one
+/// measurement does not set the arrival rate.
+pub fn calibrate(model_dir: &Path, max_batch: usize, steps: u32, rounds: u32) -> Result<Vec<f64>> {
+    let model = load_model(model_dir)?;
+    let _guard = diffmesh_model::tch::no_grad_guard();
+    let pipeline = model.pipeline();
+    let mut per_size = vec![Vec::new(); max_batch];
+    for _ in 0..rounds.max(1) {
+        for (b, rounds) in (1..=max_batch).zip(per_size.iter_mut()) {
+            let mut states: Vec<DenoiseState> = Vec::with_capacity(b);
+            for i in 0..b {
+                let job = diffmesh_shared::testing::generation_job(
+                    &format!("calibrate-{i}"),
+                    "a red circle on the left on a blue background",
+                    i as u64,
+                    steps + 1,
+                );
+                for r in step_requests(&job, None, &model)? {
+                    states.push(DenoiseState::new(&pipeline, &r)?);
+                }
+            }
+            let mut refs: Vec<&mut DenoiseState> = states.iter_mut().collect();
+            step_batch(&pipeline, &mut refs)?;
+            let mut times = Vec::with_capacity(steps as usize);
+            for _ in 0..steps {
+                let t = Instant::now();
+                step_batch(&pipeline, &mut refs)?;
+                times.push(t.elapsed().as_secs_f64());
+            }
+            times.sort_by(f64::total_cmp);
+            rounds.push(times[times.len() / 2]);
+        }
+    }
+    let medians: Vec<f64> = per_size
+        .into_iter()
+        .map(|mut v| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        })
+        .collect();
+    Ok(fit_line(&medians))
+}
+
+/// The least-squares line through `ys[i]` at batch size `i + 1`, evaluated at every size (each
+/// value kept at least a tenth of the smallest measurement, so it stays a positive time).
+pub fn fit_line(ys: &[f64]) -> Vec<f64> {
+    let n = ys.len() as f64;
+    if ys.len() < 2 {
+        return ys.to_vec();
+    }
+    let xs: Vec<f64> = (1..=ys.len()).map(|b| b as f64).collect();
+    let (mx, my) = (xs.iter().sum::<f64>() / n, ys.iter().sum::<f64>() / n);
+    let sxy: f64 = xs.iter().zip(ys).map(|(x, y)| (x - mx) * (y - my)).sum();
+    let sxx: f64 = xs.iter().map(|x| (x - mx) * (x - mx)).sum();
+    let slope = sxy / sxx;
+    let floor = ys.iter().copied().fold(f64::INFINITY, f64::min) / 10.0;
+    xs.iter()
+        .map(|x| (my + slope * (x - mx)).max(floor))
+        .collect()
+}
+
+/// Requests per second the engine completes when its batch is always full.
+pub fn continuous_capacity_rps(step_s: &[f64], mean_steps: f64) -> f64 {
+    debug_assert!(!step_s.is_empty());
+    let b = step_s.len();
+    b as f64 / (mean_steps * step_s[b - 1])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn line_fit_smooths_an_outlier() {
+        let exact: Vec<f64> = (1..=8).map(|b| 2.0 + 10.0 * b as f64).collect();
+        let fit = fit_line(&exact);
+        assert!(fit.iter().zip(&exact).all(|(a, b)| (a - b).abs() < 1e-9));
+        // One slow measurement moves the line a little, not the last point by 50%.
+        let mut noisy = exact.clone();
+        noisy[7] *= 1.5;
+        let fit = fit_line(&noisy);
+        assert!(fit[7] / exact[7] < 1.25, "{}", fit[7] / exact[7]);
+        assert_eq!(fit_line(&[3.0]), vec![3.0]);
+    }
+}

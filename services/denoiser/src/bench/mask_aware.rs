@@ -1,0 +1,368 @@
+//! The mask-aware part of `cargo xtask bench engine` (FlashPS §4.2 and §5):
+//!
+//! - latency, on the medium random config: one denoising step (one transformer forward) in full
+//!   compute against a mask-aware step at mask ratio 0.2 whose cache is (a) already resident as
+//!   tensors ("ideal"), (b) streamed block by block from the local tier's encoded entry by the
+//!   engine's loader thread while earlier blocks compute ("pipelined", what the engine does), and
+//!   (c) decoded completely before the compute starts ("naive");
+//! - throughput at batch 8, masks drawn from the mask-ratio file: a full batched forward of 8
+//!   against one packed mask-aware forward of the same 8 (pipelined loads);
+//! - quality, with the trained tiny model: edits of a rendered template run to the end in full
+//!   compute and through the engine's `CachedStepper` (the serving path), composited like the
+//!   codec does; SSIM and PSNR of mask-aware against full, per cache dtype.
+use crate::cached_step::{CacheSettings, CachedStepper, CaptureSink, PrefixPolicy};
+use crate::templates::{KvLoader, TemplateEntry};
+use anyhow::{Context, Result};
+use diffmesh_model::bench_inputs::{medium_config, random_inputs, MEDIUM_SIDE, MEDIUM_TXT};
+use diffmesh_model::flux::kv_codec::{decode_block, CacheDtype};
+use diffmesh_model::flux::{
+    CapturedKv, FluxInputs, FluxTransformer, KvCache, KvFormat, MaskedRequest,
+};
+use diffmesh_model::model_dir::LoadedModel;
+use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest};
+use diffmesh_model::pipeline::template::{capture_state, TemplateSpec};
+use diffmesh_model::quality::{psnr, ssim};
+use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
+use diffmesh_model::tiny::data::{all_keys, render_rgb, rgb_to_tensor, scene_for};
+use diffmesh_model::tiny::IMAGE_SIZE;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use super::report::Report;
+use serde_json::{json, Map, Value};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Settings of the mask-aware measurements.
+#[derive(Debug, Clone)]
+pub struct MaskAwareOptions {
+    /// Mask ratios to draw from (the production trace).
+    pub mask_ratios: Vec<f64>,
+    /// Timed rounds per latency figure (medians are reported).
+    pub runs: usize,
+    /// Trained tiny model for the quality figures.
+    pub tiny_dir: PathBuf,
+    /// Edits per cache dtype in the quality measurement.
+    pub quality_edits: usize,
+    /// Denoising steps of the quality edits.
+    pub quality_steps: usize,
+    pub seed: u64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn ms(f: impl FnOnce() -> diffmesh_model::Result<()>) -> Result<f64> {
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// Capture one forward's K/V as an encoded one-step cache entry.
+fn capture_entry(
+    model: &FluxTransformer,
+    inputs: &FluxInputs,
+    dtype: CacheDtype,
+) -> Result<Arc<TemplateEntry>> {
+    let mut sink = CaptureSink::new(KvFormat::Prepared, dtype);
+    model.forward_capture(inputs, &mut sink)?;
+    sink.end_step();
+    let entry = sink
+        .finish("bench".into(), model.num_blocks())
+        .map_err(anyhow::Error::msg)?;
+    Ok(Arc::new(entry))
+}
+
+/// Decode every block of step 0 (the "naive" load, and the resident cache of "ideal").
+fn decode_all(entry: &TemplateEntry) -> Result<CapturedKv> {
+    let mut kv = CapturedKv::new(entry.format);
+    for b in 0..entry.blocks() {
+        let blob = entry.block(0, b).context("block missing")?;
+        let (k, v, _) = decode_block(blob, Kind::Float)?;
+        kv.blocks.push((k, v));
+    }
+    Ok(kv)
+}
+
+fn masked_request<'a>(
+    inputs: &FluxInputs,
+    row: i64,
+    index: &Tensor,
+    cache: &'a dyn KvCache,
+) -> MaskedRequest<'a> {
+    MaskedRequest {
+        hidden_states: inputs.hidden_states.get(row).index_select(0, index),
+        token_index: index.shallow_clone(),
+        encoder_hidden_states: inputs.encoder_hidden_states.get(row),
+        pooled_projections: inputs.pooled_projections.get(row),
+        timestep: 0.5,
+        guidance: inputs.guidance.as_ref().map(|_| 3.5),
+        img_ids: inputs.img_ids.shallow_clone(),
+        txt_ids: inputs.txt_ids.shallow_clone(),
+        cache,
+        full_hidden_states: None,
+    }
+}
+
+fn random_index(rng: &mut ChaCha8Rng, n: i64, ratio: f64) -> Tensor {
+    let m = ((ratio * n as f64).round() as i64).clamp(1, n - 1);
+    let mut all: Vec<i64> = (0..n).collect();
+    for i in 0..m as usize {
+        let j = rng.random_range(i..n as usize);
+        all.swap(i, j);
+    }
+    let mut chosen = all[..m as usize].to_vec();
+    chosen.sort_unstable();
+    Tensor::from_slice(&chosen)
+}
+
+/// Latency and throughput figures on the medium config.
+fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
+    let _guard = tch::no_grad_guard();
+    let cfg = medium_config();
+    tch::manual_seed(opts.seed as i64);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = FluxTransformer::new(&vs.root(), cfg.clone())?;
+    let n = MEDIUM_SIDE * MEDIUM_SIDE;
+    let inputs = random_inputs(&cfg, MEDIUM_SIDE, MEDIUM_TXT);
+    let entry = capture_entry(&model, &inputs, CacheDtype::Bf16)?;
+    let resident = decode_all(&entry)?;
+    let loader = KvLoader::spawn(2)?;
+    let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
+    let index = random_index(&mut rng, n, 0.2);
+
+    let (mut full, mut ideal, mut pipelined, mut naive) = (vec![], vec![], vec![], vec![]);
+    for round in 0..opts.runs + 1 {
+        let f = ms(|| model.forward(&inputs).map(drop))?;
+        let i = ms(|| {
+            model
+                .forward_masked(&[masked_request(&inputs, 0, &index, &resident)])
+                .map(drop)
+        })?;
+        let p = ms(|| {
+            let stream = loader.load_step(vec![(entry.clone(), 0)], 0, Kind::Float, Device::Cpu);
+            model
+                .forward_masked(&[masked_request(&inputs, 0, &index, &stream[0])])
+                .map(drop)
+        })?;
+        let nv = ms(|| {
+            let kv = decode_all(&entry)
+                .map_err(|e| diffmesh_model::ModelError::input("cache", e.to_string()))?;
+            model
+                .forward_masked(&[masked_request(&inputs, 0, &index, &kv)])
+                .map(drop)
+        })?;
+        if round > 0 {
+            full.push(f);
+            ideal.push(i);
+            pipelined.push(p);
+            naive.push(nv);
+        }
+    }
+    let (full, ideal, pipelined, naive) = (
+        median(full),
+        median(ideal),
+        median(pipelined),
+        median(naive),
+    );
+    report.say(format!(
+        "medium step at mask 0.2: full {full:.1} ms, mask-aware ideal {ideal:.1} ms, pipelined {pipelined:.1} ms, naive {naive:.1} ms"
+    ));
+    let bw = loader.stats().bytes_per_second().unwrap_or(0.0);
+    report.say(format!(
+        "cache: {} bytes per step ({} blocks, bf16), loader {:.2} GB/s",
+        entry.bytes(),
+        entry.blocks(),
+        bw / 1e9
+    ));
+    report.insert("medium_full_step_ms", json!(full));
+    report.insert("medium_masked_ideal_ms", json!(ideal));
+    report.insert("medium_masked_pipelined_ms", json!(pipelined));
+    report.insert("medium_masked_naive_ms", json!(naive));
+    report.insert("cache_step_bytes", json!(entry.bytes()));
+    report.insert("loader_gb_per_s", json!(bw / 1e9));
+    report.insert("speedup_at_0_2", json!(full / pipelined));
+    report.insert("pipelined_over_ideal", json!(pipelined / ideal));
+    report.insert("naive_over_ideal", json!(naive / ideal));
+
+    // Batch of 8 with ratios from the trace.
+    let b = 8i64;
+    let ratios: Vec<f64> = (0..b)
+        .map(|_| opts.mask_ratios[rng.random_range(0..opts.mask_ratios.len())])
+        .collect();
+    let batch = FluxInputs {
+        hidden_states: inputs.hidden_states.repeat([b, 1, 1]),
+        encoder_hidden_states: inputs.encoder_hidden_states.repeat([b, 1, 1]),
+        pooled_projections: inputs.pooled_projections.repeat([b, 1]),
+        timestep: inputs.timestep.repeat([b]),
+        img_ids: inputs.img_ids.shallow_clone(),
+        txt_ids: inputs.txt_ids.shallow_clone(),
+        guidance: inputs.guidance.as_ref().map(|g| g.repeat([b])),
+    };
+    let indexes: Vec<Tensor> = ratios
+        .iter()
+        .map(|&r| random_index(&mut rng, n, r))
+        .collect();
+    let (mut full_b, mut masked_b) = (vec![], vec![]);
+    for round in 0..opts.runs.div_ceil(2) + 1 {
+        let f = ms(|| model.forward(&batch).map(drop))?;
+        let m = ms(|| {
+            let parts = (0..b).map(|_| (entry.clone(), 0)).collect();
+            let streams = loader.load_step(parts, 0, Kind::Float, Device::Cpu);
+            let reqs: Vec<MaskedRequest> = indexes
+                .iter()
+                .zip(&streams)
+                .map(|(idx, s)| masked_request(&inputs, 0, idx, s))
+                .collect();
+            model.forward_masked(&reqs).map(drop)
+        })?;
+        if round > 0 {
+            full_b.push(f);
+            masked_b.push(m);
+        }
+    }
+    let (full_b, masked_b) = (median(full_b), median(masked_b));
+    let mean_ratio = ratios.iter().sum::<f64>() / ratios.len() as f64;
+    report.say(format!(
+        "batch 8 (mean mask ratio {mean_ratio:.3}): full {full_b:.1} ms, mask-aware {masked_b:.1} ms per step"
+    ));
+    report.insert("b8_mask_ratios", json!(ratios));
+    report.insert("b8_full_step_ms", json!(full_b));
+    report.insert("b8_masked_step_ms", json!(masked_b));
+    report.insert("throughput_ratio_b8", json!(full_b / masked_b));
+    Ok(())
+}
+
+/// A token mask (16x16 grid) repainting a rectangle of about `ratio` of the tokens.
+fn rect_mask(rng: &mut ChaCha8Rng, side: i64, ratio: f64) -> Tensor {
+    let area = (ratio * (side * side) as f64)
+        .round()
+        .clamp(1.0, (side * side - 1) as f64);
+    let aspect: f64 = rng.random_range(0.5..2.0);
+    let w = ((area * aspect).sqrt().round() as i64).clamp(1, side);
+    let h = ((area / w as f64).round() as i64).clamp(1, side);
+    let (x0, y0) = (
+        rng.random_range(0..=side - w),
+        rng.random_range(0..=side - h),
+    );
+    let mask = Tensor::zeros([side, side], (Kind::Bool, Device::Cpu));
+    let _ = mask.narrow(0, y0, h).narrow(1, x0, w).fill_(1);
+    mask.view([-1])
+}
+
+/// Quality of mask-aware edits against full compute with the trained tiny model.
+fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
+    let _guard = tch::no_grad_guard();
+    let model = LoadedModel::load(&opts.tiny_dir, Device::Cpu, Kind::Float)
+        .with_context(|| format!("loading {}", opts.tiny_dir.display()))?;
+    let p = model.pipeline();
+    let keys = all_keys();
+    let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
+    let scene = scene_for(keys[rng.random_range(0..keys.len())], &mut rng);
+    let size = IMAGE_SIZE;
+    let template = rgb_to_tensor(&render_rgb(&scene), size).unsqueeze(0);
+    let side = size / (2 * p.codec.downscale_factor());
+    let template_seed = 4242;
+    let mut summary = Map::new();
+    for dtype in [CacheDtype::F32, CacheDtype::Bf16, CacheDtype::Fp8] {
+        let spec = TemplateSpec {
+            template: template.shallow_clone(),
+            prompt: scene.key.prompt(),
+            seed: template_seed,
+            steps: opts.quality_steps,
+            guidance_scale: 1.0,
+        };
+        let mut state = capture_state(&p, &spec)?;
+        let mut sink = CaptureSink::new(KvFormat::Prepared, dtype);
+        while !state.is_done() {
+            state.capture_step(&p, &mut sink)?;
+            sink.end_step();
+        }
+        let entry = Arc::new(
+            sink.finish("quality".into(), p.transformer.num_blocks())
+                .map_err(anyhow::Error::msg)?,
+        );
+        let mut stepper = CachedStepper::new(CacheSettings {
+            format: KvFormat::Prepared,
+            dtype,
+            lookahead: 2,
+            prefix: PrefixPolicy::Fixed(0),
+        })?;
+        let mut edit_rng = ChaCha8Rng::seed_from_u64(opts.seed + 1);
+        let (mut ssims, mut psnrs) = (vec![], vec![]);
+        for e in 0..opts.quality_edits {
+            let ratio = opts.mask_ratios[edit_rng.random_range(0..opts.mask_ratios.len())];
+            let token_mask = rect_mask(&mut edit_rng, side, ratio);
+            let prompt = keys[edit_rng.random_range(0..keys.len())].prompt();
+            let request = StepRequest {
+                prompt,
+                seed: 100 + e as u64,
+                height: size,
+                width: size,
+                steps: opts.quality_steps,
+                guidance_scale: 1.0,
+                edit: Some(EditSpec {
+                    template: template.shallow_clone(),
+                    token_mask: token_mask.shallow_clone(),
+                    strength: 1.0,
+                    template_seed: Some(template_seed),
+                }),
+            };
+            let mut full = DenoiseState::new(&p, &request)?;
+            while !full.is_done() {
+                full.step(&p)?;
+            }
+            let mut cached = DenoiseState::new(&p, &request)?;
+            while !cached.is_done() {
+                stepper.step(&p, &mut [&mut cached], &[Some(entry.clone())])?;
+            }
+            // Composite as the codec does: the template's pixels outside the mask.
+            let pixel_mask = token_mask
+                .view([side, side])
+                .to_kind(Kind::Float)
+                .repeat_interleave_self_int(size / side, Some(0), None)
+                .repeat_interleave_self_int(size / side, Some(1), None)
+                .view([1, 1, size, size]);
+            let comp = |x: &Tensor| -> Tensor {
+                let img = (x.clamp(-1.0, 1.0) + 1.0) / 2.0;
+                let tpl = (&template + 1.0) / 2.0;
+                &pixel_mask * img + (1.0 - &pixel_mask) * tpl
+            };
+            let (a, b) = (comp(&full.decode(&p)?), comp(&cached.decode(&p)?));
+            ssims.push(ssim(&a, &b)?);
+            psnrs.push(psnr(&a, &b)?.min(100.0));
+        }
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        let (s, q) = (mean(&ssims), mean(&psnrs));
+        let min_s = ssims.iter().copied().fold(f64::INFINITY, f64::min);
+        report.say(format!(
+            "quality ({} cache, {} edits, {} steps): SSIM mean {s:.4} (min {min_s:.4}), PSNR mean {q:.2} dB; cache {} bytes",
+            dtype.as_str(),
+            opts.quality_edits,
+            opts.quality_steps,
+            entry.bytes()
+        ));
+        summary.insert(
+            dtype.as_str().into(),
+            json!({"ssim_mean": s, "ssim_min": min_s, "psnr_mean": q, "cache_bytes": entry.bytes()}),
+        );
+        if dtype == CacheDtype::Bf16 {
+            report.insert("ssim_mean", json!(s));
+            report.insert("psnr_mean", json!(q));
+        }
+    }
+    report.insert("quality_by_cache_dtype", Value::Object(summary));
+    Ok(())
+}
+
+/// Run every mask-aware measurement; figures go into `report` under the names the issue uses.
+pub fn run(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
+    anyhow::ensure!(
+        !opts.mask_ratios.is_empty(),
+        "--mask-ratios: the file has no ratios"
+    );
+    latency(opts, report)?;
+    quality(opts, report)
+}

@@ -1,0 +1,18 @@
+//! `cargo xtask bench engine`: the engine measured in-process (real engine thread, tiny model,
+//! CPU, no NATS). Each part adds its figures to one [`report::Report`], printed as one JSON
+//! line last.
+//!
+//! - [`batching`]: continuous against static batching under Poisson arrivals;
+//! - [`disaggregation`]: pre/post-processing inline in the step loop against on codec workers;
+//! - [`mask_aware`]: FlashPS step latency with streamed cache loading, throughput at batch 8 and
+//!   quality (SSIM/PSNR) of mask-aware edits against full compute.
+//!
+//! [`workload`] draws the requests, [`driver`] runs the engine and measures its step cost,
+//! [`codec_work`] is the codec's image work per request.
+pub mod batching;
+pub mod codec_work;
+pub mod disaggregation;
+pub mod driver;
+pub mod mask_aware;
+pub mod report;
+pub mod workload;

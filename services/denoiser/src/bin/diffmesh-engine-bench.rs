@@ -1,0 +1,240 @@
+//! `cargo xtask bench engine`: engine benchmarks (see `diffmesh_denoiser::bench`). Prints
+//! human-readable lines, then one JSON line with every figure last (`--json`: only that line).
+use anyhow::{ensure, Context, Result};
+use clap::{Parser, ValueEnum};
+use diffmesh_denoiser::bench::batching::{self, BatchingOptions};
+use diffmesh_denoiser::bench::disaggregation::{self, DisaggregationOptions};
+use diffmesh_denoiser::bench::driver::calibrate;
+use diffmesh_denoiser::bench::mask_aware;
+use diffmesh_denoiser::bench::report::Report;
+use diffmesh_denoiser::bench::workload::WorkloadSpec;
+use diffmesh_model::tch;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Part {
+    /// Continuous against static batching.
+    Batching,
+    /// Pre/post-processing inline in the step loop against on codec workers.
+    Disaggregation,
+    /// Mask-aware step latency (medium config), throughput at batch 8, quality (tiny model).
+    MaskAware,
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "diffmesh-engine-bench",
+    about = "Engine benchmarks (in-process, CPU)"
+)]
+struct Args {
+    /// Mask-ratio trace: one ratio a line (relative paths from the repository root).
+    #[arg(long, default_value = "../shared/data/mask-ratios/production-edit.txt")]
+    mask_ratios: PathBuf,
+    /// Print only the JSON line.
+    #[arg(long)]
+    json: bool,
+    /// Parts to run (comma-separated).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_values_t = [Part::MaskAware, Part::Batching, Part::Disaggregation]
+    )]
+    parts: Vec<Part>,
+    /// Model directory (diffusers layout; relative paths from the repository root).
+    #[arg(long, default_value = "models/tiny")]
+    model_dir: PathBuf,
+    /// Timed rounds per mask-aware latency figure (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    mask_aware_runs: usize,
+    /// Edits per cache dtype in the quality measurement (tiny model).
+    #[arg(long, default_value_t = 24)]
+    quality_edits: usize,
+    /// Denoising steps of each quality edit (the gateway's default is 20).
+    #[arg(long, default_value_t = 20)]
+    quality_steps: usize,
+    /// Requests per round (batching and disaggregation parts: each round runs the same
+    /// requests in both modes).
+    #[arg(long, default_value_t = 60)]
+    requests: usize,
+    /// Rounds per part, modes alternating, new arrivals each round; latencies pooled per mode
+    /// (so a slow spell of a shared machine weighs on both modes alike).
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Arrival rate as a fraction of the engine's measured full-batch capacity.
+    #[arg(long, default_value_t = 0.7)]
+    utilisation: f64,
+    /// Fraction of requests that are edits (masks from --mask-ratios); the rest generate.
+    #[arg(long, default_value_t = 0.8)]
+    edit_fraction: f64,
+    /// Fewest denoising steps of a request (drawn uniformly up to --steps-max).
+    #[arg(long, default_value_t = 5)]
+    steps_min: u32,
+    #[arg(long, default_value_t = 25)]
+    steps_max: u32,
+    /// Batch rows of the engine.
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Token budget of the engine (masked image tokens per step); unset: none.
+    #[arg(long)]
+    token_budget: Option<u64>,
+    /// Side of the uploaded PNG templates and masks (disaggregation part).
+    #[arg(long, default_value_t = 1024)]
+    image_size: u32,
+    /// Distinct template images (disaggregation part).
+    #[arg(long, default_value_t = 4)]
+    templates: usize,
+    /// Codec worker threads of the disaggregated mode.
+    #[arg(long, default_value_t = 1)]
+    codec_workers: usize,
+    /// Intra-op threads of the engine's torch (the rest of the cores serve the codec workers).
+    #[arg(long, default_value_t = 1)]
+    torch_threads: i32,
+    /// Timed steps per batch size when measuring the engine's step cost.
+    #[arg(long, default_value_t = 10)]
+    calibration_steps: u32,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// `path` as given when it exists, else relative to the repository root.
+fn from_repo_root(path: &Path) -> PathBuf {
+    if path.is_absolute() || path.exists() {
+        return path.to_path_buf();
+    }
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(path);
+    if repo.exists() {
+        repo
+    } else {
+        path.to_path_buf()
+    }
+}
+
+fn mask_ratios(path: &Path) -> Result<Vec<f64>> {
+    let resolved = from_repo_root(path);
+    ensure!(
+        resolved.is_file(),
+        "--mask-ratios {}: no such file (relative paths are read from the working directory, \
+         then from the repository root; pass --mask-ratios FILE)",
+        path.display()
+    );
+    diffmesh_sched::sim::workload::read_mask_ratios(&resolved)
+        .with_context(|| format!("--mask-ratios {}", resolved.display()))
+}
+
+/// The engine's step time by batch size, measured right before a part runs (the machine's load
+/// may have changed since the last part); reported as `<part>_step_ms_by_batch`.
+fn calibrate_and_say(
+    args: &Args,
+    model_dir: &Path,
+    report: &mut Report,
+    part: &str,
+) -> Result<Vec<f64>> {
+    let step_s = calibrate(model_dir, args.max_batch, args.calibration_steps, 3)?;
+    let step_ms: Vec<f64> = step_s.iter().map(|s| s * 1e3).collect();
+    // Throughput gained by stepping a full batch together instead of one row at a time.
+    let gain = step_s.len() as f64 * step_s[0] / step_s[step_s.len() - 1];
+    report.say(format!(
+        "{part}: engine step (ms, line fit) at batch 1..={}: {} (batch {} steps {gain:.2}x \
+         the images/s of batch 1)",
+        args.max_batch,
+        step_ms
+            .iter()
+            .map(|m| format!("{m:.1}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        step_s.len()
+    ));
+    report.insert(&format!("{part}_step_ms_by_batch"), json!(step_ms));
+    report.insert(&format!("{part}_batch_gain"), gain);
+    Ok(step_s)
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    ensure!(
+        args.utilisation > 0.0 && args.utilisation < 1.0,
+        "--utilisation must be in (0, 1), got {}",
+        args.utilisation
+    );
+    ensure!(args.max_batch >= 1, "--max-batch must be at least 1");
+    ensure!(args.rounds >= 1, "--rounds must be at least 1");
+    ensure!(
+        args.torch_threads >= 1,
+        "--torch-threads must be at least 1"
+    );
+    ensure!(
+        args.calibration_steps >= 1,
+        "--calibration-steps must be at least 1"
+    );
+    let ratios = mask_ratios(&args.mask_ratios)?;
+    let model_dir = from_repo_root(&args.model_dir);
+    tch::set_num_threads(args.torch_threads);
+    let workload = WorkloadSpec {
+        requests: args.requests,
+        edit_fraction: args.edit_fraction,
+        steps_min: args.steps_min,
+        steps_max: args.steps_max,
+        seed: args.seed,
+    };
+    workload.validate()?;
+
+    let mut report = Report::new(args.json);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    report.say(format!(
+        "engine bench: model {}, CPU, {cores} cores, torch threads {}, mask ratios {} ({} values)",
+        model_dir.display(),
+        args.torch_threads,
+        args.mask_ratios.display(),
+        ratios.len()
+    ));
+    report.insert("cores", cores);
+    report.insert("torch_threads", args.torch_threads);
+    report.insert("seed", args.seed);
+
+    if args.parts.contains(&Part::MaskAware) {
+        let opts = mask_aware::MaskAwareOptions {
+            mask_ratios: ratios.clone(),
+            runs: args.mask_aware_runs,
+            tiny_dir: model_dir.clone(),
+            quality_edits: args.quality_edits,
+            quality_steps: args.quality_steps,
+            seed: args.seed,
+        };
+        mask_aware::run(&opts, &mut report)?;
+    }
+    if args.parts.contains(&Part::Batching) {
+        let opts = BatchingOptions {
+            model_dir: model_dir.clone(),
+            workload: workload.clone(),
+            mask_ratios: ratios.clone(),
+            utilisation: args.utilisation,
+            max_batch: args.max_batch,
+            token_budget: args.token_budget,
+            rounds: args.rounds,
+        };
+        let step_s = calibrate_and_say(&args, &model_dir, &mut report, "batching")?;
+        batching::run(&opts, &step_s, &mut report).await?;
+    }
+    if args.parts.contains(&Part::Disaggregation) {
+        let opts = DisaggregationOptions {
+            model_dir: model_dir.clone(),
+            workload: workload.clone(),
+            mask_ratios: ratios.clone(),
+            utilisation: args.utilisation,
+            max_batch: args.max_batch,
+            image_size: args.image_size,
+            templates: args.templates,
+            codec_workers: args.codec_workers,
+            rounds: args.rounds,
+        };
+        let step_s = calibrate_and_say(&args, &model_dir, &mut report, "disaggregation")?;
+        disaggregation::run(&opts, &step_s, &mut report).await?;
+    }
+    println!("{}", report.json_line());
+    Ok(())
+}
