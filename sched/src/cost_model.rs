@@ -89,7 +89,8 @@ pub fn block_flops(hidden: u32, computed: u64, attended: u64) -> f64 {
     24.0 * h * h * c + 4.0 * c * attended as f64 * h
 }
 
-/// One profiled block forward of a batch.
+/// One profiled block forward of a batch. A full pass computes every token it attends to
+/// (`tokens == attended`); a mask-aware pass computes fewer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ComputeSample {
     /// Computed tokens summed over the batch.
@@ -101,6 +102,13 @@ pub struct ComputeSample {
     /// FLOPs of the block for the whole batch (sum of [`block_flops`] per request).
     pub flops: f64,
     pub latency_s: f64,
+}
+
+impl ComputeSample {
+    /// A full pass (every attended token computed), not a mask-aware one.
+    pub fn is_full(&self) -> bool {
+        self.tokens == self.attended
+    }
 }
 
 /// One profiled load of a block's cached activations (host to device).
@@ -120,7 +128,13 @@ pub struct Profile {
     pub synthetic: bool,
     pub shape: ModelShape,
     pub compute: Vec<ComputeSample>,
+    /// Loads from the fast tier the planner overlaps with compute (host to device on a GPU, a
+    /// memory copy into the compute tensors on a CPU).
     pub load: Vec<LoadSample>,
+    /// Loads from the slower tier a template's cache comes from when the worker does not hold
+    /// it (a file read into tensors); empty when not measured.
+    #[serde(default)]
+    pub disk_load: Vec<LoadSample>,
 }
 
 impl Profile {
@@ -245,6 +259,8 @@ pub struct CostModels {
     pub compute: LinearFit,
     /// Block cache-load latency (s) against bytes of the batch.
     pub load: LinearFit,
+    /// Slow-tier read latency (s) against bytes, when the profile measured it.
+    pub disk_load: Option<LinearFit>,
 }
 
 impl CostModels {
@@ -260,7 +276,66 @@ impl CostModels {
             shape: profile.shape.clone(),
             compute: LinearFit::fit("compute (profile.compute)", &cx, &cy)?,
             load: LinearFit::fit("load (profile.load)", &lx, &ly)?,
+            disk_load: if profile.disk_load.is_empty() {
+                None
+            } else {
+                let dx: Vec<f64> = profile.disk_load.iter().map(|s| s.bytes as f64).collect();
+                let dy: Vec<f64> = profile.disk_load.iter().map(|s| s.latency_s).collect();
+                Some(LinearFit::fit("disk load (profile.disk_load)", &dx, &dy)?)
+            },
         })
+    }
+
+    /// Compute fits of the full-pass and of the mask-aware samples alone (diagnostics: the
+    /// joint fit hides a kind that the FLOPs count mispredicts). `None` for a kind with fewer
+    /// than 2 samples or equal FLOPs.
+    pub fn fit_by_kind(profile: &Profile) -> (Option<LinearFit>, Option<LinearFit>) {
+        let fit = |full: bool| {
+            let (xs, ys): (Vec<f64>, Vec<f64>) = profile
+                .compute
+                .iter()
+                .filter(|s| s.is_full() == full)
+                .map(|s| (s.flops, s.latency_s))
+                .unzip();
+            LinearFit::fit("compute by kind", &xs, &ys).ok()
+        };
+        (fit(true), fit(false))
+    }
+
+    /// Seconds to bring one template's whole cache (every block of every step) from the slow
+    /// tier into a worker, from the disk-load fit; 0 when the profile did not measure one.
+    pub fn cold_fetch_s(&self) -> f64 {
+        let Some(fit) = &self.disk_load else {
+            return 0.0;
+        };
+        let s = &self.shape;
+        let bytes = s.image_tokens as f64
+            * s.cache_bytes_per_token as f64
+            * s.blocks as f64
+            * s.steps as f64;
+        fit.predict(bytes)
+    }
+
+    /// One line per fit for logs and reports.
+    pub fn describe(&self) -> String {
+        let mut out = format!(
+            "compute: {:.4e} s/FLOP + {:.3e} s, R^2 {:.4} ({} samples); load: {:.4e} s/B + {:.3e} s, R^2 {:.4} ({} samples)",
+            self.compute.slope,
+            self.compute.intercept,
+            self.compute.r2,
+            self.compute.samples,
+            self.load.slope,
+            self.load.intercept,
+            self.load.r2,
+            self.load.samples
+        );
+        if let Some(d) = &self.disk_load {
+            out.push_str(&format!(
+                "; disk load: {:.4e} s/B + {:.3e} s, R^2 {:.4} ({} samples)",
+                d.slope, d.intercept, d.r2, d.samples
+            ));
+        }
+        out
     }
 
     /// Block costs of a batch from its totals; an empty batch costs nothing.
@@ -387,6 +462,7 @@ mod tests {
             shape,
             compute,
             load,
+            disk_load: vec![],
         };
         let dir = std::env::temp_dir().join(format!("diffmesh-sched-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

@@ -185,6 +185,7 @@ pub(crate) mod tests {
                 r2: 1.0,
                 samples: 0,
             },
+            disk_load: None,
         }
     }
 

@@ -8,6 +8,7 @@
 //! - [`policy`] / [`mask_aware`]: the one placement trait shared by the live router and the
 //!   simulator, with round-robin, request-count, token-count and mask-aware (Algorithm 2) policies.
 //! - [`sim`]: a discrete-event simulator that drives the same policies with the fitted costs.
+//! - [`profiles`]: the measured profiles checked in under `sched/profiles/`, built in.
 pub mod batching;
 pub mod cost_model;
 pub mod error;
@@ -15,6 +16,7 @@ pub mod forecast;
 pub mod mask_aware;
 pub mod planner;
 pub mod policy;
+pub mod profiles;
 pub mod sim;
 pub mod synthetic;
 

@@ -6,21 +6,33 @@ use crate::policy::{argmin_by, Policy, RequestInfo, WorkerState};
 /// Picks the worker where the request is predicted to finish first: the worker's running batch
 /// and queue plus the request are fast-forwarded with the planner and cost models, so mask
 /// sizes, cache-load time and remaining steps all count. A worker that lacks the template's
-/// cache pays the part of `cold_fetch_s` that queueing does not hide; ties go to a worker that
-/// holds the template, then to the lowest index.
+/// cache pays the part of the cold-fetch time that queueing does not hide; ties go to a worker
+/// that holds the template, then to the lowest index.
 #[derive(Debug, Default, Clone)]
 pub struct MaskAware {
-    /// Seconds to bring a template's cache into a worker's fast tier (0: residency only breaks ties).
-    pub cold_fetch_s: f64,
+    /// Seconds to bring a template's cache into a worker's fast tier; `None` takes it from the
+    /// cost models' slow-tier fit ([`CostModels::cold_fetch_s`], 0 without one, so residency then
+    /// only breaks ties).
+    pub cold_fetch_s: Option<f64>,
     scratch: Forecaster,
 }
 
 impl MaskAware {
     pub fn with_cold_fetch(cold_fetch_s: f64) -> Self {
         MaskAware {
-            cold_fetch_s,
+            cold_fetch_s: Some(cold_fetch_s),
             scratch: Forecaster::default(),
         }
+    }
+}
+
+/// Extra seconds a request pays on a worker without its template's cache: the fetch time not
+/// hidden behind the wait before the request joins the batch.
+fn cold_penalty(holds: bool, cold_fetch_s: f64, start_s: f64) -> f64 {
+    if holds {
+        0.0
+    } else {
+        (cold_fetch_s - start_s).max(0.0)
     }
 }
 
@@ -35,17 +47,12 @@ impl Policy for MaskAware {
         workers: &[WorkerState],
         model: &CostModels,
     ) -> Option<usize> {
-        let cold = self.cold_fetch_s;
+        let cold = self.cold_fetch_s.unwrap_or_else(|| model.cold_fetch_s());
         let scratch = &mut self.scratch;
         argmin_by(workers, |w| {
             let f = scratch.forecast(w, req, model);
             let holds = w.holds(req.template);
-            let penalty = if holds {
-                0.0
-            } else {
-                (cold - f.start_s).max(0.0)
-            };
-            (f.finish_s + penalty, !holds)
+            (f.finish_s + cold_penalty(holds, cold, f.start_s), !holds)
         })
     }
 }
@@ -55,7 +62,8 @@ impl Policy for MaskAware {
 /// finish time: a greedy step towards minimising total latency rather than each arrival's.
 #[derive(Debug, Default, Clone)]
 pub struct MaskAwareMarginal {
-    pub cold_fetch_s: f64,
+    /// As [`MaskAware::cold_fetch_s`].
+    pub cold_fetch_s: Option<f64>,
     scratch: Forecaster,
 }
 
@@ -70,7 +78,7 @@ impl Policy for MaskAwareMarginal {
         workers: &[WorkerState],
         model: &CostModels,
     ) -> Option<usize> {
-        let cold = self.cold_fetch_s;
+        let cold = self.cold_fetch_s.unwrap_or_else(|| model.cold_fetch_s());
         let scratch = &mut self.scratch;
         argmin_by(workers, |w| {
             let with = scratch.total_finish(w, Some(req), model);
@@ -79,7 +87,7 @@ impl Policy for MaskAwareMarginal {
             let penalty = if holds || cold <= 0.0 {
                 0.0
             } else {
-                (cold - scratch.forecast(w, req, model).start_s).max(0.0)
+                cold_penalty(false, cold, scratch.forecast(w, req, model).start_s)
             };
             (with - without + penalty, !holds)
         })

@@ -11,6 +11,10 @@
 //! block shape), [`plan_uniform`] is exact in O(N): for `k` cached blocks the last `k` blocks are
 //! best (every "compute waits for load" bound only shrinks when cached blocks move later), so only
 //! `k` is searched.
+//!
+//! An engine that drops the unmasked tokens' hidden states once it switches to cached mode cannot
+//! go back to full compute: its feasible plans are "first `k` blocks full, the rest cached".
+//! [`plan_prefix`] is exact over those; [`naive_latency`] is the load-everything-first baseline.
 use crate::cost_model::BlockCosts;
 
 /// Timing of one block in a plan (seconds from the step's start).
@@ -230,6 +234,42 @@ pub fn plan_uniform(n: u32, c: BlockCosts) -> Plan {
     schedule(&vec![c; n as usize], &dec)
 }
 
+/// Exact plan among "first `k` blocks full, every later block cached" (k = 0..=N), the plans an
+/// engine can run when the unmasked tokens' hidden states are gone after the first cached block.
+///
+/// The cached suffix's loads start with the step (see [`schedule`]: the copy stream begins at 0
+/// and full blocks do not use it), so they prefetch while the full prefix computes.
+///
+/// Relation to [`plan`]: `plan` is the exact optimum over every per-block choice, including
+/// cached-then-full orders this engine cannot run, so `plan_prefix(c).latency_s >=
+/// plan(c).latency_s`. For uniform costs `plan` itself picks a cached suffix ([`plan_uniform`]),
+/// so the two are equal there. Ties go to fewer cached blocks (fewer bytes loaded). O(N^2).
+pub fn plan_prefix(costs: &[BlockCosts]) -> Plan {
+    let n = costs.len();
+    let suffix = |full: usize| -> Vec<bool> { (0..n).map(|i| i >= full).collect() };
+    // Scan from all-full (k = n) down, so a tie keeps the plan with fewer cached blocks.
+    let mut best = schedule(costs, &suffix(n));
+    for full in (0..n).rev() {
+        let p = schedule(costs, &suffix(full));
+        if p.latency_s < best.latency_s {
+            best = p;
+        }
+    }
+    best
+}
+
+/// Latency of the naive pipeline: load every block's cache first, then compute every block in
+/// cached mode (no overlap of loading and compute).
+pub fn naive_latency(costs: &[BlockCosts]) -> f64 {
+    costs.iter().map(|c| c.load_s).sum::<f64>() + resident_latency(costs)
+}
+
+/// Latency with every block's cache already resident (no load on the critical path): the ideal
+/// a streamed pipeline is compared against.
+pub fn resident_latency(costs: &[BlockCosts]) -> f64 {
+    costs.iter().map(|c| c.cached_s).sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -328,6 +368,113 @@ mod tests {
             prev_comp_end = b.compute_end_s;
         }
         assert_eq!(p.latency_s, prev_comp_end);
+    }
+
+    /// Brute force over every decision vector that never goes from cached back to full.
+    fn brute_force_prefix(costs: &[BlockCosts]) -> f64 {
+        let n = costs.len();
+        let mut best = f64::INFINITY;
+        for mask in 0u32..(1 << n) {
+            let dec: Vec<bool> = (0..n).map(|i| mask >> i & 1 == 1).collect();
+            if dec.windows(2).any(|w| w[0] && !w[1]) {
+                continue;
+            }
+            best = best.min(schedule(costs, &dec).latency_s);
+        }
+        best
+    }
+
+    #[test]
+    fn prefix_plan_matches_brute_force_and_never_beats_the_exact_plan() {
+        let mut restricted_worse = 0;
+        for seed in 0..600u64 {
+            let mut rng = ChaCha8Rng::seed_from_u64(9000 + seed);
+            let n = rng.random_range(0..=11);
+            let costs: Vec<BlockCosts> = (0..n).map(|_| random_costs(&mut rng)).collect();
+            let got = plan_prefix(&costs);
+            let want = brute_force_prefix(&costs);
+            assert!(
+                (got.latency_s - want).abs() < 1e-9,
+                "seed {seed}: plan_prefix {} brute {want}",
+                got.latency_s
+            );
+            let dec = got.use_cache();
+            assert!(
+                !dec.windows(2).any(|w| w[0] && !w[1]),
+                "seed {seed}: not a cached suffix: {dec:?}"
+            );
+            assert_eq!(schedule(&costs, &dec), got);
+            let exact = plan(&costs).latency_s;
+            assert!(got.latency_s >= exact - 1e-9, "seed {seed}");
+            if got.latency_s > exact + 1e-9 {
+                restricted_worse += 1;
+            }
+            assert!(naive_latency(&costs) >= got.latency_s - 1e-9, "seed {seed}");
+        }
+        // Mixed costs do reward cached-then-full orders sometimes: the restriction is real.
+        assert!(restricted_worse > 0);
+    }
+
+    #[test]
+    fn prefix_plan_equals_exact_plan_on_uniform_costs() {
+        for seed in 0..400u64 {
+            let mut rng = ChaCha8Rng::seed_from_u64(7000 + seed);
+            let n = rng.random_range(1..=40usize);
+            let costs = vec![random_costs(&mut rng); n];
+            let got = plan_prefix(&costs).latency_s;
+            let exact = plan(&costs).latency_s;
+            assert!(
+                (got - exact).abs() <= 1e-9 * exact.max(1.0),
+                "seed {seed}: {got} vs {exact}"
+            );
+        }
+    }
+
+    #[test]
+    fn suffix_loads_prefetch_during_the_full_prefix() {
+        // Loads of 2 s, cached compute 1 s, full compute 3 s: two full blocks (6 s) hide the
+        // first two loads, then the third load (ends at 6) is ready when compute reaches it.
+        let c = BlockCosts {
+            cached_s: 1.0,
+            full_s: 3.0,
+            load_s: 2.0,
+        };
+        let p = plan_prefix(&[c; 5]);
+        assert_eq!(p.use_cache(), vec![false, false, true, true, true]);
+        let first_cached = p.blocks[2];
+        assert_eq!(first_cached.load_start_s, 0.0);
+        assert_eq!(first_cached.load_end_s, 2.0);
+        assert_eq!(first_cached.compute_start_s, 6.0);
+        // Cached blocks start at 6, 7 and 8 (loads end at 2, 4, 6): no bubble.
+        assert_eq!(p.latency_s, 9.0);
+        assert_eq!(p.compute_idle_s, 0.0);
+        // Naive: 10 s of loads, then 5 s of cached compute; resident: 5 s.
+        assert_eq!(naive_latency(&[c; 5]), 15.0);
+        assert_eq!(resident_latency(&[c; 5]), 5.0);
+        assert_eq!(plan_prefix(&[]).latency_s, 0.0);
+    }
+
+    #[test]
+    fn prefix_plan_can_lose_to_the_unrestricted_plan() {
+        // A cheap-to-cache first block, then a block whose cache is too slow to load: the exact
+        // plan caches block 0 and recomputes block 1, which this engine cannot run.
+        let costs = [
+            BlockCosts {
+                cached_s: 0.1,
+                full_s: 2.0,
+                load_s: 0.0,
+            },
+            BlockCosts {
+                cached_s: 0.1,
+                full_s: 1.0,
+                load_s: 10.0,
+            },
+        ];
+        assert_eq!(plan(&costs).use_cache(), vec![true, false]);
+        assert!((plan(&costs).latency_s - 1.1).abs() < 1e-12);
+        let p = plan_prefix(&costs);
+        assert_eq!(p.use_cache(), vec![false, false]);
+        assert_eq!(p.latency_s, 3.0);
     }
 
     #[test]

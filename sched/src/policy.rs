@@ -55,9 +55,12 @@ impl WorkerState {
         }
     }
 
-    /// Alive and with room in its queue.
+    /// Alive and with room for one more request: a worker holds at most `max_batch` running
+    /// plus `queue_capacity` waiting requests. (Counting the total, not the queue alone, lets a
+    /// router that sees a placement before the worker has batched it treat it as queued.)
     pub fn accepts(&self) -> bool {
-        self.alive && (self.queued.len() as u64) < self.limits.queue_capacity as u64
+        let room = self.limits.max_batch as u64 + self.limits.queue_capacity as u64;
+        self.alive && (self.requests() as u64) < room
     }
 
     pub fn holds(&self, template: Option<u64>) -> bool {
@@ -75,6 +78,17 @@ impl WorkerState {
             .map(|r| r.masked_tokens as u64)
             .sum()
     }
+}
+
+/// Stable 64-bit key of a template id (FNV-1a of its text), so the live router (string ids:
+/// the SHA-256 of the prepared template) and traces (numeric ids) share `RequestInfo::template`.
+pub fn template_key(id: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in id.as_bytes() {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
 }
 
 /// Chooses a worker for each arriving request.
@@ -241,11 +255,29 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn full_queues_are_skipped() {
+    fn full_workers_are_skipped() {
         let m = synthetic::default_models();
-        let mut ws = vec![worker(&[], &[req(1)]), worker(&[req(5), req(5)], &[])];
+        // Worker 0 is full: batch of 1 running plus a queue of 1 waiting.
+        let mut ws = vec![
+            worker(&[req(1)], &[req(1)]),
+            worker(&[req(5), req(5)], &[req(5)]),
+        ];
+        ws[0].limits.max_batch = 1;
         ws[0].limits.queue_capacity = 1;
+        assert!(!ws[0].accepts());
         assert_eq!(RequestCount.place(&new_req(), &ws, &m), Some(1));
+        // A placement the worker has not batched yet counts as queued, not as over the limit.
+        let mut fresh = worker(&[], &[req(1), req(1)]);
+        fresh.limits.max_batch = 2;
+        fresh.limits.queue_capacity = 1;
+        assert!(fresh.accepts());
+    }
+
+    #[test]
+    fn template_keys_are_stable_and_distinct() {
+        assert_eq!(template_key(""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(template_key("a"), 0xaf63_dc4c_8601_ec8c);
+        assert_ne!(template_key("ab"), template_key("ba"));
     }
 
     #[test]

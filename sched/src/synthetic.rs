@@ -80,6 +80,7 @@ pub fn profile(seed: u64) -> Profile {
         shape,
         compute,
         load,
+        disk_load: Vec::new(),
     }
 }
 

@@ -2,8 +2,13 @@
 //!
 //! `up` and `test` are the two commands a newcomer needs: each does the whole set-up of a fresh
 //! machine first (see setup.rs), then runs the mesh or every test.
+mod load;
+mod load_inputs;
 mod mesh;
+mod plot;
 mod setup;
+mod sweep;
+mod test_tools;
 mod toolchain;
 
 use clap::{Parser, Subcommand};
@@ -19,7 +24,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Install what the project needs (torch/libtorch + diffusers venv in the cache dir, nats-server).
+    /// Install what the project needs (torch/libtorch + diffusers venv in the cache dir, nats-server)
+    /// and what the tests drive (chromium, node, tests/e2e's npm packages).
     Setup,
     /// Set up, then run every test of the workspace.
     Test {
@@ -33,12 +39,20 @@ enum Cmd {
     Down,
     /// One forward pass of a model component (see `diffmesh-forward --help`).
     Forward(PassThrough),
-    /// Benchmarks: `bench model` (see `diffmesh-bench --help`).
+    /// Benchmarks: `bench model` (see `diffmesh-bench --help`) and `bench engine` (see
+    /// `diffmesh-engine-bench --help`).
     Bench(PassThrough),
     /// Train the tiny default model (see `diffmesh-train-tiny --help`).
     TrainTiny(PassThrough),
     /// Discrete-event simulation of the scheduler (see `diffmesh-sim --help`).
     Sim(PassThrough),
+    /// Measure per-block compute and cache-load latency on this machine and write scheduler
+    /// profiles to sched/profiles (see `diffmesh-profile --help`).
+    Profile(PassThrough),
+    /// Load generator for the live mesh: Poisson edit requests against the gateway.
+    Load(load::LoadArgs),
+    /// Simulator sweep over loads, policies and seeds: CSV and a p95-vs-load plot.
+    Sweep(sweep::SweepArgs),
 }
 
 /// Arguments handed unchanged to the underlying binary.
@@ -52,9 +66,14 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let tc = Toolchain::locate()?;
     match cli.command {
-        Cmd::Setup => setup::setup(&tc),
+        Cmd::Setup => {
+            setup::setup(&tc)?;
+            test_tools::ensure();
+            Ok(())
+        }
         Cmd::Test { args } => {
             setup::setup(&tc)?;
+            test_tools::ensure();
             let mut cmd = Command::new(cargo());
             cmd.current_dir(workspace_root())
                 .args(["test", "--workspace", "--no-fail-fast"])
@@ -68,9 +87,27 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Down => mesh::down(),
         Cmd::Forward(p) => release_bin(&tc, "diffmesh-model", "diffmesh-forward", &p.args),
-        Cmd::Bench(p) => release_bin(&tc, "diffmesh-model", "diffmesh-bench", &p.args),
+        Cmd::Bench(p) => match p.args.split_first() {
+            // The engine bench lives with the engine, in the denoiser crate.
+            Some((part, rest)) if part == "engine" => {
+                release_bin(&tc, "diffmesh-denoiser", "diffmesh-engine-bench", rest)
+            }
+            _ => release_bin(&tc, "diffmesh-model", "diffmesh-bench", &p.args),
+        },
         Cmd::TrainTiny(p) => release_bin(&tc, "diffmesh-model", "diffmesh-train-tiny", &p.args),
         Cmd::Sim(p) => release_bin(&tc, "diffmesh-sched", "diffmesh-sim", &p.args),
+        Cmd::Profile(p) => release_bin_with(
+            &tc,
+            "diffmesh-model",
+            "diffmesh-profile",
+            &["--features", "profile"],
+            &p.args,
+        ),
+        Cmd::Load(args) => load::load(args),
+        Cmd::Sweep(args) => {
+            let sim = build_release_bin(&tc, "diffmesh-sched", "diffmesh-sim", &[])?;
+            sweep::sweep(&sim, args)
+        }
     }
 }
 
@@ -81,18 +118,42 @@ fn cargo() -> String {
 /// Build one binary in release mode, then run it directly (not through `cargo run`, which would
 /// hold the build lock for the whole run).
 fn release_bin(tc: &Toolchain, package: &str, bin: &str, args: &[String]) -> anyhow::Result<()> {
+    release_bin_with(tc, package, bin, &[], args)
+}
+
+/// [`release_bin`] with extra `cargo build` arguments (e.g. the features a binary needs).
+fn release_bin_with(
+    tc: &Toolchain,
+    package: &str,
+    bin: &str,
+    build_args: &[&str],
+    args: &[String],
+) -> anyhow::Result<()> {
+    let path = build_release_bin(tc, package, bin, build_args)?;
+    let mut cmd = Command::new(path);
+    let root = workspace_root();
+    cmd.current_dir(&root).args(args);
+    tc.apply(&mut cmd)?;
+    run(&mut cmd)
+}
+
+/// Build one binary in release mode; its path.
+fn build_release_bin(
+    tc: &Toolchain,
+    package: &str,
+    bin: &str,
+    build_args: &[&str],
+) -> anyhow::Result<std::path::PathBuf> {
     setup::setup(tc)?;
     let root = workspace_root();
     let mut build = Command::new(cargo());
     build
         .current_dir(&root)
-        .args(["build", "--release", "--quiet", "-p", package, "--bin", bin]);
+        .args(["build", "--release", "--quiet", "-p", package, "--bin", bin])
+        .args(build_args);
     tc.apply(&mut build)?;
     run(&mut build)?;
-    let mut cmd = Command::new(target_dir(&root).join("release").join(bin));
-    cmd.current_dir(&root).args(args);
-    tc.apply(&mut cmd)?;
-    run(&mut cmd)
+    Ok(target_dir(&root).join("release").join(bin))
 }
 
 fn target_dir(root: &std::path::Path) -> std::path::PathBuf {

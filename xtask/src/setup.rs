@@ -1,11 +1,13 @@
 //! One-time, idempotent set-up of a fresh machine: the Python venv with torch (libtorch) and
-//! diffusers in the cache directory, and `nats-server` from Debian where it is missing.
+//! diffusers in the cache directory, `nats-server` from Debian where it is missing, and
+//! `promtool` (for `compose/validate.sh`) from Debian's prometheus package.
 use crate::toolchain::{run, Toolchain, PY_REQUIREMENTS};
 use std::process::Command;
 
 pub fn setup(tc: &Toolchain) -> anyhow::Result<()> {
     ensure_venv(tc)?;
     ensure_nats_server()?;
+    ensure_promtool(tc);
     Ok(())
 }
 
@@ -65,6 +67,68 @@ fn ensure_nats_server() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where `compose/validate.sh` looks for `promtool` when it is not on PATH.
+fn promtool_path(tc: &Toolchain) -> std::path::PathBuf {
+    tc.root.join("bin").join("promtool")
+}
+
+/// `promtool` checks the Prometheus config and the dashboard's queries in
+/// `compose/validate.sh`. It comes from Debian's prometheus package, unpacked rather than
+/// installed: installing would also start a Prometheus server, and only the checker is needed
+/// (one ~20 MB download). Optional: without it the script skips those checks and says so.
+fn ensure_promtool(tc: &Toolchain) {
+    let on_path = Command::new("promtool")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if on_path || promtool_path(tc).exists() {
+        return;
+    }
+    eprintln!("promtool not found: unpacking it from Debian's prometheus package");
+    if let Err(err) = unpack_promtool(tc) {
+        eprintln!(
+            "warning: could not get promtool ({err:#}); compose/validate.sh will skip the \
+             Prometheus checks"
+        );
+    }
+}
+
+fn unpack_promtool(tc: &Toolchain) -> anyhow::Result<()> {
+    let work = tc.root.join("prometheus-deb");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work)?;
+    let download = |work: &std::path::Path| {
+        run(Command::new("apt-get")
+            .args(["download", "-qq", "prometheus"])
+            .current_dir(work))
+    };
+    if download(&work).is_err() {
+        // A fresh machine has no package lists yet.
+        apt_update()?;
+        download(&work)?;
+    }
+    let deb = std::fs::read_dir(&work)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .ok_or_else(|| anyhow::anyhow!("apt-get download left no .deb in {}", work.display()))?;
+    let unpacked = work.join("root");
+    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&unpacked))?;
+    let target = promtool_path(tc);
+    std::fs::create_dir_all(tc.root.join("bin"))?;
+    std::fs::copy(unpacked.join("usr/bin/promtool"), &target)?;
+    std::fs::remove_dir_all(&work)?;
+    anyhow::ensure!(
+        Command::new(&target)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success()),
+        "{} does not run",
+        target.display()
+    );
+    Ok(())
+}
+
 /// `nats-server` on PATH or where Debian puts it (/usr/sbin is not on every user's PATH).
 pub fn nats_server_binary() -> Option<String> {
     if Command::new("nats-server")
@@ -80,7 +144,7 @@ pub fn nats_server_binary() -> Option<String> {
         .then(|| debian.to_string())
 }
 
-fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
+fn apt_update() -> anyhow::Result<()> {
     let sudo = !is_root();
     let mut update = if sudo {
         Command::new("sudo")
@@ -90,7 +154,12 @@ fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
     if sudo {
         update.arg("apt-get");
     }
-    run(update.arg("update").arg("-qq"))?;
+    run(update.arg("update").arg("-qq"))
+}
+
+pub(crate) fn apt_install(packages: &[&str]) -> anyhow::Result<()> {
+    let sudo = !is_root();
+    apt_update()?;
     let mut install = if sudo {
         Command::new("sudo")
     } else {

@@ -6,7 +6,7 @@ use clap::Parser;
 use diffmesh_sched::batching::BatchLimits;
 use diffmesh_sched::cost_model::{CostModels, Profile};
 use diffmesh_sched::policy::{policy_by_name, ActiveRequest, RequestInfo, WorkerState};
-use diffmesh_sched::sim::{simulate, workload, SimConfig};
+use diffmesh_sched::sim::{simulate_with_latencies, workload, SimConfig};
 use diffmesh_sched::synthetic;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -68,6 +68,13 @@ struct Args {
     /// Time this many placement decisions (16 workers, batches of 8) and exit.
     #[arg(long, env = "DIFFMESH_SIM_BENCH")]
     bench: Option<usize>,
+    /// Also write the run (summary and every latency) to this JSON file, the format
+    /// `cargo xtask load --out-dir` keeps, so simulated and live runs share one CDF plot.
+    #[arg(long, env = "DIFFMESH_SIM_LATENCIES_OUT")]
+    latencies_out: Option<PathBuf>,
+    /// Name of the run in `--latencies-out` (default: `sim-<policy>`).
+    #[arg(long, env = "DIFFMESH_SIM_LABEL")]
+    label: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -95,11 +102,7 @@ fn main() -> anyhow::Result<()> {
         },
         model.label
     ));
-    say(format!(
-        "  compute fit: {:.4e} s/FLOP + {:.3e} s, R^2 {:.4} ({} samples); load fit: {:.4e} s/B + {:.3e} s, R^2 {:.4} ({} samples)",
-        model.compute.slope, model.compute.intercept, model.compute.r2, model.compute.samples,
-        model.load.slope, model.load.intercept, model.load.r2, model.load.samples
-    ));
+    say(format!("  {}", model.describe()));
     if let Some(n) = args.bench {
         return bench(&args, &model, n);
     }
@@ -145,7 +148,7 @@ fn main() -> anyhow::Result<()> {
     };
     let mut policy = policy_by_name(&args.policy)?;
     let started = Instant::now();
-    let s = simulate(&cfg, &model, policy.as_mut(), &arrivals);
+    let (s, latencies) = simulate_with_latencies(&cfg, &model, policy.as_mut(), &arrivals);
     say(format!(
         "policy {}: {} workers, max batch {}, {} steps, step noise {}; simulated in {:.2}s",
         s.policy,
@@ -176,6 +179,15 @@ fn main() -> anyhow::Result<()> {
         if let Some(l) = args.load {
             o.insert("load".into(), l.into());
         }
+    }
+    if let Some(path) = &args.latencies_out {
+        let label = args
+            .label
+            .clone()
+            .unwrap_or_else(|| format!("sim-{}", s.policy));
+        let record = serde_json::json!({ "label": label, "summary": out, "latencies": latencies });
+        std::fs::write(path, serde_json::to_string_pretty(&record)?)
+            .with_context(|| format!("--latencies-out {}", path.display()))?;
     }
     println!("{}", serde_json::to_string(&out)?);
     Ok(())

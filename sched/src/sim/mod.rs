@@ -62,6 +62,16 @@ pub fn simulate(
     policy: &mut dyn Policy,
     arrivals: &[Arrival],
 ) -> Summary {
+    simulate_with_latencies(cfg, model, policy, arrivals).0
+}
+
+/// [`simulate`], plus every completed request's latency (sorted), for CDF plots.
+pub fn simulate_with_latencies(
+    cfg: &SimConfig,
+    model: &CostModels,
+    policy: &mut dyn Policy,
+    arrivals: &[Arrival],
+) -> (Summary, Vec<f64>) {
     let n = cfg.workers.max(1) as usize;
     let mut workers: Vec<Worker> = (0..n).map(|_| Worker::default()).collect();
     let mut views: Vec<WorkerState> = (0..n).map(|_| WorkerState::idle(cfg.limits)).collect();
@@ -202,14 +212,14 @@ fn summarize(
     rejected: usize,
     workers: &[Worker],
     mut tot: Totals,
-) -> Summary {
+) -> (Summary, Vec<f64>) {
     tot.latencies.sort_by(f64::total_cmp);
     let completed = tot.latencies.len();
     let first = arrivals.first().map_or(0.0, |a| a.time_s);
     let span = (tot.last_finish - first).max(f64::MIN_POSITIVE);
     let busy: f64 = workers.iter().map(|w| w.busy_s).sum();
     let div = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
-    Summary {
+    let summary = Summary {
         policy: policy.to_string(),
         submitted: arrivals.len(),
         completed,
@@ -223,7 +233,8 @@ fn summarize(
         slo_attainment: div(tot.slo_met as f64, arrivals.len() as f64),
         mean_batch: div(tot.batch_sum as f64, tot.steps as f64),
         utilization: div(busy, span * workers.len() as f64),
-    }
+    };
+    (summary, tot.latencies)
 }
 
 #[cfg(test)]

@@ -1,19 +1,27 @@
-//! diffmesh router: worker registry from denoiser heartbeats, placement behind a policy trait,
-//! bounded admission, and failover of a lost worker's jobs.
+//! diffmesh router: worker registry from denoiser heartbeats, placement by the scheduler's
+//! `Policy` trait (the simulator's, with the same cost models), a bounded admission queue, a
+//! run-time policy switch on its HTTP address, and failover of a lost worker's jobs.
 //!
 //! Start it in-process with [`start`] (tests) or run it until a signal with [`run`] (the binary).
+pub mod admin;
+pub mod admission;
 pub mod metrics;
-pub mod placement;
+pub mod prefetch;
 pub mod registry;
 pub mod service;
 pub mod state;
+pub mod submit;
+pub mod worker_state;
 
-use diffmesh_shared::health::{HealthServer, Readiness};
+use admin::AdminServer;
+use diffmesh_sched::{CostModels, Profile, SchedError};
+use diffmesh_shared::health::Readiness;
 use diffmesh_shared::{CommonConfig, MeshError};
 use registry::ExpiryPolicy;
 use service::Router;
 use state::RouterState;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinSet;
@@ -34,10 +42,12 @@ pub struct RouterConfig {
     /// How many placements a job gets in total (first try plus re-placements after losses).
     #[arg(long, env = "MAX_ATTEMPTS", default_value_t = 3)]
     pub max_attempts: u32,
-    /// Submits that may wait at once for a denoiser slot; more are rejected immediately.
-    #[arg(long, env = "ADMISSION_QUEUE", default_value_t = 256)]
-    pub admission_queue: usize,
-    /// How long one submit waits for a free slot before it is rejected (ms).
+    /// Submits that may wait in the router for a denoiser slot (the admission queue); beyond
+    /// it a submit is answered `Overloaded` (HTTP 429 with Retry-After at the gateway).
+    #[arg(long, env = "ROUTER_MAX_QUEUE", default_value_t = 256)]
+    pub max_queue: usize,
+    /// How long one submit waits in the admission queue before it is rejected with a retry hint
+    /// (ms). Keep it plus --forward-timeout-ms below the gateway's router timeout.
     #[arg(long, env = "ADMISSION_WAIT_MS", default_value_t = 2000)]
     pub admission_wait_ms: u64,
     /// Deadline of the request that hands a job to a denoiser (ms).
@@ -46,9 +56,15 @@ pub struct RouterConfig {
     /// Retry hint sent with rejections (ms).
     #[arg(long, env = "RETRY_AFTER_MS", default_value_t = 1000)]
     pub retry_after_ms: u64,
-    /// Placement policy: round_robin.
-    #[arg(long, env = "PLACEMENT", default_value = "round_robin")]
-    pub placement: String,
+    /// Placement policy: round-robin, request-count, token-count, mask-aware (FlashPS
+    /// Algorithm 2 with remaining steps), mask-aware-marginal or flashps-greedy. Switch it at run
+    /// time with `POST /admin/policy` on the health address.
+    #[arg(long, env = "ROUTER_POLICY", default_value = "mask-aware")]
+    pub policy: String,
+    /// Profile (written by `cargo xtask profile`) to fit the policies' cost models from.
+    /// Default: the tiny model's CPU profile built into the binary.
+    #[arg(long, env = "ROUTER_PROFILE")]
+    pub profile: Option<PathBuf>,
 }
 
 impl RouterConfig {
@@ -59,11 +75,12 @@ impl RouterConfig {
             heartbeat_interval_ms: 100,
             missed_heartbeats: 3,
             max_attempts: 3,
-            admission_queue: 16,
+            max_queue: 16,
             admission_wait_ms: 500,
             forward_timeout_ms: 1000,
             retry_after_ms: 200,
-            placement: "round_robin".into(),
+            policy: "mask-aware".into(),
+            profile: None,
         }
     }
 }
@@ -72,8 +89,10 @@ impl RouterConfig {
 pub enum RouterError {
     #[error(transparent)]
     Mesh(#[from] MeshError),
-    #[error("unknown placement policy `{0}` (flag --placement); known: round_robin")]
-    UnknownPolicy(String),
+    #[error("--policy: {0}")]
+    Policy(#[source] SchedError),
+    #[error("--profile: {0}")]
+    Profile(#[source] SchedError),
     #[error("health server on {addr}: {source}")]
     Health {
         addr: SocketAddr,
@@ -91,11 +110,12 @@ pub struct RouterHandle {
     pub router: Arc<Router>,
     shutdown: CancellationToken,
     tasks: JoinSet<Result<(), MeshError>>,
-    health: HealthServer,
+    health: AdminServer,
 }
 
 impl RouterHandle {
-    /// Stop taking submits, answer those in flight, stop the health server.
+    /// Stop taking submits, answer those in flight and every queued one (rejected with a
+    /// retry hint, so the gateway submits them again), stop the HTTP server.
     pub async fn shutdown(mut self) -> Result<(), RouterError> {
         self.shutdown.cancel();
         while let Some(r) = self.tasks.join_next().await {
@@ -103,6 +123,10 @@ impl RouterHandle {
                 tracing::warn!(error = %e, "router task ended with an error");
             }
         }
+        // No submit handler runs any more: nothing can join the queue after this.
+        self.router
+            .drain_admission("the router is shutting down; submit again")
+            .await;
         let _ = self.router.client.flush().await;
         self.health.stop().await;
         Ok(())
@@ -110,9 +134,19 @@ impl RouterHandle {
 }
 
 /// Connect, subscribe, and serve in the background.
+/// The cost models of `--profile`, or of the built-in profile.
+pub fn cost_models(config: &RouterConfig) -> Result<CostModels, RouterError> {
+    match &config.profile {
+        Some(path) => Profile::read(path)
+            .and_then(|p| CostModels::fit(&p))
+            .map_err(RouterError::Profile),
+        None => diffmesh_sched::profiles::builtin_models().map_err(RouterError::Profile),
+    }
+}
+
 pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
-    let policy = placement::policy_by_name(&config.placement)
-        .ok_or_else(|| RouterError::UnknownPolicy(config.placement.clone()))?;
+    let policy = diffmesh_sched::policy_by_name(&config.policy).map_err(RouterError::Policy)?;
+    let models = cost_models(&config)?;
     let registry = prometheus::Registry::new();
     let metrics = metrics::RouterMetrics::new(&registry)?;
     let client = diffmesh_shared::nats::connect(
@@ -125,8 +159,13 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
         heartbeat_interval: Duration::from_millis(config.heartbeat_interval_ms),
         missed_heartbeats: config.missed_heartbeats,
     };
-    let state = RouterState::new(expiry, policy, config.max_attempts);
-    tracing::info!(policy = state.policy_name(), "placement policy");
+    tracing::info!(
+        policy = policy.name(),
+        cost_models = %models.label,
+        fits = %models.describe(),
+        "placement policy"
+    );
+    let state = RouterState::new(expiry, policy, models, config.max_attempts);
     let router = Arc::new(Router::new(client.clone(), state, metrics, config.clone()));
     let shutdown = CancellationToken::new();
     let mut tasks = JoinSet::new();
@@ -135,6 +174,12 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     tasks.spawn(router.clone().submits(subs.submits, shutdown.clone()));
     tasks.spawn(router.clone().cancels(subs.cancels, shutdown.clone()));
     tasks.spawn(router.clone().job_events(subs.job_events, shutdown.clone()));
+    let r = router.clone();
+    let s = shutdown.clone();
+    tasks.spawn(async move {
+        r.dispatch(s).await;
+        Ok(())
+    });
     let r = router.clone();
     let s = shutdown.clone();
     tasks.spawn(async move {
@@ -150,9 +195,9 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     let ready: Readiness =
         Arc::new(move || nats.connection_state() == async_nats::connection::State::Connected);
     let addr = config.common.health_addr;
-    let health = HealthServer::start(addr, registry, ready)
+    let health = AdminServer::start(addr, registry, ready, router.clone())
         .map_err(|source| RouterError::Health { addr, source })?;
-    tracing::info!(health = %health.addr, "router up");
+    tracing::info!(health = %health.addr, "router up (admin: /admin/policy)");
     Ok(RouterHandle {
         health_addr: health.addr,
         router,

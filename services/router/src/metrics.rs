@@ -1,10 +1,23 @@
 //! Router metrics, registered in the registry the health server exposes on /metrics.
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+/// Buckets of the policy decision: 1 us to 10 ms (the bound is a 100 us p99).
+const DECISION_BUCKETS_SECONDS: &[f64] = &[
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2,
+];
 
 #[derive(Clone)]
 pub struct RouterMetrics {
-    /// Time from a submit's arrival to the worker's acceptance (or the rejection).
+    /// Time from a submit's arrival to the worker's acceptance (or the rejection), admission
+    /// waits and the round trip to the denoiser included.
+    pub submit_seconds: Histogram,
+    /// Time of one policy decision (building the workers' views and choosing), the router's
+    /// own overhead per placement.
     pub decision_seconds: Histogram,
+    /// 1 for the placement policy in use, by name.
+    pub policy: IntGaugeVec,
     pub placements: IntCounter,
     pub replacements: IntCounter,
     /// Submits and jobs that could not be placed, by reason.
@@ -15,7 +28,7 @@ pub struct RouterMetrics {
 
 impl RouterMetrics {
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
-        let decision_seconds = Histogram::with_opts(
+        let submit_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 "diffmesh_router_decision_duration_seconds",
                 "Time from submit arrival to placement or rejection",
@@ -24,6 +37,20 @@ impl RouterMetrics {
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                 10.0,
             ]),
+        )?;
+        let decision_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_router_decision_seconds",
+                "One placement-policy decision (worker views built, worker chosen)",
+            )
+            .buckets(DECISION_BUCKETS_SECONDS.to_vec()),
+        )?;
+        let policy = IntGaugeVec::new(
+            Opts::new(
+                "diffmesh_router_policy",
+                "1 for the placement policy in use (label: its name)",
+            ),
+            &["name"],
         )?;
         let placements = IntCounter::new(
             "diffmesh_router_placements_total",
@@ -46,21 +73,31 @@ impl RouterMetrics {
         )?;
         let admission_waiting = IntGauge::new(
             "diffmesh_router_admission_waiting",
-            "Submits waiting for a free denoiser slot",
+            "Submits waiting in the router's admission queue for a free denoiser slot",
         )?;
+        registry.register(Box::new(submit_seconds.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
+        registry.register(Box::new(policy.clone()))?;
         registry.register(Box::new(placements.clone()))?;
         registry.register(Box::new(replacements.clone()))?;
         registry.register(Box::new(failures.clone()))?;
         registry.register(Box::new(live_workers.clone()))?;
         registry.register(Box::new(admission_waiting.clone()))?;
         Ok(Self {
+            submit_seconds,
             decision_seconds,
+            policy,
             placements,
             replacements,
             failures,
             live_workers,
             admission_waiting,
         })
+    }
+
+    /// Mark `name` as the policy in use (and only it).
+    pub fn set_policy(&self, name: &str) {
+        self.policy.reset();
+        self.policy.with_label_values(&[name]).set(1);
     }
 }

@@ -3,7 +3,7 @@
 //! Pure state (no NATS, no clock of its own): callers pass `Instant`s, so the expiry and failover
 //! logic is unit-tested with hand-built heartbeats.
 use diffmesh_shared::messages::{DenoiseJob, Heartbeat, RunningJob};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 /// When a worker counts as lost.
@@ -22,7 +22,8 @@ impl ExpiryPolicy {
     }
 }
 
-/// One live worker as placement policies see it.
+/// One live worker as the router knows it: its last heartbeat plus what this router placed on
+/// it since. [`crate::worker_state`] turns it into the policies' `WorkerState`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerView {
     pub worker_id: String,
@@ -33,14 +34,46 @@ pub struct WorkerView {
     /// Jobs the worker holds: the larger of what it reported and what this router placed on it
     /// (placements made since its last heartbeat are not in the report yet).
     pub outstanding: u32,
-    /// The running batch from the last heartbeat (for load-aware policies).
+    /// The running batch from the last heartbeat (masked tokens and remaining steps per job).
     pub running: Vec<RunningJob>,
+    /// Jobs the worker reported waiting in its queue (possibly placed by another router).
+    pub reported_queued: u32,
+    /// Jobs this router placed on the worker that its last heartbeat did not list as running
+    /// (waiting in its queue, or not seen by it yet), in placement order.
+    pub waiting: Vec<DenoiseJob>,
+    /// Jobs this router placed that are running, by id (their mask ratio and image count).
+    pub running_jobs: HashMap<String, DenoiseJob>,
+    /// Template cache keys resident on the worker (from its heartbeat).
+    pub cached_templates: Vec<String>,
 }
 
 impl WorkerView {
     /// Whether one more job fits in the worker's batch plus its queue.
     pub fn has_capacity(&self) -> bool {
         !self.draining && self.outstanding < self.max_batch + self.queue_capacity
+    }
+}
+
+/// A borrowed look at one live worker, for the placement hot path (no copies of jobs).
+#[derive(Debug, Clone, Copy)]
+pub struct LiveWorker<'a> {
+    pub worker_id: &'a str,
+    pub heartbeat: &'a Heartbeat,
+    /// Unfinished jobs this router placed here, with their placement sequence number.
+    pub placed: &'a HashMap<String, (u64, DenoiseJob)>,
+    /// Jobs known to have ended that the last heartbeat may still list as running.
+    pub finished: &'a HashSet<String>,
+    /// When the last heartbeat arrived.
+    pub last_seen: Instant,
+}
+
+impl LiveWorker<'_> {
+    /// The heartbeat's running jobs that have not ended since it was sent.
+    pub fn running(&self) -> impl Iterator<Item = &RunningJob> {
+        self.heartbeat
+            .running
+            .iter()
+            .filter(|r| !self.finished.contains(&r.job_id))
     }
 }
 
@@ -55,7 +88,11 @@ pub struct LostWorker {
 struct WorkerEntry {
     heartbeat: Heartbeat,
     last_seen: Instant,
-    placed: HashMap<String, DenoiseJob>,
+    /// Unfinished jobs this router placed here, with their placement sequence number.
+    placed: HashMap<String, (u64, DenoiseJob)>,
+    /// Jobs that ended (their `Done`/`Failed` event came) but the last heartbeat, sent before,
+    /// still lists as running; forgotten once a heartbeat no longer lists them.
+    finished: HashSet<String>,
 }
 
 /// Live workers keyed by id (a `BTreeMap` so iteration, and thus round-robin, is deterministic).
@@ -65,6 +102,8 @@ pub struct WorkerRegistry {
     workers: BTreeMap<String, WorkerEntry>,
     /// job id -> worker id, for cancel forwarding and completion.
     owners: HashMap<String, String>,
+    /// Next placement sequence number (orders each worker's waiting jobs).
+    next_seq: u64,
 }
 
 impl WorkerRegistry {
@@ -73,6 +112,7 @@ impl WorkerRegistry {
             policy,
             workers: BTreeMap::new(),
             owners: HashMap::new(),
+            next_seq: 0,
         }
     }
 
@@ -80,6 +120,10 @@ impl WorkerRegistry {
     pub fn observe(&mut self, heartbeat: Heartbeat, now: Instant) -> bool {
         match self.workers.get_mut(&heartbeat.worker_id) {
             Some(entry) => {
+                let running = &heartbeat.running;
+                entry
+                    .finished
+                    .retain(|id| running.iter().any(|r| &r.job_id == id));
                 entry.heartbeat = heartbeat;
                 entry.last_seen = now;
                 false
@@ -92,6 +136,7 @@ impl WorkerRegistry {
                         heartbeat,
                         last_seen: now,
                         placed: HashMap::new(),
+                        finished: HashSet::new(),
                     },
                 );
                 true
@@ -114,7 +159,7 @@ impl WorkerRegistry {
     /// Remove one worker (lost or shut down), returning the unfinished jobs placed on it.
     pub fn remove(&mut self, worker_id: &str) -> Option<LostWorker> {
         let entry = self.workers.remove(worker_id)?;
-        let mut jobs: Vec<DenoiseJob> = entry.placed.into_values().collect();
+        let mut jobs: Vec<DenoiseJob> = entry.placed.into_values().map(|(_, j)| j).collect();
         jobs.sort_by(|a, b| a.job_id.cmp(&b.job_id));
         for job in &jobs {
             self.owners.remove(&job.job_id);
@@ -125,20 +170,46 @@ impl WorkerRegistry {
         })
     }
 
-    /// Live workers as placement sees them, ordered by id.
+    /// Live workers, ordered by id, borrowed.
+    pub fn live(&self) -> impl Iterator<Item = LiveWorker<'_>> {
+        self.workers.iter().map(|(id, e)| LiveWorker {
+            worker_id: id,
+            heartbeat: &e.heartbeat,
+            placed: &e.placed,
+            finished: &e.finished,
+            last_seen: e.last_seen,
+        })
+    }
+
+    /// Live workers with owned copies of what the router knows, ordered by id.
     pub fn views(&self) -> Vec<WorkerView> {
-        self.workers
-            .iter()
-            .map(|(id, e)| {
-                let reported = e.heartbeat.running.len() as u32 + e.heartbeat.queued;
+        self.live()
+            .map(|w| {
+                let hb = w.heartbeat;
+                let running: Vec<RunningJob> = w.running().cloned().collect();
+                let reported = running.len() as u32 + hb.queued;
+                let mut waiting: Vec<&(u64, DenoiseJob)> = Vec::new();
+                let mut running_jobs = HashMap::new();
+                for (job_id, placed) in w.placed {
+                    if running.iter().any(|r| &r.job_id == job_id) {
+                        running_jobs.insert(job_id.clone(), placed.1.clone());
+                    } else {
+                        waiting.push(placed);
+                    }
+                }
+                waiting.sort_by_key(|(seq, _)| *seq);
                 WorkerView {
-                    worker_id: id.clone(),
-                    model: e.heartbeat.model.clone(),
-                    draining: e.heartbeat.draining,
-                    max_batch: e.heartbeat.max_batch,
-                    queue_capacity: e.heartbeat.queue_capacity,
-                    outstanding: reported.max(e.placed.len() as u32),
-                    running: e.heartbeat.running.clone(),
+                    worker_id: w.worker_id.to_string(),
+                    model: hb.model.clone(),
+                    draining: hb.draining,
+                    max_batch: hb.max_batch,
+                    queue_capacity: hb.queue_capacity,
+                    outstanding: reported.max(w.placed.len() as u32),
+                    running,
+                    reported_queued: hb.queued,
+                    waiting: waiting.into_iter().map(|(_, j)| j.clone()).collect(),
+                    running_jobs,
+                    cached_templates: hb.cached_templates.clone(),
                 }
             })
             .collect()
@@ -165,8 +236,10 @@ impl WorkerRegistry {
                 prev.placed.remove(&job.job_id);
             }
         }
+        let seq = self.next_seq;
+        self.next_seq += 1;
         if let Some(entry) = self.workers.get_mut(worker_id) {
-            entry.placed.insert(job.job_id.clone(), job);
+            entry.placed.insert(job.job_id.clone(), (seq, job));
         }
         true
     }
@@ -176,6 +249,9 @@ impl WorkerRegistry {
         let worker_id = self.owners.remove(job_id)?;
         if let Some(entry) = self.workers.get_mut(&worker_id) {
             entry.placed.remove(job_id);
+            if entry.heartbeat.running.iter().any(|r| r.job_id == job_id) {
+                entry.finished.insert(job_id.to_string());
+            }
         }
         Some(worker_id)
     }
@@ -204,6 +280,7 @@ pub(crate) mod tests {
             model: "tiny".into(),
             draining: false,
             queue_capacity: 2,
+            cached_templates: vec![],
         }
     }
 
@@ -267,6 +344,60 @@ pub(crate) mod tests {
         // The worker's own report wins when it is larger (jobs from another router).
         reg.observe(heartbeat("a", 1, 5), t0);
         assert_eq!(reg.views()[0].outstanding, 5);
+    }
+
+    #[test]
+    fn view_splits_placed_jobs_into_running_and_waiting_in_order() {
+        let t0 = Instant::now();
+        let mut reg = WorkerRegistry::new(policy());
+        let mut hb = heartbeat("a", 2, 0);
+        reg.observe(hb.clone(), t0);
+        for id in ["j1", "j2", "j3"] {
+            reg.record_placement("a", job(id));
+        }
+        hb.running = vec![RunningJob {
+            job_id: "j2".into(),
+            masked_tokens: 10,
+            remaining_steps: 3,
+        }];
+        hb.queued = 1;
+        hb.cached_templates = vec!["t1".into()];
+        reg.observe(hb, t0);
+        let v = &reg.views()[0];
+        let waiting: Vec<&str> = v.waiting.iter().map(|j| j.job_id.as_str()).collect();
+        assert_eq!(waiting, vec!["j1", "j3"]);
+        assert!(v.running_jobs.contains_key("j2"));
+        assert_eq!(v.reported_queued, 1);
+        assert_eq!(v.outstanding, 3);
+        assert_eq!(v.cached_templates, vec!["t1".to_string()]);
+    }
+
+    #[test]
+    fn a_finished_job_leaves_the_running_batch_before_the_next_heartbeat() {
+        let t0 = Instant::now();
+        let mut reg = WorkerRegistry::new(policy());
+        let mut hb = heartbeat("a", 2, 0);
+        reg.observe(hb.clone(), t0);
+        reg.record_placement("a", job("j1"));
+        reg.record_placement("a", job("j2"));
+        hb.running = ["j1", "j2"]
+            .map(|id| RunningJob {
+                job_id: id.into(),
+                masked_tokens: 10,
+                remaining_steps: 3,
+            })
+            .to_vec();
+        reg.observe(hb.clone(), t0);
+        // j1's Done event arrives; the last heartbeat still lists it.
+        reg.finish("j1");
+        let v = &reg.views()[0];
+        let running: Vec<&str> = v.running.iter().map(|r| r.job_id.as_str()).collect();
+        assert_eq!(running, vec!["j2"]);
+        assert_eq!(v.outstanding, 1);
+        // The next heartbeat no longer lists it: nothing left to remember.
+        hb.running.remove(0);
+        reg.observe(hb, t0);
+        assert!(reg.live().next().unwrap().finished.is_empty());
     }
 
     #[test]

@@ -1,20 +1,19 @@
-//! NATS side of the router: heartbeats in, submits placed on denoisers, job events watched,
-//! lost workers' jobs placed again (or failed, so nothing hangs).
+//! NATS side of the router: heartbeats in, job events watched, cancels forwarded (or taken out
+//! of the admission queue), lost workers' jobs placed again (or failed, so nothing hangs).
+//! Submits and the admission queue are in [`crate::submit`].
+use crate::admission::AdmissionQueue;
 use crate::metrics::RouterMetrics;
-use crate::state::{no_worker_message, Decision, Failover, RouterState};
+use crate::state::{no_worker_message, Failover, RouterState};
 use crate::RouterConfig;
 use async_nats::Subscriber;
-use diffmesh_shared::messages::{
-    decode, error_types, CancelJob, DenoiseJob, Heartbeat, JobEvent, SubmitReply,
-};
-use diffmesh_shared::nats::{publish_msgpack, reply_msgpack, request_msgpack_job};
-use diffmesh_shared::serve::serve_subscription;
+use diffmesh_sched::SchedError;
+use diffmesh_shared::messages::{decode, error_types, CancelJob, Heartbeat, JobEvent, SubmitReply};
+use diffmesh_shared::nats::publish_msgpack;
 use diffmesh_shared::{subjects, MeshError};
 use futures::StreamExt;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -61,17 +60,15 @@ impl Subscriptions {
     }
 }
 
-/// Submit handlers in flight beyond the admission queue (those answered without waiting).
-const SUBMITS_BEYOND_QUEUE: usize = 64;
-
 pub struct Router {
     pub client: async_nats::Client,
     pub state: Mutex<RouterState>,
     pub metrics: RouterMetrics,
     pub config: RouterConfig,
-    /// Woken when capacity may have freed up (heartbeat, job finished).
-    capacity: Notify,
-    waiting: AtomicUsize,
+    /// Woken when capacity may have freed up (heartbeat, job finished) or a submit queued.
+    pub(crate) capacity: Notify,
+    /// Submits waiting for capacity, oldest first.
+    pub(crate) admission: Mutex<AdmissionQueue>,
 }
 
 impl Router {
@@ -81,19 +78,34 @@ impl Router {
         metrics: RouterMetrics,
         config: RouterConfig,
     ) -> Self {
+        metrics.set_policy(state.policy_name());
+        let admission = Mutex::new(AdmissionQueue::new(config.max_queue));
         Self {
             client,
             state: Mutex::new(state),
             metrics,
             config,
             capacity: Notify::new(),
-            waiting: AtomicUsize::new(0),
+            admission,
         }
     }
 
     /// The state lock is only held for synchronous bookkeeping, never across an await.
     pub fn state(&self) -> MutexGuard<'_, RouterState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The admission queue; like the state lock, never held across an await.
+    pub(crate) fn admission(&self) -> MutexGuard<'_, AdmissionQueue> {
+        self.admission.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Switch the placement policy now (the admin endpoint); returns the previous one's name.
+    pub fn switch_policy(&self, name: &str) -> Result<String, SchedError> {
+        let previous = self.state().set_policy(name)?;
+        self.metrics.set_policy(name);
+        tracing::info!(policy = name, %previous, "placement policy switched");
+        Ok(previous)
     }
 
     pub async fn heartbeats(
@@ -210,7 +222,7 @@ impl Router {
         self.publish_event(job_id, &event).await;
     }
 
-    async fn publish_event(&self, job_id: &str, event: &JobEvent) {
+    pub(crate) async fn publish_event(&self, job_id: &str, event: &JobEvent) {
         if let Err(err) = publish_msgpack(
             &self.client,
             subjects::job_events(job_id),
@@ -220,151 +232,6 @@ impl Router {
         .await
         {
             tracing::warn!(%job_id, error = %err, "could not publish job event");
-        }
-    }
-
-    pub async fn submits(
-        self: Arc<Self>,
-        sub: Subscriber,
-        shutdown: CancellationToken,
-    ) -> Result<(), MeshError> {
-        // Room for a full admission queue plus submits that are answered at once (placed or
-        // rejected), so a full queue still gets its rejections out promptly.
-        let limit = Arc::new(Semaphore::new(
-            self.config.admission_queue + SUBMITS_BEYOND_QUEUE,
-        ));
-        // Submits already taken get their answer before the router stops.
-        serve_subscription(sub, shutdown, limit, |msg| {
-            let this = self.clone();
-            async move { this.handle_submit(msg).await }
-        })
-        .await;
-        Ok(())
-    }
-
-    async fn handle_submit(&self, msg: async_nats::Message) {
-        let started = Instant::now();
-        let reply = match decode::<DenoiseJob>(&msg.payload) {
-            Ok(job) => {
-                let span =
-                    tracing::info_span!("place", job_id = %job.job_id, attempt = job.attempt);
-                diffmesh_shared::trace_context::set_parent_from(&span, msg.headers.as_ref());
-                let wait = Duration::from_millis(self.config.admission_wait_ms);
-                let result = self.place_with_wait(&job, &[], wait).instrument(span).await;
-                match result {
-                    Ok(worker_id) => {
-                        self.metrics.placements.inc();
-                        SubmitReply::Accepted { worker_id }
-                    }
-                    Err(err) => {
-                        self.metrics
-                            .failures
-                            .with_label_values(&[err.reason()])
-                            .inc();
-                        SubmitReply::Rejected {
-                            reason: err.to_string(),
-                            retry_after_ms: self.config.retry_after_ms,
-                        }
-                    }
-                }
-            }
-            Err(err) => {
-                self.metrics
-                    .failures
-                    .with_label_values(&["bad_request"])
-                    .inc();
-                SubmitReply::Rejected {
-                    reason: format!("undecodable DenoiseJob: {err}"),
-                    retry_after_ms: 0,
-                }
-            }
-        };
-        self.metrics
-            .decision_seconds
-            .observe(started.elapsed().as_secs_f64());
-        if let Err(err) = reply_msgpack(&self.client, &msg, &reply).await {
-            tracing::warn!(error = %err, "could not answer a submit");
-        }
-    }
-
-    /// Place now, or wait (bounded: at most `admission_queue` waiters, each at most `wait`) for
-    /// a worker to free a slot. Fails at once when no worker is live at all.
-    pub async fn place_with_wait(
-        &self,
-        job: &DenoiseJob,
-        exclude: &[String],
-        wait: Duration,
-    ) -> Result<String, PlaceError> {
-        match self.place_once(job, exclude).await {
-            Err(PlaceError::NoCapacity) => {}
-            other => return other,
-        }
-        let limit = self.config.admission_queue;
-        if self.waiting.fetch_add(1, Ordering::SeqCst) >= limit {
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-            return Err(PlaceError::QueueFull(limit));
-        }
-        self.metrics.admission_waiting.inc();
-        let deadline = tokio::time::Instant::now() + wait;
-        let result = loop {
-            let notified = self.capacity.notified();
-            // Poll as well: a notification between our attempt and `notified()` is not lost for long.
-            let poll = tokio::time::Instant::now() + Duration::from_millis(100);
-            tokio::select! {
-                _ = notified => {}
-                _ = tokio::time::sleep_until(poll.min(deadline)) => {}
-            }
-            match self.place_once(job, exclude).await {
-                Err(PlaceError::NoCapacity) if tokio::time::Instant::now() < deadline => continue,
-                other => break other,
-            }
-        };
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
-        self.metrics.admission_waiting.dec();
-        result
-    }
-
-    /// Try live workers in policy order until one accepts; refusals and timeouts move on.
-    async fn place_once(&self, job: &DenoiseJob, exclude: &[String]) -> Result<String, PlaceError> {
-        let mut tried: Vec<String> = exclude.to_vec();
-        loop {
-            let decision = self.state().place(job, &tried);
-            let worker = match decision {
-                Decision::Chosen(w) => w,
-                Decision::NoLiveWorker if tried.len() > exclude.len() => {
-                    return Err(PlaceError::NoCapacity)
-                }
-                Decision::NoLiveWorker => return Err(PlaceError::NoLiveWorker),
-                Decision::NoCapacity => return Err(PlaceError::NoCapacity),
-            };
-            let timeout = Duration::from_millis(self.config.forward_timeout_ms);
-            let subject = subjects::denoiser_submit(&worker);
-            match request_msgpack_job::<_, SubmitReply>(
-                &self.client,
-                &subject,
-                &job.job_id,
-                job,
-                timeout,
-            )
-            .await
-            {
-                Ok(SubmitReply::Accepted { .. }) => {
-                    tracing::info!(%worker, "job placed");
-                    return Ok(worker);
-                }
-                Ok(SubmitReply::Rejected { reason, .. }) => {
-                    tracing::debug!(%worker, %reason, "denoiser refused the job");
-                }
-                Err(err) => {
-                    self.metrics
-                        .failures
-                        .with_label_values(&[err.reason()])
-                        .inc();
-                    tracing::warn!(%worker, error = %err, "forwarding to denoiser failed");
-                }
-            }
-            self.state().unplace(&job.job_id);
-            tried.push(worker);
         }
     }
 
@@ -385,6 +252,21 @@ impl Router {
                     continue;
                 }
             };
+            // Still waiting for admission: take it out and answer its submit (no retry: the
+            // sender asked for the cancel).
+            let waiting = self.admission().remove(&cancel.job_id);
+            if let Some(w) = waiting {
+                self.metrics
+                    .admission_waiting
+                    .set(self.admission().len() as i64);
+                tracing::info!(job_id = %cancel.job_id, "cancelled while waiting for admission");
+                let reply = SubmitReply::Rejected {
+                    reason: "cancelled while waiting for a denoiser".into(),
+                    retry_after_ms: 0,
+                };
+                self.answer(&w, &reply).await;
+                continue;
+            }
             let owner = self
                 .state()
                 .registry

@@ -1,0 +1,77 @@
+//! Profiles measured with `cargo xtask profile` and checked in under `sched/profiles/`, built
+//! into the binaries so the router has cost models without a file at run time.
+use crate::cost_model::{CostModels, Profile};
+use crate::error::SchedError;
+use std::path::PathBuf;
+
+/// `(name, JSON)` of every checked-in profile.
+const BUILTIN: [(&str, &str); 2] = [
+    ("tiny-cpu", include_str!("../profiles/tiny-cpu.json")),
+    ("medium-cpu", include_str!("../profiles/medium-cpu.json")),
+];
+
+/// The profile the router uses by default: the tiny model (the mesh's default) on CPU.
+pub const DEFAULT: &str = "tiny-cpu";
+
+pub fn names() -> impl Iterator<Item = &'static str> {
+    BUILTIN.iter().map(|(n, _)| *n)
+}
+
+/// A checked-in profile by name (`tiny-cpu`, `medium-cpu`).
+pub fn builtin(name: &str) -> Result<Profile, SchedError> {
+    let (_, text) = BUILTIN.iter().find(|(n, _)| *n == name).ok_or_else(|| {
+        SchedError::field(
+            "profile",
+            format!(
+                "no built-in profile `{name}` (known: {})",
+                names().collect::<Vec<_>>().join(", ")
+            ),
+        )
+    })?;
+    serde_json::from_str(text).map_err(|source| SchedError::Json {
+        path: PathBuf::from(format!("sched/profiles/{name}.json")),
+        source,
+    })
+}
+
+/// Cost models fitted on the default built-in profile.
+pub fn builtin_models() -> Result<CostModels, SchedError> {
+    CostModels::fit(&builtin(DEFAULT)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_builtin_profile_is_measured_and_fits() {
+        for name in names() {
+            let p = builtin(name).unwrap();
+            assert!(!p.synthetic, "{name} must be measured");
+            assert!(p.compute.len() >= 8 && p.load.len() >= 8, "{name}");
+            let m = CostModels::fit(&p).unwrap();
+            assert!(m.compute.slope > 0.0 && m.load.slope > 0.0, "{name}: {m:?}");
+        }
+        assert!(builtin("nope")
+            .unwrap_err()
+            .to_string()
+            .contains("tiny-cpu"));
+    }
+
+    /// The bar for the linear cost models on this machine (FlashPS reports 0.99 on
+    /// GPUs): compute against FLOPs (jointly and per pass kind) and load against bytes.
+    #[test]
+    fn checked_in_profiles_fit_with_r2_at_least_0_95() {
+        for name in names() {
+            let p = builtin(name).unwrap();
+            let m = CostModels::fit(&p).unwrap();
+            assert!(m.compute.r2 >= 0.95, "{name}: compute {:?}", m.compute);
+            assert!(m.load.r2 >= 0.95, "{name}: load {:?}", m.load);
+            let (full, masked) = CostModels::fit_by_kind(&p);
+            for (kind, fit) in [("full", full), ("mask-aware", masked)] {
+                let fit = fit.unwrap_or_else(|| panic!("{name}: no {kind} samples"));
+                assert!(fit.r2 >= 0.95, "{name}: {kind} passes {fit:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! Submits: place a job on a denoiser now, or queue it in the bounded admission queue until a
+//! denoiser has room (answering `Overloaded` when the queue is full). A dispatcher task places
+//! queued jobs in arrival order as capacity frees up, answers those that waited too long with a
+//! retry hint, and at shutdown every queued submit is answered (rejected with a retry hint, so
+//! the gateway submits it again to a router that runs).
+use crate::admission::Waiting;
+use crate::service::{PlaceError, Router};
+use crate::state::Decision;
+use async_nats::Subscriber;
+use diffmesh_shared::messages::{decode, CancelJob, DenoiseJob, SubmitReply};
+use diffmesh_shared::nats::{publish_msgpack, reply_msgpack, request_msgpack_job};
+use diffmesh_shared::serve::serve_subscription;
+use diffmesh_shared::{subjects, MeshError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// Submit handlers in flight at once. Queued submits do not hold one (the queue holds them).
+const SUBMITS_IN_FLIGHT: usize = 64;
+/// How often the dispatcher looks at the queue without being woken (expiry, lost wake-ups).
+const DISPATCH_TICK: Duration = Duration::from_millis(50);
+
+impl Router {
+    pub async fn submits(
+        self: Arc<Self>,
+        sub: Subscriber,
+        shutdown: CancellationToken,
+    ) -> Result<(), MeshError> {
+        let limit = Arc::new(Semaphore::new(SUBMITS_IN_FLIGHT));
+        // Submits already taken get their answer (or a place in the queue, answered by the
+        // dispatcher or the shutdown drain) before this returns.
+        serve_subscription(sub, shutdown, limit, |msg| {
+            let this = self.clone();
+            async move { this.handle_submit(msg).await }
+        })
+        .await;
+        Ok(())
+    }
+
+    async fn handle_submit(&self, msg: async_nats::Message) {
+        let started = Instant::now();
+        let job = match decode::<DenoiseJob>(&msg.payload) {
+            Ok(job) => job,
+            Err(err) => {
+                self.count_failure("bad_request");
+                let reply = SubmitReply::Rejected {
+                    reason: format!("undecodable DenoiseJob: {err}"),
+                    retry_after_ms: 0,
+                };
+                self.reply(&msg, &reply, started).await;
+                return;
+            }
+        };
+        let span = tracing::info_span!(
+            "place",
+            job_id = %job.job_id,
+            attempt = job.attempt,
+            kind = ?job.kind,
+            mask_ratio = job.inputs.mask_ratio,
+            template = crate::worker_state::template_cache_key(&job).unwrap_or(""),
+        );
+        diffmesh_shared::trace_context::set_parent_from(&span, msg.headers.as_ref());
+        // Jobs already waiting go first: a new one only skips the queue when it is empty.
+        if self.admission().is_empty() {
+            match self.place_once(&job, &[]).instrument(span.clone()).await {
+                Ok(worker_id) => {
+                    self.metrics.placements.inc();
+                    self.reply(&msg, &SubmitReply::Accepted { worker_id }, started)
+                        .await;
+                    return;
+                }
+                Err(PlaceError::NoCapacity) => {}
+                Err(err) => {
+                    self.count_failure(err.reason());
+                    let reply = SubmitReply::Rejected {
+                        reason: err.to_string(),
+                        retry_after_ms: self.config.retry_after_ms,
+                    };
+                    self.reply(&msg, &reply, started).await;
+                    return;
+                }
+            }
+        }
+        let waiting = Waiting {
+            job,
+            reply: msg.reply.clone(),
+            headers: msg.headers.clone(),
+            since: started,
+        };
+        let queued = {
+            let mut q = self.admission();
+            let r = q.push(waiting);
+            self.metrics.admission_waiting.set(q.len() as i64);
+            r
+        };
+        match queued {
+            Ok(position) => {
+                span.in_scope(|| tracing::debug!(position, "waiting for a free denoiser"));
+                self.capacity.notify_waiters();
+            }
+            Err(full) => {
+                self.count_failure(PlaceError::QueueFull(full.depth).reason());
+                let reply = SubmitReply::Overloaded {
+                    queue_depth: full.depth as u32,
+                    retry_after_ms: self.config.retry_after_ms,
+                };
+                self.reply(&msg, &reply, started).await;
+            }
+        }
+    }
+
+    /// Place queued submits in order whenever capacity may have freed up; answer those that
+    /// waited longer than `--admission-wait-ms`. Returns at shutdown (the queue is drained by
+    /// [`Router::drain_admission`] once no submit handler runs any more).
+    pub async fn dispatch(self: Arc<Self>, shutdown: CancellationToken) {
+        let max_wait = Duration::from_millis(self.config.admission_wait_ms);
+        loop {
+            let woken = self.capacity.notified();
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = woken => {}
+                _ = tokio::time::sleep(DISPATCH_TICK) => {}
+            }
+            let expired = self.admission().take_expired(Instant::now(), max_wait);
+            for w in expired {
+                self.count_failure(PlaceError::NoCapacity.reason());
+                let reply = SubmitReply::Rejected {
+                    reason: format!(
+                        "every denoiser stayed full for {} ms",
+                        self.config.admission_wait_ms
+                    ),
+                    retry_after_ms: self.config.retry_after_ms,
+                };
+                self.answer(&w, &reply).await;
+            }
+            self.place_queued().await;
+            let depth = self.admission().len();
+            self.metrics.admission_waiting.set(depth as i64);
+        }
+    }
+
+    /// Place from the head of the queue until a job finds no capacity. The head stays queued
+    /// while it is being placed, so a cancel or a resubmission during the round trip finds it.
+    async fn place_queued(&self) {
+        loop {
+            let head = self
+                .admission()
+                .front()
+                .map(|w| (w.job.clone(), w.headers.clone()));
+            let Some((job, headers)) = head else {
+                return;
+            };
+            let span =
+                tracing::info_span!("place_queued", job_id = %job.job_id, attempt = job.attempt);
+            diffmesh_shared::trace_context::set_parent_from(&span, headers.as_ref());
+            let result = self.place_once(&job, &[]).instrument(span).await;
+            if matches!(result, Err(PlaceError::NoCapacity)) {
+                return;
+            }
+            let taken = self.admission().remove(&job.job_id);
+            match (result, taken) {
+                (Ok(worker_id), Some(w)) => {
+                    self.metrics.placements.inc();
+                    self.metrics
+                        .submit_seconds
+                        .observe(w.since.elapsed().as_secs_f64());
+                    self.answer(&w, &SubmitReply::Accepted { worker_id }).await;
+                }
+                (Ok(worker_id), None) => {
+                    // Cancelled while it was being placed: cancel it on its worker too.
+                    tracing::info!(job_id = %job.job_id, %worker_id, "cancelled during placement");
+                    let cancel = CancelJob {
+                        job_id: job.job_id.clone(),
+                    };
+                    let subject = subjects::denoiser_cancel(&worker_id);
+                    if let Err(err) =
+                        publish_msgpack(&self.client, subject, Some(&job.job_id), &cancel).await
+                    {
+                        tracing::warn!(job_id = %job.job_id, error = %err, "could not forward cancel");
+                    }
+                }
+                (Err(err), Some(w)) => {
+                    self.count_failure(err.reason());
+                    let reply = SubmitReply::Rejected {
+                        reason: err.to_string(),
+                        retry_after_ms: self.config.retry_after_ms,
+                    };
+                    self.answer(&w, &reply).await;
+                }
+                (Err(_), None) => {}
+            }
+        }
+    }
+
+    /// Answer every queued submit with `reason` and a retry hint (shutdown: the gateway submits
+    /// them again, to this router's successor).
+    pub async fn drain_admission(&self, reason: &str) {
+        let waiting = self.admission().drain();
+        self.metrics.admission_waiting.set(0);
+        if !waiting.is_empty() {
+            tracing::info!(jobs = waiting.len(), %reason, "answering queued submits");
+        }
+        for w in waiting {
+            let reply = SubmitReply::Rejected {
+                reason: reason.to_string(),
+                retry_after_ms: self.config.retry_after_ms,
+            };
+            self.answer(&w, &reply).await;
+        }
+    }
+
+    /// Place now, or wait (at most `wait`) for a worker to free a slot: the failover path,
+    /// which does not queue behind new submits. Fails at once when no worker is live at all.
+    pub async fn place_with_wait(
+        &self,
+        job: &DenoiseJob,
+        exclude: &[String],
+        wait: Duration,
+    ) -> Result<String, PlaceError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.capacity.notified();
+            match self.place_once(job, exclude).await {
+                Err(PlaceError::NoCapacity) if tokio::time::Instant::now() < deadline => {}
+                other => return other,
+            }
+            // Poll as well: a notification between our attempt and `notified()` is not lost for long.
+            let poll = tokio::time::Instant::now() + Duration::from_millis(100);
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep_until(poll.min(deadline)) => {}
+            }
+        }
+    }
+
+    /// Try live workers in policy order until one accepts; refusals and timeouts move on.
+    pub(crate) async fn place_once(
+        &self,
+        job: &DenoiseJob,
+        exclude: &[String],
+    ) -> Result<String, PlaceError> {
+        let mut tried: Vec<String> = exclude.to_vec();
+        loop {
+            let decision = {
+                let mut state = self.state();
+                let t = Instant::now();
+                let d = state.place(job, &tried);
+                self.metrics
+                    .decision_seconds
+                    .observe(t.elapsed().as_secs_f64());
+                d
+            };
+            let worker = match decision {
+                Decision::Chosen(w) => w,
+                Decision::NoLiveWorker if tried.len() > exclude.len() => {
+                    return Err(PlaceError::NoCapacity)
+                }
+                Decision::NoLiveWorker => return Err(PlaceError::NoLiveWorker),
+                Decision::NoCapacity => return Err(PlaceError::NoCapacity),
+            };
+            let timeout = Duration::from_millis(self.config.forward_timeout_ms);
+            let subject = subjects::denoiser_submit(&worker);
+            match request_msgpack_job::<_, SubmitReply>(
+                &self.client,
+                &subject,
+                &job.job_id,
+                job,
+                timeout,
+            )
+            .await
+            {
+                Ok(SubmitReply::Accepted { .. }) => {
+                    tracing::info!(%worker, "job placed");
+                    crate::prefetch::prefetch_template_cache(&self.client, job).await;
+                    return Ok(worker);
+                }
+                Ok(SubmitReply::Rejected { reason, .. }) => {
+                    tracing::debug!(%worker, %reason, "denoiser refused the job");
+                }
+                Ok(SubmitReply::Overloaded { queue_depth, .. }) => {
+                    tracing::debug!(%worker, queue_depth, "denoiser is overloaded");
+                }
+                Err(err) => {
+                    self.count_failure(err.reason());
+                    tracing::warn!(%worker, error = %err, "forwarding to denoiser failed");
+                }
+            }
+            self.state().unplace(&job.job_id);
+            tried.push(worker);
+        }
+    }
+
+    fn count_failure(&self, reason: &str) {
+        self.metrics.failures.with_label_values(&[reason]).inc();
+    }
+
+    /// Answer a submit message directly (not queued).
+    async fn reply(&self, msg: &async_nats::Message, reply: &SubmitReply, started: Instant) {
+        self.metrics
+            .submit_seconds
+            .observe(started.elapsed().as_secs_f64());
+        if let Err(err) = reply_msgpack(&self.client, msg, reply).await {
+            tracing::warn!(error = %err, "could not answer a submit");
+        }
+    }
+
+    /// Answer a queued submit.
+    pub(crate) async fn answer(&self, w: &Waiting, reply: &SubmitReply) {
+        let Some(subject) = &w.reply else {
+            return;
+        };
+        if let Err(err) = publish_msgpack(
+            &self.client,
+            subject.to_string(),
+            Some(&w.job.job_id),
+            reply,
+        )
+        .await
+        {
+            tracing::warn!(job_id = %w.job.job_id, error = %err, "could not answer a queued submit");
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! What a policy sees: a live worker as `diffmesh_sched::WorkerState` (from its last heartbeat
+//! and this router's placements) and a job as `RequestInfo`, the same types the simulator
+//! builds, so a policy compared offline runs here unchanged.
+use crate::registry::LiveWorker;
+use diffmesh_sched::batching::BatchLimits;
+use diffmesh_sched::cost_model::BatchTotals;
+use diffmesh_sched::policy::{template_key, ActiveRequest, RequestInfo, WorkerState};
+use diffmesh_sched::{CostModels, ModelShape};
+use diffmesh_shared::messages::{DenoiseJob, JobKind};
+use std::time::Instant;
+
+/// The cache key of the template whose activations a job reads: the captured template's
+/// `cache_key` (what denoisers list in `cached_templates`), else the prepared image's content
+/// hash (`inputs.template_id`).
+pub fn template_cache_key(job: &DenoiseJob) -> Option<&str> {
+    match &job.template {
+        Some(t) if !t.cache_key.is_empty() => Some(&t.cache_key),
+        _ => job.inputs.template_id.as_deref(),
+    }
+}
+
+/// Tokens a job computes per block in the cost model's grid. Only an edit of a captured
+/// template runs mask-aware (its masked tokens, taken from the mask ratio so a profile measured
+/// at another resolution still ranks workers by relative cost); every other job (generation,
+/// capture, edit of an uploaded image) computes all image tokens. Times the job's image count
+/// (its images run as that many batch rows).
+pub fn job_masked_tokens(job: &DenoiseJob, shape: &ModelShape) -> u32 {
+    let mask_aware = job.kind == JobKind::Edit
+        && job
+            .template
+            .as_ref()
+            .is_some_and(|t| !t.cache_key.is_empty());
+    let per_image = if mask_aware {
+        shape.masked_tokens(job.inputs.mask_ratio as f64)
+    } else {
+        shape.image_tokens
+    };
+    per_image.saturating_mul(job.params.n.max(1))
+}
+
+/// The policy's view of a job to place.
+pub fn request_info(job: &DenoiseJob, shape: &ModelShape) -> RequestInfo {
+    RequestInfo {
+        masked_tokens: job_masked_tokens(job, shape),
+        steps: job.params.num_inference_steps.max(1),
+        template: template_cache_key(job).map(template_key),
+    }
+}
+
+/// Fill `out` with the policy's view of one live worker at `now` (reusing its buffers).
+///
+/// - running: the heartbeat's batch less the jobs that ended since it was sent, each advanced
+///   by the steps its batch is predicted to have run since the heartbeat arrived (a heartbeat
+///   can be older than a whole small job; without this a worker that reported last looks
+///   busier than one whose report is stale); the time left in the step in flight is not
+///   reported, so `step_remaining_s` is 0.
+/// - queued: this router's placements the heartbeat does not list as running, in placement
+///   order, then one entry per job the worker reports beyond those (placed by someone else:
+///   size unknown, assumed to mask half the image).
+pub fn fill_worker_state(w: LiveWorker, models: &CostModels, now: Instant, out: &mut WorkerState) {
+    let shape = &models.shape;
+    let hb = w.heartbeat;
+    out.alive = !hb.draining;
+    out.limits = BatchLimits {
+        max_batch: hb.max_batch,
+        // The denoiser batches by rows only.
+        token_budget: u64::MAX,
+        queue_capacity: hb.queue_capacity,
+    };
+    out.step_remaining_s = 0.0;
+    out.running.clear();
+    out.running.extend(w.running().map(|r| ActiveRequest {
+        masked_tokens: match w.placed.get(&r.job_id) {
+            Some((_, job)) => job_masked_tokens(job, shape),
+            None => r.masked_tokens.min(shape.image_tokens),
+        },
+        remaining_steps: r.remaining_steps,
+    }));
+    let elapsed = steps_since(
+        &out.running,
+        models,
+        now.saturating_duration_since(w.last_seen),
+    );
+    for r in &mut out.running {
+        r.remaining_steps = r.remaining_steps.saturating_sub(elapsed);
+    }
+    let mut waiting: Vec<&(u64, DenoiseJob)> = w
+        .placed
+        .iter()
+        .filter(|(id, _)| !w.running().any(|r| &r.job_id == *id))
+        .map(|(_, p)| p)
+        .collect();
+    waiting.sort_unstable_by_key(|(seq, _)| *seq);
+    out.queued.clear();
+    out.queued
+        .extend(waiting.iter().map(|(_, job)| ActiveRequest {
+            masked_tokens: job_masked_tokens(job, shape),
+            remaining_steps: job.params.num_inference_steps.max(1),
+        }));
+    let unknown = (hb.queued as usize).saturating_sub(waiting.len());
+    out.queued.extend((0..unknown).map(|_| ActiveRequest {
+        masked_tokens: shape.image_tokens / 2,
+        remaining_steps: shape.steps,
+    }));
+    out.resident_templates.clear();
+    out.resident_templates
+        .extend(hb.cached_templates.iter().map(|t| template_key(t)));
+}
+
+/// Whole steps a batch is predicted to have run in `age` (the batch held still meanwhile).
+fn steps_since(running: &[ActiveRequest], models: &CostModels, age: std::time::Duration) -> u32 {
+    let mut totals = BatchTotals::default();
+    for r in running.iter().filter(|r| r.remaining_steps > 0) {
+        totals.add(&models.shape, r.masked_tokens);
+    }
+    let step = models.step_latency(&totals);
+    if step <= 0.0 {
+        return 0;
+    }
+    (age.as_secs_f64() / step).floor().min(u32::MAX as f64) as u32
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::registry::tests::{heartbeat, job, policy};
+    use crate::registry::WorkerRegistry;
+    use diffmesh_shared::messages::{RunningJob, TemplateRef};
+    use std::time::Instant;
+
+    /// Every block takes 1 ms whatever the batch, loads are free: 4 ms a step.
+    fn models() -> CostModels {
+        let fit = |intercept| diffmesh_sched::LinearFit {
+            slope: 0.0,
+            intercept,
+            r2: 1.0,
+            samples: 0,
+        };
+        CostModels {
+            label: "test".into(),
+            synthetic: true,
+            shape: shape(),
+            compute: fit(1e-3),
+            load: fit(0.0),
+            disk_load: None,
+        }
+    }
+
+    fn shape() -> ModelShape {
+        ModelShape {
+            blocks: 4,
+            hidden: 128,
+            image_tokens: 256,
+            text_tokens: 16,
+            cache_bytes_per_token: 1024,
+            steps: 20,
+        }
+    }
+
+    /// An edit of a captured template (cache key `template`).
+    pub(crate) fn edit(id: &str, ratio: f32, steps: u32, template: &str) -> DenoiseJob {
+        let mut j = job(id);
+        j.kind = JobKind::Edit;
+        j.inputs.mask_ratio = ratio;
+        j.inputs.template_id = Some("content-hash".into());
+        j.params.num_inference_steps = steps;
+        j.template = Some(TemplateRef {
+            template_id: "public-id".into(),
+            prompt: String::new(),
+            seed: 1,
+            steps,
+            guidance_scale: 1.0,
+            cache_key: template.into(),
+        });
+        j
+    }
+
+    #[test]
+    fn request_info_uses_the_ratio_in_the_model_grid() {
+        let r = request_info(&edit("a", 0.25, 7, "t"), &shape());
+        assert_eq!(r.masked_tokens, 64);
+        assert_eq!(r.steps, 7);
+        assert_eq!(r.template, Some(template_key("t")));
+        let mut two = edit("b", 0.25, 7, "t");
+        two.params.n = 2;
+        assert_eq!(request_info(&two, &shape()).masked_tokens, 128);
+    }
+
+    #[test]
+    fn only_edits_of_captured_templates_are_mask_aware() {
+        // An uploaded image (no captured cache) is edited in full compute, keyed by its hash.
+        let mut uploaded = edit("a", 0.25, 7, "t");
+        uploaded.template = None;
+        let r = request_info(&uploaded, &shape());
+        assert_eq!(r.masked_tokens, 256);
+        assert_eq!(r.template, Some(template_key("content-hash")));
+        // Not captured yet: no cache key either.
+        let mut capturing = edit("b", 0.25, 7, "");
+        capturing.template.as_mut().unwrap().cache_key.clear();
+        assert_eq!(request_info(&capturing, &shape()).masked_tokens, 256);
+        let generation = job("g");
+        let r = request_info(&generation, &shape());
+        assert_eq!((r.masked_tokens, r.template), (256, None));
+    }
+
+    #[test]
+    fn worker_state_from_heartbeat_and_placements() {
+        let t0 = Instant::now();
+        let mut reg = WorkerRegistry::new(policy());
+        let mut hb = heartbeat("a", 4, 0);
+        hb.queue_capacity = 3;
+        reg.observe(hb.clone(), t0);
+        reg.record_placement("a", edit("j1", 0.5, 10, "t"));
+        reg.record_placement("a", edit("j2", 0.125, 8, "t"));
+        reg.record_placement("a", edit("j3", 0.25, 6, "t"));
+        // The worker runs j1 and a job of another router, and reports 3 queued: j2, j3 and one
+        // unknown.
+        hb.running = vec![
+            RunningJob {
+                job_id: "j1".into(),
+                masked_tokens: 9999,
+                remaining_steps: 4,
+            },
+            RunningJob {
+                job_id: "foreign".into(),
+                masked_tokens: 30,
+                remaining_steps: 2,
+            },
+        ];
+        hb.queued = 3;
+        hb.cached_templates = vec!["t".into()];
+        reg.observe(hb, t0);
+        let mut ws = WorkerState::idle(BatchLimits::default());
+        fill_worker_state(reg.live().next().unwrap(), &models(), t0, &mut ws);
+        let masked: Vec<(u32, u32)> = ws
+            .running
+            .iter()
+            .map(|r| (r.masked_tokens, r.remaining_steps))
+            .collect();
+        assert_eq!(masked, vec![(128, 4), (30, 2)]);
+        let queued: Vec<(u32, u32)> = ws
+            .queued
+            .iter()
+            .map(|r| (r.masked_tokens, r.remaining_steps))
+            .collect();
+        assert_eq!(queued, vec![(32, 8), (64, 6), (128, 20)]);
+        assert!(ws.alive && ws.holds(Some(template_key("t"))));
+        assert_eq!(ws.limits.max_batch, 4);
+        assert_eq!(ws.limits.queue_capacity, 3);
+        // 2 running + 3 queued of 4 + 3 slots.
+        assert!(ws.accepts());
+        // 10 ms after the heartbeat, at 4 ms a step, the batch has run 2 more steps.
+        let later = t0 + std::time::Duration::from_millis(10);
+        fill_worker_state(reg.live().next().unwrap(), &models(), later, &mut ws);
+        let remaining: Vec<u32> = ws.running.iter().map(|r| r.remaining_steps).collect();
+        assert_eq!(remaining, vec![2, 0]);
+    }
+}

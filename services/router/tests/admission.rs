@@ -1,0 +1,179 @@
+//! Router against a real nats-server with fake denoisers: the bounded admission queue (overflow
+//! answered `Overloaded`), cancelling a queued job, placing queued jobs as capacity frees up,
+//! answering queued jobs at shutdown with a retry hint, and switching the policy at run time.
+mod common;
+
+use common::{http, job, submit, wait_for_metric, FakeWorker};
+use diffmesh_router::{start, RouterConfig};
+use diffmesh_shared::messages::{encode, CancelJob, JobEvent, RunningJob, SubmitReply};
+use diffmesh_shared::subjects;
+use diffmesh_shared::testing::NatsServer;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_queue_overflows_cancels_places_and_drains() {
+    let nats = NatsServer::start();
+    let mut config = RouterConfig::for_tests(nats.url());
+    config.max_queue = 2;
+    // Long enough that nothing expires during the test.
+    config.admission_wait_ms = 20_000;
+    let router = start(config).await.unwrap();
+    let addr = router.health_addr;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+
+    // One worker with room for exactly one job.
+    let (tx, mut placed) = mpsc::channel(16);
+    let _w = FakeWorker::new("w1", 1, 0).spawn(client.clone(), tx).await;
+    wait_for_metric(addr, "diffmesh_router_live_workers 1").await;
+
+    let first = submit(&client, &job("j1")).await;
+    assert!(
+        matches!(first, SubmitReply::Accepted { ref worker_id } if worker_id == "w1"),
+        "{first:?}"
+    );
+    assert_eq!(placed.recv().await.unwrap().1.job_id, "j1");
+
+    // The worker is full: the next two wait in the router, the fourth overflows.
+    let c = client.clone();
+    let j2 = tokio::spawn(async move { submit(&c, &job("j2")).await });
+    wait_for_metric(addr, "diffmesh_router_admission_waiting 1").await;
+    let c = client.clone();
+    let j3 = tokio::spawn(async move { submit(&c, &job("j3")).await });
+    wait_for_metric(addr, "diffmesh_router_admission_waiting 2").await;
+    match submit(&client, &job("j4")).await {
+        SubmitReply::Overloaded {
+            queue_depth,
+            retry_after_ms,
+        } => {
+            assert_eq!(queue_depth, 2);
+            assert!(retry_after_ms > 0);
+        }
+        other => panic!("expected Overloaded, got {other:?}"),
+    }
+
+    // Cancelling a queued job answers its submit (no retry) and frees its place.
+    let cancel = CancelJob {
+        job_id: "j2".into(),
+    };
+    client
+        .publish(subjects::ROUTER_CANCEL, encode(&cancel).unwrap().into())
+        .await
+        .unwrap();
+    match tokio::time::timeout(Duration::from_secs(5), j2)
+        .await
+        .unwrap()
+        .unwrap()
+    {
+        SubmitReply::Rejected {
+            reason,
+            retry_after_ms,
+        } => {
+            assert!(reason.contains("cancelled"), "{reason}");
+            assert_eq!(retry_after_ms, 0);
+        }
+        other => panic!("expected the cancelled submit to be rejected, got {other:?}"),
+    }
+    wait_for_metric(addr, "diffmesh_router_admission_waiting 1").await;
+
+    // j1 finishes: the queued j3 is placed on the freed worker and its submit answered.
+    let done = JobEvent::Done { png_keys: vec![] };
+    client
+        .publish(subjects::job_events("j1"), encode(&done).unwrap().into())
+        .await
+        .unwrap();
+    let r3 = tokio::time::timeout(Duration::from_secs(5), j3)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(r3, SubmitReply::Accepted { ref worker_id } if worker_id == "w1"),
+        "{r3:?}"
+    );
+    assert_eq!(placed.recv().await.unwrap().1.job_id, "j3");
+    // The cancelled j2 never reached the worker.
+    assert!(placed.try_recv().is_err());
+
+    // A job still queued at shutdown is answered with a retry hint, not dropped.
+    let c = client.clone();
+    let j5 = tokio::spawn(async move { submit(&c, &job("j5")).await });
+    wait_for_metric(addr, "diffmesh_router_admission_waiting 1").await;
+    router.shutdown().await.unwrap();
+    match tokio::time::timeout(Duration::from_secs(5), j5)
+        .await
+        .unwrap()
+        .unwrap()
+    {
+        SubmitReply::Rejected {
+            reason,
+            retry_after_ms,
+        } => {
+            assert!(reason.contains("shutting down"), "{reason}");
+            assert!(retry_after_ms > 0);
+        }
+        other => panic!("expected a retryable rejection at shutdown, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_switches_at_run_time_through_the_admin_endpoint() {
+    let nats = NatsServer::start();
+    let router = start(RouterConfig::for_tests(nats.url())).await.unwrap();
+    let addr = router.health_addr;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+
+    // wa runs a full-image job with 20 steps left (placed by someone else); wb is idle.
+    let (tx, mut placed) = mpsc::channel(16);
+    let mut busy = FakeWorker::new("wa", 4, 4);
+    busy.running = vec![RunningJob {
+        job_id: "foreign".into(),
+        masked_tokens: 256,
+        remaining_steps: 20,
+    }];
+    let _a = busy.spawn(client.clone(), tx.clone()).await;
+    let _b = FakeWorker::new("wb", 4, 4).spawn(client.clone(), tx).await;
+    wait_for_metric(addr, "diffmesh_router_live_workers 2").await;
+
+    let (status, body) = http(addr, "GET", "/admin/policy", "").await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["policy"], "mask-aware");
+    assert!(v["known"].as_array().unwrap().len() >= 4);
+    wait_for_metric(addr, "diffmesh_router_policy{name=\"mask-aware\"} 1").await;
+
+    // Mask-aware sends the job to the idle worker.
+    let SubmitReply::Accepted { worker_id } = submit(&client, &job("j1")).await else {
+        panic!("not placed")
+    };
+    assert_eq!(worker_id, "wb");
+    placed.recv().await.unwrap();
+
+    // Switched to round-robin, the next job goes to the first worker in turn, busy or not.
+    let (status, body) = http(addr, "POST", "/admin/policy", r#"{"policy":"round-robin"}"#).await;
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (v["policy"].as_str(), v["previous"].as_str()),
+        (Some("round-robin"), Some("mask-aware"))
+    );
+    wait_for_metric(addr, "diffmesh_router_policy{name=\"round-robin\"} 1").await;
+    let SubmitReply::Accepted { worker_id } = submit(&client, &job("j2")).await else {
+        panic!("not placed")
+    };
+    assert_eq!(worker_id, "wa");
+
+    // Bad bodies are 400s naming the field; the policy stays.
+    for body in [r#"{"policy":"fastest"}"#, r#"{"name":"x"}"#, "not json"] {
+        let (status, answer) = http(addr, "POST", "/admin/policy", body).await;
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert!(answer.contains("\"field\":\"policy\""), "{answer}");
+    }
+    let (_, body) = http(addr, "GET", "/admin/policy", "").await;
+    assert!(body.contains("\"policy\":\"round-robin\""), "{body}");
+    let metrics = http(addr, "GET", "/metrics", "").await.1;
+    assert!(
+        metrics.contains("diffmesh_router_decision_seconds_count"),
+        "{metrics}"
+    );
+    router.shutdown().await.unwrap();
+}
