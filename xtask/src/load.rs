@@ -297,21 +297,25 @@ async fn send(client: &reqwest::Client, url: &str, inputs: &Inputs, f: EditForm)
             .file_name(name.to_string())
             .mime_str("image/png")
     };
-    let (Ok(image), Ok(mask)) = (
-        part(
-            inputs.templates[f.template as usize].clone(),
-            "template.png",
-        ),
-        part(f.mask, "mask.png"),
-    ) else {
+    let Ok(mask) = part(f.mask, "mask.png") else {
         return 0;
     };
     let mut form = reqwest::multipart::Form::new()
-        .part("image", image)
         .part("mask", mask)
         .text("prompt", f.prompt)
         .text("response_format", "png")
         .text("seed", f.seed.to_string());
+    // A registered template by id, else the image itself.
+    form = match inputs.template_ids.get(f.template as usize) {
+        Some(id) => form.text("template_id", id.clone()),
+        None => match part(
+            inputs.templates[f.template as usize].clone(),
+            "template.png",
+        ) {
+            Ok(image) => form.part("image", image),
+            Err(_) => return 0,
+        },
+    };
     if let Some(s) = f.steps {
         form = form.text("num_inference_steps", s.to_string());
     }

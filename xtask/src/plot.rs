@@ -163,11 +163,18 @@ pub fn line_plot(axes: &Axes, lines: &[Line], path: &Path) -> anyhow::Result<()>
                 colour,
             );
         }
+        // The legend box fits the longest label (swatch, gap, text).
+        let legend_w = 40
+            + lines
+                .iter()
+                .map(|l| text_width(&l.label))
+                .max()
+                .unwrap_or(0) as i64;
         let (lx, ly) = if axes.legend_top_left {
             ((LEFT + 12) as i64, (TOP + 10) as i64 + 22 * k as i64)
         } else {
             (
-                (W - RIGHT) as i64 - 330,
+                (W - RIGHT) as i64 - legend_w,
                 (H - BOTTOM) as i64 - 22 * (lines.len() - k) as i64 - 6,
             )
         };
