@@ -46,6 +46,13 @@ pub enum MeshError {
         size: usize,
         limit: usize,
     },
+    /// The object stopped arriving (deleted while being read, or the server is gone).
+    #[error("blob {key}: no data for {after:?} after {read} bytes")]
+    BlobStalled {
+        key: String,
+        after: Duration,
+        read: usize,
+    },
     /// Creating a JetStream object store or KV bucket failed (both share one error type).
     #[error("opening bucket {bucket} failed: {source}")]
     BucketOpen {
@@ -96,6 +103,7 @@ impl MeshError {
             MeshError::Encode(_) | MeshError::Decode(_) | MeshError::Json(_) => "codec",
             MeshError::BlobNotFound { .. } => "blob_not_found",
             MeshError::BlobTooLarge { .. } => "blob_too_large",
+            MeshError::BlobStalled { .. } => "blob_stalled",
             MeshError::BucketOpen { .. }
             | MeshError::BlobPut(_)
             | MeshError::BlobGet(_)

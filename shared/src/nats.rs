@@ -193,6 +193,36 @@ impl Default for BlobBucketConfig {
 pub struct BlobStore {
     store: object_store::ObjectStore,
     bucket: String,
+    stall_timeout: Duration,
+}
+
+/// How long a blob read may go without receiving a byte before it fails. An object deleted
+/// while it is being read (a template removed during an edit that reads its image) leaves the
+/// chunk subscription waiting for chunks that never come; this turns that into an error.
+pub const DEFAULT_BLOB_STALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Read `reader` to its end into `buf`, failing when no byte arrives for `stall` (the object
+/// store's reader waits forever for chunks of an object deleted mid-read).
+async fn read_to_end_or_stall<R: tokio::io::AsyncRead + Unpin>(
+    reader: &mut R,
+    buf: &mut Vec<u8>,
+    key: &str,
+    stall: Duration,
+) -> Result<(), MeshError> {
+    let mut chunk = vec![0u8; 64 * 1024];
+    loop {
+        let n = tokio::time::timeout(stall, reader.read(&mut chunk))
+            .await
+            .map_err(|_| MeshError::BlobStalled {
+                key: key.to_string(),
+                after: stall,
+                read: buf.len(),
+            })??;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
 }
 
 impl BlobStore {
@@ -211,6 +241,7 @@ impl BlobStore {
             return Ok(Self {
                 store,
                 bucket: config.bucket.clone(),
+                stall_timeout: DEFAULT_BLOB_STALL_TIMEOUT,
             });
         }
         let created = js
@@ -235,7 +266,14 @@ impl BlobStore {
         Ok(Self {
             store,
             bucket: config.bucket.clone(),
+            stall_timeout: DEFAULT_BLOB_STALL_TIMEOUT,
         })
+    }
+
+    /// Fail reads that receive nothing for `stall` (default [`DEFAULT_BLOB_STALL_TIMEOUT`]).
+    pub fn with_stall_timeout(mut self, stall: Duration) -> Self {
+        self.stall_timeout = stall;
+        self
     }
 
     pub fn bucket(&self) -> &str {
@@ -255,8 +293,17 @@ impl BlobStore {
     }
 
     /// Read the object under `key`, refusing objects above `limit` bytes before reading them.
+    /// Fails with [`MeshError::BlobStalled`] when the object stops arriving (deleted mid-read).
     pub async fn get_limited(&self, key: &str, limit: usize) -> Result<Vec<u8>, MeshError> {
-        let mut object = self.store.get(key).await.map_err(|err| {
+        let stalled = |read| MeshError::BlobStalled {
+            key: key.to_string(),
+            after: self.stall_timeout,
+            read,
+        };
+        let opened = tokio::time::timeout(self.stall_timeout, self.store.get(key))
+            .await
+            .map_err(|_| stalled(0))?;
+        let mut object = opened.map_err(|err| {
             if err.kind() == object_store::GetErrorKind::NotFound {
                 MeshError::BlobNotFound {
                     key: key.to_string(),
@@ -274,7 +321,7 @@ impl BlobStore {
             });
         }
         let mut buf = Vec::with_capacity(size);
-        object.read_to_end(&mut buf).await?;
+        read_to_end_or_stall(&mut object, &mut buf, key, self.stall_timeout).await?;
         Ok(buf)
     }
 
@@ -292,4 +339,42 @@ impl BlobStore {
 /// sort together and can be listed or cleaned up by prefix.
 pub fn blob_key(job_id: &str, name: &str) -> String {
     format!("{job_id}/{name}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    #[tokio::test]
+    async fn a_read_that_stops_arriving_fails_instead_of_hanging() {
+        let (mut writer, mut reader) = tokio::io::duplex(1024);
+        writer.write_all(b"abc").await.unwrap();
+        // The writer stays open: the reader gets 3 bytes and then nothing, like the chunk
+        // subscription of an object deleted mid-read.
+        let mut buf = Vec::new();
+        let stall = Duration::from_millis(50);
+        let err = read_to_end_or_stall(&mut reader, &mut buf, "t/image", stall)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, MeshError::BlobStalled { key, read: 3, .. } if key == "t/image"),
+            "{err}"
+        );
+        assert_eq!(err.reason(), "blob_stalled");
+        drop(writer);
+    }
+
+    #[tokio::test]
+    async fn a_complete_read_returns_every_byte() {
+        let (mut writer, mut reader) = tokio::io::duplex(1 << 20);
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        writer.write_all(&data).await.unwrap();
+        drop(writer);
+        let mut buf = Vec::new();
+        read_to_end_or_stall(&mut reader, &mut buf, "k", Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(buf, data);
+    }
 }
