@@ -241,6 +241,28 @@ pub fn render_rgb(scene: &Scene) -> Vec<u8> {
     out
 }
 
+/// Pixels (row-major, `IMAGE_SIZE`^2) inside the object's bounding box grown by `margin` pixels:
+/// 1.0 there, 0.0 elsewhere. The box is where the shapes differ from each other (a square fills
+/// its corners, a circle and a triangle do not), so training can weight the loss there.
+pub fn object_box_mask(scene: &Scene, margin: f64) -> Vec<f32> {
+    let n = IMAGE_SIZE as usize;
+    let (ax, ay) = scene.key.position.anchor();
+    let (cx, cy) = (ax + scene.jitter.0, ay + scene.jitter.1);
+    let reach = scene.half_size + margin;
+    let mut out = Vec::with_capacity(n * n);
+    for y in 0..n {
+        for x in 0..n {
+            let (dx, dy) = (x as f64 + 0.5 - cx, y as f64 + 0.5 - cy);
+            out.push(if dx.abs() <= reach && dy.abs() <= reach {
+                1.0
+            } else {
+                0.0
+            });
+        }
+    }
+    out
+}
+
 /// Convert 8-bit RGB (`[H][W][3]`) to a `[3, H, W]` float tensor in [-1, 1].
 pub fn rgb_to_tensor(rgb: &[u8], size: i64) -> Tensor {
     let floats: Vec<f32> = rgb.iter().map(|&v| v as f32 / 127.5 - 1.0).collect();
@@ -252,14 +274,36 @@ pub fn rgb_to_tensor(rgb: &[u8], size: i64) -> Tensor {
 
 /// One training batch: images `[B, 3, 64, 64]` in [-1, 1] and their prompts.
 pub fn batch(gen: &mut Generator, size: usize) -> (Tensor, Vec<String>) {
+    let b = batch_with_boxes(gen, size, 0.0);
+    (b.images, b.prompts)
+}
+
+/// A training batch with the object-box mask of every image.
+pub struct Batch {
+    /// `[B, 3, 64, 64]` in [-1, 1].
+    pub images: Tensor,
+    pub prompts: Vec<String>,
+    /// `[B, 3, 64, 64]`: 1 inside each object's bounding box grown by the margin, else 0.
+    pub boxes: Tensor,
+}
+
+/// Draw `size` scenes; `margin` grows the object boxes (see [`object_box_mask`]).
+pub fn batch_with_boxes(gen: &mut Generator, size: usize, margin: f64) -> Batch {
     let mut images = Vec::with_capacity(size);
     let mut prompts = Vec::with_capacity(size);
+    let mut boxes = Vec::with_capacity(size);
     for _ in 0..size {
         let scene = gen.next_scene();
         images.push(rgb_to_tensor(&render_rgb(&scene), IMAGE_SIZE));
         prompts.push(scene.key.prompt());
+        let mask = Tensor::from_slice(&object_box_mask(&scene, margin));
+        boxes.push(mask.view([1, IMAGE_SIZE, IMAGE_SIZE]).repeat([3, 1, 1]));
     }
-    (Tensor::stack(&images, 0), prompts)
+    Batch {
+        images: Tensor::stack(&images, 0),
+        prompts,
+        boxes: Tensor::stack(&boxes, 0),
+    }
 }
 
 #[cfg(test)]
@@ -295,6 +339,30 @@ mod tests {
             assert_eq!(sa, sb);
             assert!(!held.contains(&sa.key));
         }
+    }
+
+    #[test]
+    fn object_box_covers_the_object_and_margin_only() {
+        let key = SceneKey {
+            shape: Shape::Square,
+            colour: 0,
+            position: Position::Left,
+            background: 2,
+        };
+        let scene = Scene {
+            key,
+            half_size: 10.0,
+            jitter: (1.0, -1.0),
+        };
+        let rgb = render_rgb(&scene);
+        let mask = object_box_mask(&scene, 2.0);
+        // Every object pixel is inside the box; the box is the square's 20 px side plus 2 px a side.
+        for (i, p) in rgb.chunks(3).enumerate() {
+            if p == COLOURS[0].1 {
+                assert_eq!(mask[i], 1.0, "object pixel {i} outside the box");
+            }
+        }
+        assert_eq!(mask.iter().filter(|&&m| m == 1.0).count(), 24 * 24);
     }
 
     #[test]

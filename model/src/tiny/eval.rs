@@ -2,7 +2,7 @@
 //! never produced), read each back with the checker in [`super::check`], and report accuracy
 //! per attribute and all-correct, for the trained model and for its untrained initialisation.
 use super::check::{detect, judge, Detection, Verdict};
-use super::data::{render_rgb, Scene, Split};
+use super::data::{render_rgb, Scene, SceneKey, Split};
 use super::model::{images_to_rgb, TinyModel};
 use super::{plot, IMAGE_SIZE};
 use crate::error::{ModelError, Result};
@@ -34,15 +34,37 @@ pub struct EvalArgs {
     /// Prompts generated together.
     #[arg(long, env = "DIFFMESH_TINY_EVAL_BATCH", default_value_t = 25)]
     pub batch_size: usize,
-    /// Evaluate the first N held-out prompts only (at most 100).
+    /// Evaluate the first N prompts of the split only (at most 100).
     #[arg(long, env = "DIFFMESH_TINY_EVAL_PROMPTS", default_value_t = 100)]
     pub prompts: usize,
+    /// Which tuples to prompt with: `held-out` (never trained on; the reported accuracy) or
+    /// `train` (the first tuples of the training split: a validation set for choosing training
+    /// and sampling settings without looking at the held-out prompts).
+    #[arg(long, env = "DIFFMESH_TINY_EVAL_SPLIT", value_enum, default_value_t = EvalSplit::HeldOut)]
+    pub split: EvalSplit,
     /// Also evaluate the untrained initialisation made with this training seed.
     #[arg(long, env = "DIFFMESH_TINY_BASELINE_SEED")]
     pub untrained_seed: Option<u64>,
     /// Write `eval.json` and `samples.png` (held-out prompts: references above, samples below) here.
     #[arg(long, env = "DIFFMESH_TINY_EVAL_REPORT")]
     pub report: Option<PathBuf>,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EvalSplit {
+    HeldOut,
+    Train,
+}
+
+/// The first `n` tuples of the chosen split, in the split's fixed order.
+fn eval_keys(split: EvalSplit, n: usize) -> Vec<SceneKey> {
+    let s = Split::new();
+    let keys = match split {
+        EvalSplit::HeldOut => s.held_out,
+        EvalSplit::Train => s.train,
+    };
+    keys.into_iter().take(n).collect()
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -84,11 +106,7 @@ fn accuracy(verdicts: &[Verdict]) -> Accuracy {
 /// Generate and judge the held-out prompts through the project's Flux pipeline; returns the
 /// results and the RGB images.
 pub fn evaluate(pipeline: &FluxPipeline<'_>, args: &EvalArgs) -> Result<(ModelEval, Vec<Vec<u8>>)> {
-    let keys: Vec<_> = Split::new()
-        .held_out
-        .into_iter()
-        .take(args.prompts)
-        .collect();
+    let keys = eval_keys(args.split, args.prompts);
     let guided = args.cfg_scale > 1.0;
     let opts = GenerateOptions {
         height: IMAGE_SIZE,
@@ -153,7 +171,8 @@ pub fn run(args: &EvalArgs) -> Result<serde_json::Value> {
     let untrained = match args.untrained_seed {
         Some(seed) => {
             tch::manual_seed(seed as i64);
-            let init = TinyModel::new(Device::Cpu)?;
+            // Same transformer size as the evaluated model, same init as its training run.
+            let init = TinyModel::with_flux_config(Device::Cpu, model.transformer.cfg.clone())?;
             let scheduler_path = args
                 .model_dir
                 .join("scheduler")
@@ -177,6 +196,7 @@ pub fn run(args: &EvalArgs) -> Result<serde_json::Value> {
         "steps": args.steps,
         "cfg_scale": args.cfg_scale,
         "seed": args.seed,
+        "split": args.split,
         "trained": trained.accuracy,
         "untrained": untrained.as_ref().map(|u| &u.accuracy),
     });
@@ -188,15 +208,19 @@ pub fn run(args: &EvalArgs) -> Result<serde_json::Value> {
             "untrained_images": untrained.as_ref().map(|u| &u.images),
         });
         super::codec::write_json(&dir.join("eval.json"), &full)?;
-        write_samples(&images, &dir.join("samples.png"))?;
+        write_samples(
+            &images,
+            &eval_keys(args.split, args.prompts),
+            &dir.join("samples.png"),
+        )?;
     }
     Ok(summary)
 }
 
-/// 16 held-out prompts in 8 columns: a row of reference renders above each row of samples.
-fn write_samples(images: &[Vec<u8>], path: &std::path::Path) -> Result<()> {
-    let keys = Split::new().held_out;
-    let n = images.len().min(16);
+/// 16 prompts (`keys`, in `images` order) in 8 columns: a row of reference renders above each
+/// row of samples.
+fn write_samples(images: &[Vec<u8>], keys: &[SceneKey], path: &std::path::Path) -> Result<()> {
+    let n = images.len().min(16).min(keys.len());
     let cols = n.min(8);
     let mut tiles = Vec::new();
     for row in (0..n).step_by(cols) {

@@ -12,6 +12,7 @@ pub mod plot;
 pub mod text_encoder;
 pub mod tokenizer;
 pub mod train;
+pub mod validate;
 
 pub use codec::DiffmeshPixelCodec;
 pub use text_encoder::{DiffmeshTinyTextEncoder, TinyTextEncoderConfig};

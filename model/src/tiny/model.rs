@@ -26,20 +26,46 @@ pub const MAX_TOKENS: i64 = 16;
 /// Static time shift shared by training's timestep sampling and the scheduler.
 pub const SHIFT: f64 = 2.0;
 
+/// Attention heads of the shipped transformer.
+pub const DEFAULT_HEADS: i64 = 2;
+/// Channels per attention head of the shipped transformer.
+pub const DEFAULT_HEAD_DIM: i64 = 64;
+/// Double-stream blocks of the shipped transformer.
+pub const DEFAULT_DOUBLE_BLOCKS: i64 = 2;
+/// Single-stream blocks of the shipped transformer.
+pub const DEFAULT_SINGLE_BLOCKS: i64 = 2;
+
 /// The transformer config of the shipped model: 2 double + 2 single blocks, width 128 (2 heads of 64).
 pub fn default_flux_config() -> FluxConfig {
+    flux_config(
+        DEFAULT_HEADS,
+        DEFAULT_HEAD_DIM,
+        DEFAULT_DOUBLE_BLOCKS,
+        DEFAULT_SINGLE_BLOCKS,
+    )
+}
+
+/// The tiny transformer config with `heads` heads of `head_dim` channels (a multiple of 16: RoPE
+/// splits a head 1/4 : 3/8 : 3/8 over the (index, row, column) axes, like Flux's 16 : 56 : 56)
+/// and the given block counts.
+pub fn flux_config(
+    heads: i64,
+    head_dim: i64,
+    double_blocks: i64,
+    single_blocks: i64,
+) -> FluxConfig {
     FluxConfig {
         patch_size: 1,
         in_channels: 48,
         out_channels: None,
-        num_layers: 2,
-        num_single_layers: 2,
-        attention_head_dim: 64,
-        num_attention_heads: 2,
+        num_layers: double_blocks,
+        num_single_layers: single_blocks,
+        attention_head_dim: head_dim,
+        num_attention_heads: heads,
         joint_attention_dim: 128,
         pooled_projection_dim: 128,
         guidance_embeds: false,
-        axes_dims_rope: vec![16, 24, 24],
+        axes_dims_rope: vec![head_dim / 4, head_dim * 3 / 8, head_dim * 3 / 8],
     }
 }
 
@@ -71,8 +97,12 @@ pub struct TinyModel {
 impl TinyModel {
     /// Freshly initialised model (weights from torch's global RNG: seed it first).
     pub fn new(device: Device) -> Result<Self> {
+        Self::with_flux_config(device, default_flux_config())
+    }
+
+    /// Freshly initialised model with another transformer size (see [`flux_config`]).
+    pub fn with_flux_config(device: Device, flux_config: FluxConfig) -> Result<Self> {
         let tokenizer = WordTokenizer::for_generator(MAX_TOKENS);
-        let flux_config = default_flux_config();
         let text_config = default_text_config(&tokenizer, &flux_config);
         let text_vs = nn::VarStore::new(device);
         let transformer_vs = nn::VarStore::new(device);

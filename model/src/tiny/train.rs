@@ -1,11 +1,16 @@
 //! Flow-matching training of the tiny model on the procedural data (rectified flow, as Flux):
 //! `x_t = (1 - t) x0 + t noise`, the transformer predicts `noise - x0`, `t` is logit-normal
-//! pushed through the scheduler's static shift, so training spends its effort where sampling does.
+//! (wide, unshifted by default, so the low-noise steps where outlines are drawn get trained too;
+//! `--t-shift`, `--t-mean`, `--t-std` change it).
 //! The text encoder trains jointly; prompts are dropped (replaced by "") with a small probability
 //! so classifier-free guidance has an unconditional branch. Weights are saved as an EMA.
-use super::data::{batch, Generator, Split};
-use super::model::{TinyModel, SHIFT};
+use super::data::{batch_with_boxes, Generator, Split};
+use super::model::{
+    flux_config, TinyModel, DEFAULT_DOUBLE_BLOCKS, DEFAULT_HEADS, DEFAULT_HEAD_DIM,
+    DEFAULT_SINGLE_BLOCKS, SHIFT,
+};
 use super::plot;
+use super::validate::Validation;
 use crate::error::{ModelError, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -15,29 +20,35 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 
-/// Flags of `diffmesh-train-tiny` (train); the defaults reproduce the shipped `models/tiny`.
+/// Flags of `diffmesh-train-tiny` (train); the defaults are the shipped run's (which
+/// `--max-minutes` stopped after step 8555: `--stop-after 8555` reproduces it exactly).
 #[derive(clap::Args, Debug, Clone, Serialize)]
 pub struct TrainArgs {
     /// Output model folder (diffusers layout); overwritten.
     #[arg(long, env = "DIFFMESH_TINY_OUT", default_value = "models/tiny")]
     pub out: PathBuf,
     /// Optimiser steps.
-    #[arg(long, env = "DIFFMESH_TINY_STEPS", default_value_t = 2919)]
+    #[arg(long, env = "DIFFMESH_TINY_STEPS", default_value_t = 10000)]
     pub steps: usize,
     /// Seed of weight init, noise, timesteps and the data stream.
     #[arg(long, env = "DIFFMESH_TINY_SEED", default_value_t = 0)]
     pub seed: u64,
-    /// libtorch intra-op threads (1 is fastest on a shared 2-core machine: OpenMP barriers stall
-    /// when another process takes a core; results differ from other counts only by float rounding).
-    #[arg(long, env = "DIFFMESH_TINY_THREADS", default_value_t = 1)]
+    /// libtorch intra-op threads (2 on an idle 2-core machine; use 1 when other processes share
+    /// the cores: OpenMP barriers stall when a core is taken; results differ from other counts
+    /// only by float rounding).
+    #[arg(long, env = "DIFFMESH_TINY_THREADS", default_value_t = 2)]
     pub threads: i32,
     /// Images per step.
     #[arg(long, env = "DIFFMESH_TINY_BATCH", default_value_t = 12)]
     pub batch_size: usize,
-    /// Learning rate (AdamW, linear warmup then constant: stopping early at step k gives exactly
-    /// the model `--steps k` gives, which `--max-minutes` relies on).
+    /// Peak learning rate (AdamW, linear warmup, then cosine decay to `lr * lr_final` at the
+    /// last of `--steps`).
     #[arg(long, env = "DIFFMESH_TINY_LR", default_value_t = 1e-3)]
     pub lr: f64,
+    /// Learning rate at the last step as a fraction of `--lr` (1: constant after warmup, so
+    /// stopping early at step k gives exactly the model `--steps k` gives).
+    #[arg(long, env = "DIFFMESH_TINY_LR_FINAL", default_value_t = 0.1)]
+    pub lr_final: f64,
     /// Warmup steps.
     #[arg(long, env = "DIFFMESH_TINY_WARMUP", default_value_t = 100)]
     pub warmup: usize,
@@ -50,13 +61,57 @@ pub struct TrainArgs {
     /// Probability of training a sample with the empty prompt (for classifier-free guidance).
     #[arg(long, env = "DIFFMESH_TINY_UNCOND_PROB", default_value_t = 0.1)]
     pub uncond_prob: f64,
+    /// Training timesteps are `shift(sigmoid(n))`, `n ~ N(t_mean, t_std)`: mean of `n`
+    /// (negative spends more steps at low noise, where edges are drawn).
+    #[arg(
+        long,
+        env = "DIFFMESH_TINY_T_MEAN",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
+    pub t_mean: f64,
+    /// Standard deviation of `n` (see `--t-mean`).
+    #[arg(long, env = "DIFFMESH_TINY_T_STD", default_value_t = 1.6)]
+    pub t_std: f64,
+    /// Time shift of the training timesteps (`shift(u) = s u / (1 + (s - 1) u)`; the
+    /// scheduler samples with 2.0, but training with it leaves t < 0.2, where the last sampling
+    /// steps run and edges are drawn, to 2% of the steps).
+    #[arg(long, env = "DIFFMESH_TINY_T_SHIFT", default_value_t = 1.0)]
+    pub t_shift: f64,
+    /// Loss weight of the pixels in each object's bounding box (grown by `--box-margin`)
+    /// relative to 1 elsewhere: the box is where shapes differ, ~15% of the image.
+    #[arg(long, env = "DIFFMESH_TINY_OBJECT_WEIGHT", default_value_t = 1.0)]
+    pub object_weight: f64,
+    /// Pixels the weighted object box extends beyond the object's bounding box.
+    #[arg(long, env = "DIFFMESH_TINY_BOX_MARGIN", default_value_t = 2.0)]
+    pub box_margin: f64,
+    /// Transformer attention heads (width = heads x head_dim).
+    #[arg(long, env = "DIFFMESH_TINY_HEADS", default_value_t = DEFAULT_HEADS)]
+    pub heads: i64,
+    /// Channels per attention head (a multiple of 16).
+    #[arg(long, env = "DIFFMESH_TINY_HEAD_DIM", default_value_t = DEFAULT_HEAD_DIM)]
+    pub head_dim: i64,
+    /// Transformer double-stream blocks.
+    #[arg(long, env = "DIFFMESH_TINY_DOUBLE_BLOCKS", default_value_t = DEFAULT_DOUBLE_BLOCKS)]
+    pub double_blocks: i64,
+    /// Transformer single-stream blocks.
+    #[arg(long, env = "DIFFMESH_TINY_SINGLE_BLOCKS", default_value_t = DEFAULT_SINGLE_BLOCKS)]
+    pub single_blocks: i64,
     /// Steps per row of `train_log.csv` (mean loss over the window).
     #[arg(long, env = "DIFFMESH_TINY_LOG_EVERY", default_value_t = 10)]
     pub log_every: usize,
     /// Stop after the first step that ends past this wall time (minutes); `train_meta.json`
-    /// records `steps_done`, and `--steps <steps_done>` reproduces the result.
-    #[arg(long, env = "DIFFMESH_TINY_MAX_MINUTES")]
+    /// records `steps_done`, and `--stop-after <steps_done>` (same `--steps`) reproduces it.
+    #[arg(long, env = "DIFFMESH_TINY_MAX_MINUTES", default_value = "58")]
     pub max_minutes: Option<f64>,
+    /// Stop after this step while keeping the learning-rate schedule of `--steps`: reproduces a
+    /// run that `--max-minutes` cut short.
+    #[arg(long, env = "DIFFMESH_TINY_STOP_AFTER")]
+    pub stop_after: Option<usize>,
+    /// Score the EMA model on the fixed validation batch every this many steps, per noise band,
+    /// into `val_log.csv` (0: never; it does not change the training run either way).
+    #[arg(long, env = "DIFFMESH_TINY_VAL_EVERY", default_value_t = 250)]
+    pub val_every: usize,
     /// Save the EMA model every this many steps (0: only at the end).
     #[arg(long, env = "DIFFMESH_TINY_SAVE_EVERY", default_value_t = 250)]
     pub save_every: usize,
@@ -107,6 +162,19 @@ impl Ema {
         })
     }
 
+    /// Exchange the live weights with the averaged ones (exact copies: twice restores both).
+    fn swap(&mut self) -> Result<()> {
+        tch::no_grad(|| {
+            for (s, v) in self.shadow.iter_mut().zip(self.live.iter_mut()) {
+                let mut live = v.f_empty_like()?;
+                live.f_copy_(v)?;
+                v.f_copy_(s)?;
+                s.f_copy_(&live)?;
+            }
+            Ok(())
+        })
+    }
+
     fn named(&self) -> Vec<(String, Tensor)> {
         self.names
             .iter()
@@ -117,7 +185,13 @@ impl Ema {
 }
 
 fn lr_at(args: &TrainArgs, step: usize) -> f64 {
-    args.lr * (step as f64 / args.warmup.max(1) as f64).min(1.0)
+    if step < args.warmup {
+        return args.lr * step as f64 / args.warmup as f64;
+    }
+    let span = args.steps.saturating_sub(args.warmup).max(1) as f64;
+    let progress = ((step - args.warmup) as f64 / span).min(1.0);
+    let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+    args.lr * (args.lr_final + (1.0 - args.lr_final) * cosine)
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
@@ -127,17 +201,44 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     }
 }
 
+/// How training draws timesteps: `t = shift(sigmoid(n))`, `n ~ N(mean, std)`.
+#[derive(Debug, Clone, Copy)]
+pub struct TimeSampling {
+    pub mean: f64,
+    pub std: f64,
+    pub shift: f64,
+}
+
+impl Default for TimeSampling {
+    /// The scheduler's shift over a standard logit-normal.
+    fn default() -> Self {
+        TimeSampling {
+            mean: 0.0,
+            std: 1.0,
+            shift: SHIFT,
+        }
+    }
+}
+
 /// One flow-matching loss on a batch (`images` in [-1, 1], `prompts` may contain "").
+/// `weights` (`[B, 3, 64, 64]`, like `images`) weights each pixel's squared error; the loss is
+/// the weighted mean.
 pub fn flow_matching_loss(
     model: &TinyModel,
     images: &Tensor,
     prompts: &[String],
+    time: TimeSampling,
+    weights: Option<&Tensor>,
 ) -> Result<Tensor> {
     let x0 = model.images_to_tokens(images)?;
     let b = x0.size()[0];
     let noise = x0.f_randn_like()?;
-    let u = Tensor::f_randn([b], (Kind::Float, x0.device()))?.f_sigmoid()?;
-    let t = (&u * SHIFT).f_div(&(u.f_mul_scalar(SHIFT - 1.0)?.f_add_scalar(1.0)?))?;
+    let u = Tensor::f_randn([b], (Kind::Float, x0.device()))?
+        .f_mul_scalar(time.std)?
+        .f_add_scalar(time.mean)?
+        .f_sigmoid()?;
+    let s = time.shift;
+    let t = (&u * s).f_div(&(u.f_mul_scalar(s - 1.0)?.f_add_scalar(1.0)?))?;
     let tt = t.f_view([b, 1, 1])?;
     let xt = x0
         .f_mul(&tt.f_neg()?.f_add_scalar(1.0)?)?
@@ -146,7 +247,17 @@ pub fn flow_matching_loss(
     let ids = model.text_encoder.tokenize(prompts)?;
     let text = model.text_encoder.forward_ids(&ids)?;
     let v = model.velocity(&xt, &text, &t)?;
-    Ok(v.f_sub(&target)?.f_square()?.f_mean(Kind::Float)?)
+    let err = v.f_sub(&target)?.f_square()?;
+    match weights {
+        None => Ok(err.f_mean(Kind::Float)?),
+        Some(w) => {
+            let w = model.images_to_tokens(w)?;
+            Ok(err
+                .f_mul(&w)?
+                .f_sum(Kind::Float)?
+                .f_div(&w.f_sum(Kind::Float)?)?)
+        }
+    }
 }
 
 /// Train from scratch and write the model folder, `train_log.csv`, `train_meta.json` and
@@ -159,8 +270,31 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
         ));
     }
     tch::set_num_threads(args.threads);
+    if args.object_weight <= 0.0 || args.t_std <= 0.0 || args.t_shift <= 0.0 {
+        return Err(ModelError::input(
+            "object_weight/t_std/t_shift",
+            "must all be positive",
+        ));
+    }
     tch::manual_seed(args.seed as i64);
-    let model = TinyModel::new(Device::Cpu)?;
+    if args.head_dim <= 0 || args.head_dim % 16 != 0 {
+        return Err(ModelError::input(
+            "head_dim",
+            format!("must be a positive multiple of 16, got {}", args.head_dim),
+        ));
+    }
+    let config = flux_config(
+        args.heads,
+        args.head_dim,
+        args.double_blocks,
+        args.single_blocks,
+    );
+    let model = TinyModel::with_flux_config(Device::Cpu, config)?;
+    let time = TimeSampling {
+        mean: args.t_mean,
+        std: args.t_std,
+        shift: args.t_shift,
+    };
     let (te_params, tr_params) = model.parameter_counts();
     eprintln!("tiny model: text encoder {te_params} params, transformer {tr_params} params");
     let split = Split::new();
@@ -181,6 +315,20 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     let mut recent = std::collections::VecDeque::new();
     let start = Instant::now();
     let mut steps_done = 0;
+    let validation = match args.val_every {
+        0 => None,
+        _ => Some(Validation::new(&model)?),
+    };
+    let val_path = args.out.join("val_log.csv");
+    let mut val_csv = match validation {
+        Some(_) => {
+            let mut f = std::fs::File::create(&val_path).map_err(io_err(&val_path))?;
+            writeln!(f, "step,t_mid,loss,box_loss").map_err(io_err(&val_path))?;
+            Some(f)
+        }
+        None => None,
+    };
+    let mut val_curve: Vec<(f64, f64)> = Vec::new();
     let save = |ema_te: &Ema, ema_tr: &Ema| {
         model.save(&args.out, Some((&ema_te.named(), &ema_tr.named())))
     };
@@ -188,13 +336,21 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
         let lr = lr_at(args, step);
         opt_tr.set_lr(lr);
         opt_te.set_lr(lr);
-        let (images, mut prompts) = batch(&mut gen, args.batch_size);
-        for p in prompts.iter_mut() {
+        let mut b = batch_with_boxes(&mut gen, args.batch_size, args.box_margin);
+        for p in b.prompts.iter_mut() {
             if drop_rng.random::<f64>() < args.uncond_prob {
                 p.clear();
             }
         }
-        let loss = flow_matching_loss(&model, &images, &prompts)?;
+        // 1 outside the object box, object_weight inside.
+        let weights = (args.object_weight != 1.0)
+            .then(|| {
+                b.boxes
+                    .f_mul_scalar(args.object_weight - 1.0)?
+                    .f_add_scalar(1.0)
+            })
+            .transpose()?;
+        let loss = flow_matching_loss(&model, &b.images, &b.prompts, time, weights.as_ref())?;
         opt_tr.zero_grad();
         opt_te.zero_grad();
         loss.f_backward()?;
@@ -220,10 +376,11 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
             recent.pop_front();
         }
         steps_done = step;
-        let out_of_time = args
+        let stop_now = args
             .max_minutes
-            .is_some_and(|m| start.elapsed().as_secs_f64() > m * 60.0);
-        if step % args.log_every == 0 || step == args.steps || out_of_time {
+            .is_some_and(|m| start.elapsed().as_secs_f64() > m * 60.0)
+            || args.stop_after.is_some_and(|k| step >= k);
+        if step % args.log_every == 0 || step == args.steps || stop_now {
             let mean = window.iter().sum::<f64>() / window.len() as f64;
             window.clear();
             let elapsed = start.elapsed().as_secs_f64();
@@ -236,11 +393,32 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
                 elapsed / step as f64
             );
         }
+        let last = step == args.steps || stop_now;
+        if let (Some(val), Some(f)) = (&validation, val_csv.as_mut()) {
+            if step % args.val_every == 0 || last {
+                // Score the averaged weights, the ones that are saved.
+                ema_tr.swap()?;
+                ema_te.swap()?;
+                let bands = val.run(&model);
+                ema_tr.swap()?;
+                ema_te.swap()?;
+                let bands = bands?;
+                for b in &bands {
+                    writeln!(f, "{step},{:.2},{:.6},{:.6}", b.t_mid, b.loss, b.box_loss)
+                        .map_err(io_err(&val_path))?;
+                }
+                f.flush().map_err(io_err(&val_path))?;
+                let mean = bands.iter().map(|b| b.loss).sum::<f64>() / bands.len() as f64;
+                let box_mean = bands.iter().map(|b| b.box_loss).sum::<f64>() / bands.len() as f64;
+                val_curve.push((step as f64, mean));
+                eprintln!("step {step} validation loss {mean:.4} (object boxes {box_mean:.4})");
+            }
+        }
         if args.save_every > 0 && step % args.save_every == 0 && step < args.steps {
             save(&ema_te, &ema_tr)?;
         }
-        if out_of_time {
-            eprintln!("stopping after step {step}: --max-minutes reached");
+        if stop_now {
+            eprintln!("stopping after step {step} (--max-minutes or --stop-after)");
             break;
         }
     }
@@ -259,7 +437,10 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     };
     super::codec::write_json(&args.out.join("train_meta.json"), &summary)?;
     plot::loss_curve(
-        &[(image::Rgb([30, 90, 200]), curve)],
+        &[
+            (image::Rgb([30, 90, 200]), curve),
+            (image::Rgb([220, 110, 20]), val_curve),
+        ],
         &args.out.join("loss_curve.png"),
     )?;
     Ok(summary)
@@ -270,17 +451,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn warmup_then_constant_lr() {
+    fn warmup_then_cosine_lr() {
         #[derive(clap::Parser)]
         struct Cli {
             #[command(flatten)]
             args: TrainArgs,
         }
-        let args = <Cli as clap::Parser>::parse_from(["test"]).args;
+        let mut args = <Cli as clap::Parser>::parse_from(["test"]).args;
+        args.steps = 10 * args.warmup;
+        args.lr_final = 0.1;
         assert_eq!(lr_at(&args, 0), 0.0);
         assert!((lr_at(&args, args.warmup / 2) - args.lr / 2.0).abs() < 1e-12);
         assert_eq!(lr_at(&args, args.warmup), args.lr);
-        assert_eq!(lr_at(&args, 10 * args.warmup), args.lr);
+        let mid = (args.warmup + args.steps) / 2;
+        assert!((lr_at(&args, mid) - 0.55 * args.lr).abs() < 1e-12);
+        assert!((lr_at(&args, args.steps) - 0.1 * args.lr).abs() < 1e-12);
+        args.lr_final = 1.0;
+        assert_eq!(lr_at(&args, args.steps), args.lr);
     }
 
     #[test]
@@ -288,13 +475,26 @@ mod tests {
         tch::manual_seed(0);
         let model = TinyModel::new(Device::Cpu).unwrap();
         let split = Split::new();
-        let (images, prompts) = batch(&mut Generator::new(split.train, 1), 2);
+        let b = batch_with_boxes(&mut Generator::new(split.train, 1), 2, 2.0);
+        let weights = b
+            .boxes
+            .f_mul_scalar(3.0)
+            .unwrap()
+            .f_add_scalar(1.0)
+            .unwrap();
         let mut opt = nn::adamw(0.9, 0.99, 0.0)
             .build(&model.transformer_vs, 1e-3)
             .unwrap();
         let fixed_loss = |m: &TinyModel| {
             tch::manual_seed(5); // same noise and timesteps every call
-            flow_matching_loss(m, &images, &prompts).unwrap()
+            flow_matching_loss(
+                m,
+                &b.images,
+                &b.prompts,
+                TimeSampling::default(),
+                Some(&weights),
+            )
+            .unwrap()
         };
         let before = tch::no_grad(|| fixed_loss(&model)).double_value(&[]);
         for _ in 0..10 {
