@@ -10,6 +10,7 @@
 //! - quality, with the trained tiny model: edits of a rendered template run to the end in full
 //!   compute and through the engine's `CachedStepper` (the serving path), composited like the
 //!   codec does; SSIM and PSNR of mask-aware against full, per cache dtype.
+use super::report::Report;
 use crate::cached_step::{CacheSettings, CachedStepper, CaptureSink, PrefixPolicy};
 use crate::templates::{KvLoader, TemplateEntry};
 use anyhow::{Context, Result};
@@ -27,7 +28,6 @@ use diffmesh_model::tiny::data::{all_keys, render_rgb, rgb_to_tensor, scene_for}
 use diffmesh_model::tiny::IMAGE_SIZE;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use super::report::Report;
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -67,7 +67,8 @@ fn capture_entry(
     dtype: CacheDtype,
 ) -> Result<Arc<TemplateEntry>> {
     let mut sink = CaptureSink::new(KvFormat::Prepared, dtype);
-    model.forward_capture(inputs, &mut sink)?;
+    // Only the captured K/V are wanted here, not the step's output.
+    let _output = model.forward_capture(inputs, &mut sink)?;
     sink.end_step();
     let entry = sink
         .finish("bench".into(), model.num_blocks())
