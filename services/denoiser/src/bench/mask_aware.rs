@@ -358,12 +358,15 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// Run every mask-aware measurement; figures go into `report` under the names the issue uses.
-pub fn run(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
+/// Run the mask-aware measurements (the medium-config latency ones only when `with_latency`:
+/// they take most of the time); figures go into `report` under the names the issue uses.
+pub fn run(opts: &MaskAwareOptions, with_latency: bool, report: &mut Report) -> Result<()> {
     anyhow::ensure!(
         !opts.mask_ratios.is_empty(),
         "--mask-ratios: the file has no ratios"
     );
-    latency(opts, report)?;
+    if with_latency {
+        latency(opts, report)?;
+    }
     quality(opts, report)
 }

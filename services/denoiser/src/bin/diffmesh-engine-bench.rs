@@ -20,6 +20,9 @@ enum Part {
     Disaggregation,
     /// Mask-aware step latency (medium config), throughput at batch 8, quality (tiny model).
     MaskAware,
+    /// Only the quality figures of `mask-aware` (SSIM/PSNR with the tiny model; minutes, not
+    /// the medium config's tens of minutes).
+    Quality,
 }
 
 #[derive(Debug, Parser)]
@@ -196,7 +199,8 @@ async fn main() -> Result<()> {
     report.insert("torch_threads", args.torch_threads);
     report.insert("seed", args.seed);
 
-    if args.parts.contains(&Part::MaskAware) {
+    let with_latency = args.parts.contains(&Part::MaskAware);
+    if with_latency || args.parts.contains(&Part::Quality) {
         let opts = mask_aware::MaskAwareOptions {
             mask_ratios: ratios.clone(),
             runs: args.mask_aware_runs,
@@ -205,7 +209,7 @@ async fn main() -> Result<()> {
             quality_steps: args.quality_steps,
             seed: args.seed,
         };
-        mask_aware::run(&opts, &mut report)?;
+        mask_aware::run(&opts, with_latency, &mut report)?;
     }
     if args.parts.contains(&Part::Batching) {
         let opts = BatchingOptions {
