@@ -76,7 +76,11 @@ pub fn ssim(a: &Tensor, b: &Tensor) -> Result<f64> {
 /// PSNR in dB of two images in [0, 1]; `f64::INFINITY` when they are equal.
 pub fn psnr(a: &Tensor, b: &Tensor) -> Result<f64> {
     let (a, b) = check_pair(a, b)?;
-    let mse = a.f_sub(&b)?.f_square()?.f_mean(Kind::Double)?.double_value(&[]);
+    let mse = a
+        .f_sub(&b)?
+        .f_square()?
+        .f_mean(Kind::Double)?
+        .double_value(&[]);
     Ok(if mse == 0.0 {
         f64::INFINITY
     } else {
@@ -123,6 +127,9 @@ mod tests {
         let b = Tensor::rand([1, 3, 16, 32], (Kind::Float, Device::Cpu));
         assert!(ssim(&a, &b).unwrap_err().to_string().contains('b'));
         let small = Tensor::rand([3, 8, 8], (Kind::Float, Device::Cpu));
-        assert!(ssim(&small, &small).unwrap_err().to_string().contains("11x11"));
+        assert!(ssim(&small, &small)
+            .unwrap_err()
+            .to_string()
+            .contains("11x11"));
     }
 }

@@ -342,7 +342,10 @@ fn full_prefix_blocks_read_no_cache_and_stay_exact() {
             let ea = max_err(&out[0], &full_a.index_select(0, &ia));
             let eb = max_err(&out[1], &full_b.index_select(0, &ib));
             println!("{format:?} prefix {prefix}: max abs err {ea:.3e} / {eb:.3e}");
-            assert!(ea <= 1e-4 && eb <= 1e-4, "{format:?} prefix {prefix}: {ea} {eb}");
+            assert!(
+                ea <= 1e-4 && eb <= 1e-4,
+                "{format:?} prefix {prefix}: {ea} {eb}"
+            );
             let alone = tch::no_grad(|| model.forward_masked_prefix(&reqs[..1], prefix)).unwrap();
             assert!(max_err(&alone[0], &out[0]) <= 1e-5);
         }

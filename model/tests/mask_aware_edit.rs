@@ -6,7 +6,9 @@ use diffmesh_model::pipeline::stepper::{
 };
 use diffmesh_model::pipeline::template::{capture_template, TemplateKv, TemplateSpec};
 use diffmesh_model::pipeline::FluxPipeline;
-use diffmesh_model::scheduler::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
+use diffmesh_model::scheduler::{
+    FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
+};
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::tiny::model::{scheduler_config_json, TinyModel};
 
@@ -115,7 +117,13 @@ fn every_token_masked_equals_full_compute() {
     let mut cached = f.edit("a red circle", 3, 4, &all);
     while !cached.is_done() {
         let cache = diffmesh_model::flux::CapturedKv::new(KvFormat::Raw);
-        step_batch_modes(&f.pipe(), &mut [&mut cached], &[StepMode::Cached(&cache)], 0).unwrap();
+        step_batch_modes(
+            &f.pipe(),
+            &mut [&mut cached],
+            &[StepMode::Cached(&cache)],
+            0,
+        )
+        .unwrap();
     }
     let err = max_err(cached.latents(), full.latents());
     println!("mask 1.0: max abs err {err:.3e}");
@@ -156,7 +164,11 @@ fn first_cached_step_with_the_templates_prompt_is_exact() {
 fn packed_requests_at_different_steps_match_each_alone() {
     let f = Fixture::new();
     let kv = f.capture(5, KvFormat::Prepared);
-    let specs = [("a red circle", 1u64, mask(30, 2)), ("a green square", 2, mask(90, 3)), ("x", 3, mask(7, 4))];
+    let specs = [
+        ("a red circle", 1u64, mask(30, 2)),
+        ("a green square", 2, mask(90, 3)),
+        ("x", 3, mask(7, 4)),
+    ];
     let n_blocks = f.model.transformer.num_blocks();
     for prefix in [0, 1, n_blocks] {
         let alone: Vec<Tensor> = specs
@@ -202,7 +214,9 @@ fn cached_mode_on_a_generation_names_the_field() {
     };
     let mut st = DenoiseState::new(&f.pipe(), &req).unwrap();
     let modes = [StepMode::Cached(kv.step(0).unwrap())];
-    let err = step_batch_modes(&f.pipe(), &mut [&mut st], &modes, 0).unwrap_err().to_string();
+    let err = step_batch_modes(&f.pipe(), &mut [&mut st], &modes, 0)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("modes"), "{err}");
     let missing = kv.step(7).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(missing.contains("step 7 missing"), "{missing}");

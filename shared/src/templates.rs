@@ -117,7 +117,12 @@ pub fn step_block_ranges(entry: &[u8]) -> Result<Vec<std::ops::Range<usize>>, St
         .checked_mul(8)
         .and_then(|t| t.checked_add(8))
         .filter(|&end| end <= entry.len())
-        .ok_or_else(|| StepBlobError(format!("{count} blocks do not fit in {} bytes", entry.len())))?;
+        .ok_or_else(|| {
+            StepBlobError(format!(
+                "{count} blocks do not fit in {} bytes",
+                entry.len()
+            ))
+        })?;
     let mut at = table_end;
     let mut ranges = Vec::with_capacity(count);
     for i in 0..count {
@@ -134,7 +139,10 @@ pub fn step_block_ranges(entry: &[u8]) -> Result<Vec<std::ops::Range<usize>>, St
         at = end;
     }
     if at != entry.len() {
-        return Err(StepBlobError(format!("{} trailing bytes", entry.len() - at)));
+        return Err(StepBlobError(format!(
+            "{} trailing bytes",
+            entry.len() - at
+        )));
     }
     Ok(ranges)
 }
@@ -162,15 +170,42 @@ mod tests {
         assert!(key.starts_with("tpl-") && key.len() == 68, "{key}");
         assert_eq!(key, cache_key(&base.clone()));
         let variants = [
-            CacheKeyParts { model: "other", ..base.clone() },
-            CacheKeyParts { content: "abd", ..base.clone() },
-            CacheKeyParts { width: 128, ..base.clone() },
-            CacheKeyParts { steps: 9, ..base.clone() },
-            CacheKeyParts { seed: 8, ..base.clone() },
-            CacheKeyParts { prompt: "", ..base.clone() },
-            CacheKeyParts { guidance_bits: 2.0f32.to_bits(), ..base.clone() },
-            CacheKeyParts { format: "raw", ..base.clone() },
-            CacheKeyParts { dtype: "fp8", ..base.clone() },
+            CacheKeyParts {
+                model: "other",
+                ..base.clone()
+            },
+            CacheKeyParts {
+                content: "abd",
+                ..base.clone()
+            },
+            CacheKeyParts {
+                width: 128,
+                ..base.clone()
+            },
+            CacheKeyParts {
+                steps: 9,
+                ..base.clone()
+            },
+            CacheKeyParts {
+                seed: 8,
+                ..base.clone()
+            },
+            CacheKeyParts {
+                prompt: "",
+                ..base.clone()
+            },
+            CacheKeyParts {
+                guidance_bits: 2.0f32.to_bits(),
+                ..base.clone()
+            },
+            CacheKeyParts {
+                format: "raw",
+                ..base.clone()
+            },
+            CacheKeyParts {
+                dtype: "fp8",
+                ..base.clone()
+            },
         ];
         for v in variants {
             assert_ne!(cache_key(&v), key, "{v:?}");

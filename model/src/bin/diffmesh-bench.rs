@@ -8,9 +8,7 @@
 //! human-readable lines, then one JSON line with every figure last.
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use diffmesh_model::flux::{
-    CapturedKv, FluxConfig, FluxTransformer, KvFormat, MaskedRequest,
-};
+use diffmesh_model::flux::{CapturedKv, FluxConfig, FluxTransformer, KvFormat, MaskedRequest};
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 use serde_json::{json, Map, Value};
 use std::io::{BufRead, BufReader, Write};

@@ -18,7 +18,9 @@ const FP8_MAX: f64 = 448.0;
 /// Storage precision of a cache. Caches are computed in the model's dtype; storing them in a
 /// narrower type halves (or quarters) the bytes every tier moves, at a quality cost the engine
 /// bench measures (SSIM against full compute).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum CacheDtype {
     F32,
@@ -106,17 +108,30 @@ fn format_code(f: KvFormat) -> u8 {
 
 /// Encoded size of one block's K and V (`rows x cols` each).
 pub fn encoded_len(rows: usize, cols: usize, dtype: CacheDtype) -> usize {
-    let scales = if dtype == CacheDtype::Fp8 { 4 * rows } else { 0 };
+    let scales = if dtype == CacheDtype::Fp8 {
+        4 * rows
+    } else {
+        0
+    };
     HEADER + 2 * (scales + rows * cols * dtype.element_bytes())
 }
 
 /// Encode one block's `[N, inner]` K and V (any float dtype, any device).
-pub fn encode_block(k: &Tensor, v: &Tensor, format: KvFormat, dtype: CacheDtype) -> Result<Vec<u8>> {
+pub fn encode_block(
+    k: &Tensor,
+    v: &Tensor,
+    format: KvFormat,
+    dtype: CacheDtype,
+) -> Result<Vec<u8>> {
     let size = k.size();
     if size.len() != 2 || v.size() != size {
         return Err(ModelError::input(
             "cache",
-            format!("K and V must both be [N, inner], got {:?} and {:?}", size, v.size()),
+            format!(
+                "K and V must both be [N, inner], got {:?} and {:?}",
+                size,
+                v.size()
+            ),
         ));
     }
     let (rows, cols) = (size[0] as usize, size[1] as usize);
@@ -187,7 +202,11 @@ pub fn read_header(blob: &[u8]) -> Result<BlobHeader> {
     if blob.len() != expect {
         return Err(bad(
             "length",
-            format!("{rows}x{cols} {} needs {expect} bytes, got {}", dtype.as_str(), blob.len()),
+            format!(
+                "{rows}x{cols} {} needs {expect} bytes, got {}",
+                dtype.as_str(),
+                blob.len()
+            ),
         ));
     }
     Ok(BlobHeader {
@@ -202,7 +221,11 @@ pub fn read_header(blob: &[u8]) -> Result<BlobHeader> {
 pub fn decode_block(blob: &[u8], kind: Kind) -> Result<(Tensor, Tensor, KvFormat)> {
     let h = read_header(blob)?;
     let (rows, cols) = (h.rows as i64, h.cols as i64);
-    let scales = if h.dtype == CacheDtype::Fp8 { 4 * h.rows } else { 0 };
+    let scales = if h.dtype == CacheDtype::Fp8 {
+        4 * h.rows
+    } else {
+        0
+    };
     let data = h.rows * h.cols * h.dtype.element_bytes();
     let mut at = HEADER;
     let mut next = || -> Result<Tensor> {
@@ -233,7 +256,10 @@ mod tests {
     fn kv() -> (Tensor, Tensor) {
         tch::manual_seed(3);
         let opts = (Kind::Float, Device::Cpu);
-        (Tensor::randn([37, 24], opts) * 3.0, Tensor::randn([37, 24], opts))
+        (
+            Tensor::randn([37, 24], opts) * 3.0,
+            Tensor::randn([37, 24], opts),
+        )
     }
 
     fn max_rel_err(a: &Tensor, b: &Tensor) -> f64 {
@@ -275,14 +301,38 @@ mod tests {
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (blob[..blob.len() - 1].to_vec(), "cache_blob.length"),
             (b"nope".to_vec(), "cache_blob.magic"),
-            ({ let mut b = blob.clone(); b[4] = 9; b }, "cache_blob.version"),
-            ({ let mut b = blob.clone(); b[5] = 9; b }, "cache_blob.dtype"),
-            ({ let mut b = blob.clone(); b[6] = 9; b }, "cache_blob.format"),
+            (
+                {
+                    let mut b = blob.clone();
+                    b[4] = 9;
+                    b
+                },
+                "cache_blob.version",
+            ),
+            (
+                {
+                    let mut b = blob.clone();
+                    b[5] = 9;
+                    b
+                },
+                "cache_blob.dtype",
+            ),
+            (
+                {
+                    let mut b = blob.clone();
+                    b[6] = 9;
+                    b
+                },
+                "cache_blob.format",
+            ),
         ];
         for (b, field) in cases {
             let err = decode_block(&b, Kind::Float).unwrap_err().to_string();
             assert!(err.contains(field), "{field}: {err}");
         }
-        assert!(CacheDtype::parse("int4").unwrap_err().to_string().contains("cache_dtype"));
+        assert!(CacheDtype::parse("int4")
+            .unwrap_err()
+            .to_string()
+            .contains("cache_dtype"));
     }
 }

@@ -186,7 +186,9 @@ impl FluxTransformer {
             .iter()
             .enumerate()
             .map(|(r, q)| match (&full, &q.full_hidden_states) {
-                (Some(f), _) if f.prep[r].masked == masked.prep[r].masked => on_dev(&q.hidden_states),
+                (Some(f), _) if f.prep[r].masked == masked.prep[r].masked => {
+                    on_dev(&q.hidden_states)
+                }
                 (Some(_), Some(h)) => on_dev(h),
                 (Some(_), None) => Err(ModelError::input(
                     format!("requests[{r}].full_hidden_states"),
@@ -428,13 +430,7 @@ impl FluxTransformer {
 
     /// Validate one request and precompute its positions and RoPE rows; `full` prepares the
     /// full-prefix phase (every image token computed, no cache read).
-    fn prepare(
-        &self,
-        r: usize,
-        q: &MaskedRequest,
-        device: Device,
-        full: bool,
-    ) -> Result<Prepared> {
+    fn prepare(&self, r: usize, q: &MaskedRequest, device: Device, full: bool) -> Result<Prepared> {
         let cfg = &self.cfg;
         let field = |name: &str| format!("requests[{r}].{name}");
         let hs = q.hidden_states.size();

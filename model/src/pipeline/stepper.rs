@@ -207,7 +207,10 @@ impl DenoiseState {
     /// repaints nothing, so every token follows the template's noised trajectory).
     pub fn capture_step(&mut self, p: &FluxPipeline<'_>, sink: &mut dyn KvSink) -> Result<()> {
         if self.is_done() {
-            return Err(ModelError::input("state", "capture_step after the last step"));
+            return Err(ModelError::input(
+                "state",
+                "capture_step after the last step",
+            ));
         }
         tch::no_grad(|| {
             let states = [&mut *self];
@@ -311,13 +314,18 @@ pub fn step_batch_modes(
                 .iter()
                 .map(|&(i, cache)| states[i].masked_request(cache, full_prefix > 0))
                 .collect::<Result<_>>()?;
-            let velocities = p.transformer.forward_masked_prefix(&requests, full_prefix)?;
+            let velocities = p
+                .transformer
+                .forward_masked_prefix(&requests, full_prefix)?;
             drop(requests);
             for (&(i, _), v) in cached.iter().zip(velocities) {
                 let s = &mut states[i];
                 let index = &s.edit.as_ref().expect("checked above").masked_index;
                 // Unmasked rows stay zero: the edit blend replaces them with the template anyway.
-                let full = s.latents.f_zeros_like()?.f_index_copy(1, index, &v.f_unsqueeze(0)?)?;
+                let full = s
+                    .latents
+                    .f_zeros_like()?
+                    .f_index_copy(1, index, &v.f_unsqueeze(0)?)?;
                 s.apply(&full)?;
             }
         }
@@ -327,8 +335,15 @@ pub fn step_batch_modes(
 
 impl DenoiseState {
     /// This state's next step as one request of a mask-aware forward.
-    fn masked_request<'c>(&self, cache: &'c dyn KvCache, with_full: bool) -> Result<MaskedRequest<'c>> {
-        let e = self.edit.as_ref().ok_or_else(|| ModelError::input("modes", "not an edit"))?;
+    fn masked_request<'c>(
+        &self,
+        cache: &'c dyn KvCache,
+        with_full: bool,
+    ) -> Result<MaskedRequest<'c>> {
+        let e = self
+            .edit
+            .as_ref()
+            .ok_or_else(|| ModelError::input("modes", "not an edit"))?;
         let latents = self.latents.f_squeeze_dim(0)?;
         let t = self.prep.schedule.timesteps[self.index];
         let guidance = match &self.prep.guidance {

@@ -129,7 +129,10 @@ impl TemplateKv {
             .ok_or_else(|| {
                 ModelError::input(
                     "cache",
-                    format!("step {step} missing (cache holds {} steps)", self.steps.len()),
+                    format!(
+                        "step {step} missing (cache holds {} steps)",
+                        self.steps.len()
+                    ),
                 )
             })
     }
@@ -143,7 +146,10 @@ impl TemplateSink for TemplateKv {
         let Some(cache) = self.steps.get_mut(step) else {
             return Err(ModelError::input(
                 "cache",
-                format!("steps must arrive in order: got {step} after {}", self.steps.len()),
+                format!(
+                    "steps must arrive in order: got {step} after {}",
+                    self.steps.len()
+                ),
             ));
         };
         cache.put(block, k, v)

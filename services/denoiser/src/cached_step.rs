@@ -113,7 +113,10 @@ impl CachedStepper {
 
     /// The cache a state reads this step, if it can run mask-aware: an edit with a resident
     /// cache that covers its step, with at least one unmasked token.
-    fn usable<'e>(s: &DenoiseState, cache: Option<&'e Arc<TemplateEntry>>) -> Option<&'e Arc<TemplateEntry>> {
+    fn usable<'e>(
+        s: &DenoiseState,
+        cache: Option<&'e Arc<TemplateEntry>>,
+    ) -> Option<&'e Arc<TemplateEntry>> {
         let cache = cache?;
         let m = s.masked_tokens()?;
         (m < s.image_tokens() && s.step_index() < cache.steps()).then_some(cache)
@@ -165,7 +168,11 @@ impl CachedStepper {
                 let (t, m, n) = tokens(s);
                 let cached_here = matches!(modes[i], StepMode::Cached(_));
                 let per_block = if cached_here { t + m } else { t + n };
-                let full_blocks = if cached_here { prefix as f64 } else { n_blocks as f64 };
+                let full_blocks = if cached_here {
+                    prefix as f64
+                } else {
+                    n_blocks as f64
+                };
                 per_block * (n_blocks as f64 - full_blocks) + (t + n) * full_blocks
             })
             .sum();
@@ -192,7 +199,12 @@ impl CachedStepper {
     }
 
     /// Per-block costs of this batch and the best prefix for them.
-    fn plan(&self, states: &[&mut DenoiseState], cached: &[(usize, Arc<TemplateEntry>)], n_blocks: usize) -> usize {
+    fn plan(
+        &self,
+        states: &[&mut DenoiseState],
+        cached: &[(usize, Arc<TemplateEntry>)],
+        n_blocks: usize,
+    ) -> usize {
         let c = self.compute.per_token_block_s;
         let full_rows: f64 = states
             .iter()
@@ -220,7 +232,11 @@ impl CachedStepper {
             };
             n_blocks
         ];
-        plan_prefix(&costs).blocks.iter().take_while(|b| !b.use_cache).count()
+        plan_prefix(&costs)
+            .blocks
+            .iter()
+            .take_while(|b| !b.use_cache)
+            .count()
     }
 
     pub fn load_stats(&self) -> crate::templates::LoadStats {
@@ -253,7 +269,11 @@ impl CaptureSink {
     }
 
     /// The finished cache.
-    pub fn finish(self, cache_key: String, blocks: usize) -> std::result::Result<TemplateEntry, String> {
+    pub fn finish(
+        self,
+        cache_key: String,
+        blocks: usize,
+    ) -> std::result::Result<TemplateEntry, String> {
         let meta = CacheMeta {
             cache_key,
             steps: self.steps.len() as u32,
@@ -268,7 +288,8 @@ impl CaptureSink {
 
 impl KvSink for CaptureSink {
     fn put(&mut self, _block: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        self.blocks.push(encode_block(k, v, self.format, self.dtype)?);
+        self.blocks
+            .push(encode_block(k, v, self.format, self.dtype)?);
         Ok(())
     }
 

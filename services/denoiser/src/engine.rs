@@ -7,10 +7,10 @@
 //! a batched step is retried job by job, so one bad job fails alone and the engine lives on.
 use crate::cached_step::{CacheSettings, CachedStepper, CaptureSink, TemplateSlot};
 use crate::metrics::DenoiserMetrics;
-use crate::templates::TemplateEntry;
 use crate::model::{
     capture_state, job_resolution, step_requests, tensor_to_rgb, EditInputs, EngineModel,
 };
+use crate::templates::TemplateEntry;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::ModelError;
 use diffmesh_shared::messages::{DenoiseJob, RunningJob};
@@ -498,7 +498,11 @@ impl Engine {
             let next = &self.waiting[i].0;
             // An edit whose template cache is still being fetched waits (its fetch overlaps the
             // queueing); jobs behind it may go first.
-            if next.template.as_ref().is_some_and(|slot| slot.get().is_none()) {
+            if next
+                .template
+                .as_ref()
+                .is_some_and(|slot| slot.get().is_none())
+            {
                 i += 1;
                 continue;
             }
@@ -601,7 +605,9 @@ impl Engine {
                     states.push(s);
                 }
             }
-            catch_unwind(AssertUnwindSafe(|| cached.step(&pipeline, &mut states, &caches)))
+            catch_unwind(AssertUnwindSafe(|| {
+                cached.step(&pipeline, &mut states, &caches)
+            }))
         };
         let mut reports = Vec::new();
         match batched {

@@ -179,7 +179,10 @@ pub fn capture_state(
         .as_ref()
         .ok_or_else(|| ModelError::input("template", "a capture job names its template"))?;
     let e = edit.ok_or_else(|| {
-        ModelError::input("inputs.image_key", "a capture job needs the prepared template")
+        ModelError::input(
+            "inputs.image_key",
+            "a capture job needs the prepared template",
+        )
     })?;
     let (height, width) = job_resolution(job, model);
     let spec = TemplateSpec {

@@ -2,20 +2,20 @@
 //! outputs written to the object store and handed to the codec for compositing and PNG encoding.
 use crate::cached_step::{format_name, CacheSettings, TemplateSlot};
 use crate::engine::{EngineEvent, EngineHandle, EngineJob, SubmitError};
-use crate::templates::store::CacheClient;
-use crate::templates::{LocalTier, TemplateEntry};
 use crate::metrics::DenoiserMetrics;
 use crate::model::EditInputs;
+use crate::templates::store::CacheClient;
+use crate::templates::{LocalTier, TemplateEntry};
 use crate::DenoiserConfig;
 use diffmesh_shared::messages::{
     decode, error_types, CancelJob, DenoiseJob, EvictTemplate, Heartbeat, JobEvent, JobKind,
     PostprocessReply, PostprocessRequest, SubmitReply,
 };
-use diffmesh_shared::templates::{cache_key, CacheKeyParts};
 use diffmesh_shared::nats::{
     blob_key, publish_msgpack, reply_msgpack, request_msgpack_job, BlobStore,
 };
 use diffmesh_shared::serve::serve_subscription;
+use diffmesh_shared::templates::{cache_key, CacheKeyParts};
 use diffmesh_shared::{subjects, MeshError};
 use futures::StreamExt;
 use std::collections::HashMap;
@@ -112,17 +112,27 @@ impl Service {
         }
         let key = self.template_cache_key(job)?;
         let slot: TemplateSlot = Default::default();
-        let captured = job.template.as_ref().map(|t| t.cache_key.as_str()).unwrap_or("");
+        let captured = job
+            .template
+            .as_ref()
+            .map(|t| t.cache_key.as_str())
+            .unwrap_or("");
         let metrics = self.metrics.clone();
         if captured != key {
             // Captured under another model or cache setting (or never): nothing to read.
             tracing::info!(%key, %captured, "no matching template cache; full compute");
-            metrics.local_cache_lookups.with_label_values(&["unavailable"]).inc();
+            metrics
+                .local_cache_lookups
+                .with_label_values(&["unavailable"])
+                .inc();
             let _ = slot.set(None);
             return Some(slot);
         }
         if let Some(entry) = self.templates.local.get(&key) {
-            metrics.local_cache_lookups.with_label_values(&["hit"]).inc();
+            metrics
+                .local_cache_lookups
+                .with_label_values(&["hit"])
+                .inc();
             let _ = slot.set(Some(entry));
             return Some(slot);
         }
@@ -161,8 +171,12 @@ impl Service {
         let job_id = job.job_id.clone();
         self.metrics.capture_seconds.observe(seconds);
         if let Err(message) = self.templates.store.store(&entry).await {
-            self.metrics.failures.with_label_values(&["cache_store"]).inc();
-            self.publish_failed(&job_id, message, error_types::INTERNAL).await;
+            self.metrics
+                .failures
+                .with_label_values(&["cache_store"])
+                .inc();
+            self.publish_failed(&job_id, message, error_types::INTERNAL)
+                .await;
             return;
         }
         self.templates.local.insert(entry.clone());
@@ -179,8 +193,13 @@ impl Service {
         };
         self.publish_event(&job_id, &event).await;
         self.submitted_at.lock().map(|mut m| m.remove(&job_id)).ok();
-        self.publish_event(&job_id, &JobEvent::Done { png_keys: Vec::new() })
-            .await;
+        self.publish_event(
+            &job_id,
+            &JobEvent::Done {
+                png_keys: Vec::new(),
+            },
+        )
+        .await;
     }
 
     /// Drop deleted templates from the local tier.

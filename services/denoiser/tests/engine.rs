@@ -255,10 +255,7 @@ async fn shutdown_hands_back_queued_and_finishes_running() {
     assert!(images.contains_key("run"));
     let refused = h
         .engine
-        .submit(
-            EngineJob::new(job("late", "x", 1, 1), None),
-            Span::none(),
-        )
+        .submit(EngineJob::new(job("late", "x", 1, 1), None), Span::none())
         .await;
     assert!(refused.is_err());
     h.thread.join().await;

@@ -111,7 +111,11 @@ async fn events_until(
         match event {
             EngineEvent::Started { job_id } => log.push(format!("started {job_id}")),
             EngineEvent::Step { job_id, step, .. } => log.push(format!("step {job_id} {step}")),
-            EngineEvent::Finished { job, images: mut imgs, .. } => {
+            EngineEvent::Finished {
+                job,
+                images: mut imgs,
+                ..
+            } => {
                 log.push(format!("finished {}", job.job_id));
                 images.insert(job.job_id, imgs.remove(0));
             }
@@ -151,7 +155,11 @@ async fn capture(h: &mut Harness) -> Arc<TemplateEntry> {
 }
 
 fn max_abs_diff(a: &[u8], b: &[u8]) -> u8 {
-    a.iter().zip(b).map(|(x, y)| x.abs_diff(*y)).max().unwrap_or(0)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| x.abs_diff(*y))
+        .max()
+        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -170,10 +178,15 @@ async fn edits_at_different_steps_each_read_their_own_steps_cache() {
     submit_edit(&h, "a", 1, ma, ready(&entry)).await;
     events_until(&mut h, &mut images, &mut log, |l| has(l, "step a 2")).await;
     submit_edit(&h, "b", 2, mb, ready(&entry)).await;
-    events_until(&mut h, &mut images, &mut log, |l| has(l, "finished a") && has(l, "finished b"))
-        .await;
+    events_until(&mut h, &mut images, &mut log, |l| {
+        has(l, "finished a") && has(l, "finished b")
+    })
+    .await;
     let a_done = log.iter().position(|l| l == "finished a").unwrap();
-    assert!(log[..a_done].iter().any(|l| l.starts_with("step b")), "{log:?}");
+    assert!(
+        log[..a_done].iter().any(|l| l.starts_with("step b")),
+        "{log:?}"
+    );
     assert!(max_abs_diff(&images["a"], &images["a-alone"]) <= 1);
     assert!(max_abs_diff(&images["b"], &images["b-alone"]) <= 1);
     assert!(max_abs_diff(&images["a"], &images["b"]) > 10);
@@ -195,13 +208,19 @@ async fn an_edit_waiting_for_its_cache_lets_other_jobs_pass_then_runs() {
     assert!(!has(&log, "started waiting"), "{log:?}");
     // The fetch completes: the edit is admitted and runs mask-aware.
     pending.set(Some(entry)).unwrap();
-    events_until(&mut h, &mut images, &mut log, |l| has(l, "finished waiting")).await;
+    events_until(&mut h, &mut images, &mut log, |l| {
+        has(l, "finished waiting")
+    })
+    .await;
 
     // An unavailable cache (fetch failed) runs the edit in full compute instead.
     let unavailable = TemplateSlot::default();
     unavailable.set(None).unwrap();
     submit_edit(&h, "no-cache", 3, mask(2, 2, 4, 4), unavailable).await;
-    events_until(&mut h, &mut images, &mut log, |l| has(l, "finished no-cache")).await;
+    events_until(&mut h, &mut images, &mut log, |l| {
+        has(l, "finished no-cache")
+    })
+    .await;
     // Same edit, cached vs full compute: the cache approximates, so the bytes differ (identical
     // bytes would mean the first run did not read the cache).
     let d = max_abs_diff(&images["waiting"], &images["no-cache"]);

@@ -153,7 +153,10 @@ mod tests {
     #[test]
     fn entries_check_counts_and_serve_blocks() {
         let e = entry("k", 3, 2);
-        assert_eq!((e.steps(), e.blocks(), e.format), (3, 2, KvFormat::Prepared));
+        assert_eq!(
+            (e.steps(), e.blocks(), e.format),
+            (3, 2, KvFormat::Prepared)
+        );
         assert!(e.block(2, 1).is_some() && e.block(3, 0).is_none() && e.block(0, 2).is_none());
         let mut meta = e.meta.clone();
         meta.blocks = 3;

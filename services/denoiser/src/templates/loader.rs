@@ -144,7 +144,13 @@ fn run_job(job: LoadJob, stats: &Mutex<LoadStats>) {
     }
 }
 
-fn load_block(entry: &TemplateEntry, step: usize, block: usize, kind: Kind, device: Device) -> Block {
+fn load_block(
+    entry: &TemplateEntry,
+    step: usize,
+    block: usize,
+    kind: Kind,
+    device: Device,
+) -> Block {
     let blob = entry.block(step, block).ok_or_else(|| {
         format!(
             "cache {} has no step {step} block {block}",
@@ -180,7 +186,10 @@ impl KvCache for StreamedKv {
         if block != *next {
             return Err(ModelError::input(
                 "cache",
-                format!("blocks must be read in order: expected {}, got {block}", *next),
+                format!(
+                    "blocks must be read in order: expected {}, got {block}",
+                    *next
+                ),
             ));
         }
         let started = Instant::now();
@@ -217,7 +226,8 @@ mod tests {
             .map(|s| {
                 let blocks: Vec<Vec<u8>> = (0..blocks)
                     .map(|b| {
-                        let k = Tensor::full([3, 4], (100 * s + b) as f64, (Kind::Float, Device::Cpu));
+                        let k =
+                            Tensor::full([3, 4], (100 * s + b) as f64, (Kind::Float, Device::Cpu));
                         encode_block(&k, &k, KvFormat::Raw, CacheDtype::F32).unwrap()
                     })
                     .collect();
@@ -263,7 +273,10 @@ mod tests {
         drop(first); // the step failed after one block
         let second = loader.load_step(vec![(e, 1)], 0, Kind::Float, Device::Cpu);
         for b in 0..6 {
-            assert_eq!(second[0].block_kv(b).unwrap().0.double_value(&[0, 0]), (100 + b) as f64);
+            assert_eq!(
+                second[0].block_kv(b).unwrap().0.double_value(&[0, 0]),
+                (100 + b) as f64
+            );
         }
     }
 

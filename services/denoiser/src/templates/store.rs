@@ -38,7 +38,9 @@ impl CacheClient {
         };
         match request_msgpack(&self.client, &put_subject(), &req, self.timeout).await {
             Ok(CachePutReply::Stored { .. }) => Ok(()),
-            Ok(CachePutReply::Failed { message }) => Err(format!("cachestore refused {key}: {message}")),
+            Ok(CachePutReply::Failed { message }) => {
+                Err(format!("cachestore refused {key}: {message}"))
+            }
             Err(e) => Err(format!("cachestore put {key}: {e}")),
         }
     }
@@ -57,7 +59,9 @@ impl CacheClient {
                 .map(Some)
                 .map_err(|e| format!("reading {key} from the cache bucket: {e}")),
             Ok(CacheGetReply::Missing) => Ok(None),
-            Ok(CacheGetReply::Failed { message }) => Err(format!("cachestore get {key}: {message}")),
+            Ok(CacheGetReply::Failed { message }) => {
+                Err(format!("cachestore get {key}: {message}"))
+            }
             Err(e) => Err(format!("cachestore get {key}: {e}")),
         }
     }
