@@ -22,9 +22,20 @@ pub const MEDIUM_SIDE: i64 = 32;
 /// Text tokens of the medium config.
 pub const MEDIUM_TXT: i64 = 64;
 
-/// Random full-forward inputs (batch 1) on a `side x side` token grid with `txt` text tokens.
+/// Random full-forward inputs (batch 1, CPU) on a `side x side` token grid with `txt` text tokens.
 pub fn random_inputs(cfg: &FluxConfig, side: i64, txt: i64) -> FluxInputs {
-    let opts = (Kind::Float, Device::Cpu);
+    random_inputs_on(cfg, side, txt, 1, Device::Cpu)
+}
+
+/// Random full-forward inputs for `batch` requests on `device` (see [`random_inputs`]).
+pub fn random_inputs_on(
+    cfg: &FluxConfig,
+    side: i64,
+    txt: i64,
+    batch: i64,
+    device: Device,
+) -> FluxInputs {
+    let opts = (Kind::Float, device);
     let n = side * side;
     let rows = Tensor::arange(side, opts)
         .view([side, 1])
@@ -33,12 +44,14 @@ pub fn random_inputs(cfg: &FluxConfig, side: i64, txt: i64) -> FluxInputs {
         .view([1, side])
         .expand([side, side], false);
     FluxInputs {
-        hidden_states: Tensor::randn([1, n, cfg.in_channels], opts),
-        encoder_hidden_states: Tensor::randn([1, txt, cfg.joint_attention_dim], opts),
-        pooled_projections: Tensor::randn([1, cfg.pooled_projection_dim], opts),
-        timestep: Tensor::from_slice(&[0.5f32]),
+        hidden_states: Tensor::randn([batch, n, cfg.in_channels], opts),
+        encoder_hidden_states: Tensor::randn([batch, txt, cfg.joint_attention_dim], opts),
+        pooled_projections: Tensor::randn([batch, cfg.pooled_projection_dim], opts),
+        timestep: Tensor::full([batch], 0.5, opts),
         img_ids: Tensor::stack(&[Tensor::zeros([side, side], opts), rows, cols], -1).view([n, 3]),
         txt_ids: Tensor::zeros([txt, 3], opts),
-        guidance: cfg.guidance_embeds.then(|| Tensor::from_slice(&[3.5f32])),
+        guidance: cfg
+            .guidance_embeds
+            .then(|| Tensor::full([batch], 3.5, opts)),
     }
 }

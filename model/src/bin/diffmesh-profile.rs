@@ -25,6 +25,7 @@
 //! object with the files written and their fits.
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use diffmesh_model::bench_inputs::random_inputs_on;
 use diffmesh_model::flux::{
     CapturedKv, FluxConfig, FluxInputs, FluxTransformer, KvFormat, MaskedRequest,
 };
@@ -169,28 +170,6 @@ fn spec(name: &str, args: &Args, device: Device) -> Result<Spec> {
     }
 }
 
-fn random_inputs(cfg: &FluxConfig, side: i64, txt: i64, batch: i64, device: Device) -> FluxInputs {
-    let opts = (Kind::Float, device);
-    let n = side * side;
-    let rows = Tensor::arange(side, opts)
-        .view([side, 1])
-        .expand([side, side], false);
-    let cols = Tensor::arange(side, opts)
-        .view([1, side])
-        .expand([side, side], false);
-    FluxInputs {
-        hidden_states: Tensor::randn([batch, n, cfg.in_channels], opts),
-        encoder_hidden_states: Tensor::randn([batch, txt, cfg.joint_attention_dim], opts),
-        pooled_projections: Tensor::randn([batch, cfg.pooled_projection_dim], opts),
-        timestep: Tensor::full([batch], 0.5, opts),
-        img_ids: Tensor::stack(&[Tensor::zeros([side, side], opts), rows, cols], -1).view([n, 3]),
-        txt_ids: Tensor::zeros([txt, 3], opts),
-        guidance: cfg
-            .guidance_embeds
-            .then(|| Tensor::full([batch], 3.5, opts)),
-    }
-}
-
 fn sync(device: Device) {
     if let Device::Cuda(i) = device {
         tch::Cuda::synchronize(i as i64);
@@ -272,7 +251,7 @@ fn full_work<'a>(s: &'a Spec, shape: &ModelShape, device: Device) -> Vec<Work<'a
     for (side, batches) in &s.full_grid {
         let tokens = (side * side + s.txt) as u64;
         for &b in batches {
-            let inputs = random_inputs(&s.model.cfg, *side, s.txt, b, device);
+            let inputs = random_inputs_on(&s.model.cfg, *side, s.txt, b, device);
             let flops = b as f64 * block_flops(shape.hidden, tokens, tokens);
             out.push(Work {
                 sample: ComputeSample {
@@ -301,7 +280,7 @@ struct MaskedSet {
 }
 
 fn masked_set(s: &Spec, rng: &mut ChaCha8Rng, device: Device) -> Result<MaskedSet> {
-    let inputs = random_inputs(&s.model.cfg, s.side, s.txt, 1, device);
+    let inputs = random_inputs_on(&s.model.cfg, s.side, s.txt, 1, device);
     let mut cache = CapturedKv::new(KvFormat::Prepared);
     let _ = s.model.forward_capture(&inputs, &mut cache)?;
     let n = s.side * s.side;

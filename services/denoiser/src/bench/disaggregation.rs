@@ -428,13 +428,7 @@ pub async fn run(opts: &DisaggregationOptions, step_s: &[f64], report: &mut Repo
             pool.stats.ms_per_row(),
             pool.busy() * 100.0
         ));
-        if pool.busy() > 0.9 {
-            report.say(format!(
-                "  note: the engine stepped {:.0}% of the {name} run: the machine ran slower than \
-                 calibrated, so this mode ran near saturation, not at the set utilisation",
-                pool.busy() * 100.0
-            ));
-        }
+        pool.note_saturation(name, report);
         report.insert(&format!("{name}_p50_s"), lat.p50_s);
         report.insert(&format!("{name}_p95_s"), lat.p95_s);
         report.insert(&format!("interruptions_per_request_{name}"), ints.mean_s);

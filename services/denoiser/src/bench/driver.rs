@@ -277,6 +277,18 @@ impl Pooled {
     pub fn busy(&self) -> f64 {
         self.stats.busy(self.wall_s)
     }
+
+    /// Say so in `report` when the engine stepped over 90% of mode `name`'s run: the machine
+    /// ran slower than calibrated, so the set utilisation was not what the mode saw.
+    pub fn note_saturation(&self, name: &str, report: &mut super::report::Report) {
+        if self.busy() > 0.9 {
+            report.say(format!(
+                "  note: the engine stepped {:.0}% of the {name} run: the machine ran slower than \
+                 calibrated, so this mode ran near saturation, not at the set utilisation",
+                self.busy() * 100.0
+            ));
+        }
+    }
 }
 
 /// Submit each job at its arrival time and wait until every one finished; done = the engine's
