@@ -47,13 +47,7 @@ impl HealthServer {
         .disable_signals()
         .bind(addr)?;
         let addr = server.addrs().first().copied().unwrap_or(addr);
-        let server = server.run();
-        let handle = server.handle();
-        tokio::spawn(async move {
-            if let Err(err) = server.await {
-                tracing::error!(error = %err, "health server stopped with an error");
-            }
-        });
+        let handle = spawn_server(server.run(), "health");
         Ok(HealthServer { addr, handle })
     }
 
@@ -101,4 +95,19 @@ async fn metrics(state: web::Data<HealthState>) -> HttpResponse {
             .body(buf),
         Err(err) => HttpResponse::InternalServerError().body(err.to_string()),
     }
+}
+
+/// Run an actix server on the current tokio runtime, logging how it ended; returns the handle
+/// that stops it.
+pub fn spawn_server(
+    server: actix_web::dev::Server,
+    what: &'static str,
+) -> actix_web::dev::ServerHandle {
+    let handle = server.handle();
+    tokio::spawn(async move {
+        if let Err(err) = server.await {
+            tracing::error!(error = %err, server = what, "HTTP server stopped with an error");
+        }
+    });
+    handle
 }

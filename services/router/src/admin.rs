@@ -10,7 +10,7 @@ use crate::service::Router;
 use actix_web::dev::ServerHandle;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use diffmesh_sched::policy::POLICY_NAMES;
-use diffmesh_shared::health::{configure_health_routes, health_data, Readiness};
+use diffmesh_shared::health::{configure_health_routes, health_data, spawn_server, Readiness};
 use serde_json::json;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -43,13 +43,7 @@ impl AdminServer {
         .disable_signals()
         .bind(addr)?;
         let addr = server.addrs().first().copied().unwrap_or(addr);
-        let server = server.run();
-        let handle = server.handle();
-        tokio::spawn(async move {
-            if let Err(err) = server.await {
-                tracing::error!(error = %err, "router HTTP server stopped with an error");
-            }
-        });
+        let handle = spawn_server(server.run(), "router admin");
         Ok(AdminServer { addr, handle })
     }
 
