@@ -16,7 +16,7 @@ use diffmesh_tests::harness::{
 };
 use diffmesh_tests::images::{decode_b64_images, png_bytes};
 use futures::future::join_all;
-use image::{DynamicImage, GenericImageView, GrayImage, Luma};
+use image::{DynamicImage, GenericImageView, GrayImage, Luma, RgbImage};
 use reqwest::multipart::{Form, Part};
 use serde_json::Value;
 
@@ -24,15 +24,21 @@ const STEPS: u32 = 4;
 const EDITS: usize = 20;
 
 struct Mesh {
+    /// The one denoiser serving now (dropped first: it hands work back to the router).
+    denoiser: Option<Service>,
     _services: Vec<Service>,
     api: std::net::SocketAddr,
     cachestore_health: std::net::SocketAddr,
     denoiser_health: std::net::SocketAddr,
     http: reqwest::Client,
-    nats_url: String,
     _disk: tempfile::TempDir,
     // Last: fields drop in order, and services must stop before their NATS server.
-    _nats: NatsServer,
+    nats: NatsServer,
+}
+
+fn denoiser_tweak(c: &mut diffmesh_denoiser::DenoiserConfig) {
+    c.max_batch = 8;
+    c.max_queue = 32;
 }
 
 async fn start_mesh() -> Mesh {
@@ -49,11 +55,7 @@ async fn start_mesh() -> Mesh {
         c.admission_wait_ms = 3000;
     })
     .expect("router");
-    let denoiser = start_denoiser(&nats, &model, "d1", |c| {
-        c.max_batch = 8;
-        c.max_queue = 32;
-    })
-    .expect("denoiser");
+    let denoiser = start_denoiser(&nats, &model, "d1", denoiser_tweak).expect("denoiser");
     let gateway = start_gateway(&nats, |c| {
         c.router_timeout_s = 5.0;
         c.submit_wait_s = 60.0;
@@ -67,15 +69,66 @@ async fn start_mesh() -> Mesh {
         api: gateway.addrs.api.unwrap(),
         cachestore_health: cachestore.addrs.health,
         denoiser_health: denoiser.addrs.health,
-        _services: vec![gateway, denoiser, router, cachestore, codec],
+        denoiser: Some(denoiser),
+        _services: vec![gateway, router, cachestore, codec],
         http: reqwest::Client::new(),
-        nats_url: nats.url(),
         _disk: disk,
-        _nats: nats,
+        nats,
     }
 }
 
 impl Mesh {
+    /// Drain the serving denoiser (its heartbeats say so: nothing new is placed there) and start
+    /// a fresh one, with an empty local tier, in its place.
+    async fn replace_denoiser(&mut self, worker_id: &str) {
+        if let Some(old) = self.denoiser.take() {
+            tokio::task::spawn_blocking(move || drop(old))
+                .await
+                .expect("stop the old denoiser");
+        }
+        let model = tiny_model_dir().expect("models/tiny");
+        let new = start_denoiser(&self.nats, &model, worker_id, denoiser_tweak).expect("denoiser");
+        new.wait_ready(Duration::from_secs(30))
+            .await
+            .expect("ready");
+        self.denoiser_health = new.addrs.health;
+        self.denoiser = Some(new);
+        // Let the router hear the new denoiser's heartbeat before anything is placed.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    /// Register `png` as a template (captured with `STEPS` steps): its id and cache key.
+    async fn register(&self, png: &[u8], (w, h): (u32, u32)) -> (String, String) {
+        let form = Form::new()
+            .part("image", Part::bytes(png.to_vec()).file_name("template.png"))
+            .text("prompt", "a blue background")
+            .text("seed", "7")
+            .text("num_inference_steps", STEPS.to_string())
+            .text("guidance_scale", "1.0");
+        let r = self
+            .http
+            .post(self.url("/v1/templates"))
+            .multipart(form)
+            .timeout(Duration::from_secs(240))
+            .send()
+            .await
+            .expect("register");
+        let status = r.status().as_u16();
+        let created: Value = r.json().await.unwrap();
+        assert_eq!(status, 201, "{created}");
+        assert_eq!(created["status"], "ready", "{created}");
+        let id = created["id"].as_str().unwrap().to_string();
+        let cache_key = created["cache_key"].as_str().unwrap().to_string();
+        assert!(cache_key.starts_with("tpl-"), "{created}");
+        assert!(created["cache_bytes"].as_u64().unwrap() > 0, "{created}");
+        assert!(created["blocks"].as_u64().unwrap() > 0, "{created}");
+        assert_eq!(
+            (created["width"].as_u64(), created["height"].as_u64()),
+            (Some(w.into()), Some(h.into()))
+        );
+        (id, cache_key)
+    }
+
     fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.api)
     }
@@ -101,7 +154,7 @@ impl Mesh {
 
     /// Where the cachestore holds each entry of a cache.
     async fn locate(&self, cache_key: &str) -> Vec<KeyLocation> {
-        let client = async_nats::connect(&self.nats_url).await.expect("NATS");
+        let client = async_nats::connect(&self.nats.url()).await.expect("NATS");
         let req = CacheLocate {
             keys: template_keys(cache_key, STEPS),
         };
@@ -165,6 +218,31 @@ fn edit_form(template_id: &str, mask: &GrayImage, seed: usize) -> Form {
         .text("seed", seed.to_string())
 }
 
+/// Every edit answered 200 with one image at the template's size whose unmasked pixels are
+/// exactly the template's, and each mask repaints something.
+fn assert_unmasked_exact(results: &[(u16, Value)], masks: &[GrayImage], template: &RgbImage) {
+    for (i, ((status, body), m)) in results.iter().zip(masks).enumerate() {
+        assert_eq!(*status, 200, "edit {i}: {body}");
+        let images = decode_b64_images(body).unwrap();
+        let out = &images[0];
+        assert_eq!(out.dimensions(), template.dimensions(), "edit {i}");
+        let out = out.to_rgb8();
+        let mut masked = 0;
+        for (x, y, p) in out.enumerate_pixels() {
+            if m.get_pixel(x, y).0[0] >= 128 {
+                masked += 1;
+            } else {
+                assert_eq!(
+                    p,
+                    template.get_pixel(x, y),
+                    "edit {i}: unmasked ({x},{y}) differs"
+                );
+            }
+        }
+        assert!(masked > 0, "mask {i} repaints nothing");
+    }
+}
+
 /// The value of a Prometheus sample line `name{labels} value` (0 when absent).
 fn sample(metrics: &str, series: &str) -> f64 {
     metrics
@@ -192,37 +270,7 @@ async fn register_edit_concurrently_and_delete_a_template() {
     assert_eq!(r.status().as_u16(), 400);
     assert_eq!(r.json::<Value>().await.unwrap()["error"]["field"], "image");
 
-    // Register.
-    let form = Form::new()
-        .part(
-            "image",
-            Part::bytes(template_png.clone()).file_name("template.png"),
-        )
-        .text("prompt", "a blue background")
-        .text("seed", "7")
-        .text("num_inference_steps", STEPS.to_string())
-        .text("guidance_scale", "1.0");
-    let r = mesh
-        .http
-        .post(mesh.url("/v1/templates"))
-        .multipart(form)
-        .timeout(Duration::from_secs(240))
-        .send()
-        .await
-        .expect("register");
-    let status = r.status().as_u16();
-    let created: Value = r.json().await.unwrap();
-    assert_eq!(status, 201, "{created}");
-    assert_eq!(created["status"], "ready", "{created}");
-    let id = created["id"].as_str().unwrap().to_string();
-    let cache_key = created["cache_key"].as_str().unwrap().to_string();
-    assert!(cache_key.starts_with("tpl-"), "{created}");
-    assert!(created["cache_bytes"].as_u64().unwrap() > 0, "{created}");
-    assert!(created["blocks"].as_u64().unwrap() > 0, "{created}");
-    assert_eq!(
-        (created["width"].as_u64(), created["height"].as_u64()),
-        (Some(w.into()), Some(h.into()))
-    );
+    let (id, cache_key) = mesh.register(&template_png, (w, h)).await;
 
     // GET: ready, every entry (meta + one per step) in the cachestore, at least in the cluster
     // tier (writes go through to it).
@@ -280,26 +328,7 @@ async fn register_edit_concurrently_and_delete_a_template() {
         .enumerate()
         .map(|(i, m)| mesh.edit(edit_form(&id, m, 100 + i)));
     let results = join_all(edits).await;
-    for (i, ((status, body), m)) in results.iter().zip(&masks).enumerate() {
-        assert_eq!(*status, 200, "edit {i}: {body}");
-        let images = decode_b64_images(body).unwrap();
-        let out = &images[0];
-        assert_eq!(out.dimensions(), (w, h), "edit {i}");
-        let out = out.to_rgb8();
-        let mut masked = 0;
-        for (x, y, p) in out.enumerate_pixels() {
-            if m.get_pixel(x, y).0[0] >= 128 {
-                masked += 1;
-            } else {
-                assert_eq!(
-                    p,
-                    template_rgb.get_pixel(x, y),
-                    "edit {i}: unmasked ({x},{y}) differs"
-                );
-            }
-        }
-        assert!(masked > 0, "mask {i} repaints nothing");
-    }
+    assert_unmasked_exact(&results, &masks, &template_rgb);
 
     // The cache was read, not recomputed: the denoiser stepped rows mask-aware, and the cache
     // came from its local tier or the cachestore (which the router asked to prefetch it).
@@ -409,6 +438,70 @@ async fn register_edit_concurrently_and_delete_a_template() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 404);
+}
+
+/// A template captured on one denoiser serves edits on another that never saw it: the second
+/// denoiser reads the cache from the cachestore (the copy every denoiser shares) instead of
+/// recomputing it, and its edits keep the template's unmasked pixels exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_denoiser_edits_from_the_shared_cache() {
+    const EDITS_ON_D2: usize = 4;
+    let mut mesh = start_mesh().await;
+    let template_png = example("template.png");
+    let template = image::load_from_memory(&template_png).expect("template.png");
+    let (w, h) = template.dimensions();
+    let (id, _) = mesh.register(&template_png, (w, h)).await;
+
+    // d1 (which captured the template and holds it locally) drains; d2 starts empty.
+    mesh.replace_denoiser("d2").await;
+    let cachestore_before = scrape_metrics(mesh.cachestore_health).await.unwrap();
+
+    let masks: Vec<GrayImage> = (0..EDITS_ON_D2).map(|i| mask(i, w, h)).collect();
+    let edits = masks
+        .iter()
+        .enumerate()
+        .map(|(i, m)| mesh.edit(edit_form(&id, m, 300 + i)));
+    let results = join_all(edits).await;
+    assert_unmasked_exact(&results, &masks, &template.to_rgb8());
+
+    // Everything ran on d2, mask-aware: no full-compute fallback and no second capture.
+    let d2 = scrape_metrics(mesh.denoiser_health).await.unwrap();
+    let series = |mode: &str| format!("diffmesh_denoiser_step_rows_total{{mode=\"{mode}\"}}");
+    let mask_aware = sample(&d2, &series("mask_aware"));
+    assert!(
+        mask_aware >= (EDITS_ON_D2 as f64) * f64::from(STEPS),
+        "d2 stepped too few rows mask-aware\n{d2}"
+    );
+    assert_eq!(
+        sample(&d2, &series("full")),
+        0.0,
+        "d2 fell back to full compute\n{d2}"
+    );
+    assert_eq!(
+        sample(&d2, "diffmesh_denoiser_capture_duration_seconds_count"),
+        0.0,
+        "d2 captured the template again\n{d2}"
+    );
+    // d2's local tier started empty, so the cache came out of the cachestore.
+    let cachestore = scrape_metrics(mesh.cachestore_health).await.unwrap();
+    let store_hits: f64 = ["memory", "disk", "cluster"]
+        .iter()
+        .map(|t| {
+            let series = format!("diffmesh_cachestore_hits_total{{tier=\"{t}\"}}");
+            sample(&cachestore, &series) - sample(&cachestore_before, &series)
+        })
+        .sum();
+    assert!(
+        store_hits >= f64::from(STEPS + 1),
+        "d2 did not read the cache from the cachestore ({store_hits} hits)\n{cachestore}"
+    );
+    assert!(
+        sample(
+            &d2,
+            "diffmesh_denoiser_local_cache_lookups_total{result=\"miss\"}"
+        ) > 0.0,
+        "d2's empty local tier reported no miss\n{d2}"
+    );
 }
 
 /// A well-formed template id that names nothing.
