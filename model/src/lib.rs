@@ -1,6 +1,7 @@
 //! diffmesh model core: diffusion model code written with tch (libtorch).
 //!
 //! Laid out like HuggingFace diffusers so real checkpoints load by key name.
+pub mod autocast;
 pub mod bench_inputs;
 pub mod components;
 pub mod error;

@@ -11,6 +11,7 @@ use super::model::{
 };
 use super::plot;
 use super::validate::Validation;
+use crate::autocast::CpuAutocast;
 use crate::error::{ModelError, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -97,6 +98,11 @@ pub struct TrainArgs {
     /// Transformer single-stream blocks.
     #[arg(long, env = "DIFFMESH_TINY_SINGLE_BLOCKS", default_value_t = DEFAULT_SINGLE_BLOCKS)]
     pub single_blocks: i64,
+    /// Run the forward and backward passes under CPU autocast to bfloat16 (weights, optimiser
+    /// and EMA stay f32): about 2x the steps per minute on CPUs with bf16 matrix units (AMX,
+    /// AVX512-BF16), slower on CPUs without them.
+    #[arg(long, env = "DIFFMESH_TINY_BF16", default_value_t = false)]
+    pub bf16: bool,
     /// Steps per row of `train_log.csv` (mean loss over the window).
     #[arg(long, env = "DIFFMESH_TINY_LOG_EVERY", default_value_t = 10)]
     pub log_every: usize,
@@ -350,7 +356,10 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
                     .f_add_scalar(1.0)
             })
             .transpose()?;
-        let loss = flow_matching_loss(&model, &b.images, &b.prompts, time, weights.as_ref())?;
+        let loss = {
+            let _autocast = args.bf16.then(CpuAutocast::enter).transpose()?;
+            flow_matching_loss(&model, &b.images, &b.prompts, time, weights.as_ref())?
+        };
         opt_tr.zero_grad();
         opt_te.zero_grad();
         loss.f_backward()?;
