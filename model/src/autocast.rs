@@ -23,7 +23,10 @@ impl CpuAutocast {
             0 => Ok(Self {
                 _not_send: std::marker::PhantomData,
             }),
-            _ => Err(ModelError::input("autocast", "libtorch refused CPU autocast")),
+            _ => Err(ModelError::input(
+                "autocast",
+                "libtorch refused CPU autocast",
+            )),
         }
     }
 }

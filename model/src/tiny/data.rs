@@ -48,6 +48,32 @@ impl Shape {
             Shape::Triangle => 0.5,
         }
     }
+    /// Whether the offset `(dx, dy)` from the shape's centre lies inside the shape of
+    /// half-size `a` (what `render_rgb` draws; the checker's shape templates use it too).
+    pub fn contains(self, dx: f64, dy: f64, a: f64) -> bool {
+        match self {
+            Shape::Circle => dx * dx + dy * dy <= a * a,
+            Shape::Square => dx.abs() <= a && dy.abs() <= a,
+            // Apex up at (0, -a), base along dy = a from dx = -a to a.
+            Shape::Triangle => dy.abs() <= a && dx.abs() <= (dy + a) / 2.0,
+        }
+    }
+    /// Area of the shape with half-size 1 (scales with the square of the half-size).
+    pub fn unit_area(self) -> f64 {
+        match self {
+            Shape::Circle => std::f64::consts::PI,
+            Shape::Square => 4.0,
+            Shape::Triangle => 2.0,
+        }
+    }
+    /// How far the centroid of the shape of half-size 1 lies below its centre (the triangle's,
+    /// mean of apex -1 and base corners +1, +1: 1/3 towards the base).
+    pub fn unit_centroid_dy(self) -> f64 {
+        match self {
+            Shape::Triangle => 1.0 / 3.0,
+            Shape::Circle | Shape::Square => 0.0,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -229,12 +255,7 @@ pub fn render_rgb(scene: &Scene) -> Vec<u8> {
         for x in 0..n {
             // Sample at pixel centres.
             let (dx, dy) = (x as f64 + 0.5 - cx, y as f64 + 0.5 - cy);
-            let inside = match scene.key.shape {
-                Shape::Circle => dx * dx + dy * dy <= a * a,
-                Shape::Square => dx.abs() <= a && dy.abs() <= a,
-                // Apex up at (cx, cy - a), base along y = cy + a from cx - a to cx + a.
-                Shape::Triangle => dy.abs() <= a && dx.abs() <= (dy + a) / 2.0,
-            };
+            let inside = scene.key.shape.contains(dx, dy, a);
             out.extend_from_slice(if inside { &fg } else { &bg });
         }
     }

@@ -74,6 +74,9 @@ pub struct Accuracy {
     pub position: f64,
     pub shape: f64,
     pub all: f64,
+    /// Shape and all-correct with the first shape criterion (bounding-box fill ratio).
+    pub shape_by_fill: f64,
+    pub all_by_fill: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -99,6 +102,8 @@ fn accuracy(verdicts: &[Verdict]) -> Accuracy {
         colour: frac(&|v| v.colour),
         position: frac(&|v| v.position),
         shape: frac(&|v| v.shape),
+        shape_by_fill: frac(&|v| v.shape_by_fill),
+        all_by_fill: frac(&|v| v.all_by_fill()),
         all: frac(&|v| v.all()),
     }
 }

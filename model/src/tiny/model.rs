@@ -27,7 +27,7 @@ pub const MAX_TOKENS: i64 = 16;
 pub const SHIFT: f64 = 2.0;
 
 /// Attention heads of the shipped transformer.
-pub const DEFAULT_HEADS: i64 = 2;
+pub const DEFAULT_HEADS: i64 = 3;
 /// Channels per attention head of the shipped transformer.
 pub const DEFAULT_HEAD_DIM: i64 = 64;
 /// Double-stream blocks of the shipped transformer.
@@ -35,7 +35,7 @@ pub const DEFAULT_DOUBLE_BLOCKS: i64 = 2;
 /// Single-stream blocks of the shipped transformer.
 pub const DEFAULT_SINGLE_BLOCKS: i64 = 2;
 
-/// The transformer config of the shipped model: 2 double + 2 single blocks, width 128 (2 heads of 64).
+/// The transformer config of the shipped model: 2 double + 2 single blocks, width 192 (3 heads of 64).
 pub fn default_flux_config() -> FluxConfig {
     flux_config(
         DEFAULT_HEADS,
