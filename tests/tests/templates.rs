@@ -105,16 +105,7 @@ impl Mesh {
             .text("seed", "7")
             .text("num_inference_steps", STEPS.to_string())
             .text("guidance_scale", "1.0");
-        let r = self
-            .http
-            .post(self.url("/v1/templates"))
-            .multipart(form)
-            .timeout(Duration::from_secs(240))
-            .send()
-            .await
-            .expect("register");
-        let status = r.status().as_u16();
-        let created: Value = r.json().await.unwrap();
+        let (status, created) = self.post_form("/v1/templates", form).await;
         assert_eq!(status, 201, "{created}");
         assert_eq!(created["status"], "ready", "{created}");
         let id = created["id"].as_str().unwrap().to_string();
@@ -140,14 +131,19 @@ impl Mesh {
     }
 
     async fn edit(&self, form: Form) -> (u16, Value) {
+        self.post_form("/v1/images/edits", form).await
+    }
+
+    /// POST a multipart form (a capture or an edit may take a while): status and JSON body.
+    async fn post_form(&self, path: &str, form: Form) -> (u16, Value) {
         let r = self
             .http
-            .post(self.url("/v1/images/edits"))
+            .post(self.url(path))
             .multipart(form)
             .timeout(Duration::from_secs(240))
             .send()
             .await
-            .expect("edit request");
+            .unwrap_or_else(|e| panic!("POST {path}: {e}"));
         let status = r.status().as_u16();
         (status, r.json().await.expect("JSON body"))
     }
@@ -260,15 +256,10 @@ async fn register_edit_concurrently_and_delete_a_template() {
     let template_rgb = template.to_rgb8();
 
     // A registration that is not an image leaves nothing behind.
-    let r = mesh
-        .http
-        .post(mesh.url("/v1/templates"))
-        .multipart(Form::new().part("image", Part::bytes(b"GIF89a...".to_vec())))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 400);
-    assert_eq!(r.json::<Value>().await.unwrap()["error"]["field"], "image");
+    let not_an_image = Form::new().part("image", Part::bytes(b"GIF89a...".to_vec()));
+    let (status, body) = mesh.post_form("/v1/templates", not_an_image).await;
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["field"], "image");
 
     let (id, cache_key) = mesh.register(&template_png, (w, h)).await;
 
