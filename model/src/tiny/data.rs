@@ -40,7 +40,8 @@ impl Shape {
             Shape::Triangle => "triangle",
         }
     }
-    /// Area of the shape over the area of its bounding box: what the checker measures.
+    /// Area of the shape over the area of its bounding box: what the checker's first shape
+    /// criterion (`shape_by_fill`) compares.
     pub fn fill_ratio(self) -> f64 {
         match self {
             Shape::Circle => std::f64::consts::PI / 4.0,
