@@ -1,8 +1,9 @@
 //! Async jobs on the whole mesh (NATS, codec, router, a denoiser with the tiny model, gateway):
 //! `Prefer: respond-async` answers 202 at once, the job's event stream shows queued (with its
 //! position), started, step k of N and done with result links, the results download, an
-//! `Idempotency-Key` returns the same job, `DELETE` stops a running job at a step boundary, and
-//! a synchronous client that disconnects has its job cancelled the same way.
+//! `Idempotency-Key` returns the same job, `DELETE` stops a running job at a step boundary, a
+//! synchronous client that disconnects has its job cancelled the same way, and an async job
+//! still ends `done` when the gateway that accepted it dies.
 use std::time::Duration;
 
 use diffmesh_shared::job::{JobState, JobStore};
@@ -353,6 +354,104 @@ async fn wait_for_cancelled(events: &mut async_nats::Subscriber, job_id: &str) -
             }
             JobEvent::Done { .. } => panic!("job {job_id} finished despite the cancel"),
             _ => {}
+        }
+    }
+}
+
+/// A job accepted asynchronously still ends `done`, with its result, when the gateway that
+/// accepted it dies mid-job: the router records the ending, and any other gateway serves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_async_job_outlives_the_gateway_that_accepted_it() {
+    init_test_logging();
+    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+    let nats = NatsServer::start();
+    let codec = start_codec(&nats, |_| {}).expect("codec");
+    let router = start_router(&nats, |_| {}).expect("router");
+    let denoiser = start_denoiser(&nats, &model, "d1", |_| {}).expect("denoiser");
+    let first = start_gateway(&nats, |g| g.max_steps = LONG_JOB_STEPS).expect("gateway");
+    for s in [&codec, &router, &denoiser, &first] {
+        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
+    }
+    let client = async_nats::connect(&nats.url()).await.unwrap();
+    let mut all_events = client.subscribe("diffmesh.job.*.events").await.unwrap();
+    client.flush().await.unwrap();
+    let http = reqwest::Client::new();
+
+    let r = http
+        .post(format!(
+            "http://{}/v1/images/generations",
+            first.addrs.api.unwrap()
+        ))
+        .header("Prefer", "respond-async")
+        .json(&json!({"prompt": "a red circle", "num_inference_steps": 400, "seed": 3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::ACCEPTED);
+    let job: Value = r.json().await.unwrap();
+    let id = job["id"].as_str().unwrap().to_string();
+
+    // Running on the denoiser: the gateway dies the way a crashed process does.
+    while !matches!(
+        next_event(&mut all_events, &id).await,
+        JobEvent::Step { .. }
+    ) {}
+    first.kill();
+    // Still running after the gateway is gone (a step event came after the kill).
+    loop {
+        match next_event(&mut all_events, &id).await {
+            JobEvent::Step { .. } => break,
+            JobEvent::Done { .. } => {
+                panic!("the job ended before the gateway died; use more steps")
+            }
+            other => assert!(!matches!(other, JobEvent::Failed { .. }), "{other:?}"),
+        }
+    }
+
+    let second = start_gateway(&nats, |_| {}).expect("second gateway");
+    second.wait_ready(Duration::from_secs(30)).await.unwrap();
+    let api = second.addrs.api.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let view = loop {
+        let view: Value = http
+            .get(format!("http://{api}/v1/jobs/{id}"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if view["status"] != "queued" && view["status"] != "running" {
+            break view;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the job record stayed {} after the job ended: {view}",
+            view["status"]
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(view["status"], "done", "{view}");
+    let url = view["results"][0]["url"].as_str().unwrap();
+    let png = http.get(format!("http://{api}{url}")).send().await.unwrap();
+    assert_eq!(png.status(), StatusCode::OK);
+    let image = image::load_from_memory(&png.bytes().await.unwrap()).unwrap();
+    assert!(image.width() > 0 && image.height() > 0);
+    // Services stop before their NATS server.
+    drop((second, denoiser, router, codec));
+    drop(nats);
+}
+
+/// The next event of `job_id` on a subscription to every job's events.
+async fn next_event(events: &mut async_nats::Subscriber, job_id: &str) -> JobEvent {
+    let subject = format!("diffmesh.job.{job_id}.events");
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(60), events.next())
+            .await
+            .expect("a job event")
+            .unwrap();
+        if msg.subject.as_str() == subject {
+            return decode::<JobEvent>(&msg.payload).unwrap();
         }
     }
 }

@@ -16,6 +16,7 @@ pub mod worker_state;
 use admin::AdminServer;
 use diffmesh_sched::{CostModels, Profile, SchedError};
 use diffmesh_shared::health::Readiness;
+use diffmesh_shared::job::JobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
 use registry::ExpiryPolicy;
 use service::Router;
@@ -166,7 +167,14 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
         "placement policy"
     );
     let state = RouterState::new(expiry, policy, models, config.max_attempts);
-    let router = Arc::new(Router::new(client.clone(), state, metrics, config.clone()));
+    let jobs = JobStore::open(&async_nats::jetstream::new(client.clone())).await?;
+    let router = Arc::new(Router::new(
+        client.clone(),
+        state,
+        metrics,
+        config.clone(),
+        jobs,
+    ));
     let shutdown = CancellationToken::new();
     let mut tasks = JoinSet::new();
     let subs = service::Subscriptions::new(&client).await?;

@@ -7,6 +7,7 @@ use crate::state::{no_worker_message, Failover, RouterState};
 use crate::RouterConfig;
 use async_nats::Subscriber;
 use diffmesh_sched::SchedError;
+use diffmesh_shared::job::JobStore;
 use diffmesh_shared::messages::{decode, error_types, CancelJob, Heartbeat, JobEvent, SubmitReply};
 use diffmesh_shared::nats::publish_msgpack;
 use diffmesh_shared::{subjects, MeshError};
@@ -69,6 +70,9 @@ pub struct Router {
     pub(crate) capacity: Notify,
     /// Submits waiting for capacity, oldest first.
     pub(crate) admission: Mutex<AdmissionQueue>,
+    /// Job records: the router writes the ending of every job it placed, so a job accepted
+    /// asynchronously still ends `done`/`failed` when the gateway driving it has gone.
+    jobs: JobStore,
 }
 
 impl Router {
@@ -77,6 +81,7 @@ impl Router {
         state: RouterState,
         metrics: RouterMetrics,
         config: RouterConfig,
+        jobs: JobStore,
     ) -> Self {
         metrics.set_policy(state.policy_name());
         let admission = Mutex::new(AdmissionQueue::new(config.max_queue));
@@ -87,6 +92,7 @@ impl Router {
             config,
             capacity: Notify::new(),
             admission,
+            jobs,
         }
     }
 
@@ -220,6 +226,46 @@ impl Router {
             error_type: error_types::WORKER_LOST.to_string(),
         };
         self.publish_event(job_id, &event).await;
+        self.record_ending(job_id, event);
+    }
+
+    /// Write a job's ending into its record, in the background (a CAS write; the gateway
+    /// driving the job writes the same ending, and whichever comes second changes nothing, as a
+    /// record that has ended keeps its first ending, a cancel included). Cancelled jobs are left
+    /// to the gateway that asked for the cancel: it knows why (owner's DELETE, deadline, client
+    /// gone) and writes that.
+    fn record_ending(&self, job_id: &str, event: JobEvent) {
+        if matches!(&event, JobEvent::Failed { error_type, .. } if error_type == error_types::CANCELLED)
+        {
+            return;
+        }
+        let (jobs, job_id) = (self.jobs.clone(), job_id.to_string());
+        tokio::spawn(async move {
+            let written = match event {
+                JobEvent::Done { png_keys } => {
+                    jobs.update(&job_id, |r| r.mark_done(png_keys.clone()))
+                        .await
+                }
+                JobEvent::Failed {
+                    message,
+                    error_type,
+                } => {
+                    jobs.update(&job_id, |r| r.mark_failed(&message, &error_type))
+                        .await
+                }
+                _ => return,
+            };
+            match written {
+                Ok(_) => {}
+                // Submitted straight over NATS, without a gateway's record.
+                Err(MeshError::JobNotFound { .. }) => {
+                    tracing::debug!(%job_id, "no job record to end")
+                }
+                Err(err) => {
+                    tracing::warn!(%job_id, error = %err, "could not record the job's ending")
+                }
+            }
+        });
     }
 
     pub(crate) async fn publish_event(&self, job_id: &str, event: &JobEvent) {
@@ -303,9 +349,11 @@ impl Router {
                 continue;
             };
             match decode::<JobEvent>(&msg.payload) {
-                Ok(JobEvent::Done { .. }) | Ok(JobEvent::Failed { .. }) => {
-                    if self.state().registry.finish(job_id).is_some() {
+                Ok(event @ (JobEvent::Done { .. } | JobEvent::Failed { .. })) => {
+                    let placed_here = self.state().registry.finish(job_id).is_some();
+                    if placed_here {
                         self.capacity.notify_waiters();
+                        self.record_ending(job_id, event);
                     }
                 }
                 Ok(_) => {}
