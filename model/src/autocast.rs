@@ -41,6 +41,41 @@ impl Drop for CpuAutocast {
     }
 }
 
+/// Whether this CPU has bf16 matrix units (AVX512-BF16; every AMX CPU has them too), where
+/// autocast pays: elsewhere libtorch emulates bf16 and a step gets slower, not faster.
+pub fn cpu_has_bf16_units() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// When to train under CPU autocast.
+#[derive(clap::ValueEnum, serde::Serialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Bf16Mode {
+    /// On where the CPU has bf16 units ([`cpu_has_bf16_units`]), off elsewhere.
+    Auto,
+    #[value(alias = "true")]
+    On,
+    #[value(alias = "false")]
+    Off,
+}
+
+impl Bf16Mode {
+    pub fn enabled(self) -> bool {
+        match self {
+            Bf16Mode::Auto => cpu_has_bf16_units(),
+            Bf16Mode::On => true,
+            Bf16Mode::Off => false,
+        }
+    }
+}
+
 /// Whether CPU autocast is on for this thread.
 pub fn cpu_autocast_enabled() -> bool {
     // SAFETY: as in `CpuAutocast::enter`.
@@ -73,5 +108,16 @@ mod tests {
         }
         assert!(!cpu_autocast_enabled());
         assert_eq!(a.matmul(&b).kind(), Kind::Float);
+    }
+
+    #[test]
+    fn bf16_flag_keeps_the_old_boolean_spellings() {
+        use clap::ValueEnum;
+        let parse = |v: &str| Bf16Mode::from_str(v, false).ok();
+        assert_eq!(parse("true"), Some(Bf16Mode::On));
+        assert_eq!(parse("false"), Some(Bf16Mode::Off));
+        assert_eq!(parse("auto"), Some(Bf16Mode::Auto));
+        assert_eq!(parse("maybe"), None);
+        assert_eq!(Bf16Mode::Auto.enabled(), cpu_has_bf16_units());
     }
 }

@@ -34,9 +34,13 @@ pub struct EvalArgs {
     /// Prompts generated together.
     #[arg(long, env = "DIFFMESH_TINY_EVAL_BATCH", default_value_t = 25)]
     pub batch_size: usize,
-    /// Evaluate the first N prompts of the split only (at most 100).
+    /// Evaluate the first N prompts of the split only (at most 100 held-out, 740 train).
     #[arg(long, env = "DIFFMESH_TINY_EVAL_PROMPTS", default_value_t = 100)]
     pub prompts: usize,
+    /// Sample with this static scheduler shift instead of the folder's (for choosing it on the
+    /// train split; the shipped value lives in `scheduler/scheduler_config.json`).
+    #[arg(long, env = "DIFFMESH_TINY_EVAL_SHIFT")]
+    pub shift: Option<f64>,
     /// Which tuples to prompt with: `held-out` (never trained on; the reported accuracy) or
     /// `train` (the first tuples of the training split: a validation set for choosing training
     /// and sampling settings without looking at the held-out prompts).
@@ -59,12 +63,34 @@ pub enum EvalSplit {
 
 /// The first `n` tuples of the chosen split, in the split's fixed order.
 fn eval_keys(split: EvalSplit, n: usize) -> Vec<SceneKey> {
+    split_keys(split).into_iter().take(n).collect()
+}
+
+fn split_keys(split: EvalSplit) -> Vec<SceneKey> {
     let s = Split::new();
-    let keys = match split {
+    match split {
         EvalSplit::HeldOut => s.held_out,
         EvalSplit::Train => s.train,
-    };
-    keys.into_iter().take(n).collect()
+    }
+}
+
+/// The folder's scheduler, with `--shift` applied when given.
+fn eval_scheduler(args: &EvalArgs) -> Result<FlowMatchEulerDiscreteScheduler> {
+    let path = args
+        .model_dir
+        .join("scheduler")
+        .join("scheduler_config.json");
+    let scheduler = FlowMatchEulerDiscreteScheduler::from_config_file(&path)?;
+    match args.shift {
+        None => Ok(scheduler),
+        Some(shift) => FlowMatchEulerDiscreteScheduler::new(
+            crate::scheduler::FlowMatchEulerDiscreteSchedulerConfig {
+                shift,
+                use_dynamic_shifting: false,
+                ..scheduler.config
+            },
+        ),
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -160,15 +186,21 @@ pub fn evaluate(pipeline: &FluxPipeline<'_>, args: &EvalArgs) -> Result<(ModelEv
 
 /// Full evaluation as `diffmesh-train-tiny eval` runs it; prints a summary and returns the JSON.
 pub fn run(args: &EvalArgs) -> Result<serde_json::Value> {
-    if args.prompts == 0 || args.prompts > super::data::HELD_OUT {
+    let available = split_keys(args.split).len();
+    if args.prompts == 0 || args.prompts > available {
         return Err(ModelError::input(
             "prompts",
-            format!("must be in 1..={}", super::data::HELD_OUT),
+            format!("must be in 1..={available} for this split"),
         ));
     }
     tch::set_num_threads(args.threads);
     let model = LoadedModel::load(&args.model_dir, Device::Cpu, Kind::Float)?;
-    let (trained, images) = evaluate(&model.pipeline(), args)?;
+    let scheduler = eval_scheduler(args)?;
+    let pipeline = FluxPipeline {
+        scheduler: &scheduler,
+        ..model.pipeline()
+    };
+    let (trained, images) = evaluate(&pipeline, args)?;
     eprintln!(
         "trained:   {:?} ({:.0}s)",
         trained.accuracy, trained.seconds
@@ -178,11 +210,6 @@ pub fn run(args: &EvalArgs) -> Result<serde_json::Value> {
             tch::manual_seed(seed as i64);
             // Same transformer size as the evaluated model, same init as its training run.
             let init = TinyModel::with_flux_config(Device::Cpu, model.transformer.cfg.clone())?;
-            let scheduler_path = args
-                .model_dir
-                .join("scheduler")
-                .join("scheduler_config.json");
-            let scheduler = FlowMatchEulerDiscreteScheduler::from_config_file(&scheduler_path)?;
             let pipeline = FluxPipeline {
                 transformer: &init.transformer,
                 text_encoder: &init.text_encoder,
@@ -200,6 +227,7 @@ pub fn run(args: &EvalArgs) -> Result<serde_json::Value> {
         "prompts": args.prompts,
         "steps": args.steps,
         "cfg_scale": args.cfg_scale,
+        "shift": scheduler.config.shift,
         "seed": args.seed,
         "split": args.split,
         "trained": trained.accuracy,

@@ -11,7 +11,7 @@ use super::model::{
 };
 use super::plot;
 use super::validate::Validation;
-use crate::autocast::CpuAutocast;
+use crate::autocast::{Bf16Mode, CpuAutocast};
 use crate::error::{ModelError, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -101,10 +101,10 @@ pub struct TrainArgs {
     pub single_blocks: i64,
     /// Run the forward and backward passes under CPU autocast to bfloat16 (weights, optimiser
     /// and EMA stay f32): 1.35x the steps per minute at the shipped width on a CPU with AMX
-    /// (1.18x at width 128, 1.54x at 256); slower on CPUs without bf16 units: pass
-    /// `--bf16 false` there.
-    #[arg(long, env = "DIFFMESH_TINY_BF16", default_value_t = true, action = clap::ArgAction::Set)]
-    pub bf16: bool,
+    /// (1.18x at width 128, 1.54x at 256); slower on CPUs without bf16 units, so `auto` turns
+    /// it on only where the CPU has them (`on`/`true`, `off`/`false` force it).
+    #[arg(long, env = "DIFFMESH_TINY_BF16", value_enum, default_value_t = Bf16Mode::Auto)]
+    pub bf16: Bf16Mode,
     /// Steps per row of `train_log.csv` (mean loss over the window).
     #[arg(long, env = "DIFFMESH_TINY_LOG_EVERY", default_value_t = 10)]
     pub log_every: usize,
@@ -130,6 +130,8 @@ pub struct TrainArgs {
 pub struct TrainSummary {
     pub args: TrainArgs,
     pub steps_done: usize,
+    /// Whether the run used bf16 autocast (`--bf16 auto` resolved on its CPU).
+    pub bf16_autocast: bool,
     pub wall_time_s: f64,
     pub mean_step_s: f64,
     /// Mean loss of the last 100 steps.
@@ -298,6 +300,8 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
         args.single_blocks,
     );
     let model = TinyModel::with_flux_config(Device::Cpu, config)?;
+    let bf16 = args.bf16.enabled();
+    eprintln!("bf16 autocast: {bf16} (--bf16 {:?})", args.bf16);
     let time = TimeSampling {
         mean: args.t_mean,
         std: args.t_std,
@@ -359,7 +363,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
             })
             .transpose()?;
         let loss = {
-            let _autocast = args.bf16.then(CpuAutocast::enter).transpose()?;
+            let _autocast = bf16.then(CpuAutocast::enter).transpose()?;
             flow_matching_loss(&model, &b.images, &b.prompts, time, weights.as_ref())?
         };
         opt_tr.zero_grad();
@@ -438,6 +442,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     let summary = TrainSummary {
         args: args.clone(),
         steps_done,
+        bf16_autocast: bf16,
         wall_time_s: wall,
         mean_step_s: wall / steps_done as f64,
         final_loss: recent.iter().sum::<f64>() / recent.len().max(1) as f64,
