@@ -1,8 +1,11 @@
 //! Continuous against static batching (FlashPS §4.3, Fig. 16-Left): the same seeded Poisson
 //! arrivals of edits and generations with varied step counts, at a set fraction of the engine's
 //! measured capacity, through the real engine in each mode; p95 end-to-end latency compared.
+//! Edits read a registered template's cache (mask-aware steps) unless `template_caches` is off,
+//! so they cost less than generations, as in production.
 use super::driver::{continuous_capacity_rps, open_loop, BenchEngine, Pooled, RunTimes, StepStats};
 use super::report::{Latencies, Report};
+use super::template_caches::BenchTemplates;
 use super::workload::{engine_job, requests, BenchRequest, WorkloadSpec};
 use crate::engine::{Batching, EngineConfig};
 use anyhow::{Context, Result};
@@ -22,6 +25,9 @@ pub struct BatchingOptions {
     pub token_budget: Option<u64>,
     /// Times both modes run (new arrivals each round; latencies pooled per mode).
     pub rounds: usize,
+    /// Edits read their template's cache (one captured template per step count); off: edits
+    /// run in full, costing as much as generations.
+    pub template_caches: bool,
 }
 
 /// Requests per second of static batching with the queue never empty: full batches of
@@ -52,6 +58,7 @@ async fn run_mode(
     batching: Batching,
     reqs: &[BenchRequest],
     rate: f64,
+    templates: Option<&BenchTemplates>,
 ) -> Result<(RunTimes, StepStats)> {
     let config = EngineConfig {
         max_batch: opts.max_batch,
@@ -61,14 +68,18 @@ async fn run_mode(
     };
     let mut engine = BenchEngine::start(&opts.model_dir, config)?;
     // One untimed job first: the first forward pays one-off allocations.
-    let mut warm = engine_job(&reqs[0], engine.grid);
+    let grid = engine.grid;
+    let job_of = |r: &BenchRequest| match templates {
+        Some(t) => t.attach(engine_job(r, grid)),
+        None => engine_job(r, grid),
+    };
+    let mut warm = job_of(&reqs[0]);
     warm.job.job_id = "warm-up".into();
     engine.submit(warm).await?;
     engine.next_finished().await?;
-    let grid = engine.grid;
     let jobs = reqs
         .iter()
-        .map(|r| (r.arrival_s(rate), engine_job(r, grid)))
+        .map(|r| (r.arrival_s(rate), job_of(r)))
         .collect();
     let times = open_loop(&mut engine, jobs)
         .await
@@ -82,20 +93,53 @@ async fn run_mode(
 /// alternating); `step_s` is the engine's step time by batch size.
 pub async fn run(opts: &BatchingOptions, step_s: &[f64], report: &mut Report) -> Result<()> {
     let spec = &opts.workload;
-    let capacity = continuous_capacity_rps(step_s, spec.mean_steps());
+    let templates = if opts.template_caches {
+        let t = BenchTemplates::capture(&opts.model_dir, spec.steps_min, spec.steps_max, spec.seed)
+            .await?;
+        report.say(format!(
+            "batching: {} templates captured ({:.1} MB of cache) in {:.1} s",
+            spec.steps_max - spec.steps_min + 1,
+            t.bytes as f64 / 1e6,
+            t.capture_seconds
+        ));
+        Some(t)
+    } else {
+        None
+    };
+    let capacity = match &templates {
+        // Edits cost less than the generations the step-time line was measured on: measure the
+        // mix itself, every request queued at once (full batches throughout, bar the drain).
+        Some(t) => {
+            let reqs = requests(spec, &opts.mask_ratios)?;
+            let (times, _) =
+                run_mode(opts, Batching::Continuous, &reqs, f64::INFINITY, Some(t)).await?;
+            reqs.len() as f64 / times.makespan_s()
+        }
+        None => continuous_capacity_rps(step_s, spec.mean_steps()),
+    };
     let static_capacity = static_capacity_rps(step_s, spec.steps_min, spec.steps_max, spec.seed);
     let rate = opts.utilisation * capacity;
     report.say(format!(
-        "batching: {} rounds of {} requests ({:.0}% edits), steps {}..={}, max batch {}; \
-         capacity {:.2} req/s continuous, {:.2} req/s static (estimated); arrivals {:.2} req/s \
-         = {:.0}% of continuous, {:.0}% of static",
+        "batching: {} rounds of {} requests ({:.0}% edits, {}), steps {}..={}, max batch {}; \
+         capacity {:.2} req/s continuous ({}), {:.2} req/s static (estimated from generations); \
+         arrivals {:.2} req/s = {:.0}% of continuous, {:.0}% of static",
         opts.rounds,
         spec.requests,
         spec.edit_fraction * 100.0,
+        if templates.is_some() {
+            "mask-aware from template caches"
+        } else {
+            "in full"
+        },
         spec.steps_min,
         spec.steps_max,
         opts.max_batch,
         capacity,
+        if templates.is_some() {
+            "measured: the mix queued at once"
+        } else {
+            "from the step-time line"
+        },
         static_capacity,
         rate,
         opts.utilisation * 100.0,
@@ -113,7 +157,7 @@ pub async fn run(opts: &BatchingOptions, step_s: &[f64], report: &mut Report) ->
         };
         let reqs = requests(&round_spec, &opts.mask_ratios)?;
         for ((_, mode), pool) in modes.iter().zip(pooled.iter_mut()) {
-            let (times, stats) = run_mode(opts, *mode, &reqs, rate).await?;
+            let (times, stats) = run_mode(opts, *mode, &reqs, rate, templates.as_ref()).await?;
             pool.add(&times, stats)?;
         }
     }
@@ -121,13 +165,15 @@ pub async fn run(opts: &BatchingOptions, step_s: &[f64], report: &mut Report) ->
     let mut p95 = Vec::new();
     for ((name, _), pool) in modes.iter().zip(&pooled) {
         let lat = Latencies::of(&pool.latencies).context("no requests")?;
+        let mask_aware_share = pool.stats.mask_aware_rows as f64 / pool.stats.rows.max(1.0);
         report.say(format!(
             "  {name:<10} {}; mean queueing {:.3} s, mean running {:.2}, {:.1} ms per \
-             row-step, stepping {:.0}% of the time",
+             row-step, {:.0}% of rows mask-aware, stepping {:.0}% of the time",
             lat.line(),
             pool.mean_queueing_s(),
             pool.mean_running(),
             pool.stats.ms_per_row(),
+            mask_aware_share * 100.0,
             pool.busy() * 100.0
         ));
         pool.note_saturation(name, report);
@@ -138,6 +184,7 @@ pub async fn run(opts: &BatchingOptions, step_s: &[f64], report: &mut Report) ->
         m["mean_running"] = json!(pool.mean_running());
         m["ms_per_row_step"] = json!(pool.stats.ms_per_row());
         m["engine_busy"] = json!(pool.busy());
+        m["mask_aware_row_share"] = json!(mask_aware_share);
         json_modes.insert(name.to_string(), m);
         p95.push(lat.p95_s);
     }
@@ -156,6 +203,7 @@ pub async fn run(opts: &BatchingOptions, step_s: &[f64], report: &mut Report) ->
             "steps_max": spec.steps_max,
             "max_batch": opts.max_batch,
             "token_budget": opts.token_budget,
+            "template_caches": opts.template_caches,
             "capacity_rps": capacity,
             "static_capacity_rps_est": static_capacity,
             "arrival_rps": rate,

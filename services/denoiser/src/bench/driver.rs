@@ -6,6 +6,7 @@ use crate::engine::{
 };
 use crate::metrics::DenoiserMetrics;
 use crate::model::{step_requests, EngineModel};
+use crate::templates::TemplateEntry;
 use anyhow::{bail, Context, Result};
 use diffmesh_model::pipeline::stepper::{step_batch, DenoiseState};
 use diffmesh_model::tch::{Device, Kind};
@@ -13,6 +14,7 @@ use diffmesh_model::tiny::IMAGE_SIZE;
 use diffmesh_shared::messages::DenoiseJob;
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
 use tracing::Span;
@@ -49,6 +51,8 @@ pub struct StepStats {
     pub steps: u64,
     pub step_seconds: f64,
     pub rows: f64,
+    /// Rows stepped mask-aware from a template cache (the rest ran in full).
+    pub mask_aware_rows: u64,
 }
 
 impl StepStats {
@@ -57,6 +61,7 @@ impl StepStats {
             steps: self.steps + other.steps,
             step_seconds: self.step_seconds + other.step_seconds,
             rows: self.rows + other.rows,
+            mask_aware_rows: self.mask_aware_rows + other.mask_aware_rows,
         }
     }
 
@@ -65,6 +70,7 @@ impl StepStats {
             steps: self.steps - before.steps,
             step_seconds: self.step_seconds - before.step_seconds,
             rows: self.rows - before.rows,
+            mask_aware_rows: self.mask_aware_rows - before.mask_aware_rows,
         }
     }
 
@@ -128,6 +134,11 @@ impl BenchEngine {
             steps: self.metrics.step_seconds.get_sample_count(),
             step_seconds: self.metrics.step_seconds.get_sample_sum(),
             rows: self.metrics.batch_rows.get_sample_sum(),
+            mask_aware_rows: self
+                .metrics
+                .step_rows
+                .with_label_values(&["mask_aware"])
+                .get(),
         }
     }
 
@@ -161,6 +172,24 @@ impl BenchEngine {
                     bail!("job {} failed in the engine: {error}", job.job_id)
                 }
                 EngineEvent::Cancelled { job_id } => bail!("job {job_id} was cancelled"),
+                _ => {}
+            }
+        }
+    }
+
+    /// The cache of the next capture job to finish capturing.
+    pub async fn next_captured(&mut self) -> Result<Arc<TemplateEntry>> {
+        loop {
+            let event = self
+                .events
+                .recv()
+                .await
+                .context("the engine stopped before the capture finished")?;
+            match event {
+                EngineEvent::Captured { entry, .. } => return Ok(entry),
+                EngineEvent::Failed { job, error, .. } => {
+                    bail!("capture {} failed in the engine: {error}", job.job_id)
+                }
                 _ => {}
             }
         }

@@ -8,11 +8,13 @@
 //!   quality (SSIM/PSNR) of mask-aware edits against full compute.
 //!
 //! [`workload`] draws the requests, [`driver`] runs the engine and measures its step cost,
-//! [`codec_work`] is the codec's image work per request.
+//! [`codec_work`] is the codec's image work per request, [`template_caches`] captures the
+//! templates the batching part's edits read.
 pub mod batching;
 pub mod codec_work;
 pub mod disaggregation;
 pub mod driver;
 pub mod mask_aware;
 pub mod report;
+pub mod template_caches;
 pub mod workload;

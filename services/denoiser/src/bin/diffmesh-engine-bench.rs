@@ -79,6 +79,10 @@ struct Args {
     /// Batch rows of the engine.
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
+    /// Batching part: edits read a captured template's cache (mask-aware steps, as edits by
+    /// `template_id`); `false`: edits run in full compute, as costly as generations.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    batching_template_caches: bool,
     /// Token budget of the engine (masked image tokens per step); unset: none.
     #[arg(long)]
     token_budget: Option<u64>,
@@ -220,6 +224,7 @@ async fn main() -> Result<()> {
             max_batch: args.max_batch,
             token_budget: args.token_budget,
             rounds: args.rounds,
+            template_caches: args.batching_template_caches,
         };
         let step_s = calibrate_and_say(&args, &model_dir, &mut report, "batching")?;
         batching::run(&opts, &step_s, &mut report).await?;
