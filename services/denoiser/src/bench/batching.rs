@@ -117,12 +117,22 @@ pub async fn run(opts: &BatchingOptions, step_s: &[f64], report: &mut Report) ->
         }
         None => continuous_capacity_rps(step_s, spec.mean_steps()),
     };
-    let static_capacity = static_capacity_rps(step_s, spec.steps_min, spec.steps_max, spec.seed);
+    // The static estimate rests on the step-time line of generations: only meaningful when
+    // edits run in full too.
+    let static_capacity = templates
+        .is_none()
+        .then(|| static_capacity_rps(step_s, spec.steps_min, spec.steps_max, spec.seed));
     let rate = opts.utilisation * capacity;
+    let static_note = match static_capacity {
+        Some(c) => format!(
+            "; {c:.2} req/s static (estimated): arrivals {:.0}% of it",
+            rate / c * 100.0
+        ),
+        None => String::new(),
+    };
     report.say(format!(
         "batching: {} rounds of {} requests ({:.0}% edits, {}), steps {}..={}, max batch {}; \
-         capacity {:.2} req/s continuous ({}), {:.2} req/s static (estimated from generations); \
-         arrivals {:.2} req/s = {:.0}% of continuous, {:.0}% of static",
+         capacity {:.2} req/s continuous ({}); arrivals {:.2} req/s = {:.0}% of it{static_note}",
         opts.rounds,
         spec.requests,
         spec.edit_fraction * 100.0,
@@ -140,10 +150,8 @@ pub async fn run(opts: &BatchingOptions, step_s: &[f64], report: &mut Report) ->
         } else {
             "from the step-time line"
         },
-        static_capacity,
         rate,
         opts.utilisation * 100.0,
-        rate / static_capacity * 100.0
     ));
     let modes = [
         ("continuous", Batching::Continuous),
@@ -208,7 +216,7 @@ pub async fn run(opts: &BatchingOptions, step_s: &[f64], report: &mut Report) ->
             "static_capacity_rps_est": static_capacity,
             "arrival_rps": rate,
             "utilisation": opts.utilisation,
-            "utilisation_static_est": rate / static_capacity,
+            "utilisation_static_est": static_capacity.map(|c| rate / c),
             "modes": json_modes,
         }),
     );
