@@ -22,12 +22,13 @@ use serde_json::{json, Value};
 const LONG_JOB_STEPS: u32 = 5000;
 
 struct Mesh {
+    gateway: Option<Service>,
     _services: Vec<Service>,
     api: std::net::SocketAddr,
     http: reqwest::Client,
     nats_url: String,
     // Last: fields drop in order, and services must stop before their NATS server.
-    _nats: NatsServer,
+    nats: NatsServer,
 }
 
 /// One denoiser running one job at a time, so a second job waits in its queue. Jobs may take
@@ -47,13 +48,23 @@ async fn start_mesh() -> Mesh {
     Mesh {
         api: gateway.addrs.api.unwrap(),
         nats_url: nats.url(),
-        _nats: nats,
-        _services: vec![gateway, denoiser, router, codec],
+        gateway: Some(gateway),
+        nats,
+        _services: vec![denoiser, router, codec],
         http: reqwest::Client::new(),
     }
 }
 
 impl Mesh {
+    /// Kill the gateway as a crashed process stops, then start another one in its place.
+    async fn replace_gateway_after_a_crash(&mut self) {
+        self.gateway.take().expect("a gateway").kill();
+        let gateway = start_gateway(&self.nats, |_| {}).expect("second gateway");
+        gateway.wait_ready(Duration::from_secs(30)).await.unwrap();
+        self.api = gateway.addrs.api.unwrap();
+        self.gateway = Some(gateway);
+    }
+
     fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.api)
     }
@@ -362,42 +373,22 @@ async fn wait_for_cancelled(events: &mut async_nats::Subscriber, job_id: &str) -
 /// accepted it dies mid-job: the router records the ending, and any other gateway serves it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_async_job_outlives_the_gateway_that_accepted_it() {
-    init_test_logging();
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
-    let nats = NatsServer::start();
-    let codec = start_codec(&nats, |_| {}).expect("codec");
-    let router = start_router(&nats, |_| {}).expect("router");
-    let denoiser = start_denoiser(&nats, &model, "d1", |_| {}).expect("denoiser");
-    let first = start_gateway(&nats, |g| g.max_steps = LONG_JOB_STEPS).expect("gateway");
-    for s in [&codec, &router, &denoiser, &first] {
-        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
-    }
-    let client = async_nats::connect(&nats.url()).await.unwrap();
+    let mut mesh = start_mesh().await;
+    let client = async_nats::connect(&mesh.nats_url).await.unwrap();
     let mut all_events = client.subscribe("diffmesh.job.*.events").await.unwrap();
     client.flush().await.unwrap();
-    let http = reqwest::Client::new();
-
-    let r = http
-        .post(format!(
-            "http://{}/v1/images/generations",
-            first.addrs.api.unwrap()
-        ))
-        .header("Prefer", "respond-async")
-        .json(&json!({"prompt": "a red circle", "num_inference_steps": 400, "seed": 3}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), StatusCode::ACCEPTED);
-    let job: Value = r.json().await.unwrap();
+    let job = mesh
+        .generate_async(json!({"prompt": "a red circle", "num_inference_steps": 400, "seed": 3}))
+        .await;
     let id = job["id"].as_str().unwrap().to_string();
 
-    // Running on the denoiser: the gateway dies the way a crashed process does.
+    // Running on the denoiser: the gateway dies the way a crashed process does, another starts.
     while !matches!(
         next_event(&mut all_events, &id).await,
         JobEvent::Step { .. }
     ) {}
-    first.kill();
-    // Still running after the gateway is gone (a step event came after the kill).
+    mesh.replace_gateway_after_a_crash().await;
+    // Still running after the gateway was gone (a step event came after the kill).
     loop {
         match next_event(&mut all_events, &id).await {
             JobEvent::Step { .. } => break,
@@ -408,19 +399,9 @@ async fn an_async_job_outlives_the_gateway_that_accepted_it() {
         }
     }
 
-    let second = start_gateway(&nats, |_| {}).expect("second gateway");
-    second.wait_ready(Duration::from_secs(30)).await.unwrap();
-    let api = second.addrs.api.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     let view = loop {
-        let view: Value = http
-            .get(format!("http://{api}/v1/jobs/{id}"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let (_, view) = mesh.get(&format!("/v1/jobs/{id}")).await;
         if view["status"] != "queued" && view["status"] != "running" {
             break view;
         }
@@ -433,13 +414,10 @@ async fn an_async_job_outlives_the_gateway_that_accepted_it() {
     };
     assert_eq!(view["status"], "done", "{view}");
     let url = view["results"][0]["url"].as_str().unwrap();
-    let png = http.get(format!("http://{api}{url}")).send().await.unwrap();
+    let png = mesh.http.get(mesh.url(url)).send().await.unwrap();
     assert_eq!(png.status(), StatusCode::OK);
     let image = image::load_from_memory(&png.bytes().await.unwrap()).unwrap();
     assert!(image.width() > 0 && image.height() > 0);
-    // Services stop before their NATS server.
-    drop((second, denoiser, router, codec));
-    drop(nats);
 }
 
 /// The next event of `job_id` on a subscription to every job's events.
