@@ -74,20 +74,18 @@ fn split_keys(split: EvalSplit) -> Vec<SceneKey> {
     }
 }
 
-/// The folder's scheduler, with `--shift` applied when given.
-fn eval_scheduler(args: &EvalArgs) -> Result<FlowMatchEulerDiscreteScheduler> {
-    let path = args
-        .model_dir
-        .join("scheduler")
-        .join("scheduler_config.json");
-    let scheduler = FlowMatchEulerDiscreteScheduler::from_config_file(&path)?;
-    match args.shift {
-        None => Ok(scheduler),
+/// The loaded model's scheduler, with `--shift` applied when given.
+fn eval_scheduler(
+    loaded: &FlowMatchEulerDiscreteScheduler,
+    shift: Option<f64>,
+) -> Result<FlowMatchEulerDiscreteScheduler> {
+    match shift {
+        None => Ok(loaded.clone()),
         Some(shift) => FlowMatchEulerDiscreteScheduler::new(
             crate::scheduler::FlowMatchEulerDiscreteSchedulerConfig {
                 shift,
                 use_dynamic_shifting: false,
-                ..scheduler.config
+                ..loaded.config.clone()
             },
         ),
     }
@@ -195,7 +193,7 @@ pub fn run(args: &EvalArgs) -> Result<serde_json::Value> {
     }
     tch::set_num_threads(args.threads);
     let model = LoadedModel::load(&args.model_dir, Device::Cpu, Kind::Float)?;
-    let scheduler = eval_scheduler(args)?;
+    let scheduler = eval_scheduler(&model.scheduler, args.shift)?;
     let pipeline = FluxPipeline {
         scheduler: &scheduler,
         ..model.pipeline()
