@@ -348,16 +348,8 @@ async fn cancel_stops_a_running_job_and_a_disconnect_cancels_a_sync_one() {
 /// returns the last step it reported.
 async fn wait_for_cancelled(events: &mut async_nats::Subscriber, job_id: &str) -> u32 {
     let mut last_step = 0;
-    let subject = format!("diffmesh.job.{job_id}.events");
     loop {
-        let msg = tokio::time::timeout(Duration::from_secs(30), events.next())
-            .await
-            .expect("the denoiser reported the cancel")
-            .unwrap();
-        if msg.subject.as_str() != subject {
-            continue;
-        }
-        match decode::<JobEvent>(&msg.payload).unwrap() {
+        match next_event(events, job_id, Duration::from_secs(30)).await {
             JobEvent::Step { step, .. } => last_step = step,
             JobEvent::Failed { error_type, .. } => {
                 assert_eq!(error_type, "cancelled");
@@ -384,13 +376,13 @@ async fn an_async_job_outlives_the_gateway_that_accepted_it() {
 
     // Running on the denoiser: the gateway dies the way a crashed process does, another starts.
     while !matches!(
-        next_event(&mut all_events, &id).await,
+        next_event(&mut all_events, &id, EVENT_WAIT).await,
         JobEvent::Step { .. }
     ) {}
     mesh.replace_gateway_after_a_crash().await;
     // Still running after the gateway was gone (a step event came after the kill).
     loop {
-        match next_event(&mut all_events, &id).await {
+        match next_event(&mut all_events, &id, EVENT_WAIT).await {
             JobEvent::Step { .. } => break,
             JobEvent::Done { .. } => {
                 panic!("the job ended before the gateway died; use more steps")
@@ -420,13 +412,21 @@ async fn an_async_job_outlives_the_gateway_that_accepted_it() {
     assert!(image.width() > 0 && image.height() > 0);
 }
 
-/// The next event of `job_id` on a subscription to every job's events.
-async fn next_event(events: &mut async_nats::Subscriber, job_id: &str) -> JobEvent {
+/// Longest wait for a job's next event in the gateway-crash test.
+const EVENT_WAIT: Duration = Duration::from_secs(60);
+
+/// The next event of `job_id` on a subscription to every job's events, each message awaited at
+/// most `within`.
+async fn next_event(
+    events: &mut async_nats::Subscriber,
+    job_id: &str,
+    within: Duration,
+) -> JobEvent {
     let subject = format!("diffmesh.job.{job_id}.events");
     loop {
-        let msg = tokio::time::timeout(Duration::from_secs(60), events.next())
+        let msg = tokio::time::timeout(within, events.next())
             .await
-            .expect("a job event")
+            .unwrap_or_else(|_| panic!("no event of job {job_id} within {within:?}"))
             .unwrap();
         if msg.subject.as_str() == subject {
             return decode::<JobEvent>(&msg.payload).unwrap();
