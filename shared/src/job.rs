@@ -83,6 +83,18 @@ pub struct JobRecord {
     /// The prepared job as submitted, so it can be placed again after a restart.
     #[serde(default)]
     pub submitted: Option<DenoiseJob>,
+    /// Accepted with `Prefer: respond-async`: no client connection waits for it, so it must
+    /// run even if the gateway that accepted it dies.
+    #[serde(default)]
+    pub detached: bool,
+    /// Unix ms by which the job's driver has placed it or given up (ending the record). A
+    /// record still unplaced after that lost its driver: a router adopts it (see
+    /// [`JobRecord::lost_its_driver`]).
+    #[serde(default)]
+    pub place_by_ms: Option<u64>,
+    /// Placed by a router after the gateway driving it died.
+    #[serde(default)]
+    pub adopted: bool,
 }
 
 /// Current time in Unix milliseconds.
@@ -116,7 +128,27 @@ impl JobRecord {
             error: None,
             owner: None,
             submitted: None,
+            detached: false,
+            place_by_ms: None,
+            adopted: false,
         }
+    }
+
+    /// Whether the job lost its driver before it was placed: still queued, never placed, its
+    /// prepared job on record, and its driver's placement deadline passed before `now_ms`.
+    pub fn lost_its_driver(&self, now_ms: u64) -> bool {
+        self.state == JobState::Queued
+            && self.worker_id.is_none()
+            && self.submitted.is_some()
+            && self.place_by_ms.is_some_and(|t| now_ms > t)
+    }
+
+    /// The driver is about to submit `job` and will have placed it (or ended the record) by
+    /// `place_by_ms`.
+    pub fn record_submission(&mut self, job: &DenoiseJob, place_by_ms: u64) {
+        self.submitted = Some(job.clone());
+        self.steps_total = job.params.num_inference_steps;
+        self.place_by_ms = Some(place_by_ms);
     }
 
     /// The job was placed on `worker_id` (it may still wait in that worker's queue).
@@ -299,18 +331,14 @@ impl JobStore {
         &self,
         job_id: &str,
     ) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
-        let watch = self.kv.watch_with_history(job_id).await?;
-        Ok(watch
-            .filter_map(|entry| async move {
-                match entry {
-                    Ok(e) if e.operation == kv::Operation::Put => {
-                        Some(serde_json::from_slice::<JobRecord>(&e.value).map_err(MeshError::from))
-                    }
-                    Ok(_) => None,
-                    Err(err) => Some(Err(MeshError::from(err))),
-                }
-            })
-            .boxed())
+        Ok(records(self.kv.watch_with_history(job_id).await?))
+    }
+
+    /// Every record now (the latest version of each) and every later version of any record.
+    pub async fn watch_all(
+        &self,
+    ) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
+        Ok(records(self.kv.watch_with_history(">").await?))
     }
 
     /// Read-modify-write with compare-and-set, retrying when another writer got in between.
@@ -319,6 +347,26 @@ impl JobStore {
     where
         F: FnMut(&mut JobRecord),
     {
+        let written = self
+            .update_if(job_id, |r| {
+                change(r);
+                true
+            })
+            .await?;
+        Ok(written.expect("an unconditional change is always written"))
+    }
+
+    /// [`JobStore::update`] where `change` may decline (return false, leaving the record as it
+    /// is): `None` then. The decision is made on the latest revision, so two writers racing
+    /// for the same change (two routers adopting one job) cannot both make it.
+    pub async fn update_if<F>(
+        &self,
+        job_id: &str,
+        mut change: F,
+    ) -> Result<Option<JobRecord>, MeshError>
+    where
+        F: FnMut(&mut JobRecord) -> bool,
+    {
         for _ in 0..MAX_UPDATE_ATTEMPTS {
             let (mut record, revision) =
                 self.get_with_revision(job_id)
@@ -326,11 +374,13 @@ impl JobStore {
                     .ok_or_else(|| MeshError::JobNotFound {
                         job_id: job_id.to_string(),
                     })?;
-            change(&mut record);
+            if !change(&mut record) {
+                return Ok(None);
+            }
             record.updated_at_ms = now_ms();
             let value = Bytes::from(serde_json::to_vec(&record)?);
             match self.kv.update(job_id, value, revision).await {
-                Ok(_) => return Ok(record),
+                Ok(_) => return Ok(Some(record)),
                 Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
                 Err(err) => return Err(err.into()),
             }
@@ -340,6 +390,21 @@ impl JobStore {
             attempts: MAX_UPDATE_ATTEMPTS,
         })
     }
+}
+
+/// The records a KV watch delivers (deletions skipped).
+fn records(watch: kv::Watch) -> BoxStream<'static, Result<JobRecord, MeshError>> {
+    watch
+        .filter_map(|entry| async move {
+            match entry {
+                Ok(e) if e.operation == kv::Operation::Put => {
+                    Some(serde_json::from_slice::<JobRecord>(&e.value).map_err(MeshError::from))
+                }
+                Ok(_) => None,
+                Err(err) => Some(Err(MeshError::from(err))),
+            }
+        })
+        .boxed()
 }
 
 /// What an `Idempotency-Key` points at.
@@ -440,6 +505,28 @@ mod tests {
         assert!(r.result_keys.is_empty());
         assert_eq!(r.error.as_ref().unwrap().error_type, "cancelled");
         assert_eq!(r.worker_id.as_deref(), Some("w1"));
+    }
+
+    #[test]
+    fn a_record_lost_its_driver_only_when_unplaced_past_its_deadline() {
+        let mut r = JobRecord::new("j3", JobKind::Generate);
+        // Not yet submitted: nothing to place.
+        r.place_by_ms = Some(100);
+        assert!(!r.lost_its_driver(200));
+        r.submitted = Some(crate::testing::generation_job("j3", "a red circle", 1, 4));
+        assert!(!r.lost_its_driver(100), "not past the deadline yet");
+        assert!(r.lost_its_driver(101));
+        let mut placed = r.clone();
+        placed.mark_placed("w1");
+        assert!(!placed.lost_its_driver(200));
+        let mut ended = r.clone();
+        ended.mark_cancelled("gone");
+        assert!(!ended.lost_its_driver(200));
+        r.place_by_ms = None;
+        assert!(
+            !r.lost_its_driver(u64::MAX),
+            "no deadline: an older gateway drives it"
+        );
     }
 
     /// Records written before the progress and owner fields existed still load.

@@ -3,7 +3,7 @@
 //! position), started, step k of N and done with result links, the results download, an
 //! `Idempotency-Key` returns the same job, `DELETE` stops a running job at a step boundary, a
 //! synchronous client that disconnects has its job cancelled the same way, and an async job
-//! still ends `done` when the gateway that accepted it dies.
+//! still ends `done` when the gateway that accepted it dies, whether it had placed it or not.
 use std::time::Duration;
 
 use diffmesh_shared::job::{JobState, JobStore};
@@ -23,7 +23,7 @@ const LONG_JOB_STEPS: u32 = 5000;
 
 struct Mesh {
     gateway: Option<Service>,
-    _services: Vec<Service>,
+    services: Vec<Service>,
     api: std::net::SocketAddr,
     http: reqwest::Client,
     nats_url: String,
@@ -35,14 +35,21 @@ struct Mesh {
 /// up to `LONG_JOB_STEPS` steps: the tiny model's steps take milliseconds, and a job that is
 /// cancelled mid-way must still be running when the cancel arrives.
 async fn start_mesh() -> Mesh {
+    let mut mesh = start_mesh_without_denoiser(|g| g.max_steps = LONG_JOB_STEPS).await;
+    mesh.add_denoiser("d1").await;
+    mesh
+}
+
+/// NATS, codec, router and a gateway (`tweak` adjusts its config), no denoiser yet.
+async fn start_mesh_without_denoiser(
+    tweak: impl FnOnce(&mut diffmesh_gateway::GatewayConfig),
+) -> Mesh {
     init_test_logging();
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
     let nats = NatsServer::start();
     let codec = start_codec(&nats, |_| {}).expect("codec");
     let router = start_router(&nats, |_| {}).expect("router");
-    let denoiser = start_denoiser(&nats, &model, "d1", |d| d.max_batch = 1).expect("denoiser");
-    let gateway = start_gateway(&nats, |g| g.max_steps = LONG_JOB_STEPS).expect("gateway");
-    for s in [&codec, &router, &denoiser, &gateway] {
+    let gateway = start_gateway(&nats, tweak).expect("gateway");
+    for s in [&codec, &router, &gateway] {
         s.wait_ready(Duration::from_secs(30)).await.expect("ready");
     }
     Mesh {
@@ -50,12 +57,25 @@ async fn start_mesh() -> Mesh {
         nats_url: nats.url(),
         gateway: Some(gateway),
         nats,
-        _services: vec![denoiser, router, codec],
+        services: vec![router, codec],
         http: reqwest::Client::new(),
     }
 }
 
 impl Mesh {
+    /// Start a denoiser of the tiny model that runs one job at a time.
+    async fn add_denoiser(&mut self, worker_id: &str) {
+        let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+        let denoiser =
+            start_denoiser(&self.nats, &model, worker_id, |d| d.max_batch = 1).expect("denoiser");
+        denoiser
+            .wait_ready(Duration::from_secs(30))
+            .await
+            .expect("ready");
+        // Stopped before the others (fields drop in order; the list drops front to back).
+        self.services.insert(0, denoiser);
+    }
+
     /// Kill the gateway as a crashed process stops, then start another one in its place.
     async fn replace_gateway_after_a_crash(&mut self) {
         self.gateway.take().expect("a gateway").kill();
@@ -63,6 +83,30 @@ impl Mesh {
         gateway.wait_ready(Duration::from_secs(30)).await.unwrap();
         self.api = gateway.addrs.api.unwrap();
         self.gateway = Some(gateway);
+    }
+
+    /// Wait (at most `within`) for the job's record to end; it must end `done`, with a PNG
+    /// this gateway serves.
+    async fn expect_done_with_result(&self, id: &str, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        let view = loop {
+            let (_, view) = self.get(&format!("/v1/jobs/{id}")).await;
+            if view["status"] != "queued" && view["status"] != "running" {
+                break view;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the job record stayed {} for {within:?}: {view}",
+                view["status"]
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        assert_eq!(view["status"], "done", "{view}");
+        let url = view["results"][0]["url"].as_str().unwrap();
+        let png = self.http.get(self.url(url)).send().await.unwrap();
+        assert_eq!(png.status(), StatusCode::OK);
+        let image = image::load_from_memory(&png.bytes().await.unwrap()).unwrap();
+        assert!(image.width() > 0 && image.height() > 0);
     }
 
     fn url(&self, path: &str) -> String {
@@ -391,25 +435,41 @@ async fn an_async_job_outlives_the_gateway_that_accepted_it() {
         }
     }
 
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    let view = loop {
-        let (_, view) = mesh.get(&format!("/v1/jobs/{id}")).await;
-        if view["status"] != "queued" && view["status"] != "running" {
-            break view;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the job record stayed {} after the job ended: {view}",
-            view["status"]
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert_eq!(view["status"], "done", "{view}");
-    let url = view["results"][0]["url"].as_str().unwrap();
-    let png = mesh.http.get(mesh.url(url)).send().await.unwrap();
-    assert_eq!(png.status(), StatusCode::OK);
-    let image = image::load_from_memory(&png.bytes().await.unwrap()).unwrap();
-    assert!(image.width() > 0 && image.height() > 0);
+    mesh.expect_done_with_result(&id, Duration::from_secs(60))
+        .await;
+}
+
+/// An async job whose gateway dies before placing it (no denoiser is up yet, so the gateway is
+/// still resubmitting) is adopted by the router once the gateway's placement deadline passed,
+/// placed when a denoiser joins, and ends `done` with its result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_async_job_whose_gateway_died_before_placing_it_still_runs() {
+    let mut mesh = start_mesh_without_denoiser(|g| {
+        g.router_timeout_s = 1.0;
+        g.submit_wait_s = 2.0;
+    })
+    .await;
+    let job = mesh
+        .generate_async(json!({"prompt": "a blue square", "num_inference_steps": 4, "seed": 5}))
+        .await;
+    let id = job["id"].as_str().unwrap().to_string();
+    mesh.replace_gateway_after_a_crash().await;
+    let (_, view) = mesh.get(&format!("/v1/jobs/{id}")).await;
+    assert_eq!(view["status"], "queued", "{view}");
+    mesh.add_denoiser("d1").await;
+
+    mesh.expect_done_with_result(&id, Duration::from_secs(60))
+        .await;
+    let client = async_nats::connect(&mesh.nats_url).await.unwrap();
+    let jobs = JobStore::open(&async_nats::jetstream::new(client))
+        .await
+        .unwrap();
+    let record = jobs.get(&id).await.unwrap().unwrap();
+    assert!(
+        record.adopted,
+        "placed by its gateway, not adopted: {record:?}"
+    );
+    assert_eq!(record.worker_id.as_deref(), Some("d1"));
 }
 
 /// Longest wait for a job's next event in the gateway-crash test.

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::Client;
-use diffmesh_shared::job::{IdempotencyStore, JobRecord, JobState, JobStore};
+use diffmesh_shared::job::{now_ms, IdempotencyStore, JobRecord, JobState, JobStore};
 use diffmesh_shared::messages::{
     decode, error_types, CancelJob, DenoiseJob, JobEvent, JobKind, PreparedInputs, PreprocessReply,
     PreprocessRequest, SubmitReply, TemplateRef,
@@ -275,6 +275,26 @@ impl Mesh {
         }
     }
 
+    /// Make an accepted async job durable before its 202 is sent: the record holds the
+    /// prepared job and when this gateway will have placed it, so if this gateway dies first a
+    /// router adopts the job (`JobRecord::lost_its_driver`) instead of leaving it queued.
+    pub async fn commit_detached(&self, prepared: &PreparedJob) -> Result<(), ApiError> {
+        let job = &prepared.job;
+        let place_by = self.place_by_ms();
+        self.jobs
+            .update(&job.job_id, |r| {
+                r.record_submission(job, place_by);
+                r.detached = true;
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Unix ms by which a job submitted now has been placed or given up by its driver.
+    fn place_by_ms(&self) -> u64 {
+        now_ms() + self.placement_window().as_millis() as u64
+    }
+
     /// Submit a prepared job and wait for its end; returns the result PNGs' blob keys. The
     /// record ends `done`, `failed` or `cancelled`.
     pub async fn complete(&self, mut prepared: PreparedJob) -> Result<Vec<String>, ApiError> {
@@ -329,13 +349,10 @@ impl Mesh {
             .subscribe(job_events(job_id))
             .await
             .map_err(MeshError::from)?;
-        let steps = job.params.num_inference_steps;
+        let place_by = self.place_by_ms();
         let recorded = self
             .jobs
-            .update(job_id, |r| {
-                r.submitted = Some(job.clone());
-                r.steps_total = steps;
-            })
+            .update(job_id, |r| r.record_submission(&job, place_by))
             .await;
         match recorded {
             Ok(r) if r.state == JobState::Cancelled => return Err(cancelled_error(job_id)),

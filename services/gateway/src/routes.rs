@@ -286,6 +286,8 @@ async fn serve(
         }
     }
     if respond_async {
+        // Durable before the 202: a router places the job if this gateway dies first.
+        state.mesh.commit_detached(&prepared).await?;
         let mesh = state.mesh.clone();
         state.mesh.spawn_background(async move {
             let _slot = slot;

@@ -5,6 +5,7 @@
 //! Start it in-process with [`start`] (tests) or run it until a signal with [`run`] (the binary).
 pub mod admin;
 pub mod admission;
+pub mod adopt;
 pub mod metrics;
 pub mod prefetch;
 pub mod registry;
@@ -57,6 +58,10 @@ pub struct RouterConfig {
     /// Retry hint sent with rejections (ms).
     #[arg(long, env = "RETRY_AFTER_MS", default_value_t = 1000)]
     pub retry_after_ms: u64,
+    /// How long the router keeps trying to place an async job it adopted (its gateway died
+    /// before placing it) while no denoiser can take it; then the job fails (ms).
+    #[arg(long, env = "ADOPT_WAIT_MS", default_value_t = 60_000)]
+    pub adopt_wait_ms: u64,
     /// Placement policy: round-robin, request-count, token-count, mask-aware (FlashPS
     /// Algorithm 2 with remaining steps), mask-aware-marginal or flashps-greedy. Switch it at run
     /// time with `POST /admin/policy` on the health address.
@@ -80,6 +85,7 @@ impl RouterConfig {
             admission_wait_ms: 500,
             forward_timeout_ms: 1000,
             retry_after_ms: 200,
+            adopt_wait_ms: 30_000,
             policy: "mask-aware".into(),
             profile: None,
         }
@@ -192,6 +198,12 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     let s = shutdown.clone();
     tasks.spawn(async move {
         r.expiry(s).await;
+        Ok(())
+    });
+    let r = router.clone();
+    let s = shutdown.clone();
+    tasks.spawn(async move {
+        r.adopt_orphans(s).await;
         Ok(())
     });
     // The subscriptions reach the server before anyone is told the router is up.

@@ -24,6 +24,9 @@ pub struct RouterMetrics {
     pub failures: IntCounterVec,
     pub live_workers: IntGauge,
     pub admission_waiting: IntGauge,
+    /// Jobs adopted after their gateway died before placing them, by outcome (`placed`:
+    /// async, placed by the router; `cancelled`: synchronous, its client gone).
+    pub adoptions: IntCounterVec,
 }
 
 impl RouterMetrics {
@@ -75,6 +78,13 @@ impl RouterMetrics {
             "diffmesh_router_admission_waiting",
             "Submits waiting in the router's admission queue for a free denoiser slot",
         )?;
+        let adoptions = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_router_adoptions_total",
+                "Jobs adopted after the gateway driving them died before placing them",
+            ),
+            &["outcome"],
+        )?;
         registry.register(Box::new(submit_seconds.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(policy.clone()))?;
@@ -83,6 +93,7 @@ impl RouterMetrics {
         registry.register(Box::new(failures.clone()))?;
         registry.register(Box::new(live_workers.clone()))?;
         registry.register(Box::new(admission_waiting.clone()))?;
+        registry.register(Box::new(adoptions.clone()))?;
         Ok(Self {
             submit_seconds,
             decision_seconds,
@@ -92,6 +103,7 @@ impl RouterMetrics {
             failures,
             live_workers,
             admission_waiting,
+            adoptions,
         })
     }
 

@@ -72,7 +72,7 @@ pub struct Router {
     pub(crate) admission: Mutex<AdmissionQueue>,
     /// Job records: the router writes the ending of every job it placed, so a job accepted
     /// asynchronously still ends `done`/`failed` when the gateway driving it has gone.
-    jobs: JobStore,
+    pub(crate) jobs: JobStore,
 }
 
 impl Router {
@@ -234,7 +234,7 @@ impl Router {
     /// record that has ended keeps its first ending, a cancel included). Cancelled jobs are left
     /// to the gateway that asked for the cancel: it knows why (owner's DELETE, deadline, client
     /// gone) and writes that.
-    fn record_ending(&self, job_id: &str, event: JobEvent) {
+    pub(crate) fn record_ending(&self, job_id: &str, event: JobEvent) {
         if matches!(&event, JobEvent::Failed { error_type, .. } if error_type == error_types::CANCELLED)
         {
             return;
@@ -263,6 +263,25 @@ impl Router {
                 }
                 Err(err) => {
                     tracing::warn!(%job_id, error = %err, "could not record the job's ending")
+                }
+            }
+        });
+    }
+
+    /// Write a placement into the job's record, in the background: with it the record shows
+    /// the job placed even if the gateway that submitted it dies before writing the same, so
+    /// no router adopts a job that was placed (see [`crate::adopt`]).
+    pub(crate) fn record_placement(&self, job_id: &str, worker_id: &str) {
+        let (jobs, job_id, worker_id) =
+            (self.jobs.clone(), job_id.to_string(), worker_id.to_string());
+        tokio::spawn(async move {
+            match jobs.update(&job_id, |r| r.mark_placed(&worker_id)).await {
+                Ok(_) => {}
+                Err(MeshError::JobNotFound { .. }) => {
+                    tracing::debug!(%job_id, "no job record to mark placed")
+                }
+                Err(err) => {
+                    tracing::warn!(%job_id, error = %err, "could not record the placement")
                 }
             }
         });

@@ -273,6 +273,7 @@ impl Router {
             {
                 Ok(SubmitReply::Accepted { .. }) => {
                     tracing::info!(%worker, "job placed");
+                    self.record_placement(&job.job_id, &worker);
                     crate::prefetch::prefetch_template_cache(&self.client, job).await;
                     return Ok(worker);
                 }
@@ -292,7 +293,7 @@ impl Router {
         }
     }
 
-    fn count_failure(&self, reason: &str) {
+    pub(crate) fn count_failure(&self, reason: &str) {
         self.metrics.failures.with_label_values(&[reason]).inc();
     }
 
