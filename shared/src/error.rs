@@ -82,6 +82,9 @@ pub enum MeshError {
     KvWatch(#[from] kv::WatchError),
     #[error("key-value watcher failed: {0}")]
     KvWatcher(#[from] kv::WatcherError),
+    /// The ordered consumer that follows job records could not be made or read.
+    #[error("watching job records failed: {0}")]
+    RecordWatch(String),
     #[error("job {job_id} not found")]
     JobNotFound { job_id: String },
     #[error("job {job_id} changed concurrently {attempts} times; giving up")]
@@ -117,6 +120,7 @@ impl MeshError {
             | MeshError::KvUpdate(_)
             | MeshError::KvWatch(_)
             | MeshError::KvWatcher(_)
+            | MeshError::RecordWatch(_)
             | MeshError::JobNotFound { .. }
             | MeshError::JobContention { .. } => "job_store",
             MeshError::Telemetry(_) => "telemetry",

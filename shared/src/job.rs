@@ -4,7 +4,7 @@
 //! an API key's `Idempotency-Key` created.
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use async_nats::jetstream::{self, kv, stream};
+use async_nats::jetstream::{self, consumer, kv, stream};
 use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::StreamExt;
@@ -286,6 +286,8 @@ pub async fn open_kv(
 #[derive(Clone)]
 pub struct JobStore {
     kv: kv::Store,
+    /// For the inboxes of record watches.
+    client: async_nats::Client,
 }
 
 /// Compare-and-set attempts before an update gives up under contention.
@@ -295,7 +297,10 @@ impl JobStore {
     /// Open `subjects::JOB_BUCKET`, creating it when missing (records expire after a week).
     pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
         let kv = open_kv(js, JOB_BUCKET, Duration::from_secs(7 * 24 * 3600)).await?;
-        Ok(Self { kv })
+        Ok(Self {
+            kv,
+            client: js.client(),
+        })
     }
 
     /// Store a new record; fails if the job id already exists.
@@ -334,11 +339,41 @@ impl JobStore {
         Ok(records(self.kv.watch_with_history(job_id).await?))
     }
 
-    /// Every record now (the latest version of each) and every later version of any record.
-    pub async fn watch_all(
+    /// Every version of any record written from `lookback` ago on, then every new one. Older
+    /// records are not replayed (a week of finished jobs would be): a reader that was down
+    /// longer than `lookback` misses records that did not change since.
+    pub async fn watch_since(
         &self,
+        lookback: Duration,
     ) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
-        Ok(records(self.kv.watch_with_history(">").await?))
+        let watch_error = |e: &dyn std::fmt::Display| MeshError::RecordWatch(e.to_string());
+        let start_time = time::OffsetDateTime::now_utc() - lookback;
+        let consumer = self
+            .kv
+            .stream
+            .create_consumer(consumer::push::OrderedConfig {
+                deliver_subject: self.client.new_inbox(),
+                description: Some("job records since a start time".to_string()),
+                filter_subject: format!("{}>", self.kv.prefix),
+                replay_policy: consumer::ReplayPolicy::Instant,
+                deliver_policy: consumer::DeliverPolicy::ByStartTime { start_time },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| watch_error(&e))?;
+        let messages = consumer.messages().await.map_err(|e| watch_error(&e))?;
+        Ok(messages
+            .filter_map(move |message| async move {
+                match message {
+                    // An empty payload is a deletion marker (records only expire, but be safe).
+                    Ok(m) if m.payload.is_empty() => None,
+                    Ok(m) => Some(
+                        serde_json::from_slice::<JobRecord>(&m.payload).map_err(MeshError::from),
+                    ),
+                    Err(err) => Some(Err(MeshError::RecordWatch(err.to_string()))),
+                }
+            })
+            .boxed())
     }
 
     /// Read-modify-write with compare-and-set, retrying when another writer got in between.

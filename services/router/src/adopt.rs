@@ -20,6 +20,9 @@ use tracing::Instrument;
 const ADOPTION_MARGIN_MS: u64 = 2_000;
 /// How often the watched records are checked for lost drivers.
 const CHECK_EVERY: Duration = Duration::from_millis(500);
+/// How far back a (re)opened record watch starts: orphans whose record last changed earlier
+/// than this before a router (re)started are not seen (one router up at all times sees all).
+const WATCH_LOOKBACK: Duration = Duration::from_secs(3600);
 /// Wait before opening a failed record watch again.
 const REWATCH_AFTER: Duration = Duration::from_secs(1);
 /// Wait before trying again while no denoiser is live.
@@ -83,13 +86,13 @@ enum Adoption {
 
 impl Router {
     /// Watch job records and adopt those whose driver died before placing them, until
-    /// shutdown. A watch that fails or ends is opened again (it starts with every record's
-    /// latest version, so nothing is missed).
+    /// shutdown. A watch that fails or ends is opened again (it replays the last hour of
+    /// record changes, so an outage shorter than that misses nothing).
     pub async fn adopt_orphans(self: Arc<Self>, shutdown: CancellationToken) {
         let mut unplaced = Unplaced::default();
         let mut tick = tokio::time::interval(CHECK_EVERY);
         loop {
-            let mut records = match self.jobs.watch_all().await {
+            let mut records = match self.jobs.watch_since(WATCH_LOOKBACK).await {
                 Ok(records) => records,
                 Err(err) => {
                     tracing::warn!(error = %err, "cannot watch job records; trying again");
