@@ -58,6 +58,33 @@ mod tests {
             .contains("tiny-cpu"));
     }
 
+    /// The router's default cost models must describe the model the mesh serves: a profile
+    /// left behind by a retrained model (another width or depth) mispredicts every step.
+    #[test]
+    fn the_default_profile_has_the_shipped_tiny_models_shape() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("transformer/config.json")).unwrap(),
+        )
+        .unwrap();
+        let int = |k: &str| {
+            config[k]
+                .as_u64()
+                .unwrap_or_else(|| panic!("config.json: {k}"))
+        };
+        let shape = builtin(DEFAULT).unwrap().shape;
+        assert_eq!(
+            shape.hidden as u64,
+            int("num_attention_heads") * int("attention_head_dim"),
+            "hidden size"
+        );
+        assert_eq!(
+            shape.blocks as u64,
+            int("num_layers") + int("num_single_layers"),
+            "blocks"
+        );
+    }
+
     /// The bar for the linear cost models on this machine (FlashPS reports 0.99 on
     /// GPUs): compute against FLOPs (jointly and per pass kind) and load against bytes.
     #[test]
