@@ -118,6 +118,15 @@ pub struct LoadSample {
     pub latency_s: f64,
 }
 
+/// One measured step of the whole engine (the denoiser's batched step with its scheduler,
+/// blends and cache loading, not the transformer blocks alone) over a batch of mask-aware edit
+/// rows, `masked[i]` masked tokens each.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineStepSample {
+    pub masked: Vec<u32>,
+    pub latency_s: f64,
+}
+
 /// The profile file the denoiser's profiler writes and the router/simulator fit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Profile {
@@ -135,6 +144,14 @@ pub struct Profile {
     /// it (a file read into tensors); empty when not measured.
     #[serde(default)]
     pub disk_load: Vec<LoadSample>,
+    /// Whole engine steps (`diffmesh-engine-bench --parts engine-steps`); empty when not
+    /// measured. What they take beyond the blocks' predicted latency is fitted against the
+    /// batch's rows ([`CostModels::step_overhead`]).
+    #[serde(default)]
+    pub engine_steps: Vec<EngineStepSample>,
+    /// Where the engine steps come from (command, machine).
+    #[serde(default)]
+    pub engine_label: String,
 }
 
 impl Profile {
@@ -261,6 +278,9 @@ pub struct CostModels {
     pub load: LinearFit,
     /// Slow-tier read latency (s) against bytes, when the profile measured it.
     pub disk_load: Option<LinearFit>,
+    /// What a whole engine step takes beyond its blocks (s) against the batch's rows, when the
+    /// profile measured engine steps; added to every predicted step.
+    pub step_overhead: Option<LinearFit>,
 }
 
 impl CostModels {
@@ -270,7 +290,7 @@ impl CostModels {
         let cy: Vec<f64> = profile.compute.iter().map(|s| s.latency_s).collect();
         let lx: Vec<f64> = profile.load.iter().map(|s| s.bytes as f64).collect();
         let ly: Vec<f64> = profile.load.iter().map(|s| s.latency_s).collect();
-        Ok(CostModels {
+        let mut models = CostModels {
             label: profile.label.clone(),
             synthetic: profile.synthetic,
             shape: profile.shape.clone(),
@@ -283,7 +303,31 @@ impl CostModels {
                 let dy: Vec<f64> = profile.disk_load.iter().map(|s| s.latency_s).collect();
                 Some(LinearFit::fit("disk load (profile.disk_load)", &dx, &dy)?)
             },
-        })
+            step_overhead: None,
+        };
+        if !profile.engine_steps.is_empty() {
+            // The blocks' share of each measured step, as the models without overhead predict.
+            let (rows, extra): (Vec<f64>, Vec<f64>) = profile
+                .engine_steps
+                .iter()
+                .map(|s| {
+                    let mut totals = BatchTotals::default();
+                    for &m in &s.masked {
+                        totals.add(&models.shape, m);
+                    }
+                    (
+                        s.masked.len() as f64,
+                        s.latency_s - models.step_latency(&totals),
+                    )
+                })
+                .unzip();
+            models.step_overhead = Some(LinearFit::fit(
+                "engine step overhead (profile.engine_steps)",
+                &rows,
+                &extra,
+            )?);
+        }
+        Ok(models)
     }
 
     /// Compute fits of the full-pass and of the mask-aware samples alone (diagnostics: the
@@ -335,6 +379,12 @@ impl CostModels {
                 d.slope, d.intercept, d.r2, d.samples
             ));
         }
+        if let Some(o) = &self.step_overhead {
+            out.push_str(&format!(
+                "; engine step overhead: {:.3e} s/row + {:.3e} s, R^2 {:.4} ({} samples)",
+                o.slope, o.intercept, o.r2, o.samples
+            ));
+        }
         out
     }
 
@@ -350,13 +400,17 @@ impl CostModels {
         }
     }
 
-    /// Predicted latency of one denoising step of a batch (every block alike, exact planner).
+    /// Predicted latency of one denoising step of a batch (every block alike, exact planner),
+    /// plus the engine's own work around the blocks when the profile measured it.
     pub fn step_latency(&self, totals: &BatchTotals) -> f64 {
         if totals.requests == 0 {
             return 0.0;
         }
         let c = self.block_costs(totals);
-        crate::planner::uniform_latency(self.shape.blocks, c)
+        let overhead = self
+            .step_overhead
+            .map_or(0.0, |o| o.predict(totals.requests as f64));
+        crate::planner::uniform_latency(self.shape.blocks, c) + overhead
     }
 
     /// Standalone service time of one request: its steps alone on an idle worker.
@@ -432,6 +486,39 @@ mod tests {
     }
 
     #[test]
+    fn engine_steps_add_their_overhead_over_the_blocks_to_every_step() {
+        let mut p = crate::synthetic::profile(0);
+        let bare = CostModels::fit(&p).unwrap();
+        assert!(bare.step_overhead.is_none());
+        let overhead = |rows: usize| 1e-3 + 2e-4 * rows as f64;
+        p.engine_steps = (1..=6)
+            .map(|rows| {
+                let masked: Vec<u32> = (0..rows as u32).map(|i| 100 + 300 * i).collect();
+                let mut t = BatchTotals::default();
+                for &m in &masked {
+                    t.add(&p.shape, m);
+                }
+                EngineStepSample {
+                    latency_s: bare.step_latency(&t) + overhead(rows),
+                    masked,
+                }
+            })
+            .collect();
+        let m = CostModels::fit(&p).unwrap();
+        let o = m.step_overhead.unwrap();
+        assert!(
+            (o.slope - 2e-4).abs() < 1e-12 && (o.intercept - 1e-3).abs() < 1e-12,
+            "{o:?}"
+        );
+        let mut t = BatchTotals::default();
+        t.add(&p.shape, 500);
+        t.add(&p.shape, 50);
+        assert!((m.step_latency(&t) - bare.step_latency(&t) - overhead(2)).abs() < 1e-12);
+        assert!(m.describe().contains("engine step overhead"));
+        assert_eq!(m.step_latency(&BatchTotals::default()), 0.0);
+    }
+
+    #[test]
     fn profile_round_trips_and_fits() {
         let shape = ModelShape {
             blocks: 4,
@@ -463,6 +550,8 @@ mod tests {
             compute,
             load,
             disk_load: vec![],
+            engine_steps: vec![],
+            engine_label: String::new(),
         };
         let dir = std::env::temp_dir().join(format!("diffmesh-sched-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

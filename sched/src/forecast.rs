@@ -186,6 +186,7 @@ pub(crate) mod tests {
                 samples: 0,
             },
             disk_load: None,
+            step_overhead: None,
         }
     }
 

@@ -81,6 +81,8 @@ pub fn profile(seed: u64) -> Profile {
         compute,
         load,
         disk_load: Vec::new(),
+        engine_steps: Vec::new(),
+        engine_label: String::new(),
     }
 }
 

@@ -60,7 +60,9 @@ async fn openapi_document_holds_against_the_running_server() {
         g.max_pixels = 128 * 128;
         g.max_prompt_chars = 200;
         g.max_body_bytes = 1 << 20;
-        g.submit_wait_s = 2.0;
+        // Keep resubmitting through a slow spell of a loaded machine: a 503 for a denoiser
+        // that answered late is capacity, not the contract this test checks.
+        g.submit_wait_s = 10.0;
         g.job_timeout_s = 20.0;
     })
     .expect("gateway");

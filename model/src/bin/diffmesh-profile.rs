@@ -550,6 +550,10 @@ fn profile_one(
         compute,
         load,
         disk_load,
+        // Engine steps are measured by the engine bench against these compute fits; a new
+        // profile drops the old ones (`diffmesh-engine-bench --parts engine-steps` adds them).
+        engine_steps: Vec::new(),
+        engine_label: String::new(),
     };
     let models = CostModels::fit(&profile)?;
     let (full, masked) = CostModels::fit_by_kind(&profile);

@@ -62,6 +62,10 @@ struct Args {
     /// Std-dev of multiplicative noise on step latencies (model error the policy cannot see).
     #[arg(long, env = "DIFFMESH_SIM_STEP_NOISE", default_value_t = 0.0)]
     step_noise: f64,
+    /// Seconds each request spends outside the denoisers (live mesh: uploads, codec, NATS
+    /// hops, download), added to every latency; 0 models the denoisers alone.
+    #[arg(long, env = "DIFFMESH_SIM_REQUEST_OVERHEAD_S", default_value_t = 0.0)]
+    request_overhead_s: f64,
     /// Write the synthetic profile to this file and exit.
     #[arg(long, env = "DIFFMESH_SIM_WRITE_PROFILE")]
     write_profile: Option<PathBuf>,
@@ -145,7 +149,14 @@ fn main() -> anyhow::Result<()> {
         slo_factor: args.slo_factor,
         step_noise: args.step_noise,
         seed: args.seed,
+        request_overhead_s: args.request_overhead_s,
     };
+    if !(args.request_overhead_s >= 0.0 && args.request_overhead_s.is_finite()) {
+        bail!(
+            "--request-overhead-s must be a finite number >= 0, got {}",
+            args.request_overhead_s
+        );
+    }
     let mut policy = policy_by_name(&args.policy)?;
     let started = Instant::now();
     let (s, latencies) = simulate_with_latencies(&cfg, &model, policy.as_mut(), &arrivals);

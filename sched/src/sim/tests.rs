@@ -12,6 +12,7 @@ fn cfg(workers: u32, max_batch: u32) -> SimConfig {
         slo_factor: 3.0,
         step_noise: 0.0,
         seed: 1,
+        request_overhead_s: 0.0,
     }
 }
 
@@ -32,6 +33,21 @@ fn lone_request_takes_its_standalone_time() {
     assert!((s.p50 - m.standalone_s(450, 28)).abs() < 1e-9);
     assert_eq!(s.mean_queue, 0.0);
     assert_eq!(s.slo_attainment, 1.0);
+}
+
+#[test]
+fn request_overhead_adds_to_every_latency_not_to_the_queues() {
+    let m = synthetic::default_models();
+    let a = [arrival(0.0, 450), arrival(0.0, 450)];
+    let base = simulate(&cfg(1, 1), &m, &mut RequestCount, &a);
+    let with = SimConfig {
+        request_overhead_s: 0.25,
+        ..cfg(1, 1)
+    };
+    let s = simulate(&with, &m, &mut RequestCount, &a);
+    assert!((s.p99 - base.p99 - 0.25).abs() < 1e-9, "{s:?} {base:?}");
+    assert!((s.p50 - base.p50 - 0.25).abs() < 1e-9, "{s:?} {base:?}");
+    assert_eq!(s.mean_queue, base.mean_queue);
 }
 
 #[test]

@@ -143,6 +143,7 @@ pub(crate) mod tests {
             compute: fit(1e-3),
             load: fit(0.0),
             disk_load: None,
+            step_overhead: None,
         }
     }
 

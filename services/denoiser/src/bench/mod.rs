@@ -4,6 +4,7 @@
 //!
 //! - [`batching`]: continuous against static batching under Poisson arrivals;
 //! - [`disaggregation`]: pre/post-processing inline in the step loop against on codec workers;
+//! - [`engine_steps`]: whole engine steps by batch size, written into a scheduler profile;
 //! - [`mask_aware`]: FlashPS step latency with streamed cache loading, throughput at batch 8 and
 //!   quality (SSIM/PSNR) of mask-aware edits against full compute.
 //!
@@ -14,6 +15,7 @@ pub mod batching;
 pub mod codec_work;
 pub mod disaggregation;
 pub mod driver;
+pub mod engine_steps;
 pub mod mask_aware;
 pub mod report;
 pub mod template_caches;

@@ -5,6 +5,7 @@ use clap::{Parser, ValueEnum};
 use diffmesh_denoiser::bench::batching::{self, BatchingOptions};
 use diffmesh_denoiser::bench::disaggregation::{self, DisaggregationOptions};
 use diffmesh_denoiser::bench::driver::calibrate;
+use diffmesh_denoiser::bench::engine_steps;
 use diffmesh_denoiser::bench::mask_aware;
 use diffmesh_denoiser::bench::report::Report;
 use diffmesh_denoiser::bench::workload::WorkloadSpec;
@@ -20,6 +21,9 @@ enum Part {
     Disaggregation,
     /// Mask-aware step latency (medium config), throughput at batch 8, quality (tiny model).
     MaskAware,
+    /// Whole engine steps of mask-aware edit batches, written into --engine-steps-profile (the
+    /// router's and simulator's cost models add them to the transformer blocks' latency).
+    EngineSteps,
     /// Only the quality figures of `mask-aware` (SSIM/PSNR with the tiny model; minutes, not
     /// the medium config's tens of minutes).
     Quality,
@@ -103,6 +107,16 @@ struct Args {
     calibration_steps: u32,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Profile (measured on this machine by `cargo xtask profile`) that the engine-steps part
+    /// writes its samples into (relative paths from the repository root).
+    #[arg(long, default_value = "sched/profiles/tiny-cpu.json")]
+    engine_steps_profile: PathBuf,
+    /// Denoising steps of each edit the engine-steps part times (the gateway's default is 20).
+    #[arg(long, default_value_t = 20)]
+    engine_steps_steps: u32,
+    /// Sweeps over batch sizes 1..=--max-batch in the engine-steps part.
+    #[arg(long, default_value_t = 3)]
+    engine_steps_rounds: usize,
 }
 
 /// `path` as given when it exists, else relative to the repository root.
@@ -214,6 +228,18 @@ async fn main() -> Result<()> {
             seed: args.seed,
         };
         mask_aware::run(&opts, with_latency, &mut report)?;
+    }
+    if args.parts.contains(&Part::EngineSteps) {
+        let opts = engine_steps::EngineStepsOptions {
+            model_dir: model_dir.clone(),
+            mask_ratios: ratios.clone(),
+            max_batch: args.max_batch,
+            steps: args.engine_steps_steps,
+            rounds: args.engine_steps_rounds,
+            seed: args.seed,
+            profile: from_repo_root(&args.engine_steps_profile),
+        };
+        engine_steps::run(&opts, &mut report).await?;
     }
     if args.parts.contains(&Part::Batching) {
         let opts = BatchingOptions {

@@ -1,0 +1,145 @@
+//! Whole engine steps over batches of mask-aware edits, written into a scheduler profile
+//! (`Profile::engine_steps`). The profiler times the transformer blocks alone; a denoiser's step
+//! also runs the scheduler, the inpainting blend, the cache loader and the planner, which the
+//! cost models then add as an overhead per step and per row (`CostModels::step_overhead`), so
+//! the router's forecasts and the simulator predict what a live denoiser takes.
+//!
+//! Each sample is one batch of `b` edits by template (masks drawn from the trace, caches
+//! captured by the real engine), stepped by the engine's own [`CachedStepper`] after a warm-up
+//! step; the median of the timed steps is kept. A fully masked edit steps in full compute, as
+//! the cost models predict it (its cached FLOPs are the full pass's, its cache bytes 0). Wall
+//! clock: run it on an idle machine.
+use super::driver::{load_model, model_grid};
+use super::report::Report;
+use super::template_caches::BenchTemplates;
+use super::workload::{engine_job, BenchRequest};
+use crate::cached_step::{CacheSettings, CachedStepper};
+use crate::model::step_requests;
+use anyhow::{ensure, Context, Result};
+use diffmesh_model::pipeline::stepper::DenoiseState;
+use diffmesh_sched::cost_model::{BatchTotals, CostModels, EngineStepSample, Profile};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Instant;
+
+pub struct EngineStepsOptions {
+    pub model_dir: PathBuf,
+    pub mask_ratios: Vec<f64>,
+    /// Largest batch measured (every size from 1 up).
+    pub max_batch: usize,
+    /// Denoising steps of each edit (the first is a warm-up, the rest are timed).
+    pub steps: u32,
+    /// Sweeps over the batch sizes, each with new masks.
+    pub rounds: usize,
+    pub seed: u64,
+    /// The profile (of this machine) that gets the samples.
+    pub profile: PathBuf,
+}
+
+/// Measure, write the samples into the profile and report the fitted overhead.
+pub async fn run(opts: &EngineStepsOptions, report: &mut Report) -> Result<()> {
+    ensure!(opts.steps >= 2, "--engine-steps-steps must be at least 2");
+    ensure!(opts.rounds >= 1, "--engine-steps-rounds must be at least 1");
+    let mut profile = Profile::read(&opts.profile)
+        .with_context(|| format!("--engine-steps-profile {}", opts.profile.display()))?;
+    let started = Instant::now();
+    let templates = BenchTemplates::capture(&opts.model_dir, opts.steps, opts.steps, opts.seed)
+        .await
+        .context("capturing the template the edits read")?;
+    let samples = measure(opts, &templates)?;
+    let bare = CostModels::fit(&profile)?;
+    for s in samples.iter().take(opts.max_batch) {
+        let mut totals = BatchTotals::default();
+        for &m in &s.masked {
+            totals.add(&bare.shape, m);
+        }
+        report.say(format!(
+            "engine-steps: batch {}: {:.2} ms measured, blocks alone predict {:.2} ms",
+            s.masked.len(),
+            s.latency_s * 1e3,
+            bare.step_latency(&totals) * 1e3
+        ));
+    }
+    profile.engine_steps = samples;
+    profile.engine_label = format!(
+        "measured: whole engine steps of mask-aware edits ({} steps each, batches 1..={}, {} rounds, \
+         {} torch threads, wall clock), `cargo xtask bench engine --parts engine-steps` (seed {})",
+        opts.steps,
+        opts.max_batch,
+        opts.rounds,
+        diffmesh_model::tch::get_num_threads(),
+        opts.seed
+    );
+    let models = CostModels::fit(&profile)?;
+    let overhead = models
+        .step_overhead
+        .context("the engine steps gave no overhead fit")?;
+    profile.write(&opts.profile)?;
+    report.say(format!(
+        "engine-steps: overhead beyond the blocks {:.3} ms + {:.3} ms/row (R^2 {:.3}, {} samples, \
+         {:.0}s); wrote {}",
+        overhead.intercept * 1e3,
+        overhead.slope * 1e3,
+        overhead.r2,
+        overhead.samples,
+        started.elapsed().as_secs_f64(),
+        opts.profile.display()
+    ));
+    report.insert("engine_step_overhead_ms", overhead.intercept * 1e3);
+    report.insert("engine_step_overhead_ms_per_row", overhead.slope * 1e3);
+    report.insert("engine_step_overhead_r2", overhead.r2);
+    report.insert("engine_step_samples", json!(overhead.samples));
+    Ok(())
+}
+
+/// One sample per (round, batch size), in that order.
+fn measure(opts: &EngineStepsOptions, templates: &BenchTemplates) -> Result<Vec<EngineStepSample>> {
+    let model = load_model(&opts.model_dir)?;
+    let grid = model_grid(&model);
+    let _guard = diffmesh_model::tch::no_grad_guard();
+    let pipeline = model.pipeline();
+    let mut stepper = CachedStepper::new(CacheSettings::default()).context("cache loader")?;
+    let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
+    let mut samples = Vec::new();
+    for round in 0..opts.rounds {
+        for b in 1..=opts.max_batch {
+            let (mut states, mut caches, mut masked) = (Vec::new(), Vec::new(), Vec::new());
+            for i in 0..b {
+                let req = BenchRequest {
+                    id: format!("engine-steps-{round}-{b}-{i}"),
+                    unit_arrival: 0.0,
+                    steps: opts.steps,
+                    seed: rng.random(),
+                    prompt: "a red circle on the left on a blue background".into(),
+                    mask_ratio: Some(opts.mask_ratios[rng.random_range(0..opts.mask_ratios.len())]),
+                };
+                let job = templates.attach(engine_job(&req, grid));
+                let cache = job
+                    .template
+                    .as_ref()
+                    .and_then(|s| s.get().cloned().flatten());
+                for r in step_requests(&job.job, job.edit.as_ref(), &model)? {
+                    states.push(DenoiseState::new(&pipeline, &r)?);
+                    caches.push(cache.clone());
+                    masked.push(job.job.inputs.masked_tokens);
+                }
+            }
+            let mut refs: Vec<&mut DenoiseState> = states.iter_mut().collect();
+            stepper.step(&pipeline, &mut refs, &caches)?;
+            let mut times = Vec::with_capacity(opts.steps as usize - 1);
+            for _ in 1..opts.steps {
+                let t = Instant::now();
+                stepper.step(&pipeline, &mut refs, &caches)?;
+                times.push(t.elapsed().as_secs_f64());
+            }
+            times.sort_by(f64::total_cmp);
+            samples.push(EngineStepSample {
+                masked,
+                latency_s: times[times.len() / 2],
+            });
+        }
+    }
+    Ok(samples)
+}
