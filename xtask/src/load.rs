@@ -46,7 +46,9 @@ pub struct LoadArgs {
     /// Keep this run as `<label>.json` here and redraw `latency-cdf.png` from every run here.
     #[arg(long)]
     out_dir: Option<PathBuf>,
-    /// Name of this run in its file and the plot legend (e.g. the router's policy).
+    /// Name of this run in its file and the plot legend (e.g. the router's policy). With
+    /// `--out-dir` the run's arrivals are also kept as `<label>.trace.csv` (`arrival_s,
+    /// mask_ratio,template_id`), the trace `cargo xtask sim --trace` replays.
     #[arg(long, default_value = "live")]
     label: String,
     /// Only redraw `<out-dir>/latency-cdf.png` from the runs kept there.
@@ -225,6 +227,11 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
         ratio_file.display(),
         args.templates
     ));
+    let arrivals: Vec<(f64, f64, u32)> = plan
+        .iter()
+        .enumerate()
+        .map(|(i, (at, ratio, _))| (*at, *ratio, i as u32 % args.templates))
+        .collect();
     let limit = Arc::new(tokio::sync::Semaphore::new(args.max_in_flight.max(1)));
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
@@ -275,6 +282,9 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
         let record = json!({ "label": args.label, "summary": summary, "latencies": latencies });
         let path = dir.join(format!("{}.json", args.label));
         std::fs::write(&path, serde_json::to_string_pretty(&record)?)?;
+        let trace = dir.join(format!("{}.trace.csv", args.label));
+        std::fs::write(&trace, trace_csv(&arrivals))
+            .with_context(|| format!("writing {}", trace.display()))?;
         let plot = plot_runs(dir)?;
         say(format!("kept {}; plot {}", path.display(), plot.display()));
     }
@@ -517,8 +527,20 @@ fn summarize(
         "mean_queue": mean_queue,
         "throughput": throughput,
         "slo_attainment": slo,
+        // The idle mesh's latency of one request against its mask ratio: what a simulator
+        // run of the same trace adds beyond the denoisers (`--request-overhead-s`) rests on it.
+        "standalone": standalone.map(|f| json!({ "intercept_s": f.intercept, "slope_s": f.slope })),
         "seed": args.seed,
     })
+}
+
+/// The arrivals as the trace file `diffmesh-sim --trace` reads.
+fn trace_csv(arrivals: &[(f64, f64, u32)]) -> String {
+    let mut out = String::from("arrival_s,mask_ratio,template_id\n");
+    for (at, ratio, template) in arrivals {
+        out.push_str(&format!("{at:.6},{ratio},{template}\n"));
+    }
+    out
 }
 
 /// Redraw `<dir>/latency-cdf.png` from every run file (`*.json` with `label` and `latencies`).
@@ -552,4 +574,27 @@ fn plot_runs(dir: &Path) -> anyhow::Result<PathBuf> {
     let path = dir.join("latency-cdf.png");
     latency_cdf("LATENCY CDF", &series, &path)?;
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::trace_csv;
+    use diffmesh_sched::sim::workload::read_trace;
+
+    #[test]
+    fn the_kept_trace_is_what_the_simulator_replays() {
+        let arrivals = [(0.25, 0.05, 0), (0.5, 1.0, 1), (1.75, 0.3, 0)];
+        let path = std::env::temp_dir().join(format!("diffmesh-trace-{}.csv", std::process::id()));
+        std::fs::write(&path, trace_csv(&arrivals)).unwrap();
+        let shape = diffmesh_sched::synthetic::profile(0).shape;
+        let read = read_trace(&path, &shape, 20).unwrap();
+        std::fs::remove_file(&path).ok();
+        assert_eq!(read.len(), 3);
+        for (a, (at, ratio, template)) in read.iter().zip(arrivals) {
+            assert_eq!(a.time_s, at);
+            assert_eq!(a.masked_tokens, shape.masked_tokens(ratio));
+            assert_eq!(a.template, Some(u64::from(template)));
+            assert_eq!(a.steps, 20);
+        }
+    }
 }

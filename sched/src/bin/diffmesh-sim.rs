@@ -1,12 +1,12 @@
 //! diffmesh-sim: replay a workload through a placement policy in the discrete-event simulator.
 //!
 //! Human-readable lines first; the last line is one JSON object with the run's measures.
-use anyhow::{bail, Context};
+use anyhow::{bail, ensure, Context};
 use clap::Parser;
 use diffmesh_sched::batching::BatchLimits;
 use diffmesh_sched::cost_model::{CostModels, Profile};
 use diffmesh_sched::policy::{policy_by_name, ActiveRequest, RequestInfo, WorkerState};
-use diffmesh_sched::sim::{simulate_with_latencies, workload, SimConfig};
+use diffmesh_sched::sim::{simulate_with_latencies, workload, SharedCpu, SimConfig};
 use diffmesh_sched::synthetic;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -66,6 +66,29 @@ struct Args {
     /// hops, download), added to every latency; 0 models the denoisers alone.
     #[arg(long, env = "DIFFMESH_SIM_REQUEST_OVERHEAD_S", default_value_t = 0.0)]
     request_overhead_s: f64,
+    /// CPU deployment: the workers share this many cores with each other and with the rest of
+    /// the mesh (steps that overlap slow each other down; see `SharedCpu`). Absent: each
+    /// worker has its own device.
+    #[arg(long, env = "DIFFMESH_SIM_SHARED_CORES")]
+    shared_cores: Option<f64>,
+    /// With --shared-cores: extra step latency per other worker stepping at once on its own
+    /// core (measured by co-running engine benches).
+    #[arg(
+        long,
+        env = "DIFFMESH_SIM_CO_RUN_SLOWDOWN",
+        default_value_t = 0.0,
+        requires = "shared_cores"
+    )]
+    co_run_slowdown: f64,
+    /// With --shared-cores: CPU seconds each request costs the rest of the mesh (gateway,
+    /// codec, NATS, router; measured from the processes' CPU time under load).
+    #[arg(
+        long,
+        env = "DIFFMESH_SIM_BACKGROUND_CPU_S",
+        default_value_t = 0.0,
+        requires = "shared_cores"
+    )]
+    background_cpu_s: f64,
     /// Write the synthetic profile to this file and exit.
     #[arg(long, env = "DIFFMESH_SIM_WRITE_PROFILE")]
     write_profile: Option<PathBuf>,
@@ -150,7 +173,27 @@ fn main() -> anyhow::Result<()> {
         step_noise: args.step_noise,
         seed: args.seed,
         request_overhead_s: args.request_overhead_s,
+        shared_cpu: args.shared_cores.map(|cores| SharedCpu {
+            cores,
+            co_run_slowdown: args.co_run_slowdown,
+            background_cpu_s: args.background_cpu_s,
+        }),
     };
+    if let Some(c) = args.shared_cores {
+        ensure!(
+            c > 0.0 && c.is_finite(),
+            "--shared-cores must be a finite number > 0, got {c}"
+        );
+        for (name, v) in [
+            ("--co-run-slowdown", args.co_run_slowdown),
+            ("--background-cpu-s", args.background_cpu_s),
+        ] {
+            ensure!(
+                v >= 0.0 && v.is_finite(),
+                "{name} must be a finite number >= 0, got {v}"
+            );
+        }
+    }
     if !(args.request_overhead_s >= 0.0 && args.request_overhead_s.is_finite()) {
         bail!(
             "--request-overhead-s must be a finite number >= 0, got {}",

@@ -31,6 +31,31 @@ pub struct SimConfig {
     /// standalone time. The denoisers' queues do not see it: a constant shift of every arrival
     /// leaves their order and gaps as they were.
     pub request_overhead_s: f64,
+    /// Workers that share a machine's cores with each other and with the rest of the mesh (a
+    /// CPU deployment); `None`: each worker has its own device, as on GPUs.
+    pub shared_cpu: Option<SharedCpu>,
+}
+
+/// How workers on one CPU machine slow each other down. A step that starts while `k` workers
+/// step (itself included) lasts the cost model's latency times
+/// `(1 + co_run_slowdown (k - 1)) * max(1, (k + background) / cores)`, where `background` is the
+/// cores the rest of the mesh keeps busy: `background_cpu_s` per request at the trace's mean
+/// arrival rate. The first factor is what two steps on separate cores cost each other (shared
+/// caches and memory bandwidth), the second is time slicing once demand passes the cores.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SharedCpu {
+    pub cores: f64,
+    pub co_run_slowdown: f64,
+    /// CPU seconds each request costs outside the workers (gateway, codec, NATS, router).
+    pub background_cpu_s: f64,
+}
+
+impl SharedCpu {
+    /// Step-latency factor when `stepping` workers (this one included) step at once.
+    pub fn slowdown(&self, stepping: usize, background_cores: f64) -> f64 {
+        let k = stepping.max(1) as f64;
+        (1.0 + self.co_run_slowdown * (k - 1.0)) * ((k + background_cores) / self.cores).max(1.0)
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -89,6 +114,7 @@ pub fn simulate_with_latencies(
         steps: 0,
         batch_sum: 0,
     };
+    let background = background_cores(cfg, arrivals);
     let mut rejected = 0;
     let mut next_arrival = 0;
     loop {
@@ -102,7 +128,8 @@ pub fn simulate_with_latencies(
             (None, None) => break,
             (Some((t, w)), a) if a.is_none_or(|a| t <= a.time_s) => {
                 finish_step(&mut workers[w], t, cfg.request_overhead_s, &mut tot);
-                start_step(&mut workers[w], t, cfg, model, &mut noise, &mut tot);
+                let slow = slowdown(cfg, &workers, w, background);
+                start_step(&mut workers[w], t, slow, cfg, model, &mut noise, &mut tot);
             }
             (_, Some(a)) => {
                 next_arrival += 1;
@@ -129,13 +156,39 @@ pub fn simulate_with_latencies(
                     deadline_s: now + cfg.slo_factor * standalone,
                 });
                 if workers[w].step_end.is_none() {
-                    start_step(&mut workers[w], now, cfg, model, &mut noise, &mut tot);
+                    let slow = slowdown(cfg, &workers, w, background);
+                    start_step(&mut workers[w], now, slow, cfg, model, &mut noise, &mut tot);
                 }
             }
             (Some(_), None) => unreachable!("handled by the guard above"),
         }
     }
     summarize(policy.name(), arrivals, rejected, &workers, tot)
+}
+
+/// Cores the rest of the mesh keeps busy over the trace (0 without a shared CPU).
+fn background_cores(cfg: &SimConfig, arrivals: &[Arrival]) -> f64 {
+    let (Some(cpu), Some(first), Some(last)) = (cfg.shared_cpu, arrivals.first(), arrivals.last())
+    else {
+        return 0.0;
+    };
+    let span = last.time_s - first.time_s;
+    if span <= 0.0 {
+        return 0.0;
+    }
+    cpu.background_cpu_s * arrivals.len() as f64 / span
+}
+
+/// Step-latency factor for worker `w` starting a step now, given who else is stepping.
+fn slowdown(cfg: &SimConfig, workers: &[Worker], w: usize, background: f64) -> f64 {
+    cfg.shared_cpu.map_or(1.0, |cpu| {
+        let others = workers
+            .iter()
+            .enumerate()
+            .filter(|(i, o)| *i != w && o.step_end.is_some())
+            .count();
+        cpu.slowdown(others + 1, background)
+    })
 }
 
 /// What the router would know about a worker at `now`.
@@ -173,6 +226,7 @@ fn finish_step(w: &mut Worker, t: f64, overhead_s: f64, tot: &mut Totals) {
 fn start_step(
     w: &mut Worker,
     now: f64,
+    slowdown: f64,
     cfg: &SimConfig,
     model: &CostModels,
     noise: &mut ChaCha8Rng,
@@ -201,7 +255,7 @@ fn start_step(
     for j in &w.running {
         totals.add(shape, j.masked);
     }
-    let mut latency = model.step_latency(&totals);
+    let mut latency = model.step_latency(&totals) * slowdown;
     if cfg.step_noise > 0.0 {
         let u1: f64 = 1.0 - noise.random::<f64>();
         let u2: f64 = noise.random::<f64>();

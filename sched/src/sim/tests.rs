@@ -13,6 +13,7 @@ fn cfg(workers: u32, max_batch: u32) -> SimConfig {
         step_noise: 0.0,
         seed: 1,
         request_overhead_s: 0.0,
+        shared_cpu: None,
     }
 }
 
@@ -91,4 +92,49 @@ fn deterministic_for_a_seed() {
         poisson_run("mask-aware", 9, 0.0),
         poisson_run("mask-aware", 10, 0.0)
     );
+}
+
+#[test]
+fn workers_on_a_shared_cpu_slow_each_other_only_when_they_overlap() {
+    let m = synthetic::default_models();
+    let shared = SimConfig {
+        shared_cpu: Some(SharedCpu {
+            cores: 2.0,
+            co_run_slowdown: 0.25,
+            background_cpu_s: 0.0,
+        }),
+        ..cfg(2, 8)
+    };
+    let alone = m.standalone_s(450, 28);
+    // Far apart: each request steps alone, as on its own device.
+    let apart = [arrival(0.0, 450), arrival(10.0 * alone, 450)];
+    let s = simulate(&shared, &m, &mut RequestCount, &apart);
+    assert!((s.p95 - alone).abs() < 1e-9, "{} vs {alone}", s.p95);
+    // Together on the two workers: every step of both but the very first overlaps another.
+    let together = [arrival(0.0, 450), arrival(0.0, 450)];
+    let s = simulate(&shared, &m, &mut RequestCount, &together);
+    // The first worker's first step ran alone; the second started against it, so all of its
+    // steps and the first worker's other 27 overlap.
+    let step = alone / 28.0;
+    let expected = ((step + 27.0 * step * 1.25) + 28.0 * step * 1.25) / 2.0;
+    assert!(
+        (s.mean_latency - expected).abs() < 1e-9,
+        "{} vs {expected}",
+        s.mean_latency
+    );
+    let own = simulate(&cfg(2, 8), &m, &mut RequestCount, &together);
+    assert!((own.mean_latency - alone).abs() < 1e-9);
+}
+
+#[test]
+fn shared_cpu_slowdown_time_slices_beyond_the_cores() {
+    let cpu = SharedCpu {
+        cores: 2.0,
+        co_run_slowdown: 0.1,
+        background_cpu_s: 0.05,
+    };
+    assert_eq!(cpu.slowdown(1, 0.5), 1.0);
+    assert!((cpu.slowdown(2, 0.0) - 1.1).abs() < 1e-12);
+    assert!((cpu.slowdown(2, 0.5) - 1.1 * 1.25).abs() < 1e-12);
+    assert!((cpu.slowdown(3, 0.0) - 1.2 * 1.5).abs() < 1e-12);
 }
