@@ -87,9 +87,10 @@ pub struct JobRecord {
     /// run even if the gateway that accepted it dies.
     #[serde(default)]
     pub detached: bool,
-    /// Unix ms by which the job's driver has placed it or given up (ending the record). A
-    /// record still unplaced after that lost its driver: a router adopts it (see
-    /// [`JobRecord::lost_its_driver`]).
+    /// Unix ms by which the job's driver has placed it or given up (ending the record); from
+    /// the record's creation until the job is prepared, the time by which it will be. A record
+    /// still unplaced after that lost its driver: a router adopts it, or ends it when the job
+    /// was never prepared (see [`JobRecord::lost_its_driver`]).
     #[serde(default)]
     pub place_by_ms: Option<u64>,
     /// Placed by a router after the gateway driving it died.
@@ -134,12 +135,12 @@ impl JobRecord {
         }
     }
 
-    /// Whether the job lost its driver before it was placed: still queued, never placed, its
-    /// prepared job on record, and its driver's placement deadline passed before `now_ms`.
+    /// Whether the job lost its driver before it was placed: still queued, never placed, and
+    /// its driver's deadline (for preparing it, then for placing it) passed before `now_ms`.
+    /// With its prepared job on record it can still be placed; without, it never will be.
     pub fn lost_its_driver(&self, now_ms: u64) -> bool {
         self.state == JobState::Queued
             && self.worker_id.is_none()
-            && self.submitted.is_some()
             && self.place_by_ms.is_some_and(|t| now_ms > t)
     }
 
@@ -545,9 +546,10 @@ mod tests {
     #[test]
     fn a_record_lost_its_driver_only_when_unplaced_past_its_deadline() {
         let mut r = JobRecord::new("j3", JobKind::Generate);
-        // Not yet submitted: nothing to place.
+        // Not prepared by its deadline: lost too (nothing to place; a router ends it).
         r.place_by_ms = Some(100);
-        assert!(!r.lost_its_driver(200));
+        assert!(!r.lost_its_driver(100));
+        assert!(r.lost_its_driver(200));
         r.submitted = Some(crate::testing::generation_job("j3", "a red circle", 1, 4));
         assert!(!r.lost_its_driver(100), "not past the deadline yet");
         assert!(r.lost_its_driver(101));

@@ -6,7 +6,8 @@
 //! still ends `done` when the gateway that accepted it dies, whether it had placed it or not.
 use std::time::Duration;
 
-use diffmesh_shared::job::{JobState, JobStore};
+use diffmesh_shared::job::{now_ms, JobRecord, JobState, JobStore};
+use diffmesh_shared::messages::JobKind;
 use diffmesh_shared::messages::{decode, JobEvent};
 use diffmesh_tests::harness::{
     init_test_logging, start_codec, start_denoiser, start_gateway, start_router, tiny_model_dir,
@@ -470,6 +471,50 @@ async fn an_async_job_whose_gateway_died_before_placing_it_still_runs() {
         "placed by its gateway, not adopted: {record:?}"
     );
     assert_eq!(record.worker_id.as_deref(), Some("d1"));
+}
+
+/// A gateway that dies while preparing a job (before any answer) leaves a queued record with no
+/// prepared job; past its deadline the router fails it, and leaves alone one whose deadline has
+/// not passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_gateway_died_while_preparing_it_is_failed() {
+    let mesh = start_mesh_without_denoiser(|_| {}).await;
+    let client = async_nats::connect(&mesh.nats_url).await.unwrap();
+    let jobs = JobStore::open(&async_nats::jetstream::new(client))
+        .await
+        .unwrap();
+    // As a gateway writes them at creation; neither is ever prepared.
+    let lost_id = "6f1c2a34-58d0-4c8e-9b1e-0d6a5e7f2a01";
+    let mut lost = JobRecord::new(lost_id, JobKind::Generate);
+    lost.place_by_ms = Some(now_ms().saturating_sub(1_000));
+    jobs.create(&lost).await.unwrap();
+    let pending_id = "6f1c2a34-58d0-4c8e-9b1e-0d6a5e7f2a02";
+    let mut pending = JobRecord::new(pending_id, JobKind::Generate);
+    pending.place_by_ms = Some(now_ms() + 600_000);
+    jobs.create(&pending).await.unwrap();
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let record = loop {
+        let record = jobs.get(lost_id).await.unwrap().unwrap();
+        if record.state != JobState::Queued {
+            break record;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the record stayed queued for 30s: {record:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(record.state, JobState::Failed, "{record:?}");
+    let error = record.error.unwrap();
+    assert_eq!(error.error_type, "service_unavailable");
+    assert!(
+        error.message.contains("before preparing"),
+        "{}",
+        error.message
+    );
+    let pending = jobs.get(pending_id).await.unwrap().unwrap();
+    assert_eq!(pending.state, JobState::Queued, "{pending:?}");
 }
 
 /// Longest wait for a job's next event in the gateway-crash test.

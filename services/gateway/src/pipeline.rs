@@ -176,6 +176,9 @@ impl Mesh {
         let deadline = Instant::now() + self.flow.job_timeout;
         let mut record = JobRecord::new(job_id.clone(), input.kind);
         record.owner = owner.map(str::to_string);
+        // Should this gateway die before the job is prepared, a router ends the record after
+        // the job's deadline instead of leaving it queued for good.
+        record.place_by_ms = Some(record.created_at_ms + self.flow.job_timeout.as_millis() as u64);
         self.jobs.create(&record).instrument(span.clone()).await?;
         let mut guard = AbandonGuard {
             mesh: self.clone(),

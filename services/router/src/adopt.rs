@@ -3,7 +3,9 @@
 //! (`place_by_ms`). The router watches every job record; one still unplaced a margin after that
 //! time lost its driver, and the router adopts it: an async job is placed as its gateway would
 //! have placed it (the router then records its ending like any job it placed), a synchronous
-//! one is cancelled, since the client waiting for it was connected to the dead gateway.
+//! one is cancelled, since the client waiting for it was connected to the dead gateway. A record
+//! whose gateway died while preparing the job (before any answer, so no client knows the id)
+//! holds no prepared job: past the job's deadline it is failed, so it does not stay queued.
 //! Adoption is a compare-and-set on the record, so of several routers only one adopts a job.
 use crate::service::{PlaceError, Router};
 use diffmesh_shared::job::{now_ms, JobRecord};
@@ -39,11 +41,7 @@ impl Unplaced {
     /// was placed or ended.
     pub fn observe(&mut self, record: &JobRecord) {
         match record.place_by_ms {
-            Some(place_by)
-                if record.submitted.is_some()
-                    && record.worker_id.is_none()
-                    && !record.state.is_terminal() =>
-            {
+            Some(place_by) if record.worker_id.is_none() && !record.state.is_terminal() => {
                 self.due_ms
                     .insert(record.job_id.clone(), place_by + ADOPTION_MARGIN_MS);
             }
@@ -82,6 +80,8 @@ enum Adoption {
     Place(Box<diffmesh_shared::messages::DenoiseJob>),
     /// A synchronous job: its client went with the gateway; the record is now cancelled.
     Cancelled,
+    /// Never prepared: nothing to place; the record is now failed.
+    Unprepared,
 }
 
 impl Router {
@@ -138,7 +138,13 @@ impl Router {
                 if !r.lost_its_driver(now.saturating_sub(ADOPTION_MARGIN_MS)) {
                     return false;
                 }
-                if r.detached {
+                if r.submitted.is_none() {
+                    r.mark_failed(
+                        "the gateway that accepted this request stopped before preparing the job",
+                        error_types::UNAVAILABLE,
+                    );
+                    adoption = Some(Adoption::Unprepared);
+                } else if r.detached {
                     r.adopted = true;
                     // Another router adopts it again only if this one dies while placing it.
                     r.place_by_ms = Some(now + wait.as_millis() as u64);
@@ -157,6 +163,10 @@ impl Router {
                 self.metrics.adoptions.with_label_values(&["placed"]).inc();
                 let span = tracing::info_span!("adopt", %job_id);
                 self.place_adopted(*job, wait).instrument(span).await;
+            }
+            (Ok(Some(_)), Some(Adoption::Unprepared)) => {
+                self.metrics.adoptions.with_label_values(&["failed"]).inc();
+                tracing::info!(%job_id, "failed a job whose gateway died before preparing it");
             }
             (Ok(Some(_)), _) => {
                 self.metrics
@@ -222,7 +232,7 @@ mod tests {
         u.observe(&unplaced_record("a", 1_000));
         u.observe(&unplaced_record("b", 1_000));
         u.observe(&unplaced_record("c", 1_000));
-        // A record without a prepared job or a deadline is not followed.
+        // A record without a deadline is not followed (an older gateway drives it).
         u.observe(&JobRecord::new("d", JobKind::Generate));
         assert_eq!(u.len(), 3);
         let mut placed = unplaced_record("a", 1_000);

@@ -81,7 +81,7 @@ impl RouterMetrics {
         let adoptions = IntCounterVec::new(
             Opts::new(
                 "diffmesh_router_adoptions_total",
-                "Jobs adopted after the gateway driving them died before placing them",
+                "Jobs whose gateway died before placing them: placed, cancelled (synchronous) or failed (never prepared)",
             ),
             &["outcome"],
         )?;
