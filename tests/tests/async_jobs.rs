@@ -471,6 +471,11 @@ async fn an_async_job_whose_gateway_died_before_placing_it_still_runs() {
         "placed by its gateway, not adopted: {record:?}"
     );
     assert_eq!(record.worker_id.as_deref(), Some("d1"));
+    // Its progress was written by the router that adopted it (only `Started` sets this).
+    assert!(
+        record.started_at_ms.is_some(),
+        "no progress written: {record:?}"
+    );
 }
 
 /// A gateway that dies while preparing a job (before any answer) leaves a queued record with no

@@ -3,7 +3,8 @@
 //! (`place_by_ms`). The router watches every job record; one still unplaced a margin after that
 //! time lost its driver, and the router adopts it: an async job is placed as its gateway would
 //! have placed it (the router then records its ending like any job it placed), a synchronous
-//! one is cancelled, since the client waiting for it was connected to the dead gateway. A record
+//! one is cancelled, since the client waiting for it was connected to the dead gateway (the
+//! router writes an adopted job's progress too: [`crate::adopted_progress`]). A record
 //! whose gateway died while preparing the job (before any answer, so no client knows the id)
 //! holds no prepared job: past the job's deadline it is failed, so it does not stay queued.
 //! Adoption is a compare-and-set on the record, so of several routers only one adopts a job.
@@ -183,6 +184,8 @@ impl Router {
     /// Place an adopted job, waiting up to `wait` for a denoiser; fail it after that.
     async fn place_adopted(&self, job: diffmesh_shared::messages::DenoiseJob, wait: Duration) {
         tracing::info!(job_id = %job.job_id, "placing a job whose gateway died before placing it");
+        // Followed before it is placed: its first events may come before the placement returns.
+        self.adopted.follow(&job.job_id);
         let deadline = tokio::time::Instant::now() + wait;
         let result = loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -199,6 +202,7 @@ impl Router {
                 tracing::info!(job_id = %job.job_id, %worker, "adopted job placed");
             }
             Err(err) => {
+                self.adopted.forget(&job.job_id);
                 self.count_failure(err.reason());
                 let event = JobEvent::Failed {
                     message: format!(

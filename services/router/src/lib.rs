@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod admission;
 pub mod adopt;
+pub mod adopted_progress;
 pub mod metrics;
 pub mod prefetch;
 pub mod registry;

@@ -73,6 +73,8 @@ pub struct Router {
     /// Job records: the router writes the ending of every job it placed, so a job accepted
     /// asynchronously still ends `done`/`failed` when the gateway driving it has gone.
     pub(crate) jobs: JobStore,
+    /// Adopted jobs whose progress this router writes into their records.
+    pub(crate) adopted: crate::adopted_progress::AdoptedProgress,
 }
 
 impl Router {
@@ -93,6 +95,7 @@ impl Router {
             capacity: Notify::new(),
             admission,
             jobs,
+            adopted: Default::default(),
         }
     }
 
@@ -369,13 +372,14 @@ impl Router {
             };
             match decode::<JobEvent>(&msg.payload) {
                 Ok(event @ (JobEvent::Done { .. } | JobEvent::Failed { .. })) => {
+                    self.adopted.forget(job_id);
                     let placed_here = self.state().registry.finish(job_id).is_some();
                     if placed_here {
                         self.capacity.notify_waiters();
                         self.record_ending(job_id, event);
                     }
                 }
-                Ok(_) => {}
+                Ok(event) => self.adopted.on_event(&self.jobs, job_id, &event),
                 Err(err) => tracing::debug!(%job_id, error = %err, "undecodable job event"),
             }
         }
