@@ -2,7 +2,7 @@
 //! job, so a restarted service can see what was in flight. Stored as JSON so operators can read
 //! them with `nats kv get`. Also the idempotency map (`subjects::IDEMPOTENCY_BUCKET`): which job
 //! an API key's `Idempotency-Key` created.
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::{self, consumer, kv, stream};
 use bytes::Bytes;
@@ -11,7 +11,7 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::error::MeshError;
-use crate::messages::{DenoiseJob, JobKind};
+use crate::messages::{DenoiseJob, JobEvent, JobKind};
 use crate::subjects::{IDEMPOTENCY_BUCKET, JOB_BUCKET};
 
 /// Where a job is in its life.
@@ -96,6 +96,46 @@ pub struct JobRecord {
     /// Placed by a router after the gateway driving it died.
     #[serde(default)]
     pub adopted: bool,
+}
+
+/// How often at most a running job's step progress is written to its record.
+pub const PROGRESS_WRITE_INTERVAL: Duration = Duration::from_millis(200);
+
+/// A record change, as [`ProgressWrites::change_for`] gives it.
+pub type RecordChange = Box<dyn Fn(&mut JobRecord) + Send + Sync>;
+
+/// What a job's progress events change in its record, for whoever drives the job (its gateway,
+/// or the router that adopted it): queued on a worker, started, a step (at most every
+/// [`PROGRESS_WRITE_INTERVAL`]), placed again. Endings are written by their own paths.
+#[derive(Debug, Default)]
+pub struct ProgressWrites {
+    last_step_write: Option<Instant>,
+}
+
+impl ProgressWrites {
+    /// The change `event` calls for at `now`; `None` for endings, captures, and a step too soon
+    /// after the last one written.
+    pub fn change_for(&mut self, event: &JobEvent, now: Instant) -> Option<RecordChange> {
+        match event.clone() {
+            JobEvent::Queued {
+                worker_id,
+                position,
+            } => Some(Box::new(move |r| r.mark_queued_on(&worker_id, position))),
+            JobEvent::Started { worker_id } => Some(Box::new(move |r| r.mark_running(&worker_id))),
+            JobEvent::Retrying { attempt, .. } => Some(Box::new(move |r| r.mark_retrying(attempt))),
+            JobEvent::Step { step, total } => {
+                if self
+                    .last_step_write
+                    .is_some_and(|t| now.duration_since(t) < PROGRESS_WRITE_INTERVAL)
+                {
+                    return None;
+                }
+                self.last_step_write = Some(now);
+                Some(Box::new(move |r| r.mark_step(step, total)))
+            }
+            JobEvent::Done { .. } | JobEvent::Failed { .. } | JobEvent::Captured { .. } => None,
+        }
+    }
 }
 
 /// Current time in Unix milliseconds.
@@ -564,6 +604,58 @@ mod tests {
             !r.lost_its_driver(u64::MAX),
             "no deadline: an older gateway drives it"
         );
+    }
+
+    fn apply(p: &mut ProgressWrites, r: &mut JobRecord, event: JobEvent, at: Instant) -> bool {
+        match p.change_for(&event, at) {
+            Some(change) => {
+                change(r);
+                true
+            }
+            None => false,
+        }
+    }
+
+    #[test]
+    fn progress_events_change_the_record_with_steps_throttled() {
+        let (mut p, mut r) = (
+            ProgressWrites::default(),
+            JobRecord::new("j", JobKind::Generate),
+        );
+        let t0 = Instant::now();
+        let queued = JobEvent::Queued {
+            worker_id: "d1".into(),
+            position: 2,
+        };
+        assert!(apply(&mut p, &mut r, queued, t0));
+        assert_eq!(
+            (r.worker_id.as_deref(), r.queue_position),
+            (Some("d1"), Some(2))
+        );
+        let started = JobEvent::Started {
+            worker_id: "d1".into(),
+        };
+        assert!(apply(&mut p, &mut r, started, t0));
+        assert_eq!(r.state, JobState::Running);
+        assert!(r.started_at_ms.is_some());
+        let step = |s| JobEvent::Step { step: s, total: 20 };
+        assert!(apply(&mut p, &mut r, step(1), t0));
+        assert!(!apply(
+            &mut p,
+            &mut r,
+            step(2),
+            t0 + Duration::from_millis(150)
+        ));
+        assert!(apply(
+            &mut p,
+            &mut r,
+            step(3),
+            t0 + Duration::from_millis(200)
+        ));
+        assert_eq!((r.step, r.steps_total), (3, 20));
+        let done = JobEvent::Done { png_keys: vec![] };
+        assert!(!apply(&mut p, &mut r, done, t0));
+        assert_eq!(r.state, JobState::Running, "endings are written elsewhere");
     }
 
     /// Records written before the progress and owner fields existed still load.

@@ -184,20 +184,15 @@ fn main() -> anyhow::Result<()> {
             c > 0.0 && c.is_finite(),
             "--shared-cores must be a finite number > 0, got {c}"
         );
-        for (name, v) in [
-            ("--co-run-slowdown", args.co_run_slowdown),
-            ("--background-cpu-s", args.background_cpu_s),
-        ] {
-            ensure!(
-                v >= 0.0 && v.is_finite(),
-                "{name} must be a finite number >= 0, got {v}"
-            );
-        }
     }
-    if !(args.request_overhead_s >= 0.0 && args.request_overhead_s.is_finite()) {
-        bail!(
-            "--request-overhead-s must be a finite number >= 0, got {}",
-            args.request_overhead_s
+    for (name, v) in [
+        ("--request-overhead-s", args.request_overhead_s),
+        ("--co-run-slowdown", args.co_run_slowdown),
+        ("--background-cpu-s", args.background_cpu_s),
+    ] {
+        ensure!(
+            v >= 0.0 && v.is_finite(),
+            "{name} must be a finite number >= 0, got {v}"
         );
     }
     let mut policy = policy_by_name(&args.policy)?;

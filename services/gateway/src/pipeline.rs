@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::Client;
-use diffmesh_shared::job::{now_ms, IdempotencyStore, JobRecord, JobState, JobStore};
+use diffmesh_shared::job::{
+    now_ms, IdempotencyStore, JobRecord, JobState, JobStore, ProgressWrites,
+};
 use diffmesh_shared::messages::{
     decode, error_types, CancelJob, DenoiseJob, JobEvent, JobKind, PreparedInputs, PreprocessReply,
     PreprocessRequest, SubmitReply, TemplateRef,
@@ -141,9 +143,6 @@ impl Drop for Driving {
         lock(&self.driving).remove(&self.job_id);
     }
 }
-
-/// How often at most a running job's step progress is written to its record.
-const PROGRESS_WRITE_INTERVAL: Duration = Duration::from_millis(200);
 
 fn cancelled_error(job_id: &str) -> ApiError {
     ApiError::Cancelled {
@@ -562,14 +561,14 @@ impl Mesh {
     }
 
     /// Wait for the job's terminal event, keeping the job record in step (queue position,
-    /// started, step k of N at most every `PROGRESS_WRITE_INTERVAL`, retries).
+    /// started, step k of N at most every `PROGRESS_WRITE_INTERVAL`, retries: `ProgressWrites`).
     async fn await_result(
         &self,
         job_id: &str,
         events: &mut async_nats::Subscriber,
         deadline: Instant,
     ) -> Result<Vec<String>, ApiError> {
-        let mut last_progress_write: Option<Instant> = None;
+        let mut progress = ProgressWrites::default();
         loop {
             let msg = match tokio::time::timeout_at(deadline, events.next()).await {
                 Err(_) => {
@@ -594,34 +593,17 @@ impl Mesh {
                         error_type,
                     })
                 }
-                Ok(JobEvent::Retrying { attempt, reason }) => {
-                    tracing::info!(attempt, %reason, "job placed again");
-                    self.jobs.update(job_id, |r| r.mark_retrying(attempt)).await
-                }
-                Ok(JobEvent::Queued {
-                    worker_id,
-                    position,
-                }) => {
-                    self.jobs
-                        .update(job_id, |r| r.mark_queued_on(&worker_id, position))
-                        .await
-                }
-                Ok(JobEvent::Started { worker_id }) => {
-                    self.jobs
-                        .update(job_id, |r| r.mark_running(&worker_id))
-                        .await
-                }
-                Ok(JobEvent::Step { step, total }) => {
-                    let due =
-                        last_progress_write.is_none_or(|t| t.elapsed() >= PROGRESS_WRITE_INTERVAL);
-                    if !due {
-                        continue;
+                Ok(event) => {
+                    if let JobEvent::Retrying { attempt, reason } = &event {
+                        tracing::info!(attempt, %reason, "job placed again");
                     }
-                    last_progress_write = Some(Instant::now());
-                    self.jobs.update(job_id, |r| r.mark_step(step, total)).await
+                    // A capture's cache report and a step too soon after the last change nothing.
+                    let Some(change) = progress.change_for(&event, std::time::Instant::now())
+                    else {
+                        continue;
+                    };
+                    self.jobs.update(job_id, |r| change(r)).await
                 }
-                // Template captures report their cache; image jobs have nothing to record.
-                Ok(JobEvent::Captured { .. }) => continue,
                 Err(err) => {
                     tracing::warn!(error = %err, "undecodable job event");
                     continue;
