@@ -7,8 +7,7 @@
 use std::time::Duration;
 
 use diffmesh_shared::job::{now_ms, JobRecord, JobState, JobStore};
-use diffmesh_shared::messages::JobKind;
-use diffmesh_shared::messages::{decode, JobEvent};
+use diffmesh_shared::messages::{decode, JobEvent, JobKind};
 use diffmesh_tests::harness::{
     init_test_logging, start_codec, start_denoiser, start_gateway, start_router, tiny_model_dir,
     NatsServer, Service, SseReader,

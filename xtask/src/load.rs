@@ -218,7 +218,8 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
         }
         let ratio = ratios[rng.random_range(0..ratios.len())];
         let mask = mask_png(width, height, ratio, &mut rng)?;
-        plan.push((t, ratio, mask));
+        let template = plan.len() as u32 % args.templates;
+        plan.push((t, ratio, template, mask));
     }
     say(format!(
         "load: {} requests, Poisson {rps} req/s for {}s, masks from {} at {width}x{height}, {} templates -> {url}",
@@ -229,19 +230,18 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
     ));
     let arrivals: Vec<(f64, f64, u32)> = plan
         .iter()
-        .enumerate()
-        .map(|(i, (at, ratio, _))| (*at, *ratio, i as u32 % args.templates))
+        .map(|(at, ratio, template, _)| (*at, *ratio, *template))
         .collect();
     let limit = Arc::new(tokio::sync::Semaphore::new(args.max_in_flight.max(1)));
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
-    for (i, (at, ratio, mask)) in plan.into_iter().enumerate() {
+    for (i, (at, ratio, template, mask)) in plan.into_iter().enumerate() {
         tokio::time::sleep_until((started + Duration::from_secs_f64(at)).into()).await;
         let sent = Instant::now();
         let permit = limit.clone().acquire_owned().await?;
         let (client, url, inputs) = (client.clone(), url.clone(), inputs.clone());
         let form = EditForm {
-            template: i as u32 % args.templates,
+            template,
             mask,
             prompt: args.prompt.clone(),
             steps: args.steps,
