@@ -42,6 +42,8 @@ const REQUIRED: &[(&str, &[&str])] = &[
             "diffmesh_codec_duration_seconds",
             "diffmesh_codec_requests_total",
             "diffmesh_codec_mask_ratio",
+            // Template images decoded once for all their edits.
+            "diffmesh_codec_decoded_cache_total",
             "diffmesh_codec_failures_total",
         ],
     ),

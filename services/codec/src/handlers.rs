@@ -7,7 +7,9 @@ use diffmesh_shared::nats::{blob_key, BlobStore};
 use diffmesh_shared::MeshError;
 use image::DynamicImage;
 use sha2::{Digest, Sha256};
+use std::sync::Arc;
 
+use crate::decoded::DecodedImages;
 use crate::error::CodecError;
 use crate::imaging::{self, PixelMask, TokenGrid};
 
@@ -18,6 +20,8 @@ pub struct Codec {
     pub grid: TokenGrid,
     pub max_pixels: u64,
     pub max_blob_bytes: usize,
+    /// Template images decoded once for all their edits.
+    pub decoded: DecodedImages,
 }
 
 /// Object-store name of the model-resolution template (packed RGB u8).
@@ -93,9 +97,9 @@ impl Codec {
         let (image, mask) = self
             .fetch_edit_inputs(req.image_key.as_deref(), req.mask_key.as_deref())
             .await?;
-        let max_pixels = self.max_pixels;
+        let (max_pixels, decoded) = (self.max_pixels, self.decoded.clone());
         let prepared = tokio::task::spawn_blocking(move || -> Result<PreparedEdit, FieldError> {
-            let image = imaging::decode_upload(&image, "image", max_pixels)?;
+            let image = decoded.decode(&image, "image", max_pixels)?;
             let mask = match mask {
                 Some(bytes) => Some(imaging::decode_upload(&bytes, "mask", max_pixels)?),
                 None => None,
@@ -151,10 +155,10 @@ impl Codec {
         let (image, _) = self
             .fetch_edit_inputs(req.image_key.as_deref(), None)
             .await?;
-        let (grid, max_pixels) = (self.grid, self.max_pixels);
+        let (grid, max_pixels, decoded) = (self.grid, self.max_pixels, self.decoded.clone());
         let (model_rgb, width, height) =
             tokio::task::spawn_blocking(move || -> Result<_, FieldError> {
-                let image = imaging::decode_upload(&image, "image", max_pixels)?;
+                let image = decoded.decode(&image, "image", max_pixels)?;
                 Ok((
                     imaging::to_model_rgb(&image, grid),
                     image.width(),
@@ -195,10 +199,15 @@ impl Codec {
         };
         let (mw, mh) = (req.model_width, req.model_height);
         let (w, h) = (job.inputs.input_width, job.inputs.input_height);
-        let max_pixels = self.max_pixels;
+        let (max_pixels, decoded) = (self.max_pixels, self.decoded.clone());
         let pngs = tokio::task::spawn_blocking(move || -> Result<Vec<Vec<u8>>, CodecError> {
             let template = match template {
-                Some((image, mask)) => Some(decode_template(&image, mask.as_deref(), max_pixels)?),
+                Some((image, mask)) => Some(decode_template(
+                    &decoded,
+                    &image,
+                    mask.as_deref(),
+                    max_pixels,
+                )?),
                 None => None,
             };
             let mut pngs = Vec::with_capacity(outputs.len());
@@ -234,11 +243,12 @@ impl Codec {
 }
 
 fn decode_template(
+    decoded: &DecodedImages,
     image: &[u8],
     mask: Option<&[u8]>,
     max_pixels: u64,
-) -> Result<(DynamicImage, PixelMask), FieldError> {
-    let image = imaging::decode_upload(image, "image", max_pixels)?;
+) -> Result<(Arc<DynamicImage>, PixelMask), FieldError> {
+    let image = decoded.decode(image, "image", max_pixels)?;
     let mask = match mask {
         Some(bytes) => Some(imaging::decode_upload(bytes, "mask", max_pixels)?),
         None => None,

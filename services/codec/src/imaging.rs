@@ -29,6 +29,19 @@ pub fn decode_upload(
     let (w, h) = ImageReader::with_format(Cursor::new(bytes), format)
         .into_dimensions()
         .map_err(|e| FieldError::invalid(field, format!("unreadable {format:?} header: {e}")))?;
+    check_pixel_count(field, w, h, max_pixels)?;
+    let mut reader = ImageReader::with_format(Cursor::new(bytes), format);
+    let mut limits = image::Limits::default();
+    limits.max_image_width = Some(w);
+    limits.max_image_height = Some(h);
+    reader.limits(limits);
+    reader
+        .decode()
+        .map_err(|e| FieldError::invalid(field, format!("cannot decode {format:?} image: {e}")))
+}
+
+/// Refuses an image with no pixels or more than `max_pixels`.
+pub fn check_pixel_count(field: &str, w: u32, h: u32, max_pixels: u64) -> Result<(), FieldError> {
     let pixels = u64::from(w) * u64::from(h);
     if pixels == 0 {
         return Err(FieldError::invalid(field, "image has no pixels"));
@@ -39,14 +52,7 @@ pub fn decode_upload(
             format!("image is {w}x{h} = {pixels} pixels, above the limit of {max_pixels}"),
         ));
     }
-    let mut reader = ImageReader::with_format(Cursor::new(bytes), format);
-    let mut limits = image::Limits::default();
-    limits.max_image_width = Some(w);
-    limits.max_image_height = Some(h);
-    reader.limits(limits);
-    reader
-        .decode()
-        .map_err(|e| FieldError::invalid(field, format!("cannot decode {format:?} image: {e}")))
+    Ok(())
 }
 
 /// Which input pixels are repainted (true) at the input's size.

@@ -5,6 +5,7 @@
 //! (`subjects::CODEC_POST`, from the denoiser): stretch outputs back to the input size,
 //! composite (unmasked pixels are the template's own bytes) and encode PNG. Replicas share the
 //! work through one queue group.
+pub mod decoded;
 pub mod error;
 pub mod handlers;
 pub mod imaging;
@@ -28,6 +29,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use decoded::DecodedImages;
 pub use error::CodecError;
 use handlers::Codec;
 use imaging::TokenGrid;
@@ -54,6 +56,11 @@ pub struct CodecConfig {
     /// Largest upload the codec reads from the object store, in bytes.
     #[arg(long, env = "CODEC_MAX_BLOB_BYTES", default_value_t = 64 * 1024 * 1024)]
     pub max_blob_bytes: usize,
+    /// Decoded template images kept in memory, in MiB of pixels (0: decode every time). Each
+    /// edit needs its template decoded twice (pre and post); edits of one template, or
+    /// re-uploads of one image, then decode it once.
+    #[arg(long, env = "CODEC_DECODED_CACHE_MB", default_value_t = 256)]
+    pub decoded_cache_mb: u64,
     /// Requests handled at once by this replica (image work runs on the blocking pool).
     #[arg(long, env = "CODEC_CONCURRENCY", default_value_t = 4)]
     pub concurrency: usize,
@@ -72,6 +79,7 @@ impl CodecConfig {
             token_pixels: 4,
             max_pixels: 16_777_216,
             max_blob_bytes: 64 * 1024 * 1024,
+            decoded_cache_mb: 64,
             concurrency: 2,
             request_timeout_s: 30,
         }
@@ -172,6 +180,10 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
         Arc::new(move || probe.connection_state() == async_nats::connection::State::Connected),
     )?;
     tracing::info!(health = %health.addr, ?grid, "codec started");
+    let decoded = DecodedImages::new(
+        config.decoded_cache_mb.saturating_mul(1 << 20),
+        metrics.decoded_cache.clone(),
+    );
     let worker = Arc::new(Worker {
         client,
         request_timeout: Duration::from_secs(config.request_timeout_s.max(1)),
@@ -180,6 +192,7 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
             grid,
             max_pixels: config.max_pixels,
             max_blob_bytes: config.max_blob_bytes,
+            decoded,
         },
         metrics,
     });

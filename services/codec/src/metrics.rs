@@ -31,6 +31,9 @@ pub struct CodecMetrics {
     pub requests: IntCounterVec,
     /// `diffmesh_codec_mask_ratio`: fraction of image tokens repainted per edit.
     pub mask_ratio: HistogramVec,
+    /// `diffmesh_codec_decoded_cache_total{outcome="hit"|"miss"}`: template images taken
+    /// decoded from the cache or decoded.
+    pub decoded_cache: IntCounterVec,
     pub failures: FailureCounter,
 }
 
@@ -62,6 +65,13 @@ impl CodecMetrics {
                 &[],
                 RATIO_BUCKETS,
             )?,
+            decoded_cache: counter_vec(
+                registry,
+                "codec",
+                "decoded_cache",
+                "Template images taken decoded from the cache (hit) or decoded (miss)",
+                &["outcome"],
+            )?,
             failures: FailureCounter::register_with_reasons(registry, "codec", FAILURE_REASONS)?,
         };
         for op in OPS {
@@ -71,6 +81,9 @@ impl CodecMetrics {
             }
         }
         metrics.mask_ratio.with_label_values(&[] as &[&str]);
+        for outcome in ["hit", "miss"] {
+            metrics.decoded_cache.with_label_values(&[outcome]);
+        }
         Ok(metrics)
     }
 }
@@ -93,6 +106,7 @@ mod tests {
         assert_eq!(
             names,
             [
+                "diffmesh_codec_decoded_cache_total",
                 "diffmesh_codec_duration_seconds",
                 "diffmesh_codec_failures_total",
                 "diffmesh_codec_mask_ratio",

@@ -3,6 +3,7 @@
 //! and the template's edits share one `template_id`.
 use std::io::Cursor;
 
+use diffmesh_codec::decoded::DecodedImages;
 use diffmesh_codec::handlers::{Codec, PREPARED_IMAGE};
 use diffmesh_codec::imaging::TokenGrid;
 use diffmesh_codec::CodecError;
@@ -15,6 +16,10 @@ fn png(img: &DynamicImage) -> Vec<u8> {
     let mut buf = Cursor::new(Vec::new());
     img.write_to(&mut buf, ImageFormat::Png).unwrap();
     buf.into_inner()
+}
+
+fn decoded_lookups() -> prometheus::IntCounterVec {
+    prometheus::IntCounterVec::new(prometheus::Opts::new("lookups", "test"), &["outcome"]).unwrap()
 }
 
 fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessRequest {
@@ -42,6 +47,7 @@ async fn capture_is_prepared_without_mask_and_hashed_like_edits() {
     let blobs = BlobStore::open(&async_nats::jetstream::new(client))
         .await
         .unwrap();
+    let lookups = decoded_lookups();
     let codec = Codec {
         blobs: blobs.clone(),
         grid: TokenGrid {
@@ -51,6 +57,7 @@ async fn capture_is_prepared_without_mask_and_hashed_like_edits() {
         },
         max_pixels: 1 << 20,
         max_blob_bytes: 1 << 20,
+        decoded: DecodedImages::new(1 << 20, lookups.clone()),
     };
     let image = DynamicImage::ImageRgb8(RgbImage::from_fn(30, 20, |x, y| {
         Rgb([(x * 8) as u8, (y * 12) as u8, (x ^ y) as u8])
@@ -79,6 +86,9 @@ async fn capture_is_prepared_without_mask_and_hashed_like_edits() {
     assert!(edit.template_id.is_some());
     assert_eq!(edit.template_id, capture.template_id);
     assert!(edit.mask_ratio < 1.0);
+    // The edit took the image the capture decoded.
+    let count = |outcome: &str| lookups.with_label_values(&[outcome]).get();
+    assert_eq!((count("miss"), count("hit")), (1, 1));
 
     // A capture with a mask is a malformed request; a capture of a non-image names `image`.
     let err = codec
