@@ -123,6 +123,11 @@ pub struct TrainArgs {
     /// Save the EMA model every this many steps (0: only at the end).
     #[arg(long, env = "DIFFMESH_TINY_SAVE_EVERY", default_value_t = 250)]
     pub save_every: usize,
+    /// Start from the weights of this model folder instead of a fresh init (a second training
+    /// stage: fresh optimiser state and learning-rate schedule; the transformer size flags must
+    /// match the folder's config).
+    #[arg(long, env = "DIFFMESH_TINY_INIT_FROM")]
+    pub init_from: Option<PathBuf>,
 }
 
 /// What `train_meta.json` records.
@@ -270,7 +275,7 @@ pub fn flow_matching_loss(
     }
 }
 
-/// Train from scratch and write the model folder, `train_log.csv`, `train_meta.json` and
+/// Train (from scratch, or on from `--init-from`) and write the model folder, `train_log.csv`, `train_meta.json` and
 /// `loss_curve.png` into `args.out`.
 pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     if args.steps == 0 || args.batch_size == 0 {
@@ -299,7 +304,32 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
         args.double_blocks,
         args.single_blocks,
     );
-    let model = TinyModel::with_flux_config(Device::Cpu, config)?;
+    let model = match &args.init_from {
+        None => TinyModel::with_flux_config(Device::Cpu, config)?,
+        Some(dir) => {
+            let model = TinyModel::load(dir, Device::Cpu)?;
+            let size = |c: &crate::flux::FluxConfig| {
+                (
+                    c.num_attention_heads,
+                    c.attention_head_dim,
+                    c.num_layers,
+                    c.num_single_layers,
+                )
+            };
+            if size(&model.flux_config) != size(&config) {
+                return Err(ModelError::input(
+                    "init_from",
+                    format!(
+                        "{} holds a transformer of another size than --heads/--head-dim/\
+                         --double-blocks/--single-blocks ask for",
+                        dir.display()
+                    ),
+                ));
+            }
+            eprintln!("starting from the weights in {}", dir.display());
+            model
+        }
+    };
     let bf16 = args.bf16.enabled();
     eprintln!("bf16 autocast: {bf16} (--bf16 {:?})", args.bf16);
     let time = TimeSampling {
@@ -518,5 +548,36 @@ mod tests {
         }
         let after = tch::no_grad(|| fixed_loss(&model)).double_value(&[]);
         assert!(after < 0.9 * before, "loss {before} -> {after}");
+    }
+    #[test]
+    fn init_from_starts_from_the_folder_and_must_match_its_size() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: TrainArgs,
+        }
+        let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
+        let out = tempfile::tempdir().unwrap();
+        let mut args = <Cli as clap::Parser>::parse_from(["test"]).args;
+        (args.out, args.init_from) = (out.path().to_path_buf(), Some(shipped.clone()));
+        (args.steps, args.batch_size, args.threads) = (1, 1, 1);
+
+        args.heads += 1;
+        let err = train(&args).unwrap_err().to_string();
+        assert!(err.contains("init_from"), "{err}");
+        args.heads -= 1;
+
+        // One step at the warm-up's (near-)zero learning rate: the weights are the folder's.
+        train(&args).unwrap();
+        let (a, b) = (
+            TinyModel::load(&shipped, Device::Cpu).unwrap(),
+            TinyModel::load(out.path(), Device::Cpu).unwrap(),
+        );
+        let (va, vb) = (a.transformer_vs.variables(), b.transformer_vs.variables());
+        assert_eq!(va.len(), vb.len());
+        for (name, wa) in &va {
+            let diff = (wa - &vb[name]).abs().max().double_value(&[]);
+            assert!(diff < 1e-3, "{name} moved by {diff}");
+        }
     }
 }
