@@ -245,6 +245,18 @@ pub struct Heartbeat {
     /// Template cache keys resident in the worker's local tier (the router prefers such a worker).
     #[serde(default)]
     pub cached_templates: Vec<String>,
+    /// The latest engine steps since the previous heartbeat (at most a few dozen), so the
+    /// router can check its cost model against this worker's hardware. Empty from older senders.
+    #[serde(default)]
+    pub recent_steps: Vec<StepSample>,
+}
+
+/// One batched engine step a denoiser ran: the fraction of image tokens each batch row computed
+/// (its mask ratio when it ran mask-aware, 1.0 for full compute) and the step's wall time.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepSample {
+    pub row_ratios: Vec<f32>,
+    pub seconds: f64,
 }
 
 /// Gateway -> router (`ROUTER_CANCEL`) and router -> denoiser (`denoiser_cancel`): drop a job at

@@ -47,6 +47,10 @@ pub const LATENCY_BUCKETS_SECONDS: &[f64] = &[
 ];
 /// Fractions in [0, 1] such as mask ratios.
 pub const RATIO_BUCKETS: &[f64] = &[0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0];
+/// Measured over predicted (1: the prediction held), 1/4 to 8x.
+pub const PREDICTION_RATIO_BUCKETS: &[f64] = &[
+    0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0,
+];
 /// Payload sizes: 1 KiB to 64 MiB.
 pub const SIZE_BUCKETS_BYTES: &[f64] = &[
     1024.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0, 16777216.0, 67108864.0,

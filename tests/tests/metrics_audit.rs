@@ -56,6 +56,8 @@ const REQUIRED: &[(&str, &[&str])] = &[
             "diffmesh_router_live_workers",
             "diffmesh_router_placements_total",
             "diffmesh_router_failures_total",
+            // The cost model checked against the steps denoisers report.
+            "diffmesh_router_step_prediction_ratio",
         ],
     ),
     (

@@ -10,10 +10,11 @@ use crate::metrics::DenoiserMetrics;
 use crate::model::{
     capture_state, job_resolution, step_requests, tensor_to_rgb, EditInputs, EngineModel,
 };
+use crate::step_samples::StepSamples;
 use crate::templates::TemplateEntry;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::ModelError;
-use diffmesh_shared::messages::{DenoiseJob, RunningJob};
+use diffmesh_shared::messages::{DenoiseJob, RunningJob, StepSample};
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
@@ -208,6 +209,7 @@ pub struct EngineStatus {
 pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     status: Arc<Mutex<EngineStatus>>,
+    steps: StepSamples,
 }
 
 /// Joins the engine thread once it has drained.
@@ -230,6 +232,7 @@ pub fn spawn_engine(
 ) -> std::io::Result<(EngineHandle, EngineThread)> {
     let (tx, rx) = mpsc::channel(command_capacity.max(1));
     let status = Arc::new(Mutex::new(EngineStatus::default()));
+    let steps = StepSamples::default();
     let engine = Engine {
         model,
         cached: CachedStepper::new(config.cache)?,
@@ -237,6 +240,7 @@ pub fn spawn_engine(
         rx,
         events,
         status: status.clone(),
+        steps: steps.clone(),
         metrics,
         waiting: VecDeque::new(),
         active: Vec::new(),
@@ -246,7 +250,7 @@ pub fn spawn_engine(
     let thread = std::thread::Builder::new()
         .name("denoiser-engine".into())
         .spawn(move || engine.run())?;
-    Ok((EngineHandle { tx, status }, EngineThread(thread)))
+    Ok((EngineHandle { tx, status, steps }, EngineThread(thread)))
 }
 
 impl EngineHandle {
@@ -326,6 +330,11 @@ impl EngineHandle {
     pub fn status(&self) -> EngineStatus {
         self.status.lock().map(|s| s.clone()).unwrap_or_default()
     }
+
+    /// The batched steps run since the last call (at most [`crate::step_samples::KEPT_STEPS`], the latest).
+    pub fn take_step_samples(&self) -> Vec<StepSample> {
+        self.steps.take()
+    }
 }
 
 struct Active {
@@ -347,6 +356,7 @@ struct Engine {
     rx: mpsc::Receiver<Command>,
     events: mpsc::Sender<EngineEvent>,
     status: Arc<Mutex<EngineStatus>>,
+    steps: StepSamples,
     metrics: Option<DenoiserMetrics>,
     waiting: VecDeque<(EngineJob, Span)>,
     active: Vec<Active>,
@@ -592,6 +602,9 @@ impl Engine {
                     step = tracing::field::Empty, total = tracing::field::Empty)
             })
             .collect();
+        // A step that runs a capture or falls back job by job is no sample of batched steps.
+        let capturing = self.active.iter().any(|a| a.capture.is_some());
+        let row_ratios = self.row_ratios();
         self.step_captures();
         let pipeline = self.model.pipeline();
         let (cached, active) = (&mut self.cached, &mut self.active);
@@ -609,6 +622,7 @@ impl Engine {
                 cached.step(&pipeline, &mut states, &caches)
             }))
         };
+        let batched_ok = matches!(batched, Ok(Ok(_)));
         let mut reports = Vec::new();
         match batched {
             Ok(Ok(report)) => reports.push(report),
@@ -640,9 +654,18 @@ impl Engine {
                 m.load_wait_seconds.observe(r.load_wait_s);
             }
         }
+        let seconds = started.elapsed().as_secs_f64();
         if let Some(m) = &self.metrics {
-            m.step_seconds.observe(started.elapsed().as_secs_f64());
+            m.step_seconds.observe(seconds);
             m.batch_rows.observe(rows as f64);
+        }
+        let mask_aware_rows = row_ratios.iter().filter(|r| **r < 1.0).count();
+        let all_as_planned = reports.first().is_some_and(|r| r.cached >= mask_aware_rows);
+        if batched_ok && !capturing && !row_ratios.is_empty() && all_as_planned {
+            self.steps.push(StepSample {
+                row_ratios,
+                seconds,
+            });
         }
         for (a, span) in self.active.iter().zip(step_spans) {
             if let Some(s) = a.states.first() {
@@ -728,6 +751,21 @@ impl Engine {
                 Err(p) => self.fail(a.job, EngineJobError::Panic(panic_message(p)), a.span),
             }
         }
+    }
+
+    /// Per batch row of the coming step: its mask ratio if it steps mask-aware, else 1.0.
+    fn row_ratios(&self) -> Vec<f32> {
+        self.active
+            .iter()
+            .filter(|a| a.capture.is_none() && a.failed.is_none())
+            .flat_map(|a| {
+                let ratio = match a.cache {
+                    Some(_) => a.job.inputs.mask_ratio.clamp(0.0, 1.0),
+                    None => 1.0,
+                };
+                std::iter::repeat_n(ratio, a.states.len())
+            })
+            .collect()
     }
 
     fn publish_status(&self) {

@@ -9,6 +9,7 @@ pub mod engine;
 pub mod metrics;
 pub mod model;
 pub mod service;
+pub mod step_samples;
 pub mod templates;
 
 use diffmesh_model::tch::{Device, Kind};

@@ -436,6 +436,7 @@ impl Service {
             draining: status.draining || self.draining.load(Ordering::SeqCst),
             queue_capacity: self.config.max_queue as u32,
             cached_templates: self.templates.local.keys(),
+            recent_steps: self.engine.take_step_samples(),
         }
     }
 

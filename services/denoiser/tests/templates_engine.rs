@@ -84,8 +84,11 @@ fn ready(entry: &Arc<TemplateEntry>) -> TemplateSlot {
 }
 
 async fn submit_edit(h: &Harness, id: &str, seed: u64, m: Vec<u8>, slot: TemplateSlot) {
+    let mut j = job(id, JobKind::Edit, "a red circle", seed);
+    // What the codec sets: the repainted fraction of the token grid.
+    j.inputs.mask_ratio = m.iter().filter(|&&t| t != 0).count() as f32 / m.len() as f32;
     let mut ej = EngineJob::new(
-        job(id, JobKind::Edit, "a red circle", seed),
+        j,
         Some(EditInputs {
             template_rgb: template_rgb(),
             token_mask: m,
@@ -190,6 +193,22 @@ async fn edits_at_different_steps_each_read_their_own_steps_cache() {
     assert!(max_abs_diff(&images["a"], &images["a-alone"]) <= 1);
     assert!(max_abs_diff(&images["b"], &images["b-alone"]) <= 1);
     assert!(max_abs_diff(&images["a"], &images["b"]) > 10);
+
+    // The heartbeat's step samples: the capture's steps are left out; every edit row reports
+    // its mask ratio, and the shared steps have both rows.
+    let samples = h.engine.take_step_samples();
+    let (ra, rb) = (36.0 / 256.0, 50.0 / 256.0);
+    assert!(!samples.is_empty());
+    assert!(
+        samples
+            .iter()
+            .all(|s| s.seconds > 0.0 && s.row_ratios.iter().all(|&r| r == ra || r == rb)),
+        "{samples:?}"
+    );
+    assert!(
+        samples.iter().any(|s| s.row_ratios.len() == 2),
+        "{samples:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

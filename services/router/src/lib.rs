@@ -7,6 +7,7 @@ pub mod admin;
 pub mod admission;
 pub mod adopt;
 pub mod adopted_progress;
+pub mod cost_check;
 pub mod metrics;
 pub mod prefetch;
 pub mod registry;

@@ -27,6 +27,9 @@ pub struct RouterMetrics {
     /// Jobs adopted after their gateway died before placing them, by outcome (`placed`:
     /// async, placed by the router; `cancelled`: synchronous, its client gone).
     pub adoptions: IntCounterVec,
+    /// Each step a denoiser reports, measured over the cost model's prediction (1: the
+    /// profile fits the hardware).
+    pub step_prediction_ratio: Histogram,
 }
 
 impl RouterMetrics {
@@ -85,6 +88,14 @@ impl RouterMetrics {
             ),
             &["outcome"],
         )?;
+        let step_prediction_ratio = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_router_step_prediction_ratio",
+                "Denoiser engine steps: measured time over the cost model's prediction",
+            )
+            .buckets(diffmesh_shared::metrics::PREDICTION_RATIO_BUCKETS.to_vec()),
+        )?;
+        registry.register(Box::new(step_prediction_ratio.clone()))?;
         registry.register(Box::new(submit_seconds.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(policy.clone()))?;
@@ -104,6 +115,7 @@ impl RouterMetrics {
             live_workers,
             admission_waiting,
             adoptions,
+            step_prediction_ratio,
         })
     }
 

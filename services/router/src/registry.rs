@@ -281,6 +281,7 @@ pub(crate) mod tests {
             draining: false,
             queue_capacity: 2,
             cached_templates: vec![],
+            recent_steps: vec![],
         }
     }
 

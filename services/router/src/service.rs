@@ -130,13 +130,24 @@ impl Router {
             match decode::<Heartbeat>(&msg.payload) {
                 Ok(hb) => {
                     let worker = hb.worker_id.clone();
-                    let (new, live) = {
+                    let (new, costs, live) = {
                         let mut state = self.state();
-                        let new = state.observe(hb, Instant::now());
-                        (new, state.registry.live_workers())
+                        let (new, costs) = state.observe(hb, Instant::now());
+                        (new, costs, state.registry.live_workers())
                     };
                     if new {
                         tracing::info!(%worker, "denoiser joined");
+                    }
+                    for ratio in &costs.ratios {
+                        self.metrics.step_prediction_ratio.observe(*ratio);
+                    }
+                    if let Some(ratio) = costs.warn {
+                        tracing::warn!(%worker, ratio = format!("{ratio:.2}"),
+                            "this denoiser's steps take {ratio:.2}x what the router's cost model \
+                             predicts: its profile was measured on other hardware, for another \
+                             model or without the load this worker shares its device with, so \
+                             placement ranks workers on wrong costs; measure one here (cargo \
+                             xtask profile) and start the router with ROUTER_PROFILE");
                     }
                     self.metrics.live_workers.set(live as i64);
                     self.capacity.notify_waiters();

@@ -1,6 +1,7 @@
 //! The router's decision state: registry + placement policy (`diffmesh_sched::Policy`, the
 //! simulator's trait) + cost models + failover rules, all synchronous so it sits behind one
 //! short-held mutex and is unit-tested without NATS.
+use crate::cost_check::{CostCheck, CostReport};
 use crate::registry::{ExpiryPolicy, LostWorker, WorkerRegistry};
 use crate::worker_state::{fill_worker_state, request_info};
 use diffmesh_sched::batching::BatchLimits;
@@ -33,6 +34,8 @@ pub struct RouterState {
     pub registry: WorkerRegistry,
     policy: Box<dyn Policy>,
     models: CostModels,
+    /// The cost model checked against the steps workers report.
+    cost_check: CostCheck,
     max_attempts: u32,
     /// Reused per decision: the policy's view of each candidate and its worker id.
     views: Vec<WorkerState>,
@@ -50,6 +53,7 @@ impl RouterState {
             registry: WorkerRegistry::new(expiry),
             policy,
             models,
+            cost_check: CostCheck::default(),
             max_attempts: max_attempts.max(1),
             views: Vec::new(),
             ids: Vec::new(),
@@ -73,8 +77,14 @@ impl RouterState {
         &self.models
     }
 
-    pub fn observe(&mut self, heartbeat: Heartbeat, now: Instant) -> bool {
-        self.registry.observe(heartbeat, now)
+    /// Record a heartbeat; true when the worker is new. The report compares the steps it
+    /// ran with the cost model's predictions.
+    pub fn observe(&mut self, mut heartbeat: Heartbeat, now: Instant) -> (bool, CostReport) {
+        let steps = std::mem::take(&mut heartbeat.recent_steps);
+        let report = self
+            .cost_check
+            .observe(&heartbeat.worker_id, &steps, &self.models, now);
+        (self.registry.observe(heartbeat, now), report)
     }
 
     /// Choose a worker for `job` among live workers not in `exclude`, and record the placement
@@ -384,5 +394,20 @@ mod tests {
             no_worker_message("a"),
             "denoiser a lost; no other denoiser available"
         );
+    }
+
+    #[test]
+    fn a_heartbeats_steps_are_checked_against_the_cost_model() {
+        let mut s = state(3);
+        let mut hb = heartbeat("a", 2, 0);
+        let predicted = crate::cost_check::predicted_step_s(s.models(), &[0.2, 1.0]);
+        hb.recent_steps = vec![diffmesh_shared::messages::StepSample {
+            row_ratios: vec![0.2, 1.0],
+            seconds: 2.0 * predicted,
+        }];
+        let (new, report) = s.observe(hb, Instant::now());
+        assert!(new);
+        assert_eq!(report.ratios.len(), 1);
+        assert!((report.ratios[0] - 2.0).abs() < 1e-9, "{:?}", report.ratios);
     }
 }

@@ -1,0 +1,206 @@
+//! Checks the cost model against the steps denoisers report (`Heartbeat::recent_steps`). The
+//! router ranks workers by predicted latency from a profile measured on some machine; on other
+//! hardware, or for another model, every prediction is off by a factor and placement quietly
+//! degrades. Each reported step's measured time over the model's prediction for the same batch
+//! is exported (`diffmesh_router_step_prediction_ratio`), and a worker whose smoothed ratio
+//! stays off by more than [`OFF_FACTOR`] is named in a warning (at most every
+//! [`WARN_EVERY`]).
+use diffmesh_sched::cost_model::BatchTotals;
+use diffmesh_sched::CostModels;
+use diffmesh_shared::messages::StepSample;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// A smoothed measured/predicted ratio beyond this factor (either way) is reported.
+pub const OFF_FACTOR: f64 = 2.0;
+/// Samples a worker must have reported before it is judged.
+pub const MIN_SAMPLES: u64 = 20;
+/// Weight of each new sample in the smoothed log ratio.
+const SMOOTHING: f64 = 0.05;
+/// How often the warning for one worker repeats while its ratio stays off.
+pub const WARN_EVERY: Duration = Duration::from_secs(600);
+/// A worker not heard of for this long is forgotten.
+const FORGET_AFTER: Duration = Duration::from_secs(3600);
+
+/// Predicted time of one step of a batch whose rows computed `row_ratios` of the image tokens,
+/// in the terms the router places with (`worker_state::job_masked_tokens`): a full-compute row
+/// counts every image token of the profile's grid, a mask-aware row its mask ratio of them.
+pub fn predicted_step_s(models: &CostModels, row_ratios: &[f32]) -> f64 {
+    let shape = &models.shape;
+    let mut totals = BatchTotals::default();
+    for &r in row_ratios {
+        let masked = if r >= 1.0 {
+            shape.image_tokens
+        } else {
+            shape.masked_tokens(f64::from(r))
+        };
+        totals.add(shape, masked);
+    }
+    models.step_latency(&totals)
+}
+
+#[derive(Debug)]
+struct WorkerFit {
+    log_ratio: f64,
+    samples: u64,
+    warned_at: Option<Instant>,
+    seen_at: Instant,
+}
+
+/// What one heartbeat's steps showed.
+#[derive(Debug, Default, PartialEq)]
+pub struct CostReport {
+    /// Measured / predicted, one per usable sample.
+    pub ratios: Vec<f64>,
+    /// The worker's smoothed ratio, when it is off by more than [`OFF_FACTOR`] and a warning
+    /// is due.
+    pub warn: Option<f64>,
+}
+
+#[derive(Debug, Default)]
+pub struct CostCheck {
+    workers: HashMap<String, WorkerFit>,
+}
+
+impl CostCheck {
+    pub fn observe(
+        &mut self,
+        worker: &str,
+        steps: &[StepSample],
+        models: &CostModels,
+        now: Instant,
+    ) -> CostReport {
+        self.workers
+            .retain(|_, w| now.saturating_duration_since(w.seen_at) < FORGET_AFTER);
+        let mut report = CostReport::default();
+        if steps.is_empty() {
+            return report;
+        }
+        let fit = self
+            .workers
+            .entry(worker.to_string())
+            .or_insert_with(|| WorkerFit {
+                log_ratio: 0.0,
+                samples: 0,
+                warned_at: None,
+                seen_at: now,
+            });
+        fit.seen_at = now;
+        for s in steps {
+            let predicted = predicted_step_s(models, &s.row_ratios);
+            // Unusable: an empty batch, a model predicting nothing, a bad clock reading.
+            if !(predicted > 0.0 && s.seconds > 0.0 && s.seconds.is_finite()) {
+                continue;
+            }
+            let ratio = s.seconds / predicted;
+            fit.log_ratio = if fit.samples == 0 {
+                ratio.ln()
+            } else {
+                (1.0 - SMOOTHING) * fit.log_ratio + SMOOTHING * ratio.ln()
+            };
+            fit.samples += 1;
+            report.ratios.push(ratio);
+        }
+        let off = fit.log_ratio.abs() > OFF_FACTOR.ln();
+        let due = fit
+            .warned_at
+            .is_none_or(|t| now.saturating_duration_since(t) >= WARN_EVERY);
+        if off && due && fit.samples >= MIN_SAMPLES {
+            fit.warned_at = Some(now);
+            report.warn = Some(fit.log_ratio.exp());
+        }
+        report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn models() -> CostModels {
+        diffmesh_sched::profiles::builtin_models().unwrap()
+    }
+
+    fn steps(models: &CostModels, factor: f64, n: usize) -> Vec<StepSample> {
+        let rows = vec![0.1_f32, 0.3, 1.0];
+        let seconds = predicted_step_s(models, &rows) * factor;
+        (0..n)
+            .map(|_| StepSample {
+                row_ratios: rows.clone(),
+                seconds,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn predictions_follow_the_batch() {
+        let m = models();
+        let one = predicted_step_s(&m, &[0.1]);
+        assert!(one > 0.0);
+        assert!(predicted_step_s(&m, &[1.0]) > one, "a full row costs more");
+        assert!(
+            predicted_step_s(&m, &[0.1, 0.1]) > one,
+            "two rows cost more"
+        );
+        assert_eq!(predicted_step_s(&m, &[]), 0.0);
+    }
+
+    #[test]
+    fn a_worker_the_model_fits_is_never_named() {
+        let (m, mut check, t0) = (models(), CostCheck::default(), Instant::now());
+        for i in 0..10 {
+            let report = check.observe("w", &steps(&m, 1.3, 10), &m, t0 + WARN_EVERY * i);
+            assert_eq!(report.ratios.len(), 10);
+            assert!((report.ratios[0] - 1.3).abs() < 1e-9);
+            assert_eq!(report.warn, None);
+        }
+    }
+
+    #[test]
+    fn a_worker_three_times_slower_is_named_once_per_period() {
+        let (m, mut check, t0) = (models(), CostCheck::default(), Instant::now());
+        // Too few samples to judge yet.
+        assert_eq!(check.observe("w", &steps(&m, 3.0, 10), &m, t0).warn, None);
+        let warned = check.observe("w", &steps(&m, 3.0, 10), &m, t0).warn;
+        assert!(warned.is_some_and(|r| (r - 3.0).abs() < 1e-6), "{warned:?}");
+        let soon = t0 + WARN_EVERY / 2;
+        assert_eq!(check.observe("w", &steps(&m, 3.0, 5), &m, soon).warn, None);
+        let later = t0 + WARN_EVERY;
+        assert!(check
+            .observe("w", &steps(&m, 3.0, 5), &m, later)
+            .warn
+            .is_some());
+        // Another worker has its own record, and a fast one is named too.
+        assert_eq!(
+            check.observe("v", &steps(&m, 0.2, 10), &m, later).warn,
+            None
+        );
+        assert!(check
+            .observe("v", &steps(&m, 0.2, 10), &m, later)
+            .warn
+            .is_some());
+    }
+
+    #[test]
+    fn unusable_samples_are_skipped() {
+        let (m, mut check) = (models(), CostCheck::default());
+        let bad = vec![
+            StepSample {
+                row_ratios: vec![],
+                seconds: 0.1,
+            },
+            StepSample {
+                row_ratios: vec![0.5],
+                seconds: 0.0,
+            },
+            StepSample {
+                row_ratios: vec![0.5],
+                seconds: f64::NAN,
+            },
+        ];
+        assert!(check
+            .observe("w", &bad, &m, Instant::now())
+            .ratios
+            .is_empty());
+    }
+}
