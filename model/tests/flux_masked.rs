@@ -29,7 +29,7 @@ fn model() -> (FluxTransformer, nn::VarStore) {
     tch::no_grad(|| {
         for (name, mut v) in vs.variables() {
             if name.contains(".norm_") && v.dim() == 1 {
-                let _ = v.copy_(&(1.0 + 0.2 * v.randn_like()));
+                v.copy_(&(1.0 + 0.2 * v.randn_like()));
             }
         }
     });

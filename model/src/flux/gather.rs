@@ -34,7 +34,7 @@ pub fn merge_rows_(
     src: &Tensor,
 ) -> Result<()> {
     let n = base.size().first().copied().unwrap_or(0);
-    let _ = dst.f_narrow(0, offset, n)?.f_copy_(base)?;
+    dst.f_narrow(0, offset, n)?.f_copy_(base)?;
     scatter_rows_(dst, index, src)
 }
 

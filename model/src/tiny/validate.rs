@@ -89,7 +89,7 @@ impl Validation {
                 let sums =
                     x.f_view([BANDS as i64, -1])?
                         .f_sum_dim_intlist(1, false, Kind::Double)?;
-                Ok(Vec::<f64>::try_from(&sums).map_err(crate::error::ModelError::Torch)?)
+                Vec::<f64>::try_from(&sums).map_err(crate::error::ModelError::Torch)
             };
             let all = per_band(&err)?;
             let boxed = per_band(&err.f_mul(&self.boxes)?)?;

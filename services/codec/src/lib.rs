@@ -92,7 +92,7 @@ impl CodecConfig {
                 "model size and token pixels must be > 0".into(),
             ));
         }
-        if self.model_width % tp != 0 || self.model_height % tp != 0 {
+        if !self.model_width.is_multiple_of(tp) || !self.model_height.is_multiple_of(tp) {
             return Err(CodecError::Config(format!(
                 "model size {}x{} is not a multiple of --token-pixels {tp}",
                 self.model_width, self.model_height
