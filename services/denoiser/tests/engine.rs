@@ -139,12 +139,13 @@ async fn batch_of_two_equals_each_alone() {
     // Float reductions may order differently in a batch: allow one level of rounding.
     assert!(max_abs_diff(&batched["a2"], &alone_a["a"]) <= 1);
     assert!(max_abs_diff(&batched["b2"], &alone_b["b"]) <= 1);
-    // Every step went into the heartbeat's samples: 4 + 6 alone, then 4 shared and 2 of b2
-    // alone; full compute, so each row reports ratio 1.
+    // Every step went into the heartbeat's samples, one row per job and step: 4 + 6 alone,
+    // 4 + 6 for the pair (how many of those shared a step depends on when b2 joined, at
+    // least one did); full compute, so each row reports ratio 1.
     let samples = h.engine.take_step_samples();
     let rows: Vec<usize> = samples.iter().map(|s| s.row_ratios.len()).collect();
-    assert_eq!(rows.iter().filter(|&&r| r == 1).count(), 12, "{rows:?}");
-    assert_eq!(rows.iter().filter(|&&r| r == 2).count(), 4, "{rows:?}");
+    assert_eq!(rows.iter().sum::<usize>(), 20, "{rows:?}");
+    assert!(rows.contains(&2), "{rows:?}");
     assert!(samples
         .iter()
         .all(|s| s.seconds > 0.0 && s.row_ratios.iter().all(|&r| r == 1.0)));
