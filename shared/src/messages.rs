@@ -55,10 +55,34 @@ pub struct GenerationParams {
 pub struct PreprocessRequest {
     pub job_id: String,
     pub kind: JobKind,
-    /// Object-store keys of the raw uploaded bytes (edits only).
+    /// Object-store keys of the raw uploaded bytes (edits only; no `image_key` when
+    /// `template_image` names the image).
     pub image_key: Option<String>,
     pub mask_key: Option<String>,
     pub params: GenerationParams,
+    /// The job's image is a registered template's, read from the template bucket.
+    #[serde(default)]
+    pub template_image: Option<TemplateImage>,
+}
+
+/// The image of a job on a registered template (its capture, or an edit by `template_id`): it
+/// stays in `subjects::TEMPLATE_BUCKET` (`templates::image_key`), so the job carries no copy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateImage {
+    pub template_id: String,
+    /// What the template's capture prepared, for its edits: they then reuse the template's
+    /// model-resolution pixels instead of resizing and hashing the image again. `None` for the
+    /// capture itself, and for a template captured before the pixels were kept.
+    pub prepared: Option<PreparedTemplate>,
+}
+
+/// A template's model-resolution pixels as its capture stored them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PreparedTemplate {
+    /// Template-bucket key of the pixels (`templates::prepared_image_key`).
+    pub key: String,
+    /// Their content hash (`PreparedInputs::template_id` of the capture).
+    pub content_hash: String,
 }
 
 /// Model-resolution inputs the codec prepared, stored in the object store.
@@ -66,6 +90,10 @@ pub struct PreprocessRequest {
 pub struct PreparedInputs {
     /// Key of the model-resolution image (RGB u8, `model_height * model_width * 3`), edits only.
     pub image_key: Option<String>,
+    /// The same image's key in `subjects::TEMPLATE_BUCKET` instead, for jobs on a registered
+    /// template (the template's pixels, kept with it).
+    #[serde(default)]
+    pub template_image_key: Option<String>,
     /// Key of the latent-token mask (one u8 per image token, 1 = repaint), edits only.
     pub token_mask_key: Option<String>,
     /// Fraction of image tokens that are repainted (1.0 for generations).
@@ -115,7 +143,9 @@ pub struct DenoiseJob {
     pub kind: JobKind,
     pub params: GenerationParams,
     pub inputs: PreparedInputs,
-    /// Object-store keys of the raw uploads, for compositing at the input size.
+    /// Object-store keys of the raw uploads, for compositing at the input size. An edit of a
+    /// registered template has no `raw_image_key`: its image is the template's
+    /// (`templates::image_key` of `template`).
     pub raw_image_key: Option<String>,
     pub raw_mask_key: Option<String>,
     /// How many times this job was placed already (retries after a denoiser loss).
@@ -313,6 +343,7 @@ mod tests {
     fn prepared() -> PreparedInputs {
         PreparedInputs {
             image_key: Some("job/prepared-image".into()),
+            template_image_key: None,
             token_mask_key: Some("job/token-mask".into()),
             mask_ratio: 0.25,
             masked_tokens: 64,
@@ -404,6 +435,7 @@ mod tests {
         let back: PreparedInputs = decode(&encode(&old).unwrap()).unwrap();
         assert_eq!(back.model_width, 0);
         assert_eq!(back.template_id, None);
+        assert_eq!(back.template_image_key, None);
         assert_eq!(back.input_width, 8);
     }
 

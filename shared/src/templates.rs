@@ -6,9 +6,37 @@
 //! all blocks of that step, plus `<cache_key>/meta` (JSON [`CacheMeta`]). One entry per step keeps
 //! the number of round trips at `steps`, while the denoiser still streams blocks to the engine one
 //! at a time from its local copy.
+//!
+//! A template's images live in `subjects::TEMPLATE_BUCKET` for as long as the template does: the
+//! upload ([`image_key`]) and, from its capture on, its model-resolution pixels
+//! ([`prepared_image_key`]). Jobs on a template read them there by key, so no job copies them.
+use std::time::Duration;
+
 use crate::messages::TemplateRef;
+use crate::nats::BlobBucketConfig;
+use crate::subjects::TEMPLATE_BUCKET;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+
+/// The template bucket (records' images; nothing in it expires: a template's objects go when it
+/// is deleted).
+pub fn bucket_config() -> BlobBucketConfig {
+    BlobBucketConfig {
+        bucket: TEMPLATE_BUCKET.to_string(),
+        max_age: Duration::ZERO,
+    }
+}
+
+/// Template-bucket key of a template's uploaded image.
+pub fn image_key(template_id: &str) -> String {
+    format!("{template_id}/image")
+}
+
+/// Template-bucket key of a template's model-resolution pixels (packed RGB u8), which the codec
+/// writes when it prepares the template's capture and its edits read instead of a copy.
+pub fn prepared_image_key(template_id: &str) -> String {
+    format!("{template_id}/prepared-image.rgb")
+}
 
 /// Everything that changes a template's activations, hashed into its cache key.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -126,6 +126,7 @@ pub fn generation_job(
         },
         inputs: PreparedInputs {
             image_key: None,
+            template_image_key: None,
             token_mask_key: None,
             mask_ratio: 1.0,
             masked_tokens: 256,

@@ -1,8 +1,9 @@
 //! Templates over the whole mesh (NATS, codec, router, a denoiser with the tiny model,
 //! cachestore, gateway): register `docs/examples/template.png`, see its cache in the cachestore's
 //! tiers, run 20 edits with different masks at once by `template_id` (each at the template's
-//! size with its unmasked pixels exactly the template's, the cache read rather than recomputed),
-//! and delete it (record, image and every cache entry gone).
+//! size with its unmasked pixels exactly the template's, the cache read rather than recomputed,
+//! no copy of the template's image made), and delete it (record, images and every cache entry
+//! gone).
 use std::path::Path;
 use std::time::Duration;
 
@@ -10,12 +11,15 @@ use diffmesh_shared::cachestore::{
     locate_subject, template_keys, CacheLocate, CacheLocateReply, KeyLocation,
 };
 use diffmesh_shared::nats::request_msgpack;
+use diffmesh_shared::subjects::{BLOB_BUCKET, TEMPLATE_BUCKET};
+use diffmesh_shared::templates::{image_key, prepared_image_key};
 use diffmesh_tests::harness::{
     init_test_logging, scrape_metrics, start_cachestore, start_codec, start_denoiser,
     start_gateway, start_router, tiny_model_dir, NatsServer, Service,
 };
 use diffmesh_tests::images::{decode_b64_images, png_bytes};
 use futures::future::join_all;
+use futures::StreamExt;
 use image::{DynamicImage, GenericImageView, GrayImage, Luma, RgbImage};
 use reqwest::multipart::{Form, Part};
 use serde_json::Value;
@@ -118,6 +122,22 @@ impl Mesh {
             (Some(w.into()), Some(h.into()))
         );
         (id, cache_key)
+    }
+
+    /// Names of the objects in a bucket (listing an empty bucket never ends: each next name is
+    /// waited for at most 5 s).
+    async fn object_names(&self, bucket: &str) -> Vec<String> {
+        let client = async_nats::connect(self.nats.url()).await.unwrap();
+        let store = async_nats::jetstream::new(client)
+            .get_object_store(bucket)
+            .await
+            .unwrap();
+        let mut list = store.list().await.unwrap();
+        let mut names = Vec::new();
+        while let Ok(Some(info)) = tokio::time::timeout(Duration::from_secs(5), list.next()).await {
+            names.push(info.unwrap().name);
+        }
+        names
     }
 
     fn url(&self, path: &str) -> String {
@@ -262,6 +282,11 @@ async fn register_edit_concurrently_and_delete_a_template() {
     assert_eq!(body["error"]["field"], "image");
 
     let (id, cache_key) = mesh.register(&template_png, (w, h)).await;
+    // The template keeps its image and the model-resolution pixels its capture prepared.
+    let kept = mesh.object_names(TEMPLATE_BUCKET).await;
+    for key in [image_key(&id), prepared_image_key(&id)] {
+        assert!(kept.contains(&key), "{key} not in {kept:?}");
+    }
 
     // GET: ready, every entry (meta + one per step) in the cachestore, at least in the cluster
     // tier (writes go through to it).
@@ -320,6 +345,17 @@ async fn register_edit_concurrently_and_delete_a_template() {
         .map(|(i, m)| mesh.edit(edit_form(&id, m, 100 + i)));
     let results = join_all(edits).await;
     assert_unmasked_exact(&results, &masks, &template_rgb);
+    // They named the template's image: no job copied it (or its pixels) into the job blobs.
+    let blobs = mesh.object_names(BLOB_BUCKET).await;
+    assert!(
+        blobs.iter().any(|n| n.ends_with("/token-mask.u8")),
+        "the listing found the edits' blobs: {blobs:?}"
+    );
+    let copies: Vec<_> = blobs
+        .iter()
+        .filter(|n| n.ends_with("/image") || n.ends_with("/prepared-image.rgb"))
+        .collect();
+    assert!(copies.is_empty(), "copies of the template: {copies:?}");
 
     // The cache was read, not recomputed: the denoiser stepped rows mask-aware, and the cache
     // came from its local tier or the cachestore (which the router asked to prefetch it).
@@ -399,6 +435,13 @@ async fn register_edit_concurrently_and_delete_a_template() {
         (404, &Value::from("template_id")),
         "{body}"
     );
+    let left: Vec<_> = mesh
+        .object_names(TEMPLATE_BUCKET)
+        .await
+        .into_iter()
+        .filter(|n| n.starts_with(&format!("{id}/")))
+        .collect();
+    assert!(left.is_empty(), "the deleted template left {left:?}");
     for loc in mesh.locate(&cache_key).await {
         assert!(
             loc.tiers.is_empty(),

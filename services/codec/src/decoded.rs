@@ -1,8 +1,9 @@
 //! Decoded template images kept by content. Every edit decodes its template twice (pre: to
 //! stretch it to the model resolution; post: to composite the output onto it), and the edits of
 //! a registered template, or repeated uploads of one photo, bring the same bytes each time: the
-//! cache decodes those once. Keyed by the SHA-256 of the upload, so a hit is the very image the
-//! bytes decode to; only successful decodes are kept (a bad upload fails every time, with its
+//! cache decodes those once. An upload is keyed by its SHA-256, so a hit is the very image the
+//! bytes decode to; a registered template's image by its id (`template_key`), so its edits need
+//! not even read it. Only successful decodes are kept (a bad upload fails every time, with its
 //! field error). Masks are not cached: they differ per edit.
 use std::sync::Arc;
 
@@ -45,19 +46,57 @@ impl DecodedImages {
         field: &str,
         max_pixels: u64,
     ) -> Result<Arc<DynamicImage>, FieldError> {
-        let Some(cache) = &self.cache else {
-            return imaging::decode_upload(bytes, field, max_pixels).map(Arc::new);
-        };
         let key: [u8; 32] = Sha256::digest(bytes).into();
-        if let Some(image) = cache.get(&key) {
-            self.lookups.with_label_values(&["hit"]).inc();
-            // The limit holds for a hit too (a caller may pass a lower one than the miss did).
-            imaging::check_pixel_count(field, image.width(), image.height(), max_pixels)?;
-            return Ok(image);
+        match self.cached(&key, field, max_pixels)? {
+            Some(image) => Ok(image),
+            None => self.decode_as(key, bytes, field, max_pixels),
         }
-        self.lookups.with_label_values(&["miss"]).inc();
+    }
+
+    /// Cache key of a registered template's image: its id stands for its bytes (a template's
+    /// image is written once, at registration, and never replaced), so a hit needs no read of
+    /// the image at all. Prefixed, so it cannot be the digest of an upload.
+    pub fn template_key(template_id: &str) -> [u8; 32] {
+        Sha256::digest(format!("template-image:{template_id}")).into()
+    }
+
+    /// The image kept under `key` (a hit), or `None` (a miss; always `None` when the cache is
+    /// off). The pixel limit holds for a hit too (a caller may pass a lower one than the miss
+    /// did).
+    pub fn cached(
+        &self,
+        key: &[u8; 32],
+        field: &str,
+        max_pixels: u64,
+    ) -> Result<Option<Arc<DynamicImage>>, FieldError> {
+        let Some(cache) = &self.cache else {
+            return Ok(None);
+        };
+        match cache.get(key) {
+            Some(image) => {
+                self.lookups.with_label_values(&["hit"]).inc();
+                imaging::check_pixel_count(field, image.width(), image.height(), max_pixels)?;
+                Ok(Some(image))
+            }
+            None => {
+                self.lookups.with_label_values(&["miss"]).inc();
+                Ok(None)
+            }
+        }
+    }
+
+    /// Decode `bytes` and keep the image under `key` (only successful decodes are kept).
+    pub fn decode_as(
+        &self,
+        key: [u8; 32],
+        bytes: &[u8],
+        field: &str,
+        max_pixels: u64,
+    ) -> Result<Arc<DynamicImage>, FieldError> {
         let image = Arc::new(imaging::decode_upload(bytes, field, max_pixels)?);
-        cache.insert(key, image.clone());
+        if let Some(cache) = &self.cache {
+            cache.insert(key, image.clone());
+        }
         Ok(image)
     }
 }

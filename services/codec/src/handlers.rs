@@ -1,9 +1,15 @@
 //! Pre- and post-processing of one job: fetch blobs, do the image work on the blocking pool,
 //! store the results, and build the reply message.
+//!
+//! A job on a registered template (its capture, or an edit by `template_id`) reads the template's
+//! image from the template bucket, through the decoded-image cache keyed by the template's id: the
+//! edits of a template neither copy nor re-read its image. The capture keeps the template's
+//! model-resolution pixels there too, so its edits skip the resize and the content hash.
 use diffmesh_shared::messages::{
-    FieldError, JobKind, PostprocessRequest, PreparedInputs, PreprocessRequest,
+    FieldError, JobKind, PostprocessRequest, PreparedInputs, PreparedTemplate, PreprocessRequest,
 };
 use diffmesh_shared::nats::{blob_key, BlobStore};
+use diffmesh_shared::templates;
 use diffmesh_shared::MeshError;
 use image::DynamicImage;
 use sha2::{Digest, Sha256};
@@ -17,6 +23,8 @@ use crate::imaging::{self, PixelMask, TokenGrid};
 #[derive(Clone)]
 pub struct Codec {
     pub blobs: BlobStore,
+    /// Registered templates' images (`subjects::TEMPLATE_BUCKET`).
+    pub templates: BlobStore,
     pub grid: TokenGrid,
     pub max_pixels: u64,
     pub max_blob_bytes: usize,
@@ -34,8 +42,14 @@ pub fn result_name(i: usize) -> String {
     format!("result-{i}.png")
 }
 
+/// An edit's model-resolution image: kept with its template, or made for this job.
+enum EditImage {
+    Kept(PreparedTemplate),
+    Made { rgb: Vec<u8>, content_hash: String },
+}
+
 struct PreparedEdit {
-    model_rgb: Vec<u8>,
+    image: EditImage,
     tokens: Vec<u8>,
     masked_tokens: u32,
     width: u32,
@@ -43,10 +57,16 @@ struct PreparedEdit {
 }
 
 impl Codec {
-    /// Fetch an upload, turning "too large" into a field error (the gateway caps uploads too,
-    /// this guards the codec against anything else that writes the bucket).
-    async fn fetch_upload(&self, key: &str, field: &str) -> Result<Vec<u8>, CodecError> {
-        match self.blobs.get_limited(key, self.max_blob_bytes).await {
+    /// Fetch an upload (or a template's image), turning "too large" into a field error (the
+    /// gateway caps uploads too, this guards the codec against anything else that writes the
+    /// bucket).
+    async fn fetch_upload(
+        &self,
+        store: &BlobStore,
+        key: &str,
+        field: &str,
+    ) -> Result<Vec<u8>, CodecError> {
+        match store.get_limited(key, self.max_blob_bytes).await {
             Err(MeshError::BlobTooLarge { size, limit, .. }) => Err(FieldError::invalid(
                 field,
                 format!("upload is {size} bytes, above the limit of {limit}"),
@@ -56,21 +76,47 @@ impl Codec {
         }
     }
 
-    async fn fetch_edit_inputs(
+    async fn fetch_mask(&self, mask_key: Option<&str>) -> Result<Option<Vec<u8>>, CodecError> {
+        match mask_key {
+            Some(key) => Ok(Some(self.fetch_upload(&self.blobs, key, "mask").await?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The decoded image of an edit or a capture: the upload under `image_key` if there is one,
+    /// else the registered template's.
+    async fn job_image(
         &self,
         image_key: Option<&str>,
-        mask_key: Option<&str>,
-    ) -> Result<(Vec<u8>, Option<Vec<u8>>), CodecError> {
-        let image_key = image_key.ok_or_else(|| CodecError::BadMessage {
-            sender: "gateway",
-            message: "edit without image_key".into(),
-        })?;
-        let image = self.fetch_upload(image_key, "image").await?;
-        let mask = match mask_key {
-            Some(key) => Some(self.fetch_upload(key, "mask").await?),
-            None => None,
+        template_id: Option<&str>,
+    ) -> Result<Arc<DynamicImage>, CodecError> {
+        let (decoded, max_pixels) = (self.decoded.clone(), self.max_pixels);
+        if let Some(key) = image_key {
+            let bytes = self.fetch_upload(&self.blobs, key, "image").await?;
+            return Ok(tokio::task::spawn_blocking(move || {
+                decoded.decode(&bytes, "image", max_pixels)
+            })
+            .await??);
+        }
+        let Some(template_id) = template_id else {
+            return Err(CodecError::BadMessage {
+                sender: "gateway",
+                message: "an edit needs an image key or a template".into(),
+            });
         };
-        Ok((image, mask))
+        let key = DecodedImages::template_key(template_id);
+        if let Some(image) = self.decoded.cached(&key, "image", max_pixels)? {
+            return Ok(image);
+        }
+        let bytes = self
+            .fetch_upload(&self.templates, &templates::image_key(template_id), "image")
+            .await?;
+        Ok(
+            tokio::task::spawn_blocking(move || {
+                decoded.decode_as(key, &bytes, "image", max_pixels)
+            })
+            .await??,
+        )
     }
 
     /// Validate and prepare a job's inputs at the model resolution.
@@ -78,6 +124,7 @@ impl Codec {
         let grid = self.grid;
         let base = PreparedInputs {
             image_key: None,
+            template_image_key: None,
             token_mask_key: None,
             mask_ratio: 1.0,
             masked_tokens: grid.tokens(),
@@ -94,12 +141,17 @@ impl Codec {
             JobKind::Capture => return self.prepare_capture(req, base).await,
             JobKind::Edit => {}
         }
-        let (image, mask) = self
-            .fetch_edit_inputs(req.image_key.as_deref(), req.mask_key.as_deref())
+        let template = req.template_image.as_ref();
+        let image = self
+            .job_image(
+                req.image_key.as_deref(),
+                template.map(|t| t.template_id.as_str()),
+            )
             .await?;
-        let (max_pixels, decoded) = (self.max_pixels, self.decoded.clone());
+        let mask = self.fetch_mask(req.mask_key.as_deref()).await?;
+        let kept = template.and_then(|t| t.prepared.clone());
+        let max_pixels = self.max_pixels;
         let prepared = tokio::task::spawn_blocking(move || -> Result<PreparedEdit, FieldError> {
-            let image = decoded.decode(&image, "image", max_pixels)?;
             let mask = match mask {
                 Some(bytes) => Some(imaging::decode_upload(&bytes, "mask", max_pixels)?),
                 None => None,
@@ -112,8 +164,16 @@ impl Codec {
                 ));
             }
             let tokens = imaging::token_mask(&pixel_mask, grid);
+            let image_out = match kept {
+                Some(kept) => EditImage::Kept(kept),
+                None => {
+                    let rgb = imaging::to_model_rgb(&image, grid);
+                    let content_hash = hex_sha256(&rgb);
+                    EditImage::Made { rgb, content_hash }
+                }
+            };
             Ok(PreparedEdit {
-                model_rgb: imaging::to_model_rgb(&image, grid),
+                image: image_out,
                 masked_tokens: tokens.iter().map(|&t| u32::from(t)).sum(),
                 tokens,
                 width: image.width(),
@@ -122,25 +182,34 @@ impl Codec {
         })
         .await??;
 
-        let image_key = blob_key(&req.job_id, PREPARED_IMAGE);
         let mask_key = blob_key(&req.job_id, TOKEN_MASK);
-        self.blobs.put(&image_key, &prepared.model_rgb).await?;
         self.blobs.put(&mask_key, &prepared.tokens).await?;
+        let (image_key, template_image_key, content_hash) = match prepared.image {
+            EditImage::Kept(kept) => (None, Some(kept.key), kept.content_hash),
+            EditImage::Made { rgb, content_hash } => {
+                let key = blob_key(&req.job_id, PREPARED_IMAGE);
+                self.blobs.put(&key, &rgb).await?;
+                (Some(key), None, content_hash)
+            }
+        };
         Ok(PreparedInputs {
-            image_key: Some(image_key),
+            image_key,
+            template_image_key,
             token_mask_key: Some(mask_key),
             mask_ratio: prepared.masked_tokens as f32 / grid.tokens() as f32,
             masked_tokens: prepared.masked_tokens,
             input_width: prepared.width,
             input_height: prepared.height,
-            template_id: Some(hex_sha256(&prepared.model_rgb)),
+            template_id: Some(content_hash),
             ..base
         })
     }
 
     /// A template registration: the image alone (no mask, every token computed), stretched to
     /// the model resolution and hashed exactly as an edit of the same image is, so the capture
-    /// and the template's edits agree on `template_id`.
+    /// and the template's edits agree on `template_id`. A registered template's pixels are kept
+    /// with it (template bucket) for its edits; without `template_image` (an older gateway) they
+    /// go with the job.
     async fn prepare_capture(
         &self,
         req: &PreprocessRequest,
@@ -152,27 +221,36 @@ impl Codec {
                 message: "a capture takes no mask".into(),
             });
         }
-        let (image, _) = self
-            .fetch_edit_inputs(req.image_key.as_deref(), None)
+        let template_id = req.template_image.as_ref().map(|t| t.template_id.as_str());
+        let image = self
+            .job_image(req.image_key.as_deref(), template_id)
             .await?;
-        let (grid, max_pixels, decoded) = (self.grid, self.max_pixels, self.decoded.clone());
-        let (model_rgb, width, height) =
-            tokio::task::spawn_blocking(move || -> Result<_, FieldError> {
-                let image = decoded.decode(&image, "image", max_pixels)?;
-                Ok((
-                    imaging::to_model_rgb(&image, grid),
-                    image.width(),
-                    image.height(),
-                ))
-            })
-            .await??;
-        let image_key = blob_key(&req.job_id, PREPARED_IMAGE);
-        self.blobs.put(&image_key, &model_rgb).await?;
+        let (width, height) = (image.width(), image.height());
+        let grid = self.grid;
+        let (model_rgb, content_hash) = tokio::task::spawn_blocking(move || {
+            let rgb = imaging::to_model_rgb(&image, grid);
+            let hash = hex_sha256(&rgb);
+            (rgb, hash)
+        })
+        .await?;
+        let (image_key, template_image_key) = match template_id {
+            Some(id) => {
+                let key = templates::prepared_image_key(id);
+                self.templates.put(&key, &model_rgb).await?;
+                (None, Some(key))
+            }
+            None => {
+                let key = blob_key(&req.job_id, PREPARED_IMAGE);
+                self.blobs.put(&key, &model_rgb).await?;
+                (Some(key), None)
+            }
+        };
         Ok(PreparedInputs {
-            image_key: Some(image_key),
+            image_key,
+            template_image_key,
             input_width: width,
             input_height: height,
-            template_id: Some(hex_sha256(&model_rgb)),
+            template_id: Some(content_hash),
             ..base
         })
     }
@@ -191,23 +269,21 @@ impl Codec {
             outputs.push(self.blobs.get(key).await?);
         }
         let template = match job.kind {
-            JobKind::Edit => Some(
-                self.fetch_edit_inputs(job.raw_image_key.as_deref(), job.raw_mask_key.as_deref())
-                    .await?,
-            ),
+            JobKind::Edit => {
+                let template_id = job.template.as_ref().map(|t| t.template_id.as_str());
+                let image = self
+                    .job_image(job.raw_image_key.as_deref(), template_id)
+                    .await?;
+                Some((image, self.fetch_mask(job.raw_mask_key.as_deref()).await?))
+            }
             JobKind::Generate | JobKind::Capture => None,
         };
         let (mw, mh) = (req.model_width, req.model_height);
         let (w, h) = (job.inputs.input_width, job.inputs.input_height);
-        let (max_pixels, decoded) = (self.max_pixels, self.decoded.clone());
+        let max_pixels = self.max_pixels;
         let pngs = tokio::task::spawn_blocking(move || -> Result<Vec<Vec<u8>>, CodecError> {
             let template = match template {
-                Some((image, mask)) => Some(decode_template(
-                    &decoded,
-                    &image,
-                    mask.as_deref(),
-                    max_pixels,
-                )?),
+                Some((image, mask)) => Some(with_repaint_mask(image, mask.as_deref(), max_pixels)?),
                 None => None,
             };
             let mut pngs = Vec::with_capacity(outputs.len());
@@ -242,13 +318,12 @@ impl Codec {
     }
 }
 
-fn decode_template(
-    decoded: &DecodedImages,
-    image: &[u8],
+/// The template image with the pixels its edit repainted (from the mask, or the image's alpha).
+fn with_repaint_mask(
+    image: Arc<DynamicImage>,
     mask: Option<&[u8]>,
     max_pixels: u64,
 ) -> Result<(Arc<DynamicImage>, PixelMask), FieldError> {
-    let image = decoded.decode(image, "image", max_pixels)?;
     let mask = match mask {
         Some(bytes) => Some(imaging::decode_upload(bytes, "mask", max_pixels)?),
         None => None,

@@ -158,6 +158,7 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
     let client = nats::connect(&config.common.nats_url, "diffmesh-codec", connect_timeout).await?;
     let js = async_nats::jetstream::new(client.clone());
     let blobs = BlobStore::open(&js).await?;
+    let templates = BlobStore::open_with(&js, &diffmesh_shared::templates::bucket_config()).await?;
 
     let pre = client
         .queue_subscribe(CODEC_PRE, CODEC_QUEUE.to_string())
@@ -189,6 +190,7 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
         request_timeout: Duration::from_secs(config.request_timeout_s.max(1)),
         codec: Codec {
             blobs,
+            templates,
             grid,
             max_pixels: config.max_pixels,
             max_blob_bytes: config.max_blob_bytes,

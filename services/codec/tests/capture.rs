@@ -1,14 +1,19 @@
 //! Capture preprocessing over a real nats-server: a template is prepared without a mask (every
 //! token computed) and hashed exactly like an edit of the same image, so the capture's cache
-//! and the template's edits share one `template_id`.
+//! and the template's edits share one `template_id`; a registered template's image and pixels
+//! are read where the template keeps them, never copied per edit.
 use std::io::Cursor;
 
 use diffmesh_codec::decoded::DecodedImages;
 use diffmesh_codec::handlers::{Codec, PREPARED_IMAGE};
 use diffmesh_codec::imaging::TokenGrid;
 use diffmesh_codec::CodecError;
-use diffmesh_shared::messages::{GenerationParams, JobKind, PreprocessRequest};
+use diffmesh_shared::messages::{
+    DenoiseJob, GenerationParams, JobKind, PostprocessRequest, PreparedTemplate, PreprocessRequest,
+    TemplateImage, TemplateRef,
+};
 use diffmesh_shared::nats::{blob_key, BlobStore};
+use diffmesh_shared::templates::{bucket_config, image_key, prepared_image_key};
 use diffmesh_shared::testing::NatsServer;
 use image::{DynamicImage, GrayImage, ImageFormat, Luma, Rgb, RgbImage};
 
@@ -37,19 +42,15 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
             width: 30,
             height: 20,
         },
+        template_image: None,
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn capture_is_prepared_without_mask_and_hashed_like_edits() {
-    let nats = NatsServer::start();
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let blobs = BlobStore::open(&async_nats::jetstream::new(client))
-        .await
-        .unwrap();
-    let lookups = decoded_lookups();
-    let codec = Codec {
+/// A codec with a 16x16 model resolution (4x4 tokens) over the two buckets.
+fn codec(blobs: &BlobStore, templates: &BlobStore, lookups: &prometheus::IntCounterVec) -> Codec {
+    Codec {
         blobs: blobs.clone(),
+        templates: templates.clone(),
         grid: TokenGrid {
             model_width: 16,
             model_height: 16,
@@ -58,15 +59,41 @@ async fn capture_is_prepared_without_mask_and_hashed_like_edits() {
         max_pixels: 1 << 20,
         max_blob_bytes: 1 << 20,
         decoded: DecodedImages::new(1 << 20, lookups.clone()),
-    };
-    let image = DynamicImage::ImageRgb8(RgbImage::from_fn(30, 20, |x, y| {
+    }
+}
+
+fn template_image() -> DynamicImage {
+    DynamicImage::ImageRgb8(RgbImage::from_fn(30, 20, |x, y| {
         Rgb([(x * 8) as u8, (y * 12) as u8, (x ^ y) as u8])
-    }));
-    let mask = DynamicImage::ImageLuma8(GrayImage::from_fn(30, 20, |x, _| {
+    }))
+}
+
+/// Repaint the left 5 columns.
+fn left_mask() -> DynamicImage {
+    DynamicImage::ImageLuma8(GrayImage::from_fn(30, 20, |x, _| {
         Luma([if x < 5 { 255 } else { 0 }])
-    }));
-    blobs.put("upload/image", &png(&image)).await.unwrap();
-    blobs.put("upload/mask", &png(&mask)).await.unwrap();
+    }))
+}
+
+async fn buckets(nats: &NatsServer) -> (BlobStore, BlobStore) {
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let blobs = BlobStore::open(&js).await.unwrap();
+    let templates = BlobStore::open_with(&js, &bucket_config()).await.unwrap();
+    (blobs, templates)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capture_is_prepared_without_mask_and_hashed_like_edits() {
+    let nats = NatsServer::start();
+    let (blobs, templates) = buckets(&nats).await;
+    let lookups = decoded_lookups();
+    let codec = codec(&blobs, &templates, &lookups);
+    blobs
+        .put("upload/image", &png(&template_image()))
+        .await
+        .unwrap();
+    blobs.put("upload/mask", &png(&left_mask())).await.unwrap();
 
     let capture = codec
         .preprocess(&request("cap", JobKind::Capture, None))
@@ -108,4 +135,140 @@ async fn capture_is_prepared_without_mask_and_hashed_like_edits() {
         Err(CodecError::Invalid(field)) => assert_eq!(field.field, "image"),
         other => panic!("expected an invalid image, got {other:?}"),
     }
+}
+
+/// A registered template (its image in the template bucket): the capture keeps its
+/// model-resolution pixels there; an edit names them and reads the image through the decoded
+/// cache by the template's id, so it neither copies nor re-reads either. A template captured
+/// before the pixels were kept still edits (they are made for the job), with the same hash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registered_templates_jobs_read_its_image_where_it_is_kept() {
+    let nats = NatsServer::start();
+    let (blobs, templates) = buckets(&nats).await;
+    let lookups = decoded_lookups();
+    let codec = codec(&blobs, &templates, &lookups);
+    let count = |outcome: &str| lookups.with_label_values(&[outcome]).get();
+    let image = template_image();
+    templates.put(&image_key("t1"), &png(&image)).await.unwrap();
+    blobs.put("e1/mask", &png(&left_mask())).await.unwrap();
+    let on_template = |job_id: &str, kind, mask: Option<&str>, prepared| PreprocessRequest {
+        image_key: None,
+        template_image: Some(TemplateImage {
+            template_id: "t1".into(),
+            prepared,
+        }),
+        ..request(job_id, kind, mask.map(str::to_string))
+    };
+
+    let capture = codec
+        .preprocess(&on_template("cap", JobKind::Capture, None, None))
+        .await
+        .unwrap();
+    let kept_key = prepared_image_key("t1");
+    assert_eq!(capture.image_key, None);
+    assert_eq!(
+        capture.template_image_key.as_deref(),
+        Some(kept_key.as_str())
+    );
+    let kept = templates.get(&kept_key).await.unwrap();
+    assert_eq!(kept.len(), 16 * 16 * 3);
+    assert!(blobs.get(&blob_key("cap", PREPARED_IMAGE)).await.is_err());
+    let content_hash = capture.template_id.clone().unwrap();
+    assert_eq!((count("miss"), count("hit")), (1, 0));
+
+    // Templates' images are never re-read while cached: remove it from the bucket to prove it.
+    templates.delete(&image_key("t1")).await.unwrap();
+    let prepared = PreparedTemplate {
+        key: kept_key.clone(),
+        content_hash: content_hash.clone(),
+    };
+    let edit = codec
+        .preprocess(&on_template(
+            "e1",
+            JobKind::Edit,
+            Some("e1/mask"),
+            Some(prepared),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        edit.image_key, None,
+        "an edit of a kept template copies no pixels"
+    );
+    assert_eq!(edit.template_image_key.as_deref(), Some(kept_key.as_str()));
+    assert_eq!(edit.template_id.as_deref(), Some(content_hash.as_str()));
+    assert_eq!((edit.input_width, edit.input_height), (30, 20));
+    assert!(edit.mask_ratio > 0.0 && edit.mask_ratio < 1.0);
+    assert_eq!((count("miss"), count("hit")), (1, 1));
+
+    // Captured before the pixels were kept: the edit makes them, hashed as the capture's were.
+    let legacy = codec
+        .preprocess(&on_template("e2", JobKind::Edit, Some("e1/mask"), None))
+        .await
+        .unwrap();
+    assert_eq!(legacy.template_image_key, None);
+    let made = blobs
+        .get(legacy.image_key.as_deref().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(made, kept);
+    assert_eq!(legacy.template_id.as_deref(), Some(content_hash.as_str()));
+    assert_eq!((count("miss"), count("hit")), (1, 2));
+
+    // Post: the edit is composited onto the template's own pixels, read from the cache.
+    let output = vec![7u8; 16 * 16 * 3];
+    blobs.put("e1/out-0", &output).await.unwrap();
+    let template = TemplateRef {
+        template_id: "t1".into(),
+        prompt: String::new(),
+        seed: 1,
+        steps: 4,
+        guidance_scale: 1.0,
+        cache_key: String::new(),
+    };
+    let job = DenoiseJob {
+        job_id: "e1".into(),
+        kind: JobKind::Edit,
+        params: request("e1", JobKind::Edit, None).params,
+        inputs: edit,
+        raw_image_key: None,
+        raw_mask_key: Some("e1/mask".into()),
+        attempt: 0,
+        template: Some(template),
+    };
+    let keys = codec
+        .postprocess(&PostprocessRequest {
+            job,
+            output_keys: vec!["e1/out-0".into()],
+            model_width: 16,
+            model_height: 16,
+        })
+        .await
+        .unwrap();
+    let result = image::load_from_memory(&blobs.get(&keys[0]).await.unwrap())
+        .unwrap()
+        .to_rgb8();
+    let original = image.to_rgb8();
+    assert_eq!(result.dimensions(), (30, 20));
+    for (x, y, pixel) in result.enumerate_pixels() {
+        if x >= 5 {
+            assert_eq!(pixel, original.get_pixel(x, y), "unmasked pixel ({x}, {y})");
+        }
+    }
+    assert_eq!(result.get_pixel(0, 0), &Rgb([7, 7, 7]), "a repainted pixel");
+    assert_eq!((count("miss"), count("hit")), (1, 3));
+
+    // The same image uploaded with the same mask prepares the same tokens and hash.
+    blobs.put("upload/image", &png(&image)).await.unwrap();
+    let upload = codec
+        .preprocess(&request("u1", JobKind::Edit, Some("e1/mask".into())))
+        .await
+        .unwrap();
+    assert_eq!(upload.masked_tokens, legacy.masked_tokens);
+    assert_eq!(upload.template_id.as_deref(), Some(content_hash.as_str()));
+    let tokens = |p: &diffmesh_shared::messages::PreparedInputs| p.token_mask_key.clone().unwrap();
+    assert_eq!(
+        blobs.get(&tokens(&upload)).await.unwrap(),
+        blobs.get(&tokens(&legacy)).await.unwrap()
+    );
 }

@@ -340,6 +340,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
             timeout: Duration::from_millis(config.cachestore_timeout_ms),
         },
         settings: cache_settings,
+        images: BlobStore::open_with(&js, &diffmesh_shared::templates::bucket_config()).await?,
     };
     let (engine, engine_thread) = spawn_engine(
         model,

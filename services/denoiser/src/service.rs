@@ -43,11 +43,15 @@ pub struct Service {
     pub templates: Templates,
 }
 
-/// Template caches on this denoiser: the local tier, the cachestore client, the cache settings.
+/// Template caches on this denoiser: the local tier, the cachestore client, the cache settings,
+/// and the templates' own pixels.
 pub struct Templates {
     pub local: LocalTier,
     pub store: CacheClient,
     pub settings: CacheSettings,
+    /// Registered templates' images (`subjects::TEMPLATE_BUCKET`): a job on a template reads its
+    /// model-resolution pixels there (`inputs.template_image_key`).
+    pub images: BlobStore,
 }
 
 /// Sets a template slot to "unavailable" unless it was filled: a fetch that fails or panics
@@ -371,16 +375,17 @@ impl Service {
         if job.kind == JobKind::Generate {
             return Ok(None);
         }
-        let image_key = job
-            .inputs
-            .image_key
-            .as_deref()
-            .ok_or("edit job without `inputs.image_key`")?;
-        let template_rgb = self
-            .blobs
+        // A registered template's pixels are kept with it; an upload's come with the job.
+        let (store, field, image_key) =
+            match (&job.inputs.template_image_key, &job.inputs.image_key) {
+                (Some(key), _) => (&self.templates.images, "inputs.template_image_key", key),
+                (None, Some(key)) => (&self.blobs, "inputs.image_key", key),
+                (None, None) => return Err("edit job without `inputs.image_key`".into()),
+            };
+        let template_rgb = store
             .get_limited(image_key, MAX_INPUT_BYTES)
             .await
-            .map_err(|e| format!("reading `inputs.image_key` {image_key}: {e}"))?;
+            .map_err(|e| format!("reading `{field}` {image_key}: {e}"))?;
         if job.kind == JobKind::Capture {
             return Ok(Some(EditInputs {
                 template_rgb,

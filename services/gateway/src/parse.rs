@@ -15,7 +15,7 @@ use serde_json::Value;
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::idempotency;
-use crate::pipeline::JobInput;
+use crate::pipeline::{InputImage, JobInput};
 use crate::routes::ApiState;
 use crate::validate::{self, RawParams};
 
@@ -101,7 +101,7 @@ pub async fn read_edit(
         input: JobInput {
             kind: JobKind::Edit,
             valid,
-            image: Some(image),
+            image: Some(InputImage::Upload(image)),
             mask,
             template: None,
         },

@@ -13,7 +13,7 @@ use diffmesh_shared::job::{
 };
 use diffmesh_shared::messages::{
     decode, error_types, CancelJob, DenoiseJob, JobEvent, JobKind, PreparedInputs, PreprocessReply,
-    PreprocessRequest, SubmitReply, TemplateRef,
+    PreprocessRequest, SubmitReply, TemplateImage, TemplateRef,
 };
 use diffmesh_shared::nats::{blob_key, publish_msgpack, request_msgpack_job, BlobStore};
 use diffmesh_shared::subjects::{job_events, CODEC_PRE, ROUTER_CANCEL, ROUTER_SUBMIT};
@@ -63,10 +63,18 @@ pub struct Mesh {
 pub struct JobInput {
     pub kind: JobKind,
     pub valid: ValidParams,
-    pub image: Option<Vec<u8>>,
+    pub image: Option<InputImage>,
     pub mask: Option<Vec<u8>>,
     /// The registered template an edit reads or a capture records (`templates`).
     pub template: Option<TemplateRef>,
+}
+
+/// Where an edit's or a capture's image is.
+pub enum InputImage {
+    /// Uploaded with the request: stored as the job's blob.
+    Upload(Vec<u8>),
+    /// A registered template's: it stays in the template bucket, the job names it.
+    Template(TemplateImage),
 }
 
 /// A job whose record exists and whose inputs the codec prepared: ready to submit.
@@ -206,9 +214,12 @@ impl Mesh {
 
     async fn preprocess(&self, job_id: &str, input: JobInput) -> Result<DenoiseJob, ApiError> {
         let t = Instant::now();
-        let image_key = match &input.image {
-            Some(bytes) => Some(self.put(job_id, "image", bytes).await?),
-            None => None,
+        let (image_key, template_image) = match input.image {
+            Some(InputImage::Upload(bytes)) => {
+                (Some(self.put(job_id, "image", &bytes).await?), None)
+            }
+            Some(InputImage::Template(t)) => (None, Some(t)),
+            None => (None, None),
         };
         let mask_key = match &input.mask {
             Some(bytes) => Some(self.put(job_id, "mask", bytes).await?),
@@ -224,6 +235,7 @@ impl Mesh {
             image_key: image_key.clone(),
             mask_key: mask_key.clone(),
             params: params.clone(),
+            template_image,
         };
         let reply: PreprocessReply = request_msgpack_job(
             &self.client,

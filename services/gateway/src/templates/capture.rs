@@ -12,7 +12,7 @@ use tracing::Instrument;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::pipeline::{JobInput, Mesh};
+use crate::pipeline::{InputImage, JobInput, Mesh};
 use crate::routes::ApiState;
 use crate::templates::cache_view;
 use crate::templates::form::TemplateForm;
@@ -98,7 +98,7 @@ pub async fn register(
         armed: true,
     };
     let span = tracing::info_span!("template", template_id = %id);
-    let result = capture(state, caller, &id, form.image, params, template)
+    let result = capture(state, caller, &record, params, template)
         .instrument(span)
         .await;
     guard.armed = false;
@@ -127,30 +127,33 @@ pub async fn register(
 async fn capture(
     state: &ApiState,
     caller: &Caller,
-    id: &str,
-    image: Vec<u8>,
+    record: &TemplateRecord,
     params: diffmesh_shared::messages::GenerationParams,
     template: TemplateRef,
 ) -> Result<Captured, ApiError> {
+    let id = record.id.as_str();
+    // The image is already in the template bucket: the capture reads it there.
     let input = JobInput {
         kind: JobKind::Capture,
         valid: ValidParams {
             params,
             response_format: ResponseFormat::B64Json,
         },
-        image: Some(image),
+        image: Some(InputImage::Template(record.template_image())),
         mask: None,
         template: Some(template),
     };
     let prepared = state.mesh.prepare(input, caller.owner()).await?;
     let job_id = prepared.job_id().to_string();
     let content_hash = prepared.job.inputs.template_id.clone();
+    let prepared_image_key = prepared.job.inputs.template_image_key.clone();
     state
         .templates
         .store
         .update(id, |r| {
             r.capture_job_id = Some(job_id.clone());
             r.content_hash = content_hash.clone();
+            r.prepared_image_key = prepared_image_key.clone();
         })
         .await?;
     // The pipeline waits for Done/Failed only; `Captured` comes before Done, so subscribe to

@@ -1,7 +1,8 @@
 //! An edit that names a registered template (`template_id`) instead of uploading the image:
-//! the template's stored image goes through the codec as an ordinary edit's would, and the
-//! denoise job carries the template's `TemplateRef`, so the denoiser reads its activation cache
-//! and computes only the masked tokens.
+//! the job names the template's image (and the model-resolution pixels its capture kept) where
+//! they are stored, so no copy is made per edit; the codec reads them there, and the denoise
+//! job carries the template's `TemplateRef`, so the denoiser reads its activation cache and
+//! computes only the masked tokens.
 use std::collections::HashMap;
 
 use diffmesh_shared::messages::{FieldError, JobKind};
@@ -10,7 +11,7 @@ use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::idempotency;
 use crate::parse::{raw_from_text, ImageRequest};
-use crate::pipeline::JobInput;
+use crate::pipeline::{InputImage, JobInput};
 use crate::routes::ApiState;
 use crate::templates::record::{TemplateRecord, TemplateState};
 use crate::validate::{self, Defaults, Limits, RawParams, ValidParams};
@@ -56,12 +57,11 @@ pub async fn read(
     let fingerprint =
         idempotency::fingerprint("edits", &raw, Some(named.as_bytes()), mask.as_deref());
     let valid = validate(raw, &record, &state.limits, &state.defaults)?;
-    let image = state.templates.store.image(template_id).await?;
     Ok(ImageRequest {
         input: JobInput {
             kind: JobKind::Edit,
             valid,
-            image: Some(image),
+            image: Some(InputImage::Template(record.template_image())),
             mask,
             template: Some(record.template_ref()),
         },

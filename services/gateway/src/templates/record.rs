@@ -5,9 +5,10 @@ use std::time::Duration;
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 use diffmesh_shared::job::{now_ms, open_kv};
-use diffmesh_shared::messages::TemplateRef;
-use diffmesh_shared::nats::{BlobBucketConfig, BlobStore};
+use diffmesh_shared::messages::{PreparedTemplate, TemplateImage, TemplateRef};
+use diffmesh_shared::nats::BlobStore;
 use diffmesh_shared::subjects::TEMPLATE_BUCKET;
+use diffmesh_shared::templates::{bucket_config, image_key, prepared_image_key};
 use diffmesh_shared::MeshError;
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
@@ -59,6 +60,10 @@ pub struct TemplateRecord {
     /// SHA-256 of the model-resolution template pixels (the codec's `template_id`), once
     /// prepared.
     pub content_hash: Option<String>,
+    /// Template-bucket key of those pixels, which the codec keeps for the template's edits
+    /// (`None` for a template captured before they were kept: its edits prepare them anew).
+    #[serde(default)]
+    pub prepared_image_key: Option<String>,
     /// The capture job (`/v1/jobs/{id}`).
     pub capture_job_id: Option<String>,
     /// What the capturing denoiser reported (`JobEvent::Captured`), once ready.
@@ -85,6 +90,7 @@ impl TemplateRecord {
             height: 0,
             image_bytes: 0,
             content_hash: None,
+            prepared_image_key: None,
             capture_job_id: None,
             cache_key: None,
             cache_bytes: 0,
@@ -105,15 +111,25 @@ impl TemplateRecord {
         }
     }
 
+    /// How a job on this template names its image (it stays in the template bucket).
+    pub fn template_image(&self) -> TemplateImage {
+        let prepared = match (&self.prepared_image_key, &self.content_hash) {
+            (Some(key), Some(hash)) => Some(PreparedTemplate {
+                key: key.clone(),
+                content_hash: hash.clone(),
+            }),
+            _ => None,
+        };
+        TemplateImage {
+            template_id: self.id.clone(),
+            prepared,
+        }
+    }
+
     pub fn mark_failed(&mut self, error: impl Into<String>) {
         self.state = TemplateState::Failed;
         self.error = Some(error.into());
     }
-}
-
-/// Object-store key of a template's uploaded image.
-pub fn image_key(template_id: &str) -> String {
-    format!("{template_id}/image")
 }
 
 /// Template ids are UUIDs, which also keeps KV and object-store keys well-formed; anything else
@@ -140,14 +156,7 @@ impl TemplateStore {
     /// Open (creating when missing) the record bucket and the image bucket; neither expires.
     pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
         let kv = open_kv(js, TEMPLATE_BUCKET, Duration::ZERO).await?;
-        let images = BlobStore::open_with(
-            js,
-            &BlobBucketConfig {
-                bucket: TEMPLATE_BUCKET.to_string(),
-                max_age: Duration::ZERO,
-            },
-        )
-        .await?;
+        let images = BlobStore::open_with(js, &bucket_config()).await?;
         Ok(Self { kv, images })
     }
 
@@ -159,7 +168,9 @@ impl TemplateStore {
         Ok(self.images.get(&image_key(template_id)).await?)
     }
 
+    /// Remove a template's image and the pixels its capture prepared (if any).
     pub async fn delete_image(&self, template_id: &str) -> Result<(), ApiError> {
+        self.images.delete(&prepared_image_key(template_id)).await?;
         Ok(self.images.delete(&image_key(template_id)).await?)
     }
 
