@@ -20,6 +20,19 @@ pub const TEMPLATES_EVICT: &str = "diffmesh.templates.evict";
 /// JetStream KV bucket of template records (JSON), and the object store of template images
 /// (kept until the template is deleted, unlike `BLOB_BUCKET`'s 24 h).
 pub const TEMPLATE_BUCKET: &str = "diffmesh-templates";
+/// JetStream stream of edits that read a template (one message per edit in flight), so a
+/// delete waits for them; its subjects start with `TEMPLATE_USES_PREFIX`.
+pub const TEMPLATE_USES_STREAM: &str = "DIFFMESH_TEMPLATE_USES";
+pub const TEMPLATE_USES_PREFIX: &str = "diffmesh.template-uses";
+
+/// The use of template `template_id` by job `job_id` (template and job ids are UUIDs).
+pub fn template_use(template_id: &str, job_id: &str) -> String {
+    format!("{TEMPLATE_USES_PREFIX}.{template_id}.{job_id}")
+}
+/// Every use of template `template_id` (a subject filter).
+pub fn template_uses_of(template_id: &str) -> String {
+    format!("{TEMPLATE_USES_PREFIX}.{template_id}.*")
+}
 
 /// Router -> one denoiser: run this job (request/reply: accepted or busy).
 pub fn denoiser_submit(worker_id: &str) -> String {

@@ -45,7 +45,18 @@ fn denoiser_tweak(c: &mut diffmesh_denoiser::DenoiserConfig) {
     c.max_queue = 32;
 }
 
+/// One edit at a time and one waiting: further edits wait in the router, not yet reading
+/// their inputs (so a template deleted under them would be missed).
+fn serial_denoiser(c: &mut diffmesh_denoiser::DenoiserConfig) {
+    c.max_batch = 1;
+    c.max_queue = 1;
+}
+
 async fn start_mesh() -> Mesh {
+    start_mesh_with(denoiser_tweak).await
+}
+
+async fn start_mesh_with(tweak: fn(&mut diffmesh_denoiser::DenoiserConfig)) -> Mesh {
     init_test_logging();
     let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
     let nats = NatsServer::start();
@@ -59,7 +70,7 @@ async fn start_mesh() -> Mesh {
         c.admission_wait_ms = 3000;
     })
     .expect("router");
-    let denoiser = start_denoiser(&nats, &model, "d1", denoiser_tweak).expect("denoiser");
+    let denoiser = start_denoiser(&nats, &model, "d1", tweak).expect("denoiser");
     let gateway = start_gateway(&nats, |c| {
         c.router_timeout_s = 5.0;
         c.submit_wait_s = 60.0;
@@ -166,6 +177,47 @@ impl Mesh {
             .unwrap_or_else(|e| panic!("POST {path}: {e}"));
         let status = r.status().as_u16();
         (status, r.json().await.expect("JSON body"))
+    }
+
+    /// The first result PNG of async job `job_id`, once it is done (it must not fail).
+    async fn result_when_done(&self, job_id: &str) -> Vec<u8> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let (status, job) = self.get_json(&format!("/v1/jobs/{job_id}")).await;
+            assert_eq!(status, 200, "{job}");
+            match job["status"].as_str().unwrap() {
+                "done" => {
+                    let url = job["results"][0]["url"].as_str().unwrap();
+                    let r = self.http.get(self.url(url)).send().await.unwrap();
+                    assert_eq!(r.status().as_u16(), 200);
+                    return r.bytes().await.unwrap().to_vec();
+                }
+                "queued" | "running" => {}
+                other => panic!("job {job_id} ended {other}: {job}"),
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{job}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// A deleted template left no object in the template bucket and no cache entry in any
+    /// cachestore tier.
+    async fn assert_objects_gone(&self, id: &str, cache_key: &str) {
+        let left: Vec<_> = self
+            .object_names(TEMPLATE_BUCKET)
+            .await
+            .into_iter()
+            .filter(|n| n.starts_with(&format!("{id}/")))
+            .collect();
+        assert!(left.is_empty(), "the deleted template left {left:?}");
+        for loc in self.locate(cache_key).await {
+            assert!(
+                loc.tiers.is_empty(),
+                "{} is still in {:?}",
+                loc.key,
+                loc.tiers
+            );
+        }
     }
 
     /// Where the cachestore holds each entry of a cache.
@@ -435,21 +487,7 @@ async fn register_edit_concurrently_and_delete_a_template() {
         (404, &Value::from("template_id")),
         "{body}"
     );
-    let left: Vec<_> = mesh
-        .object_names(TEMPLATE_BUCKET)
-        .await
-        .into_iter()
-        .filter(|n| n.starts_with(&format!("{id}/")))
-        .collect();
-    assert!(left.is_empty(), "the deleted template left {left:?}");
-    for loc in mesh.locate(&cache_key).await {
-        assert!(
-            loc.tiers.is_empty(),
-            "{} is still in {:?}",
-            loc.key,
-            loc.tiers
-        );
-    }
+    mesh.assert_objects_gone(&id, &cache_key).await;
     // The denoiser heard the EvictTemplate and dropped its local copy.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
@@ -536,6 +574,139 @@ async fn a_second_denoiser_edits_from_the_shared_cache() {
         ) > 0.0,
         "d2's empty local tier reported no miss\n{d2}"
     );
+}
+
+/// Deleting a template while edits of it run loses none of them: the delete answers 202
+/// (`deleting`, with the edits in flight), new edits get 409, every accepted edit ends `done`
+/// with its unmasked pixels exactly the template's, and then everything of the template goes.
+/// (Before, the delete removed the image and cache at once and running edits failed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deleting_a_template_lets_its_accepted_edits_finish() {
+    const QUEUED: usize = 6;
+    let mesh = start_mesh_with(serial_denoiser).await;
+    let template_png = example("template.png");
+    let template = image::load_from_memory(&template_png).expect("template.png");
+    let (w, h) = template.dimensions();
+    let (id, cache_key) = mesh.register(&template_png, (w, h)).await;
+
+    // Accepted at once (Prefer: respond-async); one denoiser running one edit at a time.
+    let masks: Vec<GrayImage> = (0..QUEUED).map(|i| mask(i, w, h)).collect();
+    let (mesh_ref, id_ref) = (&mesh, &id);
+    let accepted = join_all(masks.iter().enumerate().map(|(i, m)| async move {
+        let (mesh, id) = (mesh_ref, id_ref);
+        let r = mesh
+            .http
+            .post(mesh.url("/v1/images/edits"))
+            .header("Prefer", "respond-async")
+            .multipart(edit_form(id, m, 500 + i))
+            .send()
+            .await
+            .expect("POST edit");
+        let status = r.status().as_u16();
+        let body: Value = r.json().await.expect("JSON");
+        assert_eq!(status, 202, "{body}");
+        body["id"].as_str().unwrap().to_string()
+    }))
+    .await;
+
+    let r = mesh
+        .http
+        .delete(mesh.url(&format!("/v1/templates/{id}")))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let pending: Value = r.json().await.unwrap();
+    assert_eq!(status, 202, "{pending}");
+    assert_eq!(pending["status"], "deleting", "{pending}");
+    assert_eq!(pending["deleted"], false, "{pending}");
+    let in_flight = pending["edits_in_flight"].as_u64().unwrap();
+    assert!((1..=QUEUED as u64).contains(&in_flight), "{pending}");
+
+    // No new edit starts on it; GET shows it going.
+    let (status, body) = mesh.edit(edit_form(&id, &masks[0], 1)).await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("being deleted"),
+        "{body}"
+    );
+    let (status, got) = mesh.get_json(&format!("/v1/templates/{id}")).await;
+    // (It may be gone already if the last edit ended meanwhile.)
+    assert!(
+        (status == 200 && got["status"] == "deleting") || status == 404,
+        "{status} {got}"
+    );
+
+    // Every accepted edit ends done, with the template's unmasked pixels.
+    let template_rgb = template.to_rgb8();
+    for (job_id, m) in accepted.iter().zip(&masks) {
+        let png = mesh.result_when_done(job_id).await;
+        let out = image::load_from_memory(&png).unwrap().to_rgb8();
+        assert_eq!(out.dimensions(), (w, h));
+        for (x, y, p) in out.enumerate_pixels() {
+            if m.get_pixel(x, y).0[0] < 128 {
+                assert_eq!(p, template_rgb.get_pixel(x, y), "{job_id}: ({x},{y})");
+            }
+        }
+    }
+
+    // Then the template goes: record, objects, cache entries.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, got) = mesh.get_json(&format!("/v1/templates/{id}")).await;
+        if status == 404 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still there after its edits ended: {got}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    mesh.assert_objects_gone(&id, &cache_key).await;
+}
+
+/// A delete left pending by a gateway that stopped (the record still `deleting`) is finished
+/// by the next gateway to start: its record and image go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_starting_gateway_finishes_a_pending_delete() {
+    use diffmesh_gateway::templates::record::{TemplateRecord, TemplateState, TemplateStore};
+    init_test_logging();
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let store = TemplateStore::open(&js).await.unwrap();
+    let id = "5b9d6c1e-3f2a-4e8b-a7c6-1d0e9f8a7b6c";
+    let template = diffmesh_shared::messages::TemplateRef {
+        template_id: id.into(),
+        prompt: String::new(),
+        seed: 1,
+        steps: STEPS,
+        guidance_scale: 1.0,
+        cache_key: String::new(),
+    };
+    let mut record = TemplateRecord::new(id.into(), None, &template);
+    record.state = TemplateState::Deleting;
+    store.create(&record).await.unwrap();
+    store.put_image(id, b"png bytes").await.unwrap();
+
+    let gateway = start_gateway(&nats, |_| {}).expect("gateway");
+    gateway
+        .wait_ready(Duration::from_secs(30))
+        .await
+        .expect("ready");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while store.get(id).await.unwrap().is_some() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the pending delete was not finished"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(store.image(id).await.is_err(), "the image is still there");
 }
 
 /// A well-formed template id that names nothing.

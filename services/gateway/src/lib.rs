@@ -257,9 +257,11 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
     .await?;
     let js = async_nats::jetstream::new(client.clone());
     let background = TaskTracker::new();
+    let jobs = JobStore::open(&js).await?;
+    let templates = templates::Templates::open(&client, jobs.clone(), flow.job_timeout).await?;
     let mesh = Mesh {
         blobs: BlobStore::open(&js).await?,
-        jobs: JobStore::open(&js).await?,
+        jobs,
         idempotency: IdempotencyStore::open(&js).await?,
         client: client.clone(),
         flow: flow.clone(),
@@ -267,8 +269,13 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         runtime: tokio::runtime::Handle::current(),
         background: background.clone(),
         driving: Default::default(),
+        template_uses: templates.uses.clone(),
     };
-    let templates = templates::Templates::open(&client).await?;
+    {
+        // Deletes a stopped gateway left pending; in the background, not to delay start-up.
+        let (deleter, mesh) = (templates.deleter.clone(), mesh.clone());
+        tokio::spawn(async move { deleter.resume_pending(&mesh).await });
+    }
     let openapi = openapi::document(&limits);
     let api = web::Data::new(ApiState {
         mesh,

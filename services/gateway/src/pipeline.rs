@@ -26,6 +26,7 @@ use tracing::Instrument;
 
 use crate::error::ApiError;
 use crate::metrics::GatewayMetrics;
+use crate::templates::uses::TemplateUses;
 use crate::validate::ValidParams;
 
 /// Deadlines of the mesh hops.
@@ -57,6 +58,8 @@ pub struct Mesh {
     /// Jobs this gateway is driving, so a cancel here stops the driver at once (a cancel on
     /// another gateway reaches it through the mesh's `Failed` event).
     pub driving: DrivingMap,
+    /// Edits by template in flight, so a template is not deleted under them.
+    pub template_uses: TemplateUses,
 }
 
 /// A validated request ready to run.
@@ -83,6 +86,8 @@ pub struct PreparedJob {
     deadline: Instant,
     span: tracing::Span,
     guard: AbandonGuard,
+    /// The template an edit reads, whose use ends with the job (`TemplateUses`).
+    template_use: Option<String>,
 }
 
 impl PreparedJob {
@@ -193,22 +198,42 @@ impl Mesh {
             submitted: false,
             armed: true,
         };
-        match self
-            .preprocess(&job_id, input)
-            .instrument(span.clone())
-            .await
-        {
+        // An edit's template must outlive the job: note the use before anything reads it.
+        let template_use = match (&input.kind, &input.template) {
+            (JobKind::Edit, Some(t)) => Some(t.template_id.clone()),
+            _ => None,
+        };
+        let prepared = async {
+            if let Some(template_id) = &template_use {
+                self.template_uses.begin(template_id, &job_id).await?;
+            }
+            self.preprocess(&job_id, input).await
+        }
+        .instrument(span.clone())
+        .await;
+        match prepared {
             Ok(job) => Ok(PreparedJob {
                 job,
                 deadline,
                 span,
                 guard,
+                template_use,
             }),
             Err(err) => {
                 guard.disarm();
                 self.record_failure(&job_id, &err).instrument(span).await;
+                if let Some(template_id) = &template_use {
+                    self.template_uses.end(template_id, &job_id).await;
+                }
                 Err(err)
             }
+        }
+    }
+
+    /// The job's record has ended: it reads its template no more.
+    async fn end_template_use(&self, prepared: &PreparedJob) {
+        if let Some(template_id) = &prepared.template_use {
+            self.template_uses.end(template_id, prepared.job_id()).await;
         }
     }
 
@@ -287,6 +312,7 @@ impl Mesh {
         {
             tracing::warn!(%job_id, error = %err, "could not record the discarded job");
         }
+        self.end_template_use(&prepared).await;
     }
 
     /// Make an accepted async job durable before its 202 is sent: the record holds the
@@ -322,7 +348,7 @@ impl Mesh {
             };
             drop(driving);
             let submitted = prepared.guard.disarm();
-            match result {
+            let ended = match result {
                 Ok(png_keys) => {
                     let written = self
                         .jobs
@@ -347,7 +373,9 @@ impl Mesh {
                     self.record_failure(&job_id, &err).await;
                     Err(err)
                 }
-            }
+            };
+            self.end_template_use(&prepared).await;
+            ended
         }
         .instrument(span)
         .await

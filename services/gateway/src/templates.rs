@@ -3,13 +3,16 @@
 //!
 //! `POST /v1/templates` registers one and waits for its capture (`capture`), `GET
 //! /v1/templates[/{id}]` shows the records (and, for one, where its cache is: `cache_view`),
-//! `DELETE /v1/templates/{id}` removes the record, the image and the cache. An edit names a
-//! template with the `template_id` form field instead of uploading `image` (`edit`).
+//! `DELETE /v1/templates/{id}` removes the record, the image and the cache once no accepted
+//! edit reads them (`delete`, `uses`). An edit names a template with the `template_id` form
+//! field instead of uploading `image` (`edit`).
 pub mod cache_view;
 pub mod capture;
+pub mod delete;
 pub mod edit;
 pub mod form;
 pub mod record;
+pub mod uses;
 
 use std::time::{Duration, Instant};
 
@@ -23,24 +26,46 @@ use utoipa::ToSchema;
 use crate::error::{ApiError, ErrorBody};
 use crate::routes::{finish, ApiState};
 use cache_view::{CacheView, LocalTiers};
+use delete::{Deleter, Outcome};
+use diffmesh_shared::job::JobStore;
 use record::{TemplateRecord, TemplateState, TemplateStore};
+use uses::TemplateUses;
 
 /// Deadline of one cachestore request (locate, delete) made for the template endpoints.
 const CACHESTORE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The gateway's template state: records and images, and the denoisers' local tiers.
+/// The gateway's template state: records and images, the edits reading them, and the
+/// denoisers' local tiers.
 pub struct Templates {
     pub store: TemplateStore,
+    pub uses: TemplateUses,
+    pub deleter: Deleter,
     pub local_tiers: LocalTiers,
     pub cachestore_timeout: Duration,
 }
 
 impl Templates {
-    /// Open the template buckets and start following denoiser heartbeats.
-    pub async fn open(client: &async_nats::Client) -> Result<Self, MeshError> {
+    /// Open the template buckets and the uses stream and start following denoiser heartbeats.
+    /// `jobs` and `job_timeout` tell a delete which edits may still be running.
+    pub async fn open(
+        client: &async_nats::Client,
+        jobs: JobStore,
+        job_timeout: Duration,
+    ) -> Result<Self, MeshError> {
         let js = async_nats::jetstream::new(client.clone());
+        let store = TemplateStore::open(&js).await?;
+        let uses = TemplateUses::open(&js, store.clone(), jobs).await?;
+        let deleter = Deleter {
+            client: client.clone(),
+            store: store.clone(),
+            uses: uses.clone(),
+            cachestore_timeout: CACHESTORE_TIMEOUT,
+            job_timeout,
+        };
         Ok(Self {
-            store: TemplateStore::open(&js).await?,
+            store,
+            uses,
+            deleter,
             local_tiers: LocalTiers::watch(client).await?,
             cachestore_timeout: CACHESTORE_TIMEOUT,
         })
@@ -137,9 +162,15 @@ pub struct TemplateDeleted {
     pub id: String,
     /// Always `template`.
     pub object: String,
+    /// `deleted` (200: everything is gone) or `deleting` (202: edits of the template are
+    /// still running; its objects go when they end, and `GET` shows it until then).
+    pub status: String,
+    /// Whether everything is gone already (`status` is `deleted`).
     pub deleted: bool,
-    /// Cachestore entries that existed and were removed.
+    /// Cachestore entries that existed and were removed (0 while `deleting`).
     pub cache_entries_deleted: u32,
+    /// Accepted edits of the template that had not ended (0 when `deleted`).
+    pub edits_in_flight: u32,
 }
 
 /// The multipart form of `POST /v1/templates` (documentation of what `form::read` reads).
@@ -301,9 +332,12 @@ pub async fn get_template(
     responses(
         (status = 200, description = "Deleted: record, image and every cache entry; denoisers \
             are told to drop their local copies", body = TemplateDeleted),
+        (status = 202, description = "Being deleted: new edits get 409; edits already accepted \
+            run to their end, then everything goes as for 200", body = TemplateDeleted),
         (status = 401, description = "Missing or unknown API key", body = ErrorBody),
         (status = 404, description = "No such template for this API key", body = ErrorBody),
-        (status = 503, description = "No cachestore is running; the template was kept",
+        (status = 503, description = "No cachestore is running; the template stays `deleting` \
+            (no new edits) and the gateway retries in the background (so does a repeated DELETE)",
             body = ErrorBody, headers(("Retry-After" = u64, description = "Seconds"))),
     ),
     security((), ("api_key" = []))
@@ -316,30 +350,39 @@ pub async fn delete_template(
     let start = Instant::now();
     let result = async {
         let record = owned(&state, &req, &id).await?;
-        let t = &state.templates;
-        // The cache first: if that fails the record stays, so the delete can be repeated.
-        let cache_entries_deleted = match &record.cache_key {
-            Some(key) => {
-                cache_view::remove(
-                    &state.mesh.client,
-                    &record.id,
-                    key,
-                    record.steps,
-                    t.cachestore_timeout,
-                )
-                .await?
-            }
-            None => 0,
+        let outcome = state
+            .templates
+            .deleter
+            .delete(&state.mesh, &record.id)
+            .await?
+            .ok_or_else(|| edit::not_found(&record.id))?;
+        let (mut response, deleted) = match outcome {
+            Outcome::Deleted {
+                cache_entries_deleted,
+            } => (
+                HttpResponse::Ok(),
+                TemplateDeleted {
+                    id: record.id,
+                    object: "template".into(),
+                    status: "deleted".into(),
+                    deleted: true,
+                    cache_entries_deleted,
+                    edits_in_flight: 0,
+                },
+            ),
+            Outcome::Pending { edits_in_flight } => (
+                HttpResponse::Accepted(),
+                TemplateDeleted {
+                    id: record.id,
+                    object: "template".into(),
+                    status: "deleting".into(),
+                    deleted: false,
+                    cache_entries_deleted: 0,
+                    edits_in_flight,
+                },
+            ),
         };
-        t.store.delete_image(&record.id).await?;
-        t.store.delete(&record.id).await?;
-        tracing::info!(template_id = %record.id, cache_entries_deleted, "template deleted");
-        Ok(HttpResponse::Ok().json(TemplateDeleted {
-            id: record.id,
-            object: "template".into(),
-            deleted: true,
-            cache_entries_deleted,
-        }))
+        Ok(response.json(deleted))
     }
     .await;
     finish(&state, "template_delete", start, result)

@@ -167,8 +167,8 @@ pub async fn locate(
 }
 
 /// Delete every cachestore entry of a cache and tell the denoisers to drop their local copies.
-/// Returns how many entries existed. A cachestore that is not running is a 503: the template is
-/// then kept, so the delete can be repeated.
+/// Returns how many entries existed. A cachestore that is not running is a 503: the template's
+/// record is then kept, so the delete can be finished later.
 pub async fn remove(
     client: &async_nats::Client,
     template_id: &str,
@@ -190,7 +190,7 @@ pub async fn remove(
             Err(MeshError::NoResponders { .. }) => {
                 return Err(ApiError::Unavailable {
                     message: "no cachestore is running, so the template's cache cannot be \
-                              deleted; the template was kept, retry later"
+                              deleted; the template stays `deleting` until it can be"
                         .into(),
                     retry_after_s: 5,
                 })

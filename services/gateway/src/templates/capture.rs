@@ -220,6 +220,10 @@ async fn finish(
     let written = templates
         .store
         .update(id, |r| {
+            // A template deleted meanwhile stays `deleting`: no edit may start on it.
+            if r.state == TemplateState::Deleting {
+                return;
+            }
             r.state = TemplateState::Ready;
             r.cache_key = Some(captured.cache_key.clone());
             r.cache_bytes = captured.bytes;
@@ -228,9 +232,10 @@ async fn finish(
         })
         .await?;
     match written {
-        Some(record) => Ok(record),
-        None => {
-            // Deleted while it was being captured: the new cache belongs to nobody.
+        Some(record) if record.state == TemplateState::Ready => Ok(record),
+        _ => {
+            // Deleted while it was being captured: the new cache belongs to nobody (the
+            // delete saw no cache key, so it removed none).
             let removed = cache_view::remove(
                 &mesh.client,
                 id,

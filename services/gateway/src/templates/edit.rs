@@ -70,7 +70,7 @@ pub async fn read(
 }
 
 /// 409 unless the template's cache is ready.
-fn ready(record: &TemplateRecord) -> Result<(), ApiError> {
+pub fn ready(record: &TemplateRecord) -> Result<(), ApiError> {
     match record.state {
         TemplateState::Ready => Ok(()),
         TemplateState::Capturing => Err(ApiError::Conflict {
@@ -85,6 +85,9 @@ fn ready(record: &TemplateRecord) -> Result<(), ApiError> {
                 record.id,
                 record.error.as_deref().unwrap_or("no reason recorded")
             ),
+        }),
+        TemplateState::Deleting => Err(ApiError::Conflict {
+            message: format!("template {} is being deleted", record.id),
         }),
     }
 }
@@ -198,7 +201,11 @@ mod tests {
     #[test]
     fn only_ready_templates_take_edits() {
         assert!(ready(&record(TemplateState::Ready)).is_ok());
-        for state in [TemplateState::Capturing, TemplateState::Failed] {
+        for state in [
+            TemplateState::Capturing,
+            TemplateState::Failed,
+            TemplateState::Deleting,
+        ] {
             let err = ready(&record(state)).unwrap_err();
             assert!(matches!(err, ApiError::Conflict { .. }), "{err}");
         }

@@ -26,6 +26,8 @@ pub enum TemplateState {
     Ready,
     /// The capture failed (`error` says why); the template can only be deleted.
     Failed,
+    /// Deleted: edits are refused (409); its objects go once the edits in flight end.
+    Deleting,
 }
 
 impl TemplateState {
@@ -34,6 +36,7 @@ impl TemplateState {
             TemplateState::Capturing => "capturing",
             TemplateState::Ready => "ready",
             TemplateState::Failed => "failed",
+            TemplateState::Deleting => "deleting",
         }
     }
 }
@@ -126,8 +129,11 @@ impl TemplateRecord {
         }
     }
 
+    /// Record why the capture failed (a template being deleted stays `deleting`).
     pub fn mark_failed(&mut self, error: impl Into<String>) {
-        self.state = TemplateState::Failed;
+        if self.state != TemplateState::Deleting {
+            self.state = TemplateState::Failed;
+        }
         self.error = Some(error.into());
     }
 }

@@ -1,0 +1,161 @@
+//! `DELETE /v1/templates/{id}`: the record turns `deleting` at once (new edits get 409), and
+//! the template's objects (cache entries, denoisers' local copies, image, kept pixels, record)
+//! are removed once no accepted edit reads them any more (`uses`): at once when none is in
+//! flight (200), else in the background when the last one ends (202).
+//!
+//! A delete left pending by a gateway that stopped is resumed by the next gateway to start
+//! (`resume_pending`) or by repeating the `DELETE`.
+use std::time::Duration;
+
+use async_nats::Client;
+use tokio::time::Instant;
+
+use crate::error::ApiError;
+use crate::pipeline::Mesh;
+use crate::templates::cache_view;
+use crate::templates::record::{TemplateState, TemplateStore};
+use crate::templates::uses::TemplateUses;
+
+/// How often a pending delete counts the edits still in flight.
+const POLL: Duration = Duration::from_millis(250);
+/// Beyond the job deadline, how long a pending delete waits for edits whose record has not
+/// ended (a driver that died: a router ends such records after their deadline).
+const ENDING_GRACE: Duration = Duration::from_secs(30);
+/// Between attempts to remove the objects when that failed (no cachestore running).
+const RETRY: Duration = Duration::from_secs(5);
+/// How long a pending delete keeps retrying before it leaves the template `deleting` for a
+/// repeated `DELETE` or the next gateway start to finish.
+const RETRY_FOR: Duration = Duration::from_secs(600);
+
+/// What deleting a template touches; cheap to clone into a background task.
+#[derive(Clone)]
+pub struct Deleter {
+    pub client: Client,
+    pub store: TemplateStore,
+    pub uses: TemplateUses,
+    pub cachestore_timeout: Duration,
+    /// The longest an accepted job may run (`FlowConfig::job_timeout`).
+    pub job_timeout: Duration,
+}
+
+/// How a delete request ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Everything was removed; how many cachestore entries existed.
+    Deleted { cache_entries_deleted: u32 },
+    /// Edits of the template are still running; the objects go once they end.
+    Pending { edits_in_flight: u32 },
+}
+
+impl Deleter {
+    /// Mark `id` as being deleted and remove it now if no edit reads it; otherwise leave the
+    /// removal to a background task on `mesh`'s runtime. `Ok(None)` when there is no record.
+    pub async fn delete(&self, mesh: &Mesh, id: &str) -> Result<Option<Outcome>, ApiError> {
+        let marked = self
+            .store
+            .update(id, |r| r.state = TemplateState::Deleting)
+            .await?;
+        if marked.is_none() {
+            return Ok(None);
+        }
+        // After the mark: any edit that began before it is counted here, any later one sees
+        // the mark and is refused (`uses`).
+        let in_flight = self.uses.in_flight(id).await?;
+        if in_flight.is_empty() {
+            return match self.purge(id).await {
+                Ok(cache_entries_deleted) => Ok(Some(Outcome::Deleted {
+                    cache_entries_deleted,
+                })),
+                Err(err) => {
+                    // Keep trying in the background; the caller hears why it is not done yet.
+                    self.spawn_drain(mesh, id);
+                    Err(err)
+                }
+            };
+        }
+        tracing::info!(template_id = %id, edits_in_flight = in_flight.len(),
+            "template marked deleting; its objects go when its edits end");
+        self.spawn_drain(mesh, id);
+        Ok(Some(Outcome::Pending {
+            edits_in_flight: in_flight.len() as u32,
+        }))
+    }
+
+    /// Remove everything of `id`: cache entries (and the denoisers' copies), image, kept
+    /// pixels, then the record. The record goes last, so a failure leaves it to retry with.
+    /// Returns how many cachestore entries existed (0 if another gateway got there first).
+    pub async fn purge(&self, id: &str) -> Result<u32, ApiError> {
+        let Some(record) = self.store.get(id).await? else {
+            return Ok(0);
+        };
+        let cache_entries_deleted = match &record.cache_key {
+            Some(key) => {
+                cache_view::remove(&self.client, id, key, record.steps, self.cachestore_timeout)
+                    .await?
+            }
+            None => 0,
+        };
+        self.store.delete_image(id).await?;
+        self.store.delete(id).await?;
+        tracing::info!(template_id = %id, cache_entries_deleted, "template deleted");
+        Ok(cache_entries_deleted)
+    }
+
+    /// Wait (in the background) for `id`'s edits to end, then purge it.
+    pub fn spawn_drain(&self, mesh: &Mesh, id: &str) {
+        let (deleter, id) = (self.clone(), id.to_string());
+        mesh.spawn_background(async move { deleter.drain_then_purge(&id).await });
+    }
+
+    async fn drain_then_purge(&self, id: &str) {
+        let give_up_waiting = Instant::now() + self.job_timeout + ENDING_GRACE;
+        loop {
+            match self.uses.in_flight(id).await {
+                Ok(jobs) if jobs.is_empty() => break,
+                Ok(jobs) if Instant::now() >= give_up_waiting => {
+                    tracing::warn!(template_id = %id, ?jobs,
+                        "edits still not ended past their deadline; deleting the template anyway");
+                    break;
+                }
+                Ok(_) => {}
+                Err(err) => {
+                    tracing::warn!(template_id = %id, error = %err, "could not count edits in flight")
+                }
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        let give_up = Instant::now() + RETRY_FOR;
+        loop {
+            match self.purge(id).await {
+                Ok(_) => return,
+                Err(err) if Instant::now() >= give_up => {
+                    tracing::error!(template_id = %id, error = %err,
+                        "could not delete the template; it stays `deleting` until DELETE is repeated");
+                    return;
+                }
+                Err(err) => {
+                    tracing::warn!(template_id = %id, error = %err, "deleting the template failed; retrying")
+                }
+            }
+            tokio::time::sleep(RETRY).await;
+        }
+    }
+
+    /// Finish the deletes that a stopped gateway left pending (records still `deleting`).
+    pub async fn resume_pending(&self, mesh: &Mesh) {
+        let records = match self.store.list().await {
+            Ok(records) => records,
+            Err(err) => {
+                tracing::warn!(error = %err, "could not look for pending template deletes");
+                return;
+            }
+        };
+        for r in records
+            .iter()
+            .filter(|r| r.state == TemplateState::Deleting)
+        {
+            tracing::info!(template_id = %r.id, "resuming a pending template delete");
+            self.spawn_drain(mesh, &r.id);
+        }
+    }
+}
