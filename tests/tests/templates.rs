@@ -421,6 +421,15 @@ async fn register_edit_concurrently_and_delete_a_template() {
         mask_aware >= (EDITS as f64) * f64::from(STEPS),
         "{denoiser}"
     );
+    // The template's pixels were read from the store once (by the capture) and then held.
+    let pixels = |result: &str| {
+        sample(
+            &denoiser,
+            &format!("diffmesh_denoiser_template_pixels_lookups_total{{result=\"{result}\"}}"),
+        )
+    };
+    assert_eq!(pixels("miss"), 1.0, "{denoiser}");
+    assert!(pixels("hit") >= EDITS as f64, "{denoiser}");
     let local_hits = sample(
         &denoiser,
         "diffmesh_denoiser_local_cache_lookups_total{result=\"hit\"}",

@@ -93,6 +93,10 @@ pub struct DenoiserConfig {
     /// Bytes of template caches kept in this denoiser's memory (local tier, LRU).
     #[arg(long, env = "LOCAL_CACHE_BYTES", default_value_t = 1 << 30)]
     pub local_cache_bytes: u64,
+    /// Bytes of registered templates' model-resolution pixels kept in memory, so a template's
+    /// edits read them once (LRU; 0 reads them for every edit).
+    #[arg(long, env = "TEMPLATE_PIXELS_BYTES", default_value_t = 256 << 20)]
+    pub template_pixels_bytes: u64,
     /// Cache blocks the loader thread decodes ahead of the compute, per request.
     #[arg(long, env = "CACHE_LOOKAHEAD", default_value_t = 2)]
     pub cache_lookahead: usize,
@@ -128,6 +132,7 @@ impl DenoiserConfig {
             cache_format: "prepared".into(),
             cache_dtype: "bf16".into(),
             local_cache_bytes: 256 << 20,
+            template_pixels_bytes: 64 << 20,
             cache_lookahead: 2,
             cache_prefix: "auto".into(),
             cachestore_timeout_ms: 5000,
@@ -340,7 +345,11 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
             timeout: Duration::from_millis(config.cachestore_timeout_ms),
         },
         settings: cache_settings,
-        images: BlobStore::open_with(&js, &diffmesh_shared::templates::bucket_config()).await?,
+        pixels: templates::TemplatePixels::new(
+            BlobStore::open_with(&js, &diffmesh_shared::templates::bucket_config()).await?,
+            config.template_pixels_bytes,
+            service::MAX_INPUT_BYTES,
+        ),
     };
     let (engine, engine_thread) = spawn_engine(
         model,

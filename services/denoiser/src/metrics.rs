@@ -25,6 +25,7 @@ pub struct DenoiserMetrics {
     /// cachestore, `unavailable`: neither; the edit ran in full compute).
     pub local_cache_lookups: IntCounterVec,
     pub local_cache_bytes: IntGauge,
+    pub template_pixels_lookups: IntCounterVec,
     /// Capture passes (template registration), whole pass.
     pub capture_seconds: Histogram,
 }
@@ -105,6 +106,13 @@ impl DenoiserMetrics {
             "diffmesh_denoiser_local_cache_bytes",
             "Bytes of template caches held in the local tier",
         )?;
+        let template_pixels_lookups = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_template_pixels_lookups_total",
+                "Reads of registered templates' pixels, by result (hit: held in memory)",
+            ),
+            &["result"],
+        )?;
         let capture_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 "diffmesh_denoiser_capture_duration_seconds",
@@ -116,6 +124,7 @@ impl DenoiserMetrics {
         registry.register(Box::new(load_wait_seconds.clone()))?;
         registry.register(Box::new(local_cache_lookups.clone()))?;
         registry.register(Box::new(local_cache_bytes.clone()))?;
+        registry.register(Box::new(template_pixels_lookups.clone()))?;
         registry.register(Box::new(capture_seconds.clone()))?;
         registry.register(Box::new(step_seconds.clone()))?;
         registry.register(Box::new(batch_rows.clone()))?;
@@ -138,6 +147,7 @@ impl DenoiserMetrics {
             load_wait_seconds,
             local_cache_lookups,
             local_cache_bytes,
+            template_pixels_lookups,
             capture_seconds,
         })
     }

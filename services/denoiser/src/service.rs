@@ -5,7 +5,7 @@ use crate::engine::{EngineEvent, EngineHandle, EngineJob, SubmitError};
 use crate::metrics::DenoiserMetrics;
 use crate::model::EditInputs;
 use crate::templates::store::CacheClient;
-use crate::templates::{LocalTier, TemplateEntry};
+use crate::templates::{LocalTier, TemplateEntry, TemplatePixels};
 use crate::DenoiserConfig;
 use diffmesh_shared::messages::{
     decode, error_types, CancelJob, DenoiseJob, EvictTemplate, Heartbeat, JobEvent, JobKind,
@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 /// Largest prepared input the denoiser reads from the object store (bytes).
-const MAX_INPUT_BYTES: usize = 64 << 20;
+pub const MAX_INPUT_BYTES: usize = 64 << 20;
 
 pub struct Service {
     pub client: async_nats::Client,
@@ -49,9 +49,9 @@ pub struct Templates {
     pub local: LocalTier,
     pub store: CacheClient,
     pub settings: CacheSettings,
-    /// Registered templates' images (`subjects::TEMPLATE_BUCKET`): a job on a template reads its
-    /// model-resolution pixels there (`inputs.template_image_key`).
-    pub images: BlobStore,
+    /// Registered templates' model-resolution pixels (`inputs.template_image_key` in
+    /// `subjects::TEMPLATE_BUCKET`), held for their next edits.
+    pub pixels: TemplatePixels,
 }
 
 /// Sets a template slot to "unavailable" unless it was filled: a fetch that fails or panics
@@ -217,6 +217,7 @@ impl Service {
             match decode::<EvictTemplate>(&msg.payload) {
                 Ok(e) => {
                     self.templates.local.remove(&e.cache_key);
+                    self.templates.pixels.evict(&e.template_id).await;
                     self.metrics
                         .local_cache_bytes
                         .set(self.templates.local.bytes() as i64);
@@ -375,17 +376,28 @@ impl Service {
         if job.kind == JobKind::Generate {
             return Ok(None);
         }
-        // A registered template's pixels are kept with it; an upload's come with the job.
-        let (store, field, image_key) =
+        // A registered template's pixels are kept with it (and held here after the first
+        // read); an upload's come with the job.
+        let template_rgb =
             match (&job.inputs.template_image_key, &job.inputs.image_key) {
-                (Some(key), _) => (&self.templates.images, "inputs.template_image_key", key),
-                (None, Some(key)) => (&self.blobs, "inputs.image_key", key),
+                (Some(key), _) => {
+                    let (pixels, lookup) =
+                        self.templates.pixels.get(key).await.map_err(|e| {
+                            format!("reading `inputs.template_image_key` {key}: {e}")
+                        })?;
+                    self.metrics
+                        .template_pixels_lookups
+                        .with_label_values(&[lookup.as_str()])
+                        .inc();
+                    pixels.to_vec()
+                }
+                (None, Some(key)) => self
+                    .blobs
+                    .get_limited(key, MAX_INPUT_BYTES)
+                    .await
+                    .map_err(|e| format!("reading `inputs.image_key` {key}: {e}"))?,
                 (None, None) => return Err("edit job without `inputs.image_key`".into()),
             };
-        let template_rgb = store
-            .get_limited(image_key, MAX_INPUT_BYTES)
-            .await
-            .map_err(|e| format!("reading `{field}` {image_key}: {e}"))?;
         if job.kind == JobKind::Capture {
             return Ok(Some(EditInputs {
                 template_rgb,
