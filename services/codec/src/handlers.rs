@@ -84,11 +84,12 @@ impl Codec {
     }
 
     /// The decoded image of an edit or a capture: the upload under `image_key` if there is one,
-    /// else the registered template's.
+    /// else the registered template's. `sender` is whose message named neither.
     async fn job_image(
         &self,
         image_key: Option<&str>,
         template_id: Option<&str>,
+        sender: &'static str,
     ) -> Result<Arc<DynamicImage>, CodecError> {
         let (decoded, max_pixels) = (self.decoded.clone(), self.max_pixels);
         if let Some(key) = image_key {
@@ -100,7 +101,7 @@ impl Codec {
         }
         let Some(template_id) = template_id else {
             return Err(CodecError::BadMessage {
-                sender: "gateway",
+                sender,
                 message: "an edit needs an image key or a template".into(),
             });
         };
@@ -146,6 +147,7 @@ impl Codec {
             .job_image(
                 req.image_key.as_deref(),
                 template.map(|t| t.template_id.as_str()),
+                "gateway",
             )
             .await?;
         let mask = self.fetch_mask(req.mask_key.as_deref()).await?;
@@ -223,7 +225,7 @@ impl Codec {
         }
         let template_id = req.template_image.as_ref().map(|t| t.template_id.as_str());
         let image = self
-            .job_image(req.image_key.as_deref(), template_id)
+            .job_image(req.image_key.as_deref(), template_id, "gateway")
             .await?;
         let (width, height) = (image.width(), image.height());
         let grid = self.grid;
@@ -272,7 +274,7 @@ impl Codec {
             JobKind::Edit => {
                 let template_id = job.template.as_ref().map(|t| t.template_id.as_str());
                 let image = self
-                    .job_image(job.raw_image_key.as_deref(), template_id)
+                    .job_image(job.raw_image_key.as_deref(), template_id, "denoiser")
                     .await?;
                 Some((image, self.fetch_mask(job.raw_mask_key.as_deref()).await?))
             }
