@@ -195,13 +195,29 @@ pub struct TemplateFormDoc {
 /// another key.
 async fn owned(state: &ApiState, req: &HttpRequest, id: &str) -> Result<TemplateRecord, ApiError> {
     let caller = state.caller(req)?;
-    state
+    let record = state
         .templates
         .store
         .get(id)
         .await?
         .filter(|r| caller.may_access(r.owner.as_deref()))
-        .ok_or_else(|| edit::not_found(id))
+        .ok_or_else(|| edit::not_found(id))?;
+    settle(state, record).await
+}
+
+/// How long a registration may stay `capturing` without a write before it counts as abandoned:
+/// the job deadline (the registering gateway records the outcome by then) plus a margin.
+fn capture_limit(state: &ApiState) -> Duration {
+    state.mesh.flow.job_timeout + Duration::from_secs(30)
+}
+
+/// The record, `failed` if its registration was abandoned by a gateway that stopped.
+pub async fn settle(state: &ApiState, record: TemplateRecord) -> Result<TemplateRecord, ApiError> {
+    state
+        .templates
+        .store
+        .settle(record, capture_limit(state))
+        .await
 }
 
 #[utoipa::path(
@@ -265,15 +281,12 @@ pub async fn list_templates(req: HttpRequest, state: web::Data<ApiState>) -> Htt
     let start = Instant::now();
     let result = async {
         let caller = state.caller(&req)?;
-        let data = state
-            .templates
-            .store
-            .list()
-            .await?
-            .iter()
-            .filter(|r| caller.may_access(r.owner.as_deref()))
-            .map(|r| TemplateView::of(r, None))
-            .collect();
+        let mut data = Vec::new();
+        for record in state.templates.store.list().await? {
+            if caller.may_access(record.owner.as_deref()) {
+                data.push(TemplateView::of(&settle(&state, record).await?, None));
+            }
+        }
         Ok(HttpResponse::Ok().json(TemplateList {
             object: "list".into(),
             data,

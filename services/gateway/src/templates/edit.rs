@@ -50,6 +50,7 @@ pub async fn read(
         .await?
         .filter(|r| caller.may_access(r.owner.as_deref()))
         .ok_or_else(|| not_found(template_id))?;
+    let record = super::settle(state, record).await?;
     ready(&record)?;
     let raw = raw_from_text(text)?;
     // The template's id stands for its image in the fingerprint: a repeat names the same one.

@@ -129,6 +129,13 @@ impl TemplateRecord {
         }
     }
 
+    /// Still `capturing` with no write for longer than `limit`: the gateway registering it
+    /// stopped (a live one records the outcome by the job deadline).
+    pub fn capture_abandoned(&self, now_ms: u64, limit: Duration) -> bool {
+        self.state == TemplateState::Capturing
+            && now_ms.saturating_sub(self.updated_at_ms) > limit.as_millis() as u64
+    }
+
     /// Record why the capture failed (a template being deleted stays `deleting`).
     pub fn mark_failed(&mut self, error: impl Into<String>) {
         if self.state != TemplateState::Deleting {
@@ -143,6 +150,10 @@ impl TemplateRecord {
 pub fn is_template_id(id: &str) -> bool {
     uuid::Uuid::parse_str(id).is_ok_and(|u| u.to_string() == id)
 }
+
+/// Why a registration whose gateway stopped mid-capture failed.
+const ABANDONED: &str = "the registration was interrupted (the gateway registering it stopped \
+                         before the capture was recorded); delete it and register again";
 
 /// Compare-and-set attempts before an update gives up under contention.
 const MAX_UPDATE_ATTEMPTS: u32 = 16;
@@ -239,6 +250,26 @@ impl TemplateStore {
         ))
     }
 
+    /// `record` as it stands, after recording it `failed` if its registration was abandoned
+    /// (see `TemplateRecord::capture_abandoned`; `limit` is the job deadline plus a margin).
+    pub async fn settle(
+        &self,
+        record: TemplateRecord,
+        limit: Duration,
+    ) -> Result<TemplateRecord, ApiError> {
+        if !record.capture_abandoned(now_ms(), limit) {
+            return Ok(record);
+        }
+        let settled = self
+            .update(&record.id, |r| {
+                if r.capture_abandoned(now_ms(), limit) {
+                    r.mark_failed(ABANDONED);
+                }
+            })
+            .await?;
+        Ok(settled.unwrap_or(record))
+    }
+
     pub async fn delete(&self, template_id: &str) -> Result<(), ApiError> {
         self.kv
             .delete(template_id)
@@ -280,6 +311,25 @@ mod tests {
         for bad in ["", "x", "../etc", "a.b", "tpl-1"] {
             assert!(!is_template_id(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn only_a_capture_silent_past_the_limit_is_abandoned() {
+        let t = TemplateRef {
+            template_id: "t".into(),
+            prompt: String::new(),
+            seed: 1,
+            steps: 4,
+            guidance_scale: 1.0,
+            cache_key: String::new(),
+        };
+        let mut r = TemplateRecord::new("t".into(), None, &t);
+        let limit = Duration::from_secs(90);
+        let at = r.updated_at_ms;
+        assert!(!r.capture_abandoned(at + 90_000, limit));
+        assert!(r.capture_abandoned(at + 90_001, limit));
+        r.state = TemplateState::Ready;
+        assert!(!r.capture_abandoned(at + 900_000, limit));
     }
 
     #[test]
