@@ -161,6 +161,18 @@ impl Mesh {
         (status, r.json().await.expect("JSON body"))
     }
 
+    /// `DELETE /v1/templates/{id}`: status and JSON body.
+    async fn delete_template(&self, id: &str) -> (u16, Value) {
+        let r = self
+            .http
+            .delete(self.url(&format!("/v1/templates/{id}")))
+            .send()
+            .await
+            .expect("DELETE");
+        let status = r.status().as_u16();
+        (status, r.json().await.expect("JSON body"))
+    }
+
     async fn edit(&self, form: Form) -> (u16, Value) {
         self.post_form("/v1/images/edits", form).await
     }
@@ -481,14 +493,8 @@ async fn register_edit_concurrently_and_delete_a_template() {
     }
 
     // Delete: the record, the image and every cache entry go.
-    let r = mesh
-        .http
-        .delete(mesh.url(&format!("/v1/templates/{id}")))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    let deleted: Value = r.json().await.unwrap();
+    let (status, deleted) = mesh.delete_template(&id).await;
+    assert_eq!(status, 200, "{deleted}");
     assert_eq!(deleted["cache_entries_deleted"], STEPS + 1, "{deleted}");
     let (status, body) = mesh.get_json(&format!("/v1/templates/{id}")).await;
     assert_eq!(
@@ -512,13 +518,7 @@ async fn register_edit_concurrently_and_delete_a_template() {
     }
     let (status, _) = mesh.edit(edit_form(&id, &masks[0], 1)).await;
     assert_eq!(status, 404);
-    let r = mesh
-        .http
-        .delete(mesh.url(&format!("/v1/templates/{id}")))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 404);
+    assert_eq!(mesh.delete_template(&id).await.0, 404);
 }
 
 /// A template captured on one denoiser serves edits on another that never saw it: the second
@@ -618,14 +618,7 @@ async fn deleting_a_template_lets_its_accepted_edits_finish() {
     }))
     .await;
 
-    let r = mesh
-        .http
-        .delete(mesh.url(&format!("/v1/templates/{id}")))
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    let pending: Value = r.json().await.unwrap();
+    let (status, pending) = mesh.delete_template(&id).await;
     assert_eq!(status, 202, "{pending}");
     assert_eq!(pending["status"], "deleting", "{pending}");
     assert_eq!(pending["deleted"], false, "{pending}");
@@ -676,122 +669,6 @@ async fn deleting_a_template_lets_its_accepted_edits_finish() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     mesh.assert_objects_gone(&id, &cache_key).await;
-}
-
-/// What a gateway that stopped left behind is settled by the others: a delete left pending
-/// (record still `deleting`) is finished by the next gateway to start (record and image go),
-/// and a registration left `capturing` past the job deadline reads as `failed` (edits get 409
-/// saying why; it can be deleted), while a recent one stays `capturing`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gateway_settles_what_a_stopped_gateway_left() {
-    use diffmesh_gateway::templates::record::{TemplateRecord, TemplateState, TemplateStore};
-    init_test_logging();
-    let nats = NatsServer::start();
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    let store = TemplateStore::open(&js).await.unwrap();
-    let record = |id: &str, state: TemplateState, age_ms: u64| {
-        let template = diffmesh_shared::messages::TemplateRef {
-            template_id: id.into(),
-            prompt: String::new(),
-            seed: 1,
-            steps: STEPS,
-            guidance_scale: 1.0,
-            cache_key: String::new(),
-        };
-        let mut r = TemplateRecord::new(id.into(), None, &template);
-        r.state = state;
-        r.updated_at_ms -= age_ms;
-        r
-    };
-    let deleting = "5b9d6c1e-3f2a-4e8b-a7c6-1d0e9f8a7b6c";
-    let abandoned = "5b9d6c1e-3f2a-4e8b-a7c6-1d0e9f8a7b6d";
-    let capturing = "5b9d6c1e-3f2a-4e8b-a7c6-1d0e9f8a7b6e";
-    store
-        .create(&record(deleting, TemplateState::Deleting, 0))
-        .await
-        .unwrap();
-    store.put_image(deleting, b"png bytes").await.unwrap();
-    // The test gateway's job deadline is far below ten minutes.
-    store
-        .create(&record(abandoned, TemplateState::Capturing, 600_000))
-        .await
-        .unwrap();
-    store
-        .create(&record(capturing, TemplateState::Capturing, 0))
-        .await
-        .unwrap();
-
-    let gateway = start_gateway(&nats, |c| c.job_timeout_s = 60.0).expect("gateway");
-    gateway
-        .wait_ready(Duration::from_secs(30))
-        .await
-        .expect("ready");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while store.get(deleting).await.unwrap().is_some() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the pending delete was not finished"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(
-        store.image(deleting).await.is_err(),
-        "the image is still there"
-    );
-
-    let http = reqwest::Client::new();
-    let api = gateway.addrs.api.unwrap();
-    let get = |id: &str| {
-        let url = format!("http://{api}/v1/templates/{id}");
-        let http = http.clone();
-        async move {
-            let r = http.get(url).send().await.unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }
-    };
-    let (status, got) = get(abandoned).await;
-    assert_eq!(
-        (status, &got["status"]),
-        (200, &Value::from("failed")),
-        "{got}"
-    );
-    assert!(
-        got["error"].as_str().unwrap().contains("interrupted"),
-        "{got}"
-    );
-    let (status, got) = get(capturing).await;
-    assert_eq!(
-        (status, &got["status"]),
-        (200, &Value::from("capturing")),
-        "{got}"
-    );
-    let form = Form::new()
-        .text("template_id", abandoned.to_string())
-        .text("prompt", "a red square");
-    let r = http
-        .post(format!("http://{api}/v1/images/edits"))
-        .multipart(form)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    let body: Value = r.json().await.unwrap();
-    assert_eq!(status, 409, "{body}");
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("interrupted"),
-        "{body}"
-    );
-    let r = http
-        .delete(format!("http://{api}/v1/templates/{abandoned}"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    assert!(store.get(abandoned).await.unwrap().is_none());
 }
 
 /// A well-formed template id that names nothing.
