@@ -59,15 +59,21 @@ impl Deleter {
             return Ok(None);
         }
         // After the mark: any edit that began before it is counted here, any later one sees
-        // the mark and is refused (`uses`).
-        let in_flight = self.uses.in_flight(id).await?;
+        // the mark and is refused (`uses`). Once marked, a failure below leaves the rest to
+        // the background task; the caller hears why it is not done yet.
+        let in_flight = match self.uses.in_flight(id).await {
+            Ok(in_flight) => in_flight,
+            Err(err) => {
+                self.spawn_drain(mesh, id);
+                return Err(err);
+            }
+        };
         if in_flight.is_empty() {
             return match self.purge(id).await {
                 Ok(cache_entries_deleted) => Ok(Some(Outcome::Deleted {
                     cache_entries_deleted,
                 })),
                 Err(err) => {
-                    // Keep trying in the background; the caller hears why it is not done yet.
                     self.spawn_drain(mesh, id);
                     Err(err)
                 }
