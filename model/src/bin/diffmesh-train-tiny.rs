@@ -1,6 +1,6 @@
 //! Train (default) or evaluate the tiny default model. `cargo xtask train-tiny` calls this.
 //!
-//! diffmesh-train-tiny --out models/tiny --stop-after 10300   # the shipped weights (AMX CPU)
+//! diffmesh-train-tiny --out models/tiny   # the shipped weights (53 min on an AMX CPU)
 //! diffmesh-train-tiny eval --model-dir models/tiny --untrained-seed 0 --report models/tiny
 use clap::{Parser, Subcommand};
 use diffmesh_model::tiny::{eval, train};
