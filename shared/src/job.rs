@@ -44,6 +44,37 @@ pub struct JobFailure {
     pub error_type: String,
 }
 
+/// What a capture job stored (its [`JobEvent::Captured`]). Kept on the job's record too, so
+/// the template can still be finished, or its cache removed, when the gateway that registered
+/// it stopped before recording it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CaptureReport {
+    pub cache_key: String,
+    pub steps: u32,
+    pub blocks: u32,
+    pub bytes: u64,
+}
+
+impl CaptureReport {
+    /// The report a `Captured` event carries; `None` for every other event.
+    pub fn from_event(event: &JobEvent) -> Option<Self> {
+        match event {
+            JobEvent::Captured {
+                cache_key,
+                steps,
+                blocks,
+                bytes,
+            } => Some(Self {
+                cache_key: cache_key.clone(),
+                steps: *steps,
+                blocks: *blocks,
+                bytes: *bytes,
+            }),
+            _ => None,
+        }
+    }
+}
+
 /// The KV record of one job.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobRecord {
@@ -96,6 +127,9 @@ pub struct JobRecord {
     /// Placed by a router after the gateway driving it died.
     #[serde(default)]
     pub adopted: bool,
+    /// A capture job's stored cache, once its denoiser reported it.
+    #[serde(default)]
+    pub captured: Option<CaptureReport>,
 }
 
 /// How often at most a running job's step progress is written to its record.
@@ -172,6 +206,7 @@ impl JobRecord {
             detached: false,
             place_by_ms: None,
             adopted: false,
+            captured: None,
         }
     }
 
@@ -243,6 +278,13 @@ impl JobRecord {
         }
         self.step = step;
         self.steps_total = total;
+        self.updated_at_ms = now_ms();
+    }
+
+    /// The denoiser stored the capture's cache. Recorded whatever the job's state: the cache
+    /// exists even if the job ended otherwise meanwhile.
+    pub fn mark_captured(&mut self, report: CaptureReport) {
+        self.captured = Some(report);
         self.updated_at_ms = now_ms();
     }
 
@@ -665,5 +707,30 @@ mod tests {
             r#"{"job_id":"j","kind":"Edit","state":"running","created_at_ms":1,"updated_at_ms":2}"#;
         let r: JobRecord = serde_json::from_str(old).unwrap();
         assert_eq!((r.step, r.steps_total, r.owner), (0, 0, None));
+        assert_eq!(r.captured, None);
+    }
+
+    /// A capture's report comes from its `Captured` event only and stays on the record even
+    /// when the job ended first (the cache exists either way).
+    #[test]
+    fn a_capture_report_is_kept_whatever_the_ending() {
+        let event = JobEvent::Captured {
+            cache_key: "tpl-abc".into(),
+            steps: 4,
+            blocks: 6,
+            bytes: 1024,
+        };
+        let report = CaptureReport::from_event(&event).unwrap();
+        assert_eq!((report.cache_key.as_str(), report.steps), ("tpl-abc", 4));
+        let done = JobEvent::Done {
+            png_keys: Vec::new(),
+        };
+        assert_eq!(CaptureReport::from_event(&done), None);
+        let mut r = JobRecord::new("j4", JobKind::Capture);
+        r.mark_cancelled("client went away");
+        r.mark_captured(report.clone());
+        assert_eq!(r.captured.as_ref(), Some(&report));
+        let back: JobRecord = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back.captured, Some(report));
     }
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use diffmesh_shared::cachestore::{
     locate_subject, template_keys, CacheLocate, CacheLocateReply, KeyLocation,
 };
+use diffmesh_shared::job::JobStore;
 use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::subjects::{BLOB_BUCKET, TEMPLATE_BUCKET};
 use diffmesh_shared::templates::{image_key, prepared_image_key};
@@ -133,6 +134,32 @@ impl Mesh {
             (Some(w.into()), Some(h.into()))
         );
         (id, cache_key)
+    }
+
+    /// The router keeps a capture's report on its job record (what lets another gateway finish
+    /// a registration whose gateway stopped); it writes it in the background, so wait a little.
+    async fn assert_capture_report_kept(&self, job_id: &str, cache_key: &str) {
+        let client = async_nats::connect(self.nats.url()).await.unwrap();
+        let jobs = JobStore::open(&async_nats::jetstream::new(client))
+            .await
+            .unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let record = jobs.get(job_id).await.unwrap().expect("capture job record");
+            if let Some(report) = record.captured {
+                assert_eq!(
+                    (report.cache_key.as_str(), report.steps),
+                    (cache_key, STEPS)
+                );
+                assert!(report.bytes > 0 && report.blocks > 0, "{report:?}");
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the capture job's record has no report: {record:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Names of the objects in a bucket (listing an empty bucket never ends: each next name is
@@ -371,6 +398,8 @@ async fn register_edit_concurrently_and_delete_a_template() {
             .any(|t| t["id"] == id.as_str()),
         "{list}"
     );
+    mesh.assert_capture_report_kept(got["capture_job_id"].as_str().unwrap(), &cache_key)
+        .await;
 
     // Bad edits by template name the field.
     let masks: Vec<GrayImage> = (0..EDITS).map(|i| mask(i, w, h)).collect();

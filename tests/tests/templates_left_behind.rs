@@ -1,27 +1,69 @@
 //! Templates a stopped gateway left half-way, settled by another gateway: a delete left
-//! pending is finished by the next gateway to start, and a registration left `capturing` past
-//! the job deadline reads as `failed`. Only NATS and a gateway run: no model is needed.
+//! pending is finished by the next gateway to start (removing the cache its capture job
+//! reported), and a registration left `capturing` past the job deadline reads as `ready` when
+//! its capture job reported a cache, else `failed`. Only NATS, a gateway and a stand-in
+//! cachestore run: no model is needed.
 use std::time::Duration;
 
 use diffmesh_gateway::templates::record::{TemplateRecord, TemplateState, TemplateStore};
+use diffmesh_shared::cachestore::{delete_subject, template_keys, CacheDelete, CacheDeleteReply};
+use diffmesh_shared::job::{CaptureReport, JobRecord, JobStore};
+use diffmesh_shared::messages::{decode, encode, JobKind};
 use diffmesh_tests::harness::{init_test_logging, start_gateway, NatsServer};
+use futures::StreamExt;
 use reqwest::multipart::Form;
 use serde_json::Value;
 
 const STEPS: u32 = 4;
 
+/// A capture job's record as the router leaves it once the denoiser stored `cache_key`.
+async fn captured_job(jobs: &JobStore, job_id: &str, cache_key: &str) {
+    let mut job = JobRecord::new(job_id, JobKind::Capture);
+    job.mark_captured(CaptureReport {
+        cache_key: cache_key.into(),
+        steps: STEPS,
+        blocks: 4,
+        bytes: 4096,
+    });
+    job.mark_done(Vec::new());
+    jobs.create(&job).await.unwrap();
+}
+
+/// Answers cachestore deletes (every key existed) and passes on the keys asked for.
+async fn stand_in_cachestore(
+    client: async_nats::Client,
+) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut sub = client.subscribe(delete_subject()).await.unwrap();
+    tokio::spawn(async move {
+        while let Some(msg) = sub.next().await {
+            let req: CacheDelete = decode(&msg.payload).unwrap();
+            let _ = tx.send(req.key);
+            let reply = encode(&CacheDeleteReply::Deleted { existed: true }).unwrap();
+            if let Some(inbox) = msg.reply {
+                client.publish(inbox, reply.into()).await.unwrap();
+            }
+        }
+    });
+    rx
+}
+
 /// What a gateway that stopped left behind is settled by the others: a delete left pending
-/// (record still `deleting`) is finished by the next gateway to start (record and image go),
-/// and a registration left `capturing` past the job deadline reads as `failed` (edits get 409
-/// saying why; it can be deleted), while a recent one stays `capturing`.
+/// (record still `deleting`) is finished by the next gateway to start (record, image, and the
+/// cache its capture job reported though the record never got its key, go), and a
+/// registration left `capturing` past the job deadline reads as `ready` when its capture job
+/// reported a cache, else as `failed` (edits get 409 saying why; it can be deleted), while a
+/// recent one stays `capturing`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_settles_what_a_stopped_gateway_left() {
     init_test_logging();
     let nats = NatsServer::start();
     let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut cache_deletes = stand_in_cachestore(client.clone()).await;
     let js = async_nats::jetstream::new(client);
     let store = TemplateStore::open(&js).await.unwrap();
-    let record = |id: &str, state: TemplateState, age_ms: u64| {
+    let jobs = JobStore::open(&js).await.unwrap();
+    let record = |id: &str, state: TemplateState, age_ms: u64, capture_job: Option<&str>| {
         let template = diffmesh_shared::messages::TemplateRef {
             template_id: id.into(),
             prompt: String::new(),
@@ -33,23 +75,42 @@ async fn a_gateway_settles_what_a_stopped_gateway_left() {
         let mut r = TemplateRecord::new(id.into(), None, &template);
         r.state = state;
         r.updated_at_ms -= age_ms;
+        r.capture_job_id = capture_job.map(str::to_string);
         r
     };
     let deleting = "5b9d6c1e-3f2a-4e8b-a7c6-1d0e9f8a7b6c";
     let abandoned = "5b9d6c1e-3f2a-4e8b-a7c6-1d0e9f8a7b6d";
     let capturing = "5b9d6c1e-3f2a-4e8b-a7c6-1d0e9f8a7b6e";
+    let recovered = "5b9d6c1e-3f2a-4e8b-a7c6-1d0e9f8a7b6f";
+    // Deleted while capturing, then its gateway stopped: only the job record has the key.
+    captured_job(&jobs, "capture-of-deleting", "tpl-orphan").await;
     store
-        .create(&record(deleting, TemplateState::Deleting, 0))
+        .create(&record(
+            deleting,
+            TemplateState::Deleting,
+            0,
+            Some("capture-of-deleting"),
+        ))
         .await
         .unwrap();
     store.put_image(deleting, b"png bytes").await.unwrap();
     // The test gateway's job deadline is far below ten minutes.
     store
-        .create(&record(abandoned, TemplateState::Capturing, 600_000))
+        .create(&record(abandoned, TemplateState::Capturing, 600_000, None))
         .await
         .unwrap();
     store
-        .create(&record(capturing, TemplateState::Capturing, 0))
+        .create(&record(capturing, TemplateState::Capturing, 0, None))
+        .await
+        .unwrap();
+    captured_job(&jobs, "capture-of-recovered", "tpl-recovered").await;
+    store
+        .create(&record(
+            recovered,
+            TemplateState::Capturing,
+            600_000,
+            Some("capture-of-recovered"),
+        ))
         .await
         .unwrap();
 
@@ -70,6 +131,11 @@ async fn a_gateway_settles_what_a_stopped_gateway_left() {
         store.image(deleting).await.is_err(),
         "the image is still there"
     );
+    let mut deleted_keys = Vec::new();
+    while let Ok(key) = cache_deletes.try_recv() {
+        deleted_keys.push(key);
+    }
+    assert_eq!(deleted_keys, template_keys("tpl-orphan", STEPS));
 
     let http = reqwest::Client::new();
     let api = gateway.addrs.api.unwrap();
@@ -89,6 +155,12 @@ async fn a_gateway_settles_what_a_stopped_gateway_left() {
     );
     assert!(
         got["error"].as_str().unwrap().contains("interrupted"),
+        "{got}"
+    );
+    let (status, got) = get(recovered).await;
+    assert_eq!(
+        (status, &got["status"], &got["cache_key"]),
+        (200, &Value::from("ready"), &Value::from("tpl-recovered")),
         "{got}"
     );
     let (status, got) = get(capturing).await;

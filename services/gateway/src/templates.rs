@@ -27,7 +27,7 @@ use crate::error::{ApiError, ErrorBody};
 use crate::routes::{finish, ApiState};
 use cache_view::{CacheView, LocalTiers};
 use delete::{Deleter, Outcome};
-use diffmesh_shared::job::JobStore;
+use diffmesh_shared::job::{now_ms, JobStore};
 use record::{TemplateRecord, TemplateState, TemplateStore};
 use uses::TemplateUses;
 
@@ -54,11 +54,12 @@ impl Templates {
     ) -> Result<Self, MeshError> {
         let js = async_nats::jetstream::new(client.clone());
         let store = TemplateStore::open(&js).await?;
-        let uses = TemplateUses::open(&js, store.clone(), jobs).await?;
+        let uses = TemplateUses::open(&js, store.clone(), jobs.clone()).await?;
         let deleter = Deleter {
             client: client.clone(),
             store: store.clone(),
             uses: uses.clone(),
+            jobs,
             cachestore_timeout: CACHESTORE_TIMEOUT,
             job_timeout,
         };
@@ -211,12 +212,18 @@ fn capture_limit(state: &ApiState) -> Duration {
     state.mesh.flow.job_timeout + Duration::from_secs(30)
 }
 
-/// The record, `failed` if its registration was abandoned by a gateway that stopped.
+/// The record, settled if its registration was abandoned by a gateway that stopped: `ready`
+/// when its capture job reported a cache on its record, else `failed`.
 pub async fn settle(state: &ApiState, record: TemplateRecord) -> Result<TemplateRecord, ApiError> {
+    let limit = capture_limit(state);
+    if !record.capture_abandoned(now_ms(), limit) {
+        return Ok(record);
+    }
+    let captured = capture::reported_capture(&state.mesh.jobs, &record).await?;
     state
         .templates
         .store
-        .settle(record, capture_limit(state))
+        .settle(record, limit, captured.as_ref())
         .await
 }
 

@@ -212,7 +212,7 @@ impl Router {
                     error_type: error_types::UNAVAILABLE.to_string(),
                 };
                 self.publish_event(&job.job_id, &event).await;
-                self.record_ending(&job.job_id, event);
+                self.record_outcome(&job.job_id, event);
             }
         }
     }

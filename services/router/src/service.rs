@@ -7,7 +7,7 @@ use crate::state::{no_worker_message, Failover, RouterState};
 use crate::RouterConfig;
 use async_nats::Subscriber;
 use diffmesh_sched::SchedError;
-use diffmesh_shared::job::JobStore;
+use diffmesh_shared::job::{CaptureReport, JobStore};
 use diffmesh_shared::messages::{decode, error_types, CancelJob, Heartbeat, JobEvent, SubmitReply};
 use diffmesh_shared::nats::publish_msgpack;
 use diffmesh_shared::{subjects, MeshError};
@@ -240,15 +240,17 @@ impl Router {
             error_type: error_types::WORKER_LOST.to_string(),
         };
         self.publish_event(job_id, &event).await;
-        self.record_ending(job_id, event);
+        self.record_outcome(job_id, event);
     }
 
-    /// Write a job's ending into its record, in the background (a CAS write; the gateway
-    /// driving the job writes the same ending, and whichever comes second changes nothing, as a
-    /// record that has ended keeps its first ending, a cancel included). Cancelled jobs are left
-    /// to the gateway that asked for the cancel: it knows why (owner's DELETE, deadline, client
-    /// gone) and writes that.
-    pub(crate) fn record_ending(&self, job_id: &str, event: JobEvent) {
+    /// Write a job's ending, or a capture's stored cache, into its record, in the background
+    /// (a CAS write; the gateway driving the job writes the same ending, and whichever comes
+    /// second changes nothing, as a record that has ended keeps its first ending, a cancel
+    /// included). Cancelled jobs are left to the gateway that asked for the cancel: it knows
+    /// why (owner's DELETE, deadline, client gone) and writes that. The capture report is
+    /// written here only: the registering gateway reads it from the event, and the record
+    /// keeps it for when that gateway stopped before recording the template.
+    pub(crate) fn record_outcome(&self, job_id: &str, event: JobEvent) {
         if matches!(&event, JobEvent::Failed { error_type, .. } if error_type == error_types::CANCELLED)
         {
             return;
@@ -267,16 +269,31 @@ impl Router {
                     jobs.update(&job_id, |r| r.mark_failed(&message, &error_type))
                         .await
                 }
+                JobEvent::Captured {
+                    cache_key,
+                    steps,
+                    blocks,
+                    bytes,
+                } => {
+                    let report = CaptureReport {
+                        cache_key,
+                        steps,
+                        blocks,
+                        bytes,
+                    };
+                    jobs.update(&job_id, |r| r.mark_captured(report.clone()))
+                        .await
+                }
                 _ => return,
             };
             match written {
                 Ok(_) => {}
                 // Submitted straight over NATS, without a gateway's record.
                 Err(MeshError::JobNotFound { .. }) => {
-                    tracing::debug!(%job_id, "no job record to end")
+                    tracing::debug!(%job_id, "no job record to write to")
                 }
                 Err(err) => {
-                    tracing::warn!(%job_id, error = %err, "could not record the job's ending")
+                    tracing::warn!(%job_id, error = %err, "could not record the job's outcome")
                 }
             }
         });
@@ -387,7 +404,12 @@ impl Router {
                     let placed_here = self.state().registry.finish(job_id).is_some();
                     if placed_here {
                         self.capacity.notify_waiters();
-                        self.record_ending(job_id, event);
+                        self.record_outcome(job_id, event);
+                    }
+                }
+                Ok(event @ JobEvent::Captured { .. }) => {
+                    if self.state().registry.owner(job_id).is_some() {
+                        self.record_outcome(job_id, event);
                     }
                 }
                 Ok(event) => self.adopted.on_event(&self.jobs, job_id, &event),

@@ -1,9 +1,12 @@
 //! Registering a template: store its image durably, create its record (`capturing`), have the
 //! codec prepare it (kind `Capture`: no mask, every token computed), run the capture job through
 //! the router and a denoiser like any job (`pipeline::Mesh::prepare` / `complete`), and record
-//! what the denoiser's `Captured` event reports (`ready`) or why it failed (`failed`).
+//! what the denoiser's `Captured` event reports (`ready`) or why it failed (`failed`). The
+//! router keeps the same report on the capture job's record, from which another gateway
+//! finishes a registration whose gateway stopped (`reported_capture`).
 use std::time::Duration;
 
+use diffmesh_shared::job::{CaptureReport, JobStore};
 use diffmesh_shared::messages::{decode, JobEvent, JobKind, TemplateRef};
 use diffmesh_shared::subjects::job_events;
 use diffmesh_shared::MeshError;
@@ -23,15 +26,6 @@ use crate::validate::{ResponseFormat, ValidParams};
 /// How long after the capture job's `Done` its `Captured` event may still be on the way (it is
 /// sent first, on the same connection, so it is normally there already).
 const CAPTURED_GRACE: Duration = Duration::from_secs(2);
-
-/// What the denoiser reported for a finished capture.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Captured {
-    pub cache_key: String,
-    pub steps: u32,
-    pub blocks: u32,
-    pub bytes: u64,
-}
 
 /// Marks the record failed if the registration is dropped before it finished (the client went
 /// away; the capture job itself is cancelled by the pipeline's own guard).
@@ -130,7 +124,7 @@ async fn capture(
     record: &TemplateRecord,
     params: diffmesh_shared::messages::GenerationParams,
     template: TemplateRef,
-) -> Result<Captured, ApiError> {
+) -> Result<CaptureReport, ApiError> {
     let id = record.id.as_str();
     // The image is already in the template bucket: the capture reads it there.
     let input = JobInput {
@@ -175,19 +169,11 @@ async fn capture(
                 )))
             }
         };
-        if let Ok(JobEvent::Captured {
-            cache_key,
-            steps,
-            blocks,
-            bytes,
-        }) = decode::<JobEvent>(&msg.payload)
-        {
-            return Ok(Captured {
-                cache_key,
-                steps,
-                blocks,
-                bytes,
-            });
+        let report = decode::<JobEvent>(&msg.payload)
+            .ok()
+            .and_then(|event| CaptureReport::from_event(&event));
+        if let Some(report) = report {
+            return Ok(report);
         }
     }
 }
@@ -197,18 +183,12 @@ async fn finish(
     templates: &Templates,
     mesh: &Mesh,
     id: &str,
-    captured: Captured,
+    captured: CaptureReport,
 ) -> Result<TemplateRecord, ApiError> {
-    let steps_expected = templates.store.get(id).await?.map(|r| r.steps);
-    let problem = match steps_expected {
-        _ if captured.cache_key.is_empty() => {
-            Some("the denoiser reported an empty cache key".into())
-        }
-        Some(steps) if steps != captured.steps => Some(format!(
-            "the denoiser captured {} steps, the template has {steps}",
-            captured.steps
-        )),
-        _ => None,
+    let problem = match templates.store.get(id).await? {
+        Some(record) => record.capture_mismatch(&captured),
+        // Deleted meanwhile: the update below finds no record and removes the cache.
+        None => None,
     };
     if let Some(problem) = problem {
         templates
@@ -221,21 +201,16 @@ async fn finish(
         .store
         .update(id, |r| {
             // A template deleted meanwhile stays `deleting`: no edit may start on it.
-            if r.state == TemplateState::Deleting {
-                return;
+            if r.state != TemplateState::Deleting {
+                r.mark_ready(&captured);
             }
-            r.state = TemplateState::Ready;
-            r.cache_key = Some(captured.cache_key.clone());
-            r.cache_bytes = captured.bytes;
-            r.blocks = captured.blocks;
-            r.error = None;
         })
         .await?;
     match written {
         Some(record) if record.state == TemplateState::Ready => Ok(record),
         _ => {
             // Deleted while it was being captured: the new cache belongs to nobody (the
-            // delete saw no cache key, so it removed none).
+            // delete may have purged before the capture was reported, removing none).
             let removed = cache_view::remove(
                 &mesh.client,
                 id,
@@ -250,6 +225,18 @@ async fn finish(
             Err(super::edit::not_found(id))
         }
     }
+}
+
+/// The cache a template's capture job reported on its job record (`None`: none reported, or
+/// the record expired): what settles a registration whose gateway stopped before recording it.
+pub async fn reported_capture(
+    jobs: &JobStore,
+    record: &TemplateRecord,
+) -> Result<Option<CaptureReport>, ApiError> {
+    let Some(job_id) = &record.capture_job_id else {
+        return Ok(None);
+    };
+    Ok(jobs.get(job_id).await?.and_then(|job| job.captured))
 }
 
 /// Remove a template that never came to be (its record and image); best effort.

@@ -8,11 +8,13 @@
 use std::time::Duration;
 
 use async_nats::Client;
+use diffmesh_shared::job::JobStore;
 use tokio::time::Instant;
 
 use crate::error::ApiError;
 use crate::pipeline::Mesh;
 use crate::templates::cache_view;
+use crate::templates::capture::reported_capture;
 use crate::templates::record::{TemplateState, TemplateStore};
 use crate::templates::uses::TemplateUses;
 
@@ -33,6 +35,8 @@ pub struct Deleter {
     pub client: Client,
     pub store: TemplateStore,
     pub uses: TemplateUses,
+    /// Job records: a capture's report, for a template whose record lacks its cache key.
+    pub jobs: JobStore,
     pub cachestore_timeout: Duration,
     /// The longest an accepted job may run (`FlowConfig::job_timeout`).
     pub job_timeout: Duration,
@@ -94,10 +98,18 @@ impl Deleter {
         let Some(record) = self.store.get(id).await? else {
             return Ok(0);
         };
-        let cache_entries_deleted = match &record.cache_key {
-            Some(key) => {
-                cache_view::remove(&self.client, id, key, record.steps, self.cachestore_timeout)
-                    .await?
+        // No key recorded: the capture may still have stored one that its gateway never
+        // recorded (it stopped, or the delete came first); the capture job's record has it.
+        let cache = match &record.cache_key {
+            Some(key) => Some((key.clone(), record.steps)),
+            None => reported_capture(&self.jobs, &record)
+                .await?
+                .filter(|c| !c.cache_key.is_empty())
+                .map(|c| (c.cache_key, c.steps)),
+        };
+        let cache_entries_deleted = match cache {
+            Some((key, steps)) => {
+                cache_view::remove(&self.client, id, &key, steps, self.cachestore_timeout).await?
             }
             None => 0,
         };

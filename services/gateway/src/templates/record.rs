@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
-use diffmesh_shared::job::{now_ms, open_kv};
+use diffmesh_shared::job::{now_ms, open_kv, CaptureReport};
 use diffmesh_shared::messages::{PreparedTemplate, TemplateImage, TemplateRef};
 use diffmesh_shared::nats::BlobStore;
 use diffmesh_shared::subjects::TEMPLATE_BUCKET;
@@ -136,6 +136,28 @@ impl TemplateRecord {
             && now_ms.saturating_sub(self.updated_at_ms) > limit.as_millis() as u64
     }
 
+    /// Why `report` cannot be this template's cache; `None` when it can.
+    pub fn capture_mismatch(&self, report: &CaptureReport) -> Option<String> {
+        if report.cache_key.is_empty() {
+            return Some("the denoiser reported an empty cache key".into());
+        }
+        (report.steps != self.steps).then(|| {
+            format!(
+                "the denoiser captured {} steps, the template has {}",
+                report.steps, self.steps
+            )
+        })
+    }
+
+    /// The capture stored `report` (checked with `capture_mismatch`): edits may read it.
+    pub fn mark_ready(&mut self, report: &CaptureReport) {
+        self.state = TemplateState::Ready;
+        self.cache_key = Some(report.cache_key.clone());
+        self.cache_bytes = report.bytes;
+        self.blocks = report.blocks;
+        self.error = None;
+    }
+
     /// Record why the capture failed (a template being deleted stays `deleting`).
     pub fn mark_failed(&mut self, error: impl Into<String>) {
         if self.state != TemplateState::Deleting {
@@ -250,20 +272,28 @@ impl TemplateStore {
         ))
     }
 
-    /// `record` as it stands, after recording it `failed` if its registration was abandoned
-    /// (see `TemplateRecord::capture_abandoned`; `limit` is the job deadline plus a margin).
+    /// `record` as it stands, after settling it if its registration was abandoned (see
+    /// `TemplateRecord::capture_abandoned`; `limit` is the job deadline plus a margin):
+    /// `ready` when its capture job's record reports a stored cache that fits (`captured`),
+    /// else `failed`.
     pub async fn settle(
         &self,
         record: TemplateRecord,
         limit: Duration,
+        captured: Option<&CaptureReport>,
     ) -> Result<TemplateRecord, ApiError> {
         if !record.capture_abandoned(now_ms(), limit) {
             return Ok(record);
         }
         let settled = self
             .update(&record.id, |r| {
-                if r.capture_abandoned(now_ms(), limit) {
-                    r.mark_failed(ABANDONED);
+                if !r.capture_abandoned(now_ms(), limit) {
+                    return;
+                }
+                match captured.map(|c| (c, r.capture_mismatch(c))) {
+                    Some((c, None)) => r.mark_ready(c),
+                    Some((_, Some(problem))) => r.mark_failed(problem),
+                    None => r.mark_failed(ABANDONED),
                 }
             })
             .await?;
@@ -330,6 +360,54 @@ mod tests {
         assert!(r.capture_abandoned(at + 90_001, limit));
         r.state = TemplateState::Ready;
         assert!(!r.capture_abandoned(at + 900_000, limit));
+    }
+
+    #[test]
+    fn a_capture_fits_only_with_a_key_and_the_template_steps() {
+        let t = TemplateRef {
+            template_id: "t".into(),
+            prompt: String::new(),
+            seed: 1,
+            steps: 4,
+            guidance_scale: 1.0,
+            cache_key: String::new(),
+        };
+        let mut r = TemplateRecord::new("t".into(), None, &t);
+        let report = CaptureReport {
+            cache_key: "tpl-abc".into(),
+            steps: 4,
+            blocks: 6,
+            bytes: 512,
+        };
+        assert_eq!(r.capture_mismatch(&report), None);
+        let other_steps = CaptureReport {
+            steps: 8,
+            ..report.clone()
+        };
+        assert!(r
+            .capture_mismatch(&other_steps)
+            .unwrap()
+            .contains("8 steps"));
+        let no_key = CaptureReport {
+            cache_key: String::new(),
+            ..report.clone()
+        };
+        assert!(r
+            .capture_mismatch(&no_key)
+            .unwrap()
+            .contains("empty cache key"));
+        r.mark_failed("earlier");
+        r.mark_ready(&report);
+        assert_eq!(
+            (
+                r.state,
+                r.cache_key.as_deref(),
+                r.blocks,
+                r.cache_bytes,
+                r.error
+            ),
+            (TemplateState::Ready, Some("tpl-abc"), 6, 512, None)
+        );
     }
 
     #[test]
