@@ -62,6 +62,7 @@ impl Templates {
             jobs,
             cachestore_timeout: CACHESTORE_TIMEOUT,
             job_timeout,
+            draining: Default::default(),
         };
         Ok(Self {
             store,

@@ -5,6 +5,8 @@
 //!
 //! A delete left pending by a gateway that stopped is resumed by the next gateway to start
 //! (`resume_pending`) or by repeating the `DELETE`.
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::Client;
@@ -40,6 +42,35 @@ pub struct Deleter {
     pub cachestore_timeout: Duration,
     /// The longest an accepted job may run (`FlowConfig::job_timeout`).
     pub job_timeout: Duration,
+    pub draining: Draining,
+}
+
+/// Templates whose delete this gateway finishes in the background.
+#[derive(Clone, Default)]
+pub struct Draining(Arc<Mutex<HashSet<String>>>);
+
+/// A running drain of one template; the template leaves [`Draining`] when it drops.
+pub struct DrainClaim {
+    draining: Draining,
+    id: String,
+}
+
+impl Draining {
+    /// Claim `id` for a drain; `None` while another claim of it lives.
+    pub fn claim(&self, id: &str) -> Option<DrainClaim> {
+        let mut set = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        set.insert(id.to_string()).then(|| DrainClaim {
+            draining: self.clone(),
+            id: id.to_string(),
+        })
+    }
+}
+
+impl Drop for DrainClaim {
+    fn drop(&mut self) {
+        let mut set = self.draining.0.lock().unwrap_or_else(|e| e.into_inner());
+        set.remove(&self.id);
+    }
 }
 
 /// How a delete request ended.
@@ -119,10 +150,18 @@ impl Deleter {
         Ok(cache_entries_deleted)
     }
 
-    /// Wait (in the background) for `id`'s edits to end, then purge it.
+    /// Wait (in the background) for `id`'s edits to end, then purge it; nothing new when this
+    /// gateway drains `id` already (a repeated `DELETE`).
     pub fn spawn_drain(&self, mesh: &Mesh, id: &str) {
+        let Some(claim) = self.draining.claim(id) else {
+            tracing::debug!(template_id = %id, "a delete of this template is already running");
+            return;
+        };
         let (deleter, id) = (self.clone(), id.to_string());
-        mesh.spawn_background(async move { deleter.drain_then_purge(&id).await });
+        mesh.spawn_background(async move {
+            deleter.drain_then_purge(&id).await;
+            drop(claim);
+        });
     }
 
     async fn drain_then_purge(&self, id: &str) {
@@ -175,5 +214,29 @@ impl Deleter {
             tracing::info!(template_id = %r.id, "resuming a pending template delete");
             self.spawn_drain(mesh, &r.id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_drain_per_template_until_it_ends() {
+        let draining = Draining::default();
+        let first = draining.claim("a").expect("first claim");
+        assert!(
+            draining.claim("a").is_none(),
+            "a second drain of the same template"
+        );
+        let other = draining
+            .claim("b")
+            .expect("another template drains alongside");
+        drop(first);
+        assert!(
+            draining.claim("a").is_some(),
+            "claimable again once the drain ended"
+        );
+        drop(other);
     }
 }
