@@ -1,7 +1,7 @@
 //! The tiny trained default model: a Flux-architecture transformer over 64x64 RGB pixels
 //! (pixel-unshuffled, no VAE), a small word-level text encoder, and the procedural data it learns.
 //!
-//! Everything here is small enough to train on a 2-core CPU in about half an hour
+//! Everything here is small enough to train on a 2-core CPU in under an hour
 //! (`cargo xtask train-tiny`), so image quality is measurable on any machine.
 pub mod check;
 pub mod codec;
