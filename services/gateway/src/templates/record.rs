@@ -333,6 +333,19 @@ impl TemplateStore {
 mod tests {
     use super::*;
 
+    /// A fresh record of a 4-step template.
+    fn capturing_record() -> TemplateRecord {
+        let t = TemplateRef {
+            template_id: "t".into(),
+            prompt: String::new(),
+            seed: 1,
+            steps: 4,
+            guidance_scale: 1.0,
+            cache_key: String::new(),
+        };
+        TemplateRecord::new("t".into(), None, &t)
+    }
+
     #[test]
     fn ids_are_uuids_only() {
         let id = uuid::Uuid::new_v4().to_string();
@@ -345,15 +358,7 @@ mod tests {
 
     #[test]
     fn only_a_capture_silent_past_the_limit_is_abandoned() {
-        let t = TemplateRef {
-            template_id: "t".into(),
-            prompt: String::new(),
-            seed: 1,
-            steps: 4,
-            guidance_scale: 1.0,
-            cache_key: String::new(),
-        };
-        let mut r = TemplateRecord::new("t".into(), None, &t);
+        let mut r = capturing_record();
         let limit = Duration::from_secs(90);
         let at = r.updated_at_ms;
         assert!(!r.capture_abandoned(at + 90_000, limit));
@@ -364,15 +369,7 @@ mod tests {
 
     #[test]
     fn a_capture_fits_only_with_a_key_and_the_template_steps() {
-        let t = TemplateRef {
-            template_id: "t".into(),
-            prompt: String::new(),
-            seed: 1,
-            steps: 4,
-            guidance_scale: 1.0,
-            cache_key: String::new(),
-        };
-        let mut r = TemplateRecord::new("t".into(), None, &t);
+        let mut r = capturing_record();
         let report = CaptureReport {
             cache_key: "tpl-abc".into(),
             steps: 4,
