@@ -269,17 +269,9 @@ impl Router {
                     jobs.update(&job_id, |r| r.mark_failed(&message, &error_type))
                         .await
                 }
-                JobEvent::Captured {
-                    cache_key,
-                    steps,
-                    blocks,
-                    bytes,
-                } => {
-                    let report = CaptureReport {
-                        cache_key,
-                        steps,
-                        blocks,
-                        bytes,
+                captured @ JobEvent::Captured { .. } => {
+                    let Some(report) = CaptureReport::from_event(&captured) else {
+                        return;
                     };
                     jobs.update(&job_id, |r| r.mark_captured(report.clone()))
                         .await
