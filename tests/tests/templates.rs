@@ -10,9 +10,11 @@ use std::time::Duration;
 use diffmesh_shared::cachestore::{
     locate_subject, template_keys, CacheLocate, CacheLocateReply, KeyLocation,
 };
-use diffmesh_shared::job::JobStore;
+use diffmesh_shared::job::{JobState, JobStore};
 use diffmesh_shared::nats::request_msgpack;
-use diffmesh_shared::subjects::{BLOB_BUCKET, TEMPLATE_BUCKET};
+use diffmesh_shared::subjects::{
+    template_uses_of, BLOB_BUCKET, TEMPLATE_BUCKET, TEMPLATE_USES_STREAM,
+};
 use diffmesh_shared::templates::{image_key, prepared_image_key};
 use diffmesh_tests::harness::{
     init_test_logging, scrape_metrics, start_cachestore, start_codec, start_denoiser,
@@ -20,7 +22,7 @@ use diffmesh_tests::harness::{
 };
 use diffmesh_tests::images::{decode_b64_images, png_bytes};
 use futures::future::join_all;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use image::{DynamicImage, GenericImageView, GrayImage, Luma, RgbImage};
 use reqwest::multipart::{Form, Part};
 use serde_json::Value;
@@ -698,6 +700,82 @@ async fn deleting_a_template_lets_its_accepted_edits_finish() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     mesh.assert_objects_gone(&id, &cache_key).await;
+}
+
+/// A synchronous edit whose client goes away ends its template use along with its job (the
+/// uses stream keeps nothing of it), instead of leaving it until a delete counts it or a day
+/// passes. The edit waits behind a long generation on a serial denoiser, so the client leaves
+/// while it is still running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_abandoned_edit_ends_its_template_use() {
+    let mesh = start_mesh_with(serial_denoiser).await;
+    let template_png = example("template.png");
+    let template = image::load_from_memory(&template_png).expect("template.png");
+    let (w, h) = template.dimensions();
+    let (id, _) = mesh.register(&template_png, (w, h)).await;
+    let r = mesh
+        .http
+        .post(mesh.url("/v1/images/generations"))
+        .header("Prefer", "respond-async")
+        .json(&serde_json::json!({"prompt": "a red circle", "num_inference_steps": 100, "n": 4}))
+        .send()
+        .await
+        .expect("POST generation");
+    assert_eq!(r.status().as_u16(), 202);
+
+    let (http, url, form) = (
+        mesh.http.clone(),
+        mesh.url("/v1/images/edits"),
+        edit_form(&id, &mask(0, w, h), 1),
+    );
+    let request = tokio::spawn(async move { http.post(url).multipart(form).send().await });
+    let client = async_nats::connect(mesh.nats.url()).await.unwrap();
+    let uses = async_nats::jetstream::new(client.clone())
+        .get_stream(TEMPLATE_USES_STREAM)
+        .await
+        .unwrap();
+    let uses_of = |id: String| {
+        let mut uses = uses.clone();
+        async move {
+            let info = uses
+                .info_with_subjects(template_uses_of(&id))
+                .await
+                .unwrap();
+            let subjects: Vec<(String, usize)> = info.try_collect().await.unwrap();
+            subjects
+        }
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let edit_job = loop {
+        if let Some((subject, _)) = uses_of(id.clone()).await.pop() {
+            break subject.rsplit('.').next().unwrap().to_string();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the edit noted no use"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    request.abort();
+
+    let jobs = JobStore::open(&async_nats::jetstream::new(client))
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = uses_of(id.clone()).await;
+        let state = jobs.get(&edit_job).await.unwrap().map(|r| r.state);
+        if left.is_empty() {
+            // Ended by the abandon, not by finishing first.
+            assert_eq!(state, Some(JobState::Cancelled), "{edit_job}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the abandoned edit's use is still there: {left:?}, job {state:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// A well-formed template id that names nothing.

@@ -86,8 +86,6 @@ pub struct PreparedJob {
     deadline: Instant,
     span: tracing::Span,
     guard: AbandonGuard,
-    /// The template an edit reads, whose use ends with the job (`TemplateUses`).
-    template_use: Option<String>,
 }
 
 impl PreparedJob {
@@ -101,6 +99,9 @@ impl PreparedJob {
 struct AbandonGuard {
     mesh: Mesh,
     job_id: String,
+    /// The template an edit reads, whose use ends with the job (`TemplateUses`), abandoned
+    /// or not.
+    template_use: Option<String>,
     submitted: bool,
     armed: bool,
 }
@@ -120,6 +121,7 @@ impl Drop for AbandonGuard {
         }
         let mesh = self.mesh.clone();
         let job_id = self.job_id.clone();
+        let template_use = self.template_use.clone();
         let submitted = self.submitted;
         tracing::info!(%job_id, "client went away; cancelling the job");
         self.mesh.spawn_background(async move {
@@ -133,6 +135,10 @@ impl Drop for AbandonGuard {
             }
             if submitted {
                 mesh.cancel_in_mesh(&job_id, mesh.placement_window()).await;
+            }
+            // After the record ended: a delete counting uses meanwhile waits for this job.
+            if let Some(template_id) = template_use {
+                mesh.template_uses.end(&template_id, &job_id).await;
             }
         });
     }
@@ -192,16 +198,17 @@ impl Mesh {
         // the job's deadline instead of leaving it queued for good.
         record.place_by_ms = Some(record.created_at_ms + self.flow.job_timeout.as_millis() as u64);
         self.jobs.create(&record).instrument(span.clone()).await?;
-        let mut guard = AbandonGuard {
-            mesh: self.clone(),
-            job_id: job_id.clone(),
-            submitted: false,
-            armed: true,
-        };
         // An edit's template must outlive the job: note the use before anything reads it.
         let template_use = match (&input.kind, &input.template) {
             (JobKind::Edit, Some(t)) => Some(t.template_id.clone()),
             _ => None,
+        };
+        let mut guard = AbandonGuard {
+            mesh: self.clone(),
+            job_id: job_id.clone(),
+            template_use: template_use.clone(),
+            submitted: false,
+            armed: true,
         };
         let prepared = async {
             if let Some(template_id) = &template_use {
@@ -217,7 +224,6 @@ impl Mesh {
                 deadline,
                 span,
                 guard,
-                template_use,
             }),
             Err(err) => {
                 guard.disarm();
@@ -232,7 +238,7 @@ impl Mesh {
 
     /// The job's record has ended: it reads its template no more.
     async fn end_template_use(&self, prepared: &PreparedJob) {
-        if let Some(template_id) = &prepared.template_use {
+        if let Some(template_id) = &prepared.guard.template_use {
             self.template_uses.end(template_id, prepared.job_id()).await;
         }
     }
