@@ -92,13 +92,13 @@ for name in mesh:
     if "replicas" not in s.get("deploy", {}):
         errors.append(f"{name}: no deploy.replicas")
     env = s.get("environment", {})
-    for var in ("NATS_URL", "OTEL_EXPORTER_OTLP_ENDPOINT", "HEALTH_ADDR"):
+    for var in ("NATS_URL", "OTEL_EXPORTER_OTLP_ENDPOINT", "HEALTH_ADDR", "JS_REPLICAS"):
         if var not in env:
             errors.append(f"{name}: environment lacks {var}")
     dockerfile = os.path.join(here, "..", s.get("build", {}).get("dockerfile", ""))
     if not os.path.isfile(dockerfile):
         errors.append(f"{name}: dockerfile {dockerfile} not found")
-for name in ("nats-1", "nats-2", "nats-3", "nats-init", "prometheus", "grafana", "jaeger"):
+for name in ("nats-1", "nats-2", "nats-3", "prometheus", "grafana", "jaeger"):
     if name not in services:
         errors.append(f"service {name} missing")
 for name, s in services.items():
@@ -300,8 +300,8 @@ else
   skip "nats-server not found (cargo xtask setup installs it)"
 fi
 
-# Each script with the shell its shebang names (init-buckets.sh runs under nats-box's sh).
-for f in "$here"/nats/*.sh "$here"/validate.sh; do
+# Each script with the shell its shebang names.
+for f in "$here"/validate.sh; do
   shell="$(head -1 "$f" | grep -q bash && echo bash || echo sh)"
   if out="$("$shell" -n "$f" 2>&1)"; then
     pass "shell syntax ${f#"$here"/}"
@@ -310,7 +310,7 @@ for f in "$here"/nats/*.sh "$here"/validate.sh; do
   fi
 done
 if have shellcheck; then
-  if out="$(shellcheck "$here"/nats/*.sh "$here"/validate.sh 2>&1)"; then
+  if out="$(shellcheck "$here"/validate.sh 2>&1)"; then
     pass "shellcheck"
   else
     fail "shellcheck: $out"

@@ -19,6 +19,12 @@ pub struct CommonConfig {
     /// How long to keep retrying the first NATS connection before giving up (seconds).
     #[arg(long, env = "NATS_CONNECT_TIMEOUT_S", default_value_t = 30)]
     pub nats_connect_timeout_s: u64,
+    /// Replicas of the mesh's JetStream buckets and streams (1 on a single server; 3 on a
+    /// three-node cluster). Missing ones are created with this many at start-up and existing
+    /// ones with fewer are scaled up (`jetstream_layout`).
+    #[arg(long, env = "JS_REPLICAS", default_value_t = 1,
+          value_parser = clap::value_parser!(u8).range(1..=5))]
+    pub js_replicas: u8,
 }
 
 impl CommonConfig {
@@ -30,6 +36,7 @@ impl CommonConfig {
             otlp_endpoint: None,
             log_json: false,
             nats_connect_timeout_s: 10,
+            js_replicas: 1,
         }
     }
 }
@@ -60,5 +67,13 @@ mod tests {
         assert!(cli.common.log_json);
         assert_eq!(cli.common.health_addr.port(), 0);
         assert!(Cli::try_parse_from(["svc", "--health-addr", "not-an-addr"]).is_err());
+        assert_eq!(cli.common.js_replicas, 1);
+        let three = Cli::try_parse_from(["svc", "--js-replicas", "3"]).unwrap();
+        assert_eq!(three.common.js_replicas, 3);
+        // JetStream allows at most 5 replicas.
+        let err = Cli::try_parse_from(["svc", "--js-replicas", "6"])
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("--js-replicas"), "{err}");
     }
 }

@@ -53,21 +53,15 @@ pub enum MeshError {
         after: Duration,
         read: usize,
     },
-    /// Creating a JetStream object store or KV bucket failed (both share one error type).
-    #[error("opening bucket {bucket} failed: {source}")]
-    BucketOpen {
-        bucket: String,
-        #[source]
-        source: context::CreateObjectStoreError,
-    },
+    /// Creating, reading or updating one of the mesh's streams (`jetstream_layout`) failed.
+    #[error("JetStream stream {name}: {reason}")]
+    JetStreamLayout { name: String, reason: String },
     #[error("object store put failed: {0}")]
     BlobPut(#[from] object_store::PutError),
     #[error("object store get failed: {0}")]
     BlobGet(#[from] object_store::GetError),
     #[error("object store delete failed: {0}")]
     BlobDelete(#[from] object_store::DeleteError),
-    #[error("creating a JetStream stream failed: {0}")]
-    StreamCreate(#[from] context::CreateStreamError),
     #[error("opening key-value bucket failed: {0}")]
     KvOpen(#[from] context::KeyValueError),
     #[error("key-value read failed: {0}")]
@@ -107,13 +101,12 @@ impl MeshError {
             MeshError::BlobNotFound { .. } => "blob_not_found",
             MeshError::BlobTooLarge { .. } => "blob_too_large",
             MeshError::BlobStalled { .. } => "blob_stalled",
-            MeshError::BucketOpen { .. }
-            | MeshError::BlobPut(_)
+            MeshError::BlobPut(_)
             | MeshError::BlobGet(_)
             | MeshError::BlobDelete(_)
             | MeshError::Io(_) => "object_store",
-            MeshError::StreamCreate(_)
-            | MeshError::KvOpen(_)
+            MeshError::JetStreamLayout { .. } => "jetstream_layout",
+            MeshError::KvOpen(_)
             | MeshError::KvEntry(_)
             | MeshError::KvPut(_)
             | MeshError::KvCreate(_)

@@ -4,15 +4,15 @@
 //! an API key's `Idempotency-Key` created.
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use async_nats::jetstream::{self, consumer, kv, stream};
+use async_nats::jetstream::{self, consumer, kv};
 use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::error::MeshError;
+use crate::jetstream_layout;
 use crate::messages::{DenoiseJob, JobEvent, JobKind};
-use crate::subjects::{IDEMPOTENCY_BUCKET, JOB_BUCKET};
 
 /// Where a job is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -330,41 +330,6 @@ impl JobRecord {
     }
 }
 
-/// Get a KV bucket, creating it when missing (`max_age` per entry).
-///
-/// The bucket's stream is created directly (the layout async-nats' `create_key_value` would
-/// make) because that call needs account-info fields older servers (2.9) do not send.
-pub async fn open_kv(
-    js: &jetstream::Context,
-    bucket: &str,
-    max_age: Duration,
-) -> Result<kv::Store, MeshError> {
-    if let Ok(kv) = js.get_key_value(bucket).await {
-        return Ok(kv);
-    }
-    let created = js
-        .create_stream(stream::Config {
-            name: format!("KV_{bucket}"),
-            subjects: vec![format!("$KV.{bucket}.>")],
-            max_messages_per_subject: 1,
-            max_age,
-            allow_rollup: true,
-            deny_delete: true,
-            allow_direct: true,
-            discard: stream::DiscardPolicy::New,
-            ..Default::default()
-        })
-        .await;
-    match js.get_key_value(bucket).await {
-        Ok(kv) => Ok(kv),
-        // Report the creation error when there was one (a lost race is not an error).
-        Err(err) => match created {
-            Err(create_err) => Err(MeshError::StreamCreate(create_err)),
-            Ok(_) => Err(MeshError::KvOpen(err)),
-        },
-    }
-}
-
 /// Job records by job id in the KV bucket.
 #[derive(Clone)]
 pub struct JobStore {
@@ -377,9 +342,10 @@ pub struct JobStore {
 const MAX_UPDATE_ATTEMPTS: u32 = 16;
 
 impl JobStore {
-    /// Open `subjects::JOB_BUCKET`, creating it when missing (records expire after a week).
+    /// Open `subjects::JOB_BUCKET`, creating it when missing (records expire after a week,
+    /// [`jetstream_layout::JOBS`]).
     pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
-        let kv = open_kv(js, JOB_BUCKET, Duration::from_secs(7 * 24 * 3600)).await?;
+        let kv = jetstream_layout::JOBS.open_kv(js).await?;
         Ok(Self {
             kv,
             client: js.client(),
@@ -548,11 +514,11 @@ pub struct IdempotencyStore {
 }
 
 /// How long a repeated key returns the same job.
-pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(24 * 3600);
+pub const IDEMPOTENCY_TTL: Duration = jetstream_layout::IDEMPOTENCY_TTL;
 
 impl IdempotencyStore {
     pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
-        let kv = open_kv(js, IDEMPOTENCY_BUCKET, IDEMPOTENCY_TTL).await?;
+        let kv = jetstream_layout::IDEMPOTENCY.open_kv(js).await?;
         Ok(Self { kv })
     }
 

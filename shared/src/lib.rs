@@ -3,6 +3,7 @@ pub mod cachestore;
 pub mod config;
 pub mod error;
 pub mod health;
+pub mod jetstream_layout;
 pub mod job;
 pub mod messages;
 pub mod metrics;

@@ -10,9 +10,9 @@ use serde::Serialize;
 use tokio::io::AsyncReadExt;
 
 use crate::error::MeshError;
+use crate::jetstream_layout;
 use crate::messages::{decode, encode};
 use crate::metrics::NatsMetrics;
-use crate::subjects::BLOB_BUCKET;
 use crate::trace_context::headers_for;
 
 /// Connect to NATS, retrying with capped exponential backoff for up to `give_up_after`
@@ -170,24 +170,6 @@ pub async fn reply_msgpack<T: Serialize>(
     Ok(())
 }
 
-/// Settings of a blob bucket when this process has to create it.
-#[derive(Debug, Clone)]
-pub struct BlobBucketConfig {
-    pub bucket: String,
-    /// Objects older than this are dropped by the server (0 = keep forever).
-    pub max_age: Duration,
-}
-
-impl Default for BlobBucketConfig {
-    fn default() -> Self {
-        Self {
-            bucket: BLOB_BUCKET.to_string(),
-            // Uploads and results are per-request; a day is ample for clients to fetch results.
-            max_age: Duration::from_secs(24 * 3600),
-        }
-    }
-}
-
 /// Bytes by key in a JetStream object store bucket (images, masks, prepared tensors, results).
 #[derive(Clone)]
 pub struct BlobStore {
@@ -228,44 +210,25 @@ async fn read_to_end_or_stall<R: tokio::io::AsyncRead + Unpin>(
 impl BlobStore {
     /// Open `subjects::BLOB_BUCKET`, creating it when missing.
     pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
-        Self::open_with(js, &BlobBucketConfig::default()).await
+        Self::open_with(js, &jetstream_layout::BLOBS).await
     }
 
-    /// Open (get or create) a bucket with the given settings. Creating races are harmless:
-    /// if another service created it meanwhile, the existing bucket is used.
+    /// Open (get, or create with one replica) the object store of `spec`. Creating races are
+    /// harmless: if another service created it meanwhile, the existing bucket is used.
     pub async fn open_with(
         js: &jetstream::Context,
-        config: &BlobBucketConfig,
+        spec: &jetstream_layout::Spec,
     ) -> Result<Self, MeshError> {
-        if let Ok(store) = js.get_object_store(&config.bucket).await {
-            return Ok(Self {
-                store,
-                bucket: config.bucket.clone(),
-                stall_timeout: DEFAULT_BLOB_STALL_TIMEOUT,
-            });
-        }
-        let created = js
-            .create_object_store(object_store::Config {
-                bucket: config.bucket.clone(),
-                max_age: config.max_age,
-                ..Default::default()
-            })
-            .await;
-        let store = match created {
-            Ok(store) => store,
-            Err(err) => match js.get_object_store(&config.bucket).await {
-                Ok(store) => store,
-                Err(_) => {
-                    return Err(MeshError::BucketOpen {
-                        bucket: config.bucket.clone(),
-                        source: err,
-                    })
-                }
-            },
-        };
+        spec.get_or_create(js).await?;
+        let store = js.get_object_store(spec.name.as_ref()).await.map_err(|e| {
+            MeshError::JetStreamLayout {
+                name: spec.stream_name(),
+                reason: format!("open object store: {e}"),
+            }
+        })?;
         Ok(Self {
             store,
-            bucket: config.bucket.clone(),
+            bucket: spec.name.to_string(),
             stall_timeout: DEFAULT_BLOB_STALL_TIMEOUT,
         })
     }

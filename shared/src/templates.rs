@@ -10,22 +10,10 @@
 //! A template's images live in `subjects::TEMPLATE_BUCKET` for as long as the template does: the
 //! upload ([`image_key`]) and, from its capture on, its model-resolution pixels
 //! ([`prepared_image_key`]). Jobs on a template read them there by key, so no job copies them.
-use std::time::Duration;
 
 use crate::messages::TemplateRef;
-use crate::nats::BlobBucketConfig;
-use crate::subjects::TEMPLATE_BUCKET;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-
-/// The template bucket (records' images; nothing in it expires: a template's objects go when it
-/// is deleted).
-pub fn bucket_config() -> BlobBucketConfig {
-    BlobBucketConfig {
-        bucket: TEMPLATE_BUCKET.to_string(),
-        max_age: Duration::ZERO,
-    }
-}
 
 /// Template-bucket key of a template's uploaded image.
 pub fn image_key(template_id: &str) -> String {

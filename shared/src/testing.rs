@@ -40,35 +40,43 @@ impl NatsServer {
     /// Start a server and wait until it accepts connections. Panics with the server's log when
     /// it cannot start (this is test code: a missing fixture must fail the test loudly).
     pub fn start() -> Self {
-        static SEQ: AtomicU32 = AtomicU32::new(0);
-        let bin = nats_server_binary();
         let mut last_log = String::new();
         for _ in 0..5 {
             let port = free_port();
-            let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-            let dir = std::env::temp_dir()
-                .join(format!("diffmesh-nats-{}-{seq}-{port}", std::process::id()));
-            std::fs::create_dir_all(&dir).expect("create nats temp dir");
-            let log = std::fs::File::create(dir.join("nats.log")).expect("create nats log");
-            let child = Command::new(&bin)
-                .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-                .arg(dir.join("js"))
-                .stdout(Stdio::from(log.try_clone().expect("clone log handle")))
-                .stderr(Stdio::from(log))
-                .spawn()
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "cannot start `{}` (install nats-server or set NATS_SERVER_BIN): {e}",
-                        bin.display()
-                    )
-                });
-            let mut server = Self { child, port, dir };
+            let mut server = Self::spawn(port, "solo", &[]);
             if server.wait_ready(Duration::from_secs(10)) {
                 return server;
             }
             last_log = server.log();
         }
         panic!("nats-server did not come up after 5 tries; last log:\n{last_log}")
+    }
+
+    /// Start `nats-server -js` on `port` with `extra` flags, data and log in a fresh temp dir.
+    fn spawn(port: u16, label: &str, extra: &[String]) -> Self {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let bin = nats_server_binary();
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!(
+            "diffmesh-nats-{}-{seq}-{label}-{port}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).expect("create nats temp dir");
+        let log = std::fs::File::create(dir.join("nats.log")).expect("create nats log");
+        let child = Command::new(&bin)
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(dir.join("js"))
+            .args(extra)
+            .stdout(Stdio::from(log.try_clone().expect("clone log handle")))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start `{}` (install nats-server or set NATS_SERVER_BIN): {e}",
+                    bin.display()
+                )
+            });
+        Self { child, port, dir }
     }
 
     fn wait_ready(&mut self, within: Duration) -> bool {
@@ -100,6 +108,67 @@ impl Drop for NatsServer {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A JetStream cluster of `nodes` local servers (cluster `diffmesh-test`), for what only shows
+/// with replicas: replica counts, leaders and followers.
+pub struct NatsCluster {
+    pub nodes: Vec<NatsServer>,
+}
+
+impl NatsCluster {
+    /// Start the nodes and wait until each accepts connections (JetStream elects its meta
+    /// leader shortly after; callers retry their first JetStream request).
+    pub fn start(nodes: usize) -> Self {
+        let mut last_log = String::new();
+        for _ in 0..5 {
+            let cluster_ports: Vec<u16> = (0..nodes).map(|_| free_port()).collect();
+            let routes = cluster_ports
+                .iter()
+                .map(|p| format!("nats://127.0.0.1:{p}"))
+                .collect::<Vec<_>>()
+                .join(",");
+            let mut servers: Vec<NatsServer> = cluster_ports
+                .iter()
+                .enumerate()
+                .map(|(i, cluster_port)| {
+                    let name = format!("n{i}");
+                    let extra = [
+                        "--name".to_string(),
+                        name.clone(),
+                        "--cluster_name".into(),
+                        "diffmesh-test".into(),
+                        "--cluster".into(),
+                        format!("nats://127.0.0.1:{cluster_port}"),
+                        "--routes".into(),
+                        routes.clone(),
+                    ];
+                    NatsServer::spawn(free_port(), &name, &extra)
+                })
+                .collect();
+            if servers
+                .iter_mut()
+                .all(|s| s.wait_ready(Duration::from_secs(10)))
+            {
+                return Self { nodes: servers };
+            }
+            last_log = servers
+                .iter()
+                .map(NatsServer::log)
+                .collect::<Vec<_>>()
+                .join("\n");
+        }
+        panic!("a nats-server cluster did not come up after 5 tries; last logs:\n{last_log}")
+    }
+
+    /// Client URLs of every node, comma-separated (what `NATS_URL` takes).
+    pub fn url(&self) -> String {
+        self.nodes
+            .iter()
+            .map(NatsServer::url)
+            .collect::<Vec<_>>()
+            .join(",")
     }
 }
 

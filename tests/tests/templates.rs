@@ -735,7 +735,7 @@ async fn an_abandoned_edit_ends_its_template_use() {
         .await
         .unwrap();
     let uses_of = |id: String| {
-        let mut uses = uses.clone();
+        let uses = uses.clone();
         async move {
             let info = uses
                 .info_with_subjects(template_uses_of(&id))

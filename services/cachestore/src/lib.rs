@@ -10,7 +10,8 @@ pub mod store;
 
 use diffmesh_shared::cachestore::{self as proto, CACHE_BUCKET, DEFAULT_INLINE_LIMIT};
 use diffmesh_shared::health::{HealthServer, Readiness};
-use diffmesh_shared::nats::{BlobBucketConfig, BlobStore};
+use diffmesh_shared::jetstream_layout;
+use diffmesh_shared::nats::BlobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
 use service::{Handler, Op};
 use std::net::SocketAddr;
@@ -126,12 +127,10 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
     let cluster = if config.no_cluster_tier {
         None
     } else {
-        let js = async_nats::jetstream::new(client.clone());
         // Cache entries are managed by the cachestore itself: no server-side expiry.
-        let bucket = BlobBucketConfig {
-            bucket: config.bucket.clone(),
-            max_age: Duration::ZERO,
-        };
+        let bucket = jetstream_layout::CACHES.renamed(config.bucket.clone());
+        let js = jetstream_layout::context(&client, &config.common, std::slice::from_ref(&bucket))
+            .await?;
         Some(BlobStore::open_with(&js, &bucket).await?)
     };
     let store = Arc::new(store::TieredStore::new(

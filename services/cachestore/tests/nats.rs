@@ -3,9 +3,10 @@
 use diffmesh_cachestore::{start, CachestoreConfig};
 use diffmesh_shared::cachestore::{
     delete_subject, get_subject, put_subject, stats_subject, CacheDelete, CacheDeleteReply,
-    CacheGet, CacheGetReply, CachePut, CachePutReply, CacheStatsReply, CacheTier, CACHE_BUCKET,
+    CacheGet, CacheGetReply, CachePut, CachePutReply, CacheStatsReply, CacheTier,
 };
-use diffmesh_shared::nats::{request_msgpack, BlobBucketConfig, BlobStore};
+use diffmesh_shared::jetstream_layout::CACHES;
+use diffmesh_shared::nats::{request_msgpack, BlobStore};
 use diffmesh_shared::testing::NatsServer;
 use std::time::Duration;
 
@@ -67,15 +68,7 @@ async fn tiers_over_nats() {
 
     // Large value through the object store: the caller writes it, then announces it.
     let js = async_nats::jetstream::new(c.clone());
-    let bucket = BlobStore::open_with(
-        &js,
-        &BlobBucketConfig {
-            bucket: CACHE_BUCKET.into(),
-            max_age: Duration::ZERO,
-        },
-    )
-    .await
-    .unwrap();
+    let bucket = BlobStore::open_with(&js, &CACHES).await.unwrap();
     bucket.put("tpl/b/0", &big).await.unwrap();
     let put: CachePutReply = request_msgpack(
         &c,

@@ -156,9 +156,10 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
     let metrics = CodecMetrics::register(&registry)?;
     let connect_timeout = Duration::from_secs(config.common.nats_connect_timeout_s);
     let client = nats::connect(&config.common.nats_url, "diffmesh-codec", connect_timeout).await?;
-    let js = async_nats::jetstream::new(client.clone());
+    let js = diffmesh_shared::jetstream_layout::context(&client, &config.common, &[]).await?;
     let blobs = BlobStore::open(&js).await?;
-    let templates = BlobStore::open_with(&js, &diffmesh_shared::templates::bucket_config()).await?;
+    let templates =
+        BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::TEMPLATE_IMAGES).await?;
 
     let pre = client
         .queue_subscribe(CODEC_PRE, CODEC_QUEUE.to_string())

@@ -8,12 +8,13 @@ use diffmesh_codec::decoded::DecodedImages;
 use diffmesh_codec::handlers::{Codec, PREPARED_IMAGE};
 use diffmesh_codec::imaging::TokenGrid;
 use diffmesh_codec::CodecError;
+use diffmesh_shared::jetstream_layout::TEMPLATE_IMAGES;
 use diffmesh_shared::messages::{
     DenoiseJob, GenerationParams, JobKind, PostprocessRequest, PreparedTemplate, PreprocessRequest,
     TemplateImage, TemplateRef,
 };
 use diffmesh_shared::nats::{blob_key, BlobStore};
-use diffmesh_shared::templates::{bucket_config, image_key, prepared_image_key};
+use diffmesh_shared::templates::{image_key, prepared_image_key};
 use diffmesh_shared::testing::NatsServer;
 use image::{DynamicImage, GrayImage, ImageFormat, Luma, Rgb, RgbImage};
 
@@ -79,7 +80,7 @@ async fn buckets(nats: &NatsServer) -> (BlobStore, BlobStore) {
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client);
     let blobs = BlobStore::open(&js).await.unwrap();
-    let templates = BlobStore::open_with(&js, &bucket_config()).await.unwrap();
+    let templates = BlobStore::open_with(&js, &TEMPLATE_IMAGES).await.unwrap();
     (blobs, templates)
 }
 

@@ -318,7 +318,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         Duration::from_secs(config.common.nats_connect_timeout_s),
     )
     .await?;
-    let js = async_nats::jetstream::new(client.clone());
+    let js = diffmesh_shared::jetstream_layout::context(&client, &config.common, &[]).await?;
     let blobs = BlobStore::open(&js).await?;
 
     let (events_tx, events_rx) = tokio::sync::mpsc::channel(1024);
@@ -329,14 +329,8 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         token_budget: config.token_budget,
         cache: cache_settings,
     };
-    let cache_bucket = BlobStore::open_with(
-        &js,
-        &diffmesh_shared::nats::BlobBucketConfig {
-            bucket: diffmesh_shared::cachestore::CACHE_BUCKET.into(),
-            max_age: Duration::ZERO,
-        },
-    )
-    .await?;
+    let cache_bucket =
+        BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::CACHES).await?;
     let templates = service::Templates {
         local: templates::LocalTier::new(config.local_cache_bytes),
         store: templates::store::CacheClient {
@@ -346,7 +340,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         },
         settings: cache_settings,
         pixels: templates::TemplatePixels::new(
-            BlobStore::open_with(&js, &diffmesh_shared::templates::bucket_config()).await?,
+            BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::TEMPLATE_IMAGES).await?,
             config.template_pixels_bytes,
             service::MAX_INPUT_BYTES,
         ),

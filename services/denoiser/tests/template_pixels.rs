@@ -2,8 +2,9 @@
 //! the store, later ones (and concurrent ones) do not, and an eviction drops what is held.
 use diffmesh_denoiser::templates::pixels::Lookup;
 use diffmesh_denoiser::templates::TemplatePixels;
+use diffmesh_shared::jetstream_layout::TEMPLATE_IMAGES;
 use diffmesh_shared::nats::BlobStore;
-use diffmesh_shared::templates::{bucket_config, prepared_image_key};
+use diffmesh_shared::templates::prepared_image_key;
 use diffmesh_shared::testing::NatsServer;
 use futures::future::join_all;
 
@@ -15,7 +16,7 @@ async fn pixels_are_read_once_per_template_and_dropped_on_eviction() {
     let nats = NatsServer::start();
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client);
-    let store = BlobStore::open_with(&js, &bucket_config()).await.unwrap();
+    let store = BlobStore::open_with(&js, &TEMPLATE_IMAGES).await.unwrap();
     let key = prepared_image_key(TEMPLATE);
     let rgb: Vec<u8> = (0..64 * 64 * 3).map(|i| (i % 251) as u8).collect();
     store.put(&key, &rgb).await.unwrap();
@@ -58,7 +59,7 @@ async fn time_a_read() {
     let nats = NatsServer::start();
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client);
-    let store = BlobStore::open_with(&js, &bucket_config()).await.unwrap();
+    let store = BlobStore::open_with(&js, &TEMPLATE_IMAGES).await.unwrap();
     for side in [64usize, 1024] {
         let key = prepared_image_key(TEMPLATE);
         store.put(&key, &vec![7u8; side * side * 3]).await.unwrap();

@@ -255,7 +255,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         Duration::from_secs(config.common.nats_connect_timeout_s),
     )
     .await?;
-    let js = async_nats::jetstream::new(client.clone());
+    let js = diffmesh_shared::jetstream_layout::context(&client, &config.common, &[]).await?;
     let background = TaskTracker::new();
     let jobs = JobStore::open(&js).await?;
     let templates = templates::Templates::open(&client, jobs.clone(), flow.job_timeout).await?;

@@ -175,7 +175,8 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
         "placement policy"
     );
     let state = RouterState::new(expiry, policy, models, config.max_attempts);
-    let jobs = JobStore::open(&async_nats::jetstream::new(client.clone())).await?;
+    let js = diffmesh_shared::jetstream_layout::context(&client, &config.common, &[]).await?;
+    let jobs = JobStore::open(&js).await?;
     let router = Arc::new(Router::new(
         client.clone(),
         state,

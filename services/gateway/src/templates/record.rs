@@ -4,11 +4,11 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
-use diffmesh_shared::job::{now_ms, open_kv, CaptureReport};
+use diffmesh_shared::jetstream_layout::{TEMPLATE_IMAGES, TEMPLATE_RECORDS};
+use diffmesh_shared::job::{now_ms, CaptureReport};
 use diffmesh_shared::messages::{PreparedTemplate, TemplateImage, TemplateRef};
 use diffmesh_shared::nats::BlobStore;
-use diffmesh_shared::subjects::TEMPLATE_BUCKET;
-use diffmesh_shared::templates::{bucket_config, image_key, prepared_image_key};
+use diffmesh_shared::templates::{image_key, prepared_image_key};
 use diffmesh_shared::MeshError;
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
@@ -194,8 +194,8 @@ fn internal(what: &str, err: impl std::fmt::Display) -> ApiError {
 impl TemplateStore {
     /// Open (creating when missing) the record bucket and the image bucket; neither expires.
     pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
-        let kv = open_kv(js, TEMPLATE_BUCKET, Duration::ZERO).await?;
-        let images = BlobStore::open_with(js, &bucket_config()).await?;
+        let kv = TEMPLATE_RECORDS.open_kv(js).await?;
+        let images = BlobStore::open_with(js, &TEMPLATE_IMAGES).await?;
         Ok(Self { kv, images })
     }
 

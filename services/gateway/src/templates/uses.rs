@@ -12,23 +12,19 @@
 //! The edit and the delete each write, then read what the other writes: an edit publishes its
 //! use and then re-reads the template's record (it must still be `ready`); a delete marks the
 //! record `deleting` and then counts uses. Whichever writes second sees the other's write, so
-//! an edit either is refused or is counted.
-use std::time::Duration;
-
+//! an edit either is refused or is counted. That needs reads answered by the streams' leaders
+//! (on a cluster a follower may lag): the record bucket takes no direct reads
+//! (`jetstream_layout::TEMPLATE_RECORDS`) and stream info always comes from the leader.
 use async_nats::jetstream::{self, stream};
+use diffmesh_shared::jetstream_layout::TEMPLATE_USES;
 use diffmesh_shared::job::JobStore;
-use diffmesh_shared::subjects::{
-    template_use, template_uses_of, TEMPLATE_USES_PREFIX, TEMPLATE_USES_STREAM,
-};
+use diffmesh_shared::subjects::{template_use, template_uses_of};
 use diffmesh_shared::MeshError;
 use futures::TryStreamExt;
 
 use crate::error::ApiError;
 use crate::templates::edit::ready;
 use crate::templates::record::TemplateStore;
-
-/// How long a use outlives a driver that never ended it (a gateway that died).
-const USE_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
 
 fn internal(what: &str, err: impl std::fmt::Display) -> ApiError {
     ApiError::Internal(format!("template uses: {what}: {err}"))
@@ -50,15 +46,7 @@ impl TemplateUses {
         records: TemplateStore,
         jobs: JobStore,
     ) -> Result<Self, MeshError> {
-        let stream = js
-            .get_or_create_stream(stream::Config {
-                name: TEMPLATE_USES_STREAM.into(),
-                subjects: vec![format!("{TEMPLATE_USES_PREFIX}.>")],
-                max_messages_per_subject: 1,
-                max_age: USE_MAX_AGE,
-                ..Default::default()
-            })
-            .await?;
+        let stream = TEMPLATE_USES.get_or_create(js).await?;
         Ok(Self {
             js: js.clone(),
             stream,

@@ -1,0 +1,334 @@
+//! Every JetStream bucket and stream of the mesh, in one table.
+//!
+//! Services open what they use from these specs (get, or create with one replica when missing),
+//! and each service first runs [`ensure_all`] with the deployment's replica count
+//! (`JS_REPLICAS`): on a NATS cluster every bucket then exists with that many replicas whichever
+//! service starts first, and a bucket made earlier with fewer is scaled up. No second copy of
+//! the settings (a CLI script) can drift from the code.
+use std::borrow::Cow;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv, object_store, stream};
+use serde::Serialize;
+
+use crate::cachestore::CACHE_BUCKET;
+use crate::error::MeshError;
+use crate::subjects::{
+    BLOB_BUCKET, IDEMPOTENCY_BUCKET, JOB_BUCKET, TEMPLATE_BUCKET, TEMPLATE_USES_PREFIX,
+    TEMPLATE_USES_STREAM,
+};
+
+/// What a spec is stored as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// A key-value bucket (stream `KV_<name>`, one message per key).
+    Kv {
+        /// Reads may be answered by any replica (direct get), a follower that lags included.
+        /// Off where a read must see every write acknowledged before it.
+        direct_reads: bool,
+    },
+    /// An object store bucket (stream `OBJ_<name>`).
+    Objects,
+    /// A plain stream over `<subject_prefix>.>`, keeping the last message per subject.
+    LastPerSubject { subject_prefix: &'static str },
+}
+
+/// One bucket or stream of the mesh.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Spec {
+    pub name: Cow<'static, str>,
+    pub layout: Layout,
+    /// Entries older than this are dropped by the server (zero: kept until deleted).
+    pub max_age: Duration,
+}
+
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+/// Job records by job id (a week).
+pub const JOBS: Spec = Spec {
+    name: Cow::Borrowed(JOB_BUCKET),
+    layout: Layout::Kv { direct_reads: true },
+    max_age: Duration::from_secs(7 * 24 * 3600),
+};
+
+/// How long a repeated idempotency key returns the same job.
+pub const IDEMPOTENCY_TTL: Duration = DAY;
+
+/// Idempotency keys to job ids.
+pub const IDEMPOTENCY: Spec = Spec {
+    name: Cow::Borrowed(IDEMPOTENCY_BUCKET),
+    layout: Layout::Kv { direct_reads: true },
+    max_age: IDEMPOTENCY_TTL,
+};
+
+/// Template records. Reads go to the stream leader: an edit checks the `deleting` mark after
+/// publishing its use, and a delete checks the uses after writing the mark; a read from a
+/// follower that has not applied the mark yet would let an edit run on a template being removed.
+pub const TEMPLATE_RECORDS: Spec = Spec {
+    name: Cow::Borrowed(TEMPLATE_BUCKET),
+    layout: Layout::Kv {
+        direct_reads: false,
+    },
+    max_age: Duration::ZERO,
+};
+
+/// Uploads, prepared tensors and results (a day: ample for clients to fetch results).
+pub const BLOBS: Spec = Spec {
+    name: Cow::Borrowed(BLOB_BUCKET),
+    layout: Layout::Objects,
+    max_age: DAY,
+};
+
+/// Template activation caches, the cluster tier (the cachestore manages their lifetime).
+pub const CACHES: Spec = Spec {
+    name: Cow::Borrowed(CACHE_BUCKET),
+    layout: Layout::Objects,
+    max_age: Duration::ZERO,
+};
+
+/// Templates' images, kept as long as the template.
+pub const TEMPLATE_IMAGES: Spec = Spec {
+    name: Cow::Borrowed(TEMPLATE_BUCKET),
+    layout: Layout::Objects,
+    max_age: Duration::ZERO,
+};
+
+/// Edits by template in flight, one message per edit (a day bounds a use whose gateway died).
+pub const TEMPLATE_USES: Spec = Spec {
+    name: Cow::Borrowed(TEMPLATE_USES_STREAM),
+    layout: Layout::LastPerSubject {
+        subject_prefix: TEMPLATE_USES_PREFIX,
+    },
+    max_age: DAY,
+};
+
+/// Everything the mesh stores in JetStream.
+pub const ALL: [Spec; 7] = [
+    JOBS,
+    IDEMPOTENCY,
+    TEMPLATE_RECORDS,
+    BLOBS,
+    CACHES,
+    TEMPLATE_IMAGES,
+    TEMPLATE_USES,
+];
+
+impl Spec {
+    /// The same spec under another name (the cachestore's bucket is a flag).
+    pub fn renamed(self, name: impl Into<String>) -> Self {
+        Self {
+            name: Cow::Owned(name.into()),
+            ..self
+        }
+    }
+
+    /// The name of the stream behind the bucket.
+    pub fn stream_name(&self) -> String {
+        match self.layout {
+            Layout::Kv { .. } => format!("KV_{}", self.name),
+            Layout::Objects => format!("OBJ_{}", self.name),
+            Layout::LastPerSubject { .. } => self.name.to_string(),
+        }
+    }
+
+    /// The stream config of a KV bucket or plain stream (object stores are created through
+    /// [`object_store::Config`], which lays out their stream). A KV stream is made directly, in
+    /// the layout async-nats' `create_key_value` would make, because that call needs
+    /// account-info fields older servers (2.9) do not send.
+    fn stream_config(&self, replicas: usize) -> Option<stream::Config> {
+        match self.layout {
+            Layout::Kv { direct_reads } => Some(stream::Config {
+                name: self.stream_name(),
+                subjects: vec![format!("$KV.{}.>", self.name)],
+                max_messages_per_subject: 1,
+                max_age: self.max_age,
+                allow_rollup: true,
+                deny_delete: true,
+                allow_direct: direct_reads,
+                discard: stream::DiscardPolicy::New,
+                num_replicas: replicas,
+                ..Default::default()
+            }),
+            Layout::LastPerSubject { subject_prefix } => Some(stream::Config {
+                name: self.stream_name(),
+                subjects: vec![format!("{subject_prefix}.>")],
+                max_messages_per_subject: 1,
+                max_age: self.max_age,
+                num_replicas: replicas,
+                ..Default::default()
+            }),
+            Layout::Objects => None,
+        }
+    }
+
+    /// Create the bucket or stream with `replicas` replicas (an error if it exists with
+    /// another config; callers check for it first).
+    async fn create(&self, js: &jetstream::Context, replicas: usize) -> Result<(), MeshError> {
+        let result = match self.stream_config(replicas) {
+            Some(config) => js
+                .create_stream(config)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string()),
+            None => js
+                .create_object_store(object_store::Config {
+                    bucket: self.name.to_string(),
+                    max_age: self.max_age,
+                    num_replicas: replicas,
+                    ..Default::default()
+                })
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string()),
+        };
+        result.map_err(|reason| self.error(format!("create: {reason}")))
+    }
+
+    fn error(&self, reason: String) -> MeshError {
+        MeshError::JetStreamLayout {
+            name: self.stream_name(),
+            reason,
+        }
+    }
+
+    /// Get the stream behind the spec, creating it with one replica when missing (a race with
+    /// another creator is harmless: the stream it made is used).
+    pub async fn get_or_create(
+        &self,
+        js: &jetstream::Context,
+    ) -> Result<stream::Stream, MeshError> {
+        if let Ok(stream) = js.get_stream(self.stream_name()).await {
+            return Ok(stream);
+        }
+        let created = self.create(js, 1).await;
+        match js.get_stream(self.stream_name()).await {
+            Ok(stream) => Ok(stream),
+            Err(err) => Err(created
+                .err()
+                .unwrap_or_else(|| self.error(format!("get: {err}")))),
+        }
+    }
+}
+
+impl Spec {
+    /// Open the KV bucket of this spec (get, or create with one replica).
+    pub async fn open_kv(&self, js: &jetstream::Context) -> Result<kv::Store, MeshError> {
+        debug_assert!(
+            matches!(self.layout, Layout::Kv { .. }),
+            "{} is no KV bucket",
+            self.name
+        );
+        self.get_or_create(js).await?;
+        Ok(js.get_key_value(self.name.as_ref()).await?)
+    }
+}
+
+/// What [`ensure`] did to one spec.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "action", rename_all = "snake_case")]
+pub enum Ensured {
+    Created {
+        replicas: usize,
+    },
+    Existed {
+        replicas: usize,
+    },
+    /// Raised to the wanted replica count and/or the spec's read mode.
+    Updated {
+        replicas_before: usize,
+        replicas: usize,
+    },
+}
+
+/// Make `spec` exist with at least `replicas` replicas and the spec's read mode. An existing
+/// stream is never scaled down (an operator may have raised it) and keeps its other settings.
+pub async fn ensure(
+    js: &jetstream::Context,
+    spec: &Spec,
+    replicas: usize,
+) -> Result<Ensured, MeshError> {
+    let replicas = replicas.max(1);
+    let existing = match js.get_stream(spec.stream_name()).await {
+        Ok(stream) => Some(stream),
+        Err(_) => match spec.create(js, replicas).await {
+            Ok(()) => return Ok(Ensured::Created { replicas }),
+            // Another service may have created it meanwhile.
+            Err(create_err) => Some(
+                js.get_stream(spec.stream_name())
+                    .await
+                    .map_err(|_| create_err)?,
+            ),
+        },
+    };
+    let mut config = existing.expect("set above").cached_info().config.clone();
+    let before = config.num_replicas.max(1);
+    let direct_wrong =
+        matches!(spec.layout, Layout::Kv { direct_reads } if config.allow_direct != direct_reads);
+    if before >= replicas && !direct_wrong {
+        return Ok(Ensured::Existed { replicas: before });
+    }
+    config.num_replicas = before.max(replicas);
+    if let Layout::Kv { direct_reads } = spec.layout {
+        config.allow_direct = direct_reads;
+    }
+    js.update_stream(config.clone())
+        .await
+        .map_err(|e| spec.error(format!("update: {e}")))?;
+    Ok(Ensured::Updated {
+        replicas_before: before,
+        replicas: config.num_replicas,
+    })
+}
+
+/// [`ensure`] every spec of the mesh (plus `extra`, e.g. a cachestore bucket under another
+/// name); returns what was done to each, by stream name.
+pub async fn ensure_all(
+    js: &jetstream::Context,
+    replicas: usize,
+    extra: &[Spec],
+) -> Result<Vec<(String, Ensured)>, MeshError> {
+    let mut done = Vec::new();
+    for spec in ALL.iter().chain(extra) {
+        if done.iter().any(|(name, _)| *name == spec.stream_name()) {
+            continue;
+        }
+        let ensured = ensure(js, spec, replicas).await?;
+        if !matches!(ensured, Ensured::Existed { .. }) {
+            tracing::info!(stream = %spec.stream_name(), ?ensured, "JetStream layout");
+        }
+        done.push((spec.stream_name(), ensured));
+    }
+    Ok(done)
+}
+
+/// The JetStream context of a service, after [`ensure_all`] with the configured replica count.
+pub async fn context(
+    client: &async_nats::Client,
+    config: &crate::CommonConfig,
+    extra: &[Spec],
+) -> Result<jetstream::Context, MeshError> {
+    let js = jetstream::new(client.clone());
+    ensure_all(&js, usize::from(config.js_replicas), extra).await?;
+    Ok(js)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_spec_has_its_own_stream() {
+        let mut names: Vec<String> = ALL.iter().map(Spec::stream_name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), ALL.len());
+    }
+
+    #[test]
+    fn template_records_read_from_the_leader() {
+        let config = TEMPLATE_RECORDS.stream_config(3).expect("a KV spec");
+        assert!(!config.allow_direct);
+        assert_eq!(config.num_replicas, 3);
+        assert!(JOBS.stream_config(1).expect("a KV spec").allow_direct);
+    }
+}

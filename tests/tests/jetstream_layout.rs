@@ -1,0 +1,182 @@
+//! The mesh's JetStream layout (`shared::jetstream_layout`) against real servers: what start-up
+//! creates on one server, and replica counts on a three-node cluster.
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use diffmesh_shared::jetstream_layout::{self, ensure_all, Ensured, Layout, ALL};
+use diffmesh_shared::nats::BlobStore;
+use diffmesh_shared::testing::{NatsCluster, NatsServer};
+
+async fn stream_config(js: &jetstream::Context, name: &str) -> jetstream::stream::Config {
+    js.get_stream(name)
+        .await
+        .unwrap_or_else(|e| panic!("stream {name}: {e}"))
+        .cached_info()
+        .config
+        .clone()
+}
+
+#[tokio::test]
+async fn start_up_creates_every_bucket_once_with_its_settings() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client);
+
+    let first = ensure_all(&js, 1, &[]).await.unwrap();
+    assert_eq!(first.len(), ALL.len());
+    assert!(
+        first
+            .iter()
+            .all(|(_, e)| *e == Ensured::Created { replicas: 1 }),
+        "{first:?}"
+    );
+    let again = ensure_all(&js, 1, &[]).await.unwrap();
+    assert!(
+        again
+            .iter()
+            .all(|(_, e)| *e == Ensured::Existed { replicas: 1 }),
+        "{again:?}"
+    );
+
+    for spec in ALL {
+        let config = stream_config(&js, &spec.stream_name()).await;
+        assert_eq!(config.max_age, spec.max_age, "{}", spec.name);
+        assert_eq!(config.num_replicas, 1, "{}", spec.name);
+        if let Layout::Kv { direct_reads } = spec.layout {
+            assert_eq!(config.allow_direct, direct_reads, "{}", spec.name);
+            js.get_key_value(spec.name.as_ref()).await.unwrap();
+        }
+    }
+    // The object stores open as such, and the services' opens find what start-up made.
+    for spec in [
+        jetstream_layout::BLOBS,
+        jetstream_layout::CACHES,
+        jetstream_layout::TEMPLATE_IMAGES,
+    ] {
+        let store = BlobStore::open_with(&js, &spec).await.unwrap();
+        store.put("k", b"v").await.unwrap();
+    }
+    let records = jetstream_layout::TEMPLATE_RECORDS
+        .open_kv(&js)
+        .await
+        .unwrap();
+    records.put("t", "x".into()).await.unwrap();
+    assert_eq!(records.get("t").await.unwrap().as_deref(), Some(&b"x"[..]));
+}
+
+#[tokio::test]
+async fn start_up_turns_off_direct_reads_of_an_older_template_bucket() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client);
+    // How earlier versions made it: direct reads on, as every KV bucket.
+    let older = jetstream_layout::JOBS.renamed(jetstream_layout::TEMPLATE_RECORDS.name.to_string());
+    older
+        .open_kv(&js)
+        .await
+        .unwrap()
+        .put("t", "kept".into())
+        .await
+        .unwrap();
+    let name = older.stream_name();
+    assert!(stream_config(&js, &name).await.allow_direct);
+
+    let done = ensure_all(&js, 1, &[]).await.unwrap();
+    let ensured = &done.iter().find(|(n, _)| *n == name).unwrap().1;
+    assert_eq!(
+        *ensured,
+        Ensured::Updated {
+            replicas_before: 1,
+            replicas: 1
+        }
+    );
+    assert!(!stream_config(&js, &name).await.allow_direct);
+    let records = jetstream_layout::TEMPLATE_RECORDS
+        .open_kv(&js)
+        .await
+        .unwrap();
+    assert_eq!(
+        records.get("t").await.unwrap().as_deref(),
+        Some(&b"kept"[..])
+    );
+}
+
+/// `ensure_all` once JetStream has elected its meta leader (a fresh cluster needs a moment).
+async fn ensure_all_when_ready(js: &jetstream::Context, replicas: usize) -> Vec<(String, Ensured)> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match ensure_all(js, replicas, &[]).await {
+            Ok(done) => return done,
+            Err(err) if Instant::now() < deadline => {
+                eprintln!("cluster not ready yet: {err}");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(err) => panic!("cluster never took the layout: {err}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_cluster_gets_every_bucket_with_the_configured_replicas() {
+    let cluster = NatsCluster::start(3);
+    let client = async_nats::connect(cluster.nodes[0].url()).await.unwrap();
+    let js = jetstream::new(client);
+    // A service started without JS_REPLICAS made the job bucket first, with one replica.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let jobs = loop {
+        match jetstream_layout::JOBS.open_kv(&js).await {
+            Ok(kv) => break kv,
+            Err(err) if Instant::now() < deadline => {
+                eprintln!("cluster not ready yet: {err}");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(err) => panic!("no job bucket on the cluster: {err}"),
+        }
+    };
+    jobs.put("j", "before".into()).await.unwrap();
+
+    let done = ensure_all_when_ready(&js, 3).await;
+    for (name, ensured) in &done {
+        let expected = if *name == jetstream_layout::JOBS.stream_name() {
+            Ensured::Updated {
+                replicas_before: 1,
+                replicas: 3,
+            }
+        } else {
+            Ensured::Created { replicas: 3 }
+        };
+        assert_eq!(*ensured, expected, "{name}");
+        assert_eq!(stream_config(&js, name).await.num_replicas, 3, "{name}");
+    }
+    // The scaled bucket kept its entry, and a service started later with one replica scales
+    // nothing down.
+    let jobs = jetstream_layout::JOBS.open_kv(&js).await.unwrap();
+    assert_eq!(
+        jobs.get("j").await.unwrap().as_deref(),
+        Some(&b"before"[..])
+    );
+    let later = ensure_all_when_ready(&js, 1).await;
+    assert!(
+        later
+            .iter()
+            .all(|(_, e)| *e == Ensured::Existed { replicas: 3 }),
+        "{later:?}"
+    );
+
+    // Through another node, the template bucket reads every acknowledged write at once (with
+    // direct reads, as the job bucket has, 52 of 500 such reads returned an older value here).
+    let other = jetstream::new(async_nats::connect(cluster.nodes[2].url()).await.unwrap());
+    let records = jetstream_layout::TEMPLATE_RECORDS
+        .open_kv(&js)
+        .await
+        .unwrap();
+    let other_records = jetstream_layout::TEMPLATE_RECORDS
+        .open_kv(&other)
+        .await
+        .unwrap();
+    for i in 0..200u32 {
+        records.put("t", i.to_string().into()).await.unwrap();
+        let seen = other_records.get("t").await.unwrap().unwrap();
+        assert_eq!(seen, i.to_string().as_bytes(), "write {i}");
+    }
+}
