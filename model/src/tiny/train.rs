@@ -22,9 +22,10 @@ use std::time::Instant;
 use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 
 /// Flags of `diffmesh-train-tiny` (train); the defaults are the shipped run's (all 16000
-/// steps, 53 min on its AMX CPU). A slower machine is stopped earlier by `--max-minutes`, with
-/// the learning rate not yet decayed; with the limit raised (`--max-minutes 600`) it trains
-/// the shipped run's steps (the same weights bit for bit on a machine of the same kind).
+/// steps, 53 min on its AMX CPU). On a slower machine the schedule is shortened to what
+/// `--max-minutes` holds (`--fit-schedule`), so the learning rate still decays to its end;
+/// with the limit raised (`--max-minutes 600`) it trains the shipped run's steps (the same
+/// weights bit for bit on a machine of the same kind).
 #[derive(clap::Args, Debug, Clone, Serialize)]
 pub struct TrainArgs {
     /// Output model folder (diffusers layout); overwritten.
@@ -113,6 +114,12 @@ pub struct TrainArgs {
     /// records `steps_done`, and `--stop-after <steps_done>` (same `--steps`) reproduces it.
     #[arg(long, env = "DIFFMESH_TINY_MAX_MINUTES", default_value = "58")]
     pub max_minutes: Option<f64>,
+    /// With `--max-minutes`: time the first steps and, when all of `--steps` would not fit in
+    /// the limit, shorten the schedule to the steps that do (with a 3% margin), so the learning
+    /// rate decays fully instead of the run being cut at its peak. `train_meta.json` records
+    /// the steps asked for and the schedule run; `--steps <schedule>` reproduces the run.
+    #[arg(long, env = "DIFFMESH_TINY_FIT_SCHEDULE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub fit_schedule: bool,
     /// Stop after this step while keeping the learning-rate schedule of `--steps`: reproduces a
     /// run that `--max-minutes` cut short.
     #[arg(long, env = "DIFFMESH_TINY_STOP_AFTER")]
@@ -135,6 +142,9 @@ pub struct TrainArgs {
 #[derive(Debug, Clone, Serialize)]
 pub struct TrainSummary {
     pub args: TrainArgs,
+    /// Steps of the learning-rate schedule that ran: `args.steps`, or fewer when
+    /// `--fit-schedule` shortened it to the time limit.
+    pub schedule_steps: usize,
     pub steps_done: usize,
     /// Whether the run used bf16 autocast (`--bf16 auto` resolved on its CPU).
     pub bf16_autocast: bool,
@@ -198,6 +208,23 @@ impl Ema {
             .zip(self.shadow.iter().map(|t| t.shallow_clone()))
             .collect()
     }
+}
+
+/// Steps timed before `--fit-schedule` decides: past the warmup, one validation and one save,
+/// so the rate includes their share.
+const FIT_AFTER_STEPS: usize = 300;
+/// Share of `--max-minutes` a fitted schedule plans to use (the rest absorbs step-time noise).
+const FIT_MARGIN: f64 = 0.97;
+
+/// The schedule length that fits `budget_s` at `elapsed_s` for the first `done` steps: `steps`
+/// when it all fits, else fewer (never fewer than `done`).
+fn fitted_steps(steps: usize, done: usize, elapsed_s: f64, budget_s: f64) -> usize {
+    if done == 0 || elapsed_s <= 0.0 {
+        return steps;
+    }
+    let per_step = elapsed_s / done as f64;
+    let fits = (budget_s * FIT_MARGIN / per_step).floor() as usize;
+    steps.min(fits.max(done))
 }
 
 fn lr_at(args: &TrainArgs, step: usize) -> f64 {
@@ -375,8 +402,12 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     let save = |ema_te: &Ema, ema_tr: &Ema| {
         model.save(&args.out, Some((&ema_te.named(), &ema_tr.named())))
     };
-    for step in 1..=args.steps {
-        let lr = lr_at(args, step);
+    // The schedule that runs: `--steps`, unless `--fit-schedule` shortens it.
+    let mut schedule = args.clone();
+    let mut step = 0;
+    while step < schedule.steps {
+        step += 1;
+        let lr = lr_at(&schedule, step);
         opt_tr.set_lr(lr);
         opt_te.set_lr(lr);
         let mut b = batch_with_boxes(&mut gen, args.batch_size, args.box_margin);
@@ -422,11 +453,27 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
             recent.pop_front();
         }
         steps_done = step;
+        if step == FIT_AFTER_STEPS && args.fit_schedule {
+            if let Some(minutes) = args.max_minutes {
+                let elapsed = start.elapsed().as_secs_f64();
+                let fitted = fitted_steps(schedule.steps, step, elapsed, minutes * 60.0);
+                if fitted < schedule.steps {
+                    eprintln!(
+                        "{:.3} s/step: {} steps would take {:.0} min, over --max-minutes {minutes}; \
+                         the schedule now ends at step {fitted} (--fit-schedule)",
+                        elapsed / step as f64,
+                        schedule.steps,
+                        elapsed / step as f64 * schedule.steps as f64 / 60.0
+                    );
+                    schedule.steps = fitted;
+                }
+            }
+        }
         let stop_now = args
             .max_minutes
             .is_some_and(|m| start.elapsed().as_secs_f64() > m * 60.0)
             || args.stop_after.is_some_and(|k| step >= k);
-        if step % args.log_every == 0 || step == args.steps || stop_now {
+        if step % args.log_every == 0 || step == schedule.steps || stop_now {
             let mean = window.iter().sum::<f64>() / window.len() as f64;
             window.clear();
             let elapsed = start.elapsed().as_secs_f64();
@@ -435,11 +482,11 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
             curve.push((step as f64, mean));
             eprintln!(
                 "step {step}/{} loss {mean:.4} lr {lr:.2e} {:.2}s/step",
-                args.steps,
+                schedule.steps,
                 elapsed / step as f64
             );
         }
-        let last = step == args.steps || stop_now;
+        let last = step == schedule.steps || stop_now;
         if let (Some(val), Some(f)) = (&validation, val_csv.as_mut()) {
             if step % args.val_every == 0 || last {
                 // Score the averaged weights, the ones that are saved.
@@ -460,7 +507,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
                 eprintln!("step {step} validation loss {mean:.4} (object boxes {box_mean:.4})");
             }
         }
-        if args.save_every > 0 && step % args.save_every == 0 && step < args.steps {
+        if args.save_every > 0 && step % args.save_every == 0 && step < schedule.steps {
             save(&ema_te, &ema_tr)?;
         }
         if stop_now {
@@ -472,6 +519,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     save(&ema_te, &ema_tr)?;
     let summary = TrainSummary {
         args: args.clone(),
+        schedule_steps: schedule.steps,
         steps_done,
         bf16_autocast: bf16,
         wall_time_s: wall,
@@ -496,6 +544,17 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_schedule_is_fitted_to_the_time_limit() {
+        // 0.2 s/step fits 16000 steps in 58 min: unchanged.
+        assert_eq!(fitted_steps(16000, 300, 60.0, 58.0 * 60.0), 16000);
+        // 0.34 s/step: 58 min x 0.97 / 0.34 s.
+        assert_eq!(fitted_steps(16000, 300, 102.0, 58.0 * 60.0), 9928);
+        // Never before the steps already run, and nothing timed leaves it alone.
+        assert_eq!(fitted_steps(16000, 300, 600.0, 60.0), 300);
+        assert_eq!(fitted_steps(16000, 0, 0.0, 60.0), 16000);
+    }
 
     #[test]
     fn warmup_then_cosine_lr() {
