@@ -21,12 +21,12 @@ use crate::subjects::{
 /// What a spec is stored as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
-    /// A key-value bucket (stream `KV_<name>`, one message per key).
-    Kv {
-        /// Reads may be answered by any replica (direct get), a follower that lags included.
-        /// Off where a read must see every write acknowledged before it.
-        direct_reads: bool,
-    },
+    /// A key-value bucket (stream `KV_<name>`, one message per key). Reads go to the stream's
+    /// leader (no direct gets): on a cluster a follower answering a direct get can lag, and
+    /// every bucket here has a reader that must see writes acknowledged before it (a job's
+    /// state must not go back, an idempotency key found taken must be readable, a template's
+    /// `deleting` mark must stop the edits checked after it).
+    Kv,
     /// An object store bucket (stream `OBJ_<name>`).
     Objects,
     /// A plain stream over `<subject_prefix>.>`, keeping the last message per subject.
@@ -47,7 +47,7 @@ const DAY: Duration = Duration::from_secs(24 * 3600);
 /// Job records by job id (a week).
 pub const JOBS: Spec = Spec {
     name: Cow::Borrowed(JOB_BUCKET),
-    layout: Layout::Kv { direct_reads: true },
+    layout: Layout::Kv,
     max_age: Duration::from_secs(7 * 24 * 3600),
 };
 
@@ -57,18 +57,14 @@ pub const IDEMPOTENCY_TTL: Duration = DAY;
 /// Idempotency keys to job ids.
 pub const IDEMPOTENCY: Spec = Spec {
     name: Cow::Borrowed(IDEMPOTENCY_BUCKET),
-    layout: Layout::Kv { direct_reads: true },
+    layout: Layout::Kv,
     max_age: IDEMPOTENCY_TTL,
 };
 
-/// Template records. Reads go to the stream leader: an edit checks the `deleting` mark after
-/// publishing its use, and a delete checks the uses after writing the mark; a read from a
-/// follower that has not applied the mark yet would let an edit run on a template being removed.
+/// Template records.
 pub const TEMPLATE_RECORDS: Spec = Spec {
     name: Cow::Borrowed(TEMPLATE_BUCKET),
-    layout: Layout::Kv {
-        direct_reads: false,
-    },
+    layout: Layout::Kv,
     max_age: Duration::ZERO,
 };
 
@@ -125,7 +121,7 @@ impl Spec {
     /// The name of the stream behind the bucket.
     pub fn stream_name(&self) -> String {
         match self.layout {
-            Layout::Kv { .. } => format!("KV_{}", self.name),
+            Layout::Kv => format!("KV_{}", self.name),
             Layout::Objects => format!("OBJ_{}", self.name),
             Layout::LastPerSubject { .. } => self.name.to_string(),
         }
@@ -133,18 +129,19 @@ impl Spec {
 
     /// The stream config of a KV bucket or plain stream (object stores are created through
     /// [`object_store::Config`], which lays out their stream). A KV stream is made directly, in
-    /// the layout async-nats' `create_key_value` would make, because that call needs
-    /// account-info fields older servers (2.9) do not send.
+    /// the layout async-nats' `create_key_value` would make (but for direct reads, see
+    /// [`Layout::Kv`]), because that call needs account-info fields older servers (2.9) do
+    /// not send.
     fn stream_config(&self, replicas: usize) -> Option<stream::Config> {
         match self.layout {
-            Layout::Kv { direct_reads } => Some(stream::Config {
+            Layout::Kv => Some(stream::Config {
                 name: self.stream_name(),
                 subjects: vec![format!("$KV.{}.>", self.name)],
                 max_messages_per_subject: 1,
                 max_age: self.max_age,
                 allow_rollup: true,
                 deny_delete: true,
-                allow_direct: direct_reads,
+                allow_direct: false,
                 discard: stream::DiscardPolicy::New,
                 num_replicas: replicas,
                 ..Default::default()
@@ -214,7 +211,7 @@ impl Spec {
     /// Open the KV bucket of this spec (get, or create with one replica).
     pub async fn open_kv(&self, js: &jetstream::Context) -> Result<kv::Store, MeshError> {
         debug_assert!(
-            matches!(self.layout, Layout::Kv { .. }),
+            matches!(self.layout, Layout::Kv),
             "{} is no KV bucket",
             self.name
         );
@@ -233,14 +230,14 @@ pub enum Ensured {
     Existed {
         replicas: usize,
     },
-    /// Raised to the wanted replica count and/or the spec's read mode.
+    /// Raised to the wanted replica count and/or (a KV bucket) direct reads turned off.
     Updated {
         replicas_before: usize,
         replicas: usize,
     },
 }
 
-/// Make `spec` exist with at least `replicas` replicas and the spec's read mode. An existing
+/// Make `spec` exist with at least `replicas` replicas (and KV reads from the leader). An existing
 /// stream is never scaled down (an operator may have raised it) and keeps its other settings.
 pub async fn ensure(
     js: &jetstream::Context,
@@ -249,27 +246,26 @@ pub async fn ensure(
 ) -> Result<Ensured, MeshError> {
     let replicas = replicas.max(1);
     let existing = match js.get_stream(spec.stream_name()).await {
-        Ok(stream) => Some(stream),
+        Ok(stream) => stream,
         Err(_) => match spec.create(js, replicas).await {
             Ok(()) => return Ok(Ensured::Created { replicas }),
             // Another service may have created it meanwhile.
-            Err(create_err) => Some(
-                js.get_stream(spec.stream_name())
-                    .await
-                    .map_err(|_| create_err)?,
-            ),
+            Err(create_err) => js
+                .get_stream(spec.stream_name())
+                .await
+                .map_err(|_| create_err)?,
         },
     };
-    let mut config = existing.expect("set above").cached_info().config.clone();
+    let mut config = existing.cached_info().config.clone();
     let before = config.num_replicas.max(1);
-    let direct_wrong =
-        matches!(spec.layout, Layout::Kv { direct_reads } if config.allow_direct != direct_reads);
-    if before >= replicas && !direct_wrong {
+    // Buckets made by earlier versions (or `nats kv add`) take direct reads.
+    let direct_reads = spec.layout == Layout::Kv && config.allow_direct;
+    if before >= replicas && !direct_reads {
         return Ok(Ensured::Existed { replicas: before });
     }
     config.num_replicas = before.max(replicas);
-    if let Layout::Kv { direct_reads } = spec.layout {
-        config.allow_direct = direct_reads;
+    if spec.layout == Layout::Kv {
+        config.allow_direct = false;
     }
     js.update_stream(config.clone())
         .await
@@ -325,10 +321,11 @@ mod tests {
     }
 
     #[test]
-    fn template_records_read_from_the_leader() {
-        let config = TEMPLATE_RECORDS.stream_config(3).expect("a KV spec");
-        assert!(!config.allow_direct);
-        assert_eq!(config.num_replicas, 3);
-        assert!(JOBS.stream_config(1).expect("a KV spec").allow_direct);
+    fn kv_buckets_read_from_the_leader() {
+        for spec in ALL.iter().filter(|s| s.layout == Layout::Kv) {
+            let config = spec.stream_config(3).expect("a KV spec");
+            assert!(!config.allow_direct, "{}", spec.name);
+            assert_eq!(config.num_replicas, 3);
+        }
     }
 }
