@@ -205,3 +205,47 @@ async fn a_cluster_gets_every_bucket_with_the_configured_replicas() {
     }
     eprintln!("direct reads through another node: {stale_direct} of {writes} stale");
 }
+
+/// p50 / p99 of `get` after a `put` of the same key, in microseconds.
+async fn read_latency_us(kv: &jetstream::kv::Store, rounds: usize) -> (f64, f64) {
+    let mut us = Vec::with_capacity(rounds);
+    for i in 0..rounds {
+        kv.put("k", i.to_string().into()).await.unwrap();
+        let start = Instant::now();
+        kv.get("k").await.unwrap().unwrap();
+        us.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    us.sort_by(f64::total_cmp);
+    (us[rounds / 2], us[rounds * 99 / 100])
+}
+
+/// What leader reads cost against direct gets (a measurement, not a check):
+/// `cargo test --release -p diffmesh-tests --test jetstream_layout -- --ignored --nocapture`.
+#[tokio::test]
+#[ignore]
+async fn kv_read_latency_leader_against_direct() {
+    let rounds = 2000;
+    let nats = NatsServer::start();
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let leader = jetstream_layout::JOBS.open_kv(&js).await.unwrap();
+    let direct = direct_read_bucket(&js, "direct-reads", 1).await;
+    for (label, kv) in [
+        ("one server, leader", &leader),
+        ("one server, direct", &direct),
+    ] {
+        let (p50, p99) = read_latency_us(kv, rounds).await;
+        println!("{label}: p50 {p50:.0} us, p99 {p99:.0} us");
+    }
+    let cluster = NatsCluster::start(3);
+    let js = jetstream::new(async_nats::connect(cluster.nodes[0].url()).await.unwrap());
+    ensure_all_when_ready(&js, 3).await;
+    let leader = jetstream_layout::JOBS.open_kv(&js).await.unwrap();
+    let direct = direct_read_bucket(&js, "direct-reads", 3).await;
+    for (label, kv) in [
+        ("3-node cluster, leader", &leader),
+        ("3-node cluster, direct", &direct),
+    ] {
+        let (p50, p99) = read_latency_us(kv, rounds).await;
+        println!("{label}: p50 {p50:.0} us, p99 {p99:.0} us");
+    }
+}
