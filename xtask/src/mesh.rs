@@ -7,7 +7,7 @@ use crate::setup::nats_server_binary;
 use crate::toolchain::{render, run, workspace_root, Toolchain};
 use std::fs::File;
 use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -17,7 +17,8 @@ pub struct UpArgs {
     /// Return once every service is ready; stop them later with `cargo xtask down`.
     #[arg(long)]
     detach: bool,
-    /// NATS server URL; a local server is started there when none answers.
+    /// NATS server URL, or several comma-separated (a cluster); a local server is started
+    /// when a single URL does not answer.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     nats_url: String,
     /// Port of the gateway's REST API.
@@ -94,8 +95,17 @@ fn start_all(
     run_dir: &Path,
     started: &mut Vec<Started>,
 ) -> anyhow::Result<()> {
-    let nats_addr = nats_socket_addr(&args.nats_url)?;
-    if TcpStream::connect_timeout(&nats_addr, Duration::from_millis(500)).is_err() {
+    let nats_addrs = nats_socket_addrs(&args.nats_url)?;
+    let answers =
+        |a: &SocketAddr| TcpStream::connect_timeout(a, Duration::from_millis(500)).is_ok();
+    if !nats_addrs.iter().any(answers) {
+        let [nats_addr] = nats_addrs[..] else {
+            anyhow::bail!(
+                "none of the NATS servers in --nats-url {} answers (a local server is started \
+                 only for a single URL)",
+                args.nats_url
+            );
+        };
         let bin = nats_server_binary()
             .ok_or_else(|| anyhow::anyhow!("nats-server is not installed (cargo xtask setup)"))?;
         let store = run_dir.join("nats");
@@ -239,17 +249,26 @@ fn alive(pid: &str) -> bool {
         .unwrap_or(false)
 }
 
-fn nats_socket_addr(url: &str) -> anyhow::Result<std::net::SocketAddr> {
-    let hostport = url.trim_start_matches("nats://").trim_end_matches('/');
-    let hostport = if hostport.contains(':') {
-        hostport.to_string()
-    } else {
-        format!("{hostport}:4222")
-    };
-    hostport
-        .to_socket_addrs()?
-        .next()
-        .ok_or_else(|| anyhow::anyhow!("cannot resolve {url}"))
+/// The address of each comma-separated URL of `--nats-url` (port 4222 when none is given).
+fn nats_socket_addrs(urls: &str) -> anyhow::Result<Vec<SocketAddr>> {
+    urls.split(',')
+        .map(|url| {
+            let url = url.trim();
+            let hostport = url.trim_start_matches("nats://").trim_end_matches('/');
+            // Credentials (`user:pass@host`) are the server's business, not the probe's.
+            let hostport = hostport.rsplit_once('@').map_or(hostport, |(_, h)| h);
+            let hostport = if hostport.contains(':') {
+                hostport.to_string()
+            } else {
+                format!("{hostport}:4222")
+            };
+            hostport
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or_else(|| anyhow::anyhow!("--nats-url: cannot resolve `{url}`"))
+        })
+        .collect()
 }
 
 fn wait_until(limit: Duration, what: &str, mut ready: impl FnMut() -> bool) -> anyhow::Result<()> {
@@ -286,4 +305,20 @@ fn print_examples(port: u16) {
     println!("  curl -s {url}/v1/images/generations -H 'content-type: application/json' \\");
     println!("       -d '{{\"prompt\":\"a red circle on the left on a blue background\",\"response_format\":\"b64_json\"}}'");
     println!();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nats_url_lists_resolve_each_entry() {
+        let addrs =
+            nats_socket_addrs("nats://127.0.0.1:24221, nats://u:p@127.0.0.1:24222,127.0.0.1")
+                .unwrap();
+        let ports: Vec<u16> = addrs.iter().map(SocketAddr::port).collect();
+        assert_eq!(ports, [24221, 24222, 4222]);
+        let err = nats_socket_addrs("nats://127.0.0.1:1,nats://no host:2").unwrap_err();
+        assert!(err.to_string().contains("`nats://no host:2`"), "{err}");
+    }
 }
