@@ -183,16 +183,28 @@ pub struct BlobStore {
 /// chunk subscription waiting for chunks that never come; this turns that into an error.
 pub const DEFAULT_BLOB_STALL_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Read `reader` to its end into `buf`, failing when no byte arrives for `stall` (the object
-/// store's reader waits forever for chunks of an object deleted mid-read).
+/// How long an attempt of a blob read waits for the first byte before the next attempt. A read
+/// streams through a fresh ephemeral consumer; on a cluster that has just lost a node, the
+/// consumer may be placed on the lost node and deliver nothing (on a three-node test cluster,
+/// 9 of 21 attempts in the first seconds; async-nats gives up on them after 10 s, and a
+/// request failed). A new consumer is placed afresh. A healthy first chunk takes milliseconds.
+const BLOB_FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(1);
+/// A read that fails before its first byte is tried again until this long after it started.
+const BLOB_RETRY_WINDOW: Duration = Duration::from_secs(15);
+
+/// Read `reader` to its end into `buf`, failing when no byte arrives for `first` (before the
+/// first byte) or `stall` (after it; the object store's reader waits forever for chunks of an
+/// object deleted mid-read).
 async fn read_to_end_or_stall<R: tokio::io::AsyncRead + Unpin>(
     reader: &mut R,
     buf: &mut Vec<u8>,
     key: &str,
+    first: Duration,
     stall: Duration,
 ) -> Result<(), MeshError> {
     let mut chunk = vec![0u8; 64 * 1024];
     loop {
+        let stall = if buf.is_empty() { first } else { stall };
         let n = tokio::time::timeout(stall, reader.read(&mut chunk))
             .await
             .map_err(|_| MeshError::BlobStalled {
@@ -256,8 +268,39 @@ impl BlobStore {
     }
 
     /// Read the object under `key`, refusing objects above `limit` bytes before reading them.
-    /// Fails with [`MeshError::BlobStalled`] when the object stops arriving (deleted mid-read).
+    /// A read that fails before its first byte is tried again (a fresh consumer; see
+    /// [`BLOB_FIRST_BYTE_TIMEOUT`]). Fails with [`MeshError::BlobStalled`] when the object stops
+    /// arriving (deleted mid-read).
     pub async fn get_limited(&self, key: &str, limit: usize) -> Result<Vec<u8>, MeshError> {
+        let first = BLOB_FIRST_BYTE_TIMEOUT.min(self.stall_timeout);
+        let start = std::time::Instant::now();
+        let mut attempt = 1;
+        loop {
+            match self.read_once(key, limit, first).await {
+                Err(err) if start.elapsed() < BLOB_RETRY_WINDOW && Self::retry_read(&err) => {
+                    tracing::warn!(key, attempt, error = %err, "blob read failed; reading again");
+                    attempt += 1;
+                }
+                done => return done,
+            }
+        }
+    }
+
+    /// Failures of a read that a fresh consumer may not repeat: nothing arrived, or the
+    /// client's reader gave up.
+    fn retry_read(err: &MeshError) -> bool {
+        matches!(
+            err,
+            MeshError::BlobStalled { read: 0, .. } | MeshError::Io(_)
+        )
+    }
+
+    async fn read_once(
+        &self,
+        key: &str,
+        limit: usize,
+        first: Duration,
+    ) -> Result<Vec<u8>, MeshError> {
         let stalled = |read| MeshError::BlobStalled {
             key: key.to_string(),
             after: self.stall_timeout,
@@ -284,7 +327,7 @@ impl BlobStore {
             });
         }
         let mut buf = Vec::with_capacity(size);
-        read_to_end_or_stall(&mut object, &mut buf, key, self.stall_timeout).await?;
+        read_to_end_or_stall(&mut object, &mut buf, key, first, self.stall_timeout).await?;
         Ok(buf)
     }
 
@@ -317,7 +360,7 @@ mod tests {
         // subscription of an object deleted mid-read.
         let mut buf = Vec::new();
         let stall = Duration::from_millis(50);
-        let err = read_to_end_or_stall(&mut reader, &mut buf, "t/image", stall)
+        let err = read_to_end_or_stall(&mut reader, &mut buf, "t/image", stall, stall)
             .await
             .unwrap_err();
         assert!(
