@@ -338,6 +338,10 @@ pub struct JobStore {
     client: async_nats::Client,
 }
 
+/// How long [`JobStore::create`] keeps trying a bucket that fails (a leader election).
+pub const CREATE_RETRY_WINDOW: Duration = Duration::from_secs(10);
+const CREATE_RETRY_DELAY: Duration = Duration::from_millis(250);
+
 /// Compare-and-set attempts before an update gives up under contention.
 const MAX_UPDATE_ATTEMPTS: u32 = 16;
 
@@ -353,10 +357,33 @@ impl JobStore {
     }
 
     /// Store a new record; fails if the job id already exists.
+    ///
+    /// A failure other than an existing id is tried again for up to [`CREATE_RETRY_WINDOW`]:
+    /// on a cluster, a node loss leaves the bucket without a leader for a moment (JetStream
+    /// answers 503 "temporarily unavailable"), and the request would fail for it. An attempt
+    /// whose write landed but whose reply was lost makes the next one find the id taken: that
+    /// counts as created when the stored record is this one.
     pub async fn create(&self, record: &JobRecord) -> Result<(), MeshError> {
         let value = Bytes::from(serde_json::to_vec(record)?);
-        self.kv.create(&record.job_id, value).await?;
-        Ok(())
+        let start = Instant::now();
+        let mut retried = false;
+        loop {
+            match self.kv.create(&record.job_id, value.clone()).await {
+                Ok(_) => return Ok(()),
+                Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
+                    if retried && self.get(&record.job_id).await?.as_ref() == Some(record) {
+                        return Ok(());
+                    }
+                    return Err(err.into());
+                }
+                Err(err) if start.elapsed() < CREATE_RETRY_WINDOW => {
+                    tracing::warn!(job_id = %record.job_id, error = %err, "job record create failed; trying again");
+                    retried = true;
+                    tokio::time::sleep(CREATE_RETRY_DELAY).await;
+                }
+                Err(err) => return Err(err.into()),
+            }
+        }
     }
 
     /// Overwrite the record unconditionally.

@@ -14,6 +14,9 @@ pub struct NatsServer {
     child: Child,
     pub port: u16,
     dir: PathBuf,
+    /// How it was started, for [`NatsServer::restart`].
+    label: String,
+    extra: Vec<String>,
 }
 
 fn nats_server_binary() -> PathBuf {
@@ -25,6 +28,24 @@ fn nats_server_binary() -> PathBuf {
         return debian.to_path_buf();
     }
     PathBuf::from("nats-server")
+}
+
+/// Run `nats-server -js` on `port` with its data under `dir` and `extra` flags, logging to `log`.
+fn launch(port: u16, dir: &Path, extra: &[String], log: std::fs::File) -> Child {
+    let bin = nats_server_binary();
+    Command::new(&bin)
+        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+        .arg(dir.join("js"))
+        .args(extra)
+        .stdout(Stdio::from(log.try_clone().expect("clone log handle")))
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot start `{}` (install nats-server or set NATS_SERVER_BIN): {e}",
+                bin.display()
+            )
+        })
 }
 
 /// A currently free local TCP port (another process could take it before use, so `start`
@@ -55,7 +76,6 @@ impl NatsServer {
     /// Start `nats-server -js` on `port` with `extra` flags, data and log in a fresh temp dir.
     fn spawn(port: u16, label: &str, extra: &[String]) -> Self {
         static SEQ: AtomicU32 = AtomicU32::new(0);
-        let bin = nats_server_binary();
         let seq = SEQ.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!(
             "diffmesh-nats-{}-{seq}-{label}-{port}",
@@ -63,20 +83,36 @@ impl NatsServer {
         ));
         std::fs::create_dir_all(&dir).expect("create nats temp dir");
         let log = std::fs::File::create(dir.join("nats.log")).expect("create nats log");
-        let child = Command::new(&bin)
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(dir.join("js"))
-            .args(extra)
-            .stdout(Stdio::from(log.try_clone().expect("clone log handle")))
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot start `{}` (install nats-server or set NATS_SERVER_BIN): {e}",
-                    bin.display()
-                )
-            });
-        Self { child, port, dir }
+        let child = launch(port, &dir, extra, log);
+        Self {
+            child,
+            port,
+            dir,
+            label: label.to_string(),
+            extra: extra.to_vec(),
+        }
+    }
+
+    /// Stop the server (as a crash would; its data stays).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Start the server again on its port with its data, and wait until it accepts connections.
+    pub fn restart(&mut self) {
+        self.kill();
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.dir.join("nats.log"))
+            .expect("open nats log");
+        self.child = launch(self.port, &self.dir, &self.extra, log);
+        assert!(
+            self.wait_ready(Duration::from_secs(10)),
+            "nats-server {} did not come back:\n{}",
+            self.label,
+            self.log()
+        );
     }
 
     fn wait_ready(&mut self, within: Duration) -> bool {

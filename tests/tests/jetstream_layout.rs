@@ -4,6 +4,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use diffmesh_shared::jetstream_layout::{self, ensure_all, Ensured, Layout, ALL};
+use diffmesh_shared::job::{JobRecord, JobStore};
+use diffmesh_shared::messages::JobKind;
 use diffmesh_shared::nats::BlobStore;
 use diffmesh_shared::testing::{NatsCluster, NatsServer};
 
@@ -283,4 +285,38 @@ async fn blob_reads_survive_the_loss_of_a_node() {
         }
     }
     eprintln!("8 reads in {:.1?}", start.elapsed());
+}
+
+#[tokio::test]
+async fn a_job_accepted_while_the_cluster_has_no_quorum_is_created_once_it_returns() {
+    let mut cluster = NatsCluster::start(3);
+    let client = async_nats::connect(cluster.nodes[0].url()).await.unwrap();
+    let js = jetstream::new(client);
+    ensure_all_when_ready(&js, 3).await;
+    let jobs = JobStore::open(&js).await.unwrap();
+    jobs.create(&JobRecord::new("before", JobKind::Generate))
+        .await
+        .unwrap();
+
+    // Two of three nodes down: no bucket has a leader, every write fails (503) until one
+    // comes back.
+    cluster.nodes[1].kill();
+    cluster.nodes[2].kill();
+    let record = JobRecord::new("during", JobKind::Generate);
+    let create = {
+        let jobs = jobs.clone();
+        let record = record.clone();
+        tokio::spawn(async move { jobs.create(&record).await })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !create.is_finished(),
+        "the create gave up during the outage"
+    );
+    cluster.nodes[1].restart();
+    create
+        .await
+        .unwrap()
+        .expect("created once the quorum returned");
+    assert_eq!(jobs.get("during").await.unwrap(), Some(record));
 }
