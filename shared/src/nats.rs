@@ -378,9 +378,41 @@ mod tests {
         writer.write_all(&data).await.unwrap();
         drop(writer);
         let mut buf = Vec::new();
-        read_to_end_or_stall(&mut reader, &mut buf, "k", Duration::from_secs(5))
+        let five = Duration::from_secs(5);
+        read_to_end_or_stall(&mut reader, &mut buf, "k", five, five)
             .await
             .unwrap();
         assert_eq!(buf, data);
+    }
+
+    #[tokio::test]
+    async fn the_first_byte_has_its_own_deadline() {
+        let (mut writer, mut reader) = tokio::io::duplex(1024);
+        let (first, stall) = (Duration::from_millis(50), Duration::from_secs(5));
+        // Nothing arrives: the short first-byte deadline ends the read.
+        let mut buf = Vec::new();
+        let err = read_to_end_or_stall(&mut reader, &mut buf, "k", first, stall)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, MeshError::BlobStalled { read: 0, after, .. } if after == first));
+        assert!(BlobStore::retry_read(&err));
+        // Once bytes flow, a pause longer than the first-byte deadline is no stall.
+        let pauser = tokio::spawn(async move {
+            writer.write_all(b"ab").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            writer.write_all(b"cd").await.unwrap();
+        });
+        read_to_end_or_stall(&mut reader, &mut buf, "k", first, stall)
+            .await
+            .unwrap();
+        pauser.await.unwrap();
+        assert_eq!(buf, b"abcd");
+        // A read that stalls after its first bytes is not read again (the object went away).
+        let partial = MeshError::BlobStalled {
+            key: "k".into(),
+            after: stall,
+            read: 2,
+        };
+        assert!(!BlobStore::retry_read(&partial));
     }
 }
