@@ -360,25 +360,24 @@ impl JobStore {
     ///
     /// A failure other than an existing id is tried again for up to [`CREATE_RETRY_WINDOW`]:
     /// on a cluster, a node loss leaves the bucket without a leader for a moment (JetStream
-    /// answers 503 "temporarily unavailable"), and the request would fail for it. An attempt
-    /// whose write landed but whose reply was lost makes the next one find the id taken: that
-    /// counts as created when the stored record is this one.
+    /// answers 503 "temporarily unavailable"), and the request would fail for it. A write that
+    /// landed but whose reply was lost reads as "already exists" (async-nats looks the key up
+    /// after a failed create, and so does the next attempt): that counts as created when the
+    /// stored record is this one.
     pub async fn create(&self, record: &JobRecord) -> Result<(), MeshError> {
         let value = Bytes::from(serde_json::to_vec(record)?);
         let start = Instant::now();
-        let mut retried = false;
         loop {
             match self.kv.create(&record.job_id, value.clone()).await {
                 Ok(_) => return Ok(()),
                 Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
-                    if retried && self.get(&record.job_id).await?.as_ref() == Some(record) {
+                    if self.get(&record.job_id).await?.as_ref() == Some(record) {
                         return Ok(());
                     }
                     return Err(err.into());
                 }
                 Err(err) if start.elapsed() < CREATE_RETRY_WINDOW => {
                     tracing::warn!(job_id = %record.job_id, error = %err, "job record create failed; trying again");
-                    retried = true;
                     tokio::time::sleep(CREATE_RETRY_DELAY).await;
                 }
                 Err(err) => return Err(err.into()),

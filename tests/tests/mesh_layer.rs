@@ -43,10 +43,14 @@ async fn blobs_jobs_and_request_errors() {
     let jobs = JobStore::open(&js).await.unwrap();
     let record = JobRecord::new("job-2", JobKind::Edit);
     jobs.create(&record).await.unwrap();
+    let mut other = JobRecord::new("job-2", JobKind::Generate);
+    other.created_at_ms = record.created_at_ms;
     assert!(
-        jobs.create(&record).await.is_err(),
+        jobs.create(&other).await.is_err(),
         "a job id is created once"
     );
+    // The same record again (a create whose reply was lost, tried again) is no error.
+    jobs.create(&record).await.unwrap();
     let updated = jobs
         .update("job-2", |r| r.mark_running("w1"))
         .await
