@@ -9,7 +9,6 @@ use std::borrow::Cow;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, object_store, stream};
-use serde::Serialize;
 
 use crate::cachestore::CACHE_BUCKET;
 use crate::error::MeshError;
@@ -205,9 +204,7 @@ impl Spec {
                 .unwrap_or_else(|| self.error(format!("get: {err}")))),
         }
     }
-}
 
-impl Spec {
     /// Open the KV bucket of this spec (get, or create with one replica).
     pub async fn open_kv(&self, js: &jetstream::Context) -> Result<kv::Store, MeshError> {
         debug_assert!(
@@ -221,8 +218,7 @@ impl Spec {
 }
 
 /// What [`ensure`] did to one spec.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(tag = "action", rename_all = "snake_case")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Ensured {
     Created {
         replicas: usize,
