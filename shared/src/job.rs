@@ -334,6 +334,8 @@ impl JobRecord {
 #[derive(Clone)]
 pub struct JobStore {
     kv: kv::Store,
+    /// How long [`JobStore::create`] keeps trying (default [`CREATE_RETRY_WINDOW`]).
+    create_retry_window: Duration,
     /// For the inboxes of record watches.
     client: async_nats::Client,
 }
@@ -352,8 +354,15 @@ impl JobStore {
         let kv = jetstream_layout::JOBS.open_kv(js).await?;
         Ok(Self {
             kv,
+            create_retry_window: CREATE_RETRY_WINDOW,
             client: js.client(),
         })
+    }
+
+    /// Keep trying a failing create for `window` instead of [`CREATE_RETRY_WINDOW`].
+    pub fn with_create_retry_window(mut self, window: Duration) -> Self {
+        self.create_retry_window = window;
+        self
     }
 
     /// Store a new record; fails if the job id already exists.
@@ -376,7 +385,7 @@ impl JobStore {
                     }
                     return Err(err.into());
                 }
-                Err(err) if start.elapsed() < CREATE_RETRY_WINDOW => {
+                Err(err) if start.elapsed() < self.create_retry_window => {
                     tracing::warn!(job_id = %record.job_id, error = %err, "job record create failed; trying again");
                     tokio::time::sleep(CREATE_RETRY_DELAY).await;
                 }

@@ -286,12 +286,13 @@ impl BlobStore {
         }
     }
 
-    /// Failures of a read that a fresh consumer may not repeat: nothing arrived, or the
-    /// client's reader gave up.
+    /// Failures of a read that a fresh consumer may not repeat: nothing arrived, the client's
+    /// reader gave up, or opening the object failed otherwise than "not found" (its info or
+    /// consumer request timed out).
     fn retry_read(err: &MeshError) -> bool {
         matches!(
             err,
-            MeshError::BlobStalled { read: 0, .. } | MeshError::Io(_)
+            MeshError::BlobStalled { read: 0, .. } | MeshError::Io(_) | MeshError::BlobGet(_)
         )
     }
 

@@ -119,38 +119,41 @@ async fn start_up_turns_off_direct_reads_of_an_older_bucket() {
     );
 }
 
-/// `ensure_all` once JetStream has elected its meta leader (a fresh cluster needs a moment).
-async fn ensure_all_when_ready(js: &jetstream::Context, replicas: usize) -> Vec<(String, Ensured)> {
+/// One cluster test at a time: three servers per test already load a 2-core machine, and
+/// leader elections slow down with every server beside them.
+static ONE_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// `attempt`'s result once it succeeds: a fresh cluster accepts JetStream requests only once
+/// it has elected its meta leader.
+async fn when_ready<T, F>(mut attempt: impl FnMut() -> F) -> T
+where
+    F: std::future::Future<Output = Result<T, diffmesh_shared::MeshError>>,
+{
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        match ensure_all(js, replicas, &[]).await {
+        match attempt().await {
             Ok(done) => return done,
             Err(err) if Instant::now() < deadline => {
                 eprintln!("cluster not ready yet: {err}");
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
-            Err(err) => panic!("cluster never took the layout: {err}"),
+            Err(err) => panic!("the cluster was not ready within 30 s: {err}"),
         }
     }
 }
 
+async fn ensure_all_when_ready(js: &jetstream::Context, replicas: usize) -> Vec<(String, Ensured)> {
+    when_ready(|| ensure_all(js, replicas, &[])).await
+}
+
 #[tokio::test]
 async fn a_cluster_gets_every_bucket_with_the_configured_replicas() {
+    let _one = ONE_CLUSTER.lock().await;
     let cluster = NatsCluster::start(3);
     let client = async_nats::connect(cluster.nodes[0].url()).await.unwrap();
     let js = jetstream::new(client);
     // A service started without JS_REPLICAS made the job bucket first, with one replica.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let jobs = loop {
-        match jetstream_layout::JOBS.open_kv(&js).await {
-            Ok(kv) => break kv,
-            Err(err) if Instant::now() < deadline => {
-                eprintln!("cluster not ready yet: {err}");
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
-            Err(err) => panic!("no job bucket on the cluster: {err}"),
-        }
-    };
+    let jobs = when_ready(|| jetstream_layout::JOBS.open_kv(&js)).await;
     jobs.put("j", "before".into()).await.unwrap();
 
     let done = ensure_all_when_ready(&js, 3).await;
@@ -229,31 +232,32 @@ async fn kv_read_latency_leader_against_direct() {
     let rounds = 2000;
     let nats = NatsServer::start();
     let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    let leader = jetstream_layout::JOBS.open_kv(&js).await.unwrap();
-    let direct = direct_read_bucket(&js, "direct-reads", 1).await;
-    for (label, kv) in [
-        ("one server, leader", &leader),
-        ("one server, direct", &direct),
-    ] {
-        let (p50, p99) = read_latency_us(kv, rounds).await;
-        println!("{label}: p50 {p50:.0} us, p99 {p99:.0} us");
-    }
+    print_read_latencies(&js, "one server", 1, rounds).await;
+    let _one = ONE_CLUSTER.lock().await;
     let cluster = NatsCluster::start(3);
     let js = jetstream::new(async_nats::connect(cluster.nodes[0].url()).await.unwrap());
     ensure_all_when_ready(&js, 3).await;
-    let leader = jetstream_layout::JOBS.open_kv(&js).await.unwrap();
-    let direct = direct_read_bucket(&js, "direct-reads", 3).await;
-    for (label, kv) in [
-        ("3-node cluster, leader", &leader),
-        ("3-node cluster, direct", &direct),
-    ] {
+    print_read_latencies(&js, "3-node cluster", 3, rounds).await;
+}
+
+/// Print [`read_latency_us`] of the job bucket (leader reads) and of a direct-read bucket.
+async fn print_read_latencies(
+    js: &jetstream::Context,
+    place: &str,
+    replicas: usize,
+    rounds: usize,
+) {
+    let leader = jetstream_layout::JOBS.open_kv(js).await.unwrap();
+    let direct = direct_read_bucket(js, "direct-reads", replicas).await;
+    for (how, kv) in [("leader", &leader), ("direct", &direct)] {
         let (p50, p99) = read_latency_us(kv, rounds).await;
-        println!("{label}: p50 {p50:.0} us, p99 {p99:.0} us");
+        println!("{place}, {how}: p50 {p50:.0} us, p99 {p99:.0} us");
     }
 }
 
 #[tokio::test]
 async fn blob_reads_survive_the_loss_of_a_node() {
+    let _one = ONE_CLUSTER.lock().await;
     let mut cluster = NatsCluster::start(3);
     let client = async_nats::ConnectOptions::new()
         .connect(
@@ -289,11 +293,16 @@ async fn blob_reads_survive_the_loss_of_a_node() {
 
 #[tokio::test]
 async fn a_job_accepted_while_the_cluster_has_no_quorum_is_created_once_it_returns() {
+    let _one = ONE_CLUSTER.lock().await;
     let mut cluster = NatsCluster::start(3);
     let client = async_nats::connect(cluster.nodes[0].url()).await.unwrap();
     let js = jetstream::new(client);
     ensure_all_when_ready(&js, 3).await;
-    let jobs = JobStore::open(&js).await.unwrap();
+    // A loaded machine (CI) can take longer than the default window to elect leaders again.
+    let jobs = JobStore::open(&js)
+        .await
+        .unwrap()
+        .with_create_retry_window(Duration::from_secs(60));
     jobs.create(&JobRecord::new("before", JobKind::Generate))
         .await
         .unwrap();
