@@ -1,7 +1,6 @@
 //! Job records in JetStream KV (`subjects::JOB_BUCKET`): the durable state of every accepted
 //! job, so a restarted service can see what was in flight. Stored as JSON so operators can read
-//! them with `nats kv get`. Also the idempotency map (`subjects::IDEMPOTENCY_BUCKET`): which job
-//! an API key's `Idempotency-Key` created.
+//! them with `nats kv get`.
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::{self, consumer, kv};
@@ -13,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::MeshError;
 use crate::jetstream_layout;
 use crate::messages::{DenoiseJob, JobEvent, JobKind};
+use crate::transient;
 
 /// Where a job is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -331,18 +331,17 @@ impl JobRecord {
 }
 
 /// Job records by job id in the KV bucket.
+///
+/// Every call is tried again while the bucket has no leader (`transient`): on a cluster a
+/// node loss would otherwise fail the requests that touch a job in that moment.
 #[derive(Clone)]
 pub struct JobStore {
     kv: kv::Store,
-    /// How long [`JobStore::create`] keeps trying (default [`CREATE_RETRY_WINDOW`]).
-    create_retry_window: Duration,
+    /// How long a failing call is tried again (default [`transient::ELECTION_WINDOW`]).
+    retry_window: Duration,
     /// For the inboxes of record watches.
     client: async_nats::Client,
 }
-
-/// How long [`JobStore::create`] keeps trying a bucket that fails (a leader election).
-pub const CREATE_RETRY_WINDOW: Duration = Duration::from_secs(10);
-const CREATE_RETRY_DELAY: Duration = Duration::from_millis(250);
 
 /// Compare-and-set attempts before an update gives up under contention.
 const MAX_UPDATE_ATTEMPTS: u32 = 16;
@@ -354,50 +353,53 @@ impl JobStore {
         let kv = jetstream_layout::JOBS.open_kv(js).await?;
         Ok(Self {
             kv,
-            create_retry_window: CREATE_RETRY_WINDOW,
+            retry_window: transient::ELECTION_WINDOW,
             client: js.client(),
         })
     }
 
-    /// Keep trying a failing create for `window` instead of [`CREATE_RETRY_WINDOW`].
-    pub fn with_create_retry_window(mut self, window: Duration) -> Self {
-        self.create_retry_window = window;
+    /// Try failing calls again for `window` instead of [`transient::ELECTION_WINDOW`].
+    pub fn with_retry_window(mut self, window: Duration) -> Self {
+        self.retry_window = window;
         self
     }
 
     /// Store a new record; fails if the job id already exists.
     ///
-    /// A failure other than an existing id is tried again for up to [`CREATE_RETRY_WINDOW`]:
-    /// on a cluster, a node loss leaves the bucket without a leader for a moment (JetStream
-    /// answers 503 "temporarily unavailable"), and the request would fail for it. A write that
-    /// landed but whose reply was lost reads as "already exists" (async-nats looks the key up
-    /// after a failed create, and so does the next attempt): that counts as created when the
-    /// stored record is this one.
+    /// A write that landed but whose reply was lost reads as "already exists" on the next
+    /// attempt (async-nats also looks the key up after a failed create): that counts as
+    /// created when the stored record is this one.
     pub async fn create(&self, record: &JobRecord) -> Result<(), MeshError> {
         let value = Bytes::from(serde_json::to_vec(record)?);
-        let start = Instant::now();
-        loop {
-            match self.kv.create(&record.job_id, value.clone()).await {
-                Ok(_) => return Ok(()),
-                Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
-                    if self.get(&record.job_id).await?.as_ref() == Some(record) {
-                        return Ok(());
-                    }
-                    return Err(err.into());
+        let created = transient::retried(
+            "job.create",
+            self.retry_window,
+            transient::kv_create_settled,
+            || self.kv.create(&record.job_id, value.clone()),
+        )
+        .await;
+        match created {
+            Ok(_) => Ok(()),
+            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
+                if self.get(&record.job_id).await?.as_ref() == Some(record) {
+                    return Ok(());
                 }
-                Err(err) if start.elapsed() < self.create_retry_window => {
-                    tracing::warn!(job_id = %record.job_id, error = %err, "job record create failed; trying again");
-                    tokio::time::sleep(CREATE_RETRY_DELAY).await;
-                }
-                Err(err) => return Err(err.into()),
+                Err(err.into())
             }
+            Err(err) => Err(err.into()),
         }
     }
 
     /// Overwrite the record unconditionally.
     pub async fn put(&self, record: &JobRecord) -> Result<(), MeshError> {
         let value = Bytes::from(serde_json::to_vec(record)?);
-        self.kv.put(&record.job_id, value).await?;
+        transient::retried(
+            "job.put",
+            self.retry_window,
+            transient::kv_put_settled,
+            || self.kv.put(&record.job_id, value.clone()),
+        )
+        .await?;
         Ok(())
     }
 
@@ -406,7 +408,14 @@ impl JobStore {
     }
 
     async fn get_with_revision(&self, job_id: &str) -> Result<Option<(JobRecord, u64)>, MeshError> {
-        match self.kv.entry(job_id).await? {
+        let entry = transient::retried(
+            "job.get",
+            self.retry_window,
+            transient::kv_entry_settled,
+            || self.kv.entry(job_id),
+        )
+        .await?;
+        match entry {
             Some(entry) if entry.operation == kv::Operation::Put => Ok(Some((
                 serde_json::from_slice(&entry.value)?,
                 entry.revision,
@@ -478,6 +487,10 @@ impl JobStore {
     /// [`JobStore::update`] where `change` may decline (return false, leaving the record as it
     /// is): `None` then. The decision is made on the latest revision, so two writers racing
     /// for the same change (two routers adopting one job) cannot both make it.
+    ///
+    /// A write that failed otherwise than by a newer revision is tried again (the bucket may
+    /// be electing a leader); if it had landed after all, the next read finds exactly the
+    /// record written and the update is done.
     pub async fn update_if<F>(
         &self,
         job_id: &str,
@@ -486,13 +499,19 @@ impl JobStore {
     where
         F: FnMut(&mut JobRecord) -> bool,
     {
-        for _ in 0..MAX_UPDATE_ATTEMPTS {
+        let start = Instant::now();
+        let mut written: Option<JobRecord> = None;
+        let mut contended = 0;
+        while contended < MAX_UPDATE_ATTEMPTS {
             let (mut record, revision) =
                 self.get_with_revision(job_id)
                     .await?
                     .ok_or_else(|| MeshError::JobNotFound {
                         job_id: job_id.to_string(),
                     })?;
+            if written.as_ref() == Some(&record) {
+                return Ok(written);
+            }
             if !change(&mut record) {
                 return Ok(None);
             }
@@ -500,7 +519,16 @@ impl JobStore {
             let value = Bytes::from(serde_json::to_vec(&record)?);
             match self.kv.update(job_id, value, revision).await {
                 Ok(_) => return Ok(Some(record)),
-                Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => contended += 1,
+                Err(err)
+                    if err.kind() != kv::UpdateErrorKind::InvalidKey
+                        && start.elapsed() < self.retry_window =>
+                {
+                    tracing::warn!(job_id, error = %err, "job record update failed; trying again");
+                    transient::count_retry("job.update");
+                    written = Some(record);
+                    tokio::time::sleep(transient::RETRY_DELAY).await;
+                }
                 Err(err) => return Err(err.into()),
             }
         }
@@ -524,64 +552,6 @@ fn records(watch: kv::Watch) -> BoxStream<'static, Result<JobRecord, MeshError>>
             }
         })
         .boxed()
-}
-
-/// What an `Idempotency-Key` points at.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct IdempotencyRecord {
-    pub job_id: String,
-    /// Hash of the request that created the job: a repeat with another request is refused.
-    pub fingerprint: String,
-    pub created_at_ms: u64,
-}
-
-/// The first claim of a key wins; later claims learn the winner's job.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Claim {
-    Created,
-    Existing(IdempotencyRecord),
-}
-
-/// `Idempotency-Key` -> job, per API key, in `subjects::IDEMPOTENCY_BUCKET` (a day's memory).
-#[derive(Clone)]
-pub struct IdempotencyStore {
-    kv: kv::Store,
-}
-
-/// How long a repeated key returns the same job.
-pub const IDEMPOTENCY_TTL: Duration = jetstream_layout::IDEMPOTENCY_TTL;
-
-impl IdempotencyStore {
-    pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
-        let kv = jetstream_layout::IDEMPOTENCY.open_kv(js).await?;
-        Ok(Self { kv })
-    }
-
-    /// `key` must be a valid KV key (callers hash the client's key and scope into hex).
-    pub async fn get(&self, key: &str) -> Result<Option<IdempotencyRecord>, MeshError> {
-        match self.kv.entry(key).await? {
-            Some(entry) if entry.operation == kv::Operation::Put => {
-                Ok(Some(serde_json::from_slice(&entry.value)?))
-            }
-            _ => Ok(None),
-        }
-    }
-
-    /// Atomically map `key` to `record` unless it is mapped already.
-    pub async fn claim(&self, key: &str, record: &IdempotencyRecord) -> Result<Claim, MeshError> {
-        let value = Bytes::from(serde_json::to_vec(record)?);
-        match self.kv.create(key, value).await {
-            Ok(_) => Ok(Claim::Created),
-            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
-                match self.get(key).await? {
-                    Some(existing) => Ok(Claim::Existing(existing)),
-                    // Expired between the two calls: the next claim will create it.
-                    None => Err(MeshError::KvCreate(err)),
-                }
-            }
-            Err(err) => Err(err.into()),
-        }
-    }
 }
 
 #[cfg(test)]

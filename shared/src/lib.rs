@@ -3,6 +3,7 @@ pub mod cachestore;
 pub mod config;
 pub mod error;
 pub mod health;
+pub mod idempotency;
 pub mod jetstream_layout;
 pub mod job;
 pub mod messages;
@@ -15,6 +16,7 @@ pub mod telemetry;
 pub mod templates;
 pub mod testing;
 pub mod trace_context;
+pub mod transient;
 
 pub use config::CommonConfig;
 pub use error::MeshError;

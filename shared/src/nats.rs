@@ -14,6 +14,7 @@ use crate::jetstream_layout;
 use crate::messages::{decode, encode};
 use crate::metrics::NatsMetrics;
 use crate::trace_context::headers_for;
+use crate::transient;
 
 /// Connect to NATS, retrying with capped exponential backoff for up to `give_up_after`
 /// (services often start before the server in compose). `name` shows in `nats server report`.
@@ -176,6 +177,8 @@ pub struct BlobStore {
     store: object_store::ObjectStore,
     bucket: String,
     stall_timeout: Duration,
+    /// How long a failing put or delete is tried again (default [`transient::ELECTION_WINDOW`]).
+    retry_window: Duration,
 }
 
 /// How long a blob read may go without receiving a byte before it fails. An object deleted
@@ -242,6 +245,7 @@ impl BlobStore {
             store,
             bucket: spec.name.to_string(),
             stall_timeout: DEFAULT_BLOB_STALL_TIMEOUT,
+            retry_window: transient::ELECTION_WINDOW,
         })
     }
 
@@ -251,14 +255,28 @@ impl BlobStore {
         self
     }
 
+    /// Try failing puts and deletes again for `window` instead of
+    /// [`transient::ELECTION_WINDOW`].
+    pub fn with_retry_window(mut self, window: Duration) -> Self {
+        self.retry_window = window;
+        self
+    }
+
     pub fn bucket(&self) -> &str {
         &self.bucket
     }
 
     /// Store `data` under `key` (keys use `[-/_=.a-zA-Z0-9]`), replacing any previous object.
+    /// Tried again while the bucket has no leader ([`transient`]): a put that fails midway is
+    /// repeated whole (the object store replaces a name's chunks on each put).
     pub async fn put(&self, key: &str, data: &[u8]) -> Result<(), MeshError> {
-        let mut reader = data;
-        self.store.put(key, &mut reader).await?;
+        let settled =
+            |e: &object_store::PutError| e.kind() == object_store::PutErrorKind::InvalidName;
+        transient::retried("blob.put", self.retry_window, settled, || async {
+            let mut reader = data;
+            self.store.put(key, &mut reader).await
+        })
+        .await?;
         Ok(())
     }
 
@@ -273,17 +291,11 @@ impl BlobStore {
     /// arriving (deleted mid-read).
     pub async fn get_limited(&self, key: &str, limit: usize) -> Result<Vec<u8>, MeshError> {
         let first = BLOB_FIRST_BYTE_TIMEOUT.min(self.stall_timeout);
-        let start = std::time::Instant::now();
-        let mut attempt = 1;
-        loop {
-            match self.read_once(key, limit, first).await {
-                Err(err) if start.elapsed() < BLOB_RETRY_WINDOW && Self::retry_read(&err) => {
-                    tracing::warn!(key, attempt, error = %err, "blob read failed; reading again");
-                    attempt += 1;
-                }
-                done => return done,
-            }
-        }
+        let settled = |err: &MeshError| !Self::retry_read(err);
+        transient::retried("blob.get", BLOB_RETRY_WINDOW, settled, || {
+            self.read_once(key, limit, first)
+        })
+        .await
     }
 
     /// Failures of a read that a fresh consumer may not repeat: nothing arrived, the client's
@@ -334,7 +346,18 @@ impl BlobStore {
 
     /// Remove the object under `key`; removing a missing key is not an error.
     pub async fn delete(&self, key: &str) -> Result<(), MeshError> {
-        match self.store.delete(key).await {
+        let settled = |e: &object_store::DeleteError| {
+            matches!(
+                e.kind(),
+                object_store::DeleteErrorKind::NotFound
+                    | object_store::DeleteErrorKind::InvalidName
+            )
+        };
+        let deleted = transient::retried("blob.delete", self.retry_window, settled, || {
+            self.store.delete(key)
+        })
+        .await;
+        match deleted {
             Ok(()) => Ok(()),
             Err(err) if err.kind() == object_store::DeleteErrorKind::NotFound => Ok(()),
             Err(err) => Err(err.into()),

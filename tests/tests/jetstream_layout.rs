@@ -3,11 +3,13 @@
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
+use diffmesh_shared::idempotency::{Claim, IdempotencyRecord, IdempotencyStore};
 use diffmesh_shared::jetstream_layout::{self, ensure_all, Ensured, Layout, ALL};
 use diffmesh_shared::job::{JobRecord, JobStore};
 use diffmesh_shared::messages::JobKind;
 use diffmesh_shared::nats::BlobStore;
 use diffmesh_shared::testing::{NatsCluster, NatsServer};
+use diffmesh_shared::transient;
 
 async fn stream_config(js: &jetstream::Context, name: &str) -> jetstream::stream::Config {
     js.get_stream(name)
@@ -291,41 +293,86 @@ async fn blob_reads_survive_the_loss_of_a_node() {
     eprintln!("8 reads in {:.1?}", start.elapsed());
 }
 
+/// Every store's writes during an outage: each would fail (503, no leader) without
+/// `shared::transient`; each must land once a node returns.
 #[tokio::test]
-async fn a_job_accepted_while_the_cluster_has_no_quorum_is_created_once_it_returns() {
+async fn writes_made_while_the_cluster_has_no_quorum_land_once_it_returns() {
     let _one = ONE_CLUSTER.lock().await;
     let mut cluster = NatsCluster::start(3);
     let client = async_nats::connect(cluster.nodes[0].url()).await.unwrap();
     let js = jetstream::new(client);
     ensure_all_when_ready(&js, 3).await;
     // A loaded machine (CI) can take longer than the default window to elect leaders again.
-    let jobs = JobStore::open(&js)
+    let window = Duration::from_secs(60);
+    let jobs = JobStore::open(&js).await.unwrap().with_retry_window(window);
+    let keys = IdempotencyStore::open(&js)
         .await
         .unwrap()
-        .with_create_retry_window(Duration::from_secs(60));
+        .with_retry_window(window);
+    let blobs = BlobStore::open(&js)
+        .await
+        .unwrap()
+        .with_retry_window(window);
     jobs.create(&JobRecord::new("before", JobKind::Generate))
         .await
         .unwrap();
+    blobs.put("before/input", b"old").await.unwrap();
 
     // Two of three nodes down: no bucket has a leader, every write fails (503) until one
     // comes back.
     cluster.nodes[1].kill();
     cluster.nodes[2].kill();
     let record = JobRecord::new("during", JobKind::Generate);
-    let create = {
-        let jobs = jobs.clone();
-        let record = record.clone();
-        tokio::spawn(async move { jobs.create(&record).await })
+    let claim = IdempotencyRecord {
+        job_id: "during".to_string(),
+        fingerprint: "f".to_string(),
+        created_at_ms: 1,
     };
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(
-        !create.is_finished(),
-        "the create gave up during the outage"
-    );
+    let writes = {
+        let (jobs, keys, blobs, record, claim) = (
+            jobs.clone(),
+            keys.clone(),
+            blobs.clone(),
+            record.clone(),
+            claim.clone(),
+        );
+        tokio::spawn(async move {
+            let (created, updated, claimed, put, deleted) = tokio::join!(
+                jobs.create(&record),
+                jobs.update("before", |r| r.mark_running("w1")),
+                keys.claim("k1", &claim),
+                blobs.put("during/result", b"png"),
+                blobs.delete("before/input"),
+            );
+            created.expect("job create");
+            updated.expect("job update");
+            assert_eq!(claimed.expect("idempotency claim"), Claim::Created);
+            put.expect("blob put");
+            deleted.expect("blob delete");
+        })
+    };
+    // Longer than a JetStream request's own timeout (5 s): a write not tried again has failed
+    // by then (some fail at once with 503, others time out).
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert!(!writes.is_finished(), "a write gave up during the outage");
     cluster.nodes[1].restart();
-    create
+    writes
         .await
-        .unwrap()
-        .expect("created once the quorum returned");
+        .expect("every write landed once the quorum returned");
+    // Each call met the outage and was tried again (the update reads first: its read retries).
+    let retried = |call| transient::retries().with_label_values(&[call]).get();
+    for call in ["job.create", "idempotency.claim", "blob.put", "blob.delete"] {
+        assert!(retried(call) > 0, "{call} was not tried again");
+    }
+    assert!(retried("job.get") + retried("job.update") > 0);
+
     assert_eq!(jobs.get("during").await.unwrap(), Some(record));
+    let before = jobs.get("before").await.unwrap().unwrap();
+    assert_eq!(before.worker_id.as_deref(), Some("w1"));
+    assert_eq!(keys.get("k1").await.unwrap(), Some(claim));
+    assert_eq!(blobs.get("during/result").await.unwrap(), b"png");
+    assert!(matches!(
+        blobs.get("before/input").await,
+        Err(diffmesh_shared::MeshError::BlobNotFound { .. })
+    ));
 }

@@ -29,7 +29,8 @@ use std::time::Duration;
 
 use actix_web::{web, App, HttpServer};
 use diffmesh_shared::health::{configure_health_routes, health_data, HealthServer, Readiness};
-use diffmesh_shared::job::{IdempotencyStore, JobStore};
+use diffmesh_shared::idempotency::IdempotencyStore;
+use diffmesh_shared::job::JobStore;
 use diffmesh_shared::nats::{self, BlobStore};
 use diffmesh_shared::{CommonConfig, MeshError};
 use tokio_util::sync::CancellationToken;

@@ -8,9 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::Client;
-use diffmesh_shared::job::{
-    now_ms, IdempotencyStore, JobRecord, JobState, JobStore, ProgressWrites,
-};
+use diffmesh_shared::idempotency::IdempotencyStore;
+use diffmesh_shared::job::{now_ms, JobRecord, JobState, JobStore, ProgressWrites};
 use diffmesh_shared::messages::{
     decode, error_types, CancelJob, DenoiseJob, JobEvent, JobKind, PreparedInputs, PreprocessReply,
     PreprocessRequest, SubmitReply, TemplateImage, TemplateRef,

@@ -10,7 +10,8 @@ use actix_web::http::header::{self, AUTHORIZATION};
 use actix_web::http::Method;
 use actix_web::{web, HttpRequest, HttpResponse, Resource, ResponseError, Route};
 use base64::Engine;
-use diffmesh_shared::job::{now_ms, Claim, IdempotencyRecord, JobRecord, JobState};
+use diffmesh_shared::idempotency::{Claim, IdempotencyRecord};
+use diffmesh_shared::job::{now_ms, JobRecord, JobState};
 use serde::Serialize;
 use utoipa::ToSchema;
 

@@ -1,6 +1,6 @@
 //! Template records (JSON in the KV bucket `subjects::TEMPLATE_BUCKET`) and template images (the
 //! object store of the same name, kept until the template is deleted, unlike the 24 h blobs).
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
@@ -9,6 +9,7 @@ use diffmesh_shared::job::{now_ms, CaptureReport};
 use diffmesh_shared::messages::{PreparedTemplate, TemplateImage, TemplateRef};
 use diffmesh_shared::nats::BlobStore;
 use diffmesh_shared::templates::{image_key, prepared_image_key};
+use diffmesh_shared::transient;
 use diffmesh_shared::MeshError;
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
@@ -213,14 +214,28 @@ impl TemplateStore {
         Ok(self.images.delete(&image_key(template_id)).await?)
     }
 
-    /// Store a new record; fails if the id exists.
+    /// Store a new record; fails if the id exists. Tried again while the bucket has no leader
+    /// (`transient`); a create that landed but whose reply was lost finds this record stored,
+    /// which counts as created.
     pub async fn create(&self, record: &TemplateRecord) -> Result<(), ApiError> {
         let value = Bytes::from(serde_json::to_vec(record).map_err(MeshError::from)?);
-        self.kv
-            .create(&record.id, value)
-            .await
-            .map_err(MeshError::from)?;
-        Ok(())
+        let created = transient::retried(
+            "template.create",
+            transient::ELECTION_WINDOW,
+            transient::kv_create_settled,
+            || self.kv.create(&record.id, value.clone()),
+        )
+        .await;
+        match created {
+            Ok(_) => Ok(()),
+            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
+                if self.get(&record.id).await?.as_ref() == Some(record) {
+                    return Ok(());
+                }
+                Err(MeshError::from(err).into())
+            }
+            Err(err) => Err(MeshError::from(err).into()),
+        }
     }
 
     pub async fn get(&self, template_id: &str) -> Result<Option<TemplateRecord>, ApiError> {
@@ -234,7 +249,15 @@ impl TemplateStore {
         if !is_template_id(template_id) {
             return Ok(None);
         }
-        match self.kv.entry(template_id).await.map_err(MeshError::from)? {
+        let entry = transient::retried(
+            "template.get",
+            transient::ELECTION_WINDOW,
+            transient::kv_entry_settled,
+            || self.kv.entry(template_id),
+        )
+        .await
+        .map_err(MeshError::from)?;
+        match entry {
             Some(e) if e.operation == kv::Operation::Put => {
                 let record = serde_json::from_slice(&e.value).map_err(MeshError::from)?;
                 Ok(Some((record, e.revision)))
@@ -244,7 +267,9 @@ impl TemplateStore {
     }
 
     /// Read-modify-write with compare-and-set. `Ok(None)` when the record is gone (deleted
-    /// meanwhile).
+    /// meanwhile). A write that failed otherwise than by a newer revision is tried again
+    /// (the bucket may be electing a leader); if it had landed after all, the next read finds
+    /// exactly the record written and the update is done.
     pub async fn update<F>(
         &self,
         template_id: &str,
@@ -253,16 +278,31 @@ impl TemplateStore {
     where
         F: FnMut(&mut TemplateRecord),
     {
-        for _ in 0..MAX_UPDATE_ATTEMPTS {
+        let start = Instant::now();
+        let mut written: Option<TemplateRecord> = None;
+        let mut contended = 0;
+        while contended < MAX_UPDATE_ATTEMPTS {
             let Some((mut record, revision)) = self.get_with_revision(template_id).await? else {
                 return Ok(None);
             };
+            if written.as_ref() == Some(&record) {
+                return Ok(written);
+            }
             change(&mut record);
             record.updated_at_ms = now_ms();
             let value = Bytes::from(serde_json::to_vec(&record).map_err(MeshError::from)?);
             match self.kv.update(template_id, value, revision).await {
                 Ok(_) => return Ok(Some(record)),
-                Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => contended += 1,
+                Err(err)
+                    if err.kind() != kv::UpdateErrorKind::InvalidKey
+                        && start.elapsed() < transient::ELECTION_WINDOW =>
+                {
+                    tracing::warn!(template_id, error = %err, "template record update failed; trying again");
+                    transient::count_retry("template.update");
+                    written = Some(record);
+                    tokio::time::sleep(transient::RETRY_DELAY).await;
+                }
                 Err(err) => return Err(MeshError::from(err).into()),
             }
         }
@@ -301,22 +341,26 @@ impl TemplateStore {
     }
 
     pub async fn delete(&self, template_id: &str) -> Result<(), ApiError> {
-        self.kv
-            .delete(template_id)
-            .await
-            .map_err(|e| internal("delete", e))
+        let settled = |e: &kv::DeleteError| e.kind() == kv::DeleteErrorKind::InvalidKey;
+        transient::retried(
+            "template.delete",
+            transient::ELECTION_WINDOW,
+            settled,
+            || self.kv.delete(template_id),
+        )
+        .await
+        .map_err(|e| internal("delete", e))
     }
 
     /// Every record, oldest first.
     pub async fn list(&self) -> Result<Vec<TemplateRecord>, ApiError> {
-        let keys: Vec<String> = self
-            .kv
-            .keys()
-            .await
-            .map_err(|e| internal("list", e))?
-            .try_collect()
-            .await
-            .map_err(|e| internal("list", e))?;
+        let keys = transient::retried(
+            "template.list",
+            transient::ELECTION_WINDOW,
+            |_| false,
+            || self.keys(),
+        )
+        .await?;
         let mut records = Vec::with_capacity(keys.len());
         for key in keys {
             // A record deleted between listing and reading is simply not listed.
@@ -326,6 +370,16 @@ impl TemplateStore {
         }
         records.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
         Ok(records)
+    }
+
+    async fn keys(&self) -> Result<Vec<String>, ApiError> {
+        self.kv
+            .keys()
+            .await
+            .map_err(|e| internal("list", e))?
+            .try_collect()
+            .await
+            .map_err(|e| internal("list", e))
     }
 }
 

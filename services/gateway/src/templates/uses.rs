@@ -19,6 +19,7 @@ use async_nats::jetstream::{self, stream};
 use diffmesh_shared::jetstream_layout::TEMPLATE_USES;
 use diffmesh_shared::job::JobStore;
 use diffmesh_shared::subjects::{template_use, template_uses_of};
+use diffmesh_shared::transient::{self, ELECTION_WINDOW};
 use diffmesh_shared::MeshError;
 use futures::TryStreamExt;
 
@@ -59,12 +60,21 @@ impl TemplateUses {
     /// an error the use is gone again and the edit must not run (409 once it is `deleting`).
     pub async fn begin(&self, template_id: &str, job_id: &str) -> Result<(), ApiError> {
         let subject = template_use(template_id, job_id);
-        self.js
-            .publish(subject, job_id.to_string().into())
-            .await
-            .map_err(|e| internal("publish", e))?
-            .await
-            .map_err(|e| internal("publish ack", e))?;
+        // Publishing again is harmless: the stream keeps one message per subject.
+        transient::retried(
+            "template_use.publish",
+            ELECTION_WINDOW,
+            no_error_settles,
+            || async {
+                self.js
+                    .publish(subject.clone(), job_id.to_string().into())
+                    .await
+                    .map_err(|e| internal("publish", e))?
+                    .await
+                    .map_err(|e| internal("publish ack", e))
+            },
+        )
+        .await?;
         let still = match self.records.get(template_id).await {
             Ok(Some(record)) => ready(&record),
             Ok(None) => Err(super::edit::not_found(template_id)),
@@ -80,7 +90,17 @@ impl TemplateUses {
     /// behind stops counting once its job record has ended.
     pub async fn end(&self, template_id: &str, job_id: &str) {
         let subject = template_use(template_id, job_id);
-        if let Err(err) = self.stream.purge().filter(subject).await {
+        let purged = transient::retried(
+            "template_use.end",
+            ELECTION_WINDOW,
+            no_error_settles,
+            || {
+                let purge = self.stream.purge().filter(subject.clone());
+                async move { purge.await }
+            },
+        )
+        .await;
+        if let Err(err) = purged {
             tracing::warn!(%template_id, %job_id, error = %err, "could not end a template use");
         }
     }
@@ -88,6 +108,26 @@ impl TemplateUses {
     /// Jobs that read `template_id` and have not ended. Uses whose job ended (or whose record
     /// is gone) are removed on the way.
     pub async fn in_flight(&self, template_id: &str) -> Result<Vec<String>, ApiError> {
+        let job_ids = transient::retried(
+            "template_use.list",
+            ELECTION_WINDOW,
+            no_error_settles,
+            || self.use_job_ids(template_id),
+        )
+        .await?;
+        let mut live = Vec::new();
+        for job_id in job_ids {
+            match self.jobs.get(&job_id).await? {
+                Some(record) if !record.state.is_terminal() => live.push(job_id),
+                _ => self.end(template_id, &job_id).await,
+            }
+        }
+        live.sort();
+        Ok(live)
+    }
+
+    /// The job ids of every use of `template_id` the stream holds (ended or not).
+    async fn use_job_ids(&self, template_id: &str) -> Result<Vec<String>, ApiError> {
         let mut info = self
             .stream
             .info_with_subjects(template_uses_of(template_id))
@@ -101,14 +141,11 @@ impl TemplateUses {
                 job_ids.push(job_id.to_string());
             }
         }
-        let mut live = Vec::new();
-        for job_id in job_ids {
-            match self.jobs.get(&job_id).await? {
-                Some(record) if !record.state.is_terminal() => live.push(job_id),
-                _ => self.end(template_id, &job_id).await,
-            }
-        }
-        live.sort();
-        Ok(live)
+        Ok(job_ids)
     }
+}
+
+/// Every failure of the uses stream is about the cluster (subjects are built from checked ids).
+fn no_error_settles<E>(_: &E) -> bool {
+    false
 }

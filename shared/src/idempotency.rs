@@ -1,0 +1,97 @@
+//! `Idempotency-Key` -> job: a client that repeats a submission with the same key gets the
+//! job the first one created, not a second job (the gateway's `POST /v1/...` routes).
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::error::MeshError;
+use crate::jetstream_layout;
+use crate::transient;
+
+/// What an `Idempotency-Key` points at.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IdempotencyRecord {
+    pub job_id: String,
+    /// Hash of the request that created the job: a repeat with another request is refused.
+    pub fingerprint: String,
+    pub created_at_ms: u64,
+}
+
+/// The first claim of a key wins; later claims learn the winner's job.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claim {
+    Created,
+    Existing(IdempotencyRecord),
+}
+
+/// `Idempotency-Key` -> job, per API key, in `subjects::IDEMPOTENCY_BUCKET` (a day's memory).
+#[derive(Clone)]
+pub struct IdempotencyStore {
+    kv: kv::Store,
+    /// How long a failing call is tried again (default [`transient::ELECTION_WINDOW`]).
+    retry_window: Duration,
+}
+
+/// How long a repeated key returns the same job.
+pub const IDEMPOTENCY_TTL: Duration = jetstream_layout::IDEMPOTENCY_TTL;
+
+impl IdempotencyStore {
+    pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
+        let kv = jetstream_layout::IDEMPOTENCY.open_kv(js).await?;
+        Ok(Self {
+            kv,
+            retry_window: transient::ELECTION_WINDOW,
+        })
+    }
+
+    /// Try failing calls again for `window` instead of [`transient::ELECTION_WINDOW`].
+    pub fn with_retry_window(mut self, window: Duration) -> Self {
+        self.retry_window = window;
+        self
+    }
+
+    /// `key` must be a valid KV key (callers hash the client's key and scope into hex).
+    pub async fn get(&self, key: &str) -> Result<Option<IdempotencyRecord>, MeshError> {
+        let entry = transient::retried(
+            "idempotency.get",
+            self.retry_window,
+            transient::kv_entry_settled,
+            || self.kv.entry(key),
+        )
+        .await?;
+        match entry {
+            Some(entry) if entry.operation == kv::Operation::Put => {
+                Ok(Some(serde_json::from_slice(&entry.value)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Atomically map `key` to `record` unless it is mapped already. Tried again while the
+    /// bucket has no leader; a claim that landed but whose reply was lost finds `record`
+    /// itself stored, which counts as created.
+    pub async fn claim(&self, key: &str, record: &IdempotencyRecord) -> Result<Claim, MeshError> {
+        let value = Bytes::from(serde_json::to_vec(record)?);
+        let created = transient::retried(
+            "idempotency.claim",
+            self.retry_window,
+            transient::kv_create_settled,
+            || self.kv.create(key, value.clone()),
+        )
+        .await;
+        match created {
+            Ok(_) => Ok(Claim::Created),
+            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
+                match self.get(key).await? {
+                    Some(existing) if existing == *record => Ok(Claim::Created),
+                    Some(existing) => Ok(Claim::Existing(existing)),
+                    // Expired between the two calls: the next claim will create it.
+                    None => Err(MeshError::KvCreate(err)),
+                }
+            }
+            Err(err) => Err(err.into()),
+        }
+    }
+}

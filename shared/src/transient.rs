@@ -1,0 +1,161 @@
+//! Trying a JetStream call again while its stream has no leader.
+//!
+//! On a cluster, losing a node leaves the streams it led without a leader until the others
+//! elect one (seconds; longer on a loaded machine). Every read and write of those streams
+//! fails meanwhile (503 "temporarily unavailable", or a timeout), and a request must not fail
+//! for that. The stores (`JobStore`, `IdempotencyStore`, `BlobStore`, the gateway's template
+//! records) run their JetStream calls through [`retried`]: a failure is tried again for a
+//! window ([`ELECTION_WINDOW`] unless a store is given another), while errors that say
+//! something about the data (the key exists, another writer got in first, not found) are
+//! returned at once. Each retry counts in `diffmesh_jetstream_retries_total{call}`.
+use std::fmt::Display;
+use std::future::Future;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::kv;
+use prometheus::IntCounterVec;
+
+use crate::metrics::{counter_vec, process_registry};
+
+/// How long a failing call is tried again: a leader election on a three-node cluster took
+/// 1-5 s in the failover runs (docs/BENCHMARKS.md, "JetStream cluster: losing a node").
+pub const ELECTION_WINDOW: Duration = Duration::from_secs(10);
+
+/// Pause between attempts: short enough to catch the new leader soon, long enough not to
+/// flood a cluster that is electing one.
+pub const RETRY_DELAY: Duration = Duration::from_millis(250);
+
+/// `diffmesh_jetstream_retries_total{call}`: JetStream calls tried again after a failure.
+/// `call` is a fixed name per call site ("job.update", "blob.put", ...), so it stays bounded.
+pub fn retries() -> &'static IntCounterVec {
+    static RETRIES: OnceLock<IntCounterVec> = OnceLock::new();
+    RETRIES.get_or_init(|| {
+        counter_vec(
+            process_registry(),
+            "jetstream",
+            "retries",
+            "JetStream calls tried again after a failure (a stream without a leader), by call",
+            &["call"],
+        )
+        .expect("the JetStream retry counter is registered once, with a valid name")
+    })
+}
+
+/// Count one retry of `call` (for loops that cannot use [`retried`], such as compare-and-set
+/// updates that read again before each write).
+pub fn count_retry(call: &'static str) {
+    retries().with_label_values(&[call]).inc();
+}
+
+/// Run `call` until it succeeds, fails with an error `settled` accepts (an answer about the
+/// data, not about the cluster), or `window` has passed since the first attempt; the last
+/// result is returned. `call` must be safe to repeat: a write whose reply was lost may have
+/// landed, so callers that create or compare-and-set check what is stored on the next attempt.
+pub async fn retried<T, E, F, Fut>(
+    call: &'static str,
+    window: Duration,
+    settled: impl Fn(&E) -> bool,
+    mut attempt: F,
+) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    E: Display,
+{
+    let start = Instant::now();
+    let mut attempts = 1u32;
+    loop {
+        match attempt().await {
+            Err(err) if !settled(&err) && start.elapsed() < window => {
+                tracing::warn!(call, attempts, error = %err, "JetStream call failed; trying again");
+                count_retry(call);
+                attempts += 1;
+                tokio::time::sleep(RETRY_DELAY).await;
+            }
+            done => return done,
+        }
+    }
+}
+
+// KV errors that answer for the data (or the key), not for the cluster: not tried again.
+pub fn kv_create_settled(e: &kv::CreateError) -> bool {
+    matches!(
+        e.kind(),
+        kv::CreateErrorKind::AlreadyExists | kv::CreateErrorKind::InvalidKey
+    )
+}
+
+pub fn kv_put_settled(e: &kv::PutError) -> bool {
+    e.kind() == kv::PutErrorKind::InvalidKey
+}
+
+pub fn kv_entry_settled(e: &kv::EntryError) -> bool {
+    e.kind() == kv::EntryErrorKind::InvalidKey
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn never(_: &String) -> bool {
+        false
+    }
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[tokio::test]
+    async fn a_failing_call_is_tried_until_it_succeeds() {
+        let calls = AtomicU32::new(0);
+        let before = retries().with_label_values(&["test.succeeds"]).get();
+        let result: Result<u32, String> =
+            retried("test.succeeds", Duration::from_secs(5), never, || async {
+                match calls.fetch_add(1, Ordering::SeqCst) {
+                    0 | 1 => Err("no leader".to_string()),
+                    n => Ok(n),
+                }
+            })
+            .await;
+        assert_eq!(result, Ok(2));
+        assert_eq!(
+            retries().with_label_values(&["test.succeeds"]).get() - before,
+            2
+        );
+    }
+
+    #[tokio::test]
+    async fn a_settled_error_is_returned_at_once() {
+        let calls = AtomicU32::new(0);
+        let result: Result<(), String> = retried(
+            "test.settled",
+            Duration::from_secs(5),
+            |e: &String| e == "exists",
+            || async {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Err("exists".to_string())
+            },
+        )
+        .await;
+        assert_eq!(result, Err("exists".to_string()));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn the_last_error_is_returned_once_the_window_has_passed() {
+        let calls = AtomicU32::new(0);
+        let start = Instant::now();
+        let result: Result<(), String> = retried(
+            "test.gives_up",
+            Duration::from_millis(600),
+            never,
+            || async {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                Err(format!("attempt {n}"))
+            },
+        )
+        .await;
+        let n = calls.load(Ordering::SeqCst);
+        assert!((3..=5).contains(&n), "{n} attempts in a 600 ms window");
+        assert_eq!(result, Err(format!("attempt {}", n - 1)));
+        assert!(start.elapsed() < Duration::from_secs(2));
+    }
+}
