@@ -8,7 +8,7 @@
 use std::borrow::Cow;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, kv, object_store, stream};
+use async_nats::jetstream::{self, kv, stream};
 
 use crate::cachestore::CACHE_BUCKET;
 use crate::error::MeshError;
@@ -26,7 +26,10 @@ pub enum Layout {
     /// state must not go back, an idempotency key found taken must be readable, a template's
     /// `deleting` mark must stop the edits checked after it).
     Kv,
-    /// An object store bucket (stream `OBJ_<name>`).
+    /// An object store bucket (stream `OBJ_<name>`). Its object infos are read from the
+    /// leader too: a service reads objects another just wrote (a capture's cache, handed to
+    /// the cachestore by key), and a lagging follower answered "not found" (a template
+    /// registration failed so on a three-node cluster).
     Objects,
     /// A plain stream over `<subject_prefix>.>`, keeping the last message per subject.
     LastPerSubject { subject_prefix: &'static str },
@@ -117,6 +120,11 @@ impl Spec {
         }
     }
 
+    /// Buckets whose reads go to the stream's leader (no direct gets).
+    fn reads_from_leader(&self) -> bool {
+        matches!(self.layout, Layout::Kv | Layout::Objects)
+    }
+
     /// The name of the stream behind the bucket.
     pub fn stream_name(&self) -> String {
         match self.layout {
@@ -126,14 +134,13 @@ impl Spec {
         }
     }
 
-    /// The stream config of a KV bucket or plain stream (object stores are created through
-    /// [`object_store::Config`], which lays out their stream). A KV stream is made directly, in
-    /// the layout async-nats' `create_key_value` would make (but for direct reads, see
-    /// [`Layout::Kv`]), because that call needs account-info fields older servers (2.9) do
-    /// not send.
-    fn stream_config(&self, replicas: usize) -> Option<stream::Config> {
+    /// The stream behind the spec. KV buckets and object stores are made directly, in the
+    /// layout async-nats' `create_key_value` / `create_object_store` would make, but without
+    /// direct reads (see [`Layout::Kv`], [`Layout::Objects`]); `create_key_value` also needs
+    /// account-info fields older servers (2.9) do not send.
+    fn stream_config(&self, replicas: usize) -> stream::Config {
         match self.layout {
-            Layout::Kv => Some(stream::Config {
+            Layout::Kv => stream::Config {
                 name: self.stream_name(),
                 subjects: vec![format!("$KV.{}.>", self.name)],
                 max_messages_per_subject: 1,
@@ -144,40 +151,38 @@ impl Spec {
                 discard: stream::DiscardPolicy::New,
                 num_replicas: replicas,
                 ..Default::default()
-            }),
-            Layout::LastPerSubject { subject_prefix } => Some(stream::Config {
+            },
+            Layout::LastPerSubject { subject_prefix } => stream::Config {
                 name: self.stream_name(),
                 subjects: vec![format!("{subject_prefix}.>")],
                 max_messages_per_subject: 1,
                 max_age: self.max_age,
                 num_replicas: replicas,
                 ..Default::default()
-            }),
-            Layout::Objects => None,
+            },
+            Layout::Objects => stream::Config {
+                name: self.stream_name(),
+                subjects: vec![
+                    format!("$O.{}.C.>", self.name),
+                    format!("$O.{}.M.>", self.name),
+                ],
+                max_age: self.max_age,
+                allow_rollup: true,
+                allow_direct: false,
+                discard: stream::DiscardPolicy::New,
+                num_replicas: replicas,
+                ..Default::default()
+            },
         }
     }
 
     /// Create the bucket or stream with `replicas` replicas (an error if it exists with
     /// another config; callers check for it first).
     async fn create(&self, js: &jetstream::Context, replicas: usize) -> Result<(), MeshError> {
-        let result = match self.stream_config(replicas) {
-            Some(config) => js
-                .create_stream(config)
-                .await
-                .map(drop)
-                .map_err(|e| e.to_string()),
-            None => js
-                .create_object_store(object_store::Config {
-                    bucket: self.name.to_string(),
-                    max_age: self.max_age,
-                    num_replicas: replicas,
-                    ..Default::default()
-                })
-                .await
-                .map(drop)
-                .map_err(|e| e.to_string()),
-        };
-        result.map_err(|reason| self.error(format!("create: {reason}")))
+        js.create_stream(self.stream_config(replicas))
+            .await
+            .map(drop)
+            .map_err(|e| self.error(format!("create: {e}")))
     }
 
     fn error(&self, reason: String) -> MeshError {
@@ -226,14 +231,14 @@ pub enum Ensured {
     Existed {
         replicas: usize,
     },
-    /// Raised to the wanted replica count and/or (a KV bucket) direct reads turned off.
+    /// Raised to the wanted replica count and/or (a bucket) direct reads turned off.
     Updated {
         replicas_before: usize,
         replicas: usize,
     },
 }
 
-/// Make `spec` exist with at least `replicas` replicas (and KV reads from the leader). An existing
+/// Make `spec` exist with at least `replicas` replicas (and bucket reads from the leader). An existing
 /// stream is never scaled down (an operator may have raised it) and keeps its other settings.
 pub async fn ensure(
     js: &jetstream::Context,
@@ -254,13 +259,13 @@ pub async fn ensure(
     };
     let mut config = existing.cached_info().config.clone();
     let before = config.num_replicas.max(1);
-    // Buckets made by earlier versions (or `nats kv add`) take direct reads.
-    let direct_reads = spec.layout == Layout::Kv && config.allow_direct;
+    // Buckets made by earlier versions (or `nats kv add`, `nats object add`) take direct reads.
+    let direct_reads = spec.reads_from_leader() && config.allow_direct;
     if before >= replicas && !direct_reads {
         return Ok(Ensured::Existed { replicas: before });
     }
     config.num_replicas = before.max(replicas);
-    if spec.layout == Layout::Kv {
+    if spec.reads_from_leader() {
         config.allow_direct = false;
     }
     js.update_stream(config.clone())
@@ -317,9 +322,9 @@ mod tests {
     }
 
     #[test]
-    fn kv_buckets_read_from_the_leader() {
-        for spec in ALL.iter().filter(|s| s.layout == Layout::Kv) {
-            let config = spec.stream_config(3).expect("a KV spec");
+    fn buckets_read_from_the_leader() {
+        for spec in ALL.iter().filter(|s| s.reads_from_leader()) {
+            let config = spec.stream_config(3);
             assert!(!config.allow_direct, "{}", spec.name);
             assert_eq!(config.num_replicas, 3);
         }
