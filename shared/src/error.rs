@@ -53,6 +53,10 @@ pub enum MeshError {
         after: Duration,
         read: usize,
     },
+    /// A read of an object's chunks from the stream leader failed (no leader, a chunk gone
+    /// because the object was replaced or deleted mid-read, a wrong digest).
+    #[error("blob {key}: reading from the stream leader failed: {reason}")]
+    BlobRead { key: String, reason: String },
     /// Creating, reading or updating one of the mesh's streams (`jetstream_layout`) failed.
     #[error("JetStream stream {name}: {reason}")]
     JetStreamLayout { name: String, reason: String },
@@ -103,6 +107,7 @@ impl MeshError {
             MeshError::BlobStalled { .. } => "blob_stalled",
             MeshError::BlobPut(_)
             | MeshError::BlobGet(_)
+            | MeshError::BlobRead { .. }
             | MeshError::BlobDelete(_)
             | MeshError::Io(_) => "object_store",
             MeshError::JetStreamLayout { .. } => "jetstream_layout",

@@ -1,4 +1,5 @@
 //! diffmesh shared crate: message types, NATS subjects, configuration, telemetry, errors.
+pub mod blob_store;
 pub mod cachestore;
 pub mod config;
 pub mod error;

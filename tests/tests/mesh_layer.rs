@@ -2,9 +2,10 @@
 //! request/reply errors (timeouts and missing services are typed, never a hang).
 use std::time::{Duration, Instant};
 
+use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::job::{JobRecord, JobState, JobStore};
 use diffmesh_shared::messages::{CancelJob, JobKind};
-use diffmesh_shared::nats::{connect, reply_msgpack, request_msgpack, BlobStore};
+use diffmesh_shared::nats::{connect, reply_msgpack, request_msgpack};
 use diffmesh_shared::MeshError;
 use diffmesh_tests::harness::NatsServer;
 use futures::StreamExt;

@@ -8,10 +8,10 @@ pub mod metrics;
 pub mod service;
 pub mod store;
 
+use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::cachestore::{self as proto, CACHE_BUCKET, DEFAULT_INLINE_LIMIT};
 use diffmesh_shared::health::{HealthServer, Readiness};
 use diffmesh_shared::jetstream_layout;
-use diffmesh_shared::nats::BlobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
 use service::{Handler, Op};
 use std::net::SocketAddr;

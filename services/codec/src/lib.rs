@@ -16,11 +16,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::Message;
+use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::health::HealthServer;
 use diffmesh_shared::messages::{
     decode, PostprocessReply, PostprocessRequest, PreprocessReply, PreprocessRequest,
 };
-use diffmesh_shared::nats::{self, BlobStore};
+use diffmesh_shared::nats;
 use diffmesh_shared::serve::serve_subscription;
 use diffmesh_shared::subjects::{CODEC_POST, CODEC_PRE, CODEC_QUEUE};
 use diffmesh_shared::trace_context::{job_id_of, set_parent_from};

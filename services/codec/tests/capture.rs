@@ -8,12 +8,12 @@ use diffmesh_codec::decoded::DecodedImages;
 use diffmesh_codec::handlers::{Codec, PREPARED_IMAGE};
 use diffmesh_codec::imaging::TokenGrid;
 use diffmesh_codec::CodecError;
+use diffmesh_shared::blob_store::{blob_key, BlobStore};
 use diffmesh_shared::jetstream_layout::TEMPLATE_IMAGES;
 use diffmesh_shared::messages::{
     DenoiseJob, GenerationParams, JobKind, PostprocessRequest, PreparedTemplate, PreprocessRequest,
     TemplateImage, TemplateRef,
 };
-use diffmesh_shared::nats::{blob_key, BlobStore};
 use diffmesh_shared::templates::{image_key, prepared_image_key};
 use diffmesh_shared::testing::NatsServer;
 use image::{DynamicImage, GrayImage, ImageFormat, Luma, Rgb, RgbImage};

@@ -13,8 +13,8 @@ pub mod step_samples;
 pub mod templates;
 
 use diffmesh_model::tch::{Device, Kind};
+use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::health::{HealthServer, Readiness};
-use diffmesh_shared::nats::BlobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
 use engine::{spawn_engine, EngineConfig, EngineThread};
 use service::Service;

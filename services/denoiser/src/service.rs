@@ -7,13 +7,12 @@ use crate::model::EditInputs;
 use crate::templates::store::CacheClient;
 use crate::templates::{LocalTier, TemplateEntry, TemplatePixels};
 use crate::DenoiserConfig;
+use diffmesh_shared::blob_store::{blob_key, BlobStore};
 use diffmesh_shared::messages::{
     decode, error_types, CancelJob, DenoiseJob, EvictTemplate, Heartbeat, JobEvent, JobKind,
     PostprocessReply, PostprocessRequest, SubmitReply,
 };
-use diffmesh_shared::nats::{
-    blob_key, publish_msgpack, reply_msgpack, request_msgpack_job, BlobStore,
-};
+use diffmesh_shared::nats::{publish_msgpack, reply_msgpack, request_msgpack_job};
 use diffmesh_shared::serve::serve_subscription;
 use diffmesh_shared::templates::{cache_key, CacheKeyParts};
 use diffmesh_shared::{subjects, MeshError};

@@ -4,11 +4,12 @@
 use diffmesh_denoiser::{start, DenoiserConfig};
 use diffmesh_model::tch::Device;
 use diffmesh_model::tiny::model::TinyModel;
+use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::messages::{
     decode, encode, DenoiseJob, Heartbeat, JobEvent, PostprocessReply, PostprocessRequest,
     SubmitReply,
 };
-use diffmesh_shared::nats::{request_msgpack, BlobStore};
+use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::subjects;
 use diffmesh_shared::testing::NatsServer;
 use futures::StreamExt;

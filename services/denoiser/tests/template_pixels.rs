@@ -2,8 +2,8 @@
 //! the store, later ones (and concurrent ones) do not, and an eviction drops what is held.
 use diffmesh_denoiser::templates::pixels::Lookup;
 use diffmesh_denoiser::templates::TemplatePixels;
+use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::jetstream_layout::TEMPLATE_IMAGES;
-use diffmesh_shared::nats::BlobStore;
 use diffmesh_shared::templates::prepared_image_key;
 use diffmesh_shared::testing::NatsServer;
 use futures::future::join_all;

@@ -28,10 +28,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::{web, App, HttpServer};
+use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::health::{configure_health_routes, health_data, HealthServer, Readiness};
 use diffmesh_shared::idempotency::IdempotencyStore;
 use diffmesh_shared::job::JobStore;
-use diffmesh_shared::nats::{self, BlobStore};
+use diffmesh_shared::nats;
 use diffmesh_shared::{CommonConfig, MeshError};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;

@@ -8,13 +8,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::Client;
+use diffmesh_shared::blob_store::{blob_key, BlobStore};
 use diffmesh_shared::idempotency::IdempotencyStore;
 use diffmesh_shared::job::{now_ms, JobRecord, JobState, JobStore, ProgressWrites};
 use diffmesh_shared::messages::{
     decode, error_types, CancelJob, DenoiseJob, JobEvent, JobKind, PreparedInputs, PreprocessReply,
     PreprocessRequest, SubmitReply, TemplateImage, TemplateRef,
 };
-use diffmesh_shared::nats::{blob_key, publish_msgpack, request_msgpack_job, BlobStore};
+use diffmesh_shared::nats::{publish_msgpack, request_msgpack_job};
 use diffmesh_shared::subjects::{job_events, CODEC_PRE, ROUTER_CANCEL, ROUTER_SUBMIT};
 use diffmesh_shared::MeshError;
 use futures::StreamExt;

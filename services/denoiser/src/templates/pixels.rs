@@ -6,7 +6,7 @@
 //! (`EvictTemplate`) or when the cache is over its byte capacity (least recently used first).
 use std::sync::Arc;
 
-use diffmesh_shared::nats::BlobStore;
+use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::templates::prepared_image_key;
 use diffmesh_shared::MeshError;
 

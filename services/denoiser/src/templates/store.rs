@@ -3,11 +3,12 @@
 //! cache into a [`TemplateEntry`]. Values above the inline limit travel through the cache
 //! bucket of the object store, as the cachestore contract says.
 use super::entry::TemplateEntry;
+use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::cachestore::{
     get_subject, put_subject, CacheGet, CacheGetReply, CachePut, CachePutReply,
     DEFAULT_INLINE_LIMIT,
 };
-use diffmesh_shared::nats::{request_msgpack, BlobStore};
+use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::templates::{meta_key, step_key, CacheMeta};
 use std::time::Duration;
 

@@ -4,10 +4,10 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
+use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::jetstream_layout::{TEMPLATE_IMAGES, TEMPLATE_RECORDS};
 use diffmesh_shared::job::{now_ms, CaptureReport};
 use diffmesh_shared::messages::{PreparedTemplate, TemplateImage, TemplateRef};
-use diffmesh_shared::nats::BlobStore;
 use diffmesh_shared::templates::{image_key, prepared_image_key};
 use diffmesh_shared::transient;
 use diffmesh_shared::MeshError;
