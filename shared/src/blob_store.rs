@@ -1,6 +1,8 @@
 //! Blobs (uploads, masks, prepared tensors, results, template images, activation caches) in
 //! JetStream object stores, read and written so that a request survives a NATS node loss.
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, object_store};
 use base64::engine::general_purpose::URL_SAFE;
@@ -22,6 +24,38 @@ pub struct BlobStore {
     stall_timeout: Duration,
     /// How long a failing put or delete is tried again (default [`transient::ELECTION_WINDOW`]).
     retry_window: Duration,
+    /// Until when reads go to the leader straight away (after a consumer read got nothing),
+    /// shared by the clones of a store.
+    leader_reads: LeaderReads,
+}
+
+/// Until when a store's reads skip the consumer, in ms since [`LeaderReads::origin`].
+#[derive(Clone)]
+struct LeaderReads {
+    origin: Instant,
+    until_ms: Arc<AtomicU64>,
+}
+
+impl LeaderReads {
+    fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+            until_ms: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    fn active(&self) -> bool {
+        self.now_ms() < self.until_ms.load(Ordering::Relaxed)
+    }
+
+    fn start(&self) {
+        let until = self.now_ms() + LEADER_READS_AFTER_A_STALL.as_millis() as u64;
+        self.until_ms.fetch_max(until, Ordering::Relaxed);
+    }
 }
 
 /// How long a blob read may go without receiving a byte before it fails. An object deleted
@@ -35,6 +69,10 @@ pub const DEFAULT_BLOB_STALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// as the cluster still counts it (seen: 27 s on a three-node cluster) and deliver nothing. A
 /// healthy first chunk takes milliseconds.
 const BLOB_FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(1);
+/// After a consumer read got nothing, this store reads from the leader straight away for this
+/// long: the cluster may go on placing consumers on the lost node (27 s seen), and every read
+/// would pay [`BLOB_FIRST_BYTE_TIMEOUT`] again (a request reads several blobs).
+const LEADER_READS_AFTER_A_STALL: Duration = Duration::from_secs(30);
 /// Reads from the leader are tried again until this long after they started (an election).
 const BLOB_RETRY_WINDOW: Duration = Duration::from_secs(15);
 
@@ -101,6 +139,7 @@ impl BlobStore {
             bucket: spec.name.to_string(),
             stall_timeout: DEFAULT_BLOB_STALL_TIMEOUT,
             retry_window: transient::ELECTION_WINDOW,
+            leader_reads: LeaderReads::new(),
         })
     }
 
@@ -146,22 +185,26 @@ impl BlobStore {
     /// ms by message gets, one server). When that fails before its first byte, within
     /// [`BLOB_FIRST_BYTE_TIMEOUT`], the object is read again chunk by chunk with message gets
     /// the stream's leader answers ([`BlobStore::read_from_leader`]), which no consumer
-    /// placement can strand, tried again while the stream elects a leader. Fails with
+    /// placement can strand, tried again while the stream elects a leader; so are this store's
+    /// reads for the next [`LEADER_READS_AFTER_A_STALL`]. Fails with
     /// [`MeshError::BlobStalled`] when the object stops arriving mid-read (deleted).
     pub async fn get_limited(&self, key: &str, limit: usize) -> Result<Vec<u8>, MeshError> {
-        let first = BLOB_FIRST_BYTE_TIMEOUT.min(self.stall_timeout);
-        match self.read_by_consumer(key, limit, first).await {
-            Err(err) if Self::read_again(&err) => {
-                tracing::warn!(key, error = %err, "blob read failed; reading from the stream leader");
-                transient::count_retry("blob.get");
-                let settled = |err: &MeshError| !Self::read_again(err);
-                transient::retried("blob.get_from_leader", BLOB_RETRY_WINDOW, settled, || {
-                    self.read_from_leader(key, limit)
-                })
-                .await
+        if !self.leader_reads.active() {
+            let first = BLOB_FIRST_BYTE_TIMEOUT.min(self.stall_timeout);
+            match self.read_by_consumer(key, limit, first).await {
+                Err(err) if Self::read_again(&err) => {
+                    tracing::warn!(key, error = %err, "blob read failed; reading from the stream leader");
+                    transient::count_retry("blob.get");
+                    self.leader_reads.start();
+                }
+                done => return done,
             }
-            done => done,
         }
+        let settled = |err: &MeshError| !Self::read_again(err);
+        transient::retried("blob.get_from_leader", BLOB_RETRY_WINDOW, settled, || {
+            self.read_from_leader(key, limit)
+        })
+        .await
     }
 
     /// Failures a read from the leader may not repeat: nothing arrived, the client's reader

@@ -335,6 +335,8 @@ async fn blob_reads_survive_the_loss_of_a_node() {
     // reads' consumers were placed on it for a while (about half the attempts here: each such
     // read failed after 10 s before reads were tried again).
     drop(cluster.nodes.pop());
+    let fallbacks = || transient::retries().with_label_values(&["blob.get"]).get();
+    let fallbacks_before = fallbacks();
     let start = Instant::now();
     for round in 0..2 {
         for i in 0..4 {
@@ -345,6 +347,8 @@ async fn blob_reads_survive_the_loss_of_a_node() {
         }
     }
     eprintln!("8 reads in {:.1?}", start.elapsed());
+    // Once a read fell back to the leader, the store's later reads go there straight away.
+    assert!(fallbacks() - fallbacks_before <= 1);
 }
 
 /// Every store's writes during an outage: each would fail (503, no leader) without
