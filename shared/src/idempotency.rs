@@ -54,19 +54,8 @@ impl IdempotencyStore {
 
     /// `key` must be a valid KV key (callers hash the client's key and scope into hex).
     pub async fn get(&self, key: &str) -> Result<Option<IdempotencyRecord>, MeshError> {
-        let entry = transient::retried(
-            "idempotency.get",
-            self.retry_window,
-            transient::kv_entry_settled,
-            || self.kv.entry(key),
-        )
-        .await?;
-        match entry {
-            Some(entry) if entry.operation == kv::Operation::Put => {
-                Ok(Some(serde_json::from_slice(&entry.value)?))
-            }
-            _ => Ok(None),
-        }
+        let entry = transient::kv_get_json(&self.kv, "idempotency.get", self.retry_window, key);
+        Ok(entry.await?.map(|(record, _)| record))
     }
 
     /// Atomically map `key` to `record` unless it is mapped already. Tried again while the
@@ -74,24 +63,19 @@ impl IdempotencyStore {
     /// itself stored, which counts as created.
     pub async fn claim(&self, key: &str, record: &IdempotencyRecord) -> Result<Claim, MeshError> {
         let value = Bytes::from(serde_json::to_vec(record)?);
-        let created = transient::retried(
-            "idempotency.claim",
-            self.retry_window,
-            transient::kv_create_settled,
-            || self.kv.create(key, value.clone()),
-        )
-        .await;
+        let created =
+            transient::kv_create(&self.kv, "idempotency.claim", self.retry_window, key, value)
+                .await;
         match created {
-            Ok(_) => Ok(Claim::Created),
-            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
+            Ok(()) => Ok(Claim::Created),
+            Err(MeshError::KvCreate(err)) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
                 match self.get(key).await? {
-                    Some(existing) if existing == *record => Ok(Claim::Created),
                     Some(existing) => Ok(Claim::Existing(existing)),
                     // Expired between the two calls: the next claim will create it.
                     None => Err(MeshError::KvCreate(err)),
                 }
             }
-            Err(err) => Err(err.into()),
+            Err(err) => Err(err),
         }
     }
 }

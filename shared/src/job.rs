@@ -371,23 +371,14 @@ impl JobStore {
     /// created when the stored record is this one.
     pub async fn create(&self, record: &JobRecord) -> Result<(), MeshError> {
         let value = Bytes::from(serde_json::to_vec(record)?);
-        let created = transient::retried(
+        transient::kv_create(
+            &self.kv,
             "job.create",
             self.retry_window,
-            transient::kv_create_settled,
-            || self.kv.create(&record.job_id, value.clone()),
+            &record.job_id,
+            value,
         )
-        .await;
-        match created {
-            Ok(_) => Ok(()),
-            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
-                if self.get(&record.job_id).await?.as_ref() == Some(record) {
-                    return Ok(());
-                }
-                Err(err.into())
-            }
-            Err(err) => Err(err.into()),
-        }
+        .await
     }
 
     /// Overwrite the record unconditionally.
@@ -408,20 +399,7 @@ impl JobStore {
     }
 
     async fn get_with_revision(&self, job_id: &str) -> Result<Option<(JobRecord, u64)>, MeshError> {
-        let entry = transient::retried(
-            "job.get",
-            self.retry_window,
-            transient::kv_entry_settled,
-            || self.kv.entry(job_id),
-        )
-        .await?;
-        match entry {
-            Some(entry) if entry.operation == kv::Operation::Put => Ok(Some((
-                serde_json::from_slice(&entry.value)?,
-                entry.revision,
-            ))),
-            _ => Ok(None),
-        }
+        transient::kv_get_json(&self.kv, "job.get", self.retry_window, job_id).await
     }
 
     /// The record now (first item, once it exists) and every later version of it.

@@ -14,8 +14,11 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::kv;
+use bytes::Bytes;
 use prometheus::IntCounterVec;
+use serde::de::DeserializeOwned;
 
+use crate::error::MeshError;
 use crate::metrics::{counter_vec, process_registry};
 
 /// How long a failing call is tried again: a leader election on a three-node cluster took
@@ -78,19 +81,67 @@ where
     }
 }
 
+/// A KV entry's JSON value and revision (`None` when the key is missing or deleted), the read
+/// tried again like [`retried`].
+pub async fn kv_get_json<T: DeserializeOwned>(
+    kv: &kv::Store,
+    call: &'static str,
+    window: Duration,
+    key: &str,
+) -> Result<Option<(T, u64)>, MeshError> {
+    match retried(call, window, kv_entry_settled, || kv.entry(key)).await? {
+        Some(entry) if entry.operation == kv::Operation::Put => Ok(Some((
+            serde_json::from_slice(&entry.value)?,
+            entry.revision,
+        ))),
+        _ => Ok(None),
+    }
+}
+
+/// A KV create tried again like [`retried`], counting a write that landed as done: when its
+/// reply was lost, the next attempt (and async-nats itself) finds the key taken, and the stored
+/// value is then exactly `value`. Fails with `KvCreate` (`AlreadyExists`) when another value
+/// holds the key.
+pub async fn kv_create(
+    kv: &kv::Store,
+    call: &'static str,
+    window: Duration,
+    key: &str,
+    value: Bytes,
+) -> Result<(), MeshError> {
+    let created = retried(call, window, kv_create_settled, || {
+        kv.create(key, value.clone())
+    })
+    .await;
+    match created {
+        Ok(_) => Ok(()),
+        Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
+            let stored = retried(call, window, kv_entry_settled, || kv.entry(key)).await?;
+            match stored {
+                Some(entry) if entry.operation == kv::Operation::Put && entry.value == value => {
+                    Ok(())
+                }
+                _ => Err(err.into()),
+            }
+        }
+        Err(err) => Err(err.into()),
+    }
+}
+
 // KV errors that answer for the data (or the key), not for the cluster: not tried again.
-pub fn kv_create_settled(e: &kv::CreateError) -> bool {
+fn kv_create_settled(e: &kv::CreateError) -> bool {
     matches!(
         e.kind(),
         kv::CreateErrorKind::AlreadyExists | kv::CreateErrorKind::InvalidKey
     )
 }
 
+/// A KV put's errors that are not tried again (an invalid key).
 pub fn kv_put_settled(e: &kv::PutError) -> bool {
     e.kind() == kv::PutErrorKind::InvalidKey
 }
 
-pub fn kv_entry_settled(e: &kv::EntryError) -> bool {
+fn kv_entry_settled(e: &kv::EntryError) -> bool {
     e.kind() == kv::EntryErrorKind::InvalidKey
 }
 

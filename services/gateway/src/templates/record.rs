@@ -219,23 +219,15 @@ impl TemplateStore {
     /// which counts as created.
     pub async fn create(&self, record: &TemplateRecord) -> Result<(), ApiError> {
         let value = Bytes::from(serde_json::to_vec(record).map_err(MeshError::from)?);
-        let created = transient::retried(
+        transient::kv_create(
+            &self.kv,
             "template.create",
             transient::ELECTION_WINDOW,
-            transient::kv_create_settled,
-            || self.kv.create(&record.id, value.clone()),
+            &record.id,
+            value,
         )
-        .await;
-        match created {
-            Ok(_) => Ok(()),
-            Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
-                if self.get(&record.id).await?.as_ref() == Some(record) {
-                    return Ok(());
-                }
-                Err(MeshError::from(err).into())
-            }
-            Err(err) => Err(MeshError::from(err).into()),
-        }
+        .await?;
+        Ok(())
     }
 
     pub async fn get(&self, template_id: &str) -> Result<Option<TemplateRecord>, ApiError> {
@@ -249,21 +241,8 @@ impl TemplateStore {
         if !is_template_id(template_id) {
             return Ok(None);
         }
-        let entry = transient::retried(
-            "template.get",
-            transient::ELECTION_WINDOW,
-            transient::kv_entry_settled,
-            || self.kv.entry(template_id),
-        )
-        .await
-        .map_err(MeshError::from)?;
-        match entry {
-            Some(e) if e.operation == kv::Operation::Put => {
-                let record = serde_json::from_slice(&e.value).map_err(MeshError::from)?;
-                Ok(Some((record, e.revision)))
-            }
-            _ => Ok(None),
-        }
+        let call = "template.get";
+        Ok(transient::kv_get_json(&self.kv, call, transient::ELECTION_WINDOW, template_id).await?)
     }
 
     /// Read-modify-write with compare-and-set. `Ok(None)` when the record is gone (deleted
