@@ -85,8 +85,8 @@ pub enum MeshError {
     RecordWatch(String),
     #[error("job {job_id} not found")]
     JobNotFound { job_id: String },
-    #[error("job {job_id} changed concurrently {attempts} times; giving up")]
-    JobContention { job_id: String, attempts: u32 },
+    #[error("KV entry {key} changed concurrently {attempts} times; giving up")]
+    KvContention { key: String, attempts: u32 },
     #[error("reading a blob failed: {0}")]
     Io(#[from] std::io::Error),
     #[error("telemetry setup failed: {0}")]
@@ -120,7 +120,7 @@ impl MeshError {
             | MeshError::KvWatcher(_)
             | MeshError::RecordWatch(_)
             | MeshError::JobNotFound { .. }
-            | MeshError::JobContention { .. } => "job_store",
+            | MeshError::KvContention { .. } => "job_store",
             MeshError::Telemetry(_) => "telemetry",
         }
     }

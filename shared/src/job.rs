@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::MeshError;
 use crate::jetstream_layout;
 use crate::messages::{DenoiseJob, JobEvent, JobKind};
-use crate::transient;
+use crate::transient::{self, KvUpdated};
 
 /// Where a job is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -465,10 +465,8 @@ impl JobStore {
     /// [`JobStore::update`] where `change` may decline (return false, leaving the record as it
     /// is): `None` then. The decision is made on the latest revision, so two writers racing
     /// for the same change (two routers adopting one job) cannot both make it.
-    ///
-    /// A write that failed otherwise than by a newer revision is tried again (the bucket may
-    /// be electing a leader); if it had landed after all, the next read finds exactly the
-    /// record written and the update is done.
+    /// A write that failed otherwise than by a newer revision is tried again
+    /// ([`transient::kv_update_json`]).
     pub async fn update_if<F>(
         &self,
         job_id: &str,
@@ -477,43 +475,28 @@ impl JobStore {
     where
         F: FnMut(&mut JobRecord) -> bool,
     {
-        let start = Instant::now();
-        let mut written: Option<JobRecord> = None;
-        let mut contended = 0;
-        while contended < MAX_UPDATE_ATTEMPTS {
-            let (mut record, revision) =
-                self.get_with_revision(job_id)
-                    .await?
-                    .ok_or_else(|| MeshError::JobNotFound {
-                        job_id: job_id.to_string(),
-                    })?;
-            if written.as_ref() == Some(&record) {
-                return Ok(written);
-            }
-            if !change(&mut record) {
-                return Ok(None);
-            }
-            record.updated_at_ms = now_ms();
-            let value = Bytes::from(serde_json::to_vec(&record)?);
-            match self.kv.update(job_id, value, revision).await {
-                Ok(_) => return Ok(Some(record)),
-                Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => contended += 1,
-                Err(err)
-                    if err.kind() != kv::UpdateErrorKind::InvalidKey
-                        && start.elapsed() < self.retry_window =>
-                {
-                    tracing::warn!(job_id, error = %err, "job record update failed; trying again");
-                    transient::count_retry("job.update");
-                    written = Some(record);
-                    tokio::time::sleep(transient::RETRY_DELAY).await;
+        let updated = transient::kv_update_json(
+            &self.kv,
+            "job.update",
+            self.retry_window,
+            job_id,
+            MAX_UPDATE_ATTEMPTS,
+            |record: &mut JobRecord| {
+                if !change(record) {
+                    return false;
                 }
-                Err(err) => return Err(err.into()),
-            }
+                record.updated_at_ms = now_ms();
+                true
+            },
+        )
+        .await?;
+        match updated {
+            KvUpdated::Written(record) => Ok(Some(record)),
+            KvUpdated::Declined => Ok(None),
+            KvUpdated::Missing => Err(MeshError::JobNotFound {
+                job_id: job_id.to_string(),
+            }),
         }
-        Err(MeshError::JobContention {
-            job_id: job_id.to_string(),
-            attempts: MAX_UPDATE_ATTEMPTS,
-        })
     }
 }
 

@@ -17,6 +17,7 @@ use async_nats::jetstream::kv;
 use bytes::Bytes;
 use prometheus::IntCounterVec;
 use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 use crate::error::MeshError;
 use crate::metrics::{counter_vec, process_registry};
@@ -29,25 +30,55 @@ pub const ELECTION_WINDOW: Duration = Duration::from_secs(10);
 /// flood a cluster that is electing one.
 pub const RETRY_DELAY: Duration = Duration::from_millis(250);
 
-/// `diffmesh_jetstream_retries_total{call}`: JetStream calls tried again after a failure.
-/// `call` is a fixed name per call site ("job.update", "blob.put", ...), so it stays bounded.
+/// The `call` names of the stores' JetStream calls. They are exported at 0 from the start, so
+/// the counter is on `/metrics` before the first retry and `rate()` sees the first one.
+pub const CALLS: &[&str] = &[
+    "job.create",
+    "job.put",
+    "job.get",
+    "job.update",
+    "idempotency.get",
+    "idempotency.claim",
+    "blob.put",
+    "blob.delete",
+    "blob.get",
+    "blob.get_from_leader",
+    "template.create",
+    "template.get",
+    "template.update",
+    "template.delete",
+    "template.list",
+    "template_use.publish",
+    "template_use.end",
+    "template_use.list",
+];
+
+/// `diffmesh_jetstream_retries_total{call}`: JetStream calls tried again after a failure, by
+/// call ([`CALLS`]), in the process registry.
 pub fn retries() -> &'static IntCounterVec {
     static RETRIES: OnceLock<IntCounterVec> = OnceLock::new();
     RETRIES.get_or_init(|| {
-        counter_vec(
+        let counter = counter_vec(
             process_registry(),
             "jetstream",
             "retries",
             "JetStream calls tried again after a failure (a stream without a leader), by call",
             &["call"],
         )
-        .expect("the JetStream retry counter is registered once, with a valid name")
+        .expect("the JetStream retry counter is registered once, with a valid name");
+        for call in CALLS {
+            counter.with_label_values(&[*call]);
+        }
+        counter
     })
 }
 
-/// Count one retry of `call` (for loops that cannot use [`retried`], such as compare-and-set
-/// updates that read again before each write).
+/// Count one retry of `call` (for loops that cannot use [`retried`]).
 pub fn count_retry(call: &'static str) {
+    debug_assert!(
+        CALLS.contains(&call) || call.starts_with("test."),
+        "{call} is not in transient::CALLS"
+    );
     retries().with_label_values(&[call]).inc();
 }
 
@@ -126,6 +157,68 @@ pub async fn kv_create(
         }
         Err(err) => Err(err.into()),
     }
+}
+
+/// What [`kv_update_json`] did.
+#[derive(Debug, PartialEq)]
+pub enum KvUpdated<T> {
+    /// `change` was applied to the latest value and written: the value as written.
+    Written(T),
+    /// `change` declined (returned false) on the latest value; nothing was written.
+    Declined,
+    /// The key is missing (or deleted).
+    Missing,
+}
+
+/// Read-modify-write of a JSON entry with compare-and-set: `change` runs on the latest
+/// revision, and its result is written only if nobody wrote in between (else the entry is read
+/// again, up to `max_contended` times, then [`MeshError::KvContention`]). A write that failed
+/// otherwise is tried again for `window` (an election); if it had landed after all, the next
+/// read finds exactly the value written and the update is done.
+pub async fn kv_update_json<T, F>(
+    kv: &kv::Store,
+    call: &'static str,
+    window: Duration,
+    key: &str,
+    max_contended: u32,
+    mut change: F,
+) -> Result<KvUpdated<T>, MeshError>
+where
+    T: Serialize + DeserializeOwned + PartialEq,
+    F: FnMut(&mut T) -> bool,
+{
+    let start = Instant::now();
+    let mut written: Option<T> = None;
+    let mut contended = 0;
+    while contended < max_contended {
+        let Some((mut value, revision)) = kv_get_json::<T>(kv, call, window, key).await? else {
+            return Ok(KvUpdated::Missing);
+        };
+        if written.as_ref() == Some(&value) {
+            return Ok(KvUpdated::Written(value));
+        }
+        if !change(&mut value) {
+            return Ok(KvUpdated::Declined);
+        }
+        let bytes = Bytes::from(serde_json::to_vec(&value)?);
+        match kv.update(key, bytes, revision).await {
+            Ok(_) => return Ok(KvUpdated::Written(value)),
+            Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => contended += 1,
+            Err(err)
+                if err.kind() != kv::UpdateErrorKind::InvalidKey && start.elapsed() < window =>
+            {
+                tracing::warn!(call, key, error = %err, "JetStream call failed; trying again");
+                count_retry(call);
+                written = Some(value);
+                tokio::time::sleep(RETRY_DELAY).await;
+            }
+            Err(err) => return Err(err.into()),
+        }
+    }
+    Err(MeshError::KvContention {
+        key: key.to_string(),
+        attempts: max_contended,
+    })
 }
 
 // KV errors that answer for the data (or the key), not for the cluster: not tried again.

@@ -1,6 +1,6 @@
 //! Template records (JSON in the KV bucket `subjects::TEMPLATE_BUCKET`) and template images (the
 //! object store of the same name, kept until the template is deleted, unlike the 24 h blobs).
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
@@ -9,7 +9,7 @@ use diffmesh_shared::jetstream_layout::{TEMPLATE_IMAGES, TEMPLATE_RECORDS};
 use diffmesh_shared::job::{now_ms, CaptureReport};
 use diffmesh_shared::messages::{PreparedTemplate, TemplateImage, TemplateRef};
 use diffmesh_shared::templates::{image_key, prepared_image_key};
-use diffmesh_shared::transient;
+use diffmesh_shared::transient::{self, KvUpdated};
 use diffmesh_shared::MeshError;
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
@@ -245,10 +245,8 @@ impl TemplateStore {
         Ok(transient::kv_get_json(&self.kv, call, transient::ELECTION_WINDOW, template_id).await?)
     }
 
-    /// Read-modify-write with compare-and-set. `Ok(None)` when the record is gone (deleted
-    /// meanwhile). A write that failed otherwise than by a newer revision is tried again
-    /// (the bucket may be electing a leader); if it had landed after all, the next read finds
-    /// exactly the record written and the update is done.
+    /// Read-modify-write with compare-and-set (tried again during an election,
+    /// `transient::kv_update_json`). `Ok(None)` when the record is gone (deleted meanwhile).
     pub async fn update<F>(
         &self,
         template_id: &str,
@@ -257,38 +255,25 @@ impl TemplateStore {
     where
         F: FnMut(&mut TemplateRecord),
     {
-        let start = Instant::now();
-        let mut written: Option<TemplateRecord> = None;
-        let mut contended = 0;
-        while contended < MAX_UPDATE_ATTEMPTS {
-            let Some((mut record, revision)) = self.get_with_revision(template_id).await? else {
-                return Ok(None);
-            };
-            if written.as_ref() == Some(&record) {
-                return Ok(written);
-            }
-            change(&mut record);
-            record.updated_at_ms = now_ms();
-            let value = Bytes::from(serde_json::to_vec(&record).map_err(MeshError::from)?);
-            match self.kv.update(template_id, value, revision).await {
-                Ok(_) => return Ok(Some(record)),
-                Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => contended += 1,
-                Err(err)
-                    if err.kind() != kv::UpdateErrorKind::InvalidKey
-                        && start.elapsed() < transient::ELECTION_WINDOW =>
-                {
-                    tracing::warn!(template_id, error = %err, "template record update failed; trying again");
-                    transient::count_retry("template.update");
-                    written = Some(record);
-                    tokio::time::sleep(transient::RETRY_DELAY).await;
-                }
-                Err(err) => return Err(MeshError::from(err).into()),
-            }
+        let updated = transient::kv_update_json(
+            &self.kv,
+            "template.update",
+            transient::ELECTION_WINDOW,
+            template_id,
+            MAX_UPDATE_ATTEMPTS,
+            |record: &mut TemplateRecord| {
+                change(record);
+                record.updated_at_ms = now_ms();
+                true
+            },
+        )
+        .await;
+        match updated {
+            Ok(KvUpdated::Written(record)) => Ok(Some(record)),
+            Ok(KvUpdated::Declined | KvUpdated::Missing) => Ok(None),
+            Err(err @ MeshError::KvContention { .. }) => Err(internal("update", err)),
+            Err(err) => Err(err.into()),
         }
-        Err(internal(
-            "update",
-            format!("record {template_id} kept changing ({MAX_UPDATE_ATTEMPTS} attempts)"),
-        ))
     }
 
     /// `record` as it stands, after settling it if its registration was abandoned (see
