@@ -229,6 +229,12 @@ fn kv_create_settled(e: &kv::CreateError) -> bool {
     )
 }
 
+/// For calls whose every failure is about the cluster (a stream listing, a publish to a
+/// subject built from checked ids): every error is tried again.
+pub fn no_error_settles<E>(_: &E) -> bool {
+    false
+}
+
 /// A KV put's errors that are not tried again (an invalid key).
 pub fn kv_put_settled(e: &kv::PutError) -> bool {
     e.kind() == kv::PutErrorKind::InvalidKey

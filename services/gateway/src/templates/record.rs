@@ -321,7 +321,7 @@ impl TemplateStore {
         let keys = transient::retried(
             "template.list",
             transient::ELECTION_WINDOW,
-            |_| false,
+            transient::no_error_settles,
             || self.keys(),
         )
         .await?;

@@ -19,7 +19,7 @@ use async_nats::jetstream::{self, stream};
 use diffmesh_shared::jetstream_layout::TEMPLATE_USES;
 use diffmesh_shared::job::JobStore;
 use diffmesh_shared::subjects::{template_use, template_uses_of};
-use diffmesh_shared::transient::{self, ELECTION_WINDOW};
+use diffmesh_shared::transient::{self, no_error_settles, ELECTION_WINDOW};
 use diffmesh_shared::MeshError;
 use futures::TryStreamExt;
 
@@ -143,9 +143,4 @@ impl TemplateUses {
         }
         Ok(job_ids)
     }
-}
-
-/// Every failure of the uses stream is about the cluster (subjects are built from checked ids).
-fn no_error_settles<E>(_: &E) -> bool {
-    false
 }
