@@ -249,6 +249,74 @@ pub fn decode_block(blob: &[u8], kind: Kind) -> Result<(Tensor, Tensor, KvFormat
     Ok((k, v, h.format))
 }
 
+/// Decode one block from `raw`, a 1-D u8 tensor holding exactly the blob whose header (read on
+/// the host) is `h`, on whatever device `raw` lives: the GPU cache pipeline copies the encoded
+/// bytes to the device and decodes there, so only the narrow form crosses the bus. K and V are
+/// always fresh tensors, never views of `raw` (its buffer is reused for the next block).
+pub fn decode_block_bytes(h: &BlobHeader, raw: &Tensor, kind: Kind) -> Result<(Tensor, Tensor)> {
+    let expect = encoded_len(h.rows, h.cols, h.dtype);
+    if raw.kind() != Kind::Uint8 || raw.dim() != 1 || raw.size()[0] as usize != expect {
+        return Err(bad(
+            "length",
+            format!(
+                "{}x{} {} needs {expect} u8 elements, got {:?} {:?}",
+                h.rows,
+                h.cols,
+                h.dtype.as_str(),
+                raw.kind(),
+                raw.size()
+            ),
+        ));
+    }
+    let (rows, cols) = (h.rows as i64, h.cols as i64);
+    // Reinterpret `len` bytes at `at` as `kind`; an offset the element size does not divide
+    // is copied to a fresh (aligned) buffer first.
+    let view = |at: usize, len: usize, kind: Kind, shape: [i64; 2]| -> Result<Tensor> {
+        let bytes = raw.f_narrow(0, at as i64, len as i64)?;
+        let bytes = if at % kind.elt_size_in_bytes() == 0 {
+            bytes
+        } else {
+            fresh(&bytes)?
+        };
+        Ok(bytes.f_view_dtype(kind)?.f_view(shape)?)
+    };
+    let scales = if h.dtype == CacheDtype::Fp8 {
+        4 * h.rows
+    } else {
+        0
+    };
+    let data = h.rows * h.cols * h.dtype.element_bytes();
+    let mut at = HEADER;
+    let mut next = || -> Result<Tensor> {
+        let scale = if scales > 0 {
+            let s = view(at, scales, Kind::Float, [rows, 1])?;
+            at += scales;
+            Some(s)
+        } else {
+            None
+        };
+        let t = view(at, data, h.dtype.kind(), [rows, cols])?;
+        at += data;
+        let t = match scale {
+            Some(s) => t.f_to_kind(Kind::Float)?.f_mul(&s)?.f_to_kind(kind)?,
+            // `to_kind` to the same kind would return the view itself.
+            None if t.kind() == kind => fresh(&t)?,
+            None => t.f_to_kind(kind)?,
+        };
+        Ok(t)
+    };
+    let k = next()?;
+    let v = next()?;
+    Ok((k, v))
+}
+
+/// A copy of `t` in a buffer of its own.
+fn fresh(t: &Tensor) -> Result<Tensor> {
+    let mut out = t.f_empty_like()?;
+    out.f_copy_(t)?;
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,6 +351,41 @@ mod tests {
             let (ek, ev) = (max_rel_err(&k2, &k), max_rel_err(&v2, &v));
             assert!(ek <= tol && ev <= tol, "{dtype:?}: {ek} {ev}");
         }
+    }
+
+    /// The device-side decode (the GPU cache pipeline's) gives what the host decode gives, for
+    /// every dtype, into f32 and bf16, at an odd row count (fp8's second scale block then sits
+    /// at an offset 4 does not divide) and from a buffer that is then overwritten.
+    #[test]
+    fn decoding_the_bytes_as_a_tensor_matches_the_host_decode() {
+        let opts = (Kind::Float, Device::Cpu);
+        tch::manual_seed(5);
+        let (k, v) = (
+            Tensor::randn([37, 23], opts),
+            Tensor::randn([37, 23], opts) * 2.0,
+        );
+        for dtype in [
+            CacheDtype::F32,
+            CacheDtype::F16,
+            CacheDtype::Bf16,
+            CacheDtype::Fp8,
+        ] {
+            for kind in [Kind::Float, Kind::BFloat16] {
+                let blob = encode_block(&k, &v, KvFormat::Prepared, dtype).unwrap();
+                let h = read_header(&blob).unwrap();
+                let mut raw = Tensor::from_slice(&blob);
+                let (k1, v1) = decode_block_bytes(&h, &raw, kind).unwrap();
+                let (k2, v2, _) = decode_block(&blob, kind).unwrap();
+                let _ = raw.fill_(0);
+                assert_eq!((k1.kind(), k1.size()), (kind, vec![37, 23]), "{dtype:?}");
+                assert!(k1.equal(&k2) && v1.equal(&v2), "{dtype:?} into {kind:?}");
+            }
+        }
+        let blob = encode_block(&k, &v, KvFormat::Raw, CacheDtype::Bf16).unwrap();
+        let h = read_header(&blob).unwrap();
+        let short = Tensor::from_slice(&blob[..blob.len() - 2]);
+        let err = decode_block_bytes(&h, &short, Kind::Float).unwrap_err();
+        assert!(err.to_string().contains("cache_blob.length"), "{err}");
     }
 
     #[test]
