@@ -6,7 +6,7 @@
 //! Algorithm 1 restricted to prefixes (`diffmesh_sched::planner::plan_prefix`), fed by cost
 //! estimates this module keeps up to date from its own measurements: compute time per
 //! token-block (from step timings) and load bandwidth (from the loader).
-use crate::templates::{KvLoader, StreamedKv, TemplateEntry};
+use crate::templates::{GpuCopy, KvLoader, StreamedKv, TemplateEntry};
 use diffmesh_model::flux::kv_codec::{encode_block, CacheDtype};
 use diffmesh_model::flux::{KvFormat, KvSink};
 use diffmesh_model::pipeline::stepper::{step_batch_modes, DenoiseState, StepMode};
@@ -96,9 +96,10 @@ fn tokens(s: &DenoiseState) -> (f64, f64, f64) {
 }
 
 impl CachedStepper {
-    pub fn new(settings: CacheSettings) -> std::io::Result<Self> {
+    /// `gpu`: the copy stream of the model's GPU (none on CPU).
+    pub fn new(settings: CacheSettings, gpu: Option<Arc<GpuCopy>>) -> std::io::Result<Self> {
         Ok(Self {
-            loader: KvLoader::spawn(settings.lookahead)?,
+            loader: KvLoader::spawn(settings.lookahead, gpu)?,
             settings,
             compute: ComputeEstimate {
                 per_token_block_s: 1e-6,

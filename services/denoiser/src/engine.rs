@@ -234,8 +234,8 @@ pub fn spawn_engine(
     let status = Arc::new(Mutex::new(EngineStatus::default()));
     let steps = StepSamples::default();
     let engine = Engine {
+        cached: CachedStepper::new(config.cache, model.gpu_copy.clone())?,
         model,
-        cached: CachedStepper::new(config.cache)?,
         config,
         rx,
         events,

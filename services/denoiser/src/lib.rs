@@ -48,7 +48,8 @@ pub struct DenoiserConfig {
     /// Device: auto (CUDA when available), cpu, cuda, or cuda:N.
     #[arg(long, env = "DEVICE", default_value = "auto")]
     pub device: String,
-    /// Weight and activation dtype: f32, bf16 or f16.
+    /// Weight and activation dtype: f32, bf16, f16, or auto (bf16 on a GPU or a CPU with bf16
+    /// units, f32 elsewhere).
     #[arg(long, env = "DTYPE", default_value = "f32")]
     pub dtype: String,
     /// Image rows denoised together in one step.
@@ -175,16 +176,13 @@ impl DenoiserConfig {
     }
 
     pub fn parse_dtype(&self) -> Result<Kind, DenoiserError> {
-        match self.dtype.as_str() {
-            "f32" => Ok(Kind::Float),
-            "bf16" => Ok(Kind::BFloat16),
-            "f16" => Ok(Kind::Half),
-            d => Err(DenoiserError::Flag {
+        model::parse_model_dtype(&self.dtype, self.parse_device()?).map_err(|expected| {
+            DenoiserError::Flag {
                 flag: "dtype",
-                value: d.into(),
-                expected: "f32, bf16 or f16",
-            }),
-        }
+                value: self.dtype.clone(),
+                expected,
+            }
+        })
     }
 
     /// The model directory: as given when it exists, else relative to the repository root.
@@ -308,7 +306,8 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         dir: dir.clone(),
         source,
     })?;
-    tracing::info!(model = %model_id, dir = %dir.display(), ?device, "model loaded");
+    tracing::info!(model = %model_id, dir = %dir.display(), ?device, ?kind, "model loaded");
+    let gpu_copy = model.gpu_copy.clone();
 
     let registry = prometheus::Registry::new();
     let metrics = metrics::DenoiserMetrics::new(&registry)?;
@@ -332,7 +331,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let cache_bucket =
         BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::CACHES).await?;
     let templates = service::Templates {
-        local: templates::LocalTier::new(config.local_cache_bytes),
+        local: templates::LocalTier::new(config.local_cache_bytes, gpu_copy),
         store: templates::store::CacheClient {
             client: client.clone(),
             bucket: cache_bucket,

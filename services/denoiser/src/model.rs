@@ -1,5 +1,6 @@
 //! The model the engine owns, and the conversion of wire jobs into stepper requests and of
 //! decoded images back into RGB bytes.
+use crate::templates::GpuCopy;
 use diffmesh_model::model_dir::LoadedModel;
 use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest};
 use diffmesh_model::pipeline::template::{self, TemplateSpec};
@@ -8,6 +9,7 @@ use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::ModelError;
 use diffmesh_shared::messages::{DenoiseJob, JobKind};
 use std::path::Path;
+use std::sync::Arc;
 
 /// A loaded model plus what the engine needs to know about it.
 pub struct EngineModel {
@@ -17,7 +19,13 @@ pub struct EngineModel {
     /// Resolution used when a job does not carry one (generations).
     pub default_width: i64,
     pub default_height: i64,
+    /// The copy stream and pinned-memory allocator of the model's GPU (None on CPU, or where
+    /// the CUDA driver could not be opened through cudarc: then caches load synchronously).
+    pub gpu_copy: Option<Arc<GpuCopy>>,
 }
+
+/// Device buffers in the copy ring: blocks copied ahead of the compute, over all requests.
+const GPU_RING: usize = 8;
 
 impl EngineModel {
     pub fn load(
@@ -28,16 +36,44 @@ impl EngineModel {
         default_size: i64,
     ) -> Result<Self, ModelError> {
         let model = LoadedModel::load(dir, device, kind)?;
+        let gpu_copy = match device {
+            Device::Cuda(ordinal) => match GpuCopy::new(ordinal, GPU_RING) {
+                Ok(gpu) => Some(gpu),
+                Err(error) => {
+                    tracing::warn!(%error, "no CUDA copy stream: template caches load synchronously");
+                    None
+                }
+            },
+            _ => None,
+        };
         Ok(Self {
             model,
             model_id,
             default_width: default_size,
             default_height: default_size,
+            gpu_copy,
         })
     }
 
     pub fn pipeline(&self) -> FluxPipeline<'_> {
         self.model.pipeline()
+    }
+}
+
+/// The dtype of a model's weights and activations from a flag value: `f32`, `bf16`, `f16`, or
+/// `auto`: bf16 on a GPU and on a CPU with bf16 matrix units (AVX512-BF16, AMX), where a step
+/// costs a fraction of f32's and batches gain more; f32 elsewhere (libtorch would emulate bf16).
+/// The error is what was expected.
+pub fn parse_model_dtype(value: &str, device: Device) -> Result<Kind, &'static str> {
+    match value {
+        "f32" => Ok(Kind::Float),
+        "bf16" => Ok(Kind::BFloat16),
+        "f16" => Ok(Kind::Half),
+        "auto" if device.is_cuda() || diffmesh_model::autocast::cpu_has_bf16_units() => {
+            Ok(Kind::BFloat16)
+        }
+        "auto" => Ok(Kind::Float),
+        _ => Err("auto, f32, bf16 or f16"),
     }
 }
 

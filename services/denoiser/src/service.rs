@@ -145,8 +145,7 @@ impl Service {
             async move {
                 let entry = match store.fetch(&key).await {
                     Ok(Some(entry)) => {
-                        let entry = Arc::new(entry);
-                        local.insert(entry.clone());
+                        let entry = local.admit(Arc::new(entry));
                         metrics.local_cache_bytes.set(local.bytes() as i64);
                         metrics.local_cache_lookups.with_label_values(&["miss"]).inc();
                         Some(entry)
@@ -182,7 +181,7 @@ impl Service {
                 .await;
             return;
         }
-        self.templates.local.insert(entry.clone());
+        self.templates.local.admit(entry.clone());
         self.metrics
             .local_cache_bytes
             .set(self.templates.local.bytes() as i64);

@@ -3,7 +3,9 @@
 //! measured capacity, through the real engine in each mode; p95 end-to-end latency compared.
 //! Edits read a registered template's cache (mask-aware steps) unless `template_caches` is off,
 //! so they cost less than generations, as in production.
-use super::driver::{continuous_capacity_rps, open_loop, BenchEngine, Pooled, RunTimes, StepStats};
+use super::driver::{
+    continuous_capacity_rps, open_loop, BenchEngine, BenchModel, Pooled, RunTimes, StepStats,
+};
 use super::report::{Latencies, Report};
 use super::template_caches::BenchTemplates;
 use super::workload::{engine_job, requests, BenchRequest, WorkloadSpec};
@@ -12,11 +14,10 @@ use anyhow::{Context, Result};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
-use std::path::PathBuf;
 
 #[derive(Debug, Clone)]
 pub struct BatchingOptions {
-    pub model_dir: PathBuf,
+    pub model: BenchModel,
     pub workload: WorkloadSpec,
     pub mask_ratios: Vec<f64>,
     /// Arrival rate as a fraction of the continuous engine's full-batch capacity.
@@ -66,7 +67,7 @@ async fn run_mode(
         token_budget: opts.token_budget,
         ..EngineConfig::default()
     };
-    let mut engine = BenchEngine::start(&opts.model_dir, config)?;
+    let mut engine = BenchEngine::start(&opts.model, config)?;
     // One untimed job first: the first forward pays one-off allocations.
     let grid = engine.grid;
     let job_of = |r: &BenchRequest| match templates {
@@ -94,8 +95,8 @@ async fn run_mode(
 pub async fn run(opts: &BatchingOptions, step_s: &[f64], report: &mut Report) -> Result<()> {
     let spec = &opts.workload;
     let templates = if opts.template_caches {
-        let t = BenchTemplates::capture(&opts.model_dir, spec.steps_min, spec.steps_max, spec.seed)
-            .await?;
+        let t =
+            BenchTemplates::capture(&opts.model, spec.steps_min, spec.steps_max, spec.seed).await?;
         report.say(format!(
             "batching: {} templates captured ({:.1} MB of cache) in {:.1} s",
             spec.steps_max - spec.steps_min + 1,

@@ -10,7 +10,9 @@
 //!
 //! [`EngineHandle::run_inline`]: crate::engine::EngineHandle::run_inline
 use super::codec_work::{postprocess, preprocess, uploads, Uploads};
-use super::driver::{continuous_capacity_rps, BenchEngine, Pooled, RunTimes, StepStats};
+use super::driver::{
+    continuous_capacity_rps, BenchEngine, BenchModel, Pooled, RunTimes, StepStats,
+};
 use super::report::{Latencies, Report};
 use super::workload::{requests, BenchRequest, ModelGrid, WorkloadSpec};
 use crate::engine::{EngineConfig, EngineEvent, EngineJob, EventTap, InlineWork};
@@ -18,14 +20,13 @@ use anyhow::{anyhow, bail, Context, Result};
 use diffmesh_shared::messages::DenoiseJob;
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 use tracing::Span;
 
 #[derive(Debug, Clone)]
 pub struct DisaggregationOptions {
-    pub model_dir: PathBuf,
+    pub model: BenchModel,
     pub workload: WorkloadSpec,
     pub mask_ratios: Vec<f64>,
     /// Arrival rate as a fraction of the engine's full-batch denoising capacity.
@@ -339,7 +340,7 @@ async fn run_mode(
         max_batch: opts.max_batch,
         ..EngineConfig::default()
     };
-    let mut engine = BenchEngine::start(&opts.model_dir, config)?;
+    let mut engine = BenchEngine::start(&opts.model, config)?;
     let mut warm = super::workload::engine_job(&run.reqs[0], engine.grid);
     warm.job.job_id = "warm-up".into();
     engine.submit(warm).await?;

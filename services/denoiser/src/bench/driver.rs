@@ -13,7 +13,7 @@ use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::IMAGE_SIZE;
 use diffmesh_shared::messages::DenoiseJob;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -23,9 +23,24 @@ use tracing::Span;
 const QUEUE: usize = 100_000;
 const CHANNEL: usize = 4096;
 
-pub fn load_model(dir: &Path) -> Result<EngineModel> {
-    EngineModel::load(dir, Device::Cpu, Kind::Float, "bench".into(), IMAGE_SIZE)
-        .with_context(|| format!("--model-dir {}: cannot load the model", dir.display()))
+/// The model a bench runs: its directory and the dtype of its weights and activations.
+#[derive(Debug, Clone)]
+pub struct BenchModel {
+    pub dir: PathBuf,
+    pub kind: Kind,
+}
+
+impl BenchModel {
+    pub fn load(&self) -> Result<EngineModel> {
+        EngineModel::load(
+            &self.dir,
+            Device::Cpu,
+            self.kind,
+            "bench".into(),
+            IMAGE_SIZE,
+        )
+        .with_context(|| format!("--model-dir {}: cannot load the model", self.dir.display()))
+    }
 }
 
 /// The image-token grid the model runs at by default.
@@ -98,8 +113,8 @@ pub struct BenchEngine {
 }
 
 impl BenchEngine {
-    pub fn start(model_dir: &Path, config: EngineConfig) -> Result<Self> {
-        let model = load_model(model_dir)?;
+    pub fn start(model: &BenchModel, config: EngineConfig) -> Result<Self> {
+        let model = model.load()?;
         let grid = model_grid(&model);
         let (tx, events) = mpsc::channel(CHANNEL);
         let config = EngineConfig {
@@ -358,8 +373,13 @@ pub async fn open_loop(engine: &mut BenchEngine, jobs: Vec<(f64, EngineJob)>) ->
 /// sweep runs `rounds` times and the median round is kept per size; the result is a robust line
 /// through those medians ([`fit_line`]), so a burst of other work on the machine during one
 /// measurement does not set the arrival rate.
-pub fn calibrate(model_dir: &Path, max_batch: usize, steps: u32, rounds: u32) -> Result<Vec<f64>> {
-    let model = load_model(model_dir)?;
+pub fn calibrate(
+    model: &BenchModel,
+    max_batch: usize,
+    steps: u32,
+    rounds: u32,
+) -> Result<Vec<f64>> {
+    let model = model.load()?;
     let _guard = diffmesh_model::tch::no_grad_guard();
     let pipeline = model.pipeline();
     let mut per_size = vec![Vec::new(); max_batch];

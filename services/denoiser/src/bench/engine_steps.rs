@@ -9,7 +9,7 @@
 //! step; the median of the timed steps is kept. A fully masked edit steps in full compute, as
 //! the cost models predict it (its cached FLOPs are the full pass's, its cache bytes 0). Wall
 //! clock: run it on an idle machine.
-use super::driver::{load_model, model_grid};
+use super::driver::{model_grid, BenchModel};
 use super::report::Report;
 use super::template_caches::BenchTemplates;
 use super::workload::{engine_job, BenchRequest};
@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 pub struct EngineStepsOptions {
-    pub model_dir: PathBuf,
+    pub model: BenchModel,
     pub mask_ratios: Vec<f64>,
     /// Largest batch measured (every size from 1 up).
     pub max_batch: usize,
@@ -45,7 +45,7 @@ pub async fn run(opts: &EngineStepsOptions, report: &mut Report) -> Result<()> {
     let mut profile = Profile::read(&opts.profile)
         .with_context(|| format!("--engine-steps-profile {}", opts.profile.display()))?;
     let started = Instant::now();
-    let templates = BenchTemplates::capture(&opts.model_dir, opts.steps, opts.steps, opts.seed)
+    let templates = BenchTemplates::capture(&opts.model, opts.steps, opts.steps, opts.seed)
         .await
         .context("capturing the template the edits read")?;
     let samples = measure(opts, &templates)?;
@@ -96,11 +96,11 @@ pub async fn run(opts: &EngineStepsOptions, report: &mut Report) -> Result<()> {
 
 /// One sample per (round, batch size), in that order.
 fn measure(opts: &EngineStepsOptions, templates: &BenchTemplates) -> Result<Vec<EngineStepSample>> {
-    let model = load_model(&opts.model_dir)?;
+    let model = opts.model.load()?;
     let grid = model_grid(&model);
     let _guard = diffmesh_model::tch::no_grad_guard();
     let pipeline = model.pipeline();
-    let mut stepper = CachedStepper::new(CacheSettings::default()).context("cache loader")?;
+    let mut stepper = CachedStepper::new(CacheSettings::default(), None).context("cache loader")?;
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let mut samples = Vec::new();
     for round in 0..opts.rounds {

@@ -10,6 +10,7 @@
 //! - quality, with the trained tiny model: edits of a rendered template run to the end in full
 //!   compute and through the engine's `CachedStepper` (the serving path), composited like the
 //!   codec does; SSIM and PSNR of mask-aware against full, per cache dtype.
+use super::driver::BenchModel;
 use super::report::Report;
 use crate::cached_step::{CacheSettings, CachedStepper, CaptureSink, PrefixPolicy};
 use crate::templates::{KvLoader, TemplateEntry};
@@ -22,6 +23,7 @@ use diffmesh_model::flux::{
 use diffmesh_model::model_dir::LoadedModel;
 use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest};
 use diffmesh_model::pipeline::template::{capture_state, TemplateSpec};
+use diffmesh_model::pipeline::FluxPipeline;
 use diffmesh_model::quality::{psnr, ssim};
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 use diffmesh_model::tiny::data::{all_keys, render_rgb, rgb_to_tensor, scene_for};
@@ -29,7 +31,6 @@ use diffmesh_model::tiny::IMAGE_SIZE;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Map, Value};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -40,8 +41,8 @@ pub struct MaskAwareOptions {
     pub mask_ratios: Vec<f64>,
     /// Timed rounds per latency figure (medians are reported).
     pub runs: usize,
-    /// Trained tiny model for the quality figures.
-    pub tiny_dir: PathBuf,
+    /// Trained tiny model for the quality figures, in the dtype the engine serves it.
+    pub tiny: BenchModel,
     /// Edits per cache dtype in the quality measurement.
     pub quality_edits: usize,
     /// Denoising steps of the quality edits.
@@ -130,7 +131,7 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     let inputs = random_inputs(&cfg, MEDIUM_SIDE, MEDIUM_TXT);
     let entry = capture_entry(&model, &inputs, CacheDtype::Bf16)?;
     let resident = decode_all(&entry)?;
-    let loader = KvLoader::spawn(2)?;
+    let loader = KvLoader::spawn(2, None)?;
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let index = random_index(&mut rng, n, 0.2);
 
@@ -256,9 +257,18 @@ fn rect_mask(rng: &mut ChaCha8Rng, side: i64, ratio: f64) -> Tensor {
 /// Quality of mask-aware edits against full compute with the trained tiny model.
 fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     let _guard = tch::no_grad_guard();
-    let model = LoadedModel::load(&opts.tiny_dir, Device::Cpu, Kind::Float)
-        .with_context(|| format!("loading {}", opts.tiny_dir.display()))?;
+    let load = |kind| {
+        LoadedModel::load(&opts.tiny.dir, Device::Cpu, kind)
+            .with_context(|| format!("loading {}", opts.tiny.dir.display()))
+    };
+    let model = load(opts.tiny.kind)?;
     let p = model.pipeline();
+    // A model served in another dtype is also compared with f32 full compute: what the dtype
+    // itself costs, on top of what the cache costs.
+    let reference = (opts.tiny.kind != Kind::Float)
+        .then(|| load(Kind::Float))
+        .transpose()?;
+    let mut vs_f32 = (vec![], vec![]);
     let keys = all_keys();
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let scene = scene_for(keys[rng.random_range(0..keys.len())], &mut rng);
@@ -285,12 +295,15 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
             sink.finish("quality".into(), p.transformer.num_blocks())
                 .map_err(anyhow::Error::msg)?,
         );
-        let mut stepper = CachedStepper::new(CacheSettings {
-            format: KvFormat::Prepared,
-            dtype,
-            lookahead: 2,
-            prefix: PrefixPolicy::Fixed(0),
-        })?;
+        let mut stepper = CachedStepper::new(
+            CacheSettings {
+                format: KvFormat::Prepared,
+                dtype,
+                lookahead: 2,
+                prefix: PrefixPolicy::Fixed(0),
+            },
+            None,
+        )?;
         let mut edit_rng = ChaCha8Rng::seed_from_u64(opts.seed + 1);
         let (mut ssims, mut psnrs) = (vec![], vec![]);
         for e in 0..opts.quality_edits {
@@ -331,9 +344,22 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
                 let tpl = (&template + 1.0) / 2.0;
                 &pixel_mask * img + (1.0 - &pixel_mask) * tpl
             };
-            let (a, b) = (comp(&full.decode(&p)?), comp(&cached.decode(&p)?));
+            let decoded = |s: &DenoiseState, p: &FluxPipeline| -> Result<Tensor> {
+                Ok(comp(&s.decode(p)?.to_kind(Kind::Float)))
+            };
+            let (a, b) = (decoded(&full, &p)?, decoded(&cached, &p)?);
             ssims.push(ssim(&a, &b)?);
             psnrs.push(psnr(&a, &b)?.min(100.0));
+            if let (Some(f32_model), CacheDtype::Bf16) = (&reference, dtype) {
+                let rp = f32_model.pipeline();
+                let mut f32_full = DenoiseState::new(&rp, &request)?;
+                while !f32_full.is_done() {
+                    f32_full.step(&rp)?;
+                }
+                let r = decoded(&f32_full, &rp)?;
+                vs_f32.0.push(ssim(&r, &b)?);
+                vs_f32.1.push(psnr(&r, &b)?.min(100.0));
+            }
         }
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
         let (s, q) = (mean(&ssims), mean(&psnrs));
@@ -355,6 +381,17 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
         }
     }
     report.insert("quality_by_cache_dtype", Value::Object(summary));
+    if reference.is_some() {
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        let (s, q) = (mean(&vs_f32.0), mean(&vs_f32.1));
+        let min_s = vs_f32.0.iter().copied().fold(f64::INFINITY, f64::min);
+        report.say(format!(
+            "quality of the {:?} model (bf16 cache, mask-aware) against f32 full compute: SSIM mean {s:.4} (min {min_s:.4}), PSNR mean {q:.2} dB",
+            opts.tiny.kind
+        ));
+        report.insert("ssim_vs_f32_full", json!(s));
+        report.insert("psnr_vs_f32_full", json!(q));
+    }
     Ok(())
 }
 

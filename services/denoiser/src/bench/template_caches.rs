@@ -1,7 +1,7 @@
 //! Registered templates for the batching bench: one template per step count, captured once by
 //! the real engine (a capture job each, as `POST /v1/templates` runs it), so the bench's edits
 //! run mask-aware from their template's cache, as production edits by `template_id` do.
-use super::driver::BenchEngine;
+use super::driver::{BenchEngine, BenchModel};
 use super::workload::{denoise_job, BenchRequest};
 use crate::cached_step::TemplateSlot;
 use crate::engine::{EngineConfig, EngineJob};
@@ -12,7 +12,6 @@ use diffmesh_shared::messages::{JobKind, TemplateRef};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
 
 struct BenchTemplate {
@@ -32,13 +31,13 @@ pub struct BenchTemplates {
 impl BenchTemplates {
     /// Capture a random-pixel template for every step count in `steps_min..=steps_max`.
     pub async fn capture(
-        model_dir: &Path,
+        model: &BenchModel,
         steps_min: u32,
         steps_max: u32,
         seed: u64,
     ) -> Result<Self> {
         let started = std::time::Instant::now();
-        let mut engine = BenchEngine::start(model_dir, EngineConfig::default())?;
+        let mut engine = BenchEngine::start(model, EngineConfig::default())?;
         let grid = engine.grid;
         let mut by_steps = HashMap::new();
         for steps in steps_min..=steps_max {
@@ -124,7 +123,10 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edits_with_an_attached_template_step_mask_aware() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny");
+        let dir = BenchModel {
+            dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny"),
+            kind: diffmesh_model::tch::Kind::Float,
+        };
         let templates = BenchTemplates::capture(&dir, 3, 4, 1).await.unwrap();
         assert!(templates.bytes > 0);
         let spec = WorkloadSpec {

@@ -4,7 +4,7 @@ use anyhow::{ensure, Context, Result};
 use clap::{Parser, ValueEnum};
 use diffmesh_denoiser::bench::batching::{self, BatchingOptions};
 use diffmesh_denoiser::bench::disaggregation::{self, DisaggregationOptions};
-use diffmesh_denoiser::bench::driver::calibrate;
+use diffmesh_denoiser::bench::driver::{calibrate, BenchModel};
 use diffmesh_denoiser::bench::engine_steps;
 use diffmesh_denoiser::bench::mask_aware;
 use diffmesh_denoiser::bench::report::Report;
@@ -52,6 +52,10 @@ struct Args {
     /// Model directory (diffusers layout; relative paths from the repository root).
     #[arg(long, default_value = "models/tiny")]
     model_dir: PathBuf,
+    /// Weights and activations of the engine: f32, bf16, or auto (bf16 where the CPU has bf16
+    /// units, as the denoiser's `--dtype auto`).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
     /// Timed rounds per mask-aware latency figure (the median is reported).
     #[arg(long, default_value_t = 5)]
     mask_aware_runs: usize,
@@ -150,11 +154,11 @@ fn mask_ratios(path: &Path) -> Result<Vec<f64>> {
 /// may have changed since the last part); reported as `<part>_step_ms_by_batch`.
 fn calibrate_and_say(
     args: &Args,
-    model_dir: &Path,
+    model: &BenchModel,
     report: &mut Report,
     part: &str,
 ) -> Result<Vec<f64>> {
-    let step_s = calibrate(model_dir, args.max_batch, args.calibration_steps, 3)?;
+    let step_s = calibrate(model, args.max_batch, args.calibration_steps, 3)?;
     let step_ms: Vec<f64> = step_s.iter().map(|s| s * 1e3).collect();
     // Throughput gained by stepping a full batch together instead of one row at a time.
     let gain = step_s.len() as f64 * step_s[0] / step_s[step_s.len() - 1];
@@ -194,6 +198,12 @@ async fn main() -> Result<()> {
     );
     let ratios = mask_ratios(&args.mask_ratios)?;
     let model_dir = from_repo_root(&args.model_dir);
+    let kind = diffmesh_denoiser::model::parse_model_dtype(&args.dtype, tch::Device::Cpu)
+        .map_err(|expected| anyhow::anyhow!("--dtype {}: expected {expected}", args.dtype))?;
+    let model = BenchModel {
+        dir: model_dir.clone(),
+        kind,
+    };
     tch::set_num_threads(args.torch_threads);
     let workload = WorkloadSpec {
         requests: args.requests,
@@ -207,7 +217,7 @@ async fn main() -> Result<()> {
     let mut report = Report::new(args.json);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     report.say(format!(
-        "engine bench: model {}, CPU, {cores} cores, torch threads {}, mask ratios {} ({} values)",
+        "engine bench: model {} ({kind:?}), CPU, {cores} cores, torch threads {}, mask ratios {} ({} values)",
         model_dir.display(),
         args.torch_threads,
         args.mask_ratios.display(),
@@ -215,6 +225,7 @@ async fn main() -> Result<()> {
     ));
     report.insert("cores", cores);
     report.insert("torch_threads", args.torch_threads);
+    report.insert("dtype", format!("{kind:?}"));
     report.insert("seed", args.seed);
 
     let with_latency = args.parts.contains(&Part::MaskAware);
@@ -222,7 +233,7 @@ async fn main() -> Result<()> {
         let opts = mask_aware::MaskAwareOptions {
             mask_ratios: ratios.clone(),
             runs: args.mask_aware_runs,
-            tiny_dir: model_dir.clone(),
+            tiny: model.clone(),
             quality_edits: args.quality_edits,
             quality_steps: args.quality_steps,
             seed: args.seed,
@@ -231,7 +242,7 @@ async fn main() -> Result<()> {
     }
     if args.parts.contains(&Part::EngineSteps) {
         let opts = engine_steps::EngineStepsOptions {
-            model_dir: model_dir.clone(),
+            model: model.clone(),
             mask_ratios: ratios.clone(),
             max_batch: args.max_batch,
             steps: args.engine_steps_steps,
@@ -243,7 +254,7 @@ async fn main() -> Result<()> {
     }
     if args.parts.contains(&Part::Batching) {
         let opts = BatchingOptions {
-            model_dir: model_dir.clone(),
+            model: model.clone(),
             workload: workload.clone(),
             mask_ratios: ratios.clone(),
             utilisation: args.utilisation,
@@ -252,12 +263,12 @@ async fn main() -> Result<()> {
             rounds: args.rounds,
             template_caches: args.batching_template_caches,
         };
-        let step_s = calibrate_and_say(&args, &model_dir, &mut report, "batching")?;
+        let step_s = calibrate_and_say(&args, &model, &mut report, "batching")?;
         batching::run(&opts, &step_s, &mut report).await?;
     }
     if args.parts.contains(&Part::Disaggregation) {
         let opts = DisaggregationOptions {
-            model_dir: model_dir.clone(),
+            model: model.clone(),
             workload: workload.clone(),
             mask_ratios: ratios.clone(),
             utilisation: args.utilisation,
@@ -267,7 +278,7 @@ async fn main() -> Result<()> {
             codec_workers: args.codec_workers,
             rounds: args.rounds,
         };
-        let step_s = calibrate_and_say(&args, &model_dir, &mut report, "disaggregation")?;
+        let step_s = calibrate_and_say(&args, &model, &mut report, "disaggregation")?;
         disaggregation::run(&opts, &step_s, &mut report).await?;
     }
     println!("{}", report.json_line());

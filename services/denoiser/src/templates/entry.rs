@@ -1,5 +1,6 @@
 //! One template's cache as the denoiser holds it (encoded step entries, shared read-only between
 //! the NATS side and the loader thread), and the local tier: a byte-weighed LRU of such caches.
+use super::gpu_copy::GpuCopy;
 use diffmesh_model::flux::kv_codec::{read_header, BlobHeader};
 use diffmesh_model::flux::KvFormat;
 use diffmesh_shared::templates::{step_block_ranges, CacheMeta};
@@ -91,17 +92,39 @@ impl TemplateEntry {
 #[derive(Clone)]
 pub struct LocalTier {
     cache: moka::sync::Cache<String, Arc<TemplateEntry>>,
+    /// A GPU denoiser's copy stream: entries are held in pinned memory.
+    pin: Option<Arc<GpuCopy>>,
 }
 
 impl LocalTier {
-    pub fn new(capacity_bytes: u64) -> Self {
+    /// A tier of `capacity_bytes`; with `pin` (a GPU denoiser) entries are held in pinned host
+    /// memory, so the loader's copies to the device overlap the compute.
+    pub fn new(capacity_bytes: u64, pin: Option<Arc<GpuCopy>>) -> Self {
         let cache = moka::sync::Cache::builder()
             .max_capacity(capacity_bytes)
             .weigher(|_k: &String, v: &Arc<TemplateEntry>| {
                 u32::try_from(v.bytes()).unwrap_or(u32::MAX)
             })
             .build();
-        Self { cache }
+        Self { cache, pin }
+    }
+
+    /// Hold `entry` (a pinned copy of it on a GPU denoiser) and return what is held. Pinning
+    /// copies the whole cache on the caller's thread; if it fails the entry is held as it is
+    /// (its loads are then synchronous copies).
+    pub fn admit(&self, entry: Arc<TemplateEntry>) -> Arc<TemplateEntry> {
+        let held = match &self.pin {
+            Some(gpu) => match gpu.pin(&entry) {
+                Ok(pinned) => Arc::new(pinned),
+                Err(error) => {
+                    tracing::warn!(cache_key = %entry.meta.cache_key, %error, "cache not pinned");
+                    entry
+                }
+            },
+            None => entry,
+        };
+        self.insert(held.clone());
+        held
     }
 
     pub fn get(&self, cache_key: &str) -> Option<Arc<TemplateEntry>> {
@@ -172,7 +195,7 @@ mod tests {
     #[test]
     fn local_tier_evicts_by_bytes() {
         let one = entry("a", 2, 2).bytes();
-        let tier = LocalTier::new(one * 2 + one / 2);
+        let tier = LocalTier::new(one * 2 + one / 2, None);
         for k in ["a", "b", "c"] {
             tier.insert(Arc::new(entry(k, 2, 2)));
         }

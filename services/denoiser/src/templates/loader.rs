@@ -7,8 +7,10 @@
 //! then block b + 1), the order in which the mask-aware forward consumes them, so a bounded
 //! channel per request (`lookahead` blocks, like a ring of pinned buffers on a GPU) never stalls
 //! the pipeline. On CPU the "load" is decoding from the local tier (dtype conversion and copy);
-//! on GPU the same thread would copy from pinned memory on a copy stream.
+//! on a GPU with a [`GpuCopy`] the thread queues a copy from pinned memory on a copy stream and
+//! the engine thread decodes on the device once the copy's event fires.
 use super::entry::TemplateEntry;
+use super::gpu_copy::{DeviceBlock, GpuCopy};
 use diffmesh_model::flux::kv_codec::decode_block;
 use diffmesh_model::flux::{KvCache, KvFormat};
 use diffmesh_model::tch::{Device, Kind, Tensor};
@@ -17,7 +19,13 @@ use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-type Block = std::result::Result<(Tensor, Tensor), String>;
+/// A block as the loader hands it over: decoded on the host, or on its way to the device.
+enum Loaded {
+    Host(Tensor, Tensor),
+    Device(DeviceBlock),
+}
+
+type Block = std::result::Result<Loaded, String>;
 
 /// One step's load: for each request, its cache and step; blocks `from_block..blocks`.
 struct LoadJob {
@@ -52,8 +60,9 @@ pub struct KvLoader {
 }
 
 impl KvLoader {
-    /// Start the thread; `lookahead` bounds the blocks decoded ahead per request.
-    pub fn spawn(lookahead: usize) -> std::io::Result<Self> {
+    /// Start the thread; `lookahead` bounds the blocks decoded ahead per request. With `gpu`,
+    /// loads for its device go through its copy stream.
+    pub fn spawn(lookahead: usize, gpu: Option<Arc<GpuCopy>>) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<LoadJob>();
         let stats = Arc::new(Mutex::new(LoadStats::default()));
         let thread_stats = stats.clone();
@@ -61,7 +70,7 @@ impl KvLoader {
             .name("kv-loader".into())
             .spawn(move || {
                 while let Ok(job) = rx.recv() {
-                    run_job(job, &thread_stats);
+                    run_job(job, gpu.as_ref(), &thread_stats);
                 }
             })?;
         Ok(Self {
@@ -89,6 +98,7 @@ impl KvLoader {
             caches.push(StreamedKv {
                 rx: Mutex::new(rx),
                 format: entry.format,
+                kind,
                 next: Mutex::new(from_block),
                 waited: Mutex::new(Duration::ZERO),
             });
@@ -122,7 +132,8 @@ impl Drop for KvLoader {
     }
 }
 
-fn run_job(job: LoadJob, stats: &Mutex<LoadStats>) {
+fn run_job(job: LoadJob, gpu: Option<&Arc<GpuCopy>>, stats: &Mutex<LoadStats>) {
+    let gpu = gpu.filter(|g| g.device() == job.device);
     let mut open: Vec<bool> = vec![true; job.parts.len()];
     for block in job.from_block..job.blocks {
         for (i, (entry, step, tx)) in job.parts.iter().enumerate() {
@@ -130,7 +141,13 @@ fn run_job(job: LoadJob, stats: &Mutex<LoadStats>) {
                 continue;
             }
             let started = Instant::now();
-            let result = load_block(entry, *step, block, job.kind, job.device);
+            let result = match gpu {
+                // Timed is the queueing of the copy; the copy itself runs on the GPU.
+                Some(gpu) => block_bytes(entry, *step, block)
+                    .and_then(|blob| gpu.upload(blob))
+                    .map(Loaded::Device),
+                None => load_block(entry, *step, block, job.kind, job.device),
+            };
             if let Ok(mut s) = stats.lock() {
                 s.blocks += 1;
                 s.bytes += entry.block(*step, block).map_or(0, |b| b.len() as u64);
@@ -144,6 +161,15 @@ fn run_job(job: LoadJob, stats: &Mutex<LoadStats>) {
     }
 }
 
+fn block_bytes(entry: &TemplateEntry, step: usize, block: usize) -> Result<&[u8], String> {
+    entry.block(step, block).ok_or_else(|| {
+        format!(
+            "cache {} has no step {step} block {block}",
+            entry.meta.cache_key
+        )
+    })
+}
+
 fn load_block(
     entry: &TemplateEntry,
     step: usize,
@@ -151,21 +177,18 @@ fn load_block(
     kind: Kind,
     device: Device,
 ) -> Block {
-    let blob = entry.block(step, block).ok_or_else(|| {
-        format!(
-            "cache {} has no step {step} block {block}",
-            entry.meta.cache_key
-        )
-    })?;
+    let blob = block_bytes(entry, step, block)?;
     let (k, v, _) = decode_block(blob, kind).map_err(|e| e.to_string())?;
     let on = |t: Tensor| t.f_to_device(device).map_err(|e| e.to_string());
-    Ok((on(k)?, on(v)?))
+    Ok(Loaded::Host(on(k)?, on(v)?))
 }
 
 /// One request's K/V of one step, arriving block by block from the loader thread.
 pub struct StreamedKv {
     rx: Mutex<Receiver<Block>>,
     format: KvFormat,
+    /// What blocks decoded on the device become.
+    kind: Kind,
     next: Mutex<usize>,
     waited: Mutex<Duration>,
 }
@@ -203,7 +226,10 @@ impl KvCache for StreamedKv {
         }
         *next += 1;
         match got {
-            Ok(Ok(kv)) => Ok(kv),
+            Ok(Ok(Loaded::Host(k, v))) => Ok((k, v)),
+            Ok(Ok(Loaded::Device(block))) => block
+                .decode(self.kind)
+                .map_err(|message| ModelError::input("cache", message)),
             Ok(Err(message)) => Err(ModelError::input("cache", message)),
             Err(_) => Err(ModelError::input("cache", "the loader thread stopped")),
         }
@@ -247,7 +273,7 @@ mod tests {
 
     #[test]
     fn streams_each_requests_step_in_block_order() {
-        let loader = KvLoader::spawn(1).unwrap();
+        let loader = KvLoader::spawn(1, None).unwrap();
         let e = entry(3, 5);
         let caches = loader.load_step(vec![(e.clone(), 2), (e, 0)], 1, Kind::Float, Device::Cpu);
         // Consume as the forward does: block-major across requests.
@@ -266,7 +292,7 @@ mod tests {
 
     #[test]
     fn an_abandoned_step_does_not_stall_the_next() {
-        let loader = KvLoader::spawn(1).unwrap();
+        let loader = KvLoader::spawn(1, None).unwrap();
         let e = entry(2, 6);
         let first = loader.load_step(vec![(e.clone(), 0)], 0, Kind::Float, Device::Cpu);
         let _ = first[0].block_kv(0).unwrap();
@@ -280,9 +306,46 @@ mod tests {
         }
     }
 
+    /// The GPU path (pinned entry, copy stream, a ring of two device buffers reused many times,
+    /// decode on the device) streams what the host decodes, also after an abandoned step. Run
+    /// where a GPU is: `cargo test -p diffmesh-denoiser --lib -- --ignored gpu_copy`.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_copy_streams_what_the_host_decodes() {
+        use super::super::gpu_copy::GpuCopy;
+        use diffmesh_model::flux::kv_codec::decode_block;
+        let gpu = GpuCopy::new(0, 2).unwrap();
+        let e = Arc::new(gpu.pin(&entry(3, 5)).unwrap());
+        let loader = KvLoader::spawn(1, Some(gpu)).unwrap();
+        let cuda = Device::Cuda(0);
+        let first = loader.load_step(vec![(e.clone(), 0)], 0, Kind::Float, cuda);
+        let _ = first[0].block_kv(0).unwrap();
+        drop(first);
+        for _ in 0..3 {
+            let caches =
+                loader.load_step(vec![(e.clone(), 2), (e.clone(), 0)], 1, Kind::Float, cuda);
+            for block in 1..5 {
+                for (c, step) in caches.iter().zip([2usize, 0]) {
+                    let (k, v) = c.block_kv(block).unwrap();
+                    assert_eq!(k.device(), cuda);
+                    let (hk, hv, _) =
+                        decode_block(e.block(step, block).unwrap(), Kind::Float).unwrap();
+                    assert!(
+                        k.to_device(Device::Cpu).equal(&hk),
+                        "step {step} block {block}"
+                    );
+                    assert!(
+                        v.to_device(Device::Cpu).equal(&hv),
+                        "step {step} block {block}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_missing_step_is_an_error_naming_the_cache() {
-        let loader = KvLoader::spawn(2).unwrap();
+        let loader = KvLoader::spawn(2, None).unwrap();
         let caches = loader.load_step(vec![(entry(1, 2), 5)], 0, Kind::Float, Device::Cpu);
         let err = caches[0].block_kv(0).unwrap_err().to_string();
         assert!(err.contains("no step 5"), "{err}");

@@ -1,0 +1,268 @@
+//! The GPU side of the streamed cache pipeline (FlashPS §4.2, Algorithm 1's copy stream).
+//!
+//! A GPU denoiser keeps its local tier in pinned host memory ([`GpuCopy::pin`]), so a copy to
+//! the device is a DMA that runs beside the compute. The loader thread copies each encoded block
+//! into one buffer of a small device ring on a non-blocking stream of its own (cudarc), records
+//! an event, and hands the block on; the engine thread makes the compute stream (libtorch's, the
+//! legacy default stream) wait on that event, not the host, and decodes the block on the device
+//! ([`decode_block_bytes`], the same decode CPU tests check against the host one). Only the
+//! narrow stored form (bf16 or fp8) crosses the bus.
+//!
+//! Ordering, all on the GPU's side: the copy into a ring buffer waits for the event the compute
+//! recorded after decoding the buffer's previous block; the decode waits for the copy. A buffer
+//! freshly taken from libtorch's allocator first waits for everything already queued on the
+//! compute stream (the memory may have been freed by work still queued there). Pinned memory is
+//! freed only after the copy stream has drained.
+//!
+//! Without a GPU nothing here runs: the CPU loader decodes on the host, and the decode itself is
+//! the shared, tested part.
+use cudarc::driver::{
+    result, sys, CudaContext, CudaEvent, CudaStream, DriverError, PinnedHostSlice,
+};
+use diffmesh_model::flux::kv_codec::{decode_block_bytes, read_header, BlobHeader};
+use diffmesh_model::tch::{Device, Kind, Tensor};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+
+use super::entry::TemplateEntry;
+
+fn cuda(e: DriverError) -> String {
+    format!("CUDA: {e:?}")
+}
+
+/// A returned ring buffer, with the compute's event after its last reader (none: never read).
+struct Free {
+    slot: usize,
+    released: Option<CudaEvent>,
+}
+
+/// The copy stream, its device ring, and the pinned-memory allocator of one GPU.
+pub struct GpuCopy {
+    ctx: Arc<CudaContext>,
+    copy: Arc<CudaStream>,
+    /// libtorch's stream: the legacy default stream (tch never switches streams).
+    compute: Arc<CudaStream>,
+    device: Device,
+    /// Device buffers (u8), grown to the largest block seen.
+    ring: Vec<Mutex<Option<Tensor>>>,
+    free_tx: Sender<Free>,
+    free_rx: Mutex<Receiver<Free>>,
+}
+
+impl std::fmt::Debug for GpuCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuCopy")
+            .field("device", &self.device)
+            .field("ring", &self.ring.len())
+            .finish()
+    }
+}
+
+impl GpuCopy {
+    /// The copy stream and a ring of `ring` device buffers on CUDA device `ordinal` (the
+    /// primary context, which libtorch uses too). Fails where no CUDA driver answers.
+    pub fn new(ordinal: usize, ring: usize) -> Result<Arc<Self>, String> {
+        // cudarc panics when it cannot load libcuda: that is an error here, not a crash.
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|_| "the CUDA driver library (libcuda) could not be loaded".to_string())?
+            .map_err(cuda)?;
+        let copy = ctx.new_stream().map_err(cuda)?;
+        let compute = ctx.default_stream();
+        let (free_tx, free_rx) = mpsc::channel();
+        let ring = ring.max(1);
+        for slot in 0..ring {
+            let _ = free_tx.send(Free {
+                slot,
+                released: None,
+            });
+        }
+        Ok(Arc::new(Self {
+            ctx,
+            copy,
+            compute,
+            device: Device::Cuda(ordinal),
+            ring: (0..ring).map(|_| Mutex::new(None)).collect(),
+            free_tx,
+            free_rx: Mutex::new(free_rx),
+        }))
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// A copy of `entry` whose step entries live in pinned host memory (so copies from it
+    /// overlap the compute). Runs on the caller's thread: a memcpy of the whole cache.
+    pub fn pin(&self, entry: &TemplateEntry) -> Result<TemplateEntry, String> {
+        self.ctx.bind_to_thread().map_err(cuda)?;
+        let mut steps = Vec::with_capacity(entry.steps());
+        for bytes in entry.step_entries() {
+            // Plain (cacheable) pinned memory: the host still reads headers and re-stores
+            // captures from it, which write-combined memory would make slow.
+            let pinned = unsafe {
+                self.ctx
+                    .alloc_pinned_with_flags::<u8>(bytes.len().max(1), 0)
+            }
+            .map_err(cuda)?;
+            let owner = PinnedBytes {
+                pinned,
+                len: bytes.len(),
+                copy: self.copy.clone(),
+            };
+            // SAFETY: fresh allocation of at least `len` bytes, written once here, before any
+            // reader exists.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), owner.ptr(), bytes.len());
+            }
+            steps.push(bytes::Bytes::from_owner(owner));
+        }
+        TemplateEntry::new(entry.meta.clone(), steps)
+    }
+
+    /// Start copying one encoded block to the device (loader thread). Blocks while every ring
+    /// buffer holds a block the compute has not decoded yet.
+    pub fn upload(self: &Arc<Self>, blob: &[u8]) -> Result<DeviceBlock, String> {
+        let header = read_header(blob).map_err(|e| e.to_string())?;
+        self.ctx.bind_to_thread().map_err(cuda)?;
+        let Free { slot, released } = self
+            .free_rx
+            .lock()
+            .map_err(|_| "GPU ring poisoned".to_string())?
+            .recv()
+            .map_err(|_| "GPU ring closed".to_string())?;
+        // From here the slot goes back to the ring whatever happens.
+        let mut block = DeviceBlock {
+            gpu: self.clone(),
+            slot,
+            header,
+            len: blob.len(),
+            ready: None,
+        };
+        if let Some(e) = &released {
+            self.copy.wait(e).map_err(cuda)?;
+        }
+        let mut buf = self.ring[slot]
+            .lock()
+            .map_err(|_| "GPU ring poisoned".to_string())?;
+        if buf
+            .as_ref()
+            .is_none_or(|b| (b.size()[0] as usize) < blob.len())
+        {
+            let fresh = Tensor::f_empty(
+                [blob.len().next_power_of_two() as i64],
+                (Kind::Uint8, self.device),
+            )
+            .map_err(|e| e.to_string())?;
+            // The allocator may hand out memory that queued compute work still reads.
+            self.copy.join(&self.compute).map_err(cuda)?;
+            *buf = Some(fresh);
+        }
+        let dst = buf.as_ref().map_or(0, |b| b.data_ptr() as sys::CUdeviceptr);
+        // SAFETY: `dst` holds at least `blob.len()` bytes and no reader uses it until the event
+        // below; `blob` lives in a pinned entry that the engine holds until the step is done
+        // (and whose memory is freed only after this stream drains).
+        unsafe { result::memcpy_htod_async(dst, blob, self.copy.cu_stream()) }.map_err(cuda)?;
+        block.ready = Some(self.copy.record_event(None).map_err(cuda)?);
+        Ok(block)
+    }
+}
+
+/// One block on its way to (or in) a ring buffer.
+pub struct DeviceBlock {
+    gpu: Arc<GpuCopy>,
+    slot: usize,
+    header: BlobHeader,
+    len: usize,
+    /// The copy's completion (None until the copy is queued).
+    ready: Option<CudaEvent>,
+}
+
+impl DeviceBlock {
+    /// Decode on the device (engine thread): the compute stream waits for the copy, the
+    /// decode writes fresh tensors, and the buffer goes back to the ring.
+    pub fn decode(mut self, kind: Kind) -> Result<(Tensor, Tensor), String> {
+        let gpu = self.gpu.clone();
+        gpu.ctx.bind_to_thread().map_err(cuda)?;
+        let ready = self.ready.take().ok_or("block was never copied")?;
+        gpu.compute.wait(&ready).map_err(cuda)?;
+        let kv = {
+            let buf = gpu.ring[self.slot]
+                .lock()
+                .map_err(|_| "GPU ring poisoned".to_string())?;
+            let raw = buf
+                .as_ref()
+                .ok_or("ring buffer missing")?
+                .f_narrow(0, 0, self.len as i64)
+                .map_err(|e| e.to_string())?;
+            decode_block_bytes(&self.header, &raw, kind).map_err(|e| e.to_string())
+        };
+        match gpu.compute.record_event(None) {
+            Ok(released) => self.give_back(Some(released)),
+            Err(e) => {
+                // No event to order the next copy after this decode: wait for it here.
+                let synced = gpu.compute.synchronize();
+                self.give_back(None);
+                synced.map_err(cuda)?;
+                return Err(cuda(e));
+            }
+        }
+        kv
+    }
+
+    fn give_back(&mut self, released: Option<CudaEvent>) {
+        let _ = self.gpu.free_tx.send(Free {
+            slot: self.slot,
+            released,
+        });
+        self.slot = usize::MAX;
+    }
+}
+
+impl Drop for DeviceBlock {
+    fn drop(&mut self) {
+        if self.slot == usize::MAX {
+            return;
+        }
+        // Never decoded (its step failed): the next copy into the buffer is ordered after this
+        // one on the copy stream, so no event is needed; wait for the copy so the pinned source
+        // may be freed.
+        if let Some(ready) = self.ready.take() {
+            let _ = ready.synchronize();
+        }
+        self.give_back(None);
+    }
+}
+
+/// A pinned step entry, freed only once the copy stream has drained (a copy may still read it).
+struct PinnedBytes {
+    pinned: PinnedHostSlice<u8>,
+    len: usize,
+    copy: Arc<CudaStream>,
+}
+
+impl PinnedBytes {
+    fn ptr(&self) -> *mut u8 {
+        // `as_ptr` waits for cudarc's own event on this memory, which nothing records.
+        self.pinned
+            .as_ptr()
+            .map_or(std::ptr::null_mut(), |p| p as *mut u8)
+    }
+}
+
+impl AsRef<[u8]> for PinnedBytes {
+    fn as_ref(&self) -> &[u8] {
+        let p = self.ptr();
+        if p.is_null() || self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `len` bytes of the allocation, initialised in `GpuCopy::pin`, never written
+        // again, alive as long as `self`.
+        unsafe { std::slice::from_raw_parts(p, self.len) }
+    }
+}
+
+impl Drop for PinnedBytes {
+    fn drop(&mut self) {
+        let _ = self.copy.synchronize();
+    }
+}
