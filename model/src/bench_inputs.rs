@@ -22,6 +22,19 @@ pub const MEDIUM_SIDE: i64 = 32;
 /// Text tokens of the medium config.
 pub const MEDIUM_TXT: i64 = 64;
 
+/// FLUX.1-dev at full size (19 double + 38 single blocks, hidden 3072, guidance embedding), for
+/// GPU measurements with random weights.
+pub fn flux_dev_config() -> FluxConfig {
+    FluxConfig {
+        guidance_embeds: true,
+        ..FluxConfig::default()
+    }
+}
+
+/// Image tokens per side at 1024x1024 (N = 4096) and FLUX.1-dev's text length.
+pub const FLUX_SIDE: i64 = 64;
+pub const FLUX_TXT: i64 = 512;
+
 /// Random full-forward inputs (batch 1, CPU) on a `side x side` token grid with `txt` text tokens.
 pub fn random_inputs(cfg: &FluxConfig, side: i64, txt: i64) -> FluxInputs {
     random_inputs_on(cfg, side, txt, 1, Device::Cpu)

@@ -220,32 +220,11 @@ pub fn read_header(blob: &[u8]) -> Result<BlobHeader> {
 /// Decode one block into `[N, inner]` K and V of `kind` (on the CPU).
 pub fn decode_block(blob: &[u8], kind: Kind) -> Result<(Tensor, Tensor, KvFormat)> {
     let h = read_header(blob)?;
-    let (rows, cols) = (h.rows as i64, h.cols as i64);
-    let scales = if h.dtype == CacheDtype::Fp8 {
-        4 * h.rows
-    } else {
-        0
+    // `from_data_size` copies: every part is a tensor of its own.
+    let read = |at: usize, len: usize, part: Kind, shape: [i64; 2]| -> Result<Tensor> {
+        Ok(Tensor::f_from_data_size(&blob[at..at + len], &shape, part)?)
     };
-    let data = h.rows * h.cols * h.dtype.element_bytes();
-    let mut at = HEADER;
-    let mut next = || -> Result<Tensor> {
-        let scale = if scales > 0 {
-            let s = Tensor::f_from_data_size(&blob[at..at + scales], &[rows, 1], Kind::Float)?;
-            at += scales;
-            Some(s)
-        } else {
-            None
-        };
-        let t = Tensor::f_from_data_size(&blob[at..at + data], &[rows, cols], h.dtype.kind())?;
-        at += data;
-        let t = match scale {
-            Some(s) => t.f_to_kind(Kind::Float)?.f_mul(&s)?,
-            None => t,
-        };
-        Ok(t.f_to_kind(kind)?)
-    };
-    let k = next()?;
-    let v = next()?;
+    let (k, v) = decode_parts(&h, kind, read, true)?;
     Ok((k, v, h.format))
 }
 
@@ -268,18 +247,30 @@ pub fn decode_block_bytes(h: &BlobHeader, raw: &Tensor, kind: Kind) -> Result<(T
             ),
         ));
     }
-    let (rows, cols) = (h.rows as i64, h.cols as i64);
-    // Reinterpret `len` bytes at `at` as `kind`; an offset the element size does not divide
-    // is copied to a fresh (aligned) buffer first.
-    let view = |at: usize, len: usize, kind: Kind, shape: [i64; 2]| -> Result<Tensor> {
+    // Reinterpret the bytes in place; an offset the element size does not divide is copied to
+    // a fresh (aligned) buffer first.
+    let view = |at: usize, len: usize, part: Kind, shape: [i64; 2]| -> Result<Tensor> {
         let bytes = raw.f_narrow(0, at as i64, len as i64)?;
-        let bytes = if at % kind.elt_size_in_bytes() == 0 {
+        let bytes = if at % part.elt_size_in_bytes() == 0 {
             bytes
         } else {
             fresh(&bytes)?
         };
-        Ok(bytes.f_view_dtype(kind)?.f_view(shape)?)
+        Ok(bytes.f_view_dtype(part)?.f_view(shape)?)
     };
+    decode_parts(h, kind, view, false)
+}
+
+/// K then V of `kind` from a blob's payload, each part (`rows x cols`, fp8's scales first)
+/// read by `read(offset, bytes, kind, shape)`; `owned`: what `read` returns is not shared with
+/// anything (else a part already of `kind` is copied, since `to_kind` would return it as is).
+fn decode_parts(
+    h: &BlobHeader,
+    kind: Kind,
+    read: impl Fn(usize, usize, Kind, [i64; 2]) -> Result<Tensor>,
+    owned: bool,
+) -> Result<(Tensor, Tensor)> {
+    let (rows, cols) = (h.rows as i64, h.cols as i64);
     let scales = if h.dtype == CacheDtype::Fp8 {
         4 * h.rows
     } else {
@@ -289,21 +280,19 @@ pub fn decode_block_bytes(h: &BlobHeader, raw: &Tensor, kind: Kind) -> Result<(T
     let mut at = HEADER;
     let mut next = || -> Result<Tensor> {
         let scale = if scales > 0 {
-            let s = view(at, scales, Kind::Float, [rows, 1])?;
+            let s = read(at, scales, Kind::Float, [rows, 1])?;
             at += scales;
             Some(s)
         } else {
             None
         };
-        let t = view(at, data, h.dtype.kind(), [rows, cols])?;
+        let t = read(at, data, h.dtype.kind(), [rows, cols])?;
         at += data;
-        let t = match scale {
+        Ok(match scale {
             Some(s) => t.f_to_kind(Kind::Float)?.f_mul(&s)?.f_to_kind(kind)?,
-            // `to_kind` to the same kind would return the view itself.
-            None if t.kind() == kind => fresh(&t)?,
+            None if t.kind() == kind && !owned => fresh(&t)?,
             None => t.f_to_kind(kind)?,
-        };
-        Ok(t)
+        })
     };
     let k = next()?;
     let v = next()?;

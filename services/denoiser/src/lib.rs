@@ -159,20 +159,11 @@ impl DenoiserConfig {
     }
 
     pub fn parse_device(&self) -> Result<Device, DenoiserError> {
-        match self.device.as_str() {
-            "auto" => Ok(Device::cuda_if_available()),
-            "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda(0)),
-            d => d
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(Device::Cuda)
-                .ok_or_else(|| DenoiserError::Flag {
-                    flag: "device",
-                    value: d.into(),
-                    expected: "auto, cpu, cuda or cuda:N",
-                }),
-        }
+        model::parse_device(&self.device).map_err(|expected| DenoiserError::Flag {
+            flag: "device",
+            value: self.device.clone(),
+            expected,
+        })
     }
 
     pub fn parse_dtype(&self) -> Result<Kind, DenoiserError> {

@@ -13,9 +13,11 @@
 use super::driver::BenchModel;
 use super::report::Report;
 use crate::cached_step::{CacheSettings, CachedStepper, CaptureSink, PrefixPolicy};
-use crate::templates::{KvLoader, TemplateEntry};
+use crate::templates::{GpuCopy, KvLoader, TemplateEntry};
 use anyhow::{Context, Result};
-use diffmesh_model::bench_inputs::{medium_config, random_inputs, MEDIUM_SIDE, MEDIUM_TXT};
+use diffmesh_model::bench_inputs::{
+    flux_dev_config, medium_config, random_inputs_on, FLUX_SIDE, FLUX_TXT, MEDIUM_SIDE, MEDIUM_TXT,
+};
 use diffmesh_model::flux::kv_codec::{decode_block, CacheDtype};
 use diffmesh_model::flux::{
     CapturedKv, FluxInputs, FluxTransformer, KvCache, KvFormat, MaskedRequest,
@@ -41,8 +43,15 @@ pub struct MaskAwareOptions {
     pub mask_ratios: Vec<f64>,
     /// Timed rounds per latency figure (medians are reported).
     pub runs: usize,
-    /// Trained tiny model for the quality figures, in the dtype the engine serves it.
+    /// Trained tiny model for the quality figures, in the dtype the engine serves it (the
+    /// latency figures use that dtype too).
     pub tiny: BenchModel,
+    /// Where the latency figures run: the CPU, or a GPU (cache streamed through the copy
+    /// stream from pinned memory).
+    pub device: Device,
+    /// Latency figures on full-size FLUX.1-dev (random weights, 1024x1024) instead of the
+    /// medium config: for a GPU.
+    pub flux_dev: bool,
     /// Edits per cache dtype in the quality measurement.
     pub quality_edits: usize,
     /// Denoising steps of the quality edits.
@@ -55,10 +64,26 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-fn ms(f: impl FnOnce() -> diffmesh_model::Result<()>) -> Result<f64> {
+/// Wall time of `f` in ms, a GPU's queued work included.
+fn ms(device: Device, f: impl FnOnce() -> diffmesh_model::Result<()>) -> Result<f64> {
     let t = Instant::now();
     f()?;
+    if let Device::Cuda(ordinal) = device {
+        tch::Cuda::synchronize(ordinal as i64);
+    }
     Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// The float inputs in `kind` (position ids stay f32, as the pipeline passes them).
+fn inputs_as(inputs: FluxInputs, kind: Kind) -> FluxInputs {
+    FluxInputs {
+        hidden_states: inputs.hidden_states.to_kind(kind),
+        encoder_hidden_states: inputs.encoder_hidden_states.to_kind(kind),
+        pooled_projections: inputs.pooled_projections.to_kind(kind),
+        timestep: inputs.timestep.to_kind(kind),
+        guidance: inputs.guidance.map(|g| g.to_kind(kind)),
+        ..inputs
+    }
 }
 
 /// Capture one forward's K/V as an encoded one-step cache entry.
@@ -77,13 +102,14 @@ fn capture_entry(
     Ok(Arc::new(entry))
 }
 
-/// Decode every block of step 0 (the "naive" load, and the resident cache of "ideal").
-fn decode_all(entry: &TemplateEntry) -> Result<CapturedKv> {
+/// Decode every block of step 0 onto `device` (the "naive" load, and the resident cache of
+/// "ideal").
+fn decode_all(entry: &TemplateEntry, kind: Kind, device: Device) -> Result<CapturedKv> {
     let mut kv = CapturedKv::new(entry.format);
     for b in 0..entry.blocks() {
         let blob = entry.block(0, b).context("block missing")?;
-        let (k, v, _) = decode_block(blob, Kind::Float)?;
-        kv.blocks.push((k, v));
+        let (k, v, _) = decode_block(blob, kind)?;
+        kv.blocks.push((k.to_device(device), v.to_device(device)));
     }
     Ok(kv)
 }
@@ -120,37 +146,52 @@ fn random_index(rng: &mut ChaCha8Rng, n: i64, ratio: f64) -> Tensor {
     Tensor::from_slice(&chosen)
 }
 
-/// Latency and throughput figures on the medium config.
+/// Latency and throughput figures on the medium config (or full-size FLUX.1-dev).
 fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     let _guard = tch::no_grad_guard();
-    let cfg = medium_config();
+    let (device, kind) = (opts.device, opts.tiny.kind);
+    let (cfg, side, txt) = if opts.flux_dev {
+        (flux_dev_config(), FLUX_SIDE, FLUX_TXT)
+    } else {
+        (medium_config(), MEDIUM_SIDE, MEDIUM_TXT)
+    };
     tch::manual_seed(opts.seed as i64);
-    let vs = nn::VarStore::new(Device::Cpu);
+    let mut vs = nn::VarStore::new(device);
     let model = FluxTransformer::new(&vs.root(), cfg.clone())?;
-    let n = MEDIUM_SIDE * MEDIUM_SIDE;
-    let inputs = random_inputs(&cfg, MEDIUM_SIDE, MEDIUM_TXT);
+    vs.set_kind(kind);
+    let n = side * side;
+    let inputs = inputs_as(random_inputs_on(&cfg, side, txt, 1, device), kind);
     let entry = capture_entry(&model, &inputs, CacheDtype::Bf16)?;
-    let resident = decode_all(&entry)?;
-    let loader = KvLoader::spawn(2, None)?;
+    let resident = decode_all(&entry, kind, device)?;
+    // On a GPU: the local tier's pinned form and the copy stream, as a GPU denoiser runs them.
+    let gpu = match device {
+        Device::Cuda(ordinal) => Some(GpuCopy::new(ordinal, 8).map_err(anyhow::Error::msg)?),
+        _ => None,
+    };
+    let entry = match &gpu {
+        Some(gpu) => Arc::new(gpu.pin(&entry).map_err(anyhow::Error::msg)?),
+        None => entry,
+    };
+    let loader = KvLoader::spawn(2, gpu)?;
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
-    let index = random_index(&mut rng, n, 0.2);
+    let index = random_index(&mut rng, n, 0.2).to_device(device);
 
     let (mut full, mut ideal, mut pipelined, mut naive) = (vec![], vec![], vec![], vec![]);
     for round in 0..opts.runs + 1 {
-        let f = ms(|| model.forward(&inputs).map(drop))?;
-        let i = ms(|| {
+        let f = ms(device, || model.forward(&inputs).map(drop))?;
+        let i = ms(device, || {
             model
                 .forward_masked(&[masked_request(&inputs, 0, &index, &resident)])
                 .map(drop)
         })?;
-        let p = ms(|| {
-            let stream = loader.load_step(vec![(entry.clone(), 0)], 0, Kind::Float, Device::Cpu);
+        let p = ms(device, || {
+            let stream = loader.load_step(vec![(entry.clone(), 0)], 0, kind, device);
             model
                 .forward_masked(&[masked_request(&inputs, 0, &index, &stream[0])])
                 .map(drop)
         })?;
-        let nv = ms(|| {
-            let kv = decode_all(&entry)
+        let nv = ms(device, || {
+            let kv = decode_all(&entry, kind, device)
                 .map_err(|e| diffmesh_model::ModelError::input("cache", e.to_string()))?;
             model
                 .forward_masked(&[masked_request(&inputs, 0, &index, &kv)])
@@ -170,7 +211,8 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
         median(naive),
     );
     report.say(format!(
-        "medium step at mask 0.2: full {full:.1} ms, mask-aware ideal {ideal:.1} ms, pipelined {pipelined:.1} ms, naive {naive:.1} ms"
+        "{} step at mask 0.2 ({device:?}, {kind:?}): full {full:.1} ms, mask-aware ideal {ideal:.1} ms, pipelined {pipelined:.1} ms, naive {naive:.1} ms",
+        if opts.flux_dev { "FLUX.1-dev" } else { "medium" }
     ));
     let bw = loader.stats().bytes_per_second().unwrap_or(0.0);
     report.say(format!(
@@ -205,14 +247,14 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     };
     let indexes: Vec<Tensor> = ratios
         .iter()
-        .map(|&r| random_index(&mut rng, n, r))
+        .map(|&r| random_index(&mut rng, n, r).to_device(device))
         .collect();
     let (mut full_b, mut masked_b) = (vec![], vec![]);
     for round in 0..opts.runs.div_ceil(2) + 1 {
-        let f = ms(|| model.forward(&batch).map(drop))?;
-        let m = ms(|| {
+        let f = ms(device, || model.forward(&batch).map(drop))?;
+        let m = ms(device, || {
             let parts = (0..b).map(|_| (entry.clone(), 0)).collect();
-            let streams = loader.load_step(parts, 0, Kind::Float, Device::Cpu);
+            let streams = loader.load_step(parts, 0, kind, device);
             let reqs: Vec<MaskedRequest> = indexes
                 .iter()
                 .zip(&streams)

@@ -32,7 +32,7 @@ enum Part {
 #[derive(Debug, Parser)]
 #[command(
     name = "diffmesh-engine-bench",
-    about = "Engine benchmarks (in-process, CPU)"
+    about = "Engine benchmarks (in-process; CPU, and the mask-aware latency figures on a GPU with --device)"
 )]
 struct Args {
     /// Mask-ratio trace: one ratio a line (relative paths from the repository root).
@@ -52,6 +52,14 @@ struct Args {
     /// Model directory (diffusers layout; relative paths from the repository root).
     #[arg(long, default_value = "models/tiny")]
     model_dir: PathBuf,
+    /// Device of the mask-aware latency figures: cpu, cuda, cuda:N or auto (the batching,
+    /// disaggregation and quality parts run on the CPU).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Mask-aware latency figures on full-size FLUX.1-dev (random weights, 1024x1024: about
+    /// 48 GB of f32 weights while they are made) instead of the medium config; for a GPU.
+    #[arg(long)]
+    flux_dev: bool,
     /// Weights and activations of the engine: f32, bf16, or auto (bf16 where the CPU has bf16
     /// units, as the denoiser's `--dtype auto`).
     #[arg(long, default_value = "f32")]
@@ -198,7 +206,9 @@ async fn main() -> Result<()> {
     );
     let ratios = mask_ratios(&args.mask_ratios)?;
     let model_dir = from_repo_root(&args.model_dir);
-    let kind = diffmesh_denoiser::model::parse_model_dtype(&args.dtype, tch::Device::Cpu)
+    let device = diffmesh_denoiser::model::parse_device(&args.device)
+        .map_err(|expected| anyhow::anyhow!("--device {}: expected {expected}", args.device))?;
+    let kind = diffmesh_denoiser::model::parse_model_dtype(&args.dtype, device)
         .map_err(|expected| anyhow::anyhow!("--dtype {}: expected {expected}", args.dtype))?;
     let model = BenchModel {
         dir: model_dir.clone(),
@@ -234,6 +244,8 @@ async fn main() -> Result<()> {
             mask_ratios: ratios.clone(),
             runs: args.mask_aware_runs,
             tiny: model.clone(),
+            device,
+            flux_dev: args.flux_dev,
             quality_edits: args.quality_edits,
             quality_steps: args.quality_steps,
             seed: args.seed,

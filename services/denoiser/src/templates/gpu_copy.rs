@@ -139,7 +139,11 @@ impl GpuCopy {
             ready: None,
         };
         if let Some(e) = &released {
-            self.copy.wait(e).map_err(cuda)?;
+            if let Err(err) = self.copy.wait(e) {
+                // The slot goes back unordered: its last decode must be done first.
+                let _ = e.synchronize();
+                return Err(cuda(err));
+            }
         }
         let mut buf = self.ring[slot]
             .lock()
