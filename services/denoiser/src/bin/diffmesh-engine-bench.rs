@@ -208,6 +208,11 @@ async fn main() -> Result<()> {
     let model_dir = from_repo_root(&args.model_dir);
     let device = diffmesh_denoiser::model::parse_device(&args.device)
         .map_err(|expected| anyhow::anyhow!("--device {}: expected {expected}", args.device))?;
+    ensure!(
+        !device.is_cuda() || tch::Cuda::is_available(),
+        "--device {}: libtorch sees no CUDA device here",
+        args.device
+    );
     let kind = diffmesh_denoiser::model::parse_model_dtype(&args.dtype, device)
         .map_err(|expected| anyhow::anyhow!("--dtype {}: expected {expected}", args.dtype))?;
     let model = BenchModel {
