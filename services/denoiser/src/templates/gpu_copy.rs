@@ -21,6 +21,7 @@ use cudarc::driver::{
 };
 use diffmesh_model::flux::kv_codec::{decode_block_bytes, read_header, BlobHeader};
 use diffmesh_model::tch::{Device, Kind, Tensor};
+use std::collections::VecDeque;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
@@ -47,6 +48,9 @@ pub struct GpuCopy {
     ring: Vec<Mutex<Option<Tensor>>>,
     free_tx: Sender<Free>,
     free_rx: Mutex<Receiver<Free>>,
+    /// Copies queued with timing events (start, end, bytes), oldest first: the planner's load
+    /// bandwidth comes from the GPU's own clock, not the host's queueing.
+    timed: Mutex<VecDeque<(CudaEvent, CudaEvent, u64)>>,
 }
 
 impl std::fmt::Debug for GpuCopy {
@@ -84,6 +88,7 @@ impl GpuCopy {
             ring: (0..ring).map(|_| Mutex::new(None)).collect(),
             free_tx,
             free_rx: Mutex::new(free_rx),
+            timed: Mutex::new(VecDeque::new()),
         }))
     }
 
@@ -162,12 +167,43 @@ impl GpuCopy {
             *buf = Some(fresh);
         }
         let dst = buf.as_ref().map_or(0, |b| b.data_ptr() as sys::CUdeviceptr);
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.copy.record_event(timing).map_err(cuda)?;
         // SAFETY: `dst` holds at least `blob.len()` bytes and no reader uses it until the event
         // below; `blob` lives in a pinned entry that the engine holds until the step is done
         // (and whose memory is freed only after this stream drains).
         unsafe { result::memcpy_htod_async(dst, blob, self.copy.cu_stream()) }.map_err(cuda)?;
+        let end = self.copy.record_event(timing).map_err(cuda)?;
         block.ready = Some(self.copy.record_event(None).map_err(cuda)?);
+        if let Ok(mut timed) = self.timed.lock() {
+            timed.push_back((start, end, blob.len() as u64));
+        }
         Ok(block)
+    }
+
+    /// Copies completed since the last call: (blocks, bytes, seconds on the GPU's clock).
+    pub fn finished_copies(&self) -> (u64, u64, f64) {
+        let mut done = (0, 0, 0.0);
+        let Ok(mut timed) = self.timed.lock() else {
+            return done;
+        };
+        // One stream: copies complete in the order they were queued.
+        while let Some((_, end, _)) = timed.front() {
+            let complete = end.try_is_complete();
+            if complete == Ok(false) {
+                break;
+            }
+            let Some((start, end, bytes)) = timed.pop_front() else {
+                break;
+            };
+            // A copy whose events report an error is dropped, not counted.
+            if let (Ok(true), Ok(ms)) = (complete, start.elapsed_ms(&end)) {
+                done.0 += 1;
+                done.1 += bytes;
+                done.2 += f64::from(ms) / 1e3;
+            }
+        }
+        done
     }
 }
 

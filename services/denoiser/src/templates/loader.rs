@@ -142,16 +142,26 @@ fn run_job(job: LoadJob, gpu: Option<&Arc<GpuCopy>>, stats: &Mutex<LoadStats>) {
             }
             let started = Instant::now();
             let result = match gpu {
-                // Timed is the queueing of the copy; the copy itself runs on the GPU.
                 Some(gpu) => block_bytes(entry, *step, block)
                     .and_then(|blob| gpu.upload(blob))
                     .map(Loaded::Device),
                 None => load_block(entry, *step, block, job.kind, job.device),
             };
             if let Ok(mut s) = stats.lock() {
-                s.blocks += 1;
-                s.bytes += entry.block(*step, block).map_or(0, |b| b.len() as u64);
-                s.seconds += started.elapsed().as_secs_f64();
+                match gpu {
+                    // The host only queued the copy: count the copies the GPU has timed.
+                    Some(gpu) => {
+                        let (blocks, bytes, seconds) = gpu.finished_copies();
+                        s.blocks += blocks;
+                        s.bytes += bytes;
+                        s.seconds += seconds;
+                    }
+                    None => {
+                        s.blocks += 1;
+                        s.bytes += entry.block(*step, block).map_or(0, |b| b.len() as u64);
+                        s.seconds += started.elapsed().as_secs_f64();
+                    }
+                }
             }
             // The reader is gone (step failed or finished early): stop loading for it.
             if tx.send(result).is_err() {
@@ -341,6 +351,9 @@ mod tests {
                 }
             }
         }
+        // Bandwidth from the GPU's timings of the copies done so far.
+        let s = loader.stats();
+        assert!(s.blocks > 0 && s.bytes > 0 && s.seconds > 0.0, "{s:?}");
     }
 
     #[test]
