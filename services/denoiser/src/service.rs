@@ -145,7 +145,7 @@ impl Service {
             async move {
                 let entry = match store.fetch(&key).await {
                     Ok(Some(entry)) => {
-                        let entry = local.admit(Arc::new(entry));
+                        let entry = local.admit_off_runtime(Arc::new(entry)).await;
                         metrics.local_cache_bytes.set(local.bytes() as i64);
                         metrics.local_cache_lookups.with_label_values(&["miss"]).inc();
                         Some(entry)
@@ -181,7 +181,7 @@ impl Service {
                 .await;
             return;
         }
-        self.templates.local.admit(entry.clone());
+        self.templates.local.admit_off_runtime(entry.clone()).await;
         self.metrics
             .local_cache_bytes
             .set(self.templates.local.bytes() as i64);

@@ -127,6 +127,24 @@ impl LocalTier {
         held
     }
 
+    /// [`LocalTier::admit`] from async code: pinning copies a whole cache (and evicting a
+    /// pinned one waits for the copy stream), so where this tier pins it runs on a blocking
+    /// thread; should that thread fail, the entry is held unpinned.
+    pub async fn admit_off_runtime(&self, entry: Arc<TemplateEntry>) -> Arc<TemplateEntry> {
+        if self.pin.is_none() {
+            return self.admit(entry);
+        }
+        let (tier, given) = (self.clone(), entry.clone());
+        match tokio::task::spawn_blocking(move || tier.admit(given)).await {
+            Ok(held) => held,
+            Err(error) => {
+                tracing::warn!(%error, "pinning thread failed; cache held unpinned");
+                self.insert(entry.clone());
+                entry
+            }
+        }
+    }
+
     pub fn get(&self, cache_key: &str) -> Option<Arc<TemplateEntry>> {
         self.cache.get(cache_key)
     }

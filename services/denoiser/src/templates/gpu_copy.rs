@@ -109,15 +109,18 @@ impl GpuCopy {
                     .alloc_pinned_with_flags::<u8>(bytes.len().max(1), 0)
             }
             .map_err(cuda)?;
+            // `as_ptr` waits for cudarc's own event on this memory, which nothing records.
+            let ptr = pinned.as_ptr().map_err(cuda)?;
             let owner = PinnedBytes {
-                pinned,
+                _pinned: pinned,
+                ptr,
                 len: bytes.len(),
                 copy: self.copy.clone(),
             };
             // SAFETY: fresh allocation of at least `len` bytes, written once here, before any
             // reader exists.
             unsafe {
-                std::ptr::copy_nonoverlapping(bytes.as_ptr(), owner.ptr(), bytes.len());
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr.cast_mut(), bytes.len());
             }
             steps.push(bytes::Bytes::from_owner(owner));
         }
@@ -173,9 +176,16 @@ impl GpuCopy {
         // below; `blob` lives in a pinned entry that the engine holds until the step is done
         // (and whose memory is freed only after this stream drains).
         unsafe { result::memcpy_htod_async(dst, blob, self.copy.cu_stream()) }.map_err(cuda)?;
-        let end = self.copy.record_event(timing).map_err(cuda)?;
-        block.ready = Some(self.copy.record_event(None).map_err(cuda)?);
-        if let Ok(mut timed) = self.timed.lock() {
+        match self.copy.record_event(None) {
+            Ok(ready) => block.ready = Some(ready),
+            Err(e) => {
+                // No event for the queued copy: it must be done before the slot goes back.
+                let _ = self.copy.synchronize();
+                return Err(cuda(e));
+            }
+        }
+        // Timing only (a failure leaves the copy uncounted).
+        if let (Ok(end), Ok(mut timed)) = (self.copy.record_event(timing), self.timed.lock()) {
             timed.push_back((start, end, blob.len() as u64));
         }
         Ok(block)
@@ -223,8 +233,10 @@ impl DeviceBlock {
     pub fn decode(mut self, kind: Kind) -> Result<(Tensor, Tensor), String> {
         let gpu = self.gpu.clone();
         gpu.ctx.bind_to_thread().map_err(cuda)?;
-        let ready = self.ready.take().ok_or("block was never copied")?;
-        gpu.compute.wait(&ready).map_err(cuda)?;
+        // `ready` stays with the block until the decode is queued: on an early return its
+        // drop waits for the copy before the slot goes back.
+        let ready = self.ready.as_ref().ok_or("block was never copied")?;
+        gpu.compute.wait(ready).map_err(cuda)?;
         let kv = {
             let buf = gpu.ring[self.slot]
                 .lock()
@@ -275,24 +287,22 @@ impl Drop for DeviceBlock {
 
 /// A pinned step entry, freed only once the copy stream has drained (a copy may still read it).
 struct PinnedBytes {
-    pinned: PinnedHostSlice<u8>,
+    /// Owns the allocation (freed on drop); read only through `ptr`.
+    _pinned: PinnedHostSlice<u8>,
+    /// The allocation's start, non-null (checked by cudarc).
+    ptr: *const u8,
     len: usize,
     copy: Arc<CudaStream>,
 }
 
-impl PinnedBytes {
-    fn ptr(&self) -> *mut u8 {
-        // `as_ptr` waits for cudarc's own event on this memory, which nothing records.
-        self.pinned
-            .as_ptr()
-            .map_or(std::ptr::null_mut(), |p| p as *mut u8)
-    }
-}
+// SAFETY: `ptr` points into `pinned` (itself Send + Sync), which is only read after `pin`.
+unsafe impl Send for PinnedBytes {}
+unsafe impl Sync for PinnedBytes {}
 
 impl AsRef<[u8]> for PinnedBytes {
     fn as_ref(&self) -> &[u8] {
-        let p = self.ptr();
-        if p.is_null() || self.len == 0 {
+        let p = self.ptr;
+        if self.len == 0 {
             return &[];
         }
         // SAFETY: `len` bytes of the allocation, initialised in `GpuCopy::pin`, never written
