@@ -241,6 +241,8 @@ async fn main() -> Result<()> {
     report.insert("cores", cores);
     report.insert("torch_threads", args.torch_threads);
     report.insert("dtype", format!("{kind:?}"));
+    report.insert("device", format!("{device:?}"));
+    report.insert("flux_dev", args.flux_dev);
     report.insert("seed", args.seed);
 
     let with_latency = args.parts.contains(&Part::MaskAware);

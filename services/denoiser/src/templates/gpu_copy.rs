@@ -23,7 +23,7 @@ use diffmesh_model::flux::kv_codec::{decode_block_bytes, read_header, BlobHeader
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use std::collections::VecDeque;
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::entry::TemplateEntry;
 
@@ -112,7 +112,7 @@ impl GpuCopy {
             // `as_ptr` waits for cudarc's own event on this memory, which nothing records.
             let ptr = pinned.as_ptr().map_err(cuda)?;
             let owner = PinnedBytes {
-                _pinned: pinned,
+                pinned: Some(pinned),
                 ptr,
                 len: bytes.len(),
                 copy: self.copy.clone(),
@@ -287,8 +287,8 @@ impl Drop for DeviceBlock {
 
 /// A pinned step entry, freed only once the copy stream has drained (a copy may still read it).
 struct PinnedBytes {
-    /// Owns the allocation (freed on drop); read only through `ptr`.
-    _pinned: PinnedHostSlice<u8>,
+    /// Owns the allocation (handed to the reaper on drop); read only through `ptr`.
+    pinned: Option<PinnedHostSlice<u8>>,
     /// The allocation's start, non-null (checked by cudarc).
     ptr: *const u8,
     len: usize,
@@ -313,6 +313,38 @@ impl AsRef<[u8]> for PinnedBytes {
 
 impl Drop for PinnedBytes {
     fn drop(&mut self) {
-        let _ = self.copy.synchronize();
+        if let Some(pinned) = self.pinned.take() {
+            reap(pinned, self.copy.clone());
+        }
+    }
+}
+
+type Reaped = (PinnedHostSlice<u8>, Arc<CudaStream>);
+
+/// Free pinned memory once its copy stream has drained, on a thread of its own: the last
+/// holder of an evicted cache may be the engine thread, which must not wait for the GPU.
+fn reap(pinned: PinnedHostSlice<u8>, copy: Arc<CudaStream>) {
+    static REAPER: OnceLock<Option<Mutex<Sender<Reaped>>>> = OnceLock::new();
+    let reaper = REAPER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<Reaped>();
+        std::thread::Builder::new()
+            .name("pinned-reaper".into())
+            .spawn(move || {
+                for (pinned, copy) in rx {
+                    let _ = copy.synchronize();
+                    drop(pinned);
+                }
+            })
+            .ok()
+            .map(|_| Mutex::new(tx))
+    });
+    let unsent = match reaper.as_ref().map(|tx| tx.lock()) {
+        Some(Ok(tx)) => tx.send((pinned, copy)).err().map(|e| e.0),
+        _ => Some((pinned, copy)),
+    };
+    // No reaper thread: wait here.
+    if let Some((pinned, copy)) = unsent {
+        let _ = copy.synchronize();
+        drop(pinned);
     }
 }
