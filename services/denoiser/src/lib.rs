@@ -166,13 +166,12 @@ impl DenoiserConfig {
         })
     }
 
-    pub fn parse_dtype(&self) -> Result<Kind, DenoiserError> {
-        model::parse_model_dtype(&self.dtype, self.parse_device()?).map_err(|expected| {
-            DenoiserError::Flag {
-                flag: "dtype",
-                value: self.dtype.clone(),
-                expected,
-            }
+    /// The dtype for a model on `device` (what `auto` resolves to depends on it).
+    pub fn parse_dtype(&self, device: Device) -> Result<Kind, DenoiserError> {
+        model::parse_model_dtype(&self.dtype, device).map_err(|expected| DenoiserError::Flag {
+            flag: "dtype",
+            value: self.dtype.clone(),
+            expected,
         })
     }
 
@@ -277,7 +276,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         return Err(DenoiserError::WorkerId(worker_id));
     }
     let device = config.parse_device()?;
-    let kind = config.parse_dtype()?;
+    let kind = config.parse_dtype(device)?;
     let cache_settings = config.cache_settings()?;
     let dir = config.resolved_model_dir();
     let model_id = config.model_id.clone().unwrap_or_else(|| {

@@ -24,9 +24,6 @@ pub struct EngineModel {
     pub gpu_copy: Option<Arc<GpuCopy>>,
 }
 
-/// Device buffers in the copy ring: blocks copied ahead of the compute, over all requests.
-const GPU_RING: usize = 8;
-
 impl EngineModel {
     pub fn load(
         dir: &Path,
@@ -37,7 +34,7 @@ impl EngineModel {
     ) -> Result<Self, ModelError> {
         let model = LoadedModel::load(dir, device, kind)?;
         let gpu_copy = match device {
-            Device::Cuda(ordinal) => match GpuCopy::new(ordinal, GPU_RING) {
+            Device::Cuda(ordinal) => match GpuCopy::new(ordinal, GpuCopy::RING) {
                 Ok(gpu) => Some(gpu),
                 Err(error) => {
                     tracing::warn!(%error, "no CUDA copy stream: template caches load synchronously");

@@ -165,7 +165,9 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     let resident = decode_all(&entry, kind, device)?;
     // On a GPU: the local tier's pinned form and the copy stream, as a GPU denoiser runs them.
     let gpu = match device {
-        Device::Cuda(ordinal) => Some(GpuCopy::new(ordinal, 8).map_err(anyhow::Error::msg)?),
+        Device::Cuda(ordinal) => {
+            Some(GpuCopy::new(ordinal, GpuCopy::RING).map_err(anyhow::Error::msg)?)
+        }
         _ => None,
     };
     let entry = match &gpu {
@@ -296,6 +298,12 @@ fn rect_mask(rng: &mut ChaCha8Rng, side: i64, ratio: f64) -> Tensor {
     mask.view([-1])
 }
 
+/// Mean and minimum of per-edit scores.
+fn mean_min(v: &[f64]) -> (f64, f64) {
+    let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    (mean, v.iter().copied().fold(f64::INFINITY, f64::min))
+}
+
 /// Quality of mask-aware edits against full compute with the trained tiny model.
 fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     let _guard = tch::no_grad_guard();
@@ -403,9 +411,7 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
                 vs_f32.1.push(psnr(&r, &b)?.min(100.0));
             }
         }
-        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-        let (s, q) = (mean(&ssims), mean(&psnrs));
-        let min_s = ssims.iter().copied().fold(f64::INFINITY, f64::min);
+        let ((s, min_s), (q, _)) = (mean_min(&ssims), mean_min(&psnrs));
         report.say(format!(
             "quality ({} cache, {} edits, {} steps): SSIM mean {s:.4} (min {min_s:.4}), PSNR mean {q:.2} dB; cache {} bytes",
             dtype.as_str(),
@@ -424,9 +430,7 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     }
     report.insert("quality_by_cache_dtype", Value::Object(summary));
     if reference.is_some() {
-        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-        let (s, q) = (mean(&vs_f32.0), mean(&vs_f32.1));
-        let min_s = vs_f32.0.iter().copied().fold(f64::INFINITY, f64::min);
+        let ((s, min_s), (q, _)) = (mean_min(&vs_f32.0), mean_min(&vs_f32.1));
         report.say(format!(
             "quality of the {:?} model (bf16 cache, mask-aware) against f32 full compute: SSIM mean {s:.4} (min {min_s:.4}), PSNR mean {q:.2} dB",
             opts.tiny.kind

@@ -63,6 +63,10 @@ impl std::fmt::Debug for GpuCopy {
 }
 
 impl GpuCopy {
+    /// Device buffers a denoiser's ring holds: blocks copied ahead of the compute, over all
+    /// requests of a step.
+    pub const RING: usize = 8;
+
     /// The copy stream and a ring of `ring` device buffers on CUDA device `ordinal` (the
     /// primary context, which libtorch uses too). Fails where no CUDA driver answers.
     pub fn new(ordinal: usize, ring: usize) -> Result<Arc<Self>, String> {
@@ -324,7 +328,7 @@ type Reaped = (PinnedHostSlice<u8>, Arc<CudaStream>);
 /// Free pinned memory once its copy stream has drained, on a thread of its own: the last
 /// holder of an evicted cache may be the engine thread, which must not wait for the GPU.
 fn reap(pinned: PinnedHostSlice<u8>, copy: Arc<CudaStream>) {
-    static REAPER: OnceLock<Option<Mutex<Sender<Reaped>>>> = OnceLock::new();
+    static REAPER: OnceLock<Option<Sender<Reaped>>> = OnceLock::new();
     let reaper = REAPER.get_or_init(|| {
         let (tx, rx) = mpsc::channel::<Reaped>();
         std::thread::Builder::new()
@@ -336,11 +340,11 @@ fn reap(pinned: PinnedHostSlice<u8>, copy: Arc<CudaStream>) {
                 }
             })
             .ok()
-            .map(|_| Mutex::new(tx))
+            .map(|_| tx)
     });
-    let unsent = match reaper.as_ref().map(|tx| tx.lock()) {
-        Some(Ok(tx)) => tx.send((pinned, copy)).err().map(|e| e.0),
-        _ => Some((pinned, copy)),
+    let unsent = match reaper {
+        Some(tx) => tx.send((pinned, copy)).err().map(|e| e.0),
+        None => Some((pinned, copy)),
     };
     // No reaper thread: wait here.
     if let Some((pinned, copy)) = unsent {
