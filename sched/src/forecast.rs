@@ -129,7 +129,7 @@ impl Forecaster {
             for s in &self.batch {
                 totals.add(shape, s.masked);
             }
-            t += phase as f64 * model.step_latency(&totals);
+            t += phase as f64 * model.step_latency(&totals) * worker.step_time_factor;
             for s in &mut self.batch {
                 s.remaining -= phase;
                 if s.remaining == 0 {

@@ -5,11 +5,13 @@
 //! - [`planner`]: FlashPS Algorithm 1, made exact: per block, use the cached activations (loaded
 //!   in order on a copy stream) or recompute all tokens, minimising the step latency.
 //! - [`batching`]: the engine's step-level continuous-batching admission rule.
+//! - [`calibration`]: per-worker factor between the cost models and the steps a worker ran.
 //! - [`policy`] / [`mask_aware`]: the one placement trait shared by the live router and the
 //!   simulator, with round-robin, request-count, token-count and mask-aware (Algorithm 2) policies.
 //! - [`sim`]: a discrete-event simulator that drives the same policies with the fitted costs.
 //! - [`profiles`]: the measured profiles checked in under `sched/profiles/`, built in.
 pub mod batching;
+pub mod calibration;
 pub mod cost_model;
 pub mod error;
 pub mod forecast;

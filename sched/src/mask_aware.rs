@@ -122,7 +122,7 @@ impl Policy for FlashPsGreedy {
                 t.add(&model.shape, r.masked_tokens);
             }
             t.add(&model.shape, req.masked_tokens);
-            model.step_latency(&t)
+            model.step_latency(&t) * w.step_time_factor
         })
     }
 }

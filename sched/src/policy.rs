@@ -41,6 +41,9 @@ pub struct WorkerState {
     pub limits: BatchLimits,
     /// Seconds until the step in flight ends (0 when idle).
     pub step_remaining_s: f64,
+    /// This worker's measured step time over the cost models' prediction
+    /// ([`crate::calibration::StepCalibration::factor`]); forecasts scale every step by it.
+    pub step_time_factor: f64,
 }
 
 impl WorkerState {
@@ -52,6 +55,7 @@ impl WorkerState {
             resident_templates: Vec::new(),
             limits,
             step_remaining_s: 0.0,
+            step_time_factor: 1.0,
         }
     }
 

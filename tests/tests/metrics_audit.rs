@@ -58,6 +58,8 @@ const REQUIRED: &[(&str, &[&str])] = &[
             "diffmesh_router_failures_total",
             // The cost model checked against the steps denoisers report.
             "diffmesh_router_step_prediction_ratio",
+            // Per denoiser, the factor placement scales its forecasts by.
+            "diffmesh_router_worker_step_time_ratio",
         ],
     ),
     (

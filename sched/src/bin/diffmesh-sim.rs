@@ -89,6 +89,14 @@ struct Args {
         requires = "shared_cores"
     )]
     background_cpu_s: f64,
+    /// Per worker, how much longer its steps take than the profile predicts, comma-separated
+    /// (worker i gets entry i mod len): a fleet of unlike machines, e.g. `1,1,1,1,2,2,2,2`.
+    #[arg(long, env = "DIFFMESH_SIM_WORKER_STEP_FACTORS", value_delimiter = ',')]
+    worker_step_factors: Vec<f64>,
+    /// Policies see each worker's step-time factor learned from its steps, as the live router
+    /// does (false: they trust the profile for every worker).
+    #[arg(long, env = "DIFFMESH_SIM_CALIBRATE", default_value_t = true, action = clap::ArgAction::Set)]
+    calibrate: bool,
     /// Write the synthetic profile to this file and exit.
     #[arg(long, env = "DIFFMESH_SIM_WRITE_PROFILE")]
     write_profile: Option<PathBuf>,
@@ -141,31 +149,12 @@ fn main() -> anyhow::Result<()> {
     if args.max_batch == 0 {
         bail!("--max-batch must be > 0");
     }
-    let steps = args.steps.unwrap_or(model.shape.steps);
-    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
-    let arrivals = if let Some(t) = &args.trace {
-        workload::read_trace(t, &model.shape, steps)?
-    } else {
-        let path = args
-            .mask_ratios
-            .as_ref()
-            .context("--mask-ratios is required without --trace")?;
-        let ratios = workload::read_mask_ratios(path)?;
-        let mean = ratios.iter().sum::<f64>() / ratios.len() as f64;
-        let cap = workload::capacity_rps(&model, &limits, args.workers, mean, steps);
-        let rps = match (args.rps, args.load) {
-            (Some(r), None) if r > 0.0 => r,
-            (None, Some(f)) if f > 0.0 => f * cap,
-            _ => bail!("give exactly one of --rps R or --load F (> 0), or --trace FILE"),
-        };
-        say(format!(
-            "workload: Poisson {rps:.3} req/s for {}s, masks from {} (mean ratio {mean:.3}); estimated capacity {cap:.3} req/s ({:.2} load)",
-            args.duration,
-            path.display(),
-            rps / cap
-        ));
-        workload::poisson(&mut rng, rps, args.duration, &ratios, &model.shape, steps)
-    };
+    for &f in &args.worker_step_factors {
+        ensure!(
+            f > 0.0 && f.is_finite(),
+            "--worker-step-factors: each factor must be a finite number > 0, got {f}"
+        );
+    }
     let cfg = SimConfig {
         workers: args.workers,
         limits,
@@ -178,6 +167,33 @@ fn main() -> anyhow::Result<()> {
             co_run_slowdown: args.co_run_slowdown,
             background_cpu_s: args.background_cpu_s,
         }),
+        worker_step_factors: args.worker_step_factors.clone(),
+        calibrate: args.calibrate,
+    };
+    let steps = args.steps.unwrap_or(model.shape.steps);
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    let arrivals = if let Some(t) = &args.trace {
+        workload::read_trace(t, &model.shape, steps)?
+    } else {
+        let path = args
+            .mask_ratios
+            .as_ref()
+            .context("--mask-ratios is required without --trace")?;
+        let ratios = workload::read_mask_ratios(path)?;
+        let mean = ratios.iter().sum::<f64>() / ratios.len() as f64;
+        let cap = workload::capacity_rps(&model, &limits, cfg.effective_workers(), mean, steps);
+        let rps = match (args.rps, args.load) {
+            (Some(r), None) if r > 0.0 => r,
+            (None, Some(f)) if f > 0.0 => f * cap,
+            _ => bail!("give exactly one of --rps R or --load F (> 0), or --trace FILE"),
+        };
+        say(format!(
+            "workload: Poisson {rps:.3} req/s for {}s, masks from {} (mean ratio {mean:.3}); estimated capacity {cap:.3} req/s ({:.2} load)",
+            args.duration,
+            path.display(),
+            rps / cap
+        ));
+        workload::poisson(&mut rng, rps, args.duration, &ratios, &model.shape, steps)
     };
     if let Some(c) = args.shared_cores {
         ensure!(
@@ -225,6 +241,13 @@ fn main() -> anyhow::Result<()> {
         o.insert("synthetic_profile".into(), model.synthetic.into());
         o.insert("seed".into(), args.seed.into());
         o.insert("workers".into(), args.workers.into());
+        o.insert("calibrate".into(), args.calibrate.into());
+        if !args.worker_step_factors.is_empty() {
+            o.insert(
+                "worker_step_factors".into(),
+                args.worker_step_factors.clone().into(),
+            );
+        }
         if let Some(l) = args.load {
             o.insert("load".into(), l.into());
         }

@@ -6,6 +6,7 @@ pub mod metrics;
 pub mod workload;
 
 use crate::batching::{admit_count, BatchLimits};
+use crate::calibration::StepCalibration;
 use crate::cost_model::{BatchTotals, CostModels};
 use crate::policy::{ActiveRequest, Policy, RequestInfo, WorkerState};
 use metrics::{percentile, Summary};
@@ -34,6 +35,31 @@ pub struct SimConfig {
     /// Workers that share a machine's cores with each other and with the rest of the mesh (a
     /// CPU deployment); `None`: each worker has its own device, as on GPUs.
     pub shared_cpu: Option<SharedCpu>,
+    /// Per worker, how much longer its steps take than the cost models predict (worker `i`
+    /// gets entry `i mod len`; empty: all as predicted): a fleet of unlike machines.
+    pub worker_step_factors: Vec<f64>,
+    /// Policies see each worker's step-time factor learned from the steps it ran
+    /// ([`crate::calibration`]), as the live router learns it from heartbeats; false: every
+    /// view says 1 (the router trusts the profile).
+    pub calibrate: bool,
+}
+
+impl SimConfig {
+    /// Worker `i`'s true step-time factor.
+    pub fn step_factor(&self, i: usize) -> f64 {
+        match self.worker_step_factors.len() {
+            0 => 1.0,
+            n => self.worker_step_factors[i % n],
+        }
+    }
+
+    /// Workers' total speed in units of a worker stepping as predicted (`sum of 1 / factor`):
+    /// what the cluster's capacity scales with.
+    pub fn effective_workers(&self) -> f64 {
+        (0..self.workers.max(1) as usize)
+            .map(|i| 1.0 / self.step_factor(i))
+            .sum()
+    }
 }
 
 /// How workers on one CPU machine slow each other down. A step that starts while `k` workers
@@ -73,6 +99,10 @@ struct Worker {
     running: Vec<Job>,
     queue: VecDeque<Job>,
     step_end: Option<f64>,
+    /// The step in flight: what the cost models predicted for its batch, what it takes.
+    step_predicted_s: f64,
+    step_s: f64,
+    calibration: StepCalibration,
     busy_s: f64,
 }
 
@@ -128,7 +158,7 @@ pub fn simulate_with_latencies(
             (None, None) => break,
             (Some((t, w)), a) if a.is_none_or(|a| t <= a.time_s) => {
                 finish_step(&mut workers[w], t, cfg.request_overhead_s, &mut tot);
-                let slow = slowdown(cfg, &workers, w, background);
+                let slow = slowdown(cfg, &workers, w, background) * cfg.step_factor(w);
                 start_step(&mut workers[w], t, slow, cfg, model, &mut noise, &mut tot);
             }
             (_, Some(a)) => {
@@ -136,6 +166,11 @@ pub fn simulate_with_latencies(
                 let now = a.time_s;
                 for (w, v) in workers.iter().zip(views.iter_mut()) {
                     snapshot(w, now, v);
+                    v.step_time_factor = if cfg.calibrate {
+                        w.calibration.factor()
+                    } else {
+                        1.0
+                    };
                 }
                 let req = RequestInfo {
                     masked_tokens: a.masked_tokens,
@@ -156,7 +191,7 @@ pub fn simulate_with_latencies(
                     deadline_s: now + cfg.slo_factor * standalone,
                 });
                 if workers[w].step_end.is_none() {
-                    let slow = slowdown(cfg, &workers, w, background);
+                    let slow = slowdown(cfg, &workers, w, background) * cfg.step_factor(w);
                     start_step(&mut workers[w], now, slow, cfg, model, &mut noise, &mut tot);
                 }
             }
@@ -210,6 +245,8 @@ fn snapshot(w: &Worker, now: f64, v: &mut WorkerState) {
 /// End the worker's step at `t`; requests that finish leave `overhead_s` later.
 fn finish_step(w: &mut Worker, t: f64, overhead_s: f64, tot: &mut Totals) {
     w.step_end = None;
+    // The live router learns from a step once the worker reports it: when it has ended.
+    w.calibration.observe(w.step_s, w.step_predicted_s);
     for j in &mut w.running {
         j.remaining -= 1;
         if j.remaining == 0 {
@@ -255,7 +292,8 @@ fn start_step(
     for j in &w.running {
         totals.add(shape, j.masked);
     }
-    let mut latency = model.step_latency(&totals) * slowdown;
+    let predicted = model.step_latency(&totals);
+    let mut latency = predicted * slowdown;
     if cfg.step_noise > 0.0 {
         let u1: f64 = 1.0 - noise.random::<f64>();
         let u2: f64 = noise.random::<f64>();
@@ -263,6 +301,7 @@ fn start_step(
         latency *= (1.0 + cfg.step_noise * z).max(0.1);
     }
     w.step_end = Some(now + latency);
+    (w.step_predicted_s, w.step_s) = (predicted, latency);
     w.busy_s += latency;
     tot.steps += 1;
     tot.batch_sum += w.running.len() as u64;

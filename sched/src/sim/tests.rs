@@ -14,6 +14,8 @@ fn cfg(workers: u32, max_batch: u32) -> SimConfig {
         seed: 1,
         request_overhead_s: 0.0,
         shared_cpu: None,
+        worker_step_factors: Vec::new(),
+        calibrate: true,
     }
 }
 
@@ -137,4 +139,48 @@ fn shared_cpu_slowdown_time_slices_beyond_the_cores() {
     assert!((cpu.slowdown(2, 0.0) - 1.1).abs() < 1e-12);
     assert!((cpu.slowdown(2, 0.5) - 1.1 * 1.25).abs() < 1e-12);
     assert!((cpu.slowdown(3, 0.0) - 1.2 * 1.5).abs() < 1e-12);
+}
+
+#[test]
+fn a_slower_worker_steps_by_its_factor() {
+    let m = synthetic::default_models();
+    let slow = SimConfig {
+        worker_step_factors: vec![2.5],
+        ..cfg(1, 8)
+    };
+    let s = simulate(&slow, &m, &mut RequestCount, &[arrival(1.0, 450)]);
+    assert!((s.p50 - 2.5 * m.standalone_s(450, 28)).abs() < 1e-9);
+    let fleet = SimConfig {
+        worker_step_factors: vec![1.0, 2.0],
+        ..cfg(4, 8)
+    };
+    assert_eq!(fleet.step_factor(3), 2.0);
+    assert!((fleet.effective_workers() - 3.0).abs() < 1e-12);
+}
+
+/// Mask-aware placement on a fleet of two fast and two slow workers (steps 3x the profile's),
+/// with and without learning the workers' step-time factors.
+fn mixed_fleet_p95(calibrate: bool) -> f64 {
+    let m = synthetic::default_models();
+    let fleet = SimConfig {
+        worker_step_factors: vec![1.0, 1.0, 3.0, 3.0],
+        calibrate,
+        ..cfg(4, 8)
+    };
+    let limits = fleet.limits;
+    let cap = workload::capacity_rps(&m, &limits, fleet.effective_workers(), 0.2, 28);
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let a = workload::poisson(&mut rng, 0.7 * cap, 3000.0, &[0.05, 0.2, 0.5], &m.shape, 28);
+    let mut policy = policy_by_name("mask-aware").unwrap();
+    simulate(&fleet, &m, policy.as_mut(), &a).p95
+}
+
+#[test]
+fn learning_step_factors_places_better_on_a_mixed_fleet() {
+    let (learned, trusted) = (mixed_fleet_p95(true), mixed_fleet_p95(false));
+    // Trusting the profile, mask-aware sends slow workers as much as fast ones.
+    assert!(
+        learned < 0.85 * trusted,
+        "p95 learned {learned:.2} s vs profile trusted {trusted:.2} s"
+    );
 }

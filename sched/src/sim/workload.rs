@@ -140,7 +140,7 @@ pub fn poisson(
 pub fn capacity_rps(
     model: &CostModels,
     limits: &BatchLimits,
-    workers: u32,
+    workers: f64,
     mean_ratio: f64,
     steps: u32,
 ) -> f64 {
@@ -156,7 +156,7 @@ pub fn capacity_rps(
     if step <= 0.0 {
         return f64::INFINITY;
     }
-    workers as f64 * batch as f64 / (steps.max(1) as f64 * step)
+    workers * batch as f64 / (steps.max(1) as f64 * step)
 }
 
 #[cfg(test)]

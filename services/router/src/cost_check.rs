@@ -1,10 +1,13 @@
 //! Checks the cost model against the steps denoisers report (`Heartbeat::recent_steps`). The
 //! router ranks workers by predicted latency from a profile measured on some machine; on other
-//! hardware, or for another model, every prediction is off by a factor and placement quietly
-//! degrades. Each reported step's measured time over the model's prediction for the same batch
-//! is exported (`diffmesh_router_step_prediction_ratio`), and a worker whose smoothed ratio
-//! stays off by more than [`OFF_FACTOR`] is named in a warning (at most every
-//! [`WARN_EVERY`]).
+//! hardware, in another dtype, or under co-running load, every prediction is off by a factor.
+//! Each reported step's measured time over the model's prediction for the same batch is
+//! exported (`diffmesh_router_step_prediction_ratio`) and smoothed per worker
+//! ([`StepCalibration`]); placement scales that worker's forecasts by the result
+//! ([`CostCheck::step_time_factor`]), so a mixed fleet is ranked by what each worker really
+//! takes. A worker whose smoothed ratio stays off by more than [`OFF_FACTOR`] is still named in
+//! a warning (at most every [`WARN_EVERY`]): the profile is for another machine or model.
+use diffmesh_sched::calibration::{StepCalibration, MIN_SAMPLES};
 use diffmesh_sched::cost_model::BatchTotals;
 use diffmesh_sched::CostModels;
 use diffmesh_shared::messages::StepSample;
@@ -13,10 +16,6 @@ use std::time::{Duration, Instant};
 
 /// A smoothed measured/predicted ratio beyond this factor (either way) is reported.
 pub const OFF_FACTOR: f64 = 2.0;
-/// Samples a worker must have reported before it is judged.
-pub const MIN_SAMPLES: u64 = 20;
-/// Weight of each new sample in the smoothed log ratio.
-const SMOOTHING: f64 = 0.05;
 /// How often the warning for one worker repeats while its ratio stays off.
 pub const WARN_EVERY: Duration = Duration::from_secs(600);
 /// A worker not heard of for this long is forgotten.
@@ -41,8 +40,7 @@ pub fn predicted_step_s(models: &CostModels, row_ratios: &[f32]) -> f64 {
 
 #[derive(Debug)]
 struct WorkerFit {
-    log_ratio: f64,
-    samples: u64,
+    calibration: StepCalibration,
     warned_at: Option<Instant>,
     seen_at: Instant,
 }
@@ -52,6 +50,8 @@ struct WorkerFit {
 pub struct CostReport {
     /// Measured / predicted, one per usable sample.
     pub ratios: Vec<f64>,
+    /// The worker's step-time factor after these samples ([`CostCheck::step_time_factor`]).
+    pub factor: f64,
     /// The worker's smoothed ratio, when it is off by more than [`OFF_FACTOR`] and a warning
     /// is due.
     pub warn: Option<f64>,
@@ -72,7 +72,10 @@ impl CostCheck {
     ) -> CostReport {
         self.workers
             .retain(|_, w| now.saturating_duration_since(w.seen_at) < FORGET_AFTER);
-        let mut report = CostReport::default();
+        let mut report = CostReport {
+            factor: self.step_time_factor(worker),
+            ..CostReport::default()
+        };
         if steps.is_empty() {
             return report;
         }
@@ -80,36 +83,36 @@ impl CostCheck {
             .workers
             .entry(worker.to_string())
             .or_insert_with(|| WorkerFit {
-                log_ratio: 0.0,
-                samples: 0,
+                calibration: StepCalibration::default(),
                 warned_at: None,
                 seen_at: now,
             });
         fit.seen_at = now;
         for s in steps {
             let predicted = predicted_step_s(models, &s.row_ratios);
-            // Unusable: an empty batch, a model predicting nothing, a bad clock reading.
-            if !(predicted > 0.0 && s.seconds > 0.0 && s.seconds.is_finite()) {
-                continue;
+            if let Some(ratio) = fit.calibration.observe(s.seconds, predicted) {
+                report.ratios.push(ratio);
             }
-            let ratio = s.seconds / predicted;
-            fit.log_ratio = if fit.samples == 0 {
-                ratio.ln()
-            } else {
-                (1.0 - SMOOTHING) * fit.log_ratio + SMOOTHING * ratio.ln()
-            };
-            fit.samples += 1;
-            report.ratios.push(ratio);
         }
-        let off = fit.log_ratio.abs() > OFF_FACTOR.ln();
+        report.factor = fit.calibration.factor();
+        let smoothed = fit.calibration.ratio();
+        let off = smoothed.ln().abs() > OFF_FACTOR.ln();
         let due = fit
             .warned_at
             .is_none_or(|t| now.saturating_duration_since(t) >= WARN_EVERY);
-        if off && due && fit.samples >= MIN_SAMPLES {
+        if off && due && fit.calibration.samples() >= MIN_SAMPLES {
             fit.warned_at = Some(now);
-            report.warn = Some(fit.log_ratio.exp());
+            report.warn = Some(smoothed);
         }
         report
+    }
+
+    /// What the router multiplies `worker`'s predicted steps by (1 for a worker it has too
+    /// few steps of).
+    pub fn step_time_factor(&self, worker: &str) -> f64 {
+        self.workers
+            .get(worker)
+            .map_or(1.0, |w| w.calibration.factor())
     }
 }
 

@@ -1,6 +1,7 @@
 //! Router metrics, registered in the registry the health server exposes on /metrics.
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 /// Buckets of the policy decision: 1 us to 10 ms (the issue's bound is a 100 us p99).
@@ -30,6 +31,9 @@ pub struct RouterMetrics {
     /// Each step a denoiser reports, measured over the cost model's prediction (1: the
     /// profile fits the hardware).
     pub step_prediction_ratio: Histogram,
+    /// Per denoiser, the factor its forecasts are scaled by (its smoothed measured/predicted
+    /// step time; 1 until it has reported enough steps).
+    pub step_time_factor: GaugeVec,
 }
 
 impl RouterMetrics {
@@ -95,7 +99,16 @@ impl RouterMetrics {
             )
             .buckets(diffmesh_shared::metrics::PREDICTION_RATIO_BUCKETS.to_vec()),
         )?;
+        let step_time_factor = GaugeVec::new(
+            Opts::new(
+                "diffmesh_router_worker_step_time_ratio",
+                "Factor the router scales a denoiser's predicted steps by: its smoothed measured \
+                 over predicted step time (label: worker)",
+            ),
+            &["worker"],
+        )?;
         registry.register(Box::new(step_prediction_ratio.clone()))?;
+        registry.register(Box::new(step_time_factor.clone()))?;
         registry.register(Box::new(submit_seconds.clone()))?;
         registry.register(Box::new(decision_seconds.clone()))?;
         registry.register(Box::new(policy.clone()))?;
@@ -116,6 +129,7 @@ impl RouterMetrics {
             admission_waiting,
             adoptions,
             step_prediction_ratio,
+            step_time_factor,
         })
     }
 

@@ -141,13 +141,19 @@ impl Router {
                     for ratio in &costs.ratios {
                         self.metrics.step_prediction_ratio.observe(*ratio);
                     }
+                    self.metrics
+                        .step_time_factor
+                        .with_label_values(&[worker.as_str()])
+                        .set(costs.factor);
                     if let Some(ratio) = costs.warn {
                         tracing::warn!(%worker, ratio = format!("{ratio:.2}"),
                             "this denoiser's steps take {ratio:.2}x what the router's cost model \
                              predicts: its profile was measured on other hardware, for another \
-                             model or without the load this worker shares its device with, so \
-                             placement ranks workers on wrong costs; measure one here (cargo \
-                             xtask profile) and start the router with ROUTER_PROFILE");
+                             model or without the load this worker shares its device with; \
+                             placement scales this worker's forecasts by the measured factor, \
+                             but how cost grows with masks and batches may differ too: measure \
+                             a profile here (cargo xtask profile) and start the router with \
+                             ROUTER_PROFILE");
                     }
                     self.metrics.live_workers.set(live as i64);
                     self.capacity.notify_waiters();
@@ -180,6 +186,11 @@ impl Router {
             };
             self.metrics.live_workers.set(live as i64);
             for (worker, plans) in lost {
+                // A lost worker's factor is not exported on (a new id comes back, not this one).
+                let _ = self
+                    .metrics
+                    .step_time_factor
+                    .remove_label_values(&[worker.worker_id.as_str()]);
                 tracing::warn!(worker = %worker.worker_id, jobs = worker.jobs.len(), "denoiser lost (missed heartbeats)");
                 for plan in plans {
                     let this = self.clone();

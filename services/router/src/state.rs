@@ -100,7 +100,8 @@ impl RouterState {
                 self.views.push(WorkerState::idle(BatchLimits::default()));
                 self.ids.push(String::new());
             }
-            fill_worker_state(w, &self.models, now, &mut self.views[n]);
+            let factor = self.cost_check.step_time_factor(w.worker_id);
+            fill_worker_state(w, &self.models, factor, now, &mut self.views[n]);
             self.ids[n].clear();
             self.ids[n].push_str(w.worker_id);
             n += 1;
@@ -237,6 +238,44 @@ mod tests {
         assert_eq!(
             s.place(&edit("j2", 0.1, "other"), &[]),
             Decision::Chosen("a".into())
+        );
+    }
+
+    #[test]
+    fn mask_aware_ranks_workers_by_the_step_times_they_report() {
+        // a is idle but its steps take 4x what the profile predicts (another machine, or
+        // another dtype); b steps as predicted and runs a job about to finish. Until enough
+        // steps are reported the profile is trusted and idle a wins; then b does.
+        let t0 = Instant::now();
+        let mut s = state_with("mask-aware", 3);
+        let reported = |s: &RouterState, factor: f64, n: usize| {
+            let predicted = crate::cost_check::predicted_step_s(s.models(), &[0.1]);
+            vec![
+                diffmesh_shared::messages::StepSample {
+                    row_ratios: vec![0.1],
+                    seconds: factor * predicted,
+                };
+                n
+            ]
+        };
+        let mut b = heartbeat("b", 4, 0);
+        b.running = vec![running("small", 8, 2)];
+        s.observe(heartbeat("a", 4, 0), t0);
+        s.observe(b.clone(), t0);
+        assert_eq!(
+            s.place(&edit("j1", 0.1, "t"), &[]),
+            Decision::Chosen("a".into())
+        );
+        s.unplace("j1");
+        let mut a = heartbeat("a", 4, 0);
+        a.recent_steps = reported(&s, 4.0, 30);
+        b.recent_steps = reported(&s, 1.0, 30);
+        s.observe(a, t0);
+        s.observe(b, t0);
+        assert!((s.cost_check.step_time_factor("a") - 4.0).abs() < 1e-9);
+        assert_eq!(
+            s.place(&edit("j2", 0.1, "t"), &[]),
+            Decision::Chosen("b".into())
         );
     }
 

@@ -57,7 +57,13 @@ pub fn request_info(job: &DenoiseJob, shape: &ModelShape) -> RequestInfo {
 /// - queued: this router's placements the heartbeat does not list as running, in placement
 ///   order, then one entry per job the worker reports beyond those (placed by someone else:
 ///   size unknown, assumed to mask half the image).
-pub fn fill_worker_state(w: LiveWorker, models: &CostModels, now: Instant, out: &mut WorkerState) {
+pub fn fill_worker_state(
+    w: LiveWorker,
+    models: &CostModels,
+    step_time_factor: f64,
+    now: Instant,
+    out: &mut WorkerState,
+) {
     let shape = &models.shape;
     let hb = w.heartbeat;
     out.alive = !hb.draining;
@@ -68,6 +74,7 @@ pub fn fill_worker_state(w: LiveWorker, models: &CostModels, now: Instant, out: 
         queue_capacity: hb.queue_capacity,
     };
     out.step_remaining_s = 0.0;
+    out.step_time_factor = step_time_factor;
     out.running.clear();
     out.running.extend(w.running().map(|r| ActiveRequest {
         masked_tokens: match w.placed.get(&r.job_id) {
@@ -79,6 +86,7 @@ pub fn fill_worker_state(w: LiveWorker, models: &CostModels, now: Instant, out: 
     let elapsed = steps_since(
         &out.running,
         models,
+        step_time_factor,
         now.saturating_duration_since(w.last_seen),
     );
     for r in &mut out.running {
@@ -108,12 +116,17 @@ pub fn fill_worker_state(w: LiveWorker, models: &CostModels, now: Instant, out: 
 }
 
 /// Whole steps a batch is predicted to have run in `age` (the batch held still meanwhile).
-fn steps_since(running: &[ActiveRequest], models: &CostModels, age: std::time::Duration) -> u32 {
+fn steps_since(
+    running: &[ActiveRequest],
+    models: &CostModels,
+    step_time_factor: f64,
+    age: std::time::Duration,
+) -> u32 {
     let mut totals = BatchTotals::default();
     for r in running.iter().filter(|r| r.remaining_steps > 0) {
         totals.add(&models.shape, r.masked_tokens);
     }
-    let step = models.step_latency(&totals);
+    let step = models.step_latency(&totals) * step_time_factor;
     if step <= 0.0 {
         return 0;
     }
@@ -232,7 +245,7 @@ pub(crate) mod tests {
         hb.cached_templates = vec!["t".into()];
         reg.observe(hb, t0);
         let mut ws = WorkerState::idle(BatchLimits::default());
-        fill_worker_state(reg.live().next().unwrap(), &models(), t0, &mut ws);
+        fill_worker_state(reg.live().next().unwrap(), &models(), 1.0, t0, &mut ws);
         let masked: Vec<(u32, u32)> = ws
             .running
             .iter()
@@ -252,8 +265,13 @@ pub(crate) mod tests {
         assert!(ws.accepts());
         // 10 ms after the heartbeat, at 4 ms a step, the batch has run 2 more steps.
         let later = t0 + std::time::Duration::from_millis(10);
-        fill_worker_state(reg.live().next().unwrap(), &models(), later, &mut ws);
+        fill_worker_state(reg.live().next().unwrap(), &models(), 1.0, later, &mut ws);
         let remaining: Vec<u32> = ws.running.iter().map(|r| r.remaining_steps).collect();
         assert_eq!(remaining, vec![2, 0]);
+        // A worker known to step 2.5x slower than the profile (10 ms a step) ran only one.
+        fill_worker_state(reg.live().next().unwrap(), &models(), 2.5, later, &mut ws);
+        let remaining: Vec<u32> = ws.running.iter().map(|r| r.remaining_steps).collect();
+        assert_eq!(remaining, vec![3, 1]);
+        assert_eq!(ws.step_time_factor, 2.5);
     }
 }
