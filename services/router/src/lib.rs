@@ -73,6 +73,11 @@ pub struct RouterConfig {
     /// Default: the tiny model's CPU profile built into the binary.
     #[arg(long, env = "ROUTER_PROFILE")]
     pub profile: Option<PathBuf>,
+    /// Scale each denoiser's forecasts by its measured / predicted step time (learned from its
+    /// heartbeats). false: trust the profile for every denoiser (the factor is still measured
+    /// and exported).
+    #[arg(long, env = "ROUTER_STEP_CALIBRATION", default_value_t = true, action = clap::ArgAction::Set)]
+    pub step_calibration: bool,
 }
 
 impl RouterConfig {
@@ -90,6 +95,7 @@ impl RouterConfig {
             adopt_wait_ms: 30_000,
             policy: "mask-aware".into(),
             profile: None,
+            step_calibration: true,
         }
     }
 }
@@ -174,7 +180,8 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
         fits = %models.describe(),
         "placement policy"
     );
-    let state = RouterState::new(expiry, policy, models, config.max_attempts);
+    let state = RouterState::new(expiry, policy, models, config.max_attempts)
+        .with_step_calibration(config.step_calibration);
     let js = diffmesh_shared::jetstream_layout::context(&client, &config.common, &[]).await?;
     let jobs = JobStore::open(&js).await?;
     let router = Arc::new(Router::new(

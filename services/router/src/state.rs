@@ -36,6 +36,8 @@ pub struct RouterState {
     models: CostModels,
     /// The cost model checked against the steps workers report.
     cost_check: CostCheck,
+    /// Forecasts use each worker's learned step-time factor (else 1 for all).
+    step_calibration: bool,
     max_attempts: u32,
     /// Reused per decision: the policy's view of each candidate and its worker id.
     views: Vec<WorkerState>,
@@ -54,10 +56,17 @@ impl RouterState {
             policy,
             models,
             cost_check: CostCheck::default(),
+            step_calibration: true,
             max_attempts: max_attempts.max(1),
             views: Vec::new(),
             ids: Vec::new(),
         }
+    }
+
+    /// Whether forecasts use each worker's learned step-time factor (default true).
+    pub fn with_step_calibration(mut self, on: bool) -> Self {
+        self.step_calibration = on;
+        self
     }
 
     pub fn policy_name(&self) -> &str {
@@ -100,7 +109,11 @@ impl RouterState {
                 self.views.push(WorkerState::idle(BatchLimits::default()));
                 self.ids.push(String::new());
             }
-            let factor = self.cost_check.step_time_factor(w.worker_id);
+            let factor = if self.step_calibration {
+                self.cost_check.step_time_factor(w.worker_id)
+            } else {
+                1.0
+            };
             fill_worker_state(w, &self.models, factor, now, &mut self.views[n]);
             self.ids[n].clear();
             self.ids[n].push_str(w.worker_id);
@@ -276,6 +289,13 @@ mod tests {
         assert_eq!(
             s.place(&edit("j2", 0.1, "t"), &[]),
             Decision::Chosen("b".into())
+        );
+        s.unplace("j2");
+        // Switched off, the profile is trusted again.
+        let mut s = s.with_step_calibration(false);
+        assert_eq!(
+            s.place(&edit("j3", 0.1, "t"), &[]),
+            Decision::Chosen("a".into())
         );
     }
 
