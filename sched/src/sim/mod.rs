@@ -158,7 +158,7 @@ pub fn simulate_with_latencies(
             (None, None) => break,
             (Some((t, w)), a) if a.is_none_or(|a| t <= a.time_s) => {
                 finish_step(&mut workers[w], t, cfg.request_overhead_s, &mut tot);
-                let slow = slowdown(cfg, &workers, w, background) * cfg.step_factor(w);
+                let slow = slowdown(cfg, &workers, w, background);
                 start_step(&mut workers[w], t, slow, cfg, model, &mut noise, &mut tot);
             }
             (_, Some(a)) => {
@@ -191,7 +191,7 @@ pub fn simulate_with_latencies(
                     deadline_s: now + cfg.slo_factor * standalone,
                 });
                 if workers[w].step_end.is_none() {
-                    let slow = slowdown(cfg, &workers, w, background) * cfg.step_factor(w);
+                    let slow = slowdown(cfg, &workers, w, background);
                     start_step(&mut workers[w], now, slow, cfg, model, &mut noise, &mut tot);
                 }
             }
@@ -214,16 +214,18 @@ fn background_cores(cfg: &SimConfig, arrivals: &[Arrival]) -> f64 {
     cpu.background_cpu_s * arrivals.len() as f64 / span
 }
 
-/// Step-latency factor for worker `w` starting a step now, given who else is stepping.
+/// Step-latency factor for worker `w` starting a step now: its own speed, and who else is
+/// stepping on a shared CPU.
 fn slowdown(cfg: &SimConfig, workers: &[Worker], w: usize, background: f64) -> f64 {
-    cfg.shared_cpu.map_or(1.0, |cpu| {
-        let others = workers
-            .iter()
-            .enumerate()
-            .filter(|(i, o)| *i != w && o.step_end.is_some())
-            .count();
-        cpu.slowdown(others + 1, background)
-    })
+    cfg.step_factor(w)
+        * cfg.shared_cpu.map_or(1.0, |cpu| {
+            let others = workers
+                .iter()
+                .enumerate()
+                .filter(|(i, o)| *i != w && o.step_end.is_some())
+                .count();
+            cpu.slowdown(others + 1, background)
+        })
 }
 
 /// What the router would know about a worker at `now`.
