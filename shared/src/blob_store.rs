@@ -27,6 +27,9 @@ pub struct BlobStore {
     /// Until when reads go to the leader straight away (after a consumer read got nothing),
     /// shared by the clones of a store.
     leader_reads: LeaderReads,
+    /// Objects of at most this many chunks are read by message gets (default
+    /// [`SMALL_BLOB_CHUNKS`]).
+    small_blob_chunks: usize,
 }
 
 /// Until when a store's reads skip the consumer, in ms since [`LeaderReads::origin`].
@@ -73,6 +76,13 @@ const BLOB_FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(1);
 /// long: the cluster may go on placing consumers on the lost node (27 s seen), and every read
 /// would pay [`BLOB_FIRST_BYTE_TIMEOUT`] again (a request reads several blobs).
 const LEADER_READS_AFTER_A_STALL: Duration = Duration::from_secs(30);
+/// Objects of at most this many chunks (128 KiB each, the object store's default) are read
+/// by message gets, larger ones through a consumer. A message get answers in JSON with the
+/// payload in base64, so its cost grows with the chunk: one 4 KiB object by message gets
+/// took 0.43 ms and 0.35 ms of server CPU against 1.14 ms and 1.70 ms through a consumer; at
+/// one full chunk both took 1.55 ms (server 1.30 against 2.20 ms); at four chunks the
+/// consumer wins (docs/BENCHMARKS.md).
+pub const SMALL_BLOB_CHUNKS: usize = 1;
 /// Reads from the leader are tried again until this long after they started (an election).
 const BLOB_RETRY_WINDOW: Duration = Duration::from_secs(15);
 
@@ -140,12 +150,20 @@ impl BlobStore {
             stall_timeout: DEFAULT_BLOB_STALL_TIMEOUT,
             retry_window: transient::ELECTION_WINDOW,
             leader_reads: LeaderReads::new(),
+            small_blob_chunks: SMALL_BLOB_CHUNKS,
         })
     }
 
     /// Fail reads that receive nothing for `stall` (default [`DEFAULT_BLOB_STALL_TIMEOUT`]).
     pub fn with_stall_timeout(mut self, stall: Duration) -> Self {
         self.stall_timeout = stall;
+        self
+    }
+
+    /// Read objects of at most `chunks` chunks by message gets, larger ones through a consumer
+    /// (0: every object through a consumer), instead of [`SMALL_BLOB_CHUNKS`].
+    pub fn with_small_blob_chunks(mut self, chunks: usize) -> Self {
+        self.small_blob_chunks = chunks;
         self
     }
 
@@ -181,9 +199,12 @@ impl BlobStore {
 
     /// Read the object under `key`, refusing objects above `limit` bytes before reading them.
     ///
-    /// The read streams through a consumer (the fast path: 16 MiB in 40-50 ms against 90-110
-    /// ms by message gets, one server). When that fails before its first byte, within
-    /// [`BLOB_FIRST_BYTE_TIMEOUT`], the object is read again chunk by chunk with message gets
+    /// An object of at most [`SMALL_BLOB_CHUNKS`] chunks (masks, prepared inputs and results
+    /// of small images) is read with message gets from the stream's leader; a larger one
+    /// streams through a consumer (16 MiB in 49 ms against 149 ms by message gets, one
+    /// server), which costs the server a set-up and a deletion once idle that a small object
+    /// does not repay. When a read fails before its first byte,
+    /// within [`BLOB_FIRST_BYTE_TIMEOUT`], the object is read again chunk by chunk with message gets
     /// the stream's leader answers ([`BlobStore::read_from_leader`]), which no consumer
     /// placement can strand, tried again while the stream elects a leader; so are this store's
     /// reads for the next [`LEADER_READS_AFTER_A_STALL`]. Fails with
@@ -191,7 +212,7 @@ impl BlobStore {
     pub async fn get_limited(&self, key: &str, limit: usize) -> Result<Vec<u8>, MeshError> {
         if !self.leader_reads.active() {
             let first = BLOB_FIRST_BYTE_TIMEOUT.min(self.stall_timeout);
-            match self.read_by_consumer(key, limit, first).await {
+            match self.read_small_or_by_consumer(key, limit, first).await {
                 Err(err) if Self::read_again(&err) => {
                     tracing::warn!(key, error = %err, "blob read failed; reading from the stream leader");
                     transient::count_retry("blob.get");
@@ -219,6 +240,28 @@ impl BlobStore {
                 | MeshError::BlobGet(_)
                 | MeshError::BlobRead { .. }
         )
+    }
+
+    /// Reads `key` by message gets when it is small (`small_blob_chunks`), else through a
+    /// consumer. Failures that may be read again are those of [`BlobStore::read_again`].
+    async fn read_small_or_by_consumer(
+        &self,
+        key: &str,
+        limit: usize,
+        first: Duration,
+    ) -> Result<Vec<u8>, MeshError> {
+        let info = tokio::time::timeout(self.stall_timeout, self.info_of(key))
+            .await
+            .map_err(|_| MeshError::BlobStalled {
+                key: key.to_string(),
+                after: self.stall_timeout,
+                read: 0,
+            })??;
+        if info.chunks > self.small_blob_chunks {
+            return self.read_by_consumer(key, limit, first).await;
+        }
+        check_size(key, info.size, limit)?;
+        self.read_chunks(key, &info).await
     }
 
     async fn read_by_consumer(
@@ -255,22 +298,43 @@ impl BlobStore {
     /// no consumer, and every acknowledged chunk is there. The bytes are checked against the
     /// object's size and SHA-256 digest.
     pub async fn read_from_leader(&self, key: &str, limit: usize) -> Result<Vec<u8>, MeshError> {
+        let info = self.info_of(key).await?;
+        check_size(key, info.size, limit)?;
+        self.read_chunks(key, &info).await
+    }
+
+    /// The object's info (read from the stream leader); [`MeshError::BlobNotFound`] when it
+    /// is missing or deleted, [`MeshError::BlobRead`] when the info could not be read.
+    async fn info_of(&self, key: &str) -> Result<object_store::ObjectInfo, MeshError> {
+        match self.store.info(key).await {
+            Ok(info) if info.deleted => Err(MeshError::BlobNotFound {
+                key: key.to_string(),
+            }),
+            Ok(info) => Ok(info),
+            Err(err) if err.kind() == object_store::InfoErrorKind::NotFound => {
+                Err(MeshError::BlobNotFound {
+                    key: key.to_string(),
+                })
+            }
+            Err(err) => Err(MeshError::BlobRead {
+                key: key.to_string(),
+                reason: format!("object info: {err}"),
+            }),
+        }
+    }
+
+    /// The chunks of the object `info` describes, by message gets (`$JS.API.STREAM.MSG.GET`,
+    /// next message of its chunk subject from a sequence on), checked against its size and
+    /// SHA-256 digest.
+    async fn read_chunks(
+        &self,
+        key: &str,
+        info: &object_store::ObjectInfo,
+    ) -> Result<Vec<u8>, MeshError> {
         let failed = |reason: String| MeshError::BlobRead {
             key: key.to_string(),
             reason,
         };
-        let not_found = || MeshError::BlobNotFound {
-            key: key.to_string(),
-        };
-        let info = match self.store.info(key).await {
-            Ok(info) if info.deleted => return Err(not_found()),
-            Ok(info) => info,
-            Err(err) if err.kind() == object_store::InfoErrorKind::NotFound => {
-                return Err(not_found())
-            }
-            Err(err) => return Err(failed(format!("object info: {err}"))),
-        };
-        check_size(key, info.size, limit)?;
         let subject = format!("$O.{}.C.{}", self.bucket, info.nuid);
         let mut buf = Vec::with_capacity(info.size);
         let mut sequence = 1;

@@ -129,6 +129,11 @@ impl NatsServer {
         false
     }
 
+    /// The server process's id (to read its CPU time in measurements).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }

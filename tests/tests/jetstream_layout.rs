@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use diffmesh_shared::blob_store::BlobStore;
+use diffmesh_shared::blob_store::{BlobStore, SMALL_BLOB_CHUNKS};
 use diffmesh_shared::idempotency::{Claim, IdempotencyRecord, IdempotencyStore};
 use diffmesh_shared::jetstream_layout::{self, ensure_all, Ensured, Layout, ALL};
 use diffmesh_shared::job::{JobRecord, JobStore};
@@ -468,32 +468,94 @@ async fn blobs_read_from_the_leader_whole_and_checked() {
     ));
 }
 
-/// What the two read paths cost (a measurement, not a check): `cargo test --release -p
-/// diffmesh-tests --test jetstream_layout blob_read_paths -- --ignored --nocapture`.
+#[tokio::test]
+async fn small_blobs_are_read_without_a_consumer() {
+    let nats = NatsServer::start();
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let blobs = BlobStore::open(&js).await.unwrap();
+    let consumers = || async {
+        let mut stream = js.get_stream("OBJ_diffmesh-blobs").await.unwrap();
+        stream.info().await.unwrap().state.consumer_count
+    };
+    let chunk = 128 << 10;
+    let limit = SMALL_BLOB_CHUNKS * chunk;
+    for size in [0usize, 5, limit] {
+        let data: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        blobs.put(&format!("small/{size}"), &data).await.unwrap();
+        assert!(blobs.get(&format!("small/{size}")).await.unwrap() == data);
+    }
+    assert_eq!(consumers().await, 0, "a small read left a consumer");
+    // One byte over the limit: one chunk more, read through a consumer.
+    let data: Vec<u8> = (0..limit + 1).map(|i| (i % 249) as u8).collect();
+    blobs.put("large", &data).await.unwrap();
+    assert!(blobs.get("large").await.unwrap() == data);
+    assert!(consumers().await >= 1, "a large read used no consumer");
+    // Not found and too large are told apart on the small path as on the other.
+    assert!(matches!(
+        blobs.get("missing").await,
+        Err(diffmesh_shared::MeshError::BlobNotFound { .. })
+    ));
+    assert!(matches!(
+        blobs
+            .get_limited(&format!("small/{chunk}"), chunk - 1)
+            .await,
+        Err(diffmesh_shared::MeshError::BlobTooLarge { .. })
+    ));
+}
+
+/// CPU seconds the process `pid` has used (user + system), from /proc.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat.rsplit(") ").next().unwrap().split(' ').collect();
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+/// What the two read paths cost, client wall time and server CPU per read (a measurement, not
+/// a check): `cargo test --release -p diffmesh-tests --test jetstream_layout blob_read_paths --
+/// --ignored --nocapture`. Server CPU includes deleting the consumers once idle.
 #[tokio::test]
 #[ignore]
 async fn blob_read_paths_consumer_against_leader() {
     let nats = NatsServer::start();
     let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
     ensure_all(&js, 1, &[]).await.unwrap();
-    let blobs = BlobStore::open(&js).await.unwrap();
+    let by_consumer = BlobStore::open(&js)
+        .await
+        .unwrap()
+        .with_small_blob_chunks(0);
+    let by_gets = BlobStore::open(&js)
+        .await
+        .unwrap()
+        .with_small_blob_chunks(usize::MAX);
     // 200 MiB of other objects first: the leader path looks chunks up from sequence 1.
     let filler = vec![3u8; 1 << 20];
     for i in 0..200 {
-        blobs.put(&format!("fill/{i}"), &filler).await.unwrap();
+        by_gets.put(&format!("fill/{i}"), &filler).await.unwrap();
     }
-    for size in [64 << 10, 1 << 20, 16 << 20] {
+    let idle_consumers = || async {
+        let mut stream = js.get_stream("OBJ_diffmesh-blobs").await.unwrap();
+        for _ in 0..120 {
+            if stream.info().await.unwrap().state.consumer_count == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    };
+    for size in [4 << 10, 128 << 10, 512 << 10, 640 << 10, 1 << 20, 16 << 20] {
         let data: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
-        blobs.put("obj", &data).await.unwrap();
-        for round in 0..3 {
-            let t = Instant::now();
-            let a = blobs.get("obj").await.unwrap();
-            let consumer = t.elapsed();
-            let t = Instant::now();
-            let b = blobs.read_from_leader("obj", usize::MAX).await.unwrap();
-            let leader = t.elapsed();
-            assert!(a == data && b == data);
-            eprintln!("{size} bytes, round {round}: consumer {consumer:.1?}, leader {leader:.1?}");
+        by_gets.put("obj", &data).await.unwrap();
+        let rounds = if size > 1 << 20 { 10 } else { 200 };
+        for (path, store) in [("consumer", &by_consumer), ("message gets", &by_gets)] {
+            idle_consumers().await;
+            let (cpu, t) = (cpu_seconds(nats.pid()), Instant::now());
+            for _ in 0..rounds {
+                assert!(store.get("obj").await.unwrap() == data);
+            }
+            let wall = t.elapsed() / rounds;
+            idle_consumers().await;
+            let server_ms = (cpu_seconds(nats.pid()) - cpu) * 1e3 / rounds as f64;
+            eprintln!("{size} bytes by {path}: {wall:.2?} a read, server {server_ms:.2} ms CPU");
         }
     }
 }
