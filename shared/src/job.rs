@@ -448,18 +448,27 @@ impl JobStore {
     }
 
     /// Read-modify-write with compare-and-set, retrying when another writer got in between.
-    /// Returns the record as written.
+    /// Returns the record as written, or as it is when `change` changed nothing but its time
+    /// (a placement already recorded, a mark on an ended job): nothing is written then, which
+    /// saves the write the gateway and the router would both make of a placement or an ending.
     pub async fn update<F>(&self, job_id: &str, mut change: F) -> Result<JobRecord, MeshError>
     where
         F: FnMut(&mut JobRecord),
     {
-        let written = self
-            .update_if(job_id, |r| {
-                change(r);
-                true
+        let updated = self
+            .change_record(job_id, |record| {
+                let before = record.clone();
+                change(record);
+                record.updated_at_ms = before.updated_at_ms;
+                *record != before
             })
             .await?;
-        Ok(written.expect("an unconditional change is always written"))
+        match updated {
+            KvUpdated::Written(record) | KvUpdated::Declined(record) => Ok(record),
+            KvUpdated::Missing => Err(MeshError::JobNotFound {
+                job_id: job_id.to_string(),
+            }),
+        }
     }
 
     /// [`JobStore::update`] where `change` may decline (return false, leaving the record as it
@@ -470,12 +479,31 @@ impl JobStore {
     pub async fn update_if<F>(
         &self,
         job_id: &str,
-        mut change: F,
+        change: F,
     ) -> Result<Option<JobRecord>, MeshError>
     where
         F: FnMut(&mut JobRecord) -> bool,
     {
-        let updated = transient::kv_update_json(
+        match self.change_record(job_id, change).await? {
+            KvUpdated::Written(record) => Ok(Some(record)),
+            KvUpdated::Declined(_) => Ok(None),
+            KvUpdated::Missing => Err(MeshError::JobNotFound {
+                job_id: job_id.to_string(),
+            }),
+        }
+    }
+
+    /// Compare-and-set of `job_id`'s record with `change` (declining when it returns false),
+    /// stamping the update time of what it writes.
+    async fn change_record<F>(
+        &self,
+        job_id: &str,
+        mut change: F,
+    ) -> Result<KvUpdated<JobRecord>, MeshError>
+    where
+        F: FnMut(&mut JobRecord) -> bool,
+    {
+        transient::kv_update_json(
             &self.kv,
             "job.update",
             self.retry_window,
@@ -489,14 +517,7 @@ impl JobStore {
                 true
             },
         )
-        .await?;
-        match updated {
-            KvUpdated::Written(record) => Ok(Some(record)),
-            KvUpdated::Declined => Ok(None),
-            KvUpdated::Missing => Err(MeshError::JobNotFound {
-                job_id: job_id.to_string(),
-            }),
-        }
+        .await
     }
 }
 

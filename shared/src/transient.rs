@@ -164,8 +164,9 @@ pub async fn kv_create(
 pub enum KvUpdated<T> {
     /// `change` was applied to the latest value and written: the value as written.
     Written(T),
-    /// `change` declined (returned false) on the latest value; nothing was written.
-    Declined,
+    /// `change` declined (returned false) on the latest value; nothing was written: that
+    /// value.
+    Declined(T),
     /// The key is missing (or deleted).
     Missing,
 }
@@ -184,7 +185,7 @@ pub async fn kv_update_json<T, F>(
     mut change: F,
 ) -> Result<KvUpdated<T>, MeshError>
 where
-    T: Serialize + DeserializeOwned + PartialEq,
+    T: Serialize + DeserializeOwned + PartialEq + Clone,
     F: FnMut(&mut T) -> bool,
 {
     let start = Instant::now();
@@ -197,8 +198,9 @@ where
         if written.as_ref() == Some(&value) {
             return Ok(KvUpdated::Written(value));
         }
+        let latest = value.clone();
         if !change(&mut value) {
-            return Ok(KvUpdated::Declined);
+            return Ok(KvUpdated::Declined(latest));
         }
         let bytes = Bytes::from(serde_json::to_vec(&value)?);
         match kv.update(key, bytes, revision).await {

@@ -76,6 +76,25 @@ async fn blobs_jobs_and_request_errors() {
         t.await.unwrap();
     }
     assert_eq!(jobs.get("job-2").await.unwrap().unwrap().attempt, 8);
+    // A change that changes nothing but the time (the router and the gateway both recording
+    // one ending, or one placement) writes nothing and returns the record as it is.
+    let kv = js
+        .get_key_value(diffmesh_shared::subjects::JOB_BUCKET)
+        .await
+        .unwrap();
+    let revision = || async { kv.entry("job-2").await.unwrap().unwrap().revision };
+    let before = revision().await;
+    jobs.update("job-2", |r| r.mark_done(vec!["a".into()]))
+        .await
+        .unwrap();
+    let done = revision().await;
+    assert!(done > before, "the ending was not written");
+    let again = jobs
+        .update("job-2", |r| r.mark_done(vec!["b".into()]))
+        .await
+        .unwrap();
+    assert_eq!(again.result_keys, vec!["a".to_string()]);
+    assert_eq!(revision().await, done, "a change of nothing was written");
     assert!(JobStore::open(&js).await.is_ok());
 
     // Request/reply: nobody listening, a slow listener, a working one.

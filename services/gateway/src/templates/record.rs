@@ -270,7 +270,7 @@ impl TemplateStore {
         .await;
         match updated {
             Ok(KvUpdated::Written(record)) => Ok(Some(record)),
-            Ok(KvUpdated::Declined | KvUpdated::Missing) => Ok(None),
+            Ok(KvUpdated::Declined(_) | KvUpdated::Missing) => Ok(None),
             Err(err @ MeshError::KvContention { .. }) => Err(internal("update", err)),
             Err(err) => Err(err.into()),
         }
