@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::MeshError;
 use crate::jetstream_layout;
 use crate::messages::{DenoiseJob, JobEvent, JobKind};
+use crate::reopening_watch::{reopening, WATCH_REOPEN_WINDOW};
 use crate::transient::{self, KvUpdated};
 
 /// Where a job is in its life.
@@ -402,12 +403,24 @@ impl JobStore {
         transient::kv_get_json(&self.kv, "job.get", self.retry_window, job_id).await
     }
 
-    /// The record now (first item, once it exists) and every later version of it.
+    /// The record now (first item, once it exists) and every later version of it. The watch
+    /// is opened again when its consumer stops (a server restart, a leader change), for up to
+    /// [`WATCH_REOPEN_WINDOW`] ([`reopening`]).
     pub async fn watch(
         &self,
         job_id: &str,
     ) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
-        Ok(records(self.kv.watch_with_history(job_id).await?))
+        let first = records(self.kv.watch_with_history(job_id).await?);
+        let (kv, job_id) = (self.kv.clone(), job_id.to_string());
+        Ok(reopening(
+            "job.watch",
+            WATCH_REOPEN_WINDOW,
+            first,
+            move || {
+                let (kv, job_id) = (kv.clone(), job_id.clone());
+                async move { Ok(records(kv.watch_with_history(&job_id).await?)) }
+            },
+        ))
     }
 
     /// Every version of any record written from `lookback` ago on, then every new one. Older
@@ -530,7 +543,7 @@ fn records(watch: kv::Watch) -> BoxStream<'static, Result<JobRecord, MeshError>>
                     Some(serde_json::from_slice::<JobRecord>(&e.value).map_err(MeshError::from))
                 }
                 Ok(_) => None,
-                Err(err) => Some(Err(MeshError::from(err))),
+                Err(err) => Some(Err(MeshError::RecordWatch(err.to_string()))),
             }
         })
         .boxed()

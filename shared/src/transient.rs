@@ -37,6 +37,7 @@ pub const CALLS: &[&str] = &[
     "job.put",
     "job.get",
     "job.update",
+    "job.watch",
     "idempotency.get",
     "idempotency.claim",
     "blob.put",

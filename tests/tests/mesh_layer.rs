@@ -130,3 +130,45 @@ async fn blobs_jobs_and_request_errors() {
         .unwrap();
     assert_eq!(back.job_id, "j-echo");
 }
+
+/// A job's record watch (the SSE events and the idempotent replay wait on it) goes on through
+/// a NATS server restart: records written after it still arrive. Without reopening, the watch
+/// failed with "missed idle heartbeat".
+#[tokio::test]
+async fn a_record_watch_outlives_a_server_restart() {
+    let mut nats = NatsServer::start();
+    let client = connect(&nats.url(), "test", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(client);
+    let jobs = JobStore::open(&js).await.unwrap();
+    jobs.create(&JobRecord::new("watched", JobKind::Edit))
+        .await
+        .unwrap();
+    let mut records = jobs.watch("watched").await.unwrap();
+    let first = records.next().await.unwrap().unwrap();
+    assert_eq!(first.state, JobState::Queued);
+    nats.restart();
+    // The first requests after a restart may time out (seen: 10 s); wait until it answers.
+    for _ in 0..20 {
+        if jobs.get("watched").await.is_ok() {
+            break;
+        }
+    }
+    jobs.update("watched", |r| r.mark_running("w1"))
+        .await
+        .unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match records.next().await {
+                Some(Ok(r)) if r.state == JobState::Running => return Ok(r),
+                Some(Ok(_)) => continue,
+                Some(Err(err)) => return Err(format!("watch failed: {err}")),
+                None => return Err("watch ended".to_string()),
+            }
+        }
+    })
+    .await
+    .expect("no record within 30 s of the restart");
+    assert_eq!(next.unwrap().worker_id.as_deref(), Some("w1"));
+}

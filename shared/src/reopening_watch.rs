@@ -1,0 +1,193 @@
+//! A watch of JetStream records that outlives the consumer behind it. A KV watch streams
+//! through an ephemeral consumer; when the server restarts or the stream's leader moves, that
+//! consumer stops (async-nats ends the watch with "missed idle heartbeat"). Whoever waits on a
+//! job's record (the SSE events, an idempotent replay waiting for the ending) would then fail
+//! although the job goes on. [`reopening`] opens the watch again instead.
+use std::future::Future;
+use std::time::Duration;
+
+use futures::stream::{self, BoxStream};
+use futures::{FutureExt, StreamExt};
+use tokio::time::Instant;
+
+use crate::error::MeshError;
+use crate::transient;
+
+/// How long a failed watch is opened again before its failure is passed on: longer than an
+/// election or a restart (the first requests after a single server's restart were seen to
+/// time out for 10 s), shorter than a job's deadline.
+pub const WATCH_REOPEN_WINDOW: Duration = Duration::from_secs(60);
+
+/// Failures of the watch itself (its consumer), which opening it again can mend; a record
+/// that does not decode is passed on instead.
+fn watch_failed(err: &MeshError) -> bool {
+    matches!(
+        err,
+        MeshError::RecordWatch(_) | MeshError::KvWatch(_) | MeshError::KvWatcher(_)
+    )
+}
+
+struct State<T> {
+    open: Box<dyn FnMut() -> futures::future::BoxFuture<'static, Opened<T>> + Send>,
+    current: Option<BoxStream<'static, Result<T, MeshError>>>,
+    last: Option<T>,
+    /// Since when no value has arrived after a failure.
+    down_since: Option<Instant>,
+    window: Duration,
+    call: &'static str,
+    given_up: bool,
+}
+
+type Opened<T> = Result<BoxStream<'static, Result<T, MeshError>>, MeshError>;
+
+/// `first`, and after it fails or ends, the watch `open` gives, again and again: values as
+/// they arrive, less one equal to the last passed on (a reopened watch starts with the
+/// current value). A failure is passed on (and the stream ends) only once opening has failed
+/// for `window`; each reopening counts in `diffmesh_jetstream_retries_total{call}`.
+pub fn reopening<T, F, Fut>(
+    call: &'static str,
+    window: Duration,
+    first: BoxStream<'static, Result<T, MeshError>>,
+    mut open: F,
+) -> BoxStream<'static, Result<T, MeshError>>
+where
+    T: PartialEq + Clone + Send + 'static,
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: Future<Output = Opened<T>> + Send + 'static,
+{
+    let state = State {
+        open: Box::new(move || open().boxed()),
+        current: Some(first),
+        last: None,
+        down_since: None,
+        window,
+        call,
+        given_up: false,
+    };
+    stream::unfold(state, |mut s| async move {
+        loop {
+            if s.given_up {
+                return None;
+            }
+            let Some(current) = s.current.as_mut() else {
+                match (s.open)().await {
+                    Ok(watch) => s.current = Some(watch),
+                    Err(err) if s.down_since.is_some_and(|t| t.elapsed() >= s.window) => {
+                        s.given_up = true;
+                        return Some((Err(err), s));
+                    }
+                    Err(err) => {
+                        tracing::warn!(call = s.call, error = %err, "cannot open the watch yet");
+                        tokio::time::sleep(transient::RETRY_DELAY).await;
+                    }
+                }
+                continue;
+            };
+            match current.next().await {
+                Some(Ok(value)) => {
+                    s.down_since = None;
+                    if s.last.as_ref() == Some(&value) {
+                        continue;
+                    }
+                    s.last = Some(value.clone());
+                    return Some((Ok(value), s));
+                }
+                Some(Err(err)) if !watch_failed(&err) => return Some((Err(err), s)),
+                ended => {
+                    let reason = match ended {
+                        Some(Err(err)) => err.to_string(),
+                        _ => "ended".to_string(),
+                    };
+                    tracing::warn!(call = s.call, %reason, "watch stopped; opening it again");
+                    transient::count_retry(s.call);
+                    s.current = None;
+                    s.down_since.get_or_insert_with(Instant::now);
+                    tokio::time::sleep(transient::RETRY_DELAY).await;
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+
+    fn failing_after(values: Vec<u32>) -> BoxStream<'static, Result<u32, MeshError>> {
+        stream::iter(values.into_iter().map(Ok))
+            .chain(stream::once(async {
+                Err(MeshError::RecordWatch("missed idle heartbeat".into()))
+            }))
+            .boxed()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_watch_is_opened_again_without_repeating_the_last_value() {
+        let opened = Arc::new(AtomicU32::new(0));
+        let counter = opened.clone();
+        let watch = reopening(
+            "test.watch",
+            WATCH_REOPEN_WINDOW,
+            failing_after(vec![1, 2]),
+            move || {
+                let n = counter.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    // The reopened watch starts with the current value (2), then goes on.
+                    Ok(if n == 0 {
+                        failing_after(vec![2, 3])
+                    } else {
+                        stream::iter(vec![Ok(3), Ok(4)])
+                            .chain(stream::pending())
+                            .boxed()
+                    })
+                }
+            },
+        );
+        let values: Vec<u32> = watch.take(4).map(|v| v.unwrap()).collect().await;
+        assert_eq!(values, vec![1, 2, 3, 4]);
+        assert_eq!(
+            opened.load(Ordering::SeqCst),
+            2,
+            "opened again after each stop"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_that_cannot_be_opened_for_the_window_fails() {
+        let watch = reopening(
+            "test.watch",
+            Duration::from_secs(5),
+            failing_after(vec![7]),
+            || async {
+                Err::<BoxStream<'static, Result<u32, MeshError>>, _>(MeshError::RecordWatch(
+                    "no responders".into(),
+                ))
+            },
+        );
+        let items: Vec<Result<u32, MeshError>> = watch.collect().await;
+        assert_eq!(items.len(), 2, "{items:?}");
+        assert_eq!(*items[0].as_ref().unwrap(), 7);
+        assert!(matches!(items[1], Err(MeshError::RecordWatch(_))));
+    }
+
+    #[tokio::test]
+    async fn a_record_that_does_not_decode_is_passed_on_and_the_watch_goes_on() {
+        let first = stream::iter(vec![
+            Ok(1u32),
+            Err(MeshError::Json(
+                serde_json::from_str::<u32>("x").unwrap_err(),
+            )),
+            Ok(2),
+        ])
+        .boxed();
+        let watch = reopening("test.watch", WATCH_REOPEN_WINDOW, first, || async {
+            Ok(stream::empty().boxed())
+        });
+        let items: Vec<_> = watch.take(3).collect().await;
+        assert!(matches!(items[1], Err(MeshError::Json(_))));
+        assert_eq!(*items[2].as_ref().unwrap(), 2);
+    }
+}
