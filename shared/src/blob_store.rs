@@ -258,6 +258,8 @@ impl BlobStore {
                 read: 0,
             })??;
         if info.chunks > self.small_blob_chunks {
+            // The object store reads the info again (async-nats builds an `Object` only from
+            // its own lookup): one message get more on a read of several chunks.
             return self.read_by_consumer(key, limit, first).await;
         }
         check_size(key, info.size, limit)?;
