@@ -67,7 +67,7 @@ impl IdempotencyStore {
             transient::kv_create(&self.kv, "idempotency.claim", self.retry_window, key, value)
                 .await;
         match created {
-            Ok(()) => Ok(Claim::Created),
+            Ok(_) => Ok(Claim::Created),
             Err(MeshError::KvCreate(err)) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
                 match self.get(key).await? {
                     Some(existing) => Ok(Claim::Existing(existing)),

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::MeshError;
 use crate::jetstream_layout;
 use crate::messages::{DenoiseJob, JobEvent, JobKind};
+use crate::reconnects::Reconnects;
 use crate::reopening_watch::{reopening, WATCH_REOPEN_WINDOW};
 use crate::transient::{self, KvUpdated};
 
@@ -342,10 +343,18 @@ pub struct JobStore {
     retry_window: Duration,
     /// For the inboxes of record watches.
     client: async_nats::Client,
+    /// The records this store last wrote or read, with their revisions, when enabled
+    /// ([`JobStore::with_known_revisions`]): an update first tries its compare-and-set on
+    /// these and reads the record only when another writer got in first.
+    known: Option<moka::sync::Cache<String, (JobRecord, u64)>>,
 }
 
 /// Compare-and-set attempts before an update gives up under contention.
 const MAX_UPDATE_ATTEMPTS: u32 = 16;
+
+/// How long a known record revision is kept ([`JobStore::with_known_revisions`]): longer
+/// than the time between a job's updates, far shorter than the record's life.
+pub const KNOWN_REVISION_TTL: Duration = Duration::from_secs(300);
 
 impl JobStore {
     /// Open `subjects::JOB_BUCKET`, creating it when missing (records expire after a week,
@@ -356,7 +365,28 @@ impl JobStore {
             kv,
             retry_window: transient::ELECTION_WINDOW,
             client: js.client(),
+            known: None,
         })
+    }
+
+    /// Remember up to `capacity` records this store wrote or read (each for
+    /// [`KNOWN_REVISION_TTL`]) and write updates of them without reading them first. For
+    /// the writer of most of a job's changes (the gateway driving it); a store whose records
+    /// others change in between would pay a failed write for each stale one.
+    pub fn with_known_revisions(mut self, capacity: u64) -> Self {
+        self.known = Some(
+            moka::sync::Cache::builder()
+                .max_capacity(capacity)
+                .time_to_live(KNOWN_REVISION_TTL)
+                .build(),
+        );
+        self
+    }
+
+    fn remember(&self, record: &JobRecord, revision: u64) {
+        if let Some(known) = &self.known {
+            known.insert(record.job_id.clone(), (record.clone(), revision));
+        }
     }
 
     /// Try failing calls again for `window` instead of [`transient::ELECTION_WINDOW`].
@@ -372,26 +402,29 @@ impl JobStore {
     /// created when the stored record is this one.
     pub async fn create(&self, record: &JobRecord) -> Result<(), MeshError> {
         let value = Bytes::from(serde_json::to_vec(record)?);
-        transient::kv_create(
+        let revision = transient::kv_create(
             &self.kv,
             "job.create",
             self.retry_window,
             &record.job_id,
             value,
         )
-        .await
+        .await?;
+        self.remember(record, revision);
+        Ok(())
     }
 
     /// Overwrite the record unconditionally.
     pub async fn put(&self, record: &JobRecord) -> Result<(), MeshError> {
         let value = Bytes::from(serde_json::to_vec(record)?);
-        transient::retried(
+        let revision = transient::retried(
             "job.put",
             self.retry_window,
             transient::kv_put_settled,
             || self.kv.put(&record.job_id, value.clone()),
         )
         .await?;
+        self.remember(record, revision);
         Ok(())
     }
 
@@ -400,21 +433,27 @@ impl JobStore {
     }
 
     async fn get_with_revision(&self, job_id: &str) -> Result<Option<(JobRecord, u64)>, MeshError> {
-        transient::kv_get_json(&self.kv, "job.get", self.retry_window, job_id).await
+        let read = transient::kv_get_json(&self.kv, "job.get", self.retry_window, job_id).await?;
+        if let Some((record, revision)) = &read {
+            self.remember(record, *revision);
+        }
+        Ok(read)
     }
 
     /// The record now (first item, once it exists) and every later version of it. The watch
-    /// is opened again when its consumer stops (a server restart, a leader change), for up to
-    /// [`WATCH_REOPEN_WINDOW`] ([`reopening`]).
+    /// is opened again when its consumer stops (a server restart, a leader change) or NATS
+    /// reconnects, for up to [`WATCH_REOPEN_WINDOW`] ([`reopening`]).
     pub async fn watch(
         &self,
         job_id: &str,
     ) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
+        let reconnects = Reconnects::from_now();
         let first = records(self.kv.watch_with_history(job_id).await?);
         let (kv, job_id) = (self.kv.clone(), job_id.to_string());
         Ok(reopening(
             "job.watch",
             WATCH_REOPEN_WINDOW,
+            reconnects,
             first,
             move || {
                 let (kv, job_id) = (kv.clone(), job_id.clone());
@@ -477,7 +516,7 @@ impl JobStore {
             })
             .await?;
         match updated {
-            KvUpdated::Written(record) | KvUpdated::Declined(record) => Ok(record),
+            KvUpdated::Written(record, _) | KvUpdated::Declined(record, _) => Ok(record),
             KvUpdated::Missing => Err(MeshError::JobNotFound {
                 job_id: job_id.to_string(),
             }),
@@ -498,8 +537,8 @@ impl JobStore {
         F: FnMut(&mut JobRecord) -> bool,
     {
         match self.change_record(job_id, change).await? {
-            KvUpdated::Written(record) => Ok(Some(record)),
-            KvUpdated::Declined(_) => Ok(None),
+            KvUpdated::Written(record, _) => Ok(Some(record)),
+            KvUpdated::Declined(..) => Ok(None),
             KvUpdated::Missing => Err(MeshError::JobNotFound {
                 job_id: job_id.to_string(),
             }),
@@ -507,7 +546,7 @@ impl JobStore {
     }
 
     /// Compare-and-set of `job_id`'s record with `change` (declining when it returns false),
-    /// stamping the update time of what it writes.
+    /// stamping the update time of what it writes; starting from the known revision, if any.
     async fn change_record<F>(
         &self,
         job_id: &str,
@@ -516,12 +555,14 @@ impl JobStore {
     where
         F: FnMut(&mut JobRecord) -> bool,
     {
-        transient::kv_update_json(
+        let guess = self.known.as_ref().and_then(|known| known.get(job_id));
+        let updated = transient::kv_update_json(
             &self.kv,
             "job.update",
             self.retry_window,
             job_id,
             MAX_UPDATE_ATTEMPTS,
+            guess,
             |record: &mut JobRecord| {
                 if !change(record) {
                     return false;
@@ -530,7 +571,16 @@ impl JobStore {
                 true
             },
         )
-        .await
+        .await;
+        if let Some(known) = &self.known {
+            match &updated {
+                Ok(
+                    KvUpdated::Written(record, revision) | KvUpdated::Declined(record, revision),
+                ) => self.remember(record, *revision),
+                _ => known.invalidate(job_id),
+            }
+        }
+        updated
     }
 }
 

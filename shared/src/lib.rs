@@ -10,6 +10,7 @@ pub mod job;
 pub mod messages;
 pub mod metrics;
 pub mod nats;
+pub mod reconnects;
 pub mod reopening_watch;
 pub mod serve;
 pub mod shutdown;

@@ -10,6 +10,7 @@ use serde::Serialize;
 use crate::error::MeshError;
 use crate::messages::{decode, encode};
 use crate::metrics::NatsMetrics;
+use crate::reconnects;
 use crate::trace_context::headers_for;
 
 /// Connect to NATS, retrying with capped exponential backoff for up to `give_up_after`
@@ -29,6 +30,12 @@ pub async fn connect(url: &str, name: &str, give_up_after: Duration) -> Result<C
         let result = async_nats::ConnectOptions::new()
             .name(name)
             .connection_timeout(Duration::from_secs(2))
+            // Calls in flight and watches try again once connected again (`reconnects`).
+            .event_callback(|event| async move {
+                if matches!(event, async_nats::Event::Connected) {
+                    reconnects::note_connect();
+                }
+            })
             .connect(servers.as_slice())
             .await;
         match result {

@@ -2,7 +2,9 @@
 //! through an ephemeral consumer; when the server restarts or the stream's leader moves, that
 //! consumer stops (async-nats ends the watch with "missed idle heartbeat"). Whoever waits on a
 //! job's record (the SSE events, an idempotent replay waiting for the ending) would then fail
-//! although the job goes on. [`reopening`] opens the watch again instead.
+//! although the job goes on. [`reopening`] opens the watch again instead, and also as soon as
+//! NATS connects again ([`Reconnects`]): async-nats notices a consumer lost to a server
+//! restart only after 10 s without heartbeats, which stalled every watch for that long.
 use std::future::Future;
 use std::time::Duration;
 
@@ -11,11 +13,11 @@ use futures::{FutureExt, StreamExt};
 use tokio::time::Instant;
 
 use crate::error::MeshError;
+use crate::reconnects::Reconnects;
 use crate::transient;
 
 /// How long a failed watch is opened again before its failure is passed on: longer than an
-/// election or a restart (the first requests after a single server's restart were seen to
-/// time out for 10 s), shorter than a job's deadline.
+/// election or a restart, shorter than a job's deadline.
 pub const WATCH_REOPEN_WINDOW: Duration = Duration::from_secs(60);
 
 /// Failures of the watch itself (its consumer), which opening it again can mend; a record
@@ -36,17 +38,20 @@ struct State<T> {
     window: Duration,
     call: &'static str,
     given_up: bool,
+    reconnects: Reconnects,
 }
 
 type Opened<T> = Result<BoxStream<'static, Result<T, MeshError>>, MeshError>;
 
-/// `first`, and after it fails or ends, the watch `open` gives, again and again: values as
-/// they arrive, less one equal to the last passed on (a reopened watch starts with the
-/// current value). A failure is passed on (and the stream ends) only once opening has failed
-/// for `window`; each reopening counts in `diffmesh_jetstream_retries_total{call}`.
+/// `first`, and after it fails or ends or NATS reconnects (`reconnects`, taken before
+/// `first` was opened), the watch `open` gives, again and again: values as they arrive, less
+/// one equal to the last passed on (a reopened watch starts with the current value). A
+/// failure is passed on (and the stream ends) only once opening has failed for `window`; each
+/// reopening counts in `diffmesh_jetstream_retries_total{call}`.
 pub fn reopening<T, F, Fut>(
     call: &'static str,
     window: Duration,
+    reconnects: Reconnects,
     first: BoxStream<'static, Result<T, MeshError>>,
     mut open: F,
 ) -> BoxStream<'static, Result<T, MeshError>>
@@ -63,6 +68,7 @@ where
         window,
         call,
         given_up: false,
+        reconnects,
     };
     stream::unfold(state, |mut s| async move {
         loop {
@@ -70,6 +76,7 @@ where
                 return None;
             }
             let Some(current) = s.current.as_mut() else {
+                s.reconnects.mark_seen();
                 match (s.open)().await {
                     Ok(watch) => s.current = Some(watch),
                     Err(err) if s.down_since.is_some_and(|t| t.elapsed() >= s.window) => {
@@ -83,7 +90,16 @@ where
                 }
                 continue;
             };
-            match current.next().await {
+            let next = tokio::select! {
+                next = current.next() => next,
+                () = s.reconnects.next() => {
+                    tracing::info!(call = s.call, "NATS client reconnected; opening the watch again");
+                    transient::count_retry(s.call);
+                    s.current = None;
+                    continue;
+                }
+            };
+            match next {
                 Some(Ok(value)) => {
                     s.down_since = None;
                     if s.last.as_ref() == Some(&value) {
@@ -116,6 +132,12 @@ mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::Arc;
 
+    fn no_reconnects() -> Reconnects {
+        let (sender, receiver) = tokio::sync::watch::channel(0);
+        std::mem::forget(sender); // never sends, never closes
+        Reconnects::watching(receiver)
+    }
+
     fn failing_after(values: Vec<u32>) -> BoxStream<'static, Result<u32, MeshError>> {
         stream::iter(values.into_iter().map(Ok))
             .chain(stream::once(async {
@@ -131,6 +153,7 @@ mod tests {
         let watch = reopening(
             "test.watch",
             WATCH_REOPEN_WINDOW,
+            no_reconnects(),
             failing_after(vec![1, 2]),
             move || {
                 let n = counter.fetch_add(1, Ordering::SeqCst);
@@ -160,6 +183,7 @@ mod tests {
         let watch = reopening(
             "test.watch",
             Duration::from_secs(5),
+            no_reconnects(),
             failing_after(vec![7]),
             || async {
                 Err::<BoxStream<'static, Result<u32, MeshError>>, _>(MeshError::RecordWatch(
@@ -183,11 +207,44 @@ mod tests {
             Ok(2),
         ])
         .boxed();
-        let watch = reopening("test.watch", WATCH_REOPEN_WINDOW, first, || async {
-            Ok(stream::empty().boxed())
-        });
+        let watch = reopening(
+            "test.watch",
+            WATCH_REOPEN_WINDOW,
+            no_reconnects(),
+            first,
+            || async { Ok(stream::empty().boxed()) },
+        );
         let items: Vec<_> = watch.take(3).collect().await;
         assert!(matches!(items[1], Err(MeshError::Json(_))));
         assert_eq!(*items[2].as_ref().unwrap(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_watch_is_opened_again_when_the_client_reconnects() {
+        let (connects, receiver) = tokio::sync::watch::channel(1u64);
+        let reconnects = Reconnects::watching(receiver);
+        // A consumer lost to a restart: it delivered 1, then never anything, and no error.
+        let first = stream::iter(vec![Ok(1u32)])
+            .chain(stream::pending())
+            .boxed();
+        let mut watch = reopening(
+            "test.watch",
+            WATCH_REOPEN_WINDOW,
+            reconnects,
+            first,
+            || async {
+                Ok(stream::iter(vec![Ok(1u32), Ok(2)])
+                    .chain(stream::pending())
+                    .boxed())
+            },
+        );
+        assert_eq!(watch.next().await.unwrap().unwrap(), 1);
+        let silent = tokio::time::timeout(Duration::from_secs(30), watch.next()).await;
+        assert!(silent.is_err(), "nothing to see before the reconnect");
+        connects.send_modify(|n| *n += 1);
+        let next = tokio::time::timeout(Duration::from_secs(1), watch.next())
+            .await
+            .expect("reopened within a reconnect check");
+        assert_eq!(next.unwrap().unwrap(), 2, "the repeated 1 is left out");
     }
 }

@@ -7,7 +7,9 @@
 //! records) run their JetStream calls through [`retried`]: a failure is tried again for a
 //! window ([`ELECTION_WINDOW`] unless a store is given another), while errors that say
 //! something about the data (the key exists, another writer got in first, not found) are
-//! returned at once. Each retry counts in `diffmesh_jetstream_retries_total{call}`.
+//! returned at once. An attempt in flight while NATS reconnects is started over at once
+//! (its request may have gone into the dropped connection: `reconnects`). Each retry counts
+//! in `diffmesh_jetstream_retries_total{call}`.
 use std::fmt::Display;
 use std::future::Future;
 use std::sync::OnceLock;
@@ -21,6 +23,7 @@ use serde::Serialize;
 
 use crate::error::MeshError;
 use crate::metrics::{counter_vec, process_registry};
+use crate::reconnects::Reconnects;
 
 /// How long a failing call is tried again: a leader election on a three-node cluster took
 /// 1-5 s in the failover runs (docs/BENCHMARKS.md, "JetStream cluster: losing a node").
@@ -101,7 +104,17 @@ where
     let start = Instant::now();
     let mut attempts = 1u32;
     loop {
-        match attempt().await {
+        let Some(result) = unless_reconnected(attempt(), start, window).await else {
+            tracing::info!(
+                call,
+                attempts,
+                "NATS reconnected during the call; trying again"
+            );
+            count_retry(call);
+            attempts += 1;
+            continue;
+        };
+        match result {
             Err(err) if !settled(&err) && start.elapsed() < window => {
                 tracing::warn!(call, attempts, error = %err, "JetStream call failed; trying again");
                 count_retry(call);
@@ -110,6 +123,28 @@ where
             }
             done => return done,
         }
+    }
+}
+
+/// `call`'s result, or `None` when NATS connected again while it was in flight within
+/// `window` from `start`: its request may have gone into the dropped connection, and its
+/// reply would then never come (the call would wait out its timeout). Past the window the
+/// call is left to finish, so a flapping connection cannot keep a call going forever.
+async fn unless_reconnected<T>(
+    call: impl Future<Output = T>,
+    start: Instant,
+    window: Duration,
+) -> Option<T> {
+    let reconnects = Reconnects::from_now();
+    let reconnected = async {
+        reconnects.next().await;
+        if start.elapsed() >= window {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        result = call => Some(result),
+        () = reconnected => None,
     }
 }
 
@@ -132,26 +167,26 @@ pub async fn kv_get_json<T: DeserializeOwned>(
 
 /// A KV create tried again like [`retried`], counting a write that landed as done: when its
 /// reply was lost, the next attempt (and async-nats itself) finds the key taken, and the stored
-/// value is then exactly `value`. Fails with `KvCreate` (`AlreadyExists`) when another value
-/// holds the key.
+/// value is then exactly `value`. The stored revision; fails with `KvCreate`
+/// (`AlreadyExists`) when another value holds the key.
 pub async fn kv_create(
     kv: &kv::Store,
     call: &'static str,
     window: Duration,
     key: &str,
     value: Bytes,
-) -> Result<(), MeshError> {
+) -> Result<u64, MeshError> {
     let created = retried(call, window, kv_create_settled, || {
         kv.create(key, value.clone())
     })
     .await;
     match created {
-        Ok(_) => Ok(()),
+        Ok(revision) => Ok(revision),
         Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
             let stored = retried(call, window, kv_entry_settled, || kv.entry(key)).await?;
             match stored {
                 Some(entry) if entry.operation == kv::Operation::Put && entry.value == value => {
-                    Ok(())
+                    Ok(entry.revision)
                 }
                 _ => Err(err.into()),
             }
@@ -163,11 +198,12 @@ pub async fn kv_create(
 /// What [`kv_update_json`] did.
 #[derive(Debug, PartialEq)]
 pub enum KvUpdated<T> {
-    /// `change` was applied to the latest value and written: the value as written.
-    Written(T),
+    /// `change` was applied to the latest value and written: the value as written, and its
+    /// revision.
+    Written(T, u64),
     /// `change` declined (returned false) on the latest value; nothing was written: that
-    /// value.
-    Declined(T),
+    /// value and its revision.
+    Declined(T, u64),
     /// The key is missing (or deleted).
     Missing,
 }
@@ -177,12 +213,17 @@ pub enum KvUpdated<T> {
 /// again, up to `max_contended` times, then [`MeshError::KvContention`]). A write that failed
 /// otherwise is tried again for `window` (an election); if it had landed after all, the next
 /// read finds exactly the value written and the update is done.
+///
+/// `guess`, a value and revision the caller believes latest (its own last write), saves the
+/// read: `change` is applied to it and written against its revision, and only when that
+/// write finds a newer revision, or `change` declines on the guess, is the entry read.
 pub async fn kv_update_json<T, F>(
     kv: &kv::Store,
     call: &'static str,
     window: Duration,
     key: &str,
     max_contended: u32,
+    mut guess: Option<(T, u64)>,
     mut change: F,
 ) -> Result<KvUpdated<T>, MeshError>
 where
@@ -193,19 +234,42 @@ where
     let mut written: Option<T> = None;
     let mut contended = 0;
     while contended < max_contended {
-        let Some((mut value, revision)) = kv_get_json::<T>(kv, call, window, key).await? else {
-            return Ok(KvUpdated::Missing);
+        let guessed = guess.is_some();
+        let (mut value, revision) = match guess.take() {
+            Some(known) => known,
+            None => match kv_get_json::<T>(kv, call, window, key).await? {
+                Some(latest) => latest,
+                None => return Ok(KvUpdated::Missing),
+            },
         };
         if written.as_ref() == Some(&value) {
-            return Ok(KvUpdated::Written(value));
+            return Ok(KvUpdated::Written(value, revision));
         }
         let latest = value.clone();
         if !change(&mut value) {
-            return Ok(KvUpdated::Declined(latest));
+            // A decline counts only on what is stored now, which a guess may not be.
+            if guessed {
+                continue;
+            }
+            return Ok(KvUpdated::Declined(latest, revision));
         }
         let bytes = Bytes::from(serde_json::to_vec(&value)?);
-        match kv.update(key, bytes, revision).await {
-            Ok(_) => return Ok(KvUpdated::Written(value)),
+        let Some(result) = unless_reconnected(kv.update(key, bytes, revision), start, window).await
+        else {
+            // Landed or not: the next read tells.
+            tracing::info!(
+                call,
+                key,
+                "NATS reconnected during the update; trying again"
+            );
+            count_retry(call);
+            written = Some(value);
+            continue;
+        };
+        match result {
+            Ok(revision) => return Ok(KvUpdated::Written(value, revision)),
+            // A stale guess is no contention.
+            Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision && guessed => {}
             Err(err) if err.kind() == kv::UpdateErrorKind::WrongLastRevision => contended += 1,
             Err(err)
                 if err.kind() != kv::UpdateErrorKind::InvalidKey && start.elapsed() < window =>

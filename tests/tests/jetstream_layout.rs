@@ -559,3 +559,47 @@ async fn blob_read_paths_consumer_against_leader() {
         }
     }
 }
+
+/// What a job-record update costs, read first or written on the known revision (a
+/// measurement, not a check): `cargo test --release -p diffmesh-tests --test jetstream_layout
+/// job_update_known_revisions -- --ignored --nocapture`. Each job is created, then updated
+/// ten times (a step each), as the gateway driving it does.
+#[tokio::test]
+#[ignore]
+async fn job_update_known_revisions_against_reads() {
+    let nats = NatsServer::start();
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    ensure_all(&js, 1, &[]).await.unwrap();
+    let reading = JobStore::open(&js).await.unwrap();
+    let knowing = JobStore::open(&js)
+        .await
+        .unwrap()
+        .with_known_revisions(10_000);
+    let (jobs, updates) = (200, 10);
+    for round in 0..3 {
+        for (path, store) in [("read first", &reading), ("known revision", &knowing)] {
+            let ids: Vec<String> = (0..jobs)
+                .map(|j| format!("{path}-{round}-{j}").replace(' ', "-"))
+                .collect();
+            for id in &ids {
+                store
+                    .create(&JobRecord::new(id.as_str(), JobKind::Edit))
+                    .await
+                    .unwrap();
+            }
+            let (cpu, t) = (cpu_seconds(nats.pid()), Instant::now());
+            for id in &ids {
+                for step in 1..=updates {
+                    store
+                        .update(id, |r| r.mark_step(step, updates))
+                        .await
+                        .unwrap();
+                }
+            }
+            let n = (jobs * updates) as u32;
+            let wall = t.elapsed() / n;
+            let server_ms = (cpu_seconds(nats.pid()) - cpu) * 1e3 / f64::from(n);
+            eprintln!("round {round}, {path}: {wall:.2?} an update, server {server_ms:.3} ms CPU");
+        }
+    }
+}

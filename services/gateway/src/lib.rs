@@ -112,6 +112,10 @@ pub struct GatewayConfig {
     /// Jobs in flight per API key, synchronous and async together (0 = unlimited).
     #[arg(long, env = "GATEWAY_MAX_CONCURRENT_PER_KEY", default_value_t = 0)]
     pub max_concurrent_per_key: usize,
+    /// Job records whose last revision the gateway keeps, to update them without reading
+    /// them first (`JobStore::with_known_revisions`; about 1 KB each; 0 = read every time).
+    #[arg(long, env = "GATEWAY_KNOWN_JOB_RECORDS", default_value_t = 16_384)]
+    pub known_job_records: u64,
 }
 
 impl GatewayConfig {
@@ -138,6 +142,7 @@ impl GatewayConfig {
             api_keys: None,
             rate_limit_per_s: 0.0,
             rate_limit_burst: 0,
+            known_job_records: 1024,
             max_concurrent_per_key: 0,
         }
     }
@@ -259,7 +264,11 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
     .await?;
     let js = diffmesh_shared::jetstream_layout::context(&client, &config.common, &[]).await?;
     let background = TaskTracker::new();
-    let jobs = JobStore::open(&js).await?;
+    // The gateway writes most of a job's changes: it updates them without reading first.
+    let mut jobs = JobStore::open(&js).await?;
+    if config.known_job_records > 0 {
+        jobs = jobs.with_known_revisions(config.known_job_records);
+    }
     let templates = templates::Templates::open(&client, jobs.clone(), flow.job_timeout).await?;
     let mesh = Mesh {
         blobs: BlobStore::open(&js).await?,

@@ -11,6 +11,7 @@
 use crate::service::{PlaceError, Router};
 use diffmesh_shared::job::{now_ms, JobRecord};
 use diffmesh_shared::messages::{error_types, JobEvent};
+use diffmesh_shared::reconnects::Reconnects;
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -87,12 +88,14 @@ enum Adoption {
 
 impl Router {
     /// Watch job records and adopt those whose driver died before placing them, until
-    /// shutdown. A watch that fails or ends is opened again (it replays the last hour of
-    /// record changes, so an outage shorter than that misses nothing).
+    /// shutdown. A watch that fails or ends, or that was open while NATS reconnected (its
+    /// consumer may be gone with the server), is opened again: it replays the last hour of record changes, so
+    /// an outage shorter than that misses nothing.
     pub async fn adopt_orphans(self: Arc<Self>, shutdown: CancellationToken) {
         let mut unplaced = Unplaced::default();
         let mut tick = tokio::time::interval(CHECK_EVERY);
         loop {
+            let reconnects = Reconnects::from_now();
             let mut records = match self.jobs.watch_since(WATCH_LOOKBACK).await {
                 Ok(records) => records,
                 Err(err) => {
@@ -114,6 +117,10 @@ impl Router {
                             break;
                         }
                     },
+                    () = reconnects.next() => {
+                        tracing::info!("NATS client reconnected; opening the job record watch again");
+                        break;
+                    }
                     _ = tick.tick() => {
                         for job_id in unplaced.take_due(now_ms()) {
                             let this = self.clone();

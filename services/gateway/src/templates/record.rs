@@ -261,6 +261,7 @@ impl TemplateStore {
             transient::ELECTION_WINDOW,
             template_id,
             MAX_UPDATE_ATTEMPTS,
+            None,
             |record: &mut TemplateRecord| {
                 change(record);
                 record.updated_at_ms = now_ms();
@@ -269,8 +270,8 @@ impl TemplateStore {
         )
         .await;
         match updated {
-            Ok(KvUpdated::Written(record)) => Ok(Some(record)),
-            Ok(KvUpdated::Declined(_) | KvUpdated::Missing) => Ok(None),
+            Ok(KvUpdated::Written(record, _)) => Ok(Some(record)),
+            Ok(KvUpdated::Declined(..) | KvUpdated::Missing) => Ok(None),
             Err(err @ MeshError::KvContention { .. }) => Err(internal("update", err)),
             Err(err) => Err(err.into()),
         }
