@@ -203,8 +203,8 @@ impl BlobStore {
     /// of small images) is read with message gets from the stream's leader; a larger one
     /// streams through a consumer (16 MiB in 49 ms against 149 ms by message gets, one
     /// server), which costs the server a set-up and a deletion once idle that a small object
-    /// does not repay. When a read fails before its first byte,
-    /// within [`BLOB_FIRST_BYTE_TIMEOUT`], the object is read again chunk by chunk with message gets
+    /// does not repay. When a read fails before its first byte, within
+    /// [`BLOB_FIRST_BYTE_TIMEOUT`], the object is read again chunk by chunk with message gets
     /// the stream's leader answers ([`BlobStore::read_from_leader`]), which no consumer
     /// placement can strand, tried again while the stream elects a leader; so are this store's
     /// reads for the next [`LEADER_READS_AFTER_A_STALL`]. Fails with

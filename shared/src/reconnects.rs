@@ -51,7 +51,7 @@ impl Reconnects {
     /// (or creation); cancel-safe, and it does not mark the connect seen.
     pub async fn next(&self) {
         let mut connects = self.connects.clone();
-        // The counter's sender lives in a static (or in the test): it is never dropped.
+        // The process's sender lives in a static; a dropped one (tests) sends nothing more.
         if connects.changed().await.is_err() {
             std::future::pending::<()>().await;
         }

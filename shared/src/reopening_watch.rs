@@ -132,10 +132,9 @@ mod tests {
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::Arc;
 
+    /// A counter whose sender is gone: `Reconnects::next` then never resolves.
     fn no_reconnects() -> Reconnects {
-        let (sender, receiver) = tokio::sync::watch::channel(0);
-        std::mem::forget(sender); // never sends, never closes
-        Reconnects::watching(receiver)
+        Reconnects::watching(tokio::sync::watch::channel(0).1)
     }
 
     fn failing_after(values: Vec<u32>) -> BoxStream<'static, Result<u32, MeshError>> {

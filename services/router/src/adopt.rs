@@ -89,8 +89,8 @@ enum Adoption {
 impl Router {
     /// Watch job records and adopt those whose driver died before placing them, until
     /// shutdown. A watch that fails or ends, or that was open while NATS reconnected (its
-    /// consumer may be gone with the server), is opened again: it replays the last hour of record changes, so
-    /// an outage shorter than that misses nothing.
+    /// consumer may be gone with the server), is opened again: it replays the last hour of
+    /// record changes, so an outage shorter than that misses nothing.
     pub async fn adopt_orphans(self: Arc<Self>, shutdown: CancellationToken) {
         let mut unplaced = Unplaced::default();
         let mut tick = tokio::time::interval(CHECK_EVERY);
