@@ -38,10 +38,11 @@ pub struct SweepArgs {
     out: PathBuf,
 }
 
-const COLUMNS: [&str; 10] = [
+const COLUMNS: [&str; 11] = [
     "p50",
     "p95",
     "p99",
+    "standalone_p95",
     "mean_queue",
     "throughput",
     "completed",

@@ -228,6 +228,10 @@ fn main() -> anyhow::Result<()> {
         s.completed, s.submitted, s.rejected, s.p50, s.p95, s.p99, s.mean_latency, s.mean_queue
     ));
     say(format!(
+        "  no-contention floor: p95 of standalone times {:.3}s (no policy's p95 is lower)",
+        s.standalone_p95
+    ));
+    say(format!(
         "  throughput {:.3} req/s ({:.1} images/min), SLO attainment {:.3} (deadline {}x standalone), mean batch {:.2}, utilization {:.3}",
         s.throughput,
         s.throughput * 60.0,

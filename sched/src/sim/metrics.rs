@@ -12,6 +12,11 @@ pub struct Summary {
     pub p50: f64,
     pub p95: f64,
     pub p99: f64,
+    /// p95 of the completed requests' standalone times (alone on an idle worker). Each
+    /// request's latency is at least its standalone time when workers step as the cost models
+    /// predict (no step noise, no factor below 1), so no policy's p95 can be lower: the floor
+    /// routing works against.
+    pub standalone_p95: f64,
     pub mean_latency: f64,
     /// Mean wait from arrival to joining a running batch (s).
     pub mean_queue: f64,

@@ -92,6 +92,8 @@ struct Job {
     remaining: u32,
     start_s: f64,
     deadline_s: f64,
+    /// Latency alone on an idle worker stepping as predicted, overhead included.
+    standalone_s: f64,
 }
 
 #[derive(Debug, Default)]
@@ -108,6 +110,8 @@ struct Worker {
 
 struct Totals {
     latencies: Vec<f64>,
+    /// Standalone times of the completed requests, for the no-contention floor.
+    standalone: Vec<f64>,
     queue_sum: f64,
     slo_met: usize,
     last_finish: f64,
@@ -138,6 +142,7 @@ pub fn simulate_with_latencies(
     let mut noise = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x005e_ed0f_57e9);
     let mut tot = Totals {
         latencies: Vec::with_capacity(arrivals.len()),
+        standalone: Vec::with_capacity(arrivals.len()),
         queue_sum: 0.0,
         slo_met: 0,
         last_finish: 0.0,
@@ -189,6 +194,7 @@ pub fn simulate_with_latencies(
                     remaining: req.steps,
                     start_s: now,
                     deadline_s: now + cfg.slo_factor * standalone,
+                    standalone_s: standalone,
                 });
                 if workers[w].step_end.is_none() {
                     let slow = slowdown(cfg, &workers, w, background);
@@ -254,6 +260,7 @@ fn finish_step(w: &mut Worker, t: f64, overhead_s: f64, tot: &mut Totals) {
         if j.remaining == 0 {
             let done = t + overhead_s;
             tot.latencies.push(done - j.arrival_s);
+            tot.standalone.push(j.standalone_s);
             tot.queue_sum += j.start_s - j.arrival_s;
             tot.slo_met += usize::from(done <= j.deadline_s + 1e-12);
             tot.last_finish = tot.last_finish.max(t);
@@ -317,6 +324,7 @@ fn summarize(
     mut tot: Totals,
 ) -> (Summary, Vec<f64>) {
     tot.latencies.sort_by(f64::total_cmp);
+    tot.standalone.sort_by(f64::total_cmp);
     let completed = tot.latencies.len();
     let first = arrivals.first().map_or(0.0, |a| a.time_s);
     let span = (tot.last_finish - first).max(f64::MIN_POSITIVE);
@@ -330,6 +338,7 @@ fn summarize(
         p50: percentile(&tot.latencies, 50.0),
         p95: percentile(&tot.latencies, 95.0),
         p99: percentile(&tot.latencies, 99.0),
+        standalone_p95: percentile(&tot.standalone, 95.0),
         mean_latency: div(tot.latencies.iter().sum(), completed as f64),
         mean_queue: div(tot.queue_sum, completed as f64),
         throughput: div(completed as f64, span),

@@ -36,6 +36,28 @@ fn lone_request_takes_its_standalone_time() {
     assert!((s.p50 - m.standalone_s(450, 28)).abs() < 1e-9);
     assert_eq!(s.mean_queue, 0.0);
     assert_eq!(s.slo_attainment, 1.0);
+    assert!((s.standalone_p95 - s.p50).abs() < 1e-9, "{s:?}");
+}
+
+#[test]
+fn no_policy_beats_the_no_contention_floor() {
+    for policy in crate::policy::POLICY_NAMES {
+        let s = poisson_run(policy, 4, 0.0);
+        assert!(s.standalone_p95 > 0.0, "{s:?}");
+        // Contention at 3 req/s on 4 workers must cost something, yet never go below the floor.
+        assert!(s.p95 > s.standalone_p95, "{policy}: {s:?}");
+        let light = simulate(
+            &cfg(4, 8),
+            &synthetic::default_models(),
+            policy_by_name(policy).unwrap().as_mut(),
+            &[arrival(0.0, 100), arrival(100.0, 900), arrival(200.0, 20)],
+        );
+        // Far-apart arrivals meet no contention: latency is the floor exactly.
+        assert!(
+            (light.p95 - light.standalone_p95).abs() < 1e-9,
+            "{policy}: {light:?}"
+        );
+    }
 }
 
 #[test]
