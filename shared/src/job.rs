@@ -464,39 +464,27 @@ impl JobStore {
 
     /// Every version of any record written from `lookback` ago on, then every new one. Older
     /// records are not replayed (a week of finished jobs would be): a reader that was down
-    /// longer than `lookback` misses records that did not change since.
+    /// longer than `lookback` misses records that did not change since. Only opening the first
+    /// watch can fail: after that the watch is opened again, for as long as it takes, whenever
+    /// its consumer stops or NATS reconnects ([`reopening`]), and each reopening replays
+    /// `lookback` again, so readers must take a version they saw before in their stride.
     pub async fn watch_since(
         &self,
         lookback: Duration,
     ) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
-        let watch_error = |e: &dyn std::fmt::Display| MeshError::RecordWatch(e.to_string());
-        let start_time = time::OffsetDateTime::now_utc() - lookback;
-        let consumer = self
-            .kv
-            .stream
-            .create_consumer(consumer::push::OrderedConfig {
-                deliver_subject: self.client.new_inbox(),
-                description: Some("job records since a start time".to_string()),
-                filter_subject: format!("{}>", self.kv.prefix),
-                replay_policy: consumer::ReplayPolicy::Instant,
-                deliver_policy: consumer::DeliverPolicy::ByStartTime { start_time },
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| watch_error(&e))?;
-        let messages = consumer.messages().await.map_err(|e| watch_error(&e))?;
-        Ok(messages
-            .filter_map(move |message| async move {
-                match message {
-                    // An empty payload is a deletion marker (records only expire, but be safe).
-                    Ok(m) if m.payload.is_empty() => None,
-                    Ok(m) => Some(
-                        serde_json::from_slice::<JobRecord>(&m.payload).map_err(MeshError::from),
-                    ),
-                    Err(err) => Some(Err(MeshError::RecordWatch(err.to_string()))),
-                }
-            })
-            .boxed())
+        let reconnects = Reconnects::from_now();
+        let first = records_since(&self.kv, &self.client, lookback).await?;
+        let (kv, client) = (self.kv.clone(), self.client.clone());
+        Ok(reopening(
+            "job.watch_since",
+            Duration::MAX,
+            reconnects,
+            first,
+            move || {
+                let (kv, client) = (kv.clone(), client.clone());
+                async move { records_since(&kv, &client, lookback).await }
+            },
+        ))
     }
 
     /// Read-modify-write with compare-and-set, retrying when another writer got in between.
@@ -585,6 +573,41 @@ impl JobStore {
 }
 
 /// The records a KV watch delivers (deletions skipped).
+/// One watch of every record written from `lookback` ago on (see [`JobStore::watch_since`]).
+async fn records_since(
+    kv: &kv::Store,
+    client: &async_nats::Client,
+    lookback: Duration,
+) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
+    let watch_error = |e: &dyn std::fmt::Display| MeshError::RecordWatch(e.to_string());
+    let start_time = time::OffsetDateTime::now_utc() - lookback;
+    let consumer = kv
+        .stream
+        .create_consumer(consumer::push::OrderedConfig {
+            deliver_subject: client.new_inbox(),
+            description: Some("job records since a start time".to_string()),
+            filter_subject: format!("{}>", kv.prefix),
+            replay_policy: consumer::ReplayPolicy::Instant,
+            deliver_policy: consumer::DeliverPolicy::ByStartTime { start_time },
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| watch_error(&e))?;
+    let messages = consumer.messages().await.map_err(|e| watch_error(&e))?;
+    Ok(messages
+        .filter_map(|message| async move {
+            match message {
+                // An empty payload is a deletion marker (records only expire, but be safe).
+                Ok(m) if m.payload.is_empty() => None,
+                Ok(m) => {
+                    Some(serde_json::from_slice::<JobRecord>(&m.payload).map_err(MeshError::from))
+                }
+                Err(err) => Some(Err(MeshError::RecordWatch(err.to_string()))),
+            }
+        })
+        .boxed())
+}
+
 fn records(watch: kv::Watch) -> BoxStream<'static, Result<JobRecord, MeshError>> {
     watch
         .filter_map(|entry| async move {

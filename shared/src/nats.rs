@@ -27,6 +27,7 @@ pub async fn connect(url: &str, name: &str, give_up_after: Duration) -> Result<C
         .collect();
     loop {
         attempts += 1;
+        let first_connect = reconnects::FirstConnect::before_connecting();
         let result = async_nats::ConnectOptions::new()
             .name(name)
             .connection_timeout(Duration::from_secs(2))
@@ -39,7 +40,10 @@ pub async fn connect(url: &str, name: &str, give_up_after: Duration) -> Result<C
             .connect(servers.as_slice())
             .await;
         match result {
-            Ok(client) => return Ok(client),
+            Ok(client) => {
+                first_connect.counted().await;
+                return Ok(client);
+            }
             Err(source) if start.elapsed() + delay >= give_up_after => {
                 return Err(MeshError::Connect {
                     url: url.to_string(),

@@ -23,6 +23,32 @@ pub fn note_connect() {
     connects().send_modify(|n| *n += 1);
 }
 
+/// The client's first connect, which async-nats reports to the event callback from a task of
+/// its own, possibly after `connect` returned: waiting for it keeps it from counting as a
+/// reconnect for the first watches the service opens (one needless reopening each).
+#[derive(Debug)]
+pub(crate) struct FirstConnect {
+    connects: watch::Receiver<u64>,
+}
+
+impl FirstConnect {
+    /// Taken before connecting.
+    pub(crate) fn before_connecting() -> Self {
+        Self {
+            connects: connects().subscribe(),
+        }
+    }
+
+    /// Once a connect was counted since [`before_connecting`](Self::before_connecting), or
+    /// after [`FIRST_CONNECT_WAIT`] (the callback is late or never comes: nothing breaks).
+    pub(crate) async fn counted(mut self) {
+        let _ = tokio::time::timeout(FIRST_CONNECT_WAIT, self.connects.changed()).await;
+    }
+}
+
+/// Longest wait for the event of a client's first connect.
+const FIRST_CONNECT_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// Waits for connects after a point in time.
 #[derive(Debug, Clone)]
 pub struct Reconnects {
@@ -81,5 +107,25 @@ mod tests {
         reconnects.mark_seen();
         let waiting = tokio::time::timeout(Duration::from_millis(50), reconnects.next()).await;
         assert!(waiting.is_err(), "seen");
+    }
+
+    #[tokio::test]
+    async fn a_clients_first_connect_is_not_a_reconnect() {
+        // The only test of this crate that connects: nothing else moves the process's counter.
+        let server = crate::testing::NatsServer::start();
+        for _ in 0..20 {
+            let client =
+                crate::nats::connect(&server.url(), "first-connect", Duration::from_secs(10))
+                    .await
+                    .expect("connects");
+            let reconnects = Reconnects::from_now();
+            let spurious =
+                tokio::time::timeout(Duration::from_millis(100), reconnects.next()).await;
+            assert!(
+                spurious.is_err(),
+                "the first connect's event came after connect returned"
+            );
+            drop(client);
+        }
     }
 }

@@ -196,6 +196,35 @@ mod tests {
         assert!(matches!(items[1], Err(MeshError::RecordWatch(_))));
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_without_a_window_is_opened_until_it_opens() {
+        let tries = Arc::new(AtomicU32::new(0));
+        let counter = tries.clone();
+        // Down for an hour of (paused) time: 14,400 tries at one per RETRY_DELAY.
+        let down_for = 3600 * 1000 / transient::RETRY_DELAY.as_millis() as u32;
+        let mut watch = reopening(
+            "test.watch",
+            Duration::MAX,
+            no_reconnects(),
+            failing_after(vec![1]),
+            move || {
+                let n = counter.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if n < down_for {
+                        Err(MeshError::RecordWatch("no responders".into()))
+                    } else {
+                        Ok(stream::iter(vec![Ok(2u32)])
+                            .chain(stream::pending())
+                            .boxed())
+                    }
+                }
+            },
+        );
+        assert_eq!(watch.next().await.unwrap().unwrap(), 1);
+        assert_eq!(watch.next().await.unwrap().unwrap(), 2, "never given up");
+        assert_eq!(tries.load(Ordering::SeqCst), down_for + 1);
+    }
+
     #[tokio::test]
     async fn a_record_that_does_not_decode_is_passed_on_and_the_watch_goes_on() {
         let first = stream::iter(vec![

@@ -41,6 +41,7 @@ pub const CALLS: &[&str] = &[
     "job.get",
     "job.update",
     "job.watch",
+    "job.watch_since",
     "idempotency.get",
     "idempotency.claim",
     "blob.put",

@@ -11,7 +11,6 @@
 use crate::service::{PlaceError, Router};
 use diffmesh_shared::job::{now_ms, JobRecord};
 use diffmesh_shared::messages::{error_types, JobEvent};
-use diffmesh_shared::reconnects::Reconnects;
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,7 +26,7 @@ const CHECK_EVERY: Duration = Duration::from_millis(500);
 /// How far back a (re)opened record watch starts: orphans whose record last changed earlier
 /// than this before a router (re)started are not seen (one router up at all times sees all).
 const WATCH_LOOKBACK: Duration = Duration::from_secs(3600);
-/// Wait before opening a failed record watch again.
+/// Wait before trying to open the record watch again when the first opening failed.
 const REWATCH_AFTER: Duration = Duration::from_secs(1);
 /// Wait before trying again while no denoiser is live.
 const NO_WORKER_RETRY: Duration = Duration::from_millis(250);
@@ -88,14 +87,15 @@ enum Adoption {
 
 impl Router {
     /// Watch job records and adopt those whose driver died before placing them, until
-    /// shutdown. A watch that fails or ends, or that was open while NATS reconnected (its
-    /// consumer may be gone with the server), is opened again: it replays the last hour of
-    /// record changes, so an outage shorter than that misses nothing.
+    /// shutdown. The watch replays the last hour of record changes whenever it is opened again
+    /// (its consumer stopped, or NATS reconnected: [`JobStore::watch_since`]), so an outage
+    /// shorter than that misses nothing.
+    ///
+    /// [`JobStore::watch_since`]: diffmesh_shared::job::JobStore::watch_since
     pub async fn adopt_orphans(self: Arc<Self>, shutdown: CancellationToken) {
         let mut unplaced = Unplaced::default();
         let mut tick = tokio::time::interval(CHECK_EVERY);
         loop {
-            let reconnects = Reconnects::from_now();
             let mut records = match self.jobs.watch_since(WATCH_LOOKBACK).await {
                 Ok(records) => records,
                 Err(err) => {
@@ -112,15 +112,9 @@ impl Router {
                     record = records.next() => match record {
                         Some(Ok(record)) => unplaced.observe(&record),
                         Some(Err(err)) => tracing::debug!(error = %err, "unreadable job record"),
-                        None => {
-                            tracing::warn!("the job record watch ended; opening it again");
-                            break;
-                        }
+                        // Not expected (the watch reopens without end), but not fatal either.
+                        None => break,
                     },
-                    () = reconnects.next() => {
-                        tracing::info!("NATS client reconnected; opening the job record watch again");
-                        break;
-                    }
                     _ = tick.tick() => {
                         for job_id in unplaced.take_due(now_ms()) {
                             let this = self.clone();
