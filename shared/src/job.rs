@@ -1,6 +1,8 @@
 //! Job records in JetStream KV (`subjects::JOB_BUCKET`): the durable state of every accepted
 //! job, so a restarted service can see what was in flight. Stored as JSON so operators can read
 //! them with `nats kv get`.
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::{self, consumer, kv};
@@ -466,14 +468,15 @@ impl JobStore {
     /// records are not replayed (a week of finished jobs would be): a reader that was down
     /// longer than `lookback` misses records that did not change since. Only opening the first
     /// watch can fail: after that the watch is opened again, for as long as it takes, whenever
-    /// its consumer stops or NATS reconnects ([`reopening`]), and each reopening replays
-    /// `lookback` again, so readers must take a version they saw before in their stride.
+    /// its consumer stops or NATS reconnects ([`reopening`]), and goes on after the last record
+    /// it passed on (by stream sequence), so nothing is skipped or given twice.
     pub async fn watch_since(
         &self,
         lookback: Duration,
     ) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
         let reconnects = Reconnects::from_now();
-        let first = records_since(&self.kv, &self.client, lookback).await?;
+        let delivered = Arc::new(AtomicU64::new(0));
+        let first = records_since(&self.kv, &self.client, lookback, delivered.clone()).await?;
         let (kv, client) = (self.kv.clone(), self.client.clone());
         Ok(reopening(
             "job.watch_since",
@@ -481,8 +484,8 @@ impl JobStore {
             reconnects,
             first,
             move || {
-                let (kv, client) = (kv.clone(), client.clone());
-                async move { records_since(&kv, &client, lookback).await }
+                let (kv, client, delivered) = (kv.clone(), client.clone(), delivered.clone());
+                async move { records_since(&kv, &client, lookback, delivered).await }
             },
         ))
     }
@@ -572,15 +575,24 @@ impl JobStore {
     }
 }
 
-/// The records a KV watch delivers (deletions skipped).
-/// One watch of every record written from `lookback` ago on (see [`JobStore::watch_since`]).
+/// One watch of every record written from `lookback` ago on, or, once `delivered` holds the
+/// stream sequence of a record passed on (a reopening), of every record after that one: a
+/// reopened watch replays nothing it already gave (see [`JobStore::watch_since`]).
 async fn records_since(
     kv: &kv::Store,
     client: &async_nats::Client,
     lookback: Duration,
+    delivered: Arc<AtomicU64>,
 ) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
     let watch_error = |e: &dyn std::fmt::Display| MeshError::RecordWatch(e.to_string());
-    let start_time = time::OffsetDateTime::now_utc() - lookback;
+    let deliver_policy = match delivered.load(Ordering::Acquire) {
+        0 => consumer::DeliverPolicy::ByStartTime {
+            start_time: time::OffsetDateTime::now_utc() - lookback,
+        },
+        last => consumer::DeliverPolicy::ByStartSequence {
+            start_sequence: last + 1,
+        },
+    };
     let consumer = kv
         .stream
         .create_consumer(consumer::push::OrderedConfig {
@@ -588,26 +600,34 @@ async fn records_since(
             description: Some("job records since a start time".to_string()),
             filter_subject: format!("{}>", kv.prefix),
             replay_policy: consumer::ReplayPolicy::Instant,
-            deliver_policy: consumer::DeliverPolicy::ByStartTime { start_time },
+            deliver_policy,
             ..Default::default()
         })
         .await
         .map_err(|e| watch_error(&e))?;
     let messages = consumer.messages().await.map_err(|e| watch_error(&e))?;
     Ok(messages
-        .filter_map(|message| async move {
-            match message {
-                // An empty payload is a deletion marker (records only expire, but be safe).
-                Ok(m) if m.payload.is_empty() => None,
-                Ok(m) => {
-                    Some(serde_json::from_slice::<JobRecord>(&m.payload).map_err(MeshError::from))
+        .filter_map(move |message| {
+            // Taken when the message is read: a stream's items are passed on in order, so the
+            // last one read was given to the reader unless the whole stream was dropped.
+            if let Ok(Ok(info)) = message.as_ref().map(|m| m.info()) {
+                delivered.store(info.stream_sequence, Ordering::Release);
+            }
+            async move {
+                match message {
+                    // An empty payload is a deletion marker (records only expire, but be safe).
+                    Ok(m) if m.payload.is_empty() => None,
+                    Ok(m) => Some(
+                        serde_json::from_slice::<JobRecord>(&m.payload).map_err(MeshError::from),
+                    ),
+                    Err(err) => Some(Err(MeshError::RecordWatch(err.to_string()))),
                 }
-                Err(err) => Some(Err(MeshError::RecordWatch(err.to_string()))),
             }
         })
         .boxed())
 }
 
+/// The records a KV watch delivers (deletions skipped).
 fn records(watch: kv::Watch) -> BoxStream<'static, Result<JobRecord, MeshError>> {
     watch
         .filter_map(|entry| async move {

@@ -243,3 +243,34 @@ async fn a_record_watch_outlives_a_server_restart() {
     .expect("no record within 5 s of the restart (the 10 s heartbeat timeout, not the reconnect)");
     assert_eq!(next.unwrap().worker_id.as_deref(), Some("w1"));
 }
+
+/// The router's watch of every record (it finds jobs that lost their gateway) goes on through
+/// a server restart after the last record it gave, not from its hour of history again.
+#[tokio::test]
+async fn a_watch_of_all_records_resumes_after_a_restart_where_it_stopped() {
+    let mut nats = NatsServer::start();
+    let client = connect(&nats.url(), "test", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(client);
+    let jobs = JobStore::open(&js).await.unwrap();
+    for id in ["a", "b"] {
+        jobs.create(&JobRecord::new(id, JobKind::Edit))
+            .await
+            .unwrap();
+    }
+    let mut records = jobs.watch_since(Duration::from_secs(3600)).await.unwrap();
+    for id in ["a", "b"] {
+        assert_eq!(records.next().await.unwrap().unwrap().job_id, id);
+    }
+    nats.restart();
+    jobs.create(&JobRecord::new("c", JobKind::Edit))
+        .await
+        .unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(5), records.next())
+        .await
+        .expect("a record within 5 s of the restart")
+        .unwrap()
+        .unwrap();
+    assert_eq!(next.job_id, "c", "the reopened watch replayed {next:?}");
+}

@@ -23,8 +23,9 @@ use tracing::Instrument;
 const ADOPTION_MARGIN_MS: u64 = 2_000;
 /// How often the watched records are checked for lost drivers.
 const CHECK_EVERY: Duration = Duration::from_millis(500);
-/// How far back a (re)opened record watch starts: orphans whose record last changed earlier
-/// than this before a router (re)started are not seen (one router up at all times sees all).
+/// How far back the record watch starts when a router starts: orphans whose record last
+/// changed earlier than this before a router (re)started are not seen (one router up at all
+/// times sees all).
 const WATCH_LOOKBACK: Duration = Duration::from_secs(3600);
 /// Wait before trying to open the record watch again when the first opening failed.
 const REWATCH_AFTER: Duration = Duration::from_secs(1);
@@ -87,9 +88,9 @@ enum Adoption {
 
 impl Router {
     /// Watch job records and adopt those whose driver died before placing them, until
-    /// shutdown. The watch replays the last hour of record changes whenever it is opened again
-    /// (its consumer stopped, or NATS reconnected: [`JobStore::watch_since`]), so an outage
-    /// shorter than that misses nothing.
+    /// shutdown. The watch starts with the last hour of record changes and goes on through
+    /// stopped consumers and reconnects after the last record it gave
+    /// ([`JobStore::watch_since`]); only if its first opening fails is it opened afresh.
     ///
     /// [`JobStore::watch_since`]: diffmesh_shared::job::JobStore::watch_since
     pub async fn adopt_orphans(self: Arc<Self>, shutdown: CancellationToken) {
