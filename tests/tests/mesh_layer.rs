@@ -211,12 +211,7 @@ async fn known_revisions_save_the_read_and_never_hide_another_writer() {
 /// failed with "missed idle heartbeat".
 #[tokio::test]
 async fn a_record_watch_outlives_a_server_restart() {
-    let mut nats = NatsServer::start();
-    let client = connect(&nats.url(), "test", Duration::from_secs(5))
-        .await
-        .unwrap();
-    let js = async_nats::jetstream::new(client);
-    let jobs = JobStore::open(&js).await.unwrap();
+    let (mut nats, jobs) = server_and_job_store().await;
     jobs.create(&JobRecord::new("watched", JobKind::Edit))
         .await
         .unwrap();
@@ -248,12 +243,7 @@ async fn a_record_watch_outlives_a_server_restart() {
 /// a server restart after the last record it gave, not from its hour of history again.
 #[tokio::test]
 async fn a_watch_of_all_records_resumes_after_a_restart_where_it_stopped() {
-    let mut nats = NatsServer::start();
-    let client = connect(&nats.url(), "test", Duration::from_secs(5))
-        .await
-        .unwrap();
-    let js = async_nats::jetstream::new(client);
-    let jobs = JobStore::open(&js).await.unwrap();
+    let (mut nats, jobs) = server_and_job_store().await;
     for id in ["a", "b"] {
         jobs.create(&JobRecord::new(id, JobKind::Edit))
             .await
@@ -273,4 +263,16 @@ async fn a_watch_of_all_records_resumes_after_a_restart_where_it_stopped() {
         .unwrap()
         .unwrap();
     assert_eq!(next.job_id, "c", "the reopened watch replayed {next:?}");
+}
+
+/// A fresh server and a job store on it, for the restart tests.
+async fn server_and_job_store() -> (NatsServer, JobStore) {
+    let nats = NatsServer::start();
+    let client = connect(&nats.url(), "test", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let jobs = JobStore::open(&async_nats::jetstream::new(client))
+        .await
+        .unwrap();
+    (nats, jobs)
 }
