@@ -143,7 +143,22 @@ pub struct NatsMetrics {
     pub request_duration: HistogramVec,
     /// `diffmesh_nats_request_failures_total{subject, reason}`: timeouts, no responders, errors.
     pub request_failures: IntCounterVec,
+    /// `diffmesh_nats_connection_events_total{event}`: the client's connection events
+    /// ([`NATS_CONNECTION_EVENTS`]): connects and drops, slow consumers, server errors.
+    pub connection_events: IntCounterVec,
 }
+
+/// Labels of `diffmesh_nats_connection_events_total`, one per `async_nats::Event` variant.
+pub const NATS_CONNECTION_EVENTS: &[&str] = &[
+    "connected",
+    "disconnected",
+    "lame_duck_mode",
+    "draining",
+    "closed",
+    "slow_consumer",
+    "server_error",
+    "client_error",
+];
 
 impl NatsMetrics {
     /// The process-wide instance, registered in [`process_registry`] on first use.
@@ -173,6 +188,21 @@ impl NatsMetrics {
                 "NATS requests that got no usable reply, by subject and reason",
                 &["subject", "reason"],
             )?,
+            connection_events: {
+                let events = counter_vec(
+                    registry,
+                    "nats",
+                    "connection_events",
+                    "Connection events of the process's NATS clients (connected, disconnected, \
+                     slow consumer, ...), by event",
+                    &["event"],
+                )?;
+                // Present at 0 from the start, so a dashboard's rate() sees the first drop.
+                for event in NATS_CONNECTION_EVENTS {
+                    events.with_label_values(&[*event]);
+                }
+                events
+            },
         })
     }
 }

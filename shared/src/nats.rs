@@ -32,11 +32,7 @@ pub async fn connect(url: &str, name: &str, give_up_after: Duration) -> Result<C
             .name(name)
             .connection_timeout(Duration::from_secs(2))
             // Calls in flight and watches try again once connected again (`reconnects`).
-            .event_callback(|event| async move {
-                if matches!(event, async_nats::Event::Connected) {
-                    reconnects::note_connect();
-                }
-            })
+            .event_callback(|event| async move { on_connection_event(&event) })
             .connect(servers.as_slice())
             .await;
         match result {
@@ -57,6 +53,40 @@ pub async fn connect(url: &str, name: &str, give_up_after: Duration) -> Result<C
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
         }
+    }
+}
+
+/// Counts a client's connection event in `diffmesh_nats_connection_events_total{event}`,
+/// logs it, and tells `reconnects` of every connect.
+fn on_connection_event(event: &async_nats::Event) {
+    use async_nats::Event;
+    let label = connection_event_label(event);
+    NatsMetrics::global()
+        .connection_events
+        .with_label_values(&[label])
+        .inc();
+    match event {
+        Event::Connected => {
+            reconnects::note_connect();
+            tracing::info!("NATS connected");
+        }
+        Event::Draining | Event::Closed => tracing::info!(%event, "NATS connection event"),
+        _ => tracing::warn!(%event, "NATS connection event"),
+    }
+}
+
+/// The `event` label of a connection event (`metrics::NATS_CONNECTION_EVENTS`).
+fn connection_event_label(event: &async_nats::Event) -> &'static str {
+    use async_nats::Event;
+    match event {
+        Event::Connected => "connected",
+        Event::Disconnected => "disconnected",
+        Event::LameDuckMode => "lame_duck_mode",
+        Event::Draining => "draining",
+        Event::Closed => "closed",
+        Event::SlowConsumer(_) => "slow_consumer",
+        Event::ServerError(_) => "server_error",
+        Event::ClientError(_) => "client_error",
     }
 }
 
@@ -176,4 +206,41 @@ pub async fn reply_msgpack<T: Serialize>(
         .publish_with_headers(reply, headers_for(job_id.as_deref()), payload)
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::NATS_CONNECTION_EVENTS;
+
+    #[test]
+    fn every_connection_event_counts_under_its_own_label() {
+        use async_nats::Event;
+        let events = [
+            Event::Connected,
+            Event::Disconnected,
+            Event::LameDuckMode,
+            Event::Draining,
+            Event::Closed,
+            Event::SlowConsumer(7),
+        ];
+        let labels: Vec<_> = events.iter().map(connection_event_label).collect();
+        for label in &labels {
+            assert!(
+                NATS_CONNECTION_EVENTS.contains(label),
+                "{label} is not listed"
+            );
+        }
+        let distinct: std::collections::BTreeSet<_> = labels.iter().collect();
+        assert_eq!(distinct.len(), labels.len(), "two events share a label");
+
+        // Not a connect: counting it must not move `reconnects` (the crate's connect test
+        // relies on that). No test of this crate has a slow consumer.
+        let counter = NatsMetrics::global()
+            .connection_events
+            .with_label_values(&["slow_consumer"]);
+        let before = counter.get();
+        on_connection_event(&Event::SlowConsumer(7));
+        assert_eq!(counter.get(), before + 1);
+    }
 }

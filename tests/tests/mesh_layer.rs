@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::job::{JobRecord, JobState, JobStore};
 use diffmesh_shared::messages::{CancelJob, JobKind};
+use diffmesh_shared::metrics::NatsMetrics;
 use diffmesh_shared::nats::{connect, reply_msgpack, request_msgpack};
 use diffmesh_shared::MeshError;
 use diffmesh_tests::harness::NatsServer;
@@ -218,6 +219,10 @@ async fn a_record_watch_outlives_a_server_restart() {
     let mut records = jobs.watch("watched").await.unwrap();
     let first = records.next().await.unwrap().unwrap();
     assert_eq!(first.state, JobState::Queued);
+    let drops = NatsMetrics::global()
+        .connection_events
+        .with_label_values(&["disconnected"]);
+    let drops_before = drops.get();
     nats.restart();
     jobs.update("watched", |r| r.mark_running("w1"))
         .await
@@ -237,6 +242,9 @@ async fn a_record_watch_outlives_a_server_restart() {
     .await
     .expect("no record within 5 s of the restart (the 10 s heartbeat timeout, not the reconnect)");
     assert_eq!(next.unwrap().worker_id.as_deref(), Some("w1"));
+    // Dashboards see the drop (`diffmesh_nats_connection_events_total`; process-wide, so
+    // another test's restart may add to it, never take from it).
+    assert!(drops.get() > drops_before, "the drop was not counted");
 }
 
 /// The router's watch of every record (it finds jobs that lost their gateway) goes on through
