@@ -2,7 +2,7 @@
 # Static checks of the compose deployment files; needs no Docker daemon and no network.
 # Each check runs with the best tool present and says so when it has to skip:
 #   compose file   docker compose config > docker-compose (v1) config > YAML + structure (python)
-#   prometheus.yml promtool check config
+#   prometheus.yml promtool check config (its alerting rules too), promtool test rules
 #   dashboard      JSON + structure (python); its PromQL through promtool check rules
 #   provisioning   YAML (python)
 #   nats.conf      nats-server -t
@@ -129,6 +129,12 @@ if [ -n "$promtool" ]; then
   else
     fail "promtool check config: $out"
   fi
+  # The alerting rules fire on the series they are meant for, and only after their `for:`.
+  if out="$(cd "$here/prometheus" && "$promtool" test rules alerts.test.yml 2>&1)"; then
+    pass "promtool test rules prometheus/alerts.test.yml"
+  else
+    fail "promtool test rules: $out"
+  fi
 else
   skip "promtool not found on PATH nor in $cache/bin (cargo xtask setup unpacks it from Debian's prometheus package)"
 fi
@@ -235,10 +241,11 @@ else
   skip "dashboard JSON: python3 not found"
 fi
 
-# Every diffmesh_* metric the dashboard queries must be defined in the Rust sources: as a string
-# literal, or through shared::metrics helpers (histogram_vec / counter_vec / FailureCounter).
+# Every diffmesh_* metric the dashboard queries or an alerting rule names must be defined in the
+# Rust sources: as a string literal, or through shared::metrics helpers (histogram_vec /
+# counter_vec / FailureCounter).
 if have python3; then
-  if out="$(python3 - "$dashboard" "$root" <<'EOF' 2>&1
+  if out="$(python3 - "$dashboard" "$root" "$here/prometheus/alerts.yml" <<'EOF' 2>&1
 import json, pathlib, re, sys
 dash = json.load(open(sys.argv[1]))
 root = pathlib.Path(sys.argv[2])
@@ -246,6 +253,9 @@ used = set()
 for p in dash.get("panels", []):
     for t in p.get("targets", []):
         used |= set(re.findall(r"diffmesh_[a-z0-9_]+", t.get("expr", "")))
+for line in open(sys.argv[3]):
+    if not line.lstrip().startswith("#"):
+        used |= set(re.findall(r"diffmesh_[a-z0-9_]+", line))
 suffix = {"Seconds": "_seconds", "Bytes": "_bytes", "Total": "_total", "Ratio": "_ratio", "None": ""}
 defined = set()
 for path in list(root.glob("services/*/src/**/*.rs")) + list(root.glob("shared/src/**/*.rs")):
@@ -264,14 +274,14 @@ def base(name):
     return name
 missing = sorted(n for n in used if base(n) not in defined)
 if missing:
-    print("queried by the dashboard but defined nowhere in services/ or shared/: " + ", ".join(missing))
+    print("named by the dashboard or the alerts but defined nowhere in services/ or shared/: " + ", ".join(missing))
     sys.exit(1)
 print(f"{len(used)} metric names, all defined in the sources")
 EOF
 )"; then
-    pass "dashboard metric names: $out"
+    pass "dashboard and alert metric names: $out"
   else
-    fail "dashboard metric names: $out"
+    fail "dashboard and alert metric names: $out"
   fi
 fi
 

@@ -1,7 +1,8 @@
 //! The deployment files in `compose/` pass `compose/validate.sh`: compose structure (and
-//! `docker compose config` where the CLI exists), Prometheus config (promtool), the Grafana
-//! dashboard's JSON, views and metric names, provisioning, NATS config, scripts, and one
-//! Dockerfile per service (referenced by it, multi-stage, non-root, health-checked).
+//! `docker compose config` where the CLI exists), Prometheus config and the alerting rules'
+//! unit tests (promtool), the Grafana dashboard's JSON, views and metric names, provisioning,
+//! NATS config, scripts, and one Dockerfile per service (referenced by it, multi-stage,
+//! non-root, health-checked).
 use std::path::Path;
 use std::process::Command;
 
@@ -10,7 +11,7 @@ const ALWAYS_RUN: &[&str] = &[
     "compose structure",
     "prometheus scrape jobs",
     "dashboard JSON",
-    "dashboard metric names",
+    "dashboard and alert metric names",
     "grafana provisioning",
     "Dockerfile per service",
     "Dockerfile: COPY sources exist",
@@ -48,6 +49,10 @@ fn compose_files_pass_validate_sh() {
         assert!(
             stdout.contains("PASS  dashboard PromQL parses"),
             "the dashboard's PromQL was not checked:\n{stdout}"
+        );
+        assert!(
+            stdout.contains("PASS  promtool test rules"),
+            "the alerting rules' unit tests did not run:\n{stdout}"
         );
     }
 }

@@ -3,7 +3,7 @@
 //! dashboards and alerts need exist, every name follows the convention
 //! (`diffmesh_` prefix; `_seconds`, `_bytes`, `_ratio`, counters `_total`, or a documented
 //! unitless metric: `shared::metrics::naming_problem`), and every metric the Grafana dashboard
-//! queries is really exported.
+//! queries or an alerting rule watches is really exported.
 //!
 //! The services share this process, so the process-wide NATS metrics
 //! (`diffmesh_nats_request_*`) show on every service's page here; in a deployment each
@@ -106,6 +106,22 @@ fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = &'a str> + 
         .filter(move |l| l.starts_with(name) && !l.starts_with('#'))
 }
 
+/// Every `diffmesh_*` metric name in `text` (`diffmesh_.+_failures_total` is a regex over
+/// names, not a name, and is skipped).
+fn metric_names_in(text: &str, names: &mut BTreeSet<String>) {
+    let mut rest = text;
+    while let Some(start) = rest.find("diffmesh_") {
+        let tail = &rest[start..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+            .unwrap_or(tail.len());
+        if end > "diffmesh_".len() {
+            names.insert(tail[..end].to_string());
+        }
+        rest = &tail[end.max(1)..];
+    }
+}
+
 /// Every `diffmesh_*` metric name a dashboard's queries mention.
 fn dashboard_metrics(path: &Path) -> BTreeSet<String> {
     let text = std::fs::read_to_string(path).expect("read the dashboard");
@@ -113,20 +129,18 @@ fn dashboard_metrics(path: &Path) -> BTreeSet<String> {
     let mut names = BTreeSet::new();
     for panel in dashboard["panels"].as_array().expect("panels") {
         for target in panel["targets"].as_array().into_iter().flatten() {
-            let expr = target["expr"].as_str().unwrap_or("");
-            let mut rest = expr;
-            while let Some(start) = rest.find("diffmesh_") {
-                let tail = &rest[start..];
-                let end = tail
-                    .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
-                    .unwrap_or(tail.len());
-                // `diffmesh_.+_failures_total` is a regex over names, not a name.
-                if end > "diffmesh_".len() {
-                    names.insert(tail[..end].to_string());
-                }
-                rest = &tail[end.max(1)..];
-            }
+            metric_names_in(target["expr"].as_str().unwrap_or(""), &mut names);
         }
+    }
+    names
+}
+
+/// Every `diffmesh_*` metric name the Prometheus alerting rules mention (comments aside).
+fn alert_metrics(path: &Path) -> BTreeSet<String> {
+    let text = std::fs::read_to_string(path).expect("read the alerting rules");
+    let mut names = BTreeSet::new();
+    for line in text.lines().filter(|l| !l.trim_start().starts_with('#')) {
+        metric_names_in(line, &mut names);
     }
     names
 }
@@ -300,12 +314,27 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
                 .map(str::to_string)
         })
     };
-    let missing: Vec<String> = dashboard_metrics(&dashboard)
-        .into_iter()
-        .filter(|n| !exported.contains_key(n) && histogram_part(n).is_none())
-        .collect();
+    let not_exported = |names: BTreeSet<String>| -> Vec<String> {
+        names
+            .into_iter()
+            .filter(|n| !exported.contains_key(n) && histogram_part(n).is_none())
+            .collect()
+    };
+    let missing = not_exported(dashboard_metrics(&dashboard));
     assert!(
         missing.is_empty(),
         "the dashboard queries metrics no service exports: {missing:?}"
+    );
+    // And the alerting rules watch only metrics that exist.
+    let alerts = Path::new(env!("CARGO_MANIFEST_DIR")).join("../compose/prometheus/alerts.yml");
+    let alerting = alert_metrics(&alerts);
+    assert!(
+        alerting.len() >= 5,
+        "alerts.yml names too few metrics: {alerting:?}"
+    );
+    let missing = not_exported(alerting);
+    assert!(
+        missing.is_empty(),
+        "the alerting rules watch metrics no service exports: {missing:?}"
     );
 }
