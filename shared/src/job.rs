@@ -419,9 +419,10 @@ impl JobStore {
     /// Overwrite the record unconditionally.
     pub async fn put(&self, record: &JobRecord) -> Result<(), MeshError> {
         let value = Bytes::from(serde_json::to_vec(record)?);
-        let revision = transient::retried(
+        let revision = transient::retried_bounded(
             "job.put",
             self.retry_window,
+            Some(transient::REQUEST_ATTEMPT_TIMEOUT),
             transient::kv_put_settled,
             || self.kv.put(&record.job_id, value.clone()),
         )

@@ -33,6 +33,14 @@ pub const ELECTION_WINDOW: Duration = Duration::from_secs(10);
 /// flood a cluster that is electing one.
 pub const RETRY_DELAY: Duration = Duration::from_millis(250);
 
+/// How long one small request (a KV read or write, a stream publish or purge) is waited for
+/// before it is sent again, within the window ([`retried_bounded`]). Answered, such a request
+/// takes milliseconds; one sent while its stream has no leader gets no answer at all (after
+/// a node crashed, until the others elect a leader: 4 s in the failover runs), and
+/// async-nats would wait out its own timeout, which with the retry pause used up the whole
+/// window: every request of those seconds failed.
+pub const REQUEST_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The `call` names of the stores' JetStream calls. They are exported at 0 from the start, so
 /// the counter is on `/metrics` before the first retry and `rate()` sees the first one.
 pub const CALLS: &[&str] = &[
@@ -95,6 +103,24 @@ pub async fn retried<T, E, F, Fut>(
     call: &'static str,
     window: Duration,
     settled: impl Fn(&E) -> bool,
+    attempt: F,
+) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+    E: Display,
+{
+    retried_bounded(call, window, None, settled, attempt).await
+}
+
+/// [`retried`], and within the window an attempt that got no answer within `bound` is sent
+/// again (for calls of one small request: [`REQUEST_ATTEMPT_TIMEOUT`]). Not for calls whose
+/// answer may take long (whole blobs, listings): they would never finish.
+pub async fn retried_bounded<T, E, F, Fut>(
+    call: &'static str,
+    window: Duration,
+    bound: Option<Duration>,
+    settled: impl Fn(&E) -> bool,
     mut attempt: F,
 ) -> Result<T, E>
 where
@@ -105,15 +131,24 @@ where
     let start = Instant::now();
     let mut attempts = 1u32;
     loop {
-        let Some(result) = unless_reconnected(attempt(), start, window).await else {
-            tracing::info!(
-                call,
-                attempts,
-                "NATS reconnected during the call; trying again"
-            );
-            count_retry(call);
-            attempts += 1;
-            continue;
+        let result = match attempt_once(attempt(), start, window, bound).await {
+            Attempt::Done(result) => result,
+            Attempt::Reconnected => {
+                tracing::info!(
+                    call,
+                    attempts,
+                    "NATS reconnected during the call; trying again"
+                );
+                count_retry(call);
+                attempts += 1;
+                continue;
+            }
+            Attempt::Unanswered => {
+                tracing::warn!(call, attempts, "no answer in time; sending the call again");
+                count_retry(call);
+                attempts += 1;
+                continue;
+            }
         };
         match result {
             Err(err) if !settled(&err) && start.elapsed() < window => {
@@ -127,15 +162,27 @@ where
     }
 }
 
-/// `call`'s result, or `None` when NATS connected again while it was in flight within
-/// `window` from `start`: its request may have gone into the dropped connection, and its
-/// reply would then never come (the call would wait out its timeout). Past the window the
-/// call is left to finish, so a flapping connection cannot keep a call going forever.
-async fn unless_reconnected<T>(
+/// How one attempt ended.
+enum Attempt<T> {
+    /// Answered (or failed) by the call itself.
+    Done(T),
+    /// NATS connected again while it was in flight: its request may have gone into the
+    /// dropped connection, and its reply would then never come.
+    Reconnected,
+    /// No answer within the bound.
+    Unanswered,
+}
+
+/// `call`, cut short when NATS connects again while it is in flight or, with a `bound`, when
+/// it has no answer within it; both only within `window` from `start`. Past the window the
+/// call is left to finish (its own timeout gives the error), so a flapping connection or a
+/// lasting outage cannot keep a call going forever.
+async fn attempt_once<T>(
     call: impl Future<Output = T>,
     start: Instant,
     window: Duration,
-) -> Option<T> {
+    bound: Option<Duration>,
+) -> Attempt<T> {
     let reconnects = Reconnects::from_now();
     let reconnected = async {
         reconnects.next().await;
@@ -143,9 +190,16 @@ async fn unless_reconnected<T>(
             std::future::pending::<()>().await;
         }
     };
+    let unanswered = async {
+        match bound {
+            Some(bound) if start.elapsed() < window => tokio::time::sleep(bound).await,
+            _ => std::future::pending::<()>().await,
+        }
+    };
     tokio::select! {
-        result = call => Some(result),
-        () = reconnected => None,
+        result = call => Attempt::Done(result),
+        () = reconnected => Attempt::Reconnected,
+        () = unanswered => Attempt::Unanswered,
     }
 }
 
@@ -157,7 +211,8 @@ pub async fn kv_get_json<T: DeserializeOwned>(
     window: Duration,
     key: &str,
 ) -> Result<Option<(T, u64)>, MeshError> {
-    match retried(call, window, kv_entry_settled, || kv.entry(key)).await? {
+    let bound = Some(REQUEST_ATTEMPT_TIMEOUT);
+    match retried_bounded(call, window, bound, kv_entry_settled, || kv.entry(key)).await? {
         Some(entry) if entry.operation == kv::Operation::Put => Ok(Some((
             serde_json::from_slice(&entry.value)?,
             entry.revision,
@@ -177,14 +232,16 @@ pub async fn kv_create(
     key: &str,
     value: Bytes,
 ) -> Result<u64, MeshError> {
-    let created = retried(call, window, kv_create_settled, || {
+    let bound = Some(REQUEST_ATTEMPT_TIMEOUT);
+    let created = retried_bounded(call, window, bound, kv_create_settled, || {
         kv.create(key, value.clone())
     })
     .await;
     match created {
         Ok(revision) => Ok(revision),
         Err(err) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
-            let stored = retried(call, window, kv_entry_settled, || kv.entry(key)).await?;
+            let stored =
+                retried_bounded(call, window, bound, kv_entry_settled, || kv.entry(key)).await?;
             match stored {
                 Some(entry) if entry.operation == kv::Operation::Put && entry.value == value => {
                     Ok(entry.revision)
@@ -255,17 +312,22 @@ where
             return Ok(KvUpdated::Declined(latest, revision));
         }
         let bytes = Bytes::from(serde_json::to_vec(&value)?);
-        let Some(result) = unless_reconnected(kv.update(key, bytes, revision), start, window).await
-        else {
-            // Landed or not: the next read tells.
-            tracing::info!(
-                call,
-                key,
-                "NATS reconnected during the update; trying again"
-            );
-            count_retry(call);
-            written = Some(value);
-            continue;
+        let update = kv.update(key, bytes, revision);
+        let result = match attempt_once(update, start, window, Some(REQUEST_ATTEMPT_TIMEOUT)).await
+        {
+            Attempt::Done(result) => result,
+            cut_short => {
+                // Landed or not: the next read tells.
+                let why = if matches!(cut_short, Attempt::Reconnected) {
+                    "NATS reconnected during the update"
+                } else {
+                    "no answer to the update in time"
+                };
+                tracing::info!(call, key, why, "trying the update again");
+                count_retry(call);
+                written = Some(value);
+                continue;
+            }
         };
         match result {
             Ok(revision) => return Ok(KvUpdated::Written(value, revision)),
@@ -375,5 +437,66 @@ mod tests {
         assert!((3..=5).contains(&n), "{n} attempts in a 600 ms window");
         assert_eq!(result, Err(format!("attempt {}", n - 1)));
         assert!(start.elapsed() < Duration::from_secs(2));
+    }
+
+    /// A request sent while its stream has no leader gets no answer: within the window it is
+    /// sent again after the bound instead of waiting out the client's timeout.
+    #[tokio::test]
+    async fn an_unanswered_attempt_is_sent_again_after_the_bound() {
+        let calls = AtomicU32::new(0);
+        let start = Instant::now();
+        let result: Result<u32, String> = retried_bounded(
+            "test.unanswered",
+            Duration::from_secs(5),
+            Some(Duration::from_millis(50)),
+            never,
+            || {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if n == 0 {
+                        std::future::pending::<()>().await;
+                    }
+                    Ok(n)
+                }
+            },
+        )
+        .await;
+        assert_eq!(result, Ok(1));
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            start.elapsed()
+        );
+    }
+
+    /// Past the window an attempt is no longer cut short: its own answer (here an error after
+    /// 150 ms, three times the bound) ends the call.
+    #[tokio::test]
+    async fn past_the_window_an_attempt_runs_to_its_own_end() {
+        let calls = AtomicU32::new(0);
+        let result: Result<(), String> = tokio::time::timeout(
+            Duration::from_secs(5),
+            retried_bounded(
+                "test.slow",
+                Duration::from_millis(200),
+                Some(Duration::from_millis(50)),
+                never,
+                || {
+                    let n = calls.fetch_add(1, Ordering::SeqCst);
+                    async move {
+                        tokio::time::sleep(Duration::from_millis(150)).await;
+                        Err(format!("slow {n}"))
+                    }
+                },
+            ),
+        )
+        .await
+        .expect("the call ended");
+        let n = calls.load(Ordering::SeqCst);
+        assert!(
+            n >= 3,
+            "only {n} attempts in a 200 ms window with a 50 ms bound"
+        );
+        assert_eq!(result, Err(format!("slow {}", n - 1)));
     }
 }

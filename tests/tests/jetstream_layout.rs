@@ -351,6 +351,76 @@ async fn blob_reads_survive_the_loss_of_a_node() {
     assert!(fallbacks() - fallbacks_before <= 1);
 }
 
+/// A crash (SIGKILL) of the node that leads the job records' stream: the survivors elect a
+/// new leader only after their election timeout (seconds), and requests sent meanwhile get no
+/// answer at all. Reads and writes through a client on the surviving nodes must still succeed.
+#[tokio::test]
+async fn job_records_survive_a_crash_of_their_streams_leader() {
+    let _one = ONE_CLUSTER.lock().await;
+    let mut cluster = NatsCluster::start(3);
+    let setup = async_nats::connect(cluster.url().split(',').collect::<Vec<_>>().as_slice())
+        .await
+        .unwrap();
+    let setup_js = jetstream::new(setup);
+    ensure_all_when_ready(&setup_js, 3).await;
+    let leader = when_ready(|| async {
+        let mut stream = setup_js.get_stream("KV_diffmesh-jobs").await.map_err(|e| {
+            diffmesh_shared::MeshError::JetStreamLayout {
+                name: "KV_diffmesh-jobs".into(),
+                reason: e.to_string(),
+            }
+        })?;
+        let info =
+            stream
+                .info()
+                .await
+                .map_err(|e| diffmesh_shared::MeshError::JetStreamLayout {
+                    name: "KV_diffmesh-jobs".into(),
+                    reason: e.to_string(),
+                })?;
+        Ok(info.cluster.as_ref().and_then(|c| c.leader.clone()))
+    })
+    .await
+    .expect("the job stream has a leader");
+    // NatsCluster names its nodes n0, n1, ...
+    let leader_index: usize = leader.trim_start_matches('n').parse().unwrap();
+    // The client lives on the other nodes: no reconnect, only a lost leader.
+    let survivors: Vec<String> = (0..3)
+        .filter(|i| *i != leader_index)
+        .map(|i| cluster.nodes[i].url())
+        .collect();
+    let client =
+        diffmesh_shared::nats::connect(&survivors.join(","), "crash", Duration::from_secs(5))
+            .await
+            .unwrap();
+    let jobs = JobStore::open(&jetstream::new(client)).await.unwrap();
+    for i in 0..3 {
+        jobs.create(&JobRecord::new(format!("before-{i}"), JobKind::Edit))
+            .await
+            .unwrap();
+    }
+    cluster.nodes[leader_index].kill();
+    let start = Instant::now();
+    for i in 0..3 {
+        let id = format!("before-{i}");
+        let read = jobs.get(&id).await;
+        assert!(
+            matches!(read, Ok(Some(_))),
+            "{id}: read {:.1?} after the crash: {read:?}",
+            start.elapsed()
+        );
+        jobs.update(&id, |r| r.mark_running("w1"))
+            .await
+            .unwrap_or_else(|e| {
+                panic!("{id}: update {:.1?} after the crash: {e}", start.elapsed())
+            });
+    }
+    eprintln!(
+        "reads and updates went on {:.1?} after the crash",
+        start.elapsed()
+    );
+}
+
 /// Every store's writes during an outage: each would fail (503, no leader) without
 /// `shared::transient`; each must land once a node returns.
 #[tokio::test]
@@ -596,10 +666,88 @@ async fn job_update_known_revisions_against_reads() {
                         .unwrap();
                 }
             }
-            let n = (jobs * updates) as u32;
+            let n = jobs * updates;
             let wall = t.elapsed() / n;
             let server_ms = (cpu_seconds(nats.pid()) - cpu) * 1e3 / f64::from(n);
             eprintln!("round {round}, {path}: {wall:.2?} an update, server {server_ms:.3} ms CPU");
         }
+    }
+}
+
+/// How long job-record watches (one per SSE client or idempotent replay) take to deliver again
+/// after a server restart, when all of them reopen at once on the reconnect (a measurement,
+/// not a check): `cargo test --release -p diffmesh-tests --test jetstream_layout
+/// record_watches_after_a_restart -- --ignored --nocapture`. Every job is updated right after
+/// the restart; the figure is the time from the restart until each watch has its update.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn record_watches_after_a_restart() {
+    use diffmesh_shared::job::JobState;
+    use futures::{stream, StreamExt};
+    for watches in [100usize, 1000, 3000] {
+        let mut nats = NatsServer::start();
+        // The mesh's connect: it tells the watches of the reconnect.
+        let client = diffmesh_shared::nats::connect(&nats.url(), "watches", Duration::from_secs(5))
+            .await
+            .unwrap();
+        let js = jetstream::new(client);
+        ensure_all(&js, 1, &[]).await.unwrap();
+        let jobs = JobStore::open(&js).await.unwrap();
+        let ids: Vec<String> = (0..watches).map(|i| format!("w{i}")).collect();
+        stream::iter(&ids)
+            .for_each_concurrent(64, |id| {
+                let jobs = jobs.clone();
+                async move {
+                    jobs.create(&JobRecord::new(id.as_str(), JobKind::Edit))
+                        .await
+                        .unwrap()
+                }
+            })
+            .await;
+        let (ran_tx, mut ran_rx) = tokio::sync::mpsc::unbounded_channel();
+        for id in &ids {
+            let mut records = jobs.watch(id).await.unwrap();
+            assert!(records.next().await.unwrap().is_ok());
+            let ran_tx = ran_tx.clone();
+            tokio::spawn(async move {
+                while let Some(Ok(record)) = records.next().await {
+                    if record.state == JobState::Running {
+                        let _ = ran_tx.send(Instant::now());
+                        return;
+                    }
+                }
+            });
+        }
+        drop(ran_tx);
+        nats.restart();
+        let restarted = Instant::now();
+        let cpu = cpu_seconds(nats.pid());
+        stream::iter(&ids)
+            .for_each_concurrent(64, |id| {
+                let jobs = jobs.clone();
+                async move {
+                    jobs.update(id, |r| r.mark_running("w")).await.unwrap();
+                }
+            })
+            .await;
+        let updated = restarted.elapsed();
+        let mut delays = Vec::with_capacity(watches);
+        while let Ok(Some(at)) = tokio::time::timeout(Duration::from_secs(30), ran_rx.recv()).await
+        {
+            delays.push(at - restarted);
+        }
+        delays.sort();
+        let server_s = cpu_seconds(nats.pid()) - cpu;
+        let pick = |q: f64| {
+            delays.get(((delays.len() as f64 * q) as usize).min(delays.len().saturating_sub(1)))
+        };
+        eprintln!(
+            "{watches} watches: {} of them delivered again; after the restart p50 {:?}, p99 {:?}, \
+             last {:?} (every update written by {updated:?}); server {server_s:.2} s CPU",
+            delays.len(),
+            pick(0.5),
+            pick(0.99),
+            delays.last(),
+        );
     }
 }

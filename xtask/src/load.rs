@@ -86,7 +86,8 @@ pub struct LoadArgs {
     /// that measure the standalone latency for the SLO (0: no calibration, no SLO figure).
     #[arg(long, default_value_t = 2)]
     calibrate: u32,
-    /// NATS server whose job events give each job's start (for `mean_queue`).
+    /// NATS server whose job events give each job's start (for `mean_queue`); a cluster as
+    /// comma-separated URLs.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     nats_url: String,
     /// Do not listen to job events (`mean_queue` is then not reported).
@@ -431,9 +432,18 @@ struct StartTap {
 
 impl StartTap {
     async fn connect(url: &str) -> anyhow::Result<Self> {
-        let client = tokio::time::timeout(Duration::from_secs(3), async_nats::connect(url))
-            .await
-            .with_context(|| format!("connecting to {url} timed out"))??;
+        // A cluster is given as comma-separated URLs, as to the services.
+        let servers: Vec<&str> = url
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect();
+        let client = tokio::time::timeout(
+            Duration::from_secs(3),
+            async_nats::connect(servers.as_slice()),
+        )
+        .await
+        .with_context(|| format!("connecting to {url} timed out"))??;
         // `diffmesh_shared::subjects::job_events("*")`, spelled out so xtask need not build the
         // shared crate (actix, OpenTelemetry) before its first command.
         let mut sub = client.subscribe("diffmesh.job.*.events").await?;

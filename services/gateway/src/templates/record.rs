@@ -307,9 +307,10 @@ impl TemplateStore {
 
     pub async fn delete(&self, template_id: &str) -> Result<(), ApiError> {
         let settled = |e: &kv::DeleteError| e.kind() == kv::DeleteErrorKind::InvalidKey;
-        transient::retried(
+        transient::retried_bounded(
             "template.delete",
             transient::ELECTION_WINDOW,
+            Some(transient::REQUEST_ATTEMPT_TIMEOUT),
             settled,
             || self.kv.delete(template_id),
         )

@@ -61,9 +61,10 @@ impl TemplateUses {
     pub async fn begin(&self, template_id: &str, job_id: &str) -> Result<(), ApiError> {
         let subject = template_use(template_id, job_id);
         // Publishing again is harmless: the stream keeps one message per subject.
-        transient::retried(
+        transient::retried_bounded(
             "template_use.publish",
             ELECTION_WINDOW,
+            Some(transient::REQUEST_ATTEMPT_TIMEOUT),
             no_error_settles,
             || async {
                 self.js
@@ -90,9 +91,10 @@ impl TemplateUses {
     /// behind stops counting once its job record has ended.
     pub async fn end(&self, template_id: &str, job_id: &str) {
         let subject = template_use(template_id, job_id);
-        let purged = transient::retried(
+        let purged = transient::retried_bounded(
             "template_use.end",
             ELECTION_WINDOW,
+            Some(transient::REQUEST_ATTEMPT_TIMEOUT),
             no_error_settles,
             || {
                 let purge = self.stream.purge().filter(subject.clone());
