@@ -135,7 +135,7 @@ pub fn start_codec(
     nats: &NatsServer,
     tweak: impl FnOnce(&mut diffmesh_codec::CodecConfig),
 ) -> Result<Service> {
-    let mut config = diffmesh_codec::CodecConfig::for_tests(&nats.url());
+    let mut config = diffmesh_codec::CodecConfig::for_tests(nats.url());
     tweak(&mut config);
     Service::spawn(
         "codec",
@@ -155,7 +155,7 @@ pub fn start_gateway(
     nats: &NatsServer,
     tweak: impl FnOnce(&mut diffmesh_gateway::GatewayConfig),
 ) -> Result<Service> {
-    let mut config = diffmesh_gateway::GatewayConfig::for_tests(&nats.url());
+    let mut config = diffmesh_gateway::GatewayConfig::for_tests(nats.url());
     tweak(&mut config);
     Service::spawn(
         "gateway",
@@ -175,7 +175,7 @@ pub fn start_router(
     nats: &NatsServer,
     tweak: impl FnOnce(&mut diffmesh_router::RouterConfig),
 ) -> Result<Service> {
-    let mut config = diffmesh_router::RouterConfig::for_tests(&nats.url());
+    let mut config = diffmesh_router::RouterConfig::for_tests(nats.url());
     tweak(&mut config);
     Service::spawn(
         "router",
@@ -200,7 +200,7 @@ pub fn start_denoiser(
     tweak: impl FnOnce(&mut diffmesh_denoiser::DenoiserConfig),
 ) -> Result<Service> {
     let mut config = diffmesh_denoiser::DenoiserConfig::for_tests(
-        &nats.url(),
+        nats.url(),
         model_dir.to_path_buf(),
         worker_id,
     );

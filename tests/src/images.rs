@@ -11,7 +11,7 @@ pub fn template(width: u32, height: u32) -> DynamicImage {
     DynamicImage::ImageRgb8(RgbImage::from_fn(width, height, |x, y| {
         Rgb([
             (x * 7 + y * 3) as u8,
-            (x * 13 ^ y * 5) as u8,
+            ((x * 13) ^ (y * 5)) as u8,
             (x.wrapping_mul(y) * 11 + 17) as u8,
         ])
     }))

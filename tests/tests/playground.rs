@@ -1,10 +1,12 @@
 //! The playground at `/` driven in headless Chromium (Debian's chromium through playwright-core:
 //! `tests/e2e/playground.mjs`) against the whole mesh in-process (NATS, codec, cachestore,
 //! router, a denoiser with the tiny model, gateway), as a person would use it:
-//!   1. upload `docs/examples/template.png`, paint a stroke, type a prompt, submit, and see the
-//!      progress (step k of N) and the result;
-//!   2. tick "register it as a template" and submit again (capture, then an edit by id);
-//!   3. on a fresh page pick that template from the list, paint, submit, see the result.
+//!
+//! 1. upload `docs/examples/template.png`, paint a stroke, type a prompt, submit, and see the
+//!    progress (step k of N) and the result;
+//! 2. tick "register it as a template" and submit again (capture, then an edit by id);
+//! 3. on a fresh page pick that template from the list, paint, submit, see the result.
+//!
 //! API keys are on, so the page asks for one and sends it with every call. Every result is then
 //! checked through the API: its job is done, and the image has the template's size and equals
 //! it exactly outside the mask the page sent.

@@ -251,7 +251,7 @@ pub fn decode_block_bytes(h: &BlobHeader, raw: &Tensor, kind: Kind) -> Result<(T
     // a fresh (aligned) buffer first.
     let view = |at: usize, len: usize, part: Kind, shape: [i64; 2]| -> Result<Tensor> {
         let bytes = raw.f_narrow(0, at as i64, len as i64)?;
-        let bytes = if at % part.elt_size_in_bytes() == 0 {
+        let bytes = if at.is_multiple_of(part.elt_size_in_bytes()) {
             bytes
         } else {
             fresh(&bytes)?

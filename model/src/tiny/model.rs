@@ -21,6 +21,9 @@ use crate::packing::{latent_image_ids, pack_latents, unpack_latents};
 use std::path::Path;
 use tch::{nn, Device, Kind, Tensor};
 
+/// Named weights, as a var store lists them (`(name, tensor)`).
+type NamedTensors = [(String, Tensor)];
+
 /// Tokens every prompt is padded to (the longest generated prompt has 11 with `<s>`).
 pub const MAX_TOKENS: i64 = 16;
 /// Static time shift shared by training's timestep sampling and the scheduler.
@@ -231,11 +234,7 @@ impl TinyModel {
 
     /// Write the full folder; `weights` replaces the live weights of the named store when given
     /// (training saves its EMA copies this way).
-    pub fn save(
-        &self,
-        dir: &Path,
-        weights: Option<(&[(String, Tensor)], &[(String, Tensor)])>,
-    ) -> Result<()> {
+    pub fn save(&self, dir: &Path, weights: Option<(&NamedTensors, &NamedTensors)>) -> Result<()> {
         let te = dir.join("text_encoder");
         let tr = dir.join("transformer");
         text_encoder::save_configs(

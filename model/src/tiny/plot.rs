@@ -26,9 +26,12 @@ fn line(img: &mut RgbImage, (x0, y0): (f64, f64), (x1, y1): (f64, f64), colour: 
     }
 }
 
+/// One curve: its colour and its (x, y) points.
+pub type Series = (Rgb<u8>, Vec<(f64, f64)>);
+
 /// Plot `series` (each a colour and (x, y) points) on a log10 y axis. Horizontal grid lines mark
 /// every power of ten and (fainter) 2x and 5x; vertical ticks mark every tenth of the x range.
-pub fn loss_curve(series: &[(Rgb<u8>, Vec<(f64, f64)>)], path: &Path) -> Result<()> {
+pub fn loss_curve(series: &[Series], path: &Path) -> Result<()> {
     let mut img = RgbImage::from_pixel(W, H, Rgb([255, 255, 255]));
     let points = series.iter().flat_map(|s| s.1.iter()).filter(|p| p.1 > 0.0);
     let (mut xmax, mut ymin, mut ymax) = (1.0f64, f64::MAX, f64::MIN);

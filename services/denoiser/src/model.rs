@@ -198,23 +198,6 @@ pub fn tensor_to_rgb(image: &Tensor) -> Result<Vec<u8>, ModelError> {
         .ok_or_else(|| ModelError::input("image", "empty batch"))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rgb_round_trip() {
-        let rgb: Vec<u8> = (0..4 * 2 * 3).map(|i| (i * 10) as u8).collect();
-        let t = rgb_to_tensor(&rgb, 4, 2, "image").unwrap();
-        assert_eq!(t.size(), vec![1, 3, 4, 2]);
-        assert_eq!(tensor_to_rgb(&t).unwrap(), rgb);
-        let err = rgb_to_tensor(&rgb, 4, 4, "inputs.image_key")
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("inputs.image_key"), "{err}");
-    }
-}
-
 /// The capture pass of a `Capture` job: its template (the prepared image) under the template's
 /// prompt, seed, steps and guidance.
 pub fn capture_state(
@@ -241,4 +224,21 @@ pub fn capture_state(
         guidance_scale: t.guidance_scale as f64,
     };
     template::capture_state(&model.pipeline(), &spec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rgb_round_trip() {
+        let rgb: Vec<u8> = (0..4 * 2 * 3).map(|i| (i * 10) as u8).collect();
+        let t = rgb_to_tensor(&rgb, 4, 2, "image").unwrap();
+        assert_eq!(t.size(), vec![1, 3, 4, 2]);
+        assert_eq!(tensor_to_rgb(&t).unwrap(), rgb);
+        let err = rgb_to_tensor(&rgb, 4, 4, "inputs.image_key")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("inputs.image_key"), "{err}");
+    }
 }

@@ -64,6 +64,8 @@ impl Drop for SlotGuard {
 }
 
 impl Service {
+    // One argument per part the service is built from, each built by `lib::run`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         client: async_nats::Client,
         blobs: BlobStore,
