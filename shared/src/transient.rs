@@ -36,9 +36,8 @@ pub const RETRY_DELAY: Duration = Duration::from_millis(250);
 /// How long one small request (a KV read or write, a stream publish or purge) is waited for
 /// before it is sent again, within the window ([`retried_bounded`]). Answered, such a request
 /// takes milliseconds; one sent while its stream has no leader gets no answer at all (after
-/// a node crashed, until the others elect a leader: 4 s in the failover runs), and
-/// async-nats would wait out its own timeout, which with the retry pause used up the whole
-/// window: every request of those seconds failed.
+/// a node crashed, until the others elect a leader: 3.5-7 s in the failover runs). Waiting
+/// for it spent the whole window, and every request of those seconds failed after 10 s.
 pub const REQUEST_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The `call` names of the stores' JetStream calls. They are exported at 0 from the start, so
