@@ -77,7 +77,18 @@ where
             }
             let Some(current) = s.current.as_mut() else {
                 s.reconnects.mark_seen();
-                match (s.open)().await {
+                // Opening creates a consumer: one small request, which a stream without a
+                // leader never answers (after a node crashed); sent again instead of waiting
+                // out the client's timeout.
+                let opened = tokio::time::timeout(transient::REQUEST_ATTEMPT_TIMEOUT, (s.open)())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(MeshError::RecordWatch(format!(
+                            "no answer to opening the watch within {:?}",
+                            transient::REQUEST_ATTEMPT_TIMEOUT
+                        )))
+                    });
+                match opened {
                     Ok(watch) => s.current = Some(watch),
                     Err(err) if s.down_since.is_some_and(|t| t.elapsed() >= s.window) => {
                         s.given_up = true;
@@ -274,5 +285,42 @@ mod tests {
             .await
             .expect("reopened within a reconnect check");
         assert_eq!(next.unwrap().unwrap(), 2, "the repeated 1 is left out");
+    }
+
+    /// An opening that gets no answer (its stream has no leader) is given up after the
+    /// request bound and tried again, not waited on.
+    #[tokio::test(start_paused = true)]
+    async fn an_unanswered_opening_is_tried_again() {
+        let opened = Arc::new(AtomicU32::new(0));
+        let counter = opened.clone();
+        let start = tokio::time::Instant::now();
+        let watch = reopening(
+            "test.watch",
+            WATCH_REOPEN_WINDOW,
+            no_reconnects(),
+            failing_after(vec![1]),
+            move || {
+                let n = counter.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if n == 0 {
+                        std::future::pending::<()>().await;
+                    }
+                    Ok(stream::iter(vec![Ok(2)]).chain(stream::pending()).boxed())
+                }
+            },
+        );
+        let values: Vec<u32> = tokio::time::timeout(
+            Duration::from_secs(30),
+            watch.take(2).map(|v| v.unwrap()).collect(),
+        )
+        .await
+        .expect("the watch stalled on the unanswered opening");
+        assert_eq!(values, vec![1, 2]);
+        assert_eq!(opened.load(Ordering::SeqCst), 2);
+        assert!(
+            start.elapsed() < transient::REQUEST_ATTEMPT_TIMEOUT * 2,
+            "{:?}",
+            start.elapsed()
+        );
     }
 }
