@@ -358,30 +358,25 @@ async fn blob_reads_survive_the_loss_of_a_node() {
 async fn job_records_survive_a_crash_of_their_streams_leader() {
     let _one = ONE_CLUSTER.lock().await;
     let mut cluster = NatsCluster::start(3);
-    let setup = async_nats::connect(cluster.url().split(',').collect::<Vec<_>>().as_slice())
+    let setup = diffmesh_shared::nats::connect(&cluster.url(), "setup", Duration::from_secs(5))
         .await
         .unwrap();
     let setup_js = jetstream::new(setup);
     ensure_all_when_ready(&setup_js, 3).await;
+    let not_yet = |reason: String| diffmesh_shared::MeshError::JetStreamLayout {
+        name: "KV_diffmesh-jobs".into(),
+        reason,
+    };
     let leader = when_ready(|| async {
-        let mut stream = setup_js.get_stream("KV_diffmesh-jobs").await.map_err(|e| {
-            diffmesh_shared::MeshError::JetStreamLayout {
-                name: "KV_diffmesh-jobs".into(),
-                reason: e.to_string(),
-            }
-        })?;
-        let info =
-            stream
-                .info()
-                .await
-                .map_err(|e| diffmesh_shared::MeshError::JetStreamLayout {
-                    name: "KV_diffmesh-jobs".into(),
-                    reason: e.to_string(),
-                })?;
-        Ok(info.cluster.as_ref().and_then(|c| c.leader.clone()))
+        let mut stream = setup_js
+            .get_stream("KV_diffmesh-jobs")
+            .await
+            .map_err(|e| not_yet(e.to_string()))?;
+        let info = stream.info().await.map_err(|e| not_yet(e.to_string()))?;
+        (info.cluster.as_ref().and_then(|c| c.leader.clone()))
+            .ok_or_else(|| not_yet("no leader yet".into()))
     })
-    .await
-    .expect("the job stream has a leader");
+    .await;
     // NatsCluster names its nodes n0, n1, ...
     let leader_index: usize = leader.trim_start_matches('n').parse().unwrap();
     // The client lives on the other nodes: no reconnect, only a lost leader.
