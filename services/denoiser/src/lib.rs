@@ -12,6 +12,9 @@ pub mod service;
 pub mod step_samples;
 pub mod templates;
 
+#[cfg(test)]
+mod gpu_checks;
+
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::health::{HealthServer, Readiness};
