@@ -1,6 +1,6 @@
 //! The FlashPS mask-aware forward against the full forward (fp32 CPU, random weights).
 use diffmesh_model::flux::{
-    CapturedKv, FluxConfig, FluxInputs, FluxTransformer, KvFormat, MaskedRequest,
+    CapturedKv, FluxConfig, FluxInputs, FluxTransformer, KvFormat, MaskedAttention, MaskedRequest,
 };
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 
@@ -269,6 +269,57 @@ fn packed_batch_equals_each_request_alone() {
         );
         // Not bitwise: GEMMs over different row counts may round differently (as in torch itself).
         assert!(err <= 1e-5, "request {r}: {err} (output max {scale})");
+    }
+}
+
+/// The padded batch attention (one call for all requests, the GPU default) gives what the
+/// per-request loop gives: requests of one text length with different masks (one computing every
+/// token), timesteps, guidance and cache formats, with and without a full prefix of blocks; and a
+/// batch of different text lengths, which it cannot pad, falls back to the loop.
+#[test]
+fn padded_attention_equals_the_per_request_loop() {
+    let (mut model, _vs) = model();
+    let n_double = model.transformer_blocks.len();
+    let same_text = [
+        Case::new(5, 0.9, 3.5),
+        Case::new(5, 0.35, 1.0),
+        Case::new(5, 0.05, 4.0),
+    ];
+    let mixed_text = [Case::new(3, 0.5, 2.5), Case::new(6, 0.7, 3.0)];
+    let formats = [KvFormat::Raw, KvFormat::Prepared, KvFormat::Raw];
+    for (cases, masks) in [
+        (
+            &same_text[..],
+            vec![random_mask(4), random_mask(N), random_mask(21)],
+        ),
+        (&mixed_text[..], vec![random_mask(11), random_mask(30)]),
+    ] {
+        let caches: Vec<CapturedKv> = cases
+            .iter()
+            .zip(formats)
+            .map(|(c, f)| c.full_with_cache(&model, f).1)
+            .collect();
+        let reqs: Vec<MaskedRequest> = cases
+            .iter()
+            .zip(&caches)
+            .zip(&masks)
+            .map(|((c, kv), m)| c.request(m, kv))
+            .collect();
+        for prefix in [0, 1, n_double + 1] {
+            let mut outs = Vec::new();
+            for mode in [MaskedAttention::PerRequest, MaskedAttention::Padded] {
+                model.masked_attention = mode;
+                outs.push(tch::no_grad(|| model.forward_masked_prefix(&reqs, prefix)).unwrap());
+            }
+            for (r, (looped, padded)) in outs[0].iter().zip(&outs[1]).enumerate() {
+                let err = max_err(padded, looped);
+                println!(
+                    "{} requests, prefix {prefix}, request {r}: padded vs loop {err:.3e}",
+                    reqs.len()
+                );
+                assert!(err <= 1e-5, "prefix {prefix} request {r}: {err}");
+            }
+        }
     }
 }
 

@@ -10,12 +10,14 @@
 //!
 //! Several requests (different masks, timesteps, prompts, templates) are packed into one token
 //! sequence without padding for every token-wise op; each token carries its request index so it
-//! gathers its own request's AdaLN rows. Only attention is split per request.
+//! gathers its own request's AdaLN rows. Only attention is split per request: one call per request,
+//! or on a GPU one padded call for the batch (`padded_attention`).
 use super::blocks::{attention, to_heads, QkvProj};
 use super::embeddings::Rope;
 use super::gather::{
     cat_rows, check_token_index, gather_rows, merge_rows_, offsets, request_ids, scatter_rows_,
 };
+use super::padded_attention::{MaskedAttention, PaddedLayout, RequestRows};
 use super::{check_batch_vector, ids_2d, FluxTransformer};
 use crate::error::{ModelError, Result};
 use tch::{Device, Kind, Tensor};
@@ -83,10 +85,12 @@ struct Phase {
     txt_rid: Option<Tensor>,
     img_rid: Option<Tensor>,
     all_rid: Option<Tensor>,
+    /// Set where attention runs as one padded call for all requests.
+    padded: Option<PaddedLayout>,
 }
 
 impl Phase {
-    fn new(prep: Vec<Prepared>, device: Device) -> Result<Self> {
+    fn new(prep: Vec<Prepared>, device: Device, mode: MaskedAttention) -> Result<Self> {
         let txt_lens: Vec<i64> = prep.iter().map(|p| p.txt).collect();
         let img_lens: Vec<i64> = prep.iter().map(|p| p.masked).collect();
         let (txt_rid, img_rid, all_rid) = if prep.len() == 1 {
@@ -97,7 +101,19 @@ impl Phase {
             let a = Tensor::f_cat(&[&t, &i], 0)?;
             (Some(t), Some(i), Some(a))
         };
+        let rows: Vec<RequestRows> = prep
+            .iter()
+            .map(|p| RequestRows {
+                txt: p.txt,
+                masked: p.masked,
+                img: p.img,
+                rows: &p.rows,
+                rope: &p.rope,
+            })
+            .collect();
+        let padded = PaddedLayout::new(&rows, mode, device)?;
         Ok(Self {
+            padded,
             layout: Layout {
                 txt_off: offsets(&txt_lens),
                 img_off: offsets(&img_lens),
@@ -166,6 +182,7 @@ impl FluxTransformer {
                 .map(|(r, q)| self.prepare(r, q, device, false))
                 .collect::<Result<_>>()?,
             device,
+            self.masked_attention,
         )?;
         let full = if prefix > 0 {
             Some(Phase::new(
@@ -175,6 +192,7 @@ impl FluxTransformer {
                     .map(|(r, q)| self.prepare(r, q, device, true))
                     .collect::<Result<_>>()?,
                 device,
+                self.masked_attention,
             )?)
         } else {
             None
@@ -269,6 +287,20 @@ impl FluxTransformer {
         let txt_rows = |c: &Tensor| Phase::rows(&phase.txt_rid, c);
         let (img_mod, txt_mod) = block.mods(&cond.temb_silu, &img_rows, &txt_rows)?;
         let (qi, qt) = block.pre(img, txt, &img_mod, &txt_mod)?;
+        if let Some(padded) = &phase.padded {
+            let cat = |t: &Tensor, i: &Tensor| Tensor::f_cat(&[t, i], 0);
+            let attn = padded.attend(
+                &cat(&qt.q, &qi.q)?,
+                &cat(&qt.k, &qi.k)?,
+                &cat(&qt.v, &qi.v)?,
+                self.cfg.attention_head_dim,
+                |r| self.cached_kv_of(i, &phase.prep[r], requests[r].cache, &block.img),
+            )?;
+            let t = phase.total_txt;
+            let attn_txt = attn.f_narrow(0, 0, t)?;
+            let attn_img = attn.f_narrow(0, t, attn.size()[0] - t)?;
+            return block.post(img, txt, &attn_img, &attn_txt, &img_mod, &txt_mod);
+        }
         let mut out_txt = Vec::with_capacity(phase.prep.len());
         let mut out_img = Vec::with_capacity(phase.prep.len());
         for (r, (p, q)) in phase.prep.iter().zip(requests).enumerate() {
@@ -324,6 +356,10 @@ impl FluxTransformer {
                     v: qkv.v.shallow_clone(),
                 },
             )?
+        } else if let Some(padded) = &phase.padded {
+            padded.attend(&qkv.q, &qkv.k, &qkv.v, self.cfg.attention_head_dim, |r| {
+                self.cached_kv_of(b, &phase.prep[r], requests[r].cache, &block.attn)
+            })?
         } else {
             let mut out_txt = Vec::with_capacity(phase.prep.len());
             let mut out_img = Vec::with_capacity(phase.prep.len());
@@ -400,6 +436,20 @@ impl FluxTransformer {
         };
         let o = attention(&q.f_unsqueeze(0)?, &k.f_unsqueeze(0)?, &v.f_unsqueeze(0)?)?;
         Ok(o.f_squeeze_dim(0)?)
+    }
+
+    /// [`Self::cached_kv`] of a request that reads its cache; `None` when it computes every token.
+    fn cached_kv_of(
+        &self,
+        block: usize,
+        p: &Prepared,
+        cache: &dyn KvCache,
+        proj: &QkvProj,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        if p.all_masked {
+            return Ok(None);
+        }
+        self.cached_kv(block, p, cache, proj).map(Some)
     }
 
     /// One block's cached image K/V as `[N, H, D]`, keys normed and rotated (by us for a raw cache).

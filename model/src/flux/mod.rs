@@ -12,6 +12,7 @@ pub mod kv;
 pub mod kv_codec;
 pub mod layers;
 pub mod masked;
+pub mod padded_attention;
 
 use crate::error::{ModelError, Result};
 use blocks::{attention, DoubleBlock, SingleBlock};
@@ -23,6 +24,7 @@ use tch::{nn, Device, Kind, Tensor};
 pub use config::FluxConfig;
 pub use kv::KvFormat;
 pub use masked::{CapturedKv, FnSink, KvCache, KvSink, MaskedRequest};
+pub use padded_attention::MaskedAttention;
 
 /// Inputs of one full forward, with diffusers' shapes and units.
 #[derive(Debug)]
@@ -55,6 +57,8 @@ pub struct FluxTransformer {
     /// `norm_out.linear` of `AdaLayerNormContinuous` (chunks: scale, then shift).
     pub norm_out: Linear,
     pub proj_out: Linear,
+    /// How the mask-aware forward runs attention over a batch of several requests.
+    pub masked_attention: MaskedAttention,
 }
 
 /// Conditioning shared by every block of one forward: `silu(temb)`, one row per batch element
@@ -87,6 +91,7 @@ impl FluxTransformer {
                 .collect(),
             norm_out: Linear::new(vs / "norm_out" / "linear", dim, 2 * dim, true),
             proj_out: Linear::new(vs / "proj_out", dim, cfg.proj_out_dim(), true),
+            masked_attention: MaskedAttention::default(),
             cfg,
         })
     }

@@ -20,7 +20,7 @@ use diffmesh_model::bench_inputs::{
 };
 use diffmesh_model::flux::kv_codec::{decode_block, CacheDtype};
 use diffmesh_model::flux::{
-    CapturedKv, FluxInputs, FluxTransformer, KvCache, KvFormat, MaskedRequest,
+    CapturedKv, FluxInputs, FluxTransformer, KvCache, KvFormat, MaskedAttention, MaskedRequest,
 };
 use diffmesh_model::model_dir::LoadedModel;
 use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest};
@@ -52,6 +52,10 @@ pub struct MaskAwareOptions {
     /// Latency figures on full-size FLUX.1-dev (random weights, 1024x1024) instead of the
     /// medium config: for a GPU.
     pub flux_dev: bool,
+    /// Attention of packed mask-aware batches (the batch-8 figure).
+    pub masked_attention: MaskedAttention,
+    /// Storage dtype of the cache the latency figures load.
+    pub latency_cache_dtype: CacheDtype,
     /// Edits per cache dtype in the quality measurement.
     pub quality_edits: usize,
     /// Denoising steps of the quality edits.
@@ -157,11 +161,12 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     };
     tch::manual_seed(opts.seed as i64);
     let mut vs = nn::VarStore::new(device);
-    let model = FluxTransformer::new(&vs.root(), cfg.clone())?;
+    let mut model = FluxTransformer::new(&vs.root(), cfg.clone())?;
+    model.masked_attention = opts.masked_attention;
     vs.set_kind(kind);
     let n = side * side;
     let inputs = inputs_as(random_inputs_on(&cfg, side, txt, 1, device), kind);
-    let entry = capture_entry(&model, &inputs, CacheDtype::Bf16)?;
+    let entry = capture_entry(&model, &inputs, opts.latency_cache_dtype)?;
     let resident = decode_all(&entry, kind, device)?;
     // On a GPU: the local tier's pinned form and the copy stream, as a GPU denoiser runs them.
     let gpu = match device {
@@ -218,9 +223,10 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     ));
     let bw = loader.stats().bytes_per_second().unwrap_or(0.0);
     report.say(format!(
-        "cache: {} bytes per step ({} blocks, bf16), loader {:.2} GB/s",
+        "cache: {} bytes per step ({} blocks, {}), loader {:.2} GB/s",
         entry.bytes(),
         entry.blocks(),
+        opts.latency_cache_dtype.as_str(),
         bw / 1e9
     ));
     report.insert("medium_full_step_ms", json!(full));
@@ -228,6 +234,14 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     report.insert("medium_masked_pipelined_ms", json!(pipelined));
     report.insert("medium_masked_naive_ms", json!(naive));
     report.insert("cache_step_bytes", json!(entry.bytes()));
+    report.insert(
+        "latency_cache_dtype",
+        json!(opts.latency_cache_dtype.as_str()),
+    );
+    report.insert(
+        "masked_attention",
+        json!(format!("{:?}", opts.masked_attention)),
+    );
     report.insert("loader_gb_per_s", json!(bw / 1e9));
     report.insert("speedup_at_0_2", json!(full / pipelined));
     report.insert("pipelined_over_ideal", json!(pipelined / ideal));

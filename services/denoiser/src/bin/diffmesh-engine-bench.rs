@@ -9,6 +9,8 @@ use diffmesh_denoiser::bench::engine_steps;
 use diffmesh_denoiser::bench::mask_aware;
 use diffmesh_denoiser::bench::report::Report;
 use diffmesh_denoiser::bench::workload::WorkloadSpec;
+use diffmesh_model::flux::kv_codec::CacheDtype;
+use diffmesh_model::flux::MaskedAttention;
 use diffmesh_model::tch;
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -64,6 +66,13 @@ struct Args {
     /// units, as the denoiser's `--dtype auto`).
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Attention of a packed mask-aware batch: auto (one padded call on a GPU, a loop over the
+    /// requests on a CPU), per-request or padded.
+    #[arg(long, default_value = "auto")]
+    masked_attention: String,
+    /// Storage dtype of the cache in the mask-aware latency figures: f32, f16, bf16 or fp8.
+    #[arg(long, default_value = "bf16")]
+    latency_cache_dtype: String,
     /// Timed rounds per mask-aware latency figure (the median is reported).
     #[arg(long, default_value_t = 5)]
     mask_aware_runs: usize,
@@ -253,6 +262,10 @@ async fn main() -> Result<()> {
             tiny: model.clone(),
             device,
             flux_dev: args.flux_dev,
+            masked_attention: MaskedAttention::parse(&args.masked_attention)
+                .map_err(|e| anyhow::anyhow!("invalid --masked-attention: expected {e}"))?,
+            latency_cache_dtype: CacheDtype::parse(&args.latency_cache_dtype)
+                .map_err(|e| anyhow::anyhow!("invalid --latency-cache-dtype: {e}"))?,
             quality_edits: args.quality_edits,
             quality_steps: args.quality_steps,
             seed: args.seed,
