@@ -1,0 +1,31 @@
+#!/bin/bash
+# Run on the device machine (from the repository root, .gpu/ packed by scripts/gpu/pack.sh):
+# correctness on the GPU first, then the engine's mask-aware figures: the per-request attention
+# loop against the padded batch call, bf16 against fp8 caches, the medium config and FLUX.1-dev
+# at full size (random weights). Each step's log goes to $OUT; about 3 minutes on an H100.
+# The binaries' rpath points at the build machine's venv: name the device's own torch instead.
+export LD_LIBRARY_PATH=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
+export RUST_BACKTRACE=1
+OUT=${OUT:-/tmp/gpu-checks}
+mkdir -p "$OUT"
+G=.gpu
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s) $(date +%T)"
+  local t0
+  t0=$(date +%s%N)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc $rc in $(( ($(date +%s%N) - t0) / 1000000 )) ms"
+  grep -v '^{' "$OUT/$name.log" | tail -n "${TAILN:-8}"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+TAILN=30 step gpu-tests 120 $G/denoiser-tests --ignored gpu_ --nocapture --test-threads 1
+B="$G/diffmesh-engine-bench --parts mask-aware --device cuda --dtype bf16 --mask-ratios $G/production-edit.txt --quality-edits 1 --quality-steps 4"
+step medium-loop 45 $B --mask-aware-runs 7 --masked-attention per-request
+step medium-padded 45 $B --mask-aware-runs 7 --masked-attention auto
+step medium-padded-fp8 45 $B --mask-aware-runs 7 --masked-attention auto --latency-cache-dtype fp8
+step flux-loop 90 $B --mask-aware-runs 3 --flux-dev --masked-attention per-request
+step flux-padded 90 $B --mask-aware-runs 3 --flux-dev --masked-attention auto
+step flux-padded-fp8 90 $B --mask-aware-runs 3 --flux-dev --masked-attention auto --latency-cache-dtype fp8

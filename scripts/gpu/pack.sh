@@ -1,0 +1,19 @@
+#!/bin/bash
+# Build here (release) what the GPU checks run and pack it into .gpu/ (ignored by git), for one
+# `device` call with `carry: [".gpu"]` running `bash scripts/gpu/checks.sh` (docs/GPU.md).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+cargo build --release -p diffmesh-denoiser --bin diffmesh-engine-bench
+tests=$(cargo test --release -p diffmesh-denoiser --lib --no-run --message-format=json \
+  | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("executable") and m["target"]["name"] == "diffmesh_denoiser":
+        print(m["executable"])')
+mkdir -p .git/info .gpu
+grep -qx /.gpu/ .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
+cp target/release/diffmesh-engine-bench .gpu/
+cp "$tests" .gpu/denoiser-tests
+strip .gpu/diffmesh-engine-bench .gpu/denoiser-tests
+cp ../shared/data/mask-ratios/production-edit.txt .gpu/
+ls -la .gpu
