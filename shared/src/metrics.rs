@@ -143,6 +143,9 @@ pub struct NatsMetrics {
     pub request_duration: HistogramVec,
     /// `diffmesh_nats_request_failures_total{subject, reason}`: timeouts, no responders, errors.
     pub request_failures: IntCounterVec,
+    /// `diffmesh_nats_request_resends_total{subject}`: requests sent again because the client
+    /// reconnected while they waited for their reply.
+    pub request_resends: IntCounterVec,
     /// `diffmesh_nats_connection_events_total{event}`: the client's connection events
     /// ([`NATS_CONNECTION_EVENTS`]): connects and drops, slow consumers, server errors.
     pub connection_events: IntCounterVec,
@@ -187,6 +190,13 @@ impl NatsMetrics {
                 "request_failures",
                 "NATS requests that got no usable reply, by subject and reason",
                 &["subject", "reason"],
+            )?,
+            request_resends: counter_vec(
+                registry,
+                "nats",
+                "request_resends",
+                "NATS requests sent again because the client reconnected while they waited",
+                &["subject"],
             )?,
             connection_events: {
                 let events = counter_vec(

@@ -92,7 +92,10 @@ fn connection_event_label(event: &async_nats::Event) -> &'static str {
 
 /// Send `req` as MessagePack on `subject` and decode the reply, failing after `timeout`.
 /// The current span's trace context rides in the headers; the round trip is recorded in
-/// `diffmesh_nats_request_duration_seconds{subject}` (`metrics::NatsMetrics`).
+/// `diffmesh_nats_request_duration_seconds{subject}` (`metrics::NatsMetrics`). A request in
+/// flight when NATS reconnects is sent again within the same deadline (counted in
+/// `diffmesh_nats_request_resends_total{subject}`), so every responder must allow a request
+/// to arrive twice: ours are pure or deduplicate by job id.
 pub async fn request_msgpack<Req, Resp>(
     client: &Client,
     subject: &str,
@@ -133,30 +136,92 @@ where
     Resp: DeserializeOwned,
 {
     let payload = Bytes::from(encode(req)?);
-    let request = async_nats::Request::new()
-        .payload(payload)
-        .headers(headers)
-        .timeout(Some(timeout));
     let started = std::time::Instant::now();
-    let result = client
-        .send_request(subject.to_string(), request)
-        .await
-        .map_err(|source| match source.kind() {
-            RequestErrorKind::TimedOut => MeshError::Timeout {
-                subject: subject.to_string(),
-                timeout,
-            },
-            RequestErrorKind::NoResponders => MeshError::NoResponders {
-                subject: subject.to_string(),
-            },
-            _ => MeshError::Request {
-                subject: subject.to_string(),
-                source,
-            },
-        })
-        .and_then(|message| Ok(decode(&message.payload)?));
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut resent = false;
+    // Taken up front so each subject's counter is exported at 0 before its first resend.
+    let resends = NatsMetrics::global()
+        .request_resends
+        .with_label_values(&[subject]);
+    let result = loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let request = async_nats::Request::new()
+            .payload(payload.clone())
+            .headers(headers.clone())
+            .timeout(Some(left));
+        match sent_until_reconnect(client, subject, request).await {
+            Sent::Answered(result) => {
+                let result = result.map_err(|source| request_error(subject, timeout, source));
+                match result {
+                    // Responders resubscribe after their own reconnect: a resent request may
+                    // find none yet.
+                    Err(MeshError::NoResponders { .. })
+                        if resent && tokio::time::Instant::now() + RESEND_DELAY < deadline =>
+                    {
+                        tokio::time::sleep(RESEND_DELAY).await;
+                    }
+                    done => break done.and_then(|message| Ok(decode(&message.payload)?)),
+                }
+            }
+            // The request may have gone into the dropped connection, and its reply would then
+            // never come: it waited out its whole timeout (seen in the node-crash runs).
+            Sent::Reconnected if !left.is_zero() => {
+                tracing::info!(
+                    subject,
+                    "NATS reconnected during the request; sending it again"
+                );
+                resends.inc();
+                resent = true;
+            }
+            Sent::Reconnected => {
+                break Err(MeshError::Timeout {
+                    subject: subject.to_string(),
+                    timeout,
+                })
+            }
+        }
+    };
     record_round_trip(subject, started, result.as_ref().err());
     result
+}
+
+/// Pause before sending again a request that found no responders after a reconnect.
+const RESEND_DELAY: Duration = Duration::from_millis(100);
+
+/// How one send of a request ended.
+enum Sent {
+    Answered(Result<Message, async_nats::RequestError>),
+    /// The client connected again while the request waited for its reply.
+    Reconnected,
+}
+
+/// Send `request` and wait for its reply, or until a client of this process reconnects.
+async fn sent_until_reconnect(
+    client: &Client,
+    subject: &str,
+    request: async_nats::Request,
+) -> Sent {
+    let reconnects = reconnects::Reconnects::from_now();
+    tokio::select! {
+        result = client.send_request(subject.to_string(), request) => Sent::Answered(result),
+        () = reconnects.next() => Sent::Reconnected,
+    }
+}
+
+fn request_error(subject: &str, timeout: Duration, source: async_nats::RequestError) -> MeshError {
+    match source.kind() {
+        RequestErrorKind::TimedOut => MeshError::Timeout {
+            subject: subject.to_string(),
+            timeout,
+        },
+        RequestErrorKind::NoResponders => MeshError::NoResponders {
+            subject: subject.to_string(),
+        },
+        _ => MeshError::Request {
+            subject: subject.to_string(),
+            source,
+        },
+    }
 }
 
 /// `diffmesh_nats_request_duration_seconds{subject}` for answered requests, or

@@ -3,8 +3,9 @@
 //! it would wait out its whole timeout, 5-10 s), and a JetStream consumer that was
 //! streaming to the client (async-nats's ordered consumer notices only when its idle
 //! heartbeats stay away, 10 s; until then a watch sees nothing). Both are mended by trying
-//! again once connected: `transient::retried` starts an attempt in flight over, and
-//! `reopening_watch` opens its watch again.
+//! again once connected: `transient::retried` starts an attempt in flight over,
+//! `nats::request_msgpack` sends its request again, and `reopening_watch` opens its watch
+//! again.
 //!
 //! The signal is process-wide: [`crate::nats::connect`] reports every connect of its
 //! clients here. A service holds one client; where a process holds several (tests), another
