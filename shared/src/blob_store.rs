@@ -12,6 +12,7 @@ use tokio::io::AsyncReadExt;
 
 use crate::error::MeshError;
 use crate::jetstream_layout;
+use crate::reconnects::Reconnects;
 use crate::transient;
 
 /// Bytes by key in a JetStream object store bucket (images, masks, prepared tensors, results).
@@ -207,12 +208,24 @@ impl BlobStore {
     /// [`BLOB_FIRST_BYTE_TIMEOUT`], the object is read again chunk by chunk with message gets
     /// the stream's leader answers ([`BlobStore::read_from_leader`]), which no consumer
     /// placement can strand, tried again while the stream elects a leader; so are this store's
-    /// reads for the next [`LEADER_READS_AFTER_A_STALL`]. Fails with
+    /// reads for the next [`LEADER_READS_AFTER_A_STALL`]; and so is a read that NATS
+    /// reconnects under, since its request may have gone into the dropped connection. Fails with
     /// [`MeshError::BlobStalled`] when the object stops arriving mid-read (deleted).
     pub async fn get_limited(&self, key: &str, limit: usize) -> Result<Vec<u8>, MeshError> {
         if !self.leader_reads.active() {
             let first = BLOB_FIRST_BYTE_TIMEOUT.min(self.stall_timeout);
-            match self.read_small_or_by_consumer(key, limit, first).await {
+            // A message get or consumer request written into a dropped connection is never
+            // answered: on a reconnect the read goes on from the leader, which the retries
+            // below start over on every reconnect (seen: a 10 s edit on a server restart).
+            let reconnects = Reconnects::from_now();
+            let read = tokio::select! {
+                read = self.read_small_or_by_consumer(key, limit, first) => read,
+                () = reconnects.next() => Err(MeshError::BlobRead {
+                    key: key.to_string(),
+                    reason: "NATS reconnected during the read".to_string(),
+                }),
+            };
+            match read {
                 Err(err) if Self::read_again(&err) => {
                     tracing::warn!(key, error = %err, "blob read failed; reading from the stream leader");
                     transient::count_retry("blob.get");

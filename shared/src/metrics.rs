@@ -143,8 +143,9 @@ pub struct NatsMetrics {
     pub request_duration: HistogramVec,
     /// `diffmesh_nats_request_failures_total{subject, reason}`: timeouts, no responders, errors.
     pub request_failures: IntCounterVec,
-    /// `diffmesh_nats_request_resends_total{subject}`: requests sent again because the client
-    /// reconnected while they waited for their reply.
+    /// `diffmesh_nats_request_resends_total{subject, reason}`: requests sent again because the
+    /// client reconnected while they waited for their reply (`reconnect`) or no responder
+    /// was subscribed yet (`no_responders`).
     pub request_resends: IntCounterVec,
     /// `diffmesh_nats_connection_events_total{event}`: the client's connection events
     /// ([`NATS_CONNECTION_EVENTS`]): connects and drops, slow consumers, server errors.
@@ -195,8 +196,9 @@ impl NatsMetrics {
                 registry,
                 "nats",
                 "request_resends",
-                "NATS requests sent again because the client reconnected while they waited",
-                &["subject"],
+                "NATS requests sent again: the client reconnected while they waited, or no \
+                 responder was subscribed yet",
+                &["subject", "reason"],
             )?,
             connection_events: {
                 let events = counter_vec(

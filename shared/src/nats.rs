@@ -93,9 +93,10 @@ fn connection_event_label(event: &async_nats::Event) -> &'static str {
 /// Send `req` as MessagePack on `subject` and decode the reply, failing after `timeout`.
 /// The current span's trace context rides in the headers; the round trip is recorded in
 /// `diffmesh_nats_request_duration_seconds{subject}` (`metrics::NatsMetrics`). A request in
-/// flight when NATS reconnects is sent again within the same deadline (counted in
-/// `diffmesh_nats_request_resends_total{subject}`), so every responder must allow a request
-/// to arrive twice: ours are pure or deduplicate by job id.
+/// flight when NATS reconnects is sent again within the same deadline, and one that finds no
+/// responder is sent again for up to [`NO_RESPONDERS_GRACE`] (both counted in
+/// `diffmesh_nats_request_resends_total{subject, reason}`), so every responder must allow a
+/// request to arrive twice: ours are pure or deduplicate by job id.
 pub async fn request_msgpack<Req, Resp>(
     client: &Client,
     subject: &str,
@@ -138,11 +139,14 @@ where
     let payload = Bytes::from(encode(req)?);
     let started = std::time::Instant::now();
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut resent = false;
-    // Taken up front so each subject's counter is exported at 0 before its first resend.
-    let resends = NatsMetrics::global()
-        .request_resends
-        .with_label_values(&[subject]);
+    let grace_end = deadline.min(tokio::time::Instant::now() + NO_RESPONDERS_GRACE);
+    // Taken up front so each subject's counters are exported at 0 before the first resend.
+    let resends = |reason: &str| {
+        NatsMetrics::global()
+            .request_resends
+            .with_label_values(&[subject, reason])
+    };
+    let (after_reconnect, after_no_responders) = (resends("reconnect"), resends("no_responders"));
     let result = loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let request = async_nats::Request::new()
@@ -153,11 +157,13 @@ where
             Sent::Answered(result) => {
                 let result = result.map_err(|source| request_error(subject, timeout, source));
                 match result {
-                    // Responders resubscribe after their own reconnect: a resent request may
-                    // find none yet.
+                    // Responders resubscribe after their own reconnect (a restarted server,
+                    // a lost cluster node) or come up again: no responder for a moment is not
+                    // yet a missing service (seen: edits failed on a server restart).
                     Err(MeshError::NoResponders { .. })
-                        if resent && tokio::time::Instant::now() + RESEND_DELAY < deadline =>
+                        if tokio::time::Instant::now() + RESEND_DELAY < grace_end =>
                     {
+                        after_no_responders.inc();
                         tokio::time::sleep(RESEND_DELAY).await;
                     }
                     done => break done.and_then(|message| Ok(decode(&message.payload)?)),
@@ -170,8 +176,7 @@ where
                     subject,
                     "NATS reconnected during the request; sending it again"
                 );
-                resends.inc();
-                resent = true;
+                after_reconnect.inc();
             }
             Sent::Reconnected => {
                 break Err(MeshError::Timeout {
@@ -185,7 +190,11 @@ where
     result
 }
 
-/// Pause before sending again a request that found no responders after a reconnect.
+/// How long a request that finds no responder is sent again (within its timeout) before
+/// `NoResponders` is its answer: responders resubscribe within milliseconds of a reconnect.
+pub const NO_RESPONDERS_GRACE: Duration = Duration::from_secs(2);
+
+/// Pause before sending again a request that found no responders.
 const RESEND_DELAY: Duration = Duration::from_millis(100);
 
 /// How one send of a request ended.

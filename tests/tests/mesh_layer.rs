@@ -312,7 +312,7 @@ async fn a_request_lost_with_the_connection_is_sent_again_on_the_reconnect() {
         .unwrap();
     let resends = NatsMetrics::global()
         .request_resends
-        .with_label_values(&["svc.lossy"]);
+        .with_label_values(&["svc.lossy", "reconnect"]);
     let resends_before = resends.get();
     let call = tokio::spawn(async move {
         request_msgpack::<_, String>(&requester, "svc.lossy", &"q", Duration::from_secs(30)).await
@@ -325,4 +325,67 @@ async fn a_request_lost_with_the_connection_is_sent_again_on_the_reconnect() {
         .unwrap();
     assert_eq!(reply.unwrap(), "answered");
     assert!(resends.get() > resends_before, "the resend was not counted");
+}
+
+/// A request that finds no responder is sent again for a moment (responders resubscribe after
+/// a reconnect, or come up): one that subscribes 300 ms later answers it; with nobody at all
+/// the answer is `NoResponders` once the grace is over, never a hang.
+#[tokio::test]
+async fn a_responder_that_subscribes_a_moment_late_still_gets_the_request() {
+    let nats = NatsServer::start();
+    let client = connect(&nats.url(), "test", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let retried = NatsMetrics::global()
+        .request_resends
+        .with_label_values(&["svc.late", "no_responders"]);
+    let retried_before = retried.get();
+    let responder = client.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut requests = responder.subscribe("svc.late").await.unwrap();
+        responder.flush().await.unwrap();
+        if let Some(msg) = requests.next().await {
+            let _ = reply_msgpack(&responder, &msg, &"late".to_string()).await;
+        }
+    });
+    let reply = request_msgpack::<_, String>(&client, "svc.late", &"q", Duration::from_secs(10))
+        .await
+        .expect("the late responder answers");
+    assert_eq!(reply, "late");
+    assert!(
+        retried.get() > retried_before,
+        "the resends were not counted"
+    );
+
+    let start = Instant::now();
+    let err = request_msgpack::<_, String>(&client, "svc.nobody", &"q", Duration::from_secs(30))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, MeshError::NoResponders { .. }), "{err}");
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1500) && waited < Duration::from_secs(5),
+        "NoResponders after {waited:?}, not after the grace"
+    );
+}
+
+/// A blob read whose request went into the dropped connection goes on after the reconnect
+/// instead of waiting out its timeout. The restart blocks this test's only runtime thread, so
+/// the client has not seen the drop when the read is sent.
+#[tokio::test]
+async fn a_blob_read_across_a_server_restart_does_not_wait_out_its_timeout() {
+    let mut nats = NatsServer::start();
+    let client = connect(&nats.url(), "test", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let blobs = BlobStore::open(&async_nats::jetstream::new(client))
+        .await
+        .unwrap();
+    blobs.put("job-r/mask", b"small mask").await.unwrap();
+    nats.restart();
+    let read = tokio::time::timeout(Duration::from_secs(4), blobs.get("job-r/mask"))
+        .await
+        .expect("the read waited for an answer that never comes");
+    assert_eq!(read.unwrap(), b"small mask");
 }
