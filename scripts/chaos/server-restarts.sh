@@ -53,7 +53,7 @@ head -n 1 "$OUT/load.json"
 echo "slowest: $(grep -oE '^ +[0-9]+\.[0-9]+,?$' "$OUT/load.json" | tr -d ' ,' | sort -g | tail -n 1) s"
 for port in 9100 9110 9120 9130 9140; do
   curl -s "http://127.0.0.1:$port/metrics" \
-    | grep -E '^diffmesh_(nats_request_(resends|failures)|jetstream_retries)_total' \
+    | grep -E '^diffmesh_(nats_request_(resends|failures)|jetstream_retries|gateway_recovered_outcomes)_total' \
     | grep -v ' 0$' | sed "s/^/$port /"
 done
 kill -TERM "${pids[@]}"; sleep 3; kill -9 "$nats_pid" "${pids[@]}" 2> /dev/null

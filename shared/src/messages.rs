@@ -201,6 +201,13 @@ pub enum PostprocessReply {
     },
 }
 
+/// Gateway -> denoisers (`subjects::DENOISER_OUTCOME`): how did `job_id` end? Answered with
+/// the job's terminal [`JobEvent`] by the denoiser that ended it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutcomeQuery {
+    pub job_id: String,
+}
+
 /// Progress and terminal events, published on `subjects::job_events(job_id)`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum JobEvent {

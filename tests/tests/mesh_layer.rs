@@ -389,3 +389,41 @@ async fn a_blob_read_across_a_server_restart_does_not_wait_out_its_timeout() {
         .expect("the read waited for an answer that never comes");
     assert_eq!(read.unwrap(), b"small mask");
 }
+
+/// A gateway whose copy of a job's terminal event was lost learns it from the denoiser that
+/// ended the job; denoisers that do not know the job stay silent, so the answer for an unknown
+/// job is "nothing", quickly.
+#[tokio::test]
+async fn a_lost_terminal_event_is_learned_from_the_denoiser_that_ended_the_job() {
+    use diffmesh_denoiser::outcomes::RecentOutcomes;
+    use diffmesh_gateway::lost_events::ended_as;
+    use diffmesh_shared::messages::JobEvent;
+    let nats = NatsServer::start();
+    let client = connect(&nats.url(), "test", Duration::from_secs(5))
+        .await
+        .unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let (ended_here, ended_elsewhere) = (RecentOutcomes::default(), RecentOutcomes::default());
+    let done = JobEvent::Done {
+        png_keys: vec!["job-d/result-0.png".into()],
+    };
+    ended_here.note("job-d", &JobEvent::Step { step: 4, total: 4 });
+    ended_here.note("job-d", &done);
+    ended_elsewhere.note("job-other", &done);
+    for outcomes in [ended_here, ended_elsewhere] {
+        tokio::spawn(outcomes.serve(client.clone(), shutdown.clone()));
+    }
+    // Asked until the serving tasks have subscribed (each unanswered query takes 0.5 s).
+    let mut learned = None;
+    for _ in 0..10 {
+        learned = ended_as(&client, "job-d").await;
+        if learned.is_some() {
+            break;
+        }
+    }
+    assert_eq!(learned, Some(done));
+    let start = Instant::now();
+    assert_eq!(ended_as(&client, "job-running").await, None);
+    assert!(start.elapsed() < Duration::from_secs(2));
+    shutdown.cancel();
+}

@@ -8,6 +8,7 @@ pub mod cached_step;
 pub mod engine;
 pub mod metrics;
 pub mod model;
+pub mod outcomes;
 pub mod service;
 pub mod step_samples;
 pub mod templates;
@@ -363,6 +364,12 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         tokio::spawn(service.clone().cancels(background.clone())),
         tokio::spawn(service.clone().evictions(background.clone())),
         tokio::spawn(service.clone().heartbeats(background.clone())),
+        tokio::spawn(
+            service
+                .outcomes
+                .clone()
+                .serve(client.clone(), background.clone()),
+        ),
     ];
     let pump = tokio::spawn(service.clone().pump(events_rx));
     client

@@ -4,6 +4,7 @@ use crate::cached_step::{format_name, CacheSettings, TemplateSlot};
 use crate::engine::{EngineEvent, EngineHandle, EngineJob, SubmitError};
 use crate::metrics::DenoiserMetrics;
 use crate::model::EditInputs;
+use crate::outcomes::RecentOutcomes;
 use crate::templates::store::CacheClient;
 use crate::templates::{LocalTier, TemplateEntry, TemplatePixels};
 use crate::DenoiserConfig;
@@ -40,6 +41,8 @@ pub struct Service {
     pub draining: AtomicBool,
     submitted_at: Mutex<HashMap<String, Instant>>,
     pub templates: Templates,
+    /// Ended jobs' terminal events, for gateways whose copy was lost (`outcomes`).
+    pub outcomes: RecentOutcomes,
 }
 
 /// Template caches on this denoiser: the local tier, the cachestore client, the cache settings,
@@ -87,6 +90,7 @@ impl Service {
             draining: AtomicBool::new(false),
             submitted_at: Mutex::new(HashMap::new()),
             templates,
+            outcomes: RecentOutcomes::default(),
         }
     }
 
@@ -229,6 +233,7 @@ impl Service {
     }
 
     async fn publish_event(&self, job_id: &str, event: &JobEvent) {
+        self.outcomes.note(job_id, event);
         if let Err(err) = publish_msgpack(
             &self.client,
             subjects::job_events(job_id),

@@ -14,6 +14,7 @@ pub mod events;
 pub mod idempotency;
 pub mod jobs;
 pub mod limits;
+pub mod lost_events;
 pub mod metrics;
 pub mod openapi;
 pub mod parse;

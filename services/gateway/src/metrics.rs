@@ -14,6 +14,9 @@ pub struct GatewayMetrics {
     pub stage_duration: HistogramVec,
     /// `diffmesh_gateway_failures_total{reason}`.
     pub failures: FailureCounter,
+    /// `diffmesh_gateway_recovered_outcomes_total{outcome}`: jobs whose terminal event (done,
+    /// failed) was lost and learned from the denoiser that ended them (`lost_events`).
+    pub recovered_outcomes: IntCounterVec,
 }
 
 impl GatewayMetrics {
@@ -45,6 +48,19 @@ impl GatewayMetrics {
                 LATENCY_BUCKETS_SECONDS,
             )?,
             failures: FailureCounter::register(registry, "gateway")?,
+            recovered_outcomes: {
+                let recovered = counter_vec(
+                    registry,
+                    "gateway",
+                    "recovered_outcomes",
+                    "Jobs whose terminal event was lost, learned from the denoiser that ended them",
+                    &["outcome"],
+                )?;
+                for outcome in ["done", "failed"] {
+                    recovered.with_label_values(&[outcome]);
+                }
+                recovered
+            },
         })
     }
 }

@@ -4,6 +4,8 @@
 //! follows every step, so `GET /v1/jobs/{id}` and the event stream can show it from any
 //! gateway. A job cancelled in its record (`DELETE`) is stopped at the next check.
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,6 +18,7 @@ use diffmesh_shared::messages::{
     PreprocessRequest, SubmitReply, TemplateImage, TemplateRef,
 };
 use diffmesh_shared::nats::{publish_msgpack, request_msgpack_job};
+use diffmesh_shared::reconnects::Reconnects;
 use diffmesh_shared::subjects::{job_events, CODEC_PRE, ROUTER_CANCEL, ROUTER_SUBMIT};
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
@@ -25,6 +28,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::error::ApiError;
+use crate::lost_events;
 use crate::metrics::GatewayMetrics;
 use crate::templates::uses::TemplateUses;
 use crate::validate::ValidParams;
@@ -521,6 +525,36 @@ impl Mesh {
         )
     }
 
+    /// A terminal event learned from the denoiser after its publish was lost.
+    fn recovered(&self, job_id: &str, ended: JobEvent) -> Result<Vec<String>, ApiError> {
+        tracing::warn!(%job_id, "the job's terminal event was lost; learned from its denoiser");
+        match ended {
+            JobEvent::Done { png_keys } => {
+                self.metrics
+                    .recovered_outcomes
+                    .with_label_values(&["done"])
+                    .inc();
+                Ok(png_keys)
+            }
+            JobEvent::Failed {
+                message,
+                error_type,
+            } => {
+                self.metrics
+                    .recovered_outcomes
+                    .with_label_values(&["failed"])
+                    .inc();
+                Err(ApiError::JobFailed {
+                    message,
+                    error_type,
+                })
+            }
+            other => Err(ApiError::Internal(format!(
+                "an outcome query answered {other:?}"
+            ))),
+        }
+    }
+
     fn stage(&self, name: &str, start: Instant) {
         self.metrics
             .stage_duration
@@ -615,9 +649,25 @@ impl Mesh {
         deadline: Instant,
     ) -> Result<Vec<String>, ApiError> {
         let mut progress = ProgressWrites::default();
+        let mut reconnects = Reconnects::from_now();
+        // An outcome query in flight; events are still read meanwhile.
+        let mut asking: Option<Pin<Box<dyn Future<Output = Option<JobEvent>> + Send + '_>>> = None;
         loop {
-            let msg = match tokio::time::timeout_at(deadline, events.next()).await {
-                Err(_) => {
+            // Heard nothing for a while, or NATS reconnected: the job's terminal event may
+            // have been published while the subscription was away (`lost_events`).
+            let ask_by = deadline.min(Instant::now() + lost_events::ASK_AFTER_SILENCE);
+            let next = tokio::select! {
+                next = tokio::time::timeout_at(ask_by, events.next()) => match next {
+                    Ok(event) => Waited::Event(event),
+                    Err(_) => Waited::Silence,
+                },
+                () = reconnects.next() => Waited::Reconnected,
+                ended = async { asking.as_mut().expect("guarded").await }, if asking.is_some() => {
+                    Waited::Asked(ended)
+                }
+            };
+            let msg = match next {
+                Waited::Silence if Instant::now() >= deadline => {
                     return Err(ApiError::Timeout {
                         message: format!(
                             "job {job_id} did not finish within {}s; it was cancelled",
@@ -625,8 +675,22 @@ impl Mesh {
                         ),
                     })
                 }
-                Ok(None) => return Err(ApiError::Internal("job event subscription closed".into())),
-                Ok(Some(msg)) => msg,
+                Waited::Silence | Waited::Reconnected => {
+                    reconnects.mark_seen();
+                    if asking.is_none() {
+                        asking = Some(Box::pin(lost_events::ended_as(&self.client, job_id)));
+                    }
+                    continue;
+                }
+                Waited::Asked(Some(ended)) => return self.recovered(job_id, ended),
+                Waited::Asked(None) => {
+                    asking = None;
+                    continue;
+                }
+                Waited::Event(None) => {
+                    return Err(ApiError::Internal("job event subscription closed".into()))
+                }
+                Waited::Event(Some(msg)) => msg,
             };
             let written = match decode::<JobEvent>(&msg.payload) {
                 Ok(JobEvent::Done { png_keys }) => return Ok(png_keys),
@@ -660,4 +724,14 @@ impl Mesh {
             }
         }
     }
+}
+
+/// What a job's wait for its next event ended with (`Pipeline::await_result`).
+enum Waited {
+    Event(Option<async_nats::Message>),
+    /// Nothing within `lost_events::ASK_AFTER_SILENCE`, or the deadline passed.
+    Silence,
+    Reconnected,
+    /// An outcome query's answer.
+    Asked(Option<JobEvent>),
 }

@@ -1,0 +1,107 @@
+//! The terminal events of jobs this denoiser ended lately, answered on
+//! `subjects::DENOISER_OUTCOME`. A job's `Done` or `Failed` goes out as a core NATS publish,
+//! which is lost when the gateway's subscription is away at that moment (a server restart, a
+//! reconnect to another cluster node); the waiting gateway then asks here instead of waiting
+//! until its deadline.
+use std::time::Duration;
+
+use diffmesh_shared::messages::{decode, JobEvent, OutcomeQuery};
+use diffmesh_shared::nats::reply_msgpack;
+use diffmesh_shared::{subjects, MeshError};
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+/// How long an ended job's event is kept: longer than a gateway waits between its checks.
+pub const OUTCOME_TTL: Duration = Duration::from_secs(600);
+/// Ended jobs kept at most (a few hundred bytes each).
+const OUTCOMES_KEPT: u64 = 100_000;
+
+/// Terminal events by job id, for [`OUTCOME_TTL`].
+#[derive(Clone)]
+pub struct RecentOutcomes {
+    events: moka::sync::Cache<String, JobEvent>,
+}
+
+impl Default for RecentOutcomes {
+    fn default() -> Self {
+        Self {
+            events: moka::sync::Cache::builder()
+                .max_capacity(OUTCOMES_KEPT)
+                .time_to_live(OUTCOME_TTL)
+                .build(),
+        }
+    }
+}
+
+impl RecentOutcomes {
+    /// Keep `event` if it ends the job (`Done`, `Failed`).
+    pub fn note(&self, job_id: &str, event: &JobEvent) {
+        if matches!(event, JobEvent::Done { .. } | JobEvent::Failed { .. }) {
+            self.events.insert(job_id.to_string(), event.clone());
+        }
+    }
+
+    pub fn get(&self, job_id: &str) -> Option<JobEvent> {
+        self.events.get(job_id)
+    }
+
+    /// Answer outcome queries for jobs kept here until `shutdown`; queries for other jobs get
+    /// no answer (the denoiser that ended them answers).
+    pub async fn serve(
+        self,
+        client: async_nats::Client,
+        shutdown: CancellationToken,
+    ) -> Result<(), MeshError> {
+        let mut queries = client.subscribe(subjects::DENOISER_OUTCOME).await?;
+        loop {
+            let msg = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                msg = queries.next() => match msg { Some(m) => m, None => return Ok(()) },
+            };
+            let query = match decode::<OutcomeQuery>(&msg.payload) {
+                Ok(query) => query,
+                Err(err) => {
+                    tracing::warn!(error = %err, "undecodable outcome query");
+                    continue;
+                }
+            };
+            if let Some(event) = self.get(&query.job_id) {
+                if let Err(err) = reply_msgpack(&client, &msg, &event).await {
+                    tracing::warn!(job_id = %query.job_id, error = %err, "could not answer an outcome query");
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for RecentOutcomes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecentOutcomes")
+            .field("kept", &self.events.entry_count())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_terminal_events_are_kept() {
+        let outcomes = RecentOutcomes::default();
+        outcomes.note("a", &JobEvent::Step { step: 1, total: 4 });
+        assert_eq!(outcomes.get("a"), None);
+        let done = JobEvent::Done {
+            png_keys: vec!["a/result-0.png".into()],
+        };
+        outcomes.note("a", &done);
+        assert_eq!(outcomes.get("a"), Some(done));
+        let failed = JobEvent::Failed {
+            message: "m".into(),
+            error_type: "internal".into(),
+        };
+        outcomes.note("b", &failed);
+        assert_eq!(outcomes.get("b"), Some(failed));
+        assert_eq!(outcomes.get("c"), None);
+    }
+}

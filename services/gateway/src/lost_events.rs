@@ -1,0 +1,37 @@
+//! A job's terminal event when its publish was lost. Job events are core NATS publishes: one
+//! sent while this gateway's subscription is away (a server restart, a reconnect to another
+//! cluster node) never arrives, and the request would wait until its deadline although the
+//! job ended. So a waiting request asks the denoisers how the job ended
+//! (`subjects::DENOISER_OUTCOME`) after a reconnect and whenever it has heard nothing for a
+//! while.
+use std::time::Duration;
+
+use diffmesh_shared::messages::{JobEvent, OutcomeQuery};
+use diffmesh_shared::nats::request_msgpack;
+use diffmesh_shared::subjects::DENOISER_OUTCOME;
+use diffmesh_shared::MeshError;
+
+/// How long a waiting job may hear nothing before the denoisers are asked. Running jobs send
+/// an event every step; a queued one is silent, and asking for it costs one small request.
+pub const ASK_AFTER_SILENCE: Duration = Duration::from_secs(5);
+
+/// How long an outcome query waits for the denoiser that ended the job; the others are silent.
+const OUTCOME_QUERY_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The terminal event (`Done`, `Failed`) of `job_id` if a denoiser ended it lately, else `None`
+/// (still running or queued, or no denoiser knows it).
+pub async fn ended_as(client: &async_nats::Client, job_id: &str) -> Option<JobEvent> {
+    let query = OutcomeQuery {
+        job_id: job_id.to_string(),
+    };
+    match request_msgpack::<_, JobEvent>(client, DENOISER_OUTCOME, &query, OUTCOME_QUERY_TIMEOUT)
+        .await
+    {
+        Ok(event @ (JobEvent::Done { .. } | JobEvent::Failed { .. })) => Some(event),
+        Ok(_) | Err(MeshError::Timeout { .. } | MeshError::NoResponders { .. }) => None,
+        Err(err) => {
+            tracing::warn!(%job_id, error = %err, "outcome query failed");
+            None
+        }
+    }
+}
