@@ -525,36 +525,6 @@ impl Mesh {
         )
     }
 
-    /// A terminal event learned from the denoiser after its publish was lost.
-    fn recovered(&self, job_id: &str, ended: JobEvent) -> Result<Vec<String>, ApiError> {
-        tracing::warn!(%job_id, "the job's terminal event was lost; learned from its denoiser");
-        match ended {
-            JobEvent::Done { png_keys } => {
-                self.metrics
-                    .recovered_outcomes
-                    .with_label_values(&["done"])
-                    .inc();
-                Ok(png_keys)
-            }
-            JobEvent::Failed {
-                message,
-                error_type,
-            } => {
-                self.metrics
-                    .recovered_outcomes
-                    .with_label_values(&["failed"])
-                    .inc();
-                Err(ApiError::JobFailed {
-                    message,
-                    error_type,
-                })
-            }
-            other => Err(ApiError::Internal(format!(
-                "an outcome query answered {other:?}"
-            ))),
-        }
-    }
-
     fn stage(&self, name: &str, start: Instant) {
         self.metrics
             .stage_duration
@@ -682,8 +652,16 @@ impl Mesh {
                     }
                     continue;
                 }
-                Waited::Asked(Some(ended)) => return self.recovered(job_id, ended),
-                Waited::Asked(None) => {
+                Waited::Asked(ended) => {
+                    if let Some(Ok(outcome)) = ended.map(job_ended) {
+                        tracing::warn!(%job_id, "the job's terminal event was lost; learned from its denoiser");
+                        let label = if outcome.is_ok() { "done" } else { "failed" };
+                        self.metrics
+                            .recovered_outcomes
+                            .with_label_values(&[label])
+                            .inc();
+                        return outcome;
+                    }
                     asking = None;
                     continue;
                 }
@@ -692,41 +670,44 @@ impl Mesh {
                 }
                 Waited::Event(Some(msg)) => msg,
             };
-            let written = match decode::<JobEvent>(&msg.payload) {
-                Ok(JobEvent::Done { png_keys }) => return Ok(png_keys),
-                Ok(JobEvent::Failed {
-                    message,
-                    error_type,
-                }) => {
-                    return Err(ApiError::JobFailed {
-                        message,
-                        error_type,
-                    })
-                }
-                Ok(event) => {
-                    if let JobEvent::Retrying { attempt, reason } = &event {
-                        tracing::info!(attempt, %reason, "job placed again");
-                    }
-                    // A capture's cache report and a step too soon after the last change nothing.
-                    let Some(change) = progress.change_for(&event, std::time::Instant::now())
-                    else {
-                        continue;
-                    };
-                    self.jobs.update(job_id, |r| change(r)).await
-                }
+            let event = match decode::<JobEvent>(&msg.payload).map(job_ended) {
+                Ok(Ok(outcome)) => return outcome,
+                Ok(Err(event)) => event,
                 Err(err) => {
                     tracing::warn!(error = %err, "undecodable job event");
                     continue;
                 }
             };
-            if let Err(err) = written {
+            if let JobEvent::Retrying { attempt, reason } = &event {
+                tracing::info!(attempt, %reason, "job placed again");
+            }
+            // A capture's cache report and a step too soon after the last change nothing.
+            let Some(change) = progress.change_for(&event, std::time::Instant::now()) else {
+                continue;
+            };
+            if let Err(err) = self.jobs.update(job_id, |r| change(r)).await {
                 tracing::warn!(error = %err, "could not record job progress");
             }
         }
     }
 }
 
-/// What a job's wait for its next event ended with (`Pipeline::await_result`).
+/// The request's answer if `event` ends the job (`Done`, `Failed`), else the event back.
+fn job_ended(event: JobEvent) -> Result<Result<Vec<String>, ApiError>, JobEvent> {
+    match event {
+        JobEvent::Done { png_keys } => Ok(Ok(png_keys)),
+        JobEvent::Failed {
+            message,
+            error_type,
+        } => Ok(Err(ApiError::JobFailed {
+            message,
+            error_type,
+        })),
+        other => Err(other),
+    }
+}
+
+/// What a job's wait for its next event ended with (`Mesh::await_result`).
 enum Waited {
     Event(Option<async_nats::Message>),
     /// Nothing within `lost_events::ASK_AFTER_SILENCE`, or the deadline passed.
