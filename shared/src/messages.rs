@@ -201,11 +201,35 @@ pub enum PostprocessReply {
     },
 }
 
-/// Gateway -> denoisers (`subjects::DENOISER_OUTCOME`): how did `job_id` end? Answered with
-/// the job's terminal [`JobEvent`] by the denoiser that ended it.
+/// Gateway -> denoisers (`subjects::DENOISER_OUTCOME`): how did `job_id` end, or what did its
+/// capture store? Answered with the asked [`JobEvent`] by the denoiser that sent it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OutcomeQuery {
     pub job_id: String,
+    /// Absent in queries of older gateways: they ask for the terminal event.
+    #[serde(default)]
+    pub wanted: WantedEvent,
+}
+
+/// Which of a job's events an [`OutcomeQuery`] asks for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WantedEvent {
+    /// `Done` or `Failed`.
+    #[default]
+    Terminal,
+    /// A capture job's `Captured` report.
+    Captured,
+}
+
+impl WantedEvent {
+    /// The kind of `event` a query may ask for; `None` for progress events.
+    pub fn of(event: &JobEvent) -> Option<Self> {
+        match event {
+            JobEvent::Done { .. } | JobEvent::Failed { .. } => Some(Self::Terminal),
+            JobEvent::Captured { .. } => Some(Self::Captured),
+            _ => None,
+        }
+    }
 }
 
 /// Progress and terminal events, published on `subjects::job_events(job_id)`.

@@ -43,9 +43,10 @@ pub fn denoiser_cancel(worker_id: &str) -> String {
     format!("diffmesh.denoiser.{worker_id}.cancel")
 }
 /// Gateway -> every denoiser (request, `messages::OutcomeQuery`): the terminal event
-/// (`JobEvent::Done` or `Failed`) of a job that ended lately, for a gateway whose copy of the
-/// event was lost (core NATS publishes are lost while a subscription is away, as on a server
-/// restart). Only the denoiser that ended the job answers; the others stay silent.
+/// (`JobEvent::Done` or `Failed`) or capture report (`Captured`) of a job that ended lately, for
+/// a gateway whose copy of the event was lost (core NATS publishes are lost while a subscription
+/// is away, as on a server restart). Only the denoiser that ended the job answers; the others
+/// stay silent.
 pub const DENOISER_OUTCOME: &str = "diffmesh.denoiser.outcome";
 /// Progress and terminal events of one job (queued, started, step k/N, done, failed).
 pub fn job_events(job_id: &str) -> String {

@@ -390,13 +390,14 @@ async fn a_blob_read_across_a_server_restart_does_not_wait_out_its_timeout() {
     assert_eq!(read.unwrap(), b"small mask");
 }
 
-/// A gateway whose copy of a job's terminal event was lost learns it from the denoiser that
-/// ended the job; denoisers that do not know the job stay silent, so the answer for an unknown
-/// job is "nothing", quickly.
+/// A gateway whose copy of a job's terminal event or capture report was lost learns it from
+/// the denoiser that ended the job; denoisers that do not know the job stay silent, so the
+/// answer for an unknown job is "nothing", quickly.
 #[tokio::test]
 async fn a_lost_terminal_event_is_learned_from_the_denoiser_that_ended_the_job() {
     use diffmesh_denoiser::outcomes::RecentOutcomes;
-    use diffmesh_gateway::lost_events::ended_as;
+    use diffmesh_gateway::lost_events::{captured, ended_as};
+    use diffmesh_shared::job::CaptureReport;
     use diffmesh_shared::messages::JobEvent;
     let nats = NatsServer::start();
     let client = connect(&nats.url(), "test", Duration::from_secs(5))
@@ -410,6 +411,22 @@ async fn a_lost_terminal_event_is_learned_from_the_denoiser_that_ended_the_job()
     ended_here.note("job-d", &JobEvent::Step { step: 4, total: 4 });
     ended_here.note("job-d", &done);
     ended_elsewhere.note("job-other", &done);
+    let report = CaptureReport {
+        cache_key: "cache-c".into(),
+        steps: 4,
+        blocks: 2,
+        bytes: 4096,
+    };
+    ended_elsewhere.note(
+        "job-c",
+        &JobEvent::Captured {
+            cache_key: report.cache_key.clone(),
+            steps: report.steps,
+            blocks: report.blocks,
+            bytes: report.bytes,
+        },
+    );
+    ended_elsewhere.note("job-c", &JobEvent::Done { png_keys: vec![] });
     for outcomes in [ended_here, ended_elsewhere] {
         tokio::spawn(outcomes.serve(client.clone(), shutdown.clone()));
     }
@@ -422,8 +439,15 @@ async fn a_lost_terminal_event_is_learned_from_the_denoiser_that_ended_the_job()
         }
     }
     assert_eq!(learned, Some(done));
+    assert_eq!(captured(&client, "job-c").await, Some(report));
+    assert_eq!(
+        ended_as(&client, "job-c").await,
+        Some(JobEvent::Done { png_keys: vec![] })
+    );
     let start = Instant::now();
     assert_eq!(ended_as(&client, "job-running").await, None);
+    // A job that captured nothing has no report to give.
+    assert_eq!(captured(&client, "job-d").await, None);
     assert!(start.elapsed() < Duration::from_secs(2));
     shutdown.cancel();
 }

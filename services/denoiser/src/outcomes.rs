@@ -1,11 +1,11 @@
-//! The terminal events of jobs this denoiser ended lately, answered on
-//! `subjects::DENOISER_OUTCOME`. A job's `Done` or `Failed` goes out as a core NATS publish,
-//! which is lost when the gateway's subscription is away at that moment (a server restart, a
-//! reconnect to another cluster node); the waiting gateway then asks here instead of waiting
-//! until its deadline.
+//! The terminal events and capture reports of jobs this denoiser ended lately, answered on
+//! `subjects::DENOISER_OUTCOME`. A job's `Done`, `Failed` or `Captured` goes out as a core NATS
+//! publish, which is lost when the gateway's subscription is away at that moment (a server
+//! restart, a reconnect to another cluster node); the waiting gateway then asks here instead of
+//! waiting until its deadline (or failing a template registration whose capture ran).
 use std::time::Duration;
 
-use diffmesh_shared::messages::{decode, JobEvent, OutcomeQuery};
+use diffmesh_shared::messages::{decode, JobEvent, OutcomeQuery, WantedEvent};
 use diffmesh_shared::nats::reply_msgpack;
 use diffmesh_shared::{subjects, MeshError};
 use futures::StreamExt;
@@ -16,10 +16,10 @@ pub const OUTCOME_TTL: Duration = Duration::from_secs(600);
 /// Ended jobs kept at most (a few hundred bytes each).
 const OUTCOMES_KEPT: u64 = 100_000;
 
-/// Terminal events by job id, for [`OUTCOME_TTL`].
+/// Terminal events and capture reports by job id, for [`OUTCOME_TTL`].
 #[derive(Clone)]
 pub struct RecentOutcomes {
-    events: moka::sync::Cache<String, JobEvent>,
+    events: moka::sync::Cache<(String, WantedEvent), JobEvent>,
 }
 
 impl Default for RecentOutcomes {
@@ -34,15 +34,16 @@ impl Default for RecentOutcomes {
 }
 
 impl RecentOutcomes {
-    /// Keep `event` if it ends the job (`Done`, `Failed`).
+    /// Keep `event` if it ends the job (`Done`, `Failed`) or reports its capture.
     pub fn note(&self, job_id: &str, event: &JobEvent) {
-        if matches!(event, JobEvent::Done { .. } | JobEvent::Failed { .. }) {
-            self.events.insert(job_id.to_string(), event.clone());
+        if let Some(wanted) = WantedEvent::of(event) {
+            self.events
+                .insert((job_id.to_string(), wanted), event.clone());
         }
     }
 
-    pub fn get(&self, job_id: &str) -> Option<JobEvent> {
-        self.events.get(job_id)
+    pub fn get(&self, job_id: &str, wanted: WantedEvent) -> Option<JobEvent> {
+        self.events.get(&(job_id.to_string(), wanted))
     }
 
     /// Answer outcome queries for jobs kept here until `shutdown`; queries for other jobs get
@@ -65,7 +66,7 @@ impl RecentOutcomes {
                     continue;
                 }
             };
-            if let Some(event) = self.get(&query.job_id) {
+            if let Some(event) = self.get(&query.job_id, query.wanted) {
                 if let Err(err) = reply_msgpack(&client, &msg, &event).await {
                     tracing::warn!(job_id = %query.job_id, error = %err, "could not answer an outcome query");
                 }
@@ -87,21 +88,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_terminal_events_are_kept() {
+    fn terminal_events_and_capture_reports_are_kept() {
         let outcomes = RecentOutcomes::default();
         outcomes.note("a", &JobEvent::Step { step: 1, total: 4 });
-        assert_eq!(outcomes.get("a"), None);
+        assert_eq!(outcomes.get("a", WantedEvent::Terminal), None);
         let done = JobEvent::Done {
             png_keys: vec!["a/result-0.png".into()],
         };
         outcomes.note("a", &done);
-        assert_eq!(outcomes.get("a"), Some(done));
+        assert_eq!(outcomes.get("a", WantedEvent::Terminal), Some(done.clone()));
+        assert_eq!(outcomes.get("a", WantedEvent::Captured), None);
         let failed = JobEvent::Failed {
             message: "m".into(),
             error_type: "internal".into(),
         };
         outcomes.note("b", &failed);
-        assert_eq!(outcomes.get("b"), Some(failed));
-        assert_eq!(outcomes.get("c"), None);
+        assert_eq!(outcomes.get("b", WantedEvent::Terminal), Some(failed));
+        let captured = JobEvent::Captured {
+            cache_key: "k".into(),
+            steps: 4,
+            blocks: 2,
+            bytes: 1024,
+        };
+        outcomes.note("c", &captured);
+        outcomes.note("c", &done);
+        assert_eq!(outcomes.get("c", WantedEvent::Captured), Some(captured));
+        assert_eq!(outcomes.get("c", WantedEvent::Terminal), Some(done));
+        assert_eq!(outcomes.get("d", WantedEvent::Terminal), None);
     }
 }

@@ -41,7 +41,8 @@ pub struct Service {
     pub draining: AtomicBool,
     submitted_at: Mutex<HashMap<String, Instant>>,
     pub templates: Templates,
-    /// Ended jobs' terminal events, for gateways whose copy was lost (`outcomes`).
+    /// Ended jobs' terminal events and capture reports, for gateways whose copy was lost
+    /// (`outcomes`).
     pub outcomes: RecentOutcomes,
 }
 

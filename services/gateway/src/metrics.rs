@@ -15,7 +15,8 @@ pub struct GatewayMetrics {
     /// `diffmesh_gateway_failures_total{reason}`.
     pub failures: FailureCounter,
     /// `diffmesh_gateway_recovered_outcomes_total{outcome}`: jobs whose terminal event (done,
-    /// failed) was lost and learned from the denoiser that ended them (`lost_events`).
+    /// failed) or capture report (captured) was lost here and learned elsewhere: from the
+    /// denoiser that ended them (`lost_events`) or, for a capture, the router's job record.
     pub recovered_outcomes: IntCounterVec,
 }
 
@@ -53,10 +54,10 @@ impl GatewayMetrics {
                     registry,
                     "gateway",
                     "recovered_outcomes",
-                    "Jobs whose terminal event was lost, learned from the denoiser that ended them",
+                    "Jobs whose terminal event or capture report was lost here, learned from the mesh",
                     &["outcome"],
                 )?;
-                for outcome in ["done", "failed"] {
+                for outcome in ["done", "failed", "captured"] {
                     recovered.with_label_values(&[outcome]);
                 }
                 recovered

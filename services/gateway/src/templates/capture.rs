@@ -15,6 +15,7 @@ use tracing::Instrument;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::lost_events;
 use crate::pipeline::{InputImage, JobInput, Mesh};
 use crate::routes::ApiState;
 use crate::templates::cache_view;
@@ -164,9 +165,12 @@ async fn capture(
         let msg = match tokio::time::timeout_at(deadline, events.next()).await {
             Ok(Some(msg)) => msg,
             Ok(None) | Err(_) => {
-                return Err(ApiError::Internal(format!(
-                    "capture job {job_id} finished without reporting its cache (no Captured event)"
-                )))
+                return lost_report(&state.mesh, &job_id).await.ok_or_else(|| {
+                    ApiError::Internal(format!(
+                        "capture job {job_id} finished without reporting its cache (no Captured \
+                         event, none on the job record, no denoiser remembers it)"
+                    ))
+                })
             }
         };
         let report = decode::<JobEvent>(&msg.payload)
@@ -176,6 +180,29 @@ async fn capture(
             return Ok(report);
         }
     }
+}
+
+/// The report of a capture whose `Captured` event did not arrive here (a core publish, lost
+/// while this gateway's subscription was away): the router's copy on the job record (it
+/// subscribes on its own connection), else the capturing denoiser's (`lost_events`).
+async fn lost_report(mesh: &Mesh, job_id: &str) -> Option<CaptureReport> {
+    let on_record = match mesh.jobs.get(job_id).await {
+        Ok(job) => job.and_then(|job| job.captured),
+        Err(err) => {
+            tracing::warn!(%job_id, error = %err, "could not read the capture job's record");
+            None
+        }
+    };
+    let report = match on_record {
+        Some(report) => Some(report),
+        None => lost_events::captured(&mesh.client, job_id).await,
+    }?;
+    tracing::warn!(%job_id, "the capture's Captured event was lost; learned from the mesh");
+    mesh.metrics
+        .recovered_outcomes
+        .with_label_values(&["captured"])
+        .inc();
+    Some(report)
 }
 
 /// Record a finished capture (`ready`), after checking it is the cache edits will ask for.
