@@ -20,6 +20,7 @@ pub mod templates;
 pub mod testing;
 pub mod trace_context;
 pub mod transient;
+pub mod unanswered;
 
 pub use config::CommonConfig;
 pub use error::MeshError;

@@ -144,8 +144,9 @@ pub struct NatsMetrics {
     /// `diffmesh_nats_request_failures_total{subject, reason}`: timeouts, no responders, errors.
     pub request_failures: IntCounterVec,
     /// `diffmesh_nats_request_resends_total{subject, reason}`: requests sent again because the
-    /// client reconnected while they waited for their reply (`reconnect`) or no responder
-    /// was subscribed yet (`no_responders`).
+    /// client reconnected while they waited for their reply (`reconnect`), no responder
+    /// was subscribed yet (`no_responders`), or, for work kept across a service's restart,
+    /// no instance took it within the request's deadline (`unanswered`, `crate::unanswered`).
     pub request_resends: IntCounterVec,
     /// `diffmesh_nats_connection_events_total{event}`: the client's connection events
     /// ([`NATS_CONNECTION_EVENTS`]): connects and drops, slow consumers, server errors.
@@ -196,8 +197,8 @@ impl NatsMetrics {
                 registry,
                 "nats",
                 "request_resends",
-                "NATS requests sent again: the client reconnected while they waited, or no \
-                 responder was subscribed yet",
+                "NATS requests sent again: the client reconnected while they waited, no \
+                 responder was subscribed yet, or no service instance took the work",
                 &["subject", "reason"],
             )?,
             connection_events: {

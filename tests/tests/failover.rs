@@ -1,5 +1,6 @@
 //! A denoiser killed in the middle of a job: the job is placed again on the other denoiser and
-//! succeeds, or fails with a clear error; the request never hangs.
+//! succeeds, or fails with a clear error; the request never hangs. The only codec stopped while
+//! a job runs, or when a request arrives: both wait for the next codec and succeed.
 use std::time::{Duration, Instant};
 
 use diffmesh_shared::messages::{decode, JobEvent};
@@ -110,5 +111,103 @@ async fn killed_denoiser_mid_job_is_retried_or_fails_clearly() {
             assert!(!message.is_empty(), "unclear error: {body}");
             assert!(body["error"]["error_type"].is_string(), "{body}");
         }
+    }
+}
+
+/// Requests wait out a codec restart instead of failing: a job whose denoising finished while
+/// no codec ran waits for one (the denoiser sends its post-processing again for
+/// `--post-retry-window-s`), so its steps are not thrown away; a request that arrives while no
+/// codec runs has its pre-processing sent again for `--submit-wait-s`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_wait_out_a_codec_restart() {
+    init_test_logging();
+    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+    let nats = NatsServer::start();
+    let codec = start_codec(&nats, |_| {}).expect("codec");
+    let router = start_router(&nats, |_| {}).expect("router");
+    let denoiser = start_denoiser(&nats, &model, "d1", |_| {}).expect("denoiser");
+    let gateway = start_gateway(&nats, |g| {
+        g.job_timeout_s = 60.0;
+        g.submit_wait_s = 10.0;
+    })
+    .expect("gateway");
+    for s in [&codec, &router, &denoiser, &gateway] {
+        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let events_client = async_nats::connect(&nats.url()).await.unwrap();
+    let mut events = events_client
+        .subscribe(diffmesh_shared::subjects::job_events("*"))
+        .await
+        .unwrap();
+    events_client.flush().await.unwrap();
+    let api = gateway.addrs.api.unwrap();
+    let generate = move |seed: u64| {
+        tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(format!("http://{api}/v1/images/generations"))
+                .json(&json!({"prompt": "a cat", "num_inference_steps": 10, "seed": seed}))
+                .timeout(Duration::from_secs(90))
+                .send()
+                .await
+                .expect("the request must get an answer")
+        })
+    };
+    let answered = |r: reqwest::Response| async move {
+        let status = r.status().as_u16();
+        let body: Value = r.json().await.expect("JSON body");
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(decode_b64_images(&body).unwrap().len(), 1);
+    };
+    // Long enough that the job ends, and its first post-processing request gives up after the
+    // request helper's own 2 s grace for a missing responder, while no codec runs (the
+    // resends asserted below show it did).
+    let codec_down = Duration::from_secs(6);
+
+    // The job is with the denoiser (pre-processing behind it): stop the only codec.
+    let request = generate(3);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let msg = tokio::time::timeout_at(deadline, events.next())
+            .await
+            .expect("the job never reached the denoiser")
+            .expect("event stream ended");
+        match decode::<JobEvent>(&msg.payload).expect("event decodes") {
+            JobEvent::Queued { .. } | JobEvent::Started { .. } => break,
+            JobEvent::Done { .. } => panic!("the job finished before the codec stopped"),
+            _ => {}
+        }
+    }
+    tokio::task::spawn_blocking(move || codec.kill())
+        .await
+        .unwrap();
+    tokio::time::sleep(codec_down).await;
+    let codec = start_codec(&nats, |_| {}).expect("codec again");
+    answered(request.await.expect("request task")).await;
+
+    // A request that arrives while no codec runs.
+    tokio::task::spawn_blocking(move || codec.kill())
+        .await
+        .unwrap();
+    let request = generate(4);
+    tokio::time::sleep(codec_down).await;
+    let _codec = start_codec(&nats, |_| {}).expect("codec a third time");
+    answered(request.await.expect("request task")).await;
+
+    // Each service counts its resends in the process-wide NATS metrics (one process here).
+    let metrics = diffmesh_tests::harness::scrape_metrics(denoiser.addrs.health)
+        .await
+        .expect("scrape the denoiser");
+    for subject in ["diffmesh.codec.post", "diffmesh.codec.pre"] {
+        let resends: u64 = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("diffmesh_nats_request_resends_total{")
+                    && l.contains(&format!("subject=\"{subject}\""))
+                    && l.contains("reason=\"unanswered\"")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no unanswered resends of {subject} on /metrics"));
+        assert!(resends > 0, "{subject} was never sent again");
     }
 }

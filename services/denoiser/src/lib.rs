@@ -82,6 +82,11 @@ pub struct DenoiserConfig {
     /// Deadline of the post-processing request to the codec (ms).
     #[arg(long, env = "CODEC_TIMEOUT_MS", default_value_t = 30000)]
     pub codec_timeout_ms: u64,
+    /// How long a finished job's post-processing is sent again while no codec takes it (its
+    /// outputs are kept in the object store), seconds; then the job fails
+    /// (`shared::unanswered`).
+    #[arg(long, env = "POST_RETRY_WINDOW_S", default_value_t = 60)]
+    pub post_retry_window_s: u64,
     /// Deadline of each hand-back of a queued job to the router at shutdown (ms).
     #[arg(long, env = "HANDBACK_TIMEOUT_MS", default_value_t = 5000)]
     pub handback_timeout_ms: u64,
@@ -132,6 +137,7 @@ impl DenoiserConfig {
             heartbeat_interval_ms: 100,
             default_resolution: 64,
             codec_timeout_ms: 10000,
+            post_retry_window_s: 30,
             handback_timeout_ms: 2000,
             retry_after_ms: 200,
             cache_format: "prepared".into(),

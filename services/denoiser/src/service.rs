@@ -16,6 +16,7 @@ use diffmesh_shared::messages::{
 use diffmesh_shared::nats::{publish_msgpack, reply_msgpack, request_msgpack_job};
 use diffmesh_shared::serve::serve_subscription;
 use diffmesh_shared::templates::{cache_key, CacheKeyParts};
+use diffmesh_shared::unanswered::resent_while_unanswered;
 use diffmesh_shared::{subjects, MeshError};
 use futures::StreamExt;
 use std::collections::HashMap;
@@ -594,13 +595,17 @@ impl Service {
             model_height: height,
         };
         let timeout = Duration::from_millis(self.config.codec_timeout_ms);
-        let reply = request_msgpack_job::<_, PostprocessReply>(
-            &self.client,
-            subjects::CODEC_POST,
-            &job_id,
-            &request,
-            timeout,
-        )
+        let window = Duration::from_secs(self.config.post_retry_window_s);
+        // The outputs are stored: wait out a codec restart rather than lose the job's steps.
+        let reply = resent_while_unanswered(subjects::CODEC_POST, window, || {
+            request_msgpack_job::<_, PostprocessReply>(
+                &self.client,
+                subjects::CODEC_POST,
+                &job_id,
+                &request,
+                timeout,
+            )
+        })
         .await;
         match reply {
             Ok(PostprocessReply::Done { png_keys }) => {

@@ -90,7 +90,8 @@ pub struct GatewayConfig {
     /// Deadline of one router submit request (seconds); the router may hold it while admitting.
     #[arg(long, env = "GATEWAY_ROUTER_TIMEOUT_S", default_value_t = 5.0)]
     pub router_timeout_s: f64,
-    /// How long to keep resubmitting while no denoiser can take a job before answering 503.
+    /// How long to keep resubmitting while no denoiser can take a job, and to send
+    /// pre-processing again while no codec takes it, before answering 503.
     #[arg(long, env = "GATEWAY_SUBMIT_WAIT_S", default_value_t = 10.0)]
     pub submit_wait_s: f64,
     /// Whole-job deadline; a job still running then is cancelled and answered 504 (seconds).

@@ -20,6 +20,7 @@ use diffmesh_shared::messages::{
 use diffmesh_shared::nats::{publish_msgpack, request_msgpack_job};
 use diffmesh_shared::reconnects::Reconnects;
 use diffmesh_shared::subjects::{job_events, CODEC_PRE, ROUTER_CANCEL, ROUTER_SUBMIT};
+use diffmesh_shared::unanswered::resent_while_unanswered;
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
 use tokio::time::Instant;
@@ -39,7 +40,8 @@ pub struct FlowConfig {
     pub codec_timeout: Duration,
     /// Deadline of one router submit request (the router may hold it while it admits).
     pub router_timeout: Duration,
-    /// How long to keep resubmitting while the router has no denoiser for the job.
+    /// How long to keep resubmitting while the router has no denoiser for the job, and to
+    /// send pre-processing again while no codec takes it.
     pub submit_wait: Duration,
     /// Whole-job deadline, from acceptance to the last PNG.
     pub job_timeout: Duration,
@@ -272,14 +274,18 @@ impl Mesh {
             params: params.clone(),
             template_image,
         };
-        let reply: PreprocessReply = request_msgpack_job(
-            &self.client,
-            CODEC_PRE,
-            job_id,
-            &pre,
-            self.flow.codec_timeout,
-        )
-        .await?;
+        // No codec for a moment (restarting) is waited out as a missing router is.
+        let reply: PreprocessReply =
+            resent_while_unanswered(CODEC_PRE, self.flow.submit_wait, || {
+                request_msgpack_job(
+                    &self.client,
+                    CODEC_PRE,
+                    job_id,
+                    &pre,
+                    self.flow.codec_timeout,
+                )
+            })
+            .await?;
         let inputs: PreparedInputs = match reply {
             PreprocessReply::Prepared(p) => p,
             PreprocessReply::Invalid(field) => return Err(ApiError::Invalid(field)),
