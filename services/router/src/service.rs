@@ -359,11 +359,20 @@ impl Router {
                     .admission_waiting
                     .set(self.admission().len() as i64);
                 tracing::info!(job_id = %cancel.job_id, "cancelled while waiting for admission");
+                let reason = "cancelled while waiting for a denoiser";
                 let reply = SubmitReply::Rejected {
-                    reason: "cancelled while waiting for a denoiser".into(),
+                    reason: reason.into(),
                     retry_after_ms: 0,
                 };
                 self.answer(&w, &reply).await;
+                // The job ended here: whoever follows its events learns it (a gateway whose
+                // client went away chases the job with its cancel until it shows up or ends,
+                // and holds the edit's template use until then).
+                let ended = JobEvent::Failed {
+                    message: reason.into(),
+                    error_type: error_types::CANCELLED.to_string(),
+                };
+                self.publish_event(&cancel.job_id, &ended).await;
                 continue;
             }
             let owner = self

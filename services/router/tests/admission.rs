@@ -5,9 +5,10 @@ mod common;
 
 use common::{http, job, submit, wait_for_metric, FakeWorker};
 use diffmesh_router::{start, RouterConfig};
-use diffmesh_shared::messages::{encode, CancelJob, JobEvent, RunningJob, SubmitReply};
+use diffmesh_shared::messages::{decode, encode, CancelJob, JobEvent, RunningJob, SubmitReply};
 use diffmesh_shared::subjects;
 use diffmesh_shared::testing::NatsServer;
+use futures::StreamExt;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -52,7 +53,10 @@ async fn admission_queue_overflows_cancels_places_and_drains() {
         other => panic!("expected Overloaded, got {other:?}"),
     }
 
-    // Cancelling a queued job answers its submit (no retry) and frees its place.
+    // Cancelling a queued job answers its submit (no retry), frees its place and ends the
+    // job for whoever follows its events.
+    let mut j2_events = client.subscribe(subjects::job_events("j2")).await.unwrap();
+    client.flush().await.unwrap();
     let cancel = CancelJob {
         job_id: "j2".into(),
     };
@@ -73,6 +77,14 @@ async fn admission_queue_overflows_cancels_places_and_drains() {
             assert_eq!(retry_after_ms, 0);
         }
         other => panic!("expected the cancelled submit to be rejected, got {other:?}"),
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(5), j2_events.next())
+        .await
+        .expect("no event ended the cancelled job")
+        .unwrap();
+    match decode::<JobEvent>(&ended.payload).unwrap() {
+        JobEvent::Failed { error_type, .. } => assert_eq!(error_type, "cancelled"),
+        other => panic!("expected Failed (cancelled), got {other:?}"),
     }
     wait_for_metric(addr, "diffmesh_router_admission_waiting 1").await;
 
