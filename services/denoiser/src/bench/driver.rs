@@ -23,18 +23,20 @@ use tracing::Span;
 const QUEUE: usize = 100_000;
 const CHANNEL: usize = 4096;
 
-/// The model a bench runs: its directory and the dtype of its weights and activations.
+/// The model a bench runs: its directory, the dtype of its weights and activations, and the
+/// device its engine steps on (a CUDA engine gets the copy stream, as the denoiser's does).
 #[derive(Debug, Clone)]
 pub struct BenchModel {
     pub dir: PathBuf,
     pub kind: Kind,
+    pub device: Device,
 }
 
 impl BenchModel {
     pub fn load(&self) -> Result<EngineModel> {
         EngineModel::load(
             &self.dir,
-            Device::Cpu,
+            self.device,
             self.kind,
             "bench".into(),
             IMAGE_SIZE,
@@ -379,6 +381,7 @@ pub fn calibrate(
     steps: u32,
     rounds: u32,
 ) -> Result<Vec<f64>> {
+    let device = model.device;
     let model = model.load()?;
     let _guard = diffmesh_model::tch::no_grad_guard();
     let pipeline = model.pipeline();
@@ -403,6 +406,10 @@ pub fn calibrate(
             for _ in 0..steps {
                 let t = Instant::now();
                 step_batch(&pipeline, &mut refs)?;
+                // Kernels run asynchronously on a GPU: a step ends when the device is done.
+                if let Device::Cuda(ordinal) = device {
+                    diffmesh_model::tch::Cuda::synchronize(ordinal as i64);
+                }
                 times.push(t.elapsed().as_secs_f64());
             }
             times.sort_by(f64::total_cmp);

@@ -126,6 +126,7 @@ mod tests {
         let dir = BenchModel {
             dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny"),
             kind: diffmesh_model::tch::Kind::Float,
+            device: diffmesh_model::tch::Device::Cpu,
         };
         let templates = BenchTemplates::capture(&dir, 3, 4, 1).await.unwrap();
         assert!(templates.bytes > 0);

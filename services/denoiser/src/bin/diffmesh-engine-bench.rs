@@ -11,7 +11,7 @@ use diffmesh_denoiser::bench::report::Report;
 use diffmesh_denoiser::bench::workload::WorkloadSpec;
 use diffmesh_model::flux::kv_codec::CacheDtype;
 use diffmesh_model::flux::MaskedAttention;
-use diffmesh_model::tch;
+use diffmesh_model::tch::{self, Device};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -54,14 +54,18 @@ struct Args {
     /// Model directory (diffusers layout; relative paths from the repository root).
     #[arg(long, default_value = "models/tiny")]
     model_dir: PathBuf,
-    /// Device of the mask-aware latency figures: cpu, cuda, cuda:N or auto (the batching,
-    /// disaggregation and quality parts run on the CPU).
+    /// Device of the mask-aware latency figures: cpu, cuda, cuda:N or auto (the quality part
+    /// runs on the CPU; --engine-device places the batching and disaggregation engines).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Mask-aware latency figures on full-size FLUX.1-dev (random weights, 1024x1024: about
     /// 48 GB of f32 weights while they are made) instead of the medium config; for a GPU.
     #[arg(long)]
     flux_dev: bool,
+    /// Device of the engine in the batching, disaggregation and engine-steps parts: cpu, cuda,
+    /// cuda:N or auto (the codec work of the disaggregation part stays on the CPU).
+    #[arg(long, default_value = "cpu")]
+    engine_device: String,
     /// Weights and activations of the engine: f32, bf16, or auto (bf16 where the CPU has bf16
     /// units, as the denoiser's `--dtype auto`).
     #[arg(long, default_value = "f32")]
@@ -224,9 +228,29 @@ async fn main() -> Result<()> {
     );
     let kind = diffmesh_denoiser::model::parse_model_dtype(&args.dtype, device)
         .map_err(|expected| anyhow::anyhow!("--dtype {}: expected {expected}", args.dtype))?;
+    let engine_device =
+        diffmesh_denoiser::model::parse_device(&args.engine_device).map_err(|expected| {
+            anyhow::anyhow!(
+                "--engine-device {}: expected {expected}",
+                args.engine_device
+            )
+        })?;
+    ensure!(
+        !engine_device.is_cuda() || tch::Cuda::is_available(),
+        "--engine-device {}: libtorch sees no CUDA device here",
+        args.engine_device
+    );
+    // The quality figures run on the CPU whatever the devices (the mask-aware part's model).
     let model = BenchModel {
         dir: model_dir.clone(),
         kind,
+        device: Device::Cpu,
+    };
+    let engine_model = BenchModel {
+        device: engine_device,
+        kind: diffmesh_denoiser::model::parse_model_dtype(&args.dtype, engine_device)
+            .map_err(|expected| anyhow::anyhow!("--dtype {}: expected {expected}", args.dtype))?,
+        ..model.clone()
     };
     tch::set_num_threads(args.torch_threads);
     let workload = WorkloadSpec {
@@ -241,7 +265,7 @@ async fn main() -> Result<()> {
     let mut report = Report::new(args.json);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     report.say(format!(
-        "engine bench: model {} ({kind:?}), CPU, {cores} cores, torch threads {}, mask ratios {} ({} values)",
+        "engine bench: model {} ({kind:?}), engine on {engine_device:?}, {cores} cores, torch threads {}, mask ratios {} ({} values)",
         model_dir.display(),
         args.torch_threads,
         args.mask_ratios.display(),
@@ -251,6 +275,7 @@ async fn main() -> Result<()> {
     report.insert("torch_threads", args.torch_threads);
     report.insert("dtype", format!("{kind:?}"));
     report.insert("device", format!("{device:?}"));
+    report.insert("engine_device", format!("{engine_device:?}"));
     report.insert("flux_dev", args.flux_dev);
     report.insert("seed", args.seed);
 
@@ -274,7 +299,7 @@ async fn main() -> Result<()> {
     }
     if args.parts.contains(&Part::EngineSteps) {
         let opts = engine_steps::EngineStepsOptions {
-            model: model.clone(),
+            model: engine_model.clone(),
             mask_ratios: ratios.clone(),
             max_batch: args.max_batch,
             steps: args.engine_steps_steps,
@@ -286,7 +311,7 @@ async fn main() -> Result<()> {
     }
     if args.parts.contains(&Part::Batching) {
         let opts = BatchingOptions {
-            model: model.clone(),
+            model: engine_model.clone(),
             workload: workload.clone(),
             mask_ratios: ratios.clone(),
             utilisation: args.utilisation,
@@ -295,12 +320,12 @@ async fn main() -> Result<()> {
             rounds: args.rounds,
             template_caches: args.batching_template_caches,
         };
-        let step_s = calibrate_and_say(&args, &model, &mut report, "batching")?;
+        let step_s = calibrate_and_say(&args, &engine_model, &mut report, "batching")?;
         batching::run(&opts, &step_s, &mut report).await?;
     }
     if args.parts.contains(&Part::Disaggregation) {
         let opts = DisaggregationOptions {
-            model: model.clone(),
+            model: engine_model.clone(),
             workload: workload.clone(),
             mask_ratios: ratios.clone(),
             utilisation: args.utilisation,
@@ -310,7 +335,7 @@ async fn main() -> Result<()> {
             codec_workers: args.codec_workers,
             rounds: args.rounds,
         };
-        let step_s = calibrate_and_say(&args, &model, &mut report, "disaggregation")?;
+        let step_s = calibrate_and_say(&args, &engine_model, &mut report, "disaggregation")?;
         disaggregation::run(&opts, &step_s, &mut report).await?;
     }
     println!("{}", report.json_line());
