@@ -8,6 +8,7 @@ use crate::metrics::DenoiserMetrics;
 use crate::model::{step_requests, EngineModel};
 use crate::templates::TemplateEntry;
 use anyhow::{bail, Context, Result};
+use diffmesh_model::flux::MaskedAttention;
 use diffmesh_model::pipeline::stepper::{step_batch, DenoiseState};
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::IMAGE_SIZE;
@@ -30,18 +31,22 @@ pub struct BenchModel {
     pub dir: PathBuf,
     pub kind: Kind,
     pub device: Device,
+    /// Attention of the engine's packed mask-aware batches.
+    pub masked_attention: MaskedAttention,
 }
 
 impl BenchModel {
     pub fn load(&self) -> Result<EngineModel> {
-        EngineModel::load(
+        let mut model = EngineModel::load(
             &self.dir,
             self.device,
             self.kind,
             "bench".into(),
             IMAGE_SIZE,
         )
-        .with_context(|| format!("--model-dir {}: cannot load the model", self.dir.display()))
+        .with_context(|| format!("--model-dir {}: cannot load the model", self.dir.display()))?;
+        model.model.transformer.masked_attention = self.masked_attention;
+        Ok(model)
     }
 }
 

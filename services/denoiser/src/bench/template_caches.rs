@@ -127,6 +127,7 @@ mod tests {
             dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny"),
             kind: diffmesh_model::tch::Kind::Float,
             device: diffmesh_model::tch::Device::Cpu,
+            masked_attention: Default::default(),
         };
         let templates = BenchTemplates::capture(&dir, 3, 4, 1).await.unwrap();
         assert!(templates.bytes > 0);

@@ -70,8 +70,8 @@ struct Args {
     /// units, as the denoiser's `--dtype auto`).
     #[arg(long, default_value = "f32")]
     dtype: String,
-    /// Attention of a packed mask-aware batch: auto (one padded call on a GPU, a loop over the
-    /// requests on a CPU), per-request or padded.
+    /// Attention of a packed mask-aware batch, in the mask-aware figures and the engine: auto
+    /// (one padded call on a GPU, a loop over the requests on a CPU), per-request or padded.
     #[arg(long, default_value = "auto")]
     masked_attention: String,
     /// Storage dtype of the cache in the mask-aware latency figures: f32, f16, bf16 or fp8.
@@ -240,11 +240,14 @@ async fn main() -> Result<()> {
         "--engine-device {}: libtorch sees no CUDA device here",
         args.engine_device
     );
+    let masked_attention = MaskedAttention::parse(&args.masked_attention)
+        .map_err(|e| anyhow::anyhow!("invalid --masked-attention: expected {e}"))?;
     // The quality figures run on the CPU whatever the devices (the mask-aware part's model).
     let model = BenchModel {
         dir: model_dir.clone(),
         kind,
         device: Device::Cpu,
+        masked_attention,
     };
     let engine_model = BenchModel {
         device: engine_device,
@@ -287,8 +290,7 @@ async fn main() -> Result<()> {
             tiny: model.clone(),
             device,
             flux_dev: args.flux_dev,
-            masked_attention: MaskedAttention::parse(&args.masked_attention)
-                .map_err(|e| anyhow::anyhow!("invalid --masked-attention: expected {e}"))?,
+            masked_attention,
             latency_cache_dtype: CacheDtype::parse(&args.latency_cache_dtype)
                 .map_err(|e| anyhow::anyhow!("invalid --latency-cache-dtype: {e}"))?,
             quality_edits: args.quality_edits,
