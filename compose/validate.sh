@@ -3,6 +3,7 @@
 # Each check runs with the best tool present and says so when it has to skip:
 #   compose file   docker compose config > docker-compose (v1) config > YAML + structure (python)
 #   prometheus.yml promtool check config (its alerting rules too), promtool test rules
+#   alertmanager   amtool check-config, and where critical and warning alerts are routed
 #   dashboard      JSON + structure (python); its PromQL through promtool check rules
 #   provisioning   YAML (python)
 #   nats.conf      nats-server -t
@@ -11,7 +12,8 @@
 #                  on the health port (python); paths they COPY exist; hadolint when installed
 # Exit status: 1 when a check that ran failed, 0 otherwise (skips do not fail).
 # Usage: compose/validate.sh    (from anywhere; installs nothing itself except PyYAML into a
-#        temporary venv when python3 lacks it; promtool: apt-get install prometheus)
+#        temporary venv when python3 lacks it; promtool: apt-get install prometheus, amtool:
+#        apt-get install prometheus-alertmanager; cargo xtask setup unpacks both instead)
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -34,6 +36,12 @@ if have promtool; then
   promtool=promtool
 elif [ -x "$cache/bin/promtool" ]; then
   promtool="$cache/bin/promtool"
+fi
+amtool=""
+if have amtool; then
+  amtool=amtool
+elif [ -x "$cache/bin/amtool" ]; then
+  amtool="$cache/bin/amtool"
 fi
 
 # A python3 that can import yaml, or empty.
@@ -98,7 +106,7 @@ for name in mesh:
     dockerfile = os.path.join(here, "..", s.get("build", {}).get("dockerfile", ""))
     if not os.path.isfile(dockerfile):
         errors.append(f"{name}: dockerfile {dockerfile} not found")
-for name in ("nats-1", "nats-2", "nats-3", "prometheus", "grafana", "jaeger"):
+for name in ("nats-1", "nats-2", "nats-3", "prometheus", "alertmanager", "grafana", "jaeger"):
     if name not in services:
         errors.append(f"service {name} missing")
 for name, s in services.items():
@@ -137,6 +145,49 @@ if [ -n "$promtool" ]; then
   fi
 else
   skip "promtool not found on PATH nor in $cache/bin (cargo xtask setup unpacks it from Debian's prometheus package)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Alertmanager: its config, and the routing the README promises (critical pages, the rest
+# files a ticket)
+# ---------------------------------------------------------------------------------------------
+amconfig="$here/alertmanager/alertmanager.yml"
+if [ -n "$amtool" ]; then
+  if out="$("$amtool" check-config "$amconfig" 2>&1)"; then
+    pass "amtool check-config alertmanager/alertmanager.yml"
+  else
+    fail "amtool check-config: $out"
+  fi
+  for route in "critical:page" "warning:ticket"; do
+    severity="${route%%:*}" receiver="${route##*:}"
+    if out="$("$amtool" config routes test --config.file="$amconfig" \
+      --verify.receivers="$receiver" alertname=DiffmeshTest "severity=$severity" 2>&1)"; then
+      pass "alertmanager routes severity=$severity to $receiver"
+    else
+      fail "alertmanager routes severity=$severity: $out"
+    fi
+  done
+else
+  skip "amtool not found on PATH nor in $cache/bin (cargo xtask setup unpacks it from Debian's prometheus-alertmanager package)"
+fi
+
+# Prometheus sends its alerts to the stack's Alertmanager.
+if [ -n "$python" ]; then
+  if out="$("$python" - "$here/prometheus/prometheus.yml" <<'EOF' 2>&1
+import sys, yaml
+doc = yaml.safe_load(open(sys.argv[1]))
+targets = [t for am in doc.get("alerting", {}).get("alertmanagers", [])
+           for c in am.get("static_configs", []) for t in c.get("targets", [])]
+if "alertmanager:9093" not in targets:
+    print(f"alerting targets {targets} lack alertmanager:9093")
+    sys.exit(1)
+print("alertmanager:9093")
+EOF
+)"; then
+    pass "prometheus sends alerts to $out"
+  else
+    fail "prometheus alerting: $out"
+  fi
 fi
 
 # Every mesh service is scraped, on the port its HEALTH_ADDR binds.

@@ -1,6 +1,6 @@
 //! The deployment files in `compose/` pass `compose/validate.sh`: compose structure (and
 //! `docker compose config` where the CLI exists), Prometheus config and the alerting rules'
-//! unit tests (promtool), the Grafana dashboard's JSON, views and metric names, provisioning,
+//! unit tests (promtool), the Alertmanager config and its routes (amtool), the Grafana dashboard's JSON, views and metric names, provisioning,
 //! NATS config, scripts, and one Dockerfile per service (referenced by it, multi-stage,
 //! non-root, health-checked).
 use std::path::Path;
@@ -10,6 +10,7 @@ use std::process::Command;
 const ALWAYS_RUN: &[&str] = &[
     "compose structure",
     "prometheus scrape jobs",
+    "prometheus sends alerts to alertmanager:9093",
     "dashboard JSON",
     "dashboard and alert metric names",
     "grafana provisioning",
@@ -54,5 +55,15 @@ fn compose_files_pass_validate_sh() {
             stdout.contains("PASS  promtool test rules"),
             "the alerting rules' unit tests did not run:\n{stdout}"
         );
+    }
+    // Where amtool is found, the Alertmanager config is checked and both severities routed.
+    if !stdout.contains("SKIP  amtool not found") {
+        for check in [
+            "PASS  amtool check-config",
+            "PASS  alertmanager routes severity=critical to page",
+            "PASS  alertmanager routes severity=warning to ticket",
+        ] {
+            assert!(stdout.contains(check), "`{check}` missing:\n{stdout}");
+        }
     }
 }

@@ -1,13 +1,13 @@
 //! One-time, idempotent set-up of a fresh machine: the Python venv with torch (libtorch) and
 //! diffusers in the cache directory, `nats-server` from Debian where it is missing, and
-//! `promtool` (for `compose/validate.sh`) from Debian's prometheus package.
+//! `promtool` and `amtool` (for `compose/validate.sh`) from Debian's prometheus packages.
 use crate::toolchain::{run, Toolchain, PY_REQUIREMENTS};
 use std::process::Command;
 
 pub fn setup(tc: &Toolchain) -> anyhow::Result<()> {
     ensure_venv(tc)?;
     ensure_nats_server()?;
-    ensure_promtool(tc);
+    ensure_validate_tools(tc);
     Ok(())
 }
 
@@ -67,39 +67,66 @@ fn ensure_nats_server() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Where `compose/validate.sh` looks for `promtool` when it is not on PATH.
-fn promtool_path(tc: &Toolchain) -> std::path::PathBuf {
-    tc.root.join("bin").join("promtool")
+/// A checker `compose/validate.sh` runs, taken from a Debian package.
+struct DebianTool {
+    binary: &'static str,
+    package: &'static str,
+    /// What the script checks with it (said when it cannot be had).
+    checks: &'static str,
 }
 
-/// `promtool` checks the Prometheus config and the dashboard's queries in
-/// `compose/validate.sh`. It comes from Debian's prometheus package, unpacked rather than
-/// installed: installing would also start a Prometheus server, and only the checker is needed
-/// (one ~20 MB download). Optional: without it the script skips those checks and says so.
-fn ensure_promtool(tc: &Toolchain) {
-    let on_path = Command::new("promtool")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if on_path || promtool_path(tc).exists() {
-        return;
-    }
-    eprintln!("promtool not found: unpacking it from Debian's prometheus package");
-    if let Err(err) = unpack_promtool(tc) {
+/// `promtool` checks the Prometheus config, the alerting rules and the dashboard's queries;
+/// `amtool` the Alertmanager config and its routes.
+const VALIDATE_TOOLS: [DebianTool; 2] = [
+    DebianTool {
+        binary: "promtool",
+        package: "prometheus",
+        checks: "the Prometheus checks",
+    },
+    DebianTool {
+        binary: "amtool",
+        package: "prometheus-alertmanager",
+        checks: "the Alertmanager checks",
+    },
+];
+
+/// Where `compose/validate.sh` looks for `binary` when it is not on PATH.
+fn tool_path(tc: &Toolchain, binary: &str) -> std::path::PathBuf {
+    tc.root.join("bin").join(binary)
+}
+
+/// The checkers come from Debian's packages, unpacked rather than installed: installing would
+/// also start the servers, and only the checkers are needed (a ~20 MB download each).
+/// Optional: without one the script skips its checks and says so.
+fn ensure_validate_tools(tc: &Toolchain) {
+    for tool in &VALIDATE_TOOLS {
+        let on_path = Command::new(tool.binary)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if on_path || tool_path(tc, tool.binary).exists() {
+            continue;
+        }
         eprintln!(
-            "warning: could not get promtool ({err:#}); compose/validate.sh will skip the \
-             Prometheus checks"
+            "{} not found: unpacking it from Debian's {} package",
+            tool.binary, tool.package
         );
+        if let Err(err) = unpack_tool(tc, tool) {
+            eprintln!(
+                "warning: could not get {} ({err:#}); compose/validate.sh will skip {}",
+                tool.binary, tool.checks
+            );
+        }
     }
 }
 
-fn unpack_promtool(tc: &Toolchain) -> anyhow::Result<()> {
-    let work = tc.root.join("prometheus-deb");
+fn unpack_tool(tc: &Toolchain, tool: &DebianTool) -> anyhow::Result<()> {
+    let work = tc.root.join(format!("{}-deb", tool.package));
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work)?;
     let download = |work: &std::path::Path| {
         run(Command::new("apt-get")
-            .args(["download", "-qq", "prometheus"])
+            .args(["download", "-qq", tool.package])
             .current_dir(work))
     };
     if download(&work).is_err() {
@@ -114,9 +141,9 @@ fn unpack_promtool(tc: &Toolchain) -> anyhow::Result<()> {
         .ok_or_else(|| anyhow::anyhow!("apt-get download left no .deb in {}", work.display()))?;
     let unpacked = work.join("root");
     run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&unpacked))?;
-    let target = promtool_path(tc);
+    let target = tool_path(tc, tool.binary);
     std::fs::create_dir_all(tc.root.join("bin"))?;
-    std::fs::copy(unpacked.join("usr/bin/promtool"), &target)?;
+    std::fs::copy(unpacked.join("usr/bin").join(tool.binary), &target)?;
     std::fs::remove_dir_all(&work)?;
     anyhow::ensure!(
         Command::new(&target)
