@@ -8,7 +8,7 @@
 //! whose gateway died while preparing the job (before any answer, so no client knows the id)
 //! holds no prepared job: past the job's deadline it is failed, so it does not stay queued.
 //! Adoption is a compare-and-set on the record, so of several routers only one adopts a job.
-use crate::service::{PlaceError, Router};
+use crate::service::Router;
 use diffmesh_shared::job::{now_ms, JobRecord};
 use diffmesh_shared::messages::{error_types, JobEvent};
 use futures::StreamExt;
@@ -29,8 +29,6 @@ const CHECK_EVERY: Duration = Duration::from_millis(500);
 const WATCH_LOOKBACK: Duration = Duration::from_secs(3600);
 /// Wait before trying to open the record watch again when the first opening failed.
 const REWATCH_AFTER: Duration = Duration::from_secs(1);
-/// Wait before trying again while no denoiser is live.
-const NO_WORKER_RETRY: Duration = Duration::from_millis(250);
 
 /// Unplaced records by job id, with the time after which each counts as lost.
 #[derive(Debug, Default)]
@@ -188,17 +186,7 @@ impl Router {
         tracing::info!(job_id = %job.job_id, "placing a job whose gateway died before placing it");
         // Followed before it is placed: its first events may come before the placement returns.
         self.adopted.follow(&job.job_id);
-        let deadline = tokio::time::Instant::now() + wait;
-        let result = loop {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            match self.place_with_wait(&job, &[], left).await {
-                Err(PlaceError::NoLiveWorker) if !left.is_zero() => {
-                    tokio::time::sleep(NO_WORKER_RETRY.min(left)).await
-                }
-                other => break other,
-            }
-        };
-        match result {
+        match self.place_within(&job, &[], wait).await {
             Ok(worker) => {
                 self.metrics.placements.inc();
                 tracing::info!(job_id = %job.job_id, %worker, "adopted job placed");

@@ -60,6 +60,11 @@ pub struct RouterConfig {
     /// Retry hint sent with rejections (ms).
     #[arg(long, env = "RETRY_AFTER_MS", default_value_t = 1000)]
     pub retry_after_ms: u64,
+    /// How long a job whose denoiser was lost waits to be placed again (for a slot, and for a
+    /// denoiser to come back while none is live, a restarting one included); then it fails
+    /// with `worker_lost` (ms).
+    #[arg(long, env = "FAILOVER_WAIT_MS", default_value_t = 60_000)]
+    pub failover_wait_ms: u64,
     /// How long the router keeps trying to place an async job it adopted (its gateway died
     /// before placing it) while no denoiser can take it; then the job fails (ms).
     #[arg(long, env = "ADOPT_WAIT_MS", default_value_t = 60_000)]
@@ -93,6 +98,7 @@ impl RouterConfig {
             forward_timeout_ms: 1000,
             retry_after_ms: 200,
             adopt_wait_ms: 30_000,
+            failover_wait_ms: 30_000,
             policy: "mask-aware".into(),
             profile: None,
             step_calibration: true,

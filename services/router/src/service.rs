@@ -217,10 +217,11 @@ impl Router {
                     reason: format!("denoiser {lost} lost"),
                 };
                 self.publish_event(&job.job_id, &event).await;
-                let wait = Duration::from_millis(self.config.admission_wait_ms);
+                let wait = Duration::from_millis(self.config.failover_wait_ms);
+                // Another denoiser first; the lost one only once it is back and alone.
                 let exclude = [lost.to_string()];
                 match self
-                    .place_with_wait(&job, &exclude, wait)
+                    .place_within(&job, &exclude, wait)
                     .instrument(span)
                     .await
                 {
@@ -234,7 +235,7 @@ impl Router {
                             .with_label_values(&[err.reason()])
                             .inc();
                         let message = match err {
-                            PlaceError::NoLiveWorker => no_worker_message(lost),
+                            PlaceError::NoLiveWorker => no_worker_message(lost, wait),
                             other => format!("denoiser {lost} lost; {other} (waited {wait:?})"),
                         };
                         self.publish_failed(&job.job_id, message).await;

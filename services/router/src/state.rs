@@ -171,9 +171,13 @@ impl RouterState {
     }
 }
 
-/// The message a job gets when its worker is lost and no other worker can take it.
-pub fn no_worker_message(lost_worker: &str) -> String {
-    format!("denoiser {lost_worker} lost; no other denoiser available")
+/// The message a job gets when its worker is lost and no denoiser was live to take it for
+/// the whole failover wait.
+pub fn no_worker_message(lost_worker: &str, waited: std::time::Duration) -> String {
+    format!(
+        "denoiser {lost_worker} lost; no denoiser available within {:.0} s",
+        waited.as_secs_f64()
+    )
 }
 
 #[cfg(test)]
@@ -450,8 +454,8 @@ mod tests {
         };
         assert_eq!(s.place(retry, &["a".into()]), Decision::NoLiveWorker);
         assert_eq!(
-            no_worker_message("a"),
-            "denoiser a lost; no other denoiser available"
+            no_worker_message("a", Duration::from_secs(60)),
+            "denoiser a lost; no denoiser available within 60 s"
         );
     }
 

@@ -21,6 +21,8 @@ use tracing::Instrument;
 const SUBMITS_IN_FLIGHT: usize = 64;
 /// How often the dispatcher looks at the queue without being woken (expiry, lost wake-ups).
 const DISPATCH_TICK: Duration = Duration::from_millis(50);
+/// Wait before trying again while no denoiser is live ([`Router::place_within`]).
+const NO_WORKER_RETRY: Duration = Duration::from_millis(250);
 
 impl Router {
     pub async fn submits(
@@ -208,6 +210,29 @@ impl Router {
                 retry_after_ms: self.config.retry_after_ms,
             };
             self.answer(&w, &reply).await;
+        }
+    }
+
+    /// Place a job the router holds itself (a lost worker's, an adopted one) within `wait`:
+    /// waiting for a slot, and also for a denoiser to come back while none is live (a
+    /// restarting one; only then may it be one of `exclude`, which are tried last).
+    pub async fn place_within(
+        &self,
+        job: &DenoiseJob,
+        exclude: &[String],
+        wait: Duration,
+    ) -> Result<String, PlaceError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut exclude = exclude;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.place_with_wait(job, exclude, left).await {
+                Err(PlaceError::NoLiveWorker) if !left.is_zero() => {
+                    exclude = &[];
+                    tokio::time::sleep(NO_WORKER_RETRY.min(left)).await;
+                }
+                other => return other,
+            }
         }
     }
 

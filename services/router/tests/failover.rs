@@ -1,5 +1,6 @@
 //! Router against a real nats-server with hand-driven fake denoisers: placement, rejection when
-//! no denoiser is live, re-placement after a worker goes silent, and failure when none is left.
+//! no denoiser is live, re-placement after a worker goes silent (on a restarted worker when it
+//! was the only one), and failure when none is left for the failover wait.
 use diffmesh_router::{start, RouterConfig};
 use diffmesh_shared::messages::{decode, encode, DenoiseJob, Heartbeat, JobEvent, SubmitReply};
 use diffmesh_shared::nats::request_msgpack;
@@ -61,7 +62,12 @@ async fn submit(client: &async_nats::Client, j: &DenoiseJob) -> SubmitReply {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn places_fails_over_and_gives_up_cleanly() {
     let nats = NatsServer::start();
-    let router = start(RouterConfig::for_tests(nats.url())).await.unwrap();
+    let router = start(RouterConfig {
+        failover_wait_ms: 1000,
+        ..RouterConfig::for_tests(nats.url())
+    })
+    .await
+    .unwrap();
     let client = async_nats::connect(nats.url()).await.unwrap();
 
     // No denoiser yet: rejected at once with a retry hint.
@@ -111,7 +117,8 @@ async fn places_fails_over_and_gives_up_cleanly() {
         JobEvent::Retrying { attempt: 1, .. }
     ));
 
-    // The survivor goes silent too: nothing left, the job fails with a clear message.
+    // The survivor goes silent too and none comes back within the failover wait: the job
+    // fails with a clear message.
     survivor_stop.cancel();
     let failed = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
@@ -128,7 +135,7 @@ async fn places_fails_over_and_gives_up_cleanly() {
     .await
     .expect("job never failed");
     assert!(
-        failed.0.contains("lost; no other denoiser available"),
+        failed.0.contains("lost; no denoiser available within 1 s"),
         "{}",
         failed.0
     );
@@ -142,6 +149,58 @@ async fn places_fails_over_and_gives_up_cleanly() {
     assert!(
         metrics.contains("diffmesh_router_decision_duration_seconds_count"),
         "{metrics}"
+    );
+    router.shutdown().await.unwrap();
+}
+
+/// The only denoiser dies with a job and a new one starts under the same id (a container
+/// restarted in place): the job waits for it and is placed there again, instead of failing
+/// because no other denoiser was live when the first was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_waits_for_its_only_denoiser_to_restart() {
+    let nats = NatsServer::start();
+    let router = start(RouterConfig {
+        failover_wait_ms: 10_000,
+        ..RouterConfig::for_tests(nats.url())
+    })
+    .await
+    .unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let (tx, mut placed) = mpsc::channel(16);
+    let first = fake_worker(client.clone(), "w0", tx.clone()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut events = client.subscribe(subjects::job_events("j1")).await.unwrap();
+    client.flush().await.unwrap();
+    assert!(matches!(
+        submit(&client, &job("j1")).await,
+        SubmitReply::Accepted { .. }
+    ));
+    let (_, j) = placed.recv().await.unwrap();
+    assert_eq!(j.attempt, 0);
+
+    // Down well past the router's expiry (3 missed heartbeats of 100 ms), then back.
+    first.cancel();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let _second = fake_worker(client.clone(), "w0", tx.clone()).await;
+    let (w, j) = tokio::time::timeout(Duration::from_secs(5), placed.recv())
+        .await
+        .expect("the job was not placed on the restarted denoiser")
+        .unwrap();
+    assert_eq!((w.as_str(), j.job_id.as_str(), j.attempt), ("w0", "j1", 1));
+    // Its events: Retrying, and no Failed.
+    let mut seen = Vec::new();
+    while let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(300), events.next()).await
+    {
+        seen.push(decode::<JobEvent>(&msg.payload).unwrap());
+    }
+    assert!(
+        seen.iter()
+            .any(|e| matches!(e, JobEvent::Retrying { attempt: 1, .. })),
+        "{seen:?}"
+    );
+    assert!(
+        !seen.iter().any(|e| matches!(e, JobEvent::Failed { .. })),
+        "{seen:?}"
     );
     router.shutdown().await.unwrap();
 }
