@@ -1,0 +1,77 @@
+#!/bin/bash
+# Shared by the chaos scripts (sourced): one nats-server with JetStream on port 14222 and the
+# whole mesh from release binaries (the tiny default model, one replica of each service, the
+# gateway on 18080, health ports 9100-9140), the load generator's edits by template, and the
+# report and teardown. Set before sourcing: OUT (results: the load generator's JSON, every
+# log); optional BIN (binaries, default target/release), RPS, DUR, SEED.
+# Needs the venv's torch for the denoiser (`cargo xtask setup`) and a release build:
+#   cargo build --release -p diffmesh-cachestore -p diffmesh-codec -p diffmesh-router \
+#     -p diffmesh-denoiser -p diffmesh-gateway -p xtask
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+B=${BIN:-target/release}
+RPS=${RPS:-3}; DUR=${DUR:-60}; SEED=${SEED:-1}
+PYTHON=${DIFFMESH_PYTHON:-$HOME/.cache/diffmesh/venv/bin/python}
+export LD_LIBRARY_PATH=$("$PYTHON" -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
+SERVICES=(cachestore codec router denoiser gateway)
+declare -A HEALTH_PORT=([cachestore]=9100 [codec]=9110 [router]=9120 [denoiser]=9130 [gateway]=9140)
+declare -A PID_OF=()
+rm -rf "$OUT"; mkdir -p "$OUT"
+store=$(mktemp -d)
+
+start_nats() { # on its port and store, again after a kill
+  nats-server -js -a 127.0.0.1 -p 14222 -sd "$store" >> "$OUT/nats.log" 2>&1 &
+  PID_OF[nats]=$!
+}
+
+start_svc() { # name: one replica, logging to $OUT/<name>.log (appended across restarts)
+  env NATS_URL=nats://127.0.0.1:14222 RUST_LOG=info HEALTH_ADDR=127.0.0.1:${HEALTH_PORT[$1]} \
+    GATEWAY_BIND=127.0.0.1:18080 MODEL_DIR=models/tiny WORKER_ID=denoiser-0 OMP_NUM_THREADS=1 \
+    "$B/diffmesh-$1" >> "$OUT/$1.log" 2>&1 &
+  PID_OF[$1]=$!
+}
+
+wait_ready() { # name ...: until each answers /readyz (up to 2 min each)
+  for name in "$@"; do
+    for _ in $(seq 240); do
+      curl -sf "http://127.0.0.1:${HEALTH_PORT[$name]}/readyz" > /dev/null && break
+      sleep 0.5
+    done
+  done
+}
+
+start_mesh() {
+  start_nats
+  sleep 1
+  for svc in "${SERVICES[@]}"; do start_svc "$svc"; done
+  wait_ready codec denoiser gateway
+}
+
+kill_hard() { # name: SIGKILL, and reap it
+  kill -9 "${PID_OF[$1]}" 2> /dev/null
+  wait "${PID_OF[$1]}" 2> /dev/null
+}
+
+start_load() { # in the background: LOAD_PID
+  "$B/xtask" load --url http://127.0.0.1:18080 --rps "$RPS" --duration "$DUR" --seed "$SEED" \
+    --mask-ratios ../shared/data/mask-ratios/production-edit.txt \
+    --nats-url nats://127.0.0.1:14222 --out-dir "$OUT" --label load --json > "$OUT/load.json" 2>&1 &
+  LOAD_PID=$!
+}
+
+report() { # metric-name regex: the load's summary, its slowest request, the non-zero counters
+  head -n 1 "$OUT/load.json"
+  echo "slowest: $(grep -oE '^ +[0-9]+\.[0-9]+,?$' "$OUT/load.json" | tr -d ' ,' | sort -g | tail -n 1) s"
+  for svc in "${SERVICES[@]}"; do
+    curl -s "http://127.0.0.1:${HEALTH_PORT[$svc]}/metrics" | grep -E "^diffmesh_($1)" \
+      | grep -v ' 0$' | sed "s/^/$svc /"
+  done
+}
+
+teardown() {
+  for svc in "${SERVICES[@]}"; do kill -TERM "${PID_OF[$svc]}" 2> /dev/null; done
+  sleep 3
+  kill -9 "${PID_OF[@]}" 2> /dev/null
+  wait "${PID_OF[@]}" 2> /dev/null
+  rm -rf "$store"
+}
