@@ -18,6 +18,32 @@ use crate::metrics::NatsMetrics;
 const FIRST_DELAY: Duration = Duration::from_millis(250);
 const MAX_DELAY: Duration = Duration::from_secs(4);
 
+/// Deadlines of successive attempts of one request: `first`, doubling up to `max`. A
+/// responder killed while it held the request costs the caller `first` before it is sent
+/// again, not `max`; a responder that is only slow (a long queue) gets ever longer deadlines,
+/// so the copies sent to a busy service stay few (at most about log2(max / first)).
+#[derive(Debug, Clone)]
+pub struct AttemptDeadlines {
+    next: Duration,
+    max: Duration,
+}
+
+impl AttemptDeadlines {
+    pub fn new(first: Duration, max: Duration) -> Self {
+        Self {
+            next: first.min(max),
+            max,
+        }
+    }
+
+    /// The deadline of the next attempt.
+    pub fn next_deadline(&mut self) -> Duration {
+        let deadline = self.next;
+        self.next = (deadline * 2).min(self.max);
+        deadline
+    }
+}
+
 /// Whether `err` says no instance of the service took the request (none subscribed, none
 /// answered in time, the connection failed), rather than something about the request itself.
 pub fn nobody_took_it(err: &MeshError) -> bool {
@@ -66,6 +92,16 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attempt_deadlines_double_from_first_up_to_max() {
+        let mut d = AttemptDeadlines::new(Duration::from_secs(5), Duration::from_secs(30));
+        let got: Vec<u64> = (0..5).map(|_| d.next_deadline().as_secs()).collect();
+        assert_eq!(got, [5, 10, 20, 30, 30]);
+        // A first deadline above the most is cut to it.
+        let mut d = AttemptDeadlines::new(Duration::from_secs(60), Duration::from_secs(30));
+        assert_eq!(d.next_deadline(), Duration::from_secs(30));
+    }
 
     fn nobody() -> MeshError {
         MeshError::NoResponders {

@@ -211,3 +211,147 @@ async fn requests_wait_out_a_codec_restart() {
         assert!(resends > 0, "{subject} was never sent again");
     }
 }
+
+/// A codec that takes a request (queue group `codec`) and never answers it (killed while it
+/// held it): the request is sent again once the first attempt's deadline passes (1 s here),
+/// not after the whole codec deadline (40 s here), for pre-processing (gateway) and
+/// post-processing (denoiser). The stand-in codec answers the copy sent again with `Failed`
+/// naming it, which ends the request at once. (Every connection of this process is opened
+/// first: in one process any client's connect makes requests in flight start over.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_codec_dying_with_a_request_costs_the_first_attempts_deadline() {
+    use diffmesh_shared::messages::{encode, PostprocessReply, PreprocessReply};
+    use diffmesh_shared::subjects::{CODEC_POST, CODEC_PRE};
+    init_test_logging();
+    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+    let nats = NatsServer::start();
+    let router = start_router(&nats, |_| {}).expect("router");
+    let denoiser = start_denoiser(&nats, &model, "d1", |d| {
+        d.codec_timeout_ms = 40_000;
+        d.codec_first_attempt_ms = 1000;
+    })
+    .expect("denoiser");
+    let gateway = start_gateway(&nats, |g| {
+        g.job_timeout_s = 90.0;
+        // The window in which pre-processing is sent again.
+        g.submit_wait_s = 30.0;
+        g.codec_timeout_s = 40.0;
+        g.codec_first_attempt_s = 1.0;
+        g.max_steps = g.max_steps.max(200);
+    })
+    .expect("gateway");
+    let codec = start_codec(&nats, |_| {}).expect("codec");
+    for s in [&router, &denoiser, &gateway, &codec] {
+        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
+    }
+    let client = async_nats::connect(&nats.url()).await.unwrap();
+    let api = gateway.addrs.api.unwrap();
+    let generate = move |seed: u64, steps: u32| {
+        tokio::spawn(async move {
+            let start = Instant::now();
+            let r = reqwest::Client::new()
+                .post(format!("http://{api}/v1/images/generations"))
+                .json(&json!({"prompt": "a cat", "num_inference_steps": steps, "seed": seed}))
+                .timeout(Duration::from_secs(90))
+                .send()
+                .await
+                .expect("the request must get an answer");
+            let status = r.status().as_u16();
+            let body: Value = r.json().await.expect("JSON body");
+            (status, body, start.elapsed())
+        })
+    };
+    let answered_again = |body: &Value| {
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("sent again"), "{body}");
+    };
+
+    // Pre-processing: the real codec stops; the stand-in takes the request and its copy.
+    tokio::task::spawn_blocking(move || codec.kill())
+        .await
+        .unwrap();
+    let failed = PreprocessReply::Failed {
+        message: "sent again".into(),
+    };
+    let stood_in = stand_in(&client, CODEC_PRE, encode(&failed).unwrap()).await;
+    let (status, body, took) = generate(5, 4).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), stood_in)
+        .await
+        .unwrap_or_else(|_| panic!("pre-processing was not sent again: {status} {body}"))
+        .unwrap();
+    assert_eq!(status, 500, "{body}");
+    answered_again(&body);
+    assert!(
+        took < Duration::from_secs(20),
+        "pre-processing resent only after {took:?}"
+    );
+
+    // Post-processing: a real codec prepares the job; once the job steps it stops, and the
+    // stand-in takes the post-processing request and its copy.
+    let codec = start_codec(&nats, |_| {}).expect("codec again");
+    codec
+        .wait_ready(Duration::from_secs(30))
+        .await
+        .expect("ready");
+    let mut events = client
+        .subscribe(diffmesh_shared::subjects::job_events("*"))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let request = generate(6, 200);
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(30), events.next())
+            .await
+            .expect("the job never stepped")
+            .expect("event stream ended");
+        match decode::<JobEvent>(&msg.payload).expect("event decodes") {
+            JobEvent::Step { .. } => break,
+            JobEvent::Done { .. } => panic!("the job finished before the codec stopped"),
+            _ => {}
+        }
+    }
+    tokio::task::spawn_blocking(move || codec.kill())
+        .await
+        .unwrap();
+    let failed = PostprocessReply::Failed {
+        message: "sent again".into(),
+    };
+    let stood_in = stand_in(&client, CODEC_POST, encode(&failed).unwrap()).await;
+    let posted = Instant::now();
+    let (status, body, _) = request.await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), stood_in)
+        .await
+        .unwrap_or_else(|_| panic!("post-processing was not sent again: {status} {body}"))
+        .unwrap();
+    assert!(status >= 500, "{status}: {body}");
+    answered_again(&body);
+    let took = posted.elapsed();
+    assert!(
+        took < Duration::from_secs(20),
+        "post-processing resent only after {took:?}"
+    );
+}
+
+/// A stand-in codec (queue group `codec`) that takes the first request on `subject` and never
+/// answers it, then answers the next with `reply` and goes away.
+async fn stand_in(
+    client: &async_nats::Client,
+    subject: &'static str,
+    reply: Vec<u8>,
+) -> tokio::task::JoinHandle<()> {
+    let mut sub = client
+        .queue_subscribe(subject, diffmesh_shared::subjects::CODEC_QUEUE.into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    let client = client.clone();
+    tokio::spawn(async move {
+        sub.next().await.expect("a request");
+        let again = sub.next().await.expect("the request again");
+        client
+            .publish(again.reply.unwrap(), reply.into())
+            .await
+            .unwrap();
+        sub.unsubscribe().await.unwrap();
+    })
+}

@@ -82,6 +82,11 @@ pub struct DenoiserConfig {
     /// Deadline of the post-processing request to the codec (ms).
     #[arg(long, env = "CODEC_TIMEOUT_MS", default_value_t = 30000)]
     pub codec_timeout_ms: u64,
+    /// Deadline of the first post-processing attempt (ms); each attempt sent again after a
+    /// timeout doubles it, up to --codec-timeout-ms. A codec killed while it held the request
+    /// then costs this, not the whole deadline (post-processing takes well under a second).
+    #[arg(long, env = "CODEC_FIRST_ATTEMPT_MS", default_value_t = 5000)]
+    pub codec_first_attempt_ms: u64,
     /// How long a finished job's post-processing is sent again while no codec takes it (its
     /// outputs are kept in the object store), seconds; then the job fails
     /// (`shared::unanswered`).
@@ -137,6 +142,7 @@ impl DenoiserConfig {
             heartbeat_interval_ms: 100,
             default_resolution: 64,
             codec_timeout_ms: 10000,
+            codec_first_attempt_ms: 5000,
             post_retry_window_s: 30,
             handback_timeout_ms: 2000,
             retry_after_ms: 200,

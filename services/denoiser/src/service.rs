@@ -16,7 +16,7 @@ use diffmesh_shared::messages::{
 use diffmesh_shared::nats::{publish_msgpack, reply_msgpack, request_msgpack_job};
 use diffmesh_shared::serve::serve_subscription;
 use diffmesh_shared::templates::{cache_key, CacheKeyParts};
-use diffmesh_shared::unanswered::resent_while_unanswered;
+use diffmesh_shared::unanswered::{resent_while_unanswered, AttemptDeadlines};
 use diffmesh_shared::{subjects, MeshError};
 use futures::StreamExt;
 use std::collections::HashMap;
@@ -594,7 +594,10 @@ impl Service {
             model_width: width,
             model_height: height,
         };
-        let timeout = Duration::from_millis(self.config.codec_timeout_ms);
+        let mut deadlines = AttemptDeadlines::new(
+            Duration::from_millis(self.config.codec_first_attempt_ms),
+            Duration::from_millis(self.config.codec_timeout_ms),
+        );
         let window = Duration::from_secs(self.config.post_retry_window_s);
         // The outputs are stored: wait out a codec restart rather than lose the job's steps.
         let reply = resent_while_unanswered(subjects::CODEC_POST, window, || {
@@ -603,7 +606,7 @@ impl Service {
                 subjects::CODEC_POST,
                 &job_id,
                 &request,
-                timeout,
+                deadlines.next_deadline(),
             )
         })
         .await;

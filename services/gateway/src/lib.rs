@@ -87,6 +87,11 @@ pub struct GatewayConfig {
     /// Deadline of the codec preprocessing request (seconds).
     #[arg(long, env = "GATEWAY_CODEC_TIMEOUT_S", default_value_t = 30.0)]
     pub codec_timeout_s: f64,
+    /// Deadline of the first preprocessing attempt (seconds); each attempt sent again after a
+    /// timeout doubles it, up to --codec-timeout-s. A codec killed while it held the request
+    /// then costs this, not the whole deadline.
+    #[arg(long, env = "GATEWAY_CODEC_FIRST_ATTEMPT_S", default_value_t = 5.0)]
+    pub codec_first_attempt_s: f64,
     /// Deadline of one router submit request (seconds); the router may hold it while admitting.
     #[arg(long, env = "GATEWAY_ROUTER_TIMEOUT_S", default_value_t = 5.0)]
     pub router_timeout_s: f64,
@@ -137,6 +142,7 @@ impl GatewayConfig {
             default_guidance: 3.5,
             default_size: "64x64".into(),
             codec_timeout_s: 10.0,
+            codec_first_attempt_s: 5.0,
             router_timeout_s: 3.0,
             submit_wait_s: 2.0,
             job_timeout_s: 60.0,
@@ -215,6 +221,10 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         .map_err(|e| GatewayError::Config(format!("--default-size: {}", e.message)))?;
     let flow = FlowConfig {
         codec_timeout: GatewayConfig::secs("codec-timeout-s", config.codec_timeout_s)?,
+        codec_first_attempt: GatewayConfig::secs(
+            "codec-first-attempt-s",
+            config.codec_first_attempt_s,
+        )?,
         router_timeout: GatewayConfig::secs("router-timeout-s", config.router_timeout_s)?,
         submit_wait: GatewayConfig::secs("submit-wait-s", config.submit_wait_s)?,
         job_timeout: GatewayConfig::secs("job-timeout-s", config.job_timeout_s)?,

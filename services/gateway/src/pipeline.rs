@@ -20,7 +20,7 @@ use diffmesh_shared::messages::{
 use diffmesh_shared::nats::{publish_msgpack, request_msgpack_job};
 use diffmesh_shared::reconnects::Reconnects;
 use diffmesh_shared::subjects::{job_events, CODEC_PRE, ROUTER_CANCEL, ROUTER_SUBMIT};
-use diffmesh_shared::unanswered::resent_while_unanswered;
+use diffmesh_shared::unanswered::{resent_while_unanswered, AttemptDeadlines};
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
 use tokio::time::Instant;
@@ -38,6 +38,8 @@ use crate::validate::ValidParams;
 #[derive(Debug, Clone)]
 pub struct FlowConfig {
     pub codec_timeout: Duration,
+    /// Deadline of the first preprocessing attempt (doubling per attempt up to `codec_timeout`).
+    pub codec_first_attempt: Duration,
     /// Deadline of one router submit request (the router may hold it while it admits).
     pub router_timeout: Duration,
     /// How long to keep resubmitting while the router has no denoiser for the job, and to
@@ -274,7 +276,10 @@ impl Mesh {
             params: params.clone(),
             template_image,
         };
-        // No codec for a moment (restarting) is waited out as a missing router is.
+        // No codec for a moment (restarting) is waited out as a missing router is; one killed
+        // while it held the request costs the first attempt's deadline.
+        let mut deadlines =
+            AttemptDeadlines::new(self.flow.codec_first_attempt, self.flow.codec_timeout);
         let reply: PreprocessReply =
             resent_while_unanswered(CODEC_PRE, self.flow.submit_wait, || {
                 request_msgpack_job(
@@ -282,7 +287,7 @@ impl Mesh {
                     CODEC_PRE,
                     job_id,
                     &pre,
-                    self.flow.codec_timeout,
+                    deadlines.next_deadline(),
                 )
             })
             .await?;
