@@ -59,6 +59,20 @@ start_load() { # in the background: LOAD_PID
   LOAD_PID=$!
 }
 
+restart_during_load() { # pause between restarts, then the command of one restart: from 12 s
+  # after the load starts until it ends; RESTARTS counts them
+  local pause=$1
+  shift
+  sleep 12
+  RESTARTS=0
+  while kill -0 "$LOAD_PID" 2> /dev/null; do
+    "$@"
+    RESTARTS=$((RESTARTS + 1))
+    sleep "$pause"
+  done
+  wait "$LOAD_PID"
+}
+
 report() { # metric-name regex: the load's summary, its slowest request, the non-zero counters
   head -n 1 "$OUT/load.json"
   echo "slowest: $(grep -oE '^ +[0-9]+\.[0-9]+,?$' "$OUT/load.json" | tr -d ' ,' | sort -g | tail -n 1) s"

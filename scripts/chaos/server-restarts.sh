@@ -10,15 +10,11 @@ OUT=${OUT:-/tmp/server-restarts-seed$SEED}
 source "$(dirname "$0")/lib.sh"
 start_mesh
 start_load
-sleep 12
-restarts=0
-while kill -0 "$LOAD_PID" 2> /dev/null; do
+restart_once() {
   kill_hard nats
   start_nats
-  restarts=$((restarts + 1))
-  sleep "$EVERY"
-done
-wait "$LOAD_PID"
-echo "restarts: $restarts"
+}
+restart_during_load "$EVERY" restart_once
+echo "restarts: $RESTARTS"
 report '(nats_request_(resends|failures)|jetstream_retries|gateway_recovered_outcomes)_total'
 teardown

@@ -15,16 +15,12 @@ OUT=${OUT:-/tmp/$SVC-restarts-seed$SEED}
 source "$(dirname "$0")/lib.sh"
 start_mesh
 start_load
-sleep 12
-restarts=0
-while kill -0 "$LOAD_PID" 2> /dev/null; do
+restart_once() {
   kill_hard "$SVC"
   sleep "$DOWN"
   start_svc "$SVC"
-  restarts=$((restarts + 1))
-  sleep "$((EVERY - DOWN))"
-done
-wait "$LOAD_PID"
-echo "$SVC restarts: $restarts (down $DOWN s each)"
+}
+restart_during_load "$((EVERY - DOWN))" restart_once
+echo "$SVC restarts: $RESTARTS (down $DOWN s each)"
 report 'nats_request_(resends|failures)_total|[a-z]+_failures_total|gateway_recovered_outcomes_total|router_(adoptions|replacements)_total'
 teardown
