@@ -214,8 +214,9 @@ impl Router {
     }
 
     /// Place a job the router holds itself (a lost worker's, an adopted one) within `wait`:
-    /// waiting for a slot, and also for a denoiser to come back while none is live (a
-    /// restarting one; only then may it be one of `exclude`, which are tried last).
+    /// waiting for a slot, and also for a denoiser to come back while none is live. Workers in
+    /// `exclude` are left out until no other worker is live; from then on any may take it (a
+    /// lost worker restarted in place).
     pub async fn place_within(
         &self,
         job: &DenoiseJob,
@@ -236,9 +237,9 @@ impl Router {
         }
     }
 
-    /// Place now, or wait (at most `wait`) for a worker to free a slot: the failover path,
-    /// which does not queue behind new submits. Fails at once when no worker is live at all.
-    pub async fn place_with_wait(
+    /// Place now, or wait (at most `wait`) for a worker to free a slot, not queueing behind
+    /// new submits ([`Router::place_within`]'s step). Fails at once when no worker is live.
+    async fn place_with_wait(
         &self,
         job: &DenoiseJob,
         exclude: &[String],
