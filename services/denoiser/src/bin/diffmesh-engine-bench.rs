@@ -226,8 +226,11 @@ async fn main() -> Result<()> {
         "--device {}: libtorch sees no CUDA device here",
         args.device
     );
-    let kind = diffmesh_denoiser::model::parse_model_dtype(&args.dtype, device)
-        .map_err(|expected| anyhow::anyhow!("--dtype {}: expected {expected}", args.dtype))?;
+    let dtype_on = |device| {
+        diffmesh_denoiser::model::parse_model_dtype(&args.dtype, device)
+            .map_err(|expected| anyhow::anyhow!("--dtype {}: expected {expected}", args.dtype))
+    };
+    let kind = dtype_on(device)?;
     let engine_device =
         diffmesh_denoiser::model::parse_device(&args.engine_device).map_err(|expected| {
             anyhow::anyhow!(
@@ -251,8 +254,7 @@ async fn main() -> Result<()> {
     };
     let engine_model = BenchModel {
         device: engine_device,
-        kind: diffmesh_denoiser::model::parse_model_dtype(&args.dtype, engine_device)
-            .map_err(|expected| anyhow::anyhow!("--dtype {}: expected {expected}", args.dtype))?,
+        kind: dtype_on(engine_device)?,
         ..model.clone()
     };
     tch::set_num_threads(args.torch_threads);
