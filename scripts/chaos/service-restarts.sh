@@ -11,6 +11,7 @@ case "$SVC" in
   codec | router | denoiser | cachestore | gateway) ;;
   *) echo "SVC must be codec, router, denoiser, cachestore or gateway, not '$SVC'" >&2; exit 2 ;;
 esac
+[ "$EVERY" -gt "$DOWN" ] || { echo "EVERY ($EVERY) must exceed DOWN ($DOWN)" >&2; exit 2; }
 OUT=${OUT:-/tmp/$SVC-restarts-seed$SEED}
 source "$(dirname "$0")/lib.sh"
 start_mesh
