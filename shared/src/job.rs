@@ -122,6 +122,11 @@ pub struct JobRecord {
     /// run even if the gateway that accepted it dies.
     #[serde(default)]
     pub detached: bool,
+    /// Accepted synchronously with an `Idempotency-Key`: should its gateway die, the client
+    /// can repeat the request through another gateway and get this job, so a router places it
+    /// like a detached job instead of cancelling it.
+    #[serde(default)]
+    pub resumable: bool,
     /// Unix ms by which the job's driver has placed it or given up (ending the record); from
     /// the record's creation until the job is prepared, the time by which it will be. A record
     /// still unplaced after that lost its driver: a router adopts it, or ends it when the job
@@ -208,6 +213,7 @@ impl JobRecord {
             owner: None,
             submitted: None,
             detached: false,
+            resumable: false,
             place_by_ms: None,
             adopted: false,
             captured: None,

@@ -3,7 +3,8 @@
 //! position), started, step k of N and done with result links, the results download, an
 //! `Idempotency-Key` returns the same job, `DELETE` stops a running job at a step boundary, a
 //! synchronous client that disconnects has its job cancelled the same way, and an async job
-//! still ends `done` when the gateway that accepted it dies, whether it had placed it or not.
+//! still ends `done` when the gateway that accepted it dies, whether it had placed it or not,
+//! as does a synchronous one sent with an `Idempotency-Key` (for the client's repeat).
 use std::time::Duration;
 
 use diffmesh_shared::job::{now_ms, JobRecord, JobState, JobStore};
@@ -124,6 +125,18 @@ impl Mesh {
             .unwrap();
         assert_eq!(r.status(), StatusCode::ACCEPTED);
         r.json().await.unwrap()
+    }
+
+    /// A synchronous generation request, with `key` as its `Idempotency-Key`.
+    fn generation(&self, key: Option<&str>, body: &Value) -> reqwest::RequestBuilder {
+        let request = self
+            .http
+            .post(self.url("/v1/images/generations"))
+            .json(body);
+        match key {
+            Some(key) => request.header("Idempotency-Key", key),
+            None => request,
+        }
     }
 
     async fn get(&self, path: &str) -> (StatusCode, Value) {
@@ -475,6 +488,88 @@ async fn an_async_job_whose_gateway_died_before_placing_it_still_runs() {
         record.started_at_ms.is_some(),
         "no progress written: {record:?}"
     );
+}
+
+/// A synchronous job sent with an `Idempotency-Key` whose gateway dies before placing it (no
+/// denoiser is up yet) is placed by the router all the same, and the client's repeat of the
+/// request through another gateway is answered with its image. The same job sent without a key
+/// is cancelled: no client can come back for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_synchronous_job_with_a_key_outlives_its_gateway_for_the_repeat() {
+    let mut mesh = start_mesh_without_denoiser(|g| {
+        g.router_timeout_s = 1.0;
+        // Time to see both jobs submitted and crash the gateway before it gives up on them.
+        g.submit_wait_s = 8.0;
+    })
+    .await;
+    let client = async_nats::connect(&mesh.nats_url).await.unwrap();
+    let jobs = JobStore::open(&async_nats::jetstream::new(client))
+        .await
+        .unwrap();
+    let mut records = jobs.watch_since(Duration::from_secs(60)).await.unwrap();
+    let keyed = json!({"prompt": "a green circle", "num_inference_steps": 4, "seed": 8});
+    let plain = json!({"prompt": "a red square", "num_inference_steps": 4, "seed": 9});
+    // Both wait on the gateway, which resubmits them while no denoiser is up.
+    let first_try = tokio::spawn(mesh.generation(Some("sync-repeat-1"), &keyed).send());
+    let unkeyed = tokio::spawn(mesh.generation(None, &plain).send());
+    let (mut keyed_id, mut plain_id) = (None, None);
+    while keyed_id.is_none() || plain_id.is_none() {
+        let record = tokio::time::timeout(Duration::from_secs(30), records.next())
+            .await
+            .expect("both jobs submitted within 30 s")
+            .unwrap()
+            .unwrap();
+        let Some(job) = &record.submitted else {
+            continue;
+        };
+        match job.params.prompt.as_str() {
+            "a green circle" => keyed_id = Some(record.job_id.clone()),
+            "a red square" => plain_id = Some(record.job_id.clone()),
+            _ => {}
+        }
+    }
+    mesh.replace_gateway_after_a_crash().await;
+    assert!(
+        first_try.await.unwrap().is_err(),
+        "answered by a dead gateway"
+    );
+    assert!(
+        unkeyed.await.unwrap().is_err(),
+        "answered by a dead gateway"
+    );
+    mesh.add_denoiser("d1").await;
+
+    let repeat = mesh
+        .generation(Some("sync-repeat-1"), &keyed)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(repeat.status(), StatusCode::OK);
+    assert_eq!(repeat.headers()["idempotent-replayed"], "true");
+    let images = decode_b64_images(&repeat.json().await.unwrap()).unwrap();
+    assert_eq!(images.len(), 1);
+    let keyed = jobs.get(&keyed_id.unwrap()).await.unwrap().unwrap();
+    assert_eq!(keyed.state, JobState::Done, "{keyed:?}");
+    assert!(
+        keyed.adopted,
+        "placed by its gateway, not adopted: {keyed:?}"
+    );
+
+    let plain_id = plain_id.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let plain = loop {
+        let record = jobs.get(&plain_id).await.unwrap().unwrap();
+        if record.state.is_terminal() {
+            break record;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the unkeyed job stayed {:?} for 30 s",
+            record.state
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(plain.state, JobState::Cancelled, "{plain:?}");
 }
 
 /// A gateway that dies while preparing a job (before any answer) leaves a queued record with no

@@ -94,11 +94,19 @@ pub struct PreparedJob {
     deadline: Instant,
     span: tracing::Span,
     guard: AbandonGuard,
+    /// Recorded with the submission: see `JobRecord::resumable`.
+    resumable: bool,
 }
 
 impl PreparedJob {
     pub fn job_id(&self) -> &str {
         &self.job.job_id
+    }
+
+    /// The client sent an `Idempotency-Key` and waits on its connection: should this gateway
+    /// die before placing the job, a router places it for the client's repeat to find.
+    pub fn make_resumable(&mut self) {
+        self.resumable = true;
     }
 }
 
@@ -232,6 +240,7 @@ impl Mesh {
                 deadline,
                 span,
                 guard,
+                resumable: false,
             }),
             Err(err) => {
                 guard.disarm();
@@ -413,9 +422,13 @@ impl Mesh {
             .await
             .map_err(MeshError::from)?;
         let place_by = self.place_by_ms();
+        let resumable = prepared.resumable;
         let recorded = self
             .jobs
-            .update(job_id, |r| r.record_submission(&job, place_by))
+            .update(job_id, |r| {
+                r.record_submission(&job, place_by);
+                r.resumable |= resumable;
+            })
             .await;
         match recorded {
             Ok(r) if r.state == JobState::Cancelled => return Err(cancelled_error(job_id)),

@@ -270,7 +270,7 @@ async fn serve(
         }
     }
     let slot = state.key_limits.acquire(caller.limit_key())?;
-    let prepared = state.mesh.prepare(request.input, caller.owner()).await?;
+    let mut prepared = state.mesh.prepare(request.input, caller.owner()).await?;
     let job_id = prepared.job_id().to_string();
     let kind = prepared.job.kind;
     if let Some(key) = &idem {
@@ -302,6 +302,9 @@ async fn serve(
             _ => JobRecord::new(job_id, kind),
         };
         return Ok(accepted(&record, false));
+    }
+    if idem.is_some() {
+        prepared.make_resumable();
     }
     // Dropping the job's driver when the client leaves cancels the job (see `pipeline`).
     let png_keys = tokio::select! {

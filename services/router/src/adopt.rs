@@ -2,8 +2,10 @@
 //! job's record holds the prepared job and the time by which that gateway will have placed it
 //! (`place_by_ms`). The router watches every job record; one still unplaced a margin after that
 //! time lost its driver, and the router adopts it: an async job is placed as its gateway would
-//! have placed it (the router then records its ending like any job it placed), a synchronous
-//! one is cancelled, since the client waiting for it was connected to the dead gateway (the
+//! have placed it (the router then records its ending like any job it placed), and so is a
+//! synchronous one sent with an `Idempotency-Key` (`resumable`: its client can repeat the
+//! request through another gateway and be answered with this job); any other synchronous one
+//! is cancelled, since the client waiting for it was connected to the dead gateway (the
 //! router writes an adopted job's progress too: [`crate::adopted_progress`]). A record
 //! whose gateway died while preparing the job (before any answer, so no client knows the id)
 //! holds no prepared job: past the job's deadline it is failed, so it does not stay queued.
@@ -145,7 +147,7 @@ impl Router {
                         error_types::UNAVAILABLE,
                     );
                     adoption = Some(Adoption::Unprepared);
-                } else if r.detached {
+                } else if r.detached || r.resumable {
                     r.adopted = true;
                     // Another router adopts it again only if this one dies while placing it.
                     r.place_by_ms = Some(now + wait.as_millis() as u64);
