@@ -7,13 +7,15 @@
 #   dashboard      JSON + structure (python); its PromQL through promtool check rules
 #   provisioning   YAML (python)
 #   nats.conf      nats-server -t
+#   haproxy.cfg    haproxy -c
 #   shell scripts  sh -n, shellcheck when installed
 #   Dockerfiles    one per service, the one it builds from, multi-stage, non-root, health check
 #                  on the health port (python); paths they COPY exist; hadolint when installed
 # Exit status: 1 when a check that ran failed, 0 otherwise (skips do not fail).
 # Usage: compose/validate.sh    (from anywhere; installs nothing itself except PyYAML into a
 #        temporary venv when python3 lacks it; promtool: apt-get install prometheus, amtool:
-#        apt-get install prometheus-alertmanager; cargo xtask setup unpacks both instead)
+#        apt-get install prometheus-alertmanager; cargo xtask setup unpacks both instead;
+#        haproxy: apt-get install haproxy, which cargo xtask setup does)
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -106,9 +108,14 @@ for name in mesh:
     dockerfile = os.path.join(here, "..", s.get("build", {}).get("dockerfile", ""))
     if not os.path.isfile(dockerfile):
         errors.append(f"{name}: dockerfile {dockerfile} not found")
-for name in ("nats-1", "nats-2", "nats-3", "prometheus", "alertmanager", "grafana", "jaeger"):
+for name in ("nats-1", "nats-2", "nats-3", "balancer", "prometheus", "alertmanager", "grafana",
+             "jaeger"):
     if name not in services:
         errors.append(f"service {name} missing")
+# Replicas cannot share a fixed host port: the API is published by the balancer.
+gateway = services.get("gateway", {})
+if gateway.get("deploy", {}).get("replicas", 1) > 1 and gateway.get("ports"):
+    errors.append("gateway: host ports with more than one replica (publish the balancer's)")
 for name, s in services.items():
     for vol in s.get("volumes", []):
         src = vol.split(":")[0] if isinstance(vol, str) else vol.get("source", "")
@@ -359,6 +366,23 @@ if have nats-server; then
   fi
 else
   skip "nats-server not found (cargo xtask setup installs it)"
+fi
+
+# haproxy: on PATH, or where Debian puts it (/usr/sbin is not on every user's PATH).
+haproxy=""
+if have haproxy; then
+  haproxy=haproxy
+elif [ -x /usr/sbin/haproxy ]; then
+  haproxy=/usr/sbin/haproxy
+fi
+if [ -n "$haproxy" ]; then
+  if out="$("$haproxy" -c -q -f "$here/haproxy/haproxy.cfg" 2>&1)"; then
+    pass "haproxy -c haproxy/haproxy.cfg"
+  else
+    fail "haproxy -c: $out"
+  fi
+else
+  skip "haproxy not found (cargo xtask setup installs it)"
 fi
 
 # Each script with the shell its shebang names.

@@ -56,6 +56,13 @@ fn compose_files_pass_validate_sh() {
             "the alerting rules' unit tests did not run:\n{stdout}"
         );
     }
+    // Where haproxy is found, the balancer's config is checked with it.
+    if !stdout.contains("SKIP  haproxy not found") {
+        assert!(
+            stdout.contains("PASS  haproxy -c haproxy/haproxy.cfg"),
+            "haproxy -c did not run:\n{stdout}"
+        );
+    }
     // Where amtool is found, the Alertmanager config is checked and both severities routed.
     if !stdout.contains("SKIP  amtool not found") {
         for check in [

@@ -93,6 +93,15 @@ pub struct LoadArgs {
     /// Do not listen to job events (`mean_queue` is then not reported).
     #[arg(long)]
     no_nats: bool,
+    /// Send each edit with an `Idempotency-Key` and repeat it up to this many times when no
+    /// answer came (the connection failed or was cut) or the answer was 502/503, as a client of
+    /// a replicated gateway would: a repeat is answered with the job the first try started.
+    /// Latency counts from the first try.
+    #[arg(long, default_value_t = 0)]
+    retries: u32,
+    /// Pause before the first repeat (s), doubling per repeat.
+    #[arg(long, default_value_t = 0.25)]
+    retry_pause_s: f64,
 }
 
 /// Outcome of one request.
@@ -102,6 +111,8 @@ struct Outcome {
     sent: Instant,
     status: u16,
     latency_s: f64,
+    /// Tries sent (1 without repeats).
+    tries: u32,
 }
 
 struct Inputs {
@@ -147,6 +158,10 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
     anyhow::ensure!(rps > 0.0 && rps.is_finite(), "--rps must be > 0");
     anyhow::ensure!(args.duration > 0.0, "--duration must be > 0");
     anyhow::ensure!(args.templates > 0, "--templates must be > 0");
+    anyhow::ensure!(
+        args.retry_pause_s >= 0.0 && args.retry_pause_s.is_finite(),
+        "--retry-pause-s must be >= 0"
+    );
     let ratio_file = args
         .mask_ratios
         .as_deref()
@@ -234,6 +249,16 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
         .map(|(at, ratio, template, _)| (*at, *ratio, *template))
         .collect();
     let limit = Arc::new(tokio::sync::Semaphore::new(args.max_in_flight.max(1)));
+    // Keys unique to this run: the gateway remembers a key for a day, and a later run with the
+    // same seed must not be answered with this run's jobs.
+    let run_nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let retry = Retry {
+        times: args.retries,
+        pause: Duration::from_secs_f64(args.retry_pause_s),
+    };
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for (i, (at, ratio, template, mask)) in plan.into_iter().enumerate() {
@@ -247,15 +272,17 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
             prompt: args.prompt.clone(),
             steps: args.steps,
             seed: args.seed.wrapping_add(i as u64),
+            idempotency_key: (retry.times > 0).then(|| format!("load-{run_nonce:x}-{i}")),
         };
         tasks.spawn(async move {
-            let status = send(&client, &url, &inputs, form).await;
+            let (status, tries) = retry.send(&client, &url, &inputs, &form).await;
             drop(permit);
             Outcome {
                 ratio,
                 sent,
                 status,
                 latency_s: sent.elapsed().as_secs_f64(),
+                tries,
             }
         });
     }
@@ -266,8 +293,8 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
     let starts = tap.map(|t| t.starts());
     let summary = summarize(&args, rps, &outcomes, standalone.as_ref(), starts);
     say(format!(
-        "completed {}/{} (429: {}, other errors: {}), latency p50 {:.3}s p95 {:.3}s p99 {:.3}s, mean queue {}, throughput {:.3} req/s, SLO attainment {}",
-        summary["completed"], summary["submitted"], summary["rejected"], summary["failed"],
+        "completed {}/{} (429: {}, other errors: {}, sent again: {}), latency p50 {:.3}s p95 {:.3}s p99 {:.3}s, mean queue {}, throughput {:.3} req/s, SLO attainment {}",
+        summary["completed"], summary["submitted"], summary["rejected"], summary["failed"], summary["retried"],
         summary["p50"].as_f64().unwrap_or(f64::NAN), summary["p95"].as_f64().unwrap_or(f64::NAN),
         summary["p99"].as_f64().unwrap_or(f64::NAN),
         summary["mean_queue"], summary["throughput"].as_f64().unwrap_or(0.0), summary["slo_attainment"]
@@ -299,21 +326,51 @@ struct EditForm {
     prompt: String,
     steps: Option<u32>,
     seed: u64,
+    idempotency_key: Option<String>,
+}
+
+/// When and how often an edit is sent again.
+#[derive(Clone, Copy)]
+struct Retry {
+    times: u32,
+    pause: Duration,
+}
+
+impl Retry {
+    /// Send `f`, again after a pause while the answer says the request may not have been
+    /// served; the last status and the tries sent.
+    async fn send(
+        &self,
+        client: &reqwest::Client,
+        url: &str,
+        inputs: &Inputs,
+        f: &EditForm,
+    ) -> (u16, u32) {
+        let mut tries = 0;
+        loop {
+            let status = send(client, url, inputs, f).await;
+            tries += 1;
+            if tries > self.times || !matches!(status, 0 | 502 | 503) {
+                return (status, tries);
+            }
+            tokio::time::sleep(self.pause * 2u32.saturating_pow(tries - 1).min(16)).await;
+        }
+    }
 }
 
 /// One edit request; the HTTP status, or 0 when no answer came (connection error, timeout).
-async fn send(client: &reqwest::Client, url: &str, inputs: &Inputs, f: EditForm) -> u16 {
+async fn send(client: &reqwest::Client, url: &str, inputs: &Inputs, f: &EditForm) -> u16 {
     let part = |bytes: Vec<u8>, name: &str| {
         reqwest::multipart::Part::bytes(bytes)
             .file_name(name.to_string())
             .mime_str("image/png")
     };
-    let Ok(mask) = part(f.mask, "mask.png") else {
+    let Ok(mask) = part(f.mask.clone(), "mask.png") else {
         return 0;
     };
     let mut form = reqwest::multipart::Form::new()
         .part("mask", mask)
-        .text("prompt", f.prompt)
+        .text("prompt", f.prompt.clone())
         .text("response_format", "png")
         .text("seed", f.seed.to_string());
     // A registered template by id, else the image itself.
@@ -330,7 +387,11 @@ async fn send(client: &reqwest::Client, url: &str, inputs: &Inputs, f: EditForm)
     if let Some(s) = f.steps {
         form = form.text("num_inference_steps", s.to_string());
     }
-    match client.post(url).multipart(form).send().await {
+    let mut request = client.post(url).multipart(form);
+    if let Some(key) = &f.idempotency_key {
+        request = request.header("Idempotency-Key", key);
+    }
+    match request.send().await {
         Ok(resp) => {
             let status = resp.status().as_u16();
             // The whole body is part of the latency (the image the client waits for).
@@ -402,9 +463,10 @@ async fn calibrate(
                 prompt: args.prompt.clone(),
                 steps: args.steps,
                 seed: args.seed ^ 0xca1,
+                idempotency_key: None,
             };
             let t = Instant::now();
-            let status = send(client, url, inputs, form).await;
+            let status = send(client, url, inputs, &form).await;
             if status != 200 {
                 bail!("calibration request to {url} answered {status} (is the mesh up?)");
             }
@@ -494,6 +556,8 @@ fn summarize(
     lat.sort_by(f64::total_cmp);
     let rejected = outcomes.iter().filter(|o| o.status == 429).count();
     let failed = outcomes.len() - done.len() - rejected;
+    let retried = outcomes.iter().filter(|o| o.tries > 1).count();
+    let repeats: u32 = outcomes.iter().map(|o| o.tries.saturating_sub(1)).sum();
     let first = outcomes.iter().map(|o| o.sent).min();
     let last = done
         .iter()
@@ -530,6 +594,9 @@ fn summarize(
         "completed": done.len(),
         "rejected": rejected,
         "failed": failed,
+        // Requests sent more than once (`--retries`), and the repeats sent in all.
+        "retried": retried,
+        "repeats": repeats,
         "p50": nan_to_null(percentile(&lat, 50.0)),
         "p95": nan_to_null(percentile(&lat, 95.0)),
         "p99": nan_to_null(percentile(&lat, 99.0)),

@@ -1,6 +1,7 @@
 //! One-time, idempotent set-up of a fresh machine: the Python venv with torch (libtorch) and
-//! diffusers in the cache directory, `nats-server` from Debian where it is missing, and
-//! `promtool` and `amtool` (for `compose/validate.sh`) from Debian's prometheus packages.
+//! diffusers in the cache directory, `nats-server` from Debian where it is missing,
+//! `promtool` and `amtool` (for `compose/validate.sh`) from Debian's prometheus packages, and
+//! `haproxy` (the balancer of `compose/` and of the chaos scripts' replicated gateways).
 use crate::toolchain::{run, Toolchain, PY_REQUIREMENTS};
 use std::process::Command;
 
@@ -8,6 +9,7 @@ pub fn setup(tc: &Toolchain) -> anyhow::Result<()> {
     ensure_venv(tc)?;
     ensure_nats_server()?;
     ensure_validate_tools(tc);
+    ensure_haproxy();
     Ok(())
 }
 
@@ -65,6 +67,36 @@ fn ensure_nats_server() -> anyhow::Result<()> {
         "nats-server still missing after apt-get install"
     );
     Ok(())
+}
+
+/// Installed, not unpacked: it needs libraries a bare machine lacks (Lua, OpenTracing), and
+/// Debian's package starts no balancer (its config has no frontend). Optional: without it
+/// `compose/validate.sh` skips its check and the chaos scripts run one gateway.
+fn ensure_haproxy() {
+    if haproxy_binary().is_some() {
+        return;
+    }
+    eprintln!("haproxy not found: installing Debian's package");
+    if let Err(err) = apt_install(&["haproxy"]) {
+        eprintln!(
+            "warning: could not install haproxy ({err:#}); compose/validate.sh will skip its check"
+        );
+    }
+}
+
+/// `haproxy` on PATH or where Debian puts it.
+fn haproxy_binary() -> Option<String> {
+    if Command::new("haproxy")
+        .arg("-v")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        return Some("haproxy".into());
+    }
+    let debian = "/usr/sbin/haproxy";
+    std::path::Path::new(debian)
+        .exists()
+        .then(|| debian.to_string())
 }
 
 /// A checker `compose/validate.sh` runs, taken from a Debian package.
