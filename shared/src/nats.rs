@@ -11,6 +11,7 @@ use crate::error::MeshError;
 use crate::messages::{decode, encode};
 use crate::metrics::NatsMetrics;
 use crate::reconnects;
+use crate::subjects::ANSWER_WITHIN_HEADER;
 use crate::trace_context::headers_for;
 
 /// Connect to NATS, retrying with capped exponential backoff for up to `give_up_after`
@@ -149,9 +150,11 @@ where
     let (after_reconnect, after_no_responders) = (resends("reconnect"), resends("no_responders"));
     let result = loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let mut headers = headers.clone();
+        headers.insert(ANSWER_WITHIN_HEADER, left.as_millis().to_string().as_str());
         let request = async_nats::Request::new()
             .payload(payload.clone())
-            .headers(headers.clone())
+            .headers(headers)
             .timeout(Some(left));
         match sent_until_reconnect(client, subject, request).await {
             Sent::Answered(result) => {
@@ -188,6 +191,13 @@ where
     };
     record_round_trip(subject, started, result.as_ref().err());
     result
+}
+
+/// How long the caller of a request waits for its answer, as it said in
+/// [`ANSWER_WITHIN_HEADER`]; `None` when it did not say (or said nonsense).
+pub fn answer_within(headers: Option<&HeaderMap>) -> Option<Duration> {
+    let ms = headers?.get(ANSWER_WITHIN_HEADER)?.as_str().parse().ok()?;
+    Some(Duration::from_millis(ms))
 }
 
 /// How long a request that finds no responder is sent again (within its timeout) before
@@ -286,6 +296,31 @@ pub async fn reply_msgpack<T: Serialize>(
 mod tests {
     use super::*;
     use crate::metrics::NATS_CONNECTION_EVENTS;
+
+    #[tokio::test]
+    async fn a_request_tells_its_responder_how_long_the_answer_is_awaited() {
+        use futures::StreamExt;
+        let server = crate::testing::NatsServer::start();
+        // Not through `connect`, whose connects move the process's reconnect signal (the
+        // `reconnects` test counts on being the only test that does).
+        let client = async_nats::connect(server.url()).await.unwrap();
+        let mut sub = client.subscribe("answer.within").await.unwrap();
+        client.flush().await.unwrap();
+        let responder = client.clone();
+        tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                let waits = answer_within(msg.headers.as_ref()).map(|d| d.as_millis() as u64);
+                reply_msgpack(&responder, &msg, &waits).await.unwrap();
+            }
+        });
+        let waits: Option<u64> =
+            request_msgpack(&client, "answer.within", &(), Duration::from_secs(7))
+                .await
+                .unwrap();
+        let waits = waits.expect("the request said how long it waits");
+        assert!((6_000..=7_000).contains(&waits), "{waits} ms");
+        assert_eq!(answer_within(None), None);
+    }
 
     #[test]
     fn every_connection_event_counts_under_its_own_label() {

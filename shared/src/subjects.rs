@@ -65,3 +65,6 @@ pub const TRACEPARENT_HEADER: &str = "traceparent";
 pub const TRACESTATE_HEADER: &str = "tracestate";
 /// Job id header, so logs and traces can be joined without decoding the payload.
 pub const JOB_ID_HEADER: &str = "diffmesh-job-id";
+/// How long the caller waits for the answer to this send of a request (ms, as sent): a
+/// responder may give up work past it, since no one reads the answer then.
+pub const ANSWER_WITHIN_HEADER: &str = "diffmesh-answer-within-ms";

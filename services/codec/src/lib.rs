@@ -65,7 +65,8 @@ pub struct CodecConfig {
     /// Requests handled at once by this replica (image work runs on the blocking pool).
     #[arg(long, env = "CODEC_CONCURRENCY", default_value_t = 4)]
     pub concurrency: usize,
-    /// Deadline of one request's work; past it the caller gets `Failed` (seconds).
+    /// Deadline of one request's work; past it the caller gets `Failed` (seconds). Sooner
+    /// when the caller waits less for the answer (its `diffmesh-answer-within-ms` header).
     #[arg(long, env = "CODEC_REQUEST_TIMEOUT_S", default_value_t = 60)]
     pub request_timeout_s: u64,
 }
@@ -309,19 +310,30 @@ async fn handle(worker: Arc<Worker>, op: Op, msg: Message) {
     .await
 }
 
-/// Run one request's work under the request deadline.
+/// Run one request's work under its deadline: the codec's own, or sooner when the caller waits
+/// less for this send of the request (it sends again after a first short wait), since the
+/// answer would go unread past that and the work would only hold a slot.
 async fn within<T>(
     worker: &Worker,
+    msg: &Message,
     work: impl std::future::Future<Output = Result<T, CodecError>>,
 ) -> Result<T, CodecError> {
-    tokio::time::timeout(worker.request_timeout, work)
+    let budget = work_budget(
+        worker.request_timeout,
+        nats::answer_within(msg.headers.as_ref()),
+    );
+    tokio::time::timeout(budget, work)
         .await
-        .unwrap_or(Err(CodecError::Timeout(worker.request_timeout)))
+        .unwrap_or(Err(CodecError::Timeout(budget)))
+}
+
+fn work_budget(own: Duration, caller_waits: Option<Duration>) -> Duration {
+    caller_waits.map_or(own, |waits| waits.min(own))
 }
 
 async fn pre_reply(worker: &Worker, msg: &Message) -> PreprocessReply {
     let result = match decode::<PreprocessRequest>(&msg.payload) {
-        Ok(req) => within(worker, worker.codec.preprocess(&req)).await,
+        Ok(req) => within(worker, msg, worker.codec.preprocess(&req)).await,
         Err(err) => Err(MeshError::from(err).into()),
     };
     match result {
@@ -342,7 +354,7 @@ async fn pre_reply(worker: &Worker, msg: &Message) -> PreprocessReply {
 
 async fn post_reply(worker: &Worker, msg: &Message) -> PostprocessReply {
     let result = match decode::<PostprocessRequest>(&msg.payload) {
-        Ok(req) => within(worker, worker.codec.postprocess(&req)).await,
+        Ok(req) => within(worker, msg, worker.codec.postprocess(&req)).await,
         Err(err) => Err(MeshError::from(err).into()),
     };
     match result {
@@ -354,5 +366,21 @@ async fn post_reply(worker: &Worker, msg: &Message) -> PostprocessReply {
                 message: err.to_string(),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn work_stops_when_the_caller_stops_waiting_or_at_the_codecs_own_deadline() {
+        let own = Duration::from_secs(60);
+        assert_eq!(work_budget(own, None), own);
+        assert_eq!(
+            work_budget(own, Some(Duration::from_secs(5))),
+            Duration::from_secs(5)
+        );
+        assert_eq!(work_budget(own, Some(Duration::from_secs(90))), own);
     }
 }
