@@ -218,7 +218,7 @@ impl Router {
                 };
                 self.publish_event(&job.job_id, &event).await;
                 let wait = Duration::from_millis(self.config.failover_wait_ms);
-                // Another denoiser first; the lost one only once it is back and alone.
+                // Another denoiser first; the lost one (back in place) when none other can take it.
                 let exclude = [lost.to_string()];
                 match self
                     .place_within(&job, &exclude, wait)

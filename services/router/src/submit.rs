@@ -214,32 +214,11 @@ impl Router {
     }
 
     /// Place a job the router holds itself (a lost worker's, an adopted one) within `wait`:
-    /// waiting for a slot, and also for a denoiser to come back while none is live. Workers in
-    /// `exclude` are left out until no other worker is live; from then on any may take it (a
-    /// lost worker restarted in place).
+    /// waiting for a slot, and also for a denoiser to come back while none is live, without
+    /// queueing behind new submits. Workers in `exclude` (the one the job was lost on) are the
+    /// last resort: taken only when no other live worker can take the job now, as when the lost
+    /// worker restarted in place and the others are full or gone.
     pub async fn place_within(
-        &self,
-        job: &DenoiseJob,
-        exclude: &[String],
-        wait: Duration,
-    ) -> Result<String, PlaceError> {
-        let deadline = tokio::time::Instant::now() + wait;
-        let mut exclude = exclude;
-        loop {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            match self.place_with_wait(job, exclude, left).await {
-                Err(PlaceError::NoLiveWorker) if !left.is_zero() => {
-                    exclude = &[];
-                    tokio::time::sleep(NO_WORKER_RETRY.min(left)).await;
-                }
-                other => return other,
-            }
-        }
-    }
-
-    /// Place now, or wait (at most `wait`) for a worker to free a slot, not queueing behind
-    /// new submits ([`Router::place_within`]'s step). Fails at once when no worker is live.
-    async fn place_with_wait(
         &self,
         job: &DenoiseJob,
         exclude: &[String],
@@ -248,15 +227,30 @@ impl Router {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let notified = self.capacity.notified();
-            match self.place_once(job, exclude).await {
-                Err(PlaceError::NoCapacity) if tokio::time::Instant::now() < deadline => {}
-                other => return other,
+            let mut placed = self.place_once(job, exclude).await;
+            if !exclude.is_empty()
+                && matches!(
+                    placed,
+                    Err(PlaceError::NoCapacity | PlaceError::NoLiveWorker)
+                )
+            {
+                placed = self.place_once(job, &[]).await;
             }
-            // Poll as well: a notification between our attempt and `notified()` is not lost for long.
-            let poll = tokio::time::Instant::now() + Duration::from_millis(100);
-            tokio::select! {
-                _ = notified => {}
-                _ = tokio::time::sleep_until(poll.min(deadline)) => {}
+            let now = tokio::time::Instant::now();
+            match placed {
+                Err(PlaceError::NoCapacity) if now < deadline => {
+                    // Poll as well: a notification between our attempt and `notified()` is not
+                    // lost for long.
+                    let poll = now + Duration::from_millis(100);
+                    tokio::select! {
+                        _ = notified => {}
+                        _ = tokio::time::sleep_until(poll.min(deadline)) => {}
+                    }
+                }
+                Err(PlaceError::NoLiveWorker) if now < deadline => {
+                    tokio::time::sleep(NO_WORKER_RETRY.min(deadline - now)).await;
+                }
+                other => return other,
             }
         }
     }

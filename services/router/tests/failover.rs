@@ -1,6 +1,7 @@
 //! Router against a real nats-server with hand-driven fake denoisers: placement, rejection when
 //! no denoiser is live, re-placement after a worker goes silent (on a restarted worker when it
-//! was the only one), and failure when none is left for the failover wait.
+//! was the only one, or the others were full), and failure when none is left for the failover
+//! wait.
 use diffmesh_router::{start, RouterConfig};
 use diffmesh_shared::messages::{decode, encode, DenoiseJob, Heartbeat, JobEvent, SubmitReply};
 use diffmesh_shared::nats::request_msgpack;
@@ -20,6 +21,17 @@ async fn fake_worker(
     client: async_nats::Client,
     id: &str,
     jobs: mpsc::Sender<(String, DenoiseJob)>,
+) -> CancellationToken {
+    fake_worker_that(client, id, jobs, true).await
+}
+
+/// A fake denoiser that heartbeats until `stop` and accepts every submit when `accepts` (and
+/// reports it on `jobs`), else refuses every one as full.
+async fn fake_worker_that(
+    client: async_nats::Client,
+    id: &str,
+    jobs: mpsc::Sender<(String, DenoiseJob)>,
+    accepts: bool,
 ) -> CancellationToken {
     let stop = CancellationToken::new();
     let mut sub = client
@@ -43,9 +55,15 @@ async fn fake_worker(
                 msg = sub.next() => {
                     let Some(msg) = msg else { return };
                     let job: DenoiseJob = decode(&msg.payload).unwrap();
-                    let reply = SubmitReply::Accepted { worker_id: worker.clone() };
+                    let reply = if accepts {
+                        SubmitReply::Accepted { worker_id: worker.clone() }
+                    } else {
+                        SubmitReply::Rejected { reason: "full".into(), retry_after_ms: 100 }
+                    };
                     c.publish(msg.reply.unwrap(), encode(&reply).unwrap().into()).await.unwrap();
-                    jobs.send((worker.clone(), job)).await.unwrap();
+                    if accepts {
+                        jobs.send((worker.clone(), job)).await.unwrap();
+                    }
                 }
             }
         }
@@ -202,6 +220,41 @@ async fn a_job_waits_for_its_only_denoiser_to_restart() {
         !seen.iter().any(|e| matches!(e, JobEvent::Failed { .. })),
         "{seen:?}"
     );
+    router.shutdown().await.unwrap();
+}
+
+/// A denoiser dies with a job and comes back under the same id while the other denoiser is live
+/// but full: the job goes back to the restarted one at once instead of waiting for a slot on
+/// the full one (up to the whole failover wait, after which it failed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_job_goes_back_to_its_restarted_denoiser_when_the_other_is_full() {
+    let nats = NatsServer::start();
+    let router = start(RouterConfig {
+        failover_wait_ms: 10_000,
+        ..RouterConfig::for_tests(nats.url())
+    })
+    .await
+    .unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let (tx, mut placed) = mpsc::channel(16);
+    let _full = fake_worker_that(client.clone(), "w1", tx.clone(), false).await;
+    let first = fake_worker(client.clone(), "w0", tx.clone()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(matches!(
+        submit(&client, &job("j1")).await,
+        SubmitReply::Accepted { .. }
+    ));
+    let (w, _) = placed.recv().await.unwrap();
+    assert_eq!(w, "w0", "the full denoiser took the job");
+
+    first.cancel();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let _second = fake_worker(client.clone(), "w0", tx.clone()).await;
+    let (w, j) = tokio::time::timeout(Duration::from_secs(5), placed.recv())
+        .await
+        .expect("the job was not placed on the restarted denoiser while the other was full")
+        .unwrap();
+    assert_eq!((w.as_str(), j.job_id.as_str(), j.attempt), ("w0", "j1", 1));
     router.shutdown().await.unwrap();
 }
 
