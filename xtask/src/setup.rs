@@ -86,17 +86,7 @@ fn ensure_haproxy() {
 
 /// `haproxy` on PATH or where Debian puts it.
 fn haproxy_binary() -> Option<String> {
-    if Command::new("haproxy")
-        .arg("-v")
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
-        return Some("haproxy".into());
-    }
-    let debian = "/usr/sbin/haproxy";
-    std::path::Path::new(debian)
-        .exists()
-        .then(|| debian.to_string())
+    sbin_binary("haproxy", "-v")
 }
 
 /// A checker `compose/validate.sh` runs, taken from a Debian package.
@@ -190,17 +180,21 @@ fn unpack_tool(tc: &Toolchain, tool: &DebianTool) -> anyhow::Result<()> {
 
 /// `nats-server` on PATH or where Debian puts it (/usr/sbin is not on every user's PATH).
 pub fn nats_server_binary() -> Option<String> {
-    if Command::new("nats-server")
-        .arg("--version")
+    sbin_binary("nats-server", "--version")
+}
+
+/// `name` when it runs from PATH (asked for its version with `version_arg`), else Debian's
+/// /usr/sbin copy when there is one.
+fn sbin_binary(name: &str, version_arg: &str) -> Option<String> {
+    if Command::new(name)
+        .arg(version_arg)
         .output()
         .is_ok_and(|o| o.status.success())
     {
-        return Some("nats-server".into());
+        return Some(name.into());
     }
-    let debian = "/usr/sbin/nats-server";
-    std::path::Path::new(debian)
-        .exists()
-        .then(|| debian.to_string())
+    let debian = format!("/usr/sbin/{name}");
+    std::path::Path::new(&debian).exists().then_some(debian)
 }
 
 fn apt_update() -> anyhow::Result<()> {

@@ -2,7 +2,7 @@
 //! no denoiser is live, re-placement after a worker goes silent (on a restarted worker when it
 //! was the only one, or the others were full), and failure when none is left for the failover
 //! wait.
-use diffmesh_router::{start, RouterConfig};
+use diffmesh_router::{start, RouterConfig, RouterHandle};
 use diffmesh_shared::messages::{decode, encode, DenoiseJob, Heartbeat, JobEvent, SubmitReply};
 use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::subjects;
@@ -71,22 +71,50 @@ async fn fake_worker_that(
     stop
 }
 
+/// A router on `nats` that keeps a lost denoiser's job for `failover_wait_ms`, and a client.
+async fn router_with_failover_wait(
+    nats: &NatsServer,
+    failover_wait_ms: u64,
+) -> (RouterHandle, async_nats::Client) {
+    let router = start(RouterConfig {
+        failover_wait_ms,
+        ..RouterConfig::for_tests(nats.url())
+    })
+    .await
+    .unwrap();
+    (router, async_nats::connect(nats.url()).await.unwrap())
+}
+
 async fn submit(client: &async_nats::Client, j: &DenoiseJob) -> SubmitReply {
     request_msgpack(client, subjects::ROUTER_SUBMIT, j, Duration::from_secs(5))
         .await
         .unwrap()
 }
 
+/// Stop fake denoiser w0 for well past the router's expiry (3 missed heartbeats of 100 ms),
+/// start it again under the same id (a container restarted in place), and return the next
+/// placement, which must come within 5 s (`why` says what it waited for).
+async fn restart_w0_in_place(
+    client: &async_nats::Client,
+    w0: CancellationToken,
+    jobs: &mpsc::Sender<(String, DenoiseJob)>,
+    placed: &mut mpsc::Receiver<(String, DenoiseJob)>,
+    why: &str,
+) -> (String, DenoiseJob, CancellationToken) {
+    w0.cancel();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let again = fake_worker(client.clone(), "w0", jobs.clone()).await;
+    let (w, j) = tokio::time::timeout(Duration::from_secs(5), placed.recv())
+        .await
+        .expect(why)
+        .unwrap();
+    (w, j, again)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn places_fails_over_and_gives_up_cleanly() {
     let nats = NatsServer::start();
-    let router = start(RouterConfig {
-        failover_wait_ms: 1000,
-        ..RouterConfig::for_tests(nats.url())
-    })
-    .await
-    .unwrap();
-    let client = async_nats::connect(nats.url()).await.unwrap();
+    let (router, client) = router_with_failover_wait(&nats, 1000).await;
 
     // No denoiser yet: rejected at once with a retry hint.
     match submit(&client, &job("early")).await {
@@ -177,13 +205,7 @@ async fn places_fails_over_and_gives_up_cleanly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_waits_for_its_only_denoiser_to_restart() {
     let nats = NatsServer::start();
-    let router = start(RouterConfig {
-        failover_wait_ms: 10_000,
-        ..RouterConfig::for_tests(nats.url())
-    })
-    .await
-    .unwrap();
-    let client = async_nats::connect(nats.url()).await.unwrap();
+    let (router, client) = router_with_failover_wait(&nats, 10_000).await;
     let (tx, mut placed) = mpsc::channel(16);
     let first = fake_worker(client.clone(), "w0", tx.clone()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -196,14 +218,14 @@ async fn a_job_waits_for_its_only_denoiser_to_restart() {
     let (_, j) = placed.recv().await.unwrap();
     assert_eq!(j.attempt, 0);
 
-    // Down well past the router's expiry (3 missed heartbeats of 100 ms), then back.
-    first.cancel();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let _second = fake_worker(client.clone(), "w0", tx.clone()).await;
-    let (w, j) = tokio::time::timeout(Duration::from_secs(5), placed.recv())
-        .await
-        .expect("the job was not placed on the restarted denoiser")
-        .unwrap();
+    let (w, j, _second) = restart_w0_in_place(
+        &client,
+        first,
+        &tx,
+        &mut placed,
+        "the job was not placed on the restarted denoiser",
+    )
+    .await;
     assert_eq!((w.as_str(), j.job_id.as_str(), j.attempt), ("w0", "j1", 1));
     // Its events: Retrying, and no Failed.
     let mut seen = Vec::new();
@@ -229,13 +251,7 @@ async fn a_job_waits_for_its_only_denoiser_to_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_job_goes_back_to_its_restarted_denoiser_when_the_other_is_full() {
     let nats = NatsServer::start();
-    let router = start(RouterConfig {
-        failover_wait_ms: 10_000,
-        ..RouterConfig::for_tests(nats.url())
-    })
-    .await
-    .unwrap();
-    let client = async_nats::connect(nats.url()).await.unwrap();
+    let (router, client) = router_with_failover_wait(&nats, 10_000).await;
     let (tx, mut placed) = mpsc::channel(16);
     let _full = fake_worker_that(client.clone(), "w1", tx.clone(), false).await;
     let first = fake_worker(client.clone(), "w0", tx.clone()).await;
@@ -247,13 +263,14 @@ async fn a_lost_job_goes_back_to_its_restarted_denoiser_when_the_other_is_full()
     let (w, _) = placed.recv().await.unwrap();
     assert_eq!(w, "w0", "the full denoiser took the job");
 
-    first.cancel();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let _second = fake_worker(client.clone(), "w0", tx.clone()).await;
-    let (w, j) = tokio::time::timeout(Duration::from_secs(5), placed.recv())
-        .await
-        .expect("the job was not placed on the restarted denoiser while the other was full")
-        .unwrap();
+    let (w, j, _second) = restart_w0_in_place(
+        &client,
+        first,
+        &tx,
+        &mut placed,
+        "the job was not placed on the restarted denoiser while the other was full",
+    )
+    .await;
     assert_eq!((w.as_str(), j.job_id.as_str(), j.attempt), ("w0", "j1", 1));
     router.shutdown().await.unwrap();
 }
