@@ -15,7 +15,7 @@
 use super::blocks::{attention, to_heads, QkvProj};
 use super::embeddings::Rope;
 use super::gather::{
-    cat_rows, check_token_index, gather_rows, merge_rows_, offsets, request_ids, scatter_rows_,
+    cat_rows, check_token_index, gather_rows, merge_rows_, offsets, request_ids,
 };
 use super::padded_attention::{MaskedAttention, PaddedLayout, RequestRows};
 use super::{check_batch_vector, ids_2d, FluxTransformer};
@@ -68,6 +68,9 @@ struct Prepared {
     format: KvFormat,
     /// M = N: nothing is cached, the request is a plain full forward.
     all_masked: bool,
+    /// When `all_masked`: the computed rows in token order (`rows` inverted), so keys and values
+    /// are gathered into token order rather than scattered into an uninitialised buffer.
+    token_order: Option<Tensor>,
 }
 
 /// Offsets of each request's tokens inside one packed stream.
@@ -417,11 +420,10 @@ impl FluxTransformer {
             // The computed rows are the whole key set. Put them in token order anyway: key order
             // does not change the math but does change float rounding, and in token order the
             // result matches the full forward's.
-            let mut kb = k.f_empty_like()?;
-            let mut vb = v.f_empty_like()?;
-            scatter_rows_(&mut kb, &p.rows, &k)?;
-            scatter_rows_(&mut vb, &p.rows, &v)?;
-            (kb, vb)
+            let order = p.token_order.as_ref().ok_or_else(|| {
+                ModelError::input("token_index", "no token order (internal error)")
+            })?;
+            (gather_rows(&k, order)?, gather_rows(&v, order)?)
         } else {
             let (ck, cv) = self.cached_kv(block, p, cache, proj)?;
             // Cached rows at `T..T + N`, then the fresh rows written over their positions; text
@@ -571,7 +573,15 @@ impl FluxTransformer {
             ],
             0,
         )?;
+        // `rows` is a permutation of `0..T + N` when every token is computed; its inverse puts
+        // the computed rows back in token order.
+        let token_order = if all_masked {
+            Some(rows.f_argsort(0, false)?)
+        } else {
+            None
+        };
         Ok(Prepared {
+            token_order,
             txt: t,
             masked: m,
             img: n,
