@@ -14,9 +14,7 @@
 //! or on a GPU one padded call for the batch (`padded_attention`).
 use super::blocks::{attention, to_heads, QkvProj};
 use super::embeddings::Rope;
-use super::gather::{
-    cat_rows, check_token_index, gather_rows, merge_rows_, offsets, request_ids,
-};
+use super::gather::{cat_rows, check_token_index, gather_rows, merge_rows_, offsets, request_ids};
 use super::padded_attention::{MaskedAttention, PaddedLayout, RequestRows};
 use super::{check_batch_vector, ids_2d, FluxTransformer};
 use crate::error::{ModelError, Result};
