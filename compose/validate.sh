@@ -3,7 +3,8 @@
 # Each check runs with the best tool present and says so when it has to skip:
 #   compose file   docker compose config > docker-compose (v1) config > YAML + structure (python)
 #   prometheus.yml promtool check config (its alerting rules too), promtool test rules
-#   alertmanager   amtool check-config, and where critical and warning alerts are routed
+#   alertmanager   amtool check-config, and where critical and warning alerts are routed;
+#                  its inhibitions, by the server itself (check_inhibitions.py)
 #   dashboard      JSON + structure (python); its PromQL through promtool check rules
 #   provisioning   YAML (python)
 #   nats.conf      nats-server -t
@@ -14,7 +15,8 @@
 # Exit status: 1 when a check that ran failed, 0 otherwise (skips do not fail).
 # Usage: compose/validate.sh    (from anywhere; installs nothing itself except PyYAML into a
 #        temporary venv when python3 lacks it; promtool: apt-get install prometheus, amtool:
-#        apt-get install prometheus-alertmanager; cargo xtask setup unpacks both instead;
+#        apt-get install prometheus-alertmanager (also the server the inhibition check starts);
+#        cargo xtask setup installs that package and unpacks promtool;
 #        haproxy: apt-get install haproxy, which cargo xtask setup does)
 set -uo pipefail
 
@@ -39,6 +41,15 @@ if have promtool; then
 elif [ -x "$cache/bin/promtool" ]; then
   promtool="$cache/bin/promtool"
 fi
+# The Alertmanager server, for its inhibitions: Debian's package names it prometheus-alertmanager
+# (and reads its templates from /usr/share, so it must be installed, not unpacked).
+alertmanager=""
+for candidate in alertmanager prometheus-alertmanager; do
+  if have "$candidate"; then
+    alertmanager="$(command -v "$candidate")"
+    break
+  fi
+done
 amtool=""
 if have amtool; then
   amtool=amtool
@@ -176,6 +187,17 @@ if [ -n "$amtool" ]; then
   done
 else
   skip "amtool not found on PATH nor in $cache/bin (cargo xtask setup unpacks it from Debian's prometheus-alertmanager package)"
+fi
+
+# Inhibitions, evaluated by the server itself against alerts labelled as the rules label them.
+if [ -n "$alertmanager" ] && [ -n "$python" ]; then
+  if out="$("$python" "$here/check_inhibitions.py" "$alertmanager" "$here" 2>&1)"; then
+    pass "alertmanager inhibitions: $(printf '%s' "$out" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
+  else
+    fail "alertmanager inhibitions: $out"
+  fi
+else
+  skip "alertmanager inhibitions: no Alertmanager server on PATH (apt-get install prometheus-alertmanager, which cargo xtask setup does) or no python3 with yaml"
 fi
 
 # Prometheus sends its alerts to the stack's Alertmanager.

@@ -1,8 +1,9 @@
 //! The deployment files in `compose/` pass `compose/validate.sh`: compose structure (and
 //! `docker compose config` where the CLI exists), Prometheus config and the alerting rules'
-//! unit tests (promtool), the Alertmanager config and its routes (amtool), the Grafana dashboard's JSON, views and metric names, provisioning,
-//! NATS config, scripts, and one Dockerfile per service (referenced by it, multi-stage,
-//! non-root, health-checked).
+//! unit tests (promtool), the Alertmanager config and its routes (amtool) and inhibitions (the
+//! server itself), the Grafana dashboard's JSON, views and metric names, provisioning, NATS
+//! config, scripts, and one Dockerfile per service (referenced by it, multi-stage, non-root,
+//! health-checked).
 use std::path::Path;
 use std::process::Command;
 
@@ -72,5 +73,16 @@ fn compose_files_pass_validate_sh() {
         ] {
             assert!(stdout.contains(check), "`{check}` missing:\n{stdout}");
         }
+    }
+    // Where the Alertmanager server is found, it evaluates the inhibitions: all three rounds.
+    if !stdout.contains("SKIP  alertmanager inhibitions") {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("PASS  alertmanager inhibitions"))
+            .unwrap_or_else(|| panic!("the inhibition check did not pass:\n{stdout}"));
+        assert!(
+            line.contains("round 3"),
+            "the inhibition check stopped early: {line}"
+        );
     }
 }

@@ -1,13 +1,16 @@
 //! One-time, idempotent set-up of a fresh machine: the Python venv with torch (libtorch) and
 //! diffusers in the cache directory, `nats-server` from Debian where it is missing,
-//! `promtool` and `amtool` (for `compose/validate.sh`) from Debian's prometheus packages, and
-//! `haproxy` (the balancer of `compose/` and of the chaos scripts' replicated gateways).
+//! `promtool` and `amtool` (for `compose/validate.sh`) from Debian's prometheus packages, the
+//! Alertmanager server (for its inhibition check), and `haproxy` (the balancer of `compose/`
+//! and of the chaos scripts' replicated gateways).
 use crate::toolchain::{run, Toolchain, PY_REQUIREMENTS};
 use std::process::Command;
 
 pub fn setup(tc: &Toolchain) -> anyhow::Result<()> {
     ensure_venv(tc)?;
     ensure_nats_server()?;
+    // Before the checkers: its package brings amtool too.
+    ensure_alertmanager();
     ensure_validate_tools(tc);
     ensure_haproxy();
     Ok(())
@@ -82,6 +85,29 @@ fn ensure_haproxy() {
             "warning: could not install haproxy ({err:#}); compose/validate.sh will skip its check"
         );
     }
+}
+
+/// The Alertmanager server, which `compose/validate.sh` starts to check the inhibitions.
+/// Installed, not unpacked: Debian's build reads its templates from /usr/share. Optional:
+/// without it the script skips that check.
+fn ensure_alertmanager() {
+    const BINARY: &str = "/usr/bin/prometheus-alertmanager";
+    if std::path::Path::new(BINARY).exists() {
+        return;
+    }
+    eprintln!("the Alertmanager server not found: installing Debian's prometheus-alertmanager");
+    if let Err(err) = apt_install(&["prometheus-alertmanager"]) {
+        eprintln!(
+            "warning: could not install prometheus-alertmanager ({err:#}); compose/validate.sh \
+             will skip the inhibition check"
+        );
+        return;
+    }
+    // Where systemd runs, the package starts a server on :9093 (the compose stack's port);
+    // only its binary is wanted here.
+    let _ = Command::new("systemctl")
+        .args(["disable", "--now", "--quiet", "prometheus-alertmanager"])
+        .output();
 }
 
 /// `haproxy` on PATH or where Debian puts it.
