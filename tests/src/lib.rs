@@ -1,4 +1,5 @@
 //! Integration tests of the whole mesh live in tests/tests/; this crate holds their harness.
 pub mod harness;
 pub mod images;
+pub mod promql;
 pub mod tools;

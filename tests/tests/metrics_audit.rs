@@ -3,7 +3,8 @@
 //! dashboards and alerts need exist, every name follows the convention
 //! (`diffmesh_` prefix; `_seconds`, `_bytes`, `_ratio`, counters `_total`, or a documented
 //! unitless metric: `shared::metrics::naming_problem`), and every metric the Grafana dashboard
-//! queries or an alerting rule watches is really exported.
+//! queries or an alerting rule watches is really exported, with the labels those queries match
+//! on and group by.
 //!
 //! The services share this process, so the process-wide NATS metrics
 //! (`diffmesh_nats_request_*`) show on every service's page here; in a deployment each
@@ -19,6 +20,7 @@ use diffmesh_tests::harness::{
     start_gateway, start_router, tiny_model_dir, NatsServer,
 };
 use diffmesh_tests::images::{png_bytes, rect_mask, template};
+use diffmesh_tests::promql;
 use reqwest::multipart::{Form, Part};
 
 /// Families each service must export: name and what it stands for in issue #6's list.
@@ -122,15 +124,24 @@ fn metric_names_in(text: &str, names: &mut BTreeSet<String>) {
     }
 }
 
-/// Every `diffmesh_*` metric name a dashboard's queries mention.
-fn dashboard_metrics(path: &Path) -> BTreeSet<String> {
+/// Every query of a dashboard's panels.
+fn dashboard_exprs(path: &Path) -> Vec<String> {
     let text = std::fs::read_to_string(path).expect("read the dashboard");
     let dashboard: serde_json::Value = serde_json::from_str(&text).expect("dashboard JSON");
-    let mut names = BTreeSet::new();
+    let mut exprs = Vec::new();
     for panel in dashboard["panels"].as_array().expect("panels") {
         for target in panel["targets"].as_array().into_iter().flatten() {
-            metric_names_in(target["expr"].as_str().unwrap_or(""), &mut names);
+            exprs.extend(target["expr"].as_str().map(str::to_string));
         }
+    }
+    exprs
+}
+
+/// Every `diffmesh_*` metric name a dashboard's queries mention.
+fn dashboard_metrics(path: &Path) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for expr in dashboard_exprs(path) {
+        metric_names_in(&expr, &mut names);
     }
     names
 }
@@ -336,5 +347,36 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
     assert!(
         missing.is_empty(),
         "the alerting rules watch metrics no service exports: {missing:?}"
+    );
+
+    // And their label matchers and groupings name labels those metrics carry (a wrong name
+    // matches nothing, or sums everything into one series, without any error).
+    let mut labels = BTreeMap::new();
+    for page in pages.values() {
+        for (family, names) in promql::exported_labels(page) {
+            labels
+                .entry(family)
+                .or_insert_with(BTreeSet::new)
+                .extend(names);
+        }
+    }
+    let rules = std::fs::read_to_string(&alerts).expect("read the alerting rules");
+    let queries: Vec<String> = dashboard_exprs(&dashboard)
+        .into_iter()
+        .chain(promql::rule_exprs(&rules))
+        .collect();
+    assert!(
+        queries.len() >= 20,
+        "too few queries read: {}",
+        queries.len()
+    );
+    let wrong: Vec<String> = queries
+        .iter()
+        .flat_map(|q| promql::unknown_labels(q, &labels))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "queries name labels their metrics lack:\n{}",
+        wrong.join("\n")
     );
 }
