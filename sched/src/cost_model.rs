@@ -6,6 +6,7 @@
 //! that attends to `a` tokens. A mask-aware edit computes only text + masked image tokens
 //! (attending to all tokens); a full pass computes every token. Both costs and the cache size
 //! scale linearly with the mask ratio, which is why linear models fit (FlashPS reports R^2 0.99).
+use crate::compute_fit::ComputeFit;
 use crate::error::SchedError;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -272,8 +273,8 @@ pub struct CostModels {
     pub label: String,
     pub synthetic: bool,
     pub shape: ModelShape,
-    /// Block compute latency (s) against block FLOPs of the batch.
-    pub compute: LinearFit,
+    /// Block compute latency (s) against block FLOPs and requests of the batch.
+    pub compute: ComputeFit,
     /// Block cache-load latency (s) against bytes of the batch.
     pub load: LinearFit,
     /// Slow-tier read latency (s) against bytes, when the profile measured it.
@@ -286,15 +287,13 @@ pub struct CostModels {
 impl CostModels {
     pub fn fit(profile: &Profile) -> Result<Self, SchedError> {
         profile.shape.validate()?;
-        let cx: Vec<f64> = profile.compute.iter().map(|s| s.flops).collect();
-        let cy: Vec<f64> = profile.compute.iter().map(|s| s.latency_s).collect();
         let lx: Vec<f64> = profile.load.iter().map(|s| s.bytes as f64).collect();
         let ly: Vec<f64> = profile.load.iter().map(|s| s.latency_s).collect();
         let mut models = CostModels {
             label: profile.label.clone(),
             synthetic: profile.synthetic,
             shape: profile.shape.clone(),
-            compute: LinearFit::fit("compute (profile.compute)", &cx, &cy)?,
+            compute: ComputeFit::fit("compute (profile.compute)", &profile.compute)?,
             load: LinearFit::fit("load (profile.load)", &lx, &ly)?,
             disk_load: if profile.disk_load.is_empty() {
                 None
@@ -363,8 +362,10 @@ impl CostModels {
     /// One line per fit for logs and reports.
     pub fn describe(&self) -> String {
         let mut out = format!(
-            "compute: {:.4e} s/FLOP + {:.3e} s, R^2 {:.4} ({} samples); load: {:.4e} s/B + {:.3e} s, R^2 {:.4} ({} samples)",
+            "compute: {:.4e} s/FLOP + {:.3e} s/request (+{:.3e} mask-aware) + {:.3e} s, R^2 {:.4} ({} samples); load: {:.4e} s/B + {:.3e} s, R^2 {:.4} ({} samples)",
             self.compute.slope,
+            self.compute.per_request,
+            self.compute.per_cached_request,
             self.compute.intercept,
             self.compute.r2,
             self.compute.samples,
@@ -394,8 +395,12 @@ impl CostModels {
             return BlockCosts::default();
         }
         BlockCosts {
-            cached_s: self.compute.predict(totals.flops_cached),
-            full_s: self.compute.predict(totals.flops_full),
+            cached_s: self
+                .compute
+                .predict(totals.flops_cached, totals.requests, true),
+            full_s: self
+                .compute
+                .predict(totals.flops_full, totals.requests, false),
             load_s: self.load.predict(totals.bytes),
         }
     }

@@ -157,6 +157,7 @@ impl Forecaster {
 pub(crate) mod tests {
     use super::*;
     use crate::batching::BatchLimits;
+    use crate::compute_fit::ComputeFit;
     use crate::cost_model::{LinearFit, ModelShape};
 
     /// One block, no text, H = 1, 100 image tokens, free loads: a step costs the batch's summed
@@ -173,12 +174,12 @@ pub(crate) mod tests {
                 cache_bytes_per_token: 1,
                 steps: 10,
             },
-            compute: LinearFit {
+            compute: ComputeFit::from_line(LinearFit {
                 slope: 1.0 / 424.0,
                 intercept: 0.0,
                 r2: 1.0,
                 samples: 0,
-            },
+            }),
             load: LinearFit {
                 slope: 0.0,
                 intercept: 0.0,

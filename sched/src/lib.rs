@@ -1,7 +1,8 @@
 //! Scheduling for diffmesh.
 //!
-//! - [`cost_model`]: per-block compute latency linear in FLOPs, load latency linear in bytes,
-//!   least-squares fitted from a profile file (with R^2).
+//! - [`cost_model`]: per-block compute latency linear in FLOPs and requests
+//!   ([`compute_fit`]), load latency linear in bytes, least-squares fitted from a profile file
+//!   (with R^2).
 //! - [`planner`]: FlashPS Algorithm 1, made exact: per block, use the cached activations (loaded
 //!   in order on a copy stream) or recompute all tokens, minimising the step latency.
 //! - [`batching`]: the engine's step-level continuous-batching admission rule.
@@ -12,6 +13,7 @@
 //! - [`profiles`]: the measured profiles checked in under `sched/profiles/`, built in.
 pub mod batching;
 pub mod calibration;
+pub mod compute_fit;
 pub mod cost_model;
 pub mod error;
 pub mod forecast;
@@ -22,6 +24,7 @@ pub mod profiles;
 pub mod sim;
 pub mod synthetic;
 
+pub use compute_fit::ComputeFit;
 pub use cost_model::{CostModels, LinearFit, ModelShape, Profile};
 pub use error::SchedError;
 pub use planner::{plan, Plan};

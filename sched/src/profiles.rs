@@ -85,6 +85,26 @@ mod tests {
         );
     }
 
+    /// The H100 profiles (`docs/sched/gpu/`, not built in): launch-bound blocks, which FLOPs
+    /// alone fit to R^2 0.90 (medium) and 0.05 (tiny). With a cost per request, and more per
+    /// mask-aware request (its gathers and merges), they fit as well as the CPU's.
+    #[test]
+    fn gpu_profiles_fit_with_the_per_request_terms() {
+        for name in ["medium-h100", "tiny-h100"] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join(format!("../docs/sched/gpu/{name}.json"));
+            let p = Profile::read(&path).unwrap();
+            let m = CostModels::fit(&p).unwrap();
+            println!("{name}: {}", m.describe());
+            assert!(m.compute.r2 >= 0.95, "{name}: compute {:?}", m.compute);
+            assert!(
+                m.compute.per_cached_request > 0.0,
+                "{name}: a mask-aware request costs more kernels: {:?}",
+                m.compute
+            );
+        }
+    }
+
     /// The bar for the linear cost models on this machine (FlashPS reports 0.99 on
     /// GPUs): compute against FLOPs (jointly and per pass kind) and load against bytes.
     #[test]

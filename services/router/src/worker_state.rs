@@ -153,7 +153,7 @@ pub(crate) mod tests {
             label: "test".into(),
             synthetic: true,
             shape: shape(),
-            compute: fit(1e-3),
+            compute: diffmesh_sched::ComputeFit::from_line(fit(1e-3)),
             load: fit(0.0),
             disk_load: None,
             step_overhead: None,
