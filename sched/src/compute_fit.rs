@@ -4,7 +4,7 @@
 //! FLOPs alone (FlashPS Table 1) fit a CPU, where a block's time is its arithmetic (R^2 0.996+),
 //! but not a GPU at these model sizes: there a block is launch-bound, and every request adds
 //! kernels of its own (its attention call; for a mask-aware pass also the gathers and merges of
-//! its cached keys and values) whatever its FLOPs. The H100 profiles in `docs/sched/gpu/` fit
+//! its cached keys and values) whatever its FLOPs. The H100 profiles (`sched/profiles/*-h100.json`) fit
 //! FLOPs alone to R^2 0.90 (medium) and 0.05 (tiny), and these four terms to 0.99+.
 //!
 //! Coefficients are non-negative (a request never makes a block faster): non-negative least

@@ -4,7 +4,7 @@
 use anyhow::{bail, ensure, Context};
 use clap::Parser;
 use diffmesh_sched::batching::BatchLimits;
-use diffmesh_sched::cost_model::{CostModels, Profile};
+use diffmesh_sched::cost_model::CostModels;
 use diffmesh_sched::policy::{policy_by_name, ActiveRequest, RequestInfo, WorkerState};
 use diffmesh_sched::sim::{simulate_with_latencies, workload, SharedCpu, SimConfig};
 use diffmesh_sched::synthetic;
@@ -41,7 +41,8 @@ struct Args {
     /// Seed of arrivals, mask draws and step noise.
     #[arg(long, env = "DIFFMESH_SIM_SEED", default_value_t = 0)]
     seed: u64,
-    /// Profile file to fit the cost models from; without it a labelled synthetic profile is used.
+    /// Profile to fit the cost models from: a built-in one's name (tiny-cpu, medium-cpu,
+    /// tiny-h100, medium-h100) or a file; without it a labelled synthetic profile is used.
     #[arg(long, env = "DIFFMESH_SIM_PROFILE")]
     profile: Option<PathBuf>,
     /// Print only the final JSON line.
@@ -120,7 +121,7 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let model = match &args.profile {
-        Some(p) => CostModels::fit(&Profile::read(p)?)?,
+        Some(p) => CostModels::fit(&diffmesh_sched::profiles::load(p)?)?,
         None => synthetic::default_models(),
     };
     let say = |s: String| {

@@ -17,7 +17,7 @@ pub mod submit;
 pub mod worker_state;
 
 use admin::AdminServer;
-use diffmesh_sched::{CostModels, Profile, SchedError};
+use diffmesh_sched::{CostModels, SchedError};
 use diffmesh_shared::health::Readiness;
 use diffmesh_shared::job::JobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
@@ -74,8 +74,9 @@ pub struct RouterConfig {
     /// time with `POST /admin/policy` on the health address.
     #[arg(long, env = "ROUTER_POLICY", default_value = "mask-aware")]
     pub policy: String,
-    /// Profile (written by `cargo xtask profile`) to fit the policies' cost models from.
-    /// Default: the tiny model's CPU profile built into the binary.
+    /// Profile to fit the policies' cost models from: a built-in one's name (`tiny-cpu`, the
+    /// default; `medium-cpu`; `tiny-h100` and `medium-h100` for denoisers on GPUs) or a file
+    /// written by `cargo xtask profile` on the denoisers' hardware.
     #[arg(long, env = "ROUTER_PROFILE")]
     pub profile: Option<PathBuf>,
     /// Scale each denoiser's forecasts by its measured / predicted step time (learned from its
@@ -158,7 +159,7 @@ impl RouterHandle {
 /// The cost models of `--profile`, or of the built-in profile.
 pub fn cost_models(config: &RouterConfig) -> Result<CostModels, RouterError> {
     match &config.profile {
-        Some(path) => Profile::read(path)
+        Some(spec) => diffmesh_sched::profiles::load(spec)
             .and_then(|p| CostModels::fit(&p))
             .map_err(RouterError::Profile),
         None => diffmesh_sched::profiles::builtin_models().map_err(RouterError::Profile),
