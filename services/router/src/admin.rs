@@ -69,6 +69,10 @@ async fn get_policy(router: web::Data<Router>) -> HttpResponse {
             "synthetic": m.synthetic,
             "compute_r2": m.compute.r2,
             "load_r2": m.load.r2,
+            // The fitted terms: seconds per FLOP, per request, per mask-aware request, and
+            // the intercept; per byte for loads.
+            "compute": m.compute,
+            "load": m.load,
         },
     }))
 }

@@ -151,6 +151,18 @@ async fn policy_switches_at_run_time_through_the_admin_endpoint() {
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["policy"], "mask-aware");
     assert!(v["known"].as_array().unwrap().len() >= 4);
+    // The built-in tiny-cpu profile's fit, every term shown.
+    let compute = &v["cost_models"]["compute"];
+    for term in [
+        "slope",
+        "intercept",
+        "per_request",
+        "per_cached_request",
+        "r2",
+    ] {
+        assert!(compute[term].as_f64().is_some(), "{term} missing: {body}");
+    }
+    assert!(compute["slope"].as_f64().unwrap() > 0.0, "{body}");
     wait_for_metric(addr, "diffmesh_router_policy{name=\"mask-aware\"} 1").await;
 
     // Mask-aware sends the job to the idle worker.
