@@ -64,11 +64,17 @@ struct Prepared {
     /// RoPE rows of all N image tokens: only for a raw cache that is read.
     rope_img: Option<Rope>,
     format: KvFormat,
-    /// M = N: nothing is cached, the request is a plain full forward.
-    all_masked: bool,
-    /// When `all_masked`: the computed rows in token order (`rows` inverted), so keys and values
-    /// are gathered into token order rather than scattered into an uninitialised buffer.
+    /// Set when M = N (nothing is cached, the request is a plain full forward): the computed
+    /// rows in token order (`rows` inverted), so keys and values are gathered into token order
+    /// rather than scattered into an uninitialised buffer.
     token_order: Option<Tensor>,
+}
+
+impl Prepared {
+    /// M = N: every image token is computed and no cache is read.
+    fn all_masked(&self) -> bool {
+        self.token_order.is_some()
+    }
 }
 
 /// Offsets of each request's tokens inside one packed stream.
@@ -414,13 +420,10 @@ impl FluxTransformer {
         let q = p.rope.apply(&s.q)?;
         let k = p.rope.apply(&s.k)?;
         let v = to_heads(&s.v, head_dim)?;
-        let (k, v) = if p.all_masked {
+        let (k, v) = if let Some(order) = &p.token_order {
             // The computed rows are the whole key set. Put them in token order anyway: key order
             // does not change the math but does change float rounding, and in token order the
             // result matches the full forward's.
-            let order = p.token_order.as_ref().ok_or_else(|| {
-                ModelError::input("token_index", "no token order (internal error)")
-            })?;
             (gather_rows(&k, order)?, gather_rows(&v, order)?)
         } else {
             let (ck, cv) = self.cached_kv(block, p, cache, proj)?;
@@ -446,7 +449,7 @@ impl FluxTransformer {
         cache: &dyn KvCache,
         proj: &QkvProj,
     ) -> Result<Option<(Tensor, Tensor)>> {
-        if p.all_masked {
+        if p.all_masked() {
             return Ok(None);
         }
         self.cached_kv(block, p, cache, proj).map(Some)
@@ -588,7 +591,6 @@ impl FluxTransformer {
             rope,
             rope_img,
             format,
-            all_masked,
         })
     }
 }
