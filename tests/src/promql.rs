@@ -171,14 +171,17 @@ fn family_of(name: &str, is_family: impl Fn(&str) -> bool) -> String {
         .to_string()
 }
 
-fn metric_names(expr: &str) -> BTreeSet<String> {
+/// Every `diffmesh_*` metric name in `text` (`diffmesh_.+_failures_total` is a regex over
+/// names, not a name, and is skipped).
+pub fn metric_names(text: &str) -> BTreeSet<String> {
     let mut names = BTreeSet::new();
     let mut i = 0;
-    while let Some(p) = expr[i..].find("diffmesh_") {
+    while let Some(p) = text[i..].find("diffmesh_") {
         let start = i + p;
-        let end = name_end(expr, start);
-        if start == 0 || !is_name_char(expr.as_bytes()[start - 1]) {
-            names.insert(expr[start..end].to_string());
+        let end = name_end(text, start);
+        let whole = start == 0 || !is_name_char(text.as_bytes()[start - 1]);
+        if whole && end > start + "diffmesh_".len() {
+            names.insert(text[start..end].to_string());
         }
         i = end.max(start + 1);
     }

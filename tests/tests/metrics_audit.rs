@@ -108,22 +108,6 @@ fn samples<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = &'a str> + 
         .filter(move |l| l.starts_with(name) && !l.starts_with('#'))
 }
 
-/// Every `diffmesh_*` metric name in `text` (`diffmesh_.+_failures_total` is a regex over
-/// names, not a name, and is skipped).
-fn metric_names_in(text: &str, names: &mut BTreeSet<String>) {
-    let mut rest = text;
-    while let Some(start) = rest.find("diffmesh_") {
-        let tail = &rest[start..];
-        let end = tail
-            .find(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
-            .unwrap_or(tail.len());
-        if end > "diffmesh_".len() {
-            names.insert(tail[..end].to_string());
-        }
-        rest = &tail[end.max(1)..];
-    }
-}
-
 /// Every query of a dashboard's panels.
 fn dashboard_exprs(path: &Path) -> Vec<String> {
     let text = std::fs::read_to_string(path).expect("read the dashboard");
@@ -135,25 +119,6 @@ fn dashboard_exprs(path: &Path) -> Vec<String> {
         }
     }
     exprs
-}
-
-/// Every `diffmesh_*` metric name a dashboard's queries mention.
-fn dashboard_metrics(path: &Path) -> BTreeSet<String> {
-    let mut names = BTreeSet::new();
-    for expr in dashboard_exprs(path) {
-        metric_names_in(&expr, &mut names);
-    }
-    names
-}
-
-/// Every `diffmesh_*` metric name the Prometheus alerting rules mention (comments aside).
-fn alert_metrics(path: &Path) -> BTreeSet<String> {
-    let text = std::fs::read_to_string(path).expect("read the alerting rules");
-    let mut names = BTreeSet::new();
-    for line in text.lines().filter(|l| !l.trim_start().starts_with('#')) {
-        metric_names_in(line, &mut names);
-    }
-    names
 }
 
 /// Send bytes that are not MessagePack to `subject` and wait for the service's answer: the
@@ -331,14 +296,25 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
             .filter(|n| !exported.contains_key(n) && histogram_part(n).is_none())
             .collect()
     };
-    let missing = not_exported(dashboard_metrics(&dashboard));
+    let dashboard_queries = dashboard_exprs(&dashboard);
+    let queried: BTreeSet<String> = dashboard_queries
+        .iter()
+        .flat_map(|q| promql::metric_names(q))
+        .collect();
+    let missing = not_exported(queried);
     assert!(
         missing.is_empty(),
         "the dashboard queries metrics no service exports: {missing:?}"
     );
     // And the alerting rules watch only metrics that exist.
     let alerts = Path::new(env!("CARGO_MANIFEST_DIR")).join("../compose/prometheus/alerts.yml");
-    let alerting = alert_metrics(&alerts);
+    let rules = std::fs::read_to_string(&alerts).expect("read the alerting rules");
+    // Every metric the rules mention (comments aside).
+    let alerting: BTreeSet<String> = rules
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .flat_map(promql::metric_names)
+        .collect();
     assert!(
         alerting.len() >= 5,
         "alerts.yml names too few metrics: {alerting:?}"
@@ -360,8 +336,7 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
                 .extend(names);
         }
     }
-    let rules = std::fs::read_to_string(&alerts).expect("read the alerting rules");
-    let queries: Vec<String> = dashboard_exprs(&dashboard)
+    let queries: Vec<String> = dashboard_queries
         .into_iter()
         .chain(promql::rule_exprs(&rules))
         .collect();
