@@ -25,7 +25,7 @@ pub enum SchedError {
     InvalidField { field: String, message: String },
     #[error("cannot fit {what}: {message}")]
     Fit { what: String, message: String },
-    #[error("unknown policy `{0}` (known: round-robin, request-count, token-count, mask-aware, mask-aware-marginal, flashps-greedy)")]
+    #[error("unknown policy `{0}` (known: round-robin, request-count, token-count, mask-aware, mask-aware-marginal, mask-aware-deferring, flashps-greedy)")]
     UnknownPolicy(String),
 }
 

@@ -24,6 +24,15 @@ struct Slot {
 }
 
 /// Reusable scratch space so a forecast allocates nothing in steady state.
+/// A worker's forecast run to the end.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Drain {
+    /// Sum of every request's predicted finish time ([`Forecaster::total_finish`]).
+    pub total_finish_s: f64,
+    /// Seconds until the worker holds nothing (0 when idle).
+    pub drain_s: f64,
+}
+
 #[derive(Debug, Default, Clone)]
 pub struct Forecaster {
     batch: Vec<Slot>,
@@ -48,17 +57,30 @@ impl Forecaster {
         req: Option<&RequestInfo>,
         model: &CostModels,
     ) -> f64 {
-        self.run(worker, req, model, true).1
+        self.drain(worker, req, model).total_finish_s
     }
 
-    /// Fast-forward; stops when the new request finishes unless `drain`.
+    /// The worker run until it holds nothing, with `req` if given.
+    pub fn drain(
+        &mut self,
+        worker: &WorkerState,
+        req: Option<&RequestInfo>,
+        model: &CostModels,
+    ) -> Drain {
+        let (_, total_finish_s, drain_s) = self.run(worker, req, model, true);
+        Drain {
+            total_finish_s,
+            drain_s,
+        }
+    }
+
     fn run(
         &mut self,
         worker: &WorkerState,
         req: Option<&RequestInfo>,
         model: &CostModels,
         drain: bool,
-    ) -> (Forecast, f64) {
+    ) -> (Forecast, f64, f64) {
         let shape = &model.shape;
         let new = req.map(|r| ActiveRequest {
             masked_tokens: r.masked_tokens,
@@ -149,7 +171,7 @@ impl Forecaster {
             start_s: start.unwrap_or(finish),
             finish_s: finish,
         };
-        (forecast, sum_finish)
+        (forecast, sum_finish, t)
     }
 }
 
@@ -214,6 +236,8 @@ pub(crate) mod tests {
             masked_tokens: 4,
             steps: 1,
             template: None,
+            waiting_behind: 0,
+            holdable: true,
         };
         // t=0.5: batch {2,1} runs 2 steps of 3 s -> 6.5; the queued one retires, the new one
         // joins: batch {2,4} runs 1 step of 6 s -> 12.5.
@@ -234,6 +258,8 @@ pub(crate) mod tests {
             masked_tokens: 450,
             steps: 28,
             template: None,
+            waiting_behind: 0,
+            holdable: true,
         };
         let f =
             Forecaster::default().forecast(&WorkerState::idle(BatchLimits::default()), &req, &m);

@@ -67,6 +67,63 @@ pub struct MaskAwareMarginal {
     scratch: Forecaster,
 }
 
+/// [`MaskAwareMarginal`]'s pick, with what [`MaskAwareDeferring`] weighs it against.
+#[derive(Debug, Clone, Copy)]
+struct MarginalChoice {
+    index: usize,
+    /// Delay the request adds to everyone on the pick, itself included.
+    marginal_s: f64,
+    /// Seconds until the first accepting worker drains, and that worker's step-time factor.
+    first_drain_s: f64,
+    first_drain_factor: f64,
+}
+
+impl MaskAwareMarginal {
+    fn choose(
+        &mut self,
+        req: &RequestInfo,
+        workers: &[WorkerState],
+        model: &CostModels,
+    ) -> Option<MarginalChoice> {
+        let cold = self.cold_fetch_s.unwrap_or_else(|| model.cold_fetch_s());
+        let f = &mut self.scratch;
+        let mut best: Option<(MarginalChoice, (f64, bool))> = None;
+        let mut first_drain = (f64::INFINITY, 1.0);
+        for (i, w) in workers.iter().enumerate() {
+            if !w.accepts() {
+                continue;
+            }
+            let with = f.total_finish(w, Some(req), model);
+            let without = f.drain(w, None, model);
+            if without.drain_s < first_drain.0 {
+                first_drain = (without.drain_s, w.step_time_factor);
+            }
+            let holds = w.holds(req.template);
+            let penalty = if holds || cold <= 0.0 {
+                0.0
+            } else {
+                cold_penalty(false, cold, f.forecast(w, req, model).start_s)
+            };
+            let marginal_s = with - without.total_finish_s;
+            let key = (marginal_s + penalty, !holds);
+            if best.as_ref().is_none_or(|(_, k)| key < *k) {
+                let choice = MarginalChoice {
+                    index: i,
+                    marginal_s,
+                    first_drain_s: 0.0,
+                    first_drain_factor: 1.0,
+                };
+                best = Some((choice, key));
+            }
+        }
+        best.map(|(c, _)| MarginalChoice {
+            first_drain_s: first_drain.0,
+            first_drain_factor: first_drain.1,
+            ..c
+        })
+    }
+}
+
 impl Policy for MaskAwareMarginal {
     fn name(&self) -> &str {
         "mask-aware-marginal"
@@ -78,19 +135,73 @@ impl Policy for MaskAwareMarginal {
         workers: &[WorkerState],
         model: &CostModels,
     ) -> Option<usize> {
-        let cold = self.cold_fetch_s.unwrap_or_else(|| model.cold_fetch_s());
-        let scratch = &mut self.scratch;
-        argmin_by(workers, |w| {
-            let with = scratch.total_finish(w, Some(req), model);
-            let without = scratch.total_finish(w, None, model);
-            let holds = w.holds(req.template);
-            let penalty = if holds || cold <= 0.0 {
-                0.0
-            } else {
-                cold_penalty(false, cold, scratch.forecast(w, req, model).start_s)
-            };
-            (with - without + penalty, !holds)
-        })
+        self.choose(req, workers, model).map(|c| c.index)
+    }
+}
+
+/// [`MaskAwareMarginal`] that may also hold a request back at the router, to run it alone on
+/// the first worker to drain, when that costs less than joining a batch now. Whether sharing a
+/// step pays is read off the cost models: on a GPU a step of eight costs little more than a
+/// step of one, so joining a batch adds little work and the policy places at once; on a CPU a
+/// batch costs about the sum of its rows, so a request that joins a busy worker saves no
+/// capacity and only slows everyone on it (processor sharing), while holding it keeps workers
+/// first-come first-served, which has the shorter tail for requests of similar size.
+///
+/// - Placing now on the marginal policy's pick `w`: the delay it adds to everyone on `w`, its
+///   own latency included.
+/// - Holding: it runs alone once the first worker drains (its wait plus its standalone time),
+///   and the requests waiting behind it lose the capacity batching would have saved: the work
+///   it adds to `w` short of its standalone time, shared over the live workers.
+///
+/// A request is never held while a worker is idle (holding then costs at least as much as
+/// running there), so held requests never leave a worker idle.
+#[derive(Debug, Clone)]
+pub struct MaskAwareDeferring {
+    /// Hold only where joining the pick's batch saves less than this fraction of the request's
+    /// standalone work: near saturation any capacity given up is paid by everyone after.
+    pub max_saving: f64,
+    marginal: MaskAwareMarginal,
+    scratch: Forecaster,
+}
+
+impl Default for MaskAwareDeferring {
+    fn default() -> Self {
+        MaskAwareDeferring {
+            max_saving: 0.05,
+            marginal: MaskAwareMarginal::default(),
+            scratch: Forecaster::default(),
+        }
+    }
+}
+
+impl Policy for MaskAwareDeferring {
+    fn name(&self) -> &str {
+        "mask-aware-deferring"
+    }
+
+    fn place(
+        &mut self,
+        req: &RequestInfo,
+        workers: &[WorkerState],
+        model: &CostModels,
+    ) -> Option<usize> {
+        let pick = self.marginal.choose(req, workers, model)?;
+        if !req.holdable {
+            return Some(pick.index);
+        }
+        let w = &workers[pick.index];
+        let f = &mut self.scratch;
+        let added_work = f.drain(w, Some(req), model).drain_s - f.drain(w, None, model).drain_s;
+        let alone = model.standalone_s(req.masked_tokens, req.steps.max(1));
+        let saved = (alone * w.step_time_factor - added_work).max(0.0);
+        if saved > self.max_saving * alone * w.step_time_factor {
+            return Some(pick.index);
+        }
+        let live = workers.iter().filter(|w| w.alive).count().max(1) as f64;
+        let hold = pick.first_drain_s
+            + alone * pick.first_drain_factor
+            + req.waiting_behind as f64 * saved / live;
+        (pick.marginal_s <= hold).then_some(pick.index)
     }
 }
 
@@ -174,6 +285,8 @@ mod tests {
             masked_tokens: 10,
             steps: 3,
             template: None,
+            waiting_behind: 0,
+            holdable: true,
         };
         assert_eq!(RequestCount.place(&req, &ws, &m), Some(1));
         assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(0));
@@ -219,9 +332,60 @@ mod tests {
             masked_tokens: 10,
             steps: 3,
             template: None,
+            waiting_behind: 0,
+            holdable: true,
         };
         assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(1));
         assert_eq!(MaskAwareMarginal::default().place(&req, &ws, &m), Some(0));
+    }
+
+    #[test]
+    fn deferring_holds_where_batching_saves_no_work() {
+        // Step seconds = summed masked tokens (a batch costs the sum of its rows). Worker 0
+        // runs a 10-token request with one step left, worker 1 one with 30 steps left. Joining
+        // worker 0 now: the new 10-token, 3-step request finishes at 20 + 10 + 10 = 40 and
+        // delays the other by 10 -> 50. Waiting for worker 0 to drain (10 s) and running alone
+        // (30 s) -> 40: hold.
+        let m = token_seconds_model();
+        let ws = vec![
+            worker(&[active(10, 1)], &[]),
+            worker(&[active(10, 30)], &[]),
+        ];
+        let req = RequestInfo {
+            masked_tokens: 10,
+            steps: 3,
+            template: None,
+            waiting_behind: 0,
+            holdable: true,
+        };
+        let mut p = MaskAwareDeferring::default();
+        assert_eq!(p.place(&req, &ws, &m), None);
+        // The marginal policy it refines places it on worker 0.
+        assert_eq!(MaskAwareMarginal::default().place(&req, &ws, &m), Some(0));
+        // A caller that cannot keep the request waiting gets the marginal pick.
+        let must = RequestInfo {
+            holdable: false,
+            ..req
+        };
+        assert_eq!(p.place(&must, &ws, &m), Some(0));
+        // An idle worker is never passed over.
+        let with_idle = vec![ws[0].clone(), ws[1].clone(), worker(&[], &[])];
+        assert_eq!(p.place(&req, &with_idle, &m), Some(2));
+    }
+
+    #[test]
+    fn deferring_places_at_once_where_batching_saves_work() {
+        // The tiny model measured on an H100: a step of two costs far less than two steps of
+        // one, so holding would give up capacity and the request goes now.
+        let m = CostModels::fit(&crate::profiles::builtin("tiny-h100").unwrap()).unwrap();
+        let ws = vec![
+            worker(&[active(20, 1)], &[]),
+            worker(&[active(20, 20)], &[]),
+        ];
+        let mut p = MaskAwareDeferring::default();
+        let got = p.place(&new_req(), &ws, &m);
+        assert!(got.is_some());
+        assert_eq!(got, MaskAwareMarginal::default().place(&new_req(), &ws, &m));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 use crate::batching::BatchLimits;
 use crate::cost_model::CostModels;
 use crate::error::SchedError;
-use crate::mask_aware::{FlashPsGreedy, MaskAware, MaskAwareMarginal};
+use crate::mask_aware::{FlashPsGreedy, MaskAware, MaskAwareDeferring, MaskAwareMarginal};
 
 /// A request to place.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -17,6 +17,12 @@ pub struct RequestInfo {
     pub steps: u32,
     /// Template whose cached activations the request reuses, if any.
     pub template: Option<u64>,
+    /// Requests waiting at the router behind this one (0 for a new arrival placed at once): a
+    /// policy that holds this request back delays them too.
+    pub waiting_behind: u32,
+    /// The caller can keep the request waiting when the policy declines to place it although
+    /// a worker accepts (the router's admission queue can; placing a lost worker's job cannot).
+    pub holdable: bool,
 }
 
 /// A request on a worker, running or queued.
@@ -108,12 +114,13 @@ pub trait Policy: Send {
 }
 
 /// Every policy name [`policy_by_name`] knows.
-pub const POLICY_NAMES: [&str; 6] = [
+pub const POLICY_NAMES: [&str; 7] = [
     "round-robin",
     "request-count",
     "token-count",
     "mask-aware",
     "mask-aware-marginal",
+    "mask-aware-deferring",
     "flashps-greedy",
 ];
 
@@ -124,6 +131,7 @@ pub fn policy_by_name(name: &str) -> Result<Box<dyn Policy>, SchedError> {
         "token-count" => Box::new(TokenCount),
         "mask-aware" => Box::new(MaskAware::default()),
         "mask-aware-marginal" => Box::new(MaskAwareMarginal::default()),
+        "mask-aware-deferring" => Box::new(MaskAwareDeferring::default()),
         "flashps-greedy" => Box::new(FlashPsGreedy),
         other => return Err(SchedError::UnknownPolicy(other.to_string())),
     })
@@ -218,6 +226,8 @@ pub(crate) mod tests {
             masked_tokens: 400,
             steps: 28,
             template: None,
+            waiting_behind: 0,
+            holdable: true,
         }
     }
 

@@ -21,7 +21,8 @@ pub struct SweepArgs {
     loads: Vec<f64>,
     #[arg(long, value_delimiter = ',', default_values_t = [
         "round-robin".to_string(), "request-count".to_string(), "token-count".to_string(),
-        "mask-aware".to_string(), "mask-aware-marginal".to_string(), "flashps-greedy".to_string()])]
+        "mask-aware".to_string(), "mask-aware-marginal".to_string(),
+        "mask-aware-deferring".to_string(), "flashps-greedy".to_string()])]
     policies: Vec<String>,
     #[arg(long, value_delimiter = ',', default_values_t = [1, 2, 3])]
     seeds: Vec<u64>,

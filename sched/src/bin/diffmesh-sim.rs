@@ -17,7 +17,8 @@ use std::time::Instant;
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// Placement policy: round-robin, request-count, token-count, mask-aware, flashps-greedy.
+    /// Placement policy: round-robin, request-count, token-count, mask-aware,
+    /// mask-aware-marginal, mask-aware-deferring, flashps-greedy.
     #[arg(long, env = "DIFFMESH_SIM_POLICY", default_value = "mask-aware")]
     policy: String,
     /// Mask-ratio file (one ratio in [0, 1] a line) to draw Poisson requests' masks from.
@@ -98,6 +99,10 @@ struct Args {
     /// does (false: they trust the profile for every worker).
     #[arg(long, env = "DIFFMESH_SIM_CALIBRATE", default_value_t = true, action = clap::ArgAction::Set)]
     calibrate: bool,
+    /// Most requests the router holds while no worker takes them (the live router's
+    /// `--max-queue`); arrivals beyond it are rejected.
+    #[arg(long, env = "DIFFMESH_SIM_ROUTER_QUEUE", default_value_t = 1_000_000)]
+    router_queue: usize,
     /// Write the synthetic profile to this file and exit.
     #[arg(long, env = "DIFFMESH_SIM_WRITE_PROFILE")]
     write_profile: Option<PathBuf>,
@@ -170,6 +175,7 @@ fn main() -> anyhow::Result<()> {
         }),
         worker_step_factors: args.worker_step_factors.clone(),
         calibrate: args.calibrate,
+        router_queue: args.router_queue,
     };
     let steps = args.steps.unwrap_or(model.shape.steps);
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
@@ -303,6 +309,8 @@ fn bench(args: &Args, model: &CostModels, n: usize) -> anyhow::Result<()> {
             masked_tokens: draw(&mut rng),
             steps: 28,
             template: None,
+            waiting_behind: 0,
+            holdable: true,
         })
         .collect();
     for name in diffmesh_sched::policy::POLICY_NAMES {

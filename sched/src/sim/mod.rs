@@ -42,6 +42,9 @@ pub struct SimConfig {
     /// ([`crate::calibration`]), as the live router learns it from heartbeats; false: every
     /// view says 1 (the router trusts the profile).
     pub calibrate: bool,
+    /// Most requests the router holds while no worker takes them (the live router's
+    /// `--max-queue`); an arrival beyond it is rejected.
+    pub router_queue: usize,
 }
 
 impl SimConfig {
@@ -152,7 +155,24 @@ pub fn simulate_with_latencies(
     let background = background_cores(cfg, arrivals);
     let mut rejected = 0;
     let mut next_arrival = 0;
+    // The router's admission queue: requests no worker took yet, in arrival order.
+    let mut waiting: VecDeque<Arrival> = VecDeque::new();
+    let mut now = 0.0;
     loop {
+        place_waiting(
+            &mut waiting,
+            now,
+            &mut Placement {
+                cfg,
+                model,
+                policy: &mut *policy,
+                workers: &mut workers,
+                views: &mut views,
+                background,
+                noise: &mut noise,
+                tot: &mut tot,
+            },
+        );
         let step = workers
             .iter()
             .enumerate()
@@ -160,51 +180,89 @@ pub fn simulate_with_latencies(
             .min_by(|a, b| a.0.total_cmp(&b.0));
         let arrival = arrivals.get(next_arrival);
         match (step, arrival) {
-            (None, None) => break,
+            (None, None) if waiting.is_empty() => break,
+            (None, None) => {
+                // Nothing steps and nothing arrives, yet requests wait: the policy held them
+                // with every worker idle, which no placement rule may do.
+                rejected += waiting.len();
+                waiting.clear();
+                break;
+            }
             (Some((t, w)), a) if a.is_none_or(|a| t <= a.time_s) => {
+                now = t;
                 finish_step(&mut workers[w], t, cfg.request_overhead_s, &mut tot);
                 let slow = slowdown(cfg, &workers, w, background);
                 start_step(&mut workers[w], t, slow, cfg, model, &mut noise, &mut tot);
             }
             (_, Some(a)) => {
                 next_arrival += 1;
-                let now = a.time_s;
-                for (w, v) in workers.iter().zip(views.iter_mut()) {
-                    snapshot(w, now, v);
-                    v.step_time_factor = if cfg.calibrate {
-                        w.calibration.factor()
-                    } else {
-                        1.0
-                    };
-                }
-                let req = RequestInfo {
-                    masked_tokens: a.masked_tokens,
-                    steps: a.steps.max(1),
-                    template: a.template,
-                };
-                let Some(w) = policy.place(&req, &views, model).filter(|&w| w < n) else {
+                now = a.time_s;
+                if waiting.len() >= cfg.router_queue {
                     rejected += 1;
-                    continue;
-                };
-                let standalone =
-                    model.standalone_s(a.masked_tokens, req.steps) + cfg.request_overhead_s;
-                workers[w].queue.push_back(Job {
-                    arrival_s: now,
-                    masked: a.masked_tokens,
-                    remaining: req.steps,
-                    start_s: now,
-                    deadline_s: now + cfg.slo_factor * standalone,
-                    standalone_s: standalone,
-                });
-                if workers[w].step_end.is_none() {
-                    let slow = slowdown(cfg, &workers, w, background);
-                    start_step(&mut workers[w], now, slow, cfg, model, &mut noise, &mut tot);
+                } else {
+                    waiting.push_back(*a);
                 }
             }
             (Some(_), None) => unreachable!("handled by the guard above"),
         }
     }
     summarize(policy.name(), arrivals, rejected, &workers, tot)
+}
+
+/// What placing a request touches.
+struct Placement<'a> {
+    cfg: &'a SimConfig,
+    model: &'a CostModels,
+    policy: &'a mut dyn Policy,
+    workers: &'a mut [Worker],
+    views: &'a mut [WorkerState],
+    background: f64,
+    noise: &'a mut ChaCha8Rng,
+    tot: &'a mut Totals,
+}
+
+/// Offers the router's waiting requests to the policy in arrival order, as the live router's
+/// dispatcher does, until one is not placed (no worker takes it, or the policy holds it back).
+fn place_waiting(waiting: &mut VecDeque<Arrival>, now: f64, p: &mut Placement) {
+    while let Some(a) = waiting.front().copied() {
+        for (w, v) in p.workers.iter().zip(p.views.iter_mut()) {
+            snapshot(w, now, v);
+            v.step_time_factor = if p.cfg.calibrate {
+                w.calibration.factor()
+            } else {
+                1.0
+            };
+        }
+        let req = RequestInfo {
+            masked_tokens: a.masked_tokens,
+            steps: a.steps.max(1),
+            template: a.template,
+            waiting_behind: (waiting.len() - 1) as u32,
+            holdable: true,
+        };
+        let Some(w) = p
+            .policy
+            .place(&req, p.views, p.model)
+            .filter(|&w| w < p.workers.len())
+        else {
+            return;
+        };
+        waiting.pop_front();
+        let standalone =
+            p.model.standalone_s(a.masked_tokens, req.steps) + p.cfg.request_overhead_s;
+        p.workers[w].queue.push_back(Job {
+            arrival_s: a.time_s,
+            masked: a.masked_tokens,
+            remaining: req.steps,
+            start_s: now,
+            deadline_s: a.time_s + p.cfg.slo_factor * standalone,
+            standalone_s: standalone,
+        });
+        if p.workers[w].step_end.is_none() {
+            let slow = slowdown(p.cfg, p.workers, w, p.background);
+            start_step(&mut p.workers[w], now, slow, p.cfg, p.model, p.noise, p.tot);
+        }
+    }
 }
 
 /// Cores the rest of the mesh keeps busy over the trace (0 without a shared CPU).

@@ -16,6 +16,7 @@ fn cfg(workers: u32, max_batch: u32) -> SimConfig {
         shared_cpu: None,
         worker_step_factors: Vec::new(),
         calibrate: true,
+        router_queue: 1_000_000,
     }
 }
 
@@ -205,4 +206,66 @@ fn learning_step_factors_places_better_on_a_mixed_fleet() {
         learned < 0.85 * trusted,
         "p95 learned {learned:.2} s vs profile trusted {trusted:.2} s"
     );
+}
+
+/// Places only on an idle worker: everything else waits at the router.
+struct IdleOnly;
+
+impl Policy for IdleOnly {
+    fn name(&self) -> &str {
+        "idle-only"
+    }
+    fn place(&mut self, _: &RequestInfo, ws: &[WorkerState], _: &CostModels) -> Option<usize> {
+        ws.iter()
+            .position(|w| w.accepts() && w.requests() == 0 && w.step_remaining_s == 0.0)
+    }
+}
+
+#[test]
+fn requests_the_policy_holds_wait_at_the_router_in_order_up_to_its_queue() {
+    let m = synthetic::default_models();
+    let burst: Vec<_> = (0..5).map(|_| arrival(0.0, 450)).collect();
+    let one = m.standalone_s(450, 28);
+    let (s, lat) = simulate_with_latencies(&cfg(1, 8), &m, &mut IdleOnly, &burst);
+    // One worker, one request at a time, first come first served.
+    assert_eq!((s.completed, s.rejected), (5, 0), "{s:?}");
+    for (i, l) in lat.iter().enumerate() {
+        assert!((l - one * (i + 1) as f64).abs() < 1e-9, "{i}: {l} vs {one}");
+    }
+    assert_eq!(s.mean_batch, 1.0);
+    // A router queue of 2: the first goes to the idle worker, two wait, two are turned away.
+    let small = SimConfig {
+        router_queue: 2,
+        ..cfg(1, 8)
+    };
+    let s = simulate(&small, &m, &mut IdleOnly, &burst);
+    assert_eq!((s.submitted, s.completed, s.rejected), (5, 3, 2), "{s:?}");
+}
+
+#[test]
+fn deferring_completes_every_request_and_runs_alone_where_batches_save_nothing() {
+    // A batch costs the sum of its rows: mask-aware-deferring keeps workers first come first
+    // served (batches of one) and loses no request.
+    let m = crate::forecast::tests::token_seconds_model();
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut t = 0.0;
+    let arrivals: Vec<_> = (0..400)
+        .map(|_| {
+            t += -(1.0 - rng.random::<f64>()).ln() / 0.3;
+            Arrival {
+                time_s: t,
+                masked_tokens: 1 + rng.random_range(0..40),
+                steps: 5,
+                template: None,
+            }
+        })
+        .collect();
+    let mut deferring = policy_by_name("mask-aware-deferring").unwrap();
+    let s = simulate(&cfg(2, 8), &m, deferring.as_mut(), &arrivals);
+    assert_eq!((s.completed, s.rejected), (400, 0), "{s:?}");
+    assert_eq!(s.mean_batch, 1.0, "{s:?}");
+    let mut marginal = policy_by_name("mask-aware-marginal").unwrap();
+    let shared = simulate(&cfg(2, 8), &m, marginal.as_mut(), &arrivals);
+    assert_eq!(shared.completed, 400);
+    assert!(shared.mean_batch > 1.0, "{shared:?}");
 }

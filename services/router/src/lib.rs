@@ -70,8 +70,10 @@ pub struct RouterConfig {
     #[arg(long, env = "ADOPT_WAIT_MS", default_value_t = 60_000)]
     pub adopt_wait_ms: u64,
     /// Placement policy: round-robin, request-count, token-count, mask-aware (FlashPS
-    /// Algorithm 2 with remaining steps), mask-aware-marginal or flashps-greedy. Switch it at run
-    /// time with `POST /admin/policy` on the health address.
+    /// Algorithm 2 with remaining steps), mask-aware-marginal, mask-aware-deferring (holds jobs
+    /// in the admission queue where batching saves no work, as on CPU denoisers of a larger
+    /// model) or flashps-greedy. Switch it at run time with `POST /admin/policy` on the health
+    /// address.
     #[arg(long, env = "ROUTER_POLICY", default_value = "mask-aware")]
     pub policy: String,
     /// Profile to fit the policies' cost models from: a built-in one's name (`tiny-cpu`, the

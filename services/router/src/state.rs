@@ -97,8 +97,21 @@ impl RouterState {
     }
 
     /// Choose a worker for `job` among live workers not in `exclude`, and record the placement
-    /// (before the request goes out, so a fast `Done` event cannot race the bookkeeping).
+    /// (before the request goes out, so a fast `Done` event cannot race the bookkeeping). The
+    /// job goes now if any worker takes it: see [`Self::place_holdable`].
     pub fn place(&mut self, job: &DenoiseJob, exclude: &[String]) -> Decision {
+        self.place_holdable(job, exclude, None)
+    }
+
+    /// [`Self::place`] for a job the admission queue can keep: `waiting_behind` is `Some(n)`
+    /// with the `n` submits queued behind it, and the policy may then hold the job back
+    /// (answered `NoCapacity`) although a worker would take it.
+    pub fn place_holdable(
+        &mut self,
+        job: &DenoiseJob,
+        exclude: &[String],
+        waiting_behind: Option<u32>,
+    ) -> Decision {
         let now = Instant::now();
         let mut n = 0;
         for w in self.registry.live() {
@@ -122,7 +135,9 @@ impl RouterState {
         if n == 0 {
             return Decision::NoLiveWorker;
         }
-        let req = request_info(job, &self.models.shape);
+        let mut req = request_info(job, &self.models.shape);
+        req.holdable = waiting_behind.is_some();
+        req.waiting_behind = waiting_behind.unwrap_or(0);
         match self.policy.place(&req, &self.views[..n], &self.models) {
             Some(i) if i < n => {
                 let worker = self.ids[i].clone();
@@ -236,6 +251,38 @@ mod tests {
                 "{name}"
             );
         }
+    }
+
+    #[test]
+    fn deferring_holds_queued_jobs_only_and_never_past_an_idle_worker() {
+        // medium-cpu: a batch costs the sum of its rows. Worker a's job has one step left, b's
+        // twenty: running the new job alone once a drains beats sharing a step now.
+        let t0 = Instant::now();
+        let medium = CostModels::fit(&diffmesh_sched::profiles::builtin("medium-cpu").unwrap());
+        let mut s = RouterState::new(
+            policy(),
+            policy_by_name("mask-aware-deferring").unwrap(),
+            medium.unwrap(),
+            3,
+        );
+        let mut a = heartbeat("a", 4, 0);
+        a.running = vec![running("ending", 100, 1)];
+        let mut b = heartbeat("b", 4, 0);
+        b.running = vec![running("long", 100, 20)];
+        s.observe(a, t0);
+        s.observe(b, t0);
+        let new = edit("new", 0.1, "t");
+        assert_eq!(s.place_holdable(&new, &[], Some(0)), Decision::NoCapacity);
+        assert_eq!(s.registry.owner("new"), None);
+        // A job that cannot wait (a lost worker's) goes where the marginal cost is least.
+        assert_eq!(s.place(&new, &[]), Decision::Chosen("a".into()));
+        // An idle worker takes a holdable job at once.
+        s.unplace("new");
+        s.observe(heartbeat("c", 4, 0), t0);
+        assert_eq!(
+            s.place_holdable(&new, &[], Some(0)),
+            Decision::Chosen("c".into())
+        );
     }
 
     #[test]

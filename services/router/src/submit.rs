@@ -66,7 +66,11 @@ impl Router {
         diffmesh_shared::trace_context::set_parent_from(&span, msg.headers.as_ref());
         // Jobs already waiting go first: a new one only skips the queue when it is empty.
         if self.admission().is_empty() {
-            match self.place_once(&job, &[]).instrument(span.clone()).await {
+            match self
+                .place_once(&job, &[], Some(0))
+                .instrument(span.clone())
+                .await
+            {
                 Ok(worker_id) => {
                     self.metrics.placements.inc();
                     self.reply(&msg, &SubmitReply::Accepted { worker_id }, started)
@@ -147,17 +151,24 @@ impl Router {
     /// while it is being placed, so a cancel or a resubmission during the round trip finds it.
     async fn place_queued(&self) {
         loop {
-            let head = self
-                .admission()
-                .front()
-                .map(|w| (w.job.clone(), w.headers.clone()));
-            let Some((job, headers)) = head else {
+            // A policy may hold the head back while a worker would take it, but not for so
+            // long that it expires unplaced: past half its allowed wait it goes where it can.
+            let may_hold_for = Duration::from_millis(self.config.admission_wait_ms / 2);
+            let head = {
+                let q = self.admission();
+                let behind = q.len().saturating_sub(1) as u32;
+                q.front().map(|w| {
+                    let hold = (w.since.elapsed() < may_hold_for).then_some(behind);
+                    (w.job.clone(), w.headers.clone(), hold)
+                })
+            };
+            let Some((job, headers, behind)) = head else {
                 return;
             };
             let span =
                 tracing::info_span!("place_queued", job_id = %job.job_id, attempt = job.attempt);
             diffmesh_shared::trace_context::set_parent_from(&span, headers.as_ref());
-            let result = self.place_once(&job, &[]).instrument(span).await;
+            let result = self.place_once(&job, &[], behind).instrument(span).await;
             if matches!(result, Err(PlaceError::NoCapacity)) {
                 return;
             }
@@ -227,14 +238,14 @@ impl Router {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let notified = self.capacity.notified();
-            let mut placed = self.place_once(job, exclude).await;
+            let mut placed = self.place_once(job, exclude, None).await;
             if !exclude.is_empty()
                 && matches!(
                     placed,
                     Err(PlaceError::NoCapacity | PlaceError::NoLiveWorker)
                 )
             {
-                placed = self.place_once(job, &[]).await;
+                placed = self.place_once(job, &[], None).await;
             }
             let now = tokio::time::Instant::now();
             match placed {
@@ -260,13 +271,14 @@ impl Router {
         &self,
         job: &DenoiseJob,
         exclude: &[String],
+        waiting_behind: Option<u32>,
     ) -> Result<String, PlaceError> {
         let mut tried: Vec<String> = exclude.to_vec();
         loop {
             let decision = {
                 let mut state = self.state();
                 let t = Instant::now();
-                let d = state.place(job, &tried);
+                let d = state.place_holdable(job, &tried, waiting_behind);
                 self.metrics
                     .decision_seconds
                     .observe(t.elapsed().as_secs_f64());
