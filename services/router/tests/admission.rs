@@ -201,3 +201,60 @@ async fn policy_switches_at_run_time_through_the_admin_endpoint() {
     );
     router.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deferring_holds_jobs_in_the_queue_until_a_worker_drains_or_half_their_wait() {
+    // medium-cpu: a batch costs the sum of its rows, so mask-aware-deferring keeps a job
+    // waiting rather than share a busy worker's steps.
+    let nats = NatsServer::start();
+    let mut config = RouterConfig::for_tests(nats.url());
+    config.profile = Some("medium-cpu".into());
+    config.policy = "mask-aware-deferring".into();
+    config.admission_wait_ms = 4_000;
+    let router = start(config).await.unwrap();
+    let addr = router.health_addr;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+
+    // wa is in the last step of a job placed by someone else.
+    let (tx, mut placed) = mpsc::channel(16);
+    let mut busy = FakeWorker::new("wa", 4, 4);
+    busy.running = vec![RunningJob {
+        job_id: "foreign".into(),
+        masked_tokens: 256,
+        remaining_steps: 1,
+    }];
+    let _a = busy.spawn(client.clone(), tx.clone()).await;
+    wait_for_metric(addr, "diffmesh_router_live_workers 1").await;
+
+    // wa would take j1, but the policy holds it; an idle worker that joins gets it.
+    let c = client.clone();
+    let j1 = tokio::spawn(async move { submit(&c, &job("j1")).await });
+    wait_for_metric(addr, "diffmesh_router_admission_waiting 1").await;
+    assert!(placed.try_recv().is_err());
+    let _b = FakeWorker::new("wb", 4, 4).spawn(client.clone(), tx).await;
+    let r1 = tokio::time::timeout(Duration::from_secs(5), j1)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(r1, SubmitReply::Accepted { ref worker_id } if worker_id == "wb"),
+        "{r1:?}"
+    );
+    assert_eq!(placed.recv().await.unwrap().1.job_id, "j1");
+
+    // Both busy now: j2 is held, but not past half its allowed wait (2 s of 4): it is then
+    // placed where it can go rather than expire.
+    let started = std::time::Instant::now();
+    let c = client.clone();
+    let j2 = tokio::spawn(async move { submit(&c, &job("j2")).await });
+    wait_for_metric(addr, "diffmesh_router_admission_waiting 1").await;
+    let r2 = tokio::time::timeout(Duration::from_secs(8), j2)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(matches!(r2, SubmitReply::Accepted { .. }), "{r2:?}");
+    let held = started.elapsed();
+    assert!(held >= Duration::from_millis(1_900), "{held:?}");
+    assert_eq!(placed.recv().await.unwrap().1.job_id, "j2");
+    router.shutdown().await.unwrap();
+}
