@@ -103,6 +103,10 @@ struct Args {
     /// `--max-queue`); arrivals beyond it are rejected.
     #[arg(long, env = "DIFFMESH_SIM_ROUTER_QUEUE", default_value_t = 1_000_000)]
     router_queue: usize,
+    /// Longest a policy may hold a request back while a worker would take it (seconds; the
+    /// live router holds at most half its `--admission-wait-ms`). Default: no limit.
+    #[arg(long, env = "DIFFMESH_SIM_MAX_HOLD_S", default_value_t = f64::INFINITY)]
+    max_hold_s: f64,
     /// Write the synthetic profile to this file and exit.
     #[arg(long, env = "DIFFMESH_SIM_WRITE_PROFILE")]
     write_profile: Option<PathBuf>,
@@ -161,6 +165,11 @@ fn main() -> anyhow::Result<()> {
             "--worker-step-factors: each factor must be a finite number > 0, got {f}"
         );
     }
+    ensure!(
+        args.max_hold_s >= 0.0,
+        "--max-hold-s must be >= 0, got {}",
+        args.max_hold_s
+    );
     let cfg = SimConfig {
         workers: args.workers,
         limits,
@@ -176,6 +185,7 @@ fn main() -> anyhow::Result<()> {
         worker_step_factors: args.worker_step_factors.clone(),
         calibrate: args.calibrate,
         router_queue: args.router_queue,
+        max_hold_s: args.max_hold_s,
     };
     let steps = args.steps.unwrap_or(model.shape.steps);
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);

@@ -45,6 +45,9 @@ pub struct SimConfig {
     /// Most requests the router holds while no worker takes them (the live router's
     /// `--max-queue`); an arrival beyond it is rejected.
     pub router_queue: usize,
+    /// Longest a policy may hold a request back while a worker would take it (the live router:
+    /// half of `--admission-wait-ms`); past it the request is placed where it can go.
+    pub max_hold_s: f64,
 }
 
 impl SimConfig {
@@ -238,7 +241,7 @@ fn place_waiting(waiting: &mut VecDeque<Arrival>, now: f64, p: &mut Placement) {
             steps: a.steps.max(1),
             template: a.template,
             waiting_behind: (waiting.len() - 1) as u32,
-            holdable: true,
+            holdable: now - a.time_s < p.cfg.max_hold_s,
         };
         let Some(w) = p
             .policy

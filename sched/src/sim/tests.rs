@@ -17,6 +17,7 @@ fn cfg(workers: u32, max_batch: u32) -> SimConfig {
         worker_step_factors: Vec::new(),
         calibrate: true,
         router_queue: 1_000_000,
+        max_hold_s: f64::INFINITY,
     }
 }
 
@@ -268,4 +269,19 @@ fn deferring_completes_every_request_and_runs_alone_where_batches_save_nothing()
     let shared = simulate(&cfg(2, 8), &m, marginal.as_mut(), &arrivals);
     assert_eq!(shared.completed, 400);
     assert!(shared.mean_batch > 1.0, "{shared:?}");
+    // Allowed to hold nothing (as the live router past half its admission wait), it places
+    // as the marginal policy does.
+    let no_hold = SimConfig {
+        max_hold_s: 0.0,
+        ..cfg(2, 8)
+    };
+    let mut deferring = policy_by_name("mask-aware-deferring").unwrap();
+    let capped = simulate(&no_hold, &m, deferring.as_mut(), &arrivals);
+    assert_eq!(
+        capped,
+        Summary {
+            policy: capped.policy.clone(),
+            ..shared
+        }
+    );
 }
