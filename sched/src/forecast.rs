@@ -31,6 +31,8 @@ pub struct Drain {
     pub total_finish_s: f64,
     /// Seconds until the worker holds nothing (0 when idle).
     pub drain_s: f64,
+    /// When `req` (if given) starts and finishes, as [`Forecaster::forecast`] gives it.
+    pub request: Forecast,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -67,10 +69,11 @@ impl Forecaster {
         req: Option<&RequestInfo>,
         model: &CostModels,
     ) -> Drain {
-        let (_, total_finish_s, drain_s) = self.run(worker, req, model, true);
+        let (request, total_finish_s, drain_s) = self.run(worker, req, model, true);
         Drain {
             total_finish_s,
             drain_s,
+            request,
         }
     }
 

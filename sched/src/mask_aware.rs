@@ -73,12 +73,15 @@ struct MarginalChoice {
     index: usize,
     /// Delay the request adds to everyone on the pick, itself included.
     marginal_s: f64,
+    /// Seconds the request adds to the time the pick needs to run everything it holds.
+    added_work_s: f64,
     /// Seconds until the first accepting worker drains, and that worker's step-time factor.
     first_drain_s: f64,
     first_drain_factor: f64,
 }
 
 impl MaskAwareMarginal {
+    /// One forecast with the request and one without per accepting worker.
     fn choose(
         &mut self,
         req: &RequestInfo,
@@ -93,7 +96,7 @@ impl MaskAwareMarginal {
             if !w.accepts() {
                 continue;
             }
-            let with = f.total_finish(w, Some(req), model);
+            let with = f.drain(w, Some(req), model);
             let without = f.drain(w, None, model);
             if without.drain_s < first_drain.0 {
                 first_drain = (without.drain_s, w.step_time_factor);
@@ -102,14 +105,15 @@ impl MaskAwareMarginal {
             let penalty = if holds || cold <= 0.0 {
                 0.0
             } else {
-                cold_penalty(false, cold, f.forecast(w, req, model).start_s)
+                cold_penalty(false, cold, with.request.start_s)
             };
-            let marginal_s = with - without.total_finish_s;
+            let marginal_s = with.total_finish_s - without.total_finish_s;
             let key = (marginal_s + penalty, !holds);
             if best.as_ref().is_none_or(|(_, k)| key < *k) {
                 let choice = MarginalChoice {
                     index: i,
                     marginal_s,
+                    added_work_s: with.drain_s - without.drain_s,
                     first_drain_s: 0.0,
                     first_drain_factor: 1.0,
                 };
@@ -161,7 +165,6 @@ pub struct MaskAwareDeferring {
     /// standalone work: near saturation any capacity given up is paid by everyone after.
     pub max_saving: f64,
     marginal: MaskAwareMarginal,
-    scratch: Forecaster,
 }
 
 impl Default for MaskAwareDeferring {
@@ -169,7 +172,6 @@ impl Default for MaskAwareDeferring {
         MaskAwareDeferring {
             max_saving: 0.05,
             marginal: MaskAwareMarginal::default(),
-            scratch: Forecaster::default(),
         }
     }
 }
@@ -190,10 +192,8 @@ impl Policy for MaskAwareDeferring {
             return Some(pick.index);
         }
         let w = &workers[pick.index];
-        let f = &mut self.scratch;
-        let added_work = f.drain(w, Some(req), model).drain_s - f.drain(w, None, model).drain_s;
         let alone = model.standalone_s(req.masked_tokens, req.steps.max(1));
-        let saved = (alone * w.step_time_factor - added_work).max(0.0);
+        let saved = (alone * w.step_time_factor - pick.added_work_s).max(0.0);
         if saved > self.max_saving * alone * w.step_time_factor {
             return Some(pick.index);
         }
