@@ -188,7 +188,9 @@ impl Policy for MaskAwareDeferring {
         model: &CostModels,
     ) -> Option<usize> {
         let pick = self.marginal.choose(req, workers, model)?;
-        if !req.holdable {
+        // With a worker idle there is nothing to wait for, even if the pick is another worker
+        // (one that holds the template, say).
+        if !req.holdable || pick.first_drain_s <= 0.0 {
             return Some(pick.index);
         }
         let w = &workers[pick.index];
@@ -371,6 +373,23 @@ mod tests {
         // An idle worker is never passed over.
         let with_idle = vec![ws[0].clone(), ws[1].clone(), worker(&[], &[])];
         assert_eq!(p.place(&req, &with_idle, &m), Some(2));
+        // Nor held for while one is idle: here the pick is worker 0, which holds the template,
+        // over the idle worker 2 that would fetch it cold (30 s), and it goes there now.
+        let mut cached = with_idle.clone();
+        cached[0].resident_templates = vec![7];
+        cached[1].resident_templates = vec![7];
+        let templated = RequestInfo {
+            template: Some(7),
+            ..req
+        };
+        let mut cold = MaskAwareDeferring {
+            marginal: MaskAwareMarginal {
+                cold_fetch_s: Some(30.0),
+                ..MaskAwareMarginal::default()
+            },
+            ..MaskAwareDeferring::default()
+        };
+        assert_eq!(cold.place(&templated, &cached, &m), Some(0));
     }
 
     #[test]
