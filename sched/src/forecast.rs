@@ -23,7 +23,6 @@ struct Slot {
     is_new: bool,
 }
 
-/// Reusable scratch space so a forecast allocates nothing in steady state.
 /// A worker's forecast run to the end.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Drain {
@@ -35,6 +34,7 @@ pub struct Drain {
     pub request: Forecast,
 }
 
+/// Reusable scratch space so a forecast allocates nothing in steady state.
 #[derive(Debug, Default, Clone)]
 pub struct Forecaster {
     batch: Vec<Slot>,
@@ -77,6 +77,7 @@ impl Forecaster {
         }
     }
 
+    /// Fast-forward; stops when the new request finishes unless `drain`.
     fn run(
         &mut self,
         worker: &WorkerState,
@@ -239,8 +240,7 @@ pub(crate) mod tests {
             masked_tokens: 4,
             steps: 1,
             template: None,
-            waiting_behind: 0,
-            holdable: true,
+            waiting_behind: Some(0),
         };
         // t=0.5: batch {2,1} runs 2 steps of 3 s -> 6.5; the queued one retires, the new one
         // joins: batch {2,4} runs 1 step of 6 s -> 12.5.
@@ -261,8 +261,7 @@ pub(crate) mod tests {
             masked_tokens: 450,
             steps: 28,
             template: None,
-            waiting_behind: 0,
-            holdable: true,
+            waiting_behind: Some(0),
         };
         let f =
             Forecaster::default().forecast(&WorkerState::idle(BatchLimits::default()), &req, &m);
