@@ -5,7 +5,7 @@ mod common;
 
 use common::{http, job, submit, wait_for_metric, FakeWorker};
 use diffmesh_router::{start, RouterConfig};
-use diffmesh_shared::messages::{decode, encode, CancelJob, JobEvent, RunningJob, SubmitReply};
+use diffmesh_shared::messages::{decode, encode, CancelJob, JobEvent, SubmitReply};
 use diffmesh_shared::subjects;
 use diffmesh_shared::testing::NatsServer;
 use futures::StreamExt;
@@ -136,12 +136,7 @@ async fn policy_switches_at_run_time_through_the_admin_endpoint() {
 
     // wa runs a full-image job with 20 steps left (placed by someone else); wb is idle.
     let (tx, mut placed) = mpsc::channel(16);
-    let mut busy = FakeWorker::new("wa", 4, 4);
-    busy.running = vec![RunningJob {
-        job_id: "foreign".into(),
-        masked_tokens: 256,
-        remaining_steps: 20,
-    }];
+    let busy = FakeWorker::new("wa", 4, 4).running_foreign(256, 20);
     let _a = busy.spawn(client.clone(), tx.clone()).await;
     let _b = FakeWorker::new("wb", 4, 4).spawn(client.clone(), tx).await;
     wait_for_metric(addr, "diffmesh_router_live_workers 2").await;
@@ -217,12 +212,7 @@ async fn deferring_holds_jobs_in_the_queue_until_a_worker_drains_or_half_their_w
 
     // wa is in the last step of a job placed by someone else.
     let (tx, mut placed) = mpsc::channel(16);
-    let mut busy = FakeWorker::new("wa", 4, 4);
-    busy.running = vec![RunningJob {
-        job_id: "foreign".into(),
-        masked_tokens: 256,
-        remaining_steps: 1,
-    }];
+    let busy = FakeWorker::new("wa", 4, 4).running_foreign(256, 1);
     let _a = busy.spawn(client.clone(), tx.clone()).await;
     wait_for_metric(addr, "diffmesh_router_live_workers 1").await;
 

@@ -33,6 +33,16 @@ impl FakeWorker {
         }
     }
 
+    /// Also reporting one job placed by someone else: `masked_tokens`, `remaining_steps` left.
+    pub fn running_foreign(mut self, masked_tokens: u32, remaining_steps: u32) -> Self {
+        self.running = vec![RunningJob {
+            job_id: "foreign".into(),
+            masked_tokens,
+            remaining_steps,
+        }];
+        self
+    }
+
     /// Heartbeat every 100 ms until the token is cancelled; accept every submit and report it
     /// on `jobs`.
     pub async fn spawn(
