@@ -90,7 +90,8 @@ impl MaskAwareMarginal {
     ) -> Option<MarginalChoice> {
         let cold = self.cold_fetch_s.unwrap_or_else(|| model.cold_fetch_s());
         let f = &mut self.scratch;
-        let mut best: Option<(MarginalChoice, (f64, bool))> = None;
+        // Index, marginal and added work of the best so far, with its ranking key.
+        let mut best: Option<(usize, f64, f64, (f64, bool))> = None;
         let mut first_drain = (f64::INFINITY, 1.0);
         for (i, w) in workers.iter().enumerate() {
             if !w.accepts() {
@@ -109,21 +110,16 @@ impl MaskAwareMarginal {
             };
             let marginal_s = with.total_finish_s - without.total_finish_s;
             let key = (marginal_s + penalty, !holds);
-            if best.as_ref().is_none_or(|(_, k)| key < *k) {
-                let choice = MarginalChoice {
-                    index: i,
-                    marginal_s,
-                    added_work_s: with.drain_s - without.drain_s,
-                    first_drain_s: 0.0,
-                    first_drain_factor: 1.0,
-                };
-                best = Some((choice, key));
+            if best.as_ref().is_none_or(|b| key < b.3) {
+                best = Some((i, marginal_s, with.drain_s - without.drain_s, key));
             }
         }
-        best.map(|(c, _)| MarginalChoice {
+        best.map(|(index, marginal_s, added_work_s, _)| MarginalChoice {
+            index,
+            marginal_s,
+            added_work_s,
             first_drain_s: first_drain.0,
             first_drain_factor: first_drain.1,
-            ..c
         })
     }
 }
@@ -190,9 +186,9 @@ impl Policy for MaskAwareDeferring {
         let pick = self.marginal.choose(req, workers, model)?;
         // With a worker idle there is nothing to wait for, even if the pick is another worker
         // (one that holds the template, say).
-        if !req.holdable || pick.first_drain_s <= 0.0 {
+        let Some(behind) = req.waiting_behind.filter(|_| pick.first_drain_s > 0.0) else {
             return Some(pick.index);
-        }
+        };
         let w = &workers[pick.index];
         let alone = model.standalone_s(req.masked_tokens, req.steps.max(1));
         let saved = (alone * w.step_time_factor - pick.added_work_s).max(0.0);
@@ -200,9 +196,8 @@ impl Policy for MaskAwareDeferring {
             return Some(pick.index);
         }
         let live = workers.iter().filter(|w| w.alive).count().max(1) as f64;
-        let hold = pick.first_drain_s
-            + alone * pick.first_drain_factor
-            + req.waiting_behind as f64 * saved / live;
+        let hold =
+            pick.first_drain_s + alone * pick.first_drain_factor + behind as f64 * saved / live;
         (pick.marginal_s <= hold).then_some(pick.index)
     }
 }
@@ -287,8 +282,7 @@ mod tests {
             masked_tokens: 10,
             steps: 3,
             template: None,
-            waiting_behind: 0,
-            holdable: true,
+            waiting_behind: Some(0),
         };
         assert_eq!(RequestCount.place(&req, &ws, &m), Some(1));
         assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(0));
@@ -334,8 +328,7 @@ mod tests {
             masked_tokens: 10,
             steps: 3,
             template: None,
-            waiting_behind: 0,
-            holdable: true,
+            waiting_behind: Some(0),
         };
         assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(1));
         assert_eq!(MaskAwareMarginal::default().place(&req, &ws, &m), Some(0));
@@ -357,8 +350,7 @@ mod tests {
             masked_tokens: 10,
             steps: 3,
             template: None,
-            waiting_behind: 0,
-            holdable: true,
+            waiting_behind: Some(0),
         };
         let mut p = MaskAwareDeferring::default();
         assert_eq!(p.place(&req, &ws, &m), None);
@@ -366,7 +358,7 @@ mod tests {
         assert_eq!(MaskAwareMarginal::default().place(&req, &ws, &m), Some(0));
         // A caller that cannot keep the request waiting gets the marginal pick.
         let must = RequestInfo {
-            holdable: false,
+            waiting_behind: None,
             ..req
         };
         assert_eq!(p.place(&must, &ws, &m), Some(0));

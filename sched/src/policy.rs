@@ -17,12 +17,11 @@ pub struct RequestInfo {
     pub steps: u32,
     /// Template whose cached activations the request reuses, if any.
     pub template: Option<u64>,
-    /// Requests waiting at the router behind this one (0 for a new arrival placed at once): a
-    /// policy that holds this request back delays them too.
-    pub waiting_behind: u32,
-    /// The caller can keep the request waiting when the policy declines to place it although
-    /// a worker accepts (the router's admission queue can; placing a lost worker's job cannot).
-    pub holdable: bool,
+    /// `Some(n)` when the caller can keep the request waiting if the policy declines to place
+    /// it although a worker accepts (the router's admission queue can), with the `n` requests
+    /// waiting behind it, whom holding it delays too; `None` when it must go now (a lost
+    /// worker's job).
+    pub waiting_behind: Option<u32>,
 }
 
 /// A request on a worker, running or queued.
@@ -226,8 +225,7 @@ pub(crate) mod tests {
             masked_tokens: 400,
             steps: 28,
             template: None,
-            waiting_behind: 0,
-            holdable: true,
+            waiting_behind: Some(0),
         }
     }
 

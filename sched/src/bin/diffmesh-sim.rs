@@ -319,8 +319,7 @@ fn bench(args: &Args, model: &CostModels, n: usize) -> anyhow::Result<()> {
             masked_tokens: draw(&mut rng),
             steps: 28,
             template: None,
-            waiting_behind: 0,
-            holdable: true,
+            waiting_behind: Some(0),
         })
         .collect();
     for name in diffmesh_sched::policy::POLICY_NAMES {

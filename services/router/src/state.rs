@@ -5,7 +5,7 @@ use crate::cost_check::{CostCheck, CostReport};
 use crate::registry::{ExpiryPolicy, LostWorker, WorkerRegistry};
 use crate::worker_state::{fill_worker_state, request_info};
 use diffmesh_sched::batching::BatchLimits;
-use diffmesh_sched::policy::{policy_by_name, Policy, WorkerState};
+use diffmesh_sched::policy::{policy_by_name, Policy, RequestInfo, WorkerState};
 use diffmesh_sched::{CostModels, SchedError};
 use diffmesh_shared::messages::{DenoiseJob, Heartbeat};
 use std::time::Instant;
@@ -135,9 +135,10 @@ impl RouterState {
         if n == 0 {
             return Decision::NoLiveWorker;
         }
-        let mut req = request_info(job, &self.models.shape);
-        req.holdable = waiting_behind.is_some();
-        req.waiting_behind = waiting_behind.unwrap_or(0);
+        let req = RequestInfo {
+            waiting_behind,
+            ..request_info(job, &self.models.shape)
+        };
         match self.policy.place(&req, &self.views[..n], &self.models) {
             Some(i) if i < n => {
                 let worker = self.ids[i].clone();

@@ -44,8 +44,7 @@ pub fn request_info(job: &DenoiseJob, shape: &ModelShape) -> RequestInfo {
         masked_tokens: job_masked_tokens(job, shape),
         steps: job.params.num_inference_steps.max(1),
         template: template_cache_key(job).map(template_key),
-        waiting_behind: 0,
-        holdable: false,
+        waiting_behind: None,
     }
 }
 
