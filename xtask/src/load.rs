@@ -5,18 +5,17 @@
 //! drawn as one latency-CDF plot, `latency-cdf.png`, so runs of several policies (or a simulator
 //! run written with `diffmesh-sim --latencies-out`) are compared on one picture.
 use crate::load_inputs::{mask_png, template_png};
+use crate::load_tap::{breakdown, JobTap, Timeline};
 use crate::plot::{latency_cdf, Series};
 use anyhow::{bail, Context};
 use diffmesh_sched::cost_model::LinearFit;
 use diffmesh_sched::sim::metrics::percentile;
 use diffmesh_sched::sim::workload::read_mask_ratios;
-use futures::StreamExt;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
@@ -214,7 +213,7 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
     let tap = if args.no_nats {
         None
     } else {
-        match StartTap::connect(&args.nats_url).await {
+        match JobTap::connect(&args.nats_url).await {
             Ok(t) => Some(t),
             Err(e) => {
                 say(format!("no job events ({e:#}): mean_queue is not reported"));
@@ -290,8 +289,14 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
     while let Some(o) = tasks.join_next().await {
         outcomes.push(o?);
     }
-    let starts = tap.map(|t| t.starts());
-    let summary = summarize(&args, rps, &outcomes, standalone.as_ref(), starts);
+    let timelines = tap.map(|t| t.timelines());
+    let summary = summarize(
+        &args,
+        rps,
+        &outcomes,
+        standalone.as_ref(),
+        timelines.as_deref(),
+    );
     say(format!(
         "completed {}/{} (429: {}, other errors: {}, sent again: {}), latency p50 {:.3}s p95 {:.3}s p99 {:.3}s, mean queue {}, throughput {:.3} req/s, SLO attainment {}",
         summary["completed"], summary["submitted"], summary["rejected"], summary["failed"], summary["retried"],
@@ -487,70 +492,16 @@ async fn calibrate(
 }
 
 /// The first `Started` event of every job, from the mesh's job events.
-struct StartTap {
-    starts: Arc<Mutex<HashMap<String, Instant>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl StartTap {
-    async fn connect(url: &str) -> anyhow::Result<Self> {
-        // A cluster is given as comma-separated URLs, as to the services.
-        let servers: Vec<&str> = url
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .collect();
-        let client = tokio::time::timeout(
-            Duration::from_secs(3),
-            async_nats::connect(servers.as_slice()),
-        )
-        .await
-        .with_context(|| format!("connecting to {url} timed out"))??;
-        // `diffmesh_shared::subjects::job_events("*")`, spelled out so xtask need not build the
-        // shared crate (actix, OpenTelemetry) before its first command.
-        let mut sub = client.subscribe("diffmesh.job.*.events").await?;
-        client.flush().await?;
-        let starts: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-        let s = starts.clone();
-        let task = tokio::spawn(async move {
-            let _client = client;
-            while let Some(msg) = sub.next().await {
-                let now = Instant::now();
-                if is_started_event(&msg.payload) {
-                    let id = msg.subject.as_str().to_string();
-                    if let Ok(mut m) = s.lock() {
-                        m.entry(id).or_insert(now);
-                    }
-                }
-            }
-        });
-        Ok(StartTap { starts, task })
-    }
-
-    fn starts(self) -> Vec<Instant> {
-        self.task.abort();
-        let m = self.starts.lock().map(|m| m.clone()).unwrap_or_default();
-        m.into_values().collect()
-    }
-}
-
-/// Whether a job-event payload is `JobEvent::Started` (MessagePack, externally tagged enum: a
-/// map whose single key is the variant name).
-fn is_started_event(payload: &[u8]) -> bool {
-    rmp_serde::from_slice::<Value>(payload)
-        .ok()
-        .and_then(|v| v.as_object().map(|o| o.contains_key("Started")))
-        .unwrap_or(false)
-}
-
 /// The simulator's measures for the live run.
 fn summarize(
     args: &LoadArgs,
     rps: f64,
     outcomes: &[Outcome],
     standalone: Option<&LinearFit>,
-    starts: Option<Vec<Instant>>,
+    timelines: Option<&[Timeline]>,
 ) -> Value {
+    let starts: Option<Vec<Instant>> =
+        timelines.map(|ts| ts.iter().filter_map(|t| t.started).collect());
     let done: Vec<&Outcome> = outcomes.iter().filter(|o| o.status == 200).collect();
     let mut lat: Vec<f64> = done.iter().map(|o| o.latency_s).collect();
     lat.sort_by(f64::total_cmp);
@@ -607,6 +558,8 @@ fn summarize(
         // The idle mesh's latency of one request against its mask ratio: what a simulator
         // run of the same trace adds beyond the denoisers (`--request-overhead-s`) rests on it.
         "standalone": standalone.map(|f| json!({ "intercept_s": f.intercept, "slope_s": f.slope })),
+        // The jobs' time from their events: queued to last step is what the simulator models.
+        "events": timelines.map(breakdown),
         "seed": args.seed,
     })
 }

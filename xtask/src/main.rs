@@ -4,6 +4,7 @@
 //! machine first (see setup.rs), then runs the mesh or every test.
 mod load;
 mod load_inputs;
+mod load_tap;
 mod mesh;
 mod plot;
 mod setup;
