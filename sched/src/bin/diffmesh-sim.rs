@@ -73,8 +73,9 @@ struct Args {
     /// worker has its own device.
     #[arg(long, env = "DIFFMESH_SIM_SHARED_CORES")]
     shared_cores: Option<f64>,
-    /// With --shared-cores: extra step latency per other worker stepping at once on its own
-    /// core (measured by co-running engine benches).
+    /// With --shared-cores: extra step latency per other core kept busy while a step runs
+    /// (another worker's step, or the rest of the mesh's work); fitted to a live run's mean
+    /// latency (docs/BENCHMARKS.md, "Simulator fidelity").
     #[arg(
         long,
         env = "DIFFMESH_SIM_CO_RUN_SLOWDOWN",

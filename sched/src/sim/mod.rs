@@ -70,10 +70,12 @@ impl SimConfig {
 
 /// How workers on one CPU machine slow each other down. A step that starts while `k` workers
 /// step (itself included) lasts the cost model's latency times
-/// `(1 + co_run_slowdown (k - 1)) * max(1, (k + background) / cores)`, where `background` is the
-/// cores the rest of the mesh keeps busy: `background_cpu_s` per request at the trace's mean
-/// arrival rate. The first factor is what two steps on separate cores cost each other (shared
-/// caches and memory bandwidth), the second is time slicing once demand passes the cores.
+/// `(1 + co_run_slowdown * min(k - 1 + background, cores - 1)) * max(1, (k + background) / cores)`,
+/// where `background` is the cores the rest of the mesh keeps busy: `background_cpu_s` per
+/// request at the trace's mean arrival rate. The first factor is what work on the other cores
+/// costs a step (shared caches and memory bandwidth), whether another worker's step or the
+/// mesh's own work (a lone step on a busy mesh is slower too: measured, 2026-11-28); the second
+/// is time slicing once demand passes the cores.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SharedCpu {
     pub cores: f64,
@@ -86,7 +88,8 @@ impl SharedCpu {
     /// Step-latency factor when `stepping` workers (this one included) step at once.
     pub fn slowdown(&self, stepping: usize, background_cores: f64) -> f64 {
         let k = stepping.max(1) as f64;
-        (1.0 + self.co_run_slowdown * (k - 1.0)) * ((k + background_cores) / self.cores).max(1.0)
+        let beside = (k - 1.0 + background_cores).min((self.cores - 1.0).max(0.0));
+        (1.0 + self.co_run_slowdown * beside) * ((k + background_cores) / self.cores).max(1.0)
     }
 }
 
