@@ -216,7 +216,9 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
         match JobTap::connect(&args.nats_url).await {
             Ok(t) => Some(t),
             Err(e) => {
-                say(format!("no job events ({e:#}): mean_queue is not reported"));
+                say(format!(
+                    "no job events ({e:#}): mean_queue and events are not reported"
+                ));
                 None
             }
         }
@@ -491,7 +493,6 @@ async fn calibrate(
     Ok(LinearFit::fit("calibration latency", &xs, &ys)?)
 }
 
-/// The first `Started` event of every job, from the mesh's job events.
 /// The simulator's measures for the live run.
 fn summarize(
     args: &LoadArgs,

@@ -170,7 +170,7 @@ mod tests {
         first.note(Mark::LastStep, t0 + Duration::from_millis(400));
         first.note(Mark::Done, t0 + Duration::from_millis(450));
         assert_eq!(first.started, at(100));
-        // Queued only: counted nowhere but in nothing that needs a later event.
+        // Queued only: left out of every part that needs a later event.
         let second = Timeline {
             queued: at(0),
             ..Timeline::default()
