@@ -260,10 +260,34 @@ pub struct BatchTotals {
 
 impl BatchTotals {
     pub fn add(&mut self, shape: &ModelShape, masked: u32) {
+        self.add_row(&RowCost::of(shape, masked));
+    }
+
+    /// [`BatchTotals::add`] with the row's sums already computed (same arithmetic, same result).
+    pub fn add_row(&mut self, row: &RowCost) {
         self.requests += 1;
-        self.flops_cached += shape.flops_cached(masked);
-        self.flops_full += shape.flops_full();
-        self.bytes += shape.cache_bytes(masked);
+        self.flops_cached += row.flops_cached;
+        self.flops_full += row.flops_full;
+        self.bytes += row.bytes;
+    }
+}
+
+/// One request's share of [`BatchTotals`], computed once for a forecast that adds the same row
+/// to every phase it runs in.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RowCost {
+    pub flops_cached: f64,
+    pub flops_full: f64,
+    pub bytes: f64,
+}
+
+impl RowCost {
+    pub fn of(shape: &ModelShape, masked: u32) -> Self {
+        RowCost {
+            flops_cached: shape.flops_cached(masked),
+            flops_full: shape.flops_full(),
+            bytes: shape.cache_bytes(masked),
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 //! Between two retirements the batch is fixed, so one planner call covers a whole phase; a
 //! forecast costs O(requests) planner calls of O(1) each.
 use crate::batching::admit_count;
-use crate::cost_model::{BatchTotals, CostModels};
+use crate::cost_model::{BatchTotals, CostModels, RowCost};
 use crate::policy::{ActiveRequest, RequestInfo, WorkerState};
 
 /// Predicted seconds from now.
@@ -18,9 +18,23 @@ pub struct Forecast {
 
 #[derive(Debug, Clone, Copy)]
 struct Slot {
-    masked: u32,
+    /// Tokens the row computes per block (what the batching rule's token budget counts).
+    computed: u64,
+    /// The row's cost-model sums, so a phase only adds them up.
+    row: RowCost,
     remaining: u32,
     is_new: bool,
+}
+
+impl Slot {
+    fn new(model: &CostModels, masked: u32, remaining: u32, is_new: bool) -> Self {
+        Slot {
+            computed: model.shape.computed_tokens(masked),
+            row: RowCost::of(&model.shape, masked),
+            remaining,
+            is_new,
+        }
+    }
 }
 
 /// A worker's forecast run to the end.
@@ -107,11 +121,7 @@ impl Forecaster {
                 .running
                 .iter()
                 .filter(|r| r.remaining_steps > 0)
-                .map(|r| Slot {
-                    masked: r.masked_tokens,
-                    remaining: r.remaining_steps,
-                    is_new: false,
-                }),
+                .map(|r| Slot::new(model, r.masked_tokens, r.remaining_steps, false)),
         );
         let mut t = worker.step_remaining_s.max(0.0);
         // Running requests with no step left finish when the step in flight ends.
@@ -124,11 +134,7 @@ impl Forecaster {
         let mut finish = None;
         let mut next = 0;
         loop {
-            let tokens: u64 = self
-                .batch
-                .iter()
-                .map(|s| shape.computed_tokens(s.masked))
-                .sum();
+            let tokens: u64 = self.batch.iter().map(|s| s.computed).sum();
             let admit = admit_count(
                 &worker.limits,
                 self.batch.len(),
@@ -141,11 +147,12 @@ impl Forecaster {
                 if is_new {
                     start = Some(t);
                 }
-                self.batch.push(Slot {
-                    masked: q.masked_tokens,
-                    remaining: q.remaining_steps.max(1),
+                self.batch.push(Slot::new(
+                    model,
+                    q.masked_tokens,
+                    q.remaining_steps.max(1),
                     is_new,
-                });
+                ));
             }
             next += admit;
             let Some(phase) = self.batch.iter().map(|s| s.remaining).min() else {
@@ -153,7 +160,7 @@ impl Forecaster {
             };
             let mut totals = BatchTotals::default();
             for s in &self.batch {
-                totals.add(shape, s.masked);
+                totals.add_row(&s.row);
             }
             t += phase as f64 * model.step_latency(&totals) * worker.step_time_factor;
             for s in &mut self.batch {

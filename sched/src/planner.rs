@@ -222,9 +222,38 @@ fn uniform_best_k(n: u32, c: BlockCosts) -> (u32, f64) {
     best
 }
 
-/// Exact latency of `n` identical blocks, without building the timeline (the policies' hot path).
+/// Exact latency of `n` identical blocks, without building the timeline (the policies' hot path:
+/// every phase of every forecast calls it).
+///
+/// With non-negative costs only one crossing matters: for `k >= 1` the all-blocks line
+/// `A(k) = n*full - k*(full - cached)` falls (when cached blocks are cheaper) and both wait lines
+/// rise, so the minimum lies where `A` meets the first of them, at `floor`/`ceil` of
+/// `min(k_B, k_C)`; when cached blocks are not cheaper every line rises and `k = 1` is best.
+/// Negative costs (a fit's intercept below zero) take [`uniform_best_k`]'s general search.
+/// The value equals `uniform_best_k`'s; only which `k` wins a tie is not decided here.
 pub fn uniform_latency(n: u32, c: BlockCosts) -> f64 {
-    uniform_best_k(n, c).1
+    if c.cached_s < 0.0 || c.load_s < 0.0 || c.full_s < 0.0 {
+        return uniform_best_k(n, c).1;
+    }
+    let mut best = uniform_cost(n, 0, c);
+    if n == 0 {
+        return best;
+    }
+    let nf = n as f64;
+    let mut consider = |k: f64| best = best.min(uniform_cost(n, k.clamp(1.0, nf) as u32, c));
+    consider(1.0);
+    let drop = c.full_s - c.cached_s;
+    if drop > 0.0 {
+        // A = load + k*cached at k_b; A = k*load + cached at k_c.
+        let k_b = (nf * c.full_s - c.load_s) / c.full_s;
+        let k_c = (nf * c.full_s - c.cached_s) / (c.load_s + drop);
+        let x = k_b.min(k_c);
+        if x.is_finite() {
+            consider(x.floor());
+            consider(x.ceil());
+        }
+    }
+    best
 }
 
 /// Exact plan of `n` identical blocks: recompute the first `n - k`, use the cache for the rest.
@@ -348,6 +377,69 @@ mod tests {
                 .fold(f64::INFINITY, f64::min);
             let got = uniform_latency(n, c);
             assert!((got - scan).abs() <= 1e-9 * scan.max(1.0), "seed {seed}");
+            assert_eq!(got, uniform_best_k(n, c).1, "seed {seed}");
+        }
+    }
+
+    /// The fast value path against the general search, including costs that put the crossing
+    /// exactly on an integer, cached blocks no cheaper than full ones, free loads, and the
+    /// negative costs a fit with a negative intercept can predict.
+    #[test]
+    fn fast_uniform_latency_equals_the_general_search() {
+        let mut rng = ChaCha8Rng::seed_from_u64(77);
+        let mut cases = vec![
+            BlockCosts {
+                cached_s: 1.0,
+                full_s: 2.0,
+                load_s: 2.0,
+            },
+            BlockCosts {
+                cached_s: 2.0,
+                full_s: 2.0,
+                load_s: 1.0,
+            },
+            BlockCosts {
+                cached_s: 3.0,
+                full_s: 2.0,
+                load_s: 0.0,
+            },
+            BlockCosts {
+                cached_s: 0.0,
+                full_s: 1.0,
+                load_s: 0.0,
+            },
+            BlockCosts {
+                cached_s: 0.5,
+                full_s: 1.0,
+                load_s: -0.1,
+            },
+            BlockCosts {
+                cached_s: -0.2,
+                full_s: 1.0,
+                load_s: 0.3,
+            },
+            BlockCosts::default(),
+        ];
+        for _ in 0..5000 {
+            let full = rng.random_range(0.0..3.0);
+            cases.push(BlockCosts {
+                cached_s: full * rng.random_range(0.0..1.5),
+                full_s: full,
+                load_s: rng.random_range(0.0..1.0) * rng.random_range(0.0..4.0),
+            });
+        }
+        for (i, c) in cases.iter().enumerate() {
+            for n in [0, 1, 2, 3, 4, 7, 12, 19, 57, 80] {
+                let scan = (0..=n)
+                    .map(|k| uniform_cost(n, k, *c))
+                    .fold(f64::INFINITY, f64::min);
+                assert_eq!(
+                    uniform_latency(n, *c),
+                    uniform_best_k(n, *c).1,
+                    "case {i} {c:?} n {n}"
+                );
+                assert!((uniform_latency(n, *c) - scan).abs() <= 1e-9 * scan.abs().max(1.0));
+            }
         }
     }
 
