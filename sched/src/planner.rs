@@ -240,8 +240,7 @@ pub fn uniform_latency(n: u32, c: BlockCosts) -> f64 {
         return best;
     }
     let nf = n as f64;
-    let mut consider = |k: f64| best = best.min(uniform_cost(n, k.clamp(1.0, nf) as u32, c));
-    consider(1.0);
+    best = best.min(uniform_cost(n, 1, c));
     let drop = c.full_s - c.cached_s;
     if drop > 0.0 {
         // A = load + k*cached at k_b; A = k*load + cached at k_c.
@@ -249,8 +248,11 @@ pub fn uniform_latency(n: u32, c: BlockCosts) -> f64 {
         let k_c = (nf * c.full_s - c.cached_s) / (c.load_s + drop);
         let x = k_b.min(k_c);
         if x.is_finite() {
-            consider(x.floor());
-            consider(x.ceil());
+            // Truncation is floor once clamped to [1, n] (no libm call); the next k up covers
+            // ceil (one more candidate than needed when x is whole, which changes no minimum).
+            let lo = x.clamp(1.0, nf) as u32;
+            best = best.min(uniform_cost(n, lo, c));
+            best = best.min(uniform_cost(n, (lo + 1).min(n), c));
         }
     }
     best

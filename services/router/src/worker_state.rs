@@ -76,14 +76,23 @@ pub fn fill_worker_state(
     };
     out.step_remaining_s = 0.0;
     out.step_time_factor = step_time_factor;
+    // Placement numbers of this router's jobs in the batch: the rest of its placements wait.
+    // (Comparing numbers, not job ids: this runs for every worker on every decision.)
+    let mut running_seqs: Vec<u64> = Vec::with_capacity(hb.running.len());
     out.running.clear();
-    out.running.extend(w.running().map(|r| ActiveRequest {
-        masked_tokens: match w.placed.get(&r.job_id) {
-            Some((_, job)) => job_masked_tokens(job, shape),
+    for r in w.running() {
+        let masked_tokens = match w.placed.get(&r.job_id) {
+            Some((seq, job)) => {
+                running_seqs.push(*seq);
+                job_masked_tokens(job, shape)
+            }
             None => r.masked_tokens.min(shape.image_tokens),
-        },
-        remaining_steps: r.remaining_steps,
-    }));
+        };
+        out.running.push(ActiveRequest {
+            masked_tokens,
+            remaining_steps: r.remaining_steps,
+        });
+    }
     let elapsed = steps_since(
         &out.running,
         models,
@@ -95,9 +104,8 @@ pub fn fill_worker_state(
     }
     let mut waiting: Vec<&(u64, DenoiseJob)> = w
         .placed
-        .iter()
-        .filter(|(id, _)| !w.running().any(|r| &r.job_id == *id))
-        .map(|(_, p)| p)
+        .values()
+        .filter(|(seq, _)| !running_seqs.contains(seq))
         .collect();
     waiting.sort_unstable_by_key(|(seq, _)| *seq);
     out.queued.clear();
