@@ -6,7 +6,7 @@
 //! batched forward, report progress, and retire finished jobs as RGB images. A panic or error in
 //! a batched step is retried job by job, so one bad job fails alone and the engine lives on.
 use crate::cached_step::{CacheSettings, CachedStepper, CaptureSink, TemplateSlot};
-use crate::metrics::DenoiserMetrics;
+use crate::metrics::{DenoiserMetrics, PhaseClock};
 use crate::model::{
     capture_state, job_resolution, step_requests, tensor_to_rgb, EditInputs, EngineModel,
 };
@@ -384,14 +384,20 @@ impl Engine {
                     None => break, // every handle dropped
                 }
             }
+            let mut clock = PhaseClock::new();
             while let Ok(cmd) = self.rx.try_recv() {
                 self.handle(cmd);
             }
             self.drop_cancelled();
+            clock.lap(self.metrics.as_ref(), "commands");
             self.admit();
+            clock.lap(self.metrics.as_ref(), "admit");
             self.step();
+            clock.lap(self.metrics.as_ref(), "step");
             self.retire();
+            clock.lap(self.metrics.as_ref(), "retire");
             self.publish_status();
+            clock.lap(self.metrics.as_ref(), "status");
         }
         self.publish_status();
         tracing::info!("engine stopped");

@@ -1,6 +1,15 @@
 //! Denoiser metrics, registered in the registry the health server exposes on /metrics.
+use std::time::Instant;
+
 use diffmesh_shared::metrics::LATENCY_BUCKETS_SECONDS;
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    CounterVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
+
+/// Phases of the engine loop, in order: `commands` (submits, cancels), `admit` (preparing the
+/// jobs joining the batch: prompt, template latents, noise), `step`, `retire` (decoding finished
+/// jobs), `status` (the view heartbeats report).
+pub const ENGINE_PHASES: [&str; 5] = ["commands", "admit", "step", "retire", "status"];
 
 #[derive(Clone)]
 pub struct DenoiserMetrics {
@@ -28,6 +37,10 @@ pub struct DenoiserMetrics {
     pub template_pixels_lookups: IntCounterVec,
     /// Capture passes (template registration), whole pass.
     pub capture_seconds: Histogram,
+    /// Engine thread's busy time by phase of its loop ([`ENGINE_PHASES`]): what the step loop
+    /// spends besides the steps themselves (the `step` phase also counts the step's trace spans
+    /// and events, which `step_seconds` leaves out).
+    pub engine_busy_seconds: CounterVec,
 }
 
 impl DenoiserMetrics {
@@ -120,6 +133,17 @@ impl DenoiserMetrics {
             )
             .buckets(LATENCY_BUCKETS_SECONDS.to_vec()),
         )?;
+        let engine_busy_seconds = CounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_engine_busy_seconds_total",
+                "Engine thread busy time by loop phase (commands, admit, step, retire, status)",
+            ),
+            &["phase"],
+        )?;
+        for phase in ENGINE_PHASES {
+            engine_busy_seconds.with_label_values(&[phase]);
+        }
+        registry.register(Box::new(engine_busy_seconds.clone()))?;
         registry.register(Box::new(step_rows.clone()))?;
         registry.register(Box::new(load_wait_seconds.clone()))?;
         registry.register(Box::new(local_cache_lookups.clone()))?;
@@ -149,6 +173,30 @@ impl DenoiserMetrics {
             local_cache_bytes,
             template_pixels_lookups,
             capture_seconds,
+            engine_busy_seconds,
         })
+    }
+}
+
+/// Adds the time since the last lap to the engine's busy time of the named phase.
+pub(crate) struct PhaseClock {
+    last: Instant,
+}
+
+impl PhaseClock {
+    pub(crate) fn new() -> Self {
+        Self {
+            last: Instant::now(),
+        }
+    }
+
+    pub(crate) fn lap(&mut self, metrics: Option<&DenoiserMetrics>, phase: &str) {
+        if let Some(m) = metrics {
+            let now = Instant::now();
+            m.engine_busy_seconds
+                .with_label_values(&[phase])
+                .inc_by((now - self.last).as_secs_f64());
+            self.last = now;
+        }
     }
 }

@@ -3,6 +3,7 @@
 use diffmesh_denoiser::engine::{
     spawn_engine, Batching, EngineConfig, EngineEvent, EngineHandle, EngineJob, EngineThread,
 };
+use diffmesh_denoiser::metrics::{DenoiserMetrics, ENGINE_PHASES};
 use diffmesh_denoiser::model::{EditInputs, EngineModel};
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
@@ -39,11 +40,15 @@ fn harness(max_batch: usize, max_queue: usize) -> Harness {
 }
 
 fn harness_with(config: EngineConfig) -> Harness {
+    harness_with_metrics(config, None)
+}
+
+fn harness_with_metrics(config: EngineConfig, metrics: Option<DenoiserMetrics>) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     write_random_model(dir.path());
     let model = EngineModel::load(dir.path(), Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
     let (tx, events) = mpsc::channel(256);
-    let (engine, thread) = spawn_engine(model, config, 16, tx, None).unwrap();
+    let (engine, thread) = spawn_engine(model, config, 16, tx, metrics).unwrap();
     Harness {
         engine,
         thread,
@@ -152,6 +157,49 @@ async fn batch_of_two_equals_each_alone() {
     assert!(h.engine.take_step_samples().is_empty(), "handed out once");
     h.engine.begin_shutdown().await;
     h.thread.join().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_busy_time_is_split_by_loop_phase() {
+    let registry = prometheus::Registry::new();
+    let metrics = DenoiserMetrics::new(&registry).unwrap();
+    let busy = |phase: &str| {
+        metrics
+            .engine_busy_seconds
+            .with_label_values(&[phase])
+            .get()
+    };
+    // Every phase is exported from the start, at 0.
+    let families = registry.gather();
+    let family = families
+        .iter()
+        .find(|f| f.name() == "diffmesh_denoiser_engine_busy_seconds_total")
+        .expect("exported");
+    assert_eq!(family.get_metric().len(), ENGINE_PHASES.len());
+    assert!(ENGINE_PHASES.iter().all(|p| busy(p) == 0.0));
+
+    let mut h = harness_with_metrics(
+        EngineConfig {
+            max_batch: 4,
+            max_queue: 8,
+            ..Default::default()
+        },
+        Some(metrics.clone()),
+    );
+    submit(&h, job("a", "a red circle", 1, 4), None).await;
+    submit(&h, job("b", "a blue square", 2, 6), None).await;
+    drain(&mut h, &["a", "b"]).await;
+    h.engine.begin_shutdown().await;
+    h.thread.join().await;
+    // Preparing and decoding jobs take real work; the step phase holds every step's compute.
+    assert!(busy("admit") > 0.0 && busy("retire") > 0.0);
+    let step_compute = metrics.step_seconds.get_sample_sum();
+    assert!(step_compute > 0.0);
+    assert!(
+        busy("step") >= step_compute,
+        "{} < {step_compute}",
+        busy("step")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
