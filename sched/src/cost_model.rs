@@ -128,6 +128,32 @@ pub struct EngineStepSample {
     pub latency_s: f64,
 }
 
+/// What a denoiser's step loop spends on each job besides its steps (median per job, s): preparing
+/// it when admitted (prompt encoding, template latents, noise) and decoding its latents when it
+/// finishes. The loop runs nothing else meanwhile, so every job in the batch waits for it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EngineJobWork {
+    pub admit_s: f64,
+    pub retire_s: f64,
+}
+
+impl EngineJobWork {
+    fn validate(&self) -> Result<(), SchedError> {
+        for (field, v) in [
+            ("engine_jobs.admit_s", self.admit_s),
+            ("engine_jobs.retire_s", self.retire_s),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(SchedError::field(
+                    field,
+                    format!("must be a finite number of seconds >= 0, got {v}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The profile file the denoiser's profiler writes and the router/simulator fit.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Profile {
@@ -153,6 +179,9 @@ pub struct Profile {
     /// Where the engine steps come from (command, machine).
     #[serde(default)]
     pub engine_label: String,
+    /// Per-job work of the step loop, measured with the engine steps; absent in older profiles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_jobs: Option<EngineJobWork>,
 }
 
 impl Profile {
@@ -306,6 +335,9 @@ pub struct CostModels {
     /// What a whole engine step takes beyond its blocks (s) against the batch's rows, when the
     /// profile measured engine steps; added to every predicted step.
     pub step_overhead: Option<LinearFit>,
+    /// The step loop's per-job work, when the profile measured it (the simulator charges it to
+    /// the step that admits or follows the job).
+    pub job_work: Option<EngineJobWork>,
 }
 
 impl CostModels {
@@ -327,7 +359,11 @@ impl CostModels {
                 Some(LinearFit::fit("disk load (profile.disk_load)", &dx, &dy)?)
             },
             step_overhead: None,
+            job_work: profile.engine_jobs,
         };
+        if let Some(work) = &profile.engine_jobs {
+            work.validate()?;
+        }
         if !profile.engine_steps.is_empty() {
             // The blocks' share of each measured step, as the models without overhead predict.
             let (rows, extra): (Vec<f64>, Vec<f64>) = profile
@@ -626,6 +662,7 @@ mod tests {
             disk_load: vec![],
             engine_steps: vec![],
             engine_label: String::new(),
+            engine_jobs: None,
         };
         let dir = std::env::temp_dir().join(format!("diffmesh-sched-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

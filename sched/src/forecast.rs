@@ -221,6 +221,7 @@ pub(crate) mod tests {
             },
             disk_load: None,
             step_overhead: None,
+            job_work: None,
         }
     }
 

@@ -83,6 +83,7 @@ pub fn profile(seed: u64) -> Profile {
         disk_load: Vec::new(),
         engine_steps: Vec::new(),
         engine_label: String::new(),
+        engine_jobs: None,
     }
 }
 

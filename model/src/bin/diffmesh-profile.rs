@@ -554,6 +554,7 @@ fn profile_one(
         // profile drops the old ones (`diffmesh-engine-bench --parts engine-steps` adds them).
         engine_steps: Vec::new(),
         engine_label: String::new(),
+        engine_jobs: None,
     };
     let models = CostModels::fit(&profile)?;
     let (full, masked) = CostModels::fit_by_kind(&profile);

@@ -7,7 +7,7 @@ pub mod workload;
 
 use crate::batching::{admit_count, BatchLimits};
 use crate::calibration::StepCalibration;
-use crate::cost_model::{BatchTotals, CostModels};
+use crate::cost_model::{BatchTotals, CostModels, EngineJobWork};
 use crate::policy::{ActiveRequest, Policy, RequestInfo, WorkerState};
 use metrics::{percentile, Summary};
 use rand::{Rng, SeedableRng};
@@ -115,6 +115,10 @@ struct Worker {
     step_s: f64,
     calibration: StepCalibration,
     busy_s: f64,
+    /// When its last step ended, and how many jobs finished then: the loop decodes them
+    /// before it steps again ([`CostModels::job_work`]).
+    last_step_end_s: f64,
+    retiring: u32,
 }
 
 struct Totals {
@@ -254,8 +258,9 @@ fn place_waiting(waiting: &mut VecDeque<Arrival>, now: f64, p: &mut Placement) {
             return;
         };
         waiting.pop_front();
+        let admit_s = p.model.job_work.map_or(0.0, |w| w.admit_s);
         let standalone =
-            p.model.standalone_s(a.masked_tokens, req.steps) + p.cfg.request_overhead_s;
+            p.model.standalone_s(a.masked_tokens, req.steps) + admit_s + p.cfg.request_overhead_s;
         p.workers[w].queue.push_back(Job {
             arrival_s: a.time_s,
             masked: a.masked_tokens,
@@ -317,11 +322,13 @@ fn snapshot(w: &Worker, now: f64, v: &mut WorkerState) {
 /// End the worker's step at `t`; requests that finish leave `overhead_s` later.
 fn finish_step(w: &mut Worker, t: f64, overhead_s: f64, tot: &mut Totals) {
     w.step_end = None;
+    w.last_step_end_s = t;
     // The live router learns from a step once the worker reports it: when it has ended.
     w.calibration.observe(w.step_s, w.step_predicted_s);
     for j in &mut w.running {
         j.remaining -= 1;
         if j.remaining == 0 {
+            w.retiring += 1;
             let done = t + overhead_s;
             tot.latencies.push(done - j.arrival_s);
             tot.standalone.push(j.standalone_s);
@@ -361,6 +368,16 @@ fn start_step(
     if w.running.is_empty() {
         return;
     }
+    // The step loop first decodes the jobs the last step finished, then prepares those it
+    // admits; the step's jobs wait for both. Only the step itself is reported (and calibrated).
+    let work = model.job_work.unwrap_or(EngineJobWork {
+        admit_s: 0.0,
+        retire_s: 0.0,
+    });
+    let retire_s = work.retire_s * f64::from(w.retiring) * slowdown;
+    let admit_s = work.admit_s * admit as f64 * slowdown;
+    let begin = (w.last_step_end_s + retire_s).max(now) + admit_s;
+    w.retiring = 0;
     let mut totals = BatchTotals::default();
     for j in &w.running {
         totals.add(shape, j.masked);
@@ -373,9 +390,9 @@ fn start_step(
         let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
         latency *= (1.0 + cfg.step_noise * z).max(0.1);
     }
-    w.step_end = Some(now + latency);
+    w.step_end = Some(begin + latency);
     (w.step_predicted_s, w.step_s) = (predicted, latency);
-    w.busy_s += latency;
+    w.busy_s += retire_s + admit_s + latency;
     tot.steps += 1;
     tot.batch_sum += w.running.len() as u64;
 }

@@ -94,6 +94,33 @@ fn second_request_waits_when_the_batch_is_full() {
     assert!(s2.mean_batch > 1.9 && s2.mean_batch < 2.0, "{s2:?}");
 }
 
+#[test]
+fn the_loops_job_work_delays_the_next_step_not_the_finishing_job() {
+    let mut m = synthetic::default_models();
+    m.job_work = Some(crate::cost_model::EngineJobWork {
+        admit_s: 0.01,
+        retire_s: 0.02,
+    });
+    let t = m.standalone_s(450, 28);
+    // Alone: prepared, then stepped; its own decode is part of the time outside the denoiser.
+    let lone = simulate(&cfg(1, 1), &m, &mut RequestCount, &[arrival(1.0, 450)]);
+    assert!((lone.p50 - (t + 0.01)).abs() < 1e-9, "{lone:?}");
+    assert!((lone.standalone_p95 - lone.p50).abs() < 1e-9, "{lone:?}");
+    // One after the other: the second waits for the first's decode and its own preparation.
+    let a = [arrival(0.0, 450), arrival(0.0, 450)];
+    let s = simulate(&cfg(1, 1), &m, &mut RequestCount, &a);
+    assert!(
+        (s.p99 - (2.0 * t + 0.01 + 0.02 + 0.01)).abs() < 1e-9,
+        "{s:?}"
+    );
+    // The busy time counts the loop's work too.
+    let span = 2.0 * t + 0.04;
+    assert!(
+        (s.utilization - (2.0 * t + 0.04) / span).abs() < 1e-9,
+        "{s:?}"
+    );
+}
+
 fn poisson_run(policy: &str, arrival_seed: u64, noise: f64) -> metrics::Summary {
     let m = synthetic::default_models();
     let mut rng = ChaCha8Rng::seed_from_u64(arrival_seed);

@@ -166,6 +166,7 @@ pub(crate) mod tests {
             load: fit(0.0),
             disk_load: None,
             step_overhead: None,
+            job_work: None,
         }
     }
 

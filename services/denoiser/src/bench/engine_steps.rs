@@ -2,7 +2,9 @@
 //! (`Profile::engine_steps`). The profiler times the transformer blocks alone; a denoiser's step
 //! also runs the scheduler, the inpainting blend, the cache loader and the planner, which the
 //! cost models then add as an overhead per step and per row (`CostModels::step_overhead`), so
-//! the router's forecasts and the simulator predict what a live denoiser takes.
+//! the router's forecasts and the simulator predict what a live denoiser takes. It also times
+//! the step loop's work per job outside the steps (preparing an admitted edit, decoding a
+//! finished one: `Profile::engine_jobs`), which the simulator charges to the steps around it.
 //!
 //! Each sample is one batch of `b` edits by template (masks drawn from the trace, caches
 //! captured by the real engine), stepped by the engine's own [`CachedStepper`] after a warm-up
@@ -14,10 +16,12 @@ use super::report::Report;
 use super::template_caches::BenchTemplates;
 use super::workload::{engine_job, BenchRequest};
 use crate::cached_step::{CacheSettings, CachedStepper};
-use crate::model::step_requests;
+use crate::model::{step_requests, tensor_to_rgb};
 use anyhow::{ensure, Context, Result};
 use diffmesh_model::pipeline::stepper::DenoiseState;
-use diffmesh_sched::cost_model::{BatchTotals, CostModels, EngineStepSample, Profile};
+use diffmesh_sched::cost_model::{
+    BatchTotals, CostModels, EngineJobWork, EngineStepSample, Profile,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
@@ -48,7 +52,7 @@ pub async fn run(opts: &EngineStepsOptions, report: &mut Report) -> Result<()> {
     let templates = BenchTemplates::capture(&opts.model, opts.steps, opts.steps, opts.seed)
         .await
         .context("capturing the template the edits read")?;
-    let samples = measure(opts, &templates)?;
+    let (samples, job_work) = measure(opts, &templates)?;
     let bare = CostModels::fit(&profile)?;
     for s in samples.iter().take(opts.max_batch) {
         let mut totals = BatchTotals::default();
@@ -62,7 +66,15 @@ pub async fn run(opts: &EngineStepsOptions, report: &mut Report) -> Result<()> {
             bare.step_latency(&totals) * 1e3
         ));
     }
+    report.say(format!(
+        "engine-steps: per job, preparing {:.2} ms, decoding {:.2} ms (medians)",
+        job_work.admit_s * 1e3,
+        job_work.retire_s * 1e3
+    ));
+    report.insert("engine_job_admit_ms", job_work.admit_s * 1e3);
+    report.insert("engine_job_retire_ms", job_work.retire_s * 1e3);
     profile.engine_steps = samples;
+    profile.engine_jobs = Some(job_work);
     profile.engine_label = format!(
         "measured: whole engine steps of mask-aware edits ({} steps each, batches 1..={}, {} rounds, \
          {} torch threads, wall clock), `cargo xtask bench engine --parts engine-steps` (seed {})",
@@ -94,8 +106,18 @@ pub async fn run(opts: &EngineStepsOptions, report: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// One sample per (round, batch size), in that order.
-fn measure(opts: &EngineStepsOptions, templates: &BenchTemplates) -> Result<Vec<EngineStepSample>> {
+/// Median of the samples (0 for none).
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// One step sample per (round, batch size), in that order, and the median per-job work of the
+/// step loop: preparing a job as the engine admits it, decoding it as the engine retires it.
+fn measure(
+    opts: &EngineStepsOptions,
+    templates: &BenchTemplates,
+) -> Result<(Vec<EngineStepSample>, EngineJobWork)> {
     let model = opts.model.load()?;
     let grid = model_grid(&model);
     let _guard = diffmesh_model::tch::no_grad_guard();
@@ -103,6 +125,7 @@ fn measure(opts: &EngineStepsOptions, templates: &BenchTemplates) -> Result<Vec<
     let mut stepper = CachedStepper::new(CacheSettings::default(), None).context("cache loader")?;
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let mut samples = Vec::new();
+    let (mut admit, mut retire) = (Vec::new(), Vec::new());
     for round in 0..opts.rounds {
         for b in 1..=opts.max_batch {
             let (mut states, mut caches, mut masked) = (Vec::new(), Vec::new(), Vec::new());
@@ -120,11 +143,13 @@ fn measure(opts: &EngineStepsOptions, templates: &BenchTemplates) -> Result<Vec<
                     .template
                     .as_ref()
                     .and_then(|s| s.get().cloned().flatten());
+                let t = Instant::now();
                 for r in step_requests(&job.job, job.edit.as_ref(), &model)? {
                     states.push(DenoiseState::new(&pipeline, &r)?);
                     caches.push(cache.clone());
                     masked.push(job.job.inputs.masked_tokens);
                 }
+                admit.push(t.elapsed().as_secs_f64());
             }
             let mut refs: Vec<&mut DenoiseState> = states.iter_mut().collect();
             stepper.step(&pipeline, &mut refs, &caches)?;
@@ -134,12 +159,21 @@ fn measure(opts: &EngineStepsOptions, templates: &BenchTemplates) -> Result<Vec<
                 stepper.step(&pipeline, &mut refs, &caches)?;
                 times.push(t.elapsed().as_secs_f64());
             }
-            times.sort_by(f64::total_cmp);
             samples.push(EngineStepSample {
                 masked,
-                latency_s: times[times.len() / 2],
+                latency_s: median(times),
             });
+            // Every edit has run all its steps: decode them as the engine's retire does.
+            for state in &states {
+                let t = Instant::now();
+                tensor_to_rgb(&state.decode(&pipeline)?)?;
+                retire.push(t.elapsed().as_secs_f64());
+            }
         }
     }
-    Ok(samples)
+    let work = EngineJobWork {
+        admit_s: median(admit),
+        retire_s: median(retire),
+    };
+    Ok((samples, work))
 }
