@@ -1,0 +1,192 @@
+//! What the engine's handle and its thread exchange: jobs in, commands, events out, per-job
+//! errors, and the engine's configuration and load snapshot.
+use crate::cached_step::{CacheSettings, TemplateSlot};
+use crate::model::EditInputs;
+use crate::templates::TemplateEntry;
+use diffmesh_model::ModelError;
+use diffmesh_shared::messages::{DenoiseJob, RunningJob};
+use std::sync::Arc;
+use tokio::sync::oneshot;
+use tracing::Span;
+
+/// A job with the inputs the NATS side fetched for it.
+#[derive(Debug)]
+pub struct EngineJob {
+    pub job: DenoiseJob,
+    pub edit: Option<EditInputs>,
+    /// An edit of a registered template: its cache, once fetched (admission waits for it).
+    pub template: Option<TemplateSlot>,
+    /// A capture job: the key its cache is stored under.
+    pub capture_key: Option<String>,
+}
+
+impl EngineJob {
+    /// A generation or an edit without a template cache.
+    pub fn new(job: DenoiseJob, edit: Option<EditInputs>) -> Self {
+        Self {
+            job,
+            edit,
+            template: None,
+            capture_key: None,
+        }
+    }
+}
+
+/// Why the engine did not take a job.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("queue full ({0} jobs waiting)")]
+    QueueFull(usize),
+    #[error("denoiser is shutting down")]
+    ShuttingDown,
+    #[error("job {0} is already on this denoiser")]
+    Duplicate(String),
+    #[error("inline work panicked: {0}")]
+    InlinePanic(String),
+}
+
+/// Work run on the engine thread between two steps; a job it returns is queued like a submit.
+pub type InlineWork = Box<dyn FnOnce() -> Option<EngineJob> + Send>;
+
+/// Called on the engine thread with every event just before it is sent (so post-processing in
+/// it runs in the step loop, right as a job retires: the bench's inline strawman).
+pub type EventTap = Box<dyn Fn(&EngineEvent) + Send>;
+
+pub enum Command {
+    /// Queue a job; the reply carries its queue position.
+    Submit {
+        job: Box<EngineJob>,
+        span: Span,
+        reply: oneshot::Sender<Result<u32, SubmitError>>,
+    },
+    /// Drop a job at the next step boundary (or from the queue).
+    Cancel { job_id: String, span: Span },
+    /// Run work on the engine thread at the next step boundary, pausing the step loop (the
+    /// engine bench's inline pre-processing strawman; the service never sends it).
+    Inline {
+        work: InlineWork,
+        span: Span,
+        reply: oneshot::Sender<Result<Option<u32>, SubmitError>>,
+    },
+    /// Install (or remove) the event tap; replies once it is in place.
+    SetEventTap {
+        tap: Option<EventTap>,
+        reply: oneshot::Sender<()>,
+    },
+    /// Stop taking jobs, hand back the queued ones (reply), finish the running ones, then exit.
+    Shutdown {
+        span: Span,
+        reply: oneshot::Sender<Vec<DenoiseJob>>,
+    },
+}
+
+/// What the engine reports; the NATS side turns these into job events and post-processing.
+#[derive(Debug)]
+pub enum EngineEvent {
+    Started {
+        job_id: String,
+    },
+    Step {
+        job_id: String,
+        step: u32,
+        total: u32,
+    },
+    /// A capture job recorded its template's cache.
+    Captured {
+        job: DenoiseJob,
+        entry: Arc<TemplateEntry>,
+        seconds: f64,
+        span: Span,
+    },
+    /// Model-resolution RGB outputs, one per image.
+    Finished {
+        job: DenoiseJob,
+        images: Vec<Vec<u8>>,
+        width: u32,
+        height: u32,
+        span: Span,
+    },
+    Failed {
+        job: DenoiseJob,
+        error: EngineJobError,
+        span: Span,
+    },
+    Cancelled {
+        job_id: String,
+    },
+}
+
+/// Why one job failed inside the engine.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineJobError {
+    /// The job's inputs were unusable (names the field).
+    #[error("{0}")]
+    Input(String),
+    #[error("model error: {0}")]
+    Model(String),
+    #[error("the model panicked: {0}")]
+    Panic(String),
+}
+
+impl EngineJobError {
+    pub(super) fn from_model(e: ModelError) -> Self {
+        match e {
+            ModelError::Input { .. } => EngineJobError::Input(e.to_string()),
+            other => EngineJobError::Model(other.to_string()),
+        }
+    }
+
+    pub fn reason(&self) -> &'static str {
+        match self {
+            EngineJobError::Input(_) => "invalid_input",
+            EngineJobError::Model(_) => "model_error",
+            EngineJobError::Panic(_) => "panic",
+        }
+    }
+}
+
+/// When waiting jobs may join the running batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Batching {
+    /// Step-level continuous batching: jobs join at every step boundary, finished ones leave.
+    #[default]
+    Continuous,
+    /// Static batching (the baseline): a batch forms only when no job is active and runs until
+    /// its last job finishes.
+    Static,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct EngineConfig {
+    /// Images denoised together in one step (a job of n images takes n rows).
+    pub max_batch: usize,
+    /// Jobs waiting beyond the running batch.
+    pub max_queue: usize,
+    pub batching: Batching,
+    /// Most image tokens computed per step over the running batch, each row counting its job's
+    /// `inputs.masked_tokens` (every image token for generations); `None`: no limit. A job over
+    /// the budget still runs, alone.
+    pub token_budget: Option<u64>,
+    /// Template caches: stored format and dtype, loader lookahead, prefix planning.
+    pub cache: CacheSettings,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 8,
+            max_queue: 16,
+            batching: Batching::Continuous,
+            token_budget: None,
+            cache: CacheSettings::default(),
+        }
+    }
+}
+
+/// Load snapshot for heartbeats.
+#[derive(Debug, Clone, Default)]
+pub struct EngineStatus {
+    pub running: Vec<RunningJob>,
+    pub queued: u32,
+    pub draining: bool,
+}
