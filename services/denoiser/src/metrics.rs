@@ -3,13 +3,24 @@ use std::time::Instant;
 
 use diffmesh_shared::metrics::LATENCY_BUCKETS_SECONDS;
 use prometheus::{
-    CounterVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    Counter, CounterVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry,
 };
 
 /// Phases of the engine loop, in order: `commands` (submits, cancels), `admit` (preparing the
 /// jobs joining the batch: prompt, template latents, noise), `step`, `retire` (decoding finished
-/// jobs), `status` (the view heartbeats report).
+/// jobs), `status` (the view heartbeats report). [`EnginePhase`] indexes it.
 pub const ENGINE_PHASES: [&str; 5] = ["commands", "admit", "step", "retire", "status"];
+
+/// A phase of the engine loop, as the index of its label in [`ENGINE_PHASES`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum EnginePhase {
+    Commands,
+    Admit,
+    Step,
+    Retire,
+    Status,
+}
 
 #[derive(Clone)]
 pub struct DenoiserMetrics {
@@ -41,6 +52,8 @@ pub struct DenoiserMetrics {
     /// spends besides the steps themselves (the `step` phase also counts the step's trace spans
     /// and events, which `step_seconds` leaves out).
     pub engine_busy_seconds: CounterVec,
+    /// Its series per phase, resolved once (the loop adds to them every iteration).
+    engine_busy_by_phase: [Counter; ENGINE_PHASES.len()],
 }
 
 impl DenoiserMetrics {
@@ -140,9 +153,8 @@ impl DenoiserMetrics {
             ),
             &["phase"],
         )?;
-        for phase in ENGINE_PHASES {
-            engine_busy_seconds.with_label_values(&[phase]);
-        }
+        let engine_busy_by_phase =
+            ENGINE_PHASES.map(|p| engine_busy_seconds.with_label_values(&[p]));
         registry.register(Box::new(engine_busy_seconds.clone()))?;
         registry.register(Box::new(step_rows.clone()))?;
         registry.register(Box::new(load_wait_seconds.clone()))?;
@@ -174,6 +186,7 @@ impl DenoiserMetrics {
             template_pixels_lookups,
             capture_seconds,
             engine_busy_seconds,
+            engine_busy_by_phase,
         })
     }
 }
@@ -190,12 +203,10 @@ impl PhaseClock {
         }
     }
 
-    pub(crate) fn lap(&mut self, metrics: Option<&DenoiserMetrics>, phase: &str) {
+    pub(crate) fn lap(&mut self, metrics: Option<&DenoiserMetrics>, phase: EnginePhase) {
         if let Some(m) = metrics {
             let now = Instant::now();
-            m.engine_busy_seconds
-                .with_label_values(&[phase])
-                .inc_by((now - self.last).as_secs_f64());
+            m.engine_busy_by_phase[phase as usize].inc_by((now - self.last).as_secs_f64());
             self.last = now;
         }
     }

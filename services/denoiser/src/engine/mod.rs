@@ -6,7 +6,7 @@
 //! batched forward, report progress, and retire finished jobs as RGB images. A panic or error in
 //! a batched step is retried job by job, so one bad job fails alone and the engine lives on.
 use crate::cached_step::{CachedStepper, CaptureSink};
-use crate::metrics::{DenoiserMetrics, PhaseClock};
+use crate::metrics::{DenoiserMetrics, EnginePhase, PhaseClock};
 use crate::model::{capture_state, job_resolution, step_requests, tensor_to_rgb, EngineModel};
 use crate::step_samples::StepSamples;
 use crate::templates::TemplateEntry;
@@ -211,15 +211,15 @@ impl Engine {
                 self.handle(cmd);
             }
             self.drop_cancelled();
-            clock.lap(self.metrics.as_ref(), "commands");
+            clock.lap(self.metrics.as_ref(), EnginePhase::Commands);
             self.admit();
-            clock.lap(self.metrics.as_ref(), "admit");
+            clock.lap(self.metrics.as_ref(), EnginePhase::Admit);
             self.step();
-            clock.lap(self.metrics.as_ref(), "step");
+            clock.lap(self.metrics.as_ref(), EnginePhase::Step);
             self.retire();
-            clock.lap(self.metrics.as_ref(), "retire");
+            clock.lap(self.metrics.as_ref(), EnginePhase::Retire);
             self.publish_status();
-            clock.lap(self.metrics.as_ref(), "status");
+            clock.lap(self.metrics.as_ref(), EnginePhase::Status);
         }
         self.publish_status();
         tracing::info!("engine stopped");
