@@ -131,7 +131,7 @@ pub struct EngineStepSample {
 /// What a denoiser's step loop spends on each job besides its steps (median per job, s): preparing
 /// it when admitted (prompt encoding, template latents, noise) and decoding its latents when it
 /// finishes. The loop runs nothing else meanwhile, so every job in the batch waits for it.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct EngineJobWork {
     pub admit_s: f64,
     pub retire_s: f64,

@@ -7,7 +7,7 @@ pub mod workload;
 
 use crate::batching::{admit_count, BatchLimits};
 use crate::calibration::StepCalibration;
-use crate::cost_model::{BatchTotals, CostModels, EngineJobWork};
+use crate::cost_model::{BatchTotals, CostModels};
 use crate::policy::{ActiveRequest, Policy, RequestInfo, WorkerState};
 use metrics::{percentile, Summary};
 use rand::{Rng, SeedableRng};
@@ -370,10 +370,7 @@ fn start_step(
     }
     // The step loop first decodes the jobs the last step finished, then prepares those it
     // admits; the step's jobs wait for both. Only the step itself is reported (and calibrated).
-    let work = model.job_work.unwrap_or(EngineJobWork {
-        admit_s: 0.0,
-        retire_s: 0.0,
-    });
+    let work = model.job_work.unwrap_or_default();
     let retire_s = work.retire_s * f64::from(w.retiring) * slowdown;
     let admit_s = work.admit_s * admit as f64 * slowdown;
     let begin = (w.last_step_end_s + retire_s).max(now) + admit_s;
