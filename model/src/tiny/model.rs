@@ -131,7 +131,11 @@ impl TinyModel {
         tch::manual_seed(seed);
         let m = Self::new(device)?;
         tch::no_grad(|| -> Result<()> {
-            for (_, mut v) in m.transformer_vs.variables() {
+            // In name order: `variables()` is a HashMap, whose order changes from one call to
+            // the next, and with it which variable gets which draw.
+            let mut variables: Vec<_> = m.transformer_vs.variables().into_iter().collect();
+            variables.sort_by(|a, b| a.0.cmp(&b.0));
+            for (_, mut v) in variables {
                 let r = Tensor::f_randn(v.size(), (Kind::Float, device))?.f_mul_scalar(0.05)?;
                 v.f_copy_(&r)?;
             }
