@@ -7,6 +7,7 @@
 //! so batching never changes a request's result); image sizes must be multiples of
 //! `2 * downscale_factor` instead of being silently floored; inpainting masks at token level (see
 //! [`inpaint`]) and uses the posterior mean for template latents.
+pub mod conditioning_cache;
 pub mod inpaint;
 pub mod noise;
 pub mod stepper;
@@ -120,6 +121,16 @@ impl Prepared {
         requests: &[GenerationRequest],
         opts: &GenerateOptions,
     ) -> Result<Self> {
+        Self::with_text(p, requests, opts, None)
+    }
+
+    /// As [`Prepared::new`], with the requests' prompt embeddings given (`None`: encode them).
+    pub(crate) fn with_text(
+        p: &FluxPipeline<'_>,
+        requests: &[GenerationRequest],
+        opts: &GenerateOptions,
+        text: Option<TextEmbeddings>,
+    ) -> Result<Self> {
         if requests.is_empty() {
             return Err(ModelError::input(
                 "requests",
@@ -149,8 +160,13 @@ impl Prepared {
         let (latent_h, latent_w) = (opts.height / f, opts.width / f);
         let (rows, cols) = (latent_h / 2, latent_w / 2);
         let schedule = p.scheduler.flux_schedule(opts.steps, rows * cols)?;
-        let prompts: Vec<String> = requests.iter().map(|r| r.prompt.clone()).collect();
-        let text = embed(p, &prompts, device, kind)?;
+        let text = match text {
+            Some(text) => text,
+            None => {
+                let prompts: Vec<String> = requests.iter().map(|r| r.prompt.clone()).collect();
+                embed(p, &prompts, device, kind)?
+            }
+        };
         let negative = match &opts.negative_prompt {
             Some(neg) if opts.true_cfg_scale > 1.0 => {
                 Some(embed(p, &vec![neg.clone(); requests.len()], device, kind)?)

@@ -6,6 +6,7 @@
 //! [`super::text_to_image`] / [`super::inpaint`] do, the Euler step is `Schedule::step`, and the
 //! edit blend is the inpainting pipeline's token-level blend, so a request stepped here alone
 //! ends on the same latents as the pipeline functions with the same seed.
+use super::conditioning_cache::ConditioningCache;
 use super::{FluxPipeline, GenerateOptions, GenerationRequest, Prepared};
 use crate::error::{ModelError, Result};
 use crate::flux::{FluxInputs, KvCache, KvSink, MaskedRequest};
@@ -75,6 +76,27 @@ pub struct DenoiseState {
 impl DenoiseState {
     /// Encode the prompt, draw the seeded noise and, for edits, encode the template.
     pub fn new(p: &FluxPipeline<'_>, req: &StepRequest) -> Result<Self> {
+        Self::prepare(p, req, None)
+    }
+
+    /// As [`DenoiseState::new`], taking the prompt's embeddings and the template's latents from
+    /// `cache` where it holds them (and keeping them there). `template_key` names the content
+    /// of the edit's template image (None: the template is not shared and is encoded). The
+    /// state is the same as `new`'s: the cache only skips recomputing identical tensors.
+    pub fn new_cached(
+        p: &FluxPipeline<'_>,
+        req: &StepRequest,
+        cache: &mut ConditioningCache,
+        template_key: Option<&str>,
+    ) -> Result<Self> {
+        Self::prepare(p, req, Some((cache, template_key)))
+    }
+
+    fn prepare(
+        p: &FluxPipeline<'_>,
+        req: &StepRequest,
+        mut reuse: Option<(&mut ConditioningCache, Option<&str>)>,
+    ) -> Result<Self> {
         tch::no_grad(|| {
             let opts = GenerateOptions {
                 height: req.height,
@@ -84,13 +106,21 @@ impl DenoiseState {
                 true_cfg_scale: 1.0,
                 negative_prompt: None,
             };
-            let prep = Prepared::new(
+            let text = match reuse.as_mut() {
+                Some((cache, _)) => {
+                    let (device, kind) = p.transformer.device_kind();
+                    Some(cache.text(p, &req.prompt, device, kind)?)
+                }
+                None => None,
+            };
+            let prep = Prepared::with_text(
                 p,
                 &[GenerationRequest {
                     prompt: req.prompt.clone(),
                     seed: req.seed,
                 }],
                 &opts,
+                text,
             )?;
             let mut noise = prep.noise(&[req.seed], p.codec.latent_channels())?;
             let Some(edit) = &req.edit else {
@@ -124,7 +154,10 @@ impl DenoiseState {
                 .template
                 .f_to_device(prep.device)?
                 .f_to_kind(prep.kind)?;
-            let image_latents = pack_latents(&p.codec.encode(&template)?.f_to_kind(prep.kind)?)?;
+            let image_latents = match reuse.as_mut() {
+                Some((cache, key)) => cache.template_latents(p, *key, &template, prep.kind)?,
+                None => pack_latents(&p.codec.encode(&template)?.f_to_kind(prep.kind)?)?,
+            };
             let blend = edit
                 .token_mask
                 .f_to_device(prep.device)?
@@ -133,7 +166,11 @@ impl DenoiseState {
                 .f_view([1, tokens, 1])?;
             let keep = blend.f_neg()?.f_add_scalar(1.0)?;
             if let Some(seed) = edit.template_seed.filter(|&s| s != req.seed) {
-                let template_noise = prep.noise(&[seed], p.codec.latent_channels())?;
+                let channels = p.codec.latent_channels();
+                let template_noise = match reuse.as_mut() {
+                    Some((cache, _)) => cache.template_noise(&prep, seed, channels)?,
+                    None => prep.noise(&[seed], channels)?,
+                };
                 noise = blend.f_mul(&noise)?.f_add(&keep.f_mul(&template_noise)?)?;
             }
             let masked_index = edit
@@ -576,5 +613,62 @@ mod tests {
         });
         let err = DenoiseState::new(&p, &r).err().unwrap().to_string();
         assert!(err.contains("token_mask"), "{err}");
+    }
+    #[test]
+    fn cached_preparation_steps_exactly_like_fresh_preparation() {
+        let (m, s) = model();
+        let p = pipe(&m, &s);
+        let template = Tensor::rand([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
+        let edit = |prompt: &str, seed: u64, every: i64| {
+            let mut r = req(prompt, seed, 3);
+            r.edit = Some(EditSpec {
+                template: template.shallow_clone(),
+                token_mask: Tensor::arange(256, (Kind::Int64, Device::Cpu))
+                    .remainder(every)
+                    .eq(0),
+                strength: 1.0,
+                template_seed: Some(9),
+            });
+            r
+        };
+        let run = |mut st: DenoiseState| {
+            while !st.is_done() {
+                st.step(&p).unwrap();
+            }
+            st.latents().shallow_clone()
+        };
+        let mut cache = ConditioningCache::new(1 << 20);
+        let requests = [
+            edit("a red circle", 1, 3),
+            edit("a red circle", 2, 5),
+            edit("a blue square", 3, 2),
+            edit("a red circle", 4, 7),
+        ];
+        for r in &requests {
+            let fresh = run(DenoiseState::new(&p, r).unwrap());
+            let cached = run(DenoiseState::new_cached(&p, r, &mut cache, Some("tpl-a")).unwrap());
+            assert!(fresh.equal(&cached), "seed {}", r.seed);
+        }
+        let c = cache.counts();
+        assert_eq!((c.prompts.hits, c.prompts.misses), (2, 2));
+        assert_eq!((c.template_latents.hits, c.template_latents.misses), (3, 1));
+        assert_eq!((c.template_noise.hits, c.template_noise.misses), (3, 1));
+        // A template without a key is never shared; a budget of 0 keeps nothing.
+        let mut none = ConditioningCache::new(0);
+        for r in &requests[..2] {
+            let fresh = run(DenoiseState::new(&p, r).unwrap());
+            let cached = run(DenoiseState::new_cached(&p, r, &mut none, None).unwrap());
+            assert!(fresh.equal(&cached));
+        }
+        let c = none.counts();
+        assert_eq!(
+            (
+                c.prompts.hits,
+                c.template_latents.hits,
+                c.template_latents.misses
+            ),
+            (0, 0, 0)
+        );
+        assert_eq!(c.prompts.bytes + c.template_noise.bytes, 0);
     }
 }

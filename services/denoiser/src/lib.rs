@@ -112,6 +112,11 @@ pub struct DenoiserConfig {
     /// edits read them once (LRU; 0 reads them for every edit).
     #[arg(long, env = "TEMPLATE_PIXELS_BYTES", default_value_t = 256 << 20)]
     pub template_pixels_bytes: u64,
+    /// Bytes of prompt embeddings, template latents and template noise the engine keeps, so
+    /// edits of one template (and requests repeating a prompt) skip the text and image encoders
+    /// on the step loop (LRU; 0 keeps nothing).
+    #[arg(long, env = "CONDITIONING_CACHE_BYTES", default_value_t = 256 << 20)]
+    pub conditioning_cache_bytes: u64,
     /// Cache blocks the loader thread decodes ahead of the compute, per request.
     #[arg(long, env = "CACHE_LOOKAHEAD", default_value_t = 2)]
     pub cache_lookahead: usize,
@@ -150,6 +155,7 @@ impl DenoiserConfig {
             cache_dtype: "bf16".into(),
             local_cache_bytes: 256 << 20,
             template_pixels_bytes: 64 << 20,
+            conditioning_cache_bytes: 64 << 20,
             cache_lookahead: 2,
             cache_prefix: "auto".into(),
             cachestore_timeout_ms: 5000,
@@ -333,6 +339,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         batching: config.batching,
         token_budget: config.token_budget,
         cache: cache_settings,
+        conditioning_cache_bytes: config.conditioning_cache_bytes,
     };
     let cache_bucket =
         BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::CACHES).await?;

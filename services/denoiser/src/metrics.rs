@@ -1,11 +1,15 @@
 //! Denoiser metrics, registered in the registry the health server exposes on /metrics.
 use std::time::Instant;
 
+use diffmesh_model::pipeline::conditioning_cache::{ConditioningCounts, ReuseCounts};
 use diffmesh_shared::metrics::LATENCY_BUCKETS_SECONDS;
 use prometheus::{
-    Counter, CounterVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry,
+    Counter, CounterVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
+
+/// Kinds of entry in the engine's conditioning cache, as metric labels.
+pub const CONDITIONING_KINDS: [&str; 3] = ["prompt", "template_latents", "template_noise"];
 
 /// Phases of the engine loop, in order: `commands` (submits, cancels), `admit` (preparing the
 /// jobs joining the batch: prompt, template latents, noise), `step`, `retire` (decoding finished
@@ -54,6 +58,11 @@ pub struct DenoiserMetrics {
     pub engine_busy_seconds: CounterVec,
     /// Its series per phase, resolved once (the loop adds to them every iteration).
     engine_busy_by_phase: [Counter; ENGINE_PHASES.len()],
+    /// Lookups in the engine's conditioning cache when admitting jobs, by kind
+    /// ([`CONDITIONING_KINDS`]) and result (`hit`, `miss`: encoded or drawn on the step loop).
+    pub conditioning_lookups: IntCounterVec,
+    /// Bytes the conditioning cache holds, by kind.
+    pub conditioning_bytes: IntGaugeVec,
 }
 
 impl DenoiserMetrics {
@@ -155,6 +164,29 @@ impl DenoiserMetrics {
         )?;
         let engine_busy_by_phase =
             ENGINE_PHASES.map(|p| engine_busy_seconds.with_label_values(&[p]));
+        let conditioning_lookups = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_conditioning_cache_lookups_total",
+                "Prompt embeddings, template latents and template noise looked up when admitting \
+                 a job, by kind and result (miss: computed on the step loop)",
+            ),
+            &["kind", "result"],
+        )?;
+        let conditioning_bytes = IntGaugeVec::new(
+            Opts::new(
+                "diffmesh_denoiser_conditioning_cache_bytes",
+                "Bytes held in the engine's conditioning cache, by kind",
+            ),
+            &["kind"],
+        )?;
+        for kind in CONDITIONING_KINDS {
+            conditioning_bytes.with_label_values(&[kind]);
+            for result in ["hit", "miss"] {
+                conditioning_lookups.with_label_values(&[kind, result]);
+            }
+        }
+        registry.register(Box::new(conditioning_lookups.clone()))?;
+        registry.register(Box::new(conditioning_bytes.clone()))?;
         registry.register(Box::new(engine_busy_seconds.clone()))?;
         registry.register(Box::new(step_rows.clone()))?;
         registry.register(Box::new(load_wait_seconds.clone()))?;
@@ -187,7 +219,34 @@ impl DenoiserMetrics {
             capture_seconds,
             engine_busy_seconds,
             engine_busy_by_phase,
+            conditioning_lookups,
+            conditioning_bytes,
         })
+    }
+
+    /// Counts the conditioning cache's lookups between two readings of it and sets its bytes.
+    pub(crate) fn record_conditioning(
+        &self,
+        before: ConditioningCounts,
+        after: ConditioningCounts,
+    ) {
+        let kinds: [(ReuseCounts, ReuseCounts); 3] = [
+            (before.prompts, after.prompts),
+            (before.template_latents, after.template_latents),
+            (before.template_noise, after.template_noise),
+        ];
+        for (kind, (b, a)) in CONDITIONING_KINDS.iter().zip(kinds) {
+            for (result, n) in [("hit", a.hits - b.hits), ("miss", a.misses - b.misses)] {
+                if n > 0 {
+                    self.conditioning_lookups
+                        .with_label_values(&[kind, result])
+                        .inc_by(n);
+                }
+            }
+            self.conditioning_bytes
+                .with_label_values(&[kind])
+                .set(a.bytes as i64);
+        }
     }
 }
 

@@ -28,7 +28,7 @@ struct Harness {
     engine: EngineHandle,
     thread: EngineThread,
     events: mpsc::Receiver<EngineEvent>,
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
 }
 
 fn harness(max_batch: usize, max_queue: usize) -> Harness {
@@ -46,14 +46,22 @@ fn harness_with(config: EngineConfig) -> Harness {
 fn harness_with_metrics(config: EngineConfig, metrics: Option<DenoiserMetrics>) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     write_random_model(dir.path());
-    let model = EngineModel::load(dir.path(), Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
+    let mut h = harness_on(dir.path(), config, metrics);
+    h._dir = Some(dir);
+    h
+}
+
+/// An engine on the model in `dir` (tests that compare two engines load one model folder: the
+/// random weights depend on the torch RNG, which tests running in parallel share).
+fn harness_on(dir: &Path, config: EngineConfig, metrics: Option<DenoiserMetrics>) -> Harness {
+    let model = EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
     let (tx, events) = mpsc::channel(256);
     let (engine, thread) = spawn_engine(model, config, 16, tx, metrics).unwrap();
     Harness {
         engine,
         thread,
         events,
-        _dir: dir,
+        _dir: None,
     }
 }
 
@@ -200,6 +208,105 @@ async fn engine_busy_time_is_split_by_loop_phase() {
         "{} < {step_compute}",
         busy("step")
     );
+}
+
+/// Edits of one template (named by its content hash) with the template's noise, plus a
+/// generation, under `config`, one job at a time (a batch's forward may round differently);
+/// returns every job's image and the metrics.
+async fn template_edits(
+    model: &Path,
+    config: EngineConfig,
+) -> (HashMap<String, Vec<u8>>, DenoiserMetrics) {
+    let metrics = DenoiserMetrics::new(&prometheus::Registry::new()).unwrap();
+    let mut h = harness_on(model, config, Some(metrics.clone()));
+    let template: Vec<u8> = (0..64 * 64 * 3).map(|i| (i % 251) as u8).collect();
+    let ids = ["e1", "e2", "e3", "gen"];
+    for (i, id) in ids.iter().enumerate() {
+        let prompt = if i == 2 {
+            "a blue square"
+        } else {
+            "a red circle"
+        };
+        let mut j = job(id, prompt, 10 + i as u64, 3);
+        let mut edit = None;
+        if *id != "gen" {
+            j.kind = JobKind::Edit;
+            j.inputs.template_id = Some("content-hash-1".into());
+            j.template = Some(diffmesh_shared::messages::TemplateRef {
+                template_id: "t1".into(),
+                prompt: "a red circle".into(),
+                seed: 99,
+                steps: 3,
+                guidance_scale: 1.0,
+                cache_key: String::new(),
+            });
+            let mut mask = vec![0u8; 256];
+            mask[i * 16..(i + 2) * 16].fill(1);
+            edit = Some(EditInputs {
+                template_rgb: template.clone(),
+                token_mask: mask,
+            });
+        }
+        submit(&h, j, edit).await;
+    }
+    let (images, log) = drain(&mut h, &ids).await;
+    assert_eq!(images.len(), ids.len(), "{log:?}");
+    h.engine.begin_shutdown().await;
+    h.thread.join().await;
+    (images, metrics)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admitted_jobs_reuse_prompt_template_latents_and_noise_without_changing_images() {
+    let model = tempfile::tempdir().unwrap();
+    write_random_model(model.path());
+    let (cached, m) = template_edits(
+        model.path(),
+        EngineConfig {
+            max_batch: 1,
+            ..Default::default()
+        },
+    )
+    .await;
+    let lookups = |kind: &str, result: &str| {
+        m.conditioning_lookups
+            .with_label_values(&[kind, result])
+            .get()
+    };
+    // "a red circle" three times (two edits and the generation), "a blue square" once.
+    assert_eq!(
+        (lookups("prompt", "hit"), lookups("prompt", "miss")),
+        (2, 2)
+    );
+    for kind in ["template_latents", "template_noise"] {
+        assert_eq!(
+            (lookups(kind, "hit"), lookups(kind, "miss")),
+            (2, 1),
+            "{kind}"
+        );
+        assert!(m.conditioning_bytes.with_label_values(&[kind]).get() > 0);
+    }
+    let (fresh, m) = template_edits(
+        model.path(),
+        EngineConfig {
+            max_batch: 1,
+            conditioning_cache_bytes: 0,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert_eq!(
+        m.conditioning_lookups
+            .with_label_values(&["prompt", "hit"])
+            .get(),
+        0
+    );
+    for (id, image) in &fresh {
+        assert!(
+            image == &cached[id],
+            "{id}: cached preparation changed the image"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,6 +10,7 @@ use crate::metrics::{DenoiserMetrics, EnginePhase, PhaseClock};
 use crate::model::{capture_state, job_resolution, step_requests, tensor_to_rgb, EngineModel};
 use crate::step_samples::StepSamples;
 use crate::templates::TemplateEntry;
+use diffmesh_model::pipeline::conditioning_cache::ConditioningCache;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::ModelError;
 use diffmesh_shared::messages::{DenoiseJob, RunningJob, StepSample};
@@ -57,6 +58,7 @@ pub fn spawn_engine(
     let steps = StepSamples::default();
     let engine = Engine {
         cached: CachedStepper::new(config.cache, model.gpu_copy.clone())?,
+        conditioning: ConditioningCache::new(config.conditioning_cache_bytes),
         model,
         config,
         rx,
@@ -174,6 +176,8 @@ struct Active {
 struct Engine {
     model: EngineModel,
     cached: CachedStepper,
+    /// Prompt embeddings, template latents and noise that admitted jobs share.
+    conditioning: ConditioningCache,
     config: EngineConfig,
     rx: mpsc::Receiver<Command>,
     events: mpsc::Sender<EngineEvent>,
@@ -357,22 +361,29 @@ impl Engine {
             let Some((job, span)) = self.waiting.remove(i) else {
                 break;
             };
+            let before = self.conditioning.counts();
             let prepared = {
                 let _e = span.enter();
                 let model = &self.model;
+                let conditioning = &mut self.conditioning;
                 catch_unwind(AssertUnwindSafe(
                     || -> Result<Vec<DenoiseState>, ModelError> {
                         if job.capture_key.is_some() {
                             return Ok(vec![capture_state(&job.job, job.edit.as_ref(), model)?]);
                         }
                         let pipeline = model.pipeline();
+                        // The template's content hash names its image at this resolution.
+                        let template = job.job.inputs.template_id.as_deref();
                         step_requests(&job.job, job.edit.as_ref(), model)?
                             .iter()
-                            .map(|r| DenoiseState::new(&pipeline, r))
+                            .map(|r| DenoiseState::new_cached(&pipeline, r, conditioning, template))
                             .collect()
                     },
                 ))
             };
+            if let Some(m) = &self.metrics {
+                m.record_conditioning(before, self.conditioning.counts());
+            }
             match prepared {
                 Ok(Ok(states)) => {
                     self.emit(EngineEvent::Started {

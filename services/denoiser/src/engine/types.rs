@@ -169,6 +169,10 @@ pub struct EngineConfig {
     pub token_budget: Option<u64>,
     /// Template caches: stored format and dtype, loader lookahead, prefix planning.
     pub cache: CacheSettings,
+    /// Byte budget of the prompt embeddings, template latents and template noise that admitted
+    /// jobs reuse
+    /// ([`diffmesh_model::pipeline::conditioning_cache::ConditioningCache`]); 0 prepares every job from scratch.
+    pub conditioning_cache_bytes: u64,
 }
 
 impl Default for EngineConfig {
@@ -179,6 +183,7 @@ impl Default for EngineConfig {
             batching: Batching::Continuous,
             token_budget: None,
             cache: CacheSettings::default(),
+            conditioning_cache_bytes: 256 << 20,
         }
     }
 }
