@@ -109,6 +109,8 @@ impl BenchTemplates {
             edit.template_rgb = t.rgb.clone();
         }
         job.job.template = Some(t.reference.clone());
+        // The content hash production edits carry (the engine shares the template's latents by it).
+        job.job.inputs.template_id = Some(t.reference.template_id.clone());
         let slot: TemplateSlot = Default::default();
         let _ = slot.set(Some(t.entry.clone()));
         job.template = Some(slot);
