@@ -1,12 +1,12 @@
-//! Conditioning that requests can share: a prompt's text embeddings and a template's encoded
-//! latents. Preparing a request runs the text encoder and (for edits) the image encoder on the
-//! engine's step loop; on a full-size Flux those are T5-XXL, CLIP and the VAE encoder, tens of
-//! milliseconds that every running request waits for. Edits of one template usually repeat its
-//! prompt and always its image, so an engine that keeps both pays them once per template.
+//! Conditioning that requests can share: a prompt's text embeddings, a template's encoded
+//! latents and its seeded noise. Preparing a request runs the text encoder, (for edits) the
+//! image encoder and the noise draw on the engine's step loop; on a full-size Flux those are
+//! T5-XXL, CLIP and the VAE encoder, tens of milliseconds that every running request waits for.
+//! Edits of one template usually repeat its prompt and always its image and noise, so an engine
+//! that keeps them pays them once per template.
 //!
 //! Entries are bounded in bytes and evicted least recently used. Values are shared by shallow
-//! clones: nothing downstream writes into them (the stepper only reads text embeddings and
-//! template latents).
+//! clones: nothing downstream writes into them (the stepper only reads them).
 use super::{FluxPipeline, Prepared};
 use crate::components::TextEmbeddings;
 use crate::error::Result;
@@ -151,9 +151,7 @@ impl ConditioningCache {
         self.latents.put(key, t.shallow_clone(), bytes);
         Ok(t)
     }
-}
 
-impl ConditioningCache {
     /// The packed noise of a template's `seed` at `prep`'s latent size, drawn on a miss. Every
     /// edit of a template blends the template's noise in outside its mask; on a full-size model
     /// drawing it (seeded Box-Muller on the CPU) costs milliseconds per edit.
