@@ -335,6 +335,7 @@ impl Engine {
         if self.config.batching == Batching::Static && !self.active.is_empty() {
             return;
         }
+        let before = self.conditioning.counts();
         let mut i = 0;
         while i < self.waiting.len() {
             let next = &self.waiting[i].0;
@@ -361,7 +362,6 @@ impl Engine {
             let Some((job, span)) = self.waiting.remove(i) else {
                 break;
             };
-            let before = self.conditioning.counts();
             let prepared = {
                 let _e = span.enter();
                 let model = &self.model;
@@ -381,9 +381,6 @@ impl Engine {
                     },
                 ))
             };
-            if let Some(m) = &self.metrics {
-                m.record_conditioning(before, self.conditioning.counts());
-            }
             match prepared {
                 Ok(Ok(states)) => {
                     self.emit(EngineEvent::Started {
@@ -409,6 +406,11 @@ impl Engine {
                 Ok(Err(e)) => self.fail(job.job, EngineJobError::from_model(e), span),
                 Err(p) => self.fail(job.job, EngineJobError::Panic(panic_message(p)), span),
             }
+        }
+        // Once per admission round, and only when a job was prepared (this runs every step).
+        let after = self.conditioning.counts();
+        if let Some(m) = self.metrics.as_ref().filter(|_| after != before) {
+            m.record_conditioning(before, after);
         }
     }
 
