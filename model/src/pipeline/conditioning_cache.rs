@@ -12,6 +12,7 @@ use crate::components::TextEmbeddings;
 use crate::error::Result;
 use crate::packing::pack_latents;
 use lru::LruCache;
+use std::borrow::Borrow;
 use std::hash::Hash;
 use tch::{Device, Kind, Tensor};
 
@@ -47,7 +48,10 @@ impl<K: Hash + Eq, V> ByteLru<K, V> {
         }
     }
 
-    fn get(&mut self, key: &K) -> Option<&V> {
+    fn get<Q: Hash + Eq + ?Sized>(&mut self, key: &Q) -> Option<&V>
+    where
+        K: Borrow<Q>,
+    {
         let hit = self.entries.get(key).map(|(v, _)| v);
         match hit {
             Some(_) => self.counts.hits += 1,
@@ -117,10 +121,10 @@ impl ConditioningCache {
         kind: Kind,
     ) -> Result<TextEmbeddings> {
         // One engine serves one model on one device in one dtype, so the prompt is the key.
-        let key = prompt.to_string();
-        if let Some(e) = self.prompts.get(&key) {
+        if let Some(e) = self.prompts.get(prompt) {
             return Ok(shallow(e));
         }
+        let key = prompt.to_string();
         let e = super::embed(p, std::slice::from_ref(&key), device, kind)?;
         let bytes = tensor_bytes(&e.hidden) + tensor_bytes(&e.pooled);
         self.prompts.put(key, shallow(&e), bytes);
