@@ -614,6 +614,7 @@ mod tests {
         let err = DenoiseState::new(&p, &r).err().unwrap().to_string();
         assert!(err.contains("token_mask"), "{err}");
     }
+
     #[test]
     fn cached_preparation_steps_exactly_like_fresh_preparation() {
         let (m, s) = model();

@@ -170,8 +170,7 @@ pub struct EngineConfig {
     /// Template caches: stored format and dtype, loader lookahead, prefix planning.
     pub cache: CacheSettings,
     /// Byte budget of the prompt embeddings, template latents and template noise that admitted
-    /// jobs reuse
-    /// ([`diffmesh_model::pipeline::conditioning_cache::ConditioningCache`]); 0 prepares every job from scratch.
+    /// jobs reuse (`diffmesh_model::pipeline::conditioning_cache`); 0 prepares every job afresh.
     pub conditioning_cache_bytes: u64,
 }
 
