@@ -162,6 +162,26 @@ pub struct EvictTemplate {
     pub cache_key: String,
 }
 
+/// Denoiser -> denoisers (`subjects::TEMPLATES_CAPTURED`): a capture was stored in the
+/// cachestore. A denoiser of the same model and cache settings may load it ahead of its edits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateCaptured {
+    /// The denoiser that captured it (it holds the cache already).
+    pub worker_id: String,
+    pub cache_key: String,
+    /// Encoded bytes of the whole cache (what a local tier would hold).
+    pub bytes: u64,
+    /// `{model_id}/{compute dtype}` of the capturing denoiser; with `format` and `dtype` it
+    /// tells a denoiser whether its own edits would ever read this cache.
+    pub model: String,
+    pub format: String,
+    pub dtype: String,
+    /// The template's model-resolution pixels (`DenoiseInputs::template_image_key`), which
+    /// its edits read too.
+    #[serde(default)]
+    pub template_image_key: Option<String>,
+}
+
 /// Router/denoiser answer to a submit.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum SubmitReply {

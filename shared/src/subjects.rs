@@ -17,6 +17,10 @@ pub const CACHESTORE_PREFIX: &str = "diffmesh.cachestore";
 /// gateway -> every denoiser (publish): drop a deleted template's cache from local tiers
 /// (`messages::EvictTemplate`).
 pub const TEMPLATES_EVICT: &str = "diffmesh.templates.evict";
+/// denoiser -> every denoiser (publish): a template cache was captured and stored
+/// (`messages::TemplateCaptured`), so the others can load it into their local tiers before
+/// its first edit reaches them.
+pub const TEMPLATES_CAPTURED: &str = "diffmesh.templates.captured";
 /// JetStream KV bucket of template records (JSON), and the object store of template images
 /// (kept until the template is deleted, unlike `BLOB_BUCKET`'s 24 h).
 pub const TEMPLATE_BUCKET: &str = "diffmesh-templates";

@@ -12,6 +12,7 @@ pub mod outcomes;
 pub mod service;
 pub mod step_samples;
 pub mod templates;
+pub mod warming;
 
 #[cfg(test)]
 mod gpu_checks;
@@ -117,6 +118,11 @@ pub struct DenoiserConfig {
     /// on the step loop (LRU; 0 keeps nothing).
     #[arg(long, env = "CONDITIONING_CACHE_BYTES", default_value_t = 256 << 20)]
     pub conditioning_cache_bytes: u64,
+    /// Load template caches other denoisers capture (broadcast on
+    /// `diffmesh.templates.captured`) into the local tier while it has room, so their first
+    /// edits here do not wait for the cachestore.
+    #[arg(long, env = "WARM_ON_CAPTURE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub warm_on_capture: bool,
     /// Cache blocks the loader thread decodes ahead of the compute, per request.
     #[arg(long, env = "CACHE_LOOKAHEAD", default_value_t = 2)]
     pub cache_lookahead: usize,
@@ -156,6 +162,7 @@ impl DenoiserConfig {
             local_cache_bytes: 256 << 20,
             template_pixels_bytes: 64 << 20,
             conditioning_cache_bytes: 64 << 20,
+            warm_on_capture: true,
             cache_lookahead: 2,
             cache_prefix: "auto".into(),
             cachestore_timeout_ms: 5000,
@@ -343,13 +350,20 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     };
     let cache_bucket =
         BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::CACHES).await?;
+    let local = templates::LocalTier::new(config.local_cache_bytes, gpu_copy);
+    let store = templates::store::CacheClient {
+        client: client.clone(),
+        bucket: cache_bucket,
+        timeout: Duration::from_millis(config.cachestore_timeout_ms),
+    };
     let templates = service::Templates {
-        local: templates::LocalTier::new(config.local_cache_bytes, gpu_copy),
-        store: templates::store::CacheClient {
-            client: client.clone(),
-            bucket: cache_bucket,
-            timeout: Duration::from_millis(config.cachestore_timeout_ms),
-        },
+        fetcher: templates::CacheFetcher::new(
+            store.clone(),
+            local.clone(),
+            Some(metrics.template_fetch_seconds.clone()),
+        ),
+        local,
+        store,
         settings: cache_settings,
         pixels: templates::TemplatePixels::new(
             BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::TEMPLATE_IMAGES).await?,
@@ -382,6 +396,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let others = vec![
         tokio::spawn(service.clone().cancels(background.clone())),
         tokio::spawn(service.clone().evictions(background.clone())),
+        tokio::spawn(service.clone().capture_warmups(background.clone())),
         tokio::spawn(service.clone().heartbeats(background.clone())),
         tokio::spawn(
             service

@@ -49,6 +49,10 @@ pub struct DenoiserMetrics {
     /// cachestore, `unavailable`: neither; the edit ran in full compute).
     pub local_cache_lookups: IntCounterVec,
     pub local_cache_bytes: IntGauge,
+    /// Whole template caches read from the cachestore into the local tier.
+    pub template_fetch_seconds: Histogram,
+    /// Capture broadcasts of other denoisers, by what this one did with them.
+    pub capture_warmups: IntCounterVec,
     pub template_pixels_lookups: IntCounterVec,
     /// Capture passes (template registration), whole pass.
     pub capture_seconds: Histogram,
@@ -141,6 +145,27 @@ impl DenoiserMetrics {
             "diffmesh_denoiser_local_cache_bytes",
             "Bytes of template caches held in the local tier",
         )?;
+        let template_fetch_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_template_fetch_duration_seconds",
+                "Whole template caches read from the cachestore into the local tier \
+                 (an edit's miss or a capture warm-up)",
+            )
+            .buckets(vec![
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            ]),
+        )?;
+        let capture_warmups = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_capture_warmups_total",
+                "Template captures broadcast by other denoisers, by what this one did \
+                 (loaded: fetched into the local tier ahead of its edits)",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in crate::warming::WarmOutcome::ALL {
+            capture_warmups.with_label_values(&[outcome.as_str()]);
+        }
         let template_pixels_lookups = IntCounterVec::new(
             Opts::new(
                 "diffmesh_denoiser_template_pixels_lookups_total",
@@ -192,6 +217,8 @@ impl DenoiserMetrics {
         registry.register(Box::new(load_wait_seconds.clone()))?;
         registry.register(Box::new(local_cache_lookups.clone()))?;
         registry.register(Box::new(local_cache_bytes.clone()))?;
+        registry.register(Box::new(capture_warmups.clone()))?;
+        registry.register(Box::new(template_fetch_seconds.clone()))?;
         registry.register(Box::new(template_pixels_lookups.clone()))?;
         registry.register(Box::new(capture_seconds.clone()))?;
         registry.register(Box::new(step_seconds.clone()))?;
@@ -215,6 +242,8 @@ impl DenoiserMetrics {
             load_wait_seconds,
             local_cache_lookups,
             local_cache_bytes,
+            template_fetch_seconds,
+            capture_warmups,
             template_pixels_lookups,
             capture_seconds,
             engine_busy_seconds,

@@ -6,7 +6,7 @@ use crate::metrics::DenoiserMetrics;
 use crate::model::EditInputs;
 use crate::outcomes::RecentOutcomes;
 use crate::templates::store::CacheClient;
-use crate::templates::{LocalTier, TemplateEntry, TemplatePixels};
+use crate::templates::{CacheFetcher, Fetched, LocalTier, TemplateEntry, TemplatePixels};
 use crate::DenoiserConfig;
 use diffmesh_shared::blob_store::{blob_key, BlobStore};
 use diffmesh_shared::messages::{
@@ -52,6 +52,8 @@ pub struct Service {
 pub struct Templates {
     pub local: LocalTier,
     pub store: CacheClient,
+    /// Fills `local` from `store`, one fetch per cache key at a time.
+    pub fetcher: CacheFetcher,
     pub settings: CacheSettings,
     /// Registered templates' model-resolution pixels (`inputs.template_image_key` in
     /// `subjects::TEMPLATE_BUCKET`), held for their next edits.
@@ -101,7 +103,7 @@ impl Service {
     /// format and dtype. `None` for jobs without a template.
     pub fn template_cache_key(&self, job: &DenoiseJob) -> Option<String> {
         let t = job.template.as_ref()?;
-        let model = format!("{}/{}", self.model_id, self.config.dtype);
+        let model = self.cache_model();
         let content = job.inputs.template_id.as_deref().unwrap_or("");
         let settings = &self.templates.settings;
         Some(cache_key(&CacheKeyParts::new(
@@ -113,6 +115,11 @@ impl Service {
             format_name(settings.format),
             settings.dtype.as_str(),
         )))
+    }
+
+    /// The model part of this denoiser's cache keys: model id and compute dtype.
+    pub fn cache_model(&self) -> String {
+        format!("{}/{}", self.model_id, self.config.dtype)
     }
 
     /// Start fetching an edit's template cache (local tier, else the cachestore); the slot is
@@ -148,22 +155,23 @@ impl Service {
             return Some(slot);
         }
         let guard = SlotGuard(slot.clone());
-        let (store, local) = (self.templates.store.clone(), self.templates.local.clone());
+        let (fetcher, local) = (self.templates.fetcher.clone(), self.templates.local.clone());
         tokio::spawn(
             async move {
-                let entry = match store.fetch(&key).await {
-                    Ok(Some(entry)) => {
-                        let entry = local.admit_off_runtime(Arc::new(entry)).await;
+                let (fetched, joined) = fetcher.fetch(&key).await;
+                let entry = match fetched {
+                    Fetched::Entry(entry) => {
                         metrics.local_cache_bytes.set(local.bytes() as i64);
                         metrics.local_cache_lookups.with_label_values(&["miss"]).inc();
+                        tracing::debug!(%key, joined, "template cache fetched");
                         Some(entry)
                     }
-                    Ok(None) => {
+                    Fetched::Missing => {
                         tracing::warn!(%key, "template cache not in the cachestore; full compute");
                         metrics.local_cache_lookups.with_label_values(&["unavailable"]).inc();
                         None
                     }
-                    Err(err) => {
+                    Fetched::Failed(err) => {
                         tracing::warn!(%key, error = %err, "template cache fetch failed; full compute");
                         metrics.local_cache_lookups.with_label_values(&["unavailable"]).inc();
                         None
@@ -193,6 +201,7 @@ impl Service {
         self.metrics
             .local_cache_bytes
             .set(self.templates.local.bytes() as i64);
+        self.announce_capture(&job, &entry).await;
         let meta = &entry.meta;
         tracing::info!(%job_id, cache_key = %meta.cache_key, bytes = meta.bytes, seconds, "template captured");
         let event = JobEvent::Captured {

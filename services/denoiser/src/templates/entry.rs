@@ -92,6 +92,7 @@ impl TemplateEntry {
 #[derive(Clone)]
 pub struct LocalTier {
     cache: moka::sync::Cache<String, Arc<TemplateEntry>>,
+    capacity_bytes: u64,
     /// A GPU denoiser's copy stream: entries are held in pinned memory.
     pin: Option<Arc<GpuCopy>>,
 }
@@ -106,7 +107,11 @@ impl LocalTier {
                 u32::try_from(v.bytes()).unwrap_or(u32::MAX)
             })
             .build();
-        Self { cache, pin }
+        Self {
+            cache,
+            capacity_bytes,
+            pin,
+        }
     }
 
     /// Hold `entry` (a pinned copy of it on a GPU denoiser) and return what is held. Pinning
@@ -167,6 +172,11 @@ impl LocalTier {
         self.cache.run_pending_tasks();
         self.cache.weighted_size()
     }
+
+    /// Whether `bytes` more fit without evicting anything held.
+    pub fn has_room_for(&self, bytes: u64) -> bool {
+        self.bytes().saturating_add(bytes) <= self.capacity_bytes
+    }
 }
 
 #[cfg(test)]
@@ -220,7 +230,9 @@ mod tests {
         let keys = tier.keys();
         assert_eq!(keys.len(), 2, "{keys:?}");
         assert!(tier.bytes() <= one * 2 + one / 2);
+        assert!(!tier.has_room_for(one), "two held, half of one free");
         tier.remove(&keys[0]);
         assert_eq!(tier.keys().len(), 1);
+        assert!(tier.has_room_for(one) && !tier.has_room_for(one * 2));
     }
 }

@@ -3,12 +3,14 @@
 //! that streams one step's blocks into the engine while earlier blocks compute (through a
 //! copy stream on a GPU), and the templates' own pixels held for their edits.
 pub mod entry;
+pub mod fetcher;
 pub mod gpu_copy;
 pub mod loader;
 pub mod pixels;
 pub mod store;
 
 pub use entry::{LocalTier, TemplateEntry};
+pub use fetcher::{CacheFetcher, Fetched};
 pub use gpu_copy::GpuCopy;
 pub use loader::{KvLoader, LoadStats, StreamedKv};
 pub use pixels::TemplatePixels;

@@ -10,6 +10,7 @@ use diffmesh_shared::cachestore::{
 };
 use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::templates::{meta_key, step_key, CacheMeta};
+use futures::StreamExt;
 use std::time::Duration;
 
 /// Talks to the cachestore service (and its object-store bucket for large values).
@@ -20,6 +21,9 @@ pub struct CacheClient {
     pub bucket: BlobStore,
     pub timeout: Duration,
 }
+
+/// Step entries of one cache read at once by [`CacheClient::fetch`].
+const FETCH_CONCURRENCY: usize = 8;
 
 /// Largest step entry this client reads (a full-size Flux step in bf16 is ~1.4 GB; refuse more).
 const MAX_ENTRY_BYTES: usize = 2 << 30;
@@ -44,6 +48,10 @@ impl CacheClient {
             }
             Err(e) => Err(format!("cachestore put {key}: {e}")),
         }
+    }
+
+    async fn get_owned(&self, key: String) -> Result<Option<Vec<u8>>, String> {
+        self.get(&key).await
     }
 
     /// `Ok(None)` when the cachestore has no such key.
@@ -90,14 +98,21 @@ impl CacheClient {
                 meta.cache_key
             ));
         }
+        // Several steps in flight at once: each is a round trip to the cachestore (and, above
+        // the inline limit, to the object store), which one after another made the first edit
+        // of a template on this denoiser wait for `steps` round trips.
+        let mut reads = futures::stream::iter(0..meta.steps)
+            .map(|s| self.get_owned(step_key(cache_key, s)))
+            .buffered(FETCH_CONCURRENCY);
         let mut steps = Vec::with_capacity(meta.steps as usize);
-        for s in 0..meta.steps {
-            match self.get(&step_key(cache_key, s)).await? {
+        while let Some(read) = reads.next().await {
+            match read? {
                 Some(bytes) => steps.push(bytes::Bytes::from(bytes)),
                 // A step evicted from every tier: the cache is unusable as a whole.
                 None => return Ok(None),
             }
         }
+        drop(reads);
         TemplateEntry::new(meta, steps).map(Some)
     }
 }
