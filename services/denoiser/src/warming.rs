@@ -86,8 +86,10 @@ impl Service {
         }
     }
 
-    /// Hear capture broadcasts and warm the local tier from them, each in its own task (a
-    /// whole-cache read must not hold up the next broadcast). Off with `--warm-on-capture false`.
+    /// Hear capture broadcasts and warm the local tier from them in a task each, one warm-up at
+    /// a time: the subscription keeps draining while a whole cache is read, the room check of
+    /// one warm-up sees what the previous one admitted, and warm-ups (background work) never
+    /// run several cache reads beside the edits' own. Off with `--warm-on-capture false`.
     pub async fn capture_warmups(
         self: Arc<Self>,
         shutdown: CancellationToken,
@@ -96,6 +98,7 @@ impl Service {
             return Ok(());
         }
         let mut sub = self.client.subscribe(subjects::TEMPLATES_CAPTURED).await?;
+        let one_at_a_time = Arc::new(tokio::sync::Semaphore::new(1));
         loop {
             let msg = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
@@ -108,9 +111,16 @@ impl Service {
                     continue;
                 }
             };
-            let service = self.clone();
+            let (service, turn) = (self.clone(), one_at_a_time.clone());
             let span = tracing::info_span!("capture_warmup", cache_key = %captured.cache_key);
-            tokio::spawn(async move { service.warm(captured).await }.instrument(span));
+            tokio::spawn(
+                async move {
+                    // The semaphore is never closed, so acquiring only waits.
+                    let _turn = turn.acquire_owned().await;
+                    service.warm(captured).await
+                }
+                .instrument(span),
+            );
         }
     }
 
@@ -161,7 +171,7 @@ impl Service {
             || captured.dtype != settings.dtype.as_str()
         {
             Some(WarmOutcome::OtherSettings)
-        } else if self.templates.local.get(&captured.cache_key).is_some() {
+        } else if self.templates.local.contains(&captured.cache_key) {
             Some(WarmOutcome::Held)
         } else if !self.templates.local.has_room_for(captured.bytes) {
             Some(WarmOutcome::NoRoom)

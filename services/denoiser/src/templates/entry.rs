@@ -154,6 +154,11 @@ impl LocalTier {
         self.cache.get(cache_key)
     }
 
+    /// Whether `cache_key` is held, without counting as a use (the LRU order stays).
+    pub fn contains(&self, cache_key: &str) -> bool {
+        self.cache.contains_key(cache_key)
+    }
+
     pub fn insert(&self, entry: Arc<TemplateEntry>) {
         self.cache.insert(entry.meta.cache_key.clone(), entry);
     }
@@ -234,5 +239,6 @@ mod tests {
         tier.remove(&keys[0]);
         assert_eq!(tier.keys().len(), 1);
         assert!(tier.has_room_for(one) && !tier.has_room_for(one * 2));
+        assert!(tier.contains(&keys[1]) && !tier.contains(&keys[0]));
     }
 }
