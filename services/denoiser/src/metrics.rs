@@ -141,6 +141,9 @@ impl DenoiserMetrics {
             ),
             &["result"],
         )?;
+        for result in ["hit", "miss", "unavailable"] {
+            local_cache_lookups.with_label_values(&[result]);
+        }
         let local_cache_bytes = IntGauge::new(
             "diffmesh_denoiser_local_cache_bytes",
             "Bytes of template caches held in the local tier",
