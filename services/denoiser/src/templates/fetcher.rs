@@ -51,7 +51,7 @@ impl CacheFetcher {
         (fetch.await, joined)
     }
 
-    /// Keys being fetched now (for tests and logs).
+    /// Keys being fetched now.
     pub fn in_flight(&self) -> usize {
         lock(&self.in_flight).len()
     }
@@ -69,6 +69,9 @@ impl CacheFetcher {
             self.seconds.clone(),
         );
         let fetch = async move {
+            // Out of the map when the read ends, also by a panic (which every waiter sees):
+            // the next fetch of the key then starts afresh instead of joining a dead one.
+            let _leave = LeaveInFlight { map, key: key.clone() };
             let started = std::time::Instant::now();
             let read = store.fetch(&key).await;
             let took = started.elapsed().as_secs_f64();
@@ -82,14 +85,25 @@ impl CacheFetcher {
                 Err(err) => Fetched::Failed(err),
             };
             // Held in the tier now (or known absent): later lookups go to the tier first, so a
-            // fetch of this key after this point is a fresh read, as it should be.
-            lock(&map).remove(&key);
+            // fetch of this key after `_leave` drops is a fresh read, as it should be.
             fetched
         }
         .boxed()
         .shared();
         in_flight.insert(cache_key.to_string(), fetch.clone());
         (fetch, false)
+    }
+}
+
+/// Removes a fetch from the in-flight map when dropped.
+struct LeaveInFlight {
+    map: Arc<Mutex<HashMap<String, SharedFetch>>>,
+    key: String,
+}
+
+impl Drop for LeaveInFlight {
+    fn drop(&mut self) {
+        lock(&self.map).remove(&self.key);
     }
 }
 
