@@ -8,8 +8,8 @@ use crate::service::Service;
 use crate::templates::{Fetched, TemplateEntry};
 use diffmesh_shared::messages::{decode, DenoiseJob, TemplateCaptured};
 use diffmesh_shared::nats::publish_msgpack;
+use diffmesh_shared::serve::serve_subscription;
 use diffmesh_shared::{subjects, MeshError};
-use futures::StreamExt;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -86,10 +86,11 @@ impl Service {
         }
     }
 
-    /// Hear capture broadcasts and warm the local tier from them in a task each, one warm-up at
-    /// a time: the subscription keeps draining while a whole cache is read, the room check of
-    /// one warm-up sees what the previous one admitted, and warm-ups (background work) never
-    /// run several cache reads beside the edits' own. Off with `--warm-on-capture false`.
+    /// Hear capture broadcasts and warm the local tier from them, one warm-up at a time
+    /// (`serve_subscription` with one permit): the room check of one warm-up sees what the
+    /// previous one admitted, and warm-ups (background work) never run several cache reads
+    /// beside the edits' own. A warm-up running at shutdown is dropped, not waited for. Off
+    /// with `--warm-on-capture false`.
     pub async fn capture_warmups(
         self: Arc<Self>,
         shutdown: CancellationToken,
@@ -97,31 +98,28 @@ impl Service {
         if !self.config.warm_on_capture {
             return Ok(());
         }
-        let mut sub = self.client.subscribe(subjects::TEMPLATES_CAPTURED).await?;
+        let sub = self.client.subscribe(subjects::TEMPLATES_CAPTURED).await?;
         let one_at_a_time = Arc::new(tokio::sync::Semaphore::new(1));
-        loop {
-            let msg = tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                msg = sub.next() => match msg { Some(m) => m, None => return Ok(()) },
-            };
-            let captured = match decode::<TemplateCaptured>(&msg.payload) {
-                Ok(c) => c,
-                Err(err) => {
-                    tracing::warn!(error = %err, "undecodable capture broadcast");
-                    continue;
+        let stop = shutdown.clone();
+        serve_subscription(sub, shutdown, one_at_a_time, |msg| {
+            let (service, stop) = (self.clone(), stop.clone());
+            async move {
+                let captured = match decode::<TemplateCaptured>(&msg.payload) {
+                    Ok(c) => c,
+                    Err(err) => {
+                        tracing::warn!(error = %err, "undecodable capture broadcast");
+                        return;
+                    }
+                };
+                let span = tracing::info_span!("capture_warmup", cache_key = %captured.cache_key);
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = service.warm(captured).instrument(span) => {}
                 }
-            };
-            let (service, turn) = (self.clone(), one_at_a_time.clone());
-            let span = tracing::info_span!("capture_warmup", cache_key = %captured.cache_key);
-            tokio::spawn(
-                async move {
-                    // The semaphore is never closed, so acquiring only waits.
-                    let _turn = turn.acquire_owned().await;
-                    service.warm(captured).await
-                }
-                .instrument(span),
-            );
-        }
+            }
+        })
+        .await;
+        Ok(())
     }
 
     /// Warm the local tier (and the template's pixels) from one broadcast.
