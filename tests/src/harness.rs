@@ -256,6 +256,32 @@ pub async fn scrape_metrics(health: SocketAddr) -> Result<String> {
     Ok(response.text().await?)
 }
 
+/// The value of the Prometheus sample line `series value` in `metrics`, where `series` is the
+/// name with its labels as exported (`name{label="v"}`); 0 when absent.
+pub fn metric_sample(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// POST a multipart form to `url` (a capture or an edit may take a while): status and JSON body.
+pub async fn post_form(
+    http: &reqwest::Client,
+    url: &str,
+    form: reqwest::multipart::Form,
+) -> (u16, serde_json::Value) {
+    let r = http
+        .post(url)
+        .multipart(form)
+        .timeout(Duration::from_secs(240))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+    let status = r.status().as_u16();
+    (status, r.json().await.expect("JSON body"))
+}
+
 /// Log to the test output once (RUST_LOG picks the level; default warn).
 pub fn init_test_logging() {
     let _ = tracing_subscriber::fmt()

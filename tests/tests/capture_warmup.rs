@@ -10,8 +10,8 @@ use diffmesh_shared::messages::{decode, TemplateCaptured};
 use diffmesh_shared::nats::publish_msgpack;
 use diffmesh_shared::subjects::TEMPLATES_CAPTURED;
 use diffmesh_tests::harness::{
-    init_test_logging, scrape_metrics, start_cachestore, start_codec, start_denoiser,
-    start_gateway, start_router, tiny_model_dir, NatsServer,
+    init_test_logging, metric_sample, post_form, scrape_metrics, start_cachestore, start_codec,
+    start_denoiser, start_gateway, start_router, tiny_model_dir, NatsServer,
 };
 use diffmesh_tests::images::{png_bytes, rect_mask, template};
 use futures::StreamExt;
@@ -23,38 +23,18 @@ const DENOISERS: [&str; 3] = ["d1", "d2", "d3"];
 const COLD: &str = "d3";
 const EDITS: u32 = 4;
 
-/// The value of a Prometheus sample line `name{labels} value` (0 when absent).
-fn sample(metrics: &str, series: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 fn warmups(metrics: &str, outcome: &str) -> f64 {
-    sample(
+    metric_sample(
         metrics,
         &format!("diffmesh_denoiser_capture_warmups_total{{outcome=\"{outcome}\"}}"),
     )
 }
 
 fn lookups(metrics: &str, result: &str) -> f64 {
-    sample(
+    metric_sample(
         metrics,
         &format!("diffmesh_denoiser_local_cache_lookups_total{{result=\"{result}\"}}"),
     )
-}
-
-async fn post_form(http: &reqwest::Client, url: String, form: Form) -> (u16, Value) {
-    let r = http
-        .post(&url)
-        .multipart(form)
-        .timeout(Duration::from_secs(240))
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("POST {url}: {e}"));
-    let status = r.status().as_u16();
-    (status, r.json().await.expect("JSON body"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -95,7 +75,7 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
         )
         .text("prompt", "a blue background")
         .text("num_inference_steps", "4");
-    let (status, created) = post_form(&http, api("/v1/templates"), form).await;
+    let (status, created) = post_form(&http, &api("/v1/templates"), form).await;
     assert_eq!(status, 201, "{created}");
     let id = created["id"].as_str().unwrap().to_string();
     let cache_key = created["cache_key"].as_str().unwrap().to_string();
@@ -189,7 +169,7 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     for (d, m) in &metrics {
-        let captures = sample(m, "diffmesh_denoiser_capture_duration_seconds_count");
+        let captures = metric_sample(m, "diffmesh_denoiser_capture_duration_seconds_count");
         assert_eq!(captures, f64::from(*d == capturer), "{d}\n{m}");
         let expect = |outcome: &str| -> f64 {
             let heard = *d != COLD;
@@ -221,7 +201,7 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
             .part("mask", Part::bytes(mask.clone()).file_name("mask.png"))
             .text("prompt", "a yellow square")
             .text("seed", seed.to_string());
-        let (status, body) = post_form(&http, api("/v1/images/edits"), form).await;
+        let (status, body) = post_form(&http, &api("/v1/images/edits"), form).await;
         assert_eq!(status, 200, "{body}");
     }
     let metrics = scrape_all().await;

@@ -17,8 +17,8 @@ use diffmesh_shared::subjects::{
 };
 use diffmesh_shared::templates::{image_key, prepared_image_key};
 use diffmesh_tests::harness::{
-    init_test_logging, scrape_metrics, start_cachestore, start_codec, start_denoiser,
-    start_gateway, start_router, tiny_model_dir, NatsServer, Service,
+    init_test_logging, metric_sample, post_form, scrape_metrics, start_cachestore, start_codec,
+    start_denoiser, start_gateway, start_router, tiny_model_dir, NatsServer, Service,
 };
 use diffmesh_tests::images::{decode_b64_images, png_bytes};
 use futures::future::join_all;
@@ -206,18 +206,8 @@ impl Mesh {
         self.post_form("/v1/images/edits", form).await
     }
 
-    /// POST a multipart form (a capture or an edit may take a while): status and JSON body.
     async fn post_form(&self, path: &str, form: Form) -> (u16, Value) {
-        let r = self
-            .http
-            .post(self.url(path))
-            .multipart(form)
-            .timeout(Duration::from_secs(240))
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("POST {path}: {e}"));
-        let status = r.status().as_u16();
-        (status, r.json().await.expect("JSON body"))
+        post_form(&self.http, &self.url(path), form).await
     }
 
     /// The first result PNG of async job `job_id`, once it is done (it must not fail).
@@ -352,14 +342,6 @@ fn assert_unmasked_exact(results: &[(u16, Value)], masks: &[GrayImage], template
     }
 }
 
-/// The value of a Prometheus sample line `name{labels} value` (0 when absent).
-fn sample(metrics: &str, series: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn register_edit_concurrently_and_delete_a_template() {
     let mesh = start_mesh().await;
@@ -456,7 +438,7 @@ async fn register_edit_concurrently_and_delete_a_template() {
     // came from its local tier or the cachestore (which the router asked to prefetch it).
     let denoiser = scrape_metrics(mesh.denoiser_health).await.unwrap();
     let cachestore = scrape_metrics(mesh.cachestore_health).await.unwrap();
-    let mask_aware = sample(
+    let mask_aware = metric_sample(
         &denoiser,
         "diffmesh_denoiser_step_rows_total{mode=\"mask_aware\"}",
     );
@@ -466,14 +448,14 @@ async fn register_edit_concurrently_and_delete_a_template() {
     );
     // The template's pixels were read from the store once (by the capture) and then held.
     let pixels = |result: &str| {
-        sample(
+        metric_sample(
             &denoiser,
             &format!("diffmesh_denoiser_template_pixels_lookups_total{{result=\"{result}\"}}"),
         )
     };
     assert_eq!(pixels("miss"), 1.0, "{denoiser}");
     assert!(pixels("hit") >= EDITS as f64, "{denoiser}");
-    let local_hits = sample(
+    let local_hits = metric_sample(
         &denoiser,
         "diffmesh_denoiser_local_cache_lookups_total{result=\"hit\"}",
     );
@@ -481,7 +463,7 @@ async fn register_edit_concurrently_and_delete_a_template() {
         .iter()
         .map(|t| {
             let series = format!("diffmesh_cachestore_hits_total{{tier=\"{t}\"}}");
-            sample(&cachestore, &series) - sample(&cachestore_before, &series)
+            metric_sample(&cachestore, &series) - metric_sample(&cachestore_before, &series)
         })
         .sum();
     assert!(
@@ -491,7 +473,7 @@ async fn register_edit_concurrently_and_delete_a_template() {
     let prefetched: f64 = ["already_in_memory", "from_disk", "from_cluster", "missing"]
         .iter()
         .map(|o| {
-            sample(
+            metric_sample(
                 &cachestore,
                 &format!("diffmesh_cachestore_prefetches_total{{outcome=\"{o}\"}}"),
             )
@@ -538,7 +520,7 @@ async fn register_edit_concurrently_and_delete_a_template() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
         let denoiser = scrape_metrics(mesh.denoiser_health).await.unwrap();
-        if sample(&denoiser, "diffmesh_denoiser_local_cache_bytes") == 0.0 {
+        if metric_sample(&denoiser, "diffmesh_denoiser_local_cache_bytes") == 0.0 {
             break;
         }
         assert!(
@@ -579,18 +561,18 @@ async fn a_second_denoiser_edits_from_the_shared_cache() {
     // Everything ran on d2, mask-aware: no full-compute fallback and no second capture.
     let d2 = scrape_metrics(mesh.denoiser_health).await.unwrap();
     let series = |mode: &str| format!("diffmesh_denoiser_step_rows_total{{mode=\"{mode}\"}}");
-    let mask_aware = sample(&d2, &series("mask_aware"));
+    let mask_aware = metric_sample(&d2, &series("mask_aware"));
     assert!(
         mask_aware >= (EDITS_ON_D2 as f64) * f64::from(STEPS),
         "d2 stepped too few rows mask-aware\n{d2}"
     );
     assert_eq!(
-        sample(&d2, &series("full")),
+        metric_sample(&d2, &series("full")),
         0.0,
         "d2 fell back to full compute\n{d2}"
     );
     assert_eq!(
-        sample(&d2, "diffmesh_denoiser_capture_duration_seconds_count"),
+        metric_sample(&d2, "diffmesh_denoiser_capture_duration_seconds_count"),
         0.0,
         "d2 captured the template again\n{d2}"
     );
@@ -600,7 +582,7 @@ async fn a_second_denoiser_edits_from_the_shared_cache() {
         .iter()
         .map(|t| {
             let series = format!("diffmesh_cachestore_hits_total{{tier=\"{t}\"}}");
-            sample(&cachestore, &series) - sample(&cachestore_before, &series)
+            metric_sample(&cachestore, &series) - metric_sample(&cachestore_before, &series)
         })
         .sum();
     assert!(
@@ -608,7 +590,7 @@ async fn a_second_denoiser_edits_from_the_shared_cache() {
         "d2 did not read the cache from the cachestore ({store_hits} hits)\n{cachestore}"
     );
     assert!(
-        sample(
+        metric_sample(
             &d2,
             "diffmesh_denoiser_local_cache_lookups_total{result=\"miss\"}"
         ) > 0.0,
