@@ -13,8 +13,8 @@ use async_nats::jetstream::{self, kv, stream};
 use crate::cachestore::CACHE_BUCKET;
 use crate::error::MeshError;
 use crate::subjects::{
-    BLOB_BUCKET, IDEMPOTENCY_BUCKET, JOB_BUCKET, TEMPLATE_BUCKET, TEMPLATE_USES_PREFIX,
-    TEMPLATE_USES_STREAM,
+    BLOB_BUCKET, IDEMPOTENCY_BUCKET, JOB_BUCKET, TEMPLATES_CAPTURED, TEMPLATE_BUCKET,
+    TEMPLATE_CAPTURES_STREAM, TEMPLATE_USES_PREFIX, TEMPLATE_USES_STREAM,
 };
 
 /// What a spec is stored as.
@@ -100,8 +100,20 @@ pub const TEMPLATE_USES: Spec = Spec {
     max_age: DAY,
 };
 
+/// Capture announcements, the last per cache key, which a denoiser started later replays to
+/// warm its local tier. A week bounds announcements of deleted templates (a replayed one whose
+/// cache is gone costs one cachestore lookup); templates captured earlier are fetched at their
+/// first edit instead.
+pub const TEMPLATE_CAPTURES: Spec = Spec {
+    name: Cow::Borrowed(TEMPLATE_CAPTURES_STREAM),
+    layout: Layout::LastPerSubject {
+        subject_prefix: TEMPLATES_CAPTURED,
+    },
+    max_age: Duration::from_secs(7 * 24 * 3600),
+};
+
 /// Everything the mesh stores in JetStream.
-pub const ALL: [Spec; 7] = [
+pub const ALL: [Spec; 8] = [
     JOBS,
     IDEMPOTENCY,
     TEMPLATE_RECORDS,
@@ -109,6 +121,7 @@ pub const ALL: [Spec; 7] = [
     CACHES,
     TEMPLATE_IMAGES,
     TEMPLATE_USES,
+    TEMPLATE_CAPTURES,
 ];
 
 impl Spec {

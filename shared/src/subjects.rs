@@ -17,10 +17,21 @@ pub const CACHESTORE_PREFIX: &str = "diffmesh.cachestore";
 /// gateway -> every denoiser (publish): drop a deleted template's cache from local tiers
 /// (`messages::EvictTemplate`).
 pub const TEMPLATES_EVICT: &str = "diffmesh.templates.evict";
-/// denoiser -> every denoiser (publish): a template cache was captured and stored
-/// (`messages::TemplateCaptured`), so the others can load it into their local tiers before
-/// its first edit reaches them.
+/// denoiser -> every denoiser (publish on `template_captured(cache_key)`): a template cache
+/// was captured and stored (`messages::TemplateCaptured`), so the others can load it into
+/// their local tiers before its first edit reaches them. The stream
+/// `TEMPLATE_CAPTURES_STREAM` keeps the last announcement per cache, so a denoiser that
+/// starts later catches up on them.
 pub const TEMPLATES_CAPTURED: &str = "diffmesh.templates.captured";
+/// Every capture announcement (a subscription filter).
+pub const TEMPLATES_CAPTURED_ALL: &str = "diffmesh.templates.captured.>";
+/// JetStream stream of capture announcements, one per cache key.
+pub const TEMPLATE_CAPTURES_STREAM: &str = "DIFFMESH_TEMPLATE_CAPTURES";
+
+/// The capture announcement of cache `cache_key` (`tpl-` + hex: a single subject token).
+pub fn template_captured(cache_key: &str) -> String {
+    format!("{TEMPLATES_CAPTURED}.{cache_key}")
+}
 /// JetStream KV bucket of template records (JSON), and the object store of template images
 /// (kept until the template is deleted, unlike `BLOB_BUCKET`'s 24 h).
 pub const TEMPLATE_BUCKET: &str = "diffmesh-templates";

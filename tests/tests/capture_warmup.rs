@@ -3,12 +3,13 @@
 //! before any edit reaches them (and show in the template's `cache.denoisers`), one started with
 //! `warm_on_capture = false` loads nothing, and broadcasts for another model or too big for the
 //! tier are skipped. Edits placed on a warmed denoiser then find the cache in its local tier.
+//! A fourth denoiser started afterwards replays the announcements and warms itself the same way.
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use diffmesh_shared::messages::{decode, TemplateCaptured};
 use diffmesh_shared::nats::publish_msgpack;
-use diffmesh_shared::subjects::TEMPLATES_CAPTURED;
+use diffmesh_shared::subjects::{template_captured, TEMPLATES_CAPTURED_ALL};
 use diffmesh_tests::harness::{
     init_test_logging, metric_sample, post_form, scrape_metrics, start_cachestore, start_codec,
     start_denoiser, start_gateway, start_router, tiny_model_dir, NatsServer,
@@ -22,6 +23,8 @@ const DENOISERS: [&str; 3] = ["d1", "d2", "d3"];
 /// Started with `warm_on_capture = false`.
 const COLD: &str = "d3";
 const EDITS: u32 = 4;
+/// Started after the capture and the edits.
+const LATE: &str = "d4";
 
 fn warmups(metrics: &str, outcome: &str) -> f64 {
     metric_sample(
@@ -62,7 +65,7 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
     }
     tokio::time::sleep(Duration::from_millis(500)).await; // every heartbeat heard
     let client = async_nats::connect(&nats.url()).await.unwrap();
-    let mut broadcasts = client.subscribe(TEMPLATES_CAPTURED).await.unwrap();
+    let mut broadcasts = client.subscribe(TEMPLATES_CAPTURED_ALL).await.unwrap();
     client.flush().await.unwrap();
 
     let http = reqwest::Client::new();
@@ -133,6 +136,7 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
     // Broadcasts this denoiser's edits would never read, or that do not fit, are skipped.
     let other_model = TemplateCaptured {
         worker_id: "elsewhere".into(),
+        cache_key: format!("{cache_key}-other"),
         model: format!("another-{}", announced.model),
         ..announced.clone()
     };
@@ -143,7 +147,7 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
         ..announced.clone()
     };
     for b in [&other_model, &too_big] {
-        publish_msgpack(&client, TEMPLATES_CAPTURED, None, b)
+        publish_msgpack(&client, &template_captured(&b.cache_key), None, b)
             .await
             .unwrap();
     }
@@ -215,4 +219,40 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
         }
     }
     assert_eq!(looked_up, f64::from(EDITS), "{metrics:#?}");
+
+    // A denoiser added now heard none of it: it replays the stored announcements at start.
+    let late = start_denoiser(&nats, &model, LATE, |_| {}).expect("late denoiser");
+    late.wait_ready(Duration::from_secs(30)).await.expect("ready");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let m = loop {
+        let m = scrape_metrics(late.addrs.health).await.unwrap();
+        let heard: f64 = ["loaded", "other_settings", "no_room", "missing", "failed"]
+            .iter()
+            .map(|o| warmups(&m, o))
+            .sum();
+        if heard == 3.0 {
+            break m;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{m}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for (outcome, expected) in [("loaded", 1.0), ("other_settings", 1.0), ("no_room", 1.0)] {
+        assert_eq!(warmups(&m, outcome), expected, "{LATE} {outcome}\n{m}");
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = http.get(api(&format!("/v1/templates/{id}"))).send().await;
+        let got: Value = r.unwrap().json().await.unwrap();
+        let listed = got["cache"]["denoisers"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|d| d.as_str() == Some(LATE)));
+        if listed {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{LATE} does not hold the cache: {got}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -5,6 +5,7 @@
 //! Start it in-process with [`start`] (tests) or run it until a signal with [`run`] (the binary).
 pub mod bench;
 pub mod cached_step;
+pub mod capture_log;
 pub mod engine;
 pub mod metrics;
 pub mod model;
@@ -396,7 +397,12 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let others = vec![
         tokio::spawn(service.clone().cancels(background.clone())),
         tokio::spawn(service.clone().evictions(background.clone())),
-        tokio::spawn(service.clone().capture_warmups(background.clone())),
+        tokio::spawn(service.clone().capture_warmups(
+            diffmesh_shared::jetstream_layout::TEMPLATE_CAPTURES
+                .get_or_create(&js)
+                .await?,
+            background.clone(),
+        )),
         tokio::spawn(service.clone().heartbeats(background.clone())),
         tokio::spawn(
             service

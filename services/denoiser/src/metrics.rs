@@ -161,8 +161,9 @@ impl DenoiserMetrics {
         let capture_warmups = IntCounterVec::new(
             Opts::new(
                 "diffmesh_denoiser_capture_warmups_total",
-                "Template captures broadcast by other denoisers, by what this one did \
-                 (loaded: fetched into the local tier ahead of its edits)",
+                "Template captures announced by other denoisers (broadcast, or replayed at \
+                 start), by what this one did (loaded: fetched into the local tier ahead of \
+                 its edits)",
             ),
             &["outcome"],
         )?;

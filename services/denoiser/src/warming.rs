@@ -4,15 +4,26 @@
 //! of the template placed on it then starts at once instead of waiting for a whole-cache read
 //! from the cachestore (at light load the router's prefetch has no queue wait to hide it in).
 //! A lost broadcast costs only that wait; a warm-up never evicts a cache held for edits.
+//!
+//! The stream `subjects::TEMPLATE_CAPTURES_STREAM` keeps the last announcement per cache, so a
+//! denoiser that starts later (scaled out, restarted) first replays them, newest first, while
+//! its tier has room.
+use crate::capture_log::recent_captures;
 use crate::service::Service;
 use crate::templates::{Fetched, TemplateEntry};
 use diffmesh_shared::messages::{decode, DenoiseJob, TemplateCaptured};
 use diffmesh_shared::nats::publish_msgpack;
 use diffmesh_shared::serve::serve_subscription;
+use async_nats::jetstream::stream;
 use diffmesh_shared::{subjects, MeshError};
+use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
+
+/// How long a starting denoiser reads earlier announcements before it stops (they are a hint).
+const CATCH_UP_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What a denoiser did with one capture broadcast; the label of
 /// `diffmesh_denoiser_capture_warmups_total{outcome}`.
@@ -31,6 +42,15 @@ pub enum WarmOutcome {
     /// Gone from the cachestore before it was read (deleted or evicted).
     Missing,
     Failed,
+}
+
+/// How an announcement reached this denoiser.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Heard {
+    /// Broadcast while it runs.
+    Live,
+    /// Read back from the stream at start.
+    Replayed,
 }
 
 impl WarmOutcome {
@@ -79,26 +99,34 @@ impl Service {
     /// Tell every denoiser about a stored capture (fire and forget).
     pub(crate) async fn announce_capture(&self, job: &DenoiseJob, entry: &TemplateEntry) {
         let captured = self.capture_broadcast(job, entry);
-        let subject = subjects::TEMPLATES_CAPTURED;
-        if let Err(err) = publish_msgpack(&self.client, subject, Some(&job.job_id), &captured).await
+        let subject = subjects::template_captured(&captured.cache_key);
+        if let Err(err) = publish_msgpack(&self.client, &subject, Some(&job.job_id), &captured).await
         {
             tracing::warn!(cache_key = %captured.cache_key, error = %err, "capture broadcast not sent");
         }
     }
 
-    /// Hear capture broadcasts and warm the local tier from them, one warm-up at a time
+    /// Replay the announcements in `captures` made before this start, then hear capture
+    /// broadcasts and warm the local tier from them, one warm-up at a time
     /// (`serve_subscription` with one permit): the room check of one warm-up sees what the
     /// previous one admitted, and warm-ups (background work) never run several cache reads
     /// beside the edits' own. A warm-up running at shutdown is dropped, not waited for. Off
     /// with `--warm-on-capture false`.
     pub async fn capture_warmups(
         self: Arc<Self>,
+        captures: stream::Stream,
         shutdown: CancellationToken,
     ) -> Result<(), MeshError> {
         if !self.config.warm_on_capture {
             return Ok(());
         }
-        let sub = self.client.subscribe(subjects::TEMPLATES_CAPTURED).await?;
+        // Subscribed first, so an announcement made during the replay waits here; one heard
+        // both ways finds the cache held.
+        let sub = self.client.subscribe(subjects::TEMPLATES_CAPTURED_ALL).await?;
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = self.catch_up(&captures) => {}
+        }
         let one_at_a_time = Arc::new(tokio::sync::Semaphore::new(1));
         let stop = shutdown.clone();
         serve_subscription(sub, shutdown, one_at_a_time, |msg| {
@@ -114,7 +142,7 @@ impl Service {
                 let span = tracing::info_span!("capture_warmup", cache_key = %captured.cache_key);
                 tokio::select! {
                     _ = stop.cancelled() => {}
-                    _ = service.warm(captured).instrument(span) => {}
+                    _ = service.warm(captured, Heard::Live).instrument(span) => {}
                 }
             }
         })
@@ -122,9 +150,30 @@ impl Service {
         Ok(())
     }
 
-    /// Warm the local tier (and the template's pixels) from one broadcast.
-    pub async fn warm(&self, captured: TemplateCaptured) -> WarmOutcome {
-        let outcome = match self.warm_skip(&captured) {
+    /// Warm the local tier from the announcements made before this denoiser started, newest
+    /// first. A failed read of them costs only the warm-ups.
+    async fn catch_up(&self, captures: &stream::Stream) {
+        let recent = match recent_captures(captures, &self.client, CATCH_UP_READ_TIMEOUT).await {
+            Ok(recent) => recent,
+            Err(error) => {
+                tracing::warn!(%error, "earlier capture announcements not read");
+                return;
+            }
+        };
+        let mut outcomes = BTreeMap::new();
+        for captured in &recent {
+            let span = tracing::info_span!("capture_catch_up", cache_key = %captured.cache_key);
+            let outcome = self.warm(captured.clone(), Heard::Replayed).instrument(span).await;
+            *outcomes.entry(outcome.as_str()).or_insert(0u32) += 1;
+        }
+        if !recent.is_empty() {
+            tracing::info!(announced = recent.len(), ?outcomes, "caught up on earlier captures");
+        }
+    }
+
+    /// Warm the local tier (and the template's pixels) from one announcement.
+    pub async fn warm(&self, captured: TemplateCaptured, heard: Heard) -> WarmOutcome {
+        let outcome = match self.warm_skip(&captured, heard) {
             Some(skip) => skip,
             None => {
                 let (fetched, joined) = self.templates.fetcher.fetch(&captured.cache_key).await;
@@ -160,9 +209,10 @@ impl Service {
     }
 
     /// Why this denoiser should not load a broadcast capture, if it should not.
-    fn warm_skip(&self, captured: &TemplateCaptured) -> Option<WarmOutcome> {
+    fn warm_skip(&self, captured: &TemplateCaptured, heard: Heard) -> Option<WarmOutcome> {
         let settings = &self.templates.settings;
-        if captured.worker_id == self.worker_id {
+        // A replayed capture of this worker id was made before a restart emptied the tier.
+        if captured.worker_id == self.worker_id && heard == Heard::Live {
             Some(WarmOutcome::Own)
         } else if captured.model != self.cache_model()
             || captured.format != crate::cached_step::format_name(settings.format)
