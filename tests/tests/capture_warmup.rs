@@ -222,7 +222,9 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
 
     // A denoiser added now heard none of it: it replays the stored announcements at start.
     let late = start_denoiser(&nats, &model, LATE, |_| {}).expect("late denoiser");
-    late.wait_ready(Duration::from_secs(30)).await.expect("ready");
+    late.wait_ready(Duration::from_secs(30))
+        .await
+        .expect("ready");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let m = loop {
         let m = scrape_metrics(late.addrs.health).await.unwrap();

@@ -392,17 +392,19 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     ));
     let intake = CancellationToken::new();
     let background = CancellationToken::new();
+    let captures = diffmesh_shared::jetstream_layout::TEMPLATE_CAPTURES
+        .get_or_create(&js)
+        .await?;
     let submit_sub = service.subscribe_submits().await?;
     let submits = tokio::spawn(service.clone().submits(submit_sub, intake.clone()));
     let others = vec![
         tokio::spawn(service.clone().cancels(background.clone())),
         tokio::spawn(service.clone().evictions(background.clone())),
-        tokio::spawn(service.clone().capture_warmups(
-            diffmesh_shared::jetstream_layout::TEMPLATE_CAPTURES
-                .get_or_create(&js)
-                .await?,
-            background.clone(),
-        )),
+        tokio::spawn(
+            service
+                .clone()
+                .capture_warmups(captures, background.clone()),
+        ),
         tokio::spawn(service.clone().heartbeats(background.clone())),
         tokio::spawn(
             service

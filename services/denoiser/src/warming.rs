@@ -11,10 +11,10 @@
 use crate::capture_log::recent_captures;
 use crate::service::Service;
 use crate::templates::{Fetched, TemplateEntry};
+use async_nats::jetstream::stream;
 use diffmesh_shared::messages::{decode, DenoiseJob, TemplateCaptured};
 use diffmesh_shared::nats::publish_msgpack;
 use diffmesh_shared::serve::serve_subscription;
-use async_nats::jetstream::stream;
 use diffmesh_shared::{subjects, MeshError};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -100,7 +100,8 @@ impl Service {
     pub(crate) async fn announce_capture(&self, job: &DenoiseJob, entry: &TemplateEntry) {
         let captured = self.capture_broadcast(job, entry);
         let subject = subjects::template_captured(&captured.cache_key);
-        if let Err(err) = publish_msgpack(&self.client, &subject, Some(&job.job_id), &captured).await
+        if let Err(err) =
+            publish_msgpack(&self.client, &subject, Some(&job.job_id), &captured).await
         {
             tracing::warn!(cache_key = %captured.cache_key, error = %err, "capture broadcast not sent");
         }
@@ -122,7 +123,10 @@ impl Service {
         }
         // Subscribed first, so an announcement made during the replay waits here; one heard
         // both ways finds the cache held.
-        let sub = self.client.subscribe(subjects::TEMPLATES_CAPTURED_ALL).await?;
+        let sub = self
+            .client
+            .subscribe(subjects::TEMPLATES_CAPTURED_ALL)
+            .await?;
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = self.catch_up(&captures) => {}
@@ -163,11 +167,18 @@ impl Service {
         let mut outcomes = BTreeMap::new();
         for captured in &recent {
             let span = tracing::info_span!("capture_catch_up", cache_key = %captured.cache_key);
-            let outcome = self.warm(captured.clone(), Heard::Replayed).instrument(span).await;
+            let outcome = self
+                .warm(captured.clone(), Heard::Replayed)
+                .instrument(span)
+                .await;
             *outcomes.entry(outcome.as_str()).or_insert(0u32) += 1;
         }
         if !recent.is_empty() {
-            tracing::info!(announced = recent.len(), ?outcomes, "caught up on earlier captures");
+            tracing::info!(
+                announced = recent.len(),
+                ?outcomes,
+                "caught up on earlier captures"
+            );
         }
     }
 
