@@ -105,7 +105,13 @@ impl Mesh {
                 .expect("stop the old denoiser");
         }
         let model = tiny_model_dir().expect("models/tiny");
-        let new = start_denoiser(&self.nats, &model, worker_id, denoiser_tweak).expect("denoiser");
+        // Warm-up off: the new denoiser must not replay earlier capture announcements at start
+        // (capture_warmup.rs tests that), so what it holds comes from its own edits.
+        let new = start_denoiser(&self.nats, &model, worker_id, |c| {
+            denoiser_tweak(c);
+            c.warm_on_capture = false;
+        })
+        .expect("denoiser");
         new.wait_ready(Duration::from_secs(30))
             .await
             .expect("ready");
