@@ -120,8 +120,9 @@ pub struct DenoiserConfig {
     #[arg(long, env = "CONDITIONING_CACHE_BYTES", default_value_t = 256 << 20)]
     pub conditioning_cache_bytes: u64,
     /// Load template caches other denoisers capture (broadcast on
-    /// `diffmesh.templates.captured`) into the local tier while it has room, so their first
-    /// edits here do not wait for the cachestore.
+    /// `diffmesh.templates.captured.<cache_key>`; at start, those announced before it, newest
+    /// first) into the local tier while it has room, so their first edits here do not wait
+    /// for the cachestore.
     #[arg(long, env = "WARM_ON_CAPTURE", default_value_t = true, action = clap::ArgAction::Set)]
     pub warm_on_capture: bool,
     /// Cache blocks the loader thread decodes ahead of the compute, per request.
