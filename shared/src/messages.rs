@@ -162,8 +162,10 @@ pub struct EvictTemplate {
     pub cache_key: String,
 }
 
-/// Denoiser -> denoisers (`subjects::TEMPLATES_CAPTURED`): a capture was stored in the
-/// cachestore. A denoiser of the same model and cache settings may load it ahead of its edits.
+/// Denoiser -> denoisers (`subjects::template_captured`, kept by the stream
+/// `subjects::TEMPLATE_CAPTURES_STREAM`): a capture was stored in the cachestore. A denoiser
+/// of the same model and cache settings may load it ahead of its edits, also one that starts
+/// later and replays the stream.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TemplateCaptured {
     /// The denoiser that captured it (it holds the cache already).
