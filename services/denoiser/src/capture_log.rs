@@ -24,16 +24,6 @@ pub async fn recent_captures(
     client: &async_nats::Client,
     within: Duration,
 ) -> Result<Vec<TemplateCaptured>, MeshError> {
-    let mut stream = stream.clone();
-    let held = stream
-        .info()
-        .await
-        .map_err(|e| log_error("stream info", e))?
-        .state
-        .messages;
-    if held == 0 {
-        return Ok(Vec::new());
-    }
     let consumer = stream
         .create_consumer(consumer::push::OrderedConfig {
             deliver_subject: client.new_inbox(),
@@ -45,6 +35,10 @@ pub async fn recent_captures(
         })
         .await
         .map_err(|e| log_error("consumer", e))?;
+    // Nothing to deliver: reading would only wait for the timeout.
+    if consumer.cached_info().num_pending == 0 {
+        return Ok(Vec::new());
+    }
     let mut messages = consumer
         .messages()
         .await
