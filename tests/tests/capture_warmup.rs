@@ -40,6 +40,21 @@ fn lookups(metrics: &str, result: &str) -> f64 {
     )
 }
 
+/// The denoisers whose heartbeats list the template's cache (`url`: `GET /v1/templates/{id}`), and
+/// the whole answer.
+async fn cache_holders(http: &reqwest::Client, url: &str) -> (Vec<String>, Value) {
+    let got: Value = http.get(url).send().await.unwrap().json().await.unwrap();
+    let holders = got["cache"]["denoisers"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|d| d.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default();
+    (holders, got)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_capture_warms_the_other_denoisers_local_tiers() {
     init_test_logging();
@@ -106,17 +121,9 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
 
     // Every warm denoiser reports the cache in its heartbeats without having run an edit.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let template_url = api(&format!("/v1/templates/{id}"));
     let holders = loop {
-        let r = http.get(api(&format!("/v1/templates/{id}"))).send().await;
-        let got: Value = r.unwrap().json().await.unwrap();
-        let holders: Vec<String> = got["cache"]["denoisers"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|d| d.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let (holders, got) = cache_holders(&http, &template_url).await;
         if warm.iter().all(|d| holders.iter().any(|h| h == d)) {
             break holders;
         }
@@ -243,12 +250,8 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let r = http.get(api(&format!("/v1/templates/{id}"))).send().await;
-        let got: Value = r.unwrap().json().await.unwrap();
-        let listed = got["cache"]["denoisers"]
-            .as_array()
-            .is_some_and(|a| a.iter().any(|d| d.as_str() == Some(LATE)));
-        if listed {
+        let (holders, got) = cache_holders(&http, &template_url).await;
+        if holders.iter().any(|h| h == LATE) {
             break;
         }
         assert!(
