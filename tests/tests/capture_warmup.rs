@@ -11,10 +11,10 @@ use diffmesh_shared::messages::{decode, TemplateCaptured};
 use diffmesh_shared::nats::publish_msgpack;
 use diffmesh_shared::subjects::{template_captured, TEMPLATES_CAPTURED_ALL};
 use diffmesh_tests::harness::{
-    init_test_logging, metric_sample, post_form, scrape_metrics, start_cachestore, start_codec,
-    start_denoiser, start_gateway, start_router, tiny_model_dir, NatsServer,
+    metric_sample, post_form, scrape_metrics, start_denoiser, tiny_model_dir,
 };
 use diffmesh_tests::images::{png_bytes, rect_mask, template};
+use diffmesh_tests::mesh::MeshBuilder;
 use futures::StreamExt;
 use reqwest::multipart::{Form, Part};
 use serde_json::Value;
@@ -57,34 +57,21 @@ async fn cache_holders(http: &reqwest::Client, url: &str) -> (Vec<String>, Value
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_capture_warms_the_other_denoisers_local_tiers() {
-    init_test_logging();
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
-    let nats = NatsServer::start();
-    let disk = tempfile::tempdir().expect("tempdir");
-    let codec = start_codec(&nats, |_| {}).expect("codec");
-    let cachestore =
-        start_cachestore(&nats, disk.path(), |c| c.memory_bytes = 64 << 20).expect("cachestore");
-    let router = start_router(&nats, |_| {}).expect("router");
-    let denoisers: Vec<_> = DENOISERS
-        .iter()
-        .map(|&id| {
-            start_denoiser(&nats, &model, id, |c| c.warm_on_capture = id != COLD).expect("denoiser")
-        })
-        .collect();
-    let gateway = start_gateway(&nats, |g| g.job_timeout_s = 180.0).expect("gateway");
-    for s in [&codec, &cachestore, &router, &gateway]
-        .into_iter()
-        .chain(denoisers.iter())
-    {
-        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
-    }
+    let mesh = MeshBuilder::new()
+        .cachestore(|c| c.memory_bytes = 64 << 20)
+        .denoisers(&DENOISERS)
+        .denoiser(|id, c| c.warm_on_capture = id != COLD)
+        .gateway(|g| g.job_timeout_s = 180.0)
+        .start()
+        .await;
+    let denoisers = &mesh.denoisers;
     tokio::time::sleep(Duration::from_millis(500)).await; // every heartbeat heard
-    let client = async_nats::connect(&nats.url()).await.unwrap();
+    let client = async_nats::connect(&mesh.nats.url()).await.unwrap();
     let mut broadcasts = client.subscribe(TEMPLATES_CAPTURED_ALL).await.unwrap();
     client.flush().await.unwrap();
 
     let http = reqwest::Client::new();
-    let api = |path: &str| format!("http://{}{path}", gateway.addrs.api.unwrap());
+    let api = |path: &str| mesh.url(path);
     let (w, h) = (96, 64);
     let form = Form::new()
         .part(
@@ -162,7 +149,7 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
 
     let scrape_all = || async {
         let mut all = BTreeMap::new();
-        for (id, d) in DENOISERS.iter().zip(&denoisers) {
+        for (id, d) in DENOISERS.iter().zip(denoisers) {
             all.insert(*id, scrape_metrics(d.addrs.health).await.unwrap());
         }
         all
@@ -228,7 +215,8 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
     assert_eq!(looked_up, f64::from(EDITS), "{metrics:#?}");
 
     // A denoiser added now heard none of it: it replays the stored announcements at start.
-    let late = start_denoiser(&nats, &model, LATE, |_| {}).expect("late denoiser");
+    let model = tiny_model_dir().expect("models/tiny");
+    let late = start_denoiser(&mesh.nats, &model, LATE, |_| {}).expect("late denoiser");
     late.wait_ready(Duration::from_secs(30))
         .await
         .expect("ready");

@@ -3,43 +3,26 @@
 //! template's, and a generation comes back at the requested size.
 use std::time::Duration;
 
-use diffmesh_tests::harness::{
-    init_test_logging, start_codec, start_denoiser, start_gateway, start_router, tiny_model_dir,
-    NatsServer, Service,
-};
 use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask, template};
+use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
 use image::GenericImageView;
 use reqwest::multipart::{Form, Part};
 use serde_json::{json, Value};
 
 struct Mesh {
-    _services: Vec<Service>,
     api: std::net::SocketAddr,
     health: std::net::SocketAddr,
     http: reqwest::Client,
-    // Last: fields drop in order, and services must stop before their NATS server.
-    _nats: NatsServer,
+    _mesh: TestMesh,
 }
 
 async fn start_mesh() -> Mesh {
-    init_test_logging();
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
-    let nats = NatsServer::start();
-    let codec = start_codec(&nats, |_| {}).expect("codec");
-    let router = start_router(&nats, |_| {}).expect("router");
-    let denoiser = start_denoiser(&nats, &model, "d1", |_| {}).expect("denoiser");
-    let gateway = start_gateway(&nats, |_| {}).expect("gateway");
-    for s in [&codec, &router, &denoiser, &gateway] {
-        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
-    }
-    let api = gateway.addrs.api.unwrap();
-    let health = gateway.addrs.health;
+    let mesh = MeshBuilder::new().without_cachestore().start().await;
     Mesh {
-        _nats: nats,
-        _services: vec![gateway, denoiser, router, codec],
-        api,
-        health,
+        api: mesh.api(),
+        health: mesh.gateway.addrs.health,
         http: reqwest::Client::new(),
+        _mesh: mesh,
     }
 }
 

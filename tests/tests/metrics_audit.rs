@@ -15,11 +15,9 @@ use std::time::Duration;
 
 use diffmesh_shared::metrics::naming_problem;
 use diffmesh_shared::subjects;
-use diffmesh_tests::harness::{
-    init_test_logging, scrape_metrics, start_cachestore, start_codec, start_denoiser,
-    start_gateway, start_router, tiny_model_dir, NatsServer,
-};
+use diffmesh_tests::harness::scrape_metrics;
 use diffmesh_tests::images::{png_bytes, rect_mask, template};
+use diffmesh_tests::mesh::MeshBuilder;
 use diffmesh_tests::promql;
 use reqwest::multipart::{Form, Part};
 
@@ -135,25 +133,16 @@ async fn send_garbage(client: &async_nats::Client, subject: String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_service_exports_the_required_metrics_with_conventional_names() {
-    init_test_logging();
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
-    let disk = tempfile::tempdir().expect("cachestore dir");
-    let nats = NatsServer::start();
-    let codec = start_codec(&nats, |_| {}).expect("codec");
-    let router = start_router(&nats, |_| {}).expect("router");
-    let denoiser = start_denoiser(&nats, &model, "d1", |_| {}).expect("denoiser");
-    let gateway = start_gateway(&nats, |_| {}).expect("gateway");
-    let cachestore = start_cachestore(&nats, disk.path(), |_| {}).expect("cachestore");
+    let mesh = MeshBuilder::new().start().await;
+    let (gateway, codec, router) = (&mesh.gateway, &mesh.codec, &mesh.router);
+    let (denoiser, cachestore) = (mesh.denoiser("d1"), mesh.cachestore());
     let services = [
-        ("gateway", &gateway),
-        ("codec", &codec),
-        ("router", &router),
-        ("denoiser", &denoiser),
-        ("cachestore", &cachestore),
+        ("gateway", gateway),
+        ("codec", codec),
+        ("router", router),
+        ("denoiser", denoiser),
+        ("cachestore", cachestore),
     ];
-    for (_, s) in &services {
-        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
-    }
 
     // One edit through the whole mesh fills the latency histograms.
     let (w, h) = (40, 40);
@@ -188,7 +177,9 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
         .await
         .expect("bad edit");
     assert_eq!(r.status().as_u16(), 400);
-    let client = async_nats::connect(nats.url()).await.expect("NATS client");
+    let client = async_nats::connect(mesh.nats.url())
+        .await
+        .expect("NATS client");
     send_garbage(&client, subjects::CODEC_PRE.to_string()).await;
     send_garbage(&client, subjects::ROUTER_SUBMIT.to_string()).await;
     send_garbage(&client, subjects::denoiser_submit("d1")).await;

@@ -18,10 +18,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use diffmesh_tests::harness::{
-    init_test_logging, start_cachestore, start_codec, start_denoiser, start_gateway, start_router,
-    tiny_model_dir, NatsServer, Service,
-};
+use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
 use diffmesh_tests::tools::{chromium, e2e_package, node, repo_root, require};
 use image::{GenericImageView, GrayImage, RgbaImage};
 use serde_json::Value;
@@ -36,40 +33,26 @@ const BROWSER_TIMEOUT: Duration = Duration::from_secs(420);
 const API_KEY: &str = "playground-test-key";
 
 struct Mesh {
-    _services: Vec<Service>,
     api: std::net::SocketAddr,
     http: reqwest::Client,
-    _disk: tempfile::TempDir,
-    // Last: services must stop before their NATS server.
-    _nats: NatsServer,
+    _mesh: TestMesh,
 }
 
 async fn start_mesh() -> Mesh {
-    init_test_logging();
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
-    let nats = NatsServer::start();
-    let disk = tempfile::tempdir().expect("tempdir");
-    let codec = start_codec(&nats, |_| {}).expect("codec");
-    let cachestore =
-        start_cachestore(&nats, disk.path(), |c| c.memory_bytes = 64 << 20).expect("cachestore");
-    let router = start_router(&nats, |_| {}).expect("router");
-    let denoiser = start_denoiser(&nats, &model, "d1", |_| {}).expect("denoiser");
-    let gateway = start_gateway(&nats, |g| {
-        g.max_steps = STEPS.max(g.max_steps);
-        g.submit_wait_s = 30.0;
-        g.job_timeout_s = 180.0;
-        g.api_keys = Some(format!("browser:{API_KEY}"));
-    })
-    .expect("gateway");
-    for s in [&codec, &cachestore, &router, &denoiser, &gateway] {
-        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
-    }
+    let mesh = MeshBuilder::new()
+        .cachestore(|c| c.memory_bytes = 64 << 20)
+        .gateway(|g| {
+            g.max_steps = STEPS.max(g.max_steps);
+            g.submit_wait_s = 30.0;
+            g.job_timeout_s = 180.0;
+            g.api_keys = Some(format!("browser:{API_KEY}"));
+        })
+        .start()
+        .await;
     Mesh {
-        api: gateway.addrs.api.unwrap(),
-        _services: vec![gateway, denoiser, router, cachestore, codec],
+        api: mesh.api(),
         http: reqwest::Client::new(),
-        _disk: disk,
-        _nats: nats,
+        _mesh: mesh,
     }
 }
 

@@ -12,10 +12,7 @@ use std::time::{Duration, Instant};
 
 use diffmesh_gateway::openapi::HEALTH_ROUTES;
 use diffmesh_gateway::routes::routes;
-use diffmesh_tests::harness::{
-    init_test_logging, start_cachestore, start_codec, start_denoiser, start_gateway, start_router,
-    tiny_model_dir, NatsServer,
-};
+use diffmesh_tests::mesh::MeshBuilder;
 use diffmesh_tests::tools::{require, schemathesis};
 
 /// The checks that matter for a served contract (schemathesis names).
@@ -44,32 +41,24 @@ async fn openapi_document_holds_against_the_running_server() {
     ) else {
         return;
     };
-    init_test_logging();
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
-    let nats = NatsServer::start();
-    let disk = tempfile::tempdir().expect("tempdir");
-    let codec = start_codec(&nats, |_| {}).expect("codec");
-    let cachestore =
-        start_cachestore(&nats, disk.path(), |c| c.memory_bytes = 64 << 20).expect("cachestore");
-    let router = start_router(&nats, |_| {}).expect("router");
-    let denoiser = start_denoiser(&nats, &model, "d1", |d| d.max_queue = 32).expect("denoiser");
-    let gateway = start_gateway(&nats, |g| {
-        g.max_steps = 3;
-        g.default_steps = 2;
-        g.max_n = 2;
-        g.max_pixels = 128 * 128;
-        g.max_prompt_chars = 200;
-        g.max_body_bytes = 1 << 20;
-        // Keep resubmitting through a slow spell of a loaded machine: a 503 for a denoiser
-        // that answered late is capacity, not the contract this test checks.
-        g.submit_wait_s = 10.0;
-        g.job_timeout_s = 20.0;
-    })
-    .expect("gateway");
-    for s in [&codec, &cachestore, &router, &denoiser, &gateway] {
-        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
-    }
-    let url = format!("http://{}/openapi.json", gateway.addrs.api.unwrap());
+    let mesh = MeshBuilder::new()
+        .cachestore(|c| c.memory_bytes = 64 << 20)
+        .denoiser(|_, d| d.max_queue = 32)
+        .gateway(|g| {
+            g.max_steps = 3;
+            g.default_steps = 2;
+            g.max_n = 2;
+            g.max_pixels = 128 * 128;
+            g.max_prompt_chars = 200;
+            g.max_body_bytes = 1 << 20;
+            // Keep resubmitting through a slow spell of a loaded machine: a 503 for a denoiser
+            // that answered late is capacity, not the contract this test checks.
+            g.submit_wait_s = 10.0;
+            g.job_timeout_s = 20.0;
+        })
+        .start()
+        .await;
+    let url = mesh.url("/openapi.json");
     // Its own working directory: schemathesis and hypothesis write nothing into the repository.
     let work = tempfile::tempdir().expect("tempdir");
 

@@ -12,10 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use diffmesh_shared::telemetry::{init_telemetry, TelemetryGuard};
-use diffmesh_tests::harness::{
-    start_codec, start_denoiser, start_gateway, start_router, tiny_model_dir, NatsServer,
-};
 use diffmesh_tests::images::{png_bytes, rect_mask, template};
+use diffmesh_tests::mesh::MeshBuilder;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -221,15 +219,7 @@ async fn one_edit_is_one_trace_tree_across_the_mesh() {
         "another subscriber was installed first; this test must own the process's telemetry"
     );
 
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
-    let nats = NatsServer::start();
-    let codec = start_codec(&nats, |_| {}).expect("codec");
-    let router = start_router(&nats, |_| {}).expect("router");
-    let denoiser = start_denoiser(&nats, &model, "d1", |_| {}).expect("denoiser");
-    let gateway = start_gateway(&nats, |_| {}).expect("gateway");
-    for s in [&codec, &router, &denoiser, &gateway] {
-        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
-    }
+    let mesh = MeshBuilder::new().without_cachestore().start().await;
 
     let (w, h) = (48, 40);
     let form = Form::new()
@@ -246,10 +236,7 @@ async fn one_edit_is_one_trace_tree_across_the_mesh() {
         .text("seed", "3")
         .text("response_format", "png");
     let response = reqwest::Client::new()
-        .post(format!(
-            "http://{}/v1/images/edits",
-            gateway.addrs.api.expect("gateway API address")
-        ))
+        .post(mesh.url("/v1/images/edits"))
         .multipart(form)
         .timeout(Duration::from_secs(120))
         .send()
@@ -368,10 +355,6 @@ async fn one_edit_is_one_trace_tree_across_the_mesh() {
         "steps 1..N each once:\n{tree}"
     );
 
-    drop(gateway);
-    drop(denoiser);
-    drop(router);
-    drop(codec);
-    drop(nats);
+    drop(mesh);
     stop.cancel();
 }
