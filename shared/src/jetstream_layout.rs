@@ -101,9 +101,9 @@ pub const TEMPLATE_USES: Spec = Spec {
 };
 
 /// Capture announcements, the last per cache key, which a denoiser started later replays to
-/// warm its local tier. A week bounds announcements of deleted templates (a replayed one whose
-/// cache is gone costs one cachestore lookup); templates captured earlier are fetched at their
-/// first edit instead.
+/// warm its local tier. A template delete purges its cache's announcement; a week bounds any
+/// left behind (a replayed one whose cache is gone costs one cachestore lookup). Templates
+/// captured earlier are fetched at their first edit instead.
 pub const TEMPLATE_CAPTURES: Spec = Spec {
     name: Cow::Borrowed(TEMPLATE_CAPTURES_STREAM),
     layout: Layout::LastPerSubject {

@@ -13,14 +13,15 @@ use diffmesh_shared::cachestore::{
 use diffmesh_shared::job::{JobState, JobStore};
 use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::subjects::{
-    template_uses_of, BLOB_BUCKET, TEMPLATE_BUCKET, TEMPLATE_USES_STREAM,
+    template_captured, template_uses_of, BLOB_BUCKET, TEMPLATE_BUCKET, TEMPLATE_CAPTURES_STREAM,
+    TEMPLATE_USES_STREAM,
 };
 use diffmesh_shared::templates::{image_key, prepared_image_key};
 use diffmesh_tests::harness::{
-    init_test_logging, metric_sample, post_form, scrape_metrics, start_cachestore, start_codec,
-    start_denoiser, start_gateway, start_router, tiny_model_dir, NatsServer, Service,
+    metric_sample, post_form, scrape_metrics, start_denoiser, tiny_model_dir,
 };
 use diffmesh_tests::images::{decode_b64_images, png_bytes};
+use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
 use futures::future::join_all;
 use futures::{StreamExt, TryStreamExt};
 use image::{DynamicImage, GenericImageView, GrayImage, Luma, RgbImage};
@@ -31,16 +32,12 @@ const STEPS: u32 = 4;
 const EDITS: usize = 20;
 
 struct Mesh {
-    /// The one denoiser serving now (dropped first: it hands work back to the router).
-    denoiser: Option<Service>,
-    _services: Vec<Service>,
     api: std::net::SocketAddr,
     cachestore_health: std::net::SocketAddr,
+    /// The denoiser serving now.
     denoiser_health: std::net::SocketAddr,
     http: reqwest::Client,
-    _disk: tempfile::TempDir,
-    // Last: fields drop in order, and services must stop before their NATS server.
-    nats: NatsServer,
+    services: TestMesh,
 }
 
 fn denoiser_tweak(c: &mut diffmesh_denoiser::DenoiserConfig) {
@@ -60,38 +57,27 @@ async fn start_mesh() -> Mesh {
 }
 
 async fn start_mesh_with(tweak: fn(&mut diffmesh_denoiser::DenoiserConfig)) -> Mesh {
-    init_test_logging();
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
-    let nats = NatsServer::start();
-    let disk = tempfile::tempdir().expect("tempdir");
-    let codec = start_codec(&nats, |_| {}).expect("codec");
-    let cachestore =
-        start_cachestore(&nats, disk.path(), |c| c.memory_bytes = 64 << 20).expect("cachestore");
-    let router = start_router(&nats, |c| {
-        // Twenty edits at once: let them wait for a slot instead of being turned away.
-        c.max_queue = 64;
-        c.admission_wait_ms = 3000;
-    })
-    .expect("router");
-    let denoiser = start_denoiser(&nats, &model, "d1", tweak).expect("denoiser");
-    let gateway = start_gateway(&nats, |c| {
-        c.router_timeout_s = 5.0;
-        c.submit_wait_s = 60.0;
-        c.job_timeout_s = 180.0;
-    })
-    .expect("gateway");
-    for s in [&codec, &cachestore, &router, &denoiser, &gateway] {
-        s.wait_ready(Duration::from_secs(30)).await.expect("ready");
-    }
+    let mesh = MeshBuilder::new()
+        .cachestore(|c| c.memory_bytes = 64 << 20)
+        .router(|c| {
+            // Twenty edits at once: let them wait for a slot instead of being turned away.
+            c.max_queue = 64;
+            c.admission_wait_ms = 3000;
+        })
+        .denoiser(move |_, c| tweak(c))
+        .gateway(|c| {
+            c.router_timeout_s = 5.0;
+            c.submit_wait_s = 60.0;
+            c.job_timeout_s = 180.0;
+        })
+        .start()
+        .await;
     Mesh {
-        api: gateway.addrs.api.unwrap(),
-        cachestore_health: cachestore.addrs.health,
-        denoiser_health: denoiser.addrs.health,
-        denoiser: Some(denoiser),
-        _services: vec![gateway, router, cachestore, codec],
+        api: mesh.api(),
+        cachestore_health: mesh.cachestore().addrs.health,
+        denoiser_health: mesh.denoiser("d1").addrs.health,
         http: reqwest::Client::new(),
-        _disk: disk,
-        nats,
+        services: mesh,
     }
 }
 
@@ -99,7 +85,7 @@ impl Mesh {
     /// Drain the serving denoiser (its heartbeats say so: nothing new is placed there) and start
     /// a fresh one, with an empty local tier, in its place.
     async fn replace_denoiser(&mut self, worker_id: &str) {
-        if let Some(old) = self.denoiser.take() {
+        if let Some(old) = self.services.denoisers.pop() {
             tokio::task::spawn_blocking(move || drop(old))
                 .await
                 .expect("stop the old denoiser");
@@ -107,7 +93,7 @@ impl Mesh {
         let model = tiny_model_dir().expect("models/tiny");
         // Warm-up off: the new denoiser must not replay earlier capture announcements at start
         // (capture_warmup.rs tests that), so what it holds comes from its own edits.
-        let new = start_denoiser(&self.nats, &model, worker_id, |c| {
+        let new = start_denoiser(&self.services.nats, &model, worker_id, |c| {
             denoiser_tweak(c);
             c.warm_on_capture = false;
         })
@@ -116,7 +102,7 @@ impl Mesh {
             .await
             .expect("ready");
         self.denoiser_health = new.addrs.health;
-        self.denoiser = Some(new);
+        self.services.denoisers.push(new);
         // Let the router hear the new denoiser's heartbeat before anything is placed.
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
@@ -147,7 +133,7 @@ impl Mesh {
     /// The router keeps a capture's report on its job record (what lets another gateway finish
     /// a registration whose gateway stopped); it writes it in the background, so wait a little.
     async fn assert_capture_report_kept(&self, job_id: &str, cache_key: &str) {
-        let client = async_nats::connect(self.nats.url()).await.unwrap();
+        let client = async_nats::connect(self.services.nats.url()).await.unwrap();
         let jobs = JobStore::open(&async_nats::jetstream::new(client))
             .await
             .unwrap();
@@ -173,7 +159,7 @@ impl Mesh {
     /// Names of the objects in a bucket (listing an empty bucket never ends: each next name is
     /// waited for at most 5 s).
     async fn object_names(&self, bucket: &str) -> Vec<String> {
-        let client = async_nats::connect(self.nats.url()).await.unwrap();
+        let client = async_nats::connect(self.services.nats.url()).await.unwrap();
         let store = async_nats::jetstream::new(client)
             .get_object_store(bucket)
             .await
@@ -255,11 +241,38 @@ impl Mesh {
                 loc.tiers
             );
         }
+        assert!(
+            !self.capture_announced(cache_key).await,
+            "the deleted cache's capture announcement is still kept for replay"
+        );
+    }
+
+    /// Whether the captures stream keeps an announcement of `cache_key` (for denoisers that
+    /// start later to replay).
+    async fn capture_announced(&self, cache_key: &str) -> bool {
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
+        let client = async_nats::connect(self.services.nats.url())
+            .await
+            .expect("NATS");
+        let stream = async_nats::jetstream::new(client)
+            .get_stream(TEMPLATE_CAPTURES_STREAM)
+            .await
+            .expect("the captures stream");
+        match stream
+            .get_last_raw_message_by_subject(&template_captured(cache_key))
+            .await
+        {
+            Ok(_) => true,
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => false,
+            Err(e) => panic!("reading the captures stream: {e}"),
+        }
     }
 
     /// Where the cachestore holds each entry of a cache.
     async fn locate(&self, cache_key: &str) -> Vec<KeyLocation> {
-        let client = async_nats::connect(&self.nats.url()).await.expect("NATS");
+        let client = async_nats::connect(self.services.nats.url())
+            .await
+            .expect("NATS");
         let req = CacheLocate {
             keys: template_keys(cache_key, STEPS),
         };
@@ -511,7 +524,11 @@ async fn register_edit_concurrently_and_delete_a_template() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    // Delete: the record, the image and every cache entry go.
+    // Delete: the record, the image, every cache entry and the capture's announcement go.
+    assert!(
+        mesh.capture_announced(&cache_key).await,
+        "the capture was not announced"
+    );
     let (status, deleted) = mesh.delete_template(&id).await;
     assert_eq!(status, 200, "{deleted}");
     assert_eq!(deleted["cache_entries_deleted"], STEPS + 1, "{deleted}");
@@ -717,7 +734,7 @@ async fn an_abandoned_edit_ends_its_template_use() {
         edit_form(&id, &mask(0, w, h), 1),
     );
     let request = tokio::spawn(async move { http.post(url).multipart(form).send().await });
-    let client = async_nats::connect(mesh.nats.url()).await.unwrap();
+    let client = async_nats::connect(mesh.services.nats.url()).await.unwrap();
     let uses = async_nats::jetstream::new(client.clone())
         .get_stream(TEMPLATE_USES_STREAM)
         .await

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use actix_multipart::Multipart;
 use actix_web::http::Method;
 use actix_web::{web, HttpRequest, HttpResponse, Route};
+use diffmesh_shared::jetstream_layout::TEMPLATE_CAPTURES;
 use diffmesh_shared::MeshError;
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -63,6 +64,7 @@ impl Templates {
             cachestore_timeout: CACHESTORE_TIMEOUT,
             job_timeout,
             draining: Default::default(),
+            captures: TEMPLATE_CAPTURES.get_or_create(&js).await?,
         };
         Ok(Self {
             store,

@@ -18,7 +18,6 @@ use crate::error::ApiError;
 use crate::lost_events;
 use crate::pipeline::{InputImage, JobInput, Mesh};
 use crate::routes::ApiState;
-use crate::templates::cache_view;
 use crate::templates::form::TemplateForm;
 use crate::templates::record::{TemplateRecord, TemplateState, TemplateStore};
 use crate::templates::Templates;
@@ -98,7 +97,7 @@ pub async fn register(
         .await;
     guard.armed = false;
     match result {
-        Ok(captured) => finish(templates, &state.mesh, &id, captured).await,
+        Ok(captured) => finish(templates, &id, captured).await,
         // The request itself was bad (the codec could not read the image): no template exists.
         Err(err @ (ApiError::Invalid(_) | ApiError::TooLarge { .. })) => {
             forget(templates, &id).await;
@@ -208,7 +207,6 @@ async fn lost_report(mesh: &Mesh, job_id: &str) -> Option<CaptureReport> {
 /// Record a finished capture (`ready`), after checking it is the cache edits will ask for.
 async fn finish(
     templates: &Templates,
-    mesh: &Mesh,
     id: &str,
     captured: CaptureReport,
 ) -> Result<TemplateRecord, ApiError> {
@@ -237,15 +235,12 @@ async fn finish(
         Some(record) if record.state == TemplateState::Ready => Ok(record),
         _ => {
             // Deleted while it was being captured: the new cache belongs to nobody (the
-            // delete may have purged before the capture was reported, removing none).
-            let removed = cache_view::remove(
-                &mesh.client,
-                id,
-                &captured.cache_key,
-                captured.steps,
-                templates.cachestore_timeout,
-            )
-            .await;
+            // delete may have purged before the capture was reported, removing none), unless
+            // another template of the same pixels and settings uses it.
+            let removed = templates
+                .deleter
+                .remove_cache(id, &captured.cache_key, captured.steps)
+                .await;
             if let Err(err) = removed {
                 tracing::warn!(template_id = %id, error = %err, "could not remove an orphaned cache");
             }

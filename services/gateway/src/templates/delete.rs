@@ -9,8 +9,11 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use async_nats::jetstream::stream;
 use async_nats::Client;
 use diffmesh_shared::job::JobStore;
+use diffmesh_shared::subjects::template_captured;
+use diffmesh_shared::transient::{self, no_error_settles, ELECTION_WINDOW};
 use tokio::time::Instant;
 
 use crate::error::ApiError;
@@ -43,6 +46,9 @@ pub struct Deleter {
     /// The longest an accepted job may run (`FlowConfig::job_timeout`).
     pub job_timeout: Duration,
     pub draining: Draining,
+    /// The capture announcements (`subjects::TEMPLATE_CAPTURES_STREAM`): a deleted cache's
+    /// announcement goes with it, so denoisers started later do not try to warm it.
+    pub captures: stream::Stream,
 }
 
 /// Templates whose delete this gateway finishes in the background.
@@ -139,15 +145,60 @@ impl Deleter {
                 .map(|c| (c.cache_key, c.steps)),
         };
         let cache_entries_deleted = match cache {
-            Some((key, steps)) => {
-                cache_view::remove(&self.client, id, &key, steps, self.cachestore_timeout).await?
-            }
+            Some((key, steps)) => self.remove_cache(id, &key, steps).await?,
             None => 0,
         };
         self.store.delete_image(id).await?;
         self.store.delete(id).await?;
         tracing::info!(template_id = %id, cache_entries_deleted, "template deleted");
         Ok(cache_entries_deleted)
+    }
+
+    /// Remove the cache `cache_key` of template `id` (cachestore entries, the denoisers' copies,
+    /// the capture announcement) unless another template that is not being deleted uses it:
+    /// templates of the same pixels and capture settings share one cache. Returns how many
+    /// cachestore entries existed (0 when it stays).
+    pub async fn remove_cache(
+        &self,
+        id: &str,
+        cache_key: &str,
+        steps: u32,
+    ) -> Result<u32, ApiError> {
+        let sharer = self.store.list().await?.into_iter().find(|r| {
+            r.id != id
+                && r.state != TemplateState::Deleting
+                && r.cache_key.as_deref() == Some(cache_key)
+        });
+        if let Some(sharer) = sharer {
+            tracing::info!(template_id = %id, %cache_key, shared_with = %sharer.id,
+                "the cache stays: another template uses it");
+            return Ok(0);
+        }
+        let existed =
+            cache_view::remove(&self.client, id, cache_key, steps, self.cachestore_timeout).await?;
+        self.forget_capture(cache_key).await;
+        Ok(existed)
+    }
+
+    /// Purge the stored capture announcement of `cache_key`. Best effort: one left behind
+    /// costs a denoiser that replays it one cachestore lookup (`missing`), and goes after a
+    /// week anyway.
+    async fn forget_capture(&self, cache_key: &str) {
+        let subject = template_captured(cache_key);
+        let purged = transient::retried_bounded(
+            "template_captured.purge",
+            ELECTION_WINDOW,
+            Some(transient::REQUEST_ATTEMPT_TIMEOUT),
+            no_error_settles,
+            || {
+                let purge = self.captures.purge().filter(subject.clone());
+                async move { purge.await }
+            },
+        )
+        .await;
+        if let Err(err) = purged {
+            tracing::warn!(%cache_key, error = %err, "could not purge the capture announcement");
+        }
     }
 
     /// Wait (in the background) for `id`'s edits to end, then purge it; nothing new when this
