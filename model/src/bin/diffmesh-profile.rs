@@ -14,7 +14,8 @@
 //!   slower tier a cold template comes from; a freshly written file is mostly in the page cache,
 //!   so this is an optimistic disk figure).
 //!
-//! Samples are measured in interleaved rounds (one run of each sample per round), so a load
+//! Compute and memory-load samples are measured in interleaved rounds (one run of each sample
+//! per round; file reads run back to back per size, after writing its file), so a load
 //! change on a shared machine hits every sample alike, and each keeps its fastest run: other
 //! processes only ever add time, so the minimum is the least disturbed measurement. On a CPU
 //! with one intra-op thread (the default) compute is timed with the thread's CPU clock, which
@@ -416,8 +417,11 @@ fn load_sizes(max_bytes: u64, count: usize) -> Vec<u64> {
 /// is not in the CPU's caches (as a cache block fetched from a memory tier would be).
 const COLD_POOL_BYTES: u64 = 192 << 20;
 
-/// Copy latency of `bytes` of f32 from host memory into a preallocated tensor on `device`,
-/// timed on `clock` (a copy on a CPU is CPU work, so the thread's CPU time is valid for it).
+/// Copy latency of each size's `bytes` of f32 from host memory into a preallocated tensor on
+/// `device`, timed on `clock` (a copy on a CPU is CPU work, so the thread's CPU time is valid
+/// for it). Interleaved like the compute samples: each round copies every size once (the
+/// first round warms up and is not kept), so a disturbance spreads over all sizes instead of
+/// bending the line at the few measured while it lasted.
 fn memory_loads(
     sizes: &[u64],
     runs: usize,
@@ -429,13 +433,15 @@ fn memory_loads(
     if device.is_cuda() {
         pool = pool.f_pin_memory(device)?;
     }
+    let mut dsts = sizes
+        .iter()
+        .map(|&bytes| Tensor::f_empty([(bytes / 4) as i64], (Kind::Float, device)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut times = vec![Vec::with_capacity(runs); sizes.len()];
     let mut offset = 0i64;
-    let mut out = Vec::new();
-    for &bytes in sizes {
-        let n = (bytes / 4) as i64;
-        let mut dst = Tensor::empty([n], (Kind::Float, device));
-        let mut t = Vec::new();
-        for r in 0..=runs {
+    for r in 0..=runs {
+        for (i, dst) in dsts.iter_mut().enumerate() {
+            let n = (sizes[i] / 4) as i64;
             // The next slice of the pool: the previous reads are long out of the caches.
             if offset + n > pool_len {
                 offset = 0;
@@ -447,15 +453,18 @@ fn memory_loads(
                 Ok(())
             })?;
             if r > 0 {
-                t.push(s);
+                times[i].push(s);
             }
         }
-        out.push(LoadSample {
-            bytes,
-            latency_s: fastest(&t),
-        });
     }
-    Ok(out)
+    Ok(sizes
+        .iter()
+        .zip(&times)
+        .map(|(&bytes, t)| LoadSample {
+            bytes,
+            latency_s: fastest(t),
+        })
+        .collect())
 }
 
 /// Latency of reading `bytes` from a file into a tensor on `device` (wall clock).
