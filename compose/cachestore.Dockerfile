@@ -20,7 +20,7 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target,id=diffmesh-target-plain \
-    cargo build --release --locked -p diffmesh-cachestore \
+    cargo build --release --locked -p diffmesh-cachestore --bin diffmesh-cachestore \
  && if ldd target/release/diffmesh-cachestore | grep libtorch >/dev/null; then \
       echo "diffmesh-cachestore links libtorch: it needs a runtime with libtorch (see denoiser.Dockerfile)" >&2; exit 1; \
     fi \

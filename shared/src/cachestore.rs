@@ -1,8 +1,10 @@
 //! The cachestore's request/reply contract (subjects under `subjects::CACHESTORE_PREFIX`).
 //!
-//! Small values ride inline as MessagePack `bin`; values above the inline limit go through the
-//! JetStream object store bucket [`CACHE_BUCKET`] under the cache key itself, and the messages
-//! only say so (`in_object_store`).
+//! Small values ride inline as MessagePack `bin`. A value above the inline limit is read in
+//! ranges straight from the instance that answered (`CacheGetReply::Ranged`, when the get asked
+//! for it), or else through the JetStream object store bucket [`CACHE_BUCKET`] under the cache
+//! key itself, and the messages only say so (`in_object_store`). `crate::cache_read` is the
+//! client side.
 use crate::subjects::CACHESTORE_PREFIX;
 use serde::{Deserialize, Serialize};
 
@@ -55,6 +57,10 @@ impl CacheTier {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CacheGet {
     pub key: String,
+    /// The caller can read a large value in ranges ([`CacheGetReply::Ranged`]); without it a
+    /// large value comes through the object store.
+    #[serde(default)]
+    pub ranged: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,6 +75,15 @@ pub enum CacheGetReply {
     InObjectStore {
         tier: CacheTier,
         size: u64,
+    },
+    /// The answering instance holds the value for a while as `transfer`: read it with
+    /// [`CacheRange`] requests to `subject` (that instance's own), each answered with the raw
+    /// bytes of its range as the payload, or with [`RANGE_STATUS_HEADER`] set and no payload.
+    Ranged {
+        tier: CacheTier,
+        size: u64,
+        subject: String,
+        transfer: String,
     },
     Missing,
     Failed {
@@ -145,6 +160,25 @@ pub enum CachePrefetchReply {
     Failed {
         message: String,
     },
+}
+
+/// Bytes `offset .. offset + len` of a ranged transfer ([`CacheGetReply::Ranged`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheRange {
+    pub transfer: String,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Set on a range reply that carries no bytes: `gone` (the transfer expired: get the value
+/// again) or `failed: <why>` (a bad range).
+pub const RANGE_STATUS_HEADER: &str = "Diffmesh-Range-Status";
+pub const RANGE_GONE: &str = "gone";
+
+/// Subject of one cachestore instance's range requests (no queue group: only the instance
+/// holding the transfer can answer).
+pub fn range_subject(instance: &str) -> String {
+    format!("{CACHESTORE_PREFIX}.range.{instance}")
 }
 
 /// Most keys one locate or prefetch request may name (a template cache is `steps + 1` keys).

@@ -1,5 +1,6 @@
 //! diffmesh shared crate: message types, NATS subjects, configuration, telemetry, errors.
 pub mod blob_store;
+pub mod cache_read;
 pub mod cachestore;
 pub mod config;
 pub mod error;

@@ -612,6 +612,16 @@ async fn a_second_denoiser_edits_from_the_shared_cache() {
         store_hits >= f64::from(STEPS + 1),
         "d2 did not read the cache from the cachestore ({store_hits} hits)\n{cachestore}"
     );
+    // Every step entry is above the inline limit and came in ranges, none by the object store.
+    let served = |path: &str| {
+        let series = format!("diffmesh_cachestore_served_total{{path=\"{path}\"}}");
+        metric_sample(&cachestore, &series) - metric_sample(&cachestore_before, &series)
+    };
+    assert_eq!(
+        (served("ranged"), served("object_store")),
+        (f64::from(STEPS), 0.0),
+        "{cachestore}"
+    );
     assert!(
         metric_sample(
             &d2,

@@ -7,6 +7,7 @@ pub mod memory;
 pub mod metrics;
 pub mod service;
 pub mod store;
+pub mod transfers;
 
 use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::cachestore::{self as proto, CACHE_BUCKET, DEFAULT_INLINE_LIMIT};
@@ -51,6 +52,11 @@ pub struct CachestoreConfig {
     /// Keys promoted into memory at once by prefetches (they run in the background).
     #[arg(long, env = "CACHE_PREFETCH_CONCURRENCY", default_value_t = 4)]
     pub prefetch_concurrency: usize,
+    /// Bytes of large values held for readers reading them in ranges straight from this
+    /// instance (each held until 30 s after its last range; one read from the memory tier
+    /// shares the tier's buffer). A value above half of this goes through the object store.
+    #[arg(long, env = "CACHE_TRANSFER_BYTES", default_value_t = 4 << 30)]
+    pub transfer_bytes: u64,
 }
 
 impl CachestoreConfig {
@@ -66,6 +72,7 @@ impl CachestoreConfig {
             no_cluster_tier: false,
             max_in_flight: 16,
             prefetch_concurrency: 2,
+            transfer_bytes: 256 << 20,
         }
     }
 }
@@ -146,6 +153,8 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
         inline_limit: config.inline_limit,
         in_flight: Arc::new(tokio::sync::Semaphore::new(config.max_in_flight.max(1))),
         prefetch: service::Prefetcher::new(config.prefetch_concurrency),
+        transfers: transfers::Transfers::new(config.transfer_bytes),
+        range_subject: proto::range_subject(&uuid::Uuid::new_v4().simple().to_string()),
     });
     let shutdown = CancellationToken::new();
     let mut tasks = JoinSet::new();
@@ -156,8 +165,12 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
         (proto::stats_subject(), Op::Stats),
         (proto::locate_subject(), Op::Locate),
         (proto::prefetch_subject(), Op::Prefetch),
+        (handler.range_subject.clone(), Op::Range),
     ] {
-        let sub = handler.subscribe(&subject).await.map_err(MeshError::from)?;
+        let sub = handler
+            .subscribe(&subject, op)
+            .await
+            .map_err(MeshError::from)?;
         tasks.spawn(
             handler
                 .clone()

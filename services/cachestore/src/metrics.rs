@@ -13,6 +13,10 @@ pub struct CacheMetrics {
     /// Keys a prefetch handled, by outcome (see `store::Promotion::as_str`).
     prefetches: IntCounterVec,
     pub puts: IntCounter,
+    /// Values served by gets, by how they travel (`inline`, `ranged`, `object_store`).
+    served: IntCounterVec,
+    /// Bytes sent in ranges of ranged reads.
+    range_bytes: IntCounter,
     /// Requests that failed, by reason.
     pub failures: IntCounterVec,
 }
@@ -53,6 +57,18 @@ impl CacheMetrics {
             &["outcome"],
         )?;
         let puts = IntCounter::new("diffmesh_cachestore_puts_total", "Values stored")?;
+        let served = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_cachestore_served_total",
+                "Values served by gets, by how they travel: inline, ranged (straight from this \
+                 instance), object_store",
+            ),
+            &["path"],
+        )?;
+        let range_bytes = IntCounter::new(
+            "diffmesh_cachestore_range_bytes_total",
+            "Bytes sent in ranges of ranged reads",
+        )?;
         let failures = IntCounterVec::new(
             Opts::new(
                 "diffmesh_cachestore_failures_total",
@@ -67,6 +83,11 @@ impl CacheMetrics {
         registry.register(Box::new(read_bytes.clone()))?;
         registry.register(Box::new(prefetches.clone()))?;
         registry.register(Box::new(puts.clone()))?;
+        registry.register(Box::new(served.clone()))?;
+        registry.register(Box::new(range_bytes.clone()))?;
+        for path in ["inline", "ranged", "object_store"] {
+            served.with_label_values(&[path]);
+        }
         registry.register(Box::new(failures.clone()))?;
         // Every tier's series exist at 0 from the start: the hit rate and size panels (and
         // `rate()`) see a tier before its first get.
@@ -85,6 +106,7 @@ impl CacheMetrics {
             "disk",
             "no_cluster_tier",
             "bad_request",
+            "bad_range",
             "too_many_keys",
         ] {
             failures.with_label_values(&[reason]);
@@ -107,8 +129,24 @@ impl CacheMetrics {
             read_bytes,
             prefetches,
             puts,
+            served,
+            range_bytes,
             failures,
         })
+    }
+
+    /// A get's value travels by `path` (`inline`, `ranged`, `object_store`).
+    pub fn served(&self, path: &str) {
+        self.served.with_label_values(&[path]).inc();
+    }
+
+    pub fn served_of(&self, path: &str) -> u64 {
+        self.served.with_label_values(&[path]).get()
+    }
+
+    /// A range of `bytes` bytes was sent.
+    pub fn ranged(&self, bytes: usize) {
+        self.range_bytes.inc_by(bytes as u64);
     }
 
     /// A get answered by `tier` with a value of `bytes` bytes.

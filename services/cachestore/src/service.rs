@@ -1,11 +1,12 @@
 //! NATS side of the cachestore: get/put/delete/stats/locate/prefetch handlers over the tiered
 //! store.
 use crate::store::{StoreError, TieredStore};
+use crate::transfers::Transfers;
 use bytes::Bytes;
 use diffmesh_shared::cachestore::{
     CacheDelete, CacheDeleteReply, CacheGet, CacheGetReply, CacheLocate, CacheLocateReply,
-    CachePrefetch, CachePrefetchReply, CachePut, CachePutReply, CACHESTORE_QUEUE,
-    MAX_KEYS_PER_REQUEST,
+    CachePrefetch, CachePrefetchReply, CachePut, CachePutReply, CacheRange, CACHESTORE_QUEUE,
+    MAX_KEYS_PER_REQUEST, RANGE_GONE, RANGE_STATUS_HEADER,
 };
 use diffmesh_shared::messages::decode;
 use diffmesh_shared::nats::reply_msgpack;
@@ -24,6 +25,8 @@ pub enum Op {
     Stats,
     Locate,
     Prefetch,
+    /// A range of a transfer (this instance's own subject, no queue group).
+    Range,
 }
 
 pub struct Handler {
@@ -33,6 +36,10 @@ pub struct Handler {
     pub in_flight: Arc<Semaphore>,
     /// Background promotions (prefetches run after their request is answered).
     pub prefetch: Prefetcher,
+    /// Large values being read in ranges.
+    pub transfers: Transfers,
+    /// This instance's range subject (`cachestore::range_subject`).
+    pub range_subject: String,
 }
 
 /// Runs prefetches in the background, a bounded number at a time, never promoting one key
@@ -94,15 +101,22 @@ impl Prefetcher {
 }
 
 impl Handler {
-    /// Subscribe to one subject (in the queue group shared by cachestore replicas). Done before
-    /// serving starts, so the subscription reaches the server before `start` reports ready.
+    /// Subscribe to one subject (in the queue group shared by cachestore replicas, except for
+    /// this instance's own range subject). Done before serving starts, so the subscription
+    /// reaches the server before `start` reports ready.
     pub async fn subscribe(
         &self,
         subject: &str,
+        op: Op,
     ) -> Result<async_nats::Subscriber, async_nats::SubscribeError> {
-        self.client
-            .queue_subscribe(subject.to_string(), CACHESTORE_QUEUE.to_string())
-            .await
+        match op {
+            Op::Range => self.client.subscribe(subject.to_string()).await,
+            _ => {
+                self.client
+                    .queue_subscribe(subject.to_string(), CACHESTORE_QUEUE.to_string())
+                    .await
+            }
+        }
     }
 
     /// Serve one subscription until `shutdown`; requests in flight finish before this returns.
@@ -123,7 +137,12 @@ impl Handler {
     }
 
     async fn handle(&self, op: Op, msg: async_nats::Message) {
-        let span = tracing::info_span!("cachestore", op = ?op);
+        // A large read is many ranges: one span each would flood the traces (debug spans are
+        // not exported), the get that offered them is traced.
+        let span = match op {
+            Op::Range => tracing::debug_span!("cachestore", op = ?op),
+            _ => tracing::info_span!("cachestore", op = ?op),
+        };
         diffmesh_shared::trace_context::set_parent_from(&span, msg.headers.as_ref());
         self.handle_in_span(op, msg).instrument(span).await
     }
@@ -132,9 +151,13 @@ impl Handler {
         let result = match op {
             Op::Get => match decode::<CacheGet>(&msg.payload) {
                 Ok(req) => {
-                    let reply = self.get(&req.key).await;
+                    let reply = self.get(&req.key, req.ranged).await;
                     reply_msgpack(&self.client, &msg, &reply).await
                 }
+                Err(e) => self.reply_bad(&msg, op, e.to_string()).await,
+            },
+            Op::Range => match decode::<CacheRange>(&msg.payload) {
+                Ok(req) => self.range(&msg, req).await,
                 Err(e) => self.reply_bad(&msg, op, e.to_string()).await,
             },
             Op::Put => match decode::<CachePut>(&msg.payload) {
@@ -210,7 +233,58 @@ impl Handler {
             Op::Prefetch => {
                 reply_msgpack(&self.client, msg, &CachePrefetchReply::Failed { message }).await
             }
+            Op::Range => self.range_status(msg, format!("failed: {message}")).await,
         }
+    }
+
+    /// Answer a range: its bytes as the payload, or a status header and no payload.
+    async fn range(
+        &self,
+        msg: &async_nats::Message,
+        req: CacheRange,
+    ) -> Result<(), diffmesh_shared::MeshError> {
+        let Some(reply) = msg.reply.clone() else {
+            return Ok(());
+        };
+        let max_payload = self.client.server_info().max_payload as u64;
+        if req.len > max_payload {
+            self.store_metrics_failure("bad_range");
+            let why = format!(
+                "failed: `len` {} is above the server's max_payload {max_payload}",
+                req.len
+            );
+            return self.range_status(msg, why).await;
+        }
+        match self.transfers.range(&req.transfer, req.offset, req.len) {
+            Ok(bytes) => {
+                self.store.metrics().ranged(bytes.len());
+                self.client
+                    .publish(reply, bytes)
+                    .await
+                    .map_err(diffmesh_shared::MeshError::from)
+            }
+            Err(None) => self.range_status(msg, RANGE_GONE.to_string()).await,
+            Err(Some(why)) => {
+                self.store_metrics_failure("bad_range");
+                self.range_status(msg, format!("failed: {why}")).await
+            }
+        }
+    }
+
+    async fn range_status(
+        &self,
+        msg: &async_nats::Message,
+        status: String,
+    ) -> Result<(), diffmesh_shared::MeshError> {
+        let Some(reply) = msg.reply.clone() else {
+            return Ok(());
+        };
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(RANGE_STATUS_HEADER, status.as_str());
+        self.client
+            .publish_with_headers(reply, headers, Bytes::new())
+            .await
+            .map_err(diffmesh_shared::MeshError::from)
     }
 
     /// Refuse requests naming too many keys (they would hold a handler slot for long).
@@ -260,18 +334,37 @@ impl Handler {
         CachePrefetchReply::Scheduled { keys }
     }
 
-    async fn get(&self, key: &str) -> CacheGetReply {
+    /// A value, inline when small; when large, as a transfer to read in ranges from this
+    /// instance (when the caller can: `ranged`), else through the object store.
+    async fn get(&self, key: &str, ranged: bool) -> CacheGetReply {
+        let metrics = self.store.metrics();
         match self.store.get(key).await {
             Ok(None) => CacheGetReply::Missing,
-            Ok(Some((tier, value))) if value.len() <= self.inline_limit => CacheGetReply::Inline {
-                tier,
-                value: value.to_vec(),
-            },
-            Ok(Some((tier, value))) => match self.store.ensure_in_cluster(key, &value).await {
-                Ok(()) => CacheGetReply::InObjectStore {
+            Ok(Some((tier, value))) if value.len() <= self.inline_limit => {
+                metrics.served("inline");
+                CacheGetReply::Inline {
                     tier,
-                    size: value.len() as u64,
-                },
+                    value: value.to_vec(),
+                }
+            }
+            Ok(Some((tier, value))) if ranged && self.transfers.fits(value.len()) => {
+                let size = value.len() as u64;
+                metrics.served("ranged");
+                CacheGetReply::Ranged {
+                    tier,
+                    size,
+                    subject: self.range_subject.clone(),
+                    transfer: self.transfers.begin(value),
+                }
+            }
+            Ok(Some((tier, value))) => match self.store.ensure_in_cluster(key, &value).await {
+                Ok(()) => {
+                    metrics.served("object_store");
+                    CacheGetReply::InObjectStore {
+                        tier,
+                        size: value.len() as u64,
+                    }
+                }
                 Err(e) => CacheGetReply::Failed {
                     message: self.fail(e),
                 },

@@ -46,13 +46,21 @@ async fn located(c: &async_nats::Client, key: &str) -> KeyLocation {
 }
 
 async fn get_tier(c: &async_nats::Client, key: &str) -> Option<CacheTier> {
-    let reply: CacheGetReply = request_msgpack(c, &get_subject(), &CacheGet { key: key.into() }, T)
-        .await
-        .unwrap();
+    let reply: CacheGetReply = request_msgpack(
+        c,
+        &get_subject(),
+        &CacheGet {
+            key: key.into(),
+            ranged: false,
+        },
+        T,
+    )
+    .await
+    .unwrap();
     match reply {
-        CacheGetReply::Inline { tier, .. } | CacheGetReply::InObjectStore { tier, .. } => {
-            Some(tier)
-        }
+        CacheGetReply::Inline { tier, .. }
+        | CacheGetReply::InObjectStore { tier, .. }
+        | CacheGetReply::Ranged { tier, .. } => Some(tier),
         CacheGetReply::Missing => None,
         CacheGetReply::Failed { message } => panic!("get {key}: {message}"),
     }

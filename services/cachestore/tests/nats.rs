@@ -14,9 +14,17 @@ use std::time::Duration;
 const T: Duration = Duration::from_secs(5);
 
 async fn get(c: &async_nats::Client, key: &str) -> CacheGetReply {
-    request_msgpack(c, &get_subject(), &CacheGet { key: key.into() }, T)
-        .await
-        .unwrap()
+    request_msgpack(
+        c,
+        &get_subject(),
+        &CacheGet {
+            key: key.into(),
+            ranged: false,
+        },
+        T,
+    )
+    .await
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,13 +1,12 @@
 //! The denoiser's cachestore client for template caches: store a fresh capture (every step entry,
 //! then the metadata, so a reader that finds the metadata finds every step), and fetch a whole
-//! cache into a [`TemplateEntry`]. Values above the inline limit travel through the cache
-//! bucket of the object store, as the cachestore contract says.
+//! cache into a [`TemplateEntry`]. Values above the inline limit are written through the cache
+//! bucket of the object store, and read in ranges from the cachestore that holds them
+//! (`shared::cache_read`), as the cachestore contract says.
 use super::entry::TemplateEntry;
 use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::cachestore::{
-    get_subject, put_subject, CacheGet, CacheGetReply, CachePut, CachePutReply,
-    DEFAULT_INLINE_LIMIT,
-};
+use diffmesh_shared::cache_read::CacheReader;
+use diffmesh_shared::cachestore::{put_subject, CachePut, CachePutReply, DEFAULT_INLINE_LIMIT};
 use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::templates::{meta_key, step_key, CacheMeta};
 use futures::StreamExt;
@@ -56,23 +55,13 @@ impl CacheClient {
 
     /// `Ok(None)` when the cachestore has no such key.
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
-        let req = CacheGet {
-            key: key.to_string(),
+        let reader = CacheReader {
+            client: self.client.clone(),
+            bucket: self.bucket.clone(),
+            timeout: self.timeout,
+            max_bytes: MAX_ENTRY_BYTES,
         };
-        match request_msgpack(&self.client, &get_subject(), &req, self.timeout).await {
-            Ok(CacheGetReply::Inline { value, .. }) => Ok(Some(value)),
-            Ok(CacheGetReply::InObjectStore { .. }) => self
-                .bucket
-                .get_limited(key, MAX_ENTRY_BYTES)
-                .await
-                .map(Some)
-                .map_err(|e| format!("reading {key} from the cache bucket: {e}")),
-            Ok(CacheGetReply::Missing) => Ok(None),
-            Ok(CacheGetReply::Failed { message }) => {
-                Err(format!("cachestore get {key}: {message}"))
-            }
-            Err(e) => Err(format!("cachestore get {key}: {e}")),
-        }
+        Ok(reader.read(key).await?.map(|(value, _)| value))
     }
 
     /// Store a whole cache: steps first, metadata last.
