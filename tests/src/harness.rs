@@ -265,6 +265,25 @@ pub fn metric_sample(metrics: &str, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// Whether the stream `subjects::TEMPLATE_CAPTURES_STREAM` keeps a capture announcement of
+/// `cache_key` (what denoisers started later replay).
+pub async fn capture_announced(client: &async_nats::Client, cache_key: &str) -> bool {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    use diffmesh_shared::subjects::{template_captured, TEMPLATE_CAPTURES_STREAM};
+    let stream = async_nats::jetstream::new(client.clone())
+        .get_stream(TEMPLATE_CAPTURES_STREAM)
+        .await
+        .expect("the captures stream");
+    match stream
+        .get_last_raw_message_by_subject(&template_captured(cache_key))
+        .await
+    {
+        Ok(_) => true,
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => false,
+        Err(e) => panic!("reading the captures stream: {e}"),
+    }
+}
+
 /// POST a multipart form to `url` (a capture or an edit may take a while): status and JSON body.
 pub async fn post_form(
     http: &reqwest::Client,

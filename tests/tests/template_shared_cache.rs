@@ -5,11 +5,9 @@
 //! everything.
 use std::time::Duration;
 
-use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use diffmesh_shared::cachestore::{locate_subject, template_keys, CacheLocate, CacheLocateReply};
 use diffmesh_shared::nats::request_msgpack;
-use diffmesh_shared::subjects::{template_captured, TEMPLATE_CAPTURES_STREAM};
-use diffmesh_tests::harness::{metric_sample, post_form, scrape_metrics};
+use diffmesh_tests::harness::{capture_announced, metric_sample, post_form, scrape_metrics};
 use diffmesh_tests::images::{png_bytes, rect_mask, template};
 use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
 use reqwest::multipart::{Form, Part};
@@ -60,22 +58,6 @@ async fn entries_held(client: &async_nats::Client, cache_key: &str) -> usize {
     }
 }
 
-/// Whether the captures stream keeps an announcement of the cache.
-async fn announced(client: &async_nats::Client, cache_key: &str) -> bool {
-    let stream = async_nats::jetstream::new(client.clone())
-        .get_stream(TEMPLATE_CAPTURES_STREAM)
-        .await
-        .expect("the captures stream");
-    match stream
-        .get_last_raw_message_by_subject(&template_captured(cache_key))
-        .await
-    {
-        Ok(_) => true,
-        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => false,
-        Err(e) => panic!("reading the captures stream: {e}"),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_cache_two_templates_share_outlives_the_delete_of_one() {
     let mesh = MeshBuilder::new()
@@ -101,7 +83,7 @@ async fn a_cache_two_templates_share_outlives_the_delete_of_one() {
         "the shared cache went"
     );
     assert!(
-        announced(&client, &key).await,
+        capture_announced(&client, &key).await,
         "the shared cache's announcement went"
     );
 
@@ -140,7 +122,7 @@ async fn a_cache_two_templates_share_outlives_the_delete_of_one() {
     assert_eq!(deleted["cache_entries_deleted"], all, "{deleted}");
     assert_eq!(entries_held(&client, &key).await, 0);
     assert!(
-        !announced(&client, &key).await,
+        !capture_announced(&client, &key).await,
         "the announcement outlived the cache"
     );
 }

@@ -13,12 +13,11 @@ use diffmesh_shared::cachestore::{
 use diffmesh_shared::job::{JobState, JobStore};
 use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::subjects::{
-    template_captured, template_uses_of, BLOB_BUCKET, TEMPLATE_BUCKET, TEMPLATE_CAPTURES_STREAM,
-    TEMPLATE_USES_STREAM,
+    template_uses_of, BLOB_BUCKET, TEMPLATE_BUCKET, TEMPLATE_USES_STREAM,
 };
 use diffmesh_shared::templates::{image_key, prepared_image_key};
 use diffmesh_tests::harness::{
-    metric_sample, post_form, scrape_metrics, start_denoiser, tiny_model_dir,
+    capture_announced, metric_sample, post_form, scrape_metrics, start_denoiser, tiny_model_dir,
 };
 use diffmesh_tests::images::{decode_b64_images, png_bytes};
 use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
@@ -250,22 +249,10 @@ impl Mesh {
     /// Whether the captures stream keeps an announcement of `cache_key` (for denoisers that
     /// start later to replay).
     async fn capture_announced(&self, cache_key: &str) -> bool {
-        use async_nats::jetstream::stream::LastRawMessageErrorKind;
         let client = async_nats::connect(self.services.nats.url())
             .await
             .expect("NATS");
-        let stream = async_nats::jetstream::new(client)
-            .get_stream(TEMPLATE_CAPTURES_STREAM)
-            .await
-            .expect("the captures stream");
-        match stream
-            .get_last_raw_message_by_subject(&template_captured(cache_key))
-            .await
-        {
-            Ok(_) => true,
-            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => false,
-            Err(e) => panic!("reading the captures stream: {e}"),
-        }
+        capture_announced(&client, cache_key).await
     }
 
     /// Where the cachestore holds each entry of a cache.
