@@ -70,11 +70,17 @@ impl CacheReader {
                         tracing::warn!(%key, error = %err, "ranged read failed; reading through the object store")
                     }
                 }
-                let reply = self.get(key, false).await?;
-                self.finish(key, reply).await
+                self.read_unranged(key).await
             }
             reply => self.finish(key, reply).await,
         }
+    }
+
+    /// The value under `key` as a client without ranges reads it: inline, or through the
+    /// object store (which the get fills when it lacks the value).
+    pub async fn read_unranged(&self, key: &str) -> Result<Option<(Vec<u8>, ReadPath)>, String> {
+        let reply = self.get(key, false).await?;
+        self.finish(key, reply).await
     }
 
     async fn get(&self, key: &str, ranged: bool) -> Result<CacheGetReply, String> {

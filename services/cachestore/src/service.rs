@@ -157,7 +157,7 @@ impl Handler {
                 Err(e) => self.reply_bad(&msg, op, e.to_string()).await,
             },
             Op::Range => match decode::<CacheRange>(&msg.payload) {
-                Ok(req) => self.range(&msg, req).await,
+                Ok(req) => self.reply_range(&msg, self.range(&req)).await,
                 Err(e) => self.reply_bad(&msg, op, e.to_string()).await,
             },
             Op::Put => match decode::<CachePut>(&msg.payload) {
@@ -233,58 +233,57 @@ impl Handler {
             Op::Prefetch => {
                 reply_msgpack(&self.client, msg, &CachePrefetchReply::Failed { message }).await
             }
-            Op::Range => self.range_status(msg, format!("failed: {message}")).await,
+            Op::Range => {
+                self.reply_range(msg, Err(format!("failed: {message}")))
+                    .await
+            }
         }
     }
 
-    /// Answer a range: its bytes as the payload, or a status header and no payload.
-    async fn range(
-        &self,
-        msg: &async_nats::Message,
-        req: CacheRange,
-    ) -> Result<(), diffmesh_shared::MeshError> {
-        let Some(reply) = msg.reply.clone() else {
-            return Ok(());
-        };
+    /// The bytes of a range, or the status that refuses it.
+    fn range(&self, req: &CacheRange) -> Result<Bytes, String> {
         let max_payload = self.client.server_info().max_payload as u64;
-        if req.len > max_payload {
-            self.store_metrics_failure("bad_range");
-            let why = format!(
-                "failed: `len` {} is above the server's max_payload {max_payload}",
+        let found = if req.len > max_payload {
+            Err(Some(format!(
+                "`len` {} is above the server's max_payload {max_payload}",
                 req.len
-            );
-            return self.range_status(msg, why).await;
-        }
-        match self.transfers.range(&req.transfer, req.offset, req.len) {
+            )))
+        } else {
+            self.transfers.range(&req.transfer, req.offset, req.len)
+        };
+        match found {
             Ok(bytes) => {
                 self.store.metrics().ranged(bytes.len());
-                self.client
-                    .publish(reply, bytes)
-                    .await
-                    .map_err(diffmesh_shared::MeshError::from)
+                Ok(bytes)
             }
-            Err(None) => self.range_status(msg, RANGE_GONE.to_string()).await,
+            Err(None) => Err(RANGE_GONE.to_string()),
             Err(Some(why)) => {
                 self.store_metrics_failure("bad_range");
-                self.range_status(msg, format!("failed: {why}")).await
+                Err(format!("failed: {why}"))
             }
         }
     }
 
-    async fn range_status(
+    /// Answer a range request: the bytes as the payload, or the status header and no payload.
+    async fn reply_range(
         &self,
         msg: &async_nats::Message,
-        status: String,
+        answer: Result<Bytes, String>,
     ) -> Result<(), diffmesh_shared::MeshError> {
         let Some(reply) = msg.reply.clone() else {
             return Ok(());
         };
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(RANGE_STATUS_HEADER, status.as_str());
-        self.client
-            .publish_with_headers(reply, headers, Bytes::new())
-            .await
-            .map_err(diffmesh_shared::MeshError::from)
+        let sent = match answer {
+            Ok(bytes) => self.client.publish(reply, bytes).await,
+            Err(status) => {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(RANGE_STATUS_HEADER, status.as_str());
+                self.client
+                    .publish_with_headers(reply, headers, Bytes::new())
+                    .await
+            }
+        };
+        sent.map_err(diffmesh_shared::MeshError::from)
     }
 
     /// Refuse requests naming too many keys (they would hold a handler slot for long).

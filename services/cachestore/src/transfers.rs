@@ -81,7 +81,8 @@ impl Transfers {
     }
 
     /// Transfers held now (after pending evictions ran).
-    pub fn count(&self) -> u64 {
+    #[cfg(test)]
+    fn count(&self) -> u64 {
         self.held.run_pending_tasks();
         self.held.entry_count()
     }

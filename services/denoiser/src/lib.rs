@@ -353,11 +353,11 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let cache_bucket =
         BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::CACHES).await?;
     let local = templates::LocalTier::new(config.local_cache_bytes, gpu_copy);
-    let store = templates::store::CacheClient {
-        client: client.clone(),
-        bucket: cache_bucket,
-        timeout: Duration::from_millis(config.cachestore_timeout_ms),
-    };
+    let store = templates::store::CacheClient::new(
+        client.clone(),
+        cache_bucket,
+        Duration::from_millis(config.cachestore_timeout_ms),
+    );
     let templates = service::Templates {
         fetcher: templates::CacheFetcher::new(
             store.clone(),

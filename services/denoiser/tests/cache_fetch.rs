@@ -82,11 +82,7 @@ async fn concurrent_fetches_of_one_cache_share_one_read() {
         .await
         .unwrap();
     let gets = fake_cachestore(client.clone(), stored_cache("tpl-a")).await;
-    let store = CacheClient {
-        client,
-        bucket,
-        timeout: Duration::from_secs(5),
-    };
+    let store = CacheClient::new(client, bucket, Duration::from_secs(5));
     let local = LocalTier::new(64 << 20, None);
     let fetcher = CacheFetcher::new(store, local.clone(), None);
 

@@ -16,9 +16,7 @@ use clap::Parser;
 use diffmesh_cachestore::{start, CachestoreConfig};
 use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::cache_read::{CacheReader, ReadPath};
-use diffmesh_shared::cachestore::{
-    get_subject, put_subject, CacheGet, CacheGetReply, CachePut, CachePutReply,
-};
+use diffmesh_shared::cachestore::{put_subject, CachePut, CachePutReply};
 use diffmesh_shared::jetstream_layout::CACHES;
 use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::testing::NatsServer;
@@ -63,35 +61,15 @@ async fn store(c: &async_nats::Client, bucket: &BlobStore, key: &str, value: &[u
 
 /// One whole read of `key` by `path` (ranged, or the object store as before ranges).
 async fn read(reader: &CacheReader, key: &str, path: ReadPath) -> Result<usize> {
-    match path {
-        ReadPath::Ranged => {
-            let (value, how) = reader
-                .read(key)
-                .await
-                .map_err(anyhow::Error::msg)?
-                .context("missing")?;
-            if how != ReadPath::Ranged {
-                bail!("{key} came by {}, not in ranges", how.as_str());
-            }
-            Ok(value.len())
-        }
-        _ => {
-            let req = CacheGet {
-                key: key.into(),
-                ranged: false,
-            };
-            match request_msgpack::<_, CacheGetReply>(&reader.client, &get_subject(), &req, T)
-                .await?
-            {
-                CacheGetReply::InObjectStore { .. } => Ok(reader
-                    .bucket
-                    .get_limited(key, reader.max_bytes)
-                    .await?
-                    .len()),
-                other => bail!("{key}: {other:?}"),
-            }
-        }
+    let read = match path {
+        ReadPath::Ranged => reader.read(key).await,
+        _ => reader.read_unranged(key).await,
+    };
+    let (value, how) = read.map_err(anyhow::Error::msg)?.context("missing")?;
+    if how != path {
+        bail!("{key} came by {}, not {}", how.as_str(), path.as_str());
     }
+    Ok(value.len())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

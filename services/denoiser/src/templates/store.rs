@@ -15,10 +15,8 @@ use std::time::Duration;
 /// Talks to the cachestore service (and its object-store bucket for large values).
 #[derive(Clone)]
 pub struct CacheClient {
-    pub client: async_nats::Client,
-    /// The cachestore's bucket (`shared::cachestore::CACHE_BUCKET`).
-    pub bucket: BlobStore,
-    pub timeout: Duration,
+    /// The connection, bucket and timeout both reads and writes use.
+    reader: CacheReader,
 }
 
 /// Step entries of one cache read at once by [`CacheClient::fetch`].
@@ -28,10 +26,23 @@ const FETCH_CONCURRENCY: usize = 8;
 const MAX_ENTRY_BYTES: usize = 2 << 30;
 
 impl CacheClient {
+    /// `bucket`: the cachestore's (`shared::cachestore::CACHE_BUCKET`); `timeout`: per request.
+    pub fn new(client: async_nats::Client, bucket: BlobStore, timeout: Duration) -> Self {
+        Self {
+            reader: CacheReader {
+                client,
+                bucket,
+                timeout,
+                max_bytes: MAX_ENTRY_BYTES,
+            },
+        }
+    }
+
     async fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
         let inline = value.len() <= DEFAULT_INLINE_LIMIT;
+        let r = &self.reader;
         if !inline {
-            self.bucket
+            r.bucket
                 .put(key, value)
                 .await
                 .map_err(|e| format!("writing {key} to the cache bucket: {e}"))?;
@@ -40,7 +51,7 @@ impl CacheClient {
             key: key.to_string(),
             value: inline.then(|| value.to_vec()),
         };
-        match request_msgpack(&self.client, &put_subject(), &req, self.timeout).await {
+        match request_msgpack(&r.client, &put_subject(), &req, r.timeout).await {
             Ok(CachePutReply::Stored { .. }) => Ok(()),
             Ok(CachePutReply::Failed { message }) => {
                 Err(format!("cachestore refused {key}: {message}"))
@@ -55,13 +66,7 @@ impl CacheClient {
 
     /// `Ok(None)` when the cachestore has no such key.
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
-        let reader = CacheReader {
-            client: self.client.clone(),
-            bucket: self.bucket.clone(),
-            timeout: self.timeout,
-            max_bytes: MAX_ENTRY_BYTES,
-        };
-        Ok(reader.read(key).await?.map(|(value, _)| value))
+        Ok(self.reader.read(key).await?.map(|(value, _)| value))
     }
 
     /// Store a whole cache: steps first, metadata last.
