@@ -6,6 +6,7 @@ pub mod bench_inputs;
 pub mod components;
 pub mod error;
 pub mod flux;
+pub mod lora;
 pub mod model_dir;
 pub mod packing;
 pub mod pipeline;

@@ -155,7 +155,9 @@ pub struct LoadedModel {
     pub text_encoder: Box<dyn TextEncoder>,
     pub codec: Box<dyn LatentCodec>,
     pub scheduler: FlowMatchEulerDiscreteScheduler,
-    /// Own the weights of `transformer` and `text_encoder`.
+    /// Owns the weights of `transformer` (LoRA patching writes them in place).
+    pub transformer_store: nn::VarStore,
+    /// Own the weights of `text_encoder`.
     pub stores: Vec<nn::VarStore>,
 }
 
@@ -187,12 +189,13 @@ impl LoadedModel {
         }
         let (mut transformer, mut text_encoder, mut codec, mut scheduler) =
             (None, None, None, None);
+        let mut transformer_store = None;
         let mut stores = Vec::new();
         for (name, class) in present {
             match load_component(dir, name, class, device, kind)? {
                 Component::Transformer(m, vs) => {
                     transformer = Some(*m);
-                    stores.push(vs);
+                    transformer_store = Some(vs);
                 }
                 Component::TextEncoder(e, vs) => {
                     if text_encoder.replace(e).is_some() {
@@ -212,6 +215,7 @@ impl LoadedModel {
             ModelError::config(what, format!("no such component in {}", dir.display()))
         };
         let transformer = transformer.ok_or_else(|| missing("transformer"))?;
+        let transformer_store = transformer_store.ok_or_else(|| missing("transformer"))?;
         let text_encoder = text_encoder.ok_or_else(|| missing("text_encoder"))?;
         let codec = codec.ok_or_else(|| missing("vae"))?;
         let scheduler = scheduler.ok_or_else(|| missing("scheduler"))?;
@@ -229,6 +233,7 @@ impl LoadedModel {
             dir: dir.to_path_buf(),
             index,
             transformer,
+            transformer_store,
             text_encoder,
             codec,
             scheduler,

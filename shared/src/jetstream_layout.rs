@@ -13,7 +13,7 @@ use async_nats::jetstream::{self, kv, stream};
 use crate::cachestore::CACHE_BUCKET;
 use crate::error::MeshError;
 use crate::subjects::{
-    BLOB_BUCKET, IDEMPOTENCY_BUCKET, JOB_BUCKET, TEMPLATES_CAPTURED, TEMPLATE_BUCKET,
+    BLOB_BUCKET, IDEMPOTENCY_BUCKET, JOB_BUCKET, LORA_BUCKET, TEMPLATES_CAPTURED, TEMPLATE_BUCKET,
     TEMPLATE_CAPTURES_STREAM, TEMPLATE_USES_PREFIX, TEMPLATE_USES_STREAM,
 };
 
@@ -112,8 +112,22 @@ pub const TEMPLATE_CAPTURES: Spec = Spec {
     max_age: Duration::from_secs(7 * 24 * 3600),
 };
 
+/// LoRA records (`lora::LoraRecord`), kept until deleted.
+pub const LORA_RECORDS: Spec = Spec {
+    name: Cow::Borrowed(LORA_BUCKET),
+    layout: Layout::Kv,
+    max_age: Duration::ZERO,
+};
+
+/// LoRA weights (`lora::weights_key`), kept as long as their record.
+pub const LORA_WEIGHTS: Spec = Spec {
+    name: Cow::Borrowed(LORA_BUCKET),
+    layout: Layout::Objects,
+    max_age: Duration::ZERO,
+};
+
 /// Everything the mesh stores in JetStream.
-pub const ALL: [Spec; 8] = [
+pub const ALL: [Spec; 10] = [
     JOBS,
     IDEMPOTENCY,
     TEMPLATE_RECORDS,
@@ -122,6 +136,8 @@ pub const ALL: [Spec; 8] = [
     TEMPLATE_IMAGES,
     TEMPLATE_USES,
     TEMPLATE_CAPTURES,
+    LORA_RECORDS,
+    LORA_WEIGHTS,
 ];
 
 impl Spec {

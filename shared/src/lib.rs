@@ -8,6 +8,7 @@ pub mod health;
 pub mod idempotency;
 pub mod jetstream_layout;
 pub mod job;
+pub mod lora;
 pub mod messages;
 pub mod metrics;
 pub mod nats;

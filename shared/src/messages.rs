@@ -48,6 +48,9 @@ pub struct GenerationParams {
     /// Output size for text-to-image (edits keep the input image's size).
     pub width: u32,
     pub height: u32,
+    /// Registered LoRA adapters to apply, with their weights (none: the base model).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub loras: Vec<crate::lora::LoraRef>,
 }
 
 /// Gateway -> codec (`CODEC_PRE`).
@@ -390,6 +393,7 @@ mod tests {
             seed: 42,
             width: 64,
             height: 48,
+            loras: Vec::new(),
         }
     }
 

@@ -49,6 +49,10 @@ pub fn template_uses_of(template_id: &str) -> String {
     format!("{TEMPLATE_USES_PREFIX}.{template_id}.*")
 }
 
+/// JetStream KV bucket of LoRA records (JSON), and the object store of their weights (kept
+/// until the LoRA is deleted).
+pub const LORA_BUCKET: &str = "diffmesh-loras";
+
 /// Router -> one denoiser: run this job (request/reply: accepted or busy).
 pub fn denoiser_submit(worker_id: &str) -> String {
     format!("diffmesh.denoiser.{worker_id}.submit")

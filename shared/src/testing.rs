@@ -233,6 +233,7 @@ pub fn generation_job(
             seed,
             width: 64,
             height: 64,
+            loras: Vec::new(),
         },
         inputs: PreparedInputs {
             image_key: None,

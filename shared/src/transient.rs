@@ -63,6 +63,10 @@ pub const CALLS: &[&str] = &[
     "template_use.publish",
     "template_use.end",
     "template_use.list",
+    "lora.create",
+    "lora.get",
+    "lora.delete",
+    "lora.list",
 ];
 
 /// `diffmesh_jetstream_retries_total{call}`: JetStream calls tried again after a failure, by

@@ -16,6 +16,8 @@ pub const PY_REQUIREMENTS: &[&str] = &[
     "safetensors==0.8.0",
     "numpy==2.4.6",
     "pillow==13.0.0",
+    // diffusers' LoRA loading (the LoRA parity reference, python/parity/gen_lora.py).
+    "peft==0.21.2",
     // Checks the gateway's OpenAPI document against the running server (tests/tests/schemathesis.rs).
     "schemathesis==4.32.5",
 ];

@@ -42,6 +42,7 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
             seed: 1,
             width: 30,
             height: 20,
+            loras: Vec::new(),
         },
         template_image: None,
     }

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod cached_step;
 pub mod capture_log;
 pub mod engine;
+pub mod lora;
 pub mod metrics;
 pub mod model;
 pub mod outcomes;
@@ -119,6 +120,16 @@ pub struct DenoiserConfig {
     /// on the step loop (LRU; 0 keeps nothing).
     #[arg(long, env = "CONDITIONING_CACHE_BYTES", default_value_t = 256 << 20)]
     pub conditioning_cache_bytes: u64,
+    /// Bounded asynchronous LoRA loading: the share of a job's steps it may run on the base
+    /// model while its LoRA adapters load (Katz's K = 10 of 50 steps is 0.2); 0 waits for them.
+    #[arg(long, env = "LORA_ASYNC_FRACTION", default_value_t = 0.2)]
+    pub lora_async_fraction: f64,
+    /// Bytes of LoRA adapters held in memory (LRU).
+    #[arg(long, env = "LORA_CACHE_BYTES", default_value_t = 2 << 30)]
+    pub lora_cache_bytes: u64,
+    /// Largest LoRA weights file read from the LoRA store.
+    #[arg(long, env = "MAX_LORA_BYTES", default_value_t = 512 << 20)]
+    pub max_lora_bytes: usize,
     /// Load template caches other denoisers capture (broadcast on
     /// `diffmesh.templates.captured.<cache_key>`; at start, those announced before it, newest
     /// first) into the local tier while it has room, so their first edits here do not wait
@@ -164,6 +175,9 @@ impl DenoiserConfig {
             local_cache_bytes: 256 << 20,
             template_pixels_bytes: 64 << 20,
             conditioning_cache_bytes: 64 << 20,
+            lora_async_fraction: 0.2,
+            lora_cache_bytes: 64 << 20,
+            max_lora_bytes: 64 << 20,
             warm_on_capture: true,
             cache_lookahead: 2,
             cache_prefix: "auto".into(),
@@ -342,6 +356,13 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let blobs = BlobStore::open(&js).await?;
 
     let (events_tx, events_rx) = tokio::sync::mpsc::channel(1024);
+    if !(0.0..=1.0).contains(&config.lora_async_fraction) {
+        return Err(DenoiserError::Flag {
+            flag: "lora-async-fraction",
+            value: config.lora_async_fraction.to_string(),
+            expected: "a share of the steps, from 0 to 1",
+        });
+    }
     let engine_config = EngineConfig {
         max_batch: config.max_batch.max(1),
         max_queue: config.max_queue,
@@ -349,6 +370,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         token_budget: config.token_budget,
         cache: cache_settings,
         conditioning_cache_bytes: config.conditioning_cache_bytes,
+        lora_async_fraction: config.lora_async_fraction,
     };
     let cache_bucket =
         BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::CACHES).await?;
@@ -373,6 +395,12 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
             service::MAX_INPUT_BYTES,
         ),
     };
+    let loras = lora::LoraStore::new(
+        Some(BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::LORA_WEIGHTS).await?),
+        config.lora_cache_bytes,
+        config.max_lora_bytes,
+        Some(metrics.clone()),
+    );
     let (engine, engine_thread) = spawn_engine(
         model,
         engine_config,
@@ -390,6 +418,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         worker_id.clone(),
         model_id,
         templates,
+        loras,
     ));
     let intake = CancellationToken::new();
     let background = CancellationToken::new();

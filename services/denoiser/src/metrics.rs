@@ -67,6 +67,7 @@ pub struct DenoiserMetrics {
     pub conditioning_lookups: IntCounterVec,
     /// Bytes the conditioning cache holds, by kind.
     pub conditioning_bytes: IntGaugeVec,
+    pub lora: crate::lora::metrics::LoraMetrics,
 }
 
 impl DenoiserMetrics {
@@ -254,6 +255,7 @@ impl DenoiserMetrics {
             engine_busy_by_phase,
             conditioning_lookups,
             conditioning_bytes,
+            lora: crate::lora::metrics::LoraMetrics::new(registry)?,
         })
     }
 

@@ -2,6 +2,7 @@
 //! outputs written to the object store and handed to the codec for compositing and PNG encoding.
 use crate::cached_step::{format_name, CacheSettings, TemplateSlot};
 use crate::engine::{EngineEvent, EngineHandle, EngineJob, SubmitError};
+use crate::lora::LoraStore;
 use crate::metrics::DenoiserMetrics;
 use crate::model::EditInputs;
 use crate::outcomes::RecentOutcomes;
@@ -42,6 +43,8 @@ pub struct Service {
     pub draining: AtomicBool,
     submitted_at: Mutex<HashMap<String, Instant>>,
     pub templates: Templates,
+    /// LoRA adapters in memory, fetched for the jobs that ask for them.
+    pub loras: LoraStore,
     /// Ended jobs' terminal events and capture reports, for gateways whose copy was lost
     /// (`outcomes`).
     pub outcomes: RecentOutcomes,
@@ -82,6 +85,7 @@ impl Service {
         worker_id: String,
         model_id: String,
         templates: Templates,
+        loras: LoraStore,
     ) -> Self {
         Self {
             client,
@@ -94,6 +98,7 @@ impl Service {
             draining: AtomicBool::new(false),
             submitted_at: Mutex::new(HashMap::new()),
             templates,
+            loras,
             outcomes: RecentOutcomes::default(),
         }
     }
@@ -345,12 +350,25 @@ impl Service {
                 },
                 _ => None,
             };
+            if job.template.is_some() && !job.params.loras.is_empty() {
+                // The template's cache holds the base model's activations.
+                let reply = SubmitReply::Accepted {
+                    worker_id: self.worker_id.clone(),
+                };
+                let _ = reply_msgpack(&self.client, &msg, &reply).await;
+                let message = "loras: not supported with a template's activation cache".into();
+                self.publish_failed(&job_id, message, error_types::INVALID_REQUEST)
+                    .await;
+                return;
+            }
             let template = self.template_slot(&job);
+            let lora = self.loras.slot(&job.params.loras).await;
             let engine_job = EngineJob {
                 job,
                 edit,
                 template,
                 capture_key,
+                lora,
             };
             let result = self
                 .engine

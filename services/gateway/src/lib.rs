@@ -5,8 +5,8 @@
 //! NATS (see `pipeline`), answered when done or, with `Prefer: respond-async`, at once as a job
 //! (`jobs`, `events`: state, progress stream, results, cancel). API keys and per-key limits are
 //! in `auth` and `limits`, the OpenAPI document in `openapi`, the browser playground at `/` in
-//! `playground`. `/healthz`, `/readyz`,
-//! `/metrics` answer on the API port and on the common health port.
+//! `playground`, registered templates and LoRAs in `templates` and `loras`. `/healthz`,
+//! `/readyz`, `/metrics` answer on the API port and on the common health port.
 pub mod auth;
 pub mod disconnect;
 pub mod error;
@@ -14,6 +14,7 @@ pub mod events;
 pub mod idempotency;
 pub mod jobs;
 pub mod limits;
+pub mod loras;
 pub mod lost_events;
 pub mod metrics;
 pub mod openapi;
@@ -60,6 +61,10 @@ pub struct GatewayConfig {
     /// Largest request body in bytes (all multipart parts together).
     #[arg(long, env = "GATEWAY_MAX_BODY_BYTES", default_value_t = 32 * 1024 * 1024)]
     pub max_body_bytes: usize,
+    /// Largest LoRA weights file (`POST /v1/loras`), in bytes; such an upload is not bound by
+    /// --max-body-bytes.
+    #[arg(long, env = "GATEWAY_MAX_LORA_BYTES", default_value_t = 512 * 1024 * 1024)]
+    pub max_lora_bytes: usize,
     /// Largest image (edits) or requested size (generations), in pixels.
     #[arg(long, env = "GATEWAY_MAX_PIXELS", default_value_t = 4096 * 4096)]
     pub max_pixels: u64,
@@ -133,6 +138,7 @@ impl GatewayConfig {
             bind: SocketAddr::from(([127, 0, 0, 1], 0)),
             http_workers: 1,
             max_body_bytes: 8 * 1024 * 1024,
+            max_lora_bytes: 16 * 1024 * 1024,
             max_pixels: 1024 * 1024,
             max_n: 4,
             max_steps: 100,
@@ -282,6 +288,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         jobs = jobs.with_known_revisions(config.known_job_records);
     }
     let templates = templates::Templates::open(&client, jobs.clone(), flow.job_timeout).await?;
+    let loras = loras::store::LoraStore::open(&js).await?;
     let mesh = Mesh {
         blobs: BlobStore::open(&js).await?,
         jobs,
@@ -309,6 +316,8 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         keys,
         key_limits,
         templates,
+        loras,
+        max_lora_bytes: config.max_lora_bytes,
     });
     let probe = client.clone();
     let ready: Readiness =

@@ -10,7 +10,8 @@ use utoipa::{Modify, OpenApi};
 
 use crate::routes::ApiState;
 use crate::validate::Limits;
-use crate::{events, idempotency, jobs, playground, routes, templates};
+use crate::{events, idempotency, jobs, loras, playground, routes, templates};
+use diffmesh_shared::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -34,6 +35,10 @@ use crate::{events, idempotency, jobs, playground, routes, templates};
         templates::list_templates,
         templates::get_template,
         templates::delete_template,
+        loras::create_lora,
+        loras::list_loras,
+        loras::get_lora,
+        loras::delete_lora,
         playground::template_image::get_template_image,
         playground::page,
     ),
@@ -42,6 +47,7 @@ use crate::{events, idempotency, jobs, playground, routes, templates};
         (name = "images", description = "OpenAI-style image endpoints"),
         (name = "jobs", description = "Async jobs: state, progress events, results, cancel"),
         (name = "templates", description = "Registered templates whose activation caches edits reuse"),
+        (name = "loras", description = "Registered LoRA adapters that image requests apply"),
         (name = "ops", description = "Health, metrics and this document"),
         (name = "playground", description = "The browser playground page"),
     )
@@ -137,6 +143,13 @@ pub fn document(limits: &Limits) -> String {
         props["size"]["pattern"] = json!("^[1-9][0-9]{0,4}[xX][1-9][0-9]{0,4}$");
         props["response_format"]["enum"] = json!(["b64_json", "png"]);
     }
+    // A LoRA is named by its id, a UUID, at most a few per request.
+    doc["components"]["schemas"]["RawParams"]["properties"]["loras"]["maxItems"] =
+        json!(MAX_LORAS_PER_REQUEST);
+    doc["components"]["schemas"]["RawLora"]["properties"]["id"]["format"] = json!("uuid");
+    let scale = &mut doc["components"]["schemas"]["RawLora"]["properties"]["scale"];
+    scale["minimum"] = json!(-MAX_LORA_SCALE);
+    scale["maximum"] = json!(MAX_LORA_SCALE);
     // Job and template ids are UUIDs (the handlers refuse anything else), and Idempotency-Key
     // has a shape: say so, so clients and generated requests (schemathesis) use valid ones.
     if let Some(paths) = doc["paths"].as_object_mut() {
@@ -255,6 +268,9 @@ mod tests {
             "ImagesResponse",
             "RawParams",
             "EditForm",
+            "RawLora",
+            "LoraView",
+            "LoraFormDoc",
         ] {
             assert!(schemas[name].is_object(), "schema {name} missing");
         }
@@ -272,6 +288,15 @@ mod tests {
             (&png["type"], &png["format"]),
             (&json!("string"), &json!("binary"))
         );
+        let loras = &schemas["RawParams"]["properties"]["loras"];
+        assert_eq!(loras["maxItems"], MAX_LORAS_PER_REQUEST);
+        let lora = &schemas["RawLora"];
+        assert_eq!(lora["properties"]["id"]["format"], "uuid");
+        assert_eq!(lora["properties"]["scale"]["maximum"], MAX_LORA_SCALE);
+        assert_eq!(lora["properties"]["scale"]["minimum"], -MAX_LORA_SCALE);
+        assert_eq!(lora["additionalProperties"], false);
+        let upload = &doc["paths"]["/v1/loras"]["post"]["requestBody"]["content"];
+        assert!(upload["multipart/form-data"].is_object());
         let image = &doc["paths"]["/v1/templates/{id}/image"]["get"];
         for media_type in ["image/png", "image/jpeg", "image/webp"] {
             assert_eq!(
@@ -282,6 +307,7 @@ mod tests {
         for path in [
             "/v1/jobs/{id}",
             "/v1/templates/{id}",
+            "/v1/loras/{id}",
             "/v1/jobs/{id}/result/{n}",
         ] {
             let params = doc["paths"][path]["get"]["parameters"].as_array().unwrap();

@@ -15,6 +15,7 @@ use serde_json::Value;
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::idempotency;
+use crate::loras::params as lora_params;
 use crate::pipeline::{InputImage, JobInput};
 use crate::routes::ApiState;
 use crate::validate::{self, RawParams};
@@ -32,12 +33,14 @@ pub struct ImageRequest {
 /// `POST /v1/images/generations`: a JSON body.
 pub async fn read_generation(
     state: &ApiState,
+    caller: &Caller,
     payload: web::Payload,
 ) -> Result<ImageRequest, ApiError> {
     let body = read_limited(payload, state.max_body_bytes, "body").await?;
     let raw = raw_from_json(&body)?;
     let fingerprint = idempotency::fingerprint("generations", &raw, None, None);
     let valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
+    lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
     Ok(ImageRequest {
         input: JobInput {
             kind: JobKind::Generate,
@@ -97,6 +100,7 @@ pub async fn read_edit(
     let raw = raw_from_text(&text)?;
     let fingerprint = idempotency::fingerprint("edits", &raw, Some(&image), mask.as_deref());
     let valid = validate::validate_edit(raw, size, &state.limits, &state.defaults)?;
+    lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
     Ok(ImageRequest {
         input: JobInput {
             kind: JobKind::Edit,
@@ -131,7 +135,8 @@ where
         }
         buf.extend_from_slice(&chunk);
     }
-    Ok(buf.to_vec())
+    // Without a copy: a LoRA upload may be hundreds of MB.
+    Ok(buf.into())
 }
 
 /// Image dimensions from the header only (no decode): the edit's output size and the pixel
@@ -211,6 +216,7 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
                 )
             }
             "seed" => raw.seed = Some(u64_field(key, v)?),
+            "loras" => raw.loras = Some(lora_params::from_json(v)?),
             // OpenAI fields that do not change what this server does (model, user, quality...).
             _ => {}
         }
@@ -241,6 +247,10 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
         num_inference_steps: parse(text, "num_inference_steps", "an integer")?,
         guidance_scale: parse(text, "guidance_scale", "a number")?,
         seed: parse(text, "seed", "a non-negative integer")?,
+        loras: match text.get("loras") {
+            Some(json) => lora_params::from_text(json)?,
+            None => None,
+        },
     })
 }
 
@@ -264,6 +274,12 @@ mod tests {
         assert_eq!(raw_from_json(b"{").unwrap_err().field, "body");
         let raw = raw_from_json(br#"{"prompt": "x", "n": 2, "seed": 7, "model": "m"}"#).unwrap();
         assert_eq!((raw.n, raw.seed), (Some(2), Some(7)));
+        assert_eq!(
+            raw_from_json(br#"{"prompt": "x", "loras": [{"id": "a"}, {"scale": "big"}]}"#)
+                .unwrap_err()
+                .field,
+            "loras[1].scale"
+        );
     }
 
     #[test]
@@ -299,6 +315,17 @@ mod tests {
         );
         text.insert("num_inference_steps".to_string(), " 12 ".to_string());
         assert_eq!(raw_from_text(&text).unwrap().num_inference_steps, Some(12));
+        text.insert("loras".to_string(), r#"{"id": "a"}"#.to_string());
+        assert_eq!(raw_from_text(&text).unwrap_err().field, "loras");
+        text.insert(
+            "loras".to_string(),
+            r#"[{"id": "a", "scale": 2}]"#.to_string(),
+        );
+        let loras = raw_from_text(&text).unwrap().loras.unwrap();
+        assert_eq!(
+            (loras[0].id.as_deref(), loras[0].scale),
+            (Some("a"), Some(2.0))
+        );
     }
 
     #[test]

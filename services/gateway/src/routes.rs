@@ -38,6 +38,10 @@ pub struct ApiState {
     pub openapi: String,
     /// Registered templates (`templates`).
     pub templates: crate::templates::Templates,
+    /// Registered LoRAs (`loras`).
+    pub loras: crate::loras::store::LoraStore,
+    /// Largest LoRA weights file (`POST /v1/loras`), bytes.
+    pub max_lora_bytes: usize,
 }
 
 impl ApiState {
@@ -77,6 +81,7 @@ pub fn routes() -> Vec<(Method, &'static str, Route)> {
     ]
     .into_iter()
     .chain(crate::templates::routes())
+    .chain(crate::loras::routes())
     .chain(crate::playground::routes())
     .collect()
 }
@@ -141,6 +146,9 @@ pub struct EditForm {
     pub guidance_scale: Option<f64>,
     #[schema(minimum = 0)]
     pub seed: Option<u64>,
+    /// Registered LoRAs to apply: the JSON text of the generation body's `loras` array, e.g.
+    /// `[{"id": "<LoRA id>", "scale": 1.0}]`. Not with `template_id` (400 naming `loras`).
+    pub loras: Option<String>,
 }
 
 #[utoipa::path(
@@ -231,7 +239,7 @@ pub async fn generations(
     let start = Instant::now();
     let result = async {
         let caller = admit(&req, &state)?;
-        let request = parse::read_generation(&state, payload).await?;
+        let request = parse::read_generation(&state, &caller, payload).await?;
         serve(&req, &state, caller, request).await
     }
     .await;

@@ -2,6 +2,8 @@
 //! limit, so clients can fix the request without reading server logs.
 use diffmesh_shared::messages::{FieldError, GenerationParams};
 
+use crate::loras::params::{self as lora_params, RawLora};
+
 /// Request limits, set by gateway flags.
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -64,6 +66,11 @@ pub struct RawParams {
     /// Makes the result reproducible (random when left out).
     #[schema(minimum = 0)]
     pub seed: Option<u64>,
+    /// Registered LoRAs to apply (`POST /v1/loras`): at most 4, each id once; none = the base
+    /// model. Not for edits of a registered template.
+    // Left out of the fingerprint's JSON when absent, so requests without it hash as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loras: Option<Vec<RawLora>>,
 }
 
 /// A request that passed every check.
@@ -182,6 +189,7 @@ fn validate_common(
             format!("png returns one image; n must be 1, got {n}"),
         ));
     }
+    let loras = lora_params::validate(raw.loras.as_deref().unwrap_or_default())?;
     let seed = raw.seed.unwrap_or_else(rand_seed);
     Ok(ValidParams {
         params: GenerationParams {
@@ -192,6 +200,7 @@ fn validate_common(
             seed,
             width: size.0,
             height: size.1,
+            loras,
         },
         response_format,
     })
@@ -351,6 +360,36 @@ mod tests {
         };
         assert_eq!(field(png_many), "response_format");
         assert_eq!(field(raw(&"a".repeat(101))), "prompt");
+        let bad_scale = RawParams {
+            loras: Some(vec![RawLora {
+                id: Some("3f2b8c1e-5d4a-4e6f-9a0b-1c2d3e4f5a6b".into()),
+                scale: Some(9.0),
+            }]),
+            ..raw("x")
+        };
+        assert_eq!(field(bad_scale), "loras[0].scale");
+    }
+
+    #[test]
+    fn loras_reach_the_params_of_both_endpoints() {
+        let id = "3f2b8c1e-5d4a-4e6f-9a0b-1c2d3e4f5a6b";
+        let with = RawParams {
+            loras: Some(vec![RawLora {
+                id: Some(id.into()),
+                scale: Some(0.5),
+            }]),
+            ..raw("x")
+        };
+        let want = vec![diffmesh_shared::lora::LoraRef {
+            id: id.into(),
+            scale: 0.5,
+        }];
+        let v = validate_generation(with.clone(), &limits(), &defaults()).unwrap();
+        assert_eq!(v.params.loras, want);
+        let v = validate_edit(with, (8, 8), &limits(), &defaults()).unwrap();
+        assert_eq!(v.params.loras, want);
+        let v = validate_generation(raw("x"), &limits(), &defaults()).unwrap();
+        assert!(v.params.loras.is_empty());
     }
 
     #[test]

@@ -71,6 +71,7 @@ impl BenchTemplates {
                 }),
                 template: None,
                 capture_key: Some(reference.cache_key.clone()),
+                lora: None,
             };
             engine.submit(capture).await?;
             let entry = engine

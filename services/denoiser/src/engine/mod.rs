@@ -3,13 +3,16 @@
 //!
 //! Every iteration: take commands, drop cancelled jobs, admit waiting jobs up to the batch
 //! budget, run one denoising step for every active job (each at its own step index) in one
-//! batched forward, report progress, and retire finished jobs as RGB images. A panic or error in
-//! a batched step is retried job by job, so one bad job fails alone and the engine lives on.
+//! batched forward per LoRA set among them (`step`, `lora_steps`), report progress, and retire
+//! finished jobs as RGB images. A panic or error in a batched step is retried job by job, so one
+//! bad job fails alone and the engine lives on.
 use crate::cached_step::{CachedStepper, CaptureSink};
+use crate::lora::LoraSlot;
 use crate::metrics::{DenoiserMetrics, EnginePhase, PhaseClock};
 use crate::model::{capture_state, job_resolution, step_requests, tensor_to_rgb, EngineModel};
 use crate::step_samples::StepSamples;
 use crate::templates::TemplateEntry;
+use diffmesh_model::lora::LoraPatcher;
 use diffmesh_model::pipeline::conditioning_cache::ConditioningCache;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::ModelError;
@@ -17,10 +20,12 @@ use diffmesh_shared::messages::{DenoiseJob, RunningJob, StepSample};
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 use tracing::Span;
 
+mod lora_steps;
+mod step;
 mod types;
 pub use types::{
     Batching, Command, EngineConfig, EngineEvent, EngineJob, EngineJobError, EngineStatus,
@@ -57,6 +62,7 @@ pub fn spawn_engine(
     let status = Arc::new(Mutex::new(EngineStatus::default()));
     let steps = StepSamples::default();
     let engine = Engine {
+        patcher: LoraPatcher::new(&model.model.transformer_store),
         cached: CachedStepper::new(config.cache, model.gpu_copy.clone())?,
         conditioning: ConditioningCache::new(config.conditioning_cache_bytes),
         model,
@@ -171,10 +177,14 @@ struct Active {
     cache: Option<Arc<TemplateEntry>>,
     /// A capture job: its sink, cache key and start.
     capture: Option<(CaptureSink, String, Instant)>,
+    /// Its LoRA adapters, once in memory.
+    lora: Option<LoraSlot>,
 }
 
 struct Engine {
     model: EngineModel,
+    /// The LoRA set the transformer's weights hold.
+    patcher: LoraPatcher,
     cached: CachedStepper,
     /// Prompt embeddings, template latents and noise that admitted jobs share.
     conditioning: ConditioningCache,
@@ -189,6 +199,9 @@ struct Engine {
     shutting_down: bool,
     tap: Option<EventTap>,
 }
+
+/// How long the loop sleeps when no job could step and no command came.
+const IDLE_POLL: Duration = Duration::from_millis(1);
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<String>()
@@ -211,19 +224,26 @@ impl Engine {
                 }
             }
             let mut clock = PhaseClock::new();
+            let mut commands = 0;
             while let Ok(cmd) = self.rx.try_recv() {
                 self.handle(cmd);
+                commands += 1;
             }
             self.drop_cancelled();
             clock.lap(self.metrics.as_ref(), EnginePhase::Commands);
             self.admit();
             clock.lap(self.metrics.as_ref(), EnginePhase::Admit);
-            self.step();
+            let stepped = self.step();
             clock.lap(self.metrics.as_ref(), EnginePhase::Step);
             self.retire();
             clock.lap(self.metrics.as_ref(), EnginePhase::Retire);
             self.publish_status();
             clock.lap(self.metrics.as_ref(), EnginePhase::Status);
+            if !stepped && commands == 0 {
+                // Every job waits on another thread (a template cache or LoRA still loading):
+                // poll gently instead of spinning the core the loaders need.
+                std::thread::sleep(IDLE_POLL);
+            }
         }
         self.publish_status();
         tracing::info!("engine stopped");
@@ -394,6 +414,7 @@ impl Engine {
                         cancelled: false,
                         failed: None,
                         cache: job.template.and_then(|slot| slot.get().cloned().flatten()),
+                        lora: job.lora,
                         capture: job.capture_key.map(|key| {
                             (
                                 CaptureSink::new(settings.format, settings.dtype),
@@ -423,124 +444,6 @@ impl Engine {
             m.failures.with_label_values(&[error.reason()]).inc();
         }
         self.emit(EngineEvent::Failed { job, error, span });
-    }
-
-    /// One step for every active job, batched; on failure, again job by job to isolate it.
-    /// Capture passes step on their own (their forward records K/V; it cannot be shared).
-    fn step(&mut self) {
-        if self.active.is_empty() {
-            return;
-        }
-        let started = Instant::now();
-        let rows = self.rows();
-        // One child span per job over this step (run in one batch with the others): the job's
-        // trace shows every step's wall time. The step number is recorded once it is known.
-        let step_spans: Vec<Span> = self
-            .active
-            .iter()
-            .map(|a| {
-                tracing::info_span!(parent: &a.span, "denoise_step", batch_rows = rows,
-                    step = tracing::field::Empty, total = tracing::field::Empty)
-            })
-            .collect();
-        // A step that runs a capture or falls back job by job is no sample of batched steps.
-        let capturing = self.active.iter().any(|a| a.capture.is_some());
-        let row_ratios = self.row_ratios();
-        self.step_captures();
-        let pipeline = self.model.pipeline();
-        let (cached, active) = (&mut self.cached, &mut self.active);
-        let denoising = |a: &Active| a.capture.is_none() && a.failed.is_none();
-        let batched = {
-            let mut states: Vec<&mut DenoiseState> = Vec::new();
-            let mut caches = Vec::new();
-            for a in active.iter_mut().filter(|a| denoising(a)) {
-                for s in a.states.iter_mut() {
-                    caches.push(a.cache.clone());
-                    states.push(s);
-                }
-            }
-            catch_unwind(AssertUnwindSafe(|| {
-                cached.step(&pipeline, &mut states, &caches)
-            }))
-        };
-        let batched_ok = matches!(batched, Ok(Ok(_)));
-        let mut reports = Vec::new();
-        match batched {
-            Ok(Ok(report)) => reports.push(report),
-            _ => {
-                tracing::warn!("batched step failed; stepping jobs one by one");
-                for a in active.iter_mut().filter(|a| denoising(a)) {
-                    let _e = a.span.enter();
-                    let caches = vec![a.cache.clone(); a.states.len()];
-                    let mut states: Vec<&mut DenoiseState> = a.states.iter_mut().collect();
-                    match catch_unwind(AssertUnwindSafe(|| {
-                        cached.step(&pipeline, &mut states, &caches)
-                    })) {
-                        Ok(Ok(report)) => reports.push(report),
-                        Ok(Err(e)) => a.failed = Some(EngineJobError::from_model(e)),
-                        Err(p) => a.failed = Some(EngineJobError::Panic(panic_message(p))),
-                    }
-                }
-            }
-        }
-        if let Some(m) = &self.metrics {
-            let mask_aware: usize = reports.iter().map(|r| r.cached).sum();
-            m.step_rows
-                .with_label_values(&["mask_aware"])
-                .inc_by(mask_aware as u64);
-            m.step_rows
-                .with_label_values(&["full"])
-                .inc_by(rows.saturating_sub(mask_aware) as u64);
-            for r in reports.iter().filter(|r| r.cached > 0) {
-                m.load_wait_seconds.observe(r.load_wait_s);
-            }
-        }
-        let seconds = started.elapsed().as_secs_f64();
-        if let Some(m) = &self.metrics {
-            m.step_seconds.observe(seconds);
-            m.batch_rows.observe(rows as f64);
-        }
-        let mask_aware_rows = row_ratios.iter().filter(|r| **r < 1.0).count();
-        let all_as_planned = reports.first().is_some_and(|r| r.cached >= mask_aware_rows);
-        if batched_ok && !capturing && !row_ratios.is_empty() && all_as_planned {
-            self.steps.push(StepSample {
-                row_ratios,
-                seconds,
-            });
-        }
-        for (a, span) in self.active.iter().zip(step_spans) {
-            if let Some(s) = a.states.first() {
-                let (step, total) = s.progress();
-                span.record("step", step).record("total", total);
-            }
-        }
-        for a in self.active.iter().filter(|a| a.failed.is_none()) {
-            if let Some(s) = a.states.first() {
-                let (step, total) = s.progress();
-                self.emit(EngineEvent::Step {
-                    job_id: a.job.job_id.clone(),
-                    step: step as u32,
-                    total: total as u32,
-                });
-            }
-        }
-    }
-
-    /// One capture step for every active capture job.
-    fn step_captures(&mut self) {
-        let pipeline = self.model.pipeline();
-        for a in self.active.iter_mut().filter(|a| a.failed.is_none()) {
-            let (Some((sink, _, _)), Some(state)) = (a.capture.as_mut(), a.states.first_mut())
-            else {
-                continue;
-            };
-            let _e = a.span.enter();
-            match catch_unwind(AssertUnwindSafe(|| state.capture_step(&pipeline, sink))) {
-                Ok(Ok(())) => sink.end_step(),
-                Ok(Err(e)) => a.failed = Some(EngineJobError::from_model(e)),
-                Err(p) => a.failed = Some(EngineJobError::Panic(panic_message(p))),
-            }
-        }
     }
 
     fn retire(&mut self) {
@@ -592,21 +495,6 @@ impl Engine {
                 Err(p) => self.fail(a.job, EngineJobError::Panic(panic_message(p)), a.span),
             }
         }
-    }
-
-    /// Per batch row of the coming step: its mask ratio if it steps mask-aware, else 1.0.
-    fn row_ratios(&self) -> Vec<f32> {
-        self.active
-            .iter()
-            .filter(|a| a.capture.is_none() && a.failed.is_none())
-            .flat_map(|a| {
-                let ratio = match a.cache {
-                    Some(_) => a.job.inputs.mask_ratio.clamp(0.0, 1.0),
-                    None => 1.0,
-                };
-                std::iter::repeat_n(ratio, a.states.len())
-            })
-            .collect()
     }
 
     fn publish_status(&self) {

@@ -1,6 +1,7 @@
 //! What the engine's handle and its thread exchange: jobs in, commands, events out, per-job
 //! errors, and the engine's configuration and load snapshot.
 use crate::cached_step::{CacheSettings, TemplateSlot};
+use crate::lora::LoraSlot;
 use crate::model::EditInputs;
 use crate::templates::TemplateEntry;
 use diffmesh_model::ModelError;
@@ -18,6 +19,9 @@ pub struct EngineJob {
     pub template: Option<TemplateSlot>,
     /// A capture job: the key its cache is stored under.
     pub capture_key: Option<String>,
+    /// A job with LoRAs: its adapters, filled once they are in memory (it steps on the base
+    /// model meanwhile, up to `EngineConfig::lora_async_fraction` of its steps).
+    pub lora: Option<LoraSlot>,
 }
 
 impl EngineJob {
@@ -28,6 +32,7 @@ impl EngineJob {
             edit,
             template: None,
             capture_key: None,
+            lora: None,
         }
     }
 }
@@ -126,6 +131,9 @@ pub enum EngineJobError {
     Model(String),
     #[error("the model panicked: {0}")]
     Panic(String),
+    /// Its LoRA adapters could not be loaded (deleted, or the store unreachable).
+    #[error("loras: {0}")]
+    Lora(String),
 }
 
 impl EngineJobError {
@@ -141,6 +149,7 @@ impl EngineJobError {
             EngineJobError::Input(_) => "invalid_input",
             EngineJobError::Model(_) => "model_error",
             EngineJobError::Panic(_) => "panic",
+            EngineJobError::Lora(_) => "lora_unavailable",
         }
     }
 }
@@ -172,6 +181,10 @@ pub struct EngineConfig {
     /// Byte budget of the prompt embeddings, template latents and template noise that admitted
     /// jobs reuse (`diffmesh_model::pipeline::conditioning_cache`); 0 prepares every job afresh.
     pub conditioning_cache_bytes: u64,
+    /// Bounded asynchronous LoRA loading: the share of a job's steps it may run on the base
+    /// model while its adapters load (floored; Katz's K = 10 of 50 steps is 0.2); 0 waits for
+    /// the adapters before the first step.
+    pub lora_async_fraction: f64,
 }
 
 impl Default for EngineConfig {
@@ -183,6 +196,7 @@ impl Default for EngineConfig {
             token_budget: None,
             cache: CacheSettings::default(),
             conditioning_cache_bytes: 256 << 20,
+            lora_async_fraction: 0.2,
         }
     }
 }

@@ -10,6 +10,7 @@ use diffmesh_shared::messages::{FieldError, JobKind};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::idempotency;
+use crate::loras::params::refuse_for_template;
 use crate::parse::{raw_from_text, ImageRequest};
 use crate::pipeline::{InputImage, JobInput};
 use crate::routes::ApiState;
@@ -42,6 +43,9 @@ pub async fn read(
         )
         .into());
     }
+    let raw = raw_from_text(text)?;
+    // Checked before the lookup: no template could take LoRAs.
+    refuse_for_template(raw.loras.as_deref())?;
     let template_id = template_id.trim();
     let record = state
         .templates
@@ -52,7 +56,6 @@ pub async fn read(
         .ok_or_else(|| not_found(template_id))?;
     let record = super::settle(state, record).await?;
     ready(&record)?;
-    let raw = raw_from_text(text)?;
     // The template's id stands for its image in the fingerprint: a repeat names the same one.
     let named = format!("template:{template_id}");
     let fingerprint =

@@ -75,6 +75,12 @@ pub fn validate(
     defaults: &Defaults,
 ) -> Result<GenerationParams, FieldError> {
     check_pixels("image", image_size.0, image_size.1, limits)?;
+    if raw.loras.as_ref().is_some_and(|l| !l.is_empty()) {
+        return Err(FieldError::invalid(
+            "loras",
+            "not supported for templates: a capture records the base model's activations",
+        ));
+    }
     let prompt = raw.prompt.unwrap_or_default();
     let chars = prompt.chars().count();
     if chars > limits.max_prompt_chars {
@@ -111,6 +117,7 @@ pub fn validate(
         seed: raw.seed.unwrap_or_else(rand_seed),
         width: image_size.0,
         height: image_size.1,
+        loras: Vec::new(),
     })
 }
 
@@ -211,6 +218,11 @@ mod tests {
             ),
             "prompt"
         );
+        let with_lora = RawParams {
+            loras: Some(vec![Default::default()]),
+            ..Default::default()
+        };
+        assert_eq!(field(with_lora, (8, 8)), "loras");
         let e = validate(RawParams::default(), (2048, 2048), &limits(), &defaults()).unwrap_err();
         assert_eq!(e.field, "image");
         assert!(e.message.contains("1048576"), "{}", e.message);

@@ -1,0 +1,282 @@
+//! One engine step: every running job that can run, one batched forward per LoRA set among them
+//! (the weights patched in place between, `lora_steps`), capture passes on their own, a failed
+//! batch retried job by job; then metrics, step samples, spans and progress events.
+use super::lora_steps::{self, LoraNeed};
+use super::{panic_message, Active, Engine, EngineEvent, EngineJobError};
+use crate::cached_step::StepReport;
+use crate::lora::LoadedLora;
+use diffmesh_model::lora::WeightedLora;
+use diffmesh_model::pipeline::stepper::DenoiseState;
+use diffmesh_model::ModelError;
+use diffmesh_shared::messages::StepSample;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Instant;
+use tracing::Span;
+
+impl Engine {
+    /// One step for every active job that can run: one batched forward per LoRA set among them,
+    /// the weights patched in place between (`lora_steps`); a failed batch is retried job by job
+    /// to isolate the bad job. Capture passes step on their own, on the base weights (their
+    /// forward records K/V; it cannot be shared). Returns whether any job stepped.
+    pub(super) fn step(&mut self) -> bool {
+        if self.active.is_empty() {
+            return false;
+        }
+        let started = Instant::now();
+        let fraction = self.config.lora_async_fraction;
+        let needs: Vec<LoraNeed> = self
+            .active
+            .iter()
+            .map(|a| {
+                let (done, total) = a.states.first().map(|s| s.progress()).unwrap_or((0, 0));
+                lora_steps::need(a.lora.as_ref(), done, total, fraction)
+            })
+            .collect();
+        for (a, n) in self.active.iter_mut().zip(&needs) {
+            if let (LoraNeed::Failed(e), None) = (n, &a.failed) {
+                a.failed = Some(EngineJobError::Lora(e.clone()));
+            }
+        }
+        let runs: Vec<bool> = self
+            .active
+            .iter()
+            .zip(&needs)
+            .map(|(a, n)| n.key().is_some() && a.failed.is_none())
+            .collect();
+        let rows: usize = self
+            .active
+            .iter()
+            .zip(&runs)
+            .filter(|(_, r)| **r)
+            .map(|(a, _)| a.states.len())
+            .sum();
+        // One child span per job over this step (run in one batch with the others): the job's
+        // trace shows every step's wall time. The step number is recorded once it is known.
+        let step_spans: Vec<Option<Span>> = self
+            .active
+            .iter()
+            .zip(&runs)
+            .map(|(a, run)| {
+                run.then(|| {
+                    tracing::info_span!(parent: &a.span, "denoise_step", batch_rows = rows,
+                        step = tracing::field::Empty, total = tracing::field::Empty)
+                })
+            })
+            .collect();
+        // A step that runs a capture, falls back job by job, or switches weights is no sample
+        // of batched steps.
+        let capturing = self.active.iter().any(|a| a.capture.is_some());
+        let row_ratios = self.row_ratios(&runs);
+        let mut switches = 0;
+        if capturing {
+            switches += self.switch_weights(&[], &[]);
+        }
+        self.step_captures();
+        let groups = lora_steps::visit_order(&needs, self.patcher.current());
+        let single_group = groups.len() == 1;
+        let mut reports = Vec::new();
+        let mut batched_ok = true;
+        for (_, set, members) in groups {
+            switches += self.switch_weights(&set, &members);
+            let (group_reports, ok) = self.step_group(&members);
+            reports.extend(group_reports);
+            batched_ok &= ok;
+        }
+        if let Some(m) = &self.metrics {
+            let mask_aware: usize = reports.iter().map(|r| r.cached).sum();
+            m.step_rows
+                .with_label_values(&["mask_aware"])
+                .inc_by(mask_aware as u64);
+            m.step_rows
+                .with_label_values(&["full"])
+                .inc_by(rows.saturating_sub(mask_aware) as u64);
+            for r in reports.iter().filter(|r| r.cached > 0) {
+                m.load_wait_seconds.observe(r.load_wait_s);
+            }
+            for (a, n) in self.active.iter().zip(&needs) {
+                let mode = match n {
+                    _ if a.lora.is_none() => continue,
+                    LoraNeed::Base => "base_while_loading",
+                    LoraNeed::Set(..) => "patched",
+                    LoraNeed::Wait => "waiting",
+                    LoraNeed::Failed(_) => continue,
+                };
+                m.lora.lora_steps.with_label_values(&[mode]).inc();
+            }
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        if rows > 0 {
+            if let Some(m) = &self.metrics {
+                m.step_seconds.observe(seconds);
+                m.batch_rows.observe(rows as f64);
+            }
+        }
+        let mask_aware_rows = row_ratios.iter().filter(|r| **r < 1.0).count();
+        let all_as_planned = reports.first().is_some_and(|r| r.cached >= mask_aware_rows);
+        let plain = batched_ok && !capturing && single_group && switches == 0;
+        if plain && !row_ratios.is_empty() && all_as_planned {
+            self.steps.push(StepSample {
+                row_ratios,
+                seconds,
+            });
+        }
+        for (a, span) in self.active.iter().zip(step_spans) {
+            if let (Some(s), Some(span)) = (a.states.first(), span) {
+                let (step, total) = s.progress();
+                span.record("step", step).record("total", total);
+            }
+        }
+        for (a, _) in self
+            .active
+            .iter()
+            .zip(&runs)
+            .filter(|(a, run)| **run && a.failed.is_none())
+        {
+            if let Some(s) = a.states.first() {
+                let (step, total) = s.progress();
+                self.emit(EngineEvent::Step {
+                    job_id: a.job.job_id.clone(),
+                    step: step as u32,
+                    total: total as u32,
+                });
+            }
+        }
+        rows > 0 || capturing
+    }
+
+    /// Patch the weights to `set` for the jobs at `members` (indices into `active`); a set that
+    /// does not fit the model fails those jobs. Returns the switches made (0 or 1).
+    fn switch_weights(&mut self, set: &[LoadedLora], members: &[usize]) -> usize {
+        if self.patcher.current() == &lora_steps::set_key(set) {
+            return 0;
+        }
+        // The tensors are read here, on the engine thread, and only for a switch.
+        let adapters: Result<Vec<_>, ModelError> = set
+            .iter()
+            .map(|l| {
+                l.blob
+                    .adapter()
+                    .map_err(|e| ModelError::input(format!("loras: {}", l.blob.id), e.to_string()))
+            })
+            .collect();
+        let result = adapters.and_then(|adapters| {
+            let weighted: Vec<WeightedLora<'_>> = adapters
+                .iter()
+                .zip(set)
+                .map(|(adapter, l)| WeightedLora {
+                    adapter,
+                    weight: l.weight,
+                })
+                .collect();
+            self.patcher.apply(&weighted)
+        });
+        match result {
+            Ok(stats) if stats.layers == 0 => 0,
+            Ok(stats) => {
+                if let Some(m) = &self.metrics {
+                    m.lora.lora_patch_seconds.observe(stats.seconds);
+                }
+                tracing::debug!(set = %self.patcher.current(), layers = stats.layers,
+                    seconds = stats.seconds, "weights switched");
+                1
+            }
+            Err(e) => {
+                let error = EngineJobError::from_model(e);
+                for &i in members {
+                    self.active[i].failed.get_or_insert_with(|| error.clone());
+                }
+                0
+            }
+        }
+    }
+
+    /// One batched step of the jobs at `members` (indices into `active`) that denoise; on
+    /// failure, again job by job. Returns the reports and whether the batch succeeded.
+    fn step_group(&mut self, members: &[usize]) -> (Vec<StepReport>, bool) {
+        let pipeline = self.model.pipeline();
+        let (cached, active) = (&mut self.cached, &mut self.active);
+        let denoising = |a: &Active| a.capture.is_none() && a.failed.is_none();
+        let member = |i: usize| members.contains(&i);
+        let batched = {
+            let mut states: Vec<&mut DenoiseState> = Vec::new();
+            let mut caches = Vec::new();
+            for (_, a) in active
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, a)| member(*i) && denoising(a))
+            {
+                for s in a.states.iter_mut() {
+                    caches.push(a.cache.clone());
+                    states.push(s);
+                }
+            }
+            if states.is_empty() {
+                return (Vec::new(), true);
+            }
+            catch_unwind(AssertUnwindSafe(|| {
+                cached.step(&pipeline, &mut states, &caches)
+            }))
+        };
+        let mut reports = Vec::new();
+        match batched {
+            Ok(Ok(report)) => {
+                reports.push(report);
+                (reports, true)
+            }
+            _ => {
+                tracing::warn!("batched step failed; stepping jobs one by one");
+                for (_, a) in active
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, a)| member(*i) && denoising(a))
+                {
+                    let _e = a.span.enter();
+                    let caches = vec![a.cache.clone(); a.states.len()];
+                    let mut states: Vec<&mut DenoiseState> = a.states.iter_mut().collect();
+                    match catch_unwind(AssertUnwindSafe(|| {
+                        cached.step(&pipeline, &mut states, &caches)
+                    })) {
+                        Ok(Ok(report)) => reports.push(report),
+                        Ok(Err(e)) => a.failed = Some(EngineJobError::from_model(e)),
+                        Err(p) => a.failed = Some(EngineJobError::Panic(panic_message(p))),
+                    }
+                }
+                (reports, false)
+            }
+        }
+    }
+
+    /// One capture step for every active capture job.
+    fn step_captures(&mut self) {
+        let pipeline = self.model.pipeline();
+        for a in self.active.iter_mut().filter(|a| a.failed.is_none()) {
+            let (Some((sink, _, _)), Some(state)) = (a.capture.as_mut(), a.states.first_mut())
+            else {
+                continue;
+            };
+            let _e = a.span.enter();
+            match catch_unwind(AssertUnwindSafe(|| state.capture_step(&pipeline, sink))) {
+                Ok(Ok(())) => sink.end_step(),
+                Ok(Err(e)) => a.failed = Some(EngineJobError::from_model(e)),
+                Err(p) => a.failed = Some(EngineJobError::Panic(panic_message(p))),
+            }
+        }
+    }
+
+    /// Per batch row of the coming step (jobs where `runs`): its mask ratio if it steps
+    /// mask-aware, else 1.0.
+    fn row_ratios(&self, runs: &[bool]) -> Vec<f32> {
+        self.active
+            .iter()
+            .zip(runs)
+            .filter(|(a, run)| **run && a.capture.is_none() && a.failed.is_none())
+            .flat_map(|(a, _)| {
+                let ratio = match a.cache {
+                    Some(_) => a.job.inputs.mask_ratio.clamp(0.0, 1.0),
+                    None => 1.0,
+                };
+                std::iter::repeat_n(ratio, a.states.len())
+            })
+            .collect()
+    }
+}

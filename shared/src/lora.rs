@@ -1,0 +1,537 @@
+//! LoRA adapters as the mesh stores them: the file format (diffusers' PEFT layout, as
+//! `FluxPipeline.save_lora_weights` writes it), its checks, and each module's scale.
+//!
+//! A file holds, per adapted `Linear` of the transformer, `transformer.<module>.lora_A.weight`
+//! (`[rank, in]`) and `transformer.<module>.lora_B.weight` (`[out, rank]`); the adapted weight is
+//! `W + scale * B @ A`. The scale is `lora_alpha / rank` (`/ sqrt(rank)` with `use_rslora`) from
+//! the PEFT config diffusers stores in the safetensors metadata (`lora_adapter_metadata`, keys
+//! prefixed `transformer.`), with its `rank_pattern` / `alpha_pattern` overrides; a
+//! `<module>.alpha` tensor (kohya style) overrides both; with neither, alpha is the rank (scale 1),
+//! as diffusers loads such files. Only the header is read here, so the gateway can check an upload
+//! without tensors; the denoiser reads the data with [`LoraFile::tensor_data`].
+use safetensors::tensor::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+
+/// The key prefix diffusers writes for the transformer's adapters.
+pub const TRANSFORMER_PREFIX: &str = "transformer.";
+/// Metadata entry holding the PEFT config (JSON).
+pub const METADATA_KEY: &str = "lora_adapter_metadata";
+/// Most LoRAs one request may combine.
+pub const MAX_LORAS_PER_REQUEST: usize = 4;
+/// Largest rank accepted (larger adapters are fine-tunes, not LoRAs).
+pub const MAX_RANK: usize = 1024;
+/// Largest weight (absolute) a request may apply a LoRA with.
+pub const MAX_LORA_SCALE: f32 = 8.0;
+
+/// A LoRA a request asks for: a registered adapter and the weight to apply it with
+/// (diffusers' `set_adapters(..., adapter_weights=[scale])`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraRef {
+    pub id: String,
+    pub scale: f32,
+}
+
+/// Object-store key (in `subjects::LORA_BUCKET`) of a registered LoRA's weights file.
+pub fn weights_key(lora_id: &str) -> String {
+    format!("{lora_id}/weights.safetensors")
+}
+
+/// A registered LoRA, as the gateway keeps it (JSON in the KV bucket `subjects::LORA_BUCKET`,
+/// key = id); its weights file is at [`weights_key`] in the object store of the same name.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraRecord {
+    pub id: String,
+    /// The client's label for it (not unique).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The API key that registered it (as templates keep theirs); `None` without API keys.
+    #[serde(default)]
+    pub owner: Option<String>,
+    /// Size of the weights file.
+    pub bytes: u64,
+    pub parameters: u64,
+    /// Adapted layers.
+    pub modules: usize,
+    /// Largest rank among them.
+    pub max_rank: usize,
+    pub dtype: String,
+    /// SHA-256 of the weights file (hex). A LoRA's weights never change (a new upload gets a new
+    /// id), so denoisers cache adapters by id.
+    pub sha256: String,
+    /// RFC 3339.
+    pub created_at: String,
+}
+
+/// One adapted linear layer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraModule {
+    /// The layer's path in the transformer, e.g. `transformer_blocks.0.attn.to_q`.
+    pub module: String,
+    pub rank: usize,
+    pub in_features: usize,
+    pub out_features: usize,
+    /// `alpha / rank` (or `/ sqrt(rank)`): multiplies `B @ A`, before the request's own scale.
+    pub scale: f64,
+    /// Keys of A (`[rank, in]`) and B (`[out, rank]`) in the file.
+    pub down_key: String,
+    pub up_key: String,
+}
+
+/// The checked header of a LoRA file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraFile {
+    /// Sorted by module path.
+    pub modules: Vec<LoraModule>,
+    /// Storage dtype of the weights (`F32`, `F16` or `BF16`).
+    pub dtype: String,
+    /// Parameters in all A and B matrices.
+    pub parameters: u64,
+}
+
+/// Why a file is not a LoRA we can apply; `key` names the tensor or metadata entry at fault.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{key}: {message}")]
+pub struct LoraFormatError {
+    pub key: String,
+    pub message: String,
+}
+
+fn bad(key: impl Into<String>, message: impl Into<String>) -> LoraFormatError {
+    LoraFormatError {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+/// The PEFT config fields that change a module's scale (the rest is ignored).
+#[derive(Debug, Default, Deserialize)]
+struct PeftConfig {
+    r: Option<f64>,
+    lora_alpha: Option<f64>,
+    #[serde(default)]
+    use_rslora: bool,
+    #[serde(default)]
+    use_dora: bool,
+    #[serde(default)]
+    lora_bias: bool,
+    #[serde(default)]
+    rank_pattern: BTreeMap<String, f64>,
+    #[serde(default)]
+    alpha_pattern: BTreeMap<String, f64>,
+}
+
+impl PeftConfig {
+    /// The transformer's config out of diffusers' metadata, which prefixes every key.
+    fn from_metadata(metadata: Option<&HashMap<String, String>>) -> Result<Self, LoraFormatError> {
+        let Some(raw) = metadata.and_then(|m| m.get(METADATA_KEY)) else {
+            return Ok(Self::default());
+        };
+        let all: serde_json::Map<String, serde_json::Value> = serde_json::from_str(raw)
+            .map_err(|e| bad(METADATA_KEY, format!("is not a JSON object: {e}")))?;
+        let ours: serde_json::Map<String, serde_json::Value> = all
+            .into_iter()
+            .filter_map(|(k, v)| {
+                k.strip_prefix(TRANSFORMER_PREFIX)
+                    .map(|k| (k.to_string(), v))
+            })
+            .collect();
+        serde_json::from_value(serde_json::Value::Object(ours))
+            .map_err(|e| bad(METADATA_KEY, format!("transformer config: {e}")))
+    }
+
+    /// PEFT's pattern rule: a key matches a module whose path is the key or ends in `.key`
+    /// (keys are taken literally, not as regular expressions). The longest match wins.
+    fn pattern<'a>(patterns: &'a BTreeMap<String, f64>, module: &str) -> Option<&'a f64> {
+        patterns
+            .iter()
+            .filter(|(k, _)| module == k.as_str() || module.ends_with(&format!(".{k}")))
+            .max_by_key(|(k, _)| k.len())
+            .map(|(_, v)| v)
+    }
+
+    fn scale(&self, module: &str, rank: usize, alpha_tensor: Option<f64>) -> f64 {
+        let rank_f = rank as f64;
+        let alpha = alpha_tensor
+            .or_else(|| Self::pattern(&self.alpha_pattern, module).copied())
+            .or(self.lora_alpha)
+            // diffusers without metadata: alpha = rank.
+            .unwrap_or(rank_f);
+        if self.use_rslora {
+            alpha / rank_f.sqrt()
+        } else {
+            alpha / rank_f
+        }
+    }
+}
+
+/// The module path and role of one key, or why it is not one of ours.
+enum KeyRole<'a> {
+    Down(&'a str),
+    Up(&'a str),
+    Alpha(&'a str),
+}
+
+fn key_role(key: &str) -> Result<KeyRole<'_>, LoraFormatError> {
+    let Some(rest) = key.strip_prefix(TRANSFORMER_PREFIX) else {
+        return Err(bad(
+            key,
+            "only transformer adapters (keys starting with `transformer.`) are supported",
+        ));
+    };
+    if let Some(m) = rest.strip_suffix(".lora_A.weight") {
+        Ok(KeyRole::Down(m))
+    } else if let Some(m) = rest.strip_suffix(".lora_B.weight") {
+        Ok(KeyRole::Up(m))
+    } else if let Some(m) = rest.strip_suffix(".alpha") {
+        Ok(KeyRole::Alpha(m))
+    } else if rest.contains("lora_magnitude_vector") {
+        Err(bad(key, "DoRA adapters are not supported"))
+    } else if rest.ends_with(".lora_B.bias") {
+        Err(bad(key, "LoRA biases (lora_bias) are not supported"))
+    } else {
+        Err(bad(
+            key,
+            "not a LoRA key (expected `<module>.lora_A.weight`, `<module>.lora_B.weight` or `<module>.alpha`)",
+        ))
+    }
+}
+
+fn dtype_name(d: Dtype) -> Option<&'static str> {
+    match d {
+        Dtype::F32 => Some("F32"),
+        Dtype::F16 => Some("F16"),
+        Dtype::BF16 => Some("BF16"),
+        _ => None,
+    }
+}
+
+impl LoraFile {
+    /// Largest rank among the modules.
+    pub fn max_rank(&self) -> usize {
+        self.modules.iter().map(|m| m.rank).max().unwrap_or(0)
+    }
+
+    /// Check a LoRA file's header: every key a LoRA key of the transformer, A and B paired with
+    /// one rank, 2-D float weights of one dtype, the PEFT config one we can apply.
+    pub fn parse(bytes: &[u8]) -> Result<Self, LoraFormatError> {
+        let (_, meta) = SafeTensors::read_metadata(bytes)
+            .map_err(|e| bad("file", format!("is not a safetensors file: {e}")))?;
+        let config = PeftConfig::from_metadata(meta.metadata().as_ref())?;
+        if config.use_dora {
+            return Err(bad(
+                METADATA_KEY,
+                "DoRA adapters (use_dora) are not supported",
+            ));
+        }
+        if config.lora_bias {
+            return Err(bad(
+                METADATA_KEY,
+                "LoRA biases (lora_bias) are not supported",
+            ));
+        }
+        let tensors = meta.tensors();
+        if tensors.is_empty() {
+            return Err(bad("file", "holds no tensors"));
+        }
+        let mut names: Vec<&String> = tensors.keys().collect();
+        names.sort();
+        // module -> (down shape, up shape, alpha)
+        struct Parts {
+            down: Option<(String, Vec<usize>)>,
+            up: Option<(String, Vec<usize>)>,
+            alpha: Option<String>,
+        }
+        let mut parts: BTreeMap<String, Parts> = BTreeMap::new();
+        let mut dtype: Option<&'static str> = None;
+        for name in names {
+            let info = tensors[name];
+            let role = key_role(name)?;
+            let module = match &role {
+                KeyRole::Down(m) | KeyRole::Up(m) | KeyRole::Alpha(m) => m.to_string(),
+            };
+            if module.is_empty() {
+                return Err(bad(name.as_str(), "names no module"));
+            }
+            let entry = parts.entry(module).or_insert(Parts {
+                down: None,
+                up: None,
+                alpha: None,
+            });
+            match role {
+                KeyRole::Alpha(_) => {
+                    if info.shape.iter().product::<usize>() != 1 {
+                        return Err(bad(
+                            name.as_str(),
+                            format!("alpha must be a scalar, got shape {:?}", info.shape),
+                        ));
+                    }
+                    entry.alpha = Some(name.clone());
+                    continue;
+                }
+                KeyRole::Down(_) | KeyRole::Up(_) => {}
+            }
+            let Some(d) = dtype_name(info.dtype) else {
+                return Err(bad(
+                    name.as_str(),
+                    format!("dtype {:?} is not F32, F16 or BF16", info.dtype),
+                ));
+            };
+            match dtype {
+                Some(first) if first != d => {
+                    return Err(bad(
+                        name.as_str(),
+                        format!("dtype {d} differs from the file's {first}"),
+                    ))
+                }
+                _ => dtype = Some(d),
+            }
+            if info.shape.len() != 2 || info.shape.contains(&0) {
+                return Err(bad(
+                    name.as_str(),
+                    format!("must be a non-empty 2-D matrix, got shape {:?}", info.shape),
+                ));
+            }
+            let slot = (name.clone(), info.shape.clone());
+            match role {
+                KeyRole::Down(_) => entry.down = Some(slot),
+                _ => entry.up = Some(slot),
+            }
+        }
+        let mut modules = Vec::with_capacity(parts.len());
+        let mut parameters = 0u64;
+        for (module, p) in parts {
+            let (Some((down_key, down)), Some((up_key, up))) = (p.down, p.up) else {
+                return Err(bad(
+                    format!("{TRANSFORMER_PREFIX}{module}"),
+                    "needs both lora_A.weight and lora_B.weight",
+                ));
+            };
+            let rank = down[0];
+            if up[1] != rank {
+                return Err(bad(
+                    up_key,
+                    format!("has rank {} but lora_A has rank {rank}", up[1]),
+                ));
+            }
+            if rank > MAX_RANK {
+                return Err(bad(down_key, format!("rank {rank} is above {MAX_RANK}")));
+            }
+            let alpha = match p.alpha {
+                Some(key) => Some(scalar(bytes, &key)?),
+                None => None,
+            };
+            // diffusers builds the layers from the metadata's rank, so one that disagrees with the
+            // weights would not load there either.
+            if let Some(r) =
+                PeftConfig::pattern(&config.rank_pattern, &module).or(config.r.as_ref())
+            {
+                if *r != rank as f64 {
+                    return Err(bad(
+                        down_key,
+                        format!("has rank {rank} but the metadata says {r}"),
+                    ));
+                }
+            }
+            let scale = config.scale(&module, rank, alpha);
+            if !scale.is_finite() {
+                return Err(bad(down_key, format!("scale {scale} is not finite")));
+            }
+            parameters += (down[0] * down[1] + up[0] * up[1]) as u64;
+            modules.push(LoraModule {
+                in_features: down[1],
+                out_features: up[0],
+                module,
+                rank,
+                scale,
+                down_key,
+                up_key,
+            });
+        }
+        Ok(Self {
+            modules,
+            dtype: dtype.unwrap_or("F32").to_string(),
+            parameters,
+        })
+    }
+
+    /// The raw little-endian bytes, dtype and shape of one tensor of the file.
+    pub fn tensor_data<'a>(
+        bytes: &'a [u8],
+        key: &str,
+    ) -> Result<(&'a [u8], Dtype, Vec<usize>), LoraFormatError> {
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| bad("file", format!("is not a safetensors file: {e}")))?;
+        let view = st
+            .tensor(key)
+            .map_err(|e| bad(key, format!("cannot be read: {e}")))?;
+        Ok((view.data(), view.dtype(), view.shape().to_vec()))
+    }
+}
+
+/// A one-element float tensor's value.
+fn scalar(bytes: &[u8], key: &str) -> Result<f64, LoraFormatError> {
+    let (data, dtype, _) = LoraFile::tensor_data(bytes, key)?;
+    let v = match (dtype, data.len()) {
+        (Dtype::F32, 4) => f32::from_le_bytes([data[0], data[1], data[2], data[3]]) as f64,
+        (Dtype::F64, 8) => f64::from_le_bytes(data.try_into().map_err(|_| bad(key, "bad size"))?),
+        (Dtype::F16, 2) => half_to_f64(u16::from_le_bytes([data[0], data[1]]), false),
+        (Dtype::BF16, 2) => half_to_f64(u16::from_le_bytes([data[0], data[1]]), true),
+        (d, _) => return Err(bad(key, format!("alpha of dtype {d:?} is not supported"))),
+    };
+    if !v.is_finite() || v == 0.0 {
+        return Err(bad(
+            key,
+            format!("alpha must be finite and non-zero, got {v}"),
+        ));
+    }
+    Ok(v)
+}
+
+/// A 16-bit float as f64 (IEEE half, or bfloat16 when `bf16`).
+fn half_to_f64(bits: u16, bf16: bool) -> f64 {
+    if bf16 {
+        return f32::from_bits(u32::from(bits) << 16) as f64;
+    }
+    let sign = if bits & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let exp = i32::from((bits >> 10) & 0x1f);
+    let frac = f64::from(bits & 0x3ff);
+    sign * match exp {
+        0 => frac * 2f64.powi(-24),
+        31 if frac == 0.0 => f64::INFINITY,
+        31 => f64::NAN,
+        e => (1.0 + frac / 1024.0) * 2f64.powi(e - 15),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    /// A safetensors file of f32 tensors `(key, shape)` filled with 0.5, plus metadata.
+    fn file(tensors: &[(&str, Vec<usize>)], metadata: Option<serde_json::Value>) -> Vec<u8> {
+        let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+            .iter()
+            .map(|(k, s)| {
+                let n: usize = s.iter().product();
+                let bytes = (0..n).flat_map(|_| 0.5f32.to_le_bytes()).collect();
+                (k.to_string(), bytes, s.clone())
+            })
+            .collect();
+        let views: Vec<(String, TensorView)> = data
+            .iter()
+            .map(|(k, b, s)| {
+                (
+                    k.clone(),
+                    TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        let info = metadata.map(|m| HashMap::from([(METADATA_KEY.to_string(), m.to_string())]));
+        safetensors::serialize(views, info).unwrap()
+    }
+
+    fn pair(module: &str, rank: usize, inp: usize, out: usize) -> Vec<(String, Vec<usize>)> {
+        vec![
+            (
+                format!("transformer.{module}.lora_A.weight"),
+                vec![rank, inp],
+            ),
+            (
+                format!("transformer.{module}.lora_B.weight"),
+                vec![out, rank],
+            ),
+        ]
+    }
+
+    fn parse(
+        tensors: Vec<(String, Vec<usize>)>,
+        meta: Option<serde_json::Value>,
+    ) -> Result<LoraFile, LoraFormatError> {
+        let refs: Vec<(&str, Vec<usize>)> = tensors
+            .iter()
+            .map(|(k, s)| (k.as_str(), s.clone()))
+            .collect();
+        LoraFile::parse(&file(&refs, meta))
+    }
+
+    #[test]
+    fn scales_follow_the_peft_config_and_its_patterns() {
+        let mut t = pair("transformer_blocks.0.attn.to_q", 4, 32, 32);
+        t.extend(pair("transformer_blocks.0.attn.to_k", 4, 32, 32));
+        t.extend(pair("single_transformer_blocks.0.proj_out", 2, 64, 32));
+        let meta = serde_json::json!({
+            "transformer.r": 4, "transformer.lora_alpha": 8,
+            "transformer.rank_pattern": {"single_transformer_blocks.0.proj_out": 2},
+            "transformer.alpha_pattern": {"to_k": 3},
+            "text_encoder.r": 99,
+        });
+        let f = parse(t, Some(meta)).unwrap();
+        let by: HashMap<&str, &LoraModule> =
+            f.modules.iter().map(|m| (m.module.as_str(), m)).collect();
+        assert_eq!(by["transformer_blocks.0.attn.to_q"].scale, 2.0);
+        assert_eq!(by["transformer_blocks.0.attn.to_k"].scale, 0.75);
+        assert_eq!(by["single_transformer_blocks.0.proj_out"].scale, 4.0);
+        assert_eq!(by["single_transformer_blocks.0.proj_out"].in_features, 64);
+        assert_eq!(f.parameters, (4 * 32 + 32 * 4) * 2 + 2 * 64 + 32 * 2);
+        assert_eq!(f.dtype, "F32");
+    }
+
+    #[test]
+    fn without_metadata_alpha_is_the_rank_and_rslora_divides_by_its_root() {
+        let f = parse(pair("x_embedder", 8, 16, 32), None).unwrap();
+        assert_eq!(f.modules[0].scale, 1.0);
+        let meta = serde_json::json!({"transformer.r": 4, "transformer.lora_alpha": 4, "transformer.use_rslora": true});
+        let f = parse(pair("x_embedder", 4, 16, 32), Some(meta)).unwrap();
+        assert_eq!(f.modules[0].scale, 2.0);
+    }
+
+    #[test]
+    fn bad_files_name_the_key_at_fault() {
+        let err = |t: Vec<(String, Vec<usize>)>, m| parse(t, m).unwrap_err();
+        let e = err(pair("x", 4, 8, 8).into_iter().take(1).collect(), None);
+        assert_eq!(e.key, "transformer.x");
+        assert!(e.message.contains("lora_B"), "{e}");
+        let e = err(
+            vec![("text_encoder.a.lora_A.weight".into(), vec![2, 2])],
+            None,
+        );
+        assert_eq!(e.key, "text_encoder.a.lora_A.weight");
+        let mut t = pair("x", 4, 8, 8);
+        t[1].1 = vec![8, 3];
+        assert!(err(t, None).message.contains("rank 3"));
+        let meta = serde_json::json!({"transformer.r": 8});
+        assert!(err(pair("x", 4, 8, 8), Some(meta))
+            .message
+            .contains("metadata"));
+        let meta = serde_json::json!({"transformer.use_dora": true});
+        assert_eq!(err(pair("x", 4, 8, 8), Some(meta)).key, METADATA_KEY);
+        let e = err(
+            vec![("transformer.x.lora_magnitude_vector".into(), vec![8])],
+            None,
+        );
+        assert!(e.message.contains("DoRA"));
+        let mut t = pair("x", 4, 8, 8);
+        t[0].1 = vec![4, 8, 1];
+        assert!(err(t, None).message.contains("2-D"));
+        assert_eq!(LoraFile::parse(b"not a file").unwrap_err().key, "file");
+        assert_eq!(LoraFile::parse(&file(&[], None)).unwrap_err().key, "file");
+    }
+
+    #[test]
+    fn alpha_tensors_override_the_config() {
+        let mut t = pair("x", 4, 8, 8);
+        t.push(("transformer.x.alpha".into(), vec![]));
+        let f = parse(t, Some(serde_json::json!({"transformer.lora_alpha": 16}))).unwrap();
+        // The alpha tensor holds 0.5 (see `file`): 0.5 / 4.
+        assert_eq!(f.modules[0].scale, 0.125);
+    }
+
+    #[test]
+    fn half_floats_decode() {
+        assert_eq!(half_to_f64(0x3c00, false), 1.0);
+        assert_eq!(half_to_f64(0xc000, false), -2.0);
+        assert_eq!(half_to_f64(0x3f80, true), 1.0);
+    }
+}
