@@ -12,7 +12,11 @@ users get them, and diffusers' outputs with the adapters loaded through its PEFT
                              img_ids, txt_ids
     OUT/outputs.safetensors  base, a (weight 0.7), ab (a 0.7 and b -0.5)
 
-Usage: python gen_lora.py --out DIR
+With `--shipped MODEL_DIR LORA` it also writes OUT/shipped_{inputs,outputs}.safetensors: the
+shipped tiny transformer (MODEL_DIR/transformer) with the shipped LoRA file loaded by diffusers
+(weight 1), which checks the files `diffmesh-train-tiny lora` writes load in diffusers.
+
+Usage: python gen_lora.py --out DIR [--shipped MODEL_DIR LORA]
 """
 import argparse
 import math
@@ -52,6 +56,7 @@ def adapter_state(cfg: LoraConfig, gen) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--shipped", nargs=2, metavar=("MODEL_DIR", "LORA"))
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     gen = torch.Generator().manual_seed(4321)
@@ -109,6 +114,34 @@ def main() -> None:
         assert (outputs[name] - outputs["base"]).abs().max() > 1e-2, name
     save_file({k: v.contiguous() for k, v in inputs.items()}, os.path.join(args.out, "inputs.safetensors"))
     save_file({k: v.contiguous() for k, v in outputs.items()}, os.path.join(args.out, "outputs.safetensors"))
+    if args.shipped:
+        shipped(args.out, *args.shipped, gen)
+
+
+def shipped(out: str, model_dir: str, lora: str, gen) -> None:
+    model = FluxTransformer2DModel.from_pretrained(os.path.join(model_dir, "transformer")).eval()
+    cfg = model.config
+    n, txt = 256, 16
+    inputs = {
+        "hidden_states": torch.randn(1, n, cfg.in_channels, generator=gen),
+        "encoder_hidden_states": torch.randn(1, txt, cfg.joint_attention_dim, generator=gen),
+        "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=gen),
+        "timestep": torch.rand(1, generator=gen),
+        "img_ids": torch.randint(0, 16, (n, 3), generator=gen).float(),
+        "txt_ids": torch.zeros(txt, 3),
+    }
+    outputs = {}
+    with torch.no_grad():
+        outputs["base"] = model(**inputs, return_dict=False)[0]
+        state, alphas, metadata = FluxPipeline.lora_state_dict(lora, return_alphas=True,
+                                                               return_lora_metadata=True)
+        FluxPipeline.load_lora_into_transformer(state, network_alphas=alphas, transformer=model,
+                                                adapter_name="shipped", metadata=metadata)
+        model.set_adapters(["shipped"], weights=[1.0])
+        outputs["lora"] = model(**inputs, return_dict=False)[0]
+    assert (outputs["lora"] - outputs["base"]).abs().max() > 1e-3
+    save_file({k: v.contiguous() for k, v in inputs.items()}, os.path.join(out, "shipped_inputs.safetensors"))
+    save_file({k: v.contiguous() for k, v in outputs.items()}, os.path.join(out, "shipped_outputs.safetensors"))
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ enum Cmd {
     Down,
     /// One forward pass of a model component (see `diffmesh-forward --help`).
     Forward(PassThrough),
-    /// Benchmarks: `bench model` (see `diffmesh-bench --help`) and `bench engine` (see
-    /// `diffmesh-engine-bench --help`).
+    /// Benchmarks: `bench model` (see `diffmesh-bench --help`), `bench engine` (see
+    /// `diffmesh-engine-bench --help`) and `bench lora` (see `diffmesh-lora-bench --help`).
     Bench(PassThrough),
     /// Train the tiny default model (see `diffmesh-train-tiny --help`).
     TrainTiny(PassThrough),
@@ -92,6 +92,9 @@ fn main() -> anyhow::Result<()> {
             // The engine bench lives with the engine, in the denoiser crate.
             Some((part, rest)) if part == "engine" => {
                 release_bin(&tc, "diffmesh-denoiser", "diffmesh-engine-bench", rest)
+            }
+            Some((part, rest)) if part == "lora" => {
+                release_bin(&tc, "diffmesh-denoiser", "diffmesh-lora-bench", rest)
             }
             _ => release_bin(&tc, "diffmesh-model", "diffmesh-bench", &p.args),
         },

@@ -2,8 +2,9 @@
 //!
 //! diffmesh-train-tiny --out models/tiny   # the shipped weights (53 min on an AMX CPU)
 //! diffmesh-train-tiny eval --model-dir models/tiny --untrained-seed 0 --report models/tiny
+//! diffmesh-train-tiny lora --model-dir models/tiny --out models/tiny-loras/outline.safetensors
 use clap::{Parser, Subcommand};
-use diffmesh_model::tiny::{eval, train};
+use diffmesh_model::tiny::{eval, lora_train, train};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -23,6 +24,9 @@ enum Command {
     Train(train::TrainArgs),
     /// Generate the 100 held-out prompts and check the images; prints a JSON line last.
     Eval(eval::EvalArgs),
+    /// Train a LoRA of a trained model in the "outline" style (hollow shapes); prints a JSON
+    /// line last.
+    Lora(lora_train::LoraTrainArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -31,6 +35,12 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Eval(args)) => {
             let summary = eval::run(&args)?;
             println!("{}", serde_json::to_string(&summary)?);
+        }
+        Some(Command::Lora(args)) => {
+            println!(
+                "{}",
+                serde_json::to_string(&lora_train::train_lora(&args)?)?
+            );
         }
         Some(Command::Train(args)) => report(train::train(&args)?)?,
         None => report(train::train(&cli.train)?)?,

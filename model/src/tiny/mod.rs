@@ -7,6 +7,7 @@ pub mod check;
 pub mod codec;
 pub mod data;
 pub mod eval;
+pub mod lora_train;
 pub mod model;
 pub mod plot;
 pub mod text_encoder;

@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 const TOLERANCE: f64 = 1e-4;
+/// The trained LoRA of the default model (`cargo xtask train-tiny lora`).
+const SHIPPED_LORA: &str = "models/tiny-loras/outline.safetensors";
 
 fn fixtures() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
@@ -23,10 +25,14 @@ fn generate() -> PathBuf {
     let python = std::env::var("DIFFMESH_PYTHON")
         .unwrap_or_else(|_| "/root/.cache/diffmesh/venv/bin/python".into());
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python/parity/gen_lora.py");
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let status = std::process::Command::new(&python)
         .arg(&script)
         .arg("--out")
         .arg(&out)
+        .arg("--shipped")
+        .arg(repo.join("models/tiny"))
+        .arg(repo.join(SHIPPED_LORA))
         .status()
         .unwrap_or_else(|e| panic!("cannot run {python}: {e}"));
     assert!(status.success(), "{} failed: {status}", script.display());
@@ -49,13 +55,8 @@ fn max_err(a: &Tensor, b: &Tensor) -> f64 {
     f64::try_from((a - b).abs().max()).unwrap()
 }
 
-#[test]
-fn patched_weights_match_diffusers_peft_and_restore_exactly() {
-    let dir = fixtures();
-    let (model, vs) =
-        FluxTransformer::load(&dir.join("transformer"), Device::Cpu, Kind::Float).unwrap();
-    let mut x = read(&dir.join("inputs.safetensors"));
-    let inputs = FluxInputs {
+fn inputs_of(mut x: HashMap<String, Tensor>) -> FluxInputs {
+    FluxInputs {
         hidden_states: x.remove("hidden_states").unwrap(),
         encoder_hidden_states: x.remove("encoder_hidden_states").unwrap(),
         pooled_projections: x.remove("pooled_projections").unwrap(),
@@ -63,7 +64,15 @@ fn patched_weights_match_diffusers_peft_and_restore_exactly() {
         img_ids: x.remove("img_ids").unwrap(),
         txt_ids: x.remove("txt_ids").unwrap(),
         guidance: None,
-    };
+    }
+}
+
+#[test]
+fn patched_weights_match_diffusers_peft_and_restore_exactly() {
+    let dir = fixtures();
+    let (model, vs) =
+        FluxTransformer::load(&dir.join("transformer"), Device::Cpu, Kind::Float).unwrap();
+    let inputs = inputs_of(read(&dir.join("inputs.safetensors")));
     let expected = read(&dir.join("outputs.safetensors"));
     let forward = || tch::no_grad(|| model.forward(&inputs)).unwrap();
     let base = forward();
@@ -106,4 +115,28 @@ fn an_adapter_for_another_model_is_refused_by_name() {
     a.deltas[0].module = "transformer_blocks.7.attn.to_q".into();
     let err = LoraPatcher::new(&vs).check(&a).unwrap_err().to_string();
     assert!(err.contains("transformer_blocks.7.attn.to_q"), "{err}");
+}
+
+#[test]
+fn the_shipped_tiny_lora_loads_in_diffusers_as_it_does_here() {
+    let dir = fixtures();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let (model, vs) =
+        FluxTransformer::load(&repo.join("models/tiny/transformer"), Device::Cpu, Kind::Float)
+            .unwrap();
+    let inputs = inputs_of(read(&dir.join("shipped_inputs.safetensors")));
+    let expected = read(&dir.join("shipped_outputs.safetensors"));
+    let lora = adapter_from_bytes("outline", &std::fs::read(repo.join(SHIPPED_LORA)).unwrap())
+        .unwrap();
+    let mut patcher = LoraPatcher::new(&vs);
+    patcher
+        .apply(&[WeightedLora {
+            adapter: &lora,
+            weight: 1.0,
+        }])
+        .unwrap();
+    let got = tch::no_grad(|| model.forward(&inputs)).unwrap();
+    let err = max_err(&got, &expected["lora"]);
+    println!("shipped LoRA: max abs err {err:.3e}");
+    assert!(err <= TOLERANCE, "max abs err {err} > {TOLERANCE}");
 }

@@ -6,7 +6,9 @@
 //! - [`disaggregation`]: pre/post-processing inline in the step loop against on codec workers;
 //! - [`engine_steps`]: whole engine steps by batch size, written into a scheduler profile;
 //! - [`mask_aware`]: FlashPS step latency with streamed cache loading, throughput at batch 8 and
-//!   quality (SSIM/PSNR) of mask-aware edits against full compute.
+//!   quality (SSIM/PSNR) of mask-aware edits against full compute;
+//! - [`lora`] (its own binary, `diffmesh-lora-bench`): LoRA switch costs and what bounded
+//!   asynchronous loading gives up in quality.
 //!
 //! [`workload`] draws the requests, [`driver`] runs the engine and measures its step cost,
 //! [`codec_work`] is the codec's image work per request, [`template_caches`] captures the
@@ -16,6 +18,7 @@ pub mod codec_work;
 pub mod disaggregation;
 pub mod driver;
 pub mod engine_steps;
+pub mod lora;
 pub mod mask_aware;
 pub mod report;
 pub mod template_caches;
