@@ -13,21 +13,59 @@ use serde_json::{json, Value};
 /// A rank-4 LoRA of the tiny model's attention and MLP layers, deterministic pseudo-random.
 fn lora_file() -> Vec<u8> {
     let modules = [
-        ("transformer_blocks.0.attn.to_q", 192, 192),
-        ("transformer_blocks.1.ff.net.2", 768, 192),
-        ("single_transformer_blocks.0.proj_mlp", 192, 768),
-        ("single_transformer_blocks.1.attn.to_v", 192, 192),
+        ("transformer_blocks.0.attn.to_q".to_string(), 192, 192),
+        ("transformer_blocks.1.ff.net.2".to_string(), 768, 192),
+        ("single_transformer_blocks.0.proj_mlp".to_string(), 192, 768),
+        (
+            "single_transformer_blocks.1.attn.to_v".to_string(),
+            192,
+            192,
+        ),
     ];
+    lora_file_of(&modules, 4, 0.6)
+}
+
+/// Every attention and MLP layer of the tiny model (30), as `(module, in, out)`.
+fn all_layers() -> Vec<(String, usize, usize)> {
+    let mut m = Vec::new();
+    for i in 0..2 {
+        for l in [
+            "to_q",
+            "to_k",
+            "to_v",
+            "add_q_proj",
+            "add_k_proj",
+            "add_v_proj",
+            "to_out.0",
+            "to_add_out",
+        ] {
+            m.push((format!("transformer_blocks.{i}.attn.{l}"), 192, 192));
+        }
+        m.push((format!("transformer_blocks.{i}.ff.net.0.proj"), 192, 768));
+        m.push((format!("transformer_blocks.{i}.ff.net.2"), 768, 192));
+    }
+    for j in 0..2 {
+        for l in ["attn.to_q", "attn.to_k", "attn.to_v"] {
+            m.push((format!("single_transformer_blocks.{j}.{l}"), 192, 192));
+        }
+        m.push((format!("single_transformer_blocks.{j}.proj_mlp"), 192, 768));
+        m.push((format!("single_transformer_blocks.{j}.proj_out"), 960, 192));
+    }
+    m
+}
+
+/// A LoRA of `modules` at `rank`, values in +-amplitude/2.
+fn lora_file_of(modules: &[(String, usize, usize)], rank: usize, amplitude: f32) -> Vec<u8> {
     let mut state: u64 = 0x5eed;
     let mut next = move || {
         state = state
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
-        ((state >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 0.6
+        ((state >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * amplitude
     };
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (module, inp, out) in modules {
-        for (suffix, shape) in [("lora_A", vec![4, inp]), ("lora_B", vec![out, 4])] {
+        for (suffix, shape) in [("lora_A", vec![rank, *inp]), ("lora_B", vec![*out, rank])] {
             let n: usize = shape.iter().product();
             let data: Vec<u8> = (0..n).flat_map(|_| next().to_le_bytes()).collect();
             tensors.push((format!("transformer.{module}.{suffix}.weight"), shape, data));
@@ -144,4 +182,82 @@ async fn a_registered_lora_changes_generations_and_is_read_once() {
     .await;
     assert_eq!(s, 400);
     assert_eq!(body["error"]["field"], "loras[0].id", "{body}");
+}
+
+/// Latency of a generation with a LoRA the denoiser does not hold yet (read from the LoRA store
+/// at the job's start), synchronous loading against bounded asynchronous loading, and with the
+/// LoRA in memory. A measurement, not a check: `cargo xtask test -p diffmesh-tests --test
+/// lora_flow -- --ignored --nocapture cold_lora`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore]
+async fn cold_lora_latency_sync_against_bounded_async_loading() {
+    let rank: usize = std::env::var("DIFFMESH_BENCH_LORA_RANK")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(1024);
+    let file = lora_file_of(&all_layers(), rank, 0.02);
+    let steps = 20;
+    for fraction in [0.0, 0.2, 0.0, 0.2] {
+        let mesh = MeshBuilder::new()
+            .denoiser(move |_, c| {
+                c.lora_async_fraction = fraction;
+                c.max_lora_bytes = 512 << 20;
+            })
+            .gateway(|g| g.max_lora_bytes = 512 << 20)
+            .start()
+            .await;
+        let http = reqwest::Client::new();
+        let form = Form::new().part(
+            "weights",
+            Part::bytes(file.clone()).file_name("big.safetensors"),
+        );
+        let r = http
+            .post(mesh.url("/v1/loras"))
+            .multipart(form)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 201);
+        let id = r.json::<Value>().await.unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let url = mesh.url("/v1/images/generations");
+        let body = |seed: u64, lora: bool| {
+            let mut b = json!({"prompt": "a red circle on the left on a blue background",
+                "seed": seed, "num_inference_steps": steps});
+            if lora {
+                b["loras"] = json!([{"id": id}]);
+            }
+            b
+        };
+        // Warm the model and the path once without the LoRA.
+        generate(&http, &url, body(1, false)).await;
+        let mut times = Vec::new();
+        for (seed, lora) in [(2, false), (3, true), (4, true)] {
+            let start = std::time::Instant::now();
+            let (s, b, _) = generate(&http, &url, body(seed, lora)).await;
+            assert_eq!(s, 200, "{b}");
+            times.push(start.elapsed().as_secs_f64());
+        }
+        let metrics = scrape_metrics(mesh.denoiser("d1").addrs.health)
+            .await
+            .unwrap();
+        let fetch_sum = metric_sample(
+            &metrics,
+            "diffmesh_denoiser_lora_fetch_duration_seconds_sum",
+        );
+        let base_steps = metric_sample(
+            &metrics,
+            "diffmesh_denoiser_lora_steps_total{mode=\"base_while_loading\"}",
+        );
+        let waiting = metric_sample(
+            &metrics,
+            "diffmesh_denoiser_lora_steps_total{mode=\"waiting\"}",
+        );
+        println!(
+            "rank {rank} ({:.1} MB), {steps} steps, fraction {fraction}: no LoRA {:.3} s, cold LoRA {:.3} s, warm LoRA {:.3} s; fetch {:.3} s; steps on the base model while loading {base_steps}, steps waited {waiting}",
+            file.len() as f64 / 1e6, times[0], times[1], times[2], fetch_sum
+        );
+    }
 }
