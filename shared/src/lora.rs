@@ -8,7 +8,8 @@
 //! prefixed `transformer.`), with its `rank_pattern` / `alpha_pattern` overrides; a
 //! `<module>.alpha` tensor (kohya style) overrides both; with neither, alpha is the rank (scale 1),
 //! as diffusers loads such files. Only the header is read here, so the gateway can check an upload
-//! without tensors; the denoiser reads the data with [`LoraFile::tensor_data`].
+//! without tensors; the denoiser reads the tensors from the same bytes (`LoraFile::tensor_data`
+//! for one, one header parse for all in its `LoraBlob::adapter`).
 use safetensors::tensor::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};

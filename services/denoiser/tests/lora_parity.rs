@@ -121,13 +121,16 @@ fn an_adapter_for_another_model_is_refused_by_name() {
 fn the_shipped_tiny_lora_loads_in_diffusers_as_it_does_here() {
     let dir = fixtures();
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let (model, vs) =
-        FluxTransformer::load(&repo.join("models/tiny/transformer"), Device::Cpu, Kind::Float)
-            .unwrap();
+    let (model, vs) = FluxTransformer::load(
+        &repo.join("models/tiny/transformer"),
+        Device::Cpu,
+        Kind::Float,
+    )
+    .unwrap();
     let inputs = inputs_of(read(&dir.join("shipped_inputs.safetensors")));
     let expected = read(&dir.join("shipped_outputs.safetensors"));
-    let lora = adapter_from_bytes("outline", &std::fs::read(repo.join(SHIPPED_LORA)).unwrap())
-        .unwrap();
+    let lora =
+        adapter_from_bytes("outline", &std::fs::read(repo.join(SHIPPED_LORA)).unwrap()).unwrap();
     let mut patcher = LoraPatcher::new(&vs);
     patcher
         .apply(&[WeightedLora {

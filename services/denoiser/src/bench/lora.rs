@@ -61,6 +61,35 @@ pub fn random_adapter(vs: &nn::VarStore, id: &str, rank: i64) -> LoraAdapter {
     }
 }
 
+/// An adapter as a LoRA file (diffusers' keys, f32, no metadata: scale 1).
+fn adapter_file(a: &LoraAdapter) -> Result<Vec<u8>> {
+    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for d in &a.deltas {
+        for (suffix, t) in [("lora_A", &d.down), ("lora_B", &d.up)] {
+            let shape = t.size().iter().map(|&x| x as usize).collect();
+            let values = Vec::<f32>::try_from(t.flatten(0, -1))?;
+            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            data.push((
+                format!("transformer.{}.{suffix}.weight", d.module),
+                shape,
+                bytes,
+            ));
+        }
+    }
+    let views = data
+        .iter()
+        .map(|(k, s, b)| {
+            let v = safetensors::tensor::TensorView::new(
+                safetensors::tensor::Dtype::F32,
+                s.clone(),
+                b,
+            )?;
+            Ok((k.clone(), v))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(safetensors::serialize(views, None)?)
+}
+
 /// One model's switch costs (seconds, medians).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct SwitchCosts {
@@ -70,6 +99,8 @@ pub struct SwitchCosts {
     pub base_to_lora_s: f64,
     pub lora_to_lora_s: f64,
     pub lora_to_base_s: f64,
+    /// Reading the adapter's tensors from its file bytes, which the engine does at each switch.
+    pub read_s: f64,
     /// One full-compute denoising step at batch 1, for scale.
     pub step_s: f64,
 }
@@ -118,6 +149,11 @@ pub fn switch_costs(
     let lora_to_lora_s = time_switch(&wa, &wb)?;
     let lora_to_base_s = time_switch(&wa, &[])?;
     p.restore()?;
+    let blob = LoraBlob::new("a", adapter_file(&a)?.into())?;
+    let read_s = median_s(rounds, || {
+        std::hint::black_box(blob.adapter()?);
+        Ok(())
+    })?;
     let step_s = median_s(rounds, &mut step)?;
     Ok(SwitchCosts {
         model: name.into(),
@@ -126,6 +162,7 @@ pub fn switch_costs(
         base_to_lora_s,
         lora_to_lora_s,
         lora_to_base_s,
+        read_s,
         step_s,
     })
 }

@@ -77,9 +77,9 @@ fn main() -> Result<()> {
     }
     for s in &switches {
         println!(
-            "{}: {} layers, rank {} ({:.1} MB): base->LoRA {:.2} ms, LoRA->LoRA {:.2} ms, LoRA->base {:.2} ms; one step {:.2} ms",
+            "{}: {} layers, rank {} ({:.1} MB): base->LoRA {:.2} ms, LoRA->LoRA {:.2} ms, LoRA->base {:.2} ms, reading the tensors {:.2} ms; one step {:.2} ms",
             s.model, s.layers, args.rank, s.lora_bytes as f64 / 1e6,
-            s.base_to_lora_s * 1e3, s.lora_to_lora_s * 1e3, s.lora_to_base_s * 1e3, s.step_s * 1e3
+            s.base_to_lora_s * 1e3, s.lora_to_lora_s * 1e3, s.lora_to_base_s * 1e3, s.read_s * 1e3, s.step_s * 1e3
         );
     }
     let bytes = std::fs::read(&args.lora)?;

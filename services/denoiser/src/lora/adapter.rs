@@ -3,7 +3,7 @@
 use diffmesh_model::lora::{LoraAdapter, LoraDelta};
 use diffmesh_model::tch::{Kind, Tensor};
 use diffmesh_shared::lora::{LoraFile, LoraFormatError};
-use safetensors::tensor::Dtype;
+use safetensors::tensor::{Dtype, SafeTensors};
 
 /// A LoRA file in memory, checked.
 #[derive(Debug)]
@@ -25,14 +25,19 @@ impl LoraBlob {
 
     /// Its A and B matrices as tensors (CPU, the file's dtype).
     pub fn adapter(&self) -> Result<LoraAdapter, LoraFormatError> {
+        // One parse of the header for all tensors (a parse per tensor cost as much as the patch).
+        let st = SafeTensors::deserialize(&self.bytes).map_err(|e| LoraFormatError {
+            key: "file".into(),
+            message: format!("is not a safetensors file: {e}"),
+        })?;
         let deltas = self
             .file
             .modules
             .iter()
             .map(|m| {
                 Ok(LoraDelta {
-                    down: read_tensor(&self.bytes, &m.down_key)?,
-                    up: read_tensor(&self.bytes, &m.up_key)?,
+                    down: read_tensor(&st, &m.down_key)?,
+                    up: read_tensor(&st, &m.up_key)?,
                     module: m.module.clone(),
                     scale: m.scale,
                 })
@@ -57,10 +62,14 @@ fn kind_of(dtype: Dtype, key: &str) -> Result<Kind, LoraFormatError> {
     }
 }
 
-fn read_tensor(bytes: &[u8], key: &str) -> Result<Tensor, LoraFormatError> {
-    let (data, dtype, shape) = LoraFile::tensor_data(bytes, key)?;
-    let shape: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-    Tensor::f_from_data_size(data, &shape, kind_of(dtype, key)?).map_err(|e| LoraFormatError {
+fn read_tensor(st: &SafeTensors<'_>, key: &str) -> Result<Tensor, LoraFormatError> {
+    let view = st.tensor(key).map_err(|e| LoraFormatError {
+        key: key.to_string(),
+        message: format!("cannot be read: {e}"),
+    })?;
+    let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+    let kind = kind_of(view.dtype(), key)?;
+    Tensor::f_from_data_size(view.data(), &shape, kind).map_err(|e| LoraFormatError {
         key: key.to_string(),
         message: format!("cannot be read: {e}"),
     })
