@@ -248,6 +248,7 @@ pub(crate) mod tests {
             masked_tokens: 4,
             steps: 1,
             template: None,
+            loras: crate::policy::LoraKeys::NONE,
             waiting_behind: Some(0),
         };
         // t=0.5: batch {2,1} runs 2 steps of 3 s -> 6.5; the queued one retires, the new one
@@ -269,6 +270,7 @@ pub(crate) mod tests {
             masked_tokens: 450,
             steps: 28,
             template: None,
+            loras: crate::policy::LoraKeys::NONE,
             waiting_behind: Some(0),
         };
         let f =

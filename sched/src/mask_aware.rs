@@ -7,7 +7,7 @@ use crate::policy::{argmin_by, Policy, RequestInfo, WorkerState};
 /// and queue plus the request are fast-forwarded with the planner and cost models, so mask
 /// sizes, cache-load time and remaining steps all count. A worker that lacks the template's
 /// cache pays the part of the cold-fetch time that queueing does not hide; ties go to a worker
-/// that holds the template, then to the lowest index.
+/// that holds the template, then to one that holds its LoRA adapters, then to the lowest index.
 #[derive(Debug, Default, Clone)]
 pub struct MaskAware {
     /// Seconds to bring a template's cache into a worker's fast tier; `None` takes it from the
@@ -52,7 +52,8 @@ impl Policy for MaskAware {
         argmin_by(workers, |w| {
             let f = scratch.forecast(w, req, model);
             let holds = w.holds(req.template);
-            (f.finish_s + cold_penalty(holds, cold, f.start_s), !holds)
+            let key = f.finish_s + cold_penalty(holds, cold, f.start_s);
+            (key, !holds, !w.holds_all(req))
         })
     }
 }
@@ -66,6 +67,10 @@ pub struct MaskAwareMarginal {
     pub cold_fetch_s: Option<f64>,
     scratch: Forecaster,
 }
+
+/// How a worker ranks for a request (lower first): its cost, then not holding the template's
+/// cache, then not holding the LoRA adapters.
+type Ranking = (f64, bool, bool);
 
 /// [`MaskAwareMarginal`]'s pick, with what [`MaskAwareDeferring`] weighs it against.
 #[derive(Debug, Clone, Copy)]
@@ -91,7 +96,7 @@ impl MaskAwareMarginal {
         let cold = self.cold_fetch_s.unwrap_or_else(|| model.cold_fetch_s());
         let f = &mut self.scratch;
         // Index, marginal and added work of the best so far, with its ranking key.
-        let mut best: Option<(usize, f64, f64, (f64, bool))> = None;
+        let mut best: Option<(usize, f64, f64, Ranking)> = None;
         let mut first_drain = (f64::INFINITY, 1.0);
         for (i, w) in workers.iter().enumerate() {
             if !w.accepts() {
@@ -109,7 +114,7 @@ impl MaskAwareMarginal {
                 cold_penalty(false, cold, with.request.start_s)
             };
             let marginal_s = with.total_finish_s - without.total_finish_s;
-            let key = (marginal_s + penalty, !holds);
+            let key = (marginal_s + penalty, !holds, !w.holds_all(req));
             if best.as_ref().is_none_or(|b| key < b.3) {
                 best = Some((i, marginal_s, with.drain_s - without.drain_s, key));
             }
@@ -282,6 +287,7 @@ mod tests {
             masked_tokens: 10,
             steps: 3,
             template: None,
+            loras: crate::policy::LoraKeys::NONE,
             waiting_behind: Some(0),
         };
         assert_eq!(RequestCount.place(&req, &ws, &m), Some(1));
@@ -309,6 +315,37 @@ mod tests {
     }
 
     #[test]
+    fn lora_residency_breaks_ties_after_the_template() {
+        let m = synthetic::default_models();
+        let req = RequestInfo {
+            loras: crate::policy::LoraKeys::of(["style"]),
+            ..new_req()
+        };
+        let key = crate::policy::template_key("style");
+        let mut ws = vec![worker(&[], &[]), worker(&[], &[]), worker(&[], &[])];
+        ws[2].resident_loras = vec![key];
+        assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(2));
+        assert_eq!(MaskAwareMarginal::default().place(&req, &ws, &m), Some(2));
+        // Without LoRAs every idle worker ties: the lowest index.
+        assert_eq!(MaskAware::default().place(&new_req(), &ws, &m), Some(0));
+        // The template's cache counts first: worker 1 holds it, worker 2 only the LoRA.
+        let req = RequestInfo {
+            template: Some(7),
+            ..req
+        };
+        ws[1].resident_templates = vec![7];
+        assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(1));
+        // Not a tie: a busy worker with the LoRA loses to an idle one without it.
+        let mut ws = vec![worker(&[], &[]), worker(&[active(100, 5)], &[])];
+        ws[1].resident_loras = vec![key];
+        let req = RequestInfo {
+            loras: crate::policy::LoraKeys::of(["style"]),
+            ..new_req()
+        };
+        assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(0));
+    }
+
+    #[test]
     fn marginal_counts_the_slowdown_of_co_runners() {
         // Step seconds = summed masked tokens; the new request has 10 tokens and 3 steps.
         // Worker 0 runs one 30-token request with 3 steps left: the new one finishes at
@@ -328,6 +365,7 @@ mod tests {
             masked_tokens: 10,
             steps: 3,
             template: None,
+            loras: crate::policy::LoraKeys::NONE,
             waiting_behind: Some(0),
         };
         assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(1));
@@ -350,6 +388,7 @@ mod tests {
             masked_tokens: 10,
             steps: 3,
             template: None,
+            loras: crate::policy::LoraKeys::NONE,
             waiting_behind: Some(0),
         };
         let mut p = MaskAwareDeferring::default();

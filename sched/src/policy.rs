@@ -17,6 +17,8 @@ pub struct RequestInfo {
     pub steps: u32,
     /// Template whose cached activations the request reuses, if any.
     pub template: Option<u64>,
+    /// LoRA adapters the request applies ([`template_key`] of each id).
+    pub loras: LoraKeys,
     /// `Some(n)` when the caller can keep the request waiting if the policy declines to place
     /// it although a worker accepts (the router's admission queue can), with the `n` requests
     /// waiting behind it, whom holding it delays too; `None` when it must go now (a lost
@@ -43,6 +45,8 @@ pub struct WorkerState {
     pub queued: Vec<ActiveRequest>,
     /// Templates whose cached activations are in this worker's fast tier.
     pub resident_templates: Vec<u64>,
+    /// LoRA adapters in this worker's memory ([`template_key`] of each id).
+    pub resident_loras: Vec<u64>,
     pub limits: BatchLimits,
     /// Seconds until the step in flight ends (0 when idle).
     pub step_remaining_s: f64,
@@ -58,6 +62,7 @@ impl WorkerState {
             running: Vec::new(),
             queued: Vec::new(),
             resident_templates: Vec::new(),
+            resident_loras: Vec::new(),
             limits,
             step_remaining_s: 0.0,
             step_time_factor: 1.0,
@@ -76,6 +81,12 @@ impl WorkerState {
         template.is_none_or(|t| self.resident_templates.contains(&t))
     }
 
+    /// Holds everything the request reads besides the model: its template's cache and its LoRA
+    /// adapters (a worker without the adapters runs the request too, fetching them meanwhile).
+    pub fn holds_all(&self, req: &RequestInfo) -> bool {
+        self.holds(req.template) && req.loras.iter().all(|l| self.resident_loras.contains(&l))
+    }
+
     pub fn requests(&self) -> usize {
         self.running.len() + self.queued.len()
     }
@@ -86,6 +97,38 @@ impl WorkerState {
             .chain(&self.queued)
             .map(|r| r.masked_tokens as u64)
             .sum()
+    }
+}
+
+/// The LoRA adapters of a request, as keys; fixed-size so [`RequestInfo`] stays `Copy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoraKeys {
+    keys: [u64; 4],
+    len: u8,
+}
+
+impl LoraKeys {
+    pub const NONE: LoraKeys = LoraKeys {
+        keys: [0; 4],
+        len: 0,
+    };
+
+    /// The keys of up to four adapter ids (a request carries at most four; more are ignored).
+    pub fn of<'a>(ids: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut k = Self::NONE;
+        for id in ids.into_iter().take(4) {
+            k.keys[k.len as usize] = template_key(id);
+            k.len += 1;
+        }
+        k
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        self.keys[..self.len as usize].iter().copied()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -225,6 +268,7 @@ pub(crate) mod tests {
             masked_tokens: 400,
             steps: 28,
             template: None,
+            loras: LoraKeys::NONE,
             waiting_behind: Some(0),
         }
     }

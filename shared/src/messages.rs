@@ -331,6 +331,9 @@ pub struct Heartbeat {
     /// Template cache keys resident in the worker's local tier (the router prefers such a worker).
     #[serde(default)]
     pub cached_templates: Vec<String>,
+    /// LoRA ids in the worker's memory (the router prefers such a worker among equals).
+    #[serde(default)]
+    pub cached_loras: Vec<String>,
     /// The latest engine steps since the previous heartbeat (at most a few dozen), so the
     /// router can check its cost model against this worker's hardware. Empty from older senders.
     #[serde(default)]

@@ -3,9 +3,12 @@
 //! the same image again for the same seed, and a deleted LoRA is refused at the edge.
 use std::time::Duration;
 
+use diffmesh_shared::messages::{decode, Heartbeat};
+use diffmesh_shared::subjects;
 use diffmesh_tests::harness::{metric_sample, scrape_metrics};
 use diffmesh_tests::images::decode_b64_images;
 use diffmesh_tests::mesh::MeshBuilder;
+use futures::StreamExt;
 use reqwest::multipart::{Form, Part};
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value};
@@ -167,6 +170,24 @@ async fn a_registered_lora_changes_generations_and_is_read_once() {
         patched, 16.0,
         "every step of both jobs ran on the patched weights"
     );
+
+    // The denoiser reports the adapter it holds, for the router's placement.
+    let client = async_nats::connect(&mesh.nats.url()).await.unwrap();
+    let mut beats = client
+        .subscribe(subjects::DENOISER_HEARTBEAT)
+        .await
+        .unwrap();
+    let reported = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(msg) = beats.next().await {
+            let hb: Heartbeat = decode(&msg.payload).unwrap();
+            if hb.cached_loras.contains(&id) {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(reported, Ok(true), "a heartbeat lists the LoRA");
 
     let r = http
         .delete(mesh.url(&format!("/v1/loras/{id}")))

@@ -320,6 +320,7 @@ fn bench(args: &Args, model: &CostModels, n: usize) -> anyhow::Result<()> {
             masked_tokens: draw(&mut rng),
             steps: 28,
             template: None,
+            loras: diffmesh_sched::policy::LoraKeys::NONE,
             waiting_behind: Some(0),
         })
         .collect();

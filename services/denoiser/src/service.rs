@@ -487,6 +487,7 @@ impl Service {
             draining: status.draining || self.draining.load(Ordering::SeqCst),
             queue_capacity: self.config.max_queue as u32,
             cached_templates: self.templates.local.keys(),
+            cached_loras: self.loras.ids(),
             recent_steps: self.engine.take_step_samples(),
         }
     }

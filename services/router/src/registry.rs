@@ -45,6 +45,8 @@ pub struct WorkerView {
     pub running_jobs: HashMap<String, DenoiseJob>,
     /// Template cache keys resident on the worker (from its heartbeat).
     pub cached_templates: Vec<String>,
+    /// LoRA ids in the worker's memory (from its heartbeat).
+    pub cached_loras: Vec<String>,
 }
 
 impl WorkerView {
@@ -210,6 +212,7 @@ impl WorkerRegistry {
                     waiting: waiting.into_iter().map(|(_, j)| j.clone()).collect(),
                     running_jobs,
                     cached_templates: hb.cached_templates.clone(),
+                    cached_loras: hb.cached_loras.clone(),
                 }
             })
             .collect()
@@ -281,6 +284,7 @@ pub(crate) mod tests {
             draining: false,
             queue_capacity: 2,
             cached_templates: vec![],
+            cached_loras: vec![],
             recent_steps: vec![],
         }
     }

@@ -4,7 +4,7 @@
 use crate::registry::LiveWorker;
 use diffmesh_sched::batching::BatchLimits;
 use diffmesh_sched::cost_model::BatchTotals;
-use diffmesh_sched::policy::{template_key, ActiveRequest, RequestInfo, WorkerState};
+use diffmesh_sched::policy::{template_key, ActiveRequest, LoraKeys, RequestInfo, WorkerState};
 use diffmesh_sched::{CostModels, ModelShape};
 use diffmesh_shared::messages::{DenoiseJob, JobKind};
 use std::time::Instant;
@@ -44,6 +44,7 @@ pub fn request_info(job: &DenoiseJob, shape: &ModelShape) -> RequestInfo {
         masked_tokens: job_masked_tokens(job, shape),
         steps: job.params.num_inference_steps.max(1),
         template: template_cache_key(job).map(template_key),
+        loras: LoraKeys::of(job.params.loras.iter().map(|l| l.id.as_str())),
         waiting_behind: None,
     }
 }
@@ -122,6 +123,9 @@ pub fn fill_worker_state(
     out.resident_templates.clear();
     out.resident_templates
         .extend(hb.cached_templates.iter().map(|t| template_key(t)));
+    out.resident_loras.clear();
+    out.resident_loras
+        .extend(hb.cached_loras.iter().map(|l| template_key(l)));
 }
 
 /// Whole steps a batch is predicted to have run in `age` (the batch held still meanwhile).
@@ -253,6 +257,7 @@ pub(crate) mod tests {
         ];
         hb.queued = 3;
         hb.cached_templates = vec!["t".into()];
+        hb.cached_loras = vec!["style".into()];
         reg.observe(hb, t0);
         let mut ws = WorkerState::idle(BatchLimits::default());
         fill_worker_state(reg.live().next().unwrap(), &models(), 1.0, t0, &mut ws);
@@ -269,6 +274,14 @@ pub(crate) mod tests {
             .collect();
         assert_eq!(queued, vec![(32, 8), (64, 6), (128, 20)]);
         assert!(ws.alive && ws.holds(Some(template_key("t"))));
+        let mut job = edit("j4", 0.5, 10, "t");
+        job.params.loras = vec![diffmesh_shared::lora::LoraRef {
+            id: "style".into(),
+            scale: 1.0,
+        }];
+        assert!(ws.holds_all(&request_info(&job, &models().shape)));
+        job.params.loras[0].id = "other".into();
+        assert!(!ws.holds_all(&request_info(&job, &models().shape)));
         assert_eq!(ws.limits.max_batch, 4);
         assert_eq!(ws.limits.queue_capacity, 3);
         // 2 running + 3 queued of 4 + 3 slots.

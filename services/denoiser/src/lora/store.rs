@@ -66,6 +66,15 @@ impl LoraStore {
         self.cache.insert(blob.id.clone(), blob).await;
     }
 
+    /// Ids of the adapters held (the heartbeat reports them, so the router can prefer this
+    /// denoiser for their jobs).
+    pub fn ids(&self) -> Vec<String> {
+        self.cache
+            .iter()
+            .map(|(id, _)| id.as_ref().clone())
+            .collect()
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
         self.cache.weighted_size()

@@ -72,6 +72,7 @@ impl FakeWorker {
                             draining: false,
                             queue_capacity: self.queue_capacity,
                             cached_templates: vec![],
+                            cached_loras: vec![],
                             recent_steps: vec![],
                         };
                         let _ = client.publish(subjects::DENOISER_HEARTBEAT, encode(&hb).unwrap().into()).await;
