@@ -291,7 +291,13 @@ async fn bounded_async_loading_steps_the_base_model_up_to_the_bound_then_waits()
     let steps = |mode: &str| metrics.lora.lora_steps.with_label_values(&[mode]).get();
     assert_eq!(steps("base_while_loading"), 2);
     assert_eq!(steps("patched"), 8 + 6);
-    assert!(steps("waiting") >= 1);
+    let waited = &metrics.lora.lora_wait_seconds;
+    assert_eq!(waited.get_sample_count(), 1, "one job waited, once");
+    assert!(
+        waited.get_sample_sum() >= 0.4,
+        "{}",
+        waited.get_sample_sum()
+    );
     assert!(metrics.lora.lora_patch_seconds.get_sample_count() >= 2);
     stop(h).await;
 }

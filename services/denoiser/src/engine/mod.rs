@@ -179,6 +179,8 @@ struct Active {
     capture: Option<(CaptureSink, String, Instant)>,
     /// Its LoRA adapters, once in memory.
     lora: Option<LoraSlot>,
+    /// Since when it sits steps out for its adapters (past its bound).
+    lora_waiting_since: Option<Instant>,
 }
 
 struct Engine {
@@ -415,6 +417,7 @@ impl Engine {
                         failed: None,
                         cache: job.template.and_then(|slot| slot.get().cloned().flatten()),
                         lora: job.lora,
+                        lora_waiting_since: None,
                         capture: job.capture_key.map(|key| {
                             (
                                 CaptureSink::new(settings.format, settings.dtype),

@@ -98,10 +98,24 @@ impl Engine {
                     _ if a.lora.is_none() => continue,
                     LoraNeed::Base => "base_while_loading",
                     LoraNeed::Set(..) => "patched",
-                    LoraNeed::Wait => "waiting",
-                    LoraNeed::Failed(_) => continue,
+                    LoraNeed::Wait | LoraNeed::Failed(_) => continue,
                 };
                 m.lora.lora_steps.with_label_values(&[mode]).inc();
+            }
+        }
+        // How long each job sat out past its bound, observed once its adapters arrived.
+        for (a, n) in self.active.iter_mut().zip(&needs) {
+            match (n, a.lora_waiting_since) {
+                (LoraNeed::Wait, None) => a.lora_waiting_since = Some(started),
+                (LoraNeed::Set(..), Some(since)) => {
+                    a.lora_waiting_since = None;
+                    if let Some(m) = &self.metrics {
+                        m.lora
+                            .lora_wait_seconds
+                            .observe((started - since).as_secs_f64());
+                    }
+                }
+                _ => {}
             }
         }
         let seconds = started.elapsed().as_secs_f64();

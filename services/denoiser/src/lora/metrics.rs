@@ -2,10 +2,9 @@
 //! engine stepped jobs with adapters (bounded asynchronous loading).
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
 
-/// How a job with adapters took part in a step, as metric labels: `base_while_loading` (stepped
-/// on the base model while its adapters load, within its bound), `patched`, `waiting` (sat the
-/// step out: bound reached, adapters not loaded yet).
-pub const LORA_STEP_MODES: [&str; 3] = ["base_while_loading", "patched", "waiting"];
+/// How a job with adapters stepped, as metric labels: `base_while_loading` (on the base model
+/// while its adapters load, within its bound), `patched`.
+pub const LORA_STEP_MODES: [&str; 2] = ["base_while_loading", "patched"];
 
 #[derive(Clone)]
 pub struct LoraMetrics {
@@ -18,6 +17,8 @@ pub struct LoraMetrics {
     pub lora_patch_seconds: Histogram,
     /// Job-steps of jobs with adapters, by mode ([`LORA_STEP_MODES`]).
     pub lora_steps: IntCounterVec,
+    /// Per job that reached its bound before its adapters: how long it sat steps out.
+    pub lora_wait_seconds: Histogram,
 }
 
 impl LoraMetrics {
@@ -58,13 +59,21 @@ impl LoraMetrics {
         let lora_steps = IntCounterVec::new(
             Opts::new(
                 "diffmesh_denoiser_lora_steps_total",
-                "Steps of jobs with LoRAs, by mode (base_while_loading, patched, waiting)",
+                "Steps of jobs with LoRAs, by mode (base_while_loading, patched)",
             ),
             &["mode"],
         )?;
         for mode in LORA_STEP_MODES {
             lora_steps.with_label_values(&[mode]);
         }
+        let lora_wait_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_lora_wait_duration_seconds",
+                "Time a job sat steps out waiting for its LoRA adapters after its asynchronous bound",
+            )
+            .buckets(diffmesh_shared::metrics::LATENCY_BUCKETS_SECONDS.to_vec()),
+        )?;
+        registry.register(Box::new(lora_wait_seconds.clone()))?;
         registry.register(Box::new(lora_cache_lookups.clone()))?;
         registry.register(Box::new(lora_cache_bytes.clone()))?;
         registry.register(Box::new(lora_fetch_seconds.clone()))?;
@@ -76,6 +85,7 @@ impl LoraMetrics {
             lora_fetch_seconds,
             lora_patch_seconds,
             lora_steps,
+            lora_wait_seconds,
         })
     }
 }
