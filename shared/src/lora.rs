@@ -370,6 +370,28 @@ impl LoraFile {
     }
 }
 
+/// Write f32 tensors `(key, shape, values)` as a safetensors file, with optional metadata
+/// entries (e.g. [`METADATA_KEY`]): what tools and tests use to make LoRA files.
+pub fn write_f32_safetensors(
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>, LoraFormatError> {
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((key, shape, _), b)| {
+            safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), b)
+                .map(|v| (key.clone(), v))
+                .map_err(|e| bad(key.as_str(), e.to_string()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    safetensors::serialize(views, metadata).map_err(|e| bad("file", e.to_string()))
+}
+
 /// A one-element float tensor's value.
 fn scalar(bytes: &[u8], key: &str) -> Result<f64, LoraFormatError> {
     let (data, dtype, _) = LoraFile::tensor_data(bytes, key)?;
@@ -408,29 +430,15 @@ fn half_to_f64(bits: u16, bf16: bool) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use safetensors::tensor::TensorView;
 
     /// A safetensors file of f32 tensors `(key, shape)` filled with 0.5, plus metadata.
     fn file(tensors: &[(&str, Vec<usize>)], metadata: Option<serde_json::Value>) -> Vec<u8> {
-        let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+        let data: Vec<(String, Vec<usize>, Vec<f32>)> = tensors
             .iter()
-            .map(|(k, s)| {
-                let n: usize = s.iter().product();
-                let bytes = (0..n).flat_map(|_| 0.5f32.to_le_bytes()).collect();
-                (k.to_string(), bytes, s.clone())
-            })
-            .collect();
-        let views: Vec<(String, TensorView)> = data
-            .iter()
-            .map(|(k, b, s)| {
-                (
-                    k.clone(),
-                    TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
-                )
-            })
+            .map(|(k, s)| (k.to_string(), s.clone(), vec![0.5; s.iter().product()]))
             .collect();
         let info = metadata.map(|m| HashMap::from([(METADATA_KEY.to_string(), m.to_string())]));
-        safetensors::serialize(views, info).unwrap()
+        write_f32_safetensors(&data, info).unwrap()
     }
 
     fn pair(module: &str, rank: usize, inp: usize, out: usize) -> Vec<(String, Vec<usize>)> {

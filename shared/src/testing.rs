@@ -255,3 +255,36 @@ pub fn generation_job(
         template: None,
     }
 }
+
+/// A LoRA file (diffusers' keys, f32, no metadata: scale 1) of `modules` (`(path, in, out)`) at
+/// `rank`, with deterministic pseudo-random values in +-`amplitude`/2.
+pub fn lora_file(
+    modules: &[(String, usize, usize)],
+    rank: usize,
+    amplitude: f32,
+    seed: u64,
+) -> Vec<u8> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * amplitude
+    };
+    let mut tensors = Vec::new();
+    for (module, inp, out) in modules {
+        for (suffix, shape) in [("lora_A", vec![rank, *inp]), ("lora_B", vec![*out, rank])] {
+            let values = (0..shape.iter().product::<usize>())
+                .map(|_| next())
+                .collect();
+            tensors.push((
+                format!("transformer.{module}.{suffix}.weight"),
+                shape,
+                values,
+            ));
+        }
+    }
+    crate::lora::write_f32_safetensors(&tensors, None).expect("valid shapes")
+}

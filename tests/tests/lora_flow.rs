@@ -10,7 +10,6 @@ use diffmesh_tests::images::decode_b64_images;
 use diffmesh_tests::mesh::MeshBuilder;
 use futures::StreamExt;
 use reqwest::multipart::{Form, Part};
-use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value};
 
 /// A rank-4 LoRA of the tiny model's attention and MLP layers, deterministic pseudo-random.
@@ -59,31 +58,7 @@ fn all_layers() -> Vec<(String, usize, usize)> {
 
 /// A LoRA of `modules` at `rank`, values in +-amplitude/2.
 fn lora_file_of(modules: &[(String, usize, usize)], rank: usize, amplitude: f32) -> Vec<u8> {
-    let mut state: u64 = 0x5eed;
-    let mut next = move || {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((state >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * amplitude
-    };
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (module, inp, out) in modules {
-        for (suffix, shape) in [("lora_A", vec![rank, *inp]), ("lora_B", vec![*out, rank])] {
-            let n: usize = shape.iter().product();
-            let data: Vec<u8> = (0..n).flat_map(|_| next().to_le_bytes()).collect();
-            tensors.push((format!("transformer.{module}.{suffix}.weight"), shape, data));
-        }
-    }
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|(k, s, d)| {
-            (
-                k.clone(),
-                TensorView::new(Dtype::F32, s.clone(), d).unwrap(),
-            )
-        })
-        .collect();
-    safetensors::serialize(views, None).unwrap()
+    diffmesh_shared::testing::lora_file(modules, rank, amplitude, 0x5eed)
 }
 
 /// The RGB pixels of a generation's single image.

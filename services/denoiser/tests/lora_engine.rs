@@ -12,7 +12,6 @@ use diffmesh_model::lora::{LoraPatcher, WeightedLora};
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
 use diffmesh_shared::messages::DenoiseJob;
-use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -29,41 +28,18 @@ const MODULES: [(&str, usize, usize); 4] = [
     ("single_transformer_blocks.1.attn.to_v", 192, 192),
 ];
 
-/// A rank-4 LoRA file for those layers with deterministic pseudo-random weights; `module`
-/// overrides the first layer's path (to make one that does not fit).
+/// A rank-4 LoRA file for those layers with deterministic pseudo-random weights;
+/// `first_module` overrides the first layer's path (to make one that does not fit).
 fn lora_file(seed: u64, first_module: Option<&str>) -> Vec<u8> {
-    let mut state = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    let mut next = move || {
-        state = state
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((state >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 0.6
-    };
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (i, (module, inp, out)) in MODULES.iter().enumerate() {
-        let module = if i == 0 {
-            first_module.unwrap_or(module)
-        } else {
-            module
-        };
-        for (suffix, shape) in [("lora_A", vec![4, *inp]), ("lora_B", vec![*out, 4])] {
-            let n: usize = shape.iter().product();
-            let data: Vec<u8> = (0..n).flat_map(|_| next().to_le_bytes()).collect();
-            tensors.push((format!("transformer.{module}.{suffix}.weight"), shape, data));
-        }
-    }
-    let views: Vec<(String, TensorView)> = tensors
+    let modules: Vec<(String, usize, usize)> = MODULES
         .iter()
-        .map(|(k, s, d)| {
-            (
-                k.clone(),
-                TensorView::new(Dtype::F32, s.clone(), d).unwrap(),
-            )
+        .enumerate()
+        .map(|(i, (m, inp, out))| {
+            let m = if i == 0 { first_module.unwrap_or(m) } else { m };
+            (m.to_string(), *inp, *out)
         })
         .collect();
-    safetensors::serialize(views, None).unwrap()
+    diffmesh_shared::testing::lora_file(&modules, 4, 0.6, seed)
 }
 
 fn loaded(id: &str, bytes: Vec<u8>, weight: f64) -> LoadedLora {

@@ -1,7 +1,7 @@
 //! The LoRA registry of a running gateway against a real JetStream: register a LoRA file
-//! (written with the `safetensors` crate, as diffusers' `save_lora_weights` lays it out), list
-//! it, get it, refuse broken or oversized files naming `weights`, refuse image requests naming
-//! LoRAs that are not registered (`loras[i].id`) or with bad entries, pass a registered one
+//! (written with `shared::lora::write_f32_safetensors`, laid out as diffusers'
+//! `save_lora_weights` does), list it, get it, refuse broken or oversized files naming
+//! `weights`, refuse image requests naming LoRAs that are not registered (`loras[i].id`) or with bad entries, pass a registered one
 //! into the job's `GenerationParams`, and delete it (record and weights); with API keys, each
 //! key sees and uses only its own LoRAs. Only NATS and the gateway run; the test answers the
 //! codec's subject itself where a request gets that far.
@@ -17,7 +17,6 @@ use diffmesh_shared::subjects::CODEC_PRE;
 use diffmesh_shared::testing::NatsServer;
 use futures::StreamExt;
 use reqwest::multipart::{Form, Part};
-use safetensors::tensor::{Dtype, TensorView};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -27,26 +26,18 @@ const MAX_LORA_BYTES: usize = 64 * 1024;
 
 /// A LoRA file of f32 tensors `(key, shape)`.
 fn lora_file(tensors: &[(String, Vec<usize>)]) -> Vec<u8> {
-    let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+    let data: Vec<(String, Vec<usize>, Vec<f32>)> = tensors
         .iter()
         .map(|(key, shape)| {
             let n: usize = shape.iter().product();
-            let bytes = (0..n)
-                .flat_map(|i| (i as f32 * 1e-3).to_le_bytes())
-                .collect();
-            (key.clone(), bytes, shape.clone())
-        })
-        .collect();
-    let views: Vec<(String, TensorView)> = data
-        .iter()
-        .map(|(k, b, s)| {
             (
-                k.clone(),
-                TensorView::new(Dtype::F32, s.clone(), b).unwrap(),
+                key.clone(),
+                shape.clone(),
+                (0..n).map(|i| i as f32 * 1e-3).collect(),
             )
         })
         .collect();
-    safetensors::serialize(views, None).unwrap()
+    diffmesh_shared::lora::write_f32_safetensors(&data, None).unwrap()
 }
 
 /// The file the brief asks for: one rank-4 adapter of `to_q` (192 features).

@@ -63,31 +63,21 @@ pub fn random_adapter(vs: &nn::VarStore, id: &str, rank: i64) -> LoraAdapter {
 
 /// An adapter as a LoRA file (diffusers' keys, f32, no metadata: scale 1).
 fn adapter_file(a: &LoraAdapter) -> Result<Vec<u8>> {
-    let mut data: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut tensors = Vec::new();
     for d in &a.deltas {
         for (suffix, t) in [("lora_A", &d.down), ("lora_B", &d.up)] {
             let shape = t.size().iter().map(|&x| x as usize).collect();
             let values = Vec::<f32>::try_from(t.flatten(0, -1))?;
-            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            data.push((
+            tensors.push((
                 format!("transformer.{}.{suffix}.weight", d.module),
                 shape,
-                bytes,
+                values,
             ));
         }
     }
-    let views = data
-        .iter()
-        .map(|(k, s, b)| {
-            let v = safetensors::tensor::TensorView::new(
-                safetensors::tensor::Dtype::F32,
-                s.clone(),
-                b,
-            )?;
-            Ok((k.clone(), v))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(safetensors::serialize(views, None)?)
+    Ok(diffmesh_shared::lora::write_f32_safetensors(
+        &tensors, None,
+    )?)
 }
 
 /// One model's switch costs (seconds, medians).

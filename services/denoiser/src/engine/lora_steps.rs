@@ -94,24 +94,7 @@ mod tests {
 
     /// A one-adapter set (the blob is a minimal valid LoRA file).
     fn set(id: &str) -> Vec<LoadedLora> {
-        let tensors: [(&str, Vec<usize>); 2] = [
-            ("transformer.x.lora_A.weight", vec![1, 1]),
-            ("transformer.x.lora_B.weight", vec![1, 1]),
-        ];
-        let data = 1f32.to_le_bytes();
-        let views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
-            .iter()
-            .map(|(k, shape)| {
-                let v = safetensors::tensor::TensorView::new(
-                    safetensors::tensor::Dtype::F32,
-                    shape.clone(),
-                    &data,
-                )
-                .unwrap();
-                (*k, v)
-            })
-            .collect();
-        let bytes = safetensors::serialize(views, None).unwrap();
+        let bytes = diffmesh_shared::testing::lora_file(&[("x".into(), 1, 1)], 1, 1.0, 1);
         vec![LoadedLora {
             blob: Arc::new(LoraBlob::new(id, bytes.into()).unwrap()),
             weight: 1.0,
