@@ -8,8 +8,7 @@
 //! prefixed `transformer.`), with its `rank_pattern` / `alpha_pattern` overrides; a
 //! `<module>.alpha` tensor (kohya style) overrides both; with neither, alpha is the rank (scale 1),
 //! as diffusers loads such files. Only the header is read here, so the gateway can check an upload
-//! without tensors; the denoiser reads the tensors from the same bytes (`LoraFile::tensor_data`
-//! for one, one header parse for all in its `LoraBlob::adapter`).
+//! without tensors; the denoiser reads the tensors from the same bytes (`LoraBlob::adapter`).
 use safetensors::tensor::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -299,6 +298,15 @@ impl LoraFile {
                 _ => entry.up = Some(slot),
             }
         }
+        // The data, for alpha tensors: one parse of the header for all of them.
+        let with_data = if parts.values().any(|p| p.alpha.is_some()) {
+            Some(
+                SafeTensors::deserialize(bytes)
+                    .map_err(|e| bad("file", format!("is not a safetensors file: {e}")))?,
+            )
+        } else {
+            None
+        };
         let mut modules = Vec::with_capacity(parts.len());
         let mut parameters = 0u64;
         for (module, p) in parts {
@@ -318,9 +326,9 @@ impl LoraFile {
             if rank > MAX_RANK {
                 return Err(bad(down_key, format!("rank {rank} is above {MAX_RANK}")));
             }
-            let alpha = match p.alpha {
-                Some(key) => Some(scalar(bytes, &key)?),
-                None => None,
+            let alpha = match (p.alpha, &with_data) {
+                (Some(key), Some(st)) => Some(scalar(st, &key)?),
+                _ => None,
             };
             // diffusers builds the layers from the metadata's rank, so one that disagrees with the
             // weights would not load there either.
@@ -355,19 +363,6 @@ impl LoraFile {
             parameters,
         })
     }
-
-    /// The raw little-endian bytes, dtype and shape of one tensor of the file.
-    pub fn tensor_data<'a>(
-        bytes: &'a [u8],
-        key: &str,
-    ) -> Result<(&'a [u8], Dtype, Vec<usize>), LoraFormatError> {
-        let st = SafeTensors::deserialize(bytes)
-            .map_err(|e| bad("file", format!("is not a safetensors file: {e}")))?;
-        let view = st
-            .tensor(key)
-            .map_err(|e| bad(key, format!("cannot be read: {e}")))?;
-        Ok((view.data(), view.dtype(), view.shape().to_vec()))
-    }
 }
 
 /// Write f32 tensors `(key, shape, values)` as a safetensors file, with optional metadata
@@ -393,8 +388,11 @@ pub fn write_f32_safetensors(
 }
 
 /// A one-element float tensor's value.
-fn scalar(bytes: &[u8], key: &str) -> Result<f64, LoraFormatError> {
-    let (data, dtype, _) = LoraFile::tensor_data(bytes, key)?;
+fn scalar(st: &SafeTensors<'_>, key: &str) -> Result<f64, LoraFormatError> {
+    let view = st
+        .tensor(key)
+        .map_err(|e| bad(key, format!("cannot be read: {e}")))?;
+    let (data, dtype) = (view.data(), view.dtype());
     let v = match (dtype, data.len()) {
         (Dtype::F32, 4) => f32::from_le_bytes([data[0], data[1], data[2], data[3]]) as f64,
         (Dtype::F64, 8) => f64::from_le_bytes(data.try_into().map_err(|_| bad(key, "bad size"))?),
