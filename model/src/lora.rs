@@ -4,13 +4,26 @@
 //! Patching writes `W0 + sum_i w_i * s_i * B_i @ A_i` over the live weight (computed in f32, then
 //! stored in the weight's dtype), so a patched forward costs what the base forward costs and needs
 //! no LoRA layers. Katz patches off by subtracting; we restore from a copy of each adapted weight
-//! taken the first time it is patched (kept on the CPU), because `(W + D) - D` is not `W` in
+//! taken the first time it is patched, because `(W + D) - D` is not `W` in
 //! floating point: over thousands of switches, and in bf16 after one, the base model would drift.
-//! The copies cost host memory for the adapted layers only.
+//! The copies cost memory for the adapted layers only, on the CPU or on the weights' device
+//! ([`OriginalsOn`]): on a GPU, copies in host memory save device memory but make every switch
+//! copy the adapted layers over PCIe.
 use crate::error::{ModelError, Result};
 use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 use tch::{nn::VarStore, Device, Kind, Tensor};
+
+/// Where [`LoraPatcher`] keeps the base copies of the layers it patches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum OriginalsOn {
+    /// Host memory: no extra device memory; a switch on a GPU copies host to device.
+    Host,
+    /// The weights' own device: switches stay on the device, at the cost of a second copy of
+    /// the adapted layers there (the same as `Host` on a CPU).
+    #[default]
+    Device,
+}
 
 /// The low-rank update of one linear layer: `scale * up @ down`.
 #[derive(Debug)]
@@ -100,16 +113,22 @@ pub struct PatchStats {
 pub struct LoraPatcher {
     /// Every 2-D `<module>.weight` of the model, by module path (shallow: the model's storage).
     weights: HashMap<String, Tensor>,
-    /// Base copies of the layers ever patched (CPU).
+    /// Base copies of the layers ever patched (see [`OriginalsOn`]).
     originals: HashMap<String, Tensor>,
+    originals_on: OriginalsOn,
     /// Layers that now hold a patch.
     patched: BTreeSet<String>,
     current: LoraSetKey,
 }
 
 impl LoraPatcher {
-    /// A patcher over `vs`'s variables; the weights start unpatched.
+    /// A patcher over `vs`'s variables, base copies on the weights' device; the weights start
+    /// unpatched.
     pub fn new(vs: &VarStore) -> Self {
+        Self::with_originals_on(vs, OriginalsOn::Device)
+    }
+
+    pub fn with_originals_on(vs: &VarStore, originals_on: OriginalsOn) -> Self {
         let weights = vs
             .variables()
             .into_iter()
@@ -119,6 +138,7 @@ impl LoraPatcher {
         Self {
             weights,
             originals: HashMap::new(),
+            originals_on,
             patched: BTreeSet::new(),
             current: LoraSetKey::default(),
         }
@@ -189,7 +209,11 @@ impl LoraPatcher {
             for module in updates.keys() {
                 if !self.originals.contains_key(*module) {
                     let w = &self.weights[*module];
-                    let mut copy = Tensor::f_empty(w.size(), (w.kind(), Device::Cpu))?;
+                    let device = match self.originals_on {
+                        OriginalsOn::Host => Device::Cpu,
+                        OriginalsOn::Device => w.device(),
+                    };
+                    let mut copy = Tensor::f_empty(w.size(), (w.kind(), device))?;
                     copy.f_copy_(w)?;
                     self.originals.insert(module.to_string(), copy);
                 }
@@ -255,9 +279,15 @@ mod tests {
 
     #[test]
     fn patching_adds_the_scaled_update_and_restore_is_exact() {
+        for on in [OriginalsOn::Host, OriginalsOn::Device] {
+            patch_and_restore(on);
+        }
+    }
+
+    fn patch_and_restore(on: OriginalsOn) {
         let (vs, lin) = store();
         let base = lin.weight.copy();
-        let mut p = LoraPatcher::new(&vs);
+        let mut p = LoraPatcher::with_originals_on(&vs, on);
         let a = adapter("a", 1, 0.5);
         let b = adapter("b", 2, 2.0);
         let set = [

@@ -124,6 +124,11 @@ pub struct DenoiserConfig {
     /// model while its LoRA adapters load (Katz's K = 10 of 50 steps is 0.2); 0 waits for them.
     #[arg(long, env = "LORA_ASYNC_FRACTION", default_value_t = 0.2)]
     pub lora_async_fraction: f64,
+    /// Where the base copies of LoRA-patched layers live: `device` (switches stay on the GPU; a
+    /// second copy of the adapted layers in device memory) or `host` (no device memory; every
+    /// switch copies them host to device). The same on a CPU.
+    #[arg(long, env = "LORA_ORIGINALS", value_enum, default_value_t = diffmesh_model::lora::OriginalsOn::Device)]
+    pub lora_originals: diffmesh_model::lora::OriginalsOn,
     /// Bytes of LoRA adapters held in memory (LRU).
     #[arg(long, env = "LORA_CACHE_BYTES", default_value_t = 2 << 30)]
     pub lora_cache_bytes: u64,
@@ -176,6 +181,7 @@ impl DenoiserConfig {
             template_pixels_bytes: 64 << 20,
             conditioning_cache_bytes: 64 << 20,
             lora_async_fraction: 0.2,
+            lora_originals: Default::default(),
             lora_cache_bytes: 64 << 20,
             max_lora_bytes: 64 << 20,
             warm_on_capture: true,
@@ -371,6 +377,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         cache: cache_settings,
         conditioning_cache_bytes: config.conditioning_cache_bytes,
         lora_async_fraction: config.lora_async_fraction,
+        lora_originals: config.lora_originals,
     };
     let cache_bucket =
         BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::CACHES).await?;

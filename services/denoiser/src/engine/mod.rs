@@ -62,7 +62,10 @@ pub fn spawn_engine(
     let status = Arc::new(Mutex::new(EngineStatus::default()));
     let steps = StepSamples::default();
     let engine = Engine {
-        patcher: LoraPatcher::new(&model.model.transformer_store),
+        patcher: LoraPatcher::with_originals_on(
+            &model.model.transformer_store,
+            config.lora_originals,
+        ),
         cached: CachedStepper::new(config.cache, model.gpu_copy.clone())?,
         conditioning: ConditioningCache::new(config.conditioning_cache_bytes),
         model,

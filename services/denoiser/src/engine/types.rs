@@ -185,6 +185,8 @@ pub struct EngineConfig {
     /// model while its adapters load (floored; Katz's K = 10 of 50 steps is 0.2); 0 waits for
     /// the adapters before the first step.
     pub lora_async_fraction: f64,
+    /// Where the LoRA patcher keeps the base copies of the layers it patches.
+    pub lora_originals: diffmesh_model::lora::OriginalsOn,
 }
 
 impl Default for EngineConfig {
@@ -197,6 +199,7 @@ impl Default for EngineConfig {
             cache: CacheSettings::default(),
             conditioning_cache_bytes: 256 << 20,
             lora_async_fraction: 0.2,
+            lora_originals: Default::default(),
         }
     }
 }
