@@ -3,7 +3,7 @@
 # `device` call with `carry: [".gpu"]` running `bash scripts/gpu/checks.sh` (docs/GPU.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-cargo build --release -p diffmesh-denoiser --bin diffmesh-engine-bench
+cargo build --release -p diffmesh-denoiser --bin diffmesh-engine-bench --bin diffmesh-lora-bench
 tests=$(cargo test --release -p diffmesh-denoiser --lib --no-run --message-format=json \
   | python3 -c 'import json, sys
 for line in sys.stdin:
@@ -12,8 +12,8 @@ for line in sys.stdin:
         print(m["executable"])')
 mkdir -p .git/info .gpu
 grep -qx /.gpu/ .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
-cp target/release/diffmesh-engine-bench .gpu/
+cp target/release/diffmesh-engine-bench target/release/diffmesh-lora-bench .gpu/
 cp "$tests" .gpu/denoiser-tests
-strip .gpu/diffmesh-engine-bench .gpu/denoiser-tests
+strip .gpu/diffmesh-engine-bench .gpu/diffmesh-lora-bench .gpu/denoiser-tests
 cp ../shared/data/mask-ratios/production-edit.txt .gpu/
 ls -la .gpu

@@ -12,7 +12,7 @@ use crate::lora::LoraBlob;
 use crate::model::{step_requests, EngineModel};
 use anyhow::{ensure, Context, Result};
 use diffmesh_model::flux::FluxTransformer;
-use diffmesh_model::lora::{LoraAdapter, LoraDelta, LoraPatcher, WeightedLora};
+use diffmesh_model::lora::{LoraAdapter, LoraDelta, LoraPatcher, OriginalsOn, WeightedLora};
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::quality::ssim;
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
@@ -20,12 +20,21 @@ use diffmesh_model::tiny::data::Split;
 use diffmesh_shared::testing::generation_job;
 use std::time::Instant;
 
-/// Median seconds of `f` over `rounds` runs.
-fn median_s(rounds: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// Wait for the device's queued work (GPU ops return before they run).
+fn sync(device: Device) {
+    if let Device::Cuda(i) = device {
+        tch::Cuda::synchronize(i as i64);
+    }
+}
+
+/// Median seconds of `f` over `rounds` runs on `device`.
+fn median_s(device: Device, rounds: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     let mut t = Vec::with_capacity(rounds);
     for _ in 0..rounds.max(1) {
+        sync(device);
         let start = Instant::now();
         f()?;
+        sync(device);
         t.push(start.elapsed().as_secs_f64());
     }
     t.sort_by(f64::total_cmp);
@@ -84,6 +93,10 @@ fn adapter_file(a: &LoraAdapter) -> Result<Vec<u8>> {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct SwitchCosts {
     pub model: String,
+    pub device: String,
+    pub dtype: String,
+    /// Where the patcher kept the base copies (`--originals`).
+    pub originals: String,
     pub layers: usize,
     pub lora_bytes: u64,
     pub base_to_lora_s: f64,
@@ -100,17 +113,19 @@ pub struct SwitchCosts {
 pub fn switch_costs(
     name: &str,
     vs: &nn::VarStore,
+    originals: OriginalsOn,
     rank: i64,
     rounds: usize,
     mut step: impl FnMut() -> Result<()>,
 ) -> Result<SwitchCosts> {
+    let device = vs.device();
     let a = random_adapter(vs, "a", rank);
     let b = random_adapter(vs, "b", rank);
     ensure!(
         !a.deltas.is_empty(),
         "{name}: no attention or MLP layers found"
     );
-    let mut p = LoraPatcher::new(vs);
+    let mut p = LoraPatcher::with_originals_on(vs, originals);
     let (wa, wb) = (
         [WeightedLora {
             adapter: &a,
@@ -128,8 +143,10 @@ pub fn switch_costs(
         let mut t = Vec::new();
         for _ in 0..rounds.max(1) {
             p.apply(from)?;
+            sync(device);
             let start = Instant::now();
             p.apply(to)?;
+            sync(device);
             t.push(start.elapsed().as_secs_f64());
         }
         t.sort_by(f64::total_cmp);
@@ -140,13 +157,21 @@ pub fn switch_costs(
     let lora_to_base_s = time_switch(&wa, &[])?;
     p.restore()?;
     let blob = LoraBlob::new("a", adapter_file(&a)?.into())?;
-    let read_s = median_s(rounds, || {
+    let read_s = median_s(Device::Cpu, rounds, || {
         std::hint::black_box(blob.adapter()?);
         Ok(())
     })?;
-    let step_s = median_s(rounds, &mut step)?;
+    let step_s = median_s(device, rounds, &mut step)?;
+    let dtype = vs
+        .variables()
+        .values()
+        .next()
+        .map_or("-".into(), |t| format!("{:?}", t.kind()));
     Ok(SwitchCosts {
         model: name.into(),
+        device: format!("{device:?}"),
+        dtype,
+        originals: format!("{originals:?}"),
         layers: a.deltas.len(),
         lora_bytes: a.bytes(),
         base_to_lora_s,
@@ -157,17 +182,32 @@ pub fn switch_costs(
     })
 }
 
-/// The medium config with random weights, and its switch costs.
-pub fn medium_switch_costs(rank: i64, rounds: usize) -> Result<SwitchCosts> {
-    let cfg = diffmesh_model::bench_inputs::medium_config();
-    let vs = nn::VarStore::new(Device::Cpu);
+/// Where and how a random-weights config runs for its switch costs.
+#[derive(Debug, Clone, Copy)]
+pub struct SwitchTarget {
+    /// FLUX.1-dev at full size instead of the medium config.
+    pub flux_dev: bool,
+    pub device: Device,
+    pub kind: Kind,
+    pub originals: OriginalsOn,
+}
+
+/// The medium config (or FLUX.1-dev) with random weights, and its switch costs.
+pub fn config_switch_costs(target: SwitchTarget, rank: i64, rounds: usize) -> Result<SwitchCosts> {
+    use diffmesh_model::bench_inputs as b;
+    let (cfg, side, txt, name) = if target.flux_dev {
+        (b::flux_dev_config(), b::FLUX_SIDE, b::FLUX_TXT, "flux-dev")
+    } else {
+        (b::medium_config(), b::MEDIUM_SIDE, b::MEDIUM_TXT, "medium")
+    };
+    let mut vs = nn::VarStore::new(target.device);
     let model = FluxTransformer::new(&vs.root(), cfg.clone())?;
-    let inputs = diffmesh_model::bench_inputs::random_inputs(
-        &cfg,
-        diffmesh_model::bench_inputs::MEDIUM_SIDE,
-        diffmesh_model::bench_inputs::MEDIUM_TXT,
+    vs.set_kind(target.kind);
+    let inputs = super::mask_aware::inputs_as(
+        b::random_inputs_on(&cfg, side, txt, 1, target.device),
+        target.kind,
     );
-    switch_costs("medium", &vs, rank, rounds, || {
+    switch_costs(name, &vs, target.originals, rank, rounds, || {
         let _out = tch::no_grad(|| model.forward(&inputs))?;
         Ok(())
     })
@@ -184,7 +224,8 @@ pub fn tiny_switch_costs(model: &EngineModel, rank: i64, rounds: usize) -> Resul
     let req = step_requests(&job, None, model)?.remove(0);
     let pipeline = model.pipeline();
     let mut state = DenoiseState::new(&pipeline, &req)?;
-    switch_costs("tiny", &model.model.transformer_store, rank, rounds, || {
+    let store = &model.model.transformer_store;
+    switch_costs("tiny", store, OriginalsOn::Device, rank, rounds, || {
         tch::no_grad(|| state.step(&pipeline))?;
         Ok(())
     })

@@ -79,7 +79,7 @@ fn ms(device: Device, f: impl FnOnce() -> diffmesh_model::Result<()>) -> Result<
 }
 
 /// The float inputs in `kind` (position ids stay f32, as the pipeline passes them).
-fn inputs_as(inputs: FluxInputs, kind: Kind) -> FluxInputs {
+pub(crate) fn inputs_as(inputs: FluxInputs, kind: Kind) -> FluxInputs {
     FluxInputs {
         hidden_states: inputs.hidden_states.to_kind(kind),
         encoder_hidden_states: inputs.encoder_hidden_states.to_kind(kind),

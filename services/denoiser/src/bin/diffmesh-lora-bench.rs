@@ -3,9 +3,12 @@
 //! Prints human-readable lines, then one JSON line with every figure last.
 use anyhow::Result;
 use clap::Parser;
-use diffmesh_denoiser::bench::lora::{bal_quality, medium_switch_costs, tiny_switch_costs};
+use diffmesh_denoiser::bench::lora::{
+    bal_quality, config_switch_costs, tiny_switch_costs, SwitchTarget,
+};
 use diffmesh_denoiser::lora::LoraBlob;
 use diffmesh_denoiser::model::EngineModel;
+use diffmesh_model::lora::OriginalsOn;
 use diffmesh_model::tch::{self, Device, Kind};
 use serde_json::json;
 use std::path::PathBuf;
@@ -29,6 +32,22 @@ struct Args {
     /// Skip the medium config's switch timings (its random weights take ~1 GB).
     #[arg(long)]
     no_medium: bool,
+    /// Skip the tiny model's switch timings and the BAL study (e.g. on a GPU machine, for the
+    /// random-weights configs only).
+    #[arg(long)]
+    no_tiny: bool,
+    /// Device of the random-weights configs' switch timings: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Their dtype: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Time FLUX.1-dev at full size (random weights) as well as the medium config.
+    #[arg(long)]
+    flux_dev: bool,
+    /// Where the patcher keeps the base copies of patched layers in those timings.
+    #[arg(long, value_enum, default_value_t = OriginalsOn::Device)]
+    originals: OriginalsOn,
     /// Held-out prompts of the BAL study.
     #[arg(long, default_value_t = 20)]
     prompts: usize,
@@ -70,18 +89,48 @@ fn write_grid(path: &std::path::Path, rows: &[Vec<Vec<u8>>]) -> Result<()> {
 fn main() -> Result<()> {
     let args = Args::parse();
     tch::set_num_threads(args.torch_threads);
-    let model = EngineModel::load(&args.model_dir, Device::Cpu, Kind::Float, "tiny".into(), 64)?;
-    let mut switches = vec![tiny_switch_costs(&model, args.rank, args.rounds)?];
-    if !args.no_medium {
-        switches.push(medium_switch_costs(args.rank, args.rounds)?);
+    let device = match args.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(0),
+        d => match d.strip_prefix("cuda:").and_then(|i| i.parse().ok()) {
+            Some(i) => Device::Cuda(i),
+            None => anyhow::bail!("--device: expected cpu, cuda or cuda:N, got {d}"),
+        },
+    };
+    let kind = match args.dtype.as_str() {
+        "f32" => Kind::Float,
+        "bf16" => Kind::BFloat16,
+        d => anyhow::bail!("--dtype: expected f32 or bf16, got {d}"),
+    };
+    let mut switches = Vec::new();
+    let model = if args.no_tiny {
+        None
+    } else {
+        let m = EngineModel::load(&args.model_dir, Device::Cpu, Kind::Float, "tiny".into(), 64)?;
+        switches.push(tiny_switch_costs(&m, args.rank, args.rounds)?);
+        Some(m)
+    };
+    let targets = [(!args.no_medium, false), (args.flux_dev, true)];
+    for (_, flux_dev) in targets.into_iter().filter(|(on, _)| *on) {
+        let target = SwitchTarget {
+            flux_dev,
+            device,
+            kind,
+            originals: args.originals,
+        };
+        switches.push(config_switch_costs(target, args.rank, args.rounds)?);
     }
     for s in &switches {
         println!(
-            "{}: {} layers, rank {} ({:.1} MB): base->LoRA {:.2} ms, LoRA->LoRA {:.2} ms, LoRA->base {:.2} ms, reading the tensors {:.2} ms; one step {:.2} ms",
-            s.model, s.layers, args.rank, s.lora_bytes as f64 / 1e6,
+            "{} ({}, {}, base copies on the {}): {} layers, rank {} ({:.1} MB): base->LoRA {:.2} ms, LoRA->LoRA {:.2} ms, LoRA->base {:.2} ms, reading the tensors {:.2} ms; one step {:.2} ms",
+            s.model, s.device, s.dtype, s.originals, s.layers, args.rank, s.lora_bytes as f64 / 1e6,
             s.base_to_lora_s * 1e3, s.lora_to_lora_s * 1e3, s.lora_to_base_s * 1e3, s.read_s * 1e3, s.step_s * 1e3
         );
     }
+    let Some(model) = model else {
+        println!("{}", json!({"switch": switches}));
+        return Ok(());
+    };
     let bytes = std::fs::read(&args.lora)?;
     let blob = LoraBlob::new("bench", bytes.into())?;
     let mut rows = Vec::new();
