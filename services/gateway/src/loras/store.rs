@@ -23,7 +23,8 @@ pub fn is_lora_id(id: &str) -> bool {
 /// `unix_ms` as RFC 3339 in UTC with milliseconds (`2025-01-31T12:00:00.123Z`). Always the same
 /// width (years 1970-9999), so records sort by it as strings.
 pub fn rfc3339_utc(unix_ms: u64) -> String {
-    const FORMAT: &[time::format_description::BorrowedFormatItem<'static>] = time::macros::format_description!(
+    use time::format_description::BorrowedFormatItem;
+    const FORMAT: &[BorrowedFormatItem<'static>] = time::macros::format_description!(
         "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
     );
     time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(unix_ms) * 1_000_000)
