@@ -6,6 +6,8 @@
 //! - [`planner`]: FlashPS Algorithm 1, made exact: per block, use the cached activations (loaded
 //!   in order on a copy stream) or recompute all tokens, minimising the step latency.
 //! - [`batching`]: the engine's step-level continuous-batching admission rule.
+//! - [`queue_order`]: the order a worker admits its waiting requests in (GF-DiT's FCFS, SRTF,
+//!   EDF), shared by the engine and the simulator.
 //! - [`calibration`]: per-worker factor between the cost models and the steps a worker ran.
 //! - [`policy`] / [`mask_aware`]: the one placement trait shared by the live router and the
 //!   simulator, with round-robin, request-count, token-count and mask-aware (Algorithm 2) policies.
@@ -21,6 +23,7 @@ pub mod mask_aware;
 pub mod planner;
 pub mod policy;
 pub mod profiles;
+pub mod queue_order;
 pub mod sim;
 pub mod synthetic;
 
@@ -29,3 +32,4 @@ pub use cost_model::{CostModels, LinearFit, ModelShape, Profile};
 pub use error::SchedError;
 pub use planner::{plan, Plan};
 pub use policy::{policy_by_name, Policy, RequestInfo, WorkerState};
+pub use queue_order::{QueueOrder, QueuedJob};

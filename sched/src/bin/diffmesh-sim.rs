@@ -6,6 +6,7 @@ use clap::Parser;
 use diffmesh_sched::batching::BatchLimits;
 use diffmesh_sched::cost_model::CostModels;
 use diffmesh_sched::policy::{policy_by_name, ActiveRequest, RequestInfo, WorkerState};
+use diffmesh_sched::queue_order::QueueOrder;
 use diffmesh_sched::sim::{simulate_with_latencies, workload, SharedCpu, SimConfig};
 use diffmesh_sched::synthetic;
 use rand::{Rng, SeedableRng};
@@ -108,6 +109,15 @@ struct Args {
     /// live router holds at most half its `--admission-wait-ms`). Default: no limit.
     #[arg(long, env = "DIFFMESH_SIM_MAX_HOLD_S", default_value_t = f64::INFINITY)]
     max_hold_s: f64,
+    /// The order each worker admits its queue in: fcfs, srtf (least remaining work first) or
+    /// edf (earliest SLO deadline first), as the denoiser's `--queue-order`.
+    #[arg(long, env = "DIFFMESH_SIM_QUEUE_ORDER", value_enum, default_value_t = QueueOrder::Fcfs)]
+    queue_order: QueueOrder,
+    /// With --queue-order srtf or edf: running jobs compete for the batch slots again at every
+    /// step boundary and those left out wait with their progress kept (the engine does not
+    /// preempt yet: a what-if).
+    #[arg(long, env = "DIFFMESH_SIM_PREEMPT")]
+    preempt: bool,
     /// Write the synthetic profile to this file and exit.
     #[arg(long, env = "DIFFMESH_SIM_WRITE_PROFILE")]
     write_profile: Option<PathBuf>,
@@ -187,6 +197,8 @@ fn main() -> anyhow::Result<()> {
         calibrate: args.calibrate,
         router_queue: args.router_queue,
         max_hold_s: args.max_hold_s,
+        queue_order: args.queue_order,
+        preempt: args.preempt,
     };
     let steps = args.steps.unwrap_or(model.shape.steps);
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
@@ -233,8 +245,9 @@ fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let (s, latencies) = simulate_with_latencies(&cfg, &model, policy.as_mut(), &arrivals);
     say(format!(
-        "policy {}: {} workers, max batch {}, {} steps, step noise {}; simulated in {:.2}s",
+        "policy {}, queue order {}: {} workers, max batch {}, {} steps, step noise {}; simulated in {:.2}s",
         s.policy,
+        args.queue_order,
         args.workers,
         args.max_batch,
         steps,
@@ -264,6 +277,8 @@ fn main() -> anyhow::Result<()> {
         o.insert("seed".into(), args.seed.into());
         o.insert("workers".into(), args.workers.into());
         o.insert("calibrate".into(), args.calibrate.into());
+        o.insert("queue_order".into(), args.queue_order.name().into());
+        o.insert("preempt".into(), args.preempt.into());
         if !args.worker_step_factors.is_empty() {
             o.insert(
                 "worker_step_factors".into(),

@@ -9,6 +9,7 @@ use crate::batching::{admit_count, BatchLimits};
 use crate::calibration::StepCalibration;
 use crate::cost_model::{BatchTotals, CostModels};
 use crate::policy::{ActiveRequest, Policy, RequestInfo, WorkerState};
+use crate::queue_order::{QueueOrder, QueuedJob};
 use metrics::{percentile, Summary};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -48,6 +49,13 @@ pub struct SimConfig {
     /// Longest a policy may hold a request back while a worker would take it (the live router:
     /// half of `--admission-wait-ms`); past it the request is placed where it can go.
     pub max_hold_s: f64,
+    /// The order each worker admits its queue in (FCFS, SRTF on the cost model's remaining
+    /// time, EDF on the SLO deadline), as the engine's `--queue-order`.
+    pub queue_order: QueueOrder,
+    /// With SRTF or EDF: at every step boundary the running jobs compete for the batch slots
+    /// with the waiting ones, and those the order leaves out wait with their progress kept
+    /// (GF-DiT's rescheduling at trajectory-task boundaries). The engine does not do this yet.
+    pub preempt: bool,
 }
 
 impl SimConfig {
@@ -100,6 +108,9 @@ struct Job {
     /// Steps not yet completed.
     remaining: u32,
     start_s: f64,
+    /// Whether it has joined a batch (a preempted job keeps its first start and is not
+    /// prepared again).
+    started: bool,
     deadline_s: f64,
     /// Latency alone on an idle worker stepping as predicted, overhead included.
     standalone_s: f64,
@@ -267,6 +278,7 @@ fn place_waiting(waiting: &mut VecDeque<Arrival>, now: f64, p: &mut Placement) {
             masked: a.masked_tokens,
             remaining: req.steps,
             start_s: now,
+            started: false,
             deadline_s: a.time_s + p.cfg.slo_factor * standalone,
             standalone_s: standalone,
         });
@@ -350,20 +362,30 @@ fn start_step(
     noise: &mut ChaCha8Rng,
     tot: &mut Totals,
 ) {
+    let preempt = cfg.preempt && cfg.queue_order != QueueOrder::Fcfs && !w.queue.is_empty();
+    if preempt {
+        // The running jobs compete for the slots again; whoever the order leaves out waits.
+        w.queue.extend(w.running.drain(..));
+    }
+    order_queue(w, cfg.queue_order, model);
     let shape = &model.shape;
     let tokens: u64 = w
         .running
         .iter()
         .map(|j| shape.computed_tokens(j.masked))
         .sum();
-    let admit = admit_count(
+    let take = admit_count(
         &cfg.limits,
         w.running.len(),
         tokens,
         w.queue.iter().map(|j| shape.computed_tokens(j.masked)),
     );
-    for mut j in w.queue.drain(..admit) {
-        j.start_s = now;
+    let mut admit = 0;
+    for mut j in w.queue.drain(..take) {
+        if !j.started {
+            (j.start_s, j.started) = (now, true);
+            admit += 1;
+        }
         w.running.push(j);
     }
     if w.running.is_empty() {
@@ -393,6 +415,25 @@ fn start_step(
     w.busy_s += retire_s + admit_s + latency;
     tot.steps += 1;
     tot.batch_sum += w.running.len() as u64;
+}
+
+/// Puts the worker's queue in its admission order (a no-op for FCFS).
+fn order_queue(w: &mut Worker, order: QueueOrder, model: &CostModels) {
+    if order == QueueOrder::Fcfs || w.queue.len() < 2 {
+        return;
+    }
+    let keys: Vec<QueuedJob> = w
+        .queue
+        .iter()
+        .map(|j| QueuedJob {
+            arrival_s: j.arrival_s,
+            deadline_s: Some(j.deadline_s),
+            remaining_work: model.standalone_s(j.masked, j.remaining),
+        })
+        .collect();
+    let mut old: Vec<Option<Job>> = w.queue.drain(..).map(Some).collect();
+    w.queue
+        .extend(order.order(&keys).into_iter().filter_map(|i| old[i].take()));
 }
 
 fn summarize(

@@ -1,5 +1,6 @@
 use super::*;
 use crate::policy::{policy_by_name, RequestCount};
+use crate::queue_order::QueueOrder;
 use crate::synthetic;
 
 fn cfg(workers: u32, max_batch: u32) -> SimConfig {
@@ -18,6 +19,8 @@ fn cfg(workers: u32, max_batch: u32) -> SimConfig {
         calibrate: true,
         router_queue: 1_000_000,
         max_hold_s: f64::INFINITY,
+        queue_order: QueueOrder::Fcfs,
+        preempt: false,
     }
 }
 
@@ -314,4 +317,51 @@ fn deferring_completes_every_request_and_runs_alone_where_batches_save_nothing()
             ..shared
         }
     );
+}
+
+/// Sorted latencies of `arrivals` on one worker with a batch of one under `order`.
+fn one_slot_latencies(order: QueueOrder, m: &CostModels, arrivals: &[Arrival]) -> Vec<f64> {
+    let c = SimConfig {
+        queue_order: order,
+        ..cfg(1, 1)
+    };
+    simulate_with_latencies(&c, m, &mut RequestCount, arrivals).1
+}
+
+fn assert_latencies(got: &[f64], mut want: Vec<f64>) {
+    want.sort_by(f64::total_cmp);
+    assert_eq!(got.len(), want.len(), "{got:?} vs {want:?}");
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() < 1e-9, "{got:?} vs {want:?}");
+    }
+}
+
+#[test]
+fn srtf_admits_the_short_request_first_fcfs_the_early_one() {
+    let m = synthetic::default_models();
+    let (a, b, c) = (arrival(0.0, 900), arrival(0.001, 900), arrival(0.001, 20));
+    let (ta, tc) = (m.standalone_s(900, 28), m.standalone_s(20, 28));
+    let fcfs = one_slot_latencies(QueueOrder::Fcfs, &m, &[a, b, c]);
+    assert_latencies(&fcfs, vec![ta, 2.0 * ta - 0.001, 2.0 * ta + tc - 0.001]);
+    let srtf = one_slot_latencies(QueueOrder::Srtf, &m, &[a, b, c]);
+    assert_latencies(&srtf, vec![ta, ta + tc - 0.001, 2.0 * ta + tc - 0.001]);
+}
+
+#[test]
+fn edf_admits_the_earliest_deadline_where_srtf_takes_the_shorter() {
+    let m = synthetic::default_models();
+    let (ta, tb, tc) = (
+        m.standalone_s(900, 28),
+        m.standalone_s(400, 28),
+        m.standalone_s(300, 28),
+    );
+    // C is shorter than B but arrives late enough that its deadline (arrival + 3x standalone)
+    // falls after B's; both wait while A runs.
+    let c_at = 3.0 * (tb - tc) + 0.01;
+    assert!(c_at < ta, "the test needs C queued while A runs");
+    let arrivals = [arrival(0.0, 900), arrival(0.001, 400), arrival(c_at, 300)];
+    let edf = one_slot_latencies(QueueOrder::Edf, &m, &arrivals);
+    assert_latencies(&edf, vec![ta, ta + tb - 0.001, ta + tb + tc - c_at]);
+    let srtf = one_slot_latencies(QueueOrder::Srtf, &m, &arrivals);
+    assert_latencies(&srtf, vec![ta, ta + tc - c_at, ta + tc + tb - 0.001]);
 }
