@@ -365,3 +365,27 @@ fn edf_admits_the_earliest_deadline_where_srtf_takes_the_shorter() {
     let srtf = one_slot_latencies(QueueOrder::Srtf, &m, &arrivals);
     assert_latencies(&srtf, vec![ta, ta + tc - c_at, ta + tc + tb - 0.001]);
 }
+
+#[test]
+fn preempting_srtf_lets_a_short_arrival_take_the_slot_at_the_next_step() {
+    let m = synthetic::default_models();
+    let (ta, tc) = (m.standalone_s(900, 28), m.standalone_s(20, 28));
+    let step_a = ta / 28.0;
+    let c = SimConfig {
+        queue_order: QueueOrder::Srtf,
+        preempt: true,
+        ..cfg(1, 1)
+    };
+    let arrivals = [arrival(0.0, 900), arrival(0.001, 20)];
+    let (s, lat) = simulate_with_latencies(&c, &m, &mut RequestCount, &arrivals);
+    // C takes the slot after A's first step; A resumes with its 27 steps left, not prepared
+    // again and still counted as started at 0.
+    assert_latencies(&lat, vec![step_a + tc - 0.001, ta + tc]);
+    assert!(
+        (s.mean_queue - (step_a - 0.001) / 2.0).abs() < 1e-9,
+        "{s:?}"
+    );
+    // Without preemption A keeps its slot to the end.
+    let lat = one_slot_latencies(QueueOrder::Srtf, &m, &arrivals);
+    assert_latencies(&lat, vec![ta, ta + tc - 0.001]);
+}
