@@ -51,6 +51,11 @@ pub struct GenerationParams {
     /// Registered LoRA adapters to apply, with their weights (none: the base model).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub loras: Vec<crate::lora::LoraRef>,
+    /// When the client wants the result by (Unix ms): the gateway's acceptance time plus the
+    /// request's `deadline_ms`. Changes no pixel; a denoiser ordering its queue earliest
+    /// deadline first (`--queue-order edf`) reads it. None: best effort.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_unix_ms: Option<u64>,
 }
 
 /// Gateway -> codec (`CODEC_PRE`).
@@ -397,6 +402,7 @@ mod tests {
             width: 64,
             height: 48,
             loras: Vec::new(),
+            deadline_unix_ms: None,
         }
     }
 

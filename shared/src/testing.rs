@@ -234,6 +234,7 @@ pub fn generation_job(
             width: 64,
             height: 64,
             loras: Vec::new(),
+            deadline_unix_ms: None,
         },
         inputs: PreparedInputs {
             image_key: None,

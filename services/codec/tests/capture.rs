@@ -43,6 +43,7 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
             width: 30,
             height: 20,
             loras: Vec::new(),
+            deadline_unix_ms: None,
         },
         template_image: None,
     }

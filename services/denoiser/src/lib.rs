@@ -120,6 +120,10 @@ pub struct DenoiserConfig {
     /// on the step loop (LRU; 0 keeps nothing).
     #[arg(long, env = "CONDITIONING_CACHE_BYTES", default_value_t = 256 << 20)]
     pub conditioning_cache_bytes: u64,
+    /// The order waiting jobs join the running batch in: `fcfs`, `srtf` (least image tokens x
+    /// steps first) or `edf` (earliest `deadline_ms` first; jobs without one after them).
+    #[arg(long, env = "QUEUE_ORDER", value_enum, default_value_t = diffmesh_sched::QueueOrder::Fcfs)]
+    pub queue_order: diffmesh_sched::QueueOrder,
     /// Bounded asynchronous LoRA loading: the share of a job's steps it may run on the base
     /// model while its LoRA adapters load (Katz's K = 10 of 50 steps is 0.2); 0 waits for them.
     #[arg(long, env = "LORA_ASYNC_FRACTION", default_value_t = 0.2)]
@@ -180,6 +184,7 @@ impl DenoiserConfig {
             local_cache_bytes: 256 << 20,
             template_pixels_bytes: 64 << 20,
             conditioning_cache_bytes: 64 << 20,
+            queue_order: Default::default(),
             lora_async_fraction: 0.2,
             lora_originals: Default::default(),
             lora_cache_bytes: 64 << 20,
@@ -374,6 +379,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         max_queue: config.max_queue,
         batching: config.batching,
         token_budget: config.token_budget,
+        queue_order: config.queue_order,
         cache: cache_settings,
         conditioning_cache_bytes: config.conditioning_cache_bytes,
         lora_async_fraction: config.lora_async_fraction,

@@ -7,6 +7,7 @@ use diffmesh_denoiser::metrics::{DenoiserMetrics, ENGINE_PHASES};
 use diffmesh_denoiser::model::{EditInputs, EngineModel};
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
+use diffmesh_sched::QueueOrder;
 use diffmesh_shared::messages::{DenoiseJob, JobKind};
 use std::collections::HashMap;
 use std::path::Path;
@@ -544,6 +545,54 @@ async fn token_budget_limits_admission() {
     assert!(position(&log, "started gen2") > gen_done, "{log:?}");
     h.engine.begin_shutdown().await;
     h.thread.join().await;
+}
+
+/// The queue order picks which waiting job takes a freed slot: arrival (FCFS), least image
+/// tokens x steps (SRTF), earliest deadline with best effort last (EDF).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_order_picks_the_next_job() {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let with_deadline = |mut j: DenoiseJob, in_ms: Option<u64>| {
+        j.params.deadline_unix_ms = in_ms.map(|ms| now_ms + ms);
+        j
+    };
+    for (order, want) in [
+        (QueueOrder::Fcfs, ["p", "q", "r"]),
+        (QueueOrder::Srtf, ["r", "p", "q"]),
+        (QueueOrder::Edf, ["q", "r", "p"]),
+    ] {
+        let mut h = harness_with(EngineConfig {
+            max_batch: 1,
+            max_queue: 8,
+            queue_order: order,
+            ..Default::default()
+        });
+        submit(&h, job("long", "a red circle", 1, 10), None).await;
+        let mut log = Vec::new();
+        until_stepping(&mut h, "long", &mut log).await;
+        // Queued while `long` holds the only slot, in this order.
+        let p = with_deadline(job("p", "a blue square", 2, 6), None);
+        let q = with_deadline(job("q", "a green triangle", 3, 12), Some(30_000));
+        let r = with_deadline(job("r", "a red square", 4, 2), Some(60_000));
+        for j in [p, q, r] {
+            submit(&h, j, None).await;
+        }
+        let (images, rest) = drain(&mut h, &["long", "p", "q", "r"]).await;
+        log.extend(rest);
+        assert_eq!(images.len(), 4, "{log:?}");
+        let mut started: Vec<(usize, &str)> = want
+            .iter()
+            .map(|id| (position(&log, &format!("started {id}")), *id))
+            .collect();
+        started.sort();
+        let got: Vec<&str> = started.into_iter().map(|(_, id)| id).collect();
+        assert_eq!(got, want, "{order:?}: {log:?}");
+        h.engine.begin_shutdown().await;
+        h.thread.join().await;
+    }
 }
 
 /// Inline work and the event tap run on the engine thread; a job inline work returns is queued,

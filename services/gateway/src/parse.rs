@@ -217,6 +217,7 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
             }
             "seed" => raw.seed = Some(u64_field(key, v)?),
             "loras" => raw.loras = Some(lora_params::from_json(v)?),
+            "deadline_ms" => raw.deadline_ms = Some(int_field(key, v)?),
             // OpenAI fields that do not change what this server does (model, user, quality...).
             _ => {}
         }
@@ -251,6 +252,7 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
             Some(json) => lora_params::from_text(json)?,
             None => None,
         },
+        deadline_ms: parse(text, "deadline_ms", "an integer")?,
     })
 }
 

@@ -71,7 +71,16 @@ pub struct RawParams {
     // Left out of the fingerprint's JSON when absent, so requests without it hash as before.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loras: Option<Vec<RawLora>>,
+    /// Service-level objective: milliseconds after acceptance the result is wanted by, 1 to
+    /// 86400000 (a day). Changes no pixel; denoisers run with `--queue-order edf` serve the
+    /// earliest deadline first. Absent: best effort.
+    #[schema(minimum = 1, maximum = 86_400_000, example = 5000)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<i64>,
 }
+
+/// Longest `deadline_ms` a request may give (a day).
+pub const MAX_DEADLINE_MS: i64 = 86_400_000;
 
 /// A request that passed every check.
 #[derive(Debug, Clone, PartialEq)]
@@ -191,6 +200,7 @@ fn validate_common(
     }
     let loras = lora_params::validate(raw.loras.as_deref().unwrap_or_default())?;
     let seed = raw.seed.unwrap_or_else(rand_seed);
+    let deadline_unix_ms = deadline_from_now(raw.deadline_ms)?;
     Ok(ValidParams {
         params: GenerationParams {
             prompt,
@@ -201,9 +211,27 @@ fn validate_common(
             width: size.0,
             height: size.1,
             loras,
+            deadline_unix_ms,
         },
         response_format,
     })
+}
+
+/// `deadline_ms` after now as a Unix-ms deadline (checked: 1 ms to a day).
+fn deadline_from_now(deadline_ms: Option<i64>) -> Result<Option<u64>, FieldError> {
+    let Some(ms) = deadline_ms else {
+        return Ok(None);
+    };
+    if !(1..=MAX_DEADLINE_MS).contains(&ms) {
+        return Err(invalid(
+            "deadline_ms",
+            format!("must be between 1 and {MAX_DEADLINE_MS}, got {ms}"),
+        ));
+    }
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    Ok(Some(now_ms + ms as u64))
 }
 
 /// Validate a text-to-image request.
@@ -284,6 +312,30 @@ mod tests {
         assert_eq!(v.params.num_inference_steps, 20);
         assert_eq!((v.params.width, v.params.height), (64, 64));
         assert_eq!(v.response_format, ResponseFormat::B64Json);
+    }
+
+    #[test]
+    fn deadline_is_acceptance_plus_deadline_ms_and_out_of_range_names_the_field() {
+        let with = |ms: i64| RawParams {
+            deadline_ms: Some(ms),
+            ..raw("x")
+        };
+        let before = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let v = validate_generation(with(5000), &limits(), &defaults()).unwrap();
+        let at = v.params.deadline_unix_ms.unwrap();
+        assert!(
+            (before + 5000..before + 6000).contains(&at),
+            "{at} vs {before}"
+        );
+        let none = validate_generation(raw("x"), &limits(), &defaults()).unwrap();
+        assert_eq!(none.params.deadline_unix_ms, None);
+        for bad in [0, -1, MAX_DEADLINE_MS + 1] {
+            let e = validate_generation(with(bad), &limits(), &defaults()).unwrap_err();
+            assert_eq!(e.field, "deadline_ms", "{bad}");
+        }
     }
 
     #[test]

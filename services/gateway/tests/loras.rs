@@ -5,17 +5,16 @@
 //! into the job's `GenerationParams`, and delete it (record and weights); with API keys, each
 //! key sees and uses only its own LoRAs. Only NATS and the gateway run; the test answers the
 //! codec's subject itself where a request gets that far.
-use std::io::Cursor;
+mod common;
+
 use std::time::Duration;
 
+use common::{answer_codec_once, field, png};
 use diffmesh_gateway::{start, GatewayConfig, GatewayHandle};
 use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::jetstream_layout::LORA_WEIGHTS;
 use diffmesh_shared::lora::{weights_key, LoraRef};
-use diffmesh_shared::messages::{decode, encode, FieldError, PreprocessReply, PreprocessRequest};
-use diffmesh_shared::subjects::CODEC_PRE;
 use diffmesh_shared::testing::NatsServer;
-use futures::StreamExt;
 use reqwest::multipart::{Form, Part};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -46,13 +45,6 @@ fn tiny_lora(rank: usize, features: usize) -> Vec<u8> {
         (format!("{Q}.lora_A.weight"), vec![rank, features]),
         (format!("{Q}.lora_B.weight"), vec![features, rank]),
     ])
-}
-
-fn png(w: u32, h: u32) -> Vec<u8> {
-    let img = image::DynamicImage::ImageRgb8(image::RgbImage::new(w, h));
-    let mut out = Cursor::new(Vec::new());
-    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
-    out.into_inner()
 }
 
 struct Api {
@@ -123,16 +115,6 @@ impl Api {
 }
 
 /// The field a 4xx names, after checking the body is the documented error.
-fn field(status: u16, body: &Value, want_status: u16) -> String {
-    assert_eq!(status, want_status, "{body}");
-    let err = &body["error"];
-    assert!(
-        err["message"].is_string() && err["error_type"].is_string(),
-        "{body}"
-    );
-    err["field"].as_str().unwrap_or_default().to_string()
-}
-
 async fn gateway(nats: &NatsServer, api_keys: Option<&str>) -> GatewayHandle {
     let mut config = GatewayConfig::for_tests(nats.url());
     config.max_lora_bytes = MAX_LORA_BYTES;
@@ -303,7 +285,7 @@ async fn loras_are_registered_listed_checked_in_requests_and_deleted() {
             scale: 1.0,
         },
     ];
-    assert_eq!(seen.await.unwrap(), want);
+    assert_eq!(seen.await.unwrap().params.loras, want);
 
     // Edits take the same array as a text field; not with a registered template.
     let edit = |loras: String| {
@@ -370,24 +352,6 @@ async fn loras_are_registered_listed_checked_in_requests_and_deleted() {
         assert!(metrics.contains(series), "{series} not in\n{metrics}");
     }
     gateway.shutdown().await;
-}
-
-/// Answer the next codec request as the codec would refuse it (a field error `codec`), so a
-/// request that got past the LoRA checks ends there; yields the LoRAs the request carried.
-async fn answer_codec_once(client: async_nats::Client) -> tokio::task::JoinHandle<Vec<LoraRef>> {
-    let mut codec = client.subscribe(CODEC_PRE).await.unwrap();
-    client.flush().await.unwrap();
-    tokio::spawn(async move {
-        let msg = codec.next().await.unwrap();
-        let pre: PreprocessRequest = decode(&msg.payload).unwrap();
-        let reply = PreprocessReply::Invalid(FieldError::invalid("codec", "seen by the test"));
-        client
-            .publish(msg.reply.unwrap(), encode(&reply).unwrap().into())
-            .await
-            .unwrap();
-        client.flush().await.unwrap();
-        pre.params.loras
-    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -470,7 +434,7 @@ async fn loras_are_scoped_to_the_api_key_that_registered_them() {
         id: a_id.clone(),
         scale: 1.0,
     }];
-    assert_eq!(seen.await.unwrap(), want);
+    assert_eq!(seen.await.unwrap().params.loras, want);
     let seen = answer_codec_once(client.clone()).await;
     let (status, body) = alice
         .edit(edit(format!(r#"[{{"id": "{a_id}", "scale": 2}}]"#)))
@@ -480,7 +444,7 @@ async fn loras_are_scoped_to_the_api_key_that_registered_them() {
         id: a_id.clone(),
         scale: 2.0,
     }];
-    assert_eq!(seen.await.unwrap(), want);
+    assert_eq!(seen.await.unwrap().params.loras, want);
 
     // Another key cannot delete it: 404, and it stays.
     let (status, body) = bob.call(reqwest::Method::DELETE, &a_path).await;

@@ -16,6 +16,7 @@ use diffmesh_model::lora::LoraPatcher;
 use diffmesh_model::pipeline::conditioning_cache::ConditioningCache;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::ModelError;
+use diffmesh_sched::QueuedJob;
 use diffmesh_shared::messages::{DenoiseJob, RunningJob, StepSample};
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -356,37 +357,70 @@ impl Engine {
         u64::from(job.params.n.max(1)) * u64::from(job.inputs.masked_tokens)
     }
 
-    fn admit(&mut self) {
-        if self.config.batching == Batching::Static && !self.active.is_empty() {
-            return;
-        }
-        let before = self.conditioning.counts();
-        let mut i = 0;
-        while i < self.waiting.len() {
+    /// Where each waiting job stands in `config.queue_order`: queue position as its arrival
+    /// (jobs are queued as they come), its `deadline_unix_ms`, and image tokens x steps as its
+    /// remaining work.
+    fn queue_keys(&self) -> Vec<QueuedJob> {
+        self.waiting
+            .iter()
+            .enumerate()
+            .map(|(i, (j, _))| QueuedJob {
+                arrival_s: i as f64,
+                deadline_s: j.job.params.deadline_unix_ms.map(|ms| ms as f64),
+                remaining_work: Self::job_tokens(&j.job) as f64
+                    * f64::from(j.job.params.num_inference_steps.max(1)),
+            })
+            .collect()
+    }
+
+    /// Queue indices of the jobs that join the batch before the next step, in the queue
+    /// order. Admission stops at the first job that does not fit (no overtaking within the
+    /// order); a job whose template cache is still being fetched is passed over (its fetch
+    /// overlaps the queueing).
+    fn pick_admissions(&self) -> Vec<usize> {
+        let mut rows = self.rows();
+        let mut tokens: u64 = self.active.iter().map(|a| Self::job_tokens(&a.job)).sum();
+        let mut picked = Vec::new();
+        for i in self.config.queue_order.order(&self.queue_keys()) {
             let next = &self.waiting[i].0;
-            // An edit whose template cache is still being fetched waits (its fetch overlaps the
-            // queueing); jobs behind it may go first.
             if next
                 .template
                 .as_ref()
                 .is_some_and(|slot| slot.get().is_none())
             {
-                i += 1;
                 continue;
             }
             let n = next.job.params.n.max(1) as usize;
-            let tokens: u64 = self.active.iter().map(|a| Self::job_tokens(&a.job)).sum();
+            let job_tokens = Self::job_tokens(&next.job);
             let over_tokens = self
                 .config
                 .token_budget
-                .is_some_and(|b| tokens + Self::job_tokens(&next.job) > b);
+                .is_some_and(|b| tokens + job_tokens > b);
             // A job larger than the whole budget still runs, alone.
-            if !self.active.is_empty() && (self.rows() + n > self.config.max_batch || over_tokens) {
+            if rows > 0 && (rows + n > self.config.max_batch || over_tokens) {
                 break;
             }
-            let Some((job, span)) = self.waiting.remove(i) else {
-                break;
-            };
+            rows += n;
+            tokens += job_tokens;
+            picked.push(i);
+        }
+        picked
+    }
+
+    fn admit(&mut self) {
+        if self.config.batching == Batching::Static && !self.active.is_empty() {
+            return;
+        }
+        let before = self.conditioning.counts();
+        let picked = self.pick_admissions();
+        // Take the picked jobs out from the back so the other indices stay valid.
+        let mut by_index = picked.clone();
+        by_index.sort_unstable_by(|a, b| b.cmp(a));
+        let mut taken: std::collections::HashMap<usize, (EngineJob, Span)> = by_index
+            .into_iter()
+            .filter_map(|i| self.waiting.remove(i).map(|job| (i, job)))
+            .collect();
+        for (job, span) in picked.iter().filter_map(|i| taken.remove(i)) {
             let prepared = {
                 let _e = span.enter();
                 let model = &self.model;

@@ -176,6 +176,8 @@ pub struct EngineConfig {
     /// `inputs.masked_tokens` (every image token for generations); `None`: no limit. A job over
     /// the budget still runs, alone.
     pub token_budget: Option<u64>,
+    /// The order waiting jobs are admitted in (FCFS, SRTF, EDF; `diffmesh_sched::queue_order`).
+    pub queue_order: diffmesh_sched::QueueOrder,
     /// Template caches: stored format and dtype, loader lookahead, prefix planning.
     pub cache: CacheSettings,
     /// Byte budget of the prompt embeddings, template latents and template noise that admitted
@@ -196,6 +198,7 @@ impl Default for EngineConfig {
             max_queue: 16,
             batching: Batching::Continuous,
             token_budget: None,
+            queue_order: Default::default(),
             cache: CacheSettings::default(),
             conditioning_cache_bytes: 256 << 20,
             lora_async_fraction: 0.2,

@@ -118,6 +118,7 @@ pub fn validate(
         width: image_size.0,
         height: image_size.1,
         loras: Vec::new(),
+        deadline_unix_ms: None,
     })
 }
 
