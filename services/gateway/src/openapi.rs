@@ -325,6 +325,13 @@ mod tests {
             assert_eq!(props["num_inference_steps"]["maximum"], 50, "{form}");
             assert_eq!(props["prompt"]["maxLength"], 500, "{form}");
             assert_eq!(props["response_format"]["enum"], json!(["b64_json", "png"]));
+            let deadline = &props["deadline_ms"];
+            assert_eq!(deadline["minimum"], 1, "{form}");
+            assert_eq!(
+                deadline["maximum"],
+                crate::validate::MAX_DEADLINE_MS,
+                "{form}"
+            );
         }
         let template = &doc["components"]["schemas"]["TemplateFormDoc"]["properties"];
         assert_eq!(template["num_inference_steps"]["maximum"], 50);

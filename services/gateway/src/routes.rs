@@ -149,6 +149,10 @@ pub struct EditForm {
     /// Registered LoRAs to apply: the JSON text of the generation body's `loras` array, e.g.
     /// `[{"id": "<LoRA id>", "scale": 1.0}]`. Not with `template_id` (400 naming `loras`).
     pub loras: Option<String>,
+    /// Milliseconds after acceptance the result is wanted by, 1 to 86400000; changes no pixel
+    /// (denoisers with `--queue-order edf` serve the earliest deadline first).
+    #[schema(minimum = 1, maximum = 86_400_000)]
+    pub deadline_ms: Option<i64>,
 }
 
 #[utoipa::path(
