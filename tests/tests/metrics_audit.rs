@@ -157,7 +157,9 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
         )
         .text("prompt", "a red square")
         .text("num_inference_steps", "2")
-        .text("response_format", "png");
+        .text("response_format", "png")
+        // Ten minutes: met, and counted as met.
+        .text("deadline_ms", "600000");
     let api = gateway.addrs.api.expect("gateway API address");
     let http = reqwest::Client::new();
     let r = http
@@ -228,6 +230,13 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
         problems.is_empty(),
         "metric problems:\n{}",
         problems.join("\n")
+    );
+
+    // The edit gave a deadline and its result was ready in time.
+    assert!(
+        pages["gateway"].contains(r#"diffmesh_gateway_deadlines_total{outcome="met"} 1"#),
+        "{}",
+        pages["gateway"]
     );
 
     // Failures carry their reason; the bad requests above each left one.

@@ -18,6 +18,10 @@ pub struct GatewayMetrics {
     /// failed) or capture report (captured) was lost here and learned elsewhere: from the
     /// denoiser that ended them (`lost_events`) or, for a capture, the router's job record.
     pub recovered_outcomes: IntCounterVec,
+    /// `diffmesh_gateway_deadlines_total{outcome}`: jobs that gave a `deadline_ms`, by whether
+    /// their result was ready in time (`met`), after it (`late`), or never (`failed`; cancelled
+    /// jobs are not counted). SLO attainment = met / all three.
+    pub deadlines: IntCounterVec,
 }
 
 impl GatewayMetrics {
@@ -61,6 +65,19 @@ impl GatewayMetrics {
                     recovered.with_label_values(&[outcome]);
                 }
                 recovered
+            },
+            deadlines: {
+                let deadlines = counter_vec(
+                    registry,
+                    "gateway",
+                    "deadlines",
+                    "Jobs with a deadline_ms, by whether their result was ready in time",
+                    &["outcome"],
+                )?;
+                for outcome in ["met", "late", "failed"] {
+                    deadlines.with_label_values(&[outcome]);
+                }
+                deadlines
             },
         })
     }

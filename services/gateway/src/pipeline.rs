@@ -405,6 +405,7 @@ impl Mesh {
                 }
             };
             self.end_template_use(&prepared).await;
+            self.count_deadline(prepared.job.params.deadline_unix_ms, &ended);
             ended
         }
         .instrument(span)
@@ -547,6 +548,20 @@ impl Mesh {
             self.jobs.get(job_id).await,
             Ok(Some(r)) if r.state == JobState::Cancelled
         )
+    }
+
+    /// Counts a job that gave a deadline by how it ended against it (a cancel is not counted).
+    fn count_deadline(&self, deadline_unix_ms: Option<u64>, ended: &Result<Vec<String>, ApiError>) {
+        let Some(deadline) = deadline_unix_ms else {
+            return;
+        };
+        let outcome = match ended {
+            Ok(_) if now_ms() <= deadline => "met",
+            Ok(_) => "late",
+            Err(ApiError::Cancelled { .. }) => return,
+            Err(_) => "failed",
+        };
+        self.metrics.deadlines.with_label_values(&[outcome]).inc();
     }
 
     fn stage(&self, name: &str, start: Instant) {
