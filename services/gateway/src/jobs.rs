@@ -92,6 +92,10 @@ pub struct JobTimings {
     /// On the denoiser, until it ended.
     pub running_ms: Option<u64>,
     pub total_ms: u64,
+    /// When the client wanted the result by (Unix ms; the request's `deadline_ms` after
+    /// acceptance), once the job is submitted; absent for best-effort jobs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deadline_at_ms: Option<u64>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -163,6 +167,7 @@ impl JobView {
                 queued_ms: since(r.created_at_ms, r.started_at_ms.or(r.finished_at_ms)),
                 running_ms: r.started_at_ms.map(|s| since(s, r.finished_at_ms)),
                 total_ms: since(r.created_at_ms, r.finished_at_ms),
+                deadline_at_ms: r.submitted.as_ref().and_then(|j| j.params.deadline_unix_ms),
             },
             results,
             error: r.error.as_ref().map(|e| JobError {
@@ -402,6 +407,14 @@ mod tests {
         assert_eq!(json["status"], "done");
         assert_eq!(json["links"]["self"], format!("/v1/jobs/{}", r.job_id));
         assert_eq!(json["kind"], "edit");
+        assert!(json["timings"].get("deadline_at_ms").is_none(), "{json}");
+
+        // A submitted job with a deadline shows it.
+        let mut job = diffmesh_shared::testing::generation_job(&r.job_id, "x", 1, 8);
+        job.params.deadline_unix_ms = Some(4_000);
+        r.submitted = Some(job);
+        let json = serde_json::to_value(JobView::at(&r, 9_999)).unwrap();
+        assert_eq!(json["timings"]["deadline_at_ms"], 4_000);
     }
 
     #[test]
