@@ -19,6 +19,19 @@ fn now_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// Status and JSON body of the answer to `req`.
+async fn answer(req: reqwest::RequestBuilder) -> (u16, Value) {
+    let r = req.send().await.unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+/// The deadline the job the codec saw carried.
+async fn seen_deadline(
+    seen: tokio::task::JoinHandle<diffmesh_shared::messages::PreprocessRequest>,
+) -> Option<u64> {
+    seen.await.unwrap().params.deadline_unix_ms
+}
+
 async fn gateway(nats: &NatsServer) -> GatewayHandle {
     let mut config = GatewayConfig::for_tests(nats.url());
     // No codec runs: a request that gets past validation ends quickly.
@@ -34,32 +47,20 @@ async fn deadline_ms_reaches_the_job_as_a_unix_deadline_and_bad_values_name_the_
     let http = reqwest::Client::new();
     let base = format!("http://{}", gateway.addr);
     let generate = |body: Value| {
-        let req = http
-            .post(format!("{base}/v1/images/generations"))
-            .json(&body);
-        async move {
-            let r = req.send().await.unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }
+        answer(
+            http.post(format!("{base}/v1/images/generations"))
+                .json(&body),
+        )
     };
-    let edit = |form: Form| {
-        let req = http.post(format!("{base}/v1/images/edits")).multipart(form);
-        async move {
-            let r = req.send().await.unwrap();
-            (r.status().as_u16(), r.json::<Value>().await.unwrap())
-        }
-    };
+    let edit = |form: Form| answer(http.post(format!("{base}/v1/images/edits")).multipart(form));
 
     let seen = answer_codec_once(client.clone()).await;
     let before = now_ms();
     let (status, body) = generate(json!({"prompt": "a red circle", "deadline_ms": 5000})).await;
     let after = now_ms();
     assert_eq!(field(status, &body, 400), "codec");
-    let at = seen
+    let at = seen_deadline(seen)
         .await
-        .unwrap()
-        .params
-        .deadline_unix_ms
         .expect("the job carries a deadline");
     assert!(
         (before + 5000..=after + 5000).contains(&at),
@@ -70,7 +71,7 @@ async fn deadline_ms_reaches_the_job_as_a_unix_deadline_and_bad_values_name_the_
     let (status, body) = generate(json!({"prompt": "a red circle"})).await;
     assert_eq!(field(status, &body, 400), "codec");
     assert_eq!(
-        seen.await.unwrap().params.deadline_unix_ms,
+        seen_deadline(seen).await,
         None,
         "best effort without deadline_ms"
     );
@@ -86,11 +87,8 @@ async fn deadline_ms_reaches_the_job_as_a_unix_deadline_and_bad_values_name_the_
     let before = now_ms();
     let (status, body) = edit(form("60000")).await;
     assert_eq!(field(status, &body, 400), "codec");
-    let at = seen
+    let at = seen_deadline(seen)
         .await
-        .unwrap()
-        .params
-        .deadline_unix_ms
         .expect("the edit carries a deadline");
     assert!(at >= before + 60_000 && at <= now_ms() + 60_000, "{at}");
 

@@ -16,7 +16,7 @@ use diffmesh_model::lora::LoraPatcher;
 use diffmesh_model::pipeline::conditioning_cache::ConditioningCache;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::ModelError;
-use diffmesh_sched::QueuedJob;
+use diffmesh_sched::{QueueOrder, QueuedJob};
 use diffmesh_shared::messages::{DenoiseJob, RunningJob, StepSample};
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -381,7 +381,12 @@ impl Engine {
         let mut rows = self.rows();
         let mut tokens: u64 = self.active.iter().map(|a| Self::job_tokens(&a.job)).sum();
         let mut picked = Vec::new();
-        for i in self.config.queue_order.order(&self.queue_keys()) {
+        let order = match self.config.queue_order {
+            // Arrival order needs no keys (this runs before every step).
+            QueueOrder::Fcfs => (0..self.waiting.len()).collect(),
+            order => order.order(&self.queue_keys()),
+        };
+        for i in order {
             let next = &self.waiting[i].0;
             if next
                 .template
@@ -413,14 +418,15 @@ impl Engine {
         }
         let before = self.conditioning.counts();
         let picked = self.pick_admissions();
-        // Take the picked jobs out from the back so the other indices stay valid.
-        let mut by_index = picked.clone();
-        by_index.sort_unstable_by(|a, b| b.cmp(a));
-        let mut taken: std::collections::HashMap<usize, (EngineJob, Span)> = by_index
-            .into_iter()
-            .filter_map(|i| self.waiting.remove(i).map(|job| (i, job)))
-            .collect();
-        for (job, span) in picked.iter().filter_map(|i| taken.remove(i)) {
+        if picked.is_empty() {
+            return;
+        }
+        // Take the picked jobs out in their order; the rest stay queued as they were.
+        let mut slots: Vec<Option<(EngineJob, Span)>> = self.waiting.drain(..).map(Some).collect();
+        let admitted: Vec<(EngineJob, Span)> =
+            picked.iter().filter_map(|&i| slots[i].take()).collect();
+        self.waiting.extend(slots.into_iter().flatten());
+        for (job, span) in admitted {
             let prepared = {
                 let _e = span.enter();
                 let model = &self.model;
