@@ -61,6 +61,7 @@ impl Fixture {
 
     fn edit(&self, prompt: &str, seed: u64, steps: usize, mask: &Tensor) -> DenoiseState {
         let req = StepRequest {
+            control: None,
             prompt: prompt.into(),
             seed,
             height: SIZE,
@@ -204,6 +205,7 @@ fn cached_mode_on_a_generation_names_the_field() {
     let f = Fixture::new();
     let kv = f.capture(2, KvFormat::Raw);
     let req = StepRequest {
+        control: None,
         prompt: "x".into(),
         seed: 1,
         height: SIZE,

@@ -3,8 +3,9 @@
 //! diffmesh-train-tiny --out models/tiny   # the shipped weights (53 min on an AMX CPU)
 //! diffmesh-train-tiny eval --model-dir models/tiny --untrained-seed 0 --report models/tiny
 //! diffmesh-train-tiny lora --model-dir models/tiny --out models/tiny-loras/outline.safetensors
+//! diffmesh-train-tiny controlnet --model-dir models/tiny --out models/tiny-controlnets/silhouette
 use clap::{Parser, Subcommand};
-use diffmesh_model::tiny::{eval, lora_train, train};
+use diffmesh_model::tiny::{controlnet_train, eval, lora_train, train};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -27,6 +28,9 @@ enum Command {
     /// Train a LoRA of a trained model in the "outline" style (hollow shapes); prints a JSON
     /// line last.
     Lora(lora_train::LoraTrainArgs),
+    /// Train the "silhouette" ControlNet of a trained model (control image: the object's
+    /// silhouette); prints a JSON line last.
+    Controlnet(controlnet_train::ControlNetTrainArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -40,6 +44,12 @@ fn main() -> anyhow::Result<()> {
             println!(
                 "{}",
                 serde_json::to_string(&lora_train::train_lora(&args)?)?
+            );
+        }
+        Some(Command::Controlnet(args)) => {
+            println!(
+                "{}",
+                serde_json::to_string(&controlnet_train::train_controlnet(&args)?)?
             );
         }
         Some(Command::Train(args)) => report(train::train(&args)?)?,

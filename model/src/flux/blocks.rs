@@ -7,6 +7,7 @@
 //! or a packed `[L, C]` with per-token rows `[L, C]` for the mask-aware forward. Only attention
 //! differs between the two forwards, so the maths of every other op is shared.
 use super::config::FluxConfig;
+use super::embeddings::Rope;
 use super::layers::{
     ada_chunks, gated_residual, layer_norm, modulate, FeedForward, Linear, RmsNorm,
 };
@@ -216,6 +217,31 @@ impl DoubleBlock {
     }
 }
 
+impl DoubleBlock {
+    /// The whole block over full `[B, S, C]` streams (no capture), as diffusers runs it:
+    /// returns the new (image, text) streams. `rope` covers the text then the image tokens.
+    pub fn forward_full(
+        &self,
+        img: &Tensor,
+        txt: &Tensor,
+        temb_silu: &Tensor,
+        rope: &Rope,
+        head_dim: i64,
+    ) -> Result<(Tensor, Tensor)> {
+        let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
+        let (img_mod, txt_mod) = self.mods(temb_silu, &rows, &rows)?;
+        let (qi, qt) = self.pre(img, txt, &img_mod, &txt_mod)?;
+        let q = rope.apply(&Tensor::f_cat(&[&qt.q, &qi.q], 1)?)?;
+        let k = rope.apply(&Tensor::f_cat(&[&qt.k, &qi.k], 1)?)?;
+        let v = to_heads(&Tensor::f_cat(&[&qt.v, &qi.v], 1)?, head_dim)?;
+        let o = attention(&q, &k, &v)?;
+        let t = txt.size()[1];
+        let n = img.size()[1];
+        let (attn_txt, attn_img) = (o.f_narrow(1, 0, t)?, o.f_narrow(1, t, n)?);
+        self.post(img, txt, &attn_img, &attn_txt, &img_mod, &txt_mod)
+    }
+}
+
 /// `FluxSingleTransformerBlock`: one stream (text then image tokens), attention and MLP in parallel.
 #[derive(Debug)]
 pub struct SingleBlock {
@@ -272,6 +298,26 @@ impl SingleBlock {
         let last = attn.dim() as i64 - 1;
         let h = Tensor::f_cat(&[attn, mlp], last)?;
         gated_residual(x, &m.gate, &self.proj_out.forward(&h)?)
+    }
+}
+
+impl SingleBlock {
+    /// The whole block over a full `[B, T + N, C]` stream (text then image tokens, no capture).
+    pub fn forward_full(
+        &self,
+        x: &Tensor,
+        temb_silu: &Tensor,
+        rope: &Rope,
+        head_dim: i64,
+    ) -> Result<Tensor> {
+        let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
+        let m = self.mods(temb_silu, &rows)?;
+        let pre = self.pre(x, &m)?;
+        let q = rope.apply(&pre.qkv.q)?;
+        let k = rope.apply(&pre.qkv.k)?;
+        let v = to_heads(&pre.qkv.v, head_dim)?;
+        let o = attention(&q, &k, &v)?;
+        self.post(x, &o, &pre.mlp, &m)
     }
 }
 

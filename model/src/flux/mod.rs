@@ -6,6 +6,7 @@
 //! serving inference wrap it in `tch::no_grad` (or use `load`, which freezes the weights).
 pub mod blocks;
 pub mod config;
+pub mod controlnet;
 pub mod embeddings;
 pub mod gather;
 pub mod kv;
@@ -22,6 +23,7 @@ use std::path::Path;
 use tch::{nn, Device, Kind, Tensor};
 
 pub use config::FluxConfig;
+pub use controlnet::{ControlResiduals, FluxControlNet};
 pub use kv::KvFormat;
 pub use masked::{CapturedKv, FnSink, KvCache, KvSink, MaskedRequest};
 pub use padded_attention::MaskedAttention;
@@ -166,7 +168,27 @@ impl FluxTransformer {
 
     /// diffusers' forward: the predicted velocity `[B, N, patch^2 * out_channels]`.
     pub fn forward(&self, inputs: &FluxInputs) -> Result<Tensor> {
-        self.forward_impl(inputs, None)
+        self.forward_impl(inputs, None, None)
+    }
+
+    /// [`Self::forward`] with a ControlNet's residuals added to the image stream after each block
+    /// (diffusers' `controlnet_block_samples` / `controlnet_single_block_samples`).
+    pub fn forward_controlled(
+        &self,
+        inputs: &FluxInputs,
+        control: &ControlResiduals,
+    ) -> Result<Tensor> {
+        let hs = inputs.hidden_states.size();
+        let want = [hs[0], hs.get(1).copied().unwrap_or(0), self.inner_dim()];
+        for r in control.tensors() {
+            if r.size() != want {
+                return Err(ModelError::input(
+                    "control",
+                    format!("ControlNet residuals must be {want:?}, got {:?}", r.size()),
+                ));
+            }
+        }
+        self.forward_impl(inputs, None, Some(control))
     }
 
     /// Full forward of ONE request (`B = 1`) that also hands every block's K/V of the image tokens
@@ -181,13 +203,14 @@ impl FluxTransformer {
                 format!("capture runs one request: batch must be 1, got {b}"),
             ));
         }
-        self.forward_impl(inputs, Some(sink))
+        self.forward_impl(inputs, Some(sink), None)
     }
 
     fn forward_impl(
         &self,
         inputs: &FluxInputs,
         mut sink: Option<&mut dyn KvSink>,
+        control: Option<&ControlResiduals>,
     ) -> Result<Tensor> {
         let shapes = self.check_inputs(inputs)?;
         let (b, n, t) = (shapes.batch, shapes.img_tokens, shapes.txt_tokens);
@@ -228,6 +251,10 @@ impl FluxTransformer {
             let o = attention(&q, &k, &v)?;
             let (attn_txt, attn_img) = (o.f_narrow(1, 0, t)?, o.f_narrow(1, t, n)?);
             (img, txt) = block.post(&img, &txt, &attn_img, &attn_txt, &img_mod, &txt_mod)?;
+            let doubles = self.transformer_blocks.len();
+            if let Some(r) = control.and_then(|c| c.for_double(i, doubles)) {
+                img = img.f_add(r)?;
+            }
         }
 
         // One concatenation for all single blocks (diffusers re-concatenates in every block).
@@ -249,6 +276,11 @@ impl FluxTransformer {
             let v = blocks::to_heads(&pre.qkv.v, head_dim)?;
             let o = attention(&q, &k, &v)?;
             x = block.post(&x, &o, &pre.mlp, &m)?;
+            let singles = self.single_transformer_blocks.len();
+            if let Some(r) = control.and_then(|c| c.for_single(j, singles)) {
+                // The residual belongs to the image tokens, after the text ones.
+                x = Tensor::f_cat(&[&x.f_narrow(1, 0, t)?, &x.f_narrow(1, t, n)?.f_add(r)?], 1)?;
+            }
         }
         let img = x.f_narrow(1, t, n)?;
         debug_assert_eq!(img.size()[0], b);

@@ -8,6 +8,7 @@
 //! `2 * downscale_factor` instead of being silently floored; inpainting masks at token level (see
 //! [`inpaint`]) and uses the posterior mean for template latents.
 pub mod conditioning_cache;
+pub mod control;
 pub mod inpaint;
 pub mod noise;
 pub mod stepper;

@@ -7,9 +7,10 @@
 //! edit blend is the inpainting pipeline's token-level blend, so a request stepped here alone
 //! ends on the same latents as the pipeline functions with the same seed.
 use super::conditioning_cache::ConditioningCache;
+use super::control::{self, ControlInput, ControlState, ControlStep};
 use super::{FluxPipeline, GenerateOptions, GenerationRequest, Prepared};
 use crate::error::{ModelError, Result};
-use crate::flux::{FluxInputs, KvCache, KvSink, MaskedRequest};
+use crate::flux::{ControlResiduals, FluxInputs, KvCache, KvSink, MaskedRequest};
 use crate::packing::pack_latents;
 use crate::scheduler::scale_noise_with_sigmas;
 use tch::{Kind, Tensor};
@@ -41,6 +42,8 @@ pub struct StepRequest {
     /// Embedded guidance (guidance-distilled models only).
     pub guidance_scale: f64,
     pub edit: Option<EditSpec>,
+    /// A ControlNet's control image (generations only; see [`super::control`]).
+    pub control: Option<ControlInput>,
 }
 
 struct EditState {
@@ -71,6 +74,7 @@ pub struct DenoiseState {
     index: usize,
     start: usize,
     edit: Option<EditState>,
+    control: Option<ControlState>,
 }
 
 impl DenoiseState {
@@ -124,14 +128,25 @@ impl DenoiseState {
             )?;
             let mut noise = prep.noise(&[req.seed], p.codec.latent_channels())?;
             let Some(edit) = &req.edit else {
+                let control = match &req.control {
+                    Some(c) => Some(ControlState::new(p, &prep, req, c)?),
+                    None => None,
+                };
                 return Ok(Self {
                     prep,
                     latents: noise,
                     index: 0,
                     start: 0,
                     edit: None,
+                    control,
                 });
             };
+            if req.control.is_some() {
+                return Err(ModelError::input(
+                    "control",
+                    "edits do not take a ControlNet (their unmasked tokens follow the template)",
+                ));
+            }
             let expect = [1, 3, req.height, req.width];
             if edit.template.size() != expect {
                 return Err(ModelError::input(
@@ -193,6 +208,7 @@ impl DenoiseState {
                     keep,
                     masked_index,
                 }),
+                control: None,
             })
         })
     }
@@ -239,6 +255,27 @@ impl DenoiseState {
         self.edit.as_ref().map(|e| e.masked_index.size()[0])
     }
 
+    /// Whether this request is steered by a ControlNet.
+    pub fn has_control(&self) -> bool {
+        self.control.is_some()
+    }
+
+    /// The ControlNet inputs of this request's next step (`None`: not steered, or done).
+    pub fn control_step(&self) -> Result<Option<ControlStep>> {
+        let Some(c) = &self.control else {
+            return Ok(None);
+        };
+        if self.is_done() {
+            return Ok(None);
+        }
+        Ok(Some(ControlStep {
+            inputs: group_inputs(&[self])?,
+            control: c.latents.shallow_clone(),
+            scale: c.scale,
+            guidance_scale: c.guidance_scale,
+        }))
+    }
+
     /// Run this state's next step with full compute while recording the K/V of every image
     /// token in every block into `sink`: the capture pass of a template (an edit whose mask
     /// repaints nothing, so every token follows the template's noised trajectory).
@@ -250,10 +287,9 @@ impl DenoiseState {
             ));
         }
         tch::no_grad(|| {
-            let states = [&mut *self];
-            let inputs = group_inputs(&states, &[0])?;
+            let inputs = group_inputs(&[&*self])?;
             let velocity = p.transformer.forward_capture(&inputs, sink)?;
-            states[0].apply(&velocity)
+            self.apply(&velocity)
         })
     }
 
@@ -314,11 +350,38 @@ pub fn step_batch_modes(
     modes: &[StepMode<'_>],
     full_prefix: usize,
 ) -> Result<()> {
-    if modes.len() != states.len() {
+    let none: Vec<Option<ControlResiduals>> = states.iter().map(|_| None).collect();
+    step_batch_controlled(p, states, modes, full_prefix, &none)
+}
+
+/// [`step_batch_modes`] where `residuals[i]` are state `i`'s ControlNet residuals for this step
+/// (from [`DenoiseState::control_step`], computed here or on a ControlNet worker). A steered
+/// state must bring them; full-compute groups mix steered and plain rows.
+pub fn step_batch_controlled(
+    p: &FluxPipeline<'_>,
+    states: &mut [&mut DenoiseState],
+    modes: &[StepMode<'_>],
+    full_prefix: usize,
+    residuals: &[Option<ControlResiduals>],
+) -> Result<()> {
+    if modes.len() != states.len() || residuals.len() != states.len() {
         return Err(ModelError::input(
             "modes",
-            format!("{} modes for {} states", modes.len(), states.len()),
+            format!(
+                "{} modes and {} residual sets for {} states",
+                modes.len(),
+                residuals.len(),
+                states.len()
+            ),
         ));
+    }
+    for (i, s) in states.iter().enumerate().filter(|(_, s)| !s.is_done()) {
+        if s.has_control() != residuals[i].is_some() {
+            return Err(ModelError::input(
+                "control",
+                format!("state {i}: ControlNet residuals given iff the request is steered"),
+            ));
+        }
     }
     tch::no_grad(|| {
         let mut groups: Vec<((i64, i64, i64), Vec<usize>)> = Vec::new();
@@ -340,8 +403,24 @@ pub fn step_batch_modes(
                 None => groups.push((key, vec![i])),
             }
         }
+        let (doubles, singles) = (
+            p.transformer.transformer_blocks.len(),
+            p.transformer.single_transformer_blocks.len(),
+        );
         for (_, members) in groups {
-            let velocity = p.transformer.forward(&group_inputs(states, &members)?)?;
+            let rows: Vec<&DenoiseState> = members.iter().map(|&i| &*states[i]).collect();
+            let inputs = group_inputs(&rows)?;
+            let steered: Vec<Option<&ControlResiduals>> =
+                members.iter().map(|&i| residuals[i].as_ref()).collect();
+            let merged = if steered.iter().all(Option::is_none) {
+                None
+            } else {
+                control::merge_rows(&steered, doubles, singles, &like_residual(&inputs, p)?)?
+            };
+            let velocity = match merged {
+                Some(r) => p.transformer.forward_controlled(&inputs, &r)?,
+                None => p.transformer.forward(&inputs)?,
+            };
             for (row, &i) in members.iter().enumerate() {
                 states[i].apply(&velocity.f_narrow(0, row as i64, 1)?)?;
             }
@@ -403,10 +482,19 @@ impl DenoiseState {
     }
 }
 
-/// The transformer inputs of a group of same-shaped states, rows in `members` order.
-fn group_inputs(states: &[&mut DenoiseState], members: &[usize]) -> Result<FluxInputs> {
-    let first = &states[members[0]].prep;
-    let rows: Vec<&DenoiseState> = members.iter().map(|&i| &*states[i]).collect();
+/// A `[1, N, inner]` tensor of the transformer's kind (what an unsteered row's residual is).
+fn like_residual(inputs: &FluxInputs, p: &FluxPipeline<'_>) -> Result<Tensor> {
+    let n = inputs.hidden_states.size()[1];
+    let (device, kind) = p.transformer.device_kind();
+    Ok(Tensor::f_empty(
+        [1, n, p.transformer.inner_dim()],
+        (kind, device),
+    )?)
+}
+
+/// The transformer inputs of a group of same-shaped states, one row each.
+fn group_inputs(rows: &[&DenoiseState]) -> Result<FluxInputs> {
+    let first = &rows[0].prep;
     let cat = |f: &dyn Fn(&DenoiseState) -> Tensor| -> Result<Tensor> {
         let parts: Vec<Tensor> = rows.iter().map(|s| f(s)).collect();
         Ok(Tensor::f_cat(&parts, 0)?)
@@ -470,6 +558,7 @@ mod tests {
 
     fn req(prompt: &str, seed: u64, steps: usize) -> StepRequest {
         StepRequest {
+            control: None,
             prompt: prompt.into(),
             seed,
             height: 64,

@@ -225,7 +225,12 @@ impl TinyModel {
 
     /// Velocity prediction for packed noisy tokens `x` at flow time `t` (`[B]`, in 0..1).
     pub fn velocity(&self, x: &Tensor, text: &TextEmbeddings, t: &Tensor) -> Result<Tensor> {
-        self.transformer.forward(&FluxInputs {
+        self.transformer.forward(&self.flux_inputs(x, text, t))
+    }
+
+    /// The transformer inputs of [`Self::velocity`] (ControlNet training runs them twice).
+    pub fn flux_inputs(&self, x: &Tensor, text: &TextEmbeddings, t: &Tensor) -> FluxInputs {
+        FluxInputs {
             hidden_states: x.shallow_clone(),
             encoder_hidden_states: text.hidden.shallow_clone(),
             pooled_projections: text.pooled.shallow_clone(),
@@ -233,7 +238,7 @@ impl TinyModel {
             img_ids: self.img_ids.shallow_clone(),
             txt_ids: self.txt_ids.shallow_clone(),
             guidance: None,
-        })
+        }
     }
 
     /// Write the full folder; `weights` replaces the live weights of the named store when given

@@ -152,6 +152,7 @@ pub fn step_requests(
             }
         };
         out.push(StepRequest {
+            control: None,
             prompt: p.prompt.clone(),
             seed: p.seed.wrapping_add(i as u64),
             height,

@@ -1,0 +1,317 @@
+//! Flux ControlNet (`FluxControlNetModel` of diffusers 0.42.1) and its residuals.
+//!
+//! A ControlNet is a shortened copy of the transformer's trunk whose image stream also takes the
+//! packed latents of a control image (`controlnet_x_embedder`); after every block a zero-initialised
+//! linear (`controlnet_blocks`, `controlnet_single_blocks`) turns the image stream into a residual
+//! that the transformer adds to its own image stream after the matching block. The ControlNet runs
+//! on its own (Katz's ControlNet-as-a-Service): it needs only the step's inputs, never the
+//! transformer's activations, so it can run beside the transformer on another worker.
+//!
+//! Supported: the plain form (`conditioning_embedding_channels` and `num_mode` unset, e.g. the
+//! InstantX and Shakker-Labs Flux ControlNets); the union and hint-block forms are refused by name.
+use super::blocks::{DoubleBlock, SingleBlock};
+use super::config::FluxConfig;
+use super::embeddings::{Rope, TimeTextEmbed};
+use super::layers::Linear;
+use super::{check_batch_vector, ids_2d, FluxInputs};
+use crate::error::{ModelError, Result};
+use serde::Deserialize;
+use std::path::Path;
+use tch::{nn, Device, Kind, Tensor};
+
+/// The ControlNet-only keys of a `FluxControlNetModel` `config.json` (the rest is a [`FluxConfig`]).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ControlNetExtras {
+    num_mode: Option<i64>,
+    conditioning_embedding_channels: Option<i64>,
+}
+
+/// The residuals of one ControlNet forward, already multiplied by the conditioning scale, in the
+/// ControlNet's own block order: `double[i]` after its double block `i`, `single[j]` after its
+/// single block `j`, each `[B, N, inner]` (image tokens only).
+#[derive(Debug)]
+pub struct ControlResiduals {
+    pub double: Vec<Tensor>,
+    pub single: Vec<Tensor>,
+}
+
+impl ControlResiduals {
+    /// Which residual diffusers adds after base block `index` of `base_blocks`: with `samples`
+    /// residuals, `samples[index / ceil(base_blocks / samples)]` (`FluxTransformer2DModel`'s
+    /// `interval_control`, `controlnet_blocks_repeat = false`); none when there are none.
+    pub fn index_for(index: usize, base_blocks: usize, samples: usize) -> Option<usize> {
+        if samples == 0 || base_blocks == 0 {
+            return None;
+        }
+        let interval = base_blocks.div_ceil(samples);
+        Some(index / interval)
+    }
+
+    /// The residual for base double block `index` of `base_blocks`.
+    pub fn for_double(&self, index: usize, base_blocks: usize) -> Option<&Tensor> {
+        Self::index_for(index, base_blocks, self.double.len()).and_then(|i| self.double.get(i))
+    }
+
+    /// The residual for base single block `index` of `base_blocks`.
+    pub fn for_single(&self, index: usize, base_blocks: usize) -> Option<&Tensor> {
+        Self::index_for(index, base_blocks, self.single.len()).and_then(|i| self.single.get(i))
+    }
+
+    /// Every residual, double then single (what a ControlNet worker sends back).
+    pub fn tensors(&self) -> impl Iterator<Item = &Tensor> {
+        self.double.iter().chain(self.single.iter())
+    }
+}
+
+/// The Flux ControlNet.
+#[derive(Debug)]
+pub struct FluxControlNet {
+    pub cfg: FluxConfig,
+    pub x_embedder: Linear,
+    pub controlnet_x_embedder: Linear,
+    pub context_embedder: Linear,
+    pub time_text_embed: TimeTextEmbed,
+    pub transformer_blocks: Vec<DoubleBlock>,
+    pub single_transformer_blocks: Vec<SingleBlock>,
+    pub controlnet_blocks: Vec<Linear>,
+    pub controlnet_single_blocks: Vec<Linear>,
+}
+
+impl FluxControlNet {
+    /// Create the parameters under `vs` (torch's default init). Validates `cfg`.
+    pub fn new(vs: &nn::Path, cfg: FluxConfig) -> Result<Self> {
+        cfg.validate()?;
+        let dim = cfg.inner_dim();
+        let linears = |name: &str, count: i64| -> Vec<Linear> {
+            (0..count)
+                .map(|i| Linear::new(vs / name / i, dim, dim, true))
+                .collect()
+        };
+        Ok(Self {
+            x_embedder: Linear::new(vs / "x_embedder", cfg.in_channels, dim, true),
+            controlnet_x_embedder: Linear::new(
+                vs / "controlnet_x_embedder",
+                cfg.in_channels,
+                dim,
+                true,
+            ),
+            context_embedder: Linear::new(
+                vs / "context_embedder",
+                cfg.joint_attention_dim,
+                dim,
+                true,
+            ),
+            time_text_embed: TimeTextEmbed::new(vs / "time_text_embed", &cfg),
+            transformer_blocks: (0..cfg.num_layers)
+                .map(|i| DoubleBlock::new(vs / "transformer_blocks" / i, &cfg))
+                .collect(),
+            single_transformer_blocks: (0..cfg.num_single_layers)
+                .map(|i| SingleBlock::new(vs / "single_transformer_blocks" / i, &cfg))
+                .collect(),
+            controlnet_blocks: linears("controlnet_blocks", cfg.num_layers),
+            controlnet_single_blocks: linears("controlnet_single_blocks", cfg.num_single_layers),
+            cfg,
+        })
+    }
+
+    /// Load a diffusers `FluxControlNetModel` folder strictly, convert to `kind`, freeze.
+    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<(Self, nn::VarStore)> {
+        let cfg = FluxConfig::from_dir(dir)?;
+        let extras: ControlNetExtras = crate::error::read_json(&dir.join("config.json"))?;
+        if extras.num_mode.is_some() {
+            return Err(ModelError::config(
+                "num_mode",
+                "union ControlNets (num_mode) are not supported",
+            ));
+        }
+        if extras.conditioning_embedding_channels.is_some() {
+            return Err(ModelError::config(
+                "conditioning_embedding_channels",
+                "ControlNets with an input hint block are not supported",
+            ));
+        }
+        let mut vs = nn::VarStore::new(device);
+        let model = Self::new(&vs.root(), cfg)?;
+        vs.set_kind(kind);
+        let unused = crate::weights::load_strict(&mut vs, dir)?;
+        if !unused.is_empty() {
+            tracing::warn!(dir = %dir.display(), count = unused.len(), first = %unused[0], "checkpoint keys not used by the Flux ControlNet");
+        }
+        vs.freeze();
+        Ok((model, vs))
+    }
+
+    /// Device and dtype of the parameters.
+    pub fn device_kind(&self) -> (Device, Kind) {
+        let w = &self.x_embedder.weight;
+        (w.device(), w.kind())
+    }
+
+    /// Whether this ControlNet's inputs fit a transformer of `base` (same token widths, so it can
+    /// read the transformer's latents, prompt embeddings and ids).
+    pub fn check_compatible(&self, base: &FluxConfig) -> Result<()> {
+        let fields = [
+            ("in_channels", self.cfg.in_channels, base.in_channels),
+            (
+                "num_attention_heads x attention_head_dim",
+                self.cfg.inner_dim(),
+                base.inner_dim(),
+            ),
+            (
+                "joint_attention_dim",
+                self.cfg.joint_attention_dim,
+                base.joint_attention_dim,
+            ),
+            (
+                "pooled_projection_dim",
+                self.cfg.pooled_projection_dim,
+                base.pooled_projection_dim,
+            ),
+        ];
+        for (field, own, theirs) in fields {
+            if own != theirs {
+                return Err(ModelError::config(
+                    field,
+                    format!("ControlNet has {own}, the transformer {theirs}"),
+                ));
+            }
+        }
+        if self.cfg.axes_dims_rope != base.axes_dims_rope {
+            return Err(ModelError::config(
+                "axes_dims_rope",
+                format!(
+                    "ControlNet has {:?}, the transformer {:?}",
+                    self.cfg.axes_dims_rope, base.axes_dims_rope
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// diffusers' forward: the residuals of every block, times `conditioning_scale`.
+    /// `control` is `[B, N, in_channels]`, the control image's packed latents. `inputs.guidance`
+    /// must be given iff this ControlNet embeds guidance (diffusers' pipeline decides by the
+    /// ControlNet's own `guidance_embeds`).
+    pub fn forward(
+        &self,
+        inputs: &FluxInputs,
+        control: &Tensor,
+        conditioning_scale: f64,
+    ) -> Result<ControlResiduals> {
+        let cfg = &self.cfg;
+        let hs = inputs.hidden_states.size();
+        if hs.len() != 3 || hs[2] != cfg.in_channels {
+            return Err(ModelError::input(
+                "hidden_states",
+                format!("expected [B, N, {}], got {hs:?}", cfg.in_channels),
+            ));
+        }
+        let (b, n) = (hs[0], hs[1]);
+        if control.size() != hs {
+            return Err(ModelError::input(
+                "control",
+                format!(
+                    "expected {hs:?} like hidden_states, got {:?}",
+                    control.size()
+                ),
+            ));
+        }
+        let es = inputs.encoder_hidden_states.size();
+        if es.len() != 3 || es[0] != b || es[2] != cfg.joint_attention_dim {
+            return Err(ModelError::input(
+                "encoder_hidden_states",
+                format!("expected [{b}, T, {}], got {es:?}", cfg.joint_attention_dim),
+            ));
+        }
+        check_batch_vector("timestep", &inputs.timestep, b)?;
+        match (&inputs.guidance, cfg.guidance_embeds) {
+            (Some(g), true) => check_batch_vector("guidance", g, b)?,
+            (None, false) => {}
+            (given, _) => {
+                return Err(ModelError::input(
+                    "guidance",
+                    format!(
+                        "the ControlNet {} guidance, got {}",
+                        if cfg.guidance_embeds {
+                            "embeds"
+                        } else {
+                            "does not embed"
+                        },
+                        if given.is_some() { "some" } else { "none" }
+                    ),
+                ))
+            }
+        }
+        let axes = cfg.axes_dims_rope.len() as i64;
+        let img_ids = ids_2d("img_ids", &inputs.img_ids, n, axes)?;
+        let txt_ids = ids_2d("txt_ids", &inputs.txt_ids, es[1], axes)?;
+
+        let (_, kind) = self.device_kind();
+        let mut img = self
+            .x_embedder
+            .forward(&inputs.hidden_states)?
+            .f_add(&self.controlnet_x_embedder.forward(control)?)?;
+        let t = inputs
+            .timestep
+            .f_reshape([-1])?
+            .f_to_kind(kind)?
+            .f_mul_scalar(1000.0)?;
+        let g = inputs
+            .guidance
+            .as_ref()
+            .map(|g| g.f_reshape([-1])?.f_to_kind(kind)?.f_mul_scalar(1000.0))
+            .transpose()?;
+        let temb_silu = self
+            .time_text_embed
+            .forward(&t, g.as_ref(), &inputs.pooled_projections)?
+            .f_silu()?;
+        let mut txt = self
+            .context_embedder
+            .forward(&inputs.encoder_hidden_states)?;
+        let ids = Tensor::f_cat(&[&txt_ids, &img_ids], 0)?.f_to_device(img.device())?;
+        let rope = Rope::new(&ids, &cfg.axes_dims_rope)?;
+        let head_dim = cfg.attention_head_dim;
+
+        let mut double = Vec::with_capacity(self.transformer_blocks.len());
+        for (block, out) in self.transformer_blocks.iter().zip(&self.controlnet_blocks) {
+            (img, txt) = block.forward_full(&img, &txt, &temb_silu, &rope, head_dim)?;
+            double.push(out.forward(&img)?.f_mul_scalar(conditioning_scale)?);
+        }
+        let t_len = txt.size()[1];
+        let mut x = Tensor::f_cat(&[&txt, &img], 1)?;
+        let mut single = Vec::with_capacity(self.single_transformer_blocks.len());
+        for (block, out) in self
+            .single_transformer_blocks
+            .iter()
+            .zip(&self.controlnet_single_blocks)
+        {
+            x = block.forward_full(&x, &temb_silu, &rope, head_dim)?;
+            let img = x.f_narrow(1, t_len, n)?;
+            single.push(out.forward(&img)?.f_mul_scalar(conditioning_scale)?);
+        }
+        Ok(ControlResiduals { double, single })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ControlResiduals;
+
+    #[test]
+    fn residual_index_follows_diffusers_interval_rule() {
+        // 19 base blocks, 5 residuals: interval ceil(19 / 5) = 4.
+        let got: Vec<_> = (0..19)
+            .map(|i| ControlResiduals::index_for(i, 19, 5).unwrap())
+            .collect();
+        assert_eq!(
+            got,
+            [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4]
+        );
+        // As many residuals as blocks: one each.
+        assert_eq!(ControlResiduals::index_for(7, 38, 38), Some(7));
+        // More residuals than blocks: interval 1, the extra ones unused.
+        assert_eq!(ControlResiduals::index_for(2, 3, 10), Some(2));
+        assert_eq!(ControlResiduals::index_for(0, 3, 0), None);
+    }
+}
