@@ -41,7 +41,8 @@ enum Cmd {
     /// One forward pass of a model component (see `diffmesh-forward --help`).
     Forward(PassThrough),
     /// Benchmarks: `bench model` (see `diffmesh-bench --help`), `bench engine` (see
-    /// `diffmesh-engine-bench --help`) and `bench lora` (see `diffmesh-lora-bench --help`).
+    /// `diffmesh-engine-bench --help`), `bench lora` (see `diffmesh-lora-bench --help`) and
+    /// `bench controlnet` (see `diffmesh-controlnet-bench --help`).
     Bench(PassThrough),
     /// Train the tiny default model (see `diffmesh-train-tiny --help`).
     TrainTiny(PassThrough),
@@ -95,6 +96,9 @@ fn main() -> anyhow::Result<()> {
             }
             Some((part, rest)) if part == "lora" => {
                 release_bin(&tc, "diffmesh-denoiser", "diffmesh-lora-bench", rest)
+            }
+            Some((part, rest)) if part == "controlnet" => {
+                release_bin(&tc, "diffmesh-model", "diffmesh-controlnet-bench", rest)
             }
             _ => release_bin(&tc, "diffmesh-model", "diffmesh-bench", &p.args),
         },

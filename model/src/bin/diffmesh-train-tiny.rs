@@ -5,7 +5,7 @@
 //! diffmesh-train-tiny lora --model-dir models/tiny --out models/tiny-loras/outline.safetensors
 //! diffmesh-train-tiny controlnet --model-dir models/tiny --out models/tiny-controlnets/silhouette
 use clap::{Parser, Subcommand};
-use diffmesh_model::tiny::{controlnet_train, eval, lora_train, train};
+use diffmesh_model::tiny::{controlnet_eval, controlnet_train, eval, lora_train, train};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -31,6 +31,9 @@ enum Command {
     /// Train the "silhouette" ControlNet of a trained model (control image: the object's
     /// silhouette); prints a JSON line last.
     Controlnet(controlnet_train::ControlNetTrainArgs),
+    /// Measure the silhouette ControlNet: overlap of the drawn object with the silhouette, with
+    /// and without it, on held-out scenes; prints a JSON line last.
+    ControlnetEval(controlnet_eval::ControlNetEvalArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -51,6 +54,9 @@ fn main() -> anyhow::Result<()> {
                 "{}",
                 serde_json::to_string(&controlnet_train::train_controlnet(&args)?)?
             );
+        }
+        Some(Command::ControlnetEval(args)) => {
+            println!("{}", serde_json::to_string(&controlnet_eval::run(&args)?)?);
         }
         Some(Command::Train(args)) => report(train::train(&args)?)?,
         None => report(train::train(&cli.train)?)?,

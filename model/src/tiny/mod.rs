@@ -5,6 +5,7 @@
 //! (`cargo xtask train-tiny`), so image quality is measurable on any machine.
 pub mod check;
 pub mod codec;
+pub mod controlnet_eval;
 pub mod controlnet_train;
 pub mod data;
 pub mod eval;
