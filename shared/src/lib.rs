@@ -3,6 +3,7 @@ pub mod blob_store;
 pub mod cache_read;
 pub mod cachestore;
 pub mod config;
+pub mod controlnet;
 pub mod error;
 pub mod health;
 pub mod idempotency;

@@ -56,6 +56,10 @@ pub struct GenerationParams {
     /// deadline first (`--queue-order edf`) reads it. None: best effort.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline_unix_ms: Option<u64>,
+    /// The ControlNet steering a generation (its control image: `control_image_key` of the
+    /// request to the codec, then of the prepared inputs). None: no ControlNet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controlnet: Option<crate::controlnet::ControlNetRef>,
 }
 
 /// Gateway -> codec (`CODEC_PRE`).
@@ -71,6 +75,9 @@ pub struct PreprocessRequest {
     /// The job's image is a registered template's, read from the template bucket.
     #[serde(default)]
     pub template_image: Option<TemplateImage>,
+    /// Object-store key of the raw uploaded control image (generations with a ControlNet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_image_key: Option<String>,
 }
 
 /// The image of a job on a registered template (its capture, or an edit by `template_id`): it
@@ -126,6 +133,10 @@ pub struct PreparedInputs {
     /// (cachestore) are keyed by content, not by upload; edits only.
     #[serde(default)]
     pub template_id: Option<String>,
+    /// Key of the model-resolution control image (RGB u8, `model_height * model_width * 3`),
+    /// generations with a ControlNet only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_image_key: Option<String>,
 }
 
 /// A field-level validation error, returned to the client as a 4xx.
@@ -403,6 +414,7 @@ mod tests {
             height: 48,
             loras: Vec::new(),
             deadline_unix_ms: None,
+            controlnet: None,
         }
     }
 
@@ -420,6 +432,7 @@ mod tests {
             token_rows: 16,
             token_cols: 16,
             template_id: Some("abc".into()),
+            control_image_key: None,
         }
     }
 

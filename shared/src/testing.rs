@@ -235,6 +235,7 @@ pub fn generation_job(
             height: 64,
             loras: Vec::new(),
             deadline_unix_ms: None,
+            controlnet: None,
         },
         inputs: PreparedInputs {
             image_key: None,
@@ -249,6 +250,7 @@ pub fn generation_job(
             token_rows: 0,
             token_cols: 0,
             template_id: None,
+            control_image_key: None,
         },
         raw_image_key: None,
         raw_mask_key: None,

@@ -27,6 +27,9 @@ pub struct UpArgs {
     /// Model directory the denoisers serve (diffusers layout).
     #[arg(long, default_value = "models/tiny")]
     model_dir: PathBuf,
+    /// Folder of named ControlNets the denoisers serve (skipped when it does not exist).
+    #[arg(long, default_value = "models/tiny-controlnets")]
+    controlnet_dir: PathBuf,
     /// Number of denoiser workers.
     #[arg(long, default_value_t = 1)]
     denoisers: u32,
@@ -152,6 +155,9 @@ fn start_all(
                 "denoiser" => {
                     cmd.env("MODEL_DIR", &args.model_dir)
                         .env("WORKER_ID", format!("denoiser-{copy}"));
+                    if root.join(&args.controlnet_dir).is_dir() {
+                        cmd.env("CONTROLNET_DIR", &args.controlnet_dir);
+                    }
                     denoiser_health.push(health_port);
                 }
                 _ => {}

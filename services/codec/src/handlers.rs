@@ -36,6 +36,8 @@ pub struct Codec {
 pub const PREPARED_IMAGE: &str = "prepared-image.rgb";
 /// Object-store name of the token mask (one u8 per token).
 pub const TOKEN_MASK: &str = "token-mask.u8";
+/// Object-store name of a generation's control image at the model resolution (RGB u8).
+pub const PREPARED_CONTROL: &str = "prepared-control.rgb";
 
 /// Object-store name of the `i`-th final PNG.
 pub fn result_name(i: usize) -> String {
@@ -136,9 +138,10 @@ impl Codec {
             token_rows: grid.rows(),
             token_cols: grid.cols(),
             template_id: None,
+            control_image_key: None,
         };
         match req.kind {
-            JobKind::Generate => return Ok(base),
+            JobKind::Generate => return self.prepare_generation(req, base).await,
             JobKind::Capture => return self.prepare_capture(req, base).await,
             JobKind::Edit => {}
         }
@@ -203,6 +206,32 @@ impl Codec {
             input_width: prepared.width,
             input_height: prepared.height,
             template_id: Some(content_hash),
+            ..base
+        })
+    }
+
+    /// A generation: nothing to prepare but a ControlNet's control image, stretched to the
+    /// model resolution like an edit's image.
+    async fn prepare_generation(
+        &self,
+        req: &PreprocessRequest,
+        base: PreparedInputs,
+    ) -> Result<PreparedInputs, CodecError> {
+        let Some(key) = req.control_image_key.as_deref() else {
+            return Ok(base);
+        };
+        const FIELD: &str = "controlnet.image";
+        let bytes = self.fetch_upload(&self.blobs, key, FIELD).await?;
+        let (grid, max_pixels) = (self.grid, self.max_pixels);
+        let rgb = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, FieldError> {
+            let image = imaging::decode_upload(&bytes, FIELD, max_pixels)?;
+            Ok(imaging::to_model_rgb(&image, grid))
+        })
+        .await??;
+        let key = blob_key(&req.job_id, PREPARED_CONTROL);
+        self.blobs.put(&key, &rgb).await?;
+        Ok(PreparedInputs {
+            control_image_key: Some(key),
             ..base
         })
     }

@@ -1,7 +1,8 @@
 //! Capture preprocessing over a real nats-server: a template is prepared without a mask (every
 //! token computed) and hashed exactly like an edit of the same image, so the capture's cache
 //! and the template's edits share one `template_id`; a registered template's image and pixels
-//! are read where the template keeps them, never copied per edit.
+//! are read where the template keeps them, never copied per edit. A generation's ControlNet
+//! control image is stretched to the model resolution.
 use std::io::Cursor;
 
 use diffmesh_codec::decoded::DecodedImages;
@@ -44,8 +45,10 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
             height: 20,
             loras: Vec::new(),
             deadline_unix_ms: None,
+            controlnet: None,
         },
         template_image: None,
+        control_image_key: None,
     }
 }
 
@@ -274,4 +277,52 @@ async fn a_registered_templates_jobs_read_its_image_where_it_is_kept() {
         blobs.get(&tokens(&upload)).await.unwrap(),
         blobs.get(&tokens(&legacy)).await.unwrap()
     );
+}
+
+/// A generation's control image is stretched to the model resolution (RGB u8) and named in the
+/// prepared inputs; a generation without one prepares nothing; a non-image names its field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generations_control_image_is_prepared_at_the_model_resolution() {
+    let nats = NatsServer::start();
+    let (blobs, templates) = buckets(&nats).await;
+    let codec = codec(&blobs, &templates, &decoded_lookups());
+    let generation = |job_id: &str, control: Option<&str>| PreprocessRequest {
+        image_key: None,
+        control_image_key: control.map(str::to_string),
+        ..request(job_id, JobKind::Generate, None)
+    };
+    let plain = codec.preprocess(&generation("g0", None)).await.unwrap();
+    assert_eq!(plain.control_image_key, None);
+
+    // 30x20, left half white: at 16x16 the left columns stay white, the right black.
+    let mut img = RgbImage::new(30, 20);
+    for (x, _, p) in img.enumerate_pixels_mut() {
+        *p = if x < 15 {
+            Rgb([255, 255, 255])
+        } else {
+            Rgb([0, 0, 0])
+        };
+    }
+    blobs
+        .put("upload/control", &png(&DynamicImage::ImageRgb8(img)))
+        .await
+        .unwrap();
+    let steered = codec
+        .preprocess(&generation("g1", Some("upload/control")))
+        .await
+        .unwrap();
+    let key = steered.control_image_key.expect("a prepared control image");
+    let rgb = blobs.get(&key).await.unwrap();
+    assert_eq!(rgb.len(), 16 * 16 * 3);
+    let pixel = |x: usize, y: usize| rgb[(y * 16 + x) * 3];
+    assert_eq!((pixel(1, 8), pixel(14, 8)), (255, 0));
+
+    blobs.put("upload/control", b"not an image").await.unwrap();
+    match codec
+        .preprocess(&generation("g2", Some("upload/control")))
+        .await
+    {
+        Err(CodecError::Invalid(field)) => assert_eq!(field.field, "controlnet.image"),
+        other => panic!("expected an invalid control image, got {other:?}"),
+    }
 }

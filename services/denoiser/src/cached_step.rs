@@ -8,8 +8,8 @@
 //! token-block (from step timings) and load bandwidth (from the loader).
 use crate::templates::{GpuCopy, KvLoader, StreamedKv, TemplateEntry};
 use diffmesh_model::flux::kv_codec::{encode_block, CacheDtype};
-use diffmesh_model::flux::{KvFormat, KvSink};
-use diffmesh_model::pipeline::stepper::{step_batch_modes, DenoiseState, StepMode};
+use diffmesh_model::flux::{ControlResiduals, KvFormat, KvSink};
+use diffmesh_model::pipeline::stepper::{step_batch_controlled, DenoiseState, StepMode};
 use diffmesh_model::pipeline::FluxPipeline;
 use diffmesh_model::tch::Tensor;
 use diffmesh_model::{ModelError, Result};
@@ -130,6 +130,18 @@ impl CachedStepper {
         states: &mut [&mut DenoiseState],
         caches: &[Option<Arc<TemplateEntry>>],
     ) -> Result<StepReport> {
+        let none: Vec<Option<ControlResiduals>> = states.iter().map(|_| None).collect();
+        self.step_controlled(p, states, caches, &none)
+    }
+
+    /// [`Self::step`] with each state's ControlNet residuals (`None` for unsteered states).
+    pub fn step_controlled(
+        &mut self,
+        p: &FluxPipeline<'_>,
+        states: &mut [&mut DenoiseState],
+        caches: &[Option<Arc<TemplateEntry>>],
+        residuals: &[Option<ControlResiduals>],
+    ) -> Result<StepReport> {
         if caches.len() != states.len() {
             return Err(ModelError::input("caches", "one entry per state"));
         }
@@ -178,7 +190,7 @@ impl CachedStepper {
             })
             .sum();
         let started = Instant::now();
-        step_batch_modes(p, states, &modes, prefix)?;
+        step_batch_controlled(p, states, &modes, prefix, residuals)?;
         let elapsed = started.elapsed().as_secs_f64();
         let load_wait_s: f64 = streams.iter().map(|s| s.waited().as_secs_f64()).sum();
         if work > 0.0 {

@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod cached_step;
 pub mod capture_log;
+pub mod controlnet;
 pub mod engine;
 pub mod lora;
 pub mod metrics;
@@ -133,6 +134,14 @@ pub struct DenoiserConfig {
     /// switch copies them host to device). The same on a CPU.
     #[arg(long, env = "LORA_ORIGINALS", value_enum, default_value_t = diffmesh_model::lora::OriginalsOn::Device)]
     pub lora_originals: diffmesh_model::lora::OriginalsOn,
+    /// Folder of named ControlNets (`<dir>/<name>/config.json` + safetensors, diffusers'
+    /// `FluxControlNetModel` layout) that generations may name in `controlnet.name`; none: this
+    /// denoiser takes no steered generations.
+    #[arg(long, env = "CONTROLNET_DIR")]
+    pub controlnet_dir: Option<std::path::PathBuf>,
+    /// ControlNets kept loaded (the least recently used is dropped beyond it).
+    #[arg(long, env = "CONTROLNET_CACHE", default_value_t = 4)]
+    pub controlnet_cache: usize,
     /// Bytes of LoRA adapters held in memory (LRU).
     #[arg(long, env = "LORA_CACHE_BYTES", default_value_t = 2 << 30)]
     pub lora_cache_bytes: u64,
@@ -187,6 +196,8 @@ impl DenoiserConfig {
             queue_order: Default::default(),
             lora_async_fraction: 0.2,
             lora_originals: Default::default(),
+            controlnet_dir: None,
+            controlnet_cache: 4,
             lora_cache_bytes: 64 << 20,
             max_lora_bytes: 64 << 20,
             warm_on_capture: true,
@@ -343,8 +354,12 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let load_dir = dir.clone();
     let id = model_id.clone();
     let size = config.default_resolution;
+    let controlnet_dir = config.controlnet_dir.clone();
     let model = tokio::task::spawn_blocking(move || {
-        model::EngineModel::load(&load_dir, device, kind, id, size)
+        model::EngineModel::load(&load_dir, device, kind, id, size).map(|mut m| {
+            m.controlnet_dir = controlnet_dir;
+            m
+        })
     })
     .await
     .map_err(|e| DenoiserError::Thread(std::io::Error::other(e.to_string())))?
@@ -384,6 +399,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         conditioning_cache_bytes: config.conditioning_cache_bytes,
         lora_async_fraction: config.lora_async_fraction,
         lora_originals: config.lora_originals,
+        controlnet_cache: config.controlnet_cache,
     };
     let cache_bucket =
         BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::CACHES).await?;

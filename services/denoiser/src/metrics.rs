@@ -68,6 +68,7 @@ pub struct DenoiserMetrics {
     /// Bytes the conditioning cache holds, by kind.
     pub conditioning_bytes: IntGaugeVec,
     pub lora: crate::lora::metrics::LoraMetrics,
+    pub controlnet: crate::controlnet::ControlNetMetrics,
 }
 
 impl DenoiserMetrics {
@@ -256,6 +257,7 @@ impl DenoiserMetrics {
             conditioning_lookups,
             conditioning_bytes,
             lora: crate::lora::metrics::LoraMetrics::new(registry)?,
+            controlnet: crate::controlnet::ControlNetMetrics::new(registry)?,
         })
     }
 

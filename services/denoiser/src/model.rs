@@ -2,6 +2,7 @@
 //! decoded images back into RGB bytes.
 use crate::templates::GpuCopy;
 use diffmesh_model::model_dir::LoadedModel;
+use diffmesh_model::pipeline::control::ControlInput;
 use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest};
 use diffmesh_model::pipeline::template::{self, TemplateSpec};
 use diffmesh_model::pipeline::FluxPipeline;
@@ -22,6 +23,8 @@ pub struct EngineModel {
     /// The copy stream and pinned-memory allocator of the model's GPU (None on CPU, or where
     /// the CUDA driver could not be opened through cudarc: then caches load synchronously).
     pub gpu_copy: Option<Arc<GpuCopy>>,
+    /// Folder of named ControlNets steered generations may name (`--controlnet-dir`).
+    pub controlnet_dir: Option<std::path::PathBuf>,
 }
 
 impl EngineModel {
@@ -49,6 +52,7 @@ impl EngineModel {
             default_width: default_size,
             default_height: default_size,
             gpu_copy,
+            controlnet_dir: None,
         })
     }
 
@@ -163,6 +167,39 @@ pub fn step_requests(
         });
     }
     Ok(out)
+}
+
+/// Give each request of a steered generation its control image (`params.controlnet`, with the
+/// codec's model-resolution pixels `control_rgb`).
+pub fn apply_control(
+    requests: &mut [StepRequest],
+    job: &DenoiseJob,
+    control_rgb: Option<&[u8]>,
+    model: &EngineModel,
+) -> Result<(), ModelError> {
+    let Some(control) = &job.params.controlnet else {
+        return Ok(());
+    };
+    if job.kind != JobKind::Generate {
+        return Err(ModelError::input(
+            "params.controlnet",
+            "only generations take a ControlNet",
+        ));
+    }
+    let rgb = control_rgb.ok_or_else(|| {
+        ModelError::input(
+            "inputs.control_image_key",
+            "a ControlNet needs its control image",
+        )
+    })?;
+    let (height, width) = job_resolution(job, model);
+    for r in requests {
+        r.control = Some(ControlInput {
+            image: rgb_to_tensor(rgb, height, width, "inputs.control_image_key")?,
+            scale: f64::from(control.scale),
+        });
+    }
+    Ok(())
 }
 
 /// Row-major RGB bytes -> `[1, 3, H, W]` in [-1, 1].

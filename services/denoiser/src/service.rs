@@ -318,8 +318,12 @@ impl Service {
             let job_id = job.job_id.clone();
             // Inputs are read before acceptance so a job whose blobs are missing fails with a
             // clear error instead of occupying a batch slot.
-            let edit = match self.fetch_edit_inputs(&job).await {
-                Ok(edit) => edit,
+            let inputs = match self.fetch_edit_inputs(&job).await {
+                Ok(edit) => self.fetch_control_image(&job).await.map(|c| (edit, c)),
+                Err(e) => Err(e),
+            };
+            let (edit, control_rgb) = match inputs {
+                Ok(inputs) => inputs,
                 Err(message) => {
                     let reply = SubmitReply::Accepted {
                         worker_id: self.worker_id.clone(),
@@ -369,6 +373,7 @@ impl Service {
                 template,
                 capture_key,
                 lora,
+                control_rgb,
             };
             let result = self
                 .engine
@@ -452,6 +457,36 @@ impl Service {
             template_rgb,
             token_mask,
         }))
+    }
+
+    /// The model-resolution control image of a steered generation (None when it has no
+    /// ControlNet); fails, naming the field, when this denoiser does not hold its ControlNet.
+    async fn fetch_control_image(&self, job: &DenoiseJob) -> Result<Option<Vec<u8>>, String> {
+        let Some(control) = &job.params.controlnet else {
+            return Ok(None);
+        };
+        let known = self
+            .config
+            .controlnet_dir
+            .as_deref()
+            .and_then(|dir| crate::controlnet::controlnet_folder(dir, &control.name));
+        if known.is_none() {
+            return Err(format!(
+                "controlnet.name: no ControlNet `{}` on this denoiser",
+                control.name
+            ));
+        }
+        let key = job
+            .inputs
+            .control_image_key
+            .as_deref()
+            .ok_or("a ControlNet job without `inputs.control_image_key`")?;
+        let rgb = self
+            .blobs
+            .get_limited(key, MAX_INPUT_BYTES)
+            .await
+            .map_err(|e| format!("reading `inputs.control_image_key` {key}: {e}"))?;
+        Ok(Some(rgb))
     }
 
     /// Forward cancels from `denoiser_cancel(worker_id)` to the engine.

@@ -8,6 +8,7 @@
 //! `playground`, registered templates and LoRAs in `templates` and `loras`. `/healthz`,
 //! `/readyz`, `/metrics` answer on the API port and on the common health port.
 pub mod auth;
+pub mod controlnet;
 pub mod disconnect;
 pub mod error;
 pub mod events;

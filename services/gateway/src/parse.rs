@@ -39,8 +39,17 @@ pub async fn read_generation(
     let body = read_limited(payload, state.max_body_bytes, "body").await?;
     let raw = raw_from_json(&body)?;
     let fingerprint = idempotency::fingerprint("generations", &raw, None, None);
-    let valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
+    let control = raw
+        .controlnet
+        .as_ref()
+        .map(|c| crate::controlnet::validate(c, &state.limits))
+        .transpose()?;
+    let mut valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
     lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
+    let control_image = control.map(|c| {
+        valid.params.controlnet = Some(c.reference);
+        c.image
+    });
     Ok(ImageRequest {
         input: JobInput {
             kind: JobKind::Generate,
@@ -48,6 +57,7 @@ pub async fn read_generation(
             image: None,
             mask: None,
             template: None,
+            control_image,
         },
         fingerprint,
     })
@@ -108,6 +118,7 @@ pub async fn read_edit(
             image: Some(InputImage::Upload(image)),
             mask,
             template: None,
+            control_image: None,
         },
         fingerprint,
     })
@@ -218,6 +229,7 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
             "seed" => raw.seed = Some(u64_field(key, v)?),
             "loras" => raw.loras = Some(lora_params::from_json(v)?),
             "deadline_ms" => raw.deadline_ms = Some(int_field(key, v)?),
+            "controlnet" => raw.controlnet = Some(crate::controlnet::from_json(v)?),
             // OpenAI fields that do not change what this server does (model, user, quality...).
             _ => {}
         }
@@ -240,6 +252,12 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
             })
             .transpose()
     }
+    if text.contains_key("controlnet") {
+        return Err(FieldError::invalid(
+            "controlnet",
+            "edits do not take a ControlNet (their unmasked pixels stay the image's); generations do",
+        ));
+    }
     Ok(RawParams {
         prompt: text.get("prompt").cloned(),
         size: text.get("size").cloned(),
@@ -253,6 +271,7 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
             None => None,
         },
         deadline_ms: parse(text, "deadline_ms", "an integer")?,
+        controlnet: None,
     })
 }
 

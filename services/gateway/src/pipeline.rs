@@ -78,6 +78,8 @@ pub struct JobInput {
     pub mask: Option<Vec<u8>>,
     /// The registered template an edit reads or a capture records (`templates`).
     pub template: Option<TemplateRef>,
+    /// A generation's control image (bytes as uploaded), with `valid.params.controlnet`.
+    pub control_image: Option<Vec<u8>>,
 }
 
 /// Where an edit's or a capture's image is.
@@ -273,6 +275,10 @@ impl Mesh {
             Some(bytes) => Some(self.put(job_id, "mask", bytes).await?),
             None => None,
         };
+        let control_image_key = match &input.control_image {
+            Some(bytes) => Some(self.put(job_id, "control", bytes).await?),
+            None => None,
+        };
         self.stage("store", t);
 
         let t = Instant::now();
@@ -284,6 +290,7 @@ impl Mesh {
             mask_key: mask_key.clone(),
             params: params.clone(),
             template_image,
+            control_image_key,
         };
         // No codec for a moment (restarting) is waited out as a missing router is; one killed
         // while it held the request costs the first attempt's deadline.

@@ -77,6 +77,10 @@ pub struct RawParams {
     #[schema(minimum = 1, maximum = 86_400_000, example = 5000)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline_ms: Option<i64>,
+    /// A ControlNet steering the generation (generations only): the control image is drawn
+    /// over, at its place and size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controlnet: Option<crate::controlnet::RawControlNet>,
 }
 
 /// Longest `deadline_ms` a request may give (a day).
@@ -212,6 +216,8 @@ fn validate_common(
             height: size.1,
             loras,
             deadline_unix_ms,
+            // Set by the caller from `raw.controlnet` (generations only).
+            controlnet: None,
         },
         response_format,
     })

@@ -64,6 +64,7 @@ impl BenchTemplates {
             job.kind = JobKind::Capture;
             job.template = Some(reference.clone());
             let capture = EngineJob {
+                control_rgb: None,
                 job,
                 edit: Some(EditInputs {
                     template_rgb: rgb.clone(),

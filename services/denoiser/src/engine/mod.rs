@@ -7,9 +7,12 @@
 //! finished jobs as RGB images. A panic or error in a batched step is retried job by job, so one
 //! bad job fails alone and the engine lives on.
 use crate::cached_step::{CachedStepper, CaptureSink};
+use crate::controlnet::ControlNets;
 use crate::lora::LoraSlot;
 use crate::metrics::{DenoiserMetrics, EnginePhase, PhaseClock};
-use crate::model::{capture_state, job_resolution, step_requests, tensor_to_rgb, EngineModel};
+use crate::model::{
+    apply_control, capture_state, job_resolution, step_requests, tensor_to_rgb, EngineModel,
+};
 use crate::step_samples::StepSamples;
 use crate::templates::TemplateEntry;
 use diffmesh_model::lora::LoraPatcher;
@@ -69,6 +72,11 @@ pub fn spawn_engine(
         ),
         cached: CachedStepper::new(config.cache, model.gpu_copy.clone())?,
         conditioning: ConditioningCache::new(config.conditioning_cache_bytes),
+        controlnets: {
+            let (device, kind) = model.model.transformer.device_kind();
+            let dir = model.controlnet_dir.clone();
+            ControlNets::new(dir, config.controlnet_cache, device, kind)
+        },
         model,
         config,
         rx,
@@ -194,6 +202,8 @@ struct Engine {
     cached: CachedStepper,
     /// Prompt embeddings, template latents and noise that admitted jobs share.
     conditioning: ConditioningCache,
+    /// The ControlNets of steered generations (loaded on first use).
+    controlnets: ControlNets,
     config: EngineConfig,
     rx: mpsc::Receiver<Command>,
     events: mpsc::Sender<EngineEvent>,
@@ -439,7 +449,9 @@ impl Engine {
                         let pipeline = model.pipeline();
                         // The template's content hash names its image at this resolution.
                         let template = job.job.inputs.template_id.as_deref();
-                        step_requests(&job.job, job.edit.as_ref(), model)?
+                        let mut requests = step_requests(&job.job, job.edit.as_ref(), model)?;
+                        apply_control(&mut requests, &job.job, job.control_rgb.as_deref(), model)?;
+                        requests
                             .iter()
                             .map(|r| DenoiseState::new_cached(&pipeline, r, conditioning, template))
                             .collect()

@@ -4,9 +4,13 @@
 use super::lora_steps::{self, LoraNeed};
 use super::{panic_message, Active, Engine, EngineEvent, EngineJobError};
 use crate::cached_step::StepReport;
+use crate::controlnet::ControlNets;
 use crate::lora::LoadedLora;
+use crate::metrics::DenoiserMetrics;
+use diffmesh_model::flux::ControlResiduals;
 use diffmesh_model::lora::WeightedLora;
 use diffmesh_model::pipeline::stepper::DenoiseState;
+use diffmesh_model::pipeline::FluxPipeline;
 use diffmesh_model::ModelError;
 use diffmesh_shared::messages::StepSample;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -211,16 +215,35 @@ impl Engine {
         let (cached, active) = (&mut self.cached, &mut self.active);
         let denoising = |a: &Active| a.capture.is_none() && a.failed.is_none();
         let member = |i: usize| members.contains(&i);
+        // Steered jobs' ControlNet residuals first: a job whose ControlNet fails sits out.
+        let mut control: Vec<Vec<Option<ControlResiduals>>> = Vec::with_capacity(active.len());
+        for (i, a) in active.iter_mut().enumerate() {
+            let rows = if member(i) && denoising(a) {
+                match control_residuals(&mut self.controlnets, &pipeline, a, self.metrics.as_ref())
+                {
+                    Ok(rows) => rows,
+                    Err(e) => {
+                        a.failed = Some(EngineJobError::ControlNet(e));
+                        Vec::new()
+                    }
+                }
+            } else {
+                Vec::new()
+            };
+            control.push(rows);
+        }
         let batched = {
             let mut states: Vec<&mut DenoiseState> = Vec::new();
             let mut caches = Vec::new();
-            for (_, a) in active
+            let mut residuals = Vec::new();
+            for (i, a) in active
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, a)| member(*i) && denoising(a))
             {
-                for s in a.states.iter_mut() {
+                for (j, s) in a.states.iter_mut().enumerate() {
                     caches.push(a.cache.clone());
+                    residuals.push(shallow_residuals(control[i].get(j)));
                     states.push(s);
                 }
             }
@@ -228,7 +251,7 @@ impl Engine {
                 return (Vec::new(), true);
             }
             catch_unwind(AssertUnwindSafe(|| {
-                cached.step(&pipeline, &mut states, &caches)
+                cached.step_controlled(&pipeline, &mut states, &caches, &residuals)
             }))
         };
         let mut reports = Vec::new();
@@ -239,16 +262,19 @@ impl Engine {
             }
             _ => {
                 tracing::warn!("batched step failed; stepping jobs one by one");
-                for (_, a) in active
+                for (i, a) in active
                     .iter_mut()
                     .enumerate()
                     .filter(|(i, a)| member(*i) && denoising(a))
                 {
                     let _e = a.span.enter();
                     let caches = vec![a.cache.clone(); a.states.len()];
+                    let residuals: Vec<Option<ControlResiduals>> = (0..a.states.len())
+                        .map(|j| shallow_residuals(control[i].get(j)))
+                        .collect();
                     let mut states: Vec<&mut DenoiseState> = a.states.iter_mut().collect();
                     match catch_unwind(AssertUnwindSafe(|| {
-                        cached.step(&pipeline, &mut states, &caches)
+                        cached.step_controlled(&pipeline, &mut states, &caches, &residuals)
                     })) {
                         Ok(Ok(report)) => reports.push(report),
                         Ok(Err(e)) => a.failed = Some(EngineJobError::from_model(e)),
@@ -293,4 +319,44 @@ impl Engine {
             })
             .collect()
     }
+}
+
+/// The ControlNet residuals of each of `a`'s states for their next step (empty when `a` is not
+/// steered); an error names what failed (the job fails, the batch steps on).
+fn control_residuals(
+    controlnets: &mut ControlNets,
+    pipeline: &FluxPipeline<'_>,
+    a: &Active,
+    metrics: Option<&DenoiserMetrics>,
+) -> Result<Vec<Option<ControlResiduals>>, String> {
+    let Some(control) = &a.job.params.controlnet else {
+        return Ok(Vec::new());
+    };
+    let base = &pipeline.transformer.cfg;
+    let mut rows = Vec::with_capacity(a.states.len());
+    for s in &a.states {
+        let step = s.control_step().map_err(|e| format!("controlnet: {e}"))?;
+        rows.push(match step {
+            Some(step) => {
+                let started = Instant::now();
+                let (r, lookup) = controlnets.residuals(&control.name, &step, base)?;
+                if let Some(m) = metrics {
+                    let c = &m.controlnet;
+                    c.lookups.with_label_values(&[lookup.as_str()]).inc();
+                    c.seconds.observe(started.elapsed().as_secs_f64());
+                }
+                Some(r)
+            }
+            None => None,
+        });
+    }
+    Ok(rows)
+}
+
+/// A second handle on residuals (the batch and its job-by-job retry read the same ones).
+fn shallow_residuals(r: Option<&Option<ControlResiduals>>) -> Option<ControlResiduals> {
+    r.and_then(Option::as_ref).map(|r| ControlResiduals {
+        double: r.double.iter().map(|t| t.shallow_clone()).collect(),
+        single: r.single.iter().map(|t| t.shallow_clone()).collect(),
+    })
 }

@@ -22,6 +22,8 @@ pub struct EngineJob {
     /// A job with LoRAs: its adapters, filled once they are in memory (it steps on the base
     /// model meanwhile, up to `EngineConfig::lora_async_fraction` of its steps).
     pub lora: Option<LoraSlot>,
+    /// A steered generation's control image at the model resolution (RGB u8).
+    pub control_rgb: Option<Vec<u8>>,
 }
 
 impl EngineJob {
@@ -33,6 +35,7 @@ impl EngineJob {
             template: None,
             capture_key: None,
             lora: None,
+            control_rgb: None,
         }
     }
 }
@@ -134,6 +137,9 @@ pub enum EngineJobError {
     /// Its LoRA adapters could not be loaded (deleted, or the store unreachable).
     #[error("loras: {0}")]
     Lora(String),
+    /// Its ControlNet is not here, does not fit the model, or failed.
+    #[error("{0}")]
+    ControlNet(String),
 }
 
 impl EngineJobError {
@@ -150,6 +156,7 @@ impl EngineJobError {
             EngineJobError::Model(_) => "model_error",
             EngineJobError::Panic(_) => "panic",
             EngineJobError::Lora(_) => "lora_unavailable",
+            EngineJobError::ControlNet(_) => "controlnet_unavailable",
         }
     }
 }
@@ -189,6 +196,8 @@ pub struct EngineConfig {
     pub lora_async_fraction: f64,
     /// Where the LoRA patcher keeps the base copies of the layers it patches.
     pub lora_originals: diffmesh_model::lora::OriginalsOn,
+    /// ControlNets kept loaded (least recently used evicted).
+    pub controlnet_cache: usize,
 }
 
 impl Default for EngineConfig {
@@ -203,6 +212,7 @@ impl Default for EngineConfig {
             conditioning_cache_bytes: 256 << 20,
             lora_async_fraction: 0.2,
             lora_originals: Default::default(),
+            controlnet_cache: 4,
         }
     }
 }

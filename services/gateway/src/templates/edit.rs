@@ -64,6 +64,7 @@ pub async fn read(
     Ok(ImageRequest {
         input: JobInput {
             kind: JobKind::Edit,
+            control_image: None,
             valid,
             image: Some(InputImage::Template(record.template_image())),
             mask,

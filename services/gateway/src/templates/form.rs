@@ -119,6 +119,7 @@ pub fn validate(
         height: image_size.1,
         loras: Vec::new(),
         deadline_unix_ms: None,
+        controlnet: None,
     })
 }
 

@@ -1,0 +1,52 @@
+//! ControlNets as requests name them: a ControlNet the serving side holds (a named folder in
+//! diffusers' `FluxControlNetModel` layout) and the strength it steers with. The control image
+//! travels beside the job (the codec prepares it at the model resolution).
+use serde::{Deserialize, Serialize};
+
+/// Largest `controlnet.scale` accepted (diffusers' `controlnet_conditioning_scale`; real
+/// ControlNets are used between 0.3 and 1.5).
+pub const MAX_CONTROLNET_SCALE: f32 = 2.0;
+/// Longest ControlNet name.
+pub const MAX_NAME_LEN: usize = 64;
+
+/// The ControlNet a generation is steered by.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ControlNetRef {
+    pub name: String,
+    pub scale: f32,
+}
+
+/// Why `name` cannot name a ControlNet folder (`None`: it can): 1-64 characters of ASCII
+/// letters, digits, `-`, `_` and `.`, not starting with `.` (it becomes a path component and a
+/// NATS subject token).
+pub fn name_problem(name: &str) -> Option<String> {
+    if name.is_empty() || name.len() > MAX_NAME_LEN {
+        return Some(format!("must be 1 to {MAX_NAME_LEN} characters"));
+    }
+    if name.starts_with('.') {
+        return Some("must not start with `.`".into());
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+    {
+        return Some(format!(
+            "`{c}` is not allowed (letters, digits, `-`, `_`, `.`)"
+        ));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::name_problem;
+
+    #[test]
+    fn names_are_path_and_subject_safe() {
+        assert_eq!(name_problem("silhouette"), None);
+        assert_eq!(name_problem("canny-v2.1_b"), None);
+        for bad in ["", ".hidden", "a/b", "a b", "a*", "a>", &"x".repeat(65)] {
+            assert!(name_problem(bad).is_some(), "{bad:?} accepted");
+        }
+    }
+}

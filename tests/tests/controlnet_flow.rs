@@ -1,0 +1,128 @@
+//! ControlNet generations through the whole mesh with the shipped silhouette ControlNet of the
+//! default model: the control image goes gateway -> codec (stretched to the model resolution) ->
+//! denoiser, the drawn object follows the silhouette (more of it overlaps than without), the same
+//! request gives the same image, the ControlNet is loaded once, and bad requests are refused
+//! naming the field.
+use std::time::Duration;
+
+use base64::Engine;
+use diffmesh_tests::harness::{metric_sample, scrape_metrics};
+use diffmesh_tests::images::decode_b64_images;
+use diffmesh_tests::mesh::MeshBuilder;
+use diffmesh_tests::tools::repo_root;
+use serde_json::{json, Value};
+
+/// The silhouette at the model's 64x64: a square of half-size 13 px centred at (34, 19), where
+/// "on the top" puts an object (anchor (32, 17), up to 2 px off, half-size 9 to 13).
+fn in_silhouette(x: i32, y: i32) -> bool {
+    (x * 2 + 1 - 68).abs() < 26 && (y * 2 + 1 - 38).abs() < 26
+}
+
+/// The control image: that silhouette, white on black, at 128x128 (the codec scales it down).
+fn silhouette_png() -> Vec<u8> {
+    let img = image::RgbImage::from_fn(128, 128, |x, y| {
+        if in_silhouette(x as i32 / 2, y as i32 / 2) {
+            image::Rgb([255, 255, 255])
+        } else {
+            image::Rgb([0, 0, 0])
+        }
+    });
+    let mut buf = std::io::Cursor::new(Vec::new());
+    image::DynamicImage::ImageRgb8(img)
+        .write_to(&mut buf, image::ImageFormat::Png)
+        .unwrap();
+    buf.into_inner()
+}
+
+/// Intersection over union of the drawn object (pixels nearer red than the white background)
+/// with the silhouette.
+fn silhouette_iou(rgb: &[u8]) -> f64 {
+    let (mut inter, mut union) = (0, 0);
+    for y in 0..64i32 {
+        for x in 0..64i32 {
+            let p = &rgb[((y * 64 + x) * 3) as usize..][..3];
+            let d = |c: [i32; 3]| (0..3).map(|i| (p[i] as i32 - c[i]).pow(2)).sum::<i32>();
+            let drawn = d([220, 40, 40]) < d([240, 240, 240]);
+            let sil = in_silhouette(x, y);
+            inter += usize::from(drawn && sil);
+            union += usize::from(drawn || sil);
+        }
+    }
+    inter as f64 / union.max(1) as f64
+}
+
+async fn generate(http: &reqwest::Client, url: &str, body: &Value) -> (u16, Value, Vec<u8>) {
+    let r = http
+        .post(url)
+        .json(body)
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .expect("generation request");
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    let pixels = match status {
+        200 => decode_b64_images(&body).unwrap()[0].to_rgb8().into_raw(),
+        _ => Vec::new(),
+    };
+    (status, body, pixels)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_controlnet_steers_generations_through_the_mesh() {
+    let dir = repo_root().join("models/tiny-controlnets");
+    let mesh = MeshBuilder::new()
+        .denoiser(move |_, c| c.controlnet_dir = Some(dir.clone()))
+        .start()
+        .await;
+    let http = reqwest::Client::new();
+    let url = mesh.url("/v1/images/generations");
+    let image = base64::engine::general_purpose::STANDARD.encode(silhouette_png());
+    let plain = json!({
+        "prompt": "a red square on the top on a white background",
+        "seed": 4, "num_inference_steps": 20,
+    });
+    let mut steered = plain.clone();
+    steered["controlnet"] = json!({"name": "silhouette", "image": image});
+
+    let (s, body, without) = generate(&http, &url, &plain).await;
+    assert_eq!(s, 200, "{body}");
+    let (s, body, with) = generate(&http, &url, &steered).await;
+    assert_eq!(s, 200, "{body}");
+    let (a, b) = (silhouette_iou(&without), silhouette_iou(&with));
+    println!("object/silhouette IoU: {a:.3} without the ControlNet, {b:.3} with");
+    assert!(b > a && b > 0.85, "IoU {a:.3} without, {b:.3} with");
+    let (s, _, again) = generate(&http, &url, &steered).await;
+    assert_eq!(s, 200);
+    assert_eq!(again, with, "same request, same image");
+
+    let metrics = scrape_metrics(mesh.denoiser("d1").addrs.health)
+        .await
+        .unwrap();
+    let lookups = |o: &str| {
+        metric_sample(
+            &metrics,
+            &format!("diffmesh_denoiser_controlnet_lookups_total{{outcome=\"{o}\"}}"),
+        )
+    };
+    assert_eq!((lookups("loaded"), lookups("hit")), (1.0, 39.0));
+
+    // Refused at the edge, naming the field; a ControlNet no denoiser holds fails the job.
+    let mut bad = steered.clone();
+    bad["controlnet"]["scale"] = json!(5);
+    let (s, body, _) = generate(&http, &url, &bad).await;
+    assert_eq!(
+        (s, body["error"]["field"].as_str()),
+        (400, Some("controlnet.scale")),
+        "{body}"
+    );
+    let mut unknown = steered.clone();
+    unknown["controlnet"]["name"] = json!("canny");
+    let (s, body, _) = generate(&http, &url, &unknown).await;
+    assert_ne!(s, 200, "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("controlnet.name") && message.contains("canny"),
+        "{body}"
+    );
+}
