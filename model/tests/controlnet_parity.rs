@@ -18,10 +18,14 @@ fn fixtures() -> &'static PathBuf {
             .unwrap_or_else(|_| "/root/.cache/diffmesh/venv/bin/python".into());
         let script =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/parity/gen_controlnet.py");
+        let shipped =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny-controlnets/silhouette");
         let status = std::process::Command::new(&python)
             .arg(&script)
             .arg("--out")
             .arg(&out)
+            .arg("--shipped")
+            .arg(&shipped)
             .status()
             .unwrap_or_else(|e| panic!("cannot run {python}: {e}"));
         assert!(status.success(), "{} failed: {status}", script.display());
@@ -152,4 +156,30 @@ fn bad_control_inputs_name_the_field() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("num_mode"), "{err}");
+}
+
+/// The shipped silhouette ControlNet is a diffusers `FluxControlNetModel` folder: diffusers
+/// loads it and computes the residuals we compute.
+#[test]
+fn the_shipped_controlnet_loads_in_diffusers_as_it_does_here() {
+    let dir = fixtures().join("shipped");
+    let shipped =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny-controlnets/silhouette");
+    let (net, _vs) = FluxControlNet::load(&shipped, Device::Cpu, Kind::Float).unwrap();
+    let mut x = read(&dir.join("inputs.safetensors"));
+    let control = x.remove("controlnet_cond").unwrap();
+    let inputs = inputs(&mut x);
+    let residuals = tch::no_grad(|| net.forward(&inputs, &control, 1.0)).unwrap();
+    let mut expected = read(&dir.join("output.safetensors"));
+    assert_eq!(expected.len(), residuals.double.len() + residuals.single.len());
+    for (kind, list) in [("double", &residuals.double), ("single", &residuals.single)] {
+        for (i, r) in list.iter().enumerate() {
+            let key = format!("{kind}_{i}");
+            let want = expected.remove(&key).unwrap();
+            let err = max_err(r, &want, &format!("shipped {key}"));
+            // Trained residuals reach the hundreds: compare relative to their size.
+            let scale = f64::try_from(want.abs().max()).unwrap().max(1.0);
+            assert!(err <= TOLERANCE * scale, "shipped {key}: max abs err {err} of {scale}");
+        }
+    }
 }

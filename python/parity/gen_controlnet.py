@@ -11,7 +11,10 @@ FluxControlNetPipeline does, and feeds its residuals to the transformer:
                                      sample (the transformer's output with them added)
     OUT/manifest.json                {"cases": [...], "scales": {case: conditioning_scale}}
 
-Usage: python gen_controlnet.py --out DIR
+    OUT/shipped/{inputs,output}.safetensors   with --shipped DIR: the same for a ControlNet
+                                              folder as diffusers loads it (random inputs)
+
+Usage: python gen_controlnet.py --out DIR [--shipped CONTROLNET_DIR]
 """
 import argparse
 import json
@@ -41,6 +44,7 @@ CASES = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--shipped", help="a FluxControlNetModel folder to run as diffusers loads it")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     scales = {}
@@ -80,8 +84,34 @@ def main() -> None:
         save_file({k: v.contiguous() for k, v in inputs.items()}, os.path.join(case_dir, "inputs.safetensors"))
         save_file({k: v.contiguous() for k, v in out.items()}, os.path.join(case_dir, "output.safetensors"))
         scales[name] = scale
+    if args.shipped:
+        shipped(args.shipped, os.path.join(args.out, "shipped"))
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump({"cases": list(CASES), "scales": scales}, f)
+
+
+def shipped(src: str, out: str) -> None:
+    """Random inputs for the ControlNet in `src` and its residuals as diffusers computes them."""
+    net = FluxControlNetModel.from_pretrained(src).eval()
+    cfg = net.config
+    gen = torch.Generator().manual_seed(99)
+    n, txt = 256, 9
+    inputs = {
+        "hidden_states": torch.randn(1, n, cfg.in_channels, generator=gen),
+        "controlnet_cond": torch.randn(1, n, cfg.in_channels, generator=gen),
+        "encoder_hidden_states": torch.randn(1, txt, cfg.joint_attention_dim, generator=gen),
+        "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=gen),
+        "timestep": torch.rand(1, generator=gen),
+        "img_ids": image_ids((16, 16), gen),
+        "txt_ids": torch.zeros(txt, 3),
+    }
+    with torch.no_grad():
+        double, single = net(**inputs, return_dict=False)
+    outputs = {f"double_{i}": s for i, s in enumerate(double or [])}
+    outputs.update({f"single_{i}": s for i, s in enumerate(single or [])})
+    os.makedirs(out, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in inputs.items()}, os.path.join(out, "inputs.safetensors"))
+    save_file({k: v.contiguous() for k, v in outputs.items()}, os.path.join(out, "output.safetensors"))
 
 
 if __name__ == "__main__":
