@@ -171,7 +171,10 @@ fn the_shipped_controlnet_loads_in_diffusers_as_it_does_here() {
     let inputs = inputs(&mut x);
     let residuals = tch::no_grad(|| net.forward(&inputs, &control, 1.0)).unwrap();
     let mut expected = read(&dir.join("output.safetensors"));
-    assert_eq!(expected.len(), residuals.double.len() + residuals.single.len());
+    assert_eq!(
+        expected.len(),
+        residuals.double.len() + residuals.single.len()
+    );
     for (kind, list) in [("double", &residuals.double), ("single", &residuals.single)] {
         for (i, r) in list.iter().enumerate() {
             let key = format!("{kind}_{i}");
@@ -179,7 +182,10 @@ fn the_shipped_controlnet_loads_in_diffusers_as_it_does_here() {
             let err = max_err(r, &want, &format!("shipped {key}"));
             // Trained residuals reach the hundreds: compare relative to their size.
             let scale = f64::try_from(want.abs().max()).unwrap().max(1.0);
-            assert!(err <= TOLERANCE * scale, "shipped {key}: max abs err {err} of {scale}");
+            assert!(
+                err <= TOLERANCE * scale,
+                "shipped {key}: max abs err {err} of {scale}"
+            );
         }
     }
 }

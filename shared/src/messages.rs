@@ -350,6 +350,10 @@ pub struct Heartbeat {
     /// LoRA ids in the worker's memory (the router prefers such a worker among equals).
     #[serde(default)]
     pub cached_loras: Vec<String>,
+    /// Named ControlNets the worker serves (`--controlnet-dir`), so the router sends a steered
+    /// generation where its ControlNet is. Empty from older senders.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub controlnets: Vec<String>,
     /// The latest engine steps since the previous heartbeat (at most a few dozen), so the
     /// router can check its cost model against this worker's hardware. Empty from older senders.
     #[serde(default)]

@@ -19,6 +19,19 @@ pub fn controlnet_folder(dir: &Path, name: &str) -> Option<PathBuf> {
     folder.join("config.json").is_file().then_some(folder)
 }
 
+/// The ControlNet names `dir` holds, sorted (what heartbeats advertise).
+pub fn served(dir: Option<&Path>) -> Vec<String> {
+    let Some(entries) = dir.and_then(|d| std::fs::read_dir(d).ok()) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|name| dir.and_then(|d| controlnet_folder(d, name)).is_some())
+        .collect();
+    names.sort();
+    names
+}
+
 /// How a lookup went (the `outcome` label of `diffmesh_denoiser_controlnet_lookups_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lookup {
@@ -151,5 +164,25 @@ impl ControlNetMetrics {
         registry.register(Box::new(lookups.clone()))?;
         registry.register(Box::new(seconds.clone()))?;
         Ok(Self { lookups, seconds })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::served;
+
+    #[test]
+    fn heartbeats_advertise_the_folders_that_hold_a_controlnet() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["silhouette", "canny", "empty", "bad name"] {
+            std::fs::create_dir_all(dir.path().join(name)).unwrap();
+        }
+        for name in ["silhouette", "canny", "bad name"] {
+            std::fs::write(dir.path().join(name).join("config.json"), "{}").unwrap();
+        }
+        std::fs::write(dir.path().join("README.md"), "not a ControlNet").unwrap();
+        assert_eq!(served(Some(dir.path())), ["canny", "silhouette"]);
+        assert!(served(None).is_empty());
+        assert!(served(Some(&dir.path().join("missing"))).is_empty());
     }
 }

@@ -523,6 +523,7 @@ impl Service {
             queue_capacity: self.config.max_queue as u32,
             cached_templates: self.templates.local.keys(),
             cached_loras: self.loras.ids(),
+            controlnets: crate::controlnet::served(self.config.controlnet_dir.as_deref()),
             recent_steps: self.engine.take_step_samples(),
         }
     }

@@ -285,6 +285,7 @@ pub(crate) mod tests {
             queue_capacity: 2,
             cached_templates: vec![],
             cached_loras: vec![],
+            controlnets: vec![],
             recent_steps: vec![],
         }
     }

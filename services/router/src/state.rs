@@ -114,8 +114,15 @@ impl RouterState {
     ) -> Decision {
         let now = Instant::now();
         let mut n = 0;
+        // A steered generation goes where its ControlNet is; when no live worker says it has it
+        // (older workers say nothing), any may take it and the one chosen answers for it.
+        let wanted = job.params.controlnet.as_ref().map(|c| c.name.as_str());
+        let serves = |w: &crate::registry::LiveWorker<'_>| {
+            wanted.is_some_and(|name| w.heartbeat.controlnets.iter().any(|c| c == name))
+        };
+        let someone_serves = self.registry.live().any(|w| serves(&w));
         for w in self.registry.live() {
-            if exclude.iter().any(|e| e == w.worker_id) {
+            if exclude.iter().any(|e| e == w.worker_id) || (someone_serves && !serves(&w)) {
                 continue;
             }
             if n == self.views.len() {
@@ -426,6 +433,36 @@ mod tests {
         assert_eq!(s.registry.owner("j1"), Some("a"));
         s.unplace("j1");
         assert_eq!(s.registry.owner("j1"), None);
+    }
+
+    #[test]
+    fn steered_generations_go_where_their_controlnet_is() {
+        let mut s = state(3);
+        let t0 = Instant::now();
+        // "a" is idle, "b" is busier but holds the ControlNet.
+        s.observe(heartbeat("a", 4, 0), t0);
+        let mut b = heartbeat("b", 4, 2);
+        b.controlnets = vec!["silhouette".into()];
+        s.observe(b, t0);
+        let steered = |id: &str, name: &str| {
+            let mut j = job(id);
+            j.params.controlnet = Some(diffmesh_shared::controlnet::ControlNetRef {
+                name: name.into(),
+                scale: 1.0,
+            });
+            j
+        };
+        assert_eq!(s.place(&job("plain"), &[]), Decision::Chosen("a".into()));
+        for i in 0..3 {
+            let j = steered(&format!("s{i}"), "silhouette");
+            assert_eq!(s.place(&j, &[]), Decision::Chosen("b".into()));
+        }
+        // Only "b" serves it: with "b" excluded there is no worker for it.
+        let j = steered("s9", "silhouette");
+        assert_eq!(s.place(&j, &["b".into()]), Decision::NoLiveWorker);
+        // A ControlNet no worker advertises: placed by the policy (the worker answers for it).
+        let j = steered("u", "canny");
+        assert!(matches!(s.place(&j, &[]), Decision::Chosen(_)));
     }
 
     #[test]

@@ -73,6 +73,7 @@ impl FakeWorker {
                             queue_capacity: self.queue_capacity,
                             cached_templates: vec![],
                             cached_loras: vec![],
+                            controlnets: vec![],
                             recent_steps: vec![],
                         };
                         let _ = client.publish(subjects::DENOISER_HEARTBEAT, encode(&hb).unwrap().into()).await;
