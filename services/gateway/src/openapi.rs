@@ -269,6 +269,7 @@ mod tests {
             "RawParams",
             "EditForm",
             "RawLora",
+            "RawControlNet",
             "LoraView",
             "LoraFormDoc",
         ] {
@@ -290,6 +291,9 @@ mod tests {
         );
         let loras = &schemas["RawParams"]["properties"]["loras"];
         assert_eq!(loras["maxItems"], MAX_LORAS_PER_REQUEST);
+        let control = &schemas["RawControlNet"]["properties"];
+        assert_eq!(control["scale"]["maximum"], 2.0);
+        assert!(schemas["RawParams"]["properties"]["controlnet"].is_object());
         let lora = &schemas["RawLora"];
         assert_eq!(lora["properties"]["id"]["format"], "uuid");
         assert_eq!(lora["properties"]["scale"]["maximum"], MAX_LORA_SCALE);
