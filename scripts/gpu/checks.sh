@@ -2,7 +2,7 @@
 # Run on the device machine (from the repository root, .gpu/ packed by scripts/gpu/pack.sh):
 # correctness on the GPU first, then the engine's mask-aware figures: the per-request attention
 # loop against the padded batch call, bf16 against fp8 caches, the medium config and FLUX.1-dev
-# at full size (random weights), then LoRA switch costs. Each step's log goes to $OUT; about 3
+# at full size (random weights), then LoRA switch costs and a ControlNet's cost beside FLUX.1-dev. Each step's log goes to $OUT; about 3
 # minutes on an H100 before the LoRA steps were added (2026-12-01, not yet run on a GPU).
 # The binaries' rpath points at the build machine's venv: name the device's own torch instead.
 export LD_LIBRARY_PATH=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
@@ -35,3 +35,6 @@ step flux-padded-fp8 90 $B --mask-aware-runs 3 --flux-dev --masked-attention aut
 L="$G/diffmesh-lora-bench --no-tiny --device cuda --dtype bf16 --flux-dev --rounds 5"
 step lora-device 120 $L --originals device
 step lora-host 120 $L --originals host
+# A ControlNet's forward against FLUX.1-dev's at full size (random weights, bf16): InstantX-like
+# (5x10) and XLabs-like (2x0) depths (docs/BENCHMARKS.md "ControlNet").
+step controlnet-flux 120 $G/diffmesh-controlnet-bench --device cuda --config flux-dev --layouts 5x10,2x0

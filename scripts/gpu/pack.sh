@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p diffmesh-denoiser --bin diffmesh-engine-bench --bin diffmesh-lora-bench
+cargo build --release -p diffmesh-model --bin diffmesh-controlnet-bench
 tests=$(cargo test --release -p diffmesh-denoiser --lib --no-run --message-format=json \
   | python3 -c 'import json, sys
 for line in sys.stdin:
@@ -13,7 +14,8 @@ for line in sys.stdin:
 mkdir -p .git/info .gpu
 grep -qx /.gpu/ .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
 cp target/release/diffmesh-engine-bench target/release/diffmesh-lora-bench .gpu/
+cp target/release/diffmesh-controlnet-bench .gpu/
 cp "$tests" .gpu/denoiser-tests
-strip .gpu/diffmesh-engine-bench .gpu/diffmesh-lora-bench .gpu/denoiser-tests
+strip .gpu/diffmesh-engine-bench .gpu/diffmesh-lora-bench .gpu/diffmesh-controlnet-bench .gpu/denoiser-tests
 cp ../shared/data/mask-ratios/production-edit.txt .gpu/
 ls -la .gpu
