@@ -99,6 +99,18 @@ pub fn load_strict(vs: &mut VarStore, dir: &Path) -> Result<Vec<String>> {
     Ok(unused)
 }
 
+/// [`load_strict`] into `vs` as `kind`, then freeze it (inference): the loading every
+/// component folder shares. Unused checkpoint keys are logged, naming `what` reads them.
+pub fn load_frozen(vs: &mut VarStore, dir: &Path, kind: tch::Kind, what: &str) -> Result<()> {
+    vs.set_kind(kind);
+    let unused = load_strict(vs, dir)?;
+    if !unused.is_empty() {
+        tracing::warn!(dir = %dir.display(), count = unused.len(), first = %unused[0], "checkpoint keys not used by the {what}");
+    }
+    vs.freeze();
+    Ok(())
+}
+
 /// Write every variable of `vs` to one safetensors file (used by training and test fixtures).
 pub fn save(vs: &VarStore, path: &Path) -> Result<()> {
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();

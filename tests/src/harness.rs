@@ -301,6 +301,30 @@ pub async fn post_form(
     (status, r.json().await.expect("JSON body"))
 }
 
+/// POST a JSON generation: status, JSON body and (on 200) the first image's RGB pixels.
+pub async fn generate(
+    http: &reqwest::Client,
+    url: &str,
+    body: impl std::borrow::Borrow<serde_json::Value>,
+) -> (u16, serde_json::Value, Vec<u8>) {
+    let r = http
+        .post(url)
+        .json(body.borrow())
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .expect("generation request");
+    let status = r.status().as_u16();
+    let body: serde_json::Value = r.json().await.expect("JSON body");
+    let pixels = match status {
+        200 => crate::images::decode_b64_images(&body).expect("images")[0]
+            .to_rgb8()
+            .into_raw(),
+        _ => Vec::new(),
+    };
+    (status, body, pixels)
+}
+
 /// Log to the test output once (RUST_LOG picks the level; default warn).
 pub fn init_test_logging() {
     let _ = tracing_subscriber::fmt()

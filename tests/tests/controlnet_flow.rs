@@ -3,14 +3,12 @@
 //! denoiser, the drawn object follows the silhouette (more of it overlaps than without), the same
 //! request gives the same image, the ControlNet is loaded once, and bad requests are refused
 //! naming the field.
-use std::time::Duration;
 
 use base64::Engine;
-use diffmesh_tests::harness::{metric_sample, scrape_metrics};
-use diffmesh_tests::images::decode_b64_images;
+use diffmesh_tests::harness::{generate, metric_sample, scrape_metrics};
 use diffmesh_tests::mesh::MeshBuilder;
 use diffmesh_tests::tools::repo_root;
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// The silhouette at the model's 64x64: a square of half-size 13 px centred at (34, 19), where
 /// "on the top" puts an object (anchor (32, 17), up to 2 px off, half-size 9 to 13).
@@ -51,23 +49,6 @@ fn silhouette_iou(rgb: &[u8]) -> f64 {
     inter as f64 / union.max(1) as f64
 }
 
-async fn generate(http: &reqwest::Client, url: &str, body: &Value) -> (u16, Value, Vec<u8>) {
-    let r = http
-        .post(url)
-        .json(body)
-        .timeout(Duration::from_secs(120))
-        .send()
-        .await
-        .expect("generation request");
-    let status = r.status().as_u16();
-    let body: Value = r.json().await.unwrap();
-    let pixels = match status {
-        200 => decode_b64_images(&body).unwrap()[0].to_rgb8().into_raw(),
-        _ => Vec::new(),
-    };
-    (status, body, pixels)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_controlnet_steers_generations_through_the_mesh() {
     let dir = repo_root().join("models/tiny-controlnets");
@@ -92,8 +73,8 @@ async fn a_controlnet_steers_generations_through_the_mesh() {
     let (a, b) = (silhouette_iou(&without), silhouette_iou(&with));
     println!("object/silhouette IoU: {a:.3} without the ControlNet, {b:.3} with");
     assert!(b > a && b > 0.85, "IoU {a:.3} without, {b:.3} with");
-    let (s, _, again) = generate(&http, &url, &steered).await;
-    assert_eq!(s, 200);
+    let (s, body, again) = generate(&http, &url, &steered).await;
+    assert_eq!(s, 200, "{body}");
     assert_eq!(again, with, "same request, same image");
 
     let metrics = scrape_metrics(mesh.denoiser("d1").addrs.health)

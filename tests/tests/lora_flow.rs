@@ -5,8 +5,7 @@ use std::time::Duration;
 
 use diffmesh_shared::messages::{decode, Heartbeat};
 use diffmesh_shared::subjects;
-use diffmesh_tests::harness::{metric_sample, scrape_metrics};
-use diffmesh_tests::images::decode_b64_images;
+use diffmesh_tests::harness::{generate, metric_sample, scrape_metrics};
 use diffmesh_tests::mesh::MeshBuilder;
 use futures::StreamExt;
 use reqwest::multipart::{Form, Part};
@@ -59,24 +58,6 @@ fn all_layers() -> Vec<(String, usize, usize)> {
 /// A LoRA of `modules` at `rank`, values in +-amplitude/2.
 fn lora_file_of(modules: &[(String, usize, usize)], rank: usize, amplitude: f32) -> Vec<u8> {
     diffmesh_shared::testing::lora_file(modules, rank, amplitude, 0x5eed)
-}
-
-/// The RGB pixels of a generation's single image.
-async fn generate(http: &reqwest::Client, url: &str, body: Value) -> (u16, Value, Vec<u8>) {
-    let r = http
-        .post(url)
-        .json(&body)
-        .timeout(Duration::from_secs(120))
-        .send()
-        .await
-        .expect("generation request");
-    let status = r.status().as_u16();
-    let body: Value = r.json().await.unwrap();
-    let pixels = match status {
-        200 => decode_b64_images(&body).unwrap()[0].to_rgb8().into_raw(),
-        _ => Vec::new(),
-    };
-    (status, body, pixels)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -133,12 +133,7 @@ impl FluxControlNet {
         }
         let mut vs = nn::VarStore::new(device);
         let model = Self::new(&vs.root(), cfg)?;
-        vs.set_kind(kind);
-        let unused = crate::weights::load_strict(&mut vs, dir)?;
-        if !unused.is_empty() {
-            tracing::warn!(dir = %dir.display(), count = unused.len(), first = %unused[0], "checkpoint keys not used by the Flux ControlNet");
-        }
-        vs.freeze();
+        crate::weights::load_frozen(&mut vs, dir, kind, "Flux ControlNet")?;
         Ok((model, vs))
     }
 

@@ -104,12 +104,7 @@ impl FluxTransformer {
         let cfg = FluxConfig::from_dir(dir)?;
         let mut vs = nn::VarStore::new(device);
         let model = Self::new(&vs.root(), cfg)?;
-        vs.set_kind(kind);
-        let unused = crate::weights::load_strict(&mut vs, dir)?;
-        if !unused.is_empty() {
-            tracing::warn!(dir = %dir.display(), count = unused.len(), first = %unused[0], "checkpoint keys not used by the Flux model");
-        }
-        vs.freeze();
+        crate::weights::load_frozen(&mut vs, dir, kind, "Flux model")?;
         Ok((model, vs))
     }
 

@@ -10,7 +10,7 @@
 use super::codec::write_json;
 use super::data::{rgb_to_tensor, Generator, Scene, Split};
 use super::model::TinyModel;
-use super::train::TimeSampling;
+use super::train::{noised, NoisedBatch, TimeSampling};
 use super::IMAGE_SIZE;
 use crate::error::{ModelError, Result};
 use crate::flux::{FluxConfig, FluxControlNet, FluxTransformer};
@@ -188,19 +188,7 @@ fn controlled_loss(
 ) -> Result<Tensor> {
     let x0 = model.images_to_tokens(images)?;
     let control = model.images_to_tokens(controls)?;
-    let b = x0.size()[0];
-    let noise = x0.f_randn_like()?;
-    let u = Tensor::f_randn([b], (Kind::Float, x0.device()))?
-        .f_mul_scalar(time.std)?
-        .f_add_scalar(time.mean)?
-        .f_sigmoid()?;
-    let s = time.shift;
-    let t = (&u * s).f_div(&(u.f_mul_scalar(s - 1.0)?.f_add_scalar(1.0)?))?;
-    let tt = t.f_view([b, 1, 1])?;
-    let xt = x0
-        .f_mul(&tt.f_neg()?.f_add_scalar(1.0)?)?
-        .f_add(&noise.f_mul(&tt)?)?;
-    let target = noise.f_sub(&x0)?;
+    let NoisedBatch { xt, t, target } = noised(&x0, time)?;
     let ids = model.text_encoder.tokenize(prompts)?;
     let text = model.text_encoder.forward_ids(&ids)?;
     let inputs = model.flux_inputs(&xt, &text, &t);

@@ -263,17 +263,16 @@ impl Default for TimeSampling {
     }
 }
 
-/// One flow-matching loss on a batch (`images` in [-1, 1], `prompts` may contain "").
-/// `weights` (`[B, 3, 64, 64]`, like `images`) weights each pixel's squared error; the loss is
-/// the weighted mean.
-pub fn flow_matching_loss(
-    model: &TinyModel,
-    images: &Tensor,
-    prompts: &[String],
-    time: TimeSampling,
-    weights: Option<&Tensor>,
-) -> Result<Tensor> {
-    let x0 = model.images_to_tokens(images)?;
+/// A flow-matching training batch: the clean tokens noised to times `t` (`[B]`, drawn from
+/// `time`), and the velocity the model should predict there.
+pub struct NoisedBatch {
+    pub xt: Tensor,
+    pub t: Tensor,
+    pub target: Tensor,
+}
+
+/// Noise `x0` (`[B, N, C]`) to random times: `xt = (1 - t) x0 + t noise`, target `noise - x0`.
+pub fn noised(x0: &Tensor, time: TimeSampling) -> Result<NoisedBatch> {
     let b = x0.size()[0];
     let noise = x0.f_randn_like()?;
     let u = Tensor::f_randn([b], (Kind::Float, x0.device()))?
@@ -286,7 +285,22 @@ pub fn flow_matching_loss(
     let xt = x0
         .f_mul(&tt.f_neg()?.f_add_scalar(1.0)?)?
         .f_add(&noise.f_mul(&tt)?)?;
-    let target = noise.f_sub(&x0)?;
+    let target = noise.f_sub(x0)?;
+    Ok(NoisedBatch { xt, t, target })
+}
+
+/// One flow-matching loss on a batch (`images` in [-1, 1], `prompts` may contain "").
+/// `weights` (`[B, 3, 64, 64]`, like `images`) weights each pixel's squared error; the loss is
+/// the weighted mean.
+pub fn flow_matching_loss(
+    model: &TinyModel,
+    images: &Tensor,
+    prompts: &[String],
+    time: TimeSampling,
+    weights: Option<&Tensor>,
+) -> Result<Tensor> {
+    let x0 = model.images_to_tokens(images)?;
+    let NoisedBatch { xt, t, target } = noised(&x0, time)?;
     let ids = model.text_encoder.tokenize(prompts)?;
     let text = model.text_encoder.forward_ids(&ids)?;
     let v = model.velocity(&xt, &text, &t)?;
