@@ -13,7 +13,7 @@ use super::blocks::{DoubleBlock, SingleBlock};
 use super::config::FluxConfig;
 use super::embeddings::{Rope, TimeTextEmbed};
 use super::layers::Linear;
-use super::{check_batch_vector, ids_2d, FluxInputs};
+use super::{check_inputs, FluxInputs};
 use crate::error::{ModelError, Result};
 use serde::Deserialize;
 use std::path::Path;
@@ -195,52 +195,37 @@ impl FluxControlNet {
         conditioning_scale: f64,
     ) -> Result<ControlResiduals> {
         let cfg = &self.cfg;
-        let hs = inputs.hidden_states.size();
-        if hs.len() != 3 || hs[2] != cfg.in_channels {
-            return Err(ModelError::input(
-                "hidden_states",
-                format!("expected [B, N, {}], got {hs:?}", cfg.in_channels),
-            ));
-        }
-        let (b, n) = (hs[0], hs[1]);
-        if control.size() != hs {
+        let shapes = check_inputs(cfg, inputs)?;
+        let n = shapes.img_tokens;
+        if control.size() != inputs.hidden_states.size() {
             return Err(ModelError::input(
                 "control",
                 format!(
-                    "expected {hs:?} like hidden_states, got {:?}",
+                    "expected {:?} like hidden_states, got {:?}",
+                    inputs.hidden_states.size(),
                     control.size()
                 ),
             ));
         }
-        let es = inputs.encoder_hidden_states.size();
-        if es.len() != 3 || es[0] != b || es[2] != cfg.joint_attention_dim {
+        if inputs.guidance.is_some() != cfg.guidance_embeds {
             return Err(ModelError::input(
-                "encoder_hidden_states",
-                format!("expected [{b}, T, {}], got {es:?}", cfg.joint_attention_dim),
+                "guidance",
+                format!(
+                    "the ControlNet {} guidance, got {}",
+                    if cfg.guidance_embeds {
+                        "embeds"
+                    } else {
+                        "does not embed"
+                    },
+                    if inputs.guidance.is_some() {
+                        "some"
+                    } else {
+                        "none"
+                    }
+                ),
             ));
         }
-        check_batch_vector("timestep", &inputs.timestep, b)?;
-        match (&inputs.guidance, cfg.guidance_embeds) {
-            (Some(g), true) => check_batch_vector("guidance", g, b)?,
-            (None, false) => {}
-            (given, _) => {
-                return Err(ModelError::input(
-                    "guidance",
-                    format!(
-                        "the ControlNet {} guidance, got {}",
-                        if cfg.guidance_embeds {
-                            "embeds"
-                        } else {
-                            "does not embed"
-                        },
-                        if given.is_some() { "some" } else { "none" }
-                    ),
-                ))
-            }
-        }
-        let axes = cfg.axes_dims_rope.len() as i64;
-        let img_ids = ids_2d("img_ids", &inputs.img_ids, n, axes)?;
-        let txt_ids = ids_2d("txt_ids", &inputs.txt_ids, es[1], axes)?;
+        let (img_ids, txt_ids) = (shapes.img_ids, shapes.txt_ids);
 
         let (_, kind) = self.device_kind();
         let mut img = self

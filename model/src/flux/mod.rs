@@ -207,7 +207,7 @@ impl FluxTransformer {
         mut sink: Option<&mut dyn KvSink>,
         control: Option<&ControlResiduals>,
     ) -> Result<Tensor> {
-        let shapes = self.check_inputs(inputs)?;
+        let shapes = check_inputs(&self.cfg, inputs)?;
         let (b, n, t) = (shapes.batch, shapes.img_tokens, shapes.txt_tokens);
         let head_dim = self.cfg.attention_head_dim;
         let mut img = self.x_embedder.forward(&inputs.hidden_states)?;
@@ -281,56 +281,56 @@ impl FluxTransformer {
         debug_assert_eq!(img.size()[0], b);
         self.final_layer(&img, &cond.temb_silu, &rows)
     }
-
-    /// Validate shapes against the config; errors name the field.
-    fn check_inputs(&self, x: &FluxInputs) -> Result<InputShapes> {
-        let cfg = &self.cfg;
-        let hs = x.hidden_states.size();
-        if hs.len() != 3 || hs[2] != cfg.in_channels {
-            return Err(ModelError::input(
-                "hidden_states",
-                format!("expected [B, N, {}], got {hs:?}", cfg.in_channels),
-            ));
-        }
-        let (b, n) = (hs[0], hs[1]);
-        let es = x.encoder_hidden_states.size();
-        if es.len() != 3 || es[0] != b || es[2] != cfg.joint_attention_dim {
-            return Err(ModelError::input(
-                "encoder_hidden_states",
-                format!("expected [{b}, T, {}], got {es:?}", cfg.joint_attention_dim),
-            ));
-        }
-        let t = es[1];
-        let ps = x.pooled_projections.size();
-        if ps != [b, cfg.pooled_projection_dim] {
-            return Err(ModelError::input(
-                "pooled_projections",
-                format!("expected [{b}, {}], got {ps:?}", cfg.pooled_projection_dim),
-            ));
-        }
-        check_batch_vector("timestep", &x.timestep, b)?;
-        if let Some(g) = &x.guidance {
-            check_batch_vector("guidance", g, b)?;
-        }
-        let axes = cfg.axes_dims_rope.len() as i64;
-        let img_ids = ids_2d("img_ids", &x.img_ids, n, axes)?;
-        let txt_ids = ids_2d("txt_ids", &x.txt_ids, t, axes)?;
-        Ok(InputShapes {
-            batch: b,
-            img_tokens: n,
-            txt_tokens: t,
-            img_ids,
-            txt_ids,
-        })
-    }
 }
 
-struct InputShapes {
-    batch: i64,
-    img_tokens: i64,
-    txt_tokens: i64,
-    img_ids: Tensor,
-    txt_ids: Tensor,
+/// Validate a forward's shapes against `cfg` (the transformer's or a ControlNet's); errors
+/// name the field.
+pub(crate) fn check_inputs(cfg: &FluxConfig, x: &FluxInputs) -> Result<InputShapes> {
+    let hs = x.hidden_states.size();
+    if hs.len() != 3 || hs[2] != cfg.in_channels {
+        return Err(ModelError::input(
+            "hidden_states",
+            format!("expected [B, N, {}], got {hs:?}", cfg.in_channels),
+        ));
+    }
+    let (b, n) = (hs[0], hs[1]);
+    let es = x.encoder_hidden_states.size();
+    if es.len() != 3 || es[0] != b || es[2] != cfg.joint_attention_dim {
+        return Err(ModelError::input(
+            "encoder_hidden_states",
+            format!("expected [{b}, T, {}], got {es:?}", cfg.joint_attention_dim),
+        ));
+    }
+    let t = es[1];
+    let ps = x.pooled_projections.size();
+    if ps != [b, cfg.pooled_projection_dim] {
+        return Err(ModelError::input(
+            "pooled_projections",
+            format!("expected [{b}, {}], got {ps:?}", cfg.pooled_projection_dim),
+        ));
+    }
+    check_batch_vector("timestep", &x.timestep, b)?;
+    if let Some(g) = &x.guidance {
+        check_batch_vector("guidance", g, b)?;
+    }
+    let axes = cfg.axes_dims_rope.len() as i64;
+    let img_ids = ids_2d("img_ids", &x.img_ids, n, axes)?;
+    let txt_ids = ids_2d("txt_ids", &x.txt_ids, t, axes)?;
+    Ok(InputShapes {
+        batch: b,
+        img_tokens: n,
+        txt_tokens: t,
+        img_ids,
+        txt_ids,
+    })
+}
+
+pub(crate) struct InputShapes {
+    pub batch: i64,
+    pub img_tokens: i64,
+    pub txt_tokens: i64,
+    pub img_ids: Tensor,
+    pub txt_ids: Tensor,
 }
 
 /// `[B]` (a 0-d scalar is accepted when B = 1, like a Python float broadcast).

@@ -120,7 +120,7 @@ impl RouterState {
         let serves = |w: &crate::registry::LiveWorker<'_>| {
             wanted.is_some_and(|name| w.heartbeat.controlnets.iter().any(|c| c == name))
         };
-        let someone_serves = self.registry.live().any(|w| serves(&w));
+        let someone_serves = wanted.is_some() && self.registry.live().any(|w| serves(&w));
         for w in self.registry.live() {
             if exclude.iter().any(|e| e == w.worker_id) || (someone_serves && !serves(&w)) {
                 continue;
