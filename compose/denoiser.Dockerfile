@@ -65,7 +65,8 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target,id=diffmesh-target-torch \
     cargo build --release --locked -p diffmesh-denoiser \
- && install -D -m 0755 target/release/diffmesh-denoiser /out/diffmesh-denoiser
+ && install -D -m 0755 target/release/diffmesh-denoiser /out/diffmesh-denoiser \
+ && install -D -m 0755 target/release/diffmesh-controlnet /out/diffmesh-controlnet
 
 # ---------------------------------------------------------------------------------------------
 FROM debian:${DEBIAN_RELEASE}-slim AS runtime
@@ -79,6 +80,8 @@ RUN apt-get update \
 COPY --from=builder /stage/ /
 RUN ldconfig
 COPY --from=builder /out/diffmesh-denoiser /usr/local/bin/diffmesh-denoiser
+# The ControlNet worker (compose service `controlnet`) runs from this image too.
+COPY --from=builder /out/diffmesh-controlnet /usr/local/bin/diffmesh-controlnet
 RUN ! ldd /usr/local/bin/diffmesh-denoiser | grep 'not found'
 WORKDIR /opt/diffmesh
 # The default model (tiny, trained, shipped in the repo). The CUDA C sources of kernels/ are

@@ -2,8 +2,10 @@
 pub mod blob_store;
 pub mod cache_read;
 pub mod cachestore;
+pub mod chunked;
 pub mod config;
 pub mod controlnet;
+pub mod controlnet_service;
 pub mod error;
 pub mod health;
 pub mod idempotency;

@@ -90,6 +90,10 @@ pub const UNITLESS_METRICS: &[(&str, &str)] = &[
         "images denoised together in one step (histogram)",
     ),
     ("diffmesh_cachestore_entries", "entries held per tier"),
+    (
+        "diffmesh_controlnet_sessions",
+        "sessions open on a ControlNet worker",
+    ),
 ];
 
 /// Why `name` (of Prometheus type `kind`: "counter", "gauge", "histogram", "summary") breaks the

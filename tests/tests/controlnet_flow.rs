@@ -107,3 +107,73 @@ async fn a_controlnet_steers_generations_through_the_mesh() {
         "{body}"
     );
 }
+
+/// ControlNet-as-a-Service: a denoiser that holds no ControlNet of its own
+/// (`--controlnet-remote pipelined`, no `--controlnet-dir`) serves steered generations through a
+/// ControlNet worker: its heartbeats list the worker's ControlNets, so the router places the
+/// job there, and every step's residuals come from the worker, one step behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_controlnet_worker_steers_a_denoiser_without_controlnets() {
+    use diffmesh_denoiser::controlnet_service::worker::{start, WorkerConfig};
+    use diffmesh_denoiser::controlnet_service::RemoteMode;
+    use futures::StreamExt;
+
+    let mesh = MeshBuilder::new()
+        .denoiser(|_, c| {
+            c.controlnet_dir = None;
+            c.controlnet_remote = RemoteMode::Pipelined;
+        })
+        .start()
+        .await;
+    let client = async_nats::connect(mesh.nats.url()).await.unwrap();
+    let mut beats = client
+        .subscribe(diffmesh_shared::subjects::DENOISER_HEARTBEAT)
+        .await
+        .unwrap();
+    let dir = repo_root().join("models/tiny-controlnets");
+    let worker = start(WorkerConfig::for_tests(mesh.nats.url(), dir, "cn1"))
+        .await
+        .unwrap();
+    // The denoiser lists the worker's ControlNets once it has heard it.
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while let Some(m) = beats.next().await {
+            let hb: diffmesh_shared::messages::Heartbeat =
+                diffmesh_shared::messages::decode(&m.payload).unwrap();
+            if hb.controlnets.iter().any(|n| n == "silhouette") {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the denoiser never listed the worker's ControlNet");
+
+    let http = reqwest::Client::new();
+    let url = mesh.url("/v1/images/generations");
+    let image = base64::engine::general_purpose::STANDARD.encode(silhouette_png());
+    let steered = json!({
+        "prompt": "a red square on the top on a white background",
+        "seed": 4, "num_inference_steps": 20,
+        "controlnet": {"name": "silhouette", "image": image},
+    });
+    let (s, body, with) = generate(&http, &url, &steered).await;
+    assert_eq!(s, 200, "{body}");
+    let iou = silhouette_iou(&with);
+    println!("object/silhouette IoU through a pipelined ControlNet worker: {iou:.3}");
+    assert!(iou > 0.85, "IoU {iou:.3}");
+    let steps = worker
+        .metrics
+        .requests
+        .with_label_values(&["step", "ok"])
+        .get();
+    // Pipelined: the first step's residuals serve the first two steps, the last is not asked.
+    assert_eq!(steps, 19, "steps the worker ran");
+    let metrics = scrape_metrics(mesh.denoiser("d1").addrs.health)
+        .await
+        .unwrap();
+    let remote = metric_sample(
+        &metrics,
+        "diffmesh_denoiser_controlnet_remote_total{outcome=\"remote\"}",
+    );
+    assert_eq!(remote, 20.0, "steps with residuals from the worker");
+    worker.shutdown().await;
+}

@@ -77,6 +77,15 @@ const REQUIRED: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "controlnet",
+        &[
+            "diffmesh_controlnet_requests_total",
+            "diffmesh_controlnet_forward_duration_seconds",
+            "diffmesh_controlnet_lookups_total",
+            "diffmesh_controlnet_sessions",
+        ],
+    ),
+    (
         "cachestore",
         &[
             // Hits, misses and bytes per tier.
@@ -196,10 +205,31 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
     .await;
     assert!(unanswered.is_err(), "nobody serves diffmesh.audit.nobody");
 
+    // A ControlNet worker (`diffmesh-controlnet`) with the shipped ControlNets.
+    let controlnets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny-controlnets");
+    let worker = diffmesh_denoiser::controlnet_service::worker::start(
+        diffmesh_denoiser::controlnet_service::worker::WorkerConfig::for_tests(
+            mesh.nats.url(),
+            controlnets,
+            "cn1",
+        ),
+    )
+    .await
+    .expect("ControlNet worker");
+    send_garbage(
+        &client,
+        diffmesh_shared::controlnet_service::step_subject("cn1"),
+    )
+    .await;
+
     let mut pages: BTreeMap<&str, String> = BTreeMap::new();
     for (name, s) in &services {
         pages.insert(name, scrape_metrics(s.addrs.health).await.expect("scrape"));
     }
+    pages.insert(
+        "controlnet",
+        scrape_metrics(worker.health_addr).await.expect("scrape"),
+    );
     // The gateway also serves /metrics on its API port, the same page.
     let on_api = scrape_metrics(api).await.expect("scrape the API port");
     assert!(families(&on_api).contains_key("diffmesh_gateway_requests_total"));

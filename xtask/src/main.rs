@@ -97,6 +97,12 @@ fn main() -> anyhow::Result<()> {
             Some((part, rest)) if part == "lora" => {
                 release_bin(&tc, "diffmesh-denoiser", "diffmesh-lora-bench", rest)
             }
+            Some((part, rest)) if part == "controlnet-service" => release_bin(
+                &tc,
+                "diffmesh-denoiser",
+                "diffmesh-controlnet-service-bench",
+                rest,
+            ),
             Some((part, rest)) if part == "controlnet" => {
                 release_bin(&tc, "diffmesh-model", "diffmesh-controlnet-bench", rest)
             }

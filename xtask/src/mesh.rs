@@ -33,6 +33,14 @@ pub struct UpArgs {
     /// Number of denoiser workers.
     #[arg(long, default_value_t = 1)]
     denoisers: u32,
+    /// ControlNet workers (`diffmesh-controlnet`, serving --controlnet-dir) that steered
+    /// steps run on; 0 runs ControlNets on the denoisers' step loops.
+    #[arg(long, default_value_t = 1)]
+    controlnet_workers: u32,
+    /// How denoisers use the ControlNet workers: `sync` (residuals of the step about to run)
+    /// or `pipelined` (one step behind, hidden behind the forward).
+    #[arg(long, default_value = "pipelined")]
+    controlnet_remote: String,
     /// Directory for logs and process ids.
     #[arg(long, default_value = "run")]
     run_dir: PathBuf,
@@ -47,6 +55,8 @@ struct Started {
 const SERVICES: &[&str] = &["cachestore", "codec", "router", "denoiser", "gateway"];
 /// Health/metrics port of each service, counted from this base (the gateway serves them on its API port).
 const HEALTH_PORT_BASE: u16 = 9100;
+/// Health/metrics ports of the ControlNet workers (after the services' ranges).
+const CONTROLNET_HEALTH_PORT_BASE: u16 = HEALTH_PORT_BASE + 10 * SERVICES.len() as u16;
 
 pub fn up(tc: &Toolchain, args: UpArgs) -> anyhow::Result<()> {
     let root = workspace_root();
@@ -157,6 +167,9 @@ fn start_all(
                         .env("WORKER_ID", format!("denoiser-{copy}"));
                     if root.join(&args.controlnet_dir).is_dir() {
                         cmd.env("CONTROLNET_DIR", &args.controlnet_dir);
+                        if args.controlnet_workers > 0 {
+                            cmd.env("CONTROLNET_REMOTE", &args.controlnet_remote);
+                        }
                     }
                     denoiser_health.push(health_port);
                 }
@@ -171,7 +184,22 @@ fn start_all(
             started.push(spawn(&name, cmd, run_dir)?);
         }
     }
-    // Ready when every denoiser has loaded its model and the gateway answers.
+    if root.join(&args.controlnet_dir).is_dir() {
+        for copy in 0..args.controlnet_workers {
+            let mut cmd = Command::new(release.join("diffmesh-controlnet"));
+            let health_port = CONTROLNET_HEALTH_PORT_BASE + copy as u16;
+            cmd.current_dir(root)
+                .env("NATS_URL", &args.nats_url)
+                .env("RUST_LOG", "info")
+                .env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"))
+                .env("WORKER_ID", format!("controlnet-{copy}"))
+                .env("CONTROLNET_DIR", &args.controlnet_dir);
+            tc.apply(&mut cmd)?;
+            started.push(spawn(&format!("controlnet-{copy}"), cmd, run_dir)?);
+            denoiser_health.push(health_port);
+        }
+    }
+    // Ready when every denoiser and ControlNet worker is up and the gateway answers.
     for port in denoiser_health.into_iter().chain(gateway_health) {
         let addr = format!("127.0.0.1:{port}");
         wait_until(

@@ -39,6 +39,10 @@ pub struct ControlNetEvalArgs {
     /// Write `samples.png` here (rows of silhouette, without, with).
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Steer as a `pipelined` denoiser does (ControlNet-as-a-Service): each step adds the
+    /// residuals of the previous step's inputs (the first two steps those of the first).
+    #[arg(long)]
+    pub pipelined: bool,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -46,6 +50,7 @@ pub struct ControlNetEvalSummary {
     pub prompts: usize,
     pub steps: usize,
     pub scale: f64,
+    pub pipelined: bool,
     /// Mean IoU of the drawn object with the silhouette, without the ControlNet and with it.
     pub iou_without: f64,
     pub iou_with: f64,
@@ -77,13 +82,15 @@ pub fn silhouette_iou(rgb: &[u8], scene: &Scene) -> f64 {
     inter as f64 / union as f64
 }
 
-/// Generate one image through the stepper, steered by `net` when given.
+/// Generate one image through the stepper, steered by `net` when given (`pipelined`: with the
+/// residuals one step behind).
 fn generate(
     p: &FluxPipeline<'_>,
     scene: &Scene,
     seed: u64,
     steps: usize,
     net: Option<(&FluxControlNet, f64)>,
+    pipelined: bool,
 ) -> Result<Vec<u8>> {
     let control = net.map(|(_, scale)| ControlInput {
         image: rgb_to_tensor(&render_silhouette(scene), IMAGE_SIZE).unsqueeze(0),
@@ -100,10 +107,25 @@ fn generate(
         control,
     };
     let mut state = DenoiseState::new(p, &req)?;
+    let mut previous: Option<ControlResiduals> = None;
     while !state.is_done() {
-        let residuals: Option<ControlResiduals> = match (state.control_step()?, net) {
+        let fresh: Option<ControlResiduals> = match (state.control_step()?, net) {
             (Some(step), Some((net, _))) => Some(step.residuals(net)?),
             _ => None,
+        };
+        let residuals = match (pipelined, previous.take()) {
+            (true, Some(stale)) => {
+                previous = fresh;
+                Some(stale)
+            }
+            (true, None) => {
+                previous = fresh.as_ref().map(|r| ControlResiduals {
+                    double: r.double.iter().map(|t| t.shallow_clone()).collect(),
+                    single: r.single.iter().map(|t| t.shallow_clone()).collect(),
+                });
+                fresh
+            }
+            (false, _) => fresh,
         };
         step_batch_controlled(p, &mut [&mut state], &[StepMode::Full], 0, &[residuals])?;
     }
@@ -131,8 +153,15 @@ pub fn run(args: &ControlNetEvalArgs) -> Result<ControlNetEvalSummary> {
     for (i, key) in held_out.into_iter().take(args.prompts).enumerate() {
         let scene = scene_for(key, &mut rng);
         let seed = args.seed + i as u64;
-        let plain = generate(&p, &scene, seed, args.steps, None)?;
-        let steered = generate(&p, &scene, seed, args.steps, Some((&net, args.scale)))?;
+        let plain = generate(&p, &scene, seed, args.steps, None, false)?;
+        let steered = generate(
+            &p,
+            &scene,
+            seed,
+            args.steps,
+            Some((&net, args.scale)),
+            args.pipelined,
+        )?;
         let (a, b) = (
             silhouette_iou(&plain, &scene),
             silhouette_iou(&steered, &scene),
@@ -160,6 +189,7 @@ pub fn run(args: &ControlNetEvalArgs) -> Result<ControlNetEvalSummary> {
         prompts: args.prompts,
         steps: args.steps,
         scale: args.scale,
+        pipelined: args.pipelined,
         iou_without: without / n,
         iou_with: with / n,
         improved,

@@ -81,8 +81,20 @@ impl ControlNets {
         self.resident.iter().map(|r| r.name.as_str()).collect()
     }
 
-    /// The ControlNet `name`, loaded if needed and checked against the transformer `base`.
-    fn get(&mut self, name: &str, base: &FluxConfig) -> Result<(&FluxControlNet, Lookup), String> {
+    /// Whether `name` is a ControlNet of this folder (loaded or not).
+    pub fn holds(&self, name: &str) -> bool {
+        self.dir
+            .as_deref()
+            .is_some_and(|d| controlnet_folder(d, name).is_some())
+    }
+
+    /// The ControlNet `name`, loaded if needed and checked against the transformer `base` when
+    /// given (a ControlNet worker has no transformer: the denoiser checks what comes back).
+    pub fn get(
+        &mut self,
+        name: &str,
+        base: Option<&FluxConfig>,
+    ) -> Result<(&FluxControlNet, Lookup), String> {
         let lookup = match self.resident.iter().position(|r| r.name == name) {
             Some(i) => {
                 let r = self.resident.remove(i).expect("position is in range");
@@ -98,9 +110,11 @@ impl ControlNets {
                     .ok_or_else(|| format!("controlnet.name: no ControlNet `{name}` here"))?;
                 let (net, store) = FluxControlNet::load(&folder, self.device, self.kind)
                     .map_err(|e| format!("controlnet.name: loading `{name}`: {e}"))?;
-                net.check_compatible(base).map_err(|e| {
-                    format!("controlnet.name: `{name}` does not fit this model: {e}")
-                })?;
+                if let Some(base) = base {
+                    net.check_compatible(base).map_err(|e| {
+                        format!("controlnet.name: `{name}` does not fit this model: {e}")
+                    })?;
+                }
                 while self.resident.len() >= self.capacity {
                     self.resident.pop_front();
                 }
@@ -121,7 +135,7 @@ impl ControlNets {
         &mut self,
         name: &str,
         step: &ControlStep,
-        base: &FluxConfig,
+        base: Option<&FluxConfig>,
     ) -> Result<(ControlResiduals, Lookup), String> {
         let (net, lookup) = self.get(name, base)?;
         let residuals = step
@@ -138,6 +152,12 @@ pub struct ControlNetMetrics {
     pub lookups: IntCounterVec,
     /// One ControlNet forward (one request's residuals for one step), loading included.
     pub seconds: Histogram,
+    /// Steered rows' steps by where their residuals came from with `--controlnet-remote`:
+    /// `remote` (a ControlNet worker), `fallback_local` (computed here after a worker failed
+    /// or none came yet), `failed` (neither: the job fails).
+    pub remote: IntCounterVec,
+    /// The engine thread's wait for ControlNet workers' residuals, per step.
+    pub remote_wait_seconds: Histogram,
 }
 
 impl ControlNetMetrics {
@@ -161,9 +181,35 @@ impl ControlNetMetrics {
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
             ]),
         )?;
+        let remote = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_controlnet_remote_total",
+                "Steered rows' steps by where their ControlNet residuals came from (remote, fallback_local, failed)",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in ["remote", "fallback_local", "failed"] {
+            remote.with_label_values(&[outcome]);
+        }
+        let remote_wait_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_controlnet_wait_duration_seconds",
+                "The engine thread's wait for ControlNet workers' residuals, per step",
+            )
+            .buckets(vec![
+                0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ]),
+        )?;
         registry.register(Box::new(lookups.clone()))?;
         registry.register(Box::new(seconds.clone()))?;
-        Ok(Self { lookups, seconds })
+        registry.register(Box::new(remote.clone()))?;
+        registry.register(Box::new(remote_wait_seconds.clone()))?;
+        Ok(Self {
+            lookups,
+            seconds,
+            remote,
+            remote_wait_seconds,
+        })
     }
 }
 

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod cached_step;
 pub mod capture_log;
 pub mod controlnet;
+pub mod controlnet_service;
 pub mod engine;
 pub mod lora;
 pub mod metrics;
@@ -142,6 +143,17 @@ pub struct DenoiserConfig {
     /// ControlNets kept loaded (the least recently used is dropped beyond it).
     #[arg(long, env = "CONTROLNET_CACHE", default_value_t = 4)]
     pub controlnet_cache: usize,
+    /// Where steered steps get their ControlNet residuals: `off` (here, from
+    /// --controlnet-dir), `sync` (from ControlNet workers, `diffmesh-controlnet`, for the step
+    /// about to run) or `pipelined` (from workers, one step behind, hidden behind the forward).
+    /// A ControlNet no worker serves, or a worker that fails, is computed here when
+    /// --controlnet-dir holds it.
+    #[arg(long, env = "CONTROLNET_REMOTE", value_enum, default_value_t = controlnet_service::RemoteMode::Off)]
+    pub controlnet_remote: controlnet_service::RemoteMode,
+    /// Deadline of each request to a ControlNet worker (ms); past it the step goes to another
+    /// worker, then falls back.
+    #[arg(long, env = "CONTROLNET_TIMEOUT_MS", default_value_t = 10000)]
+    pub controlnet_timeout_ms: u64,
     /// Bytes of LoRA adapters held in memory (LRU).
     #[arg(long, env = "LORA_CACHE_BYTES", default_value_t = 2 << 30)]
     pub lora_cache_bytes: u64,
@@ -198,6 +210,8 @@ impl DenoiserConfig {
             lora_originals: Default::default(),
             controlnet_dir: None,
             controlnet_cache: 4,
+            controlnet_remote: controlnet_service::RemoteMode::Off,
+            controlnet_timeout_ms: 5000,
             lora_cache_bytes: 64 << 20,
             max_lora_bytes: 64 << 20,
             warm_on_capture: true,
@@ -430,6 +444,31 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         config.max_lora_bytes,
         Some(metrics.clone()),
     );
+    let background = CancellationToken::new();
+    let mut model = model;
+    let mut follow_workers = None;
+    let mut controlnet_workers = None;
+    if config.controlnet_remote != controlnet_service::RemoteMode::Off {
+        let period = Duration::from_millis(config.heartbeat_interval_ms.max(10));
+        let workers = controlnet_service::ControlNetWorkers::new(period * 4);
+        controlnet_workers = Some(workers.clone());
+        let (listen, nats, stop) = (workers.clone(), client.clone(), background.clone());
+        follow_workers = Some(tokio::spawn(async move {
+            listen.listen(nats, stop).await;
+            Ok(())
+        }));
+        model.controlnet_service = Some(controlnet_service::RemoteControlNets::new(
+            client.clone(),
+            tokio::runtime::Handle::current(),
+            workers,
+            controlnet_service::RemoteSettings {
+                mode: config.controlnet_remote,
+                timeout: Duration::from_millis(config.controlnet_timeout_ms),
+                attempts: 3,
+                max_reply_bytes: 1 << 30,
+            },
+        ));
+    }
     let (engine, engine_thread) = spawn_engine(
         model,
         engine_config,
@@ -438,7 +477,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         Some(metrics.clone()),
     )
     .map_err(DenoiserError::Thread)?;
-    let service = Arc::new(Service::new(
+    let mut service = Service::new(
         client.clone(),
         blobs,
         engine,
@@ -448,9 +487,10 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         model_id,
         templates,
         loras,
-    ));
+    );
+    service.controlnet_workers = controlnet_workers;
+    let service = Arc::new(service);
     let intake = CancellationToken::new();
-    let background = CancellationToken::new();
     let captures = diffmesh_shared::jetstream_layout::TEMPLATE_CAPTURES
         .get_or_create(&js)
         .await?;
@@ -472,6 +512,8 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
                 .serve(client.clone(), background.clone()),
         ),
     ];
+    let mut others = others;
+    others.extend(follow_workers);
     let pump = tokio::spawn(service.clone().pump(events_rx));
     client
         .flush()

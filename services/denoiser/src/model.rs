@@ -25,6 +25,8 @@ pub struct EngineModel {
     pub gpu_copy: Option<Arc<GpuCopy>>,
     /// Folder of named ControlNets steered generations may name (`--controlnet-dir`).
     pub controlnet_dir: Option<std::path::PathBuf>,
+    /// ControlNet workers to run steered steps on (`--controlnet-remote`); None: none.
+    pub controlnet_service: Option<crate::controlnet_service::RemoteControlNets>,
 }
 
 impl EngineModel {
@@ -53,6 +55,7 @@ impl EngineModel {
             default_height: default_size,
             gpu_copy,
             controlnet_dir: None,
+            controlnet_service: None,
         })
     }
 

@@ -48,6 +48,8 @@ pub struct Service {
     /// Ended jobs' terminal events and capture reports, for gateways whose copy was lost
     /// (`outcomes`).
     pub outcomes: RecentOutcomes,
+    /// The ControlNet workers steered steps may run on (`--controlnet-remote`).
+    pub controlnet_workers: Option<crate::controlnet_service::ControlNetWorkers>,
 }
 
 /// Template caches on this denoiser: the local tier, the cachestore client, the cache settings,
@@ -100,7 +102,20 @@ impl Service {
             templates,
             loras,
             outcomes: RecentOutcomes::default(),
+            controlnet_workers: None,
         }
+    }
+
+    /// The ControlNets steered generations here may name: this denoiser's own and those its
+    /// ControlNet workers serve.
+    pub fn controlnets_served(&self) -> Vec<String> {
+        let mut names = crate::controlnet::served(self.config.controlnet_dir.as_deref());
+        if let Some(workers) = &self.controlnet_workers {
+            names.extend(workers.served());
+            names.sort();
+            names.dedup();
+        }
+        names
     }
 
     /// The cache key of a template job on this denoiser: its model (and compute dtype), the
@@ -465,12 +480,7 @@ impl Service {
         let Some(control) = &job.params.controlnet else {
             return Ok(None);
         };
-        let known = self
-            .config
-            .controlnet_dir
-            .as_deref()
-            .and_then(|dir| crate::controlnet::controlnet_folder(dir, &control.name));
-        if known.is_none() {
+        if !self.controlnets_served().contains(&control.name) {
             return Err(format!(
                 "controlnet.name: no ControlNet `{}` on this denoiser",
                 control.name
@@ -523,7 +533,7 @@ impl Service {
             queue_capacity: self.config.max_queue as u32,
             cached_templates: self.templates.local.keys(),
             cached_loras: self.loras.ids(),
-            controlnets: crate::controlnet::served(self.config.controlnet_dir.as_deref()),
+            controlnets: self.controlnets_served(),
             recent_steps: self.engine.take_step_samples(),
         }
     }

@@ -1,59 +1,19 @@
 //! Steered generations in the engine (no NATS): a ControlNet from `--controlnet-dir` changes the
 //! image, a steered job batched with a plain one makes the image it makes alone, the ControlNet
 //! is loaded once and then hit, and a job naming a ControlNet that is not there fails alone.
-use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineJob};
+mod common;
+
+use common::{engine_job, job, write_model_and_controlnet};
+use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent};
 use diffmesh_denoiser::metrics::DenoiserMetrics;
 use diffmesh_denoiser::model::EngineModel;
-use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
-use diffmesh_model::tiny::controlnet_train::{controlnet_from_transformer, save_controlnet};
-use diffmesh_model::tiny::model::TinyModel;
-use diffmesh_shared::controlnet::ControlNetRef;
+use diffmesh_model::tch::{Device, Kind};
 use diffmesh_shared::messages::DenoiseJob;
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tracing::Span;
-
-/// A random tiny model in `dir` and a random ControlNet of it in `dir/controlnets/rand`.
-fn write_model_and_controlnet(dir: &Path) {
-    let m = TinyModel::random_for_tests(11, Device::Cpu).unwrap();
-    m.save(dir, None).unwrap();
-    let vs = nn::VarStore::new(Device::Cpu);
-    let net = controlnet_from_transformer(&vs, &m.transformer, &m.transformer_vs, 1, 1).unwrap();
-    tch::manual_seed(3);
-    tch::no_grad(|| {
-        for (name, mut v) in vs.variables() {
-            if name.starts_with("controlnet_") {
-                v.copy_(&(Tensor::randn(v.size(), (Kind::Float, Device::Cpu)) * 0.05));
-            }
-        }
-    });
-    save_controlnet(&net, &vs, &dir.join("controlnets").join("rand")).unwrap();
-}
-
-fn job(id: &str, controlnet: Option<&str>) -> DenoiseJob {
-    let mut j = diffmesh_shared::testing::generation_job(id, "a red circle", 5, 3);
-    j.params.controlnet = controlnet.map(|name| ControlNetRef {
-        name: name.into(),
-        scale: 1.0,
-    });
-    j
-}
-
-/// A left-half-white control image at the model resolution.
-fn control_rgb() -> Vec<u8> {
-    (0..64 * 64)
-        .flat_map(|i| if i % 64 < 32 { [255u8; 3] } else { [0; 3] })
-        .collect()
-}
-
-fn engine_job(j: DenoiseJob) -> EngineJob {
-    let steered = j.params.controlnet.is_some();
-    let mut e = EngineJob::new(j, None);
-    e.control_rgb = steered.then(control_rgb);
-    e
-}
 
 /// Run `batches` one after another on one engine; returns images and failure messages by id.
 async fn run(

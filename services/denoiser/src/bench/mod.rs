@@ -8,13 +8,16 @@
 //! - [`mask_aware`]: FlashPS step latency with streamed cache loading, throughput at batch 8 and
 //!   quality (SSIM/PSNR) of mask-aware edits against full compute;
 //! - [`lora`] (its own binary, `diffmesh-lora-bench`): LoRA switch costs and what bounded
-//!   asynchronous loading gives up in quality.
+//!   asynchronous loading gives up in quality;
+//! - [`controlnet_service`] (its own binary, `diffmesh-controlnet-service-bench`): steered
+//!   generations with the ControlNet on the engine thread against on ControlNet workers.
 //!
 //! [`workload`] draws the requests, [`driver`] runs the engine and measures its step cost,
 //! [`codec_work`] is the codec's image work per request, [`template_caches`] captures the
 //! templates the batching part's edits read.
 pub mod batching;
 pub mod codec_work;
+pub mod controlnet_service;
 pub mod disaggregation;
 pub mod driver;
 pub mod engine_steps;

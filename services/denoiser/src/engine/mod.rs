@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 use tracing::Span;
 
+mod control;
 mod lora_steps;
 mod step;
 mod types;
@@ -193,6 +194,9 @@ struct Active {
     lora: Option<LoraSlot>,
     /// Since when it sits steps out for its adapters (past its bound).
     lora_waiting_since: Option<Instant>,
+    /// Per state of a steered job on ControlNet workers: its session there (dropping it
+    /// closes the session).
+    control_rows: Vec<Option<control::RowControl>>,
 }
 
 struct Engine {
@@ -219,7 +223,8 @@ struct Engine {
 /// How long the loop sleeps when no job could step and no command came.
 const IDLE_POLL: Duration = Duration::from_millis(1);
 
-fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+/// The text of a caught panic.
+pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<String>()
         .cloned()
         .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
@@ -473,6 +478,7 @@ impl Engine {
                         cache: job.template.and_then(|slot| slot.get().cloned().flatten()),
                         lora: job.lora,
                         lora_waiting_since: None,
+                        control_rows: Vec::new(),
                         capture: job.capture_key.map(|key| {
                             (
                                 CaptureSink::new(settings.format, settings.dtype),

@@ -4,13 +4,10 @@
 use super::lora_steps::{self, LoraNeed};
 use super::{panic_message, Active, Engine, EngineEvent, EngineJobError};
 use crate::cached_step::StepReport;
-use crate::controlnet::ControlNets;
 use crate::lora::LoadedLora;
-use crate::metrics::DenoiserMetrics;
 use diffmesh_model::flux::ControlResiduals;
 use diffmesh_model::lora::WeightedLora;
 use diffmesh_model::pipeline::stepper::DenoiseState;
-use diffmesh_model::pipeline::FluxPipeline;
 use diffmesh_model::ModelError;
 use diffmesh_shared::messages::StepSample;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -216,22 +213,17 @@ impl Engine {
         let denoising = |a: &Active| a.capture.is_none() && a.failed.is_none();
         let member = |i: usize| members.contains(&i);
         // Steered jobs' ControlNet residuals first: a job whose ControlNet fails sits out.
-        let mut control: Vec<Vec<Option<ControlResiduals>>> = Vec::with_capacity(active.len());
-        for (i, a) in active.iter_mut().enumerate() {
-            let rows = if member(i) && denoising(a) {
-                match control_residuals(&mut self.controlnets, &pipeline, a, self.metrics.as_ref())
-                {
-                    Ok(rows) => rows,
-                    Err(e) => {
-                        a.failed = Some(EngineJobError::ControlNet(e));
-                        Vec::new()
-                    }
-                }
-            } else {
-                Vec::new()
+        let control = {
+            let mut sources = super::control::ControlSources {
+                local: &mut self.controlnets,
+                remote: self.model.controlnet_service.as_ref(),
+                pipeline: &pipeline,
+                metrics: self.metrics.as_ref(),
             };
-            control.push(rows);
-        }
+            super::control::residuals_for_step(&mut sources, active, |i, a| {
+                member(i) && denoising(a)
+            })
+        };
         let batched = {
             let mut states: Vec<&mut DenoiseState> = Vec::new();
             let mut caches = Vec::new();
@@ -319,38 +311,6 @@ impl Engine {
             })
             .collect()
     }
-}
-
-/// The ControlNet residuals of each of `a`'s states for their next step (empty when `a` is not
-/// steered); an error names what failed (the job fails, the batch steps on).
-fn control_residuals(
-    controlnets: &mut ControlNets,
-    pipeline: &FluxPipeline<'_>,
-    a: &Active,
-    metrics: Option<&DenoiserMetrics>,
-) -> Result<Vec<Option<ControlResiduals>>, String> {
-    let Some(control) = &a.job.params.controlnet else {
-        return Ok(Vec::new());
-    };
-    let base = &pipeline.transformer.cfg;
-    let mut rows = Vec::with_capacity(a.states.len());
-    for s in &a.states {
-        let step = s.control_step().map_err(|e| format!("controlnet: {e}"))?;
-        rows.push(match step {
-            Some(step) => {
-                let started = Instant::now();
-                let (r, lookup) = controlnets.residuals(&control.name, &step, base)?;
-                if let Some(m) = metrics {
-                    let c = &m.controlnet;
-                    c.lookups.with_label_values(&[lookup.as_str()]).inc();
-                    c.seconds.observe(started.elapsed().as_secs_f64());
-                }
-                Some(r)
-            }
-            None => None,
-        });
-    }
-    Ok(rows)
 }
 
 /// A second handle on residuals (the batch and its job-by-job retry read the same ones).

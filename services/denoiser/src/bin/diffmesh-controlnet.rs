@@ -1,0 +1,14 @@
+use clap::Parser;
+use diffmesh_denoiser::controlnet_service::worker::{run, WorkerConfig};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let config = WorkerConfig::parse();
+    let _telemetry = diffmesh_shared::telemetry::init_telemetry(
+        "diffmesh-controlnet",
+        config.common.otlp_endpoint.as_deref(),
+        config.common.log_json,
+    )?;
+    run(config, diffmesh_shared::shutdown::on_signal()).await?;
+    Ok(())
+}

@@ -1,0 +1,137 @@
+//! The ControlNet workers a denoiser knows of, from their heartbeats.
+use diffmesh_shared::controlnet_service::{ControlNetHeartbeat, HEARTBEAT};
+use diffmesh_shared::messages::decode;
+use futures::StreamExt;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Workers by id with their latest heartbeat; one unheard of for `expiry` is gone.
+#[derive(Clone)]
+pub struct ControlNetWorkers {
+    seen: Arc<Mutex<HashMap<String, (ControlNetHeartbeat, Instant)>>>,
+    expiry: Duration,
+}
+
+impl ControlNetWorkers {
+    pub fn new(expiry: Duration) -> Self {
+        Self {
+            seen: Arc::new(Mutex::new(HashMap::new())),
+            expiry,
+        }
+    }
+
+    pub fn record(&self, hb: ControlNetHeartbeat) {
+        if let Ok(mut seen) = self.seen.lock() {
+            seen.insert(hb.worker_id.clone(), (hb, Instant::now()));
+        }
+    }
+
+    /// Heartbeats of the workers alive now.
+    fn alive(&self) -> Vec<ControlNetHeartbeat> {
+        let Ok(mut seen) = self.seen.lock() else {
+            return Vec::new();
+        };
+        seen.retain(|_, (_, at)| at.elapsed() < self.expiry);
+        seen.values().map(|(hb, _)| hb.clone()).collect()
+    }
+
+    /// The ControlNets some live worker serves.
+    pub fn served(&self) -> BTreeSet<String> {
+        self.alive()
+            .into_iter()
+            .filter(|hb| !hb.draining)
+            .flat_map(|hb| hb.served)
+            .collect()
+    }
+
+    pub fn serves(&self, name: &str) -> bool {
+        self.alive()
+            .iter()
+            .any(|hb| !hb.draining && hb.served.iter().any(|n| n == name))
+    }
+
+    /// The worker to open a session of `name` on, passing over those in `avoid`: one that has
+    /// it loaded first (Katz keeps the popular ControlNets resident), then the least busy
+    /// (sessions plus queued requests), then by id so that ties go one way.
+    pub fn pick(&self, name: &str, avoid: &[String]) -> Option<String> {
+        self.alive()
+            .into_iter()
+            .filter(|hb| !hb.draining && !avoid.contains(&hb.worker_id))
+            .filter(|hb| hb.served.iter().any(|n| n == name))
+            .min_by_key(|hb| {
+                let loaded = hb.resident.iter().any(|n| n == name);
+                (!loaded, hb.sessions + hb.queued, hb.worker_id.clone())
+            })
+            .map(|hb| hb.worker_id)
+    }
+
+    /// Record heartbeats until `stop`.
+    pub async fn listen(self, client: async_nats::Client, stop: CancellationToken) {
+        let mut sub = match client.subscribe(HEARTBEAT).await {
+            Ok(sub) => sub,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot follow ControlNet workers");
+                return;
+            }
+        };
+        loop {
+            let msg = tokio::select! {
+                _ = stop.cancelled() => break,
+                msg = sub.next() => match msg { Some(m) => m, None => break },
+            };
+            match decode::<ControlNetHeartbeat>(&msg.payload) {
+                Ok(hb) => self.record(hb),
+                Err(e) => tracing::debug!(error = %e, "undecodable ControlNet heartbeat"),
+            }
+        }
+        let _ = sub.unsubscribe().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hb(id: &str, served: &[&str], resident: &[&str], sessions: u32) -> ControlNetHeartbeat {
+        ControlNetHeartbeat {
+            worker_id: id.into(),
+            served: served.iter().map(|s| s.to_string()).collect(),
+            resident: resident.iter().map(|s| s.to_string()).collect(),
+            sessions,
+            queued: 0,
+            draining: false,
+        }
+    }
+
+    #[test]
+    fn picks_a_worker_with_the_controlnet_loaded_then_the_least_busy() {
+        let w = ControlNetWorkers::new(Duration::from_secs(5));
+        w.record(hb("a", &["canny", "depth"], &["depth"], 0));
+        w.record(hb("b", &["canny"], &["canny"], 9));
+        w.record(hb("c", &["canny"], &[], 1));
+        assert_eq!(w.pick("canny", &[]).as_deref(), Some("b"));
+        assert_eq!(w.pick("canny", &["b".into()]).as_deref(), Some("a"));
+        assert_eq!(w.pick("depth", &[]).as_deref(), Some("a"));
+        assert_eq!(w.pick("pose", &[]), None);
+        let mut draining = hb("b", &["canny"], &["canny"], 0);
+        draining.draining = true;
+        w.record(draining);
+        assert_eq!(w.pick("canny", &[]).as_deref(), Some("a"));
+        assert_eq!(
+            w.served().into_iter().collect::<Vec<_>>(),
+            ["canny", "depth"]
+        );
+    }
+
+    #[test]
+    fn silent_workers_expire() {
+        let w = ControlNetWorkers::new(Duration::from_millis(20));
+        w.record(hb("a", &["canny"], &[], 0));
+        assert!(w.serves("canny"));
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(!w.serves("canny"));
+        assert_eq!(w.pick("canny", &[]), None);
+    }
+}

@@ -1,0 +1,478 @@
+//! A ControlNet worker (`diffmesh-controlnet`): serves the ControlNets of a folder to the
+//! denoisers over NATS, keeps the most recently used ones loaded, and announces what it serves
+//! in heartbeats. Requests arrive on its own subjects (chunked when large) and run one at a
+//! time on the compute thread.
+use super::compute::{Compute, ComputeObserver, ComputeStatus, Work};
+use crate::controlnet::{ControlNets, Lookup};
+use diffmesh_shared::chunked::{chunk_bytes, publish_chunked, Assembler};
+use diffmesh_shared::controlnet_service::{
+    self as wire, ControlNetHeartbeat, OpenReply, SessionClose, SessionOpen, StepReply, StepRequest,
+};
+use diffmesh_shared::health::{HealthServer, Readiness};
+use diffmesh_shared::messages::{decode, encode};
+use diffmesh_shared::{CommonConfig, MeshError};
+use futures::StreamExt;
+use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+/// ControlNet worker flags (every one also from the environment).
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "diffmesh-controlnet",
+    about = "Runs ControlNets for the denoisers' steered generations (ControlNet-as-a-Service)"
+)]
+pub struct WorkerConfig {
+    #[command(flatten)]
+    pub common: CommonConfig,
+    /// Unique id of this worker in the mesh (default: hostname and process id).
+    #[arg(long, env = "WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Folder of named ControlNets (`<dir>/<name>/config.json` + safetensors).
+    #[arg(
+        long,
+        env = "CONTROLNET_DIR",
+        default_value = "models/tiny-controlnets"
+    )]
+    pub controlnet_dir: PathBuf,
+    /// ControlNets kept loaded (the least recently used is dropped beyond it).
+    #[arg(long, env = "CONTROLNET_CACHE", default_value_t = 4)]
+    pub controlnet_cache: usize,
+    /// Device: auto (CUDA when available), cpu, cuda, or cuda:N.
+    #[arg(long, env = "DEVICE", default_value = "auto")]
+    pub device: String,
+    /// Weight dtype: f32, bf16, f16, or auto (as the denoiser's --dtype).
+    #[arg(long, env = "DTYPE", default_value = "f32")]
+    pub dtype: String,
+    /// Open sessions kept (one per steered image in flight; the least recently used beyond it
+    /// is dropped, and its denoiser opens it again).
+    #[arg(long, env = "MAX_SESSIONS", default_value_t = 1024)]
+    pub max_sessions: usize,
+    /// A session unused this long is dropped (seconds).
+    #[arg(long, env = "SESSION_IDLE_S", default_value_t = 600)]
+    pub session_idle_s: u64,
+    /// Requests waiting for the compute thread (more wait in NATS).
+    #[arg(long, env = "QUEUE_CAPACITY", default_value_t = 64)]
+    pub queue_capacity: usize,
+    /// Largest request accepted (bytes, after its chunks are put together).
+    #[arg(long, env = "MAX_REQUEST_BYTES", default_value_t = 256 << 20)]
+    pub max_request_bytes: usize,
+    /// Heartbeat period (ms).
+    #[arg(long, env = "HEARTBEAT_INTERVAL_MS", default_value_t = 500)]
+    pub heartbeat_interval_ms: u64,
+}
+
+impl WorkerConfig {
+    /// In-process test config: health on a free port, fast heartbeats, CPU.
+    pub fn for_tests(
+        nats_url: impl Into<String>,
+        controlnet_dir: PathBuf,
+        worker_id: &str,
+    ) -> Self {
+        Self {
+            common: CommonConfig::for_tests(nats_url),
+            worker_id: Some(worker_id.into()),
+            controlnet_dir,
+            controlnet_cache: 2,
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            max_sessions: 64,
+            session_idle_s: 600,
+            queue_capacity: 16,
+            max_request_bytes: 64 << 20,
+            heartbeat_interval_ms: 100,
+        }
+    }
+}
+
+/// Metrics of a ControlNet worker.
+#[derive(Clone)]
+pub struct WorkerMetrics {
+    /// Requests by kind (open, step) and outcome (ok, unknown_session, failed).
+    pub requests: IntCounterVec,
+    /// One step's ControlNet forward, loading included.
+    pub forward_seconds: Histogram,
+    /// ControlNet lookups by outcome (hit, loaded).
+    pub lookups: IntCounterVec,
+    pub sessions: IntGauge,
+}
+
+impl WorkerMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_controlnet_requests_total",
+                "ControlNet worker requests by kind (open, step) and outcome",
+            ),
+            &["kind", "outcome"],
+        )?;
+        for (kind, outcome) in [
+            ("open", "ok"),
+            ("open", "failed"),
+            ("step", "ok"),
+            ("step", "failed"),
+            ("step", "unknown_session"),
+        ] {
+            requests.with_label_values(&[kind, outcome]);
+        }
+        let forward_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_controlnet_forward_duration_seconds",
+                "One step's ControlNet forward on a ControlNet worker (loading included)",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ]),
+        )?;
+        let lookups = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_controlnet_lookups_total",
+                "ControlNets looked up by a ControlNet worker, by outcome (loaded: read from its folder)",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in [Lookup::Hit, Lookup::Loaded] {
+            lookups.with_label_values(&[outcome.as_str()]);
+        }
+        let sessions = IntGauge::new(
+            "diffmesh_controlnet_sessions",
+            "Sessions open on a ControlNet worker",
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(forward_seconds.clone()))?;
+        registry.register(Box::new(lookups.clone()))?;
+        registry.register(Box::new(sessions.clone()))?;
+        Ok(Self {
+            requests,
+            forward_seconds,
+            lookups,
+            sessions,
+        })
+    }
+}
+
+impl ComputeObserver for WorkerMetrics {
+    fn request(&self, kind: &'static str, outcome: &'static str) {
+        self.requests.with_label_values(&[kind, outcome]).inc();
+    }
+    fn forward(&self, seconds: f64, lookup: Lookup) {
+        self.forward_seconds.observe(seconds);
+        self.lookups.with_label_values(&[lookup.as_str()]).inc();
+    }
+}
+
+/// A running ControlNet worker.
+pub struct WorkerHandle {
+    pub worker_id: String,
+    pub metrics: WorkerMetrics,
+    pub health_addr: std::net::SocketAddr,
+    stop: CancellationToken,
+    serve: tokio::task::JoinHandle<()>,
+    heartbeats: tokio::task::JoinHandle<()>,
+    compute: std::thread::JoinHandle<()>,
+    health: HealthServer,
+}
+
+impl WorkerHandle {
+    /// Stop taking requests (heartbeats say draining), answer those taken, then stop.
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        let _ = self.serve.await;
+        let _ = self.heartbeats.await;
+        let compute = self.compute;
+        let _ = tokio::task::spawn_blocking(move || compute.join()).await;
+        self.health.stop().await;
+        tracing::info!(worker_id = %self.worker_id, "ControlNet worker stopped");
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error(transparent)]
+    Mesh(#[from] MeshError),
+    #[error("invalid --{flag} `{value}`: expected {expected}")]
+    Flag {
+        flag: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+    #[error("--controlnet-dir {0}: not a folder")]
+    Dir(PathBuf),
+    #[error("starting the compute thread: {0}")]
+    Thread(#[source] std::io::Error),
+    #[error("health server: {0}")]
+    Health(#[source] std::io::Error),
+    #[error("metrics registration: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// Connect, start the compute thread, and serve in the background.
+pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
+    let worker_id = config.worker_id.clone().unwrap_or_else(|| {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "controlnet".into());
+        format!("{host}-{}", std::process::id())
+    });
+    if worker_id.is_empty() || worker_id.contains(['.', '*', '>', ' ']) {
+        return Err(WorkerError::Flag {
+            flag: "worker-id",
+            value: worker_id,
+            expected: "a single NATS subject token (no '.', '*', '>' or spaces)",
+        });
+    }
+    if !config.controlnet_dir.is_dir() {
+        return Err(WorkerError::Dir(config.controlnet_dir.clone()));
+    }
+    let device =
+        crate::model::parse_device(&config.device).map_err(|expected| WorkerError::Flag {
+            flag: "device",
+            value: config.device.clone(),
+            expected,
+        })?;
+    let kind = crate::model::parse_model_dtype(&config.dtype, device).map_err(|expected| {
+        WorkerError::Flag {
+            flag: "dtype",
+            value: config.dtype.clone(),
+            expected,
+        }
+    })?;
+    let registry = Registry::new();
+    let metrics = WorkerMetrics::new(&registry)?;
+    let client = diffmesh_shared::nats::connect(
+        &config.common.nats_url,
+        &format!("diffmesh-controlnet-{worker_id}"),
+        Duration::from_secs(config.common.nats_connect_timeout_s),
+    )
+    .await?;
+
+    let controlnets = ControlNets::new(
+        Some(config.controlnet_dir.clone()),
+        config.controlnet_cache,
+        device,
+        kind,
+    );
+    let mut compute = Compute::new(
+        controlnets,
+        device,
+        config.max_sessions,
+        Duration::from_secs(config.session_idle_s),
+    );
+    compute.observer = Some(Box::new(metrics.clone()));
+    let status = compute.status.clone();
+    let (work_tx, work_rx) = mpsc::channel(config.queue_capacity.max(1));
+    let compute = std::thread::Builder::new()
+        .name("controlnet-compute".into())
+        .spawn(move || compute.run(work_rx))
+        .map_err(WorkerError::Thread)?;
+
+    let stop = CancellationToken::new();
+    let draining = Arc::new(AtomicBool::new(false));
+    let sub = client
+        .subscribe(wire::worker_requests(&worker_id))
+        .await
+        .map_err(MeshError::from)?;
+    let serve = tokio::spawn(serve(
+        client.clone(),
+        sub,
+        work_tx.clone(),
+        config.max_request_bytes,
+        stop.clone(),
+    ));
+    let heartbeats = tokio::spawn(heartbeats(Beat {
+        client: client.clone(),
+        worker_id: worker_id.clone(),
+        dir: config.controlnet_dir.clone(),
+        status,
+        work: work_tx,
+        period: Duration::from_millis(config.heartbeat_interval_ms.max(10)),
+        draining: draining.clone(),
+        sessions: metrics.sessions.clone(),
+        stop: stop.clone(),
+    }));
+    client
+        .flush()
+        .await
+        .map_err(|e| MeshError::Telemetry(format!("NATS flush: {e}")))?;
+    let (nats, drain) = (client.clone(), draining.clone());
+    let ready: Readiness = Arc::new(move || {
+        nats.connection_state() == async_nats::connection::State::Connected
+            && !drain.load(Ordering::SeqCst)
+    });
+    let health = HealthServer::start(config.common.health_addr, registry, ready)
+        .map_err(WorkerError::Health)?;
+    tracing::info!(%worker_id, dir = %config.controlnet_dir.display(), ?device, ?kind, health = %health.addr, "ControlNet worker up");
+    Ok(WorkerHandle {
+        worker_id,
+        metrics,
+        health_addr: health.addr,
+        stop,
+        serve,
+        heartbeats,
+        compute,
+        health,
+    })
+}
+
+/// Serve until `shutdown` is cancelled, then drain and stop.
+pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> Result<(), WorkerError> {
+    let handle = start(config).await?;
+    shutdown.cancelled().await;
+    handle.shutdown().await;
+    Ok(())
+}
+
+/// Put requests together from their chunks and hand them to the compute thread; each answer
+/// goes back from its own task, so a slow forward holds up no other message.
+async fn serve(
+    client: async_nats::Client,
+    mut sub: async_nats::Subscriber,
+    work: mpsc::Sender<Work>,
+    max_bytes: usize,
+    stop: CancellationToken,
+) {
+    let mut assembler = Assembler::new(max_bytes);
+    let mut answers = tokio::task::JoinSet::new();
+    loop {
+        let msg = tokio::select! {
+            _ = stop.cancelled() => break,
+            msg = sub.next() => match msg { Some(m) => m, None => break },
+        };
+        let kind = msg
+            .subject
+            .rsplit('.')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let complete = match assembler.push(msg) {
+            Ok(Some(c)) => c,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "dropped a malformed ControlNet request");
+                continue;
+            }
+        };
+        let reply = complete.reply.map(|r| r.to_string());
+        let payload = complete.payload;
+        let client = client.clone();
+        let work = work.clone();
+        match kind.as_str() {
+            "open" => {
+                answers.spawn(async move {
+                    let answer = match decode::<SessionOpen>(&payload) {
+                        Ok(open) => {
+                            let (tx, rx) = oneshot::channel();
+                            let _ = work.send(Work::Open(Box::new(open), tx)).await;
+                            rx.await.unwrap_or(OpenReply::Failed {
+                                error: "the ControlNet worker is stopping".into(),
+                            })
+                        }
+                        Err(e) => OpenReply::Failed {
+                            error: format!("undecodable open: {e}"),
+                        },
+                    };
+                    answer_with(&client, reply, &answer).await;
+                });
+            }
+            "step" => {
+                answers.spawn(async move {
+                    let answer = match decode::<StepRequest>(&payload) {
+                        Ok(step) => {
+                            let (tx, rx) = oneshot::channel();
+                            let _ = work.send(Work::Step(Box::new(step), tx)).await;
+                            rx.await.unwrap_or(StepReply::Failed {
+                                error: "the ControlNet worker is stopping".into(),
+                            })
+                        }
+                        Err(e) => StepReply::Failed {
+                            error: format!("undecodable step: {e}"),
+                        },
+                    };
+                    answer_with(&client, reply, &answer).await;
+                });
+            }
+            "close" => {
+                if let Ok(close) = decode::<SessionClose>(&payload) {
+                    let _ = work.send(Work::Close(close.session)).await;
+                }
+            }
+            other => tracing::debug!(subject = other, "ignored ControlNet request"),
+        }
+        while answers.try_join_next().is_some() {}
+    }
+    let _ = sub.unsubscribe().await;
+    while answers.join_next().await.is_some() {}
+}
+
+async fn answer_with<T: serde::Serialize>(
+    client: &async_nats::Client,
+    reply: Option<String>,
+    answer: &T,
+) {
+    let Some(reply) = reply else { return };
+    let payload = match encode(answer) {
+        Ok(p) => bytes::Bytes::from(p),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not encode a ControlNet answer");
+            return;
+        }
+    };
+    let headers = async_nats::HeaderMap::new();
+    if let Err(e) =
+        publish_chunked(client, &reply, None, &headers, payload, chunk_bytes(client)).await
+    {
+        tracing::warn!(error = %e, "could not send a ControlNet answer");
+    }
+}
+
+struct Beat {
+    client: async_nats::Client,
+    worker_id: String,
+    dir: PathBuf,
+    status: Arc<Mutex<ComputeStatus>>,
+    work: mpsc::Sender<Work>,
+    period: Duration,
+    draining: Arc<AtomicBool>,
+    sessions: IntGauge,
+    stop: CancellationToken,
+}
+
+impl Beat {
+    fn heartbeat(&self) -> ControlNetHeartbeat {
+        let status = self.status.lock().map(|s| s.clone()).unwrap_or_default();
+        self.sessions.set(status.sessions as i64);
+        ControlNetHeartbeat {
+            worker_id: self.worker_id.clone(),
+            served: crate::controlnet::served(Some(&self.dir)),
+            resident: status.resident,
+            sessions: status.sessions,
+            queued: (self.work.max_capacity() - self.work.capacity()) as u32,
+            draining: self.draining.load(Ordering::SeqCst),
+        }
+    }
+
+    async fn send(&self) {
+        let hb = self.heartbeat();
+        if let Err(e) =
+            diffmesh_shared::nats::publish_msgpack(&self.client, wire::HEARTBEAT, None, &hb).await
+        {
+            tracing::warn!(error = %e, "could not publish a ControlNet heartbeat");
+        }
+    }
+}
+
+/// Heartbeats until stopped; the last one says draining, so denoisers stop picking this worker.
+async fn heartbeats(beat: Beat) {
+    let mut tick = tokio::time::interval(beat.period);
+    loop {
+        tokio::select! {
+            _ = beat.stop.cancelled() => break,
+            _ = tick.tick() => beat.send().await,
+        }
+    }
+    beat.draining.store(true, Ordering::SeqCst);
+    beat.send().await;
+    let _ = beat.client.flush().await;
+}

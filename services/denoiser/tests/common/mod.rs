@@ -1,0 +1,50 @@
+//! Helpers of the steered-generation tests: a random tiny model with a random ControlNet, and
+//! steered jobs.
+#![allow(dead_code)]
+use diffmesh_denoiser::engine::EngineJob;
+use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
+use diffmesh_model::tiny::controlnet_train::{controlnet_from_transformer, save_controlnet};
+use diffmesh_model::tiny::model::TinyModel;
+use diffmesh_shared::controlnet::ControlNetRef;
+use diffmesh_shared::messages::DenoiseJob;
+use std::path::Path;
+
+/// A random tiny model in `dir` and a random ControlNet of it in `dir/controlnets/rand`.
+pub fn write_model_and_controlnet(dir: &Path) {
+    let m = TinyModel::random_for_tests(11, Device::Cpu).unwrap();
+    m.save(dir, None).unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = controlnet_from_transformer(&vs, &m.transformer, &m.transformer_vs, 1, 1).unwrap();
+    tch::manual_seed(3);
+    tch::no_grad(|| {
+        for (name, mut v) in vs.variables() {
+            if name.starts_with("controlnet_") {
+                v.copy_(&(Tensor::randn(v.size(), (Kind::Float, Device::Cpu)) * 0.05));
+            }
+        }
+    });
+    save_controlnet(&net, &vs, &dir.join("controlnets").join("rand")).unwrap();
+}
+
+pub fn job(id: &str, controlnet: Option<&str>) -> DenoiseJob {
+    let mut j = diffmesh_shared::testing::generation_job(id, "a red circle", 5, 3);
+    j.params.controlnet = controlnet.map(|name| ControlNetRef {
+        name: name.into(),
+        scale: 1.0,
+    });
+    j
+}
+
+/// A left-half-white control image at the model resolution.
+pub fn control_rgb() -> Vec<u8> {
+    (0..64 * 64)
+        .flat_map(|i| if i % 64 < 32 { [255u8; 3] } else { [0; 3] })
+        .collect()
+}
+
+pub fn engine_job(j: DenoiseJob) -> EngineJob {
+    let steered = j.params.controlnet.is_some();
+    let mut e = EngineJob::new(j, None);
+    e.control_rgb = steered.then(control_rgb);
+    e
+}

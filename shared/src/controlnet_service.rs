@@ -1,0 +1,193 @@
+//! ControlNet-as-a-Service (Katz, section 5): ControlNets run on dedicated workers beside the
+//! denoisers, which send each steered step's inputs there and add the residuals that come back.
+//!
+//! A denoiser picks a worker from the workers' heartbeats ([`ControlNetHeartbeat`]), opens a
+//! session per steered image with the inputs that stay fixed for the whole job
+//! ([`SessionOpen`]: prompt embeddings, control latents, position ids), then sends per step only
+//! what changes ([`StepRequest`]: the noisy latents and the timestep). Every message goes to the
+//! worker's own subjects, chunked when large (`chunked`); a worker that is gone or lost the
+//! session is replaced by another, and the session opened again there.
+use serde::{Deserialize, Serialize};
+
+/// Workers -> denoisers: periodic [`ControlNetHeartbeat`].
+pub const HEARTBEAT: &str = "diffmesh.controlnet.heartbeat";
+
+/// Every request subject of worker `worker_id` (a subscription filter).
+pub fn worker_requests(worker_id: &str) -> String {
+    format!("diffmesh.controlnet.worker.{worker_id}.*")
+}
+/// Open a session on worker `worker_id` ([`SessionOpen`] -> [`OpenReply`]).
+pub fn open_subject(worker_id: &str) -> String {
+    format!("diffmesh.controlnet.worker.{worker_id}.open")
+}
+/// One step of a session on worker `worker_id` ([`StepRequest`] -> [`StepReply`]).
+pub fn step_subject(worker_id: &str) -> String {
+    format!("diffmesh.controlnet.worker.{worker_id}.step")
+}
+/// Close a session on worker `worker_id` ([`SessionClose`], no answer).
+pub fn close_subject(worker_id: &str) -> String {
+    format!("diffmesh.controlnet.worker.{worker_id}.close")
+}
+
+/// Element type of a [`WireTensor`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireDtype {
+    F32,
+    Bf16,
+    F16,
+    I64,
+}
+
+impl WireDtype {
+    pub fn size(self) -> usize {
+        match self {
+            WireDtype::F32 => 4,
+            WireDtype::Bf16 | WireDtype::F16 => 2,
+            WireDtype::I64 => 8,
+        }
+    }
+}
+
+/// A dense tensor: its shape, element type and little-endian contents, row-major.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WireTensor {
+    pub shape: Vec<i64>,
+    pub dtype: WireDtype,
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+}
+
+impl WireTensor {
+    /// Why the contents do not fit the shape and dtype (`None`: they do).
+    pub fn problem(&self) -> Option<String> {
+        if self.shape.iter().any(|&d| d < 0) {
+            return Some(format!("negative dimension in {:?}", self.shape));
+        }
+        let numel = self
+            .shape
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d as usize));
+        match numel.and_then(|n| n.checked_mul(self.dtype.size())) {
+            Some(bytes) if bytes == self.data.len() => None,
+            _ => Some(format!(
+                "{} bytes do not hold {:?} of {:?}",
+                self.data.len(),
+                self.shape,
+                self.dtype
+            )),
+        }
+    }
+}
+
+/// What a worker keeps for one steered image while its job runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionOpen {
+    /// Unique per image of a job (the job id and the image's row).
+    pub session: String,
+    pub job_id: String,
+    /// The ControlNet (a folder name on the worker).
+    pub controlnet: String,
+    /// diffusers' `controlnet_conditioning_scale`.
+    pub scale: f64,
+    /// The request's embedded-guidance scale (used when the ControlNet embeds guidance).
+    pub guidance_scale: f64,
+    /// `[1, T, joint_attention_dim]` prompt embeddings.
+    pub encoder_hidden_states: WireTensor,
+    /// `[1, pooled_projection_dim]`.
+    pub pooled_projections: WireTensor,
+    pub img_ids: WireTensor,
+    pub txt_ids: WireTensor,
+    /// `[1, N, in_channels]` packed control latents.
+    pub control: WireTensor,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum OpenReply {
+    Opened,
+    /// The worker cannot serve it (no such ControlNet, inputs that do not fit it); the message
+    /// names the field.
+    Failed {
+        error: String,
+    },
+}
+
+/// One step's inputs of an open session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepRequest {
+    pub session: String,
+    /// `[1, N, in_channels]` noisy latents.
+    pub hidden_states: WireTensor,
+    /// `[1]` timestep as the transformer takes it.
+    pub timestep: WireTensor,
+    /// `[1]` embedded guidance, when the transformer takes one.
+    pub guidance: Option<WireTensor>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum StepReply {
+    /// The residuals, already scaled: one per ControlNet double block, then per single block.
+    Residuals {
+        double: Vec<WireTensor>,
+        single: Vec<WireTensor>,
+        /// The forward's own time on the worker (ms), loading included.
+        compute_ms: f64,
+    },
+    /// The worker holds no such session (restarted, or dropped it): open it again.
+    UnknownSession,
+    Failed {
+        error: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionClose {
+    pub session: String,
+}
+
+/// What a ControlNet worker tells the denoisers every heartbeat period.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ControlNetHeartbeat {
+    pub worker_id: String,
+    /// ControlNets it can run (folders it holds), sorted.
+    pub served: Vec<String>,
+    /// ControlNets loaded now (no loading on their first step).
+    pub resident: Vec<String>,
+    /// Sessions open.
+    pub sessions: u32,
+    /// Requests waiting for its compute thread.
+    pub queued: u32,
+    /// It takes no new sessions (shutting down).
+    pub draining: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_tensors_must_fill_their_shape() {
+        let t = |shape: Vec<i64>, bytes: usize| WireTensor {
+            shape,
+            dtype: WireDtype::F32,
+            data: vec![0; bytes],
+        };
+        assert_eq!(t(vec![2, 3], 24).problem(), None);
+        assert_eq!(t(vec![], 4).problem(), None);
+        assert!(t(vec![2, 3], 20).problem().is_some());
+        assert!(t(vec![-1, 3], 12).problem().is_some());
+        assert!(t(vec![i64::MAX, i64::MAX], 0).problem().is_some());
+    }
+
+    #[test]
+    fn tensors_travel_as_binary() {
+        let t = WireTensor {
+            shape: vec![256],
+            dtype: WireDtype::F32,
+            data: vec![7; 1024],
+        };
+        let bytes = crate::messages::encode(&t).unwrap();
+        assert!(bytes.len() < 1100, "{} bytes for 1024 of data", bytes.len());
+        let back: WireTensor = crate::messages::decode(&bytes).unwrap();
+        assert_eq!(back, t);
+    }
+}
