@@ -6,7 +6,7 @@ use super::compute::{Compute, ComputeObserver, ComputeStatus, Work};
 use crate::controlnet::{ControlNets, Lookup};
 use diffmesh_shared::chunked::{chunk_bytes, publish_chunked, Assembler};
 use diffmesh_shared::controlnet_service::{
-    self as wire, ControlNetHeartbeat, OpenReply, SessionClose, SessionOpen, StepReply, StepRequest,
+    self as wire, ControlNetHeartbeat, OpenReply, SessionClose, StepReply,
 };
 use diffmesh_shared::health::{HealthServer, Readiness};
 use diffmesh_shared::messages::{decode, encode};
@@ -55,6 +55,9 @@ pub struct WorkerConfig {
     /// A session unused this long is dropped (seconds).
     #[arg(long, env = "SESSION_IDLE_S", default_value_t = 600)]
     pub session_idle_s: u64,
+    /// Most steps (of different sessions) run in one ControlNet forward.
+    #[arg(long, env = "MAX_BATCH", default_value_t = 8)]
+    pub max_batch: usize,
     /// Requests waiting for the compute thread (more wait in NATS).
     #[arg(long, env = "QUEUE_CAPACITY", default_value_t = 64)]
     pub queue_capacity: usize,
@@ -81,6 +84,7 @@ impl WorkerConfig {
             device: "cpu".into(),
             dtype: "f32".into(),
             max_sessions: 64,
+            max_batch: 8,
             session_idle_s: 600,
             queue_capacity: 16,
             max_request_bytes: 64 << 20,
@@ -259,6 +263,7 @@ pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
         device,
         config.max_sessions,
         Duration::from_secs(config.session_idle_s),
+        config.max_batch,
     );
     compute.observer = Some(Box::new(metrics.clone()));
     let status = compute.status.clone();
@@ -281,6 +286,9 @@ pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
         config.max_request_bytes,
         stop.clone(),
     ));
+    // Heartbeats only once the server routes this worker's requests to it (a denoiser that
+    // hears one may send at once; SUB and PUB of two connections can cross otherwise).
+    wait_until_reachable(&client, &worker_id).await;
     let heartbeats = tokio::spawn(heartbeats(Beat {
         client: client.clone(),
         worker_id: worker_id.clone(),
@@ -361,37 +369,20 @@ async fn serve(
         match kind.as_str() {
             "open" => {
                 answers.spawn(async move {
-                    let answer = match decode::<SessionOpen>(&payload) {
-                        Ok(open) => {
-                            let (tx, rx) = oneshot::channel();
-                            let _ = work.send(Work::Open(Box::new(open), tx)).await;
-                            rx.await.unwrap_or(OpenReply::Failed {
-                                error: "the ControlNet worker is stopping".into(),
-                            })
-                        }
-                        Err(e) => OpenReply::Failed {
-                            error: format!("undecodable open: {e}"),
-                        },
-                    };
-                    answer_with(&client, reply, &answer).await;
+                    let failed = |error| OpenReply::Failed { error };
+                    answer(&client, &work, reply, &payload, Work::Open, failed).await
                 });
             }
             "step" => {
                 answers.spawn(async move {
-                    let answer = match decode::<StepRequest>(&payload) {
-                        Ok(step) => {
-                            let (tx, rx) = oneshot::channel();
-                            let _ = work.send(Work::Step(Box::new(step), tx)).await;
-                            rx.await.unwrap_or(StepReply::Failed {
-                                error: "the ControlNet worker is stopping".into(),
-                            })
-                        }
-                        Err(e) => StepReply::Failed {
-                            error: format!("undecodable step: {e}"),
-                        },
-                    };
-                    answer_with(&client, reply, &answer).await;
+                    let failed = |error| StepReply::Failed { error };
+                    answer(&client, &work, reply, &payload, Work::Step, failed).await
                 });
+            }
+            "ping" => {
+                if let Some(reply) = reply {
+                    let _ = client.publish(reply, bytes::Bytes::new()).await;
+                }
             }
             "close" => {
                 if let Ok(close) = decode::<SessionClose>(&payload) {
@@ -402,8 +393,69 @@ async fn serve(
         }
         while answers.try_join_next().is_some() {}
     }
+    // Requests that reached the subscription before it ended are refused at once, so their
+    // denoisers move to another worker now rather than after their timeout.
     let _ = sub.unsubscribe().await;
+    while let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(100), sub.next()).await {
+        let kind = msg
+            .subject
+            .rsplit('.')
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let Ok(Some(complete)) = assembler.push(msg) else {
+            continue;
+        };
+        let reply = complete.reply.map(|r| r.to_string());
+        let error = "this ControlNet worker is stopping".to_string();
+        match kind.as_str() {
+            "open" => answer_with(&client, reply, &OpenReply::Failed { error }).await,
+            "step" => answer_with(&client, reply, &StepReply::Failed { error }).await,
+            _ => {}
+        }
+    }
     while answers.join_next().await.is_some() {}
+}
+
+/// Wait (up to 5 s) until a request to this worker's own subjects reaches it.
+async fn wait_until_reachable(client: &async_nats::Client, worker_id: &str) {
+    let ping = format!("diffmesh.controlnet.worker.{worker_id}.ping");
+    for _ in 0..100 {
+        let answer = tokio::time::timeout(
+            Duration::from_millis(200),
+            client.request(ping.clone(), bytes::Bytes::new()),
+        )
+        .await;
+        if matches!(answer, Ok(Ok(_))) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tracing::warn!(%worker_id, "own subjects not reachable after 5 s; announcing anyway");
+}
+
+/// Decode a request, run it on the compute thread, and answer it.
+async fn answer<Req, Ans>(
+    client: &async_nats::Client,
+    work: &mpsc::Sender<Work>,
+    reply: Option<String>,
+    payload: &[u8],
+    into_work: fn(Box<Req>, oneshot::Sender<Ans>) -> Work,
+    failed: impl Fn(String) -> Ans,
+) where
+    Req: serde::de::DeserializeOwned,
+    Ans: serde::Serialize,
+{
+    let answer = match decode::<Req>(payload) {
+        Ok(req) => {
+            let (tx, rx) = oneshot::channel();
+            let _ = work.send(into_work(Box::new(req), tx)).await;
+            rx.await
+                .unwrap_or_else(|_| failed("the ControlNet worker is stopping".into()))
+        }
+        Err(e) => failed(format!("undecodable request: {e}")),
+    };
+    answer_with(client, reply, &answer).await;
 }
 
 async fn answer_with<T: serde::Serialize>(
