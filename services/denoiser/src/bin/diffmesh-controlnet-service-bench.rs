@@ -98,11 +98,17 @@ async fn main() -> Result<()> {
         e.run(vec![job(mode, "warm", 0)]).await?;
     }
 
-    // Latency: one image at a time, modes alternating per image so drift hits all alike.
+    // Latency: one image at a time, modes alternating per image so drift hits all alike; the
+    // same generation without a ControlNet is the floor a hidden ControlNet would reach.
     let mut seconds: HashMap<&str, Vec<f64>> = HashMap::new();
     let mut images: HashMap<&str, Vec<Vec<u8>>> = HashMap::new();
     for round in 0..args.rounds {
         for i in 0..args.images {
+            let mut plain = job(RemoteMode::Off, &format!("plain-r{round}"), i);
+            plain.job.params.controlnet = None;
+            plain.control_rgb = None;
+            let (_, s) = engines[0].run(vec![plain]).await?;
+            seconds.entry("plain").or_default().push(s);
             for (e, mode) in engines.iter_mut().zip(MODES) {
                 let (mut out, s) = e.run(vec![job(mode, &format!("r{round}"), i)]).await?;
                 seconds.entry(mode_name(mode)).or_default().push(s);
@@ -166,6 +172,12 @@ async fn main() -> Result<()> {
         report.insert(format!("{name}_psnr_vs_off"), json!(psnr_vs_off(name)));
         report.insert(format!("{name}_wait_ms_per_step"), json!(e.mean_wait_ms()));
     }
+    let plain = 1e3 * median(&seconds["plain"]);
+    println!(
+        "    plain: {plain:7.1} ms per image ({:.2} ms per step): the same generations without a ControlNet",
+        plain / args.steps as f64
+    );
+    report.insert("plain_ms".into(), json!(plain));
     let off = 1e3 * median(&seconds["off"]);
     for name in ["sync", "pipelined"] {
         report.insert(
