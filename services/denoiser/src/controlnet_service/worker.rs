@@ -348,12 +348,7 @@ async fn serve(
             _ = stop.cancelled() => break,
             msg = sub.next() => match msg { Some(m) => m, None => break },
         };
-        let kind = msg
-            .subject
-            .rsplit('.')
-            .next()
-            .unwrap_or_default()
-            .to_string();
+        let kind = request_kind(&msg);
         let complete = match assembler.push(msg) {
             Ok(Some(c)) => c,
             Ok(None) => continue,
@@ -397,12 +392,7 @@ async fn serve(
     // denoisers move to another worker now rather than after their timeout.
     let _ = sub.unsubscribe().await;
     while let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(100), sub.next()).await {
-        let kind = msg
-            .subject
-            .rsplit('.')
-            .next()
-            .unwrap_or_default()
-            .to_string();
+        let kind = request_kind(&msg);
         let Ok(Some(complete)) = assembler.push(msg) else {
             continue;
         };
@@ -415,6 +405,15 @@ async fn serve(
         }
     }
     while answers.join_next().await.is_some() {}
+}
+
+/// The last token of a request's subject: open, step, close or ping.
+fn request_kind(msg: &async_nats::Message) -> String {
+    msg.subject
+        .rsplit('.')
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// Wait (up to 5 s) until a request to this worker's own subjects reaches it.

@@ -23,6 +23,9 @@ pub(super) struct RowControl {
     pending: Option<Pending>,
     /// The latest residuals that came (pipelined: what the next step adds if nothing newer).
     last: Option<ControlResiduals>,
+    /// Where `last` came from (`remote` or `fallback_local`): a step that adds it again is
+    /// counted so.
+    last_from: &'static str,
 }
 
 /// What a row's coming step takes its residuals from.
@@ -121,6 +124,7 @@ fn plan_job(src: &mut ControlSources<'_>, a: &mut Active) -> Result<Vec<Plan>, S
                         link,
                         pending: None,
                         last: None,
+                        last_from: "remote",
                     })
                 }
                 Err(e) => {
@@ -209,13 +213,14 @@ fn resolve(
                 .is_some_and(|r| r.mode() == RemoteMode::Pipelined)
             {
                 row.last = Some(shallow(&residuals));
+                row.last_from = "remote";
             }
             Ok(Some(residuals))
         }
         // Pipelined, nothing newer in flight: the latest that came.
         None => match &row.last {
             Some(last) => {
-                count("remote");
+                count(row.last_from);
                 Ok(Some(shallow(last)))
             }
             None => {
@@ -232,6 +237,7 @@ fn resolve(
             count("fallback_local");
             let r = local(src, &name, &step)?;
             row.last = Some(shallow(&r));
+            row.last_from = "fallback_local";
             Ok(Some(r))
         }
     }
