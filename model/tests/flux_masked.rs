@@ -3,12 +3,24 @@ use diffmesh_model::flux::{
     CapturedKv, FluxConfig, FluxInputs, FluxTransformer, KvFormat, MaskedAttention, MaskedRequest,
 };
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
+use std::sync::{Mutex, MutexGuard};
 
 const N_H: i64 = 6;
 const N_W: i64 = 7;
 const N: i64 = N_H * N_W;
 
-fn model() -> (FluxTransformer, nn::VarStore) {
+/// What a test holds while it runs: the weights, and the turn on torch's one global RNG.
+/// Tests take turns so that each draws the same numbers on every run (interleaved draws
+/// made a run's inputs depend on thread timing, and a tolerance failure unrepeatable).
+struct Fixture {
+    _vs: nn::VarStore,
+    _turn: MutexGuard<'static, ()>,
+}
+
+fn model() -> (FluxTransformer, Fixture) {
+    static TURN: Mutex<()> = Mutex::new(());
+    // A test that failed holding the turn poisons it; the others still run.
+    let turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     tch::manual_seed(11);
     let cfg = FluxConfig {
         in_channels: 16,
@@ -33,7 +45,13 @@ fn model() -> (FluxTransformer, nn::VarStore) {
             }
         }
     });
-    (model, vs)
+    (
+        model,
+        Fixture {
+            _vs: vs,
+            _turn: turn,
+        },
+    )
 }
 
 /// One request's full inputs (batch 1) on an `N_H x N_W` grid with `t` text tokens.
@@ -132,7 +150,7 @@ fn map_cache(cache: &CapturedKv, f: impl Fn(&Tensor) -> Tensor) -> CapturedKv {
 
 #[test]
 fn all_tokens_masked_equals_full_forward_without_reading_the_cache() {
-    let (model, _vs) = model();
+    let (model, _fixture) = model();
     let case = Case::new(5, 0.63, 3.5);
     let (full, _) = case.full_with_cache(&model, KvFormat::Raw);
     let index = random_mask(N); // every token, in shuffled order
@@ -158,7 +176,7 @@ fn all_tokens_masked_equals_full_forward_without_reading_the_cache() {
 
 #[test]
 fn partial_mask_with_captured_cache_equals_full_forward_at_masked_tokens() {
-    let (model, _vs) = model();
+    let (model, _fixture) = model();
     let case = Case::new(5, 0.4, 2.0);
     let index = random_mask(13);
     let mut outs = Vec::new();
@@ -212,7 +230,7 @@ fn partial_mask_with_captured_cache_equals_full_forward_at_masked_tokens() {
 
 #[test]
 fn cache_format_is_honoured() {
-    let (model, _vs) = model();
+    let (model, _fixture) = model();
     let case = Case::new(5, 0.4, 2.0);
     let index = random_mask(13);
     let (full, raw) = case.full_with_cache(&model, KvFormat::Raw);
@@ -236,7 +254,7 @@ fn cache_format_is_honoured() {
 
 #[test]
 fn packed_batch_equals_each_request_alone() {
-    let (model, _vs) = model();
+    let (model, _fixture) = model();
     // Different prompts (and text lengths), timesteps, guidance, masks and cache formats.
     let cases = [
         Case::new(5, 0.9, 3.5),
@@ -277,8 +295,12 @@ fn packed_batch_equals_each_request_alone() {
             "request {r} ({:?}): batch vs alone max abs err {err:.3e} (output max {scale:.3})",
             formats[r]
         );
-        // Not bitwise: GEMMs over different row counts may round differently (as in torch itself).
-        assert!(err <= 1e-5, "request {r}: {err} (output max {scale})");
+        // Not bitwise: GEMMs over different row counts may round differently (as in torch
+        // itself), by a few ulps of the output's scale; a wrong row is off by ~0.1.
+        assert!(
+            err <= 1e-5 * scale.max(1.0),
+            "request {r}: {err} (output max {scale})"
+        );
     }
 }
 
@@ -288,7 +310,7 @@ fn packed_batch_equals_each_request_alone() {
 /// batch of different text lengths, which it cannot pad, falls back to the loop.
 #[test]
 fn padded_attention_equals_the_per_request_loop() {
-    let (mut model, _vs) = model();
+    let (mut model, _fixture) = model();
     let n_double = model.transformer_blocks.len();
     let same_text = [
         Case::new(5, 0.9, 3.5),
@@ -335,7 +357,7 @@ fn padded_attention_equals_the_per_request_loop() {
 
 #[test]
 fn rejects_bad_requests_naming_the_field() {
-    let (model, _vs) = model();
+    let (model, _fixture) = model();
     let case = Case::new(5, 0.5, 3.5);
     for format in FORMATS {
         let (_, cache) = case.full_with_cache(&model, format);
@@ -373,7 +395,7 @@ fn rejects_bad_requests_naming_the_field() {
 /// alone and packed with a second request, for prefixes ending in the double and single blocks.
 #[test]
 fn full_prefix_blocks_read_no_cache_and_stay_exact() {
-    let (model, _vs) = model();
+    let (model, _fixture) = model();
     let n_blocks = model.num_blocks();
     let a = Case::new(5, 0.4, 2.0);
     let b = Case::new(3, 0.8, 2.0);
@@ -415,7 +437,7 @@ fn full_prefix_blocks_read_no_cache_and_stay_exact() {
 
 #[test]
 fn full_prefix_without_full_hidden_states_names_the_field() {
-    let (model, _vs) = model();
+    let (model, _fixture) = model();
     let case = Case::new(5, 0.4, 2.0);
     let (_, cache) = case.full_with_cache(&model, KvFormat::Raw);
     let index = random_mask(9);
