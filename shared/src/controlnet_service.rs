@@ -28,6 +28,11 @@ pub fn step_subject(worker_id: &str) -> String {
 pub fn close_subject(worker_id: &str) -> String {
     format!("diffmesh.controlnet.worker.{worker_id}.close")
 }
+/// Liveness of worker `worker_id` (empty request, empty answer): it waits for its own answer
+/// before announcing itself, so no denoiser sends to subjects the server does not route yet.
+pub fn ping_subject(worker_id: &str) -> String {
+    format!("diffmesh.controlnet.worker.{worker_id}.ping")
+}
 
 /// Element type of a [`WireTensor`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -37,6 +37,14 @@ pub struct ControlResiduals {
 }
 
 impl ControlResiduals {
+    /// The same residuals without copying their storage (tensors are reference-counted).
+    pub fn shallow_clone(&self) -> Self {
+        Self {
+            double: self.double.iter().map(Tensor::shallow_clone).collect(),
+            single: self.single.iter().map(Tensor::shallow_clone).collect(),
+        }
+    }
+
     /// Which residual diffusers adds after base block `index` of `base_blocks`: with `samples`
     /// residuals, `samples[index / ceil(base_blocks / samples)]` (`FluxTransformer2DModel`'s
     /// `interval_control`, `controlnet_blocks_repeat = false`); none when there are none.

@@ -119,10 +119,7 @@ fn generate(
                 Some(stale)
             }
             (true, None) => {
-                previous = fresh.as_ref().map(|r| ControlResiduals {
-                    double: r.double.iter().map(|t| t.shallow_clone()).collect(),
-                    single: r.single.iter().map(|t| t.shallow_clone()).collect(),
-                });
+                previous = fresh.as_ref().map(ControlResiduals::shallow_clone);
                 fresh
             }
             (false, _) => fresh,

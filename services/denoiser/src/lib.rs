@@ -20,6 +20,7 @@ pub mod warming;
 
 #[cfg(test)]
 mod gpu_checks;
+mod job_inputs;
 
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_shared::blob_store::BlobStore;

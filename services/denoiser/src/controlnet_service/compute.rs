@@ -395,7 +395,7 @@ mod tests {
         c.observer = Some(Box::new(Forwards(forwards.clone())));
         let (tx, rx) = mpsc::channel(64);
         for w in work {
-            tx.try_send(w).ok().expect("room");
+            assert!(tx.try_send(w).is_ok(), "the channel has room");
         }
         drop(tx);
         c.run(rx);

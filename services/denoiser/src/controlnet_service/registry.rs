@@ -28,43 +28,50 @@ impl ControlNetWorkers {
         }
     }
 
-    /// Heartbeats of the workers alive now.
-    fn alive(&self) -> Vec<ControlNetHeartbeat> {
+    /// `f` over the heartbeats of the workers alive (and not draining) now, under the lock:
+    /// lookups run on every steered step, so nothing is cloned but what `f` returns.
+    fn with_live<R: Default>(&self, f: impl FnOnce(Vec<&ControlNetHeartbeat>) -> R) -> R {
         let Ok(mut seen) = self.seen.lock() else {
-            return Vec::new();
+            return R::default();
         };
         seen.retain(|_, (_, at)| at.elapsed() < self.expiry);
-        seen.values().map(|(hb, _)| hb.clone()).collect()
+        f(seen
+            .values()
+            .map(|(hb, _)| hb)
+            .filter(|hb| !hb.draining)
+            .collect())
     }
 
     /// The ControlNets some live worker serves.
     pub fn served(&self) -> BTreeSet<String> {
-        self.alive()
-            .into_iter()
-            .filter(|hb| !hb.draining)
-            .flat_map(|hb| hb.served)
-            .collect()
+        self.with_live(|live| {
+            live.into_iter()
+                .flat_map(|hb| hb.served.iter().cloned())
+                .collect()
+        })
     }
 
     pub fn serves(&self, name: &str) -> bool {
-        self.alive()
-            .iter()
-            .any(|hb| !hb.draining && hb.served.iter().any(|n| n == name))
+        self.with_live(|live| {
+            live.into_iter()
+                .any(|hb| hb.served.iter().any(|n| n == name))
+        })
     }
 
     /// The worker to open a session of `name` on, passing over those in `avoid`: one that has
     /// it loaded first (Katz keeps the popular ControlNets resident), then the least busy
     /// (sessions plus queued requests), then by id so that ties go one way.
     pub fn pick(&self, name: &str, avoid: &[String]) -> Option<String> {
-        self.alive()
-            .into_iter()
-            .filter(|hb| !hb.draining && !avoid.contains(&hb.worker_id))
-            .filter(|hb| hb.served.iter().any(|n| n == name))
-            .min_by_key(|hb| {
-                let loaded = hb.resident.iter().any(|n| n == name);
-                (!loaded, hb.sessions + hb.queued, hb.worker_id.clone())
-            })
-            .map(|hb| hb.worker_id)
+        self.with_live(|live| {
+            live.into_iter()
+                .filter(|hb| !avoid.contains(&hb.worker_id))
+                .filter(|hb| hb.served.iter().any(|n| n == name))
+                .min_by_key(|hb| {
+                    let loaded = hb.resident.iter().any(|n| n == name);
+                    (!loaded, hb.sessions + hb.queued, hb.worker_id.as_str())
+                })
+                .map(|hb| hb.worker_id.clone())
+        })
     }
 
     /// Record heartbeats until `stop`.

@@ -418,7 +418,7 @@ fn request_kind(msg: &async_nats::Message) -> String {
 
 /// Wait (up to 5 s) until a request to this worker's own subjects reaches it.
 async fn wait_until_reachable(client: &async_nats::Client, worker_id: &str) {
-    let ping = format!("diffmesh.controlnet.worker.{worker_id}.ping");
+    let ping = wire::ping_subject(worker_id);
     for _ in 0..100 {
         let answer = tokio::time::timeout(
             Duration::from_millis(200),

@@ -188,13 +188,10 @@ fn resolve(
     let Some(row) = a.control_rows.get_mut(j).and_then(Option::as_mut) else {
         return local(src, &name, &step).map(Some);
     };
-    let arrived = match pending {
-        Some(p) => Some(
-            p.blocking_recv()
-                .unwrap_or_else(|_| Err("the request was dropped".into())),
-        ),
-        None => None,
-    };
+    let arrived = pending.map(|p| {
+        p.blocking_recv()
+            .unwrap_or_else(|_| Err("the request was dropped".into()))
+    });
     let count = |outcome: &str| {
         if let Some(m) = src.metrics {
             m.controlnet.remote.with_label_values(&[outcome]).inc();
@@ -212,7 +209,7 @@ fn resolve(
                 .remote
                 .is_some_and(|r| r.mode() == RemoteMode::Pipelined)
             {
-                row.last = Some(shallow(&residuals));
+                row.last = Some(residuals.shallow_clone());
                 row.last_from = "remote";
             }
             Ok(Some(residuals))
@@ -221,7 +218,7 @@ fn resolve(
         None => match &row.last {
             Some(last) => {
                 count(row.last_from);
-                Ok(Some(shallow(last)))
+                Ok(Some(last.shallow_clone()))
             }
             None => {
                 count("fallback_local");
@@ -236,7 +233,7 @@ fn resolve(
             tracing::warn!(error = %e, controlnet = %name, "ControlNet worker failed; computing here");
             count("fallback_local");
             let r = local(src, &name, &step)?;
-            row.last = Some(shallow(&r));
+            row.last = Some(r.shallow_clone());
             row.last_from = "fallback_local";
             Ok(Some(r))
         }
@@ -280,11 +277,4 @@ fn decode(r: &Arrived, step: &ControlStep, base: &FluxConfig) -> Result<ControlR
         double: r.double.iter().map(one).collect::<Result<_, _>>()?,
         single: r.single.iter().map(one).collect::<Result<_, _>>()?,
     })
-}
-
-fn shallow(r: &ControlResiduals) -> ControlResiduals {
-    ControlResiduals {
-        double: r.double.iter().map(|t| t.shallow_clone()).collect(),
-        single: r.single.iter().map(|t| t.shallow_clone()).collect(),
-    }
 }

@@ -235,7 +235,7 @@ impl Engine {
             {
                 for (j, s) in a.states.iter_mut().enumerate() {
                     caches.push(a.cache.clone());
-                    residuals.push(shallow_residuals(control[i].get(j)));
+                    residuals.push(row_residuals(&control[i], j));
                     states.push(s);
                 }
             }
@@ -262,7 +262,7 @@ impl Engine {
                     let _e = a.span.enter();
                     let caches = vec![a.cache.clone(); a.states.len()];
                     let residuals: Vec<Option<ControlResiduals>> = (0..a.states.len())
-                        .map(|j| shallow_residuals(control[i].get(j)))
+                        .map(|j| row_residuals(&control[i], j))
                         .collect();
                     let mut states: Vec<&mut DenoiseState> = a.states.iter_mut().collect();
                     match catch_unwind(AssertUnwindSafe(|| {
@@ -313,10 +313,9 @@ impl Engine {
     }
 }
 
-/// A second handle on residuals (the batch and its job-by-job retry read the same ones).
-fn shallow_residuals(r: Option<&Option<ControlResiduals>>) -> Option<ControlResiduals> {
-    r.and_then(Option::as_ref).map(|r| ControlResiduals {
-        double: r.double.iter().map(|t| t.shallow_clone()).collect(),
-        single: r.single.iter().map(|t| t.shallow_clone()).collect(),
-    })
+/// A second handle on row `j`'s residuals (the batch and its job-by-job retry read the same ones).
+fn row_residuals(job: &[Option<ControlResiduals>], j: usize) -> Option<ControlResiduals> {
+    job.get(j)
+        .and_then(Option::as_ref)
+        .map(ControlResiduals::shallow_clone)
 }

@@ -1,0 +1,87 @@
+//! A job's inputs read from the object store before it reaches the engine: an edit's template
+//! pixels and token mask, a steered generation's control image.
+use crate::model::EditInputs;
+use crate::service::{Service, MAX_INPUT_BYTES};
+use diffmesh_shared::messages::{DenoiseJob, JobKind};
+
+impl Service {
+    /// The prepared template and token mask of an edit (None for generations).
+    pub(crate) async fn fetch_edit_inputs(
+        &self,
+        job: &DenoiseJob,
+    ) -> Result<Option<EditInputs>, String> {
+        if job.kind == JobKind::Generate {
+            return Ok(None);
+        }
+        // A registered template's pixels are kept with it (and held here after the first
+        // read); an upload's come with the job.
+        let template_rgb =
+            match (&job.inputs.template_image_key, &job.inputs.image_key) {
+                (Some(key), _) => {
+                    let (pixels, lookup) =
+                        self.templates.pixels.get(key).await.map_err(|e| {
+                            format!("reading `inputs.template_image_key` {key}: {e}")
+                        })?;
+                    self.metrics
+                        .template_pixels_lookups
+                        .with_label_values(&[lookup.as_str()])
+                        .inc();
+                    pixels.to_vec()
+                }
+                (None, Some(key)) => self
+                    .blobs
+                    .get_limited(key, MAX_INPUT_BYTES)
+                    .await
+                    .map_err(|e| format!("reading `inputs.image_key` {key}: {e}"))?,
+                (None, None) => return Err("edit job without `inputs.image_key`".into()),
+            };
+        if job.kind == JobKind::Capture {
+            return Ok(Some(EditInputs {
+                template_rgb,
+                token_mask: Vec::new(),
+            }));
+        }
+        let mask_key = job
+            .inputs
+            .token_mask_key
+            .as_deref()
+            .ok_or("edit job without `inputs.token_mask_key`")?;
+        let token_mask = self
+            .blobs
+            .get_limited(mask_key, MAX_INPUT_BYTES)
+            .await
+            .map_err(|e| format!("reading `inputs.token_mask_key` {mask_key}: {e}"))?;
+        Ok(Some(EditInputs {
+            template_rgb,
+            token_mask,
+        }))
+    }
+
+    /// The model-resolution control image of a steered generation (None when it has no
+    /// ControlNet); fails, naming the field, when this denoiser does not hold its ControlNet.
+    pub(crate) async fn fetch_control_image(
+        &self,
+        job: &DenoiseJob,
+    ) -> Result<Option<Vec<u8>>, String> {
+        let Some(control) = &job.params.controlnet else {
+            return Ok(None);
+        };
+        if !self.controlnets_served().contains(&control.name) {
+            return Err(format!(
+                "controlnet.name: no ControlNet `{}` on this denoiser",
+                control.name
+            ));
+        }
+        let key = job
+            .inputs
+            .control_image_key
+            .as_deref()
+            .ok_or("a ControlNet job without `inputs.control_image_key`")?;
+        let rgb = self
+            .blobs
+            .get_limited(key, MAX_INPUT_BYTES)
+            .await
+            .map_err(|e| format!("reading `inputs.control_image_key` {key}: {e}"))?;
+        Ok(Some(rgb))
+    }
+}
