@@ -175,5 +175,28 @@ async fn a_controlnet_worker_steers_a_denoiser_without_controlnets() {
         "diffmesh_denoiser_controlnet_remote_total{outcome=\"remote\"}",
     );
     assert_eq!(remote, 20.0, "steps with residuals from the worker");
+
+    // The gateway lists the ControlNet, who steers with it and that the worker has it loaded
+    // (heartbeats come every second: wait for the one after the generation).
+    let listed = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let resp = http.get(mesh.url("/v1/controlnets")).send().await.unwrap();
+            assert_eq!(resp.status(), 200);
+            let body: serde_json::Value = resp.json().await.unwrap();
+            if body["data"][0]["workers"][0]["resident"] == json!(true) {
+                return body;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
+    .await
+    .expect("the gateway never listed the worker's ControlNet as loaded");
+    assert_eq!(
+        listed,
+        json!({"object": "list", "data": [{
+            "id": "silhouette", "object": "controlnet", "denoisers": ["d1"],
+            "workers": [{"id": "cn1", "resident": true}],
+        }]})
+    );
     worker.shutdown().await;
 }

@@ -9,6 +9,7 @@
 //! `/readyz`, `/metrics` answer on the API port and on the common health port.
 pub mod auth;
 pub mod controlnet;
+pub mod controlnet_directory;
 pub mod disconnect;
 pub mod error;
 pub mod events;
@@ -319,6 +320,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         templates,
         loras,
         max_lora_bytes: config.max_lora_bytes,
+        controlnets: controlnet_directory::ControlNetDirectory::watch(&client).await?,
     });
     let probe = client.clone();
     let ready: Readiness =

@@ -10,7 +10,9 @@ use utoipa::{Modify, OpenApi};
 
 use crate::routes::ApiState;
 use crate::validate::Limits;
-use crate::{events, idempotency, jobs, loras, playground, routes, templates};
+use crate::{
+    controlnet_directory, events, idempotency, jobs, loras, playground, routes, templates,
+};
 use diffmesh_shared::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
 
 #[derive(OpenApi)]
@@ -39,6 +41,7 @@ use diffmesh_shared::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
         loras::list_loras,
         loras::get_lora,
         loras::delete_lora,
+        controlnet_directory::list_controlnets,
         playground::template_image::get_template_image,
         playground::page,
     ),

@@ -42,6 +42,8 @@ pub struct ApiState {
     pub loras: crate::loras::store::LoraStore,
     /// Largest LoRA weights file (`POST /v1/loras`), bytes.
     pub max_lora_bytes: usize,
+    /// The ControlNets the mesh steers with now (`GET /v1/controlnets`).
+    pub controlnets: crate::controlnet_directory::ControlNetDirectory,
 }
 
 impl ApiState {
@@ -82,6 +84,7 @@ pub fn routes() -> Vec<(Method, &'static str, Route)> {
     .into_iter()
     .chain(crate::templates::routes())
     .chain(crate::loras::routes())
+    .chain(crate::controlnet_directory::routes())
     .chain(crate::playground::routes())
     .collect()
 }
