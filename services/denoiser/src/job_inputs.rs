@@ -28,11 +28,7 @@ impl Service {
                         .inc();
                     pixels.to_vec()
                 }
-                (None, Some(key)) => self
-                    .blobs
-                    .get_limited(key, MAX_INPUT_BYTES)
-                    .await
-                    .map_err(|e| format!("reading `inputs.image_key` {key}: {e}"))?,
+                (None, Some(key)) => self.read_input("image_key", key).await?,
                 (None, None) => return Err("edit job without `inputs.image_key`".into()),
             };
         if job.kind == JobKind::Capture {
@@ -46,11 +42,7 @@ impl Service {
             .token_mask_key
             .as_deref()
             .ok_or("edit job without `inputs.token_mask_key`")?;
-        let token_mask = self
-            .blobs
-            .get_limited(mask_key, MAX_INPUT_BYTES)
-            .await
-            .map_err(|e| format!("reading `inputs.token_mask_key` {mask_key}: {e}"))?;
+        let token_mask = self.read_input("token_mask_key", mask_key).await?;
         Ok(Some(EditInputs {
             template_rgb,
             token_mask,
@@ -77,11 +69,14 @@ impl Service {
             .control_image_key
             .as_deref()
             .ok_or("a ControlNet job without `inputs.control_image_key`")?;
-        let rgb = self
-            .blobs
+        Ok(Some(self.read_input("control_image_key", key).await?))
+    }
+
+    /// The object-store blob a job's `inputs.<field>` names; an error names the field.
+    async fn read_input(&self, field: &str, key: &str) -> Result<Vec<u8>, String> {
+        self.blobs
             .get_limited(key, MAX_INPUT_BYTES)
             .await
-            .map_err(|e| format!("reading `inputs.control_image_key` {key}: {e}"))?;
-        Ok(Some(rgb))
+            .map_err(|e| format!("reading `inputs.{field}` {key}: {e}"))
     }
 }
