@@ -14,6 +14,13 @@ use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 use diffmesh_model::tiny::controlnet_train::controlnet_from_transformer;
 use diffmesh_model::tiny::model::{scheduler_config_json, TinyModel};
 
+/// Tests draw weights and inputs from torch's global generator, re-seeding it: they take
+/// turns, so one test's draws never interleave with another thread's.
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn scheduler() -> FlowMatchEulerDiscreteScheduler {
     let cfg: FlowMatchEulerDiscreteSchedulerConfig =
         serde_json::from_value(scheduler_config_json()).unwrap();
@@ -57,6 +64,7 @@ fn image(seed: i64) -> Tensor {
 
 fn req(prompt: &str, seed: u64, control: Option<ControlInput>) -> StepRequest {
     StepRequest {
+        true_cfg: None,
         prompt: prompt.into(),
         seed,
         height: 64,
@@ -93,6 +101,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 #[test]
 fn mixed_batches_step_each_row_as_alone() {
+    let _turn = turn();
     let m = TinyModel::random_for_tests(7, Device::Cpu).unwrap();
     let s = scheduler();
     let p = pipe(&m, &s);
@@ -132,6 +141,7 @@ fn mixed_batches_step_each_row_as_alone() {
 
 #[test]
 fn a_fresh_controlnet_steers_nothing() {
+    let _turn = turn();
     let m = TinyModel::random_for_tests(8, Device::Cpu).unwrap();
     let s = scheduler();
     let p = pipe(&m, &s);
@@ -150,6 +160,7 @@ fn a_fresh_controlnet_steers_nothing() {
 
 #[test]
 fn bad_control_requests_name_the_field() {
+    let _turn = turn();
     let m = TinyModel::random_for_tests(9, Device::Cpu).unwrap();
     let s = scheduler();
     let p = pipe(&m, &s);

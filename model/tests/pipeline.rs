@@ -19,6 +19,13 @@ use diffmesh_model::{ModelError, Result};
 use std::path::Path;
 use tch::{nn, Device, Kind, Tensor};
 
+/// Tests draw weights and inputs from torch's global generator, re-seeding it: they take
+/// turns, so one test's draws never interleave with another thread's.
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 const CPU: (Kind, Device) = (Kind::Float, Device::Cpu);
 
 /// Deterministic per-prompt embeddings: each prompt's rows depend only on its own bytes.
@@ -155,6 +162,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 #[test]
 fn inpaint_blends_unmasked_latents_every_step() {
+    let _turn = turn();
     let parts = Parts::new(true);
     let p = parts.pipeline();
     let o = opts(4);
@@ -262,6 +270,7 @@ fn inpaint_blends_unmasked_latents_every_step() {
 
 #[test]
 fn seeds_reproduce_and_batches_match_single_runs() {
+    let _turn = turn();
     let parts = Parts::new(true);
     let p = parts.pipeline();
     let o = opts(3);
@@ -291,6 +300,7 @@ fn seeds_reproduce_and_batches_match_single_runs() {
 
 #[test]
 fn guidance_and_true_cfg_change_the_output() {
+    let _turn = turn();
     let parts = Parts::new(true);
     let p = parts.pipeline();
     let r = [req("a red cube", 5)];
@@ -339,6 +349,7 @@ fn guidance_and_true_cfg_change_the_output() {
 
 #[test]
 fn bad_requests_name_the_field() {
+    let _turn = turn();
     let parts = Parts::new(false);
     let p = parts.pipeline();
     let err = |o: GenerateOptions| {
@@ -383,6 +394,7 @@ fn write_json(path: &Path, v: serde_json::Value) {
 
 #[test]
 fn model_dir_loads_by_class_and_reports_unsupported() {
+    let _turn = turn();
     use diffmesh_model::tiny::{
         text_encoder, DiffmeshTinyTextEncoder, TinyTextEncoderConfig, WordTokenizer,
     };
