@@ -2,7 +2,7 @@
 //! requests at different steps (random tiny model, fp32 CPU).
 use diffmesh_model::flux::KvFormat;
 use diffmesh_model::pipeline::stepper::{
-    step_batch_modes, DenoiseState, EditSpec, StepMode, StepRequest,
+    step_batch_modes, DenoiseState, EditSpec, StepMode, StepRequest, TrueCfg,
 };
 use diffmesh_model::pipeline::template::{capture_template, TemplateKv, TemplateSpec};
 use diffmesh_model::pipeline::FluxPipeline;
@@ -11,12 +11,18 @@ use diffmesh_model::scheduler::{
 };
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::tiny::model::{scheduler_config_json, TinyModel};
+use std::sync::{Mutex, MutexGuard};
 
 const SIZE: i64 = 64;
 const TOKENS: i64 = 256;
 const TEMPLATE_SEED: u64 = 99;
 
+/// Tests draw templates and masks from torch's global generator: they take turns, so a test's
+/// draws do not interleave with another thread's.
+static TURN: Mutex<()> = Mutex::new(());
+
 struct Fixture {
+    _turn: MutexGuard<'static, ()>,
     model: TinyModel,
     scheduler: FlowMatchEulerDiscreteScheduler,
     template: Tensor,
@@ -24,11 +30,13 @@ struct Fixture {
 
 impl Fixture {
     fn new() -> Self {
+        let turn = TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let model = TinyModel::random_for_tests(5, Device::Cpu).unwrap();
         let cfg: FlowMatchEulerDiscreteSchedulerConfig =
             serde_json::from_value(scheduler_config_json()).unwrap();
         diffmesh_model::tch::manual_seed(21);
         Self {
+            _turn: turn,
             model,
             scheduler: FlowMatchEulerDiscreteScheduler::new(cfg).unwrap(),
             template: Tensor::rand([1, 3, SIZE, SIZE], (Kind::Float, Device::Cpu)) * 2.0 - 1.0,
@@ -60,7 +68,19 @@ impl Fixture {
     }
 
     fn edit(&self, prompt: &str, seed: u64, steps: usize, mask: &Tensor) -> DenoiseState {
+        self.guided_edit(prompt, seed, steps, mask, None)
+    }
+
+    fn guided_edit(
+        &self,
+        prompt: &str,
+        seed: u64,
+        steps: usize,
+        mask: &Tensor,
+        true_cfg: Option<TrueCfg>,
+    ) -> DenoiseState {
         let req = StepRequest {
+            true_cfg,
             control: None,
             prompt: prompt.into(),
             seed,
@@ -205,6 +225,7 @@ fn cached_mode_on_a_generation_names_the_field() {
     let f = Fixture::new();
     let kv = f.capture(2, KvFormat::Raw);
     let req = StepRequest {
+        true_cfg: None,
         control: None,
         prompt: "x".into(),
         seed: 1,
@@ -222,4 +243,67 @@ fn cached_mode_on_a_generation_names_the_field() {
     assert!(err.contains("modes"), "{err}");
     let missing = kv.step(7).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(missing.contains("step 7 missing"), "{missing}");
+}
+
+fn cfg(negative: &str, scale: f64) -> Option<TrueCfg> {
+    Some(TrueCfg {
+        negative_prompt: negative.into(),
+        scale,
+    })
+}
+
+/// With every token masked a guided mask-aware step reads no cache: it must equal the guided
+/// full-compute step, which proves both rows are computed and combined on the packed path.
+#[test]
+fn guided_edit_with_every_token_masked_equals_guided_full_compute() {
+    let f = Fixture::new();
+    let all = Tensor::ones([TOKENS], (Kind::Bool, Device::Cpu));
+    let mut full = f.guided_edit("a red circle", 3, 4, &all, cfg("", 4.0));
+    run_full(&f, &mut full);
+    let mut cached = f.guided_edit("a red circle", 3, 4, &all, cfg("", 4.0));
+    let cache = diffmesh_model::flux::CapturedKv::new(KvFormat::Raw);
+    while !cached.is_done() {
+        let modes = [StepMode::Cached(&cache)];
+        step_batch_modes(&f.pipe(), &mut [&mut cached], &modes, 0).unwrap();
+    }
+    let err = max_err(cached.latents(), full.latents());
+    assert!(err <= 1e-5, "{err}");
+    let mut plain = f.edit("a red circle", 3, 4, &all);
+    run_full(&f, &mut plain);
+    assert!(max_err(plain.latents(), full.latents()) > 1e-3);
+}
+
+/// Guided edits (two rows reading the same step's cache) packed with plain ones at different
+/// steps end where each ends alone, with and without a full prefix.
+#[test]
+fn guided_edits_packed_with_plain_ones_match_each_alone() {
+    let f = Fixture::new();
+    let kv = f.capture(4, KvFormat::Prepared);
+    let specs = [
+        ("a red circle", 1u64, mask(30, 2), cfg("", 3.0)),
+        ("a green square", 2, mask(90, 3), None),
+        ("x", 3, mask(7, 4), cfg("a blue background", 5.0)),
+    ];
+    for prefix in [0, 1] {
+        let alone: Vec<Tensor> = specs
+            .iter()
+            .map(|(p, s, m, c)| {
+                let mut st = f.guided_edit(p, *s, 4, m, c.clone());
+                run_cached(&f, &kv, &mut [&mut st], prefix);
+                st.latents().shallow_clone()
+            })
+            .collect();
+        let mut states: Vec<DenoiseState> = specs
+            .iter()
+            .map(|(p, s, m, c)| f.guided_edit(p, *s, 4, m, c.clone()))
+            .collect();
+        let modes = [StepMode::Cached(kv.step(0).unwrap())];
+        step_batch_modes(&f.pipe(), &mut [&mut states[2]], &modes, prefix).unwrap();
+        let mut refs: Vec<&mut DenoiseState> = states.iter_mut().collect();
+        run_cached(&f, &kv, &mut refs, prefix);
+        for (i, (s, a)) in states.iter().zip(&alone).enumerate() {
+            let err = max_err(s.latents(), a);
+            assert!(err <= 1e-4, "prefix {prefix} request {i}: {err}");
+        }
+    }
 }

@@ -60,6 +60,28 @@ pub struct GenerationParams {
     /// request to the codec, then of the prepared inputs). None: no ControlNet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub controlnet: Option<crate::controlnet::ControlNetRef>,
+    /// True classifier-free guidance against a negative prompt. None: the prompt alone steers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub true_cfg: Option<TrueCfg>,
+}
+
+/// True classifier-free guidance (diffusers' `true_cfg_scale` and `negative_prompt`): every step
+/// runs each image twice, with the prompt and with the negative prompt, as two rows of the
+/// batch, and steps with `uncond + scale * (cond - uncond)`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrueCfg {
+    /// Above 1.
+    pub scale: f32,
+    /// What to steer away from; empty is the unconditional input.
+    pub negative_prompt: String,
+}
+
+impl GenerationParams {
+    /// Batch rows the job takes in every step: one per image, two with true CFG.
+    pub fn batch_rows(&self) -> u32 {
+        let per_image = if self.true_cfg.is_some() { 2 } else { 1 };
+        self.n.max(1).saturating_mul(per_image)
+    }
 }
 
 /// Gateway -> codec (`CODEC_PRE`).
@@ -419,6 +441,7 @@ mod tests {
             loras: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
+            true_cfg: None,
         }
     }
 

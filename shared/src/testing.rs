@@ -236,6 +236,7 @@ pub fn generation_job(
             loras: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
+            true_cfg: None,
         },
         inputs: PreparedInputs {
             image_key: None,

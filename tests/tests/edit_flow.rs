@@ -109,6 +109,48 @@ async fn edit_keeps_unmasked_pixels_and_generation_returns_images() {
         assert_eq!(img.dimensions(), (48, 40));
     }
 
+    // True CFG steers the same prompt and seed elsewhere; an edit with it keeps its unmasked
+    // pixels.
+    let r = mesh
+        .http
+        .post(format!("http://{}/v1/images/generations", mesh.api))
+        .json(
+            &json!({"prompt": "a blue circle", "size": "48x40", "num_inference_steps": 4,
+            "seed": 3, "true_cfg_scale": 4.0, "negative_prompt": ""}),
+        )
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .expect("guided generation request");
+    assert_eq!(r.status().as_u16(), 200);
+    let guided = decode_b64_images(&r.json::<Value>().await.unwrap()).unwrap();
+    assert_eq!(guided[0].dimensions(), (48, 40));
+    assert_ne!(guided[0].to_rgb8(), images[0].to_rgb8());
+    let r = mesh
+        .http
+        .post(format!("http://{}/v1/images/edits", mesh.api))
+        .multipart(
+            edit_form(png_bytes(&template(w, h)), png_bytes(&mask), "png")
+                .text("true_cfg_scale", "3"),
+        )
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .expect("guided edit request");
+    assert_eq!(r.status().as_u16(), 200);
+    let out = image::load_from_memory(&r.bytes().await.unwrap())
+        .unwrap()
+        .to_rgb8();
+    for (x, y, p) in out.enumerate_pixels() {
+        if !((x0..x1).contains(&x) && (y0..y1).contains(&y)) {
+            assert_eq!(
+                p,
+                tmpl.get_pixel(x, y),
+                "guided edit: unmasked pixel ({x},{y})"
+            );
+        }
+    }
+
     let metrics = mesh
         .http
         .get(format!("http://{}/metrics", mesh.health))
@@ -119,7 +161,7 @@ async fn edit_keeps_unmasked_pixels_and_generation_returns_images() {
         .await
         .unwrap();
     assert!(
-        metrics.contains("diffmesh_gateway_requests_total{endpoint=\"edits\",status=\"200\"} 2"),
+        metrics.contains("diffmesh_gateway_requests_total{endpoint=\"edits\",status=\"200\"} 3"),
         "{metrics}"
     );
 }

@@ -44,6 +44,25 @@ pub struct StepRequest {
     pub edit: Option<EditSpec>,
     /// A ControlNet's control image (generations only; see [`super::control`]).
     pub control: Option<ControlInput>,
+    /// True classifier-free guidance (None: the prompt alone steers).
+    pub true_cfg: Option<TrueCfg>,
+}
+
+/// True classifier-free guidance: each step runs the request twice, with its prompt and with
+/// `negative_prompt` (the empty string is the unconditional input), as two rows of the batch,
+/// and steps with `uncond + scale * (cond - uncond)` (diffusers' `true_cfg_scale`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrueCfg {
+    pub negative_prompt: String,
+    /// Above 1 (1 would equal the prompt alone at twice the cost).
+    pub scale: f64,
+}
+
+/// Which of a guided request's two rows: its prompt or its negative prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Branch {
+    Cond,
+    Uncond,
 }
 
 struct EditState {
@@ -126,6 +145,30 @@ impl DenoiseState {
                 &opts,
                 text,
             )?;
+            let mut prep = prep;
+            if let Some(cfg) = &req.true_cfg {
+                if !(cfg.scale.is_finite() && cfg.scale > 1.0) {
+                    return Err(ModelError::input(
+                        "true_cfg.scale",
+                        format!("must be above 1, got {}", cfg.scale),
+                    ));
+                }
+                if req.control.is_some() {
+                    return Err(ModelError::input(
+                        "true_cfg",
+                        "a request steered by a ControlNet takes no true CFG",
+                    ));
+                }
+                let (device, kind) = p.transformer.device_kind();
+                let negative = match reuse.as_mut() {
+                    Some((cache, _)) => cache.text(p, &cfg.negative_prompt, device, kind)?,
+                    None => {
+                        super::embed(p, std::slice::from_ref(&cfg.negative_prompt), device, kind)?
+                    }
+                };
+                prep.negative = Some(negative);
+                prep.true_cfg_scale = cfg.scale;
+            }
             let mut noise = prep.noise(&[req.seed], p.codec.latent_channels())?;
             let Some(edit) = &req.edit else {
                 let control = match &req.control {
@@ -228,11 +271,66 @@ impl DenoiseState {
 
     /// Requests with equal keys can share one transformer forward (same token counts).
     pub fn batch_key(&self) -> (i64, i64, i64) {
+        self.row_key(Branch::Cond)
+    }
+
+    /// The batch key of one of this state's rows (a negative prompt may encode to another
+    /// length than the prompt).
+    fn row_key(&self, branch: Branch) -> (i64, i64, i64) {
+        let text = self.text(branch);
         (
             self.prep.latent_h,
             self.prep.latent_w,
-            self.prep.text.hidden.size().get(1).copied().unwrap_or(0),
+            text.hidden.size().get(1).copied().unwrap_or(0),
         )
+    }
+
+    /// The rows this state adds to a step: its prompt's, and its negative prompt's if guided.
+    fn branches(&self) -> &'static [Branch] {
+        if self.prep.negative.is_some() {
+            &[Branch::Cond, Branch::Uncond]
+        } else {
+            &[Branch::Cond]
+        }
+    }
+
+    /// Batch rows this request takes per step: 2 with true CFG, else 1.
+    pub fn rows(&self) -> usize {
+        self.branches().len()
+    }
+
+    fn text(&self, branch: Branch) -> &crate::components::TextEmbeddings {
+        match (branch, &self.prep.negative) {
+            (Branch::Uncond, Some(negative)) => negative,
+            _ => &self.prep.text,
+        }
+    }
+
+    /// Text position ids of one row (zeros, one per text token of its branch).
+    fn txt_ids(&self, branch: Branch) -> Result<Tensor> {
+        let tokens = self.row_key(branch).2;
+        if self.prep.txt_ids.size()[0] == tokens {
+            return Ok(self.prep.txt_ids.shallow_clone());
+        }
+        let (kind, device) = (self.prep.txt_ids.kind(), self.prep.txt_ids.device());
+        Ok(Tensor::f_zeros([tokens, 3], (kind, device))?)
+    }
+
+    /// The velocity to step with from this state's rows (`[cond]` or `[cond, uncond]`),
+    /// combined as [`super::Prepared::velocity`] does.
+    fn guided(&self, rows: [Option<Tensor>; 2]) -> Result<Tensor> {
+        match rows {
+            [Some(cond), None] => Ok(cond),
+            [Some(cond), Some(uncond)] => Ok(uncond.f_add(
+                &cond
+                    .f_sub(&uncond)?
+                    .f_mul_scalar(self.prep.true_cfg_scale)?,
+            )?),
+            _ => Err(ModelError::input(
+                "state",
+                "a step lost the row of its prompt",
+            )),
+        }
     }
 
     /// Schedule index of the next step (the step of a template cache this state reads next).
@@ -269,7 +367,7 @@ impl DenoiseState {
             return Ok(None);
         }
         Ok(Some(ControlStep {
-            inputs: group_inputs(&[self])?,
+            inputs: group_inputs(&[(self, Branch::Cond)])?,
             control: c.latents.shallow_clone(),
             scale: c.scale,
             guidance_scale: c.guidance_scale,
@@ -287,7 +385,7 @@ impl DenoiseState {
             ));
         }
         tch::no_grad(|| {
-            let inputs = group_inputs(&[&*self])?;
+            let inputs = group_inputs(&[(&*self, Branch::Cond)])?;
             let velocity = p.transformer.forward_capture(&inputs, sink)?;
             self.apply(&velocity)
         })
@@ -384,7 +482,10 @@ pub fn step_batch_controlled(
         }
     }
     tch::no_grad(|| {
-        let mut groups: Vec<((i64, i64, i64), Vec<usize>)> = Vec::new();
+        // Rows of the same shape share a forward; a guided state has two rows, possibly in
+        // two groups, so every state steps once all its rows are computed.
+        type Row = (usize, Branch);
+        let mut groups: Vec<((i64, i64, i64), Vec<Row>)> = Vec::new();
         let mut cached: Vec<(usize, &dyn KvCache)> = Vec::new();
         for (i, s) in states.iter().enumerate().filter(|(_, s)| !s.is_done()) {
             if let StepMode::Cached(cache) = modes[i] {
@@ -397,21 +498,29 @@ pub fn step_batch_controlled(
                 cached.push((i, cache));
                 continue;
             }
-            let key = s.batch_key();
-            match groups.iter_mut().find(|(k, _)| *k == key) {
-                Some((_, members)) => members.push(i),
-                None => groups.push((key, vec![i])),
+            for &branch in s.branches() {
+                let key = s.row_key(branch);
+                match groups.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, members)) => members.push((i, branch)),
+                    None => groups.push((key, vec![(i, branch)])),
+                }
             }
         }
+        let mut velocities: Vec<[Option<Tensor>; 2]> =
+            states.iter().map(|_| [None, None]).collect();
         let (doubles, singles) = (
             p.transformer.transformer_blocks.len(),
             p.transformer.single_transformer_blocks.len(),
         );
-        for (_, members) in groups {
-            let rows: Vec<&DenoiseState> = members.iter().map(|&i| &*states[i]).collect();
+        for (_, members) in &groups {
+            let rows: Vec<(&DenoiseState, Branch)> =
+                members.iter().map(|&(i, b)| (&*states[i], b)).collect();
             let inputs = group_inputs(&rows)?;
-            let steered: Vec<Option<&ControlResiduals>> =
-                members.iter().map(|&i| residuals[i].as_ref()).collect();
+            // Guided states take no ControlNet (checked when prepared): only prompt rows steer.
+            let steered: Vec<Option<&ControlResiduals>> = members
+                .iter()
+                .map(|&(i, b)| residuals[i].as_ref().filter(|_| b == Branch::Cond))
+                .collect();
             let merged = if steered.iter().all(Option::is_none) {
                 None
             } else {
@@ -421,21 +530,43 @@ pub fn step_batch_controlled(
                 Some(r) => p.transformer.forward_controlled(&inputs, &r)?,
                 None => p.transformer.forward(&inputs)?,
             };
-            for (row, &i) in members.iter().enumerate() {
-                states[i].apply(&velocity.f_narrow(0, row as i64, 1)?)?;
+            for (row, &(i, b)) in members.iter().enumerate() {
+                velocities[i][b as usize] = Some(velocity.f_narrow(0, row as i64, 1)?);
+            }
+        }
+        for (_, members) in &groups {
+            for &(i, b) in members {
+                if b == Branch::Cond {
+                    let rows = std::mem::take(&mut velocities[i]);
+                    let v = states[i].guided(rows)?;
+                    states[i].apply(&v)?;
+                }
             }
         }
         if !cached.is_empty() {
+            let rows: Vec<Row> = cached
+                .iter()
+                .flat_map(|&(i, _)| states[i].branches().iter().map(move |&b| (i, b)))
+                .collect();
             let requests: Vec<MaskedRequest> = cached
                 .iter()
-                .map(|&(i, cache)| states[i].masked_request(cache, full_prefix > 0))
+                .flat_map(|&(i, cache)| {
+                    let s = &*states[i];
+                    s.branches()
+                        .iter()
+                        .map(move |&b| s.masked_request(cache, full_prefix > 0, b))
+                })
                 .collect::<Result<_>>()?;
-            let velocities = p
+            let outputs = p
                 .transformer
                 .forward_masked_prefix(&requests, full_prefix)?;
             drop(requests);
-            for (&(i, _), v) in cached.iter().zip(velocities) {
+            for (&(i, b), v) in rows.iter().zip(outputs) {
+                velocities[i][b as usize] = Some(v);
+            }
+            for &(i, _) in &cached {
                 let s = &mut states[i];
+                let v = s.guided(std::mem::take(&mut velocities[i]))?;
                 let index = &s.edit.as_ref().expect("checked above").masked_index;
                 // Unmasked rows stay zero: the edit blend replaces them with the template anyway.
                 let full = s
@@ -455,6 +586,7 @@ impl DenoiseState {
         &self,
         cache: &'c dyn KvCache,
         with_full: bool,
+        branch: Branch,
     ) -> Result<MaskedRequest<'c>> {
         let e = self
             .edit
@@ -469,13 +601,13 @@ impl DenoiseState {
         Ok(MaskedRequest {
             hidden_states: latents.f_index_select(0, &e.masked_index)?,
             token_index: e.masked_index.shallow_clone(),
-            encoder_hidden_states: self.prep.text.hidden.f_squeeze_dim(0)?,
-            pooled_projections: self.prep.text.pooled.f_squeeze_dim(0)?,
+            encoder_hidden_states: self.text(branch).hidden.f_squeeze_dim(0)?,
+            pooled_projections: self.text(branch).pooled.f_squeeze_dim(0)?,
             // The full forward's `t / 1000` in f32, so both paths see the same timestep.
             timestep: (t / 1000.0) as f64,
             guidance,
             img_ids: self.prep.img_ids.shallow_clone(),
-            txt_ids: self.prep.txt_ids.shallow_clone(),
+            txt_ids: self.txt_ids(branch)?,
             cache,
             full_hidden_states: with_full.then(|| latents.shallow_clone()),
         })
@@ -493,34 +625,34 @@ fn like_residual(inputs: &FluxInputs, p: &FluxPipeline<'_>) -> Result<Tensor> {
 }
 
 /// The transformer inputs of a group of same-shaped states, one row each.
-fn group_inputs(rows: &[&DenoiseState]) -> Result<FluxInputs> {
-    let first = &rows[0].prep;
-    let cat = |f: &dyn Fn(&DenoiseState) -> Tensor| -> Result<Tensor> {
-        let parts: Vec<Tensor> = rows.iter().map(|s| f(s)).collect();
+fn group_inputs(rows: &[(&DenoiseState, Branch)]) -> Result<FluxInputs> {
+    let (first, first_branch) = rows[0];
+    let cat = |f: &dyn Fn(&DenoiseState, Branch) -> Tensor| -> Result<Tensor> {
+        let parts: Vec<Tensor> = rows.iter().map(|&(s, b)| f(s, b)).collect();
         Ok(Tensor::f_cat(&parts, 0)?)
     };
     // diffusers: `t.expand(B).to(latents.dtype) / 1000`, here one t per row.
     let t: Vec<f32> = rows
         .iter()
-        .map(|s| s.prep.schedule.timesteps[s.index])
+        .map(|(s, _)| s.prep.schedule.timesteps[s.index])
         .collect();
     let timestep = Tensor::from_slice(&t)
-        .f_to_device(first.device)?
-        .f_to_kind(first.kind)?
+        .f_to_device(first.prep.device)?
+        .f_to_kind(first.prep.kind)?
         .f_div_scalar(1000.0)?;
     // Every state of one pipeline has guidance iff the transformer embeds it.
     let guidance: Option<Vec<Tensor>> = rows
         .iter()
-        .map(|s| s.prep.guidance.as_ref().map(Tensor::shallow_clone))
+        .map(|(s, _)| s.prep.guidance.as_ref().map(Tensor::shallow_clone))
         .collect();
     let guidance = guidance.map(|g| Tensor::f_cat(&g, 0)).transpose()?;
     Ok(FluxInputs {
-        hidden_states: cat(&|s| s.latents.shallow_clone())?,
-        encoder_hidden_states: cat(&|s| s.prep.text.hidden.shallow_clone())?,
-        pooled_projections: cat(&|s| s.prep.text.pooled.shallow_clone())?,
+        hidden_states: cat(&|s, _| s.latents.shallow_clone())?,
+        encoder_hidden_states: cat(&|s, b| s.text(b).hidden.shallow_clone())?,
+        pooled_projections: cat(&|s, b| s.text(b).pooled.shallow_clone())?,
         timestep,
-        img_ids: first.img_ids.shallow_clone(),
-        txt_ids: first.txt_ids.shallow_clone(),
+        img_ids: first.prep.img_ids.shallow_clone(),
+        txt_ids: first.txt_ids(first_branch)?,
         guidance,
     })
 }
@@ -531,234 +663,4 @@ pub fn state_kind(state: &DenoiseState) -> Kind {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::pipeline::{inpaint, text_to_image, InpaintInputs};
-    use crate::scheduler::{
-        FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
-    };
-    use crate::tiny::model::TinyModel;
-    use tch::Device;
-
-    fn model() -> (TinyModel, FlowMatchEulerDiscreteScheduler) {
-        let m = TinyModel::random_for_tests(7, Device::Cpu).unwrap();
-        let cfg: FlowMatchEulerDiscreteSchedulerConfig =
-            serde_json::from_value(crate::tiny::model::scheduler_config_json()).unwrap();
-        (m, FlowMatchEulerDiscreteScheduler::new(cfg).unwrap())
-    }
-
-    fn pipe<'a>(m: &'a TinyModel, s: &'a FlowMatchEulerDiscreteScheduler) -> FluxPipeline<'a> {
-        FluxPipeline {
-            transformer: &m.transformer,
-            text_encoder: &m.text_encoder,
-            codec: &m.codec,
-            scheduler: s,
-        }
-    }
-
-    fn req(prompt: &str, seed: u64, steps: usize) -> StepRequest {
-        StepRequest {
-            control: None,
-            prompt: prompt.into(),
-            seed,
-            height: 64,
-            width: 64,
-            steps,
-            guidance_scale: 1.0,
-            edit: None,
-        }
-    }
-
-    #[test]
-    fn stepping_alone_matches_text_to_image() {
-        let (m, s) = model();
-        let p = pipe(&m, &s);
-        let mut st = DenoiseState::new(&p, &req("a red circle", 3, 4)).unwrap();
-        while !st.is_done() {
-            st.step(&p).unwrap();
-        }
-        assert_eq!(st.progress(), (4, 4));
-        let opts = GenerateOptions {
-            height: 64,
-            width: 64,
-            steps: 4,
-            ..Default::default()
-        };
-        let reference = text_to_image(
-            &p,
-            &[GenerationRequest {
-                prompt: "a red circle".into(),
-                seed: 3,
-            }],
-            &opts,
-            None,
-        )
-        .unwrap();
-        let diff = st
-            .latents()
-            .f_sub(&reference.latents)
-            .unwrap()
-            .abs()
-            .max()
-            .double_value(&[]);
-        assert!(diff < 1e-5, "max diff {diff}");
-    }
-
-    #[test]
-    fn batch_at_different_steps_matches_alone() {
-        let (m, s) = model();
-        let p = pipe(&m, &s);
-        let run_alone = |r: StepRequest| {
-            let mut st = DenoiseState::new(&p, &r).unwrap();
-            while !st.is_done() {
-                st.step(&p).unwrap();
-            }
-            st.latents().shallow_clone()
-        };
-        let a_alone = run_alone(req("a red circle", 1, 4));
-        let b_alone = run_alone(req("a blue square", 2, 6));
-        let mut a = DenoiseState::new(&p, &req("a red circle", 1, 4)).unwrap();
-        let mut b = DenoiseState::new(&p, &req("a blue square", 2, 6)).unwrap();
-        b.step(&p).unwrap(); // b is one step ahead
-        while !a.is_done() || !b.is_done() {
-            step_batch(&p, &mut [&mut a, &mut b]).unwrap();
-        }
-        for (x, y) in [(a.latents(), &a_alone), (b.latents(), &b_alone)] {
-            let diff = x.f_sub(y).unwrap().abs().max().double_value(&[]);
-            assert!(diff < 1e-4, "max diff {diff}");
-        }
-    }
-
-    #[test]
-    fn edit_matches_inpaint_pipeline() {
-        let (m, s) = model();
-        let p = pipe(&m, &s);
-        let template = Tensor::rand([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
-        // Repaint the top-left quarter: pixel mask and the matching 16x16 token mask.
-        let mask = Tensor::zeros([1, 1, 64, 64], (Kind::Float, Device::Cpu));
-        let _ = mask.narrow(2, 0, 32).narrow(3, 0, 32).fill_(1.0);
-        let token_mask = crate::packing::token_mask(&mask, 4).unwrap().view([-1]);
-        let mut r = req("a green triangle", 5, 4);
-        r.edit = Some(EditSpec {
-            template: template.shallow_clone(),
-            token_mask,
-            strength: 1.0,
-            template_seed: None,
-        });
-        let mut st = DenoiseState::new(&p, &r).unwrap();
-        while !st.is_done() {
-            st.step(&p).unwrap();
-        }
-        let opts = GenerateOptions {
-            height: 64,
-            width: 64,
-            steps: 4,
-            ..Default::default()
-        };
-        let requests = [GenerationRequest {
-            prompt: "a green triangle".into(),
-            seed: 5,
-        }];
-        let reference = inpaint(
-            &p,
-            &InpaintInputs {
-                requests: &requests,
-                templates: &template,
-                masks: &mask,
-                strength: 1.0,
-            },
-            &opts,
-            None,
-        )
-        .unwrap();
-        let diff = st
-            .latents()
-            .f_sub(&reference.latents)
-            .unwrap()
-            .abs()
-            .max()
-            .double_value(&[]);
-        assert!(diff < 1e-5, "max diff {diff}");
-    }
-
-    #[test]
-    fn bad_edit_inputs_name_the_field() {
-        let (m, s) = model();
-        let p = pipe(&m, &s);
-        let mut r = req("x", 1, 2);
-        r.edit = Some(EditSpec {
-            template: Tensor::zeros([1, 3, 32, 32], (Kind::Float, Device::Cpu)),
-            token_mask: Tensor::zeros([256], (Kind::Bool, Device::Cpu)),
-            strength: 1.0,
-            template_seed: None,
-        });
-        let err = DenoiseState::new(&p, &r).err().unwrap().to_string();
-        assert!(err.contains("template"), "{err}");
-        r.edit = Some(EditSpec {
-            template: Tensor::zeros([1, 3, 64, 64], (Kind::Float, Device::Cpu)),
-            token_mask: Tensor::zeros([10], (Kind::Bool, Device::Cpu)),
-            strength: 1.0,
-            template_seed: None,
-        });
-        let err = DenoiseState::new(&p, &r).err().unwrap().to_string();
-        assert!(err.contains("token_mask"), "{err}");
-    }
-
-    #[test]
-    fn cached_preparation_steps_exactly_like_fresh_preparation() {
-        let (m, s) = model();
-        let p = pipe(&m, &s);
-        let template = Tensor::rand([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
-        let edit = |prompt: &str, seed: u64, every: i64| {
-            let mut r = req(prompt, seed, 3);
-            r.edit = Some(EditSpec {
-                template: template.shallow_clone(),
-                token_mask: Tensor::arange(256, (Kind::Int64, Device::Cpu))
-                    .remainder(every)
-                    .eq(0),
-                strength: 1.0,
-                template_seed: Some(9),
-            });
-            r
-        };
-        let run = |mut st: DenoiseState| {
-            while !st.is_done() {
-                st.step(&p).unwrap();
-            }
-            st.latents().shallow_clone()
-        };
-        let mut cache = ConditioningCache::new(1 << 20);
-        let requests = [
-            edit("a red circle", 1, 3),
-            edit("a red circle", 2, 5),
-            edit("a blue square", 3, 2),
-            edit("a red circle", 4, 7),
-        ];
-        for r in &requests {
-            let fresh = run(DenoiseState::new(&p, r).unwrap());
-            let cached = run(DenoiseState::new_cached(&p, r, &mut cache, Some("tpl-a")).unwrap());
-            assert!(fresh.equal(&cached), "seed {}", r.seed);
-        }
-        let c = cache.counts();
-        assert_eq!((c.prompts.hits, c.prompts.misses), (2, 2));
-        assert_eq!((c.template_latents.hits, c.template_latents.misses), (3, 1));
-        assert_eq!((c.template_noise.hits, c.template_noise.misses), (3, 1));
-        // A template without a key is never shared; a budget of 0 keeps nothing.
-        let mut none = ConditioningCache::new(0);
-        for r in &requests[..2] {
-            let fresh = run(DenoiseState::new(&p, r).unwrap());
-            let cached = run(DenoiseState::new_cached(&p, r, &mut none, None).unwrap());
-            assert!(fresh.equal(&cached));
-        }
-        let c = none.counts();
-        assert_eq!(
-            (
-                c.prompts.hits,
-                c.template_latents.hits,
-                c.template_latents.misses
-            ),
-            (0, 0, 0)
-        );
-        assert_eq!(c.prompts.bytes + c.template_noise.bytes, 0);
-    }
-}
+mod tests;

@@ -97,6 +97,7 @@ fn generate(
         scale,
     });
     let req = StepRequest {
+        true_cfg: None,
         prompt: scene.key.prompt(),
         seed,
         height: IMAGE_SIZE,

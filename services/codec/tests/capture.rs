@@ -46,6 +46,7 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
             loras: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
+            true_cfg: None,
         },
         template_image: None,
         control_image_key: None,

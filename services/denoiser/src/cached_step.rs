@@ -88,11 +88,14 @@ pub struct CachedStepper {
     compute: ComputeEstimate,
 }
 
-/// A state's token counts for the cost model: (text, computed image tokens when cached, all).
+/// A state's token counts for the cost model, over all its rows (two with true CFG): (text,
+/// computed image tokens when cached, all).
 fn tokens(s: &DenoiseState) -> (f64, f64, f64) {
+    let rows = s.rows() as f64;
     let t = s.text_tokens() as f64;
     let n = s.image_tokens() as f64;
-    (t, s.masked_tokens().map_or(n, |m| m as f64), n)
+    let m = s.masked_tokens().map_or(n, |m| m as f64);
+    (rows * t, rows * m, rows * n)
 }
 
 impl CachedStepper {

@@ -3,7 +3,7 @@
 use crate::templates::GpuCopy;
 use diffmesh_model::model_dir::LoadedModel;
 use diffmesh_model::pipeline::control::ControlInput;
-use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest};
+use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest, TrueCfg};
 use diffmesh_model::pipeline::template::{self, TemplateSpec};
 use diffmesh_model::pipeline::FluxPipeline;
 use diffmesh_model::tch::{Device, Kind, Tensor};
@@ -159,6 +159,10 @@ pub fn step_requests(
             }
         };
         out.push(StepRequest {
+            true_cfg: p.true_cfg.as_ref().map(|c| TrueCfg {
+                negative_prompt: c.negative_prompt.clone(),
+                scale: f64::from(c.scale),
+            }),
             control: None,
             prompt: p.prompt.clone(),
             seed: p.seed.wrapping_add(i as u64),

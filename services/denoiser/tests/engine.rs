@@ -8,7 +8,7 @@ use diffmesh_denoiser::model::{EditInputs, EngineModel};
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
 use diffmesh_sched::QueueOrder;
-use diffmesh_shared::messages::{DenoiseJob, JobKind};
+use diffmesh_shared::messages::{DenoiseJob, JobKind, TrueCfg};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
@@ -164,6 +164,47 @@ async fn batch_of_two_equals_each_alone() {
         .iter()
         .all(|s| s.seconds > 0.0 && s.row_ratios.iter().all(|&r| r == 1.0)));
     assert!(h.engine.take_step_samples().is_empty(), "handed out once");
+    h.engine.begin_shutdown().await;
+    h.thread.join().await;
+}
+
+/// True CFG: a guided job takes two batch rows per image (its prompt's and its negative
+/// prompt's), steers the image, and batched with others ends as it ends alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guided_job_takes_two_rows_and_batches_like_alone() {
+    let mut h = harness(3, 8);
+    let guided = |id: &str, seed: u64| {
+        let mut j = job(id, "a red circle", seed, 4);
+        j.params.true_cfg = Some(TrueCfg {
+            scale: 4.0,
+            negative_prompt: String::new(),
+        });
+        j
+    };
+    submit(&h, guided("g", 1), None).await;
+    let (alone, _) = drain(&mut h, &["g"]).await;
+    let rows: Vec<usize> = h
+        .engine
+        .take_step_samples()
+        .iter()
+        .map(|s| s.row_ratios.len())
+        .collect();
+    assert_eq!(rows, [2, 2, 2, 2]);
+    submit(&h, job("u", "a red circle", 1, 4), None).await;
+    let (plain, _) = drain(&mut h, &["u"]).await;
+    let steered = max_abs_diff(&alone["g"], &plain["u"]);
+    assert!(steered > 10, "guidance changed the image by only {steered}");
+
+    // Three rows: the guided job and a plain one fit together; a second guided job waits
+    // for the first (after the plain one leaves, 2 + 2 rows are still too many).
+    submit(&h, guided("g2", 1), None).await;
+    submit(&h, job("p", "a blue square", 2, 4), None).await;
+    submit(&h, guided("g3", 3), None).await;
+    let (batched, log) = drain(&mut h, &["g2", "p", "g3"]).await;
+    let at = |line: &str| log.iter().position(|l| l == line).expect(line);
+    assert!(at("started p") < at("finished g2"), "{log:?}");
+    assert!(at("started g3") > at("finished g2"), "{log:?}");
+    assert!(max_abs_diff(&batched["g2"], &alone["g"]) <= 1);
     h.engine.begin_shutdown().await;
     h.thread.join().await;
 }

@@ -141,6 +141,8 @@ pub fn document(limits: &Limits) -> String {
         if form == "TemplateFormDoc" {
             continue;
         }
+        props["true_cfg_scale"]["maximum"] = json!(limits.max_guidance.max(1.0));
+        props["negative_prompt"]["maxLength"] = json!(limits.max_prompt_chars);
         props["n"]["maximum"] = json!(limits.max_n);
         // WxH, each side 1 to 99999 (the pixel limit still applies to the product).
         props["size"]["pattern"] = json!("^[1-9][0-9]{0,4}[xX][1-9][0-9]{0,4}$");

@@ -45,6 +45,13 @@ pub async fn read_generation(
         .map(|c| crate::controlnet::validate(c, &state.limits))
         .transpose()?;
     let mut valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
+    if control.is_some() && valid.params.true_cfg.is_some() {
+        return Err(FieldError::invalid(
+            "true_cfg_scale",
+            "a generation steered by a ControlNet takes no true CFG (leave it at 1)",
+        )
+        .into());
+    }
     lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
     let control_image = control.map(|c| {
         valid.params.controlnet = Some(c.reference);
@@ -185,6 +192,12 @@ fn int_field(name: &str, value: &Value) -> Result<i64, FieldError> {
         .ok_or_else(|| FieldError::invalid(name, "must be an integer"))
 }
 
+fn number_field(name: &str, value: &Value) -> Result<f64, FieldError> {
+    value
+        .as_f64()
+        .ok_or_else(|| FieldError::invalid(name, "must be a number"))
+}
+
 fn u64_field(name: &str, value: &Value) -> Result<u64, FieldError> {
     let from_float = || {
         whole_number(value)
@@ -220,12 +233,9 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
             "response_format" => raw.response_format = Some(string()?),
             "n" => raw.n = Some(int_field(key, v)?),
             "num_inference_steps" => raw.num_inference_steps = Some(int_field(key, v)?),
-            "guidance_scale" => {
-                raw.guidance_scale = Some(
-                    v.as_f64()
-                        .ok_or_else(|| FieldError::invalid(key, "must be a number"))?,
-                )
-            }
+            "guidance_scale" => raw.guidance_scale = Some(number_field(key, v)?),
+            "true_cfg_scale" => raw.true_cfg_scale = Some(number_field(key, v)?),
+            "negative_prompt" => raw.negative_prompt = Some(string()?),
             "seed" => raw.seed = Some(u64_field(key, v)?),
             "loras" => raw.loras = Some(lora_params::from_json(v)?),
             "deadline_ms" => raw.deadline_ms = Some(int_field(key, v)?),
@@ -265,6 +275,8 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
         n: parse(text, "n", "an integer")?,
         num_inference_steps: parse(text, "num_inference_steps", "an integer")?,
         guidance_scale: parse(text, "guidance_scale", "a number")?,
+        true_cfg_scale: parse(text, "true_cfg_scale", "a number")?,
+        negative_prompt: text.get("negative_prompt").cloned(),
         seed: parse(text, "seed", "a non-negative integer")?,
         loras: match text.get("loras") {
             Some(json) => lora_params::from_text(json)?,
@@ -347,6 +359,35 @@ mod tests {
             (loras[0].id.as_deref(), loras[0].scale),
             (Some("a"), Some(2.0))
         );
+        text.insert("true_cfg_scale".to_string(), "strong".to_string());
+        assert_eq!(raw_from_text(&text).unwrap_err().field, "true_cfg_scale");
+        text.insert("true_cfg_scale".to_string(), "3.5".to_string());
+        text.insert("negative_prompt".to_string(), "blurry".to_string());
+        let raw = raw_from_text(&text).unwrap();
+        assert_eq!(
+            (raw.true_cfg_scale, raw.negative_prompt.as_deref()),
+            (Some(3.5), Some("blurry"))
+        );
+    }
+
+    #[test]
+    fn true_cfg_fields_read_from_json_with_field_errors() {
+        let raw = raw_from_json(br#"{"prompt": "x", "true_cfg_scale": 4, "negative_prompt": ""}"#)
+            .unwrap();
+        assert_eq!(
+            (raw.true_cfg_scale, raw.negative_prompt.as_deref()),
+            (Some(4.0), Some(""))
+        );
+        for (body, field) in [
+            (r#"{"true_cfg_scale": "4"}"#, "true_cfg_scale"),
+            (r#"{"negative_prompt": 3}"#, "negative_prompt"),
+        ] {
+            assert_eq!(
+                raw_from_json(body.as_bytes()).unwrap_err().field,
+                field,
+                "{body}"
+            );
+        }
     }
 
     #[test]

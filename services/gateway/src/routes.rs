@@ -147,6 +147,13 @@ pub struct EditForm {
     pub num_inference_steps: Option<i64>,
     #[schema(minimum = 0.0)]
     pub guidance_scale: Option<f64>,
+    /// True classifier-free guidance, 1 (off, the default) to `--max-guidance`: each step also
+    /// runs with `negative_prompt` and steers away from it, at a second batch row per image.
+    #[schema(minimum = 1.0)]
+    pub true_cfg_scale: Option<f64>,
+    /// What true CFG steers away from (default: the empty prompt); only with `true_cfg_scale`
+    /// above 1.
+    pub negative_prompt: Option<String>,
     #[schema(minimum = 0)]
     pub seed: Option<u64>,
     /// Registered LoRAs to apply: the JSON text of the generation body's `loras` array, e.g.

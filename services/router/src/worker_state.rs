@@ -22,8 +22,8 @@ pub fn template_cache_key(job: &DenoiseJob) -> Option<&str> {
 /// Tokens a job computes per block in the cost model's grid. Only an edit of a captured
 /// template runs mask-aware (its masked tokens, taken from the mask ratio so a profile measured
 /// at another resolution still ranks workers by relative cost); every other job (generation,
-/// capture, edit of an uploaded image) computes all image tokens. Times the job's image count
-/// (its images run as that many batch rows).
+/// capture, edit of an uploaded image) computes all image tokens. Times the job's batch rows
+/// (one per image, two with true CFG).
 pub fn job_masked_tokens(job: &DenoiseJob, shape: &ModelShape) -> u32 {
     let mask_aware = job.kind == JobKind::Edit
         && job
@@ -35,7 +35,7 @@ pub fn job_masked_tokens(job: &DenoiseJob, shape: &ModelShape) -> u32 {
     } else {
         shape.image_tokens
     };
-    per_image.saturating_mul(job.params.n.max(1))
+    per_image.saturating_mul(job.params.batch_rows())
 }
 
 /// The policy's view of a job to place.
@@ -212,6 +212,12 @@ pub(crate) mod tests {
         let mut two = edit("b", 0.25, 7, "t");
         two.params.n = 2;
         assert_eq!(request_info(&two, &shape()).masked_tokens, 128);
+        // True CFG runs every image as two rows.
+        two.params.true_cfg = Some(diffmesh_shared::messages::TrueCfg {
+            scale: 4.0,
+            negative_prompt: String::new(),
+        });
+        assert_eq!(request_info(&two, &shape()).masked_tokens, 256);
     }
 
     #[test]

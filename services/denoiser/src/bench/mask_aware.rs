@@ -375,6 +375,7 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
             let token_mask = rect_mask(&mut edit_rng, side, ratio);
             let prompt = keys[edit_rng.random_range(0..keys.len())].prompt();
             let request = StepRequest {
+                true_cfg: None,
                 control: None,
                 prompt,
                 seed: 100 + e as u64,

@@ -364,12 +364,16 @@ impl Engine {
     }
 
     fn rows(&self) -> usize {
-        self.active.iter().map(|a| a.states.len()).sum()
+        self.active
+            .iter()
+            .flat_map(|a| &a.states)
+            .map(DenoiseState::rows)
+            .sum()
     }
 
     /// Image tokens a job computes per step (see [`EngineConfig::token_budget`]).
     fn job_tokens(job: &DenoiseJob) -> u64 {
-        u64::from(job.params.n.max(1)) * u64::from(job.inputs.masked_tokens)
+        u64::from(job.params.batch_rows()) * u64::from(job.inputs.masked_tokens)
     }
 
     /// Where each waiting job stands in `config.queue_order`: queue position as its arrival
@@ -410,7 +414,7 @@ impl Engine {
             {
                 continue;
             }
-            let n = next.job.params.n.max(1) as usize;
+            let n = next.job.params.batch_rows() as usize;
             let job_tokens = Self::job_tokens(&next.job);
             let over_tokens = self
                 .config

@@ -49,7 +49,8 @@ impl Engine {
             .iter()
             .zip(&runs)
             .filter(|(_, r)| **r)
-            .map(|(a, _)| a.states.len())
+            .flat_map(|(a, _)| &a.states)
+            .map(DenoiseState::rows)
             .sum();
         // One child span per job over this step (run in one batch with the others): the job's
         // trace shows every step's wall time. The step number is recorded once it is known.
@@ -307,7 +308,8 @@ impl Engine {
                     Some(_) => a.job.inputs.mask_ratio.clamp(0.0, 1.0),
                     None => 1.0,
                 };
-                std::iter::repeat_n(ratio, a.states.len())
+                let rows: usize = a.states.iter().map(DenoiseState::rows).sum();
+                std::iter::repeat_n(ratio, rows)
             })
             .collect()
     }

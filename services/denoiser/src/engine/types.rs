@@ -174,7 +174,8 @@ pub enum Batching {
 
 #[derive(Debug, Clone, Copy)]
 pub struct EngineConfig {
-    /// Images denoised together in one step (a job of n images takes n rows).
+    /// Batch rows denoised together in one step (a job of n images takes n rows, 2n with true
+    /// CFG).
     pub max_batch: usize,
     /// Jobs waiting beyond the running batch.
     pub max_queue: usize,

@@ -14,7 +14,7 @@
     file: $("image-file"), register: $("register"),
     templateSelect: $("template-select"), refreshTemplates: $("refresh-templates"),
     brush: $("brush"), brushValue: $("brush-value"), clearMask: $("clear-mask"),
-    prompt: $("prompt"), steps: $("steps"), seed: $("seed"),
+    prompt: $("prompt"), steps: $("steps"), seed: $("seed"), trueCfg: $("true-cfg"),
     submit: $("submit"), cancel: $("cancel"),
     stage: $("stage"), layers: $("layers"), imageCanvas: $("image-canvas"),
     maskCanvas: $("mask-canvas"), stageHint: $("stage-hint"), imageInfo: $("image-info"),
@@ -363,6 +363,7 @@
     form.append("prompt", el.prompt.value.trim());
     if (!templateId && el.steps.value) form.append("num_inference_steps", el.steps.value);
     if (el.seed.value) form.append("seed", el.seed.value);
+    if (el.trueCfg.value) form.append("true_cfg_scale", el.trueCfg.value);
     return form;
   }
 

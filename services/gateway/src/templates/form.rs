@@ -81,6 +81,18 @@ pub fn validate(
             "not supported for templates: a capture records the base model's activations",
         ));
     }
+    for (field, given) in [
+        ("true_cfg_scale", raw.true_cfg_scale.is_some()),
+        ("negative_prompt", raw.negative_prompt.is_some()),
+    ] {
+        if given {
+            return Err(FieldError::invalid(
+                field,
+                "not for templates: a capture follows the template's own trajectory, so \
+                 guidance changes none of its activations; give it with each edit",
+            ));
+        }
+    }
     let prompt = raw.prompt.unwrap_or_default();
     let chars = prompt.chars().count();
     if chars > limits.max_prompt_chars {
@@ -120,6 +132,7 @@ pub fn validate(
         loras: Vec::new(),
         deadline_unix_ms: None,
         controlnet: None,
+        true_cfg: None,
     })
 }
 
@@ -225,6 +238,16 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(field(with_lora, (8, 8)), "loras");
+        let guided = RawParams {
+            true_cfg_scale: Some(4.0),
+            ..Default::default()
+        };
+        assert_eq!(field(guided, (8, 8)), "true_cfg_scale");
+        let negative = RawParams {
+            negative_prompt: Some(String::new()),
+            ..Default::default()
+        };
+        assert_eq!(field(negative, (8, 8)), "negative_prompt");
         let e = validate(RawParams::default(), (2048, 2048), &limits(), &defaults()).unwrap_err();
         assert_eq!(e.field, "image");
         assert!(e.message.contains("1048576"), "{}", e.message);

@@ -1,0 +1,325 @@
+use super::*;
+use crate::pipeline::{inpaint, text_to_image, InpaintInputs};
+use crate::scheduler::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
+use crate::tiny::model::TinyModel;
+use tch::Device;
+
+fn model() -> (TinyModel, FlowMatchEulerDiscreteScheduler) {
+    let m = TinyModel::random_for_tests(7, Device::Cpu).unwrap();
+    let cfg: FlowMatchEulerDiscreteSchedulerConfig =
+        serde_json::from_value(crate::tiny::model::scheduler_config_json()).unwrap();
+    (m, FlowMatchEulerDiscreteScheduler::new(cfg).unwrap())
+}
+
+fn pipe<'a>(m: &'a TinyModel, s: &'a FlowMatchEulerDiscreteScheduler) -> FluxPipeline<'a> {
+    FluxPipeline {
+        transformer: &m.transformer,
+        text_encoder: &m.text_encoder,
+        codec: &m.codec,
+        scheduler: s,
+    }
+}
+
+fn req(prompt: &str, seed: u64, steps: usize) -> StepRequest {
+    StepRequest {
+        true_cfg: None,
+        control: None,
+        prompt: prompt.into(),
+        seed,
+        height: 64,
+        width: 64,
+        steps,
+        guidance_scale: 1.0,
+        edit: None,
+    }
+}
+
+#[test]
+fn stepping_alone_matches_text_to_image() {
+    let (m, s) = model();
+    let p = pipe(&m, &s);
+    let mut st = DenoiseState::new(&p, &req("a red circle", 3, 4)).unwrap();
+    while !st.is_done() {
+        st.step(&p).unwrap();
+    }
+    assert_eq!(st.progress(), (4, 4));
+    let opts = GenerateOptions {
+        height: 64,
+        width: 64,
+        steps: 4,
+        ..Default::default()
+    };
+    let reference = text_to_image(
+        &p,
+        &[GenerationRequest {
+            prompt: "a red circle".into(),
+            seed: 3,
+        }],
+        &opts,
+        None,
+    )
+    .unwrap();
+    let diff = st
+        .latents()
+        .f_sub(&reference.latents)
+        .unwrap()
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert!(diff < 1e-5, "max diff {diff}");
+}
+
+#[test]
+fn batch_at_different_steps_matches_alone() {
+    let (m, s) = model();
+    let p = pipe(&m, &s);
+    let run_alone = |r: StepRequest| {
+        let mut st = DenoiseState::new(&p, &r).unwrap();
+        while !st.is_done() {
+            st.step(&p).unwrap();
+        }
+        st.latents().shallow_clone()
+    };
+    let a_alone = run_alone(req("a red circle", 1, 4));
+    let b_alone = run_alone(req("a blue square", 2, 6));
+    let mut a = DenoiseState::new(&p, &req("a red circle", 1, 4)).unwrap();
+    let mut b = DenoiseState::new(&p, &req("a blue square", 2, 6)).unwrap();
+    b.step(&p).unwrap(); // b is one step ahead
+    while !a.is_done() || !b.is_done() {
+        step_batch(&p, &mut [&mut a, &mut b]).unwrap();
+    }
+    for (x, y) in [(a.latents(), &a_alone), (b.latents(), &b_alone)] {
+        let diff = x.f_sub(y).unwrap().abs().max().double_value(&[]);
+        assert!(diff < 1e-4, "max diff {diff}");
+    }
+}
+
+#[test]
+fn edit_matches_inpaint_pipeline() {
+    let (m, s) = model();
+    let p = pipe(&m, &s);
+    let template = Tensor::rand([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
+    // Repaint the top-left quarter: pixel mask and the matching 16x16 token mask.
+    let mask = Tensor::zeros([1, 1, 64, 64], (Kind::Float, Device::Cpu));
+    let _ = mask.narrow(2, 0, 32).narrow(3, 0, 32).fill_(1.0);
+    let token_mask = crate::packing::token_mask(&mask, 4).unwrap().view([-1]);
+    let mut r = req("a green triangle", 5, 4);
+    r.edit = Some(EditSpec {
+        template: template.shallow_clone(),
+        token_mask,
+        strength: 1.0,
+        template_seed: None,
+    });
+    let mut st = DenoiseState::new(&p, &r).unwrap();
+    while !st.is_done() {
+        st.step(&p).unwrap();
+    }
+    let opts = GenerateOptions {
+        height: 64,
+        width: 64,
+        steps: 4,
+        ..Default::default()
+    };
+    let requests = [GenerationRequest {
+        prompt: "a green triangle".into(),
+        seed: 5,
+    }];
+    let reference = inpaint(
+        &p,
+        &InpaintInputs {
+            requests: &requests,
+            templates: &template,
+            masks: &mask,
+            strength: 1.0,
+        },
+        &opts,
+        None,
+    )
+    .unwrap();
+    let diff = st
+        .latents()
+        .f_sub(&reference.latents)
+        .unwrap()
+        .abs()
+        .max()
+        .double_value(&[]);
+    assert!(diff < 1e-5, "max diff {diff}");
+}
+
+#[test]
+fn bad_edit_inputs_name_the_field() {
+    let (m, s) = model();
+    let p = pipe(&m, &s);
+    let mut r = req("x", 1, 2);
+    r.edit = Some(EditSpec {
+        template: Tensor::zeros([1, 3, 32, 32], (Kind::Float, Device::Cpu)),
+        token_mask: Tensor::zeros([256], (Kind::Bool, Device::Cpu)),
+        strength: 1.0,
+        template_seed: None,
+    });
+    let err = DenoiseState::new(&p, &r).err().unwrap().to_string();
+    assert!(err.contains("template"), "{err}");
+    r.edit = Some(EditSpec {
+        template: Tensor::zeros([1, 3, 64, 64], (Kind::Float, Device::Cpu)),
+        token_mask: Tensor::zeros([10], (Kind::Bool, Device::Cpu)),
+        strength: 1.0,
+        template_seed: None,
+    });
+    let err = DenoiseState::new(&p, &r).err().unwrap().to_string();
+    assert!(err.contains("token_mask"), "{err}");
+}
+
+#[test]
+fn cached_preparation_steps_exactly_like_fresh_preparation() {
+    let (m, s) = model();
+    let p = pipe(&m, &s);
+    let template = Tensor::rand([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
+    let edit = |prompt: &str, seed: u64, every: i64| {
+        let mut r = req(prompt, seed, 3);
+        r.edit = Some(EditSpec {
+            template: template.shallow_clone(),
+            token_mask: Tensor::arange(256, (Kind::Int64, Device::Cpu))
+                .remainder(every)
+                .eq(0),
+            strength: 1.0,
+            template_seed: Some(9),
+        });
+        r
+    };
+    let run = |mut st: DenoiseState| {
+        while !st.is_done() {
+            st.step(&p).unwrap();
+        }
+        st.latents().shallow_clone()
+    };
+    let mut cache = ConditioningCache::new(1 << 20);
+    let requests = [
+        edit("a red circle", 1, 3),
+        edit("a red circle", 2, 5),
+        edit("a blue square", 3, 2),
+        edit("a red circle", 4, 7),
+    ];
+    for r in &requests {
+        let fresh = run(DenoiseState::new(&p, r).unwrap());
+        let cached = run(DenoiseState::new_cached(&p, r, &mut cache, Some("tpl-a")).unwrap());
+        assert!(fresh.equal(&cached), "seed {}", r.seed);
+    }
+    let c = cache.counts();
+    assert_eq!((c.prompts.hits, c.prompts.misses), (2, 2));
+    assert_eq!((c.template_latents.hits, c.template_latents.misses), (3, 1));
+    assert_eq!((c.template_noise.hits, c.template_noise.misses), (3, 1));
+    // A template without a key is never shared; a budget of 0 keeps nothing.
+    let mut none = ConditioningCache::new(0);
+    for r in &requests[..2] {
+        let fresh = run(DenoiseState::new(&p, r).unwrap());
+        let cached = run(DenoiseState::new_cached(&p, r, &mut none, None).unwrap());
+        assert!(fresh.equal(&cached));
+    }
+    let c = none.counts();
+    assert_eq!(
+        (
+            c.prompts.hits,
+            c.template_latents.hits,
+            c.template_latents.misses
+        ),
+        (0, 0, 0)
+    );
+    assert_eq!(c.prompts.bytes + c.template_noise.bytes, 0);
+}
+
+fn guided(prompt: &str, seed: u64, steps: usize, negative: &str, scale: f64) -> StepRequest {
+    let mut r = req(prompt, seed, steps);
+    r.true_cfg = Some(TrueCfg {
+        negative_prompt: negative.into(),
+        scale,
+    });
+    r
+}
+
+fn run_alone(p: &FluxPipeline<'_>, r: &StepRequest) -> Tensor {
+    let mut st = DenoiseState::new(p, r).unwrap();
+    while !st.is_done() {
+        st.step(p).unwrap();
+    }
+    st.latents().shallow_clone()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    a.f_sub(b).unwrap().abs().max().double_value(&[])
+}
+
+#[test]
+fn guided_stepping_alone_matches_text_to_image_with_true_cfg() {
+    let (m, s) = model();
+    let p = pipe(&m, &s);
+    let stepped = run_alone(&p, &guided("a red circle", 3, 4, "", 4.0));
+    let opts = GenerateOptions {
+        height: 64,
+        width: 64,
+        steps: 4,
+        true_cfg_scale: 4.0,
+        negative_prompt: Some(String::new()),
+        ..Default::default()
+    };
+    let requests = [GenerationRequest {
+        prompt: "a red circle".into(),
+        seed: 3,
+    }];
+    let reference = text_to_image(&p, &requests, &opts, None).unwrap();
+    let diff = max_diff(&stepped, &reference.latents);
+    assert!(diff < 1e-5, "max diff {diff}");
+    // Guidance changes the result, and the scale matters.
+    let plain = run_alone(&p, &req("a red circle", 3, 4));
+    assert!(max_diff(&stepped, &plain) > 1e-3);
+    let weaker = run_alone(&p, &guided("a red circle", 3, 4, "", 2.0));
+    assert!(max_diff(&stepped, &weaker) > 1e-3);
+}
+
+#[test]
+fn guided_and_plain_states_at_different_steps_batch_like_alone() {
+    let (m, s) = model();
+    let p = pipe(&m, &s);
+    let requests = [
+        guided("a red circle", 1, 4, "", 3.0),
+        req("a blue square", 2, 6),
+        guided("x", 3, 5, "a blue square", 5.0),
+    ];
+    let alone: Vec<Tensor> = requests.iter().map(|r| run_alone(&p, r)).collect();
+    let mut states: Vec<DenoiseState> = requests
+        .iter()
+        .map(|r| DenoiseState::new(&p, r).unwrap())
+        .collect();
+    assert_eq!(
+        states.iter().map(DenoiseState::rows).collect::<Vec<_>>(),
+        [2, 1, 2]
+    );
+    states[1].step(&p).unwrap(); // the plain one is a step ahead
+    while states.iter().any(|s| !s.is_done()) {
+        let mut refs: Vec<&mut DenoiseState> = states.iter_mut().collect();
+        step_batch(&p, &mut refs).unwrap();
+    }
+    for (i, (s, a)) in states.iter().zip(&alone).enumerate() {
+        let diff = max_diff(s.latents(), a);
+        assert!(diff < 1e-4, "request {i}: max diff {diff}");
+    }
+}
+
+#[test]
+fn true_cfg_errors_name_the_field() {
+    let (m, s) = model();
+    let p = pipe(&m, &s);
+    for scale in [1.0, 0.5, f64::NAN] {
+        let err = DenoiseState::new(&p, &guided("x", 1, 2, "", scale))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("true_cfg.scale"), "{err}");
+    }
+    let mut steered = guided("x", 1, 2, "", 3.0);
+    steered.control = Some(ControlInput {
+        image: Tensor::zeros([1, 3, 64, 64], (Kind::Float, Device::Cpu)),
+        scale: 1.0,
+    });
+    let err = DenoiseState::new(&p, &steered).err().unwrap().to_string();
+    assert!(err.contains("true_cfg"), "{err}");
+}
