@@ -21,6 +21,8 @@ pub struct Limits {
 pub struct Defaults {
     pub steps: u32,
     pub guidance: f32,
+    /// `true_cfg_scale` (1: off).
+    pub true_cfg: f32,
     pub width: u32,
     pub height: u32,
 }
@@ -63,7 +65,8 @@ pub struct RawParams {
     /// 0 to `--max-guidance` (default `--default-guidance`).
     #[schema(minimum = 0.0)]
     pub guidance_scale: Option<f64>,
-    /// True classifier-free guidance, 1 to `--max-guidance` (default 1: off). Above 1 every
+    /// True classifier-free guidance, 1 (off) to `--max-guidance` (default
+    /// `--default-true-cfg-scale`). Above 1 every
     /// step runs with the prompt and with `negative_prompt` and steers away from the latter;
     /// it costs a second batch row per image. The shipped tiny model was trained for it (4 is a
     /// good value); guidance-distilled models use `guidance_scale` instead.
@@ -191,7 +194,11 @@ fn validate_common(
             ),
         ));
     }
-    let true_cfg = validate_true_cfg(raw.true_cfg_scale, raw.negative_prompt, limits)?;
+    let true_cfg = validate_true_cfg(
+        raw.true_cfg_scale.or(Some(f64::from(defaults.true_cfg))),
+        raw.negative_prompt,
+        limits,
+    )?;
     let response_format = match raw.response_format.as_deref().unwrap_or("b64_json") {
         "b64_json" => ResponseFormat::B64Json,
         "png" => ResponseFormat::Png,
@@ -353,6 +360,7 @@ mod tests {
         Defaults {
             steps: 20,
             guidance: 3.5,
+            true_cfg: 1.0,
             width: 64,
             height: 64,
         }
@@ -428,6 +436,25 @@ mod tests {
             .true_cfg
             .unwrap();
         assert_eq!(neg.negative_prompt, "blurry");
+        // A gateway whose default is on guides requests that give no scale; 1 turns it off.
+        let on_by_default = Defaults {
+            true_cfg: 4.0,
+            ..d.clone()
+        };
+        let with = |scale: Option<f64>, negative: Option<&str>| {
+            let raw = RawParams {
+                true_cfg_scale: scale,
+                negative_prompt: negative.map(str::to_string),
+                ..raw("x")
+            };
+            validate_generation(raw, &l, &on_by_default)
+                .unwrap()
+                .params
+                .true_cfg
+        };
+        assert_eq!(with(None, Some("blurry")).unwrap().scale, 4.0);
+        assert_eq!(with(None, None).unwrap().negative_prompt, "");
+        assert_eq!(with(Some(1.0), None), None);
         for (scale, negative, field) in [
             (Some(0.5), None, "true_cfg_scale"),
             (Some(31.0), None, "true_cfg_scale"),

@@ -159,6 +159,7 @@ mod tests {
         Defaults {
             steps: 20,
             guidance: 3.5,
+            true_cfg: 1.0,
             width: 64,
             height: 64,
         }
