@@ -1,6 +1,6 @@
 //! Mask-aware edits through the step-level API: template capture, cached steps, packing of
 //! requests at different steps (random tiny model, fp32 CPU).
-use diffmesh_model::flux::KvFormat;
+use diffmesh_model::flux::{KvCache, KvFormat};
 use diffmesh_model::pipeline::stepper::{
     step_batch_modes, DenoiseState, EditSpec, StepMode, StepRequest, TrueCfg,
 };
@@ -11,6 +11,7 @@ use diffmesh_model::scheduler::{
 };
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::tiny::model::{scheduler_config_json, TinyModel};
+use std::cell::Cell;
 use std::sync::{Mutex, MutexGuard};
 
 const SIZE: i64 = 64;
@@ -110,14 +111,36 @@ fn max_err(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
 
+/// A cache that holds the engine's streamed caches to the `KvCache` contract: each block is
+/// handed out once, in order.
+struct OnceInOrder<'c> {
+    inner: &'c dyn KvCache,
+    next: Cell<usize>,
+}
+
+impl KvCache for OnceInOrder<'_> {
+    fn block_kv(&self, block: usize) -> diffmesh_model::Result<(Tensor, Tensor)> {
+        assert_eq!(block, self.next.get(), "blocks read once, in order");
+        self.next.set(block + 1);
+        self.inner.block_kv(block)
+    }
+
+    fn format(&self) -> KvFormat {
+        self.inner.format()
+    }
+}
+
 /// Step every state to the end, each with the cache of its own current step.
 fn run_cached(f: &Fixture, kv: &TemplateKv, states: &mut [&mut DenoiseState], prefix: usize) {
     while states.iter().any(|s| !s.is_done()) {
-        let steps: Vec<usize> = states.iter().map(|s| s.step_index()).collect();
-        let modes: Vec<StepMode> = steps
+        let caches: Vec<OnceInOrder> = states
             .iter()
-            .map(|&i| StepMode::Cached(kv.step(i.min(kv.steps.len() - 1)).unwrap()))
+            .map(|s| OnceInOrder {
+                inner: kv.step(s.step_index().min(kv.steps.len() - 1)).unwrap(),
+                next: Cell::new(prefix),
+            })
             .collect();
+        let modes: Vec<StepMode> = caches.iter().map(|c| StepMode::Cached(c)).collect();
         step_batch_modes(&f.pipe(), states, &modes, prefix).unwrap();
     }
 }

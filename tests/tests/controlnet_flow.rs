@@ -88,7 +88,7 @@ async fn a_controlnet_steers_generations_through_the_mesh() {
     };
     assert_eq!((lookups("loaded"), lookups("hit")), (1.0, 39.0));
 
-    // Refused at the edge, naming the field; a ControlNet no denoiser holds fails the job.
+    // Refused at the edge, naming the field: a bad scale, and a ControlNet no live denoiser offers.
     let mut bad = steered.clone();
     bad["controlnet"]["scale"] = json!(5);
     let (s, body, _) = generate(&http, &url, &bad).await;
@@ -100,10 +100,14 @@ async fn a_controlnet_steers_generations_through_the_mesh() {
     let mut unknown = steered.clone();
     unknown["controlnet"]["name"] = json!("canny");
     let (s, body, _) = generate(&http, &url, &unknown).await;
-    assert_ne!(s, 200, "{body}");
+    assert_eq!(
+        (s, body["error"]["field"].as_str()),
+        (400, Some("controlnet.name")),
+        "{body}"
+    );
     let message = body["error"]["message"].as_str().unwrap_or_default();
     assert!(
-        message.contains("controlnet.name") && message.contains("canny"),
+        message.contains("canny") && message.contains("silhouette"),
         "{body}"
     );
 }
@@ -146,8 +150,21 @@ async fn a_controlnet_worker_steers_a_denoiser_without_controlnets() {
     })
     .await
     .expect("the denoiser never listed the worker's ControlNet");
-
+    // The gateway refuses a ControlNet no denoiser offers: wait until it has heard the same.
     let http = reqwest::Client::new();
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let resp = http.get(mesh.url("/v1/controlnets")).send().await.unwrap();
+            let body: serde_json::Value = resp.json().await.unwrap();
+            if body["data"][0]["id"] == json!("silhouette") {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("the gateway never listed the worker's ControlNet");
+
     let url = mesh.url("/v1/images/generations");
     let image = base64::engine::general_purpose::STANDARD.encode(silhouette_png());
     let steered = json!({

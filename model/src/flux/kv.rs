@@ -107,3 +107,38 @@ impl KvCache for CapturedKv {
         self.format
     }
 }
+
+/// One cache read by several requests of a forward (the two rows of a guided request): the
+/// cache underneath still sees each block once, in order, as [`KvCache`] promises it; the
+/// rows after the first get the block just read.
+pub struct SharedBlockReads<'c> {
+    inner: &'c dyn KvCache,
+    last: std::cell::RefCell<Option<(usize, Tensor, Tensor)>>,
+}
+
+impl<'c> SharedBlockReads<'c> {
+    pub fn new(inner: &'c dyn KvCache) -> Self {
+        Self {
+            inner,
+            last: std::cell::RefCell::new(None),
+        }
+    }
+}
+
+impl KvCache for SharedBlockReads<'_> {
+    fn block_kv(&self, block: usize) -> Result<(Tensor, Tensor)> {
+        let mut last = self.last.borrow_mut();
+        if let Some((b, k, v)) = last.as_ref() {
+            if *b == block {
+                return Ok((k.shallow_clone(), v.shallow_clone()));
+            }
+        }
+        let (k, v) = self.inner.block_kv(block)?;
+        *last = Some((block, k.shallow_clone(), v.shallow_clone()));
+        Ok((k, v))
+    }
+
+    fn format(&self) -> KvFormat {
+        self.inner.format()
+    }
+}

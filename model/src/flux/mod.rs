@@ -24,7 +24,7 @@ use tch::{nn, Device, Kind, Tensor};
 
 pub use config::FluxConfig;
 pub use controlnet::{ControlResiduals, FluxControlNet};
-pub use kv::KvFormat;
+pub use kv::{KvFormat, SharedBlockReads};
 pub use masked::{CapturedKv, FnSink, KvCache, KvSink, MaskedRequest};
 pub use padded_attention::MaskedAttention;
 

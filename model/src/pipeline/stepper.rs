@@ -10,7 +10,7 @@ use super::conditioning_cache::ConditioningCache;
 use super::control::{self, ControlInput, ControlState, ControlStep};
 use super::{FluxPipeline, GenerateOptions, GenerationRequest, Prepared};
 use crate::error::{ModelError, Result};
-use crate::flux::{ControlResiduals, FluxInputs, KvCache, KvSink, MaskedRequest};
+use crate::flux::{ControlResiduals, FluxInputs, KvCache, KvSink, MaskedRequest, SharedBlockReads};
 use crate::packing::pack_latents;
 use crate::scheduler::scale_noise_with_sigmas;
 use tch::{Kind, Tensor};
@@ -548,10 +548,17 @@ pub fn step_batch_controlled(
                 .iter()
                 .flat_map(|&(i, _)| states[i].branches().iter().map(move |&b| (i, b)))
                 .collect();
+            // A guided state's two rows read one cache, which hands out each block once.
+            let shared: Vec<SharedBlockReads> = cached
+                .iter()
+                .map(|&(_, cache)| SharedBlockReads::new(cache))
+                .collect();
             let requests: Vec<MaskedRequest> = cached
                 .iter()
-                .flat_map(|&(i, cache)| {
+                .zip(&shared)
+                .flat_map(|(&(i, cache), shared)| {
                     let s = &*states[i];
+                    let cache: &dyn KvCache = if s.rows() > 1 { shared } else { cache };
                     s.branches()
                         .iter()
                         .map(move |&b| s.masked_request(cache, full_prefix > 0, b))
@@ -561,6 +568,7 @@ pub fn step_batch_controlled(
                 .transformer
                 .forward_masked_prefix(&requests, full_prefix)?;
             drop(requests);
+            drop(shared);
             for (&(i, b), v) in rows.iter().zip(outputs) {
                 velocities[i][b as usize] = Some(v);
             }

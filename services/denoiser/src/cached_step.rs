@@ -68,7 +68,7 @@ impl Default for CacheSettings {
 /// What one step did (for metrics and tests).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepReport {
-    /// States stepped in mask-aware mode.
+    /// Batch rows stepped in mask-aware mode (two per guided state).
     pub cached: usize,
     /// Leading blocks computed over all tokens.
     pub prefix: usize,
@@ -208,7 +208,7 @@ impl CachedStepper {
             e.measured = true;
         }
         Ok(StepReport {
-            cached: cached.len(),
+            cached: cached.iter().map(|(i, _)| states[*i].rows()).sum(),
             prefix,
             load_wait_s,
         })

@@ -8,7 +8,7 @@ use diffmesh_denoiser::model::{EditInputs, EngineModel};
 use diffmesh_denoiser::templates::TemplateEntry;
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
-use diffmesh_shared::messages::{DenoiseJob, JobKind, TemplateRef};
+use diffmesh_shared::messages::{DenoiseJob, JobKind, TemplateRef, TrueCfg};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -84,7 +84,19 @@ fn ready(entry: &Arc<TemplateEntry>) -> TemplateSlot {
 }
 
 async fn submit_edit(h: &Harness, id: &str, seed: u64, m: Vec<u8>, slot: TemplateSlot) {
+    submit_edit_with(h, id, seed, m, slot, None).await
+}
+
+async fn submit_edit_with(
+    h: &Harness,
+    id: &str,
+    seed: u64,
+    m: Vec<u8>,
+    slot: TemplateSlot,
+    true_cfg: Option<TrueCfg>,
+) {
     let mut j = job(id, JobKind::Edit, "a red circle", seed);
+    j.params.true_cfg = true_cfg;
     // What the codec sets: the repainted fraction of the token grid.
     j.inputs.mask_ratio = m.iter().filter(|&&t| t != 0).count() as f32 / m.len() as f32;
     let mut ej = EngineJob::new(
@@ -207,6 +219,48 @@ async fn edits_at_different_steps_each_read_their_own_steps_cache() {
     );
     assert!(
         samples.iter().any(|s| s.row_ratios.len() == 2),
+        "{samples:?}"
+    );
+}
+
+/// A guided edit's two rows read one streamed cache (each block handed out once): it runs
+/// mask-aware, steers the masked region, and batched with a plain edit ends as it ends alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guided_edit_reads_its_streamed_cache_in_both_rows() {
+    let mut h = harness();
+    let entry = capture(&mut h).await;
+    let (ma, mb) = (mask(0, 0, 6, 6), mask(8, 4, 5, 10));
+    let cfg = || {
+        Some(TrueCfg {
+            scale: 4.0,
+            negative_prompt: String::new(),
+        })
+    };
+    let (mut images, mut log) = (HashMap::new(), Vec::new());
+    submit_edit_with(&h, "g-alone", 1, ma.clone(), ready(&entry), cfg()).await;
+    submit_edit(&h, "plain", 1, ma.clone(), ready(&entry)).await;
+    events_until(&mut h, &mut images, &mut log, |l| {
+        has(l, "finished g-alone") && has(l, "finished plain")
+    })
+    .await;
+    assert!(max_abs_diff(&images["g-alone"], &images["plain"]) > 10);
+    submit_edit_with(&h, "g", 1, ma, ready(&entry), cfg()).await;
+    submit_edit(&h, "other", 2, mb, ready(&entry)).await;
+    events_until(&mut h, &mut images, &mut log, |l| {
+        has(l, "finished g") && has(l, "finished other")
+    })
+    .await;
+    assert!(max_abs_diff(&images["g"], &images["g-alone"]) <= 1);
+    // Every guided step ran two mask-aware rows (ratio 36/256), none in full compute.
+    let samples = h.engine.take_step_samples();
+    assert!(
+        samples
+            .iter()
+            .all(|s| s.row_ratios.iter().all(|&r| r < 1.0)),
+        "{samples:?}"
+    );
+    assert!(
+        samples.iter().any(|s| s.row_ratios.len() == 3),
         "{samples:?}"
     );
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use actix_web::http::Method;
 use actix_web::{web, HttpRequest, HttpResponse, Route};
 use diffmesh_shared::controlnet_service::{ControlNetHeartbeat, HEARTBEAT as WORKER_HEARTBEAT};
-use diffmesh_shared::messages::{decode, Heartbeat};
+use diffmesh_shared::messages::{decode, FieldError, Heartbeat};
 use diffmesh_shared::subjects::DENOISER_HEARTBEAT;
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
@@ -63,7 +63,8 @@ pub struct ControlNetList {
 
 #[derive(Default)]
 struct Seen {
-    /// Denoiser id -> (ControlNets it steers with, when heard).
+    /// Denoiser id -> (ControlNets it steers with, when heard). A draining denoiser is not
+    /// here: it takes no new jobs, so it steers nothing from now on.
     denoisers: HashMap<String, (Vec<String>, Instant)>,
     workers: HashMap<String, (ControlNetHeartbeat, Instant)>,
 }
@@ -76,13 +77,34 @@ impl Seen {
     }
 
     fn denoiser(&mut self, hb: Heartbeat) {
-        // A draining denoiser takes no new jobs: it steers nothing from now on.
-        let nets = if hb.draining {
-            Vec::new()
+        if hb.draining {
+            self.denoisers.remove(&hb.worker_id);
         } else {
-            hb.controlnets
-        };
-        self.denoisers.insert(hb.worker_id, (nets, Instant::now()));
+            self.denoisers
+                .insert(hb.worker_id, (hb.controlnets, Instant::now()));
+        }
+    }
+
+    /// Whether a generation may name `name`: refused when denoisers that take jobs were heard
+    /// and none steers with it; let through while none was heard (this gateway just started,
+    /// or none is up: placement answers for the job then).
+    fn check_offered(&self, name: &str) -> Result<(), FieldError> {
+        if self.denoisers.is_empty()
+            || self
+                .denoisers
+                .values()
+                .any(|(nets, _)| nets.iter().any(|n| n == name))
+        {
+            return Ok(());
+        }
+        let offered: Vec<String> = self.views().into_iter().map(|v| v.id).collect();
+        Err(FieldError::invalid(
+            "controlnet.name",
+            format!(
+                "no denoiser steers with {name:?}; offered now: [{}] (GET /v1/controlnets)",
+                offered.join(", ")
+            ),
+        ))
     }
 
     fn worker(&mut self, hb: ControlNetHeartbeat) {
@@ -174,6 +196,14 @@ impl ControlNetDirectory {
         let mut seen = lock(&self.seen);
         seen.expire();
         seen.views()
+    }
+
+    /// A steered generation's ControlNet, checked against what live denoisers offer (400
+    /// naming `controlnet.name` when none does).
+    pub fn check_offered(&self, name: &str) -> Result<(), FieldError> {
+        let mut seen = lock(&self.seen);
+        seen.expire();
+        seen.check_offered(name)
     }
 }
 
@@ -269,6 +299,27 @@ mod tests {
                     resident: false
                 },
             ]
+        );
+    }
+
+    #[test]
+    fn a_name_no_live_denoiser_offers_is_refused_once_denoisers_are_heard() {
+        let mut seen = Seen::default();
+        // Nothing heard yet (just started): let through, placement answers for it.
+        assert!(seen.check_offered("canny").is_ok());
+        seen.denoiser(denoiser("d1", &["silhouette"], false));
+        seen.denoiser(denoiser("d2", &["edges"], false));
+        assert!(seen.check_offered("silhouette").is_ok());
+        let e = seen.check_offered("canny").unwrap_err();
+        assert_eq!(e.field, "controlnet.name");
+        assert!(e.message.contains("\"canny\"") && e.message.contains("[edges, silhouette]"));
+        // A draining denoiser no longer offers its ControlNets.
+        seen.denoiser(denoiser("d2", &["edges"], true));
+        assert!(seen.check_offered("edges").is_err());
+        seen.denoiser(denoiser("d1", &["silhouette"], true));
+        assert!(
+            seen.check_offered("edges").is_ok(),
+            "none heard that takes jobs"
         );
     }
 

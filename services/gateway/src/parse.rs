@@ -45,6 +45,9 @@ pub async fn read_generation(
         .map(|c| crate::controlnet::validate(c, &state.limits))
         .transpose()?;
     let mut valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
+    if let Some(c) = &control {
+        state.controlnets.check_offered(&c.reference.name)?;
+    }
     if control.is_some() && valid.params.true_cfg.is_some() {
         return Err(FieldError::invalid(
             "true_cfg_scale",
