@@ -3,24 +3,21 @@
 //! workers) and of the ControlNet workers (what each serves and has loaded).
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use actix_web::http::Method;
 use actix_web::{web, HttpRequest, HttpResponse, Route};
 use diffmesh_shared::controlnet_service::{ControlNetHeartbeat, HEARTBEAT as WORKER_HEARTBEAT};
 use diffmesh_shared::messages::{decode, FieldError, Heartbeat};
-use diffmesh_shared::subjects::DENOISER_HEARTBEAT;
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
+use crate::denoiser_heartbeats::{DenoiserHeartbeats, STALE_AFTER};
 use crate::error::ErrorBody;
 use crate::routes::{finish, ApiState};
-
-/// A sender unheard of this long is gone (heartbeats come every second).
-const STALE_AFTER: Duration = Duration::from_secs(5);
 
 /// The routes, for `routes::routes()`.
 pub fn routes() -> Vec<(Method, &'static str, Route)> {
@@ -61,62 +58,39 @@ pub struct ControlNetList {
     pub data: Vec<ControlNetView>,
 }
 
-#[derive(Default)]
-struct Seen {
-    /// Denoiser id -> (ControlNets it steers with, when heard). A draining denoiser is not
-    /// here: it takes no new jobs, so it steers nothing from now on.
-    denoisers: HashMap<String, (Vec<String>, Instant)>,
-    workers: HashMap<String, (ControlNetHeartbeat, Instant)>,
+/// A denoiser that takes jobs, and the ControlNets it steers with (a draining denoiser takes no
+/// new jobs, so it steers nothing from now on and is left out).
+struct Steering<'a> {
+    id: &'a str,
+    nets: &'a [String],
 }
 
-impl Seen {
+fn steering(hbs: &mut dyn Iterator<Item = &Heartbeat>) -> Vec<(String, Vec<String>)> {
+    hbs.filter(|hb| !hb.draining)
+        .map(|hb| (hb.worker_id.clone(), hb.controlnets.clone()))
+        .collect()
+}
+
+/// The ControlNet workers' last heartbeats.
+#[derive(Default)]
+struct Workers {
+    seen: HashMap<String, (ControlNetHeartbeat, Instant)>,
+}
+
+impl Workers {
     fn expire(&mut self) {
-        self.denoisers
-            .retain(|_, (_, at)| at.elapsed() < STALE_AFTER);
-        self.workers.retain(|_, (_, at)| at.elapsed() < STALE_AFTER);
+        self.seen.retain(|_, (_, at)| at.elapsed() < STALE_AFTER);
     }
 
-    fn denoiser(&mut self, hb: Heartbeat) {
-        if hb.draining {
-            self.denoisers.remove(&hb.worker_id);
-        } else {
-            self.denoisers
-                .insert(hb.worker_id, (hb.controlnets, Instant::now()));
-        }
+    fn record(&mut self, hb: ControlNetHeartbeat) {
+        self.seen.insert(hb.worker_id.clone(), (hb, Instant::now()));
     }
 
-    /// Whether a generation may name `name`: refused when denoisers that take jobs were heard
-    /// and none steers with it; let through while none was heard (this gateway just started,
-    /// or none is up: placement answers for the job then).
-    fn check_offered(&self, name: &str) -> Result<(), FieldError> {
-        if self.denoisers.is_empty()
-            || self
-                .denoisers
-                .values()
-                .any(|(nets, _)| nets.iter().any(|n| n == name))
-        {
-            return Ok(());
-        }
-        let offered: Vec<String> = self.views().into_iter().map(|v| v.id).collect();
-        Err(FieldError::invalid(
-            "controlnet.name",
-            format!(
-                "no denoiser steers with {name:?}; offered now: [{}] (GET /v1/controlnets)",
-                offered.join(", ")
-            ),
-        ))
-    }
-
-    fn worker(&mut self, hb: ControlNetHeartbeat) {
-        self.workers
-            .insert(hb.worker_id.clone(), (hb, Instant::now()));
-    }
-
-    /// Every ControlNet some live denoiser steers with, with who serves it.
-    fn views(&self) -> Vec<ControlNetView> {
+    /// Every ControlNet some denoiser steers with, with who serves it.
+    fn views(&self, denoisers: &[Steering<'_>]) -> Vec<ControlNetView> {
         let mut by_name: BTreeMap<&str, ControlNetView> = BTreeMap::new();
-        for (id, (nets, _)) in &self.denoisers {
-            for name in nets {
+        for d in denoisers {
+            for name in d.nets {
                 by_name
                     .entry(name)
                     .or_insert_with(|| ControlNetView {
@@ -126,10 +100,10 @@ impl Seen {
                         workers: Vec::new(),
                     })
                     .denoisers
-                    .push(id.clone());
+                    .push(d.id.to_string());
             }
         }
-        for (id, (hb, _)) in self.workers.iter().filter(|(_, (hb, _))| !hb.draining) {
+        for (id, (hb, _)) in self.seen.iter().filter(|(_, (hb, _))| !hb.draining) {
             for name in &hb.served {
                 if let Some(view) = by_name.get_mut(name.as_str()) {
                     view.workers.push(ControlNetWorkerView {
@@ -148,9 +122,40 @@ impl Seen {
     }
 }
 
-/// The table, kept from heartbeats in the background while this lives.
+/// Whether a generation may name `name`: refused when denoisers that take jobs were heard and
+/// none steers with it; let through while none was heard (this gateway just started, or none
+/// is up: placement answers for the job then).
+fn check_offered(denoisers: &[Steering<'_>], name: &str) -> Result<(), FieldError> {
+    if denoisers.is_empty() || denoisers.iter().any(|d| d.nets.iter().any(|n| n == name)) {
+        return Ok(());
+    }
+    let mut offered: Vec<&str> = denoisers
+        .iter()
+        .flat_map(|d| d.nets.iter().map(String::as_str))
+        .collect();
+    offered.sort_unstable();
+    offered.dedup();
+    Err(FieldError::invalid(
+        "controlnet.name",
+        format!(
+            "no denoiser steers with {name:?}; offered now: [{}] (GET /v1/controlnets)",
+            offered.join(", ")
+        ),
+    ))
+}
+
+fn borrowed(denoisers: &[(String, Vec<String>)]) -> Vec<Steering<'_>> {
+    denoisers
+        .iter()
+        .map(|(id, nets)| Steering { id, nets })
+        .collect()
+}
+
+/// The directory: the denoisers' heartbeats (shared with the rest of the gateway) and the
+/// ControlNet workers' (kept here, in the background, while this lives).
 pub struct ControlNetDirectory {
-    seen: Arc<Mutex<Seen>>,
+    denoisers: DenoiserHeartbeats,
+    workers: Arc<Mutex<Workers>>,
     stop: CancellationToken,
 }
 
@@ -161,54 +166,51 @@ impl Drop for ControlNetDirectory {
 }
 
 impl ControlNetDirectory {
-    /// Subscribe to both heartbeats (before returning, so none sent afterwards is missed).
-    pub async fn watch(client: &async_nats::Client) -> Result<Self, MeshError> {
-        let mut denoisers = client.subscribe(DENOISER_HEARTBEAT).await?;
-        let mut workers = client.subscribe(WORKER_HEARTBEAT).await?;
-        let seen = Arc::new(Mutex::new(Seen::default()));
+    /// Subscribe to the workers' heartbeats (before returning, so none sent afterwards is
+    /// missed).
+    pub async fn watch(
+        client: &async_nats::Client,
+        denoisers: DenoiserHeartbeats,
+    ) -> Result<Self, MeshError> {
+        let mut sub = client.subscribe(WORKER_HEARTBEAT).await?;
+        let workers = Arc::new(Mutex::new(Workers::default()));
         let stop = CancellationToken::new();
-        let (table, token) = (seen.clone(), stop.clone());
+        let (table, token) = (workers.clone(), stop.clone());
         tokio::spawn(async move {
             loop {
-                tokio::select! {
+                let msg = tokio::select! {
                     _ = token.cancelled() => return,
-                    msg = denoisers.next() => {
-                        let Some(msg) = msg else { return };
-                        match decode::<Heartbeat>(&msg.payload) {
-                            Ok(hb) => lock(&table).denoiser(hb),
-                            Err(err) => tracing::debug!(error = %err, "undecodable heartbeat"),
-                        }
-                    }
-                    msg = workers.next() => {
-                        let Some(msg) = msg else { return };
-                        match decode::<ControlNetHeartbeat>(&msg.payload) {
-                            Ok(hb) => lock(&table).worker(hb),
-                            Err(err) => tracing::debug!(error = %err, "undecodable heartbeat"),
-                        }
-                    }
+                    msg = sub.next() => match msg { Some(m) => m, None => return },
+                };
+                match decode::<ControlNetHeartbeat>(&msg.payload) {
+                    Ok(hb) => lock(&table).record(hb),
+                    Err(err) => tracing::debug!(error = %err, "undecodable heartbeat"),
                 }
             }
         });
-        Ok(Self { seen, stop })
+        Ok(Self {
+            denoisers,
+            workers,
+            stop,
+        })
     }
 
     pub fn list(&self) -> Vec<ControlNetView> {
-        let mut seen = lock(&self.seen);
-        seen.expire();
-        seen.views()
+        let denoisers = self.denoisers.read(steering);
+        let mut workers = lock(&self.workers);
+        workers.expire();
+        workers.views(&borrowed(&denoisers))
     }
 
     /// A steered generation's ControlNet, checked against what live denoisers offer (400
     /// naming `controlnet.name` when none does).
     pub fn check_offered(&self, name: &str) -> Result<(), FieldError> {
-        let mut seen = lock(&self.seen);
-        seen.expire();
-        seen.check_offered(name)
+        check_offered(&borrowed(&self.denoisers.read(steering)), name)
     }
 }
 
-fn lock(seen: &Mutex<Seen>) -> std::sync::MutexGuard<'_, Seen> {
-    seen.lock().unwrap_or_else(|p| p.into_inner())
+fn lock(workers: &Mutex<Workers>) -> std::sync::MutexGuard<'_, Workers> {
+    workers.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[utoipa::path(
@@ -238,22 +240,7 @@ pub async fn list_controlnets(req: HttpRequest, state: web::Data<ApiState>) -> H
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn denoiser(id: &str, nets: &[&str], draining: bool) -> Heartbeat {
-        Heartbeat {
-            worker_id: id.into(),
-            running: Vec::new(),
-            queued: 0,
-            max_batch: 4,
-            model: "tiny".into(),
-            draining,
-            queue_capacity: 16,
-            cached_templates: Vec::new(),
-            cached_loras: Vec::new(),
-            controlnets: nets.iter().map(|s| s.to_string()).collect(),
-            recent_steps: Vec::new(),
-        }
-    }
+    use crate::denoiser_heartbeats::heartbeat;
 
     fn worker(id: &str, served: &[&str], resident: &[&str], draining: bool) -> ControlNetHeartbeat {
         ControlNetHeartbeat {
@@ -266,21 +253,34 @@ mod tests {
         }
     }
 
+    /// The denoisers as the directory reads them from the shared table.
+    fn denoisers(hbs: &[Heartbeat]) -> Vec<(String, Vec<String>)> {
+        let table = DenoiserHeartbeats::empty();
+        for hb in hbs {
+            table.record(hb.clone(), Instant::now());
+        }
+        let mut seen = table.read(steering);
+        seen.sort();
+        seen
+    }
+
     #[test]
     fn lists_what_live_denoisers_steer_with_and_the_workers_serving_it() {
-        let mut seen = Seen::default();
-        seen.denoiser(denoiser("d2", &["silhouette"], false));
-        seen.denoiser(denoiser("d1", &["silhouette", "edges"], false));
-        seen.denoiser(denoiser("d3", &["depth"], true)); // draining: steers nothing new
-        seen.worker(worker("w2", &["silhouette"], &[], false));
-        seen.worker(worker(
+        let steering = denoisers(&[
+            heartbeat("d2", &["silhouette"], &[], false),
+            heartbeat("d1", &["silhouette", "edges"], &[], false),
+            heartbeat("d3", &["depth"], &[], true), // draining: steers nothing new
+        ]);
+        let mut workers = Workers::default();
+        workers.record(worker("w2", &["silhouette"], &[], false));
+        workers.record(worker(
             "w1",
             &["silhouette", "pose"],
             &["silhouette"],
             false,
         ));
-        seen.worker(worker("w3", &["edges"], &["edges"], true)); // draining
-        let views = seen.views();
+        workers.record(worker("w3", &["edges"], &["edges"], true)); // draining
+        let views = workers.views(&borrowed(&steering));
         let names: Vec<&str> = views.iter().map(|v| v.id.as_str()).collect();
         // "pose": a worker has it but no denoiser offers it, so no request may name it.
         assert_eq!(names, ["edges", "silhouette"]);
@@ -304,31 +304,38 @@ mod tests {
 
     #[test]
     fn a_name_no_live_denoiser_offers_is_refused_once_denoisers_are_heard() {
-        let mut seen = Seen::default();
+        let check = |hbs: &[Heartbeat], name: &str| check_offered(&borrowed(&denoisers(hbs)), name);
         // Nothing heard yet (just started): let through, placement answers for it.
-        assert!(seen.check_offered("canny").is_ok());
-        seen.denoiser(denoiser("d1", &["silhouette"], false));
-        seen.denoiser(denoiser("d2", &["edges"], false));
-        assert!(seen.check_offered("silhouette").is_ok());
-        let e = seen.check_offered("canny").unwrap_err();
+        assert!(check(&[], "canny").is_ok());
+        let live = [
+            heartbeat("d1", &["silhouette"], &[], false),
+            heartbeat("d2", &["edges", "silhouette"], &[], false),
+        ];
+        assert!(check(&live, "silhouette").is_ok());
+        let e = check(&live, "canny").unwrap_err();
         assert_eq!(e.field, "controlnet.name");
-        assert!(e.message.contains("\"canny\"") && e.message.contains("[edges, silhouette]"));
-        // A draining denoiser no longer offers its ControlNets.
-        seen.denoiser(denoiser("d2", &["edges"], true));
-        assert!(seen.check_offered("edges").is_err());
-        seen.denoiser(denoiser("d1", &["silhouette"], true));
         assert!(
-            seen.check_offered("edges").is_ok(),
+            e.message.contains("\"canny\"") && e.message.contains("[edges, silhouette]"),
+            "{}",
+            e.message
+        );
+        // A draining denoiser no longer offers its ControlNets.
+        let d2_draining = [live[0].clone(), heartbeat("d2", &["edges"], &[], true)];
+        assert!(check(&d2_draining, "edges").is_err());
+        let all_draining = [heartbeat("d2", &["edges"], &[], true)];
+        assert!(
+            check(&all_draining, "edges").is_ok(),
             "none heard that takes jobs"
         );
     }
 
     #[test]
-    fn a_silent_sender_drops_out() {
-        let mut seen = Seen::default();
-        seen.denoiser(denoiser("d1", &["silhouette"], false));
-        seen.denoisers.get_mut("d1").unwrap().1 = Instant::now() - STALE_AFTER;
-        seen.expire();
-        assert!(seen.views().is_empty());
+    fn a_silent_worker_drops_out() {
+        let steering = denoisers(&[heartbeat("d1", &["silhouette"], &[], false)]);
+        let mut workers = Workers::default();
+        workers.record(worker("w1", &["silhouette"], &[], false));
+        workers.seen.get_mut("w1").unwrap().1 = Instant::now() - STALE_AFTER;
+        workers.expire();
+        assert!(workers.views(&borrowed(&steering))[0].workers.is_empty());
     }
 }

@@ -10,6 +10,7 @@
 pub mod auth;
 pub mod controlnet;
 pub mod controlnet_directory;
+pub mod denoiser_heartbeats;
 pub mod disconnect;
 pub mod error;
 pub mod events;
@@ -302,7 +303,12 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
     if config.known_job_records > 0 {
         jobs = jobs.with_known_revisions(config.known_job_records);
     }
-    let templates = templates::Templates::open(&client, jobs.clone(), flow.job_timeout).await?;
+    // One subscription to the denoisers' heartbeats for the template views and the
+    // ControlNet directory.
+    let denoisers = denoiser_heartbeats::DenoiserHeartbeats::watch(&client).await?;
+    let templates =
+        templates::Templates::open(&client, jobs.clone(), flow.job_timeout, denoisers.clone())
+            .await?;
     let loras = loras::store::LoraStore::open(&js).await?;
     let mesh = Mesh {
         blobs: BlobStore::open(&js).await?,
@@ -333,7 +339,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         templates,
         loras,
         max_lora_bytes: config.max_lora_bytes,
-        controlnets: controlnet_directory::ControlNetDirectory::watch(&client).await?,
+        controlnets: controlnet_directory::ControlNetDirectory::watch(&client, denoisers).await?,
     });
     let probe = client.clone();
     let ready: Readiness =

@@ -24,9 +24,10 @@ use diffmesh_shared::MeshError;
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::denoiser_heartbeats::DenoiserHeartbeats;
 use crate::error::{ApiError, ErrorBody};
 use crate::routes::{finish, ApiState};
-use cache_view::{CacheView, LocalTiers};
+use cache_view::CacheView;
 use delete::{Deleter, Outcome};
 use diffmesh_shared::job::{now_ms, JobStore};
 use record::{TemplateRecord, TemplateState, TemplateStore};
@@ -41,17 +42,19 @@ pub struct Templates {
     pub store: TemplateStore,
     pub uses: TemplateUses,
     pub deleter: Deleter,
-    pub local_tiers: LocalTiers,
+    /// The denoisers' heartbeats: which hold a template's cache in their local tier.
+    pub denoisers: DenoiserHeartbeats,
     pub cachestore_timeout: Duration,
 }
 
 impl Templates {
-    /// Open the template buckets and the uses stream and start following denoiser heartbeats.
-    /// `jobs` and `job_timeout` tell a delete which edits may still be running.
+    /// Open the template buckets and the uses stream. `jobs` and `job_timeout` tell a delete
+    /// which edits may still be running.
     pub async fn open(
         client: &async_nats::Client,
         jobs: JobStore,
         job_timeout: Duration,
+        denoisers: DenoiserHeartbeats,
     ) -> Result<Self, MeshError> {
         let js = async_nats::jetstream::new(client.clone());
         let store = TemplateStore::open(&js).await?;
@@ -70,7 +73,7 @@ impl Templates {
             store,
             uses,
             deleter,
-            local_tiers: LocalTiers::watch(client).await?,
+            denoisers,
             cachestore_timeout: CACHESTORE_TIMEOUT,
         })
     }
@@ -336,7 +339,7 @@ pub async fn get_template(
                 Some(cache_view::view_of(
                     record.steps + 1,
                     located,
-                    t.local_tiers.holders(key),
+                    cache_view::holders(&t.denoisers, key),
                 ))
             }
             None => None,

@@ -2,27 +2,21 @@
 //! (`CacheLocate`), which denoisers hold it in their local tier (their heartbeats'
 //! `cached_templates`), and removing it (`CacheDelete` per entry, `EvictTemplate` to denoisers).
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use diffmesh_shared::cachestore::{
     delete_subject, locate_subject, template_keys, CacheDelete, CacheDeleteReply, CacheLocate,
     CacheLocateReply, CacheTier, KeyLocation,
 };
-use diffmesh_shared::messages::{decode, EvictTemplate, Heartbeat};
+use diffmesh_shared::messages::EvictTemplate;
 use diffmesh_shared::nats::{publish_msgpack, request_msgpack};
-use diffmesh_shared::subjects::{DENOISER_HEARTBEAT, TEMPLATES_EVICT};
+use diffmesh_shared::subjects::TEMPLATES_EVICT;
 use diffmesh_shared::MeshError;
-use futures::StreamExt;
 use serde::Serialize;
-use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
+use crate::denoiser_heartbeats::DenoiserHeartbeats;
 use crate::error::ApiError;
-
-/// A denoiser whose last heartbeat is older than this no longer counts as holding anything
-/// (denoisers beat every 500 ms by default; the router expires them sooner).
-const HEARTBEAT_STALE_AFTER: Duration = Duration::from_secs(5);
 
 /// One cachestore entry of a template cache.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -49,62 +43,15 @@ pub struct CacheView {
     pub error: Option<String>,
 }
 
-/// Per denoiser: the cache keys of its last heartbeat and when it came.
-type Seen = Arc<Mutex<HashMap<String, (Vec<String>, Instant)>>>;
-
-/// What the gateway knows of the denoisers' local tiers: the cache keys of each one's last
-/// heartbeat. Kept by a background task until this value is dropped.
-pub struct LocalTiers {
-    seen: Seen,
-    stop: CancellationToken,
-}
-
-impl Drop for LocalTiers {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
-
-impl LocalTiers {
-    /// Subscribe to heartbeats (before returning, so none sent afterwards is missed) and keep
-    /// the table in the background.
-    pub async fn watch(client: &async_nats::Client) -> Result<Self, MeshError> {
-        let mut sub = client.subscribe(DENOISER_HEARTBEAT).await?;
-        let seen: Seen = Arc::default();
-        let stop = CancellationToken::new();
-        let (table, token) = (seen.clone(), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let msg = tokio::select! {
-                    _ = token.cancelled() => return,
-                    msg = sub.next() => match msg { Some(m) => m, None => return },
-                };
-                match decode::<Heartbeat>(&msg.payload) {
-                    Ok(hb) => {
-                        let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
-                        t.retain(|_, (_, at)| at.elapsed() < HEARTBEAT_STALE_AFTER);
-                        t.insert(hb.worker_id, (hb.cached_templates, Instant::now()));
-                    }
-                    Err(err) => tracing::debug!(error = %err, "undecodable heartbeat"),
-                }
-            }
-        });
-        Ok(Self { seen, stop })
-    }
-
-    /// Live denoisers whose local tier holds `cache_key`, sorted.
-    pub fn holders(&self, cache_key: &str) -> Vec<String> {
-        let t = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        let mut workers: Vec<String> = t
-            .iter()
-            .filter(|(_, (keys, at))| {
-                at.elapsed() < HEARTBEAT_STALE_AFTER && keys.iter().any(|k| k == cache_key)
-            })
-            .map(|(w, _)| w.clone())
-            .collect();
-        workers.sort();
-        workers
-    }
+/// Live denoisers whose local tier holds `cache_key` (from their last heartbeats), sorted.
+pub fn holders(denoisers: &DenoiserHeartbeats, cache_key: &str) -> Vec<String> {
+    let mut workers: Vec<String> = denoisers.read(|hbs| {
+        hbs.filter(|hb| hb.cached_templates.iter().any(|k| k == cache_key))
+            .map(|hb| hb.worker_id.clone())
+            .collect()
+    });
+    workers.sort();
+    workers
 }
 
 fn tier_name(t: CacheTier) -> String {
