@@ -67,6 +67,10 @@ pub struct LoadArgs {
     /// Denoising steps per request (the gateway's default when absent).
     #[arg(long)]
     steps: Option<u32>,
+    /// `true_cfg_scale` of every edit (the gateway's `--default-true-cfg-scale` when absent;
+    /// 1 turns true CFG off, so one mesh serves both sides of a comparison).
+    #[arg(long)]
+    true_cfg_scale: Option<f32>,
     #[arg(
         long,
         default_value = "a yellow square on the right on a blue background"
@@ -272,6 +276,7 @@ async fn run(args: LoadArgs) -> anyhow::Result<()> {
             mask,
             prompt: args.prompt.clone(),
             steps: args.steps,
+            true_cfg_scale: args.true_cfg_scale,
             seed: args.seed.wrapping_add(i as u64),
             idempotency_key: (retry.times > 0).then(|| format!("load-{run_nonce:x}-{i}")),
         };
@@ -332,6 +337,7 @@ struct EditForm {
     mask: Vec<u8>,
     prompt: String,
     steps: Option<u32>,
+    true_cfg_scale: Option<f32>,
     seed: u64,
     idempotency_key: Option<String>,
 }
@@ -393,6 +399,9 @@ async fn send(client: &reqwest::Client, url: &str, inputs: &Inputs, f: &EditForm
     };
     if let Some(s) = f.steps {
         form = form.text("num_inference_steps", s.to_string());
+    }
+    if let Some(g) = f.true_cfg_scale {
+        form = form.text("true_cfg_scale", g.to_string());
     }
     let mut request = client.post(url).multipart(form);
     if let Some(key) = &f.idempotency_key {
@@ -469,6 +478,7 @@ async fn calibrate(
                 mask: mask_png(inputs.width, inputs.height, ratio, rng)?,
                 prompt: args.prompt.clone(),
                 steps: args.steps,
+                true_cfg_scale: args.true_cfg_scale,
                 seed: args.seed ^ 0xca1,
                 idempotency_key: None,
             };
