@@ -18,7 +18,7 @@ use crate::idempotency;
 use crate::loras::params as lora_params;
 use crate::pipeline::{InputImage, JobInput};
 use crate::routes::ApiState;
-use crate::validate::{self, RawParams};
+use crate::validate::{self, Defaults, RawParams};
 
 /// Text fields are small; this caps each one independently of the body limit.
 pub(crate) const MAX_TEXT_FIELD_BYTES: usize = 64 * 1024;
@@ -44,7 +44,15 @@ pub async fn read_generation(
         .as_ref()
         .map(|c| crate::controlnet::validate(c, &state.limits))
         .transpose()?;
-    let mut valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
+    // A steered generation takes no true CFG: the gateway's default does not apply to it.
+    let defaults = match control {
+        Some(_) => Defaults {
+            true_cfg: 1.0,
+            ..state.defaults.clone()
+        },
+        None => state.defaults.clone(),
+    };
+    let mut valid = validate::validate_generation(raw, &state.limits, &defaults)?;
     if let Some(c) = &control {
         state.controlnets.check_offered(&c.reference.name)?;
     }
