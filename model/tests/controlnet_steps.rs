@@ -27,15 +27,6 @@ fn scheduler() -> FlowMatchEulerDiscreteScheduler {
     FlowMatchEulerDiscreteScheduler::new(cfg).unwrap()
 }
 
-fn pipe<'a>(m: &'a TinyModel, s: &'a FlowMatchEulerDiscreteScheduler) -> FluxPipeline<'a> {
-    FluxPipeline {
-        transformer: &m.transformer,
-        text_encoder: &m.text_encoder,
-        codec: &m.codec,
-        scheduler: s,
-    }
-}
-
 /// A ControlNet of `m` with every weight random (non-zero), so its residuals matter.
 fn random_net(
     m: &TinyModel,
@@ -104,7 +95,7 @@ fn mixed_batches_step_each_row_as_alone() {
     let _turn = turn();
     let m = TinyModel::random_for_tests(7, Device::Cpu).unwrap();
     let s = scheduler();
-    let p = pipe(&m, &s);
+    let p = m.pipeline(&s);
     let (deep, _dvs) = random_net(&m, 2, 2, 1);
     let (shallow, _svs) = random_net(&m, 1, 0, 2);
     let control = |seed, scale| {
@@ -144,7 +135,7 @@ fn a_fresh_controlnet_steers_nothing() {
     let _turn = turn();
     let m = TinyModel::random_for_tests(8, Device::Cpu).unwrap();
     let s = scheduler();
-    let p = pipe(&m, &s);
+    let p = m.pipeline(&s);
     let vs = nn::VarStore::new(Device::Cpu);
     let fresh = controlnet_from_transformer(&vs, &m.transformer, &m.transformer_vs, 1, 1).unwrap();
     let control = Some(ControlInput {
@@ -163,7 +154,7 @@ fn bad_control_requests_name_the_field() {
     let _turn = turn();
     let m = TinyModel::random_for_tests(9, Device::Cpu).unwrap();
     let s = scheduler();
-    let p = pipe(&m, &s);
+    let p = m.pipeline(&s);
     let small = Some(ControlInput {
         image: Tensor::zeros([1, 3, 32, 32], (Kind::Float, Device::Cpu)),
         scale: 1.0,

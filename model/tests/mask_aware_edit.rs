@@ -45,12 +45,7 @@ impl Fixture {
     }
 
     fn pipe(&self) -> FluxPipeline<'_> {
-        FluxPipeline {
-            transformer: &self.model.transformer,
-            text_encoder: &self.model.text_encoder,
-            codec: &self.model.codec,
-            scheduler: &self.scheduler,
-        }
+        self.model.pipeline(&self.scheduler)
     }
 
     fn capture(&self, steps: usize, format: KvFormat) -> TemplateKv {

@@ -244,8 +244,7 @@ impl Prepared {
             return Ok(v);
         }
         let parts = v.f_chunk(2, 0)?;
-        let (cond, uncond) = (&parts[0], &parts[1]);
-        Ok(uncond.f_add(&cond.f_sub(uncond)?.f_mul_scalar(self.true_cfg_scale)?)?)
+        guide(&parts[0], &parts[1], self.true_cfg_scale)
     }
 
     /// Packed per-request noise `[B, N, 4C]` for `seeds`.
@@ -262,6 +261,12 @@ impl Prepared {
     pub(crate) fn decode(&self, codec: &dyn LatentCodec, latents: &Tensor) -> Result<Tensor> {
         codec.decode(&unpack_latents(latents, self.latent_h, self.latent_w)?)
     }
+}
+
+/// True classifier-free guidance: the velocity to step with from the prompt's (`cond`) and the
+/// negative prompt's (`uncond`), diffusers' `uncond + scale * (cond - uncond)`.
+pub(crate) fn guide(cond: &Tensor, uncond: &Tensor, scale: f64) -> Result<Tensor> {
+    Ok(uncond.f_add(&cond.f_sub(uncond)?.f_mul_scalar(scale)?)?)
 }
 
 /// Text-to-image (`FluxPipeline.__call__`): every request starts from its own seeded noise and

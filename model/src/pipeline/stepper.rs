@@ -136,7 +136,7 @@ impl DenoiseState {
                 }
                 None => None,
             };
-            let prep = Prepared::with_text(
+            let mut prep = Prepared::with_text(
                 p,
                 &[GenerationRequest {
                     prompt: req.prompt.clone(),
@@ -145,7 +145,6 @@ impl DenoiseState {
                 &opts,
                 text,
             )?;
-            let mut prep = prep;
             if let Some(cfg) = &req.true_cfg {
                 if !(cfg.scale.is_finite() && cfg.scale > 1.0) {
                     return Err(ModelError::input(
@@ -316,16 +315,11 @@ impl DenoiseState {
         Ok(Tensor::f_zeros([tokens, 3], (kind, device))?)
     }
 
-    /// The velocity to step with from this state's rows (`[cond]` or `[cond, uncond]`),
-    /// combined as [`super::Prepared::velocity`] does.
+    /// The velocity to step with from this state's rows (`[cond]` or `[cond, uncond]`).
     fn guided(&self, rows: [Option<Tensor>; 2]) -> Result<Tensor> {
         match rows {
             [Some(cond), None] => Ok(cond),
-            [Some(cond), Some(uncond)] => Ok(uncond.f_add(
-                &cond
-                    .f_sub(&uncond)?
-                    .f_mul_scalar(self.prep.true_cfg_scale)?,
-            )?),
+            [Some(cond), Some(uncond)] => super::guide(&cond, &uncond, self.prep.true_cfg_scale),
             _ => Err(ModelError::input(
                 "state",
                 "a step lost the row of its prompt",
@@ -534,13 +528,11 @@ pub fn step_batch_controlled(
                 velocities[i][b as usize] = Some(velocity.f_narrow(0, row as i64, 1)?);
             }
         }
-        for (_, members) in &groups {
-            for &(i, b) in members {
-                if b == Branch::Cond {
-                    let rows = std::mem::take(&mut velocities[i]);
-                    let v = states[i].guided(rows)?;
-                    states[i].apply(&v)?;
-                }
+        // Only full-compute states have velocities yet.
+        for (i, rows) in velocities.iter_mut().enumerate() {
+            if rows[0].is_some() {
+                let v = states[i].guided(std::mem::take(rows))?;
+                states[i].apply(&v)?;
             }
         }
         if !cached.is_empty() {

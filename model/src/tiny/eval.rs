@@ -208,13 +208,7 @@ pub fn run(args: &EvalArgs) -> Result<serde_json::Value> {
             tch::manual_seed(seed as i64);
             // Same transformer size as the evaluated model, same init as its training run.
             let init = TinyModel::with_flux_config(Device::Cpu, model.transformer.cfg.clone())?;
-            let pipeline = FluxPipeline {
-                transformer: &init.transformer,
-                text_encoder: &init.text_encoder,
-                codec: &init.codec,
-                scheduler: &scheduler,
-            };
-            let (e, _) = evaluate(&pipeline, args)?;
+            let (e, _) = evaluate(&init.pipeline(&scheduler), args)?;
             eprintln!("untrained: {:?} ({:.0}s)", e.accuracy, e.seconds);
             Some(e)
         }

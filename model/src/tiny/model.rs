@@ -98,6 +98,19 @@ pub struct TinyModel {
 }
 
 impl TinyModel {
+    /// This model as a pipeline stepping on `scheduler`.
+    pub fn pipeline<'a>(
+        &'a self,
+        scheduler: &'a crate::scheduler::FlowMatchEulerDiscreteScheduler,
+    ) -> crate::pipeline::FluxPipeline<'a> {
+        crate::pipeline::FluxPipeline {
+            transformer: &self.transformer,
+            text_encoder: &self.text_encoder,
+            codec: &self.codec,
+            scheduler,
+        }
+    }
+
     /// Freshly initialised model (weights from torch's global RNG: seed it first).
     pub fn new(device: Device) -> Result<Self> {
         Self::with_flux_config(device, default_flux_config())

@@ -11,15 +11,6 @@ fn model() -> (TinyModel, FlowMatchEulerDiscreteScheduler) {
     (m, FlowMatchEulerDiscreteScheduler::new(cfg).unwrap())
 }
 
-fn pipe<'a>(m: &'a TinyModel, s: &'a FlowMatchEulerDiscreteScheduler) -> FluxPipeline<'a> {
-    FluxPipeline {
-        transformer: &m.transformer,
-        text_encoder: &m.text_encoder,
-        codec: &m.codec,
-        scheduler: s,
-    }
-}
-
 fn req(prompt: &str, seed: u64, steps: usize) -> StepRequest {
     StepRequest {
         true_cfg: None,
@@ -34,21 +25,30 @@ fn req(prompt: &str, seed: u64, steps: usize) -> StepRequest {
     }
 }
 
+/// The pipeline functions' options for [`req`]'s requests.
+fn opts(steps: usize) -> GenerateOptions {
+    GenerateOptions {
+        height: 64,
+        width: 64,
+        steps,
+        ..Default::default()
+    }
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    a.f_sub(b).unwrap().abs().max().double_value(&[])
+}
+
 #[test]
 fn stepping_alone_matches_text_to_image() {
     let (m, s) = model();
-    let p = pipe(&m, &s);
+    let p = m.pipeline(&s);
     let mut st = DenoiseState::new(&p, &req("a red circle", 3, 4)).unwrap();
     while !st.is_done() {
         st.step(&p).unwrap();
     }
     assert_eq!(st.progress(), (4, 4));
-    let opts = GenerateOptions {
-        height: 64,
-        width: 64,
-        steps: 4,
-        ..Default::default()
-    };
+    let opts = opts(4);
     let reference = text_to_image(
         &p,
         &[GenerationRequest {
@@ -59,20 +59,14 @@ fn stepping_alone_matches_text_to_image() {
         None,
     )
     .unwrap();
-    let diff = st
-        .latents()
-        .f_sub(&reference.latents)
-        .unwrap()
-        .abs()
-        .max()
-        .double_value(&[]);
+    let diff = max_diff(st.latents(), &reference.latents);
     assert!(diff < 1e-5, "max diff {diff}");
 }
 
 #[test]
 fn batch_at_different_steps_matches_alone() {
     let (m, s) = model();
-    let p = pipe(&m, &s);
+    let p = m.pipeline(&s);
     let run_alone = |r: StepRequest| {
         let mut st = DenoiseState::new(&p, &r).unwrap();
         while !st.is_done() {
@@ -97,7 +91,7 @@ fn batch_at_different_steps_matches_alone() {
 #[test]
 fn edit_matches_inpaint_pipeline() {
     let (m, s) = model();
-    let p = pipe(&m, &s);
+    let p = m.pipeline(&s);
     let template = Tensor::rand([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
     // Repaint the top-left quarter: pixel mask and the matching 16x16 token mask.
     let mask = Tensor::zeros([1, 1, 64, 64], (Kind::Float, Device::Cpu));
@@ -114,12 +108,7 @@ fn edit_matches_inpaint_pipeline() {
     while !st.is_done() {
         st.step(&p).unwrap();
     }
-    let opts = GenerateOptions {
-        height: 64,
-        width: 64,
-        steps: 4,
-        ..Default::default()
-    };
+    let opts = opts(4);
     let requests = [GenerationRequest {
         prompt: "a green triangle".into(),
         seed: 5,
@@ -136,20 +125,14 @@ fn edit_matches_inpaint_pipeline() {
         None,
     )
     .unwrap();
-    let diff = st
-        .latents()
-        .f_sub(&reference.latents)
-        .unwrap()
-        .abs()
-        .max()
-        .double_value(&[]);
+    let diff = max_diff(st.latents(), &reference.latents);
     assert!(diff < 1e-5, "max diff {diff}");
 }
 
 #[test]
 fn bad_edit_inputs_name_the_field() {
     let (m, s) = model();
-    let p = pipe(&m, &s);
+    let p = m.pipeline(&s);
     let mut r = req("x", 1, 2);
     r.edit = Some(EditSpec {
         template: Tensor::zeros([1, 3, 32, 32], (Kind::Float, Device::Cpu)),
@@ -172,7 +155,7 @@ fn bad_edit_inputs_name_the_field() {
 #[test]
 fn cached_preparation_steps_exactly_like_fresh_preparation() {
     let (m, s) = model();
-    let p = pipe(&m, &s);
+    let p = m.pipeline(&s);
     let template = Tensor::rand([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
     let edit = |prompt: &str, seed: u64, every: i64| {
         let mut r = req(prompt, seed, 3);
@@ -244,22 +227,15 @@ fn run_alone(p: &FluxPipeline<'_>, r: &StepRequest) -> Tensor {
     st.latents().shallow_clone()
 }
 
-fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-    a.f_sub(b).unwrap().abs().max().double_value(&[])
-}
-
 #[test]
 fn guided_stepping_alone_matches_text_to_image_with_true_cfg() {
     let (m, s) = model();
-    let p = pipe(&m, &s);
+    let p = m.pipeline(&s);
     let stepped = run_alone(&p, &guided("a red circle", 3, 4, "", 4.0));
     let opts = GenerateOptions {
-        height: 64,
-        width: 64,
-        steps: 4,
         true_cfg_scale: 4.0,
         negative_prompt: Some(String::new()),
-        ..Default::default()
+        ..opts(4)
     };
     let requests = [GenerationRequest {
         prompt: "a red circle".into(),
@@ -278,7 +254,7 @@ fn guided_stepping_alone_matches_text_to_image_with_true_cfg() {
 #[test]
 fn guided_and_plain_states_at_different_steps_batch_like_alone() {
     let (m, s) = model();
-    let p = pipe(&m, &s);
+    let p = m.pipeline(&s);
     let requests = [
         guided("a red circle", 1, 4, "", 3.0),
         req("a blue square", 2, 6),
@@ -307,7 +283,7 @@ fn guided_and_plain_states_at_different_steps_batch_like_alone() {
 #[test]
 fn true_cfg_errors_name_the_field() {
     let (m, s) = model();
-    let p = pipe(&m, &s);
+    let p = m.pipeline(&s);
     for scale in [1.0, 0.5, f64::NAN] {
         let err = DenoiseState::new(&p, &guided("x", 1, 2, "", scale))
             .err()
