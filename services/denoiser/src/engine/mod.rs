@@ -199,6 +199,13 @@ struct Active {
     control_rows: Vec<Option<control::RowControl>>,
 }
 
+impl Active {
+    /// Batch rows it takes in a step: one per image, two with true CFG.
+    fn rows(&self) -> usize {
+        self.states.iter().map(DenoiseState::rows).sum()
+    }
+}
+
 struct Engine {
     model: EngineModel,
     /// The LoRA set the transformer's weights hold.
@@ -364,11 +371,7 @@ impl Engine {
     }
 
     fn rows(&self) -> usize {
-        self.active
-            .iter()
-            .flat_map(|a| &a.states)
-            .map(DenoiseState::rows)
-            .sum()
+        self.active.iter().map(Active::rows).sum()
     }
 
     /// Image tokens a job computes per step (see [`EngineConfig::token_budget`]).

@@ -49,8 +49,7 @@ impl Engine {
             .iter()
             .zip(&runs)
             .filter(|(_, r)| **r)
-            .flat_map(|(a, _)| &a.states)
-            .map(DenoiseState::rows)
+            .map(|(a, _)| a.rows())
             .sum();
         // One child span per job over this step (run in one batch with the others): the job's
         // trace shows every step's wall time. The step number is recorded once it is known.
@@ -308,8 +307,7 @@ impl Engine {
                     Some(_) => a.job.inputs.mask_ratio.clamp(0.0, 1.0),
                     None => 1.0,
                 };
-                let rows: usize = a.states.iter().map(DenoiseState::rows).sum();
-                std::iter::repeat_n(ratio, rows)
+                std::iter::repeat_n(ratio, a.rows())
             })
             .collect()
     }
