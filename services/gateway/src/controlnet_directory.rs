@@ -58,17 +58,10 @@ pub struct ControlNetList {
     pub data: Vec<ControlNetView>,
 }
 
-/// A denoiser that takes jobs, and the ControlNets it steers with (a draining denoiser takes no
-/// new jobs, so it steers nothing from now on and is left out).
-struct Steering<'a> {
-    id: &'a str,
-    nets: &'a [String],
-}
-
-fn steering(hbs: &mut dyn Iterator<Item = &Heartbeat>) -> Vec<(String, Vec<String>)> {
-    hbs.filter(|hb| !hb.draining)
-        .map(|hb| (hb.worker_id.clone(), hb.controlnets.clone()))
-        .collect()
+/// The denoisers that take jobs: a draining one takes no new jobs, so it steers nothing from
+/// now on.
+fn taking_jobs<'a>(hbs: &mut dyn Iterator<Item = &'a Heartbeat>) -> Vec<&'a Heartbeat> {
+    hbs.filter(|hb| !hb.draining).collect()
 }
 
 /// The ControlNet workers' last heartbeats.
@@ -87,10 +80,10 @@ impl Workers {
     }
 
     /// Every ControlNet some denoiser steers with, with who serves it.
-    fn views(&self, denoisers: &[Steering<'_>]) -> Vec<ControlNetView> {
+    fn views(&self, denoisers: &[&Heartbeat]) -> Vec<ControlNetView> {
         let mut by_name: BTreeMap<&str, ControlNetView> = BTreeMap::new();
         for d in denoisers {
-            for name in d.nets {
+            for name in &d.controlnets {
                 by_name
                     .entry(name)
                     .or_insert_with(|| ControlNetView {
@@ -100,7 +93,7 @@ impl Workers {
                         workers: Vec::new(),
                     })
                     .denoisers
-                    .push(d.id.to_string());
+                    .push(d.worker_id.clone());
             }
         }
         for (id, (hb, _)) in self.seen.iter().filter(|(_, (hb, _))| !hb.draining) {
@@ -125,13 +118,17 @@ impl Workers {
 /// Whether a generation may name `name`: refused when denoisers that take jobs were heard and
 /// none steers with it; let through while none was heard (this gateway just started, or none
 /// is up: placement answers for the job then).
-fn check_offered(denoisers: &[Steering<'_>], name: &str) -> Result<(), FieldError> {
-    if denoisers.is_empty() || denoisers.iter().any(|d| d.nets.iter().any(|n| n == name)) {
+fn check_offered(denoisers: &[&Heartbeat], name: &str) -> Result<(), FieldError> {
+    if denoisers.is_empty()
+        || denoisers
+            .iter()
+            .any(|d| d.controlnets.iter().any(|n| n == name))
+    {
         return Ok(());
     }
     let mut offered: Vec<&str> = denoisers
         .iter()
-        .flat_map(|d| d.nets.iter().map(String::as_str))
+        .flat_map(|d| d.controlnets.iter().map(String::as_str))
         .collect();
     offered.sort_unstable();
     offered.dedup();
@@ -142,13 +139,6 @@ fn check_offered(denoisers: &[Steering<'_>], name: &str) -> Result<(), FieldErro
             offered.join(", ")
         ),
     ))
-}
-
-fn borrowed(denoisers: &[(String, Vec<String>)]) -> Vec<Steering<'_>> {
-    denoisers
-        .iter()
-        .map(|(id, nets)| Steering { id, nets })
-        .collect()
 }
 
 /// The directory: the denoisers' heartbeats (shared with the rest of the gateway) and the
@@ -196,16 +186,18 @@ impl ControlNetDirectory {
     }
 
     pub fn list(&self) -> Vec<ControlNetView> {
-        let denoisers = self.denoisers.read(steering);
-        let mut workers = lock(&self.workers);
-        workers.expire();
-        workers.views(&borrowed(&denoisers))
+        self.denoisers.read(|hbs| {
+            let mut workers = lock(&self.workers);
+            workers.expire();
+            workers.views(&taking_jobs(hbs))
+        })
     }
 
     /// A steered generation's ControlNet, checked against what live denoisers offer (400
     /// naming `controlnet.name` when none does).
     pub fn check_offered(&self, name: &str) -> Result<(), FieldError> {
-        check_offered(&borrowed(&self.denoisers.read(steering)), name)
+        self.denoisers
+            .read(|hbs| check_offered(&taking_jobs(hbs), name))
     }
 }
 
@@ -253,24 +245,18 @@ mod tests {
         }
     }
 
-    /// The denoisers as the directory reads them from the shared table.
-    fn denoisers(hbs: &[Heartbeat]) -> Vec<(String, Vec<String>)> {
-        let table = DenoiserHeartbeats::empty();
-        for hb in hbs {
-            table.record(hb.clone(), Instant::now());
-        }
-        let mut seen = table.read(steering);
-        seen.sort();
-        seen
+    /// The denoisers as the directory reads them.
+    fn denoisers(hbs: &[Heartbeat]) -> Vec<&Heartbeat> {
+        taking_jobs(&mut hbs.iter())
     }
 
     #[test]
     fn lists_what_live_denoisers_steer_with_and_the_workers_serving_it() {
-        let steering = denoisers(&[
+        let heard = [
             heartbeat("d2", &["silhouette"], &[], false),
             heartbeat("d1", &["silhouette", "edges"], &[], false),
             heartbeat("d3", &["depth"], &[], true), // draining: steers nothing new
-        ]);
+        ];
         let mut workers = Workers::default();
         workers.record(worker("w2", &["silhouette"], &[], false));
         workers.record(worker(
@@ -280,7 +266,7 @@ mod tests {
             false,
         ));
         workers.record(worker("w3", &["edges"], &["edges"], true)); // draining
-        let views = workers.views(&borrowed(&steering));
+        let views = workers.views(&denoisers(&heard));
         let names: Vec<&str> = views.iter().map(|v| v.id.as_str()).collect();
         // "pose": a worker has it but no denoiser offers it, so no request may name it.
         assert_eq!(names, ["edges", "silhouette"]);
@@ -304,7 +290,7 @@ mod tests {
 
     #[test]
     fn a_name_no_live_denoiser_offers_is_refused_once_denoisers_are_heard() {
-        let check = |hbs: &[Heartbeat], name: &str| check_offered(&borrowed(&denoisers(hbs)), name);
+        let check = |hbs: &[Heartbeat], name: &str| check_offered(&denoisers(hbs), name);
         // Nothing heard yet (just started): let through, placement answers for it.
         assert!(check(&[], "canny").is_ok());
         let live = [
@@ -331,11 +317,11 @@ mod tests {
 
     #[test]
     fn a_silent_worker_drops_out() {
-        let steering = denoisers(&[heartbeat("d1", &["silhouette"], &[], false)]);
+        let heard = [heartbeat("d1", &["silhouette"], &[], false)];
         let mut workers = Workers::default();
         workers.record(worker("w1", &["silhouette"], &[], false));
         workers.seen.get_mut("w1").unwrap().1 = Instant::now() - STALE_AFTER;
         workers.expire();
-        assert!(workers.views(&borrowed(&steering))[0].workers.is_empty());
+        assert!(workers.views(&denoisers(&heard))[0].workers.is_empty());
     }
 }

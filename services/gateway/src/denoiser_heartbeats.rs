@@ -40,7 +40,11 @@ impl DenoiserHeartbeats {
     pub async fn watch(client: &async_nats::Client) -> Result<Self, MeshError> {
         let mut sub = client.subscribe(DENOISER_HEARTBEAT).await?;
         let heartbeats = Self::empty();
-        let (kept, token) = (heartbeats.clone_weak(), heartbeats.shared.stop.clone());
+        // Weak: the task must not keep the table (and itself) alive.
+        let (kept, token) = (
+            Arc::downgrade(&heartbeats.shared),
+            heartbeats.shared.stop.clone(),
+        );
         tokio::spawn(async move {
             loop {
                 let msg = tokio::select! {
@@ -65,10 +69,6 @@ impl DenoiserHeartbeats {
                 stop: CancellationToken::new(),
             }),
         }
-    }
-
-    fn clone_weak(&self) -> std::sync::Weak<Shared> {
-        Arc::downgrade(&self.shared)
     }
 
     /// Keep `hb` as its denoiser's last heartbeat, heard at `at`.

@@ -233,13 +233,6 @@ impl GatewayHandle {
 pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError> {
     let (dw, dh) = parse_size(&config.default_size)
         .map_err(|e| GatewayError::Config(format!("--default-size: {}", e.message)))?;
-    let cfg = config.default_true_cfg_scale;
-    if !(cfg.is_finite() && cfg >= 1.0 && cfg <= config.max_guidance.max(1.0)) {
-        return Err(GatewayError::Config(format!(
-            "--default-true-cfg-scale: must be between 1 and --max-guidance ({}), got {cfg}",
-            config.max_guidance
-        )));
-    }
     let flow = FlowConfig {
         codec_timeout: GatewayConfig::secs("codec-timeout-s", config.codec_timeout_s)?,
         codec_first_attempt: GatewayConfig::secs(
@@ -258,6 +251,8 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         max_pixels: config.max_pixels,
         max_prompt_chars: config.max_prompt_chars,
     };
+    validate::validate_true_cfg(f64::from(config.default_true_cfg_scale), None, &limits)
+        .map_err(|e| GatewayError::Config(format!("--default-true-cfg-scale: {}", e.message)))?;
     let defaults = Defaults {
         steps: config.default_steps,
         guidance: config.default_guidance,

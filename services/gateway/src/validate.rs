@@ -195,7 +195,7 @@ fn validate_common(
         ));
     }
     let true_cfg = validate_true_cfg(
-        raw.true_cfg_scale.or(Some(f64::from(defaults.true_cfg))),
+        raw.true_cfg_scale.unwrap_or(f64::from(defaults.true_cfg)),
         raw.negative_prompt,
         limits,
     )?;
@@ -244,13 +244,12 @@ fn validate_common(
 }
 
 /// `true_cfg_scale` and `negative_prompt` as true CFG (None at scale 1: off).
-fn validate_true_cfg(
-    scale: Option<f64>,
+pub(crate) fn validate_true_cfg(
+    scale: f64,
     negative_prompt: Option<String>,
     limits: &Limits,
 ) -> Result<Option<TrueCfg>, FieldError> {
     let max = f64::from(limits.max_guidance).max(1.0);
-    let scale = scale.unwrap_or(1.0);
     if !scale.is_finite() || !(1.0..=max).contains(&scale) {
         return Err(invalid(
             "true_cfg_scale",
