@@ -61,6 +61,11 @@ impl ModelShape {
         self.text_tokens as u64 + masked.min(self.image_tokens) as u64
     }
 
+    /// Tokens a request of `footprint` computes per block (what the engine's token budget counts).
+    pub fn request_tokens(&self, masked: u32, footprint: Footprint) -> u64 {
+        self.computed_tokens(masked) * u64::from(footprint.rows)
+    }
+
     /// FLOPs of one block for one request using the cache (masked + text tokens computed).
     pub fn flops_cached(&self, masked: u32) -> f64 {
         block_flops(
@@ -278,9 +283,43 @@ pub struct BlockCosts {
     pub load_s: f64,
 }
 
-/// Per-request sums a batch's block costs are linear in; add and remove requests cheaply.
+/// What one request takes of every step it runs in: its batch rows (one per image, two under
+/// true CFG, where the negative prompt's row runs beside the prompt's) and the template-cache
+/// streams those rows read (one per image: both rows of a guided image read the same stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    pub rows: u32,
+    pub cache_streams: u32,
+}
+
+impl Footprint {
+    /// One image, no guidance.
+    pub const ONE_ROW: Footprint = Footprint {
+        rows: 1,
+        cache_streams: 1,
+    };
+
+    /// `images` images (at least one), each one row or, `guided`, two.
+    pub fn new(images: u32, guided: bool) -> Self {
+        let images = images.max(1);
+        Footprint {
+            rows: images.saturating_mul(1 + u32::from(guided)),
+            cache_streams: images,
+        }
+    }
+}
+
+impl Default for Footprint {
+    fn default() -> Self {
+        Self::ONE_ROW
+    }
+}
+
+/// Per-row sums a batch's block costs are linear in; add and remove requests cheaply.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct BatchTotals {
+    /// Batch rows (what the compute model's per-request term counts: the engine runs a row's
+    /// masked attention on its own).
     pub requests: u32,
     pub flops_cached: f64,
     pub flops_full: f64,
@@ -292,9 +331,14 @@ impl BatchTotals {
         self.add_row(&RowCost::of(shape, masked));
     }
 
+    /// A request of `footprint` whose rows each compute `masked` image tokens.
+    pub fn add_request(&mut self, shape: &ModelShape, masked: u32, footprint: Footprint) {
+        self.add_row(&RowCost::of_request(shape, masked, footprint));
+    }
+
     /// [`BatchTotals::add`] with the row's sums already computed (same arithmetic, same result).
     pub fn add_row(&mut self, row: &RowCost) {
-        self.requests += 1;
+        self.requests += row.rows;
         self.flops_cached += row.flops_cached;
         self.flops_full += row.flops_full;
         self.bytes += row.bytes;
@@ -305,17 +349,26 @@ impl BatchTotals {
 /// to every phase it runs in.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct RowCost {
+    pub rows: u32,
     pub flops_cached: f64,
     pub flops_full: f64,
     pub bytes: f64,
 }
 
 impl RowCost {
+    /// One row computing `masked` image tokens.
     pub fn of(shape: &ModelShape, masked: u32) -> Self {
+        Self::of_request(shape, masked, Footprint::ONE_ROW)
+    }
+
+    /// A request of `footprint`: FLOPs per row, cache bytes per stream.
+    pub fn of_request(shape: &ModelShape, masked: u32, footprint: Footprint) -> Self {
+        let rows = f64::from(footprint.rows);
         RowCost {
-            flops_cached: shape.flops_cached(masked),
-            flops_full: shape.flops_full(),
-            bytes: shape.cache_bytes(masked),
+            rows: footprint.rows,
+            flops_cached: shape.flops_cached(masked) * rows,
+            flops_full: shape.flops_full() * rows,
+            bytes: shape.cache_bytes(masked) * f64::from(footprint.cache_streams),
         }
     }
 }
@@ -485,8 +538,13 @@ impl CostModels {
 
     /// Standalone service time of one request: its steps alone on an idle worker.
     pub fn standalone_s(&self, masked: u32, steps: u32) -> f64 {
+        self.standalone_request_s(masked, steps, Footprint::ONE_ROW)
+    }
+
+    /// [`CostModels::standalone_s`] of a request of `footprint`.
+    pub fn standalone_request_s(&self, masked: u32, steps: u32, footprint: Footprint) -> f64 {
         let mut t = BatchTotals::default();
-        t.add(&self.shape, masked);
+        t.add_request(&self.shape, masked, footprint);
         self.step_latency(&t) * steps as f64
     }
 }

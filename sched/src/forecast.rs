@@ -6,7 +6,7 @@
 //! forecast costs O(requests) planner calls of O(1) each.
 use crate::batching::admit_count;
 use crate::cost_model::{BatchTotals, CostModels, RowCost};
-use crate::policy::{ActiveRequest, RequestInfo, WorkerState};
+use crate::policy::{ActiveRequest, Footprint, RequestInfo, WorkerState};
 
 /// Predicted seconds from now.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -18,19 +18,19 @@ pub struct Forecast {
 
 #[derive(Debug, Clone, Copy)]
 struct Slot {
-    /// Tokens the row computes per block (what the batching rule's token budget counts).
+    /// Tokens the request's rows compute per block (what the batching rule's token budget counts).
     computed: u64,
-    /// The row's cost-model sums, so a phase only adds them up.
+    /// The request's cost-model sums, so a phase only adds them up.
     row: RowCost,
     remaining: u32,
     is_new: bool,
 }
 
 impl Slot {
-    fn new(model: &CostModels, masked: u32, remaining: u32, is_new: bool) -> Self {
+    fn new(model: &CostModels, r: &ActiveRequest, remaining: u32, is_new: bool) -> Self {
         Slot {
-            computed: model.shape.computed_tokens(masked),
-            row: RowCost::of(&model.shape, masked),
+            computed: model.shape.request_tokens(r.masked_tokens, r.footprint),
+            row: RowCost::of_request(&model.shape, r.masked_tokens, r.footprint),
             remaining,
             is_new,
         }
@@ -102,6 +102,7 @@ impl Forecaster {
         let shape = &model.shape;
         let new = req.map(|r| ActiveRequest {
             masked_tokens: r.masked_tokens,
+            footprint: r.footprint,
             remaining_steps: r.steps.max(1),
         });
         let queue_len = worker.queued.len() + usize::from(new.is_some());
@@ -111,6 +112,7 @@ impl Forecaster {
                 (None, Some(n)) => n,
                 (None, None) => ActiveRequest {
                     masked_tokens: 0,
+                    footprint: Footprint::ONE_ROW,
                     remaining_steps: 1,
                 },
             }
@@ -121,7 +123,7 @@ impl Forecaster {
                 .running
                 .iter()
                 .filter(|r| r.remaining_steps > 0)
-                .map(|r| Slot::new(model, r.masked_tokens, r.remaining_steps, false)),
+                .map(|r| Slot::new(model, r, r.remaining_steps, false)),
         );
         let mut t = worker.step_remaining_s.max(0.0);
         // Running requests with no step left finish when the step in flight ends.
@@ -135,11 +137,18 @@ impl Forecaster {
         let mut next = 0;
         loop {
             let tokens: u64 = self.batch.iter().map(|s| s.computed).sum();
+            let rows: u32 = self.batch.iter().map(|s| s.row.rows).sum();
             let admit = admit_count(
                 &worker.limits,
-                self.batch.len(),
+                rows,
                 tokens,
-                (next..queue_len).map(|i| shape.computed_tokens(queued(i).masked_tokens)),
+                (next..queue_len).map(|i| {
+                    let q = queued(i);
+                    (
+                        q.footprint.rows,
+                        shape.request_tokens(q.masked_tokens, q.footprint),
+                    )
+                }),
             );
             for i in next..next + admit {
                 let q = queued(i);
@@ -147,12 +156,8 @@ impl Forecaster {
                 if is_new {
                     start = Some(t);
                 }
-                self.batch.push(Slot::new(
-                    model,
-                    q.masked_tokens,
-                    q.remaining_steps.max(1),
-                    is_new,
-                ));
+                self.batch
+                    .push(Slot::new(model, &q, q.remaining_steps.max(1), is_new));
             }
             next += admit;
             let Some(phase) = self.batch.iter().map(|s| s.remaining).min() else {
@@ -231,10 +236,12 @@ pub(crate) mod tests {
         let w = WorkerState {
             running: vec![ActiveRequest {
                 masked_tokens: 2,
+                footprint: Footprint::ONE_ROW,
                 remaining_steps: 3,
             }],
             queued: vec![ActiveRequest {
                 masked_tokens: 1,
+                footprint: Footprint::ONE_ROW,
                 remaining_steps: 2,
             }],
             step_remaining_s: 0.5,
@@ -246,6 +253,7 @@ pub(crate) mod tests {
         };
         let req = RequestInfo {
             masked_tokens: 4,
+            footprint: Footprint::ONE_ROW,
             steps: 1,
             template: None,
             loras: crate::policy::LoraKeys::NONE,
@@ -264,10 +272,45 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_guided_request_costs_its_rows_and_waits_for_room_for_both() {
+        let m = token_seconds_model();
+        let guided = |masked| RequestInfo {
+            masked_tokens: masked,
+            footprint: Footprint::new(1, true),
+            steps: 1,
+            template: None,
+            loras: crate::policy::LoraKeys::NONE,
+            waiting_behind: Some(0),
+        };
+        // Alone: two rows of 4 masked tokens, a step of 8 s.
+        let idle = WorkerState::idle(BatchLimits::default());
+        let f = Forecaster::default().forecast(&idle, &guided(4), &m);
+        assert!((f.finish_s - 8.0).abs() < 1e-9, "{f:?}");
+        // One running row of 2 (3 steps) and batches of 2 rows: no room for both rows until
+        // it retires at 6 s.
+        let w = WorkerState {
+            running: vec![ActiveRequest {
+                masked_tokens: 2,
+                footprint: Footprint::ONE_ROW,
+                remaining_steps: 3,
+            }],
+            limits: BatchLimits {
+                max_batch: 2,
+                ..BatchLimits::default()
+            },
+            ..WorkerState::idle(BatchLimits::default())
+        };
+        let f = Forecaster::default().forecast(&w, &guided(4), &m);
+        assert!((f.start_s - 6.0).abs() < 1e-9, "{f:?}");
+        assert!((f.finish_s - 14.0).abs() < 1e-9, "{f:?}");
+    }
+
+    #[test]
     fn idle_worker_forecast_is_standalone_time() {
         let m = crate::synthetic::default_models();
         let req = RequestInfo {
             masked_tokens: 450,
+            footprint: Footprint::ONE_ROW,
             steps: 28,
             template: None,
             loras: crate::policy::LoraKeys::NONE,

@@ -195,7 +195,7 @@ impl Policy for MaskAwareDeferring {
             return Some(pick.index);
         };
         let w = &workers[pick.index];
-        let alone = model.standalone_s(req.masked_tokens, req.steps.max(1));
+        let alone = model.standalone_request_s(req.masked_tokens, req.steps.max(1), req.footprint);
         let saved = (alone * w.step_time_factor - pick.added_work_s).max(0.0);
         if saved > self.max_saving * alone * w.step_time_factor {
             return Some(pick.index);
@@ -224,7 +224,7 @@ impl Policy for FlashPsGreedy {
         workers: &[WorkerState],
         model: &CostModels,
     ) -> Option<usize> {
-        let slack = |w: &WorkerState| w.requests() < w.limits.max_batch as usize;
+        let slack = |w: &WorkerState| w.rows() < u64::from(w.limits.max_batch);
         let any_slack = workers.iter().any(|w| w.accepts() && slack(w));
         argmin_by(workers, |w| {
             if any_slack && !slack(w) {
@@ -232,9 +232,9 @@ impl Policy for FlashPsGreedy {
             }
             let mut t = BatchTotals::default();
             for r in w.running.iter().chain(&w.queued) {
-                t.add(&model.shape, r.masked_tokens);
+                t.add_request(&model.shape, r.masked_tokens, r.footprint);
             }
-            t.add(&model.shape, req.masked_tokens);
+            t.add_request(&model.shape, req.masked_tokens, req.footprint);
             model.step_latency(&t) * w.step_time_factor
         })
     }
@@ -245,12 +245,13 @@ mod tests {
     use super::*;
     use crate::forecast::tests::token_seconds_model;
     use crate::policy::tests::{new_req, worker};
-    use crate::policy::{ActiveRequest, RequestCount, TokenCount};
+    use crate::policy::{ActiveRequest, Footprint, RequestCount, TokenCount};
     use crate::synthetic;
 
     fn active(masked: u32, remaining: u32) -> ActiveRequest {
         ActiveRequest {
             masked_tokens: masked,
+            footprint: Footprint::ONE_ROW,
             remaining_steps: remaining,
         }
     }
@@ -285,6 +286,7 @@ mod tests {
         }
         let req = RequestInfo {
             masked_tokens: 10,
+            footprint: Footprint::ONE_ROW,
             steps: 3,
             template: None,
             loras: crate::policy::LoraKeys::NONE,
@@ -363,6 +365,7 @@ mod tests {
         ];
         let req = RequestInfo {
             masked_tokens: 10,
+            footprint: Footprint::ONE_ROW,
             steps: 3,
             template: None,
             loras: crate::policy::LoraKeys::NONE,
@@ -386,6 +389,7 @@ mod tests {
         ];
         let req = RequestInfo {
             masked_tokens: 10,
+            footprint: Footprint::ONE_ROW,
             steps: 3,
             template: None,
             loras: crate::policy::LoraKeys::NONE,

@@ -6,14 +6,18 @@
 //! cache residency, limits and liveness. It never sees simulator internals.
 use crate::batching::BatchLimits;
 use crate::cost_model::CostModels;
+pub use crate::cost_model::Footprint;
 use crate::error::SchedError;
 use crate::mask_aware::{FlashPsGreedy, MaskAware, MaskAwareDeferring, MaskAwareMarginal};
 
 /// A request to place.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RequestInfo {
-    /// Masked image tokens (what the mask-aware pass computes besides the text tokens).
+    /// Masked image tokens of each of its rows (what the mask-aware pass computes besides the
+    /// text tokens).
     pub masked_tokens: u32,
+    /// Its batch rows and cache streams.
+    pub footprint: Footprint,
     pub steps: u32,
     /// Template whose cached activations the request reuses, if any.
     pub template: Option<u64>,
@@ -29,7 +33,9 @@ pub struct RequestInfo {
 /// A request on a worker, running or queued.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ActiveRequest {
+    /// Per row, as [`RequestInfo::masked_tokens`].
     pub masked_tokens: u32,
+    pub footprint: Footprint,
     /// Steps not yet started (for a queued request: all its steps). A running request with 0
     /// finishes when the step in flight ends.
     pub remaining_steps: u32,
@@ -91,11 +97,20 @@ impl WorkerState {
         self.running.len() + self.queued.len()
     }
 
+    /// Batch rows of every request on the worker, running or queued.
+    pub fn rows(&self) -> u64 {
+        self.running
+            .iter()
+            .chain(&self.queued)
+            .map(|r| u64::from(r.footprint.rows))
+            .sum()
+    }
+
     pub fn masked_tokens(&self) -> u64 {
         self.running
             .iter()
             .chain(&self.queued)
-            .map(|r| r.masked_tokens as u64)
+            .map(|r| u64::from(r.masked_tokens) * u64::from(r.footprint.rows))
             .sum()
     }
 }
@@ -251,6 +266,7 @@ pub(crate) mod tests {
     pub(crate) fn req(masked: u32) -> ActiveRequest {
         ActiveRequest {
             masked_tokens: masked,
+            footprint: Footprint::ONE_ROW,
             remaining_steps: 10,
         }
     }
@@ -266,6 +282,7 @@ pub(crate) mod tests {
     pub(crate) fn new_req() -> RequestInfo {
         RequestInfo {
             masked_tokens: 400,
+            footprint: Footprint::ONE_ROW,
             steps: 28,
             template: None,
             loras: LoraKeys::NONE,

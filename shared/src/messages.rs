@@ -400,8 +400,20 @@ pub struct CancelJob {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunningJob {
     pub job_id: String,
+    /// Masked image tokens of each of its rows.
     pub masked_tokens: u32,
     pub remaining_steps: u32,
+    /// Batch rows it takes in every step ([`GenerationParams::batch_rows`]); 1 from a
+    /// denoiser that predates the field.
+    #[serde(default = "one")]
+    pub rows: u32,
+    /// Images it makes (each reads its own template-cache stream); 1 when not reported.
+    #[serde(default = "one")]
+    pub images: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 impl FieldError {

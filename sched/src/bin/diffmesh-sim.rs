@@ -5,7 +5,7 @@ use anyhow::{bail, ensure, Context};
 use clap::Parser;
 use diffmesh_sched::batching::BatchLimits;
 use diffmesh_sched::cost_model::CostModels;
-use diffmesh_sched::policy::{policy_by_name, ActiveRequest, RequestInfo, WorkerState};
+use diffmesh_sched::policy::{policy_by_name, ActiveRequest, Footprint, RequestInfo, WorkerState};
 use diffmesh_sched::queue_order::QueueOrder;
 use diffmesh_sched::sim::{simulate_with_latencies, workload, SharedCpu, SimConfig};
 use diffmesh_sched::synthetic;
@@ -118,6 +118,10 @@ struct Args {
     /// preempt yet: a what-if).
     #[arg(long, env = "DIFFMESH_SIM_PREEMPT")]
     preempt: bool,
+    /// Every request runs with true classifier-free guidance: two batch rows per image (what
+    /// the live mesh serves with `cargo xtask up`'s default `--true-cfg-scale 4`).
+    #[arg(long, env = "DIFFMESH_SIM_TRUE_CFG")]
+    true_cfg: bool,
     /// Write the synthetic profile to this file and exit.
     #[arg(long, env = "DIFFMESH_SIM_WRITE_PROFILE")]
     write_profile: Option<PathBuf>,
@@ -202,7 +206,8 @@ fn main() -> anyhow::Result<()> {
     };
     let steps = args.steps.unwrap_or(model.shape.steps);
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
-    let arrivals = if let Some(t) = &args.trace {
+    let footprint = Footprint::new(1, args.true_cfg);
+    let mut arrivals = if let Some(t) = &args.trace {
         workload::read_trace(t, &model.shape, steps)?
     } else {
         let path = args
@@ -211,7 +216,8 @@ fn main() -> anyhow::Result<()> {
             .context("--mask-ratios is required without --trace")?;
         let ratios = workload::read_mask_ratios(path)?;
         let mean = ratios.iter().sum::<f64>() / ratios.len() as f64;
-        let cap = workload::capacity_rps(&model, &limits, cfg.effective_workers(), mean, steps);
+        let workers = cfg.effective_workers();
+        let cap = workload::capacity_rps(&model, &limits, workers, mean, steps, footprint);
         let rps = match (args.rps, args.load) {
             (Some(r), None) if r > 0.0 => r,
             (None, Some(f)) if f > 0.0 => f * cap,
@@ -225,6 +231,9 @@ fn main() -> anyhow::Result<()> {
         ));
         workload::poisson(&mut rng, rps, args.duration, &ratios, &model.shape, steps)
     };
+    for a in &mut arrivals {
+        a.footprint = footprint;
+    }
     if let Some(c) = args.shared_cores {
         ensure!(
             c > 0.0 && c.is_finite(),
@@ -279,6 +288,7 @@ fn main() -> anyhow::Result<()> {
         o.insert("calibrate".into(), args.calibrate.into());
         o.insert("queue_order".into(), args.queue_order.name().into());
         o.insert("preempt".into(), args.preempt.into());
+        o.insert("true_cfg".into(), args.true_cfg.into());
         if !args.worker_step_factors.is_empty() {
             o.insert(
                 "worker_step_factors".into(),
@@ -315,12 +325,14 @@ fn bench(args: &Args, model: &CostModels, n: usize) -> anyhow::Result<()> {
                     w.running = (0..8)
                         .map(|_| ActiveRequest {
                             masked_tokens: draw(&mut rng),
+                            footprint: Footprint::ONE_ROW,
                             remaining_steps: rng.random_range(0..28),
                         })
                         .collect();
                     w.queued = (0..rng.random_range(0..3))
                         .map(|_| ActiveRequest {
                             masked_tokens: draw(&mut rng),
+                            footprint: Footprint::ONE_ROW,
                             remaining_steps: 28,
                         })
                         .collect();
@@ -333,6 +345,7 @@ fn bench(args: &Args, model: &CostModels, n: usize) -> anyhow::Result<()> {
     let reqs: Vec<RequestInfo> = (0..256)
         .map(|_| RequestInfo {
             masked_tokens: draw(&mut rng),
+            footprint: Footprint::ONE_ROW,
             steps: 28,
             template: None,
             loras: diffmesh_sched::policy::LoraKeys::NONE,

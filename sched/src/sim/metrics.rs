@@ -24,7 +24,7 @@ pub struct Summary {
     pub throughput: f64,
     /// Fraction of submitted requests done by arrival + slo_factor x standalone time.
     pub slo_attainment: f64,
-    /// Mean running-batch size over steps.
+    /// Mean running-batch rows over steps (a request's rows: one per image, two under true CFG).
     pub mean_batch: f64,
     /// Fraction of worker time spent stepping.
     pub utilization: f64,

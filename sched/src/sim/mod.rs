@@ -7,7 +7,7 @@ pub mod workload;
 
 use crate::batching::{admit_count, BatchLimits};
 use crate::calibration::StepCalibration;
-use crate::cost_model::{BatchTotals, CostModels};
+use crate::cost_model::{BatchTotals, CostModels, Footprint};
 use crate::policy::{ActiveRequest, Policy, RequestInfo, WorkerState};
 use crate::queue_order::{QueueOrder, QueuedJob};
 use metrics::{percentile, Summary};
@@ -105,6 +105,7 @@ impl SharedCpu {
 struct Job {
     arrival_s: f64,
     masked: u32,
+    footprint: Footprint,
     /// Steps not yet completed.
     remaining: u32,
     start_s: f64,
@@ -256,6 +257,7 @@ fn place_waiting(waiting: &mut VecDeque<Arrival>, now: f64, p: &mut Placement) {
         }
         let req = RequestInfo {
             masked_tokens: a.masked_tokens,
+            footprint: a.footprint,
             steps: a.steps.max(1),
             template: a.template,
             loras: crate::policy::LoraKeys::NONE,
@@ -271,11 +273,15 @@ fn place_waiting(waiting: &mut VecDeque<Arrival>, now: f64, p: &mut Placement) {
         };
         waiting.pop_front();
         let admit_s = p.model.job_work.map_or(0.0, |w| w.admit_s);
-        let standalone =
-            p.model.standalone_s(a.masked_tokens, req.steps) + admit_s + p.cfg.request_overhead_s;
+        let standalone = p
+            .model
+            .standalone_request_s(a.masked_tokens, req.steps, a.footprint)
+            + admit_s
+            + p.cfg.request_overhead_s;
         p.workers[w].queue.push_back(Job {
             arrival_s: a.time_s,
             masked: a.masked_tokens,
+            footprint: a.footprint,
             remaining: req.steps,
             start_s: now,
             started: false,
@@ -322,11 +328,13 @@ fn snapshot(w: &Worker, now: f64, v: &mut WorkerState) {
     v.running.clear();
     v.running.extend(w.running.iter().map(|j| ActiveRequest {
         masked_tokens: j.masked,
+        footprint: j.footprint,
         remaining_steps: j.remaining - u32::from(in_flight),
     }));
     v.queued.clear();
     v.queued.extend(w.queue.iter().map(|j| ActiveRequest {
         masked_tokens: j.masked,
+        footprint: j.footprint,
         remaining_steps: j.remaining,
     }));
     v.step_remaining_s = w.step_end.map_or(0.0, |t| (t - now).max(0.0));
@@ -372,13 +380,19 @@ fn start_step(
     let tokens: u64 = w
         .running
         .iter()
-        .map(|j| shape.computed_tokens(j.masked))
+        .map(|j| shape.request_tokens(j.masked, j.footprint))
         .sum();
+    let rows = rows_of(&w.running);
     let take = admit_count(
         &cfg.limits,
-        w.running.len(),
+        rows,
         tokens,
-        w.queue.iter().map(|j| shape.computed_tokens(j.masked)),
+        w.queue.iter().map(|j| {
+            (
+                j.footprint.rows,
+                shape.request_tokens(j.masked, j.footprint),
+            )
+        }),
     );
     let mut admit = 0;
     for mut j in w.queue.drain(..take) {
@@ -400,7 +414,7 @@ fn start_step(
     w.retiring = 0;
     let mut totals = BatchTotals::default();
     for j in &w.running {
-        totals.add(shape, j.masked);
+        totals.add_request(shape, j.masked, j.footprint);
     }
     let predicted = model.step_latency(&totals);
     let mut latency = predicted * slowdown;
@@ -414,7 +428,11 @@ fn start_step(
     (w.step_predicted_s, w.step_s) = (predicted, latency);
     w.busy_s += retire_s + admit_s + latency;
     tot.steps += 1;
-    tot.batch_sum += w.running.len() as u64;
+    tot.batch_sum += u64::from(rows_of(&w.running));
+}
+
+fn rows_of(jobs: &[Job]) -> u32 {
+    jobs.iter().map(|j| j.footprint.rows).sum()
 }
 
 /// Puts the worker's queue in its admission order (a no-op for FCFS).
@@ -428,7 +446,7 @@ fn order_queue(w: &mut Worker, order: QueueOrder, model: &CostModels) {
         .map(|j| QueuedJob {
             arrival_s: j.arrival_s,
             deadline_s: Some(j.deadline_s),
-            remaining_work: model.standalone_s(j.masked, j.remaining),
+            remaining_work: model.standalone_request_s(j.masked, j.remaining, j.footprint),
         })
         .collect();
     let mut old: Vec<Option<Job>> = w.queue.drain(..).map(Some).collect();

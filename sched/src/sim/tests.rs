@@ -1,5 +1,5 @@
 use super::*;
-use crate::policy::{policy_by_name, RequestCount};
+use crate::policy::{policy_by_name, Footprint, RequestCount};
 use crate::queue_order::QueueOrder;
 use crate::synthetic;
 
@@ -28,9 +28,41 @@ fn arrival(time_s: f64, masked: u32) -> Arrival {
     Arrival {
         time_s,
         masked_tokens: masked,
+        footprint: Footprint::ONE_ROW,
         steps: 28,
         template: None,
     }
+}
+
+fn guided(time_s: f64, masked: u32) -> Arrival {
+    Arrival {
+        footprint: Footprint::new(1, true),
+        ..arrival(time_s, masked)
+    }
+}
+
+#[test]
+fn a_guided_request_takes_two_rows_of_the_batch() {
+    // A step costs its rows' summed masked tokens: a guided request alone runs twice as long.
+    let m = crate::forecast::tests::token_seconds_model();
+    let one = simulate(&cfg(1, 4), &m, &mut RequestCount, &[arrival(0.0, 10)]);
+    let two = simulate(&cfg(1, 4), &m, &mut RequestCount, &[guided(0.0, 10)]);
+    assert!((two.p50 - 2.0 * one.p50).abs() < 1e-9, "{one:?} {two:?}");
+    assert_eq!(two.mean_batch, 2.0);
+    // Batches of 3 rows: two guided requests arriving together cannot share a step; the second
+    // waits for the whole first request. Two plain ones share from the second step on (the
+    // first's step had started when the second was placed).
+    let (a, b) = (guided(0.0, 10), guided(0.0, 10));
+    let s = simulate(&cfg(1, 3), &m, &mut RequestCount, &[a, b]);
+    assert!((s.mean_queue - two.p50 / 2.0).abs() < 1e-9, "{s:?}");
+    let s = simulate(
+        &cfg(1, 3),
+        &m,
+        &mut RequestCount,
+        &[arrival(0.0, 10), arrival(0.0, 10)],
+    );
+    let one_step = one.p50 / 28.0;
+    assert!((s.mean_queue - one_step / 2.0).abs() < 1e-9, "{s:?}");
 }
 
 #[test]
@@ -225,7 +257,14 @@ fn mixed_fleet_p95(calibrate: bool) -> f64 {
         ..cfg(4, 8)
     };
     let limits = fleet.limits;
-    let cap = workload::capacity_rps(&m, &limits, fleet.effective_workers(), 0.2, 28);
+    let cap = workload::capacity_rps(
+        &m,
+        &limits,
+        fleet.effective_workers(),
+        0.2,
+        28,
+        Footprint::ONE_ROW,
+    );
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     let a = workload::poisson(&mut rng, 0.7 * cap, 3000.0, &[0.05, 0.2, 0.5], &m.shape, 28);
     let mut policy = policy_by_name("mask-aware").unwrap();
@@ -289,6 +328,7 @@ fn deferring_completes_every_request_and_runs_alone_where_batches_save_nothing()
             Arrival {
                 time_s: t,
                 masked_tokens: 1 + rng.random_range(0..40),
+                footprint: Footprint::ONE_ROW,
                 steps: 5,
                 template: None,
             }

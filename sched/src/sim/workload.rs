@@ -1,7 +1,7 @@
 //! Workloads for the simulator: mask-ratio files, arrival traces, Poisson arrivals, and the
 //! cluster-capacity estimate that turns `--load` into a request rate.
 use crate::batching::BatchLimits;
-use crate::cost_model::{BatchTotals, CostModels, ModelShape};
+use crate::cost_model::{BatchTotals, CostModels, Footprint, ModelShape};
 use crate::error::SchedError;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -11,7 +11,11 @@ use std::path::Path;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Arrival {
     pub time_s: f64,
+    /// Per row.
     pub masked_tokens: u32,
+    /// Rows and cache streams ([`Footprint::ONE_ROW`] from the readers and generators here;
+    /// `diffmesh-sim --true-cfg` makes every request guided).
+    pub footprint: Footprint,
     pub steps: u32,
     pub template: Option<u64>,
 }
@@ -98,6 +102,7 @@ pub fn read_trace(path: &Path, shape: &ModelShape, steps: u32) -> Result<Vec<Arr
         out.push(Arrival {
             time_s,
             masked_tokens: shape.masked_tokens(ratio),
+            footprint: Footprint::ONE_ROW,
             steps,
             template,
         });
@@ -129,6 +134,7 @@ pub fn poisson(
         out.push(Arrival {
             time_s: t,
             masked_tokens: shape.masked_tokens(ratio),
+            footprint: Footprint::ONE_ROW,
             steps,
             template: None,
         });
@@ -136,21 +142,24 @@ pub fn poisson(
 }
 
 /// Estimated cluster capacity (requests/s): each worker runs full batches of the mean request
-/// (as many as `max_batch` and the token budget allow), one request per `steps` steps each.
+/// of `footprint` (as many as `max_batch` rows and the token budget allow), one request per
+/// `steps` steps each.
 pub fn capacity_rps(
     model: &CostModels,
     limits: &BatchLimits,
     workers: f64,
     mean_ratio: f64,
     steps: u32,
+    footprint: Footprint,
 ) -> f64 {
     let shape = &model.shape;
     let masked = shape.masked_tokens(mean_ratio);
-    let per = shape.computed_tokens(masked).max(1);
-    let batch = (limits.token_budget / per).clamp(1, limits.max_batch.max(1) as u64) as u32;
+    let per = shape.request_tokens(masked, footprint).max(1);
+    let by_rows = u64::from(limits.max_batch / footprint.rows.max(1));
+    let batch = (limits.token_budget / per).clamp(1, by_rows.max(1)) as u32;
     let mut t = BatchTotals::default();
     for _ in 0..batch {
-        t.add(shape, masked);
+        t.add_request(shape, masked, footprint);
     }
     let step = model.step_latency(&t);
     if step <= 0.0 {

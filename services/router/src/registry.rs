@@ -365,6 +365,8 @@ pub(crate) mod tests {
             job_id: "j2".into(),
             masked_tokens: 10,
             remaining_steps: 3,
+            rows: 1,
+            images: 1,
         }];
         hb.queued = 1;
         hb.cached_templates = vec!["t1".into()];
@@ -391,6 +393,8 @@ pub(crate) mod tests {
                 job_id: id.into(),
                 masked_tokens: 10,
                 remaining_steps: 3,
+                rows: 1,
+                images: 1,
             })
             .to_vec();
         reg.observe(hb.clone(), t0);

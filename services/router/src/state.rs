@@ -236,6 +236,8 @@ mod tests {
             job_id: id.into(),
             masked_tokens,
             remaining_steps,
+            rows: 1,
+            images: 1,
         }
     }
 

@@ -4,7 +4,9 @@
 use crate::registry::LiveWorker;
 use diffmesh_sched::batching::BatchLimits;
 use diffmesh_sched::cost_model::BatchTotals;
-use diffmesh_sched::policy::{template_key, ActiveRequest, LoraKeys, RequestInfo, WorkerState};
+use diffmesh_sched::policy::{
+    template_key, ActiveRequest, Footprint, LoraKeys, RequestInfo, WorkerState,
+};
 use diffmesh_sched::{CostModels, ModelShape};
 use diffmesh_shared::messages::{DenoiseJob, JobKind};
 use std::time::Instant;
@@ -19,29 +21,33 @@ pub fn template_cache_key(job: &DenoiseJob) -> Option<&str> {
     }
 }
 
-/// Tokens a job computes per block in the cost model's grid. Only an edit of a captured
-/// template runs mask-aware (its masked tokens, taken from the mask ratio so a profile measured
-/// at another resolution still ranks workers by relative cost); every other job (generation,
-/// capture, edit of an uploaded image) computes all image tokens. Times the job's batch rows
-/// (one per image, two with true CFG).
+/// Image tokens each of a job's rows computes per block in the cost model's grid. Only an edit
+/// of a captured template runs mask-aware (its masked tokens, taken from the mask ratio so a
+/// profile measured at another resolution still ranks workers by relative cost); every other
+/// job (generation, capture, edit of an uploaded image) computes all image tokens.
 pub fn job_masked_tokens(job: &DenoiseJob, shape: &ModelShape) -> u32 {
     let mask_aware = job.kind == JobKind::Edit
         && job
             .template
             .as_ref()
             .is_some_and(|t| !t.cache_key.is_empty());
-    let per_image = if mask_aware {
+    if mask_aware {
         shape.masked_tokens(job.inputs.mask_ratio as f64)
     } else {
         shape.image_tokens
-    };
-    per_image.saturating_mul(job.params.batch_rows())
+    }
+}
+
+/// A job's batch rows (one per image, two with true CFG) and cache streams (one per image).
+pub fn job_footprint(job: &DenoiseJob) -> Footprint {
+    Footprint::new(job.params.n, job.params.true_cfg.is_some())
 }
 
 /// The policy's view of a job to place.
 pub fn request_info(job: &DenoiseJob, shape: &ModelShape) -> RequestInfo {
     RequestInfo {
         masked_tokens: job_masked_tokens(job, shape),
+        footprint: job_footprint(job),
         steps: job.params.num_inference_steps.max(1),
         template: template_cache_key(job).map(template_key),
         loras: LoraKeys::of(job.params.loras.iter().map(|l| l.id.as_str())),
@@ -82,15 +88,23 @@ pub fn fill_worker_state(
     let mut running_seqs: Vec<u64> = Vec::with_capacity(hb.running.len());
     out.running.clear();
     for r in w.running() {
-        let masked_tokens = match w.placed.get(&r.job_id) {
+        let (masked_tokens, footprint) = match w.placed.get(&r.job_id) {
             Some((seq, job)) => {
                 running_seqs.push(*seq);
-                job_masked_tokens(job, shape)
+                (job_masked_tokens(job, shape), job_footprint(job))
             }
-            None => r.masked_tokens.min(shape.image_tokens),
+            // Placed by another router: as its denoiser reports it.
+            None => (
+                r.masked_tokens.min(shape.image_tokens),
+                Footprint {
+                    rows: r.rows.max(1),
+                    cache_streams: r.images.max(1),
+                },
+            ),
         };
         out.running.push(ActiveRequest {
             masked_tokens,
+            footprint,
             remaining_steps: r.remaining_steps,
         });
     }
@@ -113,11 +127,13 @@ pub fn fill_worker_state(
     out.queued
         .extend(waiting.iter().map(|(_, job)| ActiveRequest {
             masked_tokens: job_masked_tokens(job, shape),
+            footprint: job_footprint(job),
             remaining_steps: job.params.num_inference_steps.max(1),
         }));
     let unknown = (hb.queued as usize).saturating_sub(waiting.len());
     out.queued.extend((0..unknown).map(|_| ActiveRequest {
         masked_tokens: shape.image_tokens / 2,
+        footprint: Footprint::ONE_ROW,
         remaining_steps: shape.steps,
     }));
     out.resident_templates.clear();
@@ -137,7 +153,7 @@ fn steps_since(
 ) -> u32 {
     let mut totals = BatchTotals::default();
     for r in running.iter().filter(|r| r.remaining_steps > 0) {
-        totals.add(&models.shape, r.masked_tokens);
+        totals.add_request(&models.shape, r.masked_tokens, r.footprint);
     }
     let step = models.step_latency(&totals) * step_time_factor;
     if step <= 0.0 {
@@ -209,15 +225,24 @@ pub(crate) mod tests {
         assert_eq!(r.masked_tokens, 64);
         assert_eq!(r.steps, 7);
         assert_eq!(r.template, Some(template_key("t")));
+        assert_eq!(r.footprint, Footprint::ONE_ROW);
+        // Two images: two rows of the same mask, each reading its own cache stream.
         let mut two = edit("b", 0.25, 7, "t");
         two.params.n = 2;
-        assert_eq!(request_info(&two, &shape()).masked_tokens, 128);
-        // True CFG runs every image as two rows.
+        let r = request_info(&two, &shape());
+        assert_eq!(r.masked_tokens, 64);
+        let footprint = |rows, cache_streams| Footprint {
+            rows,
+            cache_streams,
+        };
+        assert_eq!(r.footprint, footprint(2, 2));
+        // True CFG runs every image as two rows that share the image's stream.
         two.params.true_cfg = Some(diffmesh_shared::messages::TrueCfg {
             scale: 4.0,
             negative_prompt: String::new(),
         });
-        assert_eq!(request_info(&two, &shape()).masked_tokens, 256);
+        let r = request_info(&two, &shape());
+        assert_eq!((r.masked_tokens, r.footprint), (64, footprint(4, 2)));
     }
 
     #[test]
@@ -254,11 +279,16 @@ pub(crate) mod tests {
                 job_id: "j1".into(),
                 masked_tokens: 9999,
                 remaining_steps: 4,
+                rows: 1,
+                images: 1,
             },
+            // Another router's guided job: two rows of 30 masked tokens.
             RunningJob {
                 job_id: "foreign".into(),
                 masked_tokens: 30,
                 remaining_steps: 2,
+                rows: 2,
+                images: 1,
             },
         ];
         hb.queued = 3;
@@ -273,6 +303,8 @@ pub(crate) mod tests {
             .map(|r| (r.masked_tokens, r.remaining_steps))
             .collect();
         assert_eq!(masked, vec![(128, 4), (30, 2)]);
+        let rows: Vec<u32> = ws.running.iter().map(|r| r.footprint.rows).collect();
+        assert_eq!(rows, vec![1, 2]);
         let queued: Vec<(u32, u32)> = ws
             .queued
             .iter()

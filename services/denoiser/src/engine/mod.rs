@@ -578,6 +578,8 @@ impl Engine {
                     job_id: a.job.job_id.clone(),
                     masked_tokens: a.job.inputs.masked_tokens,
                     remaining_steps: (total - done) as u32,
+                    rows: a.rows() as u32,
+                    images: a.states.len() as u32,
                 }
             })
             .collect();

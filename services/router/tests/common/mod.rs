@@ -39,6 +39,8 @@ impl FakeWorker {
             job_id: "foreign".into(),
             masked_tokens,
             remaining_steps,
+            rows: 1,
+            images: 1,
         }];
         self
     }
