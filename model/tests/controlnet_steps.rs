@@ -4,7 +4,7 @@
 use diffmesh_model::flux::{ControlResiduals, FluxControlNet};
 use diffmesh_model::pipeline::control::ControlInput;
 use diffmesh_model::pipeline::stepper::{
-    step_batch_controlled, DenoiseState, EditSpec, StepMode, StepRequest,
+    step_batch_controlled, DenoiseState, EditSpec, StepMode, StepRequest, TrueCfg,
 };
 use diffmesh_model::pipeline::FluxPipeline;
 use diffmesh_model::scheduler::{
@@ -128,6 +128,70 @@ fn mixed_batches_step_each_row_as_alone() {
         moved > 1e-2,
         "the ControlNet moved the latents by only {moved}"
     );
+}
+
+/// True CFG on a steered request: the negative prompt's row takes the prompt row's residuals
+/// (diffusers' `FluxControlNetPipeline`). One Euler step is linear in the velocity, so the
+/// guided step lands at `neg + scale * (cond - neg)`, where `cond` and `neg` are unguided states
+/// of the prompt and of the negative prompt, both stepped with the prompt's residuals.
+#[test]
+fn a_guided_steered_request_guides_both_rows_with_the_prompts_residuals() {
+    let _turn = turn();
+    let m = TinyModel::random_for_tests(10, Device::Cpu).unwrap();
+    let s = scheduler();
+    let p = m.pipeline(&s);
+    let (net, _vs) = random_net(&m, 2, 1, 3);
+    let control = || {
+        Some(ControlInput {
+            image: image(12),
+            scale: 1.0,
+        })
+    };
+    let scale = 3.0;
+    let guided = || {
+        let mut r = req("a red circle", 6, control());
+        r.true_cfg = Some(TrueCfg {
+            negative_prompt: "a blue square".into(),
+            scale,
+        });
+        r
+    };
+    let mut g = DenoiseState::new(&p, &guided()).unwrap();
+    let mut cond = DenoiseState::new(&p, &req("a red circle", 6, control())).unwrap();
+    let mut neg = DenoiseState::new(&p, &req("a blue square", 6, control())).unwrap();
+    let residuals =
+        |st: &DenoiseState| st.control_step().unwrap().unwrap().residuals(&net).unwrap();
+    let (rg, rc) = (residuals(&g), residuals(&cond));
+    step_batch_controlled(&p, &mut [&mut g], &[StepMode::Full], 0, &[Some(rg)]).unwrap();
+    let both = [Some(rc.shallow_clone()), Some(rc)];
+    let modes = [StepMode::Full, StepMode::Full];
+    step_batch_controlled(&p, &mut [&mut cond, &mut neg], &modes, 0, &both).unwrap();
+    let expect = neg.latents() + (cond.latents() - neg.latents()) * scale;
+    let d = max_diff(g.latents(), &expect);
+    assert!(d < 1e-4, "guided step off the CFG combination by {d}");
+    assert!(
+        max_diff(g.latents(), cond.latents()) > 1e-3,
+        "guidance changed nothing"
+    );
+
+    // To the end, batched with a plain and another steered request: as alone.
+    let (other, _ovs) = random_net(&m, 1, 0, 4);
+    let make = || {
+        vec![
+            DenoiseState::new(&p, &guided()).unwrap(),
+            DenoiseState::new(&p, &req("a blue square", 4, None)).unwrap(),
+            DenoiseState::new(&p, &req("a green triangle", 5, control())).unwrap(),
+        ]
+    };
+    let nets = [Some(&net), None, Some(&other)];
+    let mut batch = make();
+    run(&p, &mut batch, &nets);
+    let mut alone = make();
+    for (i, st) in alone.iter_mut().enumerate() {
+        run(&p, std::slice::from_mut(st), &nets[i..=i]);
+        let d = max_diff(batch[i].latents(), st.latents());
+        assert!(d < 1e-4, "row {i}: batched vs alone differ by {d}");
+    }
 }
 
 #[test]

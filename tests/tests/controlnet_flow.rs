@@ -52,7 +52,7 @@ fn silhouette_iou(rgb: &[u8]) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_controlnet_steers_generations_through_the_mesh() {
     let dir = repo_root().join("models/tiny-controlnets");
-    // Guided by default, as `cargo xtask up`'s gateway is: a steered generation is not.
+    // Guided by default, as `cargo xtask up`'s gateway is: steered generations too.
     let mesh = MeshBuilder::new()
         .denoiser(move |_, c| c.controlnet_dir = Some(dir.clone()))
         .gateway(|c| c.default_true_cfg_scale = 4.0)

@@ -152,12 +152,6 @@ impl DenoiseState {
                         format!("must be above 1, got {}", cfg.scale),
                     ));
                 }
-                if req.control.is_some() {
-                    return Err(ModelError::input(
-                        "true_cfg",
-                        "a request steered by a ControlNet takes no true CFG",
-                    ));
-                }
                 let (device, kind) = p.transformer.device_kind();
                 let negative = match reuse.as_mut() {
                     Some((cache, _)) => cache.text(p, &cfg.negative_prompt, device, kind)?,
@@ -510,10 +504,12 @@ pub fn step_batch_controlled(
             let rows: Vec<(&DenoiseState, Branch)> =
                 members.iter().map(|&(i, b)| (&*states[i], b)).collect();
             let inputs = group_inputs(&rows)?;
-            // Guided states take no ControlNet (checked when prepared): only prompt rows steer.
+            // A guided steered state's negative row takes the prompt row's residuals, as in
+            // diffusers' `FluxControlNetPipeline` (the ControlNet runs once per step, on the
+            // prompt): guidance then pushes away from the negative prompt, not from the control.
             let steered: Vec<Option<&ControlResiduals>> = members
                 .iter()
-                .map(|&(i, b)| residuals[i].as_ref().filter(|_| b == Branch::Cond))
+                .map(|&(i, _)| residuals[i].as_ref())
                 .collect();
             let merged = if steered.iter().all(Option::is_none) {
                 None

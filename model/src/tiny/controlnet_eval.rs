@@ -10,7 +10,9 @@ use crate::error::{ModelError, Result};
 use crate::flux::{ControlResiduals, FluxControlNet};
 use crate::model_dir::LoadedModel;
 use crate::pipeline::control::ControlInput;
-use crate::pipeline::stepper::{step_batch_controlled, DenoiseState, StepMode, StepRequest};
+use crate::pipeline::stepper::{
+    step_batch_controlled, DenoiseState, StepMode, StepRequest, TrueCfg,
+};
 use crate::pipeline::FluxPipeline;
 use rand::SeedableRng;
 use std::path::PathBuf;
@@ -43,6 +45,10 @@ pub struct ControlNetEvalArgs {
     /// residuals of the previous step's inputs (the first two steps those of the first).
     #[arg(long)]
     pub pipelined: bool,
+    /// True classifier-free guidance scale for both generations (1 = off; the served default
+    /// of `cargo xtask up` is 4); the negative prompt is the empty prompt.
+    #[arg(long, default_value_t = 1.0)]
+    pub cfg_scale: f64,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -51,6 +57,7 @@ pub struct ControlNetEvalSummary {
     pub steps: usize,
     pub scale: f64,
     pub pipelined: bool,
+    pub cfg_scale: f64,
     /// Mean IoU of the drawn object with the silhouette, without the ControlNet and with it.
     pub iou_without: f64,
     pub iou_with: f64,
@@ -91,13 +98,17 @@ fn generate(
     steps: usize,
     net: Option<(&FluxControlNet, f64)>,
     pipelined: bool,
+    cfg_scale: f64,
 ) -> Result<Vec<u8>> {
     let control = net.map(|(_, scale)| ControlInput {
         image: rgb_to_tensor(&render_silhouette(scene), IMAGE_SIZE).unsqueeze(0),
         scale,
     });
     let req = StepRequest {
-        true_cfg: None,
+        true_cfg: (cfg_scale > 1.0).then(|| TrueCfg {
+            negative_prompt: String::new(),
+            scale: cfg_scale,
+        }),
         prompt: scene.key.prompt(),
         seed,
         height: IMAGE_SIZE,
@@ -151,7 +162,7 @@ pub fn run(args: &ControlNetEvalArgs) -> Result<ControlNetEvalSummary> {
     for (i, key) in held_out.into_iter().take(args.prompts).enumerate() {
         let scene = scene_for(key, &mut rng);
         let seed = args.seed + i as u64;
-        let plain = generate(&p, &scene, seed, args.steps, None, false)?;
+        let plain = generate(&p, &scene, seed, args.steps, None, false, args.cfg_scale)?;
         let steered = generate(
             &p,
             &scene,
@@ -159,6 +170,7 @@ pub fn run(args: &ControlNetEvalArgs) -> Result<ControlNetEvalSummary> {
             args.steps,
             Some((&net, args.scale)),
             args.pipelined,
+            args.cfg_scale,
         )?;
         let (a, b) = (
             silhouette_iou(&plain, &scene),
@@ -188,6 +200,7 @@ pub fn run(args: &ControlNetEvalArgs) -> Result<ControlNetEvalSummary> {
         steps: args.steps,
         scale: args.scale,
         pipelined: args.pipelined,
+        cfg_scale: args.cfg_scale,
         iou_without: without / n,
         iou_with: with / n,
         improved,

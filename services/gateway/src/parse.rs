@@ -18,7 +18,7 @@ use crate::idempotency;
 use crate::loras::params as lora_params;
 use crate::pipeline::{InputImage, JobInput};
 use crate::routes::ApiState;
-use crate::validate::{self, Defaults, RawParams};
+use crate::validate::{self, RawParams};
 
 /// Text fields are small; this caps each one independently of the body limit.
 pub(crate) const MAX_TEXT_FIELD_BYTES: usize = 64 * 1024;
@@ -44,24 +44,9 @@ pub async fn read_generation(
         .as_ref()
         .map(|c| crate::controlnet::validate(c, &state.limits))
         .transpose()?;
-    // A steered generation takes no true CFG: the gateway's default does not apply to it.
-    let defaults = match control {
-        Some(_) => Defaults {
-            true_cfg: 1.0,
-            ..state.defaults.clone()
-        },
-        None => state.defaults.clone(),
-    };
-    let mut valid = validate::validate_generation(raw, &state.limits, &defaults)?;
+    let mut valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
     if let Some(c) = &control {
         state.controlnets.check_offered(&c.reference.name)?;
-    }
-    if control.is_some() && valid.params.true_cfg.is_some() {
-        return Err(FieldError::invalid(
-            "true_cfg_scale",
-            "a generation steered by a ControlNet takes no true CFG (leave it at 1)",
-        )
-        .into());
     }
     lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
     let control_image = control.map(|c| {
