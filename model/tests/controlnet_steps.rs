@@ -86,6 +86,23 @@ fn run(p: &FluxPipeline<'_>, states: &mut [DenoiseState], nets: &[Option<&FluxCo
     }
 }
 
+/// Steps the states `make` builds together to the end, then each alone from a fresh copy, and
+/// asserts every row ends where it ends alone; returns the batched states.
+fn batched_as_alone(
+    p: &FluxPipeline<'_>,
+    make: impl Fn() -> Vec<DenoiseState>,
+    nets: &[Option<&FluxControlNet>],
+) -> Vec<DenoiseState> {
+    let mut batch = make();
+    run(p, &mut batch, nets);
+    for (i, mut st) in make().into_iter().enumerate() {
+        run(p, std::slice::from_mut(&mut st), &nets[i..=i]);
+        let d = max_diff(batch[i].latents(), st.latents());
+        assert!(d < 1e-4, "row {i}: batched vs alone differ by {d}");
+    }
+    batch
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     f64::try_from((a - b).abs().max()).unwrap()
 }
@@ -111,15 +128,7 @@ fn mixed_batches_step_each_row_as_alone() {
             DenoiseState::new(&p, &req("a green triangle", 5, control(11, 0.6))).unwrap(),
         ]
     };
-    let nets = [Some(&deep), None, Some(&shallow)];
-    let mut batch = make();
-    run(&p, &mut batch, &nets);
-    let mut alone = make();
-    for (i, st) in alone.iter_mut().enumerate() {
-        run(&p, std::slice::from_mut(st), &nets[i..=i]);
-        let d = max_diff(batch[i].latents(), st.latents());
-        assert!(d < 1e-4, "row {i}: batched vs alone differ by {d}");
-    }
+    let batch = batched_as_alone(&p, make, &[Some(&deep), None, Some(&shallow)]);
     // Steering changes the result; the plain row is the plain model's.
     let mut plain = vec![DenoiseState::new(&p, &req("a red circle", 3, None)).unwrap()];
     run(&p, &mut plain, &[None]);
@@ -183,15 +192,7 @@ fn a_guided_steered_request_guides_both_rows_with_the_prompts_residuals() {
             DenoiseState::new(&p, &req("a green triangle", 5, control())).unwrap(),
         ]
     };
-    let nets = [Some(&net), None, Some(&other)];
-    let mut batch = make();
-    run(&p, &mut batch, &nets);
-    let mut alone = make();
-    for (i, st) in alone.iter_mut().enumerate() {
-        run(&p, std::slice::from_mut(st), &nets[i..=i]);
-        let d = max_diff(batch[i].latents(), st.latents());
-        assert!(d < 1e-4, "row {i}: batched vs alone differ by {d}");
-    }
+    batched_as_alone(&p, make, &[Some(&net), None, Some(&other)]);
 }
 
 #[test]
