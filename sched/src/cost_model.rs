@@ -309,12 +309,6 @@ impl Footprint {
     }
 }
 
-impl Default for Footprint {
-    fn default() -> Self {
-        Self::ONE_ROW
-    }
-}
-
 /// Per-row sums a batch's block costs are linear in; add and remove requests cheaply.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct BatchTotals {

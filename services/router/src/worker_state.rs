@@ -38,9 +38,12 @@ pub fn job_masked_tokens(job: &DenoiseJob, shape: &ModelShape) -> u32 {
     }
 }
 
-/// A job's batch rows (one per image, two with true CFG) and cache streams (one per image).
+/// A job's batch rows (as the engine counts them) and cache streams (one per image).
 pub fn job_footprint(job: &DenoiseJob) -> Footprint {
-    Footprint::new(job.params.n, job.params.true_cfg.is_some())
+    Footprint {
+        rows: job.params.batch_rows(),
+        cache_streams: job.params.n.max(1),
+    }
 }
 
 /// The policy's view of a job to place.
