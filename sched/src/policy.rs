@@ -75,12 +75,27 @@ impl WorkerState {
         }
     }
 
-    /// Alive and with room for one more request: a worker holds at most `max_batch` running
-    /// plus `queue_capacity` waiting requests. (Counting the total, not the queue alone, lets a
-    /// router that sees a placement before the worker has batched it treat it as queued.)
+    /// Alive and with room for one more request: a worker runs at most `max_batch` rows (a
+    /// guided image is two) and keeps at most `queue_capacity` requests waiting. Its requests,
+    /// running and queued, fill the batch in order as the engine admits them; the rest count
+    /// against the queue. (Counting the total, not the queue alone, lets a router that sees a
+    /// placement before the worker has batched it treat it as queued.)
     pub fn accepts(&self) -> bool {
-        let room = self.limits.max_batch as u64 + self.limits.queue_capacity as u64;
-        self.alive && (self.requests() as u64) < room
+        let rows_only = BatchLimits {
+            token_budget: u64::MAX,
+            ..self.limits
+        };
+        let in_batch = crate::batching::admit_count(
+            &rows_only,
+            0,
+            0,
+            self.running
+                .iter()
+                .chain(&self.queued)
+                .map(|r| (r.footprint.rows, 0)),
+        );
+        let waiting = self.requests() - in_batch;
+        self.alive && (waiting as u64) < u64::from(self.limits.queue_capacity)
     }
 
     pub fn holds(&self, template: Option<u64>) -> bool {
@@ -344,6 +359,33 @@ pub(crate) mod tests {
         fresh.limits.max_batch = 2;
         fresh.limits.queue_capacity = 1;
         assert!(fresh.accepts());
+        // The batch holds rows: two guided requests fill a batch of 4, a third waits, and a
+        // queue of one is then full (counting requests, the worker had room for two more).
+        let guided = ActiveRequest {
+            footprint: Footprint::new(1, true),
+            ..req(1)
+        };
+        let mut w = worker(&[guided, guided], &[guided]);
+        w.limits.max_batch = 4;
+        w.limits.queue_capacity = 1;
+        assert!(!w.accepts());
+        w.queued.clear();
+        assert!(w.accepts());
+        // A request wider than the batch runs alone; the one behind it waits.
+        let wide = ActiveRequest {
+            footprint: Footprint::new(3, true),
+            ..req(1)
+        };
+        let w = worker(&[wide], &[req(1)]);
+        let w = WorkerState {
+            limits: BatchLimits {
+                max_batch: 4,
+                queue_capacity: 1,
+                ..w.limits
+            },
+            ..w
+        };
+        assert!(!w.accepts());
     }
 
     #[test]
