@@ -358,6 +358,11 @@ pub struct Heartbeat {
     /// Jobs running in the current batch plus queued ones.
     pub running: Vec<RunningJob>,
     pub queued: u32,
+    /// The queued jobs in queue order, sized as the running ones (`remaining_steps`: all of
+    /// them), so a router can cost jobs other routers placed. Empty from older senders, whose
+    /// queued jobs are only counted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waiting: Vec<RunningJob>,
     pub max_batch: u32,
     /// Model id the worker serves, so the router only places compatible jobs.
     pub model: String,
@@ -387,7 +392,59 @@ pub struct Heartbeat {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepSample {
     pub row_ratios: Vec<f32>,
+    /// The same rows by job, with the cache streams each job read: a guided image's two rows
+    /// read its cached activations once. Empty from older senders (each row is then costed as
+    /// a job of its own).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub jobs: Vec<StepJob>,
     pub seconds: f64,
+}
+
+impl StepSample {
+    /// A step that ran `jobs` in `seconds` (`row_ratios` filled for older readers).
+    pub fn of_jobs(jobs: Vec<StepJob>, seconds: f64) -> Self {
+        let row_ratios = jobs
+            .iter()
+            .flat_map(|j| std::iter::repeat_n(j.mask_ratio, j.rows as usize))
+            .collect();
+        Self {
+            row_ratios,
+            jobs,
+            seconds,
+        }
+    }
+
+    /// The step's jobs; an older sender's rows one job each.
+    pub fn step_jobs(&self) -> std::borrow::Cow<'_, [StepJob]> {
+        if self.jobs.is_empty() {
+            self.row_ratios.iter().map(|&r| StepJob::row(r)).collect()
+        } else {
+            std::borrow::Cow::Borrowed(&self.jobs)
+        }
+    }
+}
+
+/// One job's part of a [`StepSample`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StepJob {
+    /// Fraction of image tokens each of its rows computed (1.0: full compute).
+    pub mask_ratio: f32,
+    /// Its batch rows (images, twice over when guided).
+    pub rows: u32,
+    /// Cached-activation streams it read (one per image; full compute reads none, and a
+    /// stream of a full row costs nothing).
+    pub cache_streams: u32,
+}
+
+impl StepJob {
+    /// One row reading one stream.
+    pub fn row(mask_ratio: f32) -> Self {
+        Self {
+            mask_ratio,
+            rows: 1,
+            cache_streams: 1,
+        }
+    }
 }
 
 /// Gateway -> router (`ROUTER_CANCEL`) and router -> denoiser (`denoiser_cancel`): drop a job at

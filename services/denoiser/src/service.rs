@@ -452,6 +452,7 @@ impl Service {
             worker_id: self.worker_id.clone(),
             running: status.running,
             queued: status.queued,
+            waiting: status.waiting,
             max_batch: self.config.max_batch as u32,
             model: self.model_id.clone(),
             draining: status.draining || self.draining.load(Ordering::SeqCst),

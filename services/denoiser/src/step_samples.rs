@@ -33,15 +33,13 @@ impl StepSamples {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use diffmesh_shared::messages::StepJob;
 
     #[test]
     fn keeps_the_latest_steps_and_hands_each_out_once() {
         let samples = StepSamples::default();
         for i in 0..KEPT_STEPS + 3 {
-            samples.push(StepSample {
-                row_ratios: vec![1.0],
-                seconds: i as f64,
-            });
+            samples.push(StepSample::of_jobs(vec![StepJob::row(1.0)], i as f64));
         }
         let taken = samples.take();
         assert_eq!(taken.len(), KEPT_STEPS);

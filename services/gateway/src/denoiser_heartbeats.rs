@@ -100,6 +100,7 @@ pub fn heartbeat(id: &str, controlnets: &[&str], templates: &[&str], draining: b
         worker_id: id.into(),
         running: Vec::new(),
         queued: 0,
+        waiting: Vec::new(),
         max_batch: 4,
         model: "tiny".into(),
         draining,

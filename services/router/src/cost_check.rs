@@ -8,9 +8,9 @@
 //! takes. A worker whose smoothed ratio stays off by more than [`OFF_FACTOR`] is still named in
 //! a warning (at most every [`WARN_EVERY`]): the profile is for another machine or model.
 use diffmesh_sched::calibration::{StepCalibration, MIN_SAMPLES};
-use diffmesh_sched::cost_model::BatchTotals;
+use diffmesh_sched::cost_model::{BatchTotals, Footprint};
 use diffmesh_sched::CostModels;
-use diffmesh_shared::messages::StepSample;
+use diffmesh_shared::messages::{StepJob, StepSample};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -21,19 +21,24 @@ pub const WARN_EVERY: Duration = Duration::from_secs(600);
 /// A worker not heard of for this long is forgotten.
 const FORGET_AFTER: Duration = Duration::from_secs(3600);
 
-/// Predicted time of one step of a batch whose rows computed `row_ratios` of the image tokens,
-/// in the terms the router places with (`worker_state::job_masked_tokens`): a full-compute row
-/// counts every image token of the profile's grid, a mask-aware row its mask ratio of them.
-pub fn predicted_step_s(models: &CostModels, row_ratios: &[f32]) -> f64 {
+/// Predicted time of one step of a batch of `jobs`, in the terms the router places with
+/// (`worker_state::job_masked_tokens`, `job_footprint`): each row of a full-compute job counts
+/// every image token of the profile's grid, a mask-aware row its mask ratio of them, and each
+/// job's cache bytes count once per stream (a guided image's two rows read one).
+pub fn predicted_step_s(models: &CostModels, jobs: &[StepJob]) -> f64 {
     let shape = &models.shape;
     let mut totals = BatchTotals::default();
-    for &r in row_ratios {
-        let masked = if r >= 1.0 {
+    for j in jobs {
+        let masked = if j.mask_ratio >= 1.0 {
             shape.image_tokens
         } else {
-            shape.masked_tokens(f64::from(r))
+            shape.masked_tokens(f64::from(j.mask_ratio))
         };
-        totals.add(shape, masked);
+        let footprint = Footprint {
+            rows: j.rows,
+            cache_streams: j.cache_streams,
+        };
+        totals.add_request(shape, masked, footprint);
     }
     models.step_latency(&totals)
 }
@@ -89,7 +94,7 @@ impl CostCheck {
             });
         fit.seen_at = now;
         for s in steps {
-            let predicted = predicted_step_s(models, &s.row_ratios);
+            let predicted = predicted_step_s(models, &s.step_jobs());
             if let Some(ratio) = fit.calibration.observe(s.seconds, predicted) {
                 report.ratios.push(ratio);
             }
@@ -124,28 +129,66 @@ mod tests {
         diffmesh_sched::profiles::builtin_models().unwrap()
     }
 
+    fn rows(ratios: &[f32]) -> Vec<StepJob> {
+        ratios.iter().map(|&r| StepJob::row(r)).collect()
+    }
+
     fn steps(models: &CostModels, factor: f64, n: usize) -> Vec<StepSample> {
-        let rows = vec![0.1_f32, 0.3, 1.0];
-        let seconds = predicted_step_s(models, &rows) * factor;
+        let jobs = rows(&[0.1, 0.3, 1.0]);
+        let seconds = predicted_step_s(models, &jobs) * factor;
         (0..n)
-            .map(|_| StepSample {
-                row_ratios: rows.clone(),
-                seconds,
-            })
+            .map(|_| StepSample::of_jobs(jobs.clone(), seconds))
             .collect()
     }
 
     #[test]
     fn predictions_follow_the_batch() {
         let m = models();
-        let one = predicted_step_s(&m, &[0.1]);
+        let one = predicted_step_s(&m, &rows(&[0.1]));
         assert!(one > 0.0);
-        assert!(predicted_step_s(&m, &[1.0]) > one, "a full row costs more");
         assert!(
-            predicted_step_s(&m, &[0.1, 0.1]) > one,
+            predicted_step_s(&m, &rows(&[1.0])) > one,
+            "a full row costs more"
+        );
+        assert!(
+            predicted_step_s(&m, &rows(&[0.1, 0.1])) > one,
             "two rows cost more"
         );
         assert_eq!(predicted_step_s(&m, &[]), 0.0);
+    }
+
+    #[test]
+    fn a_guided_images_rows_read_its_cache_once_as_placement_assumes() {
+        let m = models();
+        let guided = StepJob {
+            mask_ratio: 0.1,
+            rows: 2,
+            cache_streams: 1,
+        };
+        let two_images = predicted_step_s(&m, &rows(&[0.1, 0.1]));
+        let predicted = predicted_step_s(&m, &[guided]);
+        assert!(predicted < two_images, "{predicted} vs {two_images}");
+        // The same job as the router costs it when placing.
+        let mut totals = BatchTotals::default();
+        let masked = m.shape.masked_tokens(0.1);
+        totals.add_request(&m.shape, masked, Footprint::new(1, true));
+        assert_eq!(predicted, m.step_latency(&totals));
+    }
+
+    #[test]
+    fn an_older_senders_rows_are_costed_one_job_each() {
+        let m = models();
+        let old = StepSample {
+            row_ratios: vec![0.2, 1.0],
+            jobs: vec![],
+            seconds: 1.0,
+        };
+        let new = StepSample::of_jobs(rows(&[0.2, 1.0]), 1.0);
+        assert_eq!(old.row_ratios, new.row_ratios);
+        assert_eq!(
+            predicted_step_s(&m, &old.step_jobs()),
+            predicted_step_s(&m, &new.step_jobs())
+        );
     }
 
     #[test]
@@ -188,18 +231,9 @@ mod tests {
     fn unusable_samples_are_skipped() {
         let (m, mut check) = (models(), CostCheck::default());
         let bad = vec![
-            StepSample {
-                row_ratios: vec![],
-                seconds: 0.1,
-            },
-            StepSample {
-                row_ratios: vec![0.5],
-                seconds: 0.0,
-            },
-            StepSample {
-                row_ratios: vec![0.5],
-                seconds: f64::NAN,
-            },
+            StepSample::of_jobs(vec![], 0.1),
+            StepSample::of_jobs(rows(&[0.5]), 0.0),
+            StepSample::of_jobs(rows(&[0.5]), f64::NAN),
         ];
         assert!(check
             .observe("w", &bad, &m, Instant::now())

@@ -279,6 +279,7 @@ pub(crate) mod tests {
             worker_id: id.into(),
             running: vec![],
             queued,
+            waiting: vec![],
             max_batch,
             model: "tiny".into(),
             draining: false,

@@ -207,7 +207,7 @@ pub fn no_worker_message(lost_worker: &str, waited: std::time::Duration) -> Stri
 mod tests {
     use super::*;
     use crate::registry::tests::{heartbeat, job, policy};
-    use diffmesh_shared::messages::RunningJob;
+    use diffmesh_shared::messages::{RunningJob, StepJob, StepSample};
     use std::time::Duration;
 
     fn models() -> CostModels {
@@ -323,14 +323,9 @@ mod tests {
         let t0 = Instant::now();
         let mut s = state_with("mask-aware", 3);
         let reported = |s: &RouterState, factor: f64, n: usize| {
-            let predicted = crate::cost_check::predicted_step_s(s.models(), &[0.1]);
-            vec![
-                diffmesh_shared::messages::StepSample {
-                    row_ratios: vec![0.1],
-                    seconds: factor * predicted,
-                };
-                n
-            ]
+            let jobs = vec![StepJob::row(0.1)];
+            let predicted = crate::cost_check::predicted_step_s(s.models(), &jobs);
+            vec![StepSample::of_jobs(jobs, factor * predicted); n]
         };
         let mut b = heartbeat("b", 4, 0);
         b.running = vec![running("small", 8, 2)];
@@ -559,11 +554,9 @@ mod tests {
     fn a_heartbeats_steps_are_checked_against_the_cost_model() {
         let mut s = state(3);
         let mut hb = heartbeat("a", 2, 0);
-        let predicted = crate::cost_check::predicted_step_s(s.models(), &[0.2, 1.0]);
-        hb.recent_steps = vec![diffmesh_shared::messages::StepSample {
-            row_ratios: vec![0.2, 1.0],
-            seconds: 2.0 * predicted,
-        }];
+        let jobs = vec![StepJob::row(0.2), StepJob::row(1.0)];
+        let predicted = crate::cost_check::predicted_step_s(s.models(), &jobs);
+        hb.recent_steps = vec![StepSample::of_jobs(jobs, 2.0 * predicted)];
         let (new, report) = s.observe(hb, Instant::now());
         assert!(new);
         assert_eq!(report.ratios.len(), 1);

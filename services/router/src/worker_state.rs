@@ -65,9 +65,10 @@ pub fn request_info(job: &DenoiseJob, shape: &ModelShape) -> RequestInfo {
 ///   can be older than a whole small job; without this a worker that reported last looks
 ///   busier than one whose report is stale); the time left in the step in flight is not
 ///   reported, so `step_remaining_s` is 0.
-/// - queued: this router's placements the heartbeat does not list as running, in placement
-///   order, then one entry per job the worker reports beyond those (placed by someone else:
-///   size unknown, assumed to mask half the image).
+/// - queued: the worker's queue as its heartbeat lists it (jobs of other routers as reported),
+///   then this router's placements the heartbeat does not list yet, in placement order; an
+///   older denoiser reports only a count, and its jobs beyond those known are assumed to be
+///   one row masking half the image.
 pub fn fill_worker_state(
     w: LiveWorker,
     models: &CostModels,
@@ -120,20 +121,51 @@ pub fn fill_worker_state(
     for r in &mut out.running {
         r.remaining_steps = r.remaining_steps.saturating_sub(elapsed);
     }
-    let mut waiting: Vec<&(u64, DenoiseJob)> = w
+    // The worker's queue as it reported it (this router's jobs costed from the job itself),
+    // then this router's placements it did not list yet, then jobs it only counted.
+    out.queued.clear();
+    let mut queued_seqs: Vec<u64> = Vec::with_capacity(hb.waiting.len());
+    for r in hb
+        .waiting
+        .iter()
+        .filter(|r| !w.finished.contains(&r.job_id))
+    {
+        let queued = match w.placed.get(&r.job_id) {
+            Some((seq, _)) if running_seqs.contains(seq) => continue,
+            Some((seq, job)) => {
+                queued_seqs.push(*seq);
+                ActiveRequest {
+                    masked_tokens: job_masked_tokens(job, shape),
+                    footprint: job_footprint(job),
+                    remaining_steps: job.params.num_inference_steps.max(1),
+                }
+            }
+            None => ActiveRequest {
+                masked_tokens: r.masked_tokens.min(shape.image_tokens),
+                footprint: Footprint {
+                    rows: r.rows.max(1),
+                    cache_streams: r.images.max(1),
+                },
+                remaining_steps: r.remaining_steps.max(1),
+            },
+        };
+        out.queued.push(queued);
+    }
+    let mut unlisted: Vec<&(u64, DenoiseJob)> = w
         .placed
         .values()
-        .filter(|(seq, _)| !running_seqs.contains(seq))
+        .filter(|(seq, _)| !running_seqs.contains(seq) && !queued_seqs.contains(seq))
         .collect();
-    waiting.sort_unstable_by_key(|(seq, _)| *seq);
-    out.queued.clear();
+    unlisted.sort_unstable_by_key(|(seq, _)| *seq);
     out.queued
-        .extend(waiting.iter().map(|(_, job)| ActiveRequest {
+        .extend(unlisted.iter().map(|(_, job)| ActiveRequest {
             masked_tokens: job_masked_tokens(job, shape),
             footprint: job_footprint(job),
             remaining_steps: job.params.num_inference_steps.max(1),
         }));
-    let unknown = (hb.queued as usize).saturating_sub(waiting.len());
+    // An older denoiser reports a count only: its jobs beyond those known are assumed to mask
+    // half the image.
+    let unknown = (hb.queued as usize).saturating_sub(hb.waiting.len() + unlisted.len());
     out.queued.extend((0..unknown).map(|_| ActiveRequest {
         masked_tokens: shape.image_tokens / 2,
         footprint: Footprint::ONE_ROW,
@@ -325,7 +357,8 @@ pub(crate) mod tests {
         assert!(!ws.holds_all(&request_info(&job, &models().shape)));
         assert_eq!(ws.limits.max_batch, 4);
         assert_eq!(ws.limits.queue_capacity, 3);
-        // 2 running + 3 queued of 4 + 3 slots.
+        // A batch of 4 rows takes j1, the foreign job and j2; j3 and the unknown job wait in a
+        // queue of 3.
         assert!(ws.accepts());
         // 10 ms after the heartbeat, at 4 ms a step, the batch has run 2 more steps.
         let later = t0 + std::time::Duration::from_millis(10);
@@ -337,5 +370,41 @@ pub(crate) mod tests {
         let remaining: Vec<u32> = ws.running.iter().map(|r| r.remaining_steps).collect();
         assert_eq!(remaining, vec![3, 1]);
         assert_eq!(ws.step_time_factor, 2.5);
+    }
+
+    #[test]
+    fn a_listed_queue_sizes_other_routers_jobs_and_keeps_its_order() {
+        let t0 = Instant::now();
+        let mut reg = WorkerRegistry::new(policy());
+        let mut hb = heartbeat("a", 4, 0);
+        reg.observe(hb.clone(), t0);
+        reg.record_placement("a", edit("mine-1", 0.5, 10, "t"));
+        reg.record_placement("a", edit("mine-2", 0.125, 8, "t"));
+        let listed = |id: &str, masked, rows, images, steps| RunningJob {
+            job_id: id.into(),
+            masked_tokens: masked,
+            remaining_steps: steps,
+            rows,
+            images,
+        };
+        // The worker queued another router's guided pair of images between this router's jobs,
+        // and has not seen mine-2 yet.
+        hb.waiting = vec![
+            listed("foreign", 40, 4, 2, 12),
+            listed("mine-1", 9999, 1, 1, 10),
+        ];
+        hb.queued = 2;
+        reg.observe(hb, t0);
+        let mut ws = WorkerState::idle(BatchLimits::default());
+        fill_worker_state(reg.live().next().unwrap(), &models(), 1.0, t0, &mut ws);
+        let queued: Vec<(u32, u32, u32, u32)> = ws
+            .queued
+            .iter()
+            .map(|r| {
+                let f = r.footprint;
+                (r.masked_tokens, f.rows, f.cache_streams, r.remaining_steps)
+            })
+            .collect();
+        assert_eq!(queued, vec![(40, 4, 2, 12), (128, 1, 1, 10), (32, 1, 1, 8)]);
     }
 }

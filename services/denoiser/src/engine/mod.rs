@@ -583,6 +583,17 @@ impl Engine {
                 }
             })
             .collect();
+        let waiting = self
+            .waiting
+            .iter()
+            .map(|(j, _)| RunningJob {
+                job_id: j.job.job_id.clone(),
+                masked_tokens: j.job.inputs.masked_tokens,
+                remaining_steps: j.job.params.num_inference_steps,
+                rows: j.job.params.batch_rows(),
+                images: j.job.params.n.max(1),
+            })
+            .collect();
         if let Some(m) = &self.metrics {
             m.queued.set(self.waiting.len() as i64);
             m.running.set(self.active.len() as i64);
@@ -591,6 +602,7 @@ impl Engine {
             *s = EngineStatus {
                 running,
                 queued: self.waiting.len() as u32,
+                waiting,
                 draining: self.shutting_down,
             };
         }

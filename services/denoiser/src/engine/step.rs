@@ -9,7 +9,7 @@ use diffmesh_model::flux::ControlResiduals;
 use diffmesh_model::lora::WeightedLora;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::ModelError;
-use diffmesh_shared::messages::StepSample;
+use diffmesh_shared::messages::{StepJob, StepSample};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 use tracing::Span;
@@ -67,7 +67,7 @@ impl Engine {
         // A step that runs a capture, falls back job by job, or switches weights is no sample
         // of batched steps.
         let capturing = self.active.iter().any(|a| a.capture.is_some());
-        let row_ratios = self.row_ratios(&runs);
+        let step_jobs = self.step_jobs(&runs);
         let mut switches = 0;
         if capturing {
             switches += self.switch_weights(&[], &[]);
@@ -126,14 +126,17 @@ impl Engine {
                 m.batch_rows.observe(rows as f64);
             }
         }
-        let mask_aware_rows = row_ratios.iter().filter(|r| **r < 1.0).count();
-        let all_as_planned = reports.first().is_some_and(|r| r.cached >= mask_aware_rows);
+        let mask_aware_rows: u32 = step_jobs
+            .iter()
+            .filter(|j| j.mask_ratio < 1.0)
+            .map(|j| j.rows)
+            .sum();
+        let all_as_planned = reports
+            .first()
+            .is_some_and(|r| r.cached >= mask_aware_rows as usize);
         let plain = batched_ok && !capturing && single_group && switches == 0;
-        if plain && !row_ratios.is_empty() && all_as_planned {
-            self.steps.push(StepSample {
-                row_ratios,
-                seconds,
-            });
+        if plain && !step_jobs.is_empty() && all_as_planned {
+            self.steps.push(StepSample::of_jobs(step_jobs, seconds));
         }
         for (a, span) in self.active.iter().zip(step_spans) {
             if let (Some(s), Some(span)) = (a.states.first(), span) {
@@ -295,19 +298,20 @@ impl Engine {
         }
     }
 
-    /// Per batch row of the coming step (jobs where `runs`): its mask ratio if it steps
-    /// mask-aware, else 1.0.
-    fn row_ratios(&self, runs: &[bool]) -> Vec<f32> {
+    /// The jobs of the coming step (where `runs`): each one's mask ratio if it steps
+    /// mask-aware (else 1.0), rows, and cache streams (one per image).
+    fn step_jobs(&self, runs: &[bool]) -> Vec<StepJob> {
         self.active
             .iter()
             .zip(runs)
             .filter(|(a, run)| **run && a.capture.is_none() && a.failed.is_none())
-            .flat_map(|(a, _)| {
-                let ratio = match a.cache {
+            .map(|(a, _)| StepJob {
+                mask_ratio: match a.cache {
                     Some(_) => a.job.inputs.mask_ratio.clamp(0.0, 1.0),
                     None => 1.0,
-                };
-                std::iter::repeat_n(ratio, a.rows())
+                },
+                rows: a.rows() as u32,
+                cache_streams: a.states.len() as u32,
             })
             .collect()
     }

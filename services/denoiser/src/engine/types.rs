@@ -223,5 +223,7 @@ impl Default for EngineConfig {
 pub struct EngineStatus {
     pub running: Vec<RunningJob>,
     pub queued: u32,
+    /// The queued jobs in queue order, sized as they will run.
+    pub waiting: Vec<RunningJob>,
     pub draining: bool,
 }

@@ -69,6 +69,7 @@ impl FakeWorker {
                             worker_id: self.id.clone(),
                             running: self.running.clone(),
                             queued: 0,
+                            waiting: vec![],
                             max_batch: self.max_batch,
                             model: "tiny".into(),
                             draining: false,
