@@ -183,13 +183,13 @@ async fn a_guided_job_takes_two_rows_and_batches_like_alone() {
     };
     submit(&h, guided("g", 1), None).await;
     let (alone, _) = drain(&mut h, &["g"]).await;
-    let rows: Vec<usize> = h
-        .engine
-        .take_step_samples()
-        .iter()
-        .map(|s| s.row_ratios.len())
-        .collect();
+    let samples = h.engine.take_step_samples();
+    let rows: Vec<usize> = samples.iter().map(|s| s.row_ratios.len()).collect();
     assert_eq!(rows, [2, 2, 2, 2]);
+    // One job of two rows reading one cache stream (the router costs its bytes once).
+    assert!(samples
+        .iter()
+        .all(|s| s.jobs.len() == 1 && (s.jobs[0].rows, s.jobs[0].cache_streams) == (2, 1)));
     submit(&h, job("u", "a red circle", 1, 4), None).await;
     let (plain, _) = drain(&mut h, &["u"]).await;
     let steered = max_abs_diff(&alone["g"], &plain["u"]);
@@ -366,6 +366,23 @@ async fn cancellation_frees_the_slot() {
             _ => {}
         }
     }
+    // The waiting job is listed for the heartbeat as it will run (all its steps, one row),
+    // once a status snapshot taken after its submit is out.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        let status = h.engine.status();
+        if status.queued > 0 || std::time::Instant::now() > deadline {
+            break status;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let waiting: Vec<(&str, u32, u32)> = status
+        .waiting
+        .iter()
+        .map(|w| (w.job_id.as_str(), w.remaining_steps, w.rows))
+        .collect();
+    assert_eq!(waiting, [("next", 2, 1)], "{status:?}");
+    assert_eq!(status.queued, 1);
     h.engine.cancel("long".into(), Span::none()).await;
     let (images, log) = drain(&mut h, &["long", "next"]).await;
     assert!(log.contains(&"cancelled long".to_string()), "{log:?}");

@@ -22,40 +22,6 @@ impl ExpiryPolicy {
     }
 }
 
-/// One live worker as the router knows it: its last heartbeat plus what this router placed on
-/// it since. [`crate::worker_state`] turns it into the policies' `WorkerState`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct WorkerView {
-    pub worker_id: String,
-    pub model: String,
-    pub draining: bool,
-    pub max_batch: u32,
-    pub queue_capacity: u32,
-    /// Jobs the worker holds: the larger of what it reported and what this router placed on it
-    /// (placements made since its last heartbeat are not in the report yet).
-    pub outstanding: u32,
-    /// The running batch from the last heartbeat (masked tokens and remaining steps per job).
-    pub running: Vec<RunningJob>,
-    /// Jobs the worker reported waiting in its queue (possibly placed by another router).
-    pub reported_queued: u32,
-    /// Jobs this router placed on the worker that its last heartbeat did not list as running
-    /// (waiting in its queue, or not seen by it yet), in placement order.
-    pub waiting: Vec<DenoiseJob>,
-    /// Jobs this router placed that are running, by id (their mask ratio and image count).
-    pub running_jobs: HashMap<String, DenoiseJob>,
-    /// Template cache keys resident on the worker (from its heartbeat).
-    pub cached_templates: Vec<String>,
-    /// LoRA ids in the worker's memory (from its heartbeat).
-    pub cached_loras: Vec<String>,
-}
-
-impl WorkerView {
-    /// Whether one more job fits in the worker's batch plus its queue.
-    pub fn has_capacity(&self) -> bool {
-        !self.draining && self.outstanding < self.max_batch + self.queue_capacity
-    }
-}
-
 /// A borrowed look at one live worker, for the placement hot path (no copies of jobs).
 #[derive(Debug, Clone, Copy)]
 pub struct LiveWorker<'a> {
@@ -183,41 +149,6 @@ impl WorkerRegistry {
         })
     }
 
-    /// Live workers with owned copies of what the router knows, ordered by id.
-    pub fn views(&self) -> Vec<WorkerView> {
-        self.live()
-            .map(|w| {
-                let hb = w.heartbeat;
-                let running: Vec<RunningJob> = w.running().cloned().collect();
-                let reported = running.len() as u32 + hb.queued;
-                let mut waiting: Vec<&(u64, DenoiseJob)> = Vec::new();
-                let mut running_jobs = HashMap::new();
-                for (job_id, placed) in w.placed {
-                    if running.iter().any(|r| &r.job_id == job_id) {
-                        running_jobs.insert(job_id.clone(), placed.1.clone());
-                    } else {
-                        waiting.push(placed);
-                    }
-                }
-                waiting.sort_by_key(|(seq, _)| *seq);
-                WorkerView {
-                    worker_id: w.worker_id.to_string(),
-                    model: hb.model.clone(),
-                    draining: hb.draining,
-                    max_batch: hb.max_batch,
-                    queue_capacity: hb.queue_capacity,
-                    outstanding: reported.max(w.placed.len() as u32),
-                    running,
-                    reported_queued: hb.queued,
-                    waiting: waiting.into_iter().map(|(_, j)| j.clone()).collect(),
-                    running_jobs,
-                    cached_templates: hb.cached_templates.clone(),
-                    cached_loras: hb.cached_loras.clone(),
-                }
-            })
-            .collect()
-    }
-
     pub fn live_workers(&self) -> usize {
         self.workers.len()
     }
@@ -273,6 +204,10 @@ impl WorkerRegistry {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::worker_state::fill_worker_state;
+    use diffmesh_sched::batching::BatchLimits;
+    use diffmesh_sched::policy::template_key;
+    use diffmesh_sched::WorkerState;
 
     pub fn heartbeat(id: &str, max_batch: u32, queued: u32) -> Heartbeat {
         Heartbeat {
@@ -335,32 +270,43 @@ pub(crate) mod tests {
         assert_eq!(reg.owner("j3"), Some("b"));
     }
 
-    #[test]
-    fn outstanding_counts_placements_not_yet_reported() {
-        let t0 = Instant::now();
-        let mut reg = WorkerRegistry::new(policy());
-        reg.observe(heartbeat("a", 1, 0), t0);
-        let view = &reg.views()[0];
-        assert!(view.has_capacity());
-        reg.record_placement("a", job("j1"));
-        reg.record_placement("a", job("j2"));
-        assert_eq!(reg.views()[0].outstanding, 2);
-        reg.record_placement("a", job("j3"));
-        // max_batch 1 + queue 2 = 3 slots, all taken.
-        assert!(!reg.views()[0].has_capacity());
-        // The worker's own report wins when it is larger (jobs from another router).
-        reg.observe(heartbeat("a", 1, 5), t0);
-        assert_eq!(reg.views()[0].outstanding, 5);
+    /// The policies' view of the only live worker (as placement builds it).
+    /// (At the time of the heartbeats below, so the batch is not advanced.)
+    fn state(reg: &WorkerRegistry) -> WorkerState {
+        let mut ws = WorkerState::idle(BatchLimits::default());
+        let models = crate::worker_state::tests::models();
+        let w = reg.live().next().unwrap();
+        fill_worker_state(w, &models, 1.0, w.last_seen, &mut ws);
+        ws
     }
 
     #[test]
-    fn view_splits_placed_jobs_into_running_and_waiting_in_order() {
+    fn placements_not_yet_reported_count_as_queued() {
+        let t0 = Instant::now();
+        let mut reg = WorkerRegistry::new(policy());
+        reg.observe(heartbeat("a", 1, 0), t0);
+        assert!(state(&reg).accepts());
+        reg.record_placement("a", job("j1"));
+        reg.record_placement("a", job("j2"));
+        assert_eq!(state(&reg).requests(), 2);
+        reg.record_placement("a", job("j3"));
+        // max_batch 1 + queue 2 = 3 slots, all taken.
+        assert!(!state(&reg).accepts());
+        // The worker's own count wins when it is larger (jobs from another router).
+        reg.observe(heartbeat("a", 1, 5), t0);
+        assert_eq!(state(&reg).requests(), 5);
+    }
+
+    #[test]
+    fn placed_jobs_split_into_running_and_waiting_in_order() {
         let t0 = Instant::now();
         let mut reg = WorkerRegistry::new(policy());
         let mut hb = heartbeat("a", 2, 0);
         reg.observe(hb.clone(), t0);
-        for id in ["j1", "j2", "j3"] {
-            reg.record_placement("a", job(id));
+        for (id, steps) in [("j1", 11), ("j2", 12), ("j3", 13)] {
+            let mut j = job(id);
+            j.params.num_inference_steps = steps;
+            reg.record_placement("a", j);
         }
         hb.running = vec![RunningJob {
             job_id: "j2".into(),
@@ -372,13 +318,12 @@ pub(crate) mod tests {
         hb.queued = 1;
         hb.cached_templates = vec!["t1".into()];
         reg.observe(hb, t0);
-        let v = &reg.views()[0];
-        let waiting: Vec<&str> = v.waiting.iter().map(|j| j.job_id.as_str()).collect();
-        assert_eq!(waiting, vec!["j1", "j3"]);
-        assert!(v.running_jobs.contains_key("j2"));
-        assert_eq!(v.reported_queued, 1);
-        assert_eq!(v.outstanding, 3);
-        assert_eq!(v.cached_templates, vec!["t1".to_string()]);
+        let ws = state(&reg);
+        let running: Vec<u32> = ws.running.iter().map(|r| r.remaining_steps).collect();
+        assert_eq!(running, vec![3]);
+        let waiting: Vec<u32> = ws.queued.iter().map(|r| r.remaining_steps).collect();
+        assert_eq!(waiting, vec![11, 13]);
+        assert!(ws.holds(Some(template_key("t1"))));
     }
 
     #[test]
@@ -401,10 +346,10 @@ pub(crate) mod tests {
         reg.observe(hb.clone(), t0);
         // j1's Done event arrives; the last heartbeat still lists it.
         reg.finish("j1");
-        let v = &reg.views()[0];
-        let running: Vec<&str> = v.running.iter().map(|r| r.job_id.as_str()).collect();
+        let w = reg.live().next().unwrap();
+        let running: Vec<&str> = w.running().map(|r| r.job_id.as_str()).collect();
         assert_eq!(running, vec!["j2"]);
-        assert_eq!(v.outstanding, 1);
+        assert_eq!(state(&reg).requests(), 1);
         // The next heartbeat no longer lists it: nothing left to remember.
         hb.running.remove(0);
         reg.observe(hb, t0);
@@ -412,12 +357,12 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn draining_worker_has_no_capacity() {
+    fn a_draining_worker_accepts_nothing() {
         let mut reg = WorkerRegistry::new(policy());
         let mut hb = heartbeat("a", 4, 0);
         hb.draining = true;
         reg.observe(hb, Instant::now());
-        assert!(!reg.views()[0].has_capacity());
+        assert!(!state(&reg).accepts());
     }
 
     #[test]

@@ -206,7 +206,7 @@ pub(crate) mod tests {
     use std::time::Instant;
 
     /// Every block takes 1 ms whatever the batch, loads are free: 4 ms a step.
-    fn models() -> CostModels {
+    pub(crate) fn models() -> CostModels {
         let fit = |intercept| diffmesh_sched::LinearFit {
             slope: 0.0,
             intercept,
