@@ -284,12 +284,16 @@ pub struct BlockCosts {
 }
 
 /// What one request takes of every step it runs in: its batch rows (one per image, two under
-/// true CFG, where the negative prompt's row runs beside the prompt's) and the template-cache
-/// streams those rows read (one per image: both rows of a guided image read the same stream).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// true CFG, where the negative prompt's row runs beside the prompt's), the template-cache
+/// streams those rows read (one per image: both rows of a guided image read the same stream),
+/// and the seconds the worker's step loop spends on it outside the batched forward (its
+/// ControlNet's forward, or the wait for a ControlNet worker's residuals), as the worker
+/// measured it.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Footprint {
     pub rows: u32,
     pub cache_streams: u32,
+    pub control_s: f64,
 }
 
 impl Footprint {
@@ -297,6 +301,7 @@ impl Footprint {
     pub const ONE_ROW: Footprint = Footprint {
         rows: 1,
         cache_streams: 1,
+        control_s: 0.0,
     };
 
     /// `images` images (at least one), each one row or, `guided`, two.
@@ -305,6 +310,19 @@ impl Footprint {
         Footprint {
             rows: images.saturating_mul(1 + u32::from(guided)),
             cache_streams: images,
+            control_s: 0.0,
+        }
+    }
+
+    /// The same with `control_s` seconds a step outside the batched forward.
+    pub fn with_control_s(self, control_s: f64) -> Self {
+        Footprint {
+            control_s: if control_s.is_finite() {
+                control_s.max(0.0)
+            } else {
+                0.0
+            },
+            ..self
         }
     }
 }
@@ -318,6 +336,8 @@ pub struct BatchTotals {
     pub flops_cached: f64,
     pub flops_full: f64,
     pub bytes: f64,
+    /// Seconds a step spends on its requests outside the batched forward ([`Footprint::control_s`]).
+    pub control_s: f64,
 }
 
 impl BatchTotals {
@@ -336,6 +356,7 @@ impl BatchTotals {
         self.flops_cached += row.flops_cached;
         self.flops_full += row.flops_full;
         self.bytes += row.bytes;
+        self.control_s += row.control_s;
     }
 }
 
@@ -347,6 +368,7 @@ pub struct RowCost {
     pub flops_cached: f64,
     pub flops_full: f64,
     pub bytes: f64,
+    pub control_s: f64,
 }
 
 impl RowCost {
@@ -363,6 +385,7 @@ impl RowCost {
             flops_cached: shape.flops_cached(masked) * rows,
             flops_full: shape.flops_full() * rows,
             bytes: shape.cache_bytes(masked) * f64::from(footprint.cache_streams),
+            control_s: footprint.control_s,
         }
     }
 }
@@ -528,6 +551,7 @@ impl CostModels {
             .step_overhead
             .map_or(0.0, |o| o.intercept + o.slope * totals.requests as f64);
         (crate::planner::uniform_latency(self.shape.blocks, c) + overhead).max(0.0)
+            + totals.control_s
     }
 
     /// Standalone service time of one request: its steps alone on an idle worker.

@@ -102,7 +102,7 @@ impl Forecaster {
         let shape = &model.shape;
         let new = req.map(|r| ActiveRequest {
             masked_tokens: r.masked_tokens,
-            footprint: r.footprint,
+            footprint: worker.footprint_of(r),
             remaining_steps: r.steps.max(1),
         });
         let queue_len = worker.queued.len() + usize::from(new.is_some());
@@ -257,6 +257,7 @@ pub(crate) mod tests {
             steps: 1,
             template: None,
             loras: crate::policy::LoraKeys::NONE,
+            controlnet: None,
             waiting_behind: Some(0),
         };
         // t=0.5: batch {2,1} runs 2 steps of 3 s -> 6.5; the queued one retires, the new one
@@ -272,6 +273,50 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_steered_request_costs_its_controlnet_as_the_worker_measured_it() {
+        let m = token_seconds_model();
+        let steered = RequestInfo {
+            masked_tokens: 4,
+            footprint: Footprint::ONE_ROW,
+            steps: 2,
+            template: None,
+            loras: crate::policy::LoraKeys::NONE,
+            controlnet: Some(7),
+            waiting_behind: Some(0),
+        };
+        // Alone: 4 s a step of the batched forward.
+        let unmeasured = WorkerState::idle(BatchLimits::default());
+        let f = Forecaster::default().forecast(&unmeasured, &steered, &m);
+        assert!((f.finish_s - 8.0).abs() < 1e-9, "{f:?}");
+        // A worker whose step loop spends 1.5 s a step on that ControlNet (another one: 9 s).
+        let measured = WorkerState {
+            controlnet_step_s: vec![(3, 9.0), (7, 1.5)],
+            ..WorkerState::idle(BatchLimits::default())
+        };
+        let f = Forecaster::default().forecast(&measured, &steered, &m);
+        assert!((f.finish_s - 11.0).abs() < 1e-9, "{f:?}");
+        // A running steered request slows every step the new one shares with it.
+        let busy = WorkerState {
+            running: vec![ActiveRequest {
+                masked_tokens: 2,
+                footprint: Footprint::ONE_ROW.with_control_s(1.0),
+                remaining_steps: 1,
+            }],
+            ..WorkerState::idle(BatchLimits::default())
+        };
+        let plain = RequestInfo {
+            controlnet: None,
+            ..steered
+        };
+        // Step 1: {2, 4} + 1 s = 7 s; step 2: {4} = 4 s.
+        let f = Forecaster::default().forecast(&busy, &plain, &m);
+        assert!((f.finish_s - 11.0).abs() < 1e-9, "{f:?}");
+        // Nonsense measurements cost nothing.
+        assert_eq!(Footprint::ONE_ROW.with_control_s(f64::NAN).control_s, 0.0);
+        assert_eq!(Footprint::ONE_ROW.with_control_s(-1.0).control_s, 0.0);
+    }
+
+    #[test]
     fn a_guided_request_costs_its_rows_and_waits_for_room_for_both() {
         let m = token_seconds_model();
         let guided = |masked| RequestInfo {
@@ -280,6 +325,7 @@ pub(crate) mod tests {
             steps: 1,
             template: None,
             loras: crate::policy::LoraKeys::NONE,
+            controlnet: None,
             waiting_behind: Some(0),
         };
         // Alone: two rows of 4 masked tokens, a step of 8 s.
@@ -314,6 +360,7 @@ pub(crate) mod tests {
             steps: 28,
             template: None,
             loras: crate::policy::LoraKeys::NONE,
+            controlnet: None,
             waiting_behind: Some(0),
         };
         let f =

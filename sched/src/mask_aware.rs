@@ -195,7 +195,8 @@ impl Policy for MaskAwareDeferring {
             return Some(pick.index);
         };
         let w = &workers[pick.index];
-        let alone = model.standalone_request_s(req.masked_tokens, req.steps.max(1), req.footprint);
+        let alone =
+            model.standalone_request_s(req.masked_tokens, req.steps.max(1), w.footprint_of(req));
         let saved = (alone * w.step_time_factor - pick.added_work_s).max(0.0);
         if saved > self.max_saving * alone * w.step_time_factor {
             return Some(pick.index);
@@ -234,7 +235,7 @@ impl Policy for FlashPsGreedy {
             for r in w.running.iter().chain(&w.queued) {
                 t.add_request(&model.shape, r.masked_tokens, r.footprint);
             }
-            t.add_request(&model.shape, req.masked_tokens, req.footprint);
+            t.add_request(&model.shape, req.masked_tokens, w.footprint_of(req));
             model.step_latency(&t) * w.step_time_factor
         })
     }
@@ -290,6 +291,7 @@ mod tests {
             steps: 3,
             template: None,
             loras: crate::policy::LoraKeys::NONE,
+            controlnet: None,
             waiting_behind: Some(0),
         };
         assert_eq!(RequestCount.place(&req, &ws, &m), Some(1));
@@ -321,6 +323,7 @@ mod tests {
         let m = synthetic::default_models();
         let req = RequestInfo {
             loras: crate::policy::LoraKeys::of(["style"]),
+            controlnet: None,
             ..new_req()
         };
         let key = crate::policy::template_key("style");
@@ -342,6 +345,7 @@ mod tests {
         ws[1].resident_loras = vec![key];
         let req = RequestInfo {
             loras: crate::policy::LoraKeys::of(["style"]),
+            controlnet: None,
             ..new_req()
         };
         assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(0));
@@ -369,6 +373,7 @@ mod tests {
             steps: 3,
             template: None,
             loras: crate::policy::LoraKeys::NONE,
+            controlnet: None,
             waiting_behind: Some(0),
         };
         assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(1));
@@ -393,6 +398,7 @@ mod tests {
             steps: 3,
             template: None,
             loras: crate::policy::LoraKeys::NONE,
+            controlnet: None,
             waiting_behind: Some(0),
         };
         let mut p = MaskAwareDeferring::default();

@@ -23,6 +23,9 @@ pub struct RequestInfo {
     pub template: Option<u64>,
     /// LoRA adapters the request applies ([`template_key`] of each id).
     pub loras: LoraKeys,
+    /// The ControlNet steering it ([`template_key`] of its name), whose step cost each worker
+    /// reports ([`WorkerState::controlnet_step_s`]).
+    pub controlnet: Option<u64>,
     /// `Some(n)` when the caller can keep the request waiting if the policy declines to place
     /// it although a worker accepts (the router's admission queue can), with the `n` requests
     /// waiting behind it, whom holding it delays too; `None` when it must go now (a lost
@@ -59,6 +62,9 @@ pub struct WorkerState {
     /// This worker's measured step time over the cost models' prediction
     /// ([`crate::calibration::StepCalibration::factor`]); forecasts scale every step by it.
     pub step_time_factor: f64,
+    /// Per ControlNet ([`template_key`] of its name): the seconds this worker's step loop
+    /// spends on one steered request per step, as it measured them.
+    pub controlnet_step_s: Vec<(u64, f64)>,
 }
 
 impl WorkerState {
@@ -72,30 +78,48 @@ impl WorkerState {
             limits,
             step_remaining_s: 0.0,
             step_time_factor: 1.0,
+            controlnet_step_s: Vec::new(),
         }
+    }
+
+    /// `req`'s footprint on this worker: with the step cost of its ControlNet here (0 when
+    /// the worker has not measured it yet).
+    pub fn footprint_of(&self, req: &RequestInfo) -> Footprint {
+        let control_s = req.controlnet.map_or(0.0, |c| {
+            self.controlnet_step_s
+                .iter()
+                .find(|(k, _)| *k == c)
+                .map_or(0.0, |(_, s)| *s)
+        });
+        req.footprint.with_control_s(control_s)
     }
 
     /// Alive and with room for one more request: a worker runs at most `max_batch` rows (a
     /// guided image is two) and keeps at most `queue_capacity` requests waiting. Its requests,
-    /// running and queued, fill the batch in order as the engine admits them; the rest count
-    /// against the queue. (Counting the total, not the queue alone, lets a router that sees a
-    /// placement before the worker has batched it treat it as queued.)
+    /// running and queued, fill the batch in order as the engine admits them; the rest, and a
+    /// new request when the batch has no row left, count against the queue. (Counting the
+    /// total, not the queue alone, lets a router that sees a placement before the worker has
+    /// batched it treat it as queued.)
     pub fn accepts(&self) -> bool {
         let rows_only = BatchLimits {
             token_budget: u64::MAX,
             ..self.limits
         };
+        let requests = || self.running.iter().chain(&self.queued);
         let in_batch = crate::batching::admit_count(
             &rows_only,
             0,
             0,
-            self.running
-                .iter()
-                .chain(&self.queued)
-                .map(|r| (r.footprint.rows, 0)),
+            requests().map(|r| (r.footprint.rows, 0)),
         );
+        let batch_rows: u64 = requests()
+            .take(in_batch)
+            .map(|r| u64::from(r.footprint.rows))
+            .sum();
         let waiting = self.requests() - in_batch;
-        self.alive && (waiting as u64) < u64::from(self.limits.queue_capacity)
+        let new_waits = waiting > 0 || batch_rows >= u64::from(self.limits.max_batch);
+        let would_wait = waiting as u64 + u64::from(new_waits);
+        self.alive && would_wait <= u64::from(self.limits.queue_capacity)
     }
 
     pub fn holds(&self, template: Option<u64>) -> bool {
@@ -301,6 +325,7 @@ pub(crate) mod tests {
             steps: 28,
             template: None,
             loras: LoraKeys::NONE,
+            controlnet: None,
             waiting_behind: Some(0),
         }
     }
@@ -371,6 +396,13 @@ pub(crate) mod tests {
         assert!(!w.accepts());
         w.queued.clear();
         assert!(w.accepts());
+        // Without a queue a worker takes what its batch has rows for.
+        let mut no_queue = worker(&[], &[]);
+        no_queue.limits.max_batch = 1;
+        no_queue.limits.queue_capacity = 0;
+        assert!(no_queue.accepts());
+        no_queue.running.push(req(1));
+        assert!(!no_queue.accepts());
         // A request wider than the batch runs alone; the one behind it waits.
         let wide = ActiveRequest {
             footprint: Footprint::new(3, true),

@@ -385,6 +385,17 @@ pub struct Heartbeat {
     /// router can check its cost model against this worker's hardware. Empty from older senders.
     #[serde(default)]
     pub recent_steps: Vec<StepSample>,
+    /// Per ControlNet it steered with: the seconds its step loop spends on one steered request
+    /// per step (smoothed), so a router costs a steered job here. Empty from older senders.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub controlnet_step_s: Vec<ControlNetStepCost>,
+}
+
+/// A denoiser's measured per-step cost of one ControlNet ([`Heartbeat::controlnet_step_s`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ControlNetStepCost {
+    pub name: String,
+    pub seconds: f64,
 }
 
 /// One batched engine step a denoiser ran: the fraction of image tokens each batch row computed
@@ -434,6 +445,9 @@ pub struct StepJob {
     /// Cached-activation streams it read (one per image; full compute reads none, and a
     /// stream of a full row costs nothing).
     pub cache_streams: u32,
+    /// Seconds the step spent on its ControlNet outside the batched forward.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub control_s: f64,
 }
 
 impl StepJob {
@@ -443,6 +457,7 @@ impl StepJob {
             mask_ratio,
             rows: 1,
             cache_streams: 1,
+            control_s: 0.0,
         }
     }
 }
@@ -467,6 +482,15 @@ pub struct RunningJob {
     /// Images it makes (each reads its own template-cache stream); 1 when not reported.
     #[serde(default = "one")]
     pub images: u32,
+    /// Seconds a step of the worker's loop spends on it outside the batched forward (its
+    /// ControlNet's forward, or the wait for a ControlNet worker), smoothed over its steps; for
+    /// a queued job, the worker's figure for its ControlNet. 0 when not steered or not reported.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub control_s: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 fn one() -> u32 {

@@ -349,6 +349,7 @@ fn bench(args: &Args, model: &CostModels, n: usize) -> anyhow::Result<()> {
             steps: 28,
             template: None,
             loras: diffmesh_sched::policy::LoraKeys::NONE,
+            controlnet: None,
             waiting_behind: Some(0),
         })
         .collect();

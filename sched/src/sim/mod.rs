@@ -261,6 +261,7 @@ fn place_waiting(waiting: &mut VecDeque<Arrival>, now: f64, p: &mut Placement) {
             steps: a.steps.max(1),
             template: a.template,
             loras: crate::policy::LoraKeys::NONE,
+            controlnet: None,
             waiting_behind: (now - a.time_s < p.cfg.max_hold_s)
                 .then_some((waiting.len() - 1) as u32),
         };

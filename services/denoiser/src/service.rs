@@ -461,6 +461,7 @@ impl Service {
             cached_loras: self.loras.ids(),
             controlnets: self.controlnets_served(),
             recent_steps: self.engine.take_step_samples(),
+            controlnet_step_s: status.controlnet_step_s,
         }
     }
 

@@ -8,19 +8,24 @@ use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent};
 use diffmesh_denoiser::metrics::DenoiserMetrics;
 use diffmesh_denoiser::model::EngineModel;
 use diffmesh_model::tch::{Device, Kind};
-use diffmesh_shared::messages::DenoiseJob;
+use diffmesh_shared::messages::{ControlNetStepCost, DenoiseJob, StepSample};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tracing::Span;
 
-/// Run `batches` one after another on one engine; returns images and failure messages by id.
-async fn run(
-    dir: &Path,
-    batches: Vec<Vec<DenoiseJob>>,
-    metrics: Option<DenoiserMetrics>,
-) -> (HashMap<String, Vec<u8>>, HashMap<String, String>) {
+/// What [`run`] saw.
+struct Ran {
+    images: HashMap<String, Vec<u8>>,
+    failures: HashMap<String, String>,
+    steps: Vec<StepSample>,
+    controlnet_step_s: Vec<ControlNetStepCost>,
+}
+
+/// Run `batches` one after another on one engine; returns images and failure messages by id,
+/// the engine's step samples and its per-ControlNet step costs.
+async fn run(dir: &Path, batches: Vec<Vec<DenoiseJob>>, metrics: Option<DenoiserMetrics>) -> Ran {
     let mut model = EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
     model.controlnet_dir = Some(dir.join("controlnets"));
     let config = EngineConfig {
@@ -58,9 +63,16 @@ async fn run(
             }
         }
     }
+    let steps = engine.take_step_samples();
+    let controlnet_step_s = engine.status().controlnet_step_s;
     drop(engine);
     thread.join().await;
-    (images, failures)
+    Ran {
+        images,
+        failures,
+        steps,
+        controlnet_step_s,
+    }
 }
 
 #[tokio::test]
@@ -69,7 +81,12 @@ async fn steered_generations_in_the_engine() {
     write_model_and_controlnet(dir.path());
     let registry = prometheus::Registry::new();
     let metrics = DenoiserMetrics::new(&registry).unwrap();
-    let (images, failures) = run(
+    let Ran {
+        images,
+        failures,
+        steps,
+        controlnet_step_s,
+    } = run(
         dir.path(),
         vec![
             vec![job("alone", Some("rand"))],
@@ -110,4 +127,18 @@ async fn steered_generations_in_the_engine() {
     };
     // Loaded once, then hit at every other step of both steered jobs (3 steps each).
     assert_eq!((lookups("loaded"), lookups("hit")), (1, 5));
+    // The ControlNet's time on the step loop is reported per job and step and per ControlNet
+    // (for the router's cost model); plain jobs report none.
+    let control: Vec<(u32, f64)> = steps
+        .iter()
+        .flat_map(|s| s.jobs.iter().map(|j| (j.rows, j.control_s)))
+        .collect();
+    assert_eq!(
+        control.iter().filter(|(_, c)| *c > 0.0).count(),
+        6,
+        "{control:?}"
+    );
+    let names: Vec<&str> = controlnet_step_s.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["rand"]);
+    assert!(controlnet_step_s[0].seconds > 0.0);
 }

@@ -109,6 +109,7 @@ pub fn heartbeat(id: &str, controlnets: &[&str], templates: &[&str], draining: b
         cached_loras: Vec::new(),
         controlnets: controlnets.iter().map(|s| s.to_string()).collect(),
         recent_steps: Vec::new(),
+        controlnet_step_s: vec![],
     }
 }
 

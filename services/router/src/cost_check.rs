@@ -37,7 +37,9 @@ pub fn predicted_step_s(models: &CostModels, jobs: &[StepJob]) -> f64 {
         let footprint = Footprint {
             rows: j.rows,
             cache_streams: j.cache_streams,
-        };
+            control_s: 0.0,
+        }
+        .with_control_s(j.control_s);
         totals.add_request(shape, masked, footprint);
     }
     models.step_latency(&totals)
@@ -164,6 +166,7 @@ mod tests {
             mask_ratio: 0.1,
             rows: 2,
             cache_streams: 1,
+            control_s: 0.0,
         };
         let two_images = predicted_step_s(&m, &rows(&[0.1, 0.1]));
         let predicted = predicted_step_s(&m, &[guided]);

@@ -223,6 +223,7 @@ pub(crate) mod tests {
             cached_loras: vec![],
             controlnets: vec![],
             recent_steps: vec![],
+            controlnet_step_s: vec![],
         }
     }
 
@@ -314,6 +315,7 @@ pub(crate) mod tests {
             remaining_steps: 3,
             rows: 1,
             images: 1,
+            control_s: 0.0,
         }];
         hb.queued = 1;
         hb.cached_templates = vec!["t1".into()];
@@ -341,6 +343,7 @@ pub(crate) mod tests {
                 remaining_steps: 3,
                 rows: 1,
                 images: 1,
+                control_s: 0.0,
             })
             .to_vec();
         reg.observe(hb.clone(), t0);

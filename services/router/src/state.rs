@@ -238,6 +238,7 @@ mod tests {
             remaining_steps,
             rows: 1,
             images: 1,
+            control_s: 0.0,
         }
     }
 

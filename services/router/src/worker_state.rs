@@ -8,7 +8,7 @@ use diffmesh_sched::policy::{
     template_key, ActiveRequest, Footprint, LoraKeys, RequestInfo, WorkerState,
 };
 use diffmesh_sched::{CostModels, ModelShape};
-use diffmesh_shared::messages::{DenoiseJob, JobKind};
+use diffmesh_shared::messages::{DenoiseJob, JobKind, RunningJob};
 use std::time::Instant;
 
 /// The cache key of the template whose activations a job reads: the captured template's
@@ -38,12 +38,24 @@ pub fn job_masked_tokens(job: &DenoiseJob, shape: &ModelShape) -> u32 {
     }
 }
 
-/// A job's batch rows (as the engine counts them) and cache streams (one per image).
+/// A job's batch rows (as the engine counts them) and cache streams (one per image); its
+/// ControlNet's cost depends on the worker (`WorkerState::footprint_of`).
 pub fn job_footprint(job: &DenoiseJob) -> Footprint {
     Footprint {
         rows: job.params.batch_rows(),
         cache_streams: job.params.n.max(1),
+        control_s: 0.0,
     }
+}
+
+/// A job another router placed, as its denoiser reports it.
+fn reported_footprint(r: &RunningJob) -> Footprint {
+    Footprint {
+        rows: r.rows.max(1),
+        cache_streams: r.images.max(1),
+        control_s: 0.0,
+    }
+    .with_control_s(r.control_s)
 }
 
 /// The policy's view of a job to place.
@@ -54,6 +66,11 @@ pub fn request_info(job: &DenoiseJob, shape: &ModelShape) -> RequestInfo {
         steps: job.params.num_inference_steps.max(1),
         template: template_cache_key(job).map(template_key),
         loras: LoraKeys::of(job.params.loras.iter().map(|l| l.id.as_str())),
+        controlnet: job
+            .params
+            .controlnet
+            .as_ref()
+            .map(|c| template_key(&c.name)),
         waiting_behind: None,
     }
 }
@@ -89,21 +106,45 @@ pub fn fill_worker_state(
     out.step_time_factor = step_time_factor;
     // Placement numbers of this router's jobs in the batch: the rest of its placements wait.
     // (Comparing numbers, not job ids: this runs for every worker on every decision.)
+    out.controlnet_step_s.clear();
+    out.controlnet_step_s.extend(
+        hb.controlnet_step_s
+            .iter()
+            .map(|c| (template_key(&c.name), c.seconds)),
+    );
+    // What the worker measured a step of a job's ControlNet to cost its step loop.
+    let controlnet_s = |job: &DenoiseJob| {
+        job.params.controlnet.as_ref().map_or(0.0, |c| {
+            hb.controlnet_step_s
+                .iter()
+                .find(|x| x.name == c.name)
+                .map_or(0.0, |x| x.seconds)
+        })
+    };
+    let queued_job = |job: &DenoiseJob| ActiveRequest {
+        masked_tokens: job_masked_tokens(job, shape),
+        footprint: job_footprint(job).with_control_s(controlnet_s(job)),
+        remaining_steps: job.params.num_inference_steps.max(1),
+    };
     let mut running_seqs: Vec<u64> = Vec::with_capacity(hb.running.len());
     out.running.clear();
     for r in w.running() {
         let (masked_tokens, footprint) = match w.placed.get(&r.job_id) {
             Some((seq, job)) => {
                 running_seqs.push(*seq);
-                (job_masked_tokens(job, shape), job_footprint(job))
+                // Its ControlNet as measured on its own steps, until then as the worker's figure.
+                let control_s = if r.control_s > 0.0 {
+                    r.control_s
+                } else {
+                    controlnet_s(job)
+                };
+                let footprint = job_footprint(job).with_control_s(control_s);
+                (job_masked_tokens(job, shape), footprint)
             }
             // Placed by another router: as its denoiser reports it.
             None => (
                 r.masked_tokens.min(shape.image_tokens),
-                Footprint {
-                    rows: r.rows.max(1),
-                    cache_streams: r.images.max(1),
-                },
+                reported_footprint(r),
             ),
         };
         out.running.push(ActiveRequest {
@@ -134,18 +175,11 @@ pub fn fill_worker_state(
             Some((seq, _)) if running_seqs.contains(seq) => continue,
             Some((seq, job)) => {
                 queued_seqs.push(*seq);
-                ActiveRequest {
-                    masked_tokens: job_masked_tokens(job, shape),
-                    footprint: job_footprint(job),
-                    remaining_steps: job.params.num_inference_steps.max(1),
-                }
+                queued_job(job)
             }
             None => ActiveRequest {
                 masked_tokens: r.masked_tokens.min(shape.image_tokens),
-                footprint: Footprint {
-                    rows: r.rows.max(1),
-                    cache_streams: r.images.max(1),
-                },
+                footprint: reported_footprint(r),
                 remaining_steps: r.remaining_steps.max(1),
             },
         };
@@ -158,11 +192,7 @@ pub fn fill_worker_state(
         .collect();
     unlisted.sort_unstable_by_key(|(seq, _)| *seq);
     out.queued
-        .extend(unlisted.iter().map(|(_, job)| ActiveRequest {
-            masked_tokens: job_masked_tokens(job, shape),
-            footprint: job_footprint(job),
-            remaining_steps: job.params.num_inference_steps.max(1),
-        }));
+        .extend(unlisted.iter().map(|(_, job)| queued_job(job)));
     // An older denoiser reports a count only: its jobs beyond those known are assumed to mask
     // half the image.
     let unknown = (hb.queued as usize).saturating_sub(hb.waiting.len() + unlisted.len());
@@ -269,6 +299,7 @@ pub(crate) mod tests {
         let footprint = |rows, cache_streams| Footprint {
             rows,
             cache_streams,
+            control_s: 0.0,
         };
         assert_eq!(r.footprint, footprint(2, 2));
         // True CFG runs every image as two rows that share the image's stream.
@@ -316,6 +347,7 @@ pub(crate) mod tests {
                 remaining_steps: 4,
                 rows: 1,
                 images: 1,
+                control_s: 0.0,
             },
             // Another router's guided job: two rows of 30 masked tokens.
             RunningJob {
@@ -324,6 +356,7 @@ pub(crate) mod tests {
                 remaining_steps: 2,
                 rows: 2,
                 images: 1,
+                control_s: 0.0,
             },
         ];
         hb.queued = 3;
@@ -386,6 +419,7 @@ pub(crate) mod tests {
             remaining_steps: steps,
             rows,
             images,
+            control_s: 0.0,
         };
         // The worker queued another router's guided pair of images between this router's jobs,
         // and has not seen mine-2 yet.
@@ -406,5 +440,57 @@ pub(crate) mod tests {
             })
             .collect();
         assert_eq!(queued, vec![(40, 4, 2, 12), (128, 1, 1, 10), (32, 1, 1, 8)]);
+    }
+
+    #[test]
+    fn steered_jobs_cost_their_controlnet_as_the_worker_measured_it() {
+        let t0 = Instant::now();
+        let mut reg = WorkerRegistry::new(policy());
+        let mut hb = heartbeat("a", 4, 0);
+        reg.observe(hb.clone(), t0);
+        let steered = |id: &str, name: &str| {
+            let mut j = job(id);
+            j.params.controlnet = Some(diffmesh_shared::controlnet::ControlNetRef {
+                name: name.into(),
+                scale: 1.0,
+            });
+            j
+        };
+        reg.record_placement("a", steered("just-started", "edges"));
+        reg.record_placement("a", steered("waiting", "edges"));
+        let listed = |id: &str, control_s| RunningJob {
+            job_id: id.into(),
+            masked_tokens: 256,
+            remaining_steps: 3,
+            rows: 1,
+            images: 1,
+            control_s,
+        };
+        // The worker runs this router's job (not measured yet) and another router's steered
+        // job (measured at 0.25 s a step); its figure for "edges" is 0.5 s.
+        hb.running = vec![listed("just-started", 0.0), listed("foreign", 0.25)];
+        hb.queued = 1;
+        hb.controlnet_step_s = vec![diffmesh_shared::messages::ControlNetStepCost {
+            name: "edges".into(),
+            seconds: 0.5,
+        }];
+        reg.observe(hb, t0);
+        let mut ws = WorkerState::idle(BatchLimits::default());
+        fill_worker_state(reg.live().next().unwrap(), &models(), 1.0, t0, &mut ws);
+        let running: Vec<f64> = ws.running.iter().map(|r| r.footprint.control_s).collect();
+        assert_eq!(running, vec![0.5, 0.25]);
+        let queued: Vec<f64> = ws.queued.iter().map(|r| r.footprint.control_s).collect();
+        assert_eq!(queued, vec![0.5]);
+        // A new steered request costs its ControlNet's figure here; a plain one nothing, and
+        // one steered by a ControlNet this worker has not measured nothing yet.
+        let cost = |j: &DenoiseJob| ws.footprint_of(&request_info(j, &shape())).control_s;
+        assert_eq!(cost(&steered("new", "edges")), 0.5);
+        assert_eq!(cost(&job("plain")), 0.0);
+        assert_eq!(cost(&steered("new", "depth")), 0.0);
+        // Predicted steps carry it: 4 ms of blocks plus 0.5 s.
+        let mut totals = BatchTotals::default();
+        let r = &ws.queued[0];
+        totals.add_request(&shape(), r.masked_tokens, r.footprint);
+        assert!((models().step_latency(&totals) - 0.504).abs() < 1e-9);
     }
 }

@@ -78,6 +78,7 @@ pub fn spawn_engine(
             let dir = model.controlnet_dir.clone();
             ControlNets::new(dir, config.controlnet_cache, device, kind)
         },
+        control_costs: control::ControlCosts::default(),
         model,
         config,
         rx,
@@ -197,6 +198,10 @@ struct Active {
     /// Per state of a steered job on ControlNet workers: its session there (dropping it
     /// closes the session).
     control_rows: Vec<Option<control::RowControl>>,
+    /// Seconds the step loop spent on its ControlNet: in the step now running, and smoothed
+    /// over its steps (reported in heartbeats).
+    step_control_s: f64,
+    control_s: control::Smoothed,
 }
 
 impl Active {
@@ -215,6 +220,8 @@ struct Engine {
     conditioning: ConditioningCache,
     /// The ControlNets of steered generations (loaded on first use).
     controlnets: ControlNets,
+    /// Per ControlNet, what one steered job costs the step loop a step.
+    control_costs: control::ControlCosts,
     config: EngineConfig,
     rx: mpsc::Receiver<Command>,
     events: mpsc::Sender<EngineEvent>,
@@ -486,6 +493,8 @@ impl Engine {
                         lora: job.lora,
                         lora_waiting_since: None,
                         control_rows: Vec::new(),
+                        step_control_s: 0.0,
+                        control_s: control::Smoothed::default(),
                         capture: job.capture_key.map(|key| {
                             (
                                 CaptureSink::new(settings.format, settings.dtype),
@@ -580,6 +589,7 @@ impl Engine {
                     remaining_steps: (total - done) as u32,
                     rows: a.rows() as u32,
                     images: a.states.len() as u32,
+                    control_s: a.control_s.value(),
                 }
             })
             .collect();
@@ -592,6 +602,12 @@ impl Engine {
                 remaining_steps: j.job.params.num_inference_steps,
                 rows: j.job.params.batch_rows(),
                 images: j.job.params.n.max(1),
+                control_s: j
+                    .job
+                    .params
+                    .controlnet
+                    .as_ref()
+                    .map_or(0.0, |c| self.control_costs.of(&c.name)),
             })
             .collect();
         if let Some(m) = &self.metrics {
@@ -603,6 +619,7 @@ impl Engine {
                 running,
                 queued: self.waiting.len() as u32,
                 waiting,
+                controlnet_step_s: self.control_costs.list(),
                 draining: self.shutting_down,
             };
         }

@@ -68,6 +68,9 @@ impl Engine {
         // of batched steps.
         let capturing = self.active.iter().any(|a| a.capture.is_some());
         let step_jobs = self.step_jobs(&runs);
+        for a in &mut self.active {
+            a.step_control_s = 0.0;
+        }
         let mut switches = 0;
         if capturing {
             switches += self.switch_weights(&[], &[]);
@@ -126,6 +129,13 @@ impl Engine {
                 m.batch_rows.observe(rows as f64);
             }
         }
+        let step_jobs: Vec<StepJob> = step_jobs
+            .into_iter()
+            .map(|(i, job)| StepJob {
+                control_s: self.active.get(i).map_or(0.0, |a| a.step_control_s),
+                ..job
+            })
+            .collect();
         let mask_aware_rows: u32 = step_jobs
             .iter()
             .filter(|j| j.mask_ratio < 1.0)
@@ -216,6 +226,7 @@ impl Engine {
         let denoising = |a: &Active| a.capture.is_none() && a.failed.is_none();
         let member = |i: usize| members.contains(&i);
         // Steered jobs' ControlNet residuals first: a job whose ControlNet fails sits out.
+        let control_started = Instant::now();
         let control = {
             let mut sources = super::control::ControlSources {
                 local: &mut self.controlnets,
@@ -227,6 +238,21 @@ impl Engine {
                 member(i) && denoising(a)
             })
         };
+        // The step loop's ControlNet time, shared evenly by the jobs it steered.
+        let steered: Vec<usize> = (0..active.len())
+            .filter(|&i| !control[i].is_empty() && active[i].failed.is_none())
+            .collect();
+        if !steered.is_empty() {
+            let share = control_started.elapsed().as_secs_f64() / steered.len() as f64;
+            for &i in &steered {
+                let a = &mut active[i];
+                a.step_control_s += share;
+                a.control_s.observe(share);
+                if let Some(c) = &a.job.params.controlnet {
+                    self.control_costs.observe(&c.name, share);
+                }
+            }
+        }
         let batched = {
             let mut states: Vec<&mut DenoiseState> = Vec::new();
             let mut caches = Vec::new();
@@ -298,20 +324,26 @@ impl Engine {
         }
     }
 
-    /// The jobs of the coming step (where `runs`): each one's mask ratio if it steps
-    /// mask-aware (else 1.0), rows, and cache streams (one per image).
-    fn step_jobs(&self, runs: &[bool]) -> Vec<StepJob> {
+    /// The jobs of the coming step (where `runs`), by index into `active`: each one's mask
+    /// ratio if it steps mask-aware (else 1.0), rows, and cache streams (one per image); its
+    /// ControlNet time is known once the step ran.
+    fn step_jobs(&self, runs: &[bool]) -> Vec<(usize, StepJob)> {
         self.active
             .iter()
             .zip(runs)
-            .filter(|(a, run)| **run && a.capture.is_none() && a.failed.is_none())
-            .map(|(a, _)| StepJob {
-                mask_ratio: match a.cache {
-                    Some(_) => a.job.inputs.mask_ratio.clamp(0.0, 1.0),
-                    None => 1.0,
-                },
-                rows: a.rows() as u32,
-                cache_streams: a.states.len() as u32,
+            .enumerate()
+            .filter(|(_, (a, run))| **run && a.capture.is_none() && a.failed.is_none())
+            .map(|(i, (a, _))| {
+                let job = StepJob {
+                    mask_ratio: match a.cache {
+                        Some(_) => a.job.inputs.mask_ratio.clamp(0.0, 1.0),
+                        None => 1.0,
+                    },
+                    rows: a.rows() as u32,
+                    cache_streams: a.states.len() as u32,
+                    control_s: 0.0,
+                };
+                (i, job)
             })
             .collect()
     }

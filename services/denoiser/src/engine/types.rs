@@ -5,7 +5,7 @@ use crate::lora::LoraSlot;
 use crate::model::EditInputs;
 use crate::templates::TemplateEntry;
 use diffmesh_model::ModelError;
-use diffmesh_shared::messages::{DenoiseJob, RunningJob};
+use diffmesh_shared::messages::{ControlNetStepCost, DenoiseJob, RunningJob};
 use std::sync::Arc;
 use tokio::sync::oneshot;
 use tracing::Span;
@@ -225,5 +225,7 @@ pub struct EngineStatus {
     pub queued: u32,
     /// The queued jobs in queue order, sized as they will run.
     pub waiting: Vec<RunningJob>,
+    /// Per ControlNet, what one steered job costs the step loop a step (smoothed).
+    pub controlnet_step_s: Vec<ControlNetStepCost>,
     pub draining: bool,
 }

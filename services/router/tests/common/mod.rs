@@ -41,6 +41,7 @@ impl FakeWorker {
             remaining_steps,
             rows: 1,
             images: 1,
+            control_s: 0.0,
         }];
         self
     }
@@ -78,6 +79,7 @@ impl FakeWorker {
                             cached_loras: vec![],
                             controlnets: vec![],
                             recent_steps: vec![],
+                            controlnet_step_s: vec![],
                         };
                         let _ = client.publish(subjects::DENOISER_HEARTBEAT, encode(&hb).unwrap().into()).await;
                     }
