@@ -7,7 +7,9 @@ use diffmesh_sched::batching::BatchLimits;
 use diffmesh_sched::cost_model::CostModels;
 use diffmesh_sched::policy::{policy_by_name, ActiveRequest, Footprint, RequestInfo, WorkerState};
 use diffmesh_sched::queue_order::QueueOrder;
-use diffmesh_sched::sim::{simulate_with_latencies, workload, SharedCpu, SimConfig};
+use diffmesh_sched::sim::{
+    simulate_with_latencies, workload, SharedCpu, SimConfig, SimControlNets,
+};
 use diffmesh_sched::synthetic;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -122,6 +124,17 @@ struct Args {
     /// the live mesh serves with `cargo xtask up`'s default `--true-cfg-scale 4`).
     #[arg(long, env = "DIFFMESH_SIM_TRUE_CFG")]
     true_cfg: bool,
+    /// Fraction of requests steered by a ControlNet (0 to 1, drawn per request from the seed).
+    #[arg(long, env = "DIFFMESH_SIM_CONTROLNET_SHARE", default_value_t = 0.0)]
+    controlnet_share: f64,
+    /// Per worker, the seconds a step of its loop spends on each steered request outside the
+    /// batched forward, comma-separated (worker i gets entry i mod len), e.g. `0.2,0` for
+    /// workers that compute ControlNets themselves beside workers with ControlNet workers.
+    #[arg(long, env = "DIFFMESH_SIM_CONTROLNET_STEP_S", value_delimiter = ',')]
+    controlnet_step_s: Vec<f64>,
+    /// Policies see those costs, as the live router does from heartbeats (false: they do not).
+    #[arg(long, env = "DIFFMESH_SIM_CONTROLNET_COSTS_VISIBLE", default_value_t = true, action = clap::ArgAction::Set)]
+    controlnet_costs_visible: bool,
     /// Write the synthetic profile to this file and exit.
     #[arg(long, env = "DIFFMESH_SIM_WRITE_PROFILE")]
     write_profile: Option<PathBuf>,
@@ -174,6 +187,17 @@ fn main() -> anyhow::Result<()> {
     if args.max_batch == 0 {
         bail!("--max-batch must be > 0");
     }
+    ensure!(
+        (0.0..=1.0).contains(&args.controlnet_share),
+        "--controlnet-share must be between 0 and 1, got {}",
+        args.controlnet_share
+    );
+    for &c in &args.controlnet_step_s {
+        ensure!(
+            c >= 0.0 && c.is_finite(),
+            "--controlnet-step-s entries must be finite numbers >= 0, got {c}"
+        );
+    }
     for &f in &args.worker_step_factors {
         ensure!(
             f > 0.0 && f.is_finite(),
@@ -203,6 +227,10 @@ fn main() -> anyhow::Result<()> {
         max_hold_s: args.max_hold_s,
         queue_order: args.queue_order,
         preempt: args.preempt,
+        controlnets: SimControlNets {
+            step_s: args.controlnet_step_s.clone(),
+            visible: args.controlnet_costs_visible,
+        },
     };
     let steps = args.steps.unwrap_or(model.shape.steps);
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
@@ -231,8 +259,11 @@ fn main() -> anyhow::Result<()> {
         ));
         workload::poisson(&mut rng, rps, args.duration, &ratios, &model.shape, steps)
     };
+    // Steered requests from a stream of their own: the arrivals stay those of the same seed.
+    let mut steer = ChaCha8Rng::seed_from_u64(args.seed ^ 0xc0de_c0de);
     for a in &mut arrivals {
         a.footprint = footprint;
+        a.steered = args.controlnet_share > 0.0 && steer.random::<f64>() < args.controlnet_share;
     }
     if let Some(c) = args.shared_cores {
         ensure!(
@@ -289,6 +320,17 @@ fn main() -> anyhow::Result<()> {
         o.insert("queue_order".into(), args.queue_order.name().into());
         o.insert("preempt".into(), args.preempt.into());
         o.insert("true_cfg".into(), args.true_cfg.into());
+        if args.controlnet_share > 0.0 {
+            o.insert("controlnet_share".into(), args.controlnet_share.into());
+            o.insert(
+                "controlnet_step_s".into(),
+                args.controlnet_step_s.clone().into(),
+            );
+            o.insert(
+                "controlnet_costs_visible".into(),
+                args.controlnet_costs_visible.into(),
+            );
+        }
         if !args.worker_step_factors.is_empty() {
             o.insert(
                 "worker_step_factors".into(),

@@ -56,9 +56,34 @@ pub struct SimConfig {
     /// with the waiting ones, and those the order leaves out wait with their progress kept
     /// (GF-DiT's rescheduling at trajectory-task boundaries). The engine does not do this yet.
     pub preempt: bool,
+    /// What steered requests ([`Arrival::steered`]) cost each worker's step loop.
+    pub controlnets: SimControlNets,
 }
 
+/// Steered requests in the simulator: each adds, to every step it runs in, the seconds its
+/// worker spends on a ControlNet outside the batched forward (a worker that computes its
+/// ControlNets itself pays the forward; one with ControlNet workers keeping up, about 0).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SimControlNets {
+    /// Per worker (worker `i` gets entry `i mod len`; empty: free everywhere).
+    pub step_s: Vec<f64>,
+    /// Policies see the costs (as the live router does from heartbeats); false: they do not
+    /// (the router before it learned them), though steps still take them.
+    pub visible: bool,
+}
+
+/// The key steered requests' ControlNet has in the policies' views.
+const SIM_CONTROLNET: u64 = 1;
+
 impl SimConfig {
+    /// What one steered request costs worker `i`'s step loop a step.
+    pub fn control_step_s(&self, i: usize) -> f64 {
+        match self.controlnets.step_s.len() {
+            0 => 0.0,
+            n => self.controlnets.step_s[i % n],
+        }
+    }
+
     /// Worker `i`'s true step-time factor.
     pub fn step_factor(&self, i: usize) -> f64 {
         match self.worker_step_factors.len() {
@@ -126,6 +151,8 @@ struct Worker {
     step_predicted_s: f64,
     step_s: f64,
     calibration: StepCalibration,
+    /// [`SimConfig::control_step_s`] of this worker.
+    control_step_s: f64,
     busy_s: f64,
     /// When its last step ended, and how many jobs finished then: the loop decodes them
     /// before it steps again ([`CostModels::job_work`]).
@@ -162,7 +189,12 @@ pub fn simulate_with_latencies(
     arrivals: &[Arrival],
 ) -> (Summary, Vec<f64>) {
     let n = cfg.workers.max(1) as usize;
-    let mut workers: Vec<Worker> = (0..n).map(|_| Worker::default()).collect();
+    let mut workers: Vec<Worker> = (0..n)
+        .map(|i| Worker {
+            control_step_s: cfg.control_step_s(i),
+            ..Worker::default()
+        })
+        .collect();
     let mut views: Vec<WorkerState> = (0..n).map(|_| WorkerState::idle(cfg.limits)).collect();
     let mut noise = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x005e_ed0f_57e9);
     let mut tot = Totals {
@@ -247,8 +279,9 @@ struct Placement<'a> {
 /// dispatcher does, until one is not placed (no worker takes it, or the policy holds it back).
 fn place_waiting(waiting: &mut VecDeque<Arrival>, now: f64, p: &mut Placement) {
     while let Some(a) = waiting.front().copied() {
+        let visible = p.cfg.controlnets.visible;
         for (w, v) in p.workers.iter().zip(p.views.iter_mut()) {
-            snapshot(w, now, v);
+            snapshot(w, now, visible, v);
             v.step_time_factor = if p.cfg.calibrate {
                 w.calibration.factor()
             } else {
@@ -261,7 +294,7 @@ fn place_waiting(waiting: &mut VecDeque<Arrival>, now: f64, p: &mut Placement) {
             steps: a.steps.max(1),
             template: a.template,
             loras: crate::policy::LoraKeys::NONE,
-            controlnet: None,
+            controlnet: a.steered.then_some(SIM_CONTROLNET),
             waiting_behind: (now - a.time_s < p.cfg.max_hold_s)
                 .then_some((waiting.len() - 1) as u32),
         };
@@ -279,10 +312,15 @@ fn place_waiting(waiting: &mut VecDeque<Arrival>, now: f64, p: &mut Placement) {
             .standalone_request_s(a.masked_tokens, req.steps, a.footprint)
             + admit_s
             + p.cfg.request_overhead_s;
+        let control_s = if a.steered {
+            p.workers[w].control_step_s
+        } else {
+            0.0
+        };
         p.workers[w].queue.push_back(Job {
             arrival_s: a.time_s,
             masked: a.masked_tokens,
-            footprint: a.footprint,
+            footprint: a.footprint.with_control_s(control_s),
             remaining: req.steps,
             start_s: now,
             started: false,
@@ -323,21 +361,32 @@ fn slowdown(cfg: &SimConfig, workers: &[Worker], w: usize, background: f64) -> f
         })
 }
 
-/// What the router would know about a worker at `now`.
-fn snapshot(w: &Worker, now: f64, v: &mut WorkerState) {
+/// What the router would know about a worker at `now` (ControlNet costs only if `visible`).
+fn snapshot(w: &Worker, now: f64, visible: bool, v: &mut WorkerState) {
     let in_flight = w.step_end.is_some();
+    let seen = |j: &Job| {
+        if visible {
+            j.footprint
+        } else {
+            j.footprint.with_control_s(0.0)
+        }
+    };
     v.running.clear();
     v.running.extend(w.running.iter().map(|j| ActiveRequest {
         masked_tokens: j.masked,
-        footprint: j.footprint,
+        footprint: seen(j),
         remaining_steps: j.remaining - u32::from(in_flight),
     }));
     v.queued.clear();
     v.queued.extend(w.queue.iter().map(|j| ActiveRequest {
         masked_tokens: j.masked,
-        footprint: j.footprint,
+        footprint: seen(j),
         remaining_steps: j.remaining,
     }));
+    v.controlnet_step_s.clear();
+    if visible {
+        v.controlnet_step_s.push((SIM_CONTROLNET, w.control_step_s));
+    }
     v.step_remaining_s = w.step_end.map_or(0.0, |t| (t - now).max(0.0));
 }
 
@@ -417,8 +466,15 @@ fn start_step(
     for j in &w.running {
         totals.add_request(shape, j.masked, j.footprint);
     }
-    let predicted = model.step_latency(&totals);
-    let mut latency = predicted * slowdown;
+    let modelled = model.step_latency(&totals);
+    // What the router's cost model predicts (its calibration compares steps with that): the
+    // ControlNet costs only when it sees them.
+    let predicted = if cfg.controlnets.visible {
+        modelled
+    } else {
+        modelled - totals.control_s
+    };
+    let mut latency = modelled * slowdown;
     if cfg.step_noise > 0.0 {
         let u1: f64 = 1.0 - noise.random::<f64>();
         let u2: f64 = noise.random::<f64>();

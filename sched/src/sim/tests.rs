@@ -21,6 +21,7 @@ fn cfg(workers: u32, max_batch: u32) -> SimConfig {
         max_hold_s: f64::INFINITY,
         queue_order: QueueOrder::Fcfs,
         preempt: false,
+        controlnets: SimControlNets::default(),
     }
 }
 
@@ -31,6 +32,7 @@ fn arrival(time_s: f64, masked: u32) -> Arrival {
         footprint: Footprint::ONE_ROW,
         steps: 28,
         template: None,
+        steered: false,
     }
 }
 
@@ -281,6 +283,38 @@ fn learning_step_factors_places_better_on_a_mixed_fleet() {
     );
 }
 
+/// Mask-aware placement of a workload where a third of the requests are steered, on four
+/// workers of which two compute their ControlNets themselves (0.3 s a steered request a
+/// step), with and without seeing those costs.
+fn steered_p95(visible: bool) -> f64 {
+    let m = synthetic::default_models();
+    let fleet = SimConfig {
+        controlnets: SimControlNets {
+            step_s: vec![0.3, 0.3, 0.0, 0.0],
+            visible,
+        },
+        ..cfg(4, 8)
+    };
+    assert_eq!(fleet.control_step_s(5), 0.3);
+    let cap = workload::capacity_rps(&m, &fleet.limits, 4.0, 0.2, 28, Footprint::ONE_ROW);
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let mut a = workload::poisson(&mut rng, 0.5 * cap, 3000.0, &[0.05, 0.2, 0.5], &m.shape, 28);
+    for (i, a) in a.iter_mut().enumerate() {
+        a.steered = i % 3 == 0;
+    }
+    let mut policy = policy_by_name("mask-aware").unwrap();
+    simulate(&fleet, &m, policy.as_mut(), &a).p95
+}
+
+#[test]
+fn seeing_controlnet_costs_keeps_steered_requests_off_workers_that_compute_them() {
+    let (seen, blind) = (steered_p95(true), steered_p95(false));
+    assert!(
+        seen < 0.9 * blind,
+        "p95 seen {seen:.2} s vs blind {blind:.2} s"
+    );
+}
+
 /// Places only on an idle worker: everything else waits at the router.
 struct IdleOnly;
 
@@ -331,6 +365,7 @@ fn deferring_completes_every_request_and_runs_alone_where_batches_save_nothing()
                 footprint: Footprint::ONE_ROW,
                 steps: 5,
                 template: None,
+                steered: false,
             }
         })
         .collect();

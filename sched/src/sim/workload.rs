@@ -18,6 +18,9 @@ pub struct Arrival {
     pub footprint: Footprint,
     pub steps: u32,
     pub template: Option<u64>,
+    /// Steered by a ControlNet (`diffmesh-sim --controlnet-share`; none from the readers and
+    /// generators here).
+    pub steered: bool,
 }
 
 fn read(path: &Path) -> Result<String, SchedError> {
@@ -105,6 +108,7 @@ pub fn read_trace(path: &Path, shape: &ModelShape, steps: u32) -> Result<Vec<Arr
             footprint: Footprint::ONE_ROW,
             steps,
             template,
+            steered: false,
         });
     }
     Ok(out)
@@ -137,6 +141,7 @@ pub fn poisson(
             footprint: Footprint::ONE_ROW,
             steps,
             template: None,
+            steered: false,
         });
     }
 }
