@@ -6,7 +6,7 @@
 use diffmesh_model::flux::{ControlResiduals, FluxConfig, FluxControlNet};
 use diffmesh_model::pipeline::control::ControlStep;
 use diffmesh_model::tch::{nn, Device, Kind};
-use prometheus::{Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
+use prometheus::{GaugeVec, Histogram, HistogramOpts, IntCounterVec, Opts, Registry};
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 
@@ -158,6 +158,9 @@ pub struct ControlNetMetrics {
     pub remote: IntCounterVec,
     /// The engine thread's wait for ControlNet workers' residuals, per step.
     pub remote_wait_seconds: Histogram,
+    /// Per ControlNet, what one steered request costs the step loop a step (smoothed; the
+    /// figure heartbeats give the router).
+    pub step_seconds: GaugeVec,
 }
 
 impl ControlNetMetrics {
@@ -200,6 +203,14 @@ impl ControlNetMetrics {
                 0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
             ]),
         )?;
+        let step_seconds = GaugeVec::new(
+            Opts::new(
+                "diffmesh_denoiser_controlnet_step_seconds",
+                "Per ControlNet, the step loop's seconds per steered request and step (smoothed; what the router costs)",
+            ),
+            &["controlnet"],
+        )?;
+        registry.register(Box::new(step_seconds.clone()))?;
         registry.register(Box::new(lookups.clone()))?;
         registry.register(Box::new(seconds.clone()))?;
         registry.register(Box::new(remote.clone()))?;
@@ -209,6 +220,7 @@ impl ControlNetMetrics {
             seconds,
             remote,
             remote_wait_seconds,
+            step_seconds,
         })
     }
 }

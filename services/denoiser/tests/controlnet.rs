@@ -141,4 +141,11 @@ async fn steered_generations_in_the_engine() {
     let names: Vec<&str> = controlnet_step_s.iter().map(|c| c.name.as_str()).collect();
     assert_eq!(names, ["rand"]);
     assert!(controlnet_step_s[0].seconds > 0.0);
+    let gauge = metrics
+        .controlnet
+        .step_seconds
+        .with_label_values(&["rand"])
+        .get();
+    // (The status snapshot may be a step older than the gauge.)
+    assert!(gauge > 0.0, "{gauge}");
 }

@@ -250,6 +250,12 @@ impl Engine {
                 a.control_s.observe(share);
                 if let Some(c) = &a.job.params.controlnet {
                     self.control_costs.observe(&c.name, share);
+                    if let Some(m) = &self.metrics {
+                        m.controlnet
+                            .step_seconds
+                            .with_label_values(&[&c.name])
+                            .set(self.control_costs.of(&c.name));
+                    }
                 }
             }
         }
