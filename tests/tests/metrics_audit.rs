@@ -142,7 +142,12 @@ async fn send_garbage(client: &async_nats::Client, subject: String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_service_exports_the_required_metrics_with_conventional_names() {
-    let mesh = MeshBuilder::new().start().await;
+    // The denoiser serves the shipped ControlNets (their per-step cost is exported from start).
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny-controlnets");
+    let mesh = MeshBuilder::new()
+        .denoiser(move |_, d| d.controlnet_dir = Some(shipped.clone()))
+        .start()
+        .await;
     let (gateway, codec, router) = (&mesh.gateway, &mesh.codec, &mesh.router);
     let (denoiser, cachestore) = (mesh.denoiser("d1"), mesh.cachestore());
     let services = [

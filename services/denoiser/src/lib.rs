@@ -387,6 +387,15 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
 
     let registry = prometheus::Registry::new();
     let metrics = metrics::DenoiserMetrics::new(&registry)?;
+    // The ControlNets served from its folder are exported (at 0, free until one runs) before
+    // a steered job measures them.
+    for name in controlnet::served(config.controlnet_dir.as_deref()) {
+        metrics
+            .controlnet
+            .step_seconds
+            .with_label_values(&[&name])
+            .set(0.0);
+    }
     let client = diffmesh_shared::nats::connect(
         &config.common.nats_url,
         &format!("diffmesh-denoiser-{worker_id}"),
