@@ -104,8 +104,6 @@ pub fn fill_worker_state(
     };
     out.step_remaining_s = 0.0;
     out.step_time_factor = step_time_factor;
-    // Placement numbers of this router's jobs in the batch: the rest of its placements wait.
-    // (Comparing numbers, not job ids: this runs for every worker on every decision.)
     out.controlnet_step_s.clear();
     out.controlnet_step_s.extend(
         hb.controlnet_step_s
@@ -126,6 +124,8 @@ pub fn fill_worker_state(
         footprint: job_footprint(job).with_control_s(controlnet_s(job)),
         remaining_steps: job.params.num_inference_steps.max(1),
     };
+    // Placement numbers of this router's jobs in the batch: the rest of its placements wait.
+    // (Comparing numbers, not job ids: this runs for every worker on every decision.)
     let mut running_seqs: Vec<u64> = Vec::with_capacity(hb.running.len());
     out.running.clear();
     for r in w.running() {
