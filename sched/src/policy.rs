@@ -67,6 +67,14 @@ pub struct WorkerState {
     pub controlnet_step_s: Vec<(u64, f64)>,
 }
 
+/// The step cost of `controlnet` in a worker's table ([`WorkerState::controlnet_step_s`]); 0
+/// for no ControlNet or one the worker has not measured.
+pub fn controlnet_step_s(table: &[(u64, f64)], controlnet: Option<u64>) -> f64 {
+    controlnet.map_or(0.0, |c| {
+        table.iter().find(|(k, _)| *k == c).map_or(0.0, |(_, s)| *s)
+    })
+}
+
 impl WorkerState {
     pub fn idle(limits: BatchLimits) -> Self {
         WorkerState {
@@ -85,12 +93,7 @@ impl WorkerState {
     /// `req`'s footprint on this worker: with the step cost of its ControlNet here (0 when
     /// the worker has not measured it yet).
     pub fn footprint_of(&self, req: &RequestInfo) -> Footprint {
-        let control_s = req.controlnet.map_or(0.0, |c| {
-            self.controlnet_step_s
-                .iter()
-                .find(|(k, _)| *k == c)
-                .map_or(0.0, |(_, s)| *s)
-        });
+        let control_s = controlnet_step_s(&self.controlnet_step_s, req.controlnet);
         req.footprint.with_control_s(control_s)
     }
 

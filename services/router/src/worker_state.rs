@@ -5,7 +5,7 @@ use crate::registry::LiveWorker;
 use diffmesh_sched::batching::BatchLimits;
 use diffmesh_sched::cost_model::BatchTotals;
 use diffmesh_sched::policy::{
-    template_key, ActiveRequest, Footprint, LoraKeys, RequestInfo, WorkerState,
+    controlnet_step_s, template_key, ActiveRequest, Footprint, LoraKeys, RequestInfo, WorkerState,
 };
 use diffmesh_sched::{CostModels, ModelShape};
 use diffmesh_shared::messages::{DenoiseJob, JobKind, RunningJob};
@@ -104,20 +104,22 @@ pub fn fill_worker_state(
     };
     out.step_remaining_s = 0.0;
     out.step_time_factor = step_time_factor;
-    out.controlnet_step_s.clear();
-    out.controlnet_step_s.extend(
+    // What the worker measured a step of a job's ControlNet to cost its step loop (the table
+    // moves into `out` at the end).
+    let mut controlnets = std::mem::take(&mut out.controlnet_step_s);
+    controlnets.clear();
+    controlnets.extend(
         hb.controlnet_step_s
             .iter()
             .map(|c| (template_key(&c.name), c.seconds)),
     );
-    // What the worker measured a step of a job's ControlNet to cost its step loop.
     let controlnet_s = |job: &DenoiseJob| {
-        job.params.controlnet.as_ref().map_or(0.0, |c| {
-            hb.controlnet_step_s
-                .iter()
-                .find(|x| x.name == c.name)
-                .map_or(0.0, |x| x.seconds)
-        })
+        let key = job
+            .params
+            .controlnet
+            .as_ref()
+            .map(|c| template_key(&c.name));
+        controlnet_step_s(&controlnets, key)
     };
     let queued_job = |job: &DenoiseJob| ActiveRequest {
         masked_tokens: job_masked_tokens(job, shape),
@@ -201,6 +203,7 @@ pub fn fill_worker_state(
         footprint: Footprint::ONE_ROW,
         remaining_steps: shape.steps,
     }));
+    out.controlnet_step_s = controlnets;
     out.resident_templates.clear();
     out.resident_templates
         .extend(hb.cached_templates.iter().map(|t| template_key(t)));
