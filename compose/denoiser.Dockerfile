@@ -64,7 +64,7 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target,id=diffmesh-target-torch \
-    cargo build --release --locked -p diffmesh-denoiser \
+    cargo build --release --locked -p diffmesh-denoiser -p diffmesh-controlnet \
  && install -D -m 0755 target/release/diffmesh-denoiser /out/diffmesh-denoiser \
  && install -D -m 0755 target/release/diffmesh-controlnet /out/diffmesh-controlnet
 

@@ -4,8 +4,11 @@
 pub mod autocast;
 pub mod bench_inputs;
 pub mod components;
+pub mod controlnets;
+pub mod device;
 pub mod error;
 pub mod flux;
+pub mod host_tensor;
 pub mod lora;
 pub mod model_dir;
 pub mod packing;

@@ -252,6 +252,22 @@ impl LoraPatcher {
     pub fn restore(&mut self) -> Result<PatchStats> {
         self.apply(&[])
     }
+
+    /// Write the base copy back into every layer ever patched, whatever the patch state says:
+    /// after a failure in the middle of [`apply`](Self::apply) (a panic), a layer may hold a
+    /// patch its bookkeeping does not know of. Every base copy is taken before its layer is
+    /// first written, so this is exact.
+    pub fn reset(&mut self) -> Result<()> {
+        tch::no_grad(|| -> Result<()> {
+            for (module, original) in &self.originals {
+                self.weights[module].shallow_clone().f_copy_(original)?;
+            }
+            Ok(())
+        })?;
+        self.patched.clear();
+        self.current = LoraSetKey::default();
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -316,6 +332,26 @@ mod tests {
             p.apply(&set[1..]).unwrap();
         }
         p.restore().unwrap();
+        assert!(lin.weight.equal(&base));
+        assert!(p.current().is_base());
+    }
+
+    #[test]
+    fn reset_restores_the_base_weights_whatever_the_bookkeeping_says() {
+        let (vs, lin) = store();
+        let base = lin.weight.copy();
+        let mut p = LoraPatcher::new(&vs);
+        let a = adapter("a", 1, 0.5);
+        p.apply(&[WeightedLora {
+            adapter: &a,
+            weight: 1.0,
+        }])
+        .unwrap();
+        // As if a later patch had been cut off half-way: the layer changed, unrecorded.
+        p.patched.clear();
+        let _ = tch::no_grad(|| lin.weight.shallow_clone().f_add_scalar_(3.0).unwrap());
+        assert!(!lin.weight.equal(&base));
+        p.reset().unwrap();
         assert!(lin.weight.equal(&base));
         assert!(p.current().is_base());
     }

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p diffmesh-cachestore -p diffmesh-codec -p diffmesh-router \
-  -p diffmesh-denoiser -p diffmesh-gateway -p xtask
+  -p diffmesh-denoiser -p diffmesh-gateway -p diffmesh-benches -p xtask
 mkdir -p .git/info .gpu
 grep -qx /.gpu/ .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
 stage=$(mktemp -d)

@@ -3,7 +3,7 @@
 # `device` call with `carry: [".gpu"]` running `bash scripts/gpu/checks.sh` (docs/GPU.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-cargo build --release -p diffmesh-denoiser --bin diffmesh-engine-bench --bin diffmesh-lora-bench
+cargo build --release -p diffmesh-benches --bin diffmesh-engine-bench --bin diffmesh-lora-bench
 cargo build --release -p diffmesh-model --bin diffmesh-controlnet-bench
 tests=$(cargo test --release -p diffmesh-denoiser --lib --no-run --message-format=json \
   | python3 -c 'import json, sys

@@ -2,6 +2,7 @@
 //! diffusers' `FluxControlNetModel` layout) and the strength it steers with. The control image
 //! travels beside the job (the codec prepares it at the model resolution).
 use serde::{Deserialize, Serialize};
+use std::path::Path;
 
 /// Largest `controlnet.scale` accepted (diffusers' `controlnet_conditioning_scale`; real
 /// ControlNets are used between 0.3 and 1.5).
@@ -37,9 +38,42 @@ pub fn name_problem(name: &str) -> Option<String> {
     None
 }
 
+/// The ControlNet names a folder serves, sorted (what heartbeats advertise): its sub-folders
+/// with a `config.json` whose names a request may give.
+pub fn served(dir: Option<&Path>) -> Vec<String> {
+    let Some(dir) = dir else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|name| name_problem(name).is_none())
+        .filter(|name| dir.join(name).join("config.json").is_file())
+        .collect();
+    names.sort();
+    names
+}
+
 #[cfg(test)]
 mod tests {
-    use super::name_problem;
+    use super::{name_problem, served};
+
+    #[test]
+    fn heartbeats_advertise_the_folders_that_hold_a_controlnet() {
+        let dir = tempfile::tempdir().unwrap();
+        for name in ["silhouette", "canny", "empty", "bad name"] {
+            std::fs::create_dir_all(dir.path().join(name)).unwrap();
+        }
+        for name in ["silhouette", "canny", "bad name"] {
+            std::fs::write(dir.path().join(name).join("config.json"), "{}").unwrap();
+        }
+        std::fs::write(dir.path().join("README.md"), "not a ControlNet").unwrap();
+        assert_eq!(served(Some(dir.path())), ["canny", "silhouette"]);
+        assert!(served(None).is_empty());
+        assert!(served(Some(&dir.path().join("missing"))).is_empty());
+    }
 
     #[test]
     fn names_are_path_and_subject_safe() {

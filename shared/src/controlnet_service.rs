@@ -44,6 +44,27 @@ pub enum WireDtype {
 }
 
 impl WireDtype {
+    const ALL: [WireDtype; 4] = [
+        WireDtype::F32,
+        WireDtype::Bf16,
+        WireDtype::F16,
+        WireDtype::I64,
+    ];
+
+    /// Its name (`f32`, `bf16`, `f16`, `i64`): how the model crate's tensors name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            WireDtype::F32 => "f32",
+            WireDtype::Bf16 => "bf16",
+            WireDtype::F16 => "f16",
+            WireDtype::I64 => "i64",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|d| d.name() == name)
+    }
+
     pub fn size(self) -> usize {
         match self {
             WireDtype::F32 => 4,
@@ -63,6 +84,13 @@ pub struct WireTensor {
 }
 
 impl WireTensor {
+    /// A tensor of element type `dtype` (by name, see [`WireDtype::name`]).
+    pub fn from_parts(dtype: &str, shape: Vec<i64>, data: Vec<u8>) -> Result<Self, String> {
+        let dtype =
+            WireDtype::from_name(dtype).ok_or_else(|| format!("no wire element type `{dtype}`"))?;
+        Ok(Self { shape, dtype, data })
+    }
+
     /// Why the contents do not fit the shape and dtype (`None`: they do).
     pub fn problem(&self) -> Option<String> {
         if self.shape.iter().any(|&d| d < 0) {

@@ -125,3 +125,11 @@ impl MeshError {
         }
     }
 }
+
+/// The text of a caught panic (`std::panic::catch_unwind`'s payload).
+pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}

@@ -1,4 +1,5 @@
 //! diffmesh shared crate: message types, NATS subjects, configuration, telemetry, errors.
+pub mod actors;
 pub mod blob_store;
 pub mod cache_read;
 pub mod cachestore;
@@ -28,4 +29,4 @@ pub mod transient;
 pub mod unanswered;
 
 pub use config::CommonConfig;
-pub use error::MeshError;
+pub use error::{panic_message, MeshError};

@@ -120,7 +120,7 @@ async fn a_controlnet_steers_generations_through_the_mesh() {
 /// job there, and every step's residuals come from the worker, one step behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_controlnet_worker_steers_a_denoiser_without_controlnets() {
-    use diffmesh_denoiser::controlnet_service::worker::{start, WorkerConfig};
+    use diffmesh_controlnet::{start, WorkerConfig};
     use diffmesh_denoiser::controlnet_service::RemoteMode;
     use futures::StreamExt;
 

@@ -212,13 +212,11 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
 
     // A ControlNet worker (`diffmesh-controlnet`) with the shipped ControlNets.
     let controlnets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny-controlnets");
-    let worker = diffmesh_denoiser::controlnet_service::worker::start(
-        diffmesh_denoiser::controlnet_service::worker::WorkerConfig::for_tests(
-            mesh.nats.url(),
-            controlnets,
-            "cn1",
-        ),
-    )
+    let worker = diffmesh_controlnet::start(diffmesh_controlnet::WorkerConfig::for_tests(
+        mesh.nats.url(),
+        controlnets,
+        "cn1",
+    ))
     .await
     .expect("ControlNet worker");
     send_garbage(

@@ -102,16 +102,16 @@ fn main() -> anyhow::Result<()> {
         Cmd::Down => mesh::down(),
         Cmd::Forward(p) => release_bin(&tc, "diffmesh-model", "diffmesh-forward", &p.args),
         Cmd::Bench(p) => match p.args.split_first() {
-            // The engine bench lives with the engine, in the denoiser crate.
+            // The serving programs' benches live in their own crate (bench/).
             Some((part, rest)) if part == "engine" => {
-                release_bin(&tc, "diffmesh-denoiser", "diffmesh-engine-bench", rest)
+                release_bin(&tc, "diffmesh-benches", "diffmesh-engine-bench", rest)
             }
             Some((part, rest)) if part == "lora" => {
-                release_bin(&tc, "diffmesh-denoiser", "diffmesh-lora-bench", rest)
+                release_bin(&tc, "diffmesh-benches", "diffmesh-lora-bench", rest)
             }
             Some((part, rest)) if part == "controlnet-service" => release_bin(
                 &tc,
-                "diffmesh-denoiser",
+                "diffmesh-benches",
                 "diffmesh-controlnet-service-bench",
                 rest,
             ),

@@ -78,6 +78,8 @@ pub fn up(tc: &Toolchain, args: UpArgs) -> anyhow::Result<()> {
     for s in SERVICES {
         build.args(["-p", &format!("diffmesh-{s}")]);
     }
+    // The ControlNet workers' program (`--controlnet-workers`).
+    build.args(["-p", "diffmesh-controlnet"]);
     tc.apply(&mut build)?;
     run(&mut build)?;
 

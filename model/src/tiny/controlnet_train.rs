@@ -197,6 +197,25 @@ fn controlled_loss(
     Ok(v.f_sub(&target)?.f_square()?.f_mean(Kind::Float)?)
 }
 
+/// For tests of the serving code: a random tiny model (`TinyModel::random_for_tests`, seed 11)
+/// saved in `dir`, and a random ControlNet of it (one double and one single block, small
+/// random control weights) in `dir/controlnets/<name>`.
+pub fn save_random_model_and_controlnet(dir: &std::path::Path, name: &str) -> Result<()> {
+    let m = TinyModel::random_for_tests(11, Device::Cpu)?;
+    m.save(dir, None)?;
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = controlnet_from_transformer(&vs, &m.transformer, &m.transformer_vs, 1, 1)?;
+    tch::manual_seed(3);
+    tch::no_grad(|| {
+        for (name, mut v) in vs.variables() {
+            if name.starts_with("controlnet_") {
+                v.copy_(&(Tensor::randn(v.size(), (Kind::Float, Device::Cpu)) * 0.05));
+            }
+        }
+    });
+    save_controlnet(&net, &vs, &dir.join("controlnets").join(name))
+}
+
 /// Write `net` as a diffusers `FluxControlNetModel` folder.
 pub fn save_controlnet(
     net: &FluxControlNet,

@@ -3,10 +3,8 @@
 //! finished outputs to the codec.
 //!
 //! Start it in-process with [`start`] (tests) or run it until a signal with [`run`] (the binary).
-pub mod bench;
 pub mod cached_step;
 pub mod capture_log;
-pub mod controlnet;
 pub mod controlnet_service;
 pub mod engine;
 pub mod lora;
@@ -26,7 +24,7 @@ use diffmesh_model::tch::{Device, Kind};
 use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::health::{HealthServer, Readiness};
 use diffmesh_shared::{CommonConfig, MeshError};
-use engine::{spawn_engine, EngineConfig, EngineThread};
+use engine::{spawn_engine, EngineConfig, EngineDrained};
 use service::Service;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -241,7 +239,7 @@ impl DenoiserConfig {
     }
 
     pub fn parse_device(&self) -> Result<Device, DenoiserError> {
-        model::parse_device(&self.device).map_err(|expected| DenoiserError::Flag {
+        diffmesh_model::device::parse_device(&self.device).map_err(|expected| DenoiserError::Flag {
             flag: "device",
             value: self.device.clone(),
             expected,
@@ -250,10 +248,12 @@ impl DenoiserConfig {
 
     /// The dtype for a model on `device` (what `auto` resolves to depends on it).
     pub fn parse_dtype(&self, device: Device) -> Result<Kind, DenoiserError> {
-        model::parse_model_dtype(&self.dtype, device).map_err(|expected| DenoiserError::Flag {
-            flag: "dtype",
-            value: self.dtype.clone(),
-            expected,
+        diffmesh_model::device::parse_model_dtype(&self.dtype, device).map_err(|expected| {
+            DenoiserError::Flag {
+                flag: "dtype",
+                value: self.dtype.clone(),
+                expected,
+            }
         })
     }
 
@@ -322,7 +322,7 @@ pub struct DenoiserHandle {
     submits: JoinHandle<Result<(), MeshError>>,
     others: Vec<JoinHandle<Result<(), MeshError>>>,
     pump: JoinHandle<Result<(), MeshError>>,
-    engine_thread: EngineThread,
+    engine_drained: EngineDrained,
     health: HealthServer,
 }
 
@@ -338,7 +338,7 @@ impl DenoiserHandle {
         let queued = s.engine.begin_shutdown().await;
         tracing::info!(handed_back = queued.len(), "denoiser draining");
         s.hand_back(queued).await;
-        self.engine_thread.join().await;
+        self.engine_drained.wait().await;
         let _ = self.pump.await;
         self.background.cancel();
         for t in self.others {
@@ -389,7 +389,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let metrics = metrics::DenoiserMetrics::new(&registry)?;
     // The ControlNets served from its folder are exported (at 0, free until one runs) before
     // a steered job measures them.
-    for name in controlnet::served(config.controlnet_dir.as_deref()) {
+    for name in diffmesh_shared::controlnet::served(config.controlnet_dir.as_deref()) {
         metrics
             .controlnet
             .step_seconds
@@ -479,7 +479,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
             },
         ));
     }
-    let (engine, engine_thread) = spawn_engine(
+    let (engine, engine_drained) = spawn_engine(
         model,
         engine_config,
         config.command_capacity,
@@ -549,7 +549,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         submits,
         others,
         pump,
-        engine_thread,
+        engine_drained,
         health,
     })
 }

@@ -1,10 +1,11 @@
 //! Denoiser metrics, registered in the registry the health server exposes on /metrics.
 use std::time::Instant;
 
+use diffmesh_model::controlnets::Lookup;
 use diffmesh_model::pipeline::conditioning_cache::{ConditioningCounts, ReuseCounts};
 use diffmesh_shared::metrics::LATENCY_BUCKETS_SECONDS;
 use prometheus::{
-    Counter, CounterVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
+    Counter, CounterVec, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry,
 };
 
@@ -37,6 +38,8 @@ pub struct DenoiserMetrics {
     /// Accepted to admitted into the running batch: queueing on this worker, per job.
     pub queue_wait_seconds: Histogram,
     pub jobs_done: IntCounter,
+    /// Restarts of the engine actor after a panic of its own (its running jobs failed).
+    pub engine_restarts: IntCounter,
     pub queued: IntGauge,
     pub running: IntGauge,
     /// Jobs and submits that failed, by reason.
@@ -68,7 +71,7 @@ pub struct DenoiserMetrics {
     /// Bytes the conditioning cache holds, by kind.
     pub conditioning_bytes: IntGaugeVec,
     pub lora: crate::lora::metrics::LoraMetrics,
-    pub controlnet: crate::controlnet::ControlNetMetrics,
+    pub controlnet: ControlNetMetrics,
 }
 
 impl DenoiserMetrics {
@@ -106,6 +109,10 @@ impl DenoiserMetrics {
         let jobs_done = IntCounter::new(
             "diffmesh_denoiser_jobs_done_total",
             "Jobs whose denoising finished",
+        )?;
+        let engine_restarts = IntCounter::new(
+            "diffmesh_denoiser_engine_restarts_total",
+            "Restarts of the engine after a panic of its own (its running jobs failed, its queued jobs kept)",
         )?;
         let queued = IntGauge::new(
             "diffmesh_denoiser_queued_jobs",
@@ -232,6 +239,7 @@ impl DenoiserMetrics {
         registry.register(Box::new(job_seconds.clone()))?;
         registry.register(Box::new(queue_wait_seconds.clone()))?;
         registry.register(Box::new(jobs_done.clone()))?;
+        registry.register(Box::new(engine_restarts.clone()))?;
         registry.register(Box::new(queued.clone()))?;
         registry.register(Box::new(running.clone()))?;
         registry.register(Box::new(failures.clone()))?;
@@ -241,6 +249,7 @@ impl DenoiserMetrics {
             job_seconds,
             queue_wait_seconds,
             jobs_done,
+            engine_restarts,
             queued,
             running,
             failures,
@@ -257,7 +266,7 @@ impl DenoiserMetrics {
             conditioning_lookups,
             conditioning_bytes,
             lora: crate::lora::metrics::LoraMetrics::new(registry)?,
-            controlnet: crate::controlnet::ControlNetMetrics::new(registry)?,
+            controlnet: ControlNetMetrics::new(registry)?,
         })
     }
 
@@ -305,5 +314,85 @@ impl PhaseClock {
             m.engine_busy_by_phase[phase as usize].inc_by((now - self.last).as_secs_f64());
             self.last = now;
         }
+    }
+}
+
+/// ControlNet metrics of the denoiser.
+#[derive(Clone)]
+pub struct ControlNetMetrics {
+    /// ControlNets looked up for a steered step, by outcome (`hit`: loaded already, `loaded`).
+    pub lookups: IntCounterVec,
+    /// One ControlNet forward (one request's residuals for one step), loading included.
+    pub seconds: Histogram,
+    /// Steered rows' steps by where their residuals came from with `--controlnet-remote`:
+    /// `remote` (a ControlNet worker), `fallback_local` (computed here after a worker failed
+    /// or none came yet), `failed` (neither: the job fails).
+    pub remote: IntCounterVec,
+    /// The engine thread's wait for ControlNet workers' residuals, per step.
+    pub remote_wait_seconds: Histogram,
+    /// Per ControlNet, what one steered request costs the step loop a step (smoothed; the
+    /// figure heartbeats give the router).
+    pub step_seconds: GaugeVec,
+}
+
+impl ControlNetMetrics {
+    pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let lookups = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_controlnet_lookups_total",
+                "ControlNets looked up for a steered step, by outcome (loaded: read from its folder)",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in [Lookup::Hit, Lookup::Loaded] {
+            lookups.with_label_values(&[outcome.as_str()]);
+        }
+        let seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_controlnet_duration_seconds",
+                "One ControlNet forward for one request's step (loading included)",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+            ]),
+        )?;
+        let remote = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_controlnet_remote_total",
+                "Steered rows' steps by where their ControlNet residuals came from (remote, fallback_local, failed)",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in ["remote", "fallback_local", "failed"] {
+            remote.with_label_values(&[outcome]);
+        }
+        let remote_wait_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_controlnet_wait_duration_seconds",
+                "The engine thread's wait for ControlNet workers' residuals, per step",
+            )
+            .buckets(vec![
+                0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ]),
+        )?;
+        let step_seconds = GaugeVec::new(
+            Opts::new(
+                "diffmesh_denoiser_controlnet_step_seconds",
+                "Per ControlNet, the step loop's seconds per steered request and step (smoothed; what the router costs)",
+            ),
+            &["controlnet"],
+        )?;
+        registry.register(Box::new(step_seconds.clone()))?;
+        registry.register(Box::new(lookups.clone()))?;
+        registry.register(Box::new(seconds.clone()))?;
+        registry.register(Box::new(remote.clone()))?;
+        registry.register(Box::new(remote_wait_seconds.clone()))?;
+        Ok(Self {
+            lookups,
+            seconds,
+            remote,
+            remote_wait_seconds,
+            step_seconds,
+        })
     }
 }

@@ -108,7 +108,7 @@ impl Service {
     /// The ControlNets steered generations here may name: this denoiser's own and those its
     /// ControlNet workers serve.
     pub fn controlnets_served(&self) -> Vec<String> {
-        let mut names = crate::controlnet::served(self.config.controlnet_dir.as_deref());
+        let mut names = diffmesh_shared::controlnet::served(self.config.controlnet_dir.as_deref());
         if let Some(workers) = &self.controlnet_workers {
             names.extend(workers.served());
             names.sort();

@@ -2,7 +2,8 @@
 //! bf16 units) gives the images f32 gives, within bf16's precision. On CPUs without bf16 units
 //! libtorch emulates it: slower, same numbers.
 use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineJob};
-use diffmesh_denoiser::model::{parse_model_dtype, EngineModel};
+use diffmesh_denoiser::model::EngineModel;
+use diffmesh_model::device::parse_model_dtype;
 use diffmesh_model::tch::{Device, Kind};
 use std::path::Path;
 use std::time::Duration;
@@ -13,7 +14,7 @@ async fn generate(kind: Kind, jobs: &[(&str, u64)], steps: u32) -> Vec<Vec<u8>> 
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny");
     let model = EngineModel::load(&dir, Device::Cpu, kind, "tiny".into(), 64).unwrap();
     let (tx, mut events) = tokio::sync::mpsc::channel(256);
-    let (engine, thread) = spawn_engine(model, EngineConfig::default(), 16, tx, None).unwrap();
+    let (engine, drained) = spawn_engine(model, EngineConfig::default(), 16, tx, None).unwrap();
     for (i, (prompt, seed)) in jobs.iter().enumerate() {
         let job = diffmesh_shared::testing::generation_job(&format!("j{i}"), prompt, *seed, steps);
         engine
@@ -41,7 +42,7 @@ async fn generate(kind: Kind, jobs: &[(&str, u64)], steps: u32) -> Vec<Vec<u8>> 
         }
     }
     engine.begin_shutdown().await;
-    thread.join().await;
+    drained.wait().await;
     images
 }
 

@@ -34,7 +34,7 @@ async fn run(dir: &Path, batches: Vec<Vec<DenoiseJob>>, metrics: Option<Denoiser
         ..Default::default()
     };
     let (tx, mut events) = mpsc::channel(256);
-    let (engine, thread) = spawn_engine(model, config, 16, tx, metrics).unwrap();
+    let (engine, drained) = spawn_engine(model, config, 16, tx, metrics).unwrap();
     let (mut images, mut failures) = (HashMap::new(), HashMap::new());
     for batch in batches {
         let mut left: Vec<String> = batch.iter().map(|j| j.job_id.clone()).collect();
@@ -66,7 +66,7 @@ async fn run(dir: &Path, batches: Vec<Vec<DenoiseJob>>, metrics: Option<Denoiser
     let steps = engine.take_step_samples();
     let controlnet_step_s = engine.status().controlnet_step_s;
     drop(engine);
-    thread.join().await;
+    drained.wait().await;
     Ran {
         images,
         failures,

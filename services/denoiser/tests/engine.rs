@@ -1,133 +1,17 @@
 //! Engine-level tests on a random-weights tiny model (no NATS): batching does not change a job's
 //! images, cancellation frees the slot, a bad job fails alone.
-use diffmesh_denoiser::engine::{
-    spawn_engine, Batching, EngineConfig, EngineEvent, EngineHandle, EngineJob, EngineThread,
-};
+mod common;
+
+use common::engine::*;
+use diffmesh_denoiser::engine::{Batching, EngineConfig, EngineEvent, EngineJob};
 use diffmesh_denoiser::metrics::{DenoiserMetrics, ENGINE_PHASES};
-use diffmesh_denoiser::model::{EditInputs, EngineModel};
-use diffmesh_model::tch::{Device, Kind};
-use diffmesh_model::tiny::model::TinyModel;
+use diffmesh_denoiser::model::EditInputs;
 use diffmesh_sched::QueueOrder;
 use diffmesh_shared::messages::{DenoiseJob, JobKind, TrueCfg};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
-use tokio::sync::mpsc;
 use tracing::Span;
-
-/// A tiny model folder with random (non-zero) weights, so outputs depend on prompt and seed.
-fn write_random_model(dir: &Path) {
-    let m = TinyModel::random_for_tests(11, Device::Cpu).unwrap();
-    m.save(dir, None).unwrap();
-}
-
-fn job(id: &str, prompt: &str, seed: u64, steps: u32) -> DenoiseJob {
-    diffmesh_shared::testing::generation_job(id, prompt, seed, steps)
-}
-
-struct Harness {
-    engine: EngineHandle,
-    thread: EngineThread,
-    events: mpsc::Receiver<EngineEvent>,
-    _dir: Option<tempfile::TempDir>,
-}
-
-fn harness(max_batch: usize, max_queue: usize) -> Harness {
-    harness_with(EngineConfig {
-        max_batch,
-        max_queue,
-        ..Default::default()
-    })
-}
-
-fn harness_with(config: EngineConfig) -> Harness {
-    harness_with_metrics(config, None)
-}
-
-fn harness_with_metrics(config: EngineConfig, metrics: Option<DenoiserMetrics>) -> Harness {
-    let dir = tempfile::tempdir().unwrap();
-    write_random_model(dir.path());
-    let mut h = harness_on(dir.path(), config, metrics);
-    h._dir = Some(dir);
-    h
-}
-
-/// An engine on the model in `dir` (tests that compare two engines load one model folder: the
-/// random weights depend on the torch RNG, which tests running in parallel share).
-fn harness_on(dir: &Path, config: EngineConfig, metrics: Option<DenoiserMetrics>) -> Harness {
-    let model = EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
-    let (tx, events) = mpsc::channel(256);
-    let (engine, thread) = spawn_engine(model, config, 16, tx, metrics).unwrap();
-    Harness {
-        engine,
-        thread,
-        events,
-        _dir: None,
-    }
-}
-
-/// Collect events until every id in `ids` finished, failed or was cancelled.
-async fn drain(h: &mut Harness, ids: &[&str]) -> (HashMap<String, Vec<u8>>, Vec<String>) {
-    let mut images = HashMap::new();
-    let mut log = Vec::new();
-    let mut left: Vec<String> = ids.iter().map(|s| s.to_string()).collect();
-    while !left.is_empty() {
-        let event = tokio::time::timeout(Duration::from_secs(120), h.events.recv())
-            .await
-            .expect("engine stalled")
-            .unwrap();
-        match event {
-            EngineEvent::Started { job_id } => log.push(format!("started {job_id}")),
-            EngineEvent::Step {
-                job_id,
-                step,
-                total,
-            } => log.push(format!("step {job_id} {step}/{total}")),
-            EngineEvent::Finished {
-                job,
-                images: mut imgs,
-                width,
-                height,
-                ..
-            } => {
-                assert_eq!((width, height), (64, 64));
-                assert_eq!(imgs.len(), 1);
-                assert_eq!(imgs[0].len(), 64 * 64 * 3);
-                log.push(format!("finished {}", job.job_id));
-                left.retain(|j| j != &job.job_id);
-                images.insert(job.job_id, imgs.remove(0));
-            }
-            EngineEvent::Failed { job, error, .. } => {
-                log.push(format!("failed {}: {error}", job.job_id));
-                left.retain(|j| j != &job.job_id);
-            }
-            EngineEvent::Cancelled { job_id } => {
-                log.push(format!("cancelled {job_id}"));
-                left.retain(|j| j != &job_id);
-            }
-            EngineEvent::Captured { job, .. } => {
-                log.push(format!("captured {}", job.job_id));
-                left.retain(|j| j != &job.job_id);
-            }
-        }
-    }
-    (images, log)
-}
-
-async fn submit(h: &Harness, j: DenoiseJob, edit: Option<EditInputs>) {
-    h.engine
-        .submit(EngineJob::new(j, edit), Span::none())
-        .await
-        .unwrap();
-}
-
-fn max_abs_diff(a: &[u8], b: &[u8]) -> u8 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| x.abs_diff(*y))
-        .max()
-        .unwrap_or(0)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_of_two_equals_each_alone() {
@@ -165,7 +49,7 @@ async fn batch_of_two_equals_each_alone() {
         .all(|s| s.seconds > 0.0 && s.row_ratios.iter().all(|&r| r == 1.0)));
     assert!(h.engine.take_step_samples().is_empty(), "handed out once");
     h.engine.begin_shutdown().await;
-    h.thread.join().await;
+    h.drained.wait().await;
 }
 
 /// True CFG: a guided job takes two batch rows per image (its prompt's and its negative
@@ -206,7 +90,7 @@ async fn a_guided_job_takes_two_rows_and_batches_like_alone() {
     assert!(at("started g3") > at("finished g2"), "{log:?}");
     assert!(max_abs_diff(&batched["g2"], &alone["g"]) <= 1);
     h.engine.begin_shutdown().await;
-    h.thread.join().await;
+    h.drained.wait().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -240,7 +124,7 @@ async fn engine_busy_time_is_split_by_loop_phase() {
     submit(&h, job("b", "a blue square", 2, 6), None).await;
     drain(&mut h, &["a", "b"]).await;
     h.engine.begin_shutdown().await;
-    h.thread.join().await;
+    h.drained.wait().await;
     // Preparing and decoding jobs take real work; the step phase holds every step's compute.
     assert!(busy("admit") > 0.0 && busy("retire") > 0.0);
     let step_compute = metrics.step_seconds.get_sample_sum();
@@ -294,7 +178,7 @@ async fn template_edits(
     let (images, log) = drain(&mut h, &ids).await;
     assert_eq!(images.len(), ids.len(), "{log:?}");
     h.engine.begin_shutdown().await;
-    h.thread.join().await;
+    h.drained.wait().await;
     (images, metrics)
 }
 
@@ -400,7 +284,7 @@ async fn cancellation_frees_the_slot() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     h.engine.begin_shutdown().await;
-    h.thread.join().await;
+    h.drained.wait().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -457,7 +341,7 @@ async fn bad_edit_fails_alone_and_engine_lives_on() {
     assert_eq!(&out[4 * 64 * 3..], &template[4 * 64 * 3..]);
     assert_ne!(&out[..4 * 64 * 3], &template[..4 * 64 * 3]);
     h.engine.begin_shutdown().await;
-    h.thread.join().await;
+    h.drained.wait().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -483,7 +367,7 @@ async fn shutdown_hands_back_queued_and_finishes_running() {
         .submit(EngineJob::new(job("late", "x", 1, 1), None), Span::none())
         .await;
     assert!(refused.is_err());
-    h.thread.join().await;
+    h.drained.wait().await;
 }
 
 /// Rough timing, not a check: images/s of 8 jobs run one at a time vs all in one batch.
@@ -508,7 +392,7 @@ async fn throughput_batch_1_vs_8() {
             secs * 1000.0 / (8.0 * steps as f64)
         );
         h.engine.begin_shutdown().await;
-        h.thread.join().await;
+        h.drained.wait().await;
     }
 }
 
@@ -566,7 +450,7 @@ async fn static_batching_waits_for_the_batch_continuous_does_not() {
             }
         }
         h.engine.begin_shutdown().await;
-        h.thread.join().await;
+        h.drained.wait().await;
     }
 }
 
@@ -602,7 +486,7 @@ async fn token_budget_limits_admission() {
     assert!(position(&log, "started edit") < gen_done, "{log:?}");
     assert!(position(&log, "started gen2") > gen_done, "{log:?}");
     h.engine.begin_shutdown().await;
-    h.thread.join().await;
+    h.drained.wait().await;
 }
 
 /// The queue order picks which waiting job takes a freed slot: arrival (FCFS), least image
@@ -649,7 +533,7 @@ async fn queue_order_picks_the_next_job() {
         let got: Vec<&str> = started.into_iter().map(|(_, id)| id).collect();
         assert_eq!(got, want, "{order:?}: {log:?}");
         h.engine.begin_shutdown().await;
-        h.thread.join().await;
+        h.drained.wait().await;
     }
 }
 
@@ -701,5 +585,5 @@ async fn inline_work_queues_its_job_and_survives_a_panic() {
     submit(&h, job("after", "a blue square", 2, 2), None).await;
     assert!(drain(&mut h, &["after"]).await.0.contains_key("after"));
     h.engine.begin_shutdown().await;
-    h.thread.join().await;
+    h.drained.wait().await;
 }

@@ -3,7 +3,7 @@
 //! LoRAs share steps and each gets its own weights, bounded asynchronous loading steps the base
 //! model up to its bound and then waits, and a LoRA that cannot be had fails only its job.
 use diffmesh_denoiser::engine::{
-    spawn_engine, EngineConfig, EngineEvent, EngineHandle, EngineJob, EngineThread,
+    spawn_engine, EngineConfig, EngineDrained, EngineEvent, EngineHandle, EngineJob,
 };
 use diffmesh_denoiser::lora::{LoadedLora, LoraBlob, LoraSlot};
 use diffmesh_denoiser::metrics::DenoiserMetrics;
@@ -57,7 +57,7 @@ fn filled(set: Vec<LoadedLora>) -> LoraSlot {
 
 struct Harness {
     engine: EngineHandle,
-    thread: EngineThread,
+    drained: EngineDrained,
     events: mpsc::Receiver<EngineEvent>,
 }
 
@@ -72,10 +72,10 @@ fn harness_on(
     metrics: Option<DenoiserMetrics>,
 ) -> Harness {
     let (tx, events) = mpsc::channel(256);
-    let (engine, thread) = spawn_engine(model, config, 16, tx, metrics).unwrap();
+    let (engine, drained) = spawn_engine(model, config, 16, tx, metrics).unwrap();
     Harness {
         engine,
-        thread,
+        drained,
         events,
     }
 }
@@ -150,7 +150,7 @@ fn max_abs_diff(a: &[u8], b: &[u8]) -> u8 {
 
 async fn stop(h: Harness) {
     h.engine.begin_shutdown().await;
-    h.thread.join().await;
+    h.drained.wait().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

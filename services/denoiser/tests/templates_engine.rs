@@ -36,7 +36,7 @@ fn harness() -> Harness {
         max_queue: 8,
         ..Default::default()
     };
-    let (engine, _thread) = spawn_engine(model, config, 16, tx, None).unwrap();
+    let (engine, _drained) = spawn_engine(model, config, 16, tx, None).unwrap();
     Harness {
         engine,
         events,

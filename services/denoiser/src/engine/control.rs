@@ -4,11 +4,11 @@
 //! engine waits for any, so rows on different workers compute at once; a row whose worker
 //! fails falls back to the local ControlNet when the denoiser holds it.
 use super::Active;
-use crate::controlnet::ControlNets;
 use crate::controlnet_service::client::{Arrived, Pending, SessionLink};
 use crate::controlnet_service::wire::from_wire;
 use crate::controlnet_service::{RemoteControlNets, RemoteMode};
 use crate::metrics::DenoiserMetrics;
+use diffmesh_model::controlnets::ControlNets;
 use diffmesh_model::flux::{ControlResiduals, FluxConfig};
 use diffmesh_model::pipeline::control::ControlStep;
 use diffmesh_model::pipeline::FluxPipeline;

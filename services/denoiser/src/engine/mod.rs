@@ -1,13 +1,13 @@
-//! The engine: one OS thread that owns the model (tch tensors are `Send`, not `Sync`) and runs
-//! step-level continuous batching, fed by a bounded channel of commands.
+//! The engine: an actix sync actor on a thread of its own that owns the model (tch tensors are
+//! `Send`, not `Sync`) and runs step-level continuous batching ([`actor`]: its messages, its
+//! supervision and the async side's [`EngineHandle`]).
 //!
-//! Every iteration: take commands, drop cancelled jobs, admit waiting jobs up to the batch
-//! budget, run one denoising step for every active job (each at its own step index) in one
-//! batched forward per LoRA set among them (`step`, `lora_steps`), report progress, and retire
-//! finished jobs as RGB images. A panic or error in a batched step is retried job by job, so one
-//! bad job fails alone and the engine lives on.
+//! Every iteration ([`Engine::iterate`]): drop cancelled jobs, admit waiting jobs up to the
+//! batch budget, run one denoising step for every active job (each at its own step index) in
+//! one batched forward per LoRA set among them (`step`, `lora_steps`), report progress, and
+//! retire finished jobs as RGB images. A panic or error in a batched step is retried job by job,
+//! so one bad job fails alone and the engine lives on.
 use crate::cached_step::{CachedStepper, CaptureSink};
-use crate::controlnet::ControlNets;
 use crate::lora::LoraSlot;
 use crate::metrics::{DenoiserMetrics, EnginePhase, PhaseClock};
 use crate::model::{
@@ -15,171 +15,37 @@ use crate::model::{
 };
 use crate::step_samples::StepSamples;
 use crate::templates::TemplateEntry;
+use diffmesh_model::controlnets::ControlNets;
 use diffmesh_model::lora::LoraPatcher;
 use diffmesh_model::pipeline::conditioning_cache::ConditioningCache;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::ModelError;
 use diffmesh_sched::{QueueOrder, QueuedJob};
-use diffmesh_shared::messages::{DenoiseJob, RunningJob, StepSample};
+use diffmesh_shared::messages::{DenoiseJob, RunningJob};
+use diffmesh_shared::panic_message;
 use std::collections::VecDeque;
+use std::ops::{Deref, DerefMut};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tracing::Span;
 
+mod actor;
 mod control;
 mod lora_steps;
 mod step;
 mod types;
-pub use types::{
-    Batching, Command, EngineConfig, EngineEvent, EngineJob, EngineJobError, EngineStatus,
-    EventTap, InlineWork, SubmitError,
+#[cfg(feature = "fault-injection")]
+pub use actor::PanicMidBatch;
+pub use actor::{
+    spawn_engine, BeginShutdown, Cancel, EngineDrained, EngineHandle, RunInline, SetEventTap,
+    Submit,
 };
-
-/// The async side's handle on the engine thread (cheap to clone).
-#[derive(Clone)]
-pub struct EngineHandle {
-    tx: mpsc::Sender<Command>,
-    status: Arc<Mutex<EngineStatus>>,
-    steps: StepSamples,
-}
-
-/// Joins the engine thread once it has drained.
-pub struct EngineThread(std::thread::JoinHandle<()>);
-
-impl EngineThread {
-    /// Wait (without blocking the runtime) for the engine to finish its running jobs and exit.
-    pub async fn join(self) {
-        let _ = tokio::task::spawn_blocking(move || self.0.join()).await;
-    }
-}
-
-/// Start the engine thread. `command_capacity` bounds the command channel.
-pub fn spawn_engine(
-    model: EngineModel,
-    config: EngineConfig,
-    command_capacity: usize,
-    events: mpsc::Sender<EngineEvent>,
-    metrics: Option<DenoiserMetrics>,
-) -> std::io::Result<(EngineHandle, EngineThread)> {
-    let (tx, rx) = mpsc::channel(command_capacity.max(1));
-    let status = Arc::new(Mutex::new(EngineStatus::default()));
-    let steps = StepSamples::default();
-    let engine = Engine {
-        patcher: LoraPatcher::with_originals_on(
-            &model.model.transformer_store,
-            config.lora_originals,
-        ),
-        cached: CachedStepper::new(config.cache, model.gpu_copy.clone())?,
-        conditioning: ConditioningCache::new(config.conditioning_cache_bytes),
-        controlnets: {
-            let (device, kind) = model.model.transformer.device_kind();
-            let dir = model.controlnet_dir.clone();
-            ControlNets::new(dir, config.controlnet_cache, device, kind)
-        },
-        control_costs: control::ControlCosts::default(),
-        model,
-        config,
-        rx,
-        events,
-        status: status.clone(),
-        steps: steps.clone(),
-        metrics,
-        waiting: VecDeque::new(),
-        active: Vec::new(),
-        shutting_down: false,
-        tap: None,
-    };
-    let thread = std::thread::Builder::new()
-        .name("denoiser-engine".into())
-        .spawn(move || engine.run())?;
-    Ok((EngineHandle { tx, status, steps }, EngineThread(thread)))
-}
-
-impl EngineHandle {
-    /// Queue a job. Fails fast when the command channel is full (the engine is saturated).
-    pub async fn submit(&self, job: EngineJob, span: Span) -> Result<u32, SubmitError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .try_send(Command::Submit {
-                job: Box::new(job),
-                span,
-                reply,
-            })
-            .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => {
-                    SubmitError::QueueFull(self.tx.max_capacity())
-                }
-                mpsc::error::TrySendError::Closed(_) => SubmitError::ShuttingDown,
-            })?;
-        rx.await.unwrap_or(Err(SubmitError::ShuttingDown))
-    }
-
-    /// Run `work` on the engine thread at its next step boundary (see [`Command::Inline`]);
-    /// returns the queue position of the job it produced, if any. Waits for room in the channel.
-    pub async fn run_inline(
-        &self,
-        work: InlineWork,
-        span: Span,
-    ) -> Result<Option<u32>, SubmitError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Inline { work, span, reply })
-            .await
-            .map_err(|_| SubmitError::ShuttingDown)?;
-        rx.await.unwrap_or(Err(SubmitError::ShuttingDown))
-    }
-
-    /// Install (`Some`) or remove (`None`) the [`EventTap`]; returns once the engine has it.
-    pub async fn set_event_tap(&self, tap: Option<EventTap>) -> Result<(), SubmitError> {
-        let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Command::SetEventTap { tap, reply })
-            .await
-            .map_err(|_| SubmitError::ShuttingDown)?;
-        rx.await.map_err(|_| SubmitError::ShuttingDown)
-    }
-
-    pub async fn cancel(&self, job_id: String, span: Span) {
-        // Waits for room: a cancel must not be lost when the channel is momentarily full.
-        if self
-            .tx
-            .send(Command::Cancel { job_id, span })
-            .await
-            .is_err()
-        {
-            tracing::debug!("cancel after engine exit ignored");
-        }
-    }
-
-    /// Ask the engine to stop; returns the queued jobs it had not started (to hand back). The
-    /// engine finishes its running jobs, then exits (see [`EngineThread::join`]).
-    pub async fn begin_shutdown(&self) -> Vec<DenoiseJob> {
-        let (reply, rx) = oneshot::channel();
-        if self
-            .tx
-            .send(Command::Shutdown {
-                span: Span::current(),
-                reply,
-            })
-            .await
-            .is_err()
-        {
-            return Vec::new();
-        }
-        rx.await.unwrap_or_default()
-    }
-
-    pub fn status(&self) -> EngineStatus {
-        self.status.lock().map(|s| s.clone()).unwrap_or_default()
-    }
-
-    /// The batched steps run since the last call (at most [`crate::step_samples::KEPT_STEPS`], the latest).
-    pub fn take_step_samples(&self) -> Vec<StepSample> {
-        self.steps.take()
-    }
-}
+pub use types::{
+    Batching, EngineConfig, EngineEvent, EngineJob, EngineJobError, EngineStatus, EventTap,
+    InlineWork, SubmitError,
+};
 
 struct Active {
     job: DenoiseJob,
@@ -211,10 +77,11 @@ impl Active {
     }
 }
 
-struct Engine {
-    model: EngineModel,
-    /// The LoRA set the transformer's weights hold.
-    patcher: LoraPatcher,
+pub struct Engine {
+    /// Handed to the engine this one is restarted as (see [`actor`]).
+    model: Handed<EngineModel>,
+    /// The LoRA set the transformer's weights hold (handed on with the model).
+    patcher: Handed<LoraPatcher>,
     cached: CachedStepper,
     /// Prompt embeddings, template latents and noise that admitted jobs share.
     conditioning: ConditioningCache,
@@ -223,65 +90,128 @@ struct Engine {
     /// Per ControlNet, what one steered job costs the step loop a step.
     control_costs: control::ControlCosts,
     config: EngineConfig,
-    rx: mpsc::Receiver<Command>,
-    events: mpsc::Sender<EngineEvent>,
+    /// Where events go (`None` once drained: see `actor`).
+    events: Option<mpsc::Sender<EngineEvent>>,
     status: Arc<Mutex<EngineStatus>>,
     steps: StepSamples,
     metrics: Option<DenoiserMetrics>,
+    shared: Arc<actor::Shared>,
     waiting: VecDeque<(EngineJob, Span)>,
     active: Vec<Active>,
     shutting_down: bool,
     tap: Option<EventTap>,
+    /// A `Step` message is on its way (the engine sends one at a time).
+    step_queued: bool,
+    /// Stopping after a panic: no more steps; the next engine takes over.
+    restarting: bool,
+    #[cfg(feature = "fault-injection")]
+    panic_mid_batch: bool,
+}
+
+/// A part of the engine it hands on when it is restarted: there for the engine's whole life,
+/// taken only as it stops.
+struct Handed<T>(Option<T>);
+
+impl<T> Handed<T> {
+    fn take(&mut self) -> T {
+        self.0
+            .take()
+            .expect("an engine part is taken once, as the engine stops")
+    }
+}
+
+impl<T> Deref for Handed<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.0
+            .as_ref()
+            .expect("the engine holds its parts until it stops")
+    }
+}
+
+impl<T> DerefMut for Handed<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.0
+            .as_mut()
+            .expect("the engine holds its parts until it stops")
+    }
 }
 
 /// How long the loop sleeps when no job could step and no command came.
 const IDLE_POLL: Duration = Duration::from_millis(1);
 
-/// The text of a caught panic.
-pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "unknown panic".into())
+/// The template-cache stepper of an engine (it starts the cache loader thread).
+fn new_stepper(config: &EngineConfig, model: &EngineModel) -> std::io::Result<CachedStepper> {
+    CachedStepper::new(config.cache, model.gpu_copy.clone())
 }
 
 impl Engine {
-    fn run(mut self) {
-        tracing::info!(model = %self.model.model_id, max_batch = self.config.max_batch, "engine started");
-        loop {
-            if self.active.is_empty() && self.waiting.is_empty() {
-                if self.shutting_down {
-                    break;
-                }
-                match self.rx.blocking_recv() {
-                    Some(cmd) => self.handle(cmd),
-                    None => break, // every handle dropped
-                }
-            }
-            let mut clock = PhaseClock::new();
-            let mut commands = 0;
-            while let Ok(cmd) = self.rx.try_recv() {
-                self.handle(cmd);
-                commands += 1;
-            }
-            self.drop_cancelled();
-            clock.lap(self.metrics.as_ref(), EnginePhase::Commands);
-            self.admit();
-            clock.lap(self.metrics.as_ref(), EnginePhase::Admit);
-            let stepped = self.step();
-            clock.lap(self.metrics.as_ref(), EnginePhase::Step);
-            self.retire();
-            clock.lap(self.metrics.as_ref(), EnginePhase::Retire);
-            self.publish_status();
-            clock.lap(self.metrics.as_ref(), EnginePhase::Status);
-            if !stepped && commands == 0 {
-                // Every job waits on another thread (a template cache or LoRA still loading):
-                // poll gently instead of spinning the core the loaders need.
-                std::thread::sleep(IDLE_POLL);
-            }
+    /// An engine from what it takes over (`carry`); `stepper`: the first engine's, made by
+    /// `spawn_engine` (a restarted one makes its own).
+    fn new(
+        carry: actor::Carry,
+        shared: Arc<actor::Shared>,
+        stepper: Option<CachedStepper>,
+    ) -> Self {
+        let config = shared.config;
+        let cached = stepper.unwrap_or_else(|| {
+            new_stepper(&config, &carry.model)
+                .expect("starting the cache loader thread of a restarted engine")
+        });
+        let (device, kind) = carry.model.model.transformer.device_kind();
+        let events = shared
+            .events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let controlnets = ControlNets::new(
+            carry.model.controlnet_dir.clone(),
+            config.controlnet_cache,
+            device,
+            kind,
+        );
+        Self {
+            model: Handed(Some(carry.model)),
+            patcher: Handed(Some(carry.patcher)),
+            cached,
+            conditioning: ConditioningCache::new(config.conditioning_cache_bytes),
+            controlnets,
+            control_costs: carry.control_costs,
+            config,
+            events,
+            status: shared.status.clone(),
+            steps: shared.steps.clone(),
+            metrics: shared.metrics.clone(),
+            shared,
+            waiting: carry.waiting,
+            active: Vec::new(),
+            shutting_down: carry.shutting_down,
+            tap: carry.tap,
+            step_queued: false,
+            restarting: false,
+            #[cfg(feature = "fault-injection")]
+            panic_mid_batch: false,
         }
+    }
+
+    /// One step-loop iteration; whether a batch stepped (false: every job waits on a loader).
+    fn iterate(&mut self) -> bool {
+        let mut clock = PhaseClock::new();
+        self.drop_cancelled();
+        clock.lap(self.metrics.as_ref(), EnginePhase::Commands);
+        self.admit();
+        clock.lap(self.metrics.as_ref(), EnginePhase::Admit);
+        #[cfg(feature = "fault-injection")]
+        if std::mem::take(&mut self.panic_mid_batch) && !self.active.is_empty() {
+            panic!("injected: the engine panics mid-batch");
+        }
+        let stepped = self.step();
+        clock.lap(self.metrics.as_ref(), EnginePhase::Step);
+        self.retire();
+        clock.lap(self.metrics.as_ref(), EnginePhase::Retire);
         self.publish_status();
-        tracing::info!("engine stopped");
+        clock.lap(self.metrics.as_ref(), EnginePhase::Status);
+        stepped
     }
 
     fn emit(&self, event: EngineEvent) {
@@ -291,60 +221,29 @@ impl Engine {
             }
         }
         // Backpressure: a slow NATS side slows the engine rather than growing a queue.
-        if self.events.blocking_send(event).is_err() {
+        let Some(events) = &self.events else {
+            tracing::debug!("engine event dropped: the engine has drained");
+            return;
+        };
+        if events.blocking_send(event).is_err() {
             tracing::debug!("engine event dropped: receiver gone");
         }
     }
 
-    fn handle(&mut self, cmd: Command) {
-        match cmd {
-            Command::Submit { job, span, reply } => {
-                let _ = reply.send(self.enqueue(*job, span));
-            }
-            Command::SetEventTap { tap, reply } => {
-                self.tap = tap;
-                let _ = reply.send(());
-            }
-            Command::Inline { work, span, reply } => {
-                let result = {
-                    let _e = span.enter();
-                    catch_unwind(AssertUnwindSafe(work))
-                };
-                let result = match result {
-                    Ok(Some(job)) => self.enqueue(job, span).map(Some),
-                    Ok(None) => Ok(None),
-                    Err(p) => Err(SubmitError::InlinePanic(panic_message(p))),
-                };
-                let _ = reply.send(result);
-            }
-            Command::Cancel { job_id, span } => {
-                let _e = span.enter();
-                if let Some(pos) = self
-                    .waiting
-                    .iter()
-                    .position(|(j, _)| j.job.job_id == job_id)
-                {
-                    self.waiting.remove(pos);
-                    tracing::info!(%job_id, "cancelled while queued");
-                    self.emit(EngineEvent::Cancelled { job_id });
-                } else if let Some(a) = self.active.iter_mut().find(|a| a.job.job_id == job_id) {
-                    a.cancelled = true;
-                } else {
-                    tracing::debug!(%job_id, "cancel for an unknown job");
-                }
-            }
-            Command::Shutdown { span, reply } => {
-                let _e = span.enter();
-                self.shutting_down = true;
-                let handed_back: Vec<DenoiseJob> =
-                    self.waiting.drain(..).map(|(j, _)| j.job).collect();
-                tracing::info!(
-                    handed_back = handed_back.len(),
-                    running = self.active.len(),
-                    "engine draining"
-                );
-                let _ = reply.send(handed_back);
-            }
+    fn cancel(&mut self, job_id: String, span: Span) {
+        let _e = span.enter();
+        if let Some(pos) = self
+            .waiting
+            .iter()
+            .position(|(j, _)| j.job.job_id == job_id)
+        {
+            self.waiting.remove(pos);
+            tracing::info!(%job_id, "cancelled while queued");
+            self.emit(EngineEvent::Cancelled { job_id });
+        } else if let Some(a) = self.active.iter_mut().find(|a| a.job.job_id == job_id) {
+            a.cancelled = true;
+        } else {
+            tracing::debug!(%job_id, "cancel for an unknown job");
         }
     }
 

@@ -1,5 +1,5 @@
-//! What the engine's handle and its thread exchange: jobs in, commands, events out, per-job
-//! errors, and the engine's configuration and load snapshot.
+//! What the engine's handle and the engine exchange: jobs in, events out, per-job errors, and
+//! the engine's configuration and load snapshot (its messages are in `actor`).
 use crate::cached_step::{CacheSettings, TemplateSlot};
 use crate::lora::LoraSlot;
 use crate::model::EditInputs;
@@ -7,7 +7,6 @@ use crate::templates::TemplateEntry;
 use diffmesh_model::ModelError;
 use diffmesh_shared::messages::{ControlNetStepCost, DenoiseJob, RunningJob};
 use std::sync::Arc;
-use tokio::sync::oneshot;
 use tracing::Span;
 
 /// A job with the inputs the NATS side fetched for it.
@@ -51,6 +50,9 @@ pub enum SubmitError {
     Duplicate(String),
     #[error("inline work panicked: {0}")]
     InlinePanic(String),
+    /// The engine panicked while taking it and is restarting; the job was not queued.
+    #[error("the engine is restarting after a panic")]
+    Restarting,
 }
 
 /// Work run on the engine thread between two steps; a job it returns is queued like a submit.
@@ -59,34 +61,6 @@ pub type InlineWork = Box<dyn FnOnce() -> Option<EngineJob> + Send>;
 /// Called on the engine thread with every event just before it is sent (so post-processing in
 /// it runs in the step loop, right as a job retires: the bench's inline strawman).
 pub type EventTap = Box<dyn Fn(&EngineEvent) + Send>;
-
-pub enum Command {
-    /// Queue a job; the reply carries its queue position.
-    Submit {
-        job: Box<EngineJob>,
-        span: Span,
-        reply: oneshot::Sender<Result<u32, SubmitError>>,
-    },
-    /// Drop a job at the next step boundary (or from the queue).
-    Cancel { job_id: String, span: Span },
-    /// Run work on the engine thread at the next step boundary, pausing the step loop (the
-    /// engine bench's inline pre-processing strawman; the service never sends it).
-    Inline {
-        work: InlineWork,
-        span: Span,
-        reply: oneshot::Sender<Result<Option<u32>, SubmitError>>,
-    },
-    /// Install (or remove) the event tap; replies once it is in place.
-    SetEventTap {
-        tap: Option<EventTap>,
-        reply: oneshot::Sender<()>,
-    },
-    /// Stop taking jobs, hand back the queued ones (reply), finish the running ones, then exit.
-    Shutdown {
-        span: Span,
-        reply: oneshot::Sender<Vec<DenoiseJob>>,
-    },
-}
 
 /// What the engine reports; the NATS side turns these into job events and post-processing.
 #[derive(Debug)]
@@ -134,6 +108,9 @@ pub enum EngineJobError {
     Model(String),
     #[error("the model panicked: {0}")]
     Panic(String),
+    /// It was running when the engine itself panicked and restarted (its state is lost).
+    #[error("the engine restarted after a panic while this job ran: {0}")]
+    Restarted(String),
     /// Its LoRA adapters could not be loaded (deleted, or the store unreachable).
     #[error("loras: {0}")]
     Lora(String),
@@ -155,6 +132,7 @@ impl EngineJobError {
             EngineJobError::Input(_) => "invalid_input",
             EngineJobError::Model(_) => "model_error",
             EngineJobError::Panic(_) => "panic",
+            EngineJobError::Restarted(_) => "engine_restarted",
             EngineJobError::Lora(_) => "lora_unavailable",
             EngineJobError::ControlNet(_) => "controlnet_unavailable",
         }

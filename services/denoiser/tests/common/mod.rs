@@ -1,29 +1,17 @@
-//! Helpers of the steered-generation tests: a random tiny model with a random ControlNet, and
-//! steered jobs.
+//! Helpers of the engine tests ([`engine`]: the harness) and of the steered-generation tests: a
+//! random tiny model with a random ControlNet, and steered jobs.
 #![allow(dead_code)]
+pub mod engine;
+
 use diffmesh_denoiser::engine::EngineJob;
-use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
-use diffmesh_model::tiny::controlnet_train::{controlnet_from_transformer, save_controlnet};
-use diffmesh_model::tiny::model::TinyModel;
+use diffmesh_model::tiny::controlnet_train::save_random_model_and_controlnet;
 use diffmesh_shared::controlnet::ControlNetRef;
 use diffmesh_shared::messages::DenoiseJob;
 use std::path::Path;
 
 /// A random tiny model in `dir` and a random ControlNet of it in `dir/controlnets/rand`.
 pub fn write_model_and_controlnet(dir: &Path) {
-    let m = TinyModel::random_for_tests(11, Device::Cpu).unwrap();
-    m.save(dir, None).unwrap();
-    let vs = nn::VarStore::new(Device::Cpu);
-    let net = controlnet_from_transformer(&vs, &m.transformer, &m.transformer_vs, 1, 1).unwrap();
-    tch::manual_seed(3);
-    tch::no_grad(|| {
-        for (name, mut v) in vs.variables() {
-            if name.starts_with("controlnet_") {
-                v.copy_(&(Tensor::randn(v.size(), (Kind::Float, Device::Cpu)) * 0.05));
-            }
-        }
-    });
-    save_controlnet(&net, &vs, &dir.join("controlnets").join("rand")).unwrap();
+    save_random_model_and_controlnet(dir, "rand").unwrap();
 }
 
 pub fn job(id: &str, controlnet: Option<&str>) -> DenoiseJob {

@@ -1,13 +1,13 @@
 //! Registered templates for the batching bench: one template per step count, captured once by
 //! the real engine (a capture job each, as `POST /v1/templates` runs it), so the bench's edits
 //! run mask-aware from their template's cache, as production edits by `template_id` do.
-use super::driver::{BenchEngine, BenchModel};
-use super::workload::{denoise_job, BenchRequest};
-use crate::cached_step::TemplateSlot;
-use crate::engine::{EngineConfig, EngineJob};
-use crate::model::EditInputs;
-use crate::templates::TemplateEntry;
+use crate::driver::{BenchEngine, BenchModel};
+use crate::workload::{denoise_job, BenchRequest};
 use anyhow::{Context, Result};
+use diffmesh_denoiser::cached_step::TemplateSlot;
+use diffmesh_denoiser::engine::{EngineConfig, EngineJob};
+use diffmesh_denoiser::model::EditInputs;
+use diffmesh_denoiser::templates::TemplateEntry;
 use diffmesh_shared::messages::{JobKind, TemplateRef};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -123,12 +123,12 @@ impl BenchTemplates {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::workload::{engine_job, requests, WorkloadSpec};
+    use crate::workload::{engine_job, requests, WorkloadSpec};
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edits_with_an_attached_template_step_mask_aware() {
         let dir = BenchModel {
-            dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny"),
+            dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny"),
             kind: diffmesh_model::tch::Kind::Float,
             device: diffmesh_model::tch::Device::Cpu,
             masked_attention: Default::default(),

@@ -1,8 +1,8 @@
 //! The bench's requests: Poisson arrivals of edits (mask ratios drawn from a trace) and
 //! generations with varied step counts, seeded so every mode replays the same sequence.
-use crate::engine::EngineJob;
-use crate::model::EditInputs;
 use anyhow::{ensure, Result};
+use diffmesh_denoiser::engine::EngineJob;
+use diffmesh_denoiser::model::EditInputs;
 use diffmesh_model::tiny::data::all_keys;
 use diffmesh_shared::messages::{DenoiseJob, JobKind};
 use rand::{Rng, SeedableRng};

@@ -8,9 +8,9 @@
 //!   (what BAL does when the adapter arrives at the bound), against the LoRA from the first step:
 //!   SSIM, how much of the LoRA's change to the image survives, and Katz's Fig. 12 measure, the
 //!   cosine similarity of the latents with and without the LoRA at every step.
-use crate::lora::LoraBlob;
-use crate::model::{step_requests, EngineModel};
 use anyhow::{ensure, Context, Result};
+use diffmesh_denoiser::lora::LoraBlob;
+use diffmesh_denoiser::model::{step_requests, EngineModel};
 use diffmesh_model::flux::FluxTransformer;
 use diffmesh_model::lora::{LoraAdapter, LoraDelta, LoraPatcher, OriginalsOn, WeightedLora};
 use diffmesh_model::pipeline::stepper::DenoiseState;
@@ -203,7 +203,7 @@ pub fn config_switch_costs(target: SwitchTarget, rank: i64, rounds: usize) -> Re
     let mut vs = nn::VarStore::new(target.device);
     let model = FluxTransformer::new(&vs.root(), cfg.clone())?;
     vs.set_kind(target.kind);
-    let inputs = super::mask_aware::inputs_as(
+    let inputs = crate::mask_aware::inputs_as(
         b::random_inputs_on(&cfg, side, txt, 1, target.device),
         target.kind,
     );
@@ -323,9 +323,13 @@ pub fn bal_quality(
             Ok(f64::try_from((a - b).abs().mean(Kind::Double))?)
         };
         if let Some(rows) = grid.as_deref_mut() {
-            let mut row = vec![crate::model::tensor_to_rgb(&states[1].decode(&pipeline)?)?];
+            let mut row = vec![diffmesh_denoiser::model::tensor_to_rgb(
+                &states[1].decode(&pipeline)?,
+            )?];
             for s in states.iter().skip(2).chain(states.iter().take(1)) {
-                row.push(crate::model::tensor_to_rgb(&s.decode(&pipeline)?)?);
+                row.push(diffmesh_denoiser::model::tensor_to_rgb(
+                    &s.decode(&pipeline)?,
+                )?);
             }
             rows.push(row);
         }

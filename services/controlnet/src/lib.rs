@@ -1,12 +1,17 @@
-//! A ControlNet worker (`diffmesh-controlnet`): serves the ControlNets of a folder to the
-//! denoisers over NATS, keeps the most recently used ones loaded, and announces what it serves
-//! in heartbeats. Requests arrive on its own subjects (chunked when large) and run one at a
-//! time on the compute thread.
-use super::compute::{Compute, ComputeObserver, ComputeStatus, Work};
-use crate::controlnet::{ControlNets, Lookup};
+//! diffmesh ControlNet worker (`diffmesh-controlnet`, Katz's ControlNet-as-a-Service): serves
+//! the ControlNets of a folder to the denoisers over NATS, keeps the most recently used ones
+//! loaded, and announces what it serves in heartbeats. Requests arrive on its own subjects
+//! (chunked when large) and run one at a time on the compute thread ([`compute`]).
+//!
+//! Start it in-process with [`start`] (tests) or run it until a signal with [`run`] (the binary).
+pub mod compute;
+pub mod wire;
+
+use compute::{Compute, ComputeObserver, ComputeStatus, Work};
+use diffmesh_model::controlnets::{ControlNets, Lookup};
 use diffmesh_shared::chunked::{chunk_bytes, publish_chunked, Assembler};
 use diffmesh_shared::controlnet_service::{
-    self as wire, ControlNetHeartbeat, OpenReply, SessionClose, StepReply,
+    self as contract, ControlNetHeartbeat, OpenReply, SessionClose, StepReply,
 };
 use diffmesh_shared::health::{HealthServer, Readiness};
 use diffmesh_shared::messages::{decode, encode};
@@ -230,19 +235,21 @@ pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
     if !config.controlnet_dir.is_dir() {
         return Err(WorkerError::Dir(config.controlnet_dir.clone()));
     }
-    let device =
-        crate::model::parse_device(&config.device).map_err(|expected| WorkerError::Flag {
+    let device = diffmesh_model::device::parse_device(&config.device).map_err(|expected| {
+        WorkerError::Flag {
             flag: "device",
             value: config.device.clone(),
             expected,
-        })?;
-    let kind = crate::model::parse_model_dtype(&config.dtype, device).map_err(|expected| {
-        WorkerError::Flag {
-            flag: "dtype",
-            value: config.dtype.clone(),
-            expected,
         }
     })?;
+    let kind =
+        diffmesh_model::device::parse_model_dtype(&config.dtype, device).map_err(|expected| {
+            WorkerError::Flag {
+                flag: "dtype",
+                value: config.dtype.clone(),
+                expected,
+            }
+        })?;
     let registry = Registry::new();
     let metrics = WorkerMetrics::new(&registry)?;
     let client = diffmesh_shared::nats::connect(
@@ -276,7 +283,7 @@ pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
     let stop = CancellationToken::new();
     let draining = Arc::new(AtomicBool::new(false));
     let sub = client
-        .subscribe(wire::worker_requests(&worker_id))
+        .subscribe(contract::worker_requests(&worker_id))
         .await
         .map_err(MeshError::from)?;
     let serve = tokio::spawn(serve(
@@ -418,7 +425,7 @@ fn request_kind(msg: &async_nats::Message) -> String {
 
 /// Wait (up to 5 s) until a request to this worker's own subjects reaches it.
 async fn wait_until_reachable(client: &async_nats::Client, worker_id: &str) {
-    let ping = wire::ping_subject(worker_id);
+    let ping = contract::ping_subject(worker_id);
     for _ in 0..100 {
         let answer = tokio::time::timeout(
             Duration::from_millis(200),
@@ -496,7 +503,7 @@ impl Beat {
         self.sessions.set(status.sessions as i64);
         ControlNetHeartbeat {
             worker_id: self.worker_id.clone(),
-            served: crate::controlnet::served(Some(&self.dir)),
+            served: diffmesh_shared::controlnet::served(Some(&self.dir)),
             resident: status.resident,
             sessions: status.sessions,
             queued: (self.work.max_capacity() - self.work.capacity()) as u32,
@@ -507,7 +514,8 @@ impl Beat {
     async fn send(&self) {
         let hb = self.heartbeat();
         if let Err(e) =
-            diffmesh_shared::nats::publish_msgpack(&self.client, wire::HEARTBEAT, None, &hb).await
+            diffmesh_shared::nats::publish_msgpack(&self.client, contract::HEARTBEAT, None, &hb)
+                .await
         {
             tracing::warn!(error = %e, "could not publish a ControlNet heartbeat");
         }

@@ -1,13 +1,13 @@
 //! The real engine in-process for the bench (CPU, no NATS): the model from a directory, the
 //! engine thread, its per-step cost by batch size, and an open-loop run of timed submits.
-use super::workload::ModelGrid;
-use crate::engine::{
-    spawn_engine, EngineConfig, EngineEvent, EngineHandle, EngineJob, EngineThread,
-};
-use crate::metrics::DenoiserMetrics;
-use crate::model::{step_requests, EngineModel};
-use crate::templates::TemplateEntry;
+use crate::workload::ModelGrid;
 use anyhow::{bail, Context, Result};
+use diffmesh_denoiser::engine::{
+    spawn_engine, EngineConfig, EngineDrained, EngineEvent, EngineHandle, EngineJob,
+};
+use diffmesh_denoiser::metrics::DenoiserMetrics;
+use diffmesh_denoiser::model::{step_requests, EngineModel};
+use diffmesh_denoiser::templates::TemplateEntry;
 use diffmesh_model::flux::MaskedAttention;
 use diffmesh_model::pipeline::stepper::{step_batch, DenoiseState};
 use diffmesh_model::tch::{Device, Kind};
@@ -111,7 +111,7 @@ pub struct BenchEngine {
     pub handle: EngineHandle,
     pub grid: ModelGrid,
     events: mpsc::Receiver<EngineEvent>,
-    thread: EngineThread,
+    drained: EngineDrained,
     metrics: DenoiserMetrics,
     at_start: StepStats,
     /// When each job was admitted (seconds since [`BenchEngine::mark_start`]).
@@ -129,13 +129,13 @@ impl BenchEngine {
             ..config
         };
         let metrics = DenoiserMetrics::new(&prometheus::Registry::new())?;
-        let (handle, thread) = spawn_engine(model, config, CHANNEL, tx, Some(metrics.clone()))
+        let (handle, drained) = spawn_engine(model, config, CHANNEL, tx, Some(metrics.clone()))
             .context("starting the engine")?;
         Ok(Self {
             handle,
             grid,
             events,
-            thread,
+            drained,
             metrics,
             at_start: StepStats::default(),
             started_s: HashMap::new(),
@@ -229,7 +229,7 @@ impl BenchEngine {
     pub async fn stop(self) {
         self.handle.begin_shutdown().await;
         drop(self.events);
-        self.thread.join().await;
+        self.drained.wait().await;
     }
 }
 
@@ -331,7 +331,7 @@ impl Pooled {
 
     /// Say so in `report` when the engine stepped over 90% of mode `name`'s run: the machine
     /// ran slower than calibrated, so the set utilisation was not what the mode saw.
-    pub fn note_saturation(&self, name: &str, report: &mut super::report::Report) {
+    pub fn note_saturation(&self, name: &str, report: &mut crate::report::Report) {
         if self.busy() > 0.9 {
             report.say(format!(
                 "  note: the engine stepped {:.0}% of the {name} run: the machine ran slower than \

@@ -8,15 +8,15 @@
 //! interruption of a request is one pause of the step loop for pre/post work while the request
 //! was in the running batch (admitted, not yet retired), tracked from the engine's own events.
 //!
-//! [`EngineHandle::run_inline`]: crate::engine::EngineHandle::run_inline
-use super::codec_work::{postprocess, preprocess, uploads, Uploads};
-use super::driver::{
+//! [`EngineHandle::run_inline`]: diffmesh_denoiser::engine::EngineHandle::run_inline
+use crate::codec_work::{postprocess, preprocess, uploads, Uploads};
+use crate::driver::{
     continuous_capacity_rps, BenchEngine, BenchModel, Pooled, RunTimes, StepStats,
 };
-use super::report::{Latencies, Report};
-use super::workload::{requests, BenchRequest, ModelGrid, WorkloadSpec};
-use crate::engine::{EngineConfig, EngineEvent, EngineJob, EventTap, InlineWork};
+use crate::report::{Latencies, Report};
+use crate::workload::{requests, BenchRequest, ModelGrid, WorkloadSpec};
 use anyhow::{anyhow, bail, Context, Result};
+use diffmesh_denoiser::engine::{EngineConfig, EngineEvent, EngineJob, EventTap, InlineWork};
 use diffmesh_shared::messages::DenoiseJob;
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
@@ -341,7 +341,7 @@ async fn run_mode(
         ..EngineConfig::default()
     };
     let mut engine = BenchEngine::start(&opts.model, config)?;
-    let mut warm = super::workload::engine_job(&run.reqs[0], engine.grid);
+    let mut warm = crate::workload::engine_job(&run.reqs[0], engine.grid);
     warm.job.job_id = "warm-up".into();
     engine.submit(warm).await?;
     engine.next_finished().await?;

@@ -1,11 +1,9 @@
 //! `cargo xtask bench lora`: LoRA switch costs (tiny model, medium config) and bounded
-//! asynchronous loading's quality with a trained LoRA (see `diffmesh_denoiser::bench::lora`).
+//! asynchronous loading's quality with a trained LoRA (see `diffmesh_benches::lora`).
 //! Prints human-readable lines, then one JSON line with every figure last.
 use anyhow::Result;
 use clap::Parser;
-use diffmesh_denoiser::bench::lora::{
-    bal_quality, config_switch_costs, tiny_switch_costs, SwitchTarget,
-};
+use diffmesh_benches::lora::{bal_quality, config_switch_costs, tiny_switch_costs, SwitchTarget};
 use diffmesh_denoiser::lora::LoraBlob;
 use diffmesh_denoiser::model::EngineModel;
 use diffmesh_model::lora::OriginalsOn;

@@ -1,13 +1,11 @@
 //! `cargo xtask bench controlnet-service`: the default model's `silhouette` ControlNet on the
 //! engine thread (`off`), on a ControlNet worker for the step about to run (`sync`), and on a
-//! worker one step behind (`pipelined`); see `diffmesh_denoiser::bench::controlnet_service`.
+//! worker one step behind (`pipelined`); see `diffmesh_benches::controlnet_service`.
 //! Needs `nats-server` on the PATH (it starts its own on a free port). Prints a line per mode,
 //! then one JSON line with every figure last.
 use anyhow::Result;
 use clap::Parser;
-use diffmesh_denoiser::bench::controlnet_service::{
-    psnr, start_worker, steered_engine, steered_job,
-};
+use diffmesh_benches::controlnet_service::{psnr, start_worker, steered_engine, steered_job};
 use diffmesh_denoiser::controlnet_service::RemoteMode;
 use diffmesh_model::tch;
 use diffmesh_model::tiny::controlnet_eval::silhouette_iou;

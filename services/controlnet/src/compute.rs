@@ -1,7 +1,7 @@
 //! A ControlNet worker's compute thread: owns the loaded ControlNets (tch tensors are `Send`, not
 //! `Sync`) and the open sessions, and runs one request at a time from a bounded channel.
-use super::wire::{from_wire, to_wire};
-use crate::controlnet::ControlNets;
+use crate::wire::{from_wire, to_wire};
+use diffmesh_model::controlnets::ControlNets;
 use diffmesh_model::flux::FluxInputs;
 use diffmesh_model::pipeline::control::ControlStep;
 use diffmesh_model::tch::{Device, Tensor};
@@ -33,7 +33,7 @@ pub trait ComputeObserver: Send {
     /// `kind`: open, step; `outcome`: ok, unknown_session, failed.
     fn request(&self, kind: &'static str, outcome: &'static str);
     /// One step's forward (and loading), with the lookup's outcome.
-    fn forward(&self, seconds: f64, lookup: crate::controlnet::Lookup);
+    fn forward(&self, seconds: f64, lookup: diffmesh_model::controlnets::Lookup);
 }
 
 /// One steered image's fixed inputs.
@@ -122,7 +122,7 @@ impl Compute {
     fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T, String>) -> Result<T, String> {
         match catch_unwind(AssertUnwindSafe(|| f(self))) {
             Ok(r) => r,
-            Err(p) => Err(crate::engine::panic_message(p)),
+            Err(p) => Err(diffmesh_shared::panic_message(p)),
         }
     }
 
@@ -342,7 +342,7 @@ impl Compute {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::controlnet_service::wire::to_wire;
+    use crate::wire::to_wire;
     use diffmesh_model::tch::{nn, Kind};
     use diffmesh_model::tiny::controlnet_train::{controlnet_from_transformer, save_controlnet};
     use diffmesh_model::tiny::model::TinyModel;
@@ -351,7 +351,7 @@ mod tests {
     struct Forwards(Arc<AtomicUsize>);
     impl ComputeObserver for Forwards {
         fn request(&self, _: &'static str, _: &'static str) {}
-        fn forward(&self, _: f64, _: crate::controlnet::Lookup) {
+        fn forward(&self, _: f64, _: diffmesh_model::controlnets::Lookup) {
             self.0.fetch_add(1, Ordering::SeqCst);
         }
     }

@@ -3,14 +3,14 @@
 //! measured capacity, through the real engine in each mode; p95 end-to-end latency compared.
 //! Edits read a registered template's cache (mask-aware steps) unless `template_caches` is off,
 //! so they cost less than generations, as in production.
-use super::driver::{
+use crate::driver::{
     continuous_capacity_rps, open_loop, BenchEngine, BenchModel, Pooled, RunTimes, StepStats,
 };
-use super::report::{Latencies, Report};
-use super::template_caches::BenchTemplates;
-use super::workload::{engine_job, requests, BenchRequest, WorkloadSpec};
-use crate::engine::{Batching, EngineConfig};
+use crate::report::{Latencies, Report};
+use crate::template_caches::BenchTemplates;
+use crate::workload::{engine_job, requests, BenchRequest, WorkloadSpec};
 use anyhow::{Context, Result};
+use diffmesh_denoiser::engine::{Batching, EngineConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;

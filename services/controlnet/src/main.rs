@@ -1,5 +1,5 @@
 use clap::Parser;
-use diffmesh_denoiser::controlnet_service::worker::{run, WorkerConfig};
+use diffmesh_controlnet::{run, WorkerConfig};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

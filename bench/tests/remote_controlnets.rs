@@ -3,19 +3,32 @@
 //! (residuals one step behind) stays close to it without being it; a worker that stops mid-job
 //! hands its session to another worker, and with none left the denoiser computes the
 //! residuals itself, the image still the same.
-mod common;
-
-use common::{control_rgb, write_model_and_controlnet};
-use diffmesh_denoiser::bench::controlnet_service::{
+//!
+//! It lives with the benches because it drives the engine through the ControlNet-service
+//! bench's helpers (`diffmesh_benches::controlnet_service`), which need both programs' crates.
+use diffmesh_benches::controlnet_service::{
     psnr, start_worker, steered_engine, steered_job, SteeredEngine,
 };
-use diffmesh_denoiser::controlnet_service::worker::{WorkerHandle, WorkerMetrics};
+use diffmesh_controlnet::{WorkerHandle, WorkerMetrics};
 use diffmesh_denoiser::controlnet_service::RemoteMode;
+use diffmesh_model::tiny::controlnet_train::save_random_model_and_controlnet;
 use diffmesh_shared::testing::NatsServer;
 use std::path::Path;
 use std::time::Duration;
 
 const STEPS: u32 = 8;
+
+/// A random tiny model in `dir` and a random ControlNet of it in `dir/controlnets/rand`.
+fn write_model_and_controlnet(dir: &Path) {
+    save_random_model_and_controlnet(dir, "rand").unwrap();
+}
+
+/// A left-half-white control image at the model resolution.
+fn control_rgb() -> Vec<u8> {
+    (0..64 * 64)
+        .flat_map(|i| if i % 64 < 32 { [255u8; 3] } else { [0; 3] })
+        .collect()
+}
 /// Long enough that a worker stopped after the first step is gone before the last.
 const LONG_STEPS: u32 = 20;
 

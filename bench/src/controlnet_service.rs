@@ -3,11 +3,13 @@
 //! (`sync`), and on a worker one step behind (`pipelined`), over a real NATS server; the
 //! latency per image, throughput with several images at once, and what each does to the image
 //! (PSNR against `off`, silhouette IoU with the trained ControlNet).
-use crate::controlnet_service::worker::{self, WorkerConfig, WorkerHandle};
-use crate::controlnet_service::{ControlNetWorkers, RemoteControlNets, RemoteMode, RemoteSettings};
-use crate::engine::{spawn_engine, EngineConfig, EngineEvent, EngineHandle, EngineJob};
-use crate::metrics::DenoiserMetrics;
-use crate::model::EngineModel;
+use diffmesh_controlnet::{self as worker, WorkerConfig, WorkerHandle};
+use diffmesh_denoiser::controlnet_service::{
+    ControlNetWorkers, RemoteControlNets, RemoteMode, RemoteSettings,
+};
+use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineHandle, EngineJob};
+use diffmesh_denoiser::metrics::DenoiserMetrics;
+use diffmesh_denoiser::model::EngineModel;
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_shared::controlnet::ControlNetRef;
 use diffmesh_shared::messages::DenoiseJob;
@@ -66,7 +68,7 @@ pub async fn steered_engine(
         max_batch,
         ..Default::default()
     };
-    let (handle, _thread) = spawn_engine(model, config, 64, tx, Some(metrics.clone()))?;
+    let (handle, _drained) = spawn_engine(model, config, 64, tx, Some(metrics.clone()))?;
     Ok(SteeredEngine {
         handle,
         events,

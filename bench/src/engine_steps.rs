@@ -14,13 +14,13 @@
 //! step; the median of the timed steps is kept. A fully masked edit steps in full compute, as
 //! the cost models predict it (its cached FLOPs are the full pass's, its cache bytes 0). Wall
 //! clock: run it on an idle machine.
-use super::driver::{model_grid, BenchModel};
-use super::report::Report;
-use super::template_caches::BenchTemplates;
-use super::workload::{engine_job, BenchRequest};
-use crate::cached_step::{CacheSettings, CachedStepper};
-use crate::model::{step_requests, tensor_to_rgb};
+use crate::driver::{model_grid, BenchModel};
+use crate::report::Report;
+use crate::template_caches::BenchTemplates;
+use crate::workload::{engine_job, BenchRequest};
 use anyhow::{ensure, Context, Result};
+use diffmesh_denoiser::cached_step::{CacheSettings, CachedStepper};
+use diffmesh_denoiser::model::{step_requests, tensor_to_rgb};
 use diffmesh_model::pipeline::conditioning_cache::ConditioningCache;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_sched::cost_model::{
@@ -134,8 +134,9 @@ fn measure(
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let mut samples = Vec::new();
     let (mut admit, mut retire, mut uncached) = (Vec::new(), Vec::new(), Vec::new());
-    let mut conditioning =
-        ConditioningCache::new(crate::engine::EngineConfig::default().conditioning_cache_bytes);
+    let mut conditioning = ConditioningCache::new(
+        diffmesh_denoiser::engine::EngineConfig::default().conditioning_cache_bytes,
+    );
     for round in 0..opts.rounds {
         for b in 1..=opts.max_batch {
             let (mut states, mut caches, mut masked) = (Vec::new(), Vec::new(), Vec::new());

@@ -3,11 +3,11 @@
 //! uploaded template and mask PNGs, derives the token mask and stretches the template to the
 //! model resolution; post-processing decodes the uploads again (the codec re-reads them),
 //! stretches the output back, composites it over the template and encodes the PNG.
-use super::workload::{denoise_job, rect_mask, BenchRequest, ModelGrid};
-use crate::engine::EngineJob;
-use crate::model::EditInputs;
+use crate::workload::{denoise_job, rect_mask, BenchRequest, ModelGrid};
 use anyhow::{anyhow, ensure, Result};
 use diffmesh_codec::imaging::{self, TokenGrid};
+use diffmesh_denoiser::engine::EngineJob;
+use diffmesh_denoiser::model::EditInputs;
 use diffmesh_shared::messages::DenoiseJob;
 use image::{DynamicImage, GrayImage, RgbImage};
 use rand::{Rng, SeedableRng};
@@ -164,7 +164,7 @@ pub fn postprocess(job: &DenoiseJob, up: &Uploads, output: Vec<u8>) -> Result<Ve
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::workload::{requests, WorkloadSpec};
+    use crate::workload::{requests, WorkloadSpec};
 
     #[test]
     fn pre_and_post_round_trip_keeps_unmasked_pixels() {

@@ -1,14 +1,14 @@
-//! `cargo xtask bench engine`: engine benchmarks (see `diffmesh_denoiser::bench`). Prints
+//! `cargo xtask bench engine`: engine benchmarks (see the `diffmesh_benches` crate). Prints
 //! human-readable lines, then one JSON line with every figure last (`--json`: only that line).
 use anyhow::{ensure, Context, Result};
 use clap::{Parser, ValueEnum};
-use diffmesh_denoiser::bench::batching::{self, BatchingOptions};
-use diffmesh_denoiser::bench::disaggregation::{self, DisaggregationOptions};
-use diffmesh_denoiser::bench::driver::{calibrate, BenchModel};
-use diffmesh_denoiser::bench::engine_steps;
-use diffmesh_denoiser::bench::mask_aware;
-use diffmesh_denoiser::bench::report::Report;
-use diffmesh_denoiser::bench::workload::WorkloadSpec;
+use diffmesh_benches::batching::{self, BatchingOptions};
+use diffmesh_benches::disaggregation::{self, DisaggregationOptions};
+use diffmesh_benches::driver::{calibrate, BenchModel};
+use diffmesh_benches::engine_steps;
+use diffmesh_benches::mask_aware;
+use diffmesh_benches::report::Report;
+use diffmesh_benches::workload::WorkloadSpec;
 use diffmesh_model::flux::kv_codec::CacheDtype;
 use diffmesh_model::flux::MaskedAttention;
 use diffmesh_model::tch::{self, Device};
@@ -219,7 +219,7 @@ async fn main() -> Result<()> {
     );
     let ratios = mask_ratios(&args.mask_ratios)?;
     let model_dir = from_repo_root(&args.model_dir);
-    let device = diffmesh_denoiser::model::parse_device(&args.device)
+    let device = diffmesh_model::device::parse_device(&args.device)
         .map_err(|expected| anyhow::anyhow!("--device {}: expected {expected}", args.device))?;
     ensure!(
         !device.is_cuda() || tch::Cuda::is_available(),
@@ -227,12 +227,12 @@ async fn main() -> Result<()> {
         args.device
     );
     let dtype_on = |device| {
-        diffmesh_denoiser::model::parse_model_dtype(&args.dtype, device)
+        diffmesh_model::device::parse_model_dtype(&args.dtype, device)
             .map_err(|expected| anyhow::anyhow!("--dtype {}: expected {expected}", args.dtype))
     };
     let kind = dtype_on(device)?;
     let engine_device =
-        diffmesh_denoiser::model::parse_device(&args.engine_device).map_err(|expected| {
+        diffmesh_model::device::parse_device(&args.engine_device).map_err(|expected| {
             anyhow::anyhow!(
                 "--engine-device {}: expected {expected}",
                 args.engine_device

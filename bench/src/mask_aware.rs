@@ -10,11 +10,11 @@
 //! - quality, with the trained tiny model: edits of a rendered template run to the end in full
 //!   compute and through the engine's `CachedStepper` (the serving path), composited like the
 //!   codec does; SSIM and PSNR of mask-aware against full, per cache dtype.
-use super::driver::BenchModel;
-use super::report::Report;
-use crate::cached_step::{CacheSettings, CachedStepper, CaptureSink, PrefixPolicy};
-use crate::templates::{GpuCopy, KvLoader, TemplateEntry};
+use crate::driver::BenchModel;
+use crate::report::Report;
 use anyhow::{Context, Result};
+use diffmesh_denoiser::cached_step::{CacheSettings, CachedStepper, CaptureSink, PrefixPolicy};
+use diffmesh_denoiser::templates::{GpuCopy, KvLoader, TemplateEntry};
 use diffmesh_model::bench_inputs::{
     flux_dev_config, medium_config, random_inputs_on, FLUX_SIDE, FLUX_TXT, MEDIUM_SIDE, MEDIUM_TXT,
 };
