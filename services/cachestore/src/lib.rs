@@ -5,6 +5,7 @@
 pub mod disk;
 pub mod memory;
 pub mod metrics;
+pub mod promoter;
 pub mod service;
 pub mod store;
 pub mod transfers;
@@ -152,7 +153,7 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
         store: store.clone(),
         inline_limit: config.inline_limit,
         in_flight: Arc::new(tokio::sync::Semaphore::new(config.max_in_flight.max(1))),
-        prefetch: service::Prefetcher::new(config.prefetch_concurrency),
+        prefetch: promoter::Promoter::start(store.clone(), config.prefetch_concurrency),
         transfers: transfers::Transfers::new(config.transfer_bytes),
         range_subject: proto::range_subject(&uuid::Uuid::new_v4().simple().to_string()),
     });

@@ -1,5 +1,6 @@
 //! NATS side of the cachestore: get/put/delete/stats/locate/prefetch handlers over the tiered
 //! store.
+use crate::promoter::{Promoter, Schedule};
 use crate::store::{StoreError, TieredStore};
 use crate::transfers::Transfers;
 use bytes::Bytes;
@@ -11,8 +12,7 @@ use diffmesh_shared::cachestore::{
 use diffmesh_shared::messages::decode;
 use diffmesh_shared::nats::reply_msgpack;
 use diffmesh_shared::serve::serve_subscription;
-use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -35,69 +35,11 @@ pub struct Handler {
     pub inline_limit: usize,
     pub in_flight: Arc<Semaphore>,
     /// Background promotions (prefetches run after their request is answered).
-    pub prefetch: Prefetcher,
+    pub prefetch: actix::Addr<Promoter>,
     /// Large values being read in ranges.
     pub transfers: Transfers,
     /// This instance's range subject (`cachestore::range_subject`).
     pub range_subject: String,
-}
-
-/// Runs prefetches in the background, a bounded number at a time, never promoting one key
-/// twice at once (twenty edits of one template ask for the same keys together).
-pub struct Prefetcher {
-    slots: Arc<Semaphore>,
-    promoting: Arc<Mutex<HashSet<String>>>,
-}
-
-impl Prefetcher {
-    pub fn new(concurrency: usize) -> Self {
-        Self {
-            slots: Arc::new(Semaphore::new(concurrency.max(1))),
-            promoting: Arc::new(Mutex::new(HashSet::new())),
-        }
-    }
-
-    /// Queue `keys` for promotion; returns how many were queued (the others are already being
-    /// promoted by an earlier request).
-    fn schedule(&self, store: Arc<TieredStore>, keys: Vec<String>) -> u32 {
-        let keys: Vec<String> = {
-            let mut promoting = self.promoting.lock().unwrap_or_else(|p| p.into_inner());
-            keys.into_iter()
-                .filter(|k| promoting.insert(k.clone()))
-                .collect()
-        };
-        let queued = keys.len() as u32;
-        for key in keys {
-            let (slots, promoting, store) =
-                (self.slots.clone(), self.promoting.clone(), store.clone());
-            tokio::spawn(
-                async move {
-                    // Only fails once the semaphore is closed, which this code never does.
-                    let _slot = slots.acquire_owned().await;
-                    match store.promote(&key).await {
-                        Ok(outcome) => {
-                            tracing::debug!(%key, outcome = outcome.as_str(), "prefetched")
-                        }
-                        Err(err) => {
-                            store.metrics().prefetched("failed");
-                            store
-                                .metrics()
-                                .failures
-                                .with_label_values(&[err.reason()])
-                                .inc();
-                            tracing::warn!(%key, error = %err, "prefetch failed");
-                        }
-                    }
-                    promoting
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&key);
-                }
-                .in_current_span(),
-            );
-        }
-        queued
-    }
 }
 
 impl Handler {
@@ -189,7 +131,7 @@ impl Handler {
             },
             Op::Prefetch => match decode::<CachePrefetch>(&msg.payload) {
                 Ok(req) => {
-                    let reply = self.prefetch(req);
+                    let reply = self.prefetch(req).await;
                     reply_msgpack(&self.client, &msg, &reply).await
                 }
                 Err(e) => self.reply_bad(&msg, op, e.to_string()).await,
@@ -315,7 +257,7 @@ impl Handler {
         CacheLocateReply::Located { keys }
     }
 
-    fn prefetch(&self, req: CachePrefetch) -> CachePrefetchReply {
+    async fn prefetch(&self, req: CachePrefetch) -> CachePrefetchReply {
         if let Some(message) = self.too_many_keys(&req.keys) {
             return CachePrefetchReply::Failed { message };
         }
@@ -329,8 +271,12 @@ impl Handler {
                 message: self.fail(err),
             };
         }
-        let keys = self.prefetch.schedule(self.store.clone(), req.keys);
-        CachePrefetchReply::Scheduled { keys }
+        match self.prefetch.send(Schedule(req.keys)).await {
+            Ok(keys) => CachePrefetchReply::Scheduled { keys },
+            Err(e) => CachePrefetchReply::Failed {
+                message: format!("prefetches are not taken now: {e}"),
+            },
+        }
     }
 
     /// A value, inline when small; when large, as a transfer to read in ranges from this

@@ -16,8 +16,8 @@ pub enum CodecError {
         sender: &'static str,
         message: String,
     },
-    #[error("image work panicked or was cancelled: {0}")]
-    Join(#[from] tokio::task::JoinError),
+    #[error("image work panicked: {0}")]
+    WorkPanicked(String),
     #[error("the request did not finish within {0:?}")]
     Timeout(std::time::Duration),
     #[error("invalid codec configuration: {0}")]
@@ -42,7 +42,7 @@ impl CodecError {
             CodecError::Mesh(e) => e.reason(),
             CodecError::Encode(_) => "encode",
             CodecError::BadMessage { .. } => "bad_message",
-            CodecError::Join(_) => "panic",
+            CodecError::WorkPanicked(_) => "panic",
             CodecError::Timeout(_) => "timeout",
             CodecError::Config(_) => "config",
             CodecError::Health(_) | CodecError::Metrics(_) => "startup",

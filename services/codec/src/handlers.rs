@@ -1,4 +1,4 @@
-//! Pre- and post-processing of one job: fetch blobs, do the image work on the blocking pool,
+//! Pre- and post-processing of one job: fetch blobs, do the image work on the image workers,
 //! store the results, and build the reply message.
 //!
 //! A job on a registered template (its capture, or an edit by `template_id`) reads the template's
@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use crate::decoded::DecodedImages;
 use crate::error::CodecError;
+use crate::image_workers::ImageWorkers;
 use crate::imaging::{self, PixelMask, TokenGrid};
 
 /// What a codec worker needs to handle requests.
@@ -30,6 +31,8 @@ pub struct Codec {
     pub max_blob_bytes: usize,
     /// Template images decoded once for all their edits.
     pub decoded: DecodedImages,
+    /// Where the image work runs.
+    pub workers: ImageWorkers,
 }
 
 /// Object-store name of the model-resolution template (packed RGB u8).
@@ -96,10 +99,10 @@ impl Codec {
         let (decoded, max_pixels) = (self.decoded.clone(), self.max_pixels);
         if let Some(key) = image_key {
             let bytes = self.fetch_upload(&self.blobs, key, "image").await?;
-            return Ok(tokio::task::spawn_blocking(move || {
-                decoded.decode(&bytes, "image", max_pixels)
-            })
-            .await??);
+            return Ok(self
+                .workers
+                .run(move || decoded.decode(&bytes, "image", max_pixels))
+                .await??);
         }
         let Some(template_id) = template_id else {
             return Err(CodecError::BadMessage {
@@ -114,12 +117,10 @@ impl Codec {
         let bytes = self
             .fetch_upload(&self.templates, &templates::image_key(template_id), "image")
             .await?;
-        Ok(
-            tokio::task::spawn_blocking(move || {
-                decoded.decode_as(key, &bytes, "image", max_pixels)
-            })
-            .await??,
-        )
+        Ok(self
+            .workers
+            .run(move || decoded.decode_as(key, &bytes, "image", max_pixels))
+            .await??)
     }
 
     /// Validate and prepare a job's inputs at the model resolution.
@@ -156,36 +157,38 @@ impl Codec {
         let mask = self.fetch_mask(req.mask_key.as_deref()).await?;
         let kept = template.and_then(|t| t.prepared.clone());
         let max_pixels = self.max_pixels;
-        let prepared = tokio::task::spawn_blocking(move || -> Result<PreparedEdit, FieldError> {
-            let mask = match mask {
-                Some(bytes) => Some(imaging::decode_upload(&bytes, "mask", max_pixels)?),
-                None => None,
-            };
-            let pixel_mask = imaging::repaint_mask(&image, mask.as_ref())?;
-            if pixel_mask.masked_pixels() == 0 {
-                return Err(FieldError::invalid(
-                    "mask",
-                    "the mask marks no pixel to repaint (white or transparent = repaint)",
-                ));
-            }
-            let tokens = imaging::token_mask(&pixel_mask, grid);
-            let image_out = match kept {
-                Some(kept) => EditImage::Kept(kept),
-                None => {
-                    let rgb = imaging::to_model_rgb(&image, grid);
-                    let content_hash = hex_sha256(&rgb);
-                    EditImage::Made { rgb, content_hash }
+        let prepared = self
+            .workers
+            .run(move || -> Result<PreparedEdit, FieldError> {
+                let mask = match mask {
+                    Some(bytes) => Some(imaging::decode_upload(&bytes, "mask", max_pixels)?),
+                    None => None,
+                };
+                let pixel_mask = imaging::repaint_mask(&image, mask.as_ref())?;
+                if pixel_mask.masked_pixels() == 0 {
+                    return Err(FieldError::invalid(
+                        "mask",
+                        "the mask marks no pixel to repaint (white or transparent = repaint)",
+                    ));
                 }
-            };
-            Ok(PreparedEdit {
-                image: image_out,
-                masked_tokens: tokens.iter().map(|&t| u32::from(t)).sum(),
-                tokens,
-                width: image.width(),
-                height: image.height(),
+                let tokens = imaging::token_mask(&pixel_mask, grid);
+                let image_out = match kept {
+                    Some(kept) => EditImage::Kept(kept),
+                    None => {
+                        let rgb = imaging::to_model_rgb(&image, grid);
+                        let content_hash = hex_sha256(&rgb);
+                        EditImage::Made { rgb, content_hash }
+                    }
+                };
+                Ok(PreparedEdit {
+                    image: image_out,
+                    masked_tokens: tokens.iter().map(|&t| u32::from(t)).sum(),
+                    tokens,
+                    width: image.width(),
+                    height: image.height(),
+                })
             })
-        })
-        .await??;
+            .await??;
 
         let mask_key = blob_key(&req.job_id, TOKEN_MASK);
         self.blobs.put(&mask_key, &prepared.tokens).await?;
@@ -223,11 +226,13 @@ impl Codec {
         const FIELD: &str = "controlnet.image";
         let bytes = self.fetch_upload(&self.blobs, key, FIELD).await?;
         let (grid, max_pixels) = (self.grid, self.max_pixels);
-        let rgb = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, FieldError> {
-            let image = imaging::decode_upload(&bytes, FIELD, max_pixels)?;
-            Ok(imaging::to_model_rgb(&image, grid))
-        })
-        .await??;
+        let rgb = self
+            .workers
+            .run(move || -> Result<Vec<u8>, FieldError> {
+                let image = imaging::decode_upload(&bytes, FIELD, max_pixels)?;
+                Ok(imaging::to_model_rgb(&image, grid))
+            })
+            .await??;
         let key = blob_key(&req.job_id, PREPARED_CONTROL);
         self.blobs.put(&key, &rgb).await?;
         Ok(PreparedInputs {
@@ -258,12 +263,14 @@ impl Codec {
             .await?;
         let (width, height) = (image.width(), image.height());
         let grid = self.grid;
-        let (model_rgb, content_hash) = tokio::task::spawn_blocking(move || {
-            let rgb = imaging::to_model_rgb(&image, grid);
-            let hash = hex_sha256(&rgb);
-            (rgb, hash)
-        })
-        .await?;
+        let (model_rgb, content_hash) = self
+            .workers
+            .run(move || {
+                let rgb = imaging::to_model_rgb(&image, grid);
+                let hash = hex_sha256(&rgb);
+                (rgb, hash)
+            })
+            .await?;
         let (image_key, template_image_key) = match template_id {
             Some(id) => {
                 let key = templates::prepared_image_key(id);
@@ -312,32 +319,36 @@ impl Codec {
         let (mw, mh) = (req.model_width, req.model_height);
         let (w, h) = (job.inputs.input_width, job.inputs.input_height);
         let max_pixels = self.max_pixels;
-        let pngs = tokio::task::spawn_blocking(move || -> Result<Vec<Vec<u8>>, CodecError> {
-            let template = match template {
-                Some((image, mask)) => Some(with_repaint_mask(image, mask.as_deref(), max_pixels)?),
-                None => None,
-            };
-            let mut pngs = Vec::with_capacity(outputs.len());
-            for bytes in outputs {
-                let generated = imaging::model_output(bytes, mw, mh).map_err(|message| {
-                    CodecError::BadMessage {
-                        sender: "denoiser",
-                        message,
-                    }
-                })?;
-                let image = match &template {
+        let pngs = self
+            .workers
+            .run(move || -> Result<Vec<Vec<u8>>, CodecError> {
+                let template = match template {
                     Some((image, mask)) => {
-                        let resized =
-                            imaging::to_output_size(&generated, image.width(), image.height());
-                        imaging::composite(image, mask, &resized)
+                        Some(with_repaint_mask(image, mask.as_deref(), max_pixels)?)
                     }
-                    None => DynamicImage::ImageRgb8(imaging::to_output_size(&generated, w, h)),
+                    None => None,
                 };
-                pngs.push(imaging::encode_png(&image)?);
-            }
-            Ok(pngs)
-        })
-        .await??;
+                let mut pngs = Vec::with_capacity(outputs.len());
+                for bytes in outputs {
+                    let generated = imaging::model_output(bytes, mw, mh).map_err(|message| {
+                        CodecError::BadMessage {
+                            sender: "denoiser",
+                            message,
+                        }
+                    })?;
+                    let image = match &template {
+                        Some((image, mask)) => {
+                            let resized =
+                                imaging::to_output_size(&generated, image.width(), image.height());
+                            imaging::composite(image, mask, &resized)
+                        }
+                        None => DynamicImage::ImageRgb8(imaging::to_output_size(&generated, w, h)),
+                    };
+                    pngs.push(imaging::encode_png(&image)?);
+                }
+                Ok(pngs)
+            })
+            .await??;
 
         let mut keys = Vec::with_capacity(pngs.len());
         for (i, png) in pngs.iter().enumerate() {

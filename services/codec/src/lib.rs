@@ -8,6 +8,7 @@
 pub mod decoded;
 pub mod error;
 pub mod handlers;
+pub mod image_workers;
 pub mod imaging;
 pub mod metrics;
 
@@ -33,6 +34,7 @@ use tracing::Instrument;
 use decoded::DecodedImages;
 pub use error::CodecError;
 use handlers::Codec;
+use image_workers::ImageWorkers;
 use imaging::TokenGrid;
 use metrics::CodecMetrics;
 
@@ -62,7 +64,8 @@ pub struct CodecConfig {
     /// re-uploads of one image, then decode it once.
     #[arg(long, env = "CODEC_DECODED_CACHE_MB", default_value_t = 256)]
     pub decoded_cache_mb: u64,
-    /// Requests handled at once by this replica (image work runs on the blocking pool).
+    /// Requests handled at once by this replica, and threads of image work (its image
+    /// workers: `image_workers`).
     #[arg(long, env = "CODEC_CONCURRENCY", default_value_t = 4)]
     pub concurrency: usize,
     /// Deadline of one request's work; past it the caller gets `Failed` (seconds). Sooner
@@ -198,6 +201,7 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
             max_pixels: config.max_pixels,
             max_blob_bytes: config.max_blob_bytes,
             decoded,
+            workers: ImageWorkers::start(config.concurrency),
         },
         metrics,
     });

@@ -7,6 +7,7 @@ use std::io::Cursor;
 
 use diffmesh_codec::decoded::DecodedImages;
 use diffmesh_codec::handlers::{Codec, PREPARED_IMAGE};
+use diffmesh_codec::image_workers::ImageWorkers;
 use diffmesh_codec::imaging::TokenGrid;
 use diffmesh_codec::CodecError;
 use diffmesh_shared::blob_store::{blob_key, BlobStore};
@@ -66,6 +67,7 @@ fn codec(blobs: &BlobStore, templates: &BlobStore, lookups: &prometheus::IntCoun
         max_pixels: 1 << 20,
         max_blob_bytes: 1 << 20,
         decoded: DecodedImages::new(1 << 20, lookups.clone()),
+        workers: ImageWorkers::start(2),
     }
 }
 

@@ -1,6 +1,9 @@
-//! A ControlNet worker's compute thread: owns the loaded ControlNets (tch tensors are `Send`, not
-//! `Sync`) and the open sessions, and runs one request at a time from a bounded channel.
+//! A ControlNet worker's compute: an actix sync actor on a thread of its own that owns the loaded
+//! ControlNets (tch tensors are `Send`, not `Sync`) and the open sessions. Opens and closes are
+//! done as they come; steps are kept until a [`Flush`] the actor sends itself, so every step that
+//! arrived meanwhile is answered together, those that can share a forward in one.
 use crate::wire::{from_wire, to_wire};
+use actix::{Actor, Handler, Message, SyncContext};
 use diffmesh_model::controlnets::ControlNets;
 use diffmesh_model::flux::FluxInputs;
 use diffmesh_model::pipeline::control::ControlStep;
@@ -12,9 +15,9 @@ use std::num::NonZeroUsize;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
-/// What the async side asks of the compute thread.
+/// What the async side asks of the compute actor.
 pub enum Work {
     Open(Box<SessionOpen>, oneshot::Sender<OpenReply>),
     Step(Box<StepRequest>, oneshot::Sender<StepReply>),
@@ -59,6 +62,10 @@ pub struct Compute {
     max_batch: usize,
     pub status: Arc<Mutex<ComputeStatus>>,
     pub observer: Option<Box<dyn ComputeObserver>>,
+    /// Steps taken since the last flush.
+    pending: Vec<(Box<StepRequest>, oneshot::Sender<StepReply>)>,
+    /// A [`Flush`] is on its way.
+    flush_queued: bool,
 }
 
 impl Compute {
@@ -77,39 +84,41 @@ impl Compute {
             max_batch: max_batch.max(1),
             status: Arc::new(Mutex::new(ComputeStatus::default())),
             observer: None,
+            pending: Vec::new(),
+            flush_queued: false,
         }
     }
 
-    /// Serve `rx` until every sender is gone. Everything waiting is taken at once: opens and
-    /// closes in their order, then the steps, batched where they can share a forward.
-    pub fn run(mut self, mut rx: mpsc::Receiver<Work>) {
-        while let Some(first) = rx.blocking_recv() {
-            self.expire_idle();
-            let mut steps = Vec::new();
-            let mut next = Some(first);
-            while let Some(work) = next.take() {
-                match work {
-                    Work::Open(open, reply) => {
-                        let answer = self
-                            .guarded(|c| c.open(*open))
-                            .unwrap_or_else(|error| OpenReply::Failed { error });
-                        self.observe("open", matches!(answer, OpenReply::Opened));
-                        let _ = reply.send(answer);
-                    }
-                    Work::Step(step, reply) => steps.push((step, reply)),
-                    Work::Close(session) => {
-                        self.sessions.pop(&session);
-                    }
-                }
-                if steps.len() < self.max_batch.max(1) * 4 {
-                    next = rx.try_recv().ok();
-                }
+    /// Take one piece of work: opens and closes at once, steps kept for the next
+    /// [`flush`](Self::flush); whether a step is now waiting for it.
+    pub fn take(&mut self, work: Work) -> bool {
+        match work {
+            Work::Open(open, reply) => {
+                self.expire_idle();
+                let answer = self
+                    .guarded(|c| c.open(*open))
+                    .unwrap_or_else(|error| OpenReply::Failed { error });
+                self.observe("open", matches!(answer, OpenReply::Opened));
+                let _ = reply.send(answer);
+                self.publish_status();
             }
-            if !steps.is_empty() {
-                self.run_steps(steps);
+            Work::Step(step, reply) => self.pending.push((step, reply)),
+            Work::Close(session) => {
+                self.sessions.pop(&session);
+                self.publish_status();
             }
-            self.publish_status();
         }
+        !self.pending.is_empty()
+    }
+
+    /// Answer every step taken since the last flush, batched where they can share a forward.
+    pub fn flush(&mut self) {
+        self.expire_idle();
+        let steps = std::mem::take(&mut self.pending);
+        if !steps.is_empty() {
+            self.run_steps(steps);
+        }
+        self.publish_status();
     }
 
     fn observe(&self, kind: &'static str, ok: bool) {
@@ -339,6 +348,42 @@ impl Compute {
     }
 }
 
+impl Actor for Compute {
+    type Context = SyncContext<Self>;
+}
+
+impl Message for Work {
+    type Result = ();
+}
+
+impl Handler<Work> for Compute {
+    type Result = ();
+
+    fn handle(&mut self, work: Work, ctx: &mut SyncContext<Self>) {
+        if self.take(work) && !self.flush_queued {
+            // Behind every message already queued: the steps among them join this flush.
+            self.flush_queued = true;
+            ctx.address().do_send(Flush);
+        }
+    }
+}
+
+/// Run the steps taken so far (the actor sends it to itself).
+pub struct Flush;
+
+impl Message for Flush {
+    type Result = ();
+}
+
+impl Handler<Flush> for Compute {
+    type Result = ();
+
+    fn handle(&mut self, _: Flush, _: &mut SyncContext<Self>) {
+        self.flush_queued = false;
+        self.flush();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -386,19 +431,17 @@ mod tests {
         }
     }
 
-    /// Run `work` on a compute thread; all of it is queued before the thread starts, so the
-    /// steps among it are taken together. Returns the step replies and the forwards run.
+    /// Take all of `work`, then flush (as the actor does with work that arrives together).
+    /// Returns the forwards run.
     fn run(dir: &std::path::Path, work: Vec<Work>) -> usize {
         let nets = ControlNets::new(Some(dir.to_path_buf()), 2, Device::Cpu, Kind::Float);
         let mut c = Compute::new(nets, Device::Cpu, 16, Duration::from_secs(60), 8);
         let forwards = Arc::new(AtomicUsize::new(0));
         c.observer = Some(Box::new(Forwards(forwards.clone())));
-        let (tx, rx) = mpsc::channel(64);
         for w in work {
-            assert!(tx.try_send(w).is_ok(), "the channel has room");
+            c.take(w);
         }
-        drop(tx);
-        c.run(rx);
+        c.flush();
         forwards.load(Ordering::SeqCst)
     }
 

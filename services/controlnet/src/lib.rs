@@ -1,7 +1,7 @@
 //! diffmesh ControlNet worker (`diffmesh-controlnet`, Katz's ControlNet-as-a-Service): serves
 //! the ControlNets of a folder to the denoisers over NATS, keeps the most recently used ones
 //! loaded, and announces what it serves in heartbeats. Requests arrive on its own subjects
-//! (chunked when large) and run one at a time on the compute thread ([`compute`]).
+//! (chunked when large) and run on the compute actor ([`compute`]), a bounded number waiting.
 //!
 //! Start it in-process with [`start`] (tests) or run it until a signal with [`run`] (the binary).
 pub mod compute;
@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 /// ControlNet worker flags (every one also from the environment).
@@ -63,7 +63,7 @@ pub struct WorkerConfig {
     /// Most steps (of different sessions) run in one ControlNet forward.
     #[arg(long, env = "MAX_BATCH", default_value_t = 8)]
     pub max_batch: usize,
-    /// Requests waiting for the compute thread (more wait in NATS).
+    /// Requests waiting for the compute actor (more wait in NATS).
     #[arg(long, env = "QUEUE_CAPACITY", default_value_t = 64)]
     pub queue_capacity: usize,
     /// Largest request accepted (bytes, after its chunks are put together).
@@ -182,7 +182,6 @@ pub struct WorkerHandle {
     stop: CancellationToken,
     serve: tokio::task::JoinHandle<()>,
     heartbeats: tokio::task::JoinHandle<()>,
-    compute: std::thread::JoinHandle<()>,
     health: HealthServer,
 }
 
@@ -192,8 +191,6 @@ impl WorkerHandle {
         self.stop.cancel();
         let _ = self.serve.await;
         let _ = self.heartbeats.await;
-        let compute = self.compute;
-        let _ = tokio::task::spawn_blocking(move || compute.join()).await;
         self.health.stop().await;
         tracing::info!(worker_id = %self.worker_id, "ControlNet worker stopped");
     }
@@ -211,15 +208,13 @@ pub enum WorkerError {
     },
     #[error("--controlnet-dir {0}: not a folder")]
     Dir(PathBuf),
-    #[error("starting the compute thread: {0}")]
-    Thread(#[source] std::io::Error),
     #[error("health server: {0}")]
     Health(#[source] std::io::Error),
     #[error("metrics registration: {0}")]
     Metrics(#[from] prometheus::Error),
 }
 
-/// Connect, start the compute thread, and serve in the background.
+/// Connect, start the compute actor, and serve in the background.
 pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
     let worker_id = config.worker_id.clone().unwrap_or_else(|| {
         let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "controlnet".into());
@@ -259,26 +254,8 @@ pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
     )
     .await?;
 
-    let controlnets = ControlNets::new(
-        Some(config.controlnet_dir.clone()),
-        config.controlnet_cache,
-        device,
-        kind,
-    );
-    let mut compute = Compute::new(
-        controlnets,
-        device,
-        config.max_sessions,
-        Duration::from_secs(config.session_idle_s),
-        config.max_batch,
-    );
-    compute.observer = Some(Box::new(metrics.clone()));
-    let status = compute.status.clone();
-    let (work_tx, work_rx) = mpsc::channel(config.queue_capacity.max(1));
-    let compute = std::thread::Builder::new()
-        .name("controlnet-compute".into())
-        .spawn(move || compute.run(work_rx))
-        .map_err(WorkerError::Thread)?;
+    let status = Arc::new(Mutex::new(ComputeStatus::default()));
+    let work_tx = ComputeQueue::start(&config, device, kind, status.clone(), metrics.clone());
 
     let stop = CancellationToken::new();
     let draining = Arc::new(AtomicBool::new(false));
@@ -326,7 +303,6 @@ pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
         stop,
         serve,
         heartbeats,
-        compute,
         health,
     })
 }
@@ -344,7 +320,7 @@ pub async fn run(config: WorkerConfig, shutdown: CancellationToken) -> Result<()
 async fn serve(
     client: async_nats::Client,
     mut sub: async_nats::Subscriber,
-    work: mpsc::Sender<Work>,
+    work: ComputeQueue,
     max_bytes: usize,
     stop: CancellationToken,
 ) {
@@ -388,7 +364,7 @@ async fn serve(
             }
             "close" => {
                 if let Ok(close) = decode::<SessionClose>(&payload) {
-                    let _ = work.send(Work::Close(close.session)).await;
+                    drop(work.send(Work::Close(close.session)).await);
                 }
             }
             other => tracing::debug!(subject = other, "ignored ControlNet request"),
@@ -443,7 +419,7 @@ async fn wait_until_reachable(client: &async_nats::Client, worker_id: &str) {
 /// Decode a request, run it on the compute thread, and answer it.
 async fn answer<Req, Ans>(
     client: &async_nats::Client,
-    work: &mpsc::Sender<Work>,
+    work: &ComputeQueue,
     reply: Option<String>,
     payload: &[u8],
     into_work: fn(Box<Req>, oneshot::Sender<Ans>) -> Work,
@@ -455,7 +431,8 @@ async fn answer<Req, Ans>(
     let answer = match decode::<Req>(payload) {
         Ok(req) => {
             let (tx, rx) = oneshot::channel();
-            let _ = work.send(into_work(Box::new(req), tx)).await;
+            // The slot is held until the answer comes.
+            let _slot = work.send(into_work(Box::new(req), tx)).await;
             rx.await
                 .unwrap_or_else(|_| failed("the ControlNet worker is stopping".into()))
         }
@@ -490,7 +467,7 @@ struct Beat {
     worker_id: String,
     dir: PathBuf,
     status: Arc<Mutex<ComputeStatus>>,
-    work: mpsc::Sender<Work>,
+    work: ComputeQueue,
     period: Duration,
     draining: Arc<AtomicBool>,
     sessions: IntGauge,
@@ -506,7 +483,7 @@ impl Beat {
             served: diffmesh_shared::controlnet::served(Some(&self.dir)),
             resident: status.resident,
             sessions: status.sessions,
-            queued: (self.work.max_capacity() - self.work.capacity()) as u32,
+            queued: self.work.queued() as u32,
             draining: self.draining.load(Ordering::SeqCst),
         }
     }
@@ -534,4 +511,54 @@ async fn heartbeats(beat: Beat) {
     beat.draining.store(true, Ordering::SeqCst);
     beat.send().await;
     let _ = beat.client.flush().await;
+}
+
+/// The compute actor's address, with a bound on the work sent and not yet answered
+/// (`--queue-capacity`): beyond it a request waits here (and more wait in NATS).
+#[derive(Clone)]
+struct ComputeQueue {
+    addr: actix::Addr<Compute>,
+    slots: Arc<Semaphore>,
+    capacity: usize,
+}
+
+impl ComputeQueue {
+    /// Start the compute actor on a thread of its own. Should it ever stop, actix makes a
+    /// fresh one (its sessions gone: denoisers open them again).
+    fn start(
+        config: &WorkerConfig,
+        device: diffmesh_model::tch::Device,
+        kind: diffmesh_model::tch::Kind,
+        status: Arc<Mutex<ComputeStatus>>,
+        metrics: WorkerMetrics,
+    ) -> Self {
+        let (dir, cache) = (config.controlnet_dir.clone(), config.controlnet_cache);
+        let (sessions, max_batch) = (config.max_sessions, config.max_batch);
+        let idle = Duration::from_secs(config.session_idle_s);
+        let addr = diffmesh_shared::actors::start_sync("controlnet-compute", 1, move || {
+            let controlnets = ControlNets::new(Some(dir.clone()), cache, device, kind);
+            let mut compute = Compute::new(controlnets, device, sessions, idle, max_batch);
+            compute.status = status.clone();
+            compute.observer = Some(Box::new(metrics.clone()));
+            compute
+        });
+        let capacity = config.queue_capacity.max(1);
+        Self {
+            addr,
+            slots: Arc::new(Semaphore::new(capacity)),
+            capacity,
+        }
+    }
+
+    /// Send `work` once a slot is free; the slot is the caller's until the work is answered.
+    async fn send(&self, work: Work) -> Option<OwnedSemaphorePermit> {
+        let slot = self.slots.clone().acquire_owned().await.ok()?;
+        self.addr.do_send(work);
+        Some(slot)
+    }
+
+    /// Work sent and not yet answered.
+    fn queued(&self) -> usize {
+        self.capacity - self.slots.available_permits()
+    }
 }

@@ -59,22 +59,9 @@ fn bad_request(message: String) -> HttpResponse {
 }
 
 async fn get_policy(router: web::Data<Router>) -> HttpResponse {
-    let state = router.state();
-    let m = state.models();
-    HttpResponse::Ok().json(json!({
-        "policy": state.policy_name(),
-        "known": POLICY_NAMES,
-        "cost_models": {
-            "label": m.label,
-            "synthetic": m.synthetic,
-            "compute_r2": m.compute.r2,
-            "load_r2": m.load.r2,
-            // The fitted terms: seconds per FLOP, per request, per mask-aware request, and
-            // the intercept; per byte for loads.
-            "compute": m.compute,
-            "load": m.load,
-        },
-    }))
+    let mut view = router.ask(crate::placement::Describe).await;
+    view["known"] = json!(POLICY_NAMES);
+    HttpResponse::Ok().json(view)
 }
 
 async fn set_policy(router: web::Data<Router>, body: web::Bytes) -> HttpResponse {
@@ -85,7 +72,7 @@ async fn set_policy(router: web::Data<Router>, body: web::Bytes) -> HttpResponse
     let Some(name) = value.get("policy").and_then(|p| p.as_str()) else {
         return bad_request("`policy` must be a string naming a policy".into());
     };
-    match router.switch_policy(name) {
+    match router.switch_policy(name).await {
         Ok(previous) => HttpResponse::Ok().json(json!({ "policy": name, "previous": previous })),
         Err(e) => bad_request(e.to_string()),
     }

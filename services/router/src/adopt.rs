@@ -129,7 +129,11 @@ impl Router {
 
     async fn adopt(&self, job_id: &str) {
         // Placed by this router, its record's placement not written yet: not lost.
-        if self.state().registry.owner(job_id).is_some() {
+        if self
+            .ask(crate::placement::Owner(job_id.to_string()))
+            .await
+            .is_some()
+        {
             return;
         }
         let wait = Duration::from_millis(self.config.adopt_wait_ms);

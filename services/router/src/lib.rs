@@ -9,6 +9,7 @@ pub mod adopt;
 pub mod adopted_progress;
 pub mod cost_check;
 pub mod metrics;
+pub mod placement;
 pub mod prefetch;
 pub mod registry;
 pub mod service;
@@ -230,9 +231,11 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
         .flush()
         .await
         .map_err(|e| MeshError::Telemetry(format!("NATS flush: {e}")))?;
-    let nats = client.clone();
-    let ready: Readiness =
-        Arc::new(move || nats.connection_state() == async_nats::connection::State::Connected);
+    let (nats, placement) = (client.clone(), router.placement.clone());
+    // Ready while connected and while the placement actor lives (see `placement`).
+    let ready: Readiness = Arc::new(move || {
+        nats.connection_state() == async_nats::connection::State::Connected && placement.connected()
+    });
     let addr = config.common.health_addr;
     let health = AdminServer::start(addr, registry, ready, router.clone())
         .map_err(|source| RouterError::Health { addr, source })?;

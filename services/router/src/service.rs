@@ -3,8 +3,10 @@
 //! Submits and the admission queue are in [`crate::submit`].
 use crate::admission::AdmissionQueue;
 use crate::metrics::RouterMetrics;
+use crate::placement::{self, Placement};
 use crate::state::{no_worker_message, Failover, RouterState};
 use crate::RouterConfig;
+use actix::Addr;
 use async_nats::Subscriber;
 use diffmesh_sched::SchedError;
 use diffmesh_shared::job::{CaptureReport, JobStore};
@@ -13,7 +15,7 @@ use diffmesh_shared::nats::publish_msgpack;
 use diffmesh_shared::{subjects, MeshError};
 use futures::StreamExt;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -63,7 +65,8 @@ impl Subscriptions {
 
 pub struct Router {
     pub client: async_nats::Client,
-    pub state: Mutex<RouterState>,
+    /// The decision state's owner (registry, policy, cost models): see [`crate::placement`].
+    pub placement: Addr<Placement>,
     pub metrics: RouterMetrics,
     pub config: RouterConfig,
     /// Woken when capacity may have freed up (heartbeat, job finished) or a submit queued.
@@ -89,7 +92,7 @@ impl Router {
         let admission = Mutex::new(AdmissionQueue::new(config.max_queue));
         Self {
             client,
-            state: Mutex::new(state),
+            placement: Placement::start(state),
             metrics,
             config,
             capacity: Notify::new(),
@@ -99,9 +102,18 @@ impl Router {
         }
     }
 
-    /// The state lock is only held for synchronous bookkeeping, never across an await.
-    pub fn state(&self) -> MutexGuard<'_, RouterState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    /// Ask the placement actor. It lives as long as the process: should it have died (a bug
+    /// in a policy), this task ends here and `/readyz` says the router must be restarted.
+    pub(crate) async fn ask<M>(&self, msg: M) -> M::Result
+    where
+        M: actix::Message + Send + 'static,
+        M::Result: Send,
+        Placement: actix::Handler<M>,
+    {
+        match self.placement.send(msg).await {
+            Ok(answer) => answer,
+            Err(e) => panic!("the placement actor is gone ({e}); the router is unready"),
+        }
     }
 
     /// The admission queue; like the state lock, never held across an await.
@@ -110,8 +122,8 @@ impl Router {
     }
 
     /// Switch the placement policy now (the admin endpoint); returns the previous one's name.
-    pub fn switch_policy(&self, name: &str) -> Result<String, SchedError> {
-        let previous = self.state().set_policy(name)?;
+    pub async fn switch_policy(&self, name: &str) -> Result<String, SchedError> {
+        let previous = self.ask(placement::SetPolicy(name.to_string())).await?;
         self.metrics.set_policy(name);
         tracing::info!(policy = name, %previous, "placement policy switched");
         Ok(previous)
@@ -130,11 +142,8 @@ impl Router {
             match decode::<Heartbeat>(&msg.payload) {
                 Ok(hb) => {
                     let worker = hb.worker_id.clone();
-                    let (new, costs, live) = {
-                        let mut state = self.state();
-                        let (new, costs) = state.observe(hb, Instant::now());
-                        (new, costs, state.registry.live_workers())
-                    };
+                    let placement::Observed { new, costs, live } =
+                        self.ask(placement::Observe(hb)).await;
                     if new {
                         tracing::info!(%worker, "denoiser joined");
                     }
@@ -179,11 +188,7 @@ impl Router {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            let (lost, live) = {
-                let mut state = self.state();
-                let lost = state.expire(Instant::now());
-                (lost, state.registry.live_workers())
-            };
+            let placement::Expired { lost, live } = self.ask(placement::Expire).await;
             self.metrics.live_workers.set(live as i64);
             for (worker, plans) in lost {
                 // A lost worker's factor is not exported on (a new id comes back, not this one).
@@ -376,11 +381,7 @@ impl Router {
                 self.publish_event(&cancel.job_id, &ended).await;
                 continue;
             }
-            let owner = self
-                .state()
-                .registry
-                .owner(&cancel.job_id)
-                .map(str::to_string);
+            let owner = self.ask(placement::Owner(cancel.job_id.clone())).await;
             match owner {
                 Some(worker) => {
                     let subject = subjects::denoiser_cancel(&worker);
@@ -414,14 +415,18 @@ impl Router {
             match decode::<JobEvent>(&msg.payload) {
                 Ok(event @ (JobEvent::Done { .. } | JobEvent::Failed { .. })) => {
                     self.adopted.forget(job_id);
-                    let placed_here = self.state().registry.finish(job_id).is_some();
+                    let placed_here = self.ask(placement::Finish(job_id.to_string())).await;
                     if placed_here {
                         self.capacity.notify_waiters();
                         self.record_outcome(job_id, event);
                     }
                 }
                 Ok(event @ JobEvent::Captured { .. }) => {
-                    if self.state().registry.owner(job_id).is_some() {
+                    if self
+                        .ask(placement::Owner(job_id.to_string()))
+                        .await
+                        .is_some()
+                    {
                         self.record_outcome(job_id, event);
                     }
                 }

@@ -275,15 +275,13 @@ impl Router {
     ) -> Result<String, PlaceError> {
         let mut tried: Vec<String> = exclude.to_vec();
         loop {
-            let decision = {
-                let mut state = self.state();
-                let t = Instant::now();
-                let d = state.place_holdable(job, &tried, waiting_behind);
-                self.metrics
-                    .decision_seconds
-                    .observe(t.elapsed().as_secs_f64());
-                d
+            let place = crate::placement::Place {
+                job: job.clone(),
+                exclude: tried.clone(),
+                waiting_behind,
             };
+            let (decision, took) = self.ask(place).await;
+            self.metrics.decision_seconds.observe(took.as_secs_f64());
             let worker = match decision {
                 Decision::Chosen(w) => w,
                 Decision::NoLiveWorker if tried.len() > exclude.len() => {
@@ -320,7 +318,8 @@ impl Router {
                     tracing::warn!(%worker, error = %err, "forwarding to denoiser failed");
                 }
             }
-            self.state().unplace(&job.job_id);
+            self.ask(crate::placement::Unplace(job.job_id.clone()))
+                .await;
             tried.push(worker);
         }
     }
