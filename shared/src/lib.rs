@@ -1,32 +1,27 @@
-//! diffmesh shared crate: message types, NATS subjects, configuration, telemetry, errors.
-pub mod actors;
-pub mod blob_store;
-pub mod cache_read;
-pub mod cachestore;
-pub mod chunked;
-pub mod config;
-pub mod controlnet;
-pub mod controlnet_service;
+//! diffmesh shared crate: what the services have in common, grouped by what it is:
+//! - [`wire`]: the contract between services (subjects, messages, formats);
+//! - [`nats`]: NATS plumbing (connect, request/reply, serving, trace context);
+//! - [`stores`]: durable state in JetStream (records, blobs, the bucket table);
+//! - [`process`]: what every service process sets up (flags, telemetry, health, actors);
+//! - [`error`]: the mesh layer's error type;
+//! - `testing` (feature `testing`): the test fixtures (a real `nats-server`, sample jobs).
 pub mod error;
-pub mod health;
-pub mod idempotency;
-pub mod jetstream_layout;
-pub mod job;
-pub mod lora;
-pub mod messages;
-pub mod metrics;
 pub mod nats;
-pub mod reconnects;
-pub mod reopening_watch;
-pub mod serve;
-pub mod shutdown;
-pub mod subjects;
-pub mod telemetry;
-pub mod templates;
-pub mod testing;
-pub mod trace_context;
-pub mod transient;
-pub mod unanswered;
+pub mod process;
+pub mod stores;
+pub mod wire;
 
-pub use config::CommonConfig;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+
 pub use error::{panic_message, MeshError};
+pub use process::config::CommonConfig;
+
+// The flat names the crate had before it was grouped, while the workspace moves to the
+// grouped paths.
+pub use nats::{chunked, reconnects, serve, trace_context, unanswered};
+pub use process::{actors, config, health, metrics, shutdown, telemetry};
+pub use stores::{
+    blob_store, cache_read, idempotency, jetstream_layout, job, reopening_watch, transient,
+};
+pub use wire::{cachestore, controlnet, controlnet_service, lora, messages, subjects, templates};

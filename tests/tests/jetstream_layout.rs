@@ -486,7 +486,7 @@ async fn writes_made_while_the_cluster_has_no_quorum_land_once_it_returns() {
     // were tried again. Other calls may instead wait out the outage inside one attempt (an
     // object put whose chunks the new leader acknowledges), so they are not counted here.
     let retried = |call| transient::retries().with_label_values(&[call]).get();
-    for call in ["job.create", "idempotency.claim"] {
+    for call in ["job.create", "idempotency.create"] {
         assert!(retried(call) > 0, "{call} was not tried again");
     }
 

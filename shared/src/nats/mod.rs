@@ -1,5 +1,14 @@
 //! NATS plumbing every service uses: connecting with retry, and MessagePack request/reply
-//! that always has a deadline and carries trace headers. Blobs: `blob_store`.
+//! that always has a deadline and carries trace headers (here); noticing reconnects
+//! ([`reconnects`]), serving a subscription ([`serve`]), trace context in headers
+//! ([`trace_context`]), requests for work that must not be lost ([`unanswered`]) and payloads
+//! larger than one message ([`chunked`]). Blobs: `stores::blob_store`.
+pub mod chunked;
+pub mod reconnects;
+pub mod serve;
+pub mod trace_context;
+pub mod unanswered;
+
 use std::time::Duration;
 
 use async_nats::{Client, HeaderMap, Message, RequestErrorKind};
@@ -10,7 +19,6 @@ use serde::Serialize;
 use crate::error::MeshError;
 use crate::messages::{decode, encode};
 use crate::metrics::NatsMetrics;
-use crate::reconnects;
 use crate::subjects::ANSWER_WITHIN_HEADER;
 use crate::trace_context::headers_for;
 

@@ -43,30 +43,41 @@ pub const REQUEST_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The `call` names of the stores' JetStream calls. They are exported at 0 from the start, so
 /// the counter is on `/metrics` before the first retry and `rate()` sees the first one.
 pub const CALLS: &[&str] = &[
+    // Every kind of record ([`crate::stores::record::RecordStore`]), every operation.
+    "job.get",
     "job.create",
     "job.put",
-    "job.get",
     "job.update",
+    "job.delete",
+    "job.list",
+    "idempotency.get",
+    "idempotency.create",
+    "idempotency.put",
+    "idempotency.update",
+    "idempotency.delete",
+    "idempotency.list",
+    "template.get",
+    "template.create",
+    "template.put",
+    "template.update",
+    "template.delete",
+    "template.list",
+    "lora.get",
+    "lora.create",
+    "lora.put",
+    "lora.update",
+    "lora.delete",
+    "lora.list",
+    // Job record watches.
     "job.watch",
     "job.watch_since",
-    "idempotency.get",
-    "idempotency.claim",
     "blob.put",
     "blob.delete",
     "blob.get",
     "blob.get_from_leader",
-    "template.create",
-    "template.get",
-    "template.update",
-    "template.delete",
-    "template.list",
     "template_use.publish",
     "template_use.end",
     "template_use.list",
-    "lora.create",
-    "lora.get",
-    "lora.delete",
-    "lora.list",
 ];
 
 /// `diffmesh_jetstream_retries_total{call}`: JetStream calls tried again after a failure, by
@@ -90,7 +101,7 @@ pub fn retries() -> &'static IntCounterVec {
 }
 
 /// Count one retry of `call` (for loops that cannot use [`retried`]).
-pub fn count_retry(call: &'static str) {
+pub fn count_retry(call: &str) {
     debug_assert!(
         CALLS.contains(&call) || call.starts_with("test."),
         "{call} is not in transient::CALLS"
@@ -103,7 +114,7 @@ pub fn count_retry(call: &'static str) {
 /// result is returned. `call` must be safe to repeat: a write whose reply was lost may have
 /// landed, so callers that create or compare-and-set check what is stored on the next attempt.
 pub async fn retried<T, E, F, Fut>(
-    call: &'static str,
+    call: &str,
     window: Duration,
     settled: impl Fn(&E) -> bool,
     attempt: F,
@@ -120,7 +131,7 @@ where
 /// again (for calls of one small request: [`REQUEST_ATTEMPT_TIMEOUT`]). Not for calls whose
 /// answer may take long (whole blobs, listings): they would never finish.
 pub async fn retried_bounded<T, E, F, Fut>(
-    call: &'static str,
+    call: &str,
     window: Duration,
     bound: Option<Duration>,
     settled: impl Fn(&E) -> bool,
@@ -210,7 +221,7 @@ async fn attempt_once<T>(
 /// tried again like [`retried`].
 pub async fn kv_get_json<T: DeserializeOwned>(
     kv: &kv::Store,
-    call: &'static str,
+    call: &str,
     window: Duration,
     key: &str,
 ) -> Result<Option<(T, u64)>, MeshError> {
@@ -230,7 +241,7 @@ pub async fn kv_get_json<T: DeserializeOwned>(
 /// (`AlreadyExists`) when another value holds the key.
 pub async fn kv_create(
     kv: &kv::Store,
-    call: &'static str,
+    call: &str,
     window: Duration,
     key: &str,
     value: Bytes,
@@ -280,7 +291,7 @@ pub enum KvUpdated<T> {
 /// write finds a newer revision, or `change` declines on the guess, is the entry read.
 pub async fn kv_update_json<T, F>(
     kv: &kv::Store,
-    call: &'static str,
+    call: &str,
     window: Duration,
     key: &str,
     max_contended: u32,

@@ -3,12 +3,11 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
-use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::error::MeshError;
-use crate::jetstream_layout;
-use crate::transient;
+use crate::stores::jetstream_layout;
+use crate::stores::record::{Record, RecordStore};
 
 /// What an `Idempotency-Key` points at.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -17,6 +16,10 @@ pub struct IdempotencyRecord {
     /// Hash of the request that created the job: a repeat with another request is refused.
     pub fingerprint: String,
     pub created_at_ms: u64,
+}
+
+impl Record for IdempotencyRecord {
+    const KIND: &'static str = "idempotency";
 }
 
 /// The first claim of a key wins; later claims learn the winner's job.
@@ -29,9 +32,7 @@ pub enum Claim {
 /// `Idempotency-Key` -> job, per API key, in `subjects::IDEMPOTENCY_BUCKET` (a day's memory).
 #[derive(Clone)]
 pub struct IdempotencyStore {
-    kv: kv::Store,
-    /// How long a failing call is tried again (default [`transient::ELECTION_WINDOW`]).
-    retry_window: Duration,
+    records: RecordStore<IdempotencyRecord>,
 }
 
 /// How long a repeated key returns the same job.
@@ -39,34 +40,27 @@ pub const IDEMPOTENCY_TTL: Duration = jetstream_layout::IDEMPOTENCY_TTL;
 
 impl IdempotencyStore {
     pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
-        let kv = jetstream_layout::IDEMPOTENCY.open_kv(js).await?;
-        Ok(Self {
-            kv,
-            retry_window: transient::ELECTION_WINDOW,
-        })
+        let records = RecordStore::open(js, &jetstream_layout::IDEMPOTENCY).await?;
+        Ok(Self { records })
     }
 
-    /// Try failing calls again for `window` instead of [`transient::ELECTION_WINDOW`].
-    pub fn with_retry_window(mut self, window: Duration) -> Self {
-        self.retry_window = window;
-        self
+    /// Try failing calls again for `window` instead of the default election window.
+    pub fn with_retry_window(self, window: Duration) -> Self {
+        Self {
+            records: self.records.with_retry_window(window),
+        }
     }
 
     /// `key` must be a valid KV key (callers hash the client's key and scope into hex).
     pub async fn get(&self, key: &str) -> Result<Option<IdempotencyRecord>, MeshError> {
-        let entry = transient::kv_get_json(&self.kv, "idempotency.get", self.retry_window, key);
-        Ok(entry.await?.map(|(record, _)| record))
+        self.records.get(key).await
     }
 
     /// Atomically map `key` to `record` unless it is mapped already. Tried again while the
     /// bucket has no leader; a claim that landed but whose reply was lost finds `record`
     /// itself stored, which counts as created.
     pub async fn claim(&self, key: &str, record: &IdempotencyRecord) -> Result<Claim, MeshError> {
-        let value = Bytes::from(serde_json::to_vec(record)?);
-        let created =
-            transient::kv_create(&self.kv, "idempotency.claim", self.retry_window, key, value)
-                .await;
-        match created {
+        match self.records.create(key, record).await {
             Ok(_) => Ok(Claim::Created),
             Err(MeshError::KvCreate(err)) if err.kind() == kv::CreateErrorKind::AlreadyExists => {
                 match self.get(key).await? {

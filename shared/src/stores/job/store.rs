@@ -6,27 +6,27 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, kv};
-use bytes::Bytes;
 use futures::stream::BoxStream;
 use futures::StreamExt;
 
 use crate::error::MeshError;
-use crate::jetstream_layout;
-use crate::reconnects::Reconnects;
-use crate::reopening_watch::{reopening, WATCH_REOPEN_WINDOW};
-use crate::transient::{self, KvUpdated};
+use crate::nats::reconnects::Reconnects;
+use crate::stores::jetstream_layout;
+use crate::stores::record::{Record, RecordStore};
+use crate::stores::reopening_watch::{reopening, WATCH_REOPEN_WINDOW};
+use crate::stores::transient::KvUpdated;
 
 use super::{now_ms, JobRecord};
 
-/// Job records by job id in the KV bucket.
-///
-/// Every call is tried again while the bucket has no leader (`transient`): on a cluster a
-/// node loss would otherwise fail the requests that touch a job in that moment.
+impl Record for JobRecord {
+    const KIND: &'static str = "job";
+}
+
+/// Job records by job id in the KV bucket ([`RecordStore`]: every call is tried again while
+/// the bucket has no leader), with watches and the revisions it last saw.
 #[derive(Clone)]
 pub struct JobStore {
-    kv: kv::Store,
-    /// How long a failing call is tried again (default [`transient::ELECTION_WINDOW`]).
-    retry_window: Duration,
+    records: RecordStore<JobRecord>,
     /// For the inboxes of record watches.
     client: async_nats::Client,
     /// The records this store last wrote or read, with their revisions, when enabled
@@ -34,9 +34,6 @@ pub struct JobStore {
     /// these and reads the record only when another writer got in first.
     known: Option<moka::sync::Cache<String, (JobRecord, u64)>>,
 }
-
-/// Compare-and-set attempts before an update gives up under contention.
-const MAX_UPDATE_ATTEMPTS: u32 = 16;
 
 /// How long a known record revision is kept ([`JobStore::with_known_revisions`]): longer
 /// than the time between a job's updates, far shorter than the record's life.
@@ -46,10 +43,8 @@ impl JobStore {
     /// Open `subjects::JOB_BUCKET`, creating it when missing (records expire after a week,
     /// [`jetstream_layout::JOBS`]).
     pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
-        let kv = jetstream_layout::JOBS.open_kv(js).await?;
         Ok(Self {
-            kv,
-            retry_window: transient::ELECTION_WINDOW,
+            records: RecordStore::open(js, &jetstream_layout::JOBS).await?,
             client: js.client(),
             known: None,
         })
@@ -75,10 +70,14 @@ impl JobStore {
         }
     }
 
-    /// Try failing calls again for `window` instead of [`transient::ELECTION_WINDOW`].
+    /// Try failing calls again for `window` instead of the default election window.
     pub fn with_retry_window(mut self, window: Duration) -> Self {
-        self.retry_window = window;
+        self.records = self.records.with_retry_window(window);
         self
+    }
+
+    fn kv(&self) -> &kv::Store {
+        self.records.kv()
     }
 
     /// Store a new record; fails if the job id already exists.
@@ -87,30 +86,14 @@ impl JobStore {
     /// attempt (async-nats also looks the key up after a failed create): that counts as
     /// created when the stored record is this one.
     pub async fn create(&self, record: &JobRecord) -> Result<(), MeshError> {
-        let value = Bytes::from(serde_json::to_vec(record)?);
-        let revision = transient::kv_create(
-            &self.kv,
-            "job.create",
-            self.retry_window,
-            &record.job_id,
-            value,
-        )
-        .await?;
+        let revision = self.records.create(&record.job_id, record).await?;
         self.remember(record, revision);
         Ok(())
     }
 
     /// Overwrite the record unconditionally.
     pub async fn put(&self, record: &JobRecord) -> Result<(), MeshError> {
-        let value = Bytes::from(serde_json::to_vec(record)?);
-        let revision = transient::retried_bounded(
-            "job.put",
-            self.retry_window,
-            Some(transient::REQUEST_ATTEMPT_TIMEOUT),
-            transient::kv_put_settled,
-            || self.kv.put(&record.job_id, value.clone()),
-        )
-        .await?;
+        let revision = self.records.put(&record.job_id, record).await?;
         self.remember(record, revision);
         Ok(())
     }
@@ -120,7 +103,7 @@ impl JobStore {
     }
 
     async fn get_with_revision(&self, job_id: &str) -> Result<Option<(JobRecord, u64)>, MeshError> {
-        let read = transient::kv_get_json(&self.kv, "job.get", self.retry_window, job_id).await?;
+        let read = self.records.get_with_revision(job_id).await?;
         if let Some((record, revision)) = &read {
             self.remember(record, *revision);
         }
@@ -135,8 +118,8 @@ impl JobStore {
         job_id: &str,
     ) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
         let reconnects = Reconnects::from_now();
-        let first = records(self.kv.watch_with_history(job_id).await?);
-        let (kv, job_id) = (self.kv.clone(), job_id.to_string());
+        let first = records(self.kv().watch_with_history(job_id).await?);
+        let (kv, job_id) = (self.kv().clone(), job_id.to_string());
         Ok(reopening(
             "job.watch",
             WATCH_REOPEN_WINDOW,
@@ -161,8 +144,8 @@ impl JobStore {
     ) -> Result<BoxStream<'static, Result<JobRecord, MeshError>>, MeshError> {
         let reconnects = Reconnects::from_now();
         let delivered = Arc::new(AtomicU64::new(0));
-        let first = records_since(&self.kv, &self.client, lookback, delivered.clone()).await?;
-        let (kv, client) = (self.kv.clone(), self.client.clone());
+        let first = records_since(self.kv(), &self.client, lookback, delivered.clone()).await?;
+        let (kv, client) = (self.kv().clone(), self.client.clone());
         Ok(reopening(
             "job.watch_since",
             Duration::MAX,
@@ -232,22 +215,16 @@ impl JobStore {
         F: FnMut(&mut JobRecord) -> bool,
     {
         let guess = self.known.as_ref().and_then(|known| known.get(job_id));
-        let updated = transient::kv_update_json(
-            &self.kv,
-            "job.update",
-            self.retry_window,
-            job_id,
-            MAX_UPDATE_ATTEMPTS,
-            guess,
-            |record: &mut JobRecord| {
+        let updated = self
+            .records
+            .update(job_id, guess, |record: &mut JobRecord| {
                 if !change(record) {
                     return false;
                 }
                 record.updated_at_ms = now_ms();
                 true
-            },
-        )
-        .await;
+            })
+            .await;
         if let Some(known) = &self.known {
             match &updated {
                 Ok(
