@@ -8,7 +8,7 @@ use anyhow::{anyhow, ensure, Result};
 use diffmesh_codec::imaging::{self, TokenGrid};
 use diffmesh_denoiser::engine::EngineJob;
 use diffmesh_denoiser::model::EditInputs;
-use diffmesh_shared::messages::DenoiseJob;
+use diffmesh_shared::wire::messages::DenoiseJob;
 use image::{DynamicImage, GrayImage, RgbImage};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -117,7 +117,8 @@ fn decode(up: &Uploads) -> Result<Option<(DynamicImage, imaging::PixelMask)>> {
     let Some(png) = &up.image_png else {
         return Ok(None);
     };
-    let field = |e: diffmesh_shared::messages::FieldError| anyhow!("{}: {}", e.field, e.message);
+    let field =
+        |e: diffmesh_shared::wire::messages::FieldError| anyhow!("{}: {}", e.field, e.message);
     let image = imaging::decode_upload(png, "image", MAX_PIXELS).map_err(field)?;
     let mask = match &up.mask_png {
         Some(m) => Some(imaging::decode_upload(m, "mask", MAX_PIXELS).map_err(field)?),

@@ -11,8 +11,8 @@ use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineH
 use diffmesh_denoiser::metrics::DenoiserMetrics;
 use diffmesh_denoiser::model::EngineModel;
 use diffmesh_model::tch::{Device, Kind};
-use diffmesh_shared::controlnet::ControlNetRef;
-use diffmesh_shared::messages::DenoiseJob;
+use diffmesh_shared::wire::controlnet::ControlNetRef;
+use diffmesh_shared::wire::messages::DenoiseJob;
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -17,7 +17,7 @@ use crate::report::{Latencies, Report};
 use crate::workload::{requests, BenchRequest, ModelGrid, WorkloadSpec};
 use anyhow::{anyhow, bail, Context, Result};
 use diffmesh_denoiser::engine::{EngineConfig, EngineEvent, EngineJob, EventTap, InlineWork};
-use diffmesh_shared::messages::DenoiseJob;
+use diffmesh_shared::wire::messages::DenoiseJob;
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};

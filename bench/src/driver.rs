@@ -12,7 +12,7 @@ use diffmesh_model::flux::MaskedAttention;
 use diffmesh_model::pipeline::stepper::{step_batch, DenoiseState};
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::IMAGE_SIZE;
-use diffmesh_shared::messages::DenoiseJob;
+use diffmesh_shared::wire::messages::DenoiseJob;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -84,7 +84,7 @@ fn adapter_file(a: &LoraAdapter) -> Result<Vec<u8>> {
             ));
         }
     }
-    Ok(diffmesh_shared::lora::write_f32_safetensors(
+    Ok(diffmesh_shared::wire::lora::write_f32_safetensors(
         &tensors, None,
     )?)
 }

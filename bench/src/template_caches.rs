@@ -8,7 +8,7 @@ use diffmesh_denoiser::cached_step::TemplateSlot;
 use diffmesh_denoiser::engine::{EngineConfig, EngineJob};
 use diffmesh_denoiser::model::EditInputs;
 use diffmesh_denoiser::templates::TemplateEntry;
-use diffmesh_shared::messages::{JobKind, TemplateRef};
+use diffmesh_shared::wire::messages::{JobKind, TemplateRef};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;

@@ -4,7 +4,7 @@ use anyhow::{ensure, Result};
 use diffmesh_denoiser::engine::EngineJob;
 use diffmesh_denoiser::model::EditInputs;
 use diffmesh_model::tiny::data::all_keys;
-use diffmesh_shared::messages::{DenoiseJob, JobKind};
+use diffmesh_shared::wire::messages::{DenoiseJob, JobKind};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

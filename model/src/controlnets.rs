@@ -11,7 +11,7 @@ use tch::{nn, Device, Kind};
 
 /// Where a ControlNet name points in `dir`, if a ControlNet is there. Only a plain folder name
 /// resolves (no separators, no `..`): names come from requests. Which names a request may
-/// give at all is the wire contract's rule (`diffmesh_shared::controlnet::name_problem`).
+/// give at all is the wire contract's rule (`diffmesh_shared::wire::controlnet::name_problem`).
 pub fn controlnet_folder(dir: &Path, name: &str) -> Option<PathBuf> {
     let mut parts = Path::new(name).components();
     let plain = matches!(parts.next(), Some(Component::Normal(_))) && parts.next().is_none();

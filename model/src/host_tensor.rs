@@ -1,6 +1,6 @@
 //! Tensors as plain bytes on the host (what travels between processes, e.g. to a ControlNet
 //! worker): the element type, the shape, and the little-endian contents, row-major. The message
-//! types that carry them are the wire contract's (`diffmesh_shared::controlnet_service`); this
+//! types that carry them are the wire contract's (`diffmesh_shared::wire::controlnet_service`); this
 //! module is the tch side of the copy.
 use tch::{Device, Kind, Tensor};
 

@@ -220,8 +220,8 @@ pub fn generation_job(
     prompt: &str,
     seed: u64,
     steps: u32,
-) -> crate::messages::DenoiseJob {
-    use crate::messages::{DenoiseJob, GenerationParams, JobKind, PreparedInputs};
+) -> crate::wire::messages::DenoiseJob {
+    use crate::wire::messages::{DenoiseJob, GenerationParams, JobKind, PreparedInputs};
     DenoiseJob {
         job_id: job_id.into(),
         kind: JobKind::Generate,
@@ -290,5 +290,5 @@ pub fn lora_file(
             ));
         }
     }
-    crate::lora::write_f32_safetensors(&tensors, None).expect("valid shapes")
+    crate::wire::lora::write_f32_safetensors(&tensors, None).expect("valid shapes")
 }

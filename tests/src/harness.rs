@@ -269,7 +269,7 @@ pub fn metric_sample(metrics: &str, series: &str) -> f64 {
 /// `cache_key` (what denoisers started later replay).
 pub async fn capture_announced(client: &async_nats::Client, cache_key: &str) -> bool {
     use async_nats::jetstream::stream::LastRawMessageErrorKind;
-    use diffmesh_shared::subjects::{template_captured, TEMPLATE_CAPTURES_STREAM};
+    use diffmesh_shared::wire::subjects::{template_captured, TEMPLATE_CAPTURES_STREAM};
     let stream = async_nats::jetstream::new(client.clone())
         .get_stream(TEMPLATE_CAPTURES_STREAM)
         .await
@@ -348,10 +348,10 @@ impl FakeRouter {
     /// Subscribe on `diffmesh.router.submit` and `.cancel` (ready when this returns).
     pub async fn start(
         nats: &NatsServer,
-        reply: diffmesh_shared::messages::SubmitReply,
+        reply: diffmesh_shared::wire::messages::SubmitReply,
     ) -> Result<FakeRouter> {
-        use diffmesh_shared::messages::{decode, CancelJob, DenoiseJob};
-        use diffmesh_shared::subjects::{ROUTER_CANCEL, ROUTER_SUBMIT};
+        use diffmesh_shared::wire::messages::{decode, CancelJob, DenoiseJob};
+        use diffmesh_shared::wire::subjects::{ROUTER_CANCEL, ROUTER_SUBMIT};
         use futures::StreamExt;
         let client = async_nats::connect(nats.url()).await?;
         let mut submit_sub = client.subscribe(ROUTER_SUBMIT).await?;

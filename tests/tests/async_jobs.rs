@@ -7,8 +7,8 @@
 //! as does a synchronous one sent with an `Idempotency-Key` (for the client's repeat).
 use std::time::Duration;
 
-use diffmesh_shared::job::{now_ms, JobRecord, JobState, JobStore};
-use diffmesh_shared::messages::{decode, JobEvent, JobKind};
+use diffmesh_shared::stores::job::{now_ms, JobRecord, JobState, JobStore};
+use diffmesh_shared::wire::messages::{decode, JobEvent, JobKind};
 use diffmesh_tests::harness::{
     init_test_logging, start_codec, start_denoiser, start_gateway, start_router, tiny_model_dir,
     NatsServer, Service, SseReader,

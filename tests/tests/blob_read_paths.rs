@@ -2,7 +2,7 @@
 //! under goes on from the stream leader (`shared::reconnects` is process-wide), and the crash
 //! and restart tests beside it in `jetstream_layout.rs` would send it there.
 use async_nats::jetstream;
-use diffmesh_shared::blob_store::{BlobStore, SMALL_BLOB_CHUNKS};
+use diffmesh_shared::stores::blob_store::{BlobStore, SMALL_BLOB_CHUNKS};
 use diffmesh_shared::testing::NatsServer;
 
 #[tokio::test]

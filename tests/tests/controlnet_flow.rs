@@ -133,7 +133,7 @@ async fn a_controlnet_worker_steers_a_denoiser_without_controlnets() {
         .await;
     let client = async_nats::connect(mesh.nats.url()).await.unwrap();
     let mut beats = client
-        .subscribe(diffmesh_shared::subjects::DENOISER_HEARTBEAT)
+        .subscribe(diffmesh_shared::wire::subjects::DENOISER_HEARTBEAT)
         .await
         .unwrap();
     let dir = repo_root().join("models/tiny-controlnets");
@@ -143,8 +143,8 @@ async fn a_controlnet_worker_steers_a_denoiser_without_controlnets() {
     // The denoiser lists the worker's ControlNets once it has heard it.
     tokio::time::timeout(std::time::Duration::from_secs(10), async {
         while let Some(m) = beats.next().await {
-            let hb: diffmesh_shared::messages::Heartbeat =
-                diffmesh_shared::messages::decode(&m.payload).unwrap();
+            let hb: diffmesh_shared::wire::messages::Heartbeat =
+                diffmesh_shared::wire::messages::decode(&m.payload).unwrap();
             if hb.controlnets.iter().any(|n| n == "silhouette") {
                 return;
             }

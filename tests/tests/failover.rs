@@ -3,7 +3,7 @@
 //! a job runs, or when a request arrives: both wait for the next codec and succeed.
 use std::time::{Duration, Instant};
 
-use diffmesh_shared::messages::{decode, JobEvent};
+use diffmesh_shared::wire::messages::{decode, JobEvent};
 use diffmesh_tests::harness::{
     init_test_logging, start_codec, start_denoiser, start_gateway, start_router, tiny_model_dir,
     NatsServer, Service,
@@ -35,7 +35,7 @@ async fn killed_denoiser_mid_job_is_retried_or_fails_clearly() {
 
     let events_client = async_nats::connect(&nats.url()).await.unwrap();
     let mut events = events_client
-        .subscribe(diffmesh_shared::subjects::job_events("*"))
+        .subscribe(diffmesh_shared::wire::subjects::job_events("*"))
         .await
         .unwrap();
     events_client.flush().await.unwrap();
@@ -137,7 +137,7 @@ async fn requests_wait_out_a_codec_restart() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let events_client = async_nats::connect(&nats.url()).await.unwrap();
     let mut events = events_client
-        .subscribe(diffmesh_shared::subjects::job_events("*"))
+        .subscribe(diffmesh_shared::wire::subjects::job_events("*"))
         .await
         .unwrap();
     events_client.flush().await.unwrap();
@@ -220,8 +220,8 @@ async fn requests_wait_out_a_codec_restart() {
 /// first: in one process any client's connect makes requests in flight start over.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_codec_dying_with_a_request_costs_the_first_attempts_deadline() {
-    use diffmesh_shared::messages::{encode, PostprocessReply, PreprocessReply};
-    use diffmesh_shared::subjects::{CODEC_POST, CODEC_PRE};
+    use diffmesh_shared::wire::messages::{encode, PostprocessReply, PreprocessReply};
+    use diffmesh_shared::wire::subjects::{CODEC_POST, CODEC_PRE};
     init_test_logging();
     let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
     let nats = NatsServer::start();
@@ -294,7 +294,7 @@ async fn a_codec_dying_with_a_request_costs_the_first_attempts_deadline() {
         .await
         .expect("ready");
     let mut events = client
-        .subscribe(diffmesh_shared::subjects::job_events("*"))
+        .subscribe(diffmesh_shared::wire::subjects::job_events("*"))
         .await
         .unwrap();
     client.flush().await.unwrap();
@@ -340,7 +340,7 @@ async fn stand_in(
     reply: Vec<u8>,
 ) -> tokio::task::JoinHandle<()> {
     let mut sub = client
-        .queue_subscribe(subject, diffmesh_shared::subjects::CODEC_QUEUE.into())
+        .queue_subscribe(subject, diffmesh_shared::wire::subjects::CODEC_QUEUE.into())
         .await
         .unwrap();
     client.flush().await.unwrap();

@@ -4,7 +4,7 @@
 //! error is JSON naming the field.
 use std::time::Duration;
 
-use diffmesh_shared::messages::SubmitReply;
+use diffmesh_shared::wire::messages::SubmitReply;
 use diffmesh_tests::harness::{
     init_test_logging, start_codec, start_gateway, FakeRouter, NatsServer, Service, SseReader,
 };

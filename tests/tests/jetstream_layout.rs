@@ -3,13 +3,13 @@
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::idempotency::{Claim, IdempotencyRecord, IdempotencyStore};
-use diffmesh_shared::jetstream_layout::{self, ensure_all, Ensured, Layout, ALL};
-use diffmesh_shared::job::{JobRecord, JobStore};
-use diffmesh_shared::messages::JobKind;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::idempotency::{Claim, IdempotencyRecord, IdempotencyStore};
+use diffmesh_shared::stores::jetstream_layout::{self, ensure_all, Ensured, Layout, ALL};
+use diffmesh_shared::stores::job::{JobRecord, JobStore};
+use diffmesh_shared::wire::messages::JobKind;
 use diffmesh_shared::testing::{NatsCluster, NatsServer};
-use diffmesh_shared::transient;
+use diffmesh_shared::stores::transient;
 
 async fn stream_config(js: &jetstream::Context, name: &str) -> jetstream::stream::Config {
     js.get_stream(name)
@@ -642,7 +642,7 @@ async fn job_update_known_revisions_against_reads() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn record_watches_after_a_restart() {
-    use diffmesh_shared::job::JobState;
+    use diffmesh_shared::stores::job::JobState;
     use futures::{stream, StreamExt};
     for watches in [100usize, 1000, 3000] {
         let mut nats = NatsServer::start();

@@ -3,8 +3,8 @@
 //! the same image again for the same seed, and a deleted LoRA is refused at the edge.
 use std::time::Duration;
 
-use diffmesh_shared::messages::{decode, Heartbeat};
-use diffmesh_shared::subjects;
+use diffmesh_shared::wire::messages::{decode, Heartbeat};
+use diffmesh_shared::wire::subjects;
 use diffmesh_tests::harness::{generate, metric_sample, scrape_metrics};
 use diffmesh_tests::mesh::MeshBuilder;
 use futures::StreamExt;

@@ -6,9 +6,9 @@
 use std::time::{Duration, Instant};
 
 use diffmesh_denoiser::outcomes::RecentOutcomes;
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::messages::{decode, DenoiseJob, JobEvent, SubmitReply};
-use diffmesh_shared::subjects::ROUTER_SUBMIT;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::wire::messages::{decode, DenoiseJob, JobEvent, SubmitReply};
+use diffmesh_shared::wire::subjects::ROUTER_SUBMIT;
 use diffmesh_tests::harness::{
     init_test_logging, scrape_metrics, start_codec, start_gateway, FakeRouter, NatsServer, Service,
 };

@@ -2,10 +2,10 @@
 //! request/reply errors (timeouts and missing services are typed, never a hang).
 use std::time::{Duration, Instant};
 
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::job::{JobRecord, JobState, JobStore};
-use diffmesh_shared::messages::{CancelJob, JobKind};
-use diffmesh_shared::metrics::NatsMetrics;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::job::{JobRecord, JobState, JobStore};
+use diffmesh_shared::wire::messages::{CancelJob, JobKind};
+use diffmesh_shared::process::metrics::NatsMetrics;
 use diffmesh_shared::nats::{connect, reply_msgpack, request_msgpack};
 use diffmesh_shared::MeshError;
 use diffmesh_tests::harness::NatsServer;
@@ -80,7 +80,7 @@ async fn blobs_jobs_and_request_errors() {
     // A change that changes nothing but the time (the router and the gateway both recording
     // one ending, or one placement) writes nothing and returns the record as it is.
     let kv = js
-        .get_key_value(diffmesh_shared::subjects::JOB_BUCKET)
+        .get_key_value(diffmesh_shared::wire::subjects::JOB_BUCKET)
         .await
         .unwrap();
     let revision = || async { kv.entry("job-2").await.unwrap().unwrap().revision };
@@ -118,7 +118,7 @@ async fn blobs_jobs_and_request_errors() {
     let responder = client.clone();
     tokio::spawn(async move {
         while let Some(req) = echo.next().await {
-            let got: CancelJob = diffmesh_shared::messages::decode(&req.payload).unwrap();
+            let got: CancelJob = diffmesh_shared::wire::messages::decode(&req.payload).unwrap();
             let reply = CancelJob {
                 job_id: format!("{}-echo", got.job_id),
             };
@@ -397,8 +397,8 @@ async fn a_blob_read_across_a_server_restart_does_not_wait_out_its_timeout() {
 async fn a_lost_terminal_event_is_learned_from_the_denoiser_that_ended_the_job() {
     use diffmesh_denoiser::outcomes::RecentOutcomes;
     use diffmesh_gateway::lost_events::{captured, ended_as};
-    use diffmesh_shared::job::CaptureReport;
-    use diffmesh_shared::messages::JobEvent;
+    use diffmesh_shared::stores::job::CaptureReport;
+    use diffmesh_shared::wire::messages::JobEvent;
     let nats = NatsServer::start();
     let client = connect(&nats.url(), "test", Duration::from_secs(5))
         .await

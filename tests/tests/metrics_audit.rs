@@ -13,8 +13,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::Duration;
 
-use diffmesh_shared::metrics::naming_problem;
-use diffmesh_shared::subjects;
+use diffmesh_shared::process::metrics::naming_problem;
+use diffmesh_shared::wire::subjects;
 use diffmesh_tests::harness::scrape_metrics;
 use diffmesh_tests::images::{png_bytes, rect_mask, template};
 use diffmesh_tests::mesh::MeshBuilder;
@@ -199,7 +199,7 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
     send_garbage(&client, subjects::CODEC_PRE.to_string()).await;
     send_garbage(&client, subjects::ROUTER_SUBMIT.to_string()).await;
     send_garbage(&client, subjects::denoiser_submit("d1")).await;
-    send_garbage(&client, diffmesh_shared::cachestore::get_subject()).await;
+    send_garbage(&client, diffmesh_shared::wire::cachestore::get_subject()).await;
     // A request nobody answers is counted by the shared request helper, by subject and reason.
     let unanswered = diffmesh_shared::nats::request_msgpack::<_, ()>(
         &client,
@@ -221,7 +221,7 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
     .expect("ControlNet worker");
     send_garbage(
         &client,
-        diffmesh_shared::controlnet_service::step_subject("cn1"),
+        diffmesh_shared::wire::controlnet_service::step_subject("cn1"),
     )
     .await;
 

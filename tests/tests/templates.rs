@@ -7,15 +7,15 @@
 use std::path::Path;
 use std::time::Duration;
 
-use diffmesh_shared::cachestore::{
+use diffmesh_shared::wire::cachestore::{
     locate_subject, template_keys, CacheLocate, CacheLocateReply, KeyLocation,
 };
-use diffmesh_shared::job::{JobState, JobStore};
+use diffmesh_shared::stores::job::{JobState, JobStore};
 use diffmesh_shared::nats::request_msgpack;
-use diffmesh_shared::subjects::{
+use diffmesh_shared::wire::subjects::{
     template_uses_of, BLOB_BUCKET, TEMPLATE_BUCKET, TEMPLATE_USES_STREAM,
 };
-use diffmesh_shared::templates::{image_key, prepared_image_key};
+use diffmesh_shared::wire::templates::{image_key, prepared_image_key};
 use diffmesh_tests::harness::{
     capture_announced, metric_sample, post_form, scrape_metrics, start_denoiser, tiny_model_dir,
 };

@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use diffmesh_gateway::templates::record::{TemplateRecord, TemplateState, TemplateStore};
-use diffmesh_shared::cachestore::{delete_subject, template_keys, CacheDelete, CacheDeleteReply};
-use diffmesh_shared::job::{CaptureReport, JobRecord, JobStore};
-use diffmesh_shared::messages::{decode, encode, JobKind};
+use diffmesh_shared::wire::cachestore::{delete_subject, template_keys, CacheDelete, CacheDeleteReply};
+use diffmesh_shared::stores::job::{CaptureReport, JobRecord, JobStore};
+use diffmesh_shared::wire::messages::{decode, encode, JobKind};
 use diffmesh_tests::harness::{init_test_logging, start_gateway, NatsServer};
 use futures::StreamExt;
 use reqwest::multipart::Form;
@@ -64,7 +64,7 @@ async fn a_gateway_settles_what_a_stopped_gateway_left() {
     let store = TemplateStore::open(&js).await.unwrap();
     let jobs = JobStore::open(&js).await.unwrap();
     let record = |id: &str, state: TemplateState, age_ms: u64, capture_job: Option<&str>| {
-        let template = diffmesh_shared::messages::TemplateRef {
+        let template = diffmesh_shared::wire::messages::TemplateRef {
             template_id: id.into(),
             prompt: String::new(),
             seed: 1,

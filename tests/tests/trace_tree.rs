@@ -11,7 +11,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use diffmesh_shared::telemetry::{init_telemetry, TelemetryGuard};
+use diffmesh_shared::process::telemetry::{init_telemetry, TelemetryGuard};
 use diffmesh_tests::images::{png_bytes, rect_mask, template};
 use diffmesh_tests::mesh::MeshBuilder;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{

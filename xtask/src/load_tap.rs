@@ -75,7 +75,7 @@ impl JobTap {
         )
         .await
         .with_context(|| format!("connecting to {url} timed out"))??;
-        // `diffmesh_shared::subjects::job_events("*")`, spelled out so xtask need not build the
+        // `diffmesh_shared::wire::subjects::job_events("*")`, spelled out so xtask need not build the
         // shared crate (actix, OpenTelemetry) before its first command.
         let mut sub = client.subscribe("diffmesh.job.*.events").await?;
         client.flush().await?;

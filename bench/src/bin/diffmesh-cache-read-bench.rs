@@ -14,12 +14,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use diffmesh_cachestore::{start, CachestoreConfig};
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::cache_read::{CacheReader, ReadPath};
-use diffmesh_shared::cachestore::{put_subject, CachePut, CachePutReply};
-use diffmesh_shared::jetstream_layout::CACHES;
 use diffmesh_shared::nats::request_msgpack;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::cache_read::{CacheReader, ReadPath};
+use diffmesh_shared::stores::jetstream_layout::CACHES;
 use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::cachestore::{put_subject, CachePut, CachePutReply};
 use futures::StreamExt;
 use serde_json::json;
 

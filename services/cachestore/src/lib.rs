@@ -10,10 +10,10 @@ pub mod service;
 pub mod store;
 pub mod transfers;
 
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::cachestore::{self as proto, CACHE_BUCKET, DEFAULT_INLINE_LIMIT};
-use diffmesh_shared::health::{HealthServer, Readiness};
-use diffmesh_shared::jetstream_layout;
+use diffmesh_shared::process::health::{HealthServer, Readiness};
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::jetstream_layout;
+use diffmesh_shared::wire::cachestore::{self as proto, CACHE_BUCKET, DEFAULT_INLINE_LIMIT};
 use diffmesh_shared::{CommonConfig, MeshError};
 use service::{Handler, Op};
 use std::net::SocketAddr;
@@ -180,7 +180,7 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
     }
     // Every replica drops its local copies of deleted templates (no queue group).
     let evictions = client
-        .subscribe(diffmesh_shared::subjects::TEMPLATES_EVICT)
+        .subscribe(diffmesh_shared::wire::subjects::TEMPLATES_EVICT)
         .await
         .map_err(MeshError::from)?;
     tasks.spawn(service::serve_evictions(

@@ -1,5 +1,5 @@
 //! Per-tier hit/miss/size metrics of the cachestore.
-use diffmesh_shared::cachestore::CacheTier;
+use diffmesh_shared::wire::cachestore::CacheTier;
 use prometheus::{IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
 
 #[derive(Clone)]

@@ -33,7 +33,7 @@ impl Promoter {
     /// Start the actor; promotions run on the calling tokio runtime.
     pub fn start(store: Arc<TieredStore>, concurrency: usize) -> actix::Addr<Self> {
         let runtime = tokio::runtime::Handle::current();
-        diffmesh_shared::actors::start(move |_| Promoter {
+        diffmesh_shared::process::actors::start(move |_| Promoter {
             store,
             runtime,
             concurrency: concurrency.max(1),

@@ -4,14 +4,14 @@ use crate::promoter::{Promoter, Schedule};
 use crate::store::{StoreError, TieredStore};
 use crate::transfers::Transfers;
 use bytes::Bytes;
-use diffmesh_shared::cachestore::{
+use diffmesh_shared::nats::reply_msgpack;
+use diffmesh_shared::nats::serve::serve_subscription;
+use diffmesh_shared::wire::cachestore::{
     CacheDelete, CacheDeleteReply, CacheGet, CacheGetReply, CacheLocate, CacheLocateReply,
     CachePrefetch, CachePrefetchReply, CachePut, CachePutReply, CacheRange, CACHESTORE_QUEUE,
     MAX_KEYS_PER_REQUEST, RANGE_GONE, RANGE_STATUS_HEADER,
 };
-use diffmesh_shared::messages::decode;
-use diffmesh_shared::nats::reply_msgpack;
-use diffmesh_shared::serve::serve_subscription;
+use diffmesh_shared::wire::messages::decode;
 use std::sync::Arc;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -85,7 +85,7 @@ impl Handler {
             Op::Range => tracing::debug_span!("cachestore", op = ?op),
             _ => tracing::info_span!("cachestore", op = ?op),
         };
-        diffmesh_shared::trace_context::set_parent_from(&span, msg.headers.as_ref());
+        diffmesh_shared::nats::trace_context::set_parent_from(&span, msg.headers.as_ref());
         self.handle_in_span(op, msg).instrument(span).await
     }
 
@@ -358,7 +358,7 @@ pub async fn serve_evictions(
             _ = shutdown.cancelled() => return Ok(()),
             msg = sub.next() => match msg { Some(m) => m, None => return Ok(()) },
         };
-        match decode::<diffmesh_shared::messages::EvictTemplate>(&msg.payload) {
+        match decode::<diffmesh_shared::wire::messages::EvictTemplate>(&msg.payload) {
             Ok(evict) if !evict.cache_key.is_empty() => {
                 match store.drop_local(&format!("{}/", evict.cache_key)) {
                     Ok(dropped) => {

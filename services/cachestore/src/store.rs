@@ -6,9 +6,9 @@ use crate::disk::DiskTier;
 use crate::memory::MemoryTier;
 use crate::metrics::CacheMetrics;
 use bytes::Bytes;
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::cachestore::{CacheStatsReply, CacheTier, KeyLocation, TierStats};
 use diffmesh_shared::error::MeshError;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::wire::cachestore::{CacheStatsReply, CacheTier, KeyLocation, TierStats};
 use std::path::PathBuf;
 use std::sync::Arc;
 

@@ -2,14 +2,14 @@
 //! counting a use; a prefetch (published fire and forget, as the router does) promotes keys from
 //! disk and from the cluster tier into memory, so the next get is a memory hit.
 use diffmesh_cachestore::{start, CachestoreConfig};
-use diffmesh_shared::cachestore::{
+use diffmesh_shared::nats::request_msgpack;
+use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::cachestore::{
     get_subject, locate_subject, prefetch_subject, put_subject, stats_subject, CacheGet,
     CacheGetReply, CacheLocate, CacheLocateReply, CachePrefetch, CachePrefetchReply, CachePut,
     CachePutReply, CacheStatsReply, CacheTier, KeyLocation, MAX_KEYS_PER_REQUEST,
 };
-use diffmesh_shared::messages::encode;
-use diffmesh_shared::nats::request_msgpack;
-use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::messages::encode;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(5);
@@ -229,12 +229,12 @@ async fn template_eviction_drops_local_copies() {
         tiers(located(&c, "tpl-e/s0").await),
         vec![CacheTier::Disk, CacheTier::Cluster]
     );
-    let evict = diffmesh_shared::messages::EvictTemplate {
+    let evict = diffmesh_shared::wire::messages::EvictTemplate {
         template_id: "t".into(),
         cache_key: "tpl-e".into(),
     };
     c.publish(
-        diffmesh_shared::subjects::TEMPLATES_EVICT,
+        diffmesh_shared::wire::subjects::TEMPLATES_EVICT,
         encode(&evict).unwrap().into(),
     )
     .await

@@ -1,14 +1,14 @@
 //! The cachestore over a real nats-server: inline and object-store values, tier fall-through to
 //! the cluster tier from a fresh instance, stats and delete.
 use diffmesh_cachestore::{start, CachestoreConfig};
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::cachestore::{
+use diffmesh_shared::nats::request_msgpack;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::jetstream_layout::CACHES;
+use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::cachestore::{
     delete_subject, get_subject, put_subject, stats_subject, CacheDelete, CacheDeleteReply,
     CacheGet, CacheGetReply, CachePut, CachePutReply, CacheStatsReply, CacheTier,
 };
-use diffmesh_shared::jetstream_layout::CACHES;
-use diffmesh_shared::nats::request_msgpack;
-use diffmesh_shared::testing::NatsServer;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(5);

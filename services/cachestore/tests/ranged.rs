@@ -3,16 +3,16 @@
 //! get that does not ask for ranges still gets the object store, bad or expired ranges are
 //! refused with a status, and a ranged read that fails falls back to the object store.
 use diffmesh_cachestore::{start, CachestoreConfig};
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::cache_read::{CacheReader, ReadPath};
-use diffmesh_shared::cachestore::{
+use diffmesh_shared::nats::{reply_msgpack, request_msgpack};
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::cache_read::{CacheReader, ReadPath};
+use diffmesh_shared::stores::jetstream_layout::CACHES;
+use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::cachestore::{
     get_subject, put_subject, range_subject, CacheGet, CacheGetReply, CachePut, CachePutReply,
     CacheRange, CacheTier, RANGE_GONE, RANGE_STATUS_HEADER,
 };
-use diffmesh_shared::jetstream_layout::CACHES;
-use diffmesh_shared::messages::{decode, encode};
-use diffmesh_shared::nats::{reply_msgpack, request_msgpack};
-use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::messages::{decode, encode};
 use futures::StreamExt;
 use std::time::Duration;
 

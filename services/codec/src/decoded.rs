@@ -7,7 +7,7 @@
 //! field error). Masks are not cached: they differ per edit.
 use std::sync::Arc;
 
-use diffmesh_shared::messages::FieldError;
+use diffmesh_shared::wire::messages::FieldError;
 use image::DynamicImage;
 use moka::sync::Cache;
 use prometheus::IntCounterVec;

@@ -1,6 +1,6 @@
 //! Codec errors: a bad input (answered as `Invalid`, becomes a 4xx at the gateway) or a
 //! failure of the mesh or of the codec itself (answered as `Failed`).
-use diffmesh_shared::messages::FieldError;
+use diffmesh_shared::wire::messages::FieldError;
 use diffmesh_shared::MeshError;
 
 #[derive(Debug, thiserror::Error)]

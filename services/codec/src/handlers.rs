@@ -5,11 +5,11 @@
 //! image from the template bucket, through the decoded-image cache keyed by the template's id: the
 //! edits of a template neither copy nor re-read its image. The capture keeps the template's
 //! model-resolution pixels there too, so its edits skip the resize and the content hash.
-use diffmesh_shared::blob_store::{blob_key, BlobStore};
-use diffmesh_shared::messages::{
+use diffmesh_shared::stores::blob_store::{blob_key, BlobStore};
+use diffmesh_shared::wire::messages::{
     FieldError, JobKind, PostprocessRequest, PreparedInputs, PreparedTemplate, PreprocessRequest,
 };
-use diffmesh_shared::templates;
+use diffmesh_shared::wire::templates;
 use diffmesh_shared::MeshError;
 use image::DynamicImage;
 use sha2::{Digest, Sha256};

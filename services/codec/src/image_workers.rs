@@ -34,7 +34,7 @@ pub struct ImageWorkers(Addr<ImageWorker>);
 
 impl ImageWorkers {
     pub fn start(threads: usize) -> Self {
-        Self(diffmesh_shared::actors::start_sync(
+        Self(diffmesh_shared::process::actors::start_sync(
             "codec-image",
             threads,
             || ImageWorker,

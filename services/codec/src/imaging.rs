@@ -5,7 +5,7 @@
 //! fixed resolution and the output is stretched back, so every input pixel has an output pixel.
 use std::io::Cursor;
 
-use diffmesh_shared::messages::FieldError;
+use diffmesh_shared::wire::messages::FieldError;
 use image::imageops::{self, FilterType};
 use image::{DynamicImage, GenericImageView, ImageFormat, ImageReader, RgbImage, RgbaImage};
 

@@ -17,15 +17,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::Message;
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::health::HealthServer;
-use diffmesh_shared::messages::{
+use diffmesh_shared::nats;
+use diffmesh_shared::nats::serve::serve_subscription;
+use diffmesh_shared::nats::trace_context::{job_id_of, set_parent_from};
+use diffmesh_shared::process::health::HealthServer;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::wire::messages::{
     decode, PostprocessReply, PostprocessRequest, PreprocessReply, PreprocessRequest,
 };
-use diffmesh_shared::nats;
-use diffmesh_shared::serve::serve_subscription;
-use diffmesh_shared::subjects::{CODEC_POST, CODEC_PRE, CODEC_QUEUE};
-use diffmesh_shared::trace_context::{job_id_of, set_parent_from};
+use diffmesh_shared::wire::subjects::{CODEC_POST, CODEC_PRE, CODEC_QUEUE};
 use diffmesh_shared::{CommonConfig, MeshError};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -161,10 +161,14 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
     let metrics = CodecMetrics::register(&registry)?;
     let connect_timeout = Duration::from_secs(config.common.nats_connect_timeout_s);
     let client = nats::connect(&config.common.nats_url, "diffmesh-codec", connect_timeout).await?;
-    let js = diffmesh_shared::jetstream_layout::context(&client, &config.common, &[]).await?;
+    let js =
+        diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
     let blobs = BlobStore::open(&js).await?;
-    let templates =
-        BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::TEMPLATE_IMAGES).await?;
+    let templates = BlobStore::open_with(
+        &js,
+        &diffmesh_shared::stores::jetstream_layout::TEMPLATE_IMAGES,
+    )
+    .await?;
 
     let pre = client
         .queue_subscribe(CODEC_PRE, CODEC_QUEUE.to_string())

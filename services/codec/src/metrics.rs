@@ -1,5 +1,5 @@
 //! The codec's Prometheus metrics.
-use diffmesh_shared::metrics::{
+use diffmesh_shared::process::metrics::{
     counter_vec, histogram_vec, FailureCounter, Unit, LATENCY_BUCKETS_SECONDS, RATIO_BUCKETS,
 };
 use prometheus::{HistogramVec, IntCounterVec, Registry};

@@ -10,14 +10,14 @@ use diffmesh_codec::handlers::{Codec, PREPARED_IMAGE};
 use diffmesh_codec::image_workers::ImageWorkers;
 use diffmesh_codec::imaging::TokenGrid;
 use diffmesh_codec::CodecError;
-use diffmesh_shared::blob_store::{blob_key, BlobStore};
-use diffmesh_shared::jetstream_layout::TEMPLATE_IMAGES;
-use diffmesh_shared::messages::{
+use diffmesh_shared::stores::blob_store::{blob_key, BlobStore};
+use diffmesh_shared::stores::jetstream_layout::TEMPLATE_IMAGES;
+use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::messages::{
     DenoiseJob, GenerationParams, JobKind, PostprocessRequest, PreparedTemplate, PreprocessRequest,
     TemplateImage, TemplateRef,
 };
-use diffmesh_shared::templates::{image_key, prepared_image_key};
-use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::templates::{image_key, prepared_image_key};
 use image::{DynamicImage, GrayImage, ImageFormat, Luma, Rgb, RgbImage};
 
 fn png(img: &DynamicImage) -> Vec<u8> {
@@ -275,7 +275,8 @@ async fn a_registered_templates_jobs_read_its_image_where_it_is_kept() {
         .unwrap();
     assert_eq!(upload.masked_tokens, legacy.masked_tokens);
     assert_eq!(upload.template_id.as_deref(), Some(content_hash.as_str()));
-    let tokens = |p: &diffmesh_shared::messages::PreparedInputs| p.token_mask_key.clone().unwrap();
+    let tokens =
+        |p: &diffmesh_shared::wire::messages::PreparedInputs| p.token_mask_key.clone().unwrap();
     assert_eq!(
         blobs.get(&tokens(&upload)).await.unwrap(),
         blobs.get(&tokens(&legacy)).await.unwrap()

@@ -8,7 +8,7 @@ use diffmesh_model::controlnets::ControlNets;
 use diffmesh_model::flux::FluxInputs;
 use diffmesh_model::pipeline::control::ControlStep;
 use diffmesh_model::tch::{Device, Tensor};
-use diffmesh_shared::controlnet_service::{
+use diffmesh_shared::wire::controlnet_service::{
     OpenReply, SessionOpen, StepReply, StepRequest, WireTensor,
 };
 use std::num::NonZeroUsize;

@@ -9,12 +9,12 @@ pub mod wire;
 
 use compute::{Compute, ComputeObserver, ComputeStatus, Work};
 use diffmesh_model::controlnets::{ControlNets, Lookup};
-use diffmesh_shared::chunked::{chunk_bytes, publish_chunked, Assembler};
-use diffmesh_shared::controlnet_service::{
+use diffmesh_shared::nats::chunked::{chunk_bytes, publish_chunked, Assembler};
+use diffmesh_shared::process::health::{HealthServer, Readiness};
+use diffmesh_shared::wire::controlnet_service::{
     self as contract, ControlNetHeartbeat, OpenReply, SessionClose, StepReply,
 };
-use diffmesh_shared::health::{HealthServer, Readiness};
-use diffmesh_shared::messages::{decode, encode};
+use diffmesh_shared::wire::messages::{decode, encode};
 use diffmesh_shared::{CommonConfig, MeshError};
 use futures::StreamExt;
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
@@ -480,7 +480,7 @@ impl Beat {
         self.sessions.set(status.sessions as i64);
         ControlNetHeartbeat {
             worker_id: self.worker_id.clone(),
-            served: diffmesh_shared::controlnet::served(Some(&self.dir)),
+            served: diffmesh_shared::wire::controlnet::served(Some(&self.dir)),
             resident: status.resident,
             sessions: status.sessions,
             queued: self.work.queued() as u32,
@@ -535,13 +535,14 @@ impl ComputeQueue {
         let (dir, cache) = (config.controlnet_dir.clone(), config.controlnet_cache);
         let (sessions, max_batch) = (config.max_sessions, config.max_batch);
         let idle = Duration::from_secs(config.session_idle_s);
-        let addr = diffmesh_shared::actors::start_sync("controlnet-compute", 1, move || {
-            let controlnets = ControlNets::new(Some(dir.clone()), cache, device, kind);
-            let mut compute = Compute::new(controlnets, device, sessions, idle, max_batch);
-            compute.status = status.clone();
-            compute.observer = Some(Box::new(metrics.clone()));
-            compute
-        });
+        let addr =
+            diffmesh_shared::process::actors::start_sync("controlnet-compute", 1, move || {
+                let controlnets = ControlNets::new(Some(dir.clone()), cache, device, kind);
+                let mut compute = Compute::new(controlnets, device, sessions, idle, max_batch);
+                compute.status = status.clone();
+                compute.observer = Some(Box::new(metrics.clone()));
+                compute
+            });
         let capacity = config.queue_capacity.max(1);
         Self {
             addr,

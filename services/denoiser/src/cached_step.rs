@@ -15,7 +15,7 @@ use diffmesh_model::tch::Tensor;
 use diffmesh_model::{ModelError, Result};
 use diffmesh_sched::cost_model::BlockCosts;
 use diffmesh_sched::planner::plan_prefix;
-use diffmesh_shared::templates::{pack_step, CacheMeta};
+use diffmesh_shared::wire::templates::{pack_step, CacheMeta};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 

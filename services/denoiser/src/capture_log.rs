@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{consumer, stream};
-use diffmesh_shared::messages::{decode, TemplateCaptured};
-use diffmesh_shared::subjects::{TEMPLATES_CAPTURED_ALL, TEMPLATE_CAPTURES_STREAM};
+use diffmesh_shared::wire::messages::{decode, TemplateCaptured};
+use diffmesh_shared::wire::subjects::{TEMPLATES_CAPTURED_ALL, TEMPLATE_CAPTURES_STREAM};
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
 

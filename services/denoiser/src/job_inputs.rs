@@ -2,7 +2,7 @@
 //! pixels and token mask, a steered generation's control image.
 use crate::model::EditInputs;
 use crate::service::{Service, MAX_INPUT_BYTES};
-use diffmesh_shared::messages::{DenoiseJob, JobKind};
+use diffmesh_shared::wire::messages::{DenoiseJob, JobKind};
 
 impl Service {
     /// The prepared template and token mask of an edit (None for generations).

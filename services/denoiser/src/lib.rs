@@ -21,8 +21,8 @@ mod gpu_checks;
 mod job_inputs;
 
 use diffmesh_model::tch::{Device, Kind};
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::health::{HealthServer, Readiness};
+use diffmesh_shared::process::health::{HealthServer, Readiness};
+use diffmesh_shared::stores::blob_store::BlobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
 use engine::{spawn_engine, EngineConfig, EngineDrained};
 use service::Service;
@@ -389,7 +389,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let metrics = metrics::DenoiserMetrics::new(&registry)?;
     // The ControlNets served from its folder are exported (at 0, free until one runs) before
     // a steered job measures them.
-    for name in diffmesh_shared::controlnet::served(config.controlnet_dir.as_deref()) {
+    for name in diffmesh_shared::wire::controlnet::served(config.controlnet_dir.as_deref()) {
         metrics
             .controlnet
             .step_seconds
@@ -402,7 +402,8 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         Duration::from_secs(config.common.nats_connect_timeout_s),
     )
     .await?;
-    let js = diffmesh_shared::jetstream_layout::context(&client, &config.common, &[]).await?;
+    let js =
+        diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
     let blobs = BlobStore::open(&js).await?;
 
     let (events_tx, events_rx) = tokio::sync::mpsc::channel(1024);
@@ -426,7 +427,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         controlnet_cache: config.controlnet_cache,
     };
     let cache_bucket =
-        BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::CACHES).await?;
+        BlobStore::open_with(&js, &diffmesh_shared::stores::jetstream_layout::CACHES).await?;
     let local = templates::LocalTier::new(config.local_cache_bytes, gpu_copy);
     let store = templates::store::CacheClient::new(
         client.clone(),
@@ -443,13 +444,23 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         store,
         settings: cache_settings,
         pixels: templates::TemplatePixels::new(
-            BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::TEMPLATE_IMAGES).await?,
+            BlobStore::open_with(
+                &js,
+                &diffmesh_shared::stores::jetstream_layout::TEMPLATE_IMAGES,
+            )
+            .await?,
             config.template_pixels_bytes,
             service::MAX_INPUT_BYTES,
         ),
     };
     let loras = lora::LoraStore::new(
-        Some(BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::LORA_WEIGHTS).await?),
+        Some(
+            BlobStore::open_with(
+                &js,
+                &diffmesh_shared::stores::jetstream_layout::LORA_WEIGHTS,
+            )
+            .await?,
+        ),
         config.lora_cache_bytes,
         config.max_lora_bytes,
         Some(metrics.clone()),
@@ -501,7 +512,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     service.controlnet_workers = controlnet_workers;
     let service = Arc::new(service);
     let intake = CancellationToken::new();
-    let captures = diffmesh_shared::jetstream_layout::TEMPLATE_CAPTURES
+    let captures = diffmesh_shared::stores::jetstream_layout::TEMPLATE_CAPTURES
         .get_or_create(&js)
         .await?;
     let submit_sub = service.subscribe_submits().await?;

@@ -3,7 +3,7 @@ use std::time::Instant;
 
 use diffmesh_model::controlnets::Lookup;
 use diffmesh_model::pipeline::conditioning_cache::{ConditioningCounts, ReuseCounts};
-use diffmesh_shared::metrics::LATENCY_BUCKETS_SECONDS;
+use diffmesh_shared::process::metrics::LATENCY_BUCKETS_SECONDS;
 use prometheus::{
     Counter, CounterVec, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry,

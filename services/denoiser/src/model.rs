@@ -8,7 +8,7 @@ use diffmesh_model::pipeline::template::{self, TemplateSpec};
 use diffmesh_model::pipeline::FluxPipeline;
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::ModelError;
-use diffmesh_shared::messages::{DenoiseJob, JobKind};
+use diffmesh_shared::wire::messages::{DenoiseJob, JobKind};
 use std::path::Path;
 use std::sync::Arc;
 

@@ -5,9 +5,9 @@
 //! waiting until its deadline (or failing a template registration whose capture ran).
 use std::time::Duration;
 
-use diffmesh_shared::messages::{decode, JobEvent, OutcomeQuery, WantedEvent};
 use diffmesh_shared::nats::reply_msgpack;
-use diffmesh_shared::{subjects, MeshError};
+use diffmesh_shared::wire::messages::{decode, JobEvent, OutcomeQuery, WantedEvent};
+use diffmesh_shared::{wire::subjects, MeshError};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 

@@ -8,16 +8,16 @@ use crate::outcomes::RecentOutcomes;
 use crate::templates::store::CacheClient;
 use crate::templates::{CacheFetcher, Fetched, LocalTier, TemplateEntry, TemplatePixels};
 use crate::DenoiserConfig;
-use diffmesh_shared::blob_store::{blob_key, BlobStore};
-use diffmesh_shared::messages::{
+use diffmesh_shared::nats::serve::serve_subscription;
+use diffmesh_shared::nats::unanswered::{resent_while_unanswered, AttemptDeadlines};
+use diffmesh_shared::nats::{publish_msgpack, reply_msgpack, request_msgpack_job};
+use diffmesh_shared::stores::blob_store::{blob_key, BlobStore};
+use diffmesh_shared::wire::messages::{
     decode, error_types, CancelJob, DenoiseJob, EvictTemplate, Heartbeat, JobEvent, JobKind,
     PostprocessReply, PostprocessRequest, SubmitReply,
 };
-use diffmesh_shared::nats::{publish_msgpack, reply_msgpack, request_msgpack_job};
-use diffmesh_shared::serve::serve_subscription;
-use diffmesh_shared::templates::{cache_key, CacheKeyParts};
-use diffmesh_shared::unanswered::{resent_while_unanswered, AttemptDeadlines};
-use diffmesh_shared::{subjects, MeshError};
+use diffmesh_shared::wire::templates::{cache_key, CacheKeyParts};
+use diffmesh_shared::{wire::subjects, MeshError};
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -108,7 +108,8 @@ impl Service {
     /// The ControlNets steered generations here may name: this denoiser's own and those its
     /// ControlNet workers serve.
     pub fn controlnets_served(&self) -> Vec<String> {
-        let mut names = diffmesh_shared::controlnet::served(self.config.controlnet_dir.as_deref());
+        let mut names =
+            diffmesh_shared::wire::controlnet::served(self.config.controlnet_dir.as_deref());
         if let Some(workers) = &self.controlnet_workers {
             names.extend(workers.served());
             names.sort();
@@ -327,7 +328,7 @@ impl Service {
             }
         };
         let span = tracing::info_span!("denoise_job", job_id = %job.job_id, attempt = job.attempt, worker = %self.worker_id);
-        diffmesh_shared::trace_context::set_parent_from(&span, msg.headers.as_ref());
+        diffmesh_shared::nats::trace_context::set_parent_from(&span, msg.headers.as_ref());
         async {
             let job_id = job.job_id.clone();
             // Inputs are read before acceptance so a job whose blobs are missing fails with a
@@ -438,7 +439,10 @@ impl Service {
             match decode::<CancelJob>(&msg.payload) {
                 Ok(c) => {
                     let span = tracing::info_span!("cancel", job_id = %c.job_id);
-                    diffmesh_shared::trace_context::set_parent_from(&span, msg.headers.as_ref());
+                    diffmesh_shared::nats::trace_context::set_parent_from(
+                        &span,
+                        msg.headers.as_ref(),
+                    );
                     self.engine.cancel(c.job_id, span).await;
                 }
                 Err(err) => tracing::warn!(error = %err, "undecodable cancel"),

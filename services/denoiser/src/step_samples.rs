@@ -1,6 +1,6 @@
 //! The engine's latest steps, kept for the heartbeat: what each batch row computed and how long
 //! the step took, so the router can compare its cost model with this worker's hardware.
-use diffmesh_shared::messages::StepSample;
+use diffmesh_shared::wire::messages::StepSample;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
@@ -33,7 +33,7 @@ impl StepSamples {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use diffmesh_shared::messages::StepJob;
+    use diffmesh_shared::wire::messages::StepJob;
 
     #[test]
     fn keeps_the_latest_steps_and_hands_each_out_once() {

@@ -7,12 +7,12 @@ use diffmesh_denoiser::templates::{CacheFetcher, Fetched, LocalTier};
 use diffmesh_model::flux::kv_codec::{encode_block, CacheDtype};
 use diffmesh_model::flux::KvFormat;
 use diffmesh_model::tch::{Device, Kind, Tensor};
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::cachestore::{get_subject, CacheGet, CacheGetReply, CacheTier};
-use diffmesh_shared::messages::decode;
 use diffmesh_shared::nats::reply_msgpack;
-use diffmesh_shared::templates::{meta_key, pack_step, step_key, CacheMeta};
+use diffmesh_shared::stores::blob_store::BlobStore;
 use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::cachestore::{get_subject, CacheGet, CacheGetReply, CacheTier};
+use diffmesh_shared::wire::messages::decode;
+use diffmesh_shared::wire::templates::{meta_key, pack_step, step_key, CacheMeta};
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -78,7 +78,7 @@ async fn concurrent_fetches_of_one_cache_share_one_read() {
     let nats = NatsServer::start();
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client.clone());
-    let bucket = BlobStore::open_with(&js, &diffmesh_shared::jetstream_layout::CACHES)
+    let bucket = BlobStore::open_with(&js, &diffmesh_shared::stores::jetstream_layout::CACHES)
         .await
         .unwrap();
     let gets = fake_cachestore(client.clone(), stored_cache("tpl-a")).await;

@@ -8,7 +8,7 @@ use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent};
 use diffmesh_denoiser::metrics::DenoiserMetrics;
 use diffmesh_denoiser::model::EngineModel;
 use diffmesh_model::tch::{Device, Kind};
-use diffmesh_shared::messages::{ControlNetStepCost, DenoiseJob, StepSample};
+use diffmesh_shared::wire::messages::{ControlNetStepCost, DenoiseJob, StepSample};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;

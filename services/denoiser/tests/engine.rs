@@ -7,7 +7,7 @@ use diffmesh_denoiser::engine::{Batching, EngineConfig, EngineEvent, EngineJob};
 use diffmesh_denoiser::metrics::{DenoiserMetrics, ENGINE_PHASES};
 use diffmesh_denoiser::model::EditInputs;
 use diffmesh_sched::QueueOrder;
-use diffmesh_shared::messages::{DenoiseJob, JobKind, TrueCfg};
+use diffmesh_shared::wire::messages::{DenoiseJob, JobKind, TrueCfg};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
@@ -158,7 +158,7 @@ async fn template_edits(
         if *id != "gen" {
             j.kind = JobKind::Edit;
             j.inputs.template_id = Some("content-hash-1".into());
-            j.template = Some(diffmesh_shared::messages::TemplateRef {
+            j.template = Some(diffmesh_shared::wire::messages::TemplateRef {
                 template_id: "t1".into(),
                 prompt: "a red circle".into(),
                 seed: 99,

@@ -11,7 +11,7 @@ use diffmesh_denoiser::model::EngineModel;
 use diffmesh_model::lora::{LoraPatcher, WeightedLora};
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
-use diffmesh_shared::messages::DenoiseJob;
+use diffmesh_shared::wire::messages::DenoiseJob;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;

@@ -4,14 +4,14 @@
 use diffmesh_denoiser::{start, DenoiserConfig};
 use diffmesh_model::tch::Device;
 use diffmesh_model::tiny::model::TinyModel;
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::messages::{
+use diffmesh_shared::nats::request_msgpack;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::messages::{
     decode, encode, DenoiseJob, Heartbeat, JobEvent, PostprocessReply, PostprocessRequest,
     SubmitReply,
 };
-use diffmesh_shared::nats::request_msgpack;
-use diffmesh_shared::subjects;
-use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::subjects;
 use futures::StreamExt;
 use std::time::Duration;
 

@@ -2,10 +2,10 @@
 //! the store, later ones (and concurrent ones) do not, and an eviction drops what is held.
 use diffmesh_denoiser::templates::pixels::Lookup;
 use diffmesh_denoiser::templates::TemplatePixels;
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::jetstream_layout::TEMPLATE_IMAGES;
-use diffmesh_shared::templates::prepared_image_key;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::jetstream_layout::TEMPLATE_IMAGES;
 use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::templates::prepared_image_key;
 use futures::future::join_all;
 
 const TEMPLATE: &str = "2c4e6a80-1b3d-4f5a-8c7e-9d0f1a2b3c4d";

@@ -8,7 +8,7 @@ use diffmesh_denoiser::model::{EditInputs, EngineModel};
 use diffmesh_denoiser::templates::TemplateEntry;
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
-use diffmesh_shared::messages::{DenoiseJob, JobKind, TemplateRef, TrueCfg};
+use diffmesh_shared::wire::messages::{DenoiseJob, JobKind, TemplateRef, TrueCfg};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;

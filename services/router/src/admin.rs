@@ -10,7 +10,9 @@ use crate::service::Router;
 use actix_web::dev::ServerHandle;
 use actix_web::{web, App, HttpResponse, HttpServer};
 use diffmesh_sched::policy::POLICY_NAMES;
-use diffmesh_shared::health::{configure_health_routes, health_data, spawn_server, Readiness};
+use diffmesh_shared::process::health::{
+    configure_health_routes, health_data, spawn_server, Readiness,
+};
 use serde_json::json;
 use std::net::SocketAddr;
 use std::sync::Arc;

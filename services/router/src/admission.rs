@@ -2,7 +2,7 @@
 //! slot. Bounded (beyond it a submit is answered `Overloaded`), cancellable by job id, and
 //! drained with an answer for everyone at shutdown. Pure data; the service owns the NATS side.
 use async_nats::{HeaderMap, Subject};
-use diffmesh_shared::messages::DenoiseJob;
+use diffmesh_shared::wire::messages::DenoiseJob;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 

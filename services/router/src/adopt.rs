@@ -11,8 +11,8 @@
 //! holds no prepared job: past the job's deadline it is failed, so it does not stay queued.
 //! Adoption is a compare-and-set on the record, so of several routers only one adopts a job.
 use crate::service::Router;
-use diffmesh_shared::job::{now_ms, JobRecord};
-use diffmesh_shared::messages::{error_types, JobEvent};
+use diffmesh_shared::stores::job::{now_ms, JobRecord};
+use diffmesh_shared::wire::messages::{error_types, JobEvent};
 use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -79,7 +79,7 @@ impl Unplaced {
 /// What adopting a record decided.
 enum Adoption {
     /// An async job: place it.
-    Place(Box<diffmesh_shared::messages::DenoiseJob>),
+    Place(Box<diffmesh_shared::wire::messages::DenoiseJob>),
     /// A synchronous job: its client went with the gateway; the record is now cancelled.
     Cancelled,
     /// Never prepared: nothing to place; the record is now failed.
@@ -92,7 +92,7 @@ impl Router {
     /// stopped consumers and reconnects after the last record it gave
     /// ([`JobStore::watch_since`]); only if its first opening fails is it opened afresh.
     ///
-    /// [`JobStore::watch_since`]: diffmesh_shared::job::JobStore::watch_since
+    /// [`JobStore::watch_since`]: diffmesh_shared::stores::job::JobStore::watch_since
     pub async fn adopt_orphans(self: Arc<Self>, shutdown: CancellationToken) {
         let mut unplaced = Unplaced::default();
         let mut tick = tokio::time::interval(CHECK_EVERY);
@@ -188,7 +188,11 @@ impl Router {
     }
 
     /// Place an adopted job, waiting up to `wait` for a denoiser; fail it after that.
-    async fn place_adopted(&self, job: diffmesh_shared::messages::DenoiseJob, wait: Duration) {
+    async fn place_adopted(
+        &self,
+        job: diffmesh_shared::wire::messages::DenoiseJob,
+        wait: Duration,
+    ) {
         tracing::info!(job_id = %job.job_id, "placing a job whose gateway died before placing it");
         // Followed before it is placed: its first events may come before the placement returns.
         self.adopted.follow(&job.job_id);
@@ -217,7 +221,7 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use diffmesh_shared::messages::JobKind;
+    use diffmesh_shared::wire::messages::JobKind;
 
     fn unplaced_record(id: &str, place_by: u64) -> JobRecord {
         let mut r = JobRecord::new(id, JobKind::Generate);

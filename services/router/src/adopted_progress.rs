@@ -2,8 +2,8 @@
 //! on a worker, started, steps, retries); an adopted job has no gateway left, so the router that
 //! adopted it writes the same from the job's events ([`ProgressWrites`], the gateway's rules),
 //! one write after another in event order.
-use diffmesh_shared::job::{JobStore, ProgressWrites};
-use diffmesh_shared::messages::JobEvent;
+use diffmesh_shared::stores::job::{JobStore, ProgressWrites};
+use diffmesh_shared::wire::messages::JobEvent;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;

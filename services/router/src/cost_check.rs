@@ -10,7 +10,7 @@
 use diffmesh_sched::calibration::{StepCalibration, MIN_SAMPLES};
 use diffmesh_sched::cost_model::{BatchTotals, Footprint};
 use diffmesh_sched::CostModels;
-use diffmesh_shared::messages::{StepJob, StepSample};
+use diffmesh_shared::wire::messages::{StepJob, StepSample};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 

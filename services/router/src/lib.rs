@@ -19,8 +19,8 @@ pub mod worker_state;
 
 use admin::AdminServer;
 use diffmesh_sched::{CostModels, SchedError};
-use diffmesh_shared::health::Readiness;
-use diffmesh_shared::job::JobStore;
+use diffmesh_shared::process::health::Readiness;
+use diffmesh_shared::stores::job::JobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
 use registry::ExpiryPolicy;
 use service::Router;
@@ -192,7 +192,8 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     );
     let state = RouterState::new(expiry, policy, models, config.max_attempts)
         .with_step_calibration(config.step_calibration);
-    let js = diffmesh_shared::jetstream_layout::context(&client, &config.common, &[]).await?;
+    let js =
+        diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
     let jobs = JobStore::open(&js).await?;
     let router = Arc::new(Router::new(
         client.clone(),

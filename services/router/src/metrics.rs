@@ -97,7 +97,7 @@ impl RouterMetrics {
                 "diffmesh_router_step_prediction_ratio",
                 "Denoiser engine steps: measured time over the cost model's prediction",
             )
-            .buckets(diffmesh_shared::metrics::PREDICTION_RATIO_BUCKETS.to_vec()),
+            .buckets(diffmesh_shared::process::metrics::PREDICTION_RATIO_BUCKETS.to_vec()),
         )?;
         let step_time_factor = GaugeVec::new(
             Opts::new(

@@ -12,7 +12,7 @@ use crate::registry::LostWorker;
 use crate::state::{Decision, Failover, RouterState};
 use actix::{Actor, Addr, Context, Handler, Message};
 use diffmesh_sched::SchedError;
-use diffmesh_shared::messages::{DenoiseJob, Heartbeat};
+use diffmesh_shared::wire::messages::{DenoiseJob, Heartbeat};
 use std::time::{Duration, Instant};
 
 pub struct Placement {
@@ -26,7 +26,7 @@ impl Actor for Placement {
 impl Placement {
     /// Start the actor on the process's actor system.
     pub fn start(state: RouterState) -> Addr<Self> {
-        diffmesh_shared::actors::start(move |_| Placement { state })
+        diffmesh_shared::process::actors::start(move |_| Placement { state })
     }
 }
 

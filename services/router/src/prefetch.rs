@@ -2,9 +2,9 @@
 //! ask the cachestore to promote that cache into its memory tier, so loading it overlaps the
 //! job's wait in the denoiser's queue (FlashPS). Fire and forget: a lost prefetch only means the
 //! denoiser's first read comes from a lower tier.
-use diffmesh_shared::cachestore::{prefetch_subject, template_keys, CachePrefetch};
-use diffmesh_shared::messages::{DenoiseJob, JobKind};
 use diffmesh_shared::nats::publish_msgpack;
+use diffmesh_shared::wire::cachestore::{prefetch_subject, template_keys, CachePrefetch};
+use diffmesh_shared::wire::messages::{DenoiseJob, JobKind};
 
 /// The prefetch for `job`, if it is an edit of a captured template.
 pub fn template_prefetch(job: &DenoiseJob) -> Option<CachePrefetch> {
@@ -31,8 +31,8 @@ pub async fn prefetch_template_cache(client: &async_nats::Client, job: &DenoiseJ
 #[cfg(test)]
 mod tests {
     use super::*;
-    use diffmesh_shared::messages::TemplateRef;
     use diffmesh_shared::testing::generation_job;
+    use diffmesh_shared::wire::messages::TemplateRef;
 
     #[test]
     fn only_edits_of_captured_templates_prefetch() {

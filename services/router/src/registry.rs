@@ -2,7 +2,7 @@
 //!
 //! Pure state (no NATS, no clock of its own): callers pass `Instant`s, so the expiry and failover
 //! logic is unit-tested with hand-built heartbeats.
-use diffmesh_shared::messages::{DenoiseJob, Heartbeat, RunningJob};
+use diffmesh_shared::wire::messages::{DenoiseJob, Heartbeat, RunningJob};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 

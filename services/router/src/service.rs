@@ -9,10 +9,12 @@ use crate::RouterConfig;
 use actix::Addr;
 use async_nats::Subscriber;
 use diffmesh_sched::SchedError;
-use diffmesh_shared::job::{CaptureReport, JobStore};
-use diffmesh_shared::messages::{decode, error_types, CancelJob, Heartbeat, JobEvent, SubmitReply};
 use diffmesh_shared::nats::publish_msgpack;
-use diffmesh_shared::{subjects, MeshError};
+use diffmesh_shared::stores::job::{CaptureReport, JobStore};
+use diffmesh_shared::wire::messages::{
+    decode, error_types, CancelJob, Heartbeat, JobEvent, SubmitReply,
+};
+use diffmesh_shared::{wire::subjects, MeshError};
 use futures::StreamExt;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;

@@ -7,7 +7,7 @@ use crate::worker_state::{fill_worker_state, request_info};
 use diffmesh_sched::batching::BatchLimits;
 use diffmesh_sched::policy::{policy_by_name, Policy, RequestInfo, WorkerState};
 use diffmesh_sched::{CostModels, SchedError};
-use diffmesh_shared::messages::{DenoiseJob, Heartbeat};
+use diffmesh_shared::wire::messages::{DenoiseJob, Heartbeat};
 use std::time::Instant;
 
 /// Outcome of one placement decision.
@@ -207,7 +207,7 @@ pub fn no_worker_message(lost_worker: &str, waited: std::time::Duration) -> Stri
 mod tests {
     use super::*;
     use crate::registry::tests::{heartbeat, job, policy};
-    use diffmesh_shared::messages::{RunningJob, StepJob, StepSample};
+    use diffmesh_shared::wire::messages::{RunningJob, StepJob, StepSample};
     use std::time::Duration;
 
     fn models() -> CostModels {
@@ -444,7 +444,7 @@ mod tests {
         s.observe(b, t0);
         let steered = |id: &str, name: &str| {
             let mut j = job(id);
-            j.params.controlnet = Some(diffmesh_shared::controlnet::ControlNetRef {
+            j.params.controlnet = Some(diffmesh_shared::wire::controlnet::ControlNetRef {
                 name: name.into(),
                 scale: 1.0,
             });

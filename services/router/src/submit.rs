@@ -7,10 +7,10 @@ use crate::admission::Waiting;
 use crate::service::{PlaceError, Router};
 use crate::state::Decision;
 use async_nats::Subscriber;
-use diffmesh_shared::messages::{decode, CancelJob, DenoiseJob, SubmitReply};
+use diffmesh_shared::nats::serve::serve_subscription;
 use diffmesh_shared::nats::{publish_msgpack, reply_msgpack, request_msgpack_job};
-use diffmesh_shared::serve::serve_subscription;
-use diffmesh_shared::{subjects, MeshError};
+use diffmesh_shared::wire::messages::{decode, CancelJob, DenoiseJob, SubmitReply};
+use diffmesh_shared::{wire::subjects, MeshError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
@@ -63,7 +63,7 @@ impl Router {
             mask_ratio = job.inputs.mask_ratio,
             template = crate::worker_state::template_cache_key(&job).unwrap_or(""),
         );
-        diffmesh_shared::trace_context::set_parent_from(&span, msg.headers.as_ref());
+        diffmesh_shared::nats::trace_context::set_parent_from(&span, msg.headers.as_ref());
         // Jobs already waiting go first: a new one only skips the queue when it is empty.
         if self.admission().is_empty() {
             match self
@@ -167,7 +167,7 @@ impl Router {
             };
             let span =
                 tracing::info_span!("place_queued", job_id = %job.job_id, attempt = job.attempt);
-            diffmesh_shared::trace_context::set_parent_from(&span, headers.as_ref());
+            diffmesh_shared::nats::trace_context::set_parent_from(&span, headers.as_ref());
             let result = self.place_once(&job, &[], behind).instrument(span).await;
             if matches!(result, Err(PlaceError::NoCapacity)) {
                 return;

@@ -8,7 +8,7 @@ use diffmesh_sched::policy::{
     controlnet_step_s, template_key, ActiveRequest, Footprint, LoraKeys, RequestInfo, WorkerState,
 };
 use diffmesh_sched::{CostModels, ModelShape};
-use diffmesh_shared::messages::{DenoiseJob, JobKind, RunningJob};
+use diffmesh_shared::wire::messages::{DenoiseJob, JobKind, RunningJob};
 use std::time::Instant;
 
 /// The cache key of the template whose activations a job reads: the captured template's
@@ -235,7 +235,7 @@ pub(crate) mod tests {
     use super::*;
     use crate::registry::tests::{heartbeat, job, policy};
     use crate::registry::WorkerRegistry;
-    use diffmesh_shared::messages::{RunningJob, TemplateRef};
+    use diffmesh_shared::wire::messages::{RunningJob, TemplateRef};
     use std::time::Instant;
 
     /// Every block takes 1 ms whatever the batch, loads are free: 4 ms a step.
@@ -306,7 +306,7 @@ pub(crate) mod tests {
         };
         assert_eq!(r.footprint, footprint(2, 2));
         // True CFG runs every image as two rows that share the image's stream.
-        two.params.true_cfg = Some(diffmesh_shared::messages::TrueCfg {
+        two.params.true_cfg = Some(diffmesh_shared::wire::messages::TrueCfg {
             scale: 4.0,
             negative_prompt: String::new(),
         });
@@ -384,7 +384,7 @@ pub(crate) mod tests {
         assert_eq!(queued, vec![(32, 8), (64, 6), (128, 20)]);
         assert!(ws.alive && ws.holds(Some(template_key("t"))));
         let mut job = edit("j4", 0.5, 10, "t");
-        job.params.loras = vec![diffmesh_shared::lora::LoraRef {
+        job.params.loras = vec![diffmesh_shared::wire::lora::LoraRef {
             id: "style".into(),
             scale: 1.0,
         }];
@@ -453,7 +453,7 @@ pub(crate) mod tests {
         reg.observe(hb.clone(), t0);
         let steered = |id: &str, name: &str| {
             let mut j = job(id);
-            j.params.controlnet = Some(diffmesh_shared::controlnet::ControlNetRef {
+            j.params.controlnet = Some(diffmesh_shared::wire::controlnet::ControlNetRef {
                 name: name.into(),
                 scale: 1.0,
             });
@@ -473,7 +473,7 @@ pub(crate) mod tests {
         // job (measured at 0.25 s a step); its figure for "edges" is 0.5 s.
         hb.running = vec![listed("just-started", 0.0), listed("foreign", 0.25)];
         hb.queued = 1;
-        hb.controlnet_step_s = vec![diffmesh_shared::messages::ControlNetStepCost {
+        hb.controlnet_step_s = vec![diffmesh_shared::wire::messages::ControlNetStepCost {
             name: "edges".into(),
             seconds: 0.5,
         }];

@@ -5,9 +5,9 @@ mod common;
 
 use common::{http, job, submit, wait_for_metric, FakeWorker};
 use diffmesh_router::{start, RouterConfig};
-use diffmesh_shared::messages::{decode, encode, CancelJob, JobEvent, SubmitReply};
-use diffmesh_shared::subjects;
 use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::messages::{decode, encode, CancelJob, JobEvent, SubmitReply};
+use diffmesh_shared::wire::subjects;
 use futures::StreamExt;
 use std::time::Duration;
 use tokio::sync::mpsc;

@@ -3,10 +3,12 @@
 //! was the only one, or the others were full), and failure when none is left for the failover
 //! wait.
 use diffmesh_router::{start, RouterConfig, RouterHandle};
-use diffmesh_shared::messages::{decode, encode, DenoiseJob, Heartbeat, JobEvent, SubmitReply};
 use diffmesh_shared::nats::request_msgpack;
-use diffmesh_shared::subjects;
 use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::messages::{
+    decode, encode, DenoiseJob, Heartbeat, JobEvent, SubmitReply,
+};
+use diffmesh_shared::wire::subjects;
 use futures::StreamExt;
 use std::time::Duration;
 use tokio::sync::mpsc;

@@ -17,10 +17,10 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::MeshError;
-use crate::messages::{decode, encode};
-use crate::metrics::NatsMetrics;
-use crate::subjects::ANSWER_WITHIN_HEADER;
-use crate::trace_context::headers_for;
+use crate::nats::trace_context::headers_for;
+use crate::process::metrics::NatsMetrics;
+use crate::wire::messages::{decode, encode};
+use crate::wire::subjects::ANSWER_WITHIN_HEADER;
 
 /// Connect to NATS, retrying with capped exponential backoff for up to `give_up_after`
 /// (services often start before the server in compose). `name` shows in `nats server report`.
@@ -292,7 +292,7 @@ pub async fn reply_msgpack<T: Serialize>(
     let Some(reply) = request.reply.clone() else {
         return Ok(());
     };
-    let job_id = crate::trace_context::job_id_of(request.headers.as_ref());
+    let job_id = crate::nats::trace_context::job_id_of(request.headers.as_ref());
     let payload = Bytes::from(encode(resp)?);
     client
         .publish_with_headers(reply, headers_for(job_id.as_deref()), payload)
@@ -303,7 +303,7 @@ pub async fn reply_msgpack<T: Serialize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::NATS_CONNECTION_EVENTS;
+    use crate::process::metrics::NATS_CONNECTION_EVENTS;
 
     #[tokio::test]
     async fn a_request_tells_its_responder_how_long_the_answer_is_awaited() {

@@ -8,7 +8,7 @@ use opentelemetry::Context;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::subjects::JOB_ID_HEADER;
+use crate::wire::subjects::JOB_ID_HEADER;
 
 struct HeaderInjector<'a>(&'a mut HeaderMap);
 

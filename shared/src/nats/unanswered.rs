@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::error::MeshError;
-use crate::metrics::NatsMetrics;
+use crate::process::metrics::NatsMetrics;
 
 /// First pause before sending again; it doubles up to [`MAX_DELAY`].
 const FIRST_DELAY: Duration = Duration::from_millis(250);

@@ -87,9 +87,9 @@ async fn readyz(state: web::Data<HealthState>) -> HttpResponse {
 async fn metrics(state: web::Data<HealthState>) -> HttpResponse {
     // The service's own metrics plus those shared code records (NATS round trips, JetStream
     // retries; the retry counter registers on first use, and is exported before any retry).
-    crate::transient::retries();
+    crate::stores::transient::retries();
     let mut families = state.registry.gather();
-    families.extend(crate::metrics::process_registry().gather());
+    families.extend(crate::process::metrics::process_registry().gather());
     let mut buf = Vec::new();
     match TextEncoder::new().encode(&families, &mut buf) {
         Ok(()) => HttpResponse::Ok()

@@ -150,7 +150,7 @@ pub struct NatsMetrics {
     /// `diffmesh_nats_request_resends_total{subject, reason}`: requests sent again because the
     /// client reconnected while they waited for their reply (`reconnect`), no responder
     /// was subscribed yet (`no_responders`), or, for work kept across a service's restart,
-    /// no instance took it within the request's deadline (`unanswered`, `crate::unanswered`).
+    /// no instance took it within the request's deadline (`unanswered`, `crate::nats::unanswered`).
     pub request_resends: IntCounterVec,
     /// `diffmesh_nats_connection_events_total{event}`: the client's connection events
     /// ([`NATS_CONNECTION_EVENTS`]): connects and drops, slow consumers, server errors.

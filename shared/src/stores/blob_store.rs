@@ -11,9 +11,9 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncReadExt;
 
 use crate::error::MeshError;
-use crate::jetstream_layout;
-use crate::reconnects::Reconnects;
-use crate::transient;
+use crate::nats::reconnects::Reconnects;
+use crate::stores::jetstream_layout;
+use crate::stores::transient;
 
 /// Bytes by key in a JetStream object store bucket (images, masks, prepared tensors, results).
 #[derive(Clone)]

@@ -7,12 +7,12 @@ use std::time::Duration;
 
 use futures::StreamExt;
 
-use crate::blob_store::BlobStore;
-use crate::cachestore::{
+use crate::nats::request_msgpack;
+use crate::stores::blob_store::BlobStore;
+use crate::wire::cachestore::{
     get_subject, CacheGet, CacheGetReply, CacheRange, RANGE_GONE, RANGE_STATUS_HEADER,
 };
-use crate::messages::encode;
-use crate::nats::request_msgpack;
+use crate::wire::messages::encode;
 
 /// Ranges of one value in flight at once: enough to keep the server and both ends busy.
 pub const RANGE_CONCURRENCY: usize = 4;
@@ -43,7 +43,7 @@ impl ReadPath {
 #[derive(Clone)]
 pub struct CacheReader {
     pub client: async_nats::Client,
-    /// The object store bucket of large values ([`crate::cachestore::CACHE_BUCKET`]).
+    /// The object store bucket of large values ([`crate::wire::cachestore::CACHE_BUCKET`]).
     pub bucket: BlobStore,
     /// Per request to the cachestore (a get, or one range).
     pub timeout: Duration,

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, stream};
 
-use crate::cachestore::CACHE_BUCKET;
 use crate::error::MeshError;
-use crate::subjects::{
+use crate::wire::cachestore::CACHE_BUCKET;
+use crate::wire::subjects::{
     BLOB_BUCKET, IDEMPOTENCY_BUCKET, JOB_BUCKET, LORA_BUCKET, TEMPLATES_CAPTURED, TEMPLATE_BUCKET,
     TEMPLATE_CAPTURES_STREAM, TEMPLATE_USES_PREFIX, TEMPLATE_USES_STREAM,
 };

@@ -13,8 +13,8 @@ use futures::{FutureExt, StreamExt};
 use tokio::time::Instant;
 
 use crate::error::MeshError;
-use crate::reconnects::Reconnects;
-use crate::transient;
+use crate::nats::reconnects::Reconnects;
+use crate::stores::transient;
 
 /// How long a failed watch is opened again before its failure is passed on: longer than an
 /// election or a restart, shorter than a job's deadline.

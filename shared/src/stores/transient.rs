@@ -22,8 +22,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::error::MeshError;
-use crate::metrics::{counter_vec, process_registry};
-use crate::reconnects::Reconnects;
+use crate::nats::reconnects::Reconnects;
+use crate::process::metrics::{counter_vec, process_registry};
 
 /// How long a failing call is tried again: a leader election on a three-node cluster took
 /// 1-5 s in the failover runs (docs/BENCHMARKS.md, "JetStream cluster: losing a node").

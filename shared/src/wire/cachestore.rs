@@ -3,9 +3,9 @@
 //! Small values ride inline as MessagePack `bin`. A value above the inline limit is read in
 //! ranges straight from the instance that answered (`CacheGetReply::Ranged`, when the get asked
 //! for it), or else through the JetStream object store bucket [`CACHE_BUCKET`] under the cache
-//! key itself, and the messages only say so (`in_object_store`). `crate::cache_read` is the
+//! key itself, and the messages only say so (`in_object_store`). `crate::stores::cache_read` is the
 //! client side.
-use crate::subjects::CACHESTORE_PREFIX;
+use crate::wire::subjects::CACHESTORE_PREFIX;
 use serde::{Deserialize, Serialize};
 
 /// JetStream object store bucket of the cluster cache tier (also the transport for large values).
@@ -187,8 +187,8 @@ pub const MAX_KEYS_PER_REQUEST: usize = 1024;
 /// Every cachestore key of a template cache of `steps` steps: its meta entry, then the step
 /// entries `s0 .. s<steps-1>` (`shared::templates` names them).
 pub fn template_keys(cache_key: &str, steps: u32) -> Vec<String> {
-    std::iter::once(crate::templates::meta_key(cache_key))
-        .chain((0..steps).map(|s| crate::templates::step_key(cache_key, s)))
+    std::iter::once(crate::wire::templates::meta_key(cache_key))
+        .chain((0..steps).map(|s| crate::wire::templates::step_key(cache_key, s)))
         .collect()
 }
 
@@ -277,7 +277,7 @@ mod opt_bin {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::messages::{decode, encode};
+    use crate::wire::messages::{decode, encode};
 
     #[test]
     fn template_keys_are_meta_then_every_step() {

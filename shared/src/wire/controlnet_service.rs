@@ -218,9 +218,9 @@ mod tests {
             dtype: WireDtype::F32,
             data: vec![7; 1024],
         };
-        let bytes = crate::messages::encode(&t).unwrap();
+        let bytes = crate::wire::messages::encode(&t).unwrap();
         assert!(bytes.len() < 1100, "{} bytes for 1024 of data", bytes.len());
-        let back: WireTensor = crate::messages::decode(&bytes).unwrap();
+        let back: WireTensor = crate::wire::messages::decode(&bytes).unwrap();
         assert_eq!(back, t);
     }
 }

@@ -50,7 +50,7 @@ pub struct GenerationParams {
     pub height: u32,
     /// Registered LoRA adapters to apply, with their weights (none: the base model).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub loras: Vec<crate::lora::LoraRef>,
+    pub loras: Vec<crate::wire::lora::LoraRef>,
     /// When the client wants the result by (Unix ms): the gateway's acceptance time plus the
     /// request's `deadline_ms`. Changes no pixel; a denoiser ordering its queue earliest
     /// deadline first (`--queue-order edf`) reads it. None: best effort.
@@ -59,7 +59,7 @@ pub struct GenerationParams {
     /// The ControlNet steering a generation (its control image: `control_image_key` of the
     /// request to the codec, then of the prepared inputs). None: no ControlNet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub controlnet: Option<crate::controlnet::ControlNetRef>,
+    pub controlnet: Option<crate::wire::controlnet::ControlNetRef>,
     /// True classifier-free guidance against a negative prompt. None: the prompt alone steers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub true_cfg: Option<TrueCfg>,

@@ -11,7 +11,7 @@
 //! upload ([`image_key`]) and, from its capture on, its model-resolution pixels
 //! ([`prepared_image_key`]). Jobs on a template read them there by key, so no job copies them.
 
-use crate::messages::TemplateRef;
+use crate::wire::messages::TemplateRef;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 

@@ -5,13 +5,13 @@ use super::registry::ControlNetWorkers;
 use super::wire::to_wire;
 use bytes::Bytes;
 use diffmesh_model::pipeline::control::ControlStep;
-use diffmesh_shared::chunked::request_chunked;
-use diffmesh_shared::controlnet_service::{
+use diffmesh_shared::nats::chunked::request_chunked;
+use diffmesh_shared::nats::trace_context::headers_for;
+use diffmesh_shared::wire::controlnet_service::{
     close_subject, open_subject, step_subject, OpenReply, SessionClose, SessionOpen, StepReply,
     StepRequest, WireTensor,
 };
-use diffmesh_shared::messages::{decode, encode};
-use diffmesh_shared::trace_context::headers_for;
+use diffmesh_shared::wire::messages::{decode, encode};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::runtime::Handle;

@@ -1,6 +1,6 @@
 //! The ControlNet workers a denoiser knows of, from their heartbeats.
-use diffmesh_shared::controlnet_service::{ControlNetHeartbeat, HEARTBEAT};
-use diffmesh_shared::messages::decode;
+use diffmesh_shared::wire::controlnet_service::{ControlNetHeartbeat, HEARTBEAT};
+use diffmesh_shared::wire::messages::decode;
 use futures::StreamExt;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};

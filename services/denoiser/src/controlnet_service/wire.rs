@@ -1,7 +1,7 @@
 //! Tensors to and from their message form ([`WireTensor`]).
 use diffmesh_model::host_tensor::{from_host, to_host};
 use diffmesh_model::tch::{Device, Tensor};
-use diffmesh_shared::controlnet_service::WireTensor;
+use diffmesh_shared::wire::controlnet_service::WireTensor;
 
 pub fn to_wire(t: &Tensor) -> Result<WireTensor, String> {
     let (dtype, shape, data) = to_host(t)?;

@@ -17,8 +17,8 @@ use crate::model::EngineModel;
 use crate::step_samples::StepSamples;
 use actix::{Actor, ActorContext, Addr, Handler, Message, SyncContext};
 use diffmesh_model::lora::LoraPatcher;
-use diffmesh_shared::messages::{DenoiseJob, StepSample};
 use diffmesh_shared::panic_message;
+use diffmesh_shared::wire::messages::{DenoiseJob, StepSample};
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -376,7 +376,7 @@ pub fn spawn_engine(
         successor: Mutex::new(Some(first)),
     });
     let stepper = Mutex::new(Some(first_stepper));
-    let addr = diffmesh_shared::actors::start_sync("denoiser-engine", 1, move || {
+    let addr = diffmesh_shared::process::actors::start_sync("denoiser-engine", 1, move || {
         let carry = shared
             .successor
             .lock()

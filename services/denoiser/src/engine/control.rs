@@ -13,7 +13,7 @@ use diffmesh_model::flux::{ControlResiduals, FluxConfig};
 use diffmesh_model::pipeline::control::ControlStep;
 use diffmesh_model::pipeline::FluxPipeline;
 use diffmesh_model::tch::{Device, Kind};
-use diffmesh_shared::messages::ControlNetStepCost;
+use diffmesh_shared::wire::messages::ControlNetStepCost;
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -9,7 +9,7 @@ use diffmesh_model::flux::ControlResiduals;
 use diffmesh_model::lora::WeightedLora;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::ModelError;
-use diffmesh_shared::messages::{StepJob, StepSample};
+use diffmesh_shared::wire::messages::{StepJob, StepSample};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 use tracing::Span;

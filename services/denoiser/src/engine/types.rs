@@ -5,7 +5,7 @@ use crate::lora::LoraSlot;
 use crate::model::EditInputs;
 use crate::templates::TemplateEntry;
 use diffmesh_model::ModelError;
-use diffmesh_shared::messages::{ControlNetStepCost, DenoiseJob, RunningJob};
+use diffmesh_shared::wire::messages::{ControlNetStepCost, DenoiseJob, RunningJob};
 use std::sync::Arc;
 use tracing::Span;
 

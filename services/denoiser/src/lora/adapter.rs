@@ -2,7 +2,7 @@
 //! to share across threads), and their tensors, read on the engine thread when it patches.
 use diffmesh_model::lora::{LoraAdapter, LoraDelta};
 use diffmesh_model::tch::{Kind, Tensor};
-use diffmesh_shared::lora::{LoraFile, LoraFormatError};
+use diffmesh_shared::wire::lora::{LoraFile, LoraFormatError};
 use safetensors::tensor::{Dtype, SafeTensors};
 
 /// A LoRA file in memory, checked.

@@ -71,7 +71,7 @@ impl LoraMetrics {
                 "diffmesh_denoiser_lora_wait_duration_seconds",
                 "Time a job sat steps out waiting for its LoRA adapters after its asynchronous bound",
             )
-            .buckets(diffmesh_shared::metrics::LATENCY_BUCKETS_SECONDS.to_vec()),
+            .buckets(diffmesh_shared::process::metrics::LATENCY_BUCKETS_SECONDS.to_vec()),
         )?;
         registry.register(Box::new(lora_wait_seconds.clone()))?;
         registry.register(Box::new(lora_cache_lookups.clone()))?;

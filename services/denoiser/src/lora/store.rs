@@ -2,8 +2,8 @@
 //! once from the `LORA_BUCKET` object store however many jobs ask for it at the same time.
 use super::LoraBlob;
 use crate::metrics::DenoiserMetrics;
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::lora::{weights_key, LoraRef};
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::wire::lora::{weights_key, LoraRef};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use tracing::Instrument;

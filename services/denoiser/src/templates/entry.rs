@@ -3,7 +3,7 @@
 use super::gpu_copy::GpuCopy;
 use diffmesh_model::flux::kv_codec::{read_header, BlobHeader};
 use diffmesh_model::flux::KvFormat;
-use diffmesh_shared::templates::{step_block_ranges, CacheMeta};
+use diffmesh_shared::wire::templates::{step_block_ranges, CacheMeta};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -189,7 +189,7 @@ mod tests {
     use super::*;
     use diffmesh_model::flux::kv_codec::{encode_block, CacheDtype};
     use diffmesh_model::tch::{Device, Kind, Tensor};
-    use diffmesh_shared::templates::pack_step;
+    use diffmesh_shared::wire::templates::pack_step;
 
     pub fn entry(key: &str, steps: u32, blocks: u32) -> TemplateEntry {
         let t = Tensor::ones([4, 8], (Kind::Float, Device::Cpu));

@@ -254,7 +254,7 @@ impl KvCache for StreamedKv {
 mod tests {
     use super::*;
     use diffmesh_model::flux::kv_codec::{encode_block, CacheDtype};
-    use diffmesh_shared::templates::{pack_step, CacheMeta};
+    use diffmesh_shared::wire::templates::{pack_step, CacheMeta};
 
     /// A cache whose (step, block) K is filled with `100 * step + block`.
     fn entry(steps: usize, blocks: usize) -> Arc<TemplateEntry> {

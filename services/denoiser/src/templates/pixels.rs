@@ -6,8 +6,8 @@
 //! (`EvictTemplate`) or when the cache is over its byte capacity (least recently used first).
 use std::sync::Arc;
 
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::templates::prepared_image_key;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::wire::templates::prepared_image_key;
 use diffmesh_shared::MeshError;
 
 /// Whether a read was served from memory.

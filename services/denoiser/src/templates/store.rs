@@ -4,11 +4,13 @@
 //! bucket of the object store, and read in ranges from the cachestore that holds them
 //! (`shared::cache_read`), as the cachestore contract says.
 use super::entry::TemplateEntry;
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::cache_read::CacheReader;
-use diffmesh_shared::cachestore::{put_subject, CachePut, CachePutReply, DEFAULT_INLINE_LIMIT};
 use diffmesh_shared::nats::request_msgpack;
-use diffmesh_shared::templates::{meta_key, step_key, CacheMeta};
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::cache_read::CacheReader;
+use diffmesh_shared::wire::cachestore::{
+    put_subject, CachePut, CachePutReply, DEFAULT_INLINE_LIMIT,
+};
+use diffmesh_shared::wire::templates::{meta_key, step_key, CacheMeta};
 use futures::StreamExt;
 use std::time::Duration;
 

@@ -7,7 +7,7 @@ use diffmesh_denoiser::metrics::DenoiserMetrics;
 use diffmesh_denoiser::model::{EditInputs, EngineModel};
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
-use diffmesh_shared::messages::DenoiseJob;
+use diffmesh_shared::wire::messages::DenoiseJob;
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;

@@ -5,8 +5,8 @@ pub mod engine;
 
 use diffmesh_denoiser::engine::EngineJob;
 use diffmesh_model::tiny::controlnet_train::save_random_model_and_controlnet;
-use diffmesh_shared::controlnet::ControlNetRef;
-use diffmesh_shared::messages::DenoiseJob;
+use diffmesh_shared::wire::controlnet::ControlNetRef;
+use diffmesh_shared::wire::messages::DenoiseJob;
 use std::path::Path;
 
 /// A random tiny model in `dir` and a random ControlNet of it in `dir/controlnets/rand`.

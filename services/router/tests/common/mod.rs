@@ -1,9 +1,11 @@
 //! Helpers of the router's integration tests: fake denoisers driven by hand and a minimal HTTP
 //! client (keeps the tests free of an HTTP client dependency).
 #![allow(dead_code)]
-use diffmesh_shared::messages::{decode, encode, DenoiseJob, Heartbeat, RunningJob, SubmitReply};
 use diffmesh_shared::nats::request_msgpack;
-use diffmesh_shared::subjects;
+use diffmesh_shared::wire::messages::{
+    decode, encode, DenoiseJob, Heartbeat, RunningJob, SubmitReply,
+};
+use diffmesh_shared::wire::subjects;
 use futures::StreamExt;
 use std::time::Duration;
 use tokio::sync::mpsc;

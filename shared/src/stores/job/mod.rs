@@ -5,7 +5,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::messages::{DenoiseJob, JobEvent, JobKind};
+use crate::wire::messages::{DenoiseJob, JobEvent, JobKind};
 
 mod store;
 pub use store::{JobStore, KNOWN_REVISION_TTL};
@@ -320,7 +320,7 @@ impl JobRecord {
         self.state = JobState::Cancelled;
         self.error = Some(JobFailure {
             message: message.into(),
-            error_type: crate::messages::error_types::CANCELLED.to_string(),
+            error_type: crate::wire::messages::error_types::CANCELLED.to_string(),
         });
         self.finish();
     }
