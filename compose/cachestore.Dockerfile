@@ -39,7 +39,7 @@ COPY --from=builder /out/diffmesh-cachestore /usr/local/bin/diffmesh-cachestore
 WORKDIR /opt/diffmesh
 USER 10001:10001
 ENV RUST_LOG=info \
-    CACHE_DISK_DIR=/var/lib/diffmesh/cachestore \
+    CACHESTORE_DISK_DIR=/var/lib/diffmesh/cachestore \
     HEALTH_ADDR=0.0.0.0:9090
 LABEL org.opencontainers.image.title="diffmesh-cachestore"
 EXPOSE 9090

@@ -94,7 +94,8 @@ USER 10001:10001
 # are visible is left to the reservation (compose `devices`, `docker run --gpus`).
 ENV RUST_LOG=info \
     HEALTH_ADDR=0.0.0.0:9090 \
-    MODEL_DIR=/opt/diffmesh/models/tiny \
+    DENOISER_MODEL_DIR=/opt/diffmesh/models/tiny \
+    DENOISER_CONTROLNET_DIR=/opt/diffmesh/models/tiny-controlnets \
     CONTROLNET_DIR=/opt/diffmesh/models/tiny-controlnets \
     LD_LIBRARY_PATH=/opt/libtorch/lib \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility

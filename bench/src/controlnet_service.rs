@@ -47,7 +47,7 @@ pub async fn steered_engine(
     let mut model = EngineModel::load(model_dir, Device::Cpu, Kind::Float, "tiny".into(), 64)?;
     model.controlnet_dir = Some(controlnet_dir.to_path_buf());
     let client = async_nats::connect(url).await?;
-    let workers = ControlNetWorkers::new(Duration::from_millis(400));
+    let workers = ControlNetWorkers::new(4);
     let stop = CancellationToken::new();
     tokio::spawn(workers.clone().listen(client.clone(), stop.clone()));
     model.controlnet_service = Some(RemoteControlNets::new(

@@ -227,8 +227,8 @@ async fn a_codec_dying_with_a_request_costs_the_first_attempts_deadline() {
     let nats = NatsServer::start();
     let router = start_router(&nats, |_| {}).expect("router");
     let denoiser = start_denoiser(&nats, &model, "d1", |d| {
-        d.codec_timeout_ms = 40_000;
-        d.codec_first_attempt_ms = 1000;
+        d.codec_timeout = Duration::from_secs(40);
+        d.codec_first_attempt = Duration::from_secs(1);
     })
     .expect("denoiser");
     let gateway = start_gateway(&nats, |g| {

@@ -61,7 +61,7 @@ async fn start_mesh_with(tweak: fn(&mut diffmesh_denoiser::DenoiserConfig)) -> M
         .router(|c| {
             // Twenty edits at once: let them wait for a slot instead of being turned away.
             c.max_queue = 64;
-            c.admission_wait_ms = 3000;
+            c.admission_wait = Duration::from_secs(3);
         })
         .denoiser(move |_, c| tweak(c))
         .gateway(|c| {

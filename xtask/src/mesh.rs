@@ -174,12 +174,12 @@ fn start_all(
                     gateway_health = Some(health_port);
                 }
                 "denoiser" => {
-                    cmd.env("MODEL_DIR", &args.model_dir)
-                        .env("WORKER_ID", format!("denoiser-{copy}"));
+                    cmd.env("DENOISER_MODEL_DIR", &args.model_dir)
+                        .env("DENOISER_WORKER_ID", format!("denoiser-{copy}"));
                     if root.join(&args.controlnet_dir).is_dir() {
-                        cmd.env("CONTROLNET_DIR", &args.controlnet_dir);
+                        cmd.env("DENOISER_CONTROLNET_DIR", &args.controlnet_dir);
                         if args.controlnet_workers > 0 {
-                            cmd.env("CONTROLNET_REMOTE", &args.controlnet_remote);
+                            cmd.env("DENOISER_CONTROLNET_REMOTE", &args.controlnet_remote);
                         }
                     }
                     denoiser_health.push(health_port);
@@ -203,7 +203,7 @@ fn start_all(
                 .env("NATS_URL", &args.nats_url)
                 .env("RUST_LOG", "info")
                 .env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"))
-                .env("WORKER_ID", format!("controlnet-{copy}"))
+                .env("CONTROLNET_WORKER_ID", format!("controlnet-{copy}"))
                 .env("CONTROLNET_DIR", &args.controlnet_dir);
             tc.apply(&mut cmd)?;
             started.push(spawn(&format!("controlnet-{copy}"), cmd, run_dir)?);

@@ -19,7 +19,6 @@ use service::{Handler, Op};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -30,33 +29,33 @@ pub struct CachestoreConfig {
     #[command(flatten)]
     pub common: CommonConfig,
     /// Capacity of the host-memory tier in bytes (values plus keys).
-    #[arg(long, env = "CACHE_MEMORY_BYTES", default_value_t = 1 << 30)]
+    #[arg(long, env = "CACHESTORE_MEMORY_BYTES", default_value_t = 1 << 30)]
     pub memory_bytes: u64,
     /// Directory of the local disk tier (created if missing).
-    #[arg(long, env = "CACHE_DISK_DIR", default_value = "run/cachestore")]
+    #[arg(long, env = "CACHESTORE_DISK_DIR", default_value = "run/cachestore")]
     pub disk_dir: PathBuf,
     /// Capacity of the local disk tier in bytes.
-    #[arg(long, env = "CACHE_DISK_BYTES", default_value_t = 8 << 30)]
+    #[arg(long, env = "CACHESTORE_DISK_BYTES", default_value_t = 8 << 30)]
     pub disk_bytes: u64,
     /// Largest value carried inline in a NATS message; larger ones go through the object store.
-    #[arg(long, env = "CACHE_INLINE_LIMIT", default_value_t = DEFAULT_INLINE_LIMIT)]
+    #[arg(long, env = "CACHESTORE_INLINE_LIMIT", default_value_t = DEFAULT_INLINE_LIMIT)]
     pub inline_limit: usize,
     /// JetStream object store bucket of the cluster tier.
-    #[arg(long, env = "CACHE_BUCKET", default_value = CACHE_BUCKET)]
+    #[arg(long, env = "CACHESTORE_BUCKET", default_value = CACHE_BUCKET)]
     pub bucket: String,
     /// Run without the cluster tier (memory and disk only; large values cannot be served).
-    #[arg(long, env = "CACHE_NO_CLUSTER_TIER", default_value_t = false)]
+    #[arg(long, env = "CACHESTORE_NO_CLUSTER_TIER", default_value_t = false)]
     pub no_cluster_tier: bool,
     /// Requests handled at once per subject.
-    #[arg(long, env = "CACHE_MAX_IN_FLIGHT", default_value_t = 64)]
+    #[arg(long, env = "CACHESTORE_MAX_IN_FLIGHT", default_value_t = 64)]
     pub max_in_flight: usize,
     /// Keys promoted into memory at once by prefetches (they run in the background).
-    #[arg(long, env = "CACHE_PREFETCH_CONCURRENCY", default_value_t = 4)]
+    #[arg(long, env = "CACHESTORE_PREFETCH_CONCURRENCY", default_value_t = 4)]
     pub prefetch_concurrency: usize,
     /// Bytes of large values held for readers reading them in ranges straight from this
     /// instance (each held until 30 s after its last range; one read from the memory tier
     /// shares the tier's buffer). A value above half of this goes through the object store.
-    #[arg(long, env = "CACHE_TRANSFER_BYTES", default_value_t = 4 << 30)]
+    #[arg(long, env = "CACHESTORE_TRANSFER_BYTES", default_value_t = 4 << 30)]
     pub transfer_bytes: u64,
 }
 
@@ -129,7 +128,7 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
     let client = diffmesh_shared::nats::connect(
         &config.common.nats_url,
         "diffmesh-cachestore",
-        Duration::from_secs(config.common.nats_connect_timeout_s),
+        config.common.nats_connect_timeout,
     )
     .await?;
     let cluster = if config.no_cluster_tier {

@@ -20,6 +20,7 @@ use async_nats::Message;
 use diffmesh_shared::nats;
 use diffmesh_shared::nats::serve::serve_subscription;
 use diffmesh_shared::nats::trace_context::{job_id_of, set_parent_from};
+use diffmesh_shared::process::config::duration;
 use diffmesh_shared::process::health::HealthServer;
 use diffmesh_shared::stores::blob_store::BlobStore;
 use diffmesh_shared::wire::messages::{
@@ -59,19 +60,19 @@ pub struct CodecConfig {
     /// Largest upload the codec reads from the object store, in bytes.
     #[arg(long, env = "CODEC_MAX_BLOB_BYTES", default_value_t = 64 * 1024 * 1024)]
     pub max_blob_bytes: usize,
-    /// Decoded template images kept in memory, in MiB of pixels (0: decode every time). Each
-    /// edit needs its template decoded twice (pre and post); edits of one template, or
+    /// Decoded template images kept in memory, in bytes of pixels (0: decode every time).
+    /// Each edit needs its template decoded twice (pre and post); edits of one template, or
     /// re-uploads of one image, then decode it once.
-    #[arg(long, env = "CODEC_DECODED_CACHE_MB", default_value_t = 256)]
-    pub decoded_cache_mb: u64,
+    #[arg(long, env = "CODEC_DECODED_CACHE_BYTES", default_value_t = 256 << 20)]
+    pub decoded_cache_bytes: u64,
     /// Requests handled at once by this replica, and threads of image work (its image
     /// workers: `image_workers`).
     #[arg(long, env = "CODEC_CONCURRENCY", default_value_t = 4)]
     pub concurrency: usize,
-    /// Deadline of one request's work; past it the caller gets `Failed` (seconds). Sooner
-    /// when the caller waits less for the answer (its `diffmesh-answer-within-ms` header).
-    #[arg(long, env = "CODEC_REQUEST_TIMEOUT_S", default_value_t = 60)]
-    pub request_timeout_s: u64,
+    /// Deadline of one request's work; past it the caller gets `Failed`. Sooner when the
+    /// caller waits less for the answer (its `diffmesh-answer-within-ms` header).
+    #[arg(long, env = "CODEC_REQUEST_TIMEOUT", default_value = "60s", value_parser = duration)]
+    pub request_timeout: Duration,
 }
 
 impl CodecConfig {
@@ -84,9 +85,9 @@ impl CodecConfig {
             token_pixels: 4,
             max_pixels: 16_777_216,
             max_blob_bytes: 64 * 1024 * 1024,
-            decoded_cache_mb: 64,
+            decoded_cache_bytes: 64 << 20,
             concurrency: 2,
-            request_timeout_s: 30,
+            request_timeout: Duration::from_secs(30),
         }
     }
 
@@ -159,7 +160,7 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
     let grid = config.grid()?;
     let registry = prometheus::Registry::new();
     let metrics = CodecMetrics::register(&registry)?;
-    let connect_timeout = Duration::from_secs(config.common.nats_connect_timeout_s);
+    let connect_timeout = config.common.nats_connect_timeout;
     let client = nats::connect(&config.common.nats_url, "diffmesh-codec", connect_timeout).await?;
     let js =
         diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
@@ -191,13 +192,10 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
         Arc::new(move || probe.connection_state() == async_nats::connection::State::Connected),
     )?;
     tracing::info!(health = %health.addr, ?grid, "codec started");
-    let decoded = DecodedImages::new(
-        config.decoded_cache_mb.saturating_mul(1 << 20),
-        metrics.decoded_cache.clone(),
-    );
+    let decoded = DecodedImages::new(config.decoded_cache_bytes, metrics.decoded_cache.clone());
     let worker = Arc::new(Worker {
         client,
-        request_timeout: Duration::from_secs(config.request_timeout_s.max(1)),
+        request_timeout: config.request_timeout.max(Duration::from_millis(1)),
         codec: Codec {
             blobs,
             templates,

@@ -10,6 +10,7 @@ pub mod wire;
 use compute::{Compute, ComputeObserver, ComputeStatus, Work};
 use diffmesh_model::controlnets::{ControlNets, Lookup};
 use diffmesh_shared::nats::chunked::{chunk_bytes, publish_chunked, Assembler};
+use diffmesh_shared::process::config::duration;
 use diffmesh_shared::process::health::{HealthServer, Readiness};
 use diffmesh_shared::wire::controlnet_service::{
     self as contract, ControlNetHeartbeat, OpenReply, SessionClose, StepReply,
@@ -35,7 +36,7 @@ pub struct WorkerConfig {
     #[command(flatten)]
     pub common: CommonConfig,
     /// Unique id of this worker in the mesh (default: hostname and process id).
-    #[arg(long, env = "WORKER_ID")]
+    #[arg(long, env = "CONTROLNET_WORKER_ID")]
     pub worker_id: Option<String>,
     /// Folder of named ControlNets (`<dir>/<name>/config.json` + safetensors).
     #[arg(
@@ -48,30 +49,30 @@ pub struct WorkerConfig {
     #[arg(long, env = "CONTROLNET_CACHE", default_value_t = 4)]
     pub controlnet_cache: usize,
     /// Device: auto (CUDA when available), cpu, cuda, or cuda:N.
-    #[arg(long, env = "DEVICE", default_value = "auto")]
+    #[arg(long, env = "CONTROLNET_DEVICE", default_value = "auto")]
     pub device: String,
     /// Weight dtype: f32, bf16, f16, or auto (as the denoiser's --dtype).
-    #[arg(long, env = "DTYPE", default_value = "f32")]
+    #[arg(long, env = "CONTROLNET_DTYPE", default_value = "f32")]
     pub dtype: String,
     /// Open sessions kept (one per steered image in flight; the least recently used beyond it
     /// is dropped, and its denoiser opens it again).
-    #[arg(long, env = "MAX_SESSIONS", default_value_t = 1024)]
+    #[arg(long, env = "CONTROLNET_MAX_SESSIONS", default_value_t = 1024)]
     pub max_sessions: usize,
-    /// A session unused this long is dropped (seconds).
-    #[arg(long, env = "SESSION_IDLE_S", default_value_t = 600)]
-    pub session_idle_s: u64,
+    /// A session unused this long is dropped.
+    #[arg(long, env = "CONTROLNET_SESSION_IDLE", default_value = "10m", value_parser = duration)]
+    pub session_idle: Duration,
     /// Most steps (of different sessions) run in one ControlNet forward.
-    #[arg(long, env = "MAX_BATCH", default_value_t = 8)]
+    #[arg(long, env = "CONTROLNET_MAX_BATCH", default_value_t = 8)]
     pub max_batch: usize,
     /// Requests waiting for the compute actor (more wait in NATS).
-    #[arg(long, env = "QUEUE_CAPACITY", default_value_t = 64)]
+    #[arg(long, env = "CONTROLNET_QUEUE_CAPACITY", default_value_t = 64)]
     pub queue_capacity: usize,
     /// Largest request accepted (bytes, after its chunks are put together).
-    #[arg(long, env = "MAX_REQUEST_BYTES", default_value_t = 256 << 20)]
+    #[arg(long, env = "CONTROLNET_MAX_REQUEST_BYTES", default_value_t = 256 << 20)]
     pub max_request_bytes: usize,
-    /// Heartbeat period (ms).
-    #[arg(long, env = "HEARTBEAT_INTERVAL_MS", default_value_t = 500)]
-    pub heartbeat_interval_ms: u64,
+    /// Heartbeat period (the denoisers read it from the heartbeats).
+    #[arg(long, env = "CONTROLNET_HEARTBEAT_INTERVAL", default_value = "500ms", value_parser = duration)]
+    pub heartbeat_interval: Duration,
 }
 
 impl WorkerConfig {
@@ -90,10 +91,10 @@ impl WorkerConfig {
             dtype: "f32".into(),
             max_sessions: 64,
             max_batch: 8,
-            session_idle_s: 600,
+            session_idle: Duration::from_secs(600),
             queue_capacity: 16,
             max_request_bytes: 64 << 20,
-            heartbeat_interval_ms: 100,
+            heartbeat_interval: Duration::from_millis(100),
         }
     }
 }
@@ -250,7 +251,7 @@ pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
     let client = diffmesh_shared::nats::connect(
         &config.common.nats_url,
         &format!("diffmesh-controlnet-{worker_id}"),
-        Duration::from_secs(config.common.nats_connect_timeout_s),
+        config.common.nats_connect_timeout,
     )
     .await?;
 
@@ -279,7 +280,7 @@ pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
         dir: config.controlnet_dir.clone(),
         status,
         work: work_tx,
-        period: Duration::from_millis(config.heartbeat_interval_ms.max(10)),
+        period: config.heartbeat_interval.max(Duration::from_millis(10)),
         draining: draining.clone(),
         sessions: metrics.sessions.clone(),
         stop: stop.clone(),
@@ -485,6 +486,7 @@ impl Beat {
             sessions: status.sessions,
             queued: self.work.queued() as u32,
             draining: self.draining.load(Ordering::SeqCst),
+            interval_ms: self.period.as_millis().min(u32::MAX.into()) as u32,
         }
     }
 
@@ -534,7 +536,7 @@ impl ComputeQueue {
     ) -> Self {
         let (dir, cache) = (config.controlnet_dir.clone(), config.controlnet_cache);
         let (sessions, max_batch) = (config.max_sessions, config.max_batch);
-        let idle = Duration::from_secs(config.session_idle_s);
+        let idle = config.session_idle;
         let addr =
             diffmesh_shared::process::actors::start_sync("controlnet-compute", 1, move || {
                 let controlnets = ControlNets::new(Some(dir.clone()), cache, device, kind);

@@ -21,6 +21,7 @@ mod gpu_checks;
 mod job_inputs;
 
 use diffmesh_model::tch::{Device, Kind};
+use diffmesh_shared::process::config::duration;
 use diffmesh_shared::process::health::{HealthServer, Readiness};
 use diffmesh_shared::stores::blob_store::BlobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
@@ -44,27 +45,27 @@ pub struct DenoiserConfig {
     #[command(flatten)]
     pub common: CommonConfig,
     /// Unique id of this worker in the mesh (default: hostname and process id).
-    #[arg(long, env = "WORKER_ID")]
+    #[arg(long, env = "DENOISER_WORKER_ID")]
     pub worker_id: Option<String>,
     /// Diffusers-format model directory (relative paths are tried from the working directory,
     /// then from the repository root).
-    #[arg(long, env = "MODEL_DIR", default_value = "models/tiny")]
+    #[arg(long, env = "DENOISER_MODEL_DIR", default_value = "models/tiny")]
     pub model_dir: PathBuf,
     /// Model id announced in heartbeats (default: the model directory's name).
-    #[arg(long, env = "MODEL_ID")]
+    #[arg(long, env = "DENOISER_MODEL_ID")]
     pub model_id: Option<String>,
     /// Device: auto (CUDA when available), cpu, cuda, or cuda:N.
-    #[arg(long, env = "DEVICE", default_value = "auto")]
+    #[arg(long, env = "DENOISER_DEVICE", default_value = "auto")]
     pub device: String,
     /// Weight and activation dtype: f32, bf16, f16, or auto (bf16 on a GPU or a CPU with bf16
     /// units, f32 elsewhere).
-    #[arg(long, env = "DTYPE", default_value = "f32")]
+    #[arg(long, env = "DENOISER_DTYPE", default_value = "f32")]
     pub dtype: String,
     /// Image rows denoised together in one step.
-    #[arg(long, env = "MAX_BATCH", default_value_t = 8)]
+    #[arg(long, env = "DENOISER_MAX_BATCH", default_value_t = 8)]
     pub max_batch: usize,
     /// Jobs that may wait for a batch slot; more are rejected (the router tries elsewhere).
-    #[arg(long, env = "MAX_QUEUE", default_value_t = 16)]
+    #[arg(long, env = "DENOISER_MAX_QUEUE", default_value_t = 16)]
     pub max_queue: usize,
     /// Batch formation: `continuous` (jobs join at every step boundary) or `static` (a batch
     /// forms only when none runs, the baseline).
@@ -72,109 +73,110 @@ pub struct DenoiserConfig {
     pub batching: engine::Batching,
     /// Most image tokens (masked tokens per image) computed per step over the running batch;
     /// unset: only --max-batch limits it.
-    #[arg(long, env = "TOKEN_BUDGET")]
+    #[arg(long, env = "DENOISER_TOKEN_BUDGET")]
     pub token_budget: Option<u64>,
     /// Capacity of the engine's command channel.
-    #[arg(long, env = "COMMAND_CAPACITY", default_value_t = 64)]
+    #[arg(long, env = "DENOISER_COMMAND_CAPACITY", default_value_t = 64)]
     pub command_capacity: usize,
-    /// Heartbeat period (ms); the router expires workers after a few missed ones.
-    #[arg(long, env = "HEARTBEAT_INTERVAL_MS", default_value_t = 500)]
-    pub heartbeat_interval_ms: u64,
+    /// Heartbeat period; the router expires this worker after a few missed ones (it reads
+    /// the period from the heartbeats themselves).
+    #[arg(long, env = "DENOISER_HEARTBEAT_INTERVAL", default_value = "500ms", value_parser = duration)]
+    pub heartbeat_interval: Duration,
     /// Resolution (square, pixels) of jobs that do not carry a model resolution.
-    #[arg(long, env = "DEFAULT_RESOLUTION", default_value_t = 64)]
+    #[arg(long, env = "DENOISER_DEFAULT_RESOLUTION", default_value_t = 64)]
     pub default_resolution: i64,
-    /// Deadline of the post-processing request to the codec (ms).
-    #[arg(long, env = "CODEC_TIMEOUT_MS", default_value_t = 30000)]
-    pub codec_timeout_ms: u64,
-    /// Deadline of the first post-processing attempt (ms); each attempt sent again after a
-    /// timeout doubles it, up to --codec-timeout-ms. A codec killed while it held the request
+    /// Deadline of the post-processing request to the codec.
+    #[arg(long, env = "DENOISER_CODEC_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub codec_timeout: Duration,
+    /// Deadline of the first post-processing attempt; each attempt sent again after a
+    /// timeout doubles it, up to --codec-timeout. A codec killed while it held the request
     /// then costs this, not the whole deadline (post-processing takes well under a second).
-    #[arg(long, env = "CODEC_FIRST_ATTEMPT_MS", default_value_t = 5000)]
-    pub codec_first_attempt_ms: u64,
+    #[arg(long, env = "DENOISER_CODEC_FIRST_ATTEMPT", default_value = "5s", value_parser = duration)]
+    pub codec_first_attempt: Duration,
     /// How long a finished job's post-processing is sent again while no codec takes it (its
-    /// outputs are kept in the object store), seconds; then the job fails
+    /// outputs are kept in the object store); then the job fails
     /// (`shared::unanswered`).
-    #[arg(long, env = "POST_RETRY_WINDOW_S", default_value_t = 60)]
-    pub post_retry_window_s: u64,
-    /// Deadline of each hand-back of a queued job to the router at shutdown (ms).
-    #[arg(long, env = "HANDBACK_TIMEOUT_MS", default_value_t = 5000)]
-    pub handback_timeout_ms: u64,
-    /// Retry hint sent with rejections (ms).
-    #[arg(long, env = "RETRY_AFTER_MS", default_value_t = 500)]
-    pub retry_after_ms: u64,
+    #[arg(long, env = "DENOISER_POST_RETRY_WINDOW", default_value = "60s", value_parser = duration)]
+    pub post_retry_window: Duration,
+    /// Deadline of each hand-back of a queued job to the router at shutdown.
+    #[arg(long, env = "DENOISER_HANDBACK_TIMEOUT", default_value = "5s", value_parser = duration)]
+    pub handback_timeout: Duration,
+    /// Retry hint sent with rejections.
+    #[arg(long, env = "DENOISER_RETRY_AFTER", default_value = "500ms", value_parser = duration)]
+    pub retry_after: Duration,
     /// Key layout of captured template caches: `prepared` (keys after norm + RoPE, cheaper
     /// edits) or `raw` (projections, as FlashPS caches them).
-    #[arg(long, env = "CACHE_FORMAT", default_value = "prepared")]
+    #[arg(long, env = "DENOISER_CACHE_FORMAT", default_value = "prepared")]
     pub cache_format: String,
     /// Storage dtype of template caches: f32, f16, bf16 or fp8 (lossy, per-row scaled).
-    #[arg(long, env = "CACHE_DTYPE", default_value = "bf16")]
+    #[arg(long, env = "DENOISER_CACHE_DTYPE", default_value = "bf16")]
     pub cache_dtype: String,
     /// Bytes of template caches kept in this denoiser's memory (local tier, LRU).
-    #[arg(long, env = "LOCAL_CACHE_BYTES", default_value_t = 1 << 30)]
+    #[arg(long, env = "DENOISER_LOCAL_CACHE_BYTES", default_value_t = 1 << 30)]
     pub local_cache_bytes: u64,
     /// Bytes of registered templates' model-resolution pixels kept in memory, so a template's
     /// edits read them once (LRU; 0 reads them for every edit).
-    #[arg(long, env = "TEMPLATE_PIXELS_BYTES", default_value_t = 256 << 20)]
+    #[arg(long, env = "DENOISER_TEMPLATE_PIXELS_BYTES", default_value_t = 256 << 20)]
     pub template_pixels_bytes: u64,
     /// Bytes of prompt embeddings, template latents and template noise the engine keeps, so
     /// edits of one template (and requests repeating a prompt) skip the text and image encoders
     /// on the step loop (LRU; 0 keeps nothing).
-    #[arg(long, env = "CONDITIONING_CACHE_BYTES", default_value_t = 256 << 20)]
+    #[arg(long, env = "DENOISER_CONDITIONING_CACHE_BYTES", default_value_t = 256 << 20)]
     pub conditioning_cache_bytes: u64,
     /// The order waiting jobs join the running batch in: `fcfs`, `srtf` (least image tokens x
     /// steps first) or `edf` (earliest `deadline_ms` first; jobs without one after them).
-    #[arg(long, env = "QUEUE_ORDER", value_enum, default_value_t = diffmesh_sched::QueueOrder::Fcfs)]
+    #[arg(long, env = "DENOISER_QUEUE_ORDER", value_enum, default_value_t = diffmesh_sched::QueueOrder::Fcfs)]
     pub queue_order: diffmesh_sched::QueueOrder,
     /// Bounded asynchronous LoRA loading: the share of a job's steps it may run on the base
     /// model while its LoRA adapters load (Katz's K = 10 of 50 steps is 0.2); 0 waits for them.
-    #[arg(long, env = "LORA_ASYNC_FRACTION", default_value_t = 0.2)]
+    #[arg(long, env = "DENOISER_LORA_ASYNC_FRACTION", default_value_t = 0.2)]
     pub lora_async_fraction: f64,
     /// Where the base copies of LoRA-patched layers live: `device` (switches stay on the GPU; a
     /// second copy of the adapted layers in device memory) or `host` (no device memory; every
     /// switch copies them host to device). The same on a CPU.
-    #[arg(long, env = "LORA_ORIGINALS", value_enum, default_value_t = diffmesh_model::lora::OriginalsOn::Device)]
+    #[arg(long, env = "DENOISER_LORA_ORIGINALS", value_enum, default_value_t = diffmesh_model::lora::OriginalsOn::Device)]
     pub lora_originals: diffmesh_model::lora::OriginalsOn,
     /// Folder of named ControlNets (`<dir>/<name>/config.json` + safetensors, diffusers'
     /// `FluxControlNetModel` layout) that generations may name in `controlnet.name`; none: this
     /// denoiser takes no steered generations.
-    #[arg(long, env = "CONTROLNET_DIR")]
+    #[arg(long, env = "DENOISER_CONTROLNET_DIR")]
     pub controlnet_dir: Option<std::path::PathBuf>,
     /// ControlNets kept loaded (the least recently used is dropped beyond it).
-    #[arg(long, env = "CONTROLNET_CACHE", default_value_t = 4)]
+    #[arg(long, env = "DENOISER_CONTROLNET_CACHE", default_value_t = 4)]
     pub controlnet_cache: usize,
     /// Where steered steps get their ControlNet residuals: `off` (here, from
     /// --controlnet-dir), `sync` (from ControlNet workers, `diffmesh-controlnet`, for the step
     /// about to run) or `pipelined` (from workers, one step behind, hidden behind the forward).
     /// A ControlNet no worker serves, or a worker that fails, is computed here when
     /// --controlnet-dir holds it.
-    #[arg(long, env = "CONTROLNET_REMOTE", value_enum, default_value_t = controlnet_service::RemoteMode::Off)]
+    #[arg(long, env = "DENOISER_CONTROLNET_REMOTE", value_enum, default_value_t = controlnet_service::RemoteMode::Off)]
     pub controlnet_remote: controlnet_service::RemoteMode,
-    /// Deadline of each request to a ControlNet worker (ms); past it the step goes to another
+    /// Deadline of each request to a ControlNet worker; past it the step goes to another
     /// worker, then falls back.
-    #[arg(long, env = "CONTROLNET_TIMEOUT_MS", default_value_t = 10000)]
-    pub controlnet_timeout_ms: u64,
+    #[arg(long, env = "DENOISER_CONTROLNET_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub controlnet_timeout: Duration,
     /// Bytes of LoRA adapters held in memory (LRU).
-    #[arg(long, env = "LORA_CACHE_BYTES", default_value_t = 2 << 30)]
+    #[arg(long, env = "DENOISER_LORA_CACHE_BYTES", default_value_t = 2 << 30)]
     pub lora_cache_bytes: u64,
     /// Largest LoRA weights file read from the LoRA store.
-    #[arg(long, env = "MAX_LORA_BYTES", default_value_t = 512 << 20)]
+    #[arg(long, env = "DENOISER_MAX_LORA_BYTES", default_value_t = 512 << 20)]
     pub max_lora_bytes: usize,
     /// Load template caches other denoisers capture (broadcast on
     /// `diffmesh.templates.captured.<cache_key>`; at start, those announced before it, newest
     /// first) into the local tier while it has room, so their first edits here do not wait
     /// for the cachestore.
-    #[arg(long, env = "WARM_ON_CAPTURE", default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(long, env = "DENOISER_WARM_ON_CAPTURE", default_value_t = true, action = clap::ArgAction::Set)]
     pub warm_on_capture: bool,
     /// Cache blocks the loader thread decodes ahead of the compute, per request.
-    #[arg(long, env = "CACHE_LOOKAHEAD", default_value_t = 2)]
+    #[arg(long, env = "DENOISER_CACHE_LOOKAHEAD", default_value_t = 2)]
     pub cache_lookahead: usize,
     /// Leading blocks of a mask-aware step computed over all tokens: `auto` (planned from
     /// measured compute and load costs) or a fixed count.
-    #[arg(long, env = "CACHE_PREFIX", default_value = "auto")]
+    #[arg(long, env = "DENOISER_CACHE_PREFIX", default_value = "auto")]
     pub cache_prefix: String,
-    /// Deadline of each cachestore request (ms).
-    #[arg(long, env = "CACHESTORE_TIMEOUT_MS", default_value_t = 10000)]
-    pub cachestore_timeout_ms: u64,
+    /// Deadline of each cachestore request.
+    #[arg(long, env = "DENOISER_CACHESTORE_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub cachestore_timeout: Duration,
 }
 
 impl DenoiserConfig {
@@ -192,13 +194,13 @@ impl DenoiserConfig {
             batching: engine::Batching::Continuous,
             token_budget: None,
             command_capacity: 16,
-            heartbeat_interval_ms: 100,
+            heartbeat_interval: Duration::from_millis(100),
             default_resolution: 64,
-            codec_timeout_ms: 10000,
-            codec_first_attempt_ms: 5000,
-            post_retry_window_s: 30,
-            handback_timeout_ms: 2000,
-            retry_after_ms: 200,
+            codec_timeout: Duration::from_secs(10),
+            codec_first_attempt: Duration::from_secs(5),
+            post_retry_window: Duration::from_secs(30),
+            handback_timeout: Duration::from_secs(2),
+            retry_after: Duration::from_millis(200),
             cache_format: "prepared".into(),
             cache_dtype: "bf16".into(),
             local_cache_bytes: 256 << 20,
@@ -210,13 +212,13 @@ impl DenoiserConfig {
             controlnet_dir: None,
             controlnet_cache: 4,
             controlnet_remote: controlnet_service::RemoteMode::Off,
-            controlnet_timeout_ms: 5000,
+            controlnet_timeout: Duration::from_secs(5),
             lora_cache_bytes: 64 << 20,
             max_lora_bytes: 64 << 20,
             warm_on_capture: true,
             cache_lookahead: 2,
             cache_prefix: "auto".into(),
-            cachestore_timeout_ms: 5000,
+            cachestore_timeout: Duration::from_secs(5),
         }
     }
 
@@ -399,7 +401,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let client = diffmesh_shared::nats::connect(
         &config.common.nats_url,
         &format!("diffmesh-denoiser-{worker_id}"),
-        Duration::from_secs(config.common.nats_connect_timeout_s),
+        config.common.nats_connect_timeout,
     )
     .await?;
     let js =
@@ -429,11 +431,8 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let cache_bucket =
         BlobStore::open_with(&js, &diffmesh_shared::stores::jetstream_layout::CACHES).await?;
     let local = templates::LocalTier::new(config.local_cache_bytes, gpu_copy);
-    let store = templates::store::CacheClient::new(
-        client.clone(),
-        cache_bucket,
-        Duration::from_millis(config.cachestore_timeout_ms),
-    );
+    let store =
+        templates::store::CacheClient::new(client.clone(), cache_bucket, config.cachestore_timeout);
     let templates = service::Templates {
         fetcher: templates::CacheFetcher::new(
             store.clone(),
@@ -470,8 +469,8 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let mut follow_workers = None;
     let mut controlnet_workers = None;
     if config.controlnet_remote != controlnet_service::RemoteMode::Off {
-        let period = Duration::from_millis(config.heartbeat_interval_ms.max(10));
-        let workers = controlnet_service::ControlNetWorkers::new(period * 4);
+        // A worker is gone after 4 missed heartbeats (at the period its heartbeats give).
+        let workers = controlnet_service::ControlNetWorkers::new(4);
         controlnet_workers = Some(workers.clone());
         let (listen, nats, stop) = (workers.clone(), client.clone(), background.clone());
         follow_workers = Some(tokio::spawn(async move {
@@ -484,7 +483,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
             workers,
             controlnet_service::RemoteSettings {
                 mode: config.controlnet_remote,
-                timeout: Duration::from_millis(config.controlnet_timeout_ms),
+                timeout: config.controlnet_timeout,
                 attempts: 3,
                 max_reply_bytes: 1 << 30,
             },

@@ -402,7 +402,7 @@ impl Service {
                     self.metrics.failures.with_label_values(&["busy"]).inc();
                     SubmitReply::Rejected {
                         reason: err.to_string(),
-                        retry_after_ms: self.config.retry_after_ms,
+                        retry_after_ms: self.config.retry_after.as_millis() as u64,
                     }
                 }
             };
@@ -466,6 +466,11 @@ impl Service {
             controlnets: self.controlnets_served(),
             recent_steps: self.engine.take_step_samples(),
             controlnet_step_s: status.controlnet_step_s,
+            interval_ms: self
+                .config
+                .heartbeat_interval
+                .as_millis()
+                .min(u32::MAX.into()) as u32,
         }
     }
 
@@ -483,9 +488,11 @@ impl Service {
     }
 
     pub async fn heartbeats(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), MeshError> {
-        let mut tick = tokio::time::interval(Duration::from_millis(
-            self.config.heartbeat_interval_ms.max(10),
-        ));
+        let mut tick = tokio::time::interval(
+            self.config
+                .heartbeat_interval
+                .max(Duration::from_millis(10)),
+        );
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
@@ -599,11 +606,9 @@ impl Service {
             model_width: width,
             model_height: height,
         };
-        let mut deadlines = AttemptDeadlines::new(
-            Duration::from_millis(self.config.codec_first_attempt_ms),
-            Duration::from_millis(self.config.codec_timeout_ms),
-        );
-        let window = Duration::from_secs(self.config.post_retry_window_s);
+        let mut deadlines =
+            AttemptDeadlines::new(self.config.codec_first_attempt, self.config.codec_timeout);
+        let window = self.config.post_retry_window;
         // The outputs are stored: wait out a codec restart rather than lose the job's steps.
         let reply = resent_while_unanswered(subjects::CODEC_POST, window, || {
             request_msgpack_job::<_, PostprocessReply>(
@@ -658,7 +663,7 @@ impl Service {
 
     /// Give queued jobs that never started back to the router, which places them elsewhere.
     pub async fn hand_back(&self, jobs: Vec<DenoiseJob>) {
-        let timeout = Duration::from_millis(self.config.handback_timeout_ms);
+        let timeout = self.config.handback_timeout;
         for job in jobs {
             let job_id = job.job_id.clone();
             let reply = request_msgpack_job::<_, SubmitReply>(

@@ -136,7 +136,7 @@ impl Router {
         {
             return;
         }
-        let wait = Duration::from_millis(self.config.adopt_wait_ms);
+        let wait = self.config.adopt_wait;
         let now = now_ms();
         let mut adoption = None;
         let adopted = self

@@ -19,6 +19,7 @@ pub mod worker_state;
 
 use admin::AdminServer;
 use diffmesh_sched::{CostModels, SchedError};
+use diffmesh_shared::process::config::duration;
 use diffmesh_shared::process::health::Readiness;
 use diffmesh_shared::stores::job::JobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
@@ -38,38 +39,36 @@ use tokio_util::sync::CancellationToken;
 pub struct RouterConfig {
     #[command(flatten)]
     pub common: CommonConfig,
-    /// Interval at which denoisers send heartbeats (must match their --heartbeat-interval-ms).
-    #[arg(long, env = "HEARTBEAT_INTERVAL_MS", default_value_t = 500)]
-    pub heartbeat_interval_ms: u64,
-    /// A denoiser is lost after this many heartbeats in a row did not arrive.
-    #[arg(long, env = "MISSED_HEARTBEATS", default_value_t = 3)]
+    /// A denoiser is lost after this many heartbeats in a row did not arrive (each denoiser's
+    /// heartbeats say how often it sends them).
+    #[arg(long, env = "ROUTER_MISSED_HEARTBEATS", default_value_t = 3)]
     pub missed_heartbeats: u32,
     /// How many placements a job gets in total (first try plus re-placements after losses).
-    #[arg(long, env = "MAX_ATTEMPTS", default_value_t = 3)]
+    #[arg(long, env = "ROUTER_MAX_ATTEMPTS", default_value_t = 3)]
     pub max_attempts: u32,
     /// Submits that may wait in the router for a denoiser slot (the admission queue); beyond
     /// it a submit is answered `Overloaded` (HTTP 429 with Retry-After at the gateway).
     #[arg(long, env = "ROUTER_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,
-    /// How long one submit waits in the admission queue before it is rejected with a retry hint
-    /// (ms). Keep it plus --forward-timeout-ms below the gateway's router timeout.
-    #[arg(long, env = "ADMISSION_WAIT_MS", default_value_t = 2000)]
-    pub admission_wait_ms: u64,
-    /// Deadline of the request that hands a job to a denoiser (ms).
-    #[arg(long, env = "FORWARD_TIMEOUT_MS", default_value_t = 2000)]
-    pub forward_timeout_ms: u64,
-    /// Retry hint sent with rejections (ms).
-    #[arg(long, env = "RETRY_AFTER_MS", default_value_t = 1000)]
-    pub retry_after_ms: u64,
+    /// How long one submit waits in the admission queue before it is rejected with a retry
+    /// hint. Keep it plus --forward-timeout below the gateway's router timeout.
+    #[arg(long, env = "ROUTER_ADMISSION_WAIT", default_value = "2s", value_parser = duration)]
+    pub admission_wait: Duration,
+    /// Deadline of the request that hands a job to a denoiser.
+    #[arg(long, env = "ROUTER_FORWARD_TIMEOUT", default_value = "2s", value_parser = duration)]
+    pub forward_timeout: Duration,
+    /// Retry hint sent with rejections.
+    #[arg(long, env = "ROUTER_RETRY_AFTER", default_value = "1s", value_parser = duration)]
+    pub retry_after: Duration,
     /// How long a job whose denoiser was lost waits to be placed again (for a slot, and for a
     /// denoiser to come back while none is live, a restarting one included); then it fails
-    /// with `worker_lost` (ms).
-    #[arg(long, env = "FAILOVER_WAIT_MS", default_value_t = 60_000)]
-    pub failover_wait_ms: u64,
+    /// with `worker_lost`.
+    #[arg(long, env = "ROUTER_FAILOVER_WAIT", default_value = "60s", value_parser = duration)]
+    pub failover_wait: Duration,
     /// How long the router keeps trying to place an async job it adopted (its gateway died
-    /// before placing it) while no denoiser can take it; then the job fails (ms).
-    #[arg(long, env = "ADOPT_WAIT_MS", default_value_t = 60_000)]
-    pub adopt_wait_ms: u64,
+    /// before placing it) while no denoiser can take it; then the job fails.
+    #[arg(long, env = "ROUTER_ADOPT_WAIT", default_value = "60s", value_parser = duration)]
+    pub adopt_wait: Duration,
     /// Placement policy: round-robin, request-count, token-count, mask-aware (FlashPS
     /// Algorithm 2 with remaining steps), mask-aware-marginal, mask-aware-deferring (holds jobs
     /// in the admission queue where batching saves no work, as on CPU denoisers of a larger
@@ -94,15 +93,14 @@ impl RouterConfig {
     pub fn for_tests(nats_url: impl Into<String>) -> Self {
         Self {
             common: CommonConfig::for_tests(nats_url),
-            heartbeat_interval_ms: 100,
             missed_heartbeats: 3,
             max_attempts: 3,
             max_queue: 16,
-            admission_wait_ms: 500,
-            forward_timeout_ms: 1000,
-            retry_after_ms: 200,
-            adopt_wait_ms: 30_000,
-            failover_wait_ms: 30_000,
+            admission_wait: Duration::from_millis(500),
+            forward_timeout: Duration::from_secs(1),
+            retry_after: Duration::from_millis(200),
+            adopt_wait: Duration::from_secs(30),
+            failover_wait: Duration::from_secs(30),
             policy: "mask-aware".into(),
             profile: None,
             step_calibration: true,
@@ -177,11 +175,10 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     let client = diffmesh_shared::nats::connect(
         &config.common.nats_url,
         "diffmesh-router",
-        Duration::from_secs(config.common.nats_connect_timeout_s),
+        config.common.nats_connect_timeout,
     )
     .await?;
     let expiry = ExpiryPolicy {
-        heartbeat_interval: Duration::from_millis(config.heartbeat_interval_ms),
         missed_heartbeats: config.missed_heartbeats,
     };
     tracing::info!(

@@ -9,16 +9,15 @@ use std::time::{Duration, Instant};
 /// When a worker counts as lost.
 #[derive(Debug, Clone, Copy)]
 pub struct ExpiryPolicy {
-    /// How often denoisers send heartbeats.
-    pub heartbeat_interval: Duration,
-    /// A worker is lost after this many consecutive heartbeats did not arrive.
+    /// A worker is lost after this many consecutive heartbeats did not arrive (each worker's
+    /// heartbeats say how often it sends them).
     pub missed_heartbeats: u32,
 }
 
 impl ExpiryPolicy {
-    /// Silence longer than this expires a worker.
-    pub fn timeout(&self) -> Duration {
-        self.heartbeat_interval * self.missed_heartbeats.max(1)
+    /// Silence longer than this expires a worker that sends heartbeats every `interval`.
+    pub fn timeout(&self, interval: Duration) -> Duration {
+        interval * self.missed_heartbeats.max(1)
     }
 }
 
@@ -114,11 +113,13 @@ impl WorkerRegistry {
 
     /// Remove every worker silent for longer than the policy allows; return them with their jobs.
     pub fn expire(&mut self, now: Instant) -> Vec<LostWorker> {
-        let timeout = self.policy.timeout();
+        let policy = self.policy;
         let lost: Vec<String> = self
             .workers
             .iter()
-            .filter(|(_, e)| now.saturating_duration_since(e.last_seen) > timeout)
+            .filter(|(_, e)| {
+                now.saturating_duration_since(e.last_seen) > policy.timeout(e.heartbeat.interval())
+            })
             .map(|(id, _)| id.clone())
             .collect();
         lost.into_iter().filter_map(|id| self.remove(&id)).collect()
@@ -224,6 +225,7 @@ pub(crate) mod tests {
             controlnets: vec![],
             recent_steps: vec![],
             controlnet_step_s: vec![],
+            interval_ms: 500,
         }
     }
 
@@ -233,7 +235,6 @@ pub(crate) mod tests {
 
     pub fn policy() -> ExpiryPolicy {
         ExpiryPolicy {
-            heartbeat_interval: Duration::from_millis(500),
             missed_heartbeats: 3,
         }
     }
@@ -250,6 +251,28 @@ pub(crate) mod tests {
         assert_eq!(lost.len(), 1);
         assert_eq!(lost[0].worker_id, "a");
         assert_eq!(reg.live_workers(), 0);
+    }
+
+    #[test]
+    fn each_worker_expires_by_the_period_its_heartbeats_give() {
+        let t0 = Instant::now();
+        let mut reg = WorkerRegistry::new(policy());
+        let fast = Heartbeat {
+            interval_ms: 100,
+            ..heartbeat("fast", 2, 0)
+        };
+        let old = Heartbeat {
+            interval_ms: 0,
+            ..heartbeat("old", 2, 0)
+        };
+        reg.observe(fast, t0);
+        reg.observe(old, t0);
+        // 3 x 100 ms missed by `fast`; `old` says no period: the default 500 ms.
+        let lost = reg.expire(t0 + Duration::from_millis(400));
+        assert_eq!(lost.len(), 1);
+        assert_eq!(lost[0].worker_id, "fast");
+        assert!(reg.expire(t0 + Duration::from_millis(1400)).is_empty());
+        assert_eq!(reg.expire(t0 + Duration::from_millis(1600)).len(), 1);
     }
 
     #[test]

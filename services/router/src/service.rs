@@ -22,6 +22,10 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+/// How often silent workers are looked for: well under the shortest expiry (a few missed
+/// heartbeats of 100 ms in tests, 500 ms by default).
+const EXPIRY_CHECK: Duration = Duration::from_millis(50);
+
 /// Why a job could not be placed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlaceError {
@@ -180,11 +184,10 @@ impl Router {
         }
     }
 
-    /// Expire silent workers every half heartbeat interval and fail their jobs over.
+    /// Expire silent workers (each by the heartbeat period it announces) and fail their jobs
+    /// over; checked every [`EXPIRY_CHECK`].
     pub async fn expiry(self: Arc<Self>, shutdown: CancellationToken) {
-        let period = (Duration::from_millis(self.config.heartbeat_interval_ms) / 2)
-            .max(Duration::from_millis(10));
-        let mut tick = tokio::time::interval(period);
+        let mut tick = tokio::time::interval(EXPIRY_CHECK);
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -224,7 +227,7 @@ impl Router {
                     reason: format!("denoiser {lost} lost"),
                 };
                 self.publish_event(&job.job_id, &event).await;
-                let wait = Duration::from_millis(self.config.failover_wait_ms);
+                let wait = self.config.failover_wait;
                 // Another denoiser first; the lost one (back in place) when none other can take it.
                 let exclude = [lost.to_string()];
                 match self

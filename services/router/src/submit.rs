@@ -82,7 +82,7 @@ impl Router {
                     self.count_failure(err.reason());
                     let reply = SubmitReply::Rejected {
                         reason: err.to_string(),
-                        retry_after_ms: self.config.retry_after_ms,
+                        retry_after_ms: self.config.retry_after.as_millis() as u64,
                     };
                     self.reply(&msg, &reply, started).await;
                     return;
@@ -110,7 +110,7 @@ impl Router {
                 self.count_failure(PlaceError::QueueFull(full.depth).reason());
                 let reply = SubmitReply::Overloaded {
                     queue_depth: full.depth as u32,
-                    retry_after_ms: self.config.retry_after_ms,
+                    retry_after_ms: self.config.retry_after.as_millis() as u64,
                 };
                 self.reply(&msg, &reply, started).await;
             }
@@ -121,7 +121,7 @@ impl Router {
     /// waited longer than `--admission-wait-ms`. Returns at shutdown (the queue is drained by
     /// [`Router::drain_admission`] once no submit handler runs any more).
     pub async fn dispatch(self: Arc<Self>, shutdown: CancellationToken) {
-        let max_wait = Duration::from_millis(self.config.admission_wait_ms);
+        let max_wait = self.config.admission_wait;
         loop {
             let woken = self.capacity.notified();
             tokio::select! {
@@ -135,9 +135,9 @@ impl Router {
                 let reply = SubmitReply::Rejected {
                     reason: format!(
                         "every denoiser stayed full for {} ms",
-                        self.config.admission_wait_ms
+                        self.config.admission_wait.as_millis()
                     ),
-                    retry_after_ms: self.config.retry_after_ms,
+                    retry_after_ms: self.config.retry_after.as_millis() as u64,
                 };
                 self.answer(&w, &reply).await;
             }
@@ -153,7 +153,7 @@ impl Router {
         loop {
             // A policy may hold the head back while a worker would take it, but not for so
             // long that it expires unplaced: past half its allowed wait it goes where it can.
-            let may_hold_for = Duration::from_millis(self.config.admission_wait_ms / 2);
+            let may_hold_for = self.config.admission_wait / 2;
             let head = {
                 let q = self.admission();
                 let behind = q.len().saturating_sub(1) as u32;
@@ -198,7 +198,7 @@ impl Router {
                     self.count_failure(err.reason());
                     let reply = SubmitReply::Rejected {
                         reason: err.to_string(),
-                        retry_after_ms: self.config.retry_after_ms,
+                        retry_after_ms: self.config.retry_after.as_millis() as u64,
                     };
                     self.answer(&w, &reply).await;
                 }
@@ -218,7 +218,7 @@ impl Router {
         for w in waiting {
             let reply = SubmitReply::Rejected {
                 reason: reason.to_string(),
-                retry_after_ms: self.config.retry_after_ms,
+                retry_after_ms: self.config.retry_after.as_millis() as u64,
             };
             self.answer(&w, &reply).await;
         }
@@ -290,7 +290,7 @@ impl Router {
                 Decision::NoLiveWorker => return Err(PlaceError::NoLiveWorker),
                 Decision::NoCapacity => return Err(PlaceError::NoCapacity),
             };
-            let timeout = Duration::from_millis(self.config.forward_timeout_ms);
+            let timeout = self.config.forward_timeout;
             let subject = subjects::denoiser_submit(&worker);
             match request_msgpack_job::<_, SubmitReply>(
                 &self.client,

@@ -18,7 +18,7 @@ async fn admission_queue_overflows_cancels_places_and_drains() {
     let mut config = RouterConfig::for_tests(nats.url());
     config.max_queue = 2;
     // Long enough that nothing expires during the test.
-    config.admission_wait_ms = 20_000;
+    config.admission_wait = Duration::from_secs(20);
     let router = start(config).await.unwrap();
     let addr = router.health_addr;
     let client = async_nats::connect(nats.url()).await.unwrap();
@@ -205,7 +205,7 @@ async fn deferring_holds_jobs_in_the_queue_until_a_worker_drains_or_half_their_w
     let mut config = RouterConfig::for_tests(nats.url());
     config.profile = Some("medium-cpu".into());
     config.policy = "mask-aware-deferring".into();
-    config.admission_wait_ms = 4_000;
+    config.admission_wait = Duration::from_secs(4);
     let router = start(config).await.unwrap();
     let addr = router.health_addr;
     let client = async_nats::connect(nats.url()).await.unwrap();

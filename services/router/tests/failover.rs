@@ -51,6 +51,7 @@ async fn fake_worker_that(
                     let hb = Heartbeat {
                         worker_id: worker.clone(), running: vec![], queued: 0, waiting: vec![], max_batch: 2,
                         model: "tiny".into(), draining: false, queue_capacity: 2, cached_templates: vec![], cached_loras: vec![], controlnets: vec![], recent_steps: vec![], controlnet_step_s: vec![],
+                        interval_ms: 100,
                     };
                     c.publish(subjects::DENOISER_HEARTBEAT, encode(&hb).unwrap().into()).await.unwrap();
                 }
@@ -73,13 +74,13 @@ async fn fake_worker_that(
     stop
 }
 
-/// A router on `nats` that keeps a lost denoiser's job for `failover_wait_ms`, and a client.
+/// A router on `nats` that keeps a lost denoiser's job for `failover_wait`, and a client.
 async fn router_with_failover_wait(
     nats: &NatsServer,
-    failover_wait_ms: u64,
+    failover_wait: Duration,
 ) -> (RouterHandle, async_nats::Client) {
     let router = start(RouterConfig {
-        failover_wait_ms,
+        failover_wait,
         ..RouterConfig::for_tests(nats.url())
     })
     .await
@@ -116,7 +117,7 @@ async fn restart_w0_in_place(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn places_fails_over_and_gives_up_cleanly() {
     let nats = NatsServer::start();
-    let (router, client) = router_with_failover_wait(&nats, 1000).await;
+    let (router, client) = router_with_failover_wait(&nats, Duration::from_secs(1)).await;
 
     // No denoiser yet: rejected at once with a retry hint.
     match submit(&client, &job("early")).await {
@@ -207,7 +208,7 @@ async fn places_fails_over_and_gives_up_cleanly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_waits_for_its_only_denoiser_to_restart() {
     let nats = NatsServer::start();
-    let (router, client) = router_with_failover_wait(&nats, 10_000).await;
+    let (router, client) = router_with_failover_wait(&nats, Duration::from_secs(10)).await;
     let (tx, mut placed) = mpsc::channel(16);
     let first = fake_worker(client.clone(), "w0", tx.clone()).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -253,7 +254,7 @@ async fn a_job_waits_for_its_only_denoiser_to_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_job_goes_back_to_its_restarted_denoiser_when_the_other_is_full() {
     let nats = NatsServer::start();
-    let (router, client) = router_with_failover_wait(&nats, 10_000).await;
+    let (router, client) = router_with_failover_wait(&nats, Duration::from_secs(10)).await;
     let (tx, mut placed) = mpsc::channel(16);
     let _full = fake_worker_that(client.clone(), "w1", tx.clone(), false).await;
     let first = fake_worker(client.clone(), "w0", tx.clone()).await;

@@ -1,5 +1,16 @@
 //! Flags every service shares; flattened into each service's own clap struct.
+//!
+//! Conventions of every service's flags: each has an environment variable of the same name,
+//! prefixed by the service (`DENOISER_`, `ROUTER_`, `GATEWAY_`, `CODEC_`, `CACHESTORE_`,
+//! `CONTROLNET_`) except these shared ones; durations are written as humantime durations
+//! (`500ms`, `2s`, `1m`: [`duration`]), sizes in bytes.
 use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Parse a flag's duration (`500ms`, `2s`, `1m 30s`; see `humantime::parse_duration`).
+pub fn duration(value: &str) -> Result<Duration, String> {
+    humantime::parse_duration(value).map_err(|e| format!("{e} (write e.g. 500ms, 2s, 1m)"))
+}
 
 /// Common service flags (`#[command(flatten)]` this into a service's config).
 #[derive(Debug, Clone, clap::Args)]
@@ -16,9 +27,9 @@ pub struct CommonConfig {
     /// Log as JSON lines instead of human-readable text.
     #[arg(long, env = "LOG_JSON", default_value_t = false)]
     pub log_json: bool,
-    /// How long to keep retrying the first NATS connection before giving up (seconds).
-    #[arg(long, env = "NATS_CONNECT_TIMEOUT_S", default_value_t = 30)]
-    pub nats_connect_timeout_s: u64,
+    /// How long to keep retrying the first NATS connection before giving up.
+    #[arg(long, env = "NATS_CONNECT_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub nats_connect_timeout: Duration,
     /// Replicas of the mesh's JetStream buckets and streams (1 on a single server; 3 on a
     /// three-node cluster). Missing ones are created with this many at start-up and existing
     /// ones with fewer are scaled up (`jetstream_layout`).
@@ -35,7 +46,7 @@ impl CommonConfig {
             health_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             otlp_endpoint: None,
             log_json: false,
-            nats_connect_timeout_s: 10,
+            nats_connect_timeout: Duration::from_secs(10),
             js_replicas: 1,
         }
     }
@@ -75,5 +86,11 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.to_string().contains("--js-replicas"), "{err}");
+        let slow = Cli::try_parse_from(["svc", "--nats-connect-timeout", "1m 30s"]).unwrap();
+        assert_eq!(slow.common.nats_connect_timeout, Duration::from_secs(90));
+        let err = Cli::try_parse_from(["svc", "--nats-connect-timeout", "30"])
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("--nats-connect-timeout"), "{err}");
     }
 }

@@ -191,6 +191,20 @@ pub struct ControlNetHeartbeat {
     pub queued: u32,
     /// It takes no new sessions (shutting down).
     pub draining: bool,
+    /// How often it sends heartbeats (ms), so a denoiser expires it after missing a few. 0 from
+    /// older senders ([`ControlNetHeartbeat::interval`]: the default period then).
+    #[serde(default)]
+    pub interval_ms: u32,
+}
+
+impl ControlNetHeartbeat {
+    /// How often this worker sends heartbeats.
+    pub fn interval(&self) -> std::time::Duration {
+        match self.interval_ms {
+            0 => crate::wire::messages::DEFAULT_HEARTBEAT_INTERVAL,
+            ms => std::time::Duration::from_millis(u64::from(ms)),
+        }
+    }
 }
 
 #[cfg(test)]

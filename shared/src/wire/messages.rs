@@ -389,6 +389,24 @@ pub struct Heartbeat {
     /// per step (smoothed), so a router costs a steered job here. Empty from older senders.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub controlnet_step_s: Vec<ControlNetStepCost>,
+    /// How often this worker sends heartbeats (ms): a router expires it after missing a few
+    /// of them, so the period is set once, on the denoiser. 0 from older senders
+    /// ([`Heartbeat::interval`] then assumes [`DEFAULT_HEARTBEAT_INTERVAL`]).
+    #[serde(default)]
+    pub interval_ms: u32,
+}
+
+/// The heartbeat period of senders that do not say theirs.
+pub const DEFAULT_HEARTBEAT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
+
+impl Heartbeat {
+    /// How often this worker sends heartbeats.
+    pub fn interval(&self) -> std::time::Duration {
+        match self.interval_ms {
+            0 => DEFAULT_HEARTBEAT_INTERVAL,
+            ms => std::time::Duration::from_millis(u64::from(ms)),
+        }
+    }
 }
 
 /// A denoiser's measured per-step cost of one ControlNet ([`Heartbeat::controlnet_step_s`]).

@@ -4,21 +4,22 @@ use diffmesh_shared::wire::messages::decode;
 use futures::StreamExt;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-/// Workers by id with their latest heartbeat; one unheard of for `expiry` is gone.
+/// Workers by id with their latest heartbeat; one that missed `missed` of its heartbeats (at
+/// the period they announce) is gone.
 #[derive(Clone)]
 pub struct ControlNetWorkers {
     seen: Arc<Mutex<HashMap<String, (ControlNetHeartbeat, Instant)>>>,
-    expiry: Duration,
+    missed: u32,
 }
 
 impl ControlNetWorkers {
-    pub fn new(expiry: Duration) -> Self {
+    pub fn new(missed: u32) -> Self {
         Self {
             seen: Arc::new(Mutex::new(HashMap::new())),
-            expiry,
+            missed: missed.max(1),
         }
     }
 
@@ -34,7 +35,7 @@ impl ControlNetWorkers {
         let Ok(mut seen) = self.seen.lock() else {
             return R::default();
         };
-        seen.retain(|_, (_, at)| at.elapsed() < self.expiry);
+        seen.retain(|_, (hb, at)| at.elapsed() < hb.interval() * self.missed);
         f(seen
             .values()
             .map(|(hb, _)| hb)
@@ -109,12 +110,13 @@ mod tests {
             sessions,
             queued: 0,
             draining: false,
+            interval_ms: 10,
         }
     }
 
     #[test]
     fn picks_a_worker_with_the_controlnet_loaded_then_the_least_busy() {
-        let w = ControlNetWorkers::new(Duration::from_secs(5));
+        let w = ControlNetWorkers::new(500);
         w.record(hb("a", &["canny", "depth"], &["depth"], 0));
         w.record(hb("b", &["canny"], &["canny"], 9));
         w.record(hb("c", &["canny"], &[], 1));
@@ -134,10 +136,11 @@ mod tests {
 
     #[test]
     fn silent_workers_expire() {
-        let w = ControlNetWorkers::new(Duration::from_millis(20));
+        // Heartbeats every 10 ms: gone after 2 missed.
+        let w = ControlNetWorkers::new(2);
         w.record(hb("a", &["canny"], &[], 0));
         assert!(w.serves("canny"));
-        std::thread::sleep(Duration::from_millis(40));
+        std::thread::sleep(std::time::Duration::from_millis(40));
         assert!(!w.serves("canny"));
         assert_eq!(w.pick("canny", &[]), None);
     }

@@ -82,6 +82,7 @@ impl FakeWorker {
                             controlnets: vec![],
                             recent_steps: vec![],
                             controlnet_step_s: vec![],
+                            interval_ms: 100,
                         };
                         let _ = client.publish(subjects::DENOISER_HEARTBEAT, encode(&hb).unwrap().into()).await;
                     }
