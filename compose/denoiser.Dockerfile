@@ -86,17 +86,17 @@ RUN ! ldd /usr/local/bin/diffmesh-denoiser | grep 'not found'
 WORKDIR /opt/diffmesh
 # The default model (tiny, trained, shipped in the repo). The CUDA C sources of kernels/ are
 # expected inside the binary (include_str!), so the image needs no copy of them.
-COPY --chown=diffmesh:diffmesh models/tiny /opt/diffmesh/models/tiny
-COPY --chown=diffmesh:diffmesh models/tiny-controlnets /opt/diffmesh/models/tiny-controlnets
+COPY --chown=diffmesh:diffmesh weights/tiny /opt/diffmesh/weights/tiny
+COPY --chown=diffmesh:diffmesh weights/tiny-controlnets /opt/diffmesh/weights/tiny-controlnets
 USER 10001:10001
 # NVIDIA_DRIVER_CAPABILITIES: what the NVIDIA container toolkit mounts from the host when a GPU
 # is reserved (the driver's libcuda.so.1 comes from the host, never from the image). Which GPUs
 # are visible is left to the reservation (compose `devices`, `docker run --gpus`).
 ENV RUST_LOG=info \
     HEALTH_ADDR=0.0.0.0:9090 \
-    DENOISER_MODEL_DIR=/opt/diffmesh/models/tiny \
-    DENOISER_CONTROLNET_DIR=/opt/diffmesh/models/tiny-controlnets \
-    CONTROLNET_DIR=/opt/diffmesh/models/tiny-controlnets \
+    DENOISER_MODEL_DIR=/opt/diffmesh/weights/tiny \
+    DENOISER_CONTROLNET_DIR=/opt/diffmesh/weights/tiny-controlnets \
+    CONTROLNET_DIR=/opt/diffmesh/weights/tiny-controlnets \
     LD_LIBRARY_PATH=/opt/libtorch/lib \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 LABEL org.opencontainers.image.title="diffmesh-denoiser"

@@ -128,7 +128,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn edits_with_an_attached_template_step_mask_aware() {
         let dir = BenchModel {
-            dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny"),
+            dir: std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights/tiny"),
             kind: diffmesh_model::tch::Kind::Float,
             device: diffmesh_model::tch::Device::Cpu,
             masked_attention: Default::default(),

@@ -7,7 +7,7 @@
 use crate::components::{LatentCodec, TextEncoder};
 use crate::error::{read_json, ModelError, Result};
 use crate::flux::FluxTransformer;
-use crate::scheduler::FlowMatchEulerDiscreteScheduler;
+use crate::noise_scheduler::FlowMatchEulerDiscreteScheduler;
 use crate::tiny::{DiffmeshPixelCodec, DiffmeshTinyTextEncoder};
 use crate::vae::AutoencoderKL;
 use std::collections::BTreeMap;

@@ -19,7 +19,7 @@ fn fixtures() -> &'static PathBuf {
         let script =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/parity/gen_controlnet.py");
         let shipped =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny-controlnets/silhouette");
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights/tiny-controlnets/silhouette");
         let status = std::process::Command::new(&python)
             .arg(&script)
             .arg("--out")
@@ -164,7 +164,7 @@ fn bad_control_inputs_name_the_field() {
 fn the_shipped_controlnet_loads_in_diffusers_as_it_does_here() {
     let dir = fixtures().join("shipped");
     let shipped =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny-controlnets/silhouette");
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights/tiny-controlnets/silhouette");
     let (net, _vs) = FluxControlNet::load(&shipped, Device::Cpu, Kind::Float).unwrap();
     let mut x = read(&dir.join("inputs.safetensors"));
     let control = x.remove("controlnet_cond").unwrap();

@@ -2,14 +2,14 @@
 //! (zero-initialised) ControlNet changes nothing, and a batch that mixes steered rows (two
 //! ControlNets of different depths) with plain rows steps every row as it steps alone.
 use diffmesh_model::flux::{ControlResiduals, FluxControlNet};
+use diffmesh_model::noise_scheduler::{
+    FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
+};
 use diffmesh_model::pipeline::control::ControlInput;
 use diffmesh_model::pipeline::stepper::{
     step_batch_controlled, DenoiseState, EditSpec, StepMode, StepRequest, TrueCfg,
 };
 use diffmesh_model::pipeline::FluxPipeline;
-use diffmesh_model::scheduler::{
-    FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
-};
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 use diffmesh_model::tiny::controlnet_train::controlnet_from_transformer;
 use diffmesh_model::tiny::model::{scheduler_config_json, TinyModel};

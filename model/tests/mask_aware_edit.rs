@@ -1,14 +1,14 @@
 //! Mask-aware edits through the step-level API: template capture, cached steps, packing of
 //! requests at different steps (random tiny model, fp32 CPU).
 use diffmesh_model::flux::{KvCache, KvFormat};
+use diffmesh_model::noise_scheduler::{
+    FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
+};
 use diffmesh_model::pipeline::stepper::{
     step_batch_modes, DenoiseState, EditSpec, StepMode, StepRequest, TrueCfg,
 };
 use diffmesh_model::pipeline::template::{capture_template, TemplateKv, TemplateSpec};
 use diffmesh_model::pipeline::FluxPipeline;
-use diffmesh_model::scheduler::{
-    FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
-};
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::tiny::model::{scheduler_config_json, TinyModel};
 use std::cell::Cell;

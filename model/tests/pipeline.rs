@@ -5,14 +5,14 @@
 use diffmesh_model::components::{LatentCodec, TextEmbeddings, TextEncoder};
 use diffmesh_model::flux::{FluxConfig, FluxTransformer};
 use diffmesh_model::model_dir::LoadedModel;
+use diffmesh_model::noise_scheduler::{
+    FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
+};
 use diffmesh_model::packing::{pack_latents, token_mask};
 use diffmesh_model::pipeline::noise::batch_noise;
 use diffmesh_model::pipeline::{
     inpaint, text_to_image, FluxPipeline, GenerateOptions, GenerationRequest, InpaintInputs,
     StepEvent,
-};
-use diffmesh_model::scheduler::{
-    FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
 };
 use diffmesh_model::vae::{AutoencoderKL, AutoencoderKLConfig};
 use diffmesh_model::{ModelError, Result};

@@ -3,7 +3,7 @@
 //! shifting, the Flux pipeline's custom-sigma path and the plain set_timesteps path.
 mod py_fixture;
 
-use diffmesh_model::scheduler::{
+use diffmesh_model::noise_scheduler::{
     FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig, Schedule,
 };
 use py_fixture::{generate, max_abs_diff, read_tensors};
@@ -40,7 +40,7 @@ fn schedule_for(case: &Value) -> Schedule {
             s
         }
         ("flux", None) => scheduler
-            .set_sigmas(&diffmesh_model::scheduler::flux_sigmas(steps), mu)
+            .set_sigmas(&diffmesh_model::noise_scheduler::flux_sigmas(steps), mu)
             .expect("custom sigmas"),
         ("default", _) => scheduler.set_timesteps(steps, mu).expect("set_timesteps"),
         (m, _) => panic!("unknown mode {m}"),

@@ -106,7 +106,7 @@ mod tests {
     /// left behind by a retrained model (another width or depth) mispredicts every step.
     #[test]
     fn the_default_profile_has_the_shipped_tiny_models_shape() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights/tiny");
         let config: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(dir.join("transformer/config.json")).unwrap(),
         )

@@ -43,7 +43,7 @@ start_nats() { # on its port and store, again after a kill
 start_svc() { # name (a service, or gatewayN): one replica, logging to $OUT/<name>.log
   # (appended across restarts)
   env NATS_URL=nats://127.0.0.1:14222 RUST_LOG=info HEALTH_ADDR=127.0.0.1:${HEALTH_PORT[$1]} \
-    GATEWAY_BIND=127.0.0.1:${API_PORT[$1]:-0} DENOISER_MODEL_DIR=models/tiny DENOISER_WORKER_ID=denoiser-0 \
+    GATEWAY_BIND=127.0.0.1:${API_PORT[$1]:-0} DENOISER_MODEL_DIR=weights/tiny DENOISER_WORKER_ID=denoiser-0 \
     OMP_NUM_THREADS=1 "$B/diffmesh-${1%%[0-9]*}" >> "$OUT/$1.log" 2>&1 &
   PID_OF[$1]=$!
 }

@@ -127,7 +127,7 @@ impl Drop for Service {
 
 /// The tiny default model directory (trained by `python/` scripts), if present.
 pub fn tiny_model_dir() -> Option<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights/tiny");
     dir.join("model_index.json").exists().then_some(dir)
 }
 

@@ -138,7 +138,7 @@ impl MeshBuilder {
     /// the tiny model is missing or a service does not start.
     pub async fn start(self) -> TestMesh {
         init_test_logging();
-        let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+        let model = tiny_model_dir().expect("weights/tiny (the default model) is missing");
         let nats = NatsServer::start();
         let disk = tempfile::tempdir().expect("the cachestore's disk directory");
         let codec = start_codec(&nats, self.codec).expect("codec");

@@ -66,7 +66,7 @@ async fn start_mesh_without_denoiser(
 impl Mesh {
     /// Start a denoiser of the tiny model that runs one job at a time.
     async fn add_denoiser(&mut self, worker_id: &str) {
-        let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+        let model = tiny_model_dir().expect("weights/tiny (the default model) is missing");
         let denoiser =
             start_denoiser(&self.nats, &model, worker_id, |d| d.max_batch = 1).expect("denoiser");
         denoiser

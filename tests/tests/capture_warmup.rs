@@ -215,7 +215,7 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
     assert_eq!(looked_up, f64::from(EDITS), "{metrics:#?}");
 
     // A denoiser added now heard none of it: it replays the stored announcements at start.
-    let model = tiny_model_dir().expect("models/tiny");
+    let model = tiny_model_dir().expect("weights/tiny");
     let late = start_denoiser(&mesh.nats, &model, LATE, |_| {}).expect("late denoiser");
     late.wait_ready(Duration::from_secs(30))
         .await

@@ -51,7 +51,7 @@ fn silhouette_iou(rgb: &[u8]) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_controlnet_steers_generations_through_the_mesh() {
-    let dir = repo_root().join("models/tiny-controlnets");
+    let dir = repo_root().join("weights/tiny-controlnets");
     // Guided by default, as `cargo xtask up`'s gateway is: steered generations too.
     let mesh = MeshBuilder::new()
         .denoiser(move |_, c| c.controlnet_dir = Some(dir.clone()))
@@ -136,7 +136,7 @@ async fn a_controlnet_worker_steers_a_denoiser_without_controlnets() {
         .subscribe(diffmesh_shared::wire::subjects::DENOISER_HEARTBEAT)
         .await
         .unwrap();
-    let dir = repo_root().join("models/tiny-controlnets");
+    let dir = repo_root().join("weights/tiny-controlnets");
     let worker = start(WorkerConfig::for_tests(mesh.nats.url(), dir, "cn1"))
         .await
         .unwrap();

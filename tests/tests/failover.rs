@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_denoiser_mid_job_is_retried_or_fails_clearly() {
     init_test_logging();
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+    let model = tiny_model_dir().expect("weights/tiny (the default model) is missing");
     let nats = NatsServer::start();
     let codec = start_codec(&nats, |_| {}).expect("codec");
     let router = start_router(&nats, |_| {}).expect("router");
@@ -121,7 +121,7 @@ async fn killed_denoiser_mid_job_is_retried_or_fails_clearly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_wait_out_a_codec_restart() {
     init_test_logging();
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+    let model = tiny_model_dir().expect("weights/tiny (the default model) is missing");
     let nats = NatsServer::start();
     let codec = start_codec(&nats, |_| {}).expect("codec");
     let router = start_router(&nats, |_| {}).expect("router");
@@ -223,7 +223,7 @@ async fn a_codec_dying_with_a_request_costs_the_first_attempts_deadline() {
     use diffmesh_shared::wire::messages::{encode, PostprocessReply, PreprocessReply};
     use diffmesh_shared::wire::subjects::{CODEC_POST, CODEC_PRE};
     init_test_logging();
-    let model = tiny_model_dir().expect("models/tiny (the default model) is missing");
+    let model = tiny_model_dir().expect("weights/tiny (the default model) is missing");
     let nats = NatsServer::start();
     let router = start_router(&nats, |_| {}).expect("router");
     let denoiser = start_denoiser(&nats, &model, "d1", |d| {

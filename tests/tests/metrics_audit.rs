@@ -143,7 +143,7 @@ async fn send_garbage(client: &async_nats::Client, subject: String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_service_exports_the_required_metrics_with_conventional_names() {
     // The denoiser serves the shipped ControlNets (their per-step cost is exported from start).
-    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny-controlnets");
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights/tiny-controlnets");
     let mesh = MeshBuilder::new()
         .denoiser(move |_, d| d.controlnet_dir = Some(shipped.clone()))
         .start()
@@ -211,7 +211,7 @@ async fn every_service_exports_the_required_metrics_with_conventional_names() {
     assert!(unanswered.is_err(), "nobody serves diffmesh.audit.nobody");
 
     // A ControlNet worker (`diffmesh-controlnet`) with the shipped ControlNets.
-    let controlnets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny-controlnets");
+    let controlnets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights/tiny-controlnets");
     let worker = diffmesh_controlnet::start(diffmesh_controlnet::WorkerConfig::for_tests(
         mesh.nats.url(),
         controlnets,

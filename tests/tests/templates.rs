@@ -89,7 +89,7 @@ impl Mesh {
                 .await
                 .expect("stop the old denoiser");
         }
-        let model = tiny_model_dir().expect("models/tiny");
+        let model = tiny_model_dir().expect("weights/tiny");
         // Warm-up off: the new denoiser must not replay earlier capture announcements at start
         // (capture_warmup.rs tests that), so what it holds comes from its own edits.
         let new = start_denoiser(&self.services.nats, &model, worker_id, |c| {

@@ -25,10 +25,10 @@ pub struct UpArgs {
     #[arg(long, default_value_t = 8080)]
     port: u16,
     /// Model directory the denoisers serve (diffusers layout).
-    #[arg(long, default_value = "models/tiny")]
+    #[arg(long, default_value = "weights/tiny")]
     model_dir: PathBuf,
     /// Folder of named ControlNets the denoisers serve (skipped when it does not exist).
-    #[arg(long, default_value = "models/tiny-controlnets")]
+    #[arg(long, default_value = "weights/tiny-controlnets")]
     controlnet_dir: PathBuf,
     /// Number of denoiser workers.
     #[arg(long, default_value_t = 1)]

@@ -22,10 +22,10 @@ use std::path::PathBuf;
     about = "Steered generations: the ControlNet on the engine thread against on ControlNet workers"
 )]
 struct Args {
-    #[arg(long, default_value = "models/tiny")]
+    #[arg(long, default_value = "weights/tiny")]
     model_dir: PathBuf,
     /// Folder of named ControlNets (the engine's own and the workers').
-    #[arg(long, default_value = "models/tiny-controlnets")]
+    #[arg(long, default_value = "weights/tiny-controlnets")]
     controlnet_dir: PathBuf,
     #[arg(long, default_value = "silhouette")]
     controlnet: String,

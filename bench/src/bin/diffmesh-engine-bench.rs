@@ -52,7 +52,7 @@ struct Args {
     )]
     parts: Vec<Part>,
     /// Model directory (diffusers layout; relative paths from the repository root).
-    #[arg(long, default_value = "models/tiny")]
+    #[arg(long, default_value = "weights/tiny")]
     model_dir: PathBuf,
     /// Device of the mask-aware latency figures: cpu, cuda, cuda:N or auto (the quality part
     /// runs on the CPU; --engine-device places the batching and disaggregation engines).

@@ -17,10 +17,10 @@ use std::path::PathBuf;
     about = "LoRA switch costs and BAL quality"
 )]
 struct Args {
-    #[arg(long, default_value = "models/tiny")]
+    #[arg(long, default_value = "weights/tiny")]
     model_dir: PathBuf,
     /// The trained LoRA of the BAL study.
-    #[arg(long, default_value = "models/tiny-loras/outline.safetensors")]
+    #[arg(long, default_value = "weights/tiny-loras/outline.safetensors")]
     lora: PathBuf,
     /// Rank of the random LoRAs of the switch timings.
     #[arg(long, default_value_t = 16)]

@@ -53,7 +53,7 @@ struct ModelArgs {
     #[arg(long)]
     no_diffusers: bool,
     /// Tiny model directory (with a `transformer/` folder); skipped when absent.
-    #[arg(long, default_value = "models/tiny")]
+    #[arg(long, default_value = "weights/tiny")]
     tiny_dir: PathBuf,
     /// Image tokens per side for the tiny model (N = side^2).
     #[arg(long, default_value_t = 16)]

@@ -49,7 +49,7 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_values_t = ["tiny".to_string(), "medium".to_string()])]
     models: Vec<String>,
     /// Tiny model directory (with a `transformer/` folder).
-    #[arg(long, default_value = "models/tiny")]
+    #[arg(long, default_value = "weights/tiny")]
     tiny_dir: PathBuf,
     /// Where the profiles go, one `<model>-<device>.json` each.
     #[arg(long, default_value = "sched/profiles")]

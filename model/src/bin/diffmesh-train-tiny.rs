@@ -1,9 +1,9 @@
 //! Train (default) or evaluate the tiny default model. `cargo xtask train-tiny` calls this.
 //!
-//! diffmesh-train-tiny --out models/tiny   # the shipped weights (53 min on an AMX CPU)
-//! diffmesh-train-tiny eval --model-dir models/tiny --untrained-seed 0 --report models/tiny
-//! diffmesh-train-tiny lora --model-dir models/tiny --out models/tiny-loras/outline.safetensors
-//! diffmesh-train-tiny controlnet --model-dir models/tiny --out models/tiny-controlnets/silhouette
+//! diffmesh-train-tiny --out weights/tiny   # the shipped weights (53 min on an AMX CPU)
+//! diffmesh-train-tiny eval --model-dir weights/tiny --untrained-seed 0 --report weights/tiny
+//! diffmesh-train-tiny lora --model-dir weights/tiny --out weights/tiny-loras/outline.safetensors
+//! diffmesh-train-tiny controlnet --model-dir weights/tiny --out weights/tiny-controlnets/silhouette
 use clap::{Parser, Subcommand};
 use diffmesh_model::tiny::{controlnet_eval, controlnet_train, eval, lora_train, train};
 

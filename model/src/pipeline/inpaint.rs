@@ -8,8 +8,8 @@
 //! mask-aware serving computes with, so full-compute and mask-aware runs blend identically.
 use super::{FluxPipeline, GenerateOptions, GenerationRequest, Observer, Prepared, StepEvent};
 use crate::error::{ModelError, Result};
+use crate::noise_scheduler::scale_noise_with_sigmas;
 use crate::packing::{pack_latents, token_mask, MASK_THRESHOLD};
-use crate::scheduler::scale_noise_with_sigmas;
 use tch::{Kind, Tensor};
 
 /// Templates and masks of a batch (one row per request, or one row shared by all).

@@ -19,8 +19,8 @@ pub use inpaint::{inpaint, InpaintInputs, InpaintOutput};
 use crate::components::{LatentCodec, TextEmbeddings, TextEncoder};
 use crate::error::{ModelError, Result};
 use crate::flux::{FluxInputs, FluxTransformer};
+use crate::noise_scheduler::{FlowMatchEulerDiscreteScheduler, Schedule};
 use crate::packing::{latent_image_ids, pack_latents, unpack_latents};
-use crate::scheduler::{FlowMatchEulerDiscreteScheduler, Schedule};
 use tch::{Device, Kind, Tensor};
 
 /// The components one pipeline run borrows.

@@ -21,9 +21,9 @@ use tch::{Device, Kind};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ControlNetEvalArgs {
-    #[arg(long, default_value = "models/tiny")]
+    #[arg(long, default_value = "weights/tiny")]
     pub model_dir: PathBuf,
-    #[arg(long, default_value = "models/tiny-controlnets/silhouette")]
+    #[arg(long, default_value = "weights/tiny-controlnets/silhouette")]
     pub controlnet_dir: PathBuf,
     #[arg(long, default_value_t = 20)]
     pub steps: usize,

@@ -21,10 +21,10 @@ use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 #[derive(clap::Args, Debug, Clone)]
 pub struct ControlNetTrainArgs {
     /// The base model folder.
-    #[arg(long, default_value = "models/tiny")]
+    #[arg(long, default_value = "weights/tiny")]
     pub model_dir: PathBuf,
     /// The ControlNet folder to write (`config.json` + safetensors).
-    #[arg(long, default_value = "models/tiny-controlnets/silhouette")]
+    #[arg(long, default_value = "weights/tiny-controlnets/silhouette")]
     pub out: PathBuf,
     #[arg(long, default_value_t = 1200)]
     pub steps: usize,

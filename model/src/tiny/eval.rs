@@ -7,8 +7,8 @@ use super::model::{images_to_rgb, TinyModel};
 use super::{plot, IMAGE_SIZE};
 use crate::error::{ModelError, Result};
 use crate::model_dir::LoadedModel;
+use crate::noise_scheduler::FlowMatchEulerDiscreteScheduler;
 use crate::pipeline::{text_to_image, FluxPipeline, GenerateOptions, GenerationRequest};
-use crate::scheduler::FlowMatchEulerDiscreteScheduler;
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -17,7 +17,7 @@ use tch::{Device, Kind};
 #[derive(clap::Args, Debug, Clone, Serialize)]
 pub struct EvalArgs {
     /// Model folder to evaluate.
-    #[arg(long, env = "DIFFMESH_TINY_MODEL_DIR", default_value = "models/tiny")]
+    #[arg(long, env = "DIFFMESH_TINY_MODEL_DIR", default_value = "weights/tiny")]
     pub model_dir: PathBuf,
     /// Denoising steps per image.
     #[arg(long, env = "DIFFMESH_TINY_EVAL_STEPS", default_value_t = 20)]
@@ -82,7 +82,7 @@ fn eval_scheduler(
     match shift {
         None => Ok(loaded.clone()),
         Some(shift) => FlowMatchEulerDiscreteScheduler::new(
-            crate::scheduler::FlowMatchEulerDiscreteSchedulerConfig {
+            crate::noise_scheduler::FlowMatchEulerDiscreteSchedulerConfig {
                 shift,
                 use_dynamic_shifting: false,
                 ..loaded.config.clone()

@@ -21,10 +21,10 @@ use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 #[derive(clap::Args, Debug, Clone)]
 pub struct LoraTrainArgs {
     /// The base model folder.
-    #[arg(long, default_value = "models/tiny")]
+    #[arg(long, default_value = "weights/tiny")]
     pub model_dir: PathBuf,
     /// Where to write the LoRA (`.safetensors`).
-    #[arg(long, default_value = "models/tiny-loras/outline.safetensors")]
+    #[arg(long, default_value = "weights/tiny-loras/outline.safetensors")]
     pub out: PathBuf,
     #[arg(long, default_value_t = 1200)]
     pub steps: usize,

@@ -2,7 +2,7 @@
 //! config, with the diffusers-format folder layout it is saved in and loaded from.
 //!
 //! ```text
-//! models/tiny/
+//! weights/tiny/
 //!   model_index.json
 //!   scheduler/scheduler_config.json      FlowMatchEulerDiscreteScheduler, shift 2.0, static
 //!   text_encoder/{config.json,model.safetensors}   DiffmeshTinyTextEncoder
@@ -101,7 +101,7 @@ impl TinyModel {
     /// This model as a pipeline stepping on `scheduler`.
     pub fn pipeline<'a>(
         &'a self,
-        scheduler: &'a crate::scheduler::FlowMatchEulerDiscreteScheduler,
+        scheduler: &'a crate::noise_scheduler::FlowMatchEulerDiscreteScheduler,
     ) -> crate::pipeline::FluxPipeline<'a> {
         crate::pipeline::FluxPipeline {
             transformer: &self.transformer,

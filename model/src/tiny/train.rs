@@ -29,7 +29,7 @@ use tch::{nn, nn::OptimizerConfig, Device, Kind, Tensor};
 #[derive(clap::Args, Debug, Clone, Serialize)]
 pub struct TrainArgs {
     /// Output model folder (diffusers layout); overwritten.
-    #[arg(long, env = "DIFFMESH_TINY_OUT", default_value = "models/tiny")]
+    #[arg(long, env = "DIFFMESH_TINY_OUT", default_value = "weights/tiny")]
     pub out: PathBuf,
     /// Optimiser steps.
     #[arg(long, env = "DIFFMESH_TINY_STEPS", default_value_t = 16000)]
@@ -630,7 +630,7 @@ mod tests {
             #[command(flatten)]
             args: TrainArgs,
         }
-        let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tiny");
+        let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights/tiny");
         let out = tempfile::tempdir().unwrap();
         let mut args = <Cli as clap::Parser>::parse_from(["test"]).args;
         (args.out, args.init_from) = (out.path().to_path_buf(), Some(shipped.clone()));

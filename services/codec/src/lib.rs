@@ -7,10 +7,10 @@
 //! work through one queue group.
 pub mod decoded;
 pub mod error;
-pub mod handlers;
 pub mod image_workers;
 pub mod imaging;
 pub mod metrics;
+pub mod processing;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,10 +34,10 @@ use tracing::Instrument;
 
 use decoded::DecodedImages;
 pub use error::CodecError;
-use handlers::Codec;
 use image_workers::ImageWorkers;
 use imaging::TokenGrid;
 use metrics::CodecMetrics;
+use processing::Codec;
 
 /// Codec flags.
 #[derive(Debug, Clone, clap::Args)]

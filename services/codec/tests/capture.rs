@@ -6,9 +6,9 @@
 use std::io::Cursor;
 
 use diffmesh_codec::decoded::DecodedImages;
-use diffmesh_codec::handlers::{Codec, PREPARED_IMAGE};
 use diffmesh_codec::image_workers::ImageWorkers;
 use diffmesh_codec::imaging::TokenGrid;
+use diffmesh_codec::processing::{Codec, PREPARED_IMAGE};
 use diffmesh_codec::CodecError;
 use diffmesh_shared::stores::blob_store::{blob_key, BlobStore};
 use diffmesh_shared::stores::jetstream_layout::TEMPLATE_IMAGES;

@@ -42,7 +42,7 @@ pub struct WorkerConfig {
     #[arg(
         long,
         env = "CONTROLNET_DIR",
-        default_value = "models/tiny-controlnets"
+        default_value = "weights/tiny-controlnets"
     )]
     pub controlnet_dir: PathBuf,
     /// ControlNets kept loaded (the least recently used is dropped beyond it).

@@ -49,7 +49,7 @@ pub struct DenoiserConfig {
     pub worker_id: Option<String>,
     /// Diffusers-format model directory (relative paths are tried from the working directory,
     /// then from the repository root).
-    #[arg(long, env = "DENOISER_MODEL_DIR", default_value = "models/tiny")]
+    #[arg(long, env = "DENOISER_MODEL_DIR", default_value = "weights/tiny")]
     pub model_dir: PathBuf,
     /// Model id announced in heartbeats (default: the model directory's name).
     #[arg(long, env = "DENOISER_MODEL_ID")]

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 
 const TOLERANCE: f64 = 1e-4;
 /// The trained LoRA of the default model (`cargo xtask train-tiny lora`).
-const SHIPPED_LORA: &str = "models/tiny-loras/outline.safetensors";
+const SHIPPED_LORA: &str = "weights/tiny-loras/outline.safetensors";
 
 fn fixtures() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
@@ -31,7 +31,7 @@ fn generate() -> PathBuf {
         .arg("--out")
         .arg(&out)
         .arg("--shipped")
-        .arg(repo.join("models/tiny"))
+        .arg(repo.join("weights/tiny"))
         .arg(repo.join(SHIPPED_LORA))
         .status()
         .unwrap_or_else(|e| panic!("cannot run {python}: {e}"));
@@ -122,7 +122,7 @@ fn the_shipped_tiny_lora_loads_in_diffusers_as_it_does_here() {
     let dir = fixtures();
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let (model, vs) = FluxTransformer::load(
-        &repo.join("models/tiny/transformer"),
+        &repo.join("weights/tiny/transformer"),
         Device::Cpu,
         Kind::Float,
     )

@@ -11,8 +11,8 @@ use super::control::{self, ControlInput, ControlState, ControlStep};
 use super::{FluxPipeline, GenerateOptions, GenerationRequest, Prepared};
 use crate::error::{ModelError, Result};
 use crate::flux::{ControlResiduals, FluxInputs, KvCache, KvSink, MaskedRequest, SharedBlockReads};
+use crate::noise_scheduler::scale_noise_with_sigmas;
 use crate::packing::pack_latents;
-use crate::scheduler::scale_noise_with_sigmas;
 use tch::{Kind, Tensor};
 
 /// The template of an edit: blend target outside the mask.

@@ -1,6 +1,8 @@
 use super::*;
+use crate::noise_scheduler::{
+    FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
+};
 use crate::pipeline::{inpaint, text_to_image, InpaintInputs};
-use crate::scheduler::{FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig};
 use crate::tiny::model::TinyModel;
 use tch::Device;
 
