@@ -497,19 +497,18 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         Some(metrics.clone()),
     )
     .map_err(DenoiserError::Thread)?;
-    let mut service = Service::new(
-        client.clone(),
+    let service = Arc::new(Service::new(service::ServiceParts {
+        client: client.clone(),
         blobs,
         engine,
         metrics,
-        config.clone(),
-        worker_id.clone(),
+        config: config.clone(),
+        worker_id: worker_id.clone(),
         model_id,
         templates,
         loras,
-    );
-    service.controlnet_workers = controlnet_workers;
-    let service = Arc::new(service);
+        controlnet_workers,
+    }));
     let intake = CancellationToken::new();
     let captures = diffmesh_shared::stores::jetstream_layout::TEMPLATE_CAPTURES
         .get_or_create(&js)

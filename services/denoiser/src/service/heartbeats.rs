@@ -1,0 +1,63 @@
+//! Heartbeats out: this denoiser's load, caches and step samples, every
+//! `--heartbeat-interval`.
+use super::Service;
+use diffmesh_shared::nats::publish_msgpack;
+use diffmesh_shared::wire::messages::Heartbeat;
+use diffmesh_shared::{wire::subjects, MeshError};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+impl Service {
+    pub fn heartbeat(&self) -> Heartbeat {
+        let status = self.engine.status();
+        Heartbeat {
+            worker_id: self.worker_id.clone(),
+            running: status.running,
+            queued: status.queued,
+            waiting: status.waiting,
+            max_batch: self.config.max_batch as u32,
+            model: self.model_id.clone(),
+            draining: status.draining || self.draining.load(Ordering::SeqCst),
+            queue_capacity: self.config.max_queue as u32,
+            cached_templates: self.templates.local.keys(),
+            cached_loras: self.loras.ids(),
+            controlnets: self.controlnets_served(),
+            recent_steps: self.engine.take_step_samples(),
+            controlnet_step_s: status.controlnet_step_s,
+            interval_ms: self
+                .config
+                .heartbeat_interval
+                .as_millis()
+                .min(u32::MAX.into()) as u32,
+        }
+    }
+
+    pub async fn send_heartbeat(&self) {
+        if let Err(err) = publish_msgpack(
+            &self.client,
+            subjects::DENOISER_HEARTBEAT,
+            None,
+            &self.heartbeat(),
+        )
+        .await
+        {
+            tracing::warn!(error = %err, "could not publish heartbeat");
+        }
+    }
+
+    pub async fn heartbeats(self: Arc<Self>, shutdown: CancellationToken) -> Result<(), MeshError> {
+        let mut tick = tokio::time::interval(
+            self.config
+                .heartbeat_interval
+                .max(Duration::from_millis(10)),
+        );
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tick.tick() => self.send_heartbeat().await,
+            }
+        }
+    }
+}

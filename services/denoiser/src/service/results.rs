@@ -1,0 +1,257 @@
+//! Results out: the engine's events turned into job events, finished images handed to the
+//! codec, captures stored, and queued jobs handed back at shutdown.
+use super::Service;
+use crate::engine::EngineEvent;
+use crate::templates::TemplateEntry;
+use diffmesh_shared::nats::request_msgpack_job;
+use diffmesh_shared::nats::unanswered::{resent_while_unanswered, AttemptDeadlines};
+use diffmesh_shared::stores::blob_store::blob_key;
+use diffmesh_shared::wire::messages::{
+    error_types, DenoiseJob, JobEvent, PostprocessReply, PostprocessRequest, SubmitReply,
+};
+use diffmesh_shared::{wire::subjects, MeshError};
+use std::sync::Arc;
+use tokio::sync::mpsc;
+use tracing::Instrument;
+
+impl Service {
+    /// Store a fresh capture (cachestore and local tier) and report it; then the job is done.
+    async fn finish_capture(&self, job: DenoiseJob, entry: Arc<TemplateEntry>, seconds: f64) {
+        let job_id = job.job_id.clone();
+        self.metrics.capture_seconds.observe(seconds);
+        if let Err(message) = self.templates.store.store(&entry).await {
+            self.metrics
+                .failures
+                .with_label_values(&["cache_store"])
+                .inc();
+            self.publish_failed(&job_id, message, error_types::INTERNAL)
+                .await;
+            return;
+        }
+        self.templates.local.admit_off_runtime(entry.clone()).await;
+        self.metrics
+            .local_cache_bytes
+            .set(self.templates.local.bytes() as i64);
+        self.announce_capture(&job, &entry).await;
+        let meta = &entry.meta;
+        tracing::info!(%job_id, cache_key = %meta.cache_key, bytes = meta.bytes, seconds, "template captured");
+        let event = JobEvent::Captured {
+            cache_key: meta.cache_key.clone(),
+            steps: meta.steps,
+            blocks: meta.blocks,
+            bytes: meta.bytes,
+        };
+        self.publish_event(&job_id, &event).await;
+        self.submitted_at.lock().map(|mut m| m.remove(&job_id)).ok();
+        self.publish_event(
+            &job_id,
+            &JobEvent::Done {
+                png_keys: Vec::new(),
+            },
+        )
+        .await;
+    }
+
+    /// Turn engine events into job events; post-process finished jobs. Ends when the engine
+    /// thread has exited and every post-processing task is done.
+    pub async fn pump(
+        self: Arc<Self>,
+        mut events: mpsc::Receiver<EngineEvent>,
+    ) -> Result<(), MeshError> {
+        let mut post = tokio::task::JoinSet::new();
+        while let Some(event) = events.recv().await {
+            match event {
+                EngineEvent::Started { job_id } => {
+                    let accepted = self
+                        .submitted_at
+                        .lock()
+                        .ok()
+                        .and_then(|m| m.get(&job_id).copied());
+                    if let Some(t) = accepted {
+                        self.metrics
+                            .queue_wait_seconds
+                            .observe(t.elapsed().as_secs_f64());
+                    }
+                    let event = JobEvent::Started {
+                        worker_id: self.worker_id.clone(),
+                    };
+                    self.publish_event(&job_id, &event).await;
+                }
+                EngineEvent::Step {
+                    job_id,
+                    step,
+                    total,
+                } => {
+                    self.publish_event(&job_id, &JobEvent::Step { step, total })
+                        .await;
+                }
+                EngineEvent::Captured {
+                    job,
+                    entry,
+                    seconds,
+                    span,
+                } => {
+                    let this = self.clone();
+                    post.spawn(
+                        async move { this.finish_capture(job, entry, seconds).await }
+                            .instrument(span),
+                    );
+                }
+                EngineEvent::Finished {
+                    job,
+                    images,
+                    width,
+                    height,
+                    span,
+                } => {
+                    let this = self.clone();
+                    post.spawn(
+                        async move { this.postprocess(job, images, width, height).await }
+                            .instrument(span),
+                    );
+                }
+                EngineEvent::Failed { job, error, span } => {
+                    let error_type = match error {
+                        crate::engine::EngineJobError::Input(_) => error_types::INVALID_REQUEST,
+                        _ => error_types::INTERNAL,
+                    };
+                    self.publish_failed(&job.job_id, error.to_string(), error_type)
+                        .instrument(span)
+                        .await;
+                }
+                EngineEvent::Cancelled { job_id } => {
+                    self.publish_failed(&job_id, "job cancelled".into(), "cancelled")
+                        .await;
+                }
+            }
+            while post.try_join_next().is_some() {}
+        }
+        while post.join_next().await.is_some() {}
+        Ok(())
+    }
+
+    /// Write the RGB outputs, ask the codec for PNGs, publish Done (or Failed).
+    async fn postprocess(&self, job: DenoiseJob, images: Vec<Vec<u8>>, width: u32, height: u32) {
+        let job_id = job.job_id.clone();
+        let mut output_keys = Vec::with_capacity(images.len());
+        for (i, rgb) in images.iter().enumerate() {
+            let key = blob_key(&job_id, &format!("output-{i}.rgb"));
+            if let Err(err) = self.blobs.put(&key, rgb).await {
+                self.metrics
+                    .failures
+                    .with_label_values(&[err.reason()])
+                    .inc();
+                self.publish_failed(
+                    &job_id,
+                    format!("writing output {key}: {err}"),
+                    error_types::INTERNAL,
+                )
+                .await;
+                return;
+            }
+            output_keys.push(key);
+        }
+        let request = PostprocessRequest {
+            job,
+            output_keys,
+            model_width: width,
+            model_height: height,
+        };
+        let mut deadlines =
+            AttemptDeadlines::new(self.config.codec_first_attempt, self.config.codec_timeout);
+        let window = self.config.post_retry_window;
+        // The outputs are stored: wait out a codec restart rather than lose the job's steps.
+        let reply = resent_while_unanswered(subjects::CODEC_POST, window, || {
+            request_msgpack_job::<_, PostprocessReply>(
+                &self.client,
+                subjects::CODEC_POST,
+                &job_id,
+                &request,
+                deadlines.next_deadline(),
+            )
+        })
+        .await;
+        match reply {
+            Ok(PostprocessReply::Done { png_keys }) => {
+                let started = self
+                    .submitted_at
+                    .lock()
+                    .ok()
+                    .and_then(|mut m| m.remove(&job_id));
+                if let Some(t) = started {
+                    self.metrics.job_seconds.observe(t.elapsed().as_secs_f64());
+                }
+                tracing::info!(%job_id, images = png_keys.len(), "job done");
+                self.publish_event(&job_id, &JobEvent::Done { png_keys })
+                    .await;
+            }
+            Ok(PostprocessReply::Failed { message }) => {
+                self.metrics
+                    .failures
+                    .with_label_values(&["codec_post"])
+                    .inc();
+                self.publish_failed(
+                    &job_id,
+                    format!("post-processing failed: {message}"),
+                    error_types::INTERNAL,
+                )
+                .await;
+            }
+            Err(err) => {
+                self.metrics
+                    .failures
+                    .with_label_values(&[err.reason()])
+                    .inc();
+                self.publish_failed(
+                    &job_id,
+                    format!("post-processing request failed: {err}"),
+                    error_types::INTERNAL,
+                )
+                .await;
+            }
+        }
+    }
+
+    /// Give queued jobs that never started back to the router, which places them elsewhere.
+    pub async fn hand_back(&self, jobs: Vec<DenoiseJob>) {
+        let timeout = self.config.handback_timeout;
+        for job in jobs {
+            let job_id = job.job_id.clone();
+            let reply = request_msgpack_job::<_, SubmitReply>(
+                &self.client,
+                subjects::ROUTER_SUBMIT,
+                &job_id,
+                &job,
+                timeout,
+            )
+            .await;
+            match reply {
+                Ok(SubmitReply::Accepted { worker_id }) => {
+                    tracing::info!(%job_id, to = %worker_id, "queued job handed back and placed again");
+                }
+                Ok(SubmitReply::Rejected { reason, .. }) => {
+                    let message = format!(
+                        "denoiser {} shut down before starting the job; {reason}",
+                        self.worker_id
+                    );
+                    self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
+                        .await;
+                }
+                Ok(SubmitReply::Overloaded { queue_depth, .. }) => {
+                    let message = format!(
+                        "denoiser {} shut down before starting the job; the mesh is at capacity ({queue_depth} waiting)",
+                        self.worker_id
+                    );
+                    self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
+                        .await;
+                }
+                Err(err) => {
+                    let message =
+                        format!("denoiser {} shut down before starting the job; handing it back failed: {err}", self.worker_id);
+                    self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
+                        .await;
+                }
+            }
+        }
+    }
+}
