@@ -288,7 +288,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
     let client = nats::connect(
         &config.common.nats_url,
         "diffmesh-gateway",
-        Duration::from_secs(config.common.nats_connect_timeout_s),
+        config.common.nats_connect_timeout,
     )
     .await?;
     let js = diffmesh_shared::jetstream_layout::context(&client, &config.common, &[]).await?;
