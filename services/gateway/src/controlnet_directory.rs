@@ -242,6 +242,7 @@ mod tests {
             sessions: 0,
             queued: 0,
             draining,
+            interval_ms: 500,
         }
     }
 

@@ -110,6 +110,7 @@ pub fn heartbeat(id: &str, controlnets: &[&str], templates: &[&str], draining: b
         controlnets: controlnets.iter().map(|s| s.to_string()).collect(),
         recent_steps: Vec::new(),
         controlnet_step_s: vec![],
+        interval_ms: 500,
     }
 }
 
