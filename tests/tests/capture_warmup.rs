@@ -7,8 +7,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use diffmesh_shared::wire::messages::{decode, TemplateCaptured};
 use diffmesh_shared::nats::publish_msgpack;
+use diffmesh_shared::wire::messages::{decode, TemplateCaptured};
 use diffmesh_shared::wire::subjects::{template_captured, TEMPLATES_CAPTURED_ALL};
 use diffmesh_tests::harness::{
     metric_sample, post_form, scrape_metrics, start_denoiser, tiny_model_dir,

@@ -7,9 +7,9 @@ use diffmesh_shared::stores::blob_store::BlobStore;
 use diffmesh_shared::stores::idempotency::{Claim, IdempotencyRecord, IdempotencyStore};
 use diffmesh_shared::stores::jetstream_layout::{self, ensure_all, Ensured, Layout, ALL};
 use diffmesh_shared::stores::job::{JobRecord, JobStore};
-use diffmesh_shared::wire::messages::JobKind;
-use diffmesh_shared::testing::{NatsCluster, NatsServer};
 use diffmesh_shared::stores::transient;
+use diffmesh_shared::testing::{NatsCluster, NatsServer};
+use diffmesh_shared::wire::messages::JobKind;
 
 async fn stream_config(js: &jetstream::Context, name: &str) -> jetstream::stream::Config {
     js.get_stream(name)

@@ -2,11 +2,11 @@
 //! request/reply errors (timeouts and missing services are typed, never a hang).
 use std::time::{Duration, Instant};
 
+use diffmesh_shared::nats::{connect, reply_msgpack, request_msgpack};
+use diffmesh_shared::process::metrics::NatsMetrics;
 use diffmesh_shared::stores::blob_store::BlobStore;
 use diffmesh_shared::stores::job::{JobRecord, JobState, JobStore};
 use diffmesh_shared::wire::messages::{CancelJob, JobKind};
-use diffmesh_shared::process::metrics::NatsMetrics;
-use diffmesh_shared::nats::{connect, reply_msgpack, request_msgpack};
 use diffmesh_shared::MeshError;
 use diffmesh_tests::harness::NatsServer;
 use futures::StreamExt;

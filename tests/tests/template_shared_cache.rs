@@ -5,8 +5,10 @@
 //! everything.
 use std::time::Duration;
 
-use diffmesh_shared::wire::cachestore::{locate_subject, template_keys, CacheLocate, CacheLocateReply};
 use diffmesh_shared::nats::request_msgpack;
+use diffmesh_shared::wire::cachestore::{
+    locate_subject, template_keys, CacheLocate, CacheLocateReply,
+};
 use diffmesh_tests::harness::{capture_announced, metric_sample, post_form, scrape_metrics};
 use diffmesh_tests::images::{png_bytes, rect_mask, template};
 use diffmesh_tests::mesh::{MeshBuilder, TestMesh};

@@ -7,11 +7,11 @@
 use std::path::Path;
 use std::time::Duration;
 
+use diffmesh_shared::nats::request_msgpack;
+use diffmesh_shared::stores::job::{JobState, JobStore};
 use diffmesh_shared::wire::cachestore::{
     locate_subject, template_keys, CacheLocate, CacheLocateReply, KeyLocation,
 };
-use diffmesh_shared::stores::job::{JobState, JobStore};
-use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::wire::subjects::{
     template_uses_of, BLOB_BUCKET, TEMPLATE_BUCKET, TEMPLATE_USES_STREAM,
 };

@@ -6,8 +6,10 @@
 use std::time::Duration;
 
 use diffmesh_gateway::templates::record::{TemplateRecord, TemplateState, TemplateStore};
-use diffmesh_shared::wire::cachestore::{delete_subject, template_keys, CacheDelete, CacheDeleteReply};
 use diffmesh_shared::stores::job::{CaptureReport, JobRecord, JobStore};
+use diffmesh_shared::wire::cachestore::{
+    delete_subject, template_keys, CacheDelete, CacheDeleteReply,
+};
 use diffmesh_shared::wire::messages::{decode, encode, JobKind};
 use diffmesh_tests::harness::{init_test_logging, start_gateway, NatsServer};
 use futures::StreamExt;

@@ -16,11 +16,16 @@ use serde::Serialize;
 use crate::error::MeshError;
 use crate::stores::jetstream_layout::Spec;
 use crate::stores::transient::{self, KvUpdated};
+use crate::wire::lora::LoraRecord;
 
 /// A kind of record: its JSON form, and the name its calls are counted under
 /// (`diffmesh_jetstream_retries_total{call="<kind>.<op>"}`).
 pub trait Record: Serialize + DeserializeOwned + Clone + PartialEq + Send + Sync + 'static {
     const KIND: &'static str;
+}
+
+impl Record for LoraRecord {
+    const KIND: &'static str = "lora";
 }
 
 /// Records of one kind by key in one KV bucket (cheap to clone).
@@ -140,11 +145,13 @@ impl<R: Record> RecordStore<R> {
     /// Remove `key` (a no-op when it is missing).
     pub async fn delete(&self, key: &str) -> Result<(), MeshError> {
         let call = Self::call("delete");
+        // An invalid key is an answer about the key, not about the cluster.
+        let settled = |e: &kv::DeleteError| e.kind() == kv::DeleteErrorKind::InvalidKey;
         transient::retried_bounded(
             &call,
             self.retry_window,
             Some(transient::REQUEST_ATTEMPT_TIMEOUT),
-            transient::no_error_settles,
+            settled,
             || self.kv.delete(key),
         )
         .await
