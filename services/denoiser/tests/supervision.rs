@@ -1,7 +1,7 @@
 //! The engine actor's supervision: a panic of the engine itself in the middle of a batch fails
 //! the jobs that were running (explicitly, with `EngineJobError::Restarted`), keeps the queued
 //! ones, and a new engine, started by actix from the factory, runs them and every later job on
-//! the same, intact weights.
+//! the same, intact weights. In a mesh, the denoiser places the cut-off jobs again.
 mod common;
 
 use common::engine::*;
@@ -82,4 +82,86 @@ async fn a_panic_mid_batch_fails_the_running_jobs_and_the_restarted_engine_serve
     let (expected, _) = drain(&mut reference, &["ref"]).await;
     assert!(max_abs_diff(&after["after"], &expected["ref"]) <= 1);
     assert_eq!(metrics.engine_restarts.get(), 1);
+}
+
+/// The same in a small mesh (router + denoiser + a stand-in codec on a real nats-server): the
+/// job the panic cut off is placed again through the router (a `Retrying` event) and finishes
+/// on the restarted engine, as does the job that was queued; no accepted job is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_cut_off_by_an_engine_restart_is_placed_again_and_finishes() {
+    use diffmesh_denoiser::{start, DenoiserConfig};
+    use diffmesh_router::RouterConfig;
+    use diffmesh_shared::nats::request_msgpack;
+    use diffmesh_shared::testing::NatsServer;
+    use diffmesh_shared::wire::messages::{
+        decode, encode, JobEvent, PostprocessReply, PostprocessRequest, SubmitReply,
+    };
+    use diffmesh_shared::wire::subjects;
+    use futures::StreamExt;
+
+    let nats = NatsServer::start();
+    let model_dir = tempfile::tempdir().unwrap();
+    write_random_model(model_dir.path());
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut codec = client.subscribe(subjects::CODEC_POST).await.unwrap();
+    let c = client.clone();
+    tokio::spawn(async move {
+        while let Some(msg) = codec.next().await {
+            let req: PostprocessRequest = decode(&msg.payload).unwrap();
+            let reply = PostprocessReply::Done {
+                png_keys: req.output_keys.iter().map(|k| format!("{k}.png")).collect(),
+            };
+            c.publish(msg.reply.unwrap(), encode(&reply).unwrap().into())
+                .await
+                .unwrap();
+        }
+    });
+    let mut events = client.subscribe(subjects::job_events("*")).await.unwrap();
+    client.flush().await.unwrap();
+    let router = diffmesh_router::start(RouterConfig::for_tests(nats.url()))
+        .await
+        .unwrap();
+    let mut config = DenoiserConfig::for_tests(nats.url(), model_dir.path().to_path_buf(), "w1");
+    config.max_batch = 1;
+    let denoiser = start(config).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // the router heard w1
+
+    for (id, steps) in [("running", 200), ("queued", 3)] {
+        let j = diffmesh_shared::testing::generation_job(id, "a red circle", 4, steps);
+        let reply: SubmitReply =
+            request_msgpack(&client, subjects::ROUTER_SUBMIT, &j, Duration::from_secs(5))
+                .await
+                .unwrap();
+        assert!(matches!(reply, SubmitReply::Accepted { .. }), "{reply:?}");
+    }
+    let mut retried = Vec::new();
+    let mut done = Vec::new();
+    let mut injected = false;
+    tokio::time::timeout(Duration::from_secs(120), async {
+        while done.len() < 2 {
+            let msg = events.next().await.unwrap();
+            let id = msg.subject.split('.').nth(2).unwrap().to_string();
+            match decode::<JobEvent>(&msg.payload).unwrap() {
+                JobEvent::Step { step: 3, .. } if id == "running" && !injected => {
+                    denoiser.service.engine.panic_mid_batch().await;
+                    injected = true;
+                }
+                JobEvent::Retrying { attempt, reason } => {
+                    assert!(reason.contains("restarted"), "{reason}");
+                    retried.push((id, attempt));
+                }
+                JobEvent::Done { .. } => done.push(id),
+                JobEvent::Failed { message, .. } => panic!("{id} failed: {message}"),
+                _ => {}
+            }
+        }
+    })
+    .await
+    .expect("the jobs did not finish");
+    assert_eq!(retried, [("running".to_string(), 1)]);
+    done.sort();
+    assert_eq!(done, ["queued", "running"]);
+    assert_eq!(denoiser.service.metrics.engine_restarts.get(), 1);
+    denoiser.shutdown().await.unwrap();
+    router.shutdown().await.unwrap();
 }

@@ -7,7 +7,8 @@
 //!
 //! Supervision: a handler that panics (the engine's own per-job panics are caught deeper down,
 //! so this is a bug in the loop itself) fails the jobs that were running, with
-//! [`EngineJobError::Restarted`], and stops the actor; actix starts a new engine from the
+//! [`EngineJobError::Restarted`] (the service places them again through the router), and stops
+//! the actor; actix starts a new engine from the
 //! factory, which takes over the model (its weights restored to the base model), the queued
 //! jobs, untouched, and the event tap. `diffmesh_denoiser_engine_restarts_total` counts it.
 use super::{Engine, EngineConfig, EngineEvent, EngineJob, EngineJobError, EngineStatus};

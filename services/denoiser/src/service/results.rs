@@ -1,7 +1,8 @@
 //! Results out: the engine's events turned into job events, finished images handed to the
-//! codec, captures stored, and queued jobs handed back at shutdown.
+//! codec, captures stored, queued jobs handed back at shutdown, and the jobs an engine restart
+//! cut off placed again.
 use super::Service;
-use crate::engine::EngineEvent;
+use crate::engine::{EngineEvent, EngineJobError};
 use crate::templates::TemplateEntry;
 use diffmesh_shared::nats::request_msgpack_job;
 use diffmesh_shared::nats::unanswered::{resent_while_unanswered, AttemptDeadlines};
@@ -13,6 +14,10 @@ use diffmesh_shared::{wire::subjects, MeshError};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 use tracing::Instrument;
+
+/// Placements a job gets in all when engine restarts cut it off (the router's default
+/// `--max-attempts`): past them it fails, as a job that keeps crashing the engine must.
+const PLACEMENTS_AFTER_RESTART: u32 = 3;
 
 impl Service {
     /// Store a fresh capture (cachestore and local tier) and report it; then the job is done.
@@ -109,6 +114,16 @@ impl Service {
                         async move { this.postprocess(job, images, width, height).await }
                             .instrument(span),
                     );
+                }
+                EngineEvent::Failed {
+                    job,
+                    error: EngineJobError::Restarted(panic),
+                    span,
+                } if job.attempt + 1 < PLACEMENTS_AFTER_RESTART => {
+                    // Not the job's fault: it goes back to the router (off this loop, which
+                    // must not wait for the router), as a lost denoiser's jobs do.
+                    let this = self.clone();
+                    post.spawn(async move { this.place_again(job, panic).await }.instrument(span));
                 }
                 EngineEvent::Failed { job, error, span } => {
                     let error_type = match error {
@@ -212,45 +227,70 @@ impl Service {
         }
     }
 
+    /// A job the engine was running when it panicked and restarted: its next attempt goes to
+    /// the router (a `Retrying` event first, as for a lost denoiser's jobs), which places it,
+    /// here again or elsewhere.
+    async fn place_again(&self, mut job: DenoiseJob, panic: String) {
+        job.attempt += 1;
+        let reason = format!(
+            "the engine of denoiser {} restarted after a panic ({panic})",
+            self.worker_id
+        );
+        tracing::warn!(job_id = %job.job_id, attempt = job.attempt, %reason, "placing the job again");
+        let event = JobEvent::Retrying {
+            attempt: job.attempt,
+            reason,
+        };
+        self.publish_event(&job.job_id, &event).await;
+        self.hand_back_one(job, "restarted its engine while the job ran")
+            .await;
+    }
+
     /// Give queued jobs that never started back to the router, which places them elsewhere.
     pub async fn hand_back(&self, jobs: Vec<DenoiseJob>) {
-        let timeout = self.config.handback_timeout;
         for job in jobs {
-            let job_id = job.job_id.clone();
-            let reply = request_msgpack_job::<_, SubmitReply>(
-                &self.client,
-                subjects::ROUTER_SUBMIT,
-                &job_id,
-                &job,
-                timeout,
-            )
-            .await;
-            match reply {
-                Ok(SubmitReply::Accepted { worker_id }) => {
-                    tracing::info!(%job_id, to = %worker_id, "queued job handed back and placed again");
-                }
-                Ok(SubmitReply::Rejected { reason, .. }) => {
-                    let message = format!(
-                        "denoiser {} shut down before starting the job; {reason}",
-                        self.worker_id
-                    );
-                    self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
-                        .await;
-                }
-                Ok(SubmitReply::Overloaded { queue_depth, .. }) => {
-                    let message = format!(
-                        "denoiser {} shut down before starting the job; the mesh is at capacity ({queue_depth} waiting)",
-                        self.worker_id
-                    );
-                    self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
-                        .await;
-                }
-                Err(err) => {
-                    let message =
-                        format!("denoiser {} shut down before starting the job; handing it back failed: {err}", self.worker_id);
-                    self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
-                        .await;
-                }
+            self.hand_back_one(job, "shut down before starting the job")
+                .await;
+        }
+    }
+
+    /// Submit `job` to the router again; `why` this denoiser gives it up goes into the
+    /// failure should the router not take it.
+    async fn hand_back_one(&self, job: DenoiseJob, why: &str) {
+        let timeout = self.config.handback_timeout;
+        let job_id = job.job_id.clone();
+        let reply = request_msgpack_job::<_, SubmitReply>(
+            &self.client,
+            subjects::ROUTER_SUBMIT,
+            &job_id,
+            &job,
+            timeout,
+        )
+        .await;
+        match reply {
+            Ok(SubmitReply::Accepted { worker_id }) => {
+                tracing::info!(%job_id, to = %worker_id, "job handed back and placed again");
+            }
+            Ok(SubmitReply::Rejected { reason, .. }) => {
+                let message = format!("denoiser {} {why}; {reason}", self.worker_id);
+                self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
+                    .await;
+            }
+            Ok(SubmitReply::Overloaded { queue_depth, .. }) => {
+                let message = format!(
+                    "denoiser {} {why}; the mesh is at capacity ({queue_depth} waiting)",
+                    self.worker_id
+                );
+                self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
+                    .await;
+            }
+            Err(err) => {
+                let message = format!(
+                    "denoiser {} {why}; handing it back failed: {err}",
+                    self.worker_id
+                );
+                self.publish_failed(&job_id, message, error_types::UNAVAILABLE)
+                    .await;
             }
         }
     }
