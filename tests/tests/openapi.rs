@@ -36,10 +36,10 @@ async fn openapi_documents_every_route_and_matches_the_server() {
 
     let mut served: Vec<(Method, String)> = routes()
         .into_iter()
-        .map(|(m, p, _)| {
+        .map(|r| {
             (
-                Method::from_bytes(m.as_str().as_bytes()).unwrap(),
-                p.to_string(),
+                Method::from_bytes(r.method.as_str().as_bytes()).unwrap(),
+                r.path.to_string(),
             )
         })
         .collect();

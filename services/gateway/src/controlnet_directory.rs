@@ -5,8 +5,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use actix_web::http::Method;
-use actix_web::{web, HttpRequest, HttpResponse, Route};
 use diffmesh_shared::controlnet_service::{ControlNetHeartbeat, HEARTBEAT as WORKER_HEARTBEAT};
 use diffmesh_shared::messages::{decode, FieldError, Heartbeat};
 use diffmesh_shared::MeshError;
@@ -16,17 +14,6 @@ use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
 use crate::denoiser_heartbeats::{DenoiserHeartbeats, STALE_AFTER};
-use crate::error::ErrorBody;
-use crate::routes::{finish, ApiState};
-
-/// The routes, for `routes::routes()`.
-pub fn routes() -> Vec<(Method, &'static str, Route)> {
-    vec![(
-        Method::GET,
-        "/v1/controlnets",
-        web::get().to(list_controlnets),
-    )]
-}
 
 /// One ControlNet the mesh can steer with now.
 #[derive(Debug, Serialize, ToSchema, PartialEq)]
@@ -203,30 +190,6 @@ impl ControlNetDirectory {
 
 fn lock(workers: &Mutex<Workers>) -> std::sync::MutexGuard<'_, Workers> {
     workers.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-#[utoipa::path(
-    get,
-    path = "/v1/controlnets",
-    tag = "images",
-    responses(
-        (status = 200, description = "The ControlNets a generation's `controlnet.name` may name \
-            now, with the denoisers and ControlNet workers that serve each", body = ControlNetList),
-        (status = 401, description = "Missing or unknown API key", body = ErrorBody),
-    ),
-    security((), ("api_key" = []))
-)]
-pub async fn list_controlnets(req: HttpRequest, state: web::Data<ApiState>) -> HttpResponse {
-    let start = std::time::Instant::now();
-    let result = async {
-        state.caller(&req)?;
-        Ok(HttpResponse::Ok().json(ControlNetList {
-            object: "list".into(),
-            data: state.controlnets.list(),
-        }))
-    }
-    .await;
-    finish(&state, "controlnets_list", start, result)
 }
 
 #[cfg(test)]

@@ -7,15 +7,14 @@
 //! in `auth` and `limits`, the OpenAPI document in `openapi`, the browser playground at `/` in
 //! `playground`, registered templates and LoRAs in `templates` and `loras`. `/healthz`,
 //! `/readyz`, `/metrics` answer on the API port and on the common health port.
+pub mod api;
 pub mod auth;
 pub mod controlnet;
 pub mod controlnet_directory;
 pub mod denoiser_heartbeats;
 pub mod disconnect;
 pub mod error;
-pub mod events;
 pub mod idempotency;
-pub mod jobs;
 pub mod limits;
 pub mod loras;
 pub mod lost_events;
@@ -23,8 +22,8 @@ pub mod metrics;
 pub mod openapi;
 pub mod parse;
 pub mod pipeline;
-pub mod playground;
 pub mod routes;
+pub mod state;
 pub mod templates;
 pub mod validate;
 
@@ -45,9 +44,9 @@ use tokio_util::task::TaskTracker;
 use auth::ApiKeys;
 pub use error::ApiError;
 use limits::{KeyLimiter, KeyLimits};
-use metrics::GatewayMetrics;
+use metrics::{GatewayMetrics, RequestCounting};
 use pipeline::{FlowConfig, Mesh};
-use routes::ApiState;
+use state::ApiState;
 use validate::{parse_size, Defaults, Limits};
 
 /// Gateway flags.
@@ -345,10 +344,16 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
             source,
         })?;
     let health_state = health_data(registry, ready);
+    let counting = web::Data::new(RequestCounting {
+        metrics: api.mesh.metrics.clone(),
+        endpoints: routes::endpoints(),
+    });
     let server = HttpServer::new(move || {
         App::new()
             .app_data(api.clone())
             .app_data(health_state.clone())
+            .app_data(counting.clone())
+            .wrap(actix_web::middleware::from_fn(metrics::count_requests))
             .configure(routes::configure)
             .configure(configure_health_routes)
     })

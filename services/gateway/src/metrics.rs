@@ -1,8 +1,18 @@
-//! The gateway's Prometheus metrics.
+//! The gateway's Prometheus metrics, and the one middleware that counts and times every API
+//! request ([`count_requests`]).
+use std::time::Instant;
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::Method;
+use actix_web::middleware::Next;
+use actix_web::{web, ResponseError};
 use diffmesh_shared::metrics::{
     counter_vec, histogram_vec, FailureCounter, Unit, LATENCY_BUCKETS_SECONDS,
 };
 use prometheus::{HistogramVec, IntCounterVec, Registry};
+
+use crate::error::ApiError;
 
 #[derive(Clone)]
 pub struct GatewayMetrics {
@@ -81,4 +91,60 @@ impl GatewayMetrics {
             },
         })
     }
+}
+
+/// What [`count_requests`] needs: the metrics, and the endpoint label of each route
+/// (`routes::endpoints`).
+pub struct RequestCounting {
+    pub metrics: GatewayMetrics,
+    pub endpoints: Vec<(Method, &'static str, &'static str)>,
+}
+
+/// Middleware (`actix_web::middleware::from_fn`): counts every request of a labelled route by
+/// endpoint and status, times it, counts a failure by its `ApiError` reason and logs it (a
+/// warning for server errors). Handlers only return `Result<HttpResponse, ApiError>`.
+pub async fn count_requests(
+    req: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let counting = req.app_data::<web::Data<RequestCounting>>().cloned();
+    let method = req.method().clone();
+    let start = Instant::now();
+    let res = next.call(req).await?;
+    let Some(counting) = counting else {
+        return Ok(res);
+    };
+    // The route's pattern is known once routing has run: after the call.
+    let endpoint = res.request().match_pattern().and_then(|pattern| {
+        counting
+            .endpoints
+            .iter()
+            .find(|(m, path, _)| *m == method && *path == pattern)
+            .map(|(_, _, endpoint)| *endpoint)
+    });
+    let Some(endpoint) = endpoint else {
+        return Ok(res);
+    };
+    let metrics = &counting.metrics;
+    if let Some(err) = res
+        .response()
+        .error()
+        .and_then(|e| e.as_error::<ApiError>())
+    {
+        metrics.failures.inc(err.reason());
+        if err.status_code().is_server_error() {
+            tracing::warn!(endpoint, error = %err, "request failed");
+        } else {
+            tracing::info!(endpoint, error = %err, "request rejected");
+        }
+    }
+    metrics
+        .requests
+        .with_label_values(&[endpoint, res.status().as_str()])
+        .inc();
+    metrics
+        .request_duration
+        .with_label_values(&[endpoint])
+        .observe(start.elapsed().as_secs_f64());
+    Ok(res)
 }

@@ -8,11 +8,10 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ContentBuilder, ObjectBuilder, ResponseBuilder, Type};
 use utoipa::{Modify, OpenApi};
 
-use crate::routes::ApiState;
+use crate::api::{controlnets, events, images, jobs, loras, playground, templates};
+use crate::idempotency;
+use crate::state::ApiState;
 use crate::validate::Limits;
-use crate::{
-    controlnet_directory, events, idempotency, jobs, loras, playground, routes, templates,
-};
 use diffmesh_shared::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
 
 #[derive(OpenApi)]
@@ -26,8 +25,8 @@ use diffmesh_shared::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
             (others get 404). Every error is `{\"error\": {\"message\", \"error_type\", \"field\"}}`."
     ),
     paths(
-        routes::edits,
-        routes::generations,
+        images::edits,
+        images::generations,
         jobs::get_job,
         jobs::cancel_job,
         events::job_event_stream,
@@ -41,7 +40,7 @@ use diffmesh_shared::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
         loras::list_loras,
         loras::get_lora,
         loras::delete_lora,
-        controlnet_directory::list_controlnets,
+        controlnets::list_controlnets,
         playground::template_image::get_template_image,
         playground::page,
     ),
@@ -236,7 +235,8 @@ mod tests {
         let doc = doc();
         assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
         let paths = doc["paths"].as_object().unwrap();
-        for (method, path, _) in routes::routes() {
+        for route in crate::routes::routes() {
+            let (method, path) = (route.method, route.path);
             let op = &paths
                 .get(path)
                 .unwrap_or_else(|| panic!("{path} is not documented"))
@@ -250,7 +250,7 @@ mod tests {
             assert!(paths[*path]["get"].is_object(), "{path}");
         }
         // Nothing documented that is not served.
-        let served: usize = routes::routes().len() + HEALTH_ROUTES.len();
+        let served: usize = crate::routes::routes().len() + HEALTH_ROUTES.len();
         let documented: usize = paths
             .values()
             .map(|item| item.as_object().unwrap().len())

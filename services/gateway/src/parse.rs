@@ -17,7 +17,7 @@ use crate::error::ApiError;
 use crate::idempotency;
 use crate::loras::params as lora_params;
 use crate::pipeline::{InputImage, JobInput};
-use crate::routes::ApiState;
+use crate::state::ApiState;
 use crate::validate::{self, RawParams};
 
 /// Text fields are small; this caps each one independently of the body limit.

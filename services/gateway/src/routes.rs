@@ -1,104 +1,160 @@
-//! The route table and the image endpoints: authenticate, apply the key's limits, read and
-//! validate the request, then either run the job and answer with the images (as before:
-//! `{"created", "data": [{"b64_json"}]}` or raw `image/png`) or, with `Prefer: respond-async`,
-//! answer 202 with the job at once and run it in the background.
-use std::sync::Arc;
-use std::time::Instant;
-
-use actix_multipart::Multipart;
-use actix_web::http::header::{self, AUTHORIZATION};
+//! The route table: every API route, its handler, and the endpoint label its requests are
+//! counted under (`metrics::count_requests`). Nothing but the table lives here.
 use actix_web::http::Method;
-use actix_web::{web, HttpRequest, HttpResponse, Resource, ResponseError, Route};
-use base64::Engine;
-use diffmesh_shared::idempotency::{Claim, IdempotencyRecord};
-use diffmesh_shared::job::{now_ms, JobRecord, JobState};
-use serde::Serialize;
-use utoipa::ToSchema;
+use actix_web::{web, Resource, Route};
 
-use crate::auth::{ApiKeys, Caller};
-use crate::error::{ApiError, ErrorBody};
-use crate::idempotency::{self, IdempotencyKey};
-use crate::jobs::{self, job_path, JobView};
-use crate::limits::KeyLimiter;
-use crate::parse::{self, ImageRequest};
-use crate::pipeline::Mesh;
-use crate::validate::{Defaults, Limits, RawParams, ResponseFormat};
-use crate::{disconnect, events, openapi};
+use crate::api::{controlnets, events, images, jobs, loras, playground, templates};
+use crate::openapi;
 
-/// Shared state of the API handlers.
-pub struct ApiState {
-    pub mesh: Mesh,
-    pub limits: Limits,
-    pub defaults: Defaults,
-    /// Largest request body (all multipart parts together), bytes.
-    pub max_body_bytes: usize,
-    pub keys: ApiKeys,
-    pub key_limits: Arc<KeyLimiter>,
-    /// The OpenAPI document served at `/openapi.json` (`openapi::document`).
-    pub openapi: String,
-    /// Registered templates (`templates`).
-    pub templates: crate::templates::Templates,
-    /// Registered LoRAs (`loras`).
-    pub loras: crate::loras::store::LoraStore,
-    /// Largest LoRA weights file (`POST /v1/loras`), bytes.
-    pub max_lora_bytes: usize,
-    /// The ControlNets the mesh steers with now (`GET /v1/controlnets`).
-    pub controlnets: crate::controlnet_directory::ControlNetDirectory,
+/// One route of the API.
+pub struct ApiRoute {
+    pub method: Method,
+    pub path: &'static str,
+    pub route: Route,
+    /// The `endpoint` label of `diffmesh_gateway_requests_total` and
+    /// `diffmesh_gateway_request_duration_seconds`; `None`: not counted (the OpenAPI document
+    /// and the playground page, which are no API calls).
+    pub endpoint: Option<&'static str>,
 }
 
-impl ApiState {
-    /// Who sent `req` (401 when keys are configured and it carries no valid one).
-    pub fn caller(&self, req: &HttpRequest) -> Result<Caller, ApiError> {
-        self.keys.authenticate(req.headers().get(AUTHORIZATION))
+fn route(
+    method: Method,
+    path: &'static str,
+    route: Route,
+    endpoint: Option<&'static str>,
+) -> ApiRoute {
+    ApiRoute {
+        method,
+        path,
+        route,
+        endpoint,
     }
 }
 
-/// Every API route (method, path, handler). `configure` registers exactly these, and the
-/// OpenAPI test checks that each one is documented.
-pub fn routes() -> Vec<(Method, &'static str, Route)> {
+/// Every API route. `configure` registers exactly these, the request metrics label them by
+/// `endpoint`, and the OpenAPI test checks that each one is documented.
+pub fn routes() -> Vec<ApiRoute> {
+    use Method as M;
     vec![
-        (Method::POST, "/v1/images/edits", web::post().to(edits)),
-        (
-            Method::POST,
-            "/v1/images/generations",
-            web::post().to(generations),
+        route(
+            M::POST,
+            "/v1/images/edits",
+            web::post().to(images::edits),
+            Some("edits"),
         ),
-        (Method::GET, "/v1/jobs/{id}", web::get().to(jobs::get_job)),
-        (
-            Method::DELETE,
+        route(
+            M::POST,
+            "/v1/images/generations",
+            web::post().to(images::generations),
+            Some("generations"),
+        ),
+        route(
+            M::GET,
+            "/v1/jobs/{id}",
+            web::get().to(jobs::get_job),
+            Some("job"),
+        ),
+        route(
+            M::DELETE,
             "/v1/jobs/{id}",
             web::delete().to(jobs::cancel_job),
+            Some("job_cancel"),
         ),
-        (
-            Method::GET,
+        route(
+            M::GET,
             "/v1/jobs/{id}/events",
             web::get().to(events::job_event_stream),
+            Some("job_events"),
         ),
-        (
-            Method::GET,
+        route(
+            M::GET,
             "/v1/jobs/{id}/result/{n}",
             web::get().to(jobs::get_result),
+            Some("job_result"),
         ),
-        (Method::GET, "/openapi.json", web::get().to(openapi::serve)),
+        route(
+            M::POST,
+            "/v1/templates",
+            web::post().to(templates::create_template),
+            Some("templates_create"),
+        ),
+        route(
+            M::GET,
+            "/v1/templates",
+            web::get().to(templates::list_templates),
+            Some("templates_list"),
+        ),
+        route(
+            M::GET,
+            "/v1/templates/{id}",
+            web::get().to(templates::get_template),
+            Some("template"),
+        ),
+        route(
+            M::DELETE,
+            "/v1/templates/{id}",
+            web::delete().to(templates::delete_template),
+            Some("template_delete"),
+        ),
+        route(
+            M::GET,
+            "/v1/templates/{id}/image",
+            web::get().to(playground::template_image::get_template_image),
+            Some("template_image"),
+        ),
+        route(
+            M::POST,
+            "/v1/loras",
+            web::post().to(loras::create_lora),
+            Some("loras_create"),
+        ),
+        route(
+            M::GET,
+            "/v1/loras",
+            web::get().to(loras::list_loras),
+            Some("loras_list"),
+        ),
+        route(
+            M::GET,
+            "/v1/loras/{id}",
+            web::get().to(loras::get_lora),
+            Some("lora"),
+        ),
+        route(
+            M::DELETE,
+            "/v1/loras/{id}",
+            web::delete().to(loras::delete_lora),
+            Some("lora_delete"),
+        ),
+        route(
+            M::GET,
+            "/v1/controlnets",
+            web::get().to(controlnets::list_controlnets),
+            Some("controlnets_list"),
+        ),
+        route(M::GET, "/openapi.json", web::get().to(openapi::serve), None),
+        route(M::GET, "/", web::get().to(playground::page), None),
     ]
-    .into_iter()
-    .chain(crate::templates::routes())
-    .chain(crate::loras::routes())
-    .chain(crate::controlnet_directory::routes())
-    .chain(crate::playground::routes())
-    .collect()
+}
+
+/// The endpoint label of each counted route, by method and path pattern.
+pub fn endpoints() -> Vec<(Method, &'static str, &'static str)> {
+    routes()
+        .into_iter()
+        .filter_map(|r| r.endpoint.map(|e| (r.method, r.path, e)))
+        .collect()
 }
 
 /// Register `routes()`, one resource per path (so GET and DELETE share `/v1/jobs/{id}`).
 pub fn configure(cfg: &mut web::ServiceConfig) {
     let mut by_path: Vec<(&'static str, Resource)> = Vec::new();
-    for (_, path, route) in routes() {
-        match by_path.iter().position(|(p, _)| *p == path) {
+    for r in routes() {
+        match by_path.iter().position(|(p, _)| *p == r.path) {
             Some(i) => {
                 let (p, resource) = by_path.remove(i);
-                by_path.insert(i, (p, resource.route(route)));
+                by_path.insert(i, (p, resource.route(r.route)));
             }
-            None => by_path.push((path, web::resource(path).route(route))),
+            None => by_path.push((r.path, web::resource(r.path).route(r.route))),
         }
     }
     for (_, resource) in by_path {
@@ -106,400 +162,34 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     }
 }
 
-/// The OpenAI images response.
-#[derive(Serialize, ToSchema)]
-pub struct ImagesResponse {
-    /// Unix seconds.
-    pub created: u64,
-    pub data: Vec<ImageData>,
-}
-
-#[derive(Serialize, ToSchema)]
-pub struct ImageData {
-    /// The PNG, base64-encoded.
-    pub b64_json: String,
-}
-
-/// The multipart form of `POST /v1/images/edits` (documentation of what `parse::read_edit`
-/// reads; text fields are those of the JSON generation request).
-#[derive(ToSchema)]
-pub struct EditForm {
-    /// The template: PNG, JPEG or WebP. Its transparent pixels are the region to repaint when
-    /// no mask is given. Required unless `template_id` is given (exactly one of the two).
-    #[schema(value_type = Option<String>, format = Binary)]
-    pub image: Option<Vec<u8>>,
-    /// A registered template (`POST /v1/templates`) instead of `image`: the edit reads its
-    /// activation cache and computes only the masked tokens; 404 if unknown, 409 if not ready.
-    pub template_id: Option<String>,
-    /// The region to repaint, same size as `image`: alpha < 128 repaints (RGBA masks, OpenAI's
-    /// convention), otherwise luma >= 128 repaints.
-    #[schema(value_type = Option<String>, format = Binary)]
-    pub mask: Option<Vec<u8>>,
-    #[schema(min_length = 1)]
-    pub prompt: String,
-    #[schema(minimum = 1)]
-    pub n: Option<i64>,
-    /// Accepted for OpenAI compatibility; edits come back at the image's size.
-    pub size: Option<String>,
-    /// `b64_json` (default) or `png` (the raw PNG, n = 1 only).
-    pub response_format: Option<String>,
-    #[schema(minimum = 1)]
-    pub num_inference_steps: Option<i64>,
-    #[schema(minimum = 0.0)]
-    pub guidance_scale: Option<f64>,
-    /// True classifier-free guidance, 1 (off, the default) to `--max-guidance`: each step also
-    /// runs with `negative_prompt` and steers away from it, at a second batch row per image.
-    #[schema(minimum = 1.0)]
-    pub true_cfg_scale: Option<f64>,
-    /// What true CFG steers away from (default: the empty prompt); only with `true_cfg_scale`
-    /// above 1.
-    pub negative_prompt: Option<String>,
-    #[schema(minimum = 0)]
-    pub seed: Option<u64>,
-    /// Registered LoRAs to apply: the JSON text of the generation body's `loras` array, e.g.
-    /// `[{"id": "<LoRA id>", "scale": 1.0}]`. Not with `template_id` (400 naming `loras`).
-    pub loras: Option<String>,
-    /// Milliseconds after acceptance the result is wanted by, 1 to 86400000; changes no pixel
-    /// (denoisers with `--queue-order edf` serve the earliest deadline first).
-    #[schema(minimum = 1, maximum = 86_400_000)]
-    pub deadline_ms: Option<i64>,
-}
-
-#[utoipa::path(
-    post,
-    path = "/v1/images/edits",
-    tag = "images",
-    request_body(content = EditForm, content_type = "multipart/form-data"),
-    params(
-        ("Prefer" = Option<String>, Header,
-            description = "`respond-async`: answer 202 with the job at once"),
-        ("Idempotency-Key" = Option<String>, Header,
-            description = "A repeat with the same key (per API key, for a day) returns the same job"),
-    ),
-    responses(
-        (status = 200, description = "The edited image(s), at the input's size", content(
-            (ImagesResponse = "application/json"),
-            ([u8] = "image/png"),
-        )),
-        (status = 202, description = "Accepted (`Prefer: respond-async`): the job",
-            body = JobView, headers(("Location" = String, description = "The job's URL"))),
-        (status = 400, description = "A field is missing, malformed or out of range", body = ErrorBody),
-        (status = 401, description = "Missing or unknown API key", body = ErrorBody),
-        (status = 404, description = "No such template (`template_id`) for this API key", body = ErrorBody),
-        (status = 409, description = "The job was cancelled, or the template is not ready", body = ErrorBody),
-        (status = 413, description = "The body or a part is too large", body = ErrorBody),
-        (status = 422, description = "Idempotency-Key reused for another request", body = ErrorBody),
-        (status = 429, description = "Over the key's limits or the mesh's admission queue",
-            body = ErrorBody, headers(("Retry-After" = u64, description = "Seconds"))),
-        (status = 500, description = "Internal error", body = ErrorBody),
-        (status = 503, description = "No denoiser could take the job", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds"))),
-        (status = 504, description = "The job did not finish in time", body = ErrorBody),
-    ),
-    security((), ("api_key" = []))
-)]
-pub async fn edits(
-    req: HttpRequest,
-    state: web::Data<ApiState>,
-    payload: Multipart,
-) -> HttpResponse {
-    let start = Instant::now();
-    let result = async {
-        let caller = admit(&req, &state)?;
-        let request = parse::read_edit(&state, &caller, payload).await?;
-        serve(&req, &state, caller, request).await
-    }
-    .await;
-    finish(&state, "edits", start, result)
-}
-
-#[utoipa::path(
-    post,
-    path = "/v1/images/generations",
-    tag = "images",
-    request_body(content = RawParams, content_type = "application/json"),
-    params(
-        ("Prefer" = Option<String>, Header,
-            description = "`respond-async`: answer 202 with the job at once"),
-        ("Idempotency-Key" = Option<String>, Header,
-            description = "A repeat with the same key (per API key, for a day) returns the same job"),
-    ),
-    responses(
-        (status = 200, description = "The generated image(s)", content(
-            (ImagesResponse = "application/json"),
-            ([u8] = "image/png"),
-        )),
-        (status = 202, description = "Accepted (`Prefer: respond-async`): the job",
-            body = JobView, headers(("Location" = String, description = "The job's URL"))),
-        (status = 400, description = "A field is missing, malformed or out of range", body = ErrorBody),
-        (status = 401, description = "Missing or unknown API key", body = ErrorBody),
-        (status = 409, description = "The job was cancelled", body = ErrorBody),
-        (status = 413, description = "The body is too large", body = ErrorBody),
-        (status = 422, description = "Idempotency-Key reused for another request", body = ErrorBody),
-        (status = 429, description = "Over the key's limits or the mesh's admission queue",
-            body = ErrorBody, headers(("Retry-After" = u64, description = "Seconds"))),
-        (status = 500, description = "Internal error", body = ErrorBody),
-        (status = 503, description = "No denoiser could take the job", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds"))),
-        (status = 504, description = "The job did not finish in time", body = ErrorBody),
-    ),
-    security((), ("api_key" = []))
-)]
-pub async fn generations(
-    req: HttpRequest,
-    state: web::Data<ApiState>,
-    payload: web::Payload,
-) -> HttpResponse {
-    let start = Instant::now();
-    let result = async {
-        let caller = admit(&req, &state)?;
-        let request = parse::read_generation(&state, &caller, payload).await?;
-        serve(&req, &state, caller, request).await
-    }
-    .await;
-    finish(&state, "generations", start, result)
-}
-
-/// Authenticate and take one request from the key's rate budget (before reading the body).
-fn admit(req: &HttpRequest, state: &ApiState) -> Result<Caller, ApiError> {
-    let caller = state.caller(req)?;
-    state.key_limits.check_rate(caller.limit_key())?;
-    Ok(caller)
-}
-
-/// `Prefer: respond-async` (RFC 7240; other preferences may ride along).
-fn prefers_async(req: &HttpRequest) -> bool {
-    req.headers()
-        .get_all("prefer")
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|pref| pref.split([';', '=']).next().unwrap_or("").trim())
-        .any(|token| token.eq_ignore_ascii_case("respond-async"))
-}
-
-async fn serve(
-    req: &HttpRequest,
-    state: &web::Data<ApiState>,
-    caller: Caller,
-    request: ImageRequest,
-) -> Result<HttpResponse, ApiError> {
-    let respond_async = prefers_async(req);
-    let format = request.input.valid.response_format;
-    let idem = idempotency::from_request(req, &caller, request.fingerprint)?;
-    if let Some(key) = &idem {
-        if let Some(existing) = state.mesh.idempotency.get(&key.store_key).await? {
-            return replay(req, state, key, existing, respond_async, format).await;
-        }
-    }
-    let slot = state.key_limits.acquire(caller.limit_key())?;
-    let mut prepared = state.mesh.prepare(request.input, caller.owner()).await?;
-    let job_id = prepared.job_id().to_string();
-    let kind = prepared.job.kind;
-    if let Some(key) = &idem {
-        let mine = IdempotencyRecord {
-            job_id: job_id.clone(),
-            fingerprint: key.fingerprint.clone(),
-            created_at_ms: now_ms(),
-        };
-        if let Claim::Existing(first) = state.mesh.idempotency.claim(&key.store_key, &mine).await? {
-            // A concurrent request with the same key got in first: answer with its job.
-            let reason = format!("superseded by job {} (same Idempotency-Key)", first.job_id);
-            state.mesh.discard(prepared, &reason).await;
-            return replay(req, state, key, first, respond_async, format).await;
-        }
-    }
-    if respond_async {
-        // Durable before the 202: a router places the job if this gateway dies first.
-        state.mesh.commit_detached(&prepared).await?;
-        let mesh = state.mesh.clone();
-        state.mesh.spawn_background(async move {
-            let _slot = slot;
-            if let Err(err) = mesh.complete(prepared).await {
-                tracing::info!(error = %err, "async job ended without a result");
-            }
-        });
-        // The record as the job starts (a fresh one if it cannot be read back right now).
-        let record = match state.mesh.jobs.get(&job_id).await {
-            Ok(Some(r)) => r,
-            _ => JobRecord::new(job_id, kind),
-        };
-        return Ok(accepted(&record, false));
-    }
-    if idem.is_some() {
-        prepared.make_resumable();
-    }
-    // Dropping the job's driver when the client leaves cancels the job (see `pipeline`).
-    let png_keys = tokio::select! {
-        done = state.mesh.complete(prepared) => done?,
-        _ = disconnect::closed(req) => return Err(ApiError::ClientGone),
-    };
-    drop(slot);
-    let pngs = state.mesh.fetch_pngs(&png_keys).await?;
-    Ok(respond(pngs, format))
-}
-
-/// 202 with the job, its URL in `Location`.
-fn accepted(record: &JobRecord, replayed: bool) -> HttpResponse {
-    let mut response = HttpResponse::Accepted();
-    response
-        .insert_header((header::LOCATION, job_path(&record.job_id)))
-        .insert_header(("Preference-Applied", "respond-async"));
-    if replayed {
-        response.insert_header(("Idempotent-Replayed", "true"));
-    }
-    response.json(JobView::of(record))
-}
-
-/// Answer a repeated `Idempotency-Key` with the job it created: at once when async, else once
-/// the job has ended, as the first request was (or would have been) answered.
-async fn replay(
-    req: &HttpRequest,
-    state: &ApiState,
-    key: &IdempotencyKey,
-    first: IdempotencyRecord,
-    respond_async: bool,
-    format: ResponseFormat,
-) -> Result<HttpResponse, ApiError> {
-    if first.fingerprint != key.fingerprint {
-        return Err(idempotency::mismatch(&first.job_id));
-    }
-    let job_id = first.job_id;
-    if respond_async {
-        let record = state.mesh.jobs.get(&job_id).await?.ok_or_else(|| {
-            ApiError::Internal(format!("job {job_id} of this Idempotency-Key is gone"))
-        })?;
-        return Ok(accepted(&record, true));
-    }
-    let record = tokio::select! {
-        ended = wait_for_ending(&state.mesh, &job_id) => ended?,
-        _ = disconnect::closed(req) => return Err(ApiError::ClientGone),
-    };
-    let mut response = match record.state {
-        JobState::Done => respond(state.mesh.fetch_pngs(&record.result_keys).await?, format),
-        JobState::Cancelled => {
-            return Err(ApiError::Cancelled {
-                message: format!("job {job_id} was cancelled"),
-            })
-        }
-        _ => {
-            let (message, error_type) = record
-                .error
-                .map(|e| (e.message, e.error_type))
-                .unwrap_or_else(|| ("the job failed".into(), "internal_error".into()));
-            return Err(ApiError::JobFailed {
-                message,
-                error_type,
-            });
-        }
-    };
-    response.headers_mut().insert(
-        header::HeaderName::from_static("idempotent-replayed"),
-        header::HeaderValue::from_static("true"),
-    );
-    Ok(response)
-}
-
-/// The job's record once it has ended (504 after the job deadline).
-async fn wait_for_ending(mesh: &Mesh, job_id: &str) -> Result<JobRecord, ApiError> {
-    use futures::StreamExt;
-    let mut records = mesh.jobs.watch(job_id).await?;
-    let deadline = tokio::time::Instant::now() + mesh.flow.job_timeout;
-    loop {
-        match tokio::time::timeout_at(deadline, records.next()).await {
-            Ok(Some(Ok(r))) if r.state.is_terminal() => return Ok(r),
-            Ok(Some(Ok(_))) => {}
-            Ok(Some(Err(err))) => return Err(err.into()),
-            Ok(None) => return Err(ApiError::Internal("the job record watch ended".into())),
-            Err(_) => {
-                return Err(ApiError::Timeout {
-                    message: format!("job {job_id} did not finish in time"),
-                })
-            }
-        }
-    }
-}
-
-fn respond(pngs: Vec<Vec<u8>>, format: ResponseFormat) -> HttpResponse {
-    match format {
-        ResponseFormat::Png => match pngs.into_iter().next() {
-            Some(png) => HttpResponse::Ok().content_type("image/png").body(png),
-            None => ApiError::Internal("the job returned no image".into()).error_response(),
-        },
-        ResponseFormat::B64Json => {
-            let engine = base64::engine::general_purpose::STANDARD;
-            HttpResponse::Ok().json(ImagesResponse {
-                created: now_ms() / 1000,
-                data: pngs
-                    .iter()
-                    .map(|png| ImageData {
-                        b64_json: engine.encode(png),
-                    })
-                    .collect(),
-            })
-        }
-    }
-}
-
-/// Record metrics and turn the result into the response (errors via `ApiError`'s one mapping).
-pub fn finish(
-    state: &ApiState,
-    endpoint: &str,
-    start: Instant,
-    result: Result<HttpResponse, ApiError>,
-) -> HttpResponse {
-    let metrics = &state.mesh.metrics;
-    let response = match result {
-        Ok(r) => r,
-        Err(err) => {
-            metrics.failures.inc(err.reason());
-            if err.status_code().is_server_error() {
-                tracing::warn!(endpoint, error = %err, "request failed");
-            } else {
-                tracing::info!(endpoint, error = %err, "request rejected");
-            }
-            err.error_response()
-        }
-    };
-    metrics
-        .requests
-        .with_label_values(&[endpoint, response.status().as_str()])
-        .inc();
-    metrics
-        .request_duration
-        .with_label_values(&[endpoint])
-        .observe(start.elapsed().as_secs_f64());
-    response
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use actix_web::test::TestRequest;
-
-    #[test]
-    fn prefer_header_is_parsed_per_rfc_7240() {
-        let with = |v: &str| {
-            TestRequest::default()
-                .insert_header(("Prefer", v))
-                .to_http_request()
-        };
-        assert!(prefers_async(&with("respond-async")));
-        assert!(prefers_async(&with("wait=10, Respond-Async")));
-        assert!(prefers_async(&with("respond-async; foo=bar")));
-        assert!(!prefers_async(&with("return=minimal")));
-        assert!(!prefers_async(&TestRequest::default().to_http_request()));
-    }
 
     #[test]
     fn every_path_is_registered_once_per_method() {
-        let table = routes();
         let mut seen = std::collections::HashSet::new();
-        for (method, path, _) in &table {
+        for r in routes() {
             assert!(
-                seen.insert((method.clone(), *path)),
-                "{method} {path} twice"
+                seen.insert((r.method.clone(), r.path)),
+                "{} {} twice",
+                r.method,
+                r.path
             );
         }
         assert!(seen.contains(&(Method::DELETE, "/v1/jobs/{id}")));
+    }
+
+    #[test]
+    fn every_api_call_is_counted_under_a_label_of_its_own() {
+        let mut labels = std::collections::HashSet::new();
+        for r in routes() {
+            if r.path.starts_with("/v1/") {
+                let label = r
+                    .endpoint
+                    .unwrap_or_else(|| panic!("{} is not counted", r.path));
+                assert!(labels.insert(label), "{label} twice");
+            }
+        }
     }
 }

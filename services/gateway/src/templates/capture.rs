@@ -17,7 +17,7 @@ use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::lost_events;
 use crate::pipeline::{InputImage, JobInput, Mesh};
-use crate::routes::ApiState;
+use crate::state::ApiState;
 use crate::templates::form::TemplateForm;
 use crate::templates::record::{TemplateRecord, TemplateState, TemplateStore};
 use crate::templates::Templates;

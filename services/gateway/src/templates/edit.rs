@@ -13,7 +13,7 @@ use crate::idempotency;
 use crate::loras::params::refuse_for_template;
 use crate::parse::{raw_from_text, ImageRequest};
 use crate::pipeline::{InputImage, JobInput};
-use crate::routes::ApiState;
+use crate::state::ApiState;
 use crate::templates::record::{TemplateRecord, TemplateState};
 use crate::validate::{self, Defaults, Limits, RawParams, ValidParams};
 
@@ -54,7 +54,7 @@ pub async fn read(
         .await?
         .filter(|r| caller.may_access(r.owner.as_deref()))
         .ok_or_else(|| not_found(template_id))?;
-    let record = super::settle(state, record).await?;
+    let record = state.templates.settle(&state.mesh, record).await?;
     ready(&record)?;
     // The template's id stands for its image in the fingerprint: a repeat names the same one.
     let named = format!("template:{template_id}");

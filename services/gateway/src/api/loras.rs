@@ -8,36 +8,16 @@
 //! record keeps the key that registered it, and another key neither sees nor uses it (404 on
 //! `GET`/`DELETE`, 400 in a request, as for an id that names none); without API keys every
 //! caller sees every LoRA.
-pub mod form;
-pub mod params;
-pub mod store;
-
-use std::time::Instant;
 
 use actix_multipart::Multipart;
-use actix_web::http::Method;
-use actix_web::{web, HttpRequest, HttpResponse, Route};
+use actix_web::{web, HttpRequest, HttpResponse};
 use diffmesh_shared::lora::LoraRecord;
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::routes::{finish, ApiState};
-
-/// The LoRA routes, for `routes::routes()`.
-pub fn routes() -> Vec<(Method, &'static str, Route)> {
-    vec![
-        (Method::POST, "/v1/loras", web::post().to(create_lora)),
-        (Method::GET, "/v1/loras", web::get().to(list_loras)),
-        (Method::GET, "/v1/loras/{id}", web::get().to(get_lora)),
-        (
-            Method::DELETE,
-            "/v1/loras/{id}",
-            web::delete().to(delete_lora),
-        ),
-    ]
-}
+use crate::state::ApiState;
 
 /// A registered LoRA as clients see it: its record (`lora::LoraRecord`) and `object`.
 #[derive(Debug, Serialize, ToSchema)]
@@ -151,25 +131,20 @@ pub async fn create_lora(
     req: HttpRequest,
     state: web::Data<ApiState>,
     payload: Multipart,
-) -> HttpResponse {
-    let start = Instant::now();
-    let result = async {
-        let caller = state.caller(&req)?;
-        state.key_limits.check_rate(caller.limit_key())?;
-        let upload = form::read(payload, state.max_lora_bytes).await?;
-        let record = state.loras.register(upload, caller.owner()).await?;
-        tracing::info!(
-            lora_id = %record.id,
-            bytes = record.bytes,
-            modules = record.modules,
-            "LoRA registered"
-        );
-        Ok(HttpResponse::Created()
-            .insert_header(("Location", format!("/v1/loras/{}", record.id)))
-            .json(LoraView::of(&record)))
-    }
-    .await;
-    finish(&state, "loras_create", start, result)
+) -> Result<HttpResponse, ApiError> {
+    let caller = state.caller(&req)?;
+    state.key_limits.check_rate(caller.limit_key())?;
+    let upload = crate::loras::form::read(payload, state.max_lora_bytes).await?;
+    let record = state.loras.register(upload, caller.owner()).await?;
+    tracing::info!(
+        lora_id = %record.id,
+        bytes = record.bytes,
+        modules = record.modules,
+        "LoRA registered"
+    );
+    Ok(HttpResponse::Created()
+        .insert_header(("Location", format!("/v1/loras/{}", record.id)))
+        .json(LoraView::of(&record)))
 }
 
 #[utoipa::path(
@@ -182,25 +157,23 @@ pub async fn create_lora(
     ),
     security((), ("api_key" = []))
 )]
-pub async fn list_loras(req: HttpRequest, state: web::Data<ApiState>) -> HttpResponse {
-    let start = Instant::now();
-    let result = async {
-        let caller = state.caller(&req)?;
-        let data = state
-            .loras
-            .list()
-            .await?
-            .iter()
-            .filter(|r| caller.may_access(r.owner.as_deref()))
-            .map(LoraView::of)
-            .collect();
-        Ok(HttpResponse::Ok().json(LoraList {
-            object: "list".into(),
-            data,
-        }))
-    }
-    .await;
-    finish(&state, "loras_list", start, result)
+pub async fn list_loras(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+) -> Result<HttpResponse, ApiError> {
+    let caller = state.caller(&req)?;
+    let data = state
+        .loras
+        .list()
+        .await?
+        .iter()
+        .filter(|r| caller.may_access(r.owner.as_deref()))
+        .map(LoraView::of)
+        .collect();
+    Ok(HttpResponse::Ok().json(LoraList {
+        object: "list".into(),
+        data,
+    }))
 }
 
 #[utoipa::path(
@@ -219,15 +192,10 @@ pub async fn get_lora(
     req: HttpRequest,
     state: web::Data<ApiState>,
     id: web::Path<String>,
-) -> HttpResponse {
-    let start = Instant::now();
-    let result = async {
-        let caller = state.caller(&req)?;
-        let record = owned(&state, &caller, &id).await?;
-        Ok(HttpResponse::Ok().json(LoraView::of(&record)))
-    }
-    .await;
-    finish(&state, "lora", start, result)
+) -> Result<HttpResponse, ApiError> {
+    let caller = state.caller(&req)?;
+    let record = owned(&state, &caller, &id).await?;
+    Ok(HttpResponse::Ok().json(LoraView::of(&record)))
 }
 
 #[utoipa::path(
@@ -247,23 +215,18 @@ pub async fn delete_lora(
     req: HttpRequest,
     state: web::Data<ApiState>,
     id: web::Path<String>,
-) -> HttpResponse {
-    let start = Instant::now();
-    let result = async {
-        let caller = state.caller(&req)?;
-        owned(&state, &caller, &id).await?;
-        if !state.loras.remove(&id).await? {
-            return Err(not_found(&id));
-        }
-        tracing::info!(lora_id = %id, "LoRA deleted");
-        Ok(HttpResponse::Ok().json(LoraDeleted {
-            id: id.into_inner(),
-            object: "lora".into(),
-            deleted: true,
-        }))
+) -> Result<HttpResponse, ApiError> {
+    let caller = state.caller(&req)?;
+    owned(&state, &caller, &id).await?;
+    if !state.loras.remove(&id).await? {
+        return Err(not_found(&id));
     }
-    .await;
-    finish(&state, "lora_delete", start, result)
+    tracing::info!(lora_id = %id, "LoRA deleted");
+    Ok(HttpResponse::Ok().json(LoraDeleted {
+        id: id.into_inner(),
+        object: "lora".into(),
+        deleted: true,
+    }))
 }
 
 #[cfg(test)]

@@ -13,12 +13,11 @@ pub mod template_image;
 use std::sync::OnceLock;
 
 use actix_web::http::header::{CACHE_CONTROL, CONTENT_SECURITY_POLICY, X_CONTENT_TYPE_OPTIONS};
-use actix_web::http::Method;
-use actix_web::{web, HttpResponse, Route};
+use actix_web::{web, HttpResponse};
 use base64::Engine;
 use sha2::{Digest, Sha256};
 
-use crate::routes::ApiState;
+use crate::state::ApiState;
 
 const INDEX_HTML: &str = include_str!("index.html");
 const STYLE_CSS: &str = include_str!("style.css");
@@ -28,18 +27,6 @@ const APP_JS: &str = include_str!("app.js");
 const STYLE_MARKER: &str = "/* diffmesh:style */";
 const SCRIPT_MARKER: &str = "/* diffmesh:script */";
 const AUTH_MARKER: &str = "{{auth_required}}";
-
-/// The playground's routes, for `routes::routes()`.
-pub fn routes() -> Vec<(Method, &'static str, Route)> {
-    vec![
-        (Method::GET, "/", web::get().to(page)),
-        (
-            Method::GET,
-            "/v1/templates/{id}/image",
-            web::get().to(template_image::get_template_image),
-        ),
-    ]
-}
 
 /// A rendered page and the Content-Security-Policy that lets exactly its inline parts run.
 pub struct Page {

@@ -1,14 +1,14 @@
 //! `GET /v1/templates/{id}/image`: a registered template's image as it was uploaded, so a client
 //! (the playground) can show it and paint a mask of the same size over it. Visible only to the
 //! key that registered it (others get the same 404 as for an unknown id).
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use actix_web::http::header::{CACHE_CONTROL, X_CONTENT_TYPE_OPTIONS};
 use actix_web::{web, HttpRequest, HttpResponse};
 use diffmesh_shared::MeshError;
 
 use crate::error::{ApiError, ErrorBody};
-use crate::routes::{finish, ApiState};
+use crate::state::ApiState;
 use crate::templates::edit::not_found;
 
 /// Longest read of a template image from the object store (they are at most a request body).
@@ -46,44 +46,39 @@ pub async fn get_template_image(
     req: HttpRequest,
     state: web::Data<ApiState>,
     id: web::Path<String>,
-) -> HttpResponse {
-    let start = Instant::now();
-    let result = async {
-        let caller = state.caller(&req)?;
-        let store = &state.templates.store;
-        store
-            .get(&id)
-            .await?
-            .filter(|r| caller.may_access(r.owner.as_deref()))
-            .ok_or_else(|| not_found(&id))?;
-        let bytes = match tokio::time::timeout(IMAGE_READ_TIMEOUT, store.image(&id)).await {
-            Ok(Ok(bytes)) => bytes,
-            // Deleted (or its registration undone) between reading the record and the image.
-            Ok(Err(ApiError::Mesh(MeshError::BlobNotFound { .. }))) => return Err(not_found(&id)),
-            Ok(Err(err)) => return Err(err),
-            // An object-store read waits for chunks that a concurrent delete purged, forever:
-            // bound it, and answer 404 if the template is gone by now.
-            Err(_) => {
-                tracing::warn!(template_id = %id.as_str(), "reading the template image stalled");
-                return Err(match store.get(&id).await? {
-                    None => not_found(&id),
-                    Some(_) => ApiError::Timeout {
-                        message: format!("reading template {}'s image timed out", id.as_str()),
-                    },
-                });
-            }
-        };
-        Ok::<_, ApiError>(
-            HttpResponse::Ok()
-                .content_type(mime_of(&bytes))
-                .insert_header((X_CONTENT_TYPE_OPTIONS, "nosniff"))
-                // The image of a template id never changes (a new registration is a new id).
-                .insert_header((CACHE_CONTROL, "private, max-age=3600"))
-                .body(bytes),
-        )
-    }
-    .await;
-    finish(&state, "template_image", start, result)
+) -> Result<HttpResponse, ApiError> {
+    let caller = state.caller(&req)?;
+    let store = &state.templates.store;
+    store
+        .get(&id)
+        .await?
+        .filter(|r| caller.may_access(r.owner.as_deref()))
+        .ok_or_else(|| not_found(&id))?;
+    let bytes = match tokio::time::timeout(IMAGE_READ_TIMEOUT, store.image(&id)).await {
+        Ok(Ok(bytes)) => bytes,
+        // Deleted (or its registration undone) between reading the record and the image.
+        Ok(Err(ApiError::Mesh(MeshError::BlobNotFound { .. }))) => return Err(not_found(&id)),
+        Ok(Err(err)) => return Err(err),
+        // An object-store read waits for chunks that a concurrent delete purged, forever:
+        // bound it, and answer 404 if the template is gone by now.
+        Err(_) => {
+            tracing::warn!(template_id = %id.as_str(), "reading the template image stalled");
+            return Err(match store.get(&id).await? {
+                None => not_found(&id),
+                Some(_) => ApiError::Timeout {
+                    message: format!("reading template {}'s image timed out", id.as_str()),
+                },
+            });
+        }
+    };
+    Ok::<_, ApiError>(
+        HttpResponse::Ok()
+            .content_type(mime_of(&bytes))
+            .insert_header((X_CONTENT_TYPE_OPTIONS, "nosniff"))
+            // The image of a template id never changes (a new registration is a new id).
+            .insert_header((CACHE_CONTROL, "private, max-age=3600"))
+            .body(bytes),
+    )
 }
 
 #[cfg(test)]

@@ -2,7 +2,6 @@
 //! links), `GET /v1/jobs/{id}/result/{n}` (the n-th PNG) and `DELETE /v1/jobs/{id}` (cancel).
 //! A job belongs to the API key that created it: any other key gets 404, exactly as for a job
 //! that does not exist, so job ids of other keys cannot even be confirmed.
-use std::time::Instant;
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use diffmesh_shared::job::{now_ms, JobRecord, JobState};
@@ -13,7 +12,7 @@ use utoipa::ToSchema;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::routes::{finish, ApiState};
+use crate::state::ApiState;
 
 /// A job as clients see it.
 #[derive(Debug, Serialize, ToSchema)]
@@ -226,15 +225,10 @@ pub async fn get_job(
     req: HttpRequest,
     state: web::Data<ApiState>,
     id: web::Path<String>,
-) -> HttpResponse {
-    let start = Instant::now();
-    let result = async {
-        let caller = state.caller(&req)?;
-        let record = owned_record(&state, &caller, &id).await?;
-        Ok(HttpResponse::Ok().json(JobView::of(&record)))
-    }
-    .await;
-    finish(&state, "job", start, result)
+) -> Result<HttpResponse, ApiError> {
+    let caller = state.caller(&req)?;
+    let record = owned_record(&state, &caller, &id).await?;
+    Ok(HttpResponse::Ok().json(JobView::of(&record)))
 }
 
 #[utoipa::path(
@@ -256,13 +250,9 @@ pub async fn cancel_job(
     req: HttpRequest,
     state: web::Data<ApiState>,
     id: web::Path<String>,
-) -> HttpResponse {
-    let start = Instant::now();
-    let result = match state.caller(&req) {
-        Ok(caller) => cancel(&state, &caller, &id).await,
-        Err(err) => Err(err),
-    };
-    finish(&state, "job_cancel", start, result)
+) -> Result<HttpResponse, ApiError> {
+    let caller = state.caller(&req)?;
+    cancel(&state, &caller, &id).await
 }
 
 async fn cancel(state: &ApiState, caller: &Caller, id: &str) -> Result<HttpResponse, ApiError> {
@@ -323,14 +313,10 @@ pub async fn get_result(
     req: HttpRequest,
     state: web::Data<ApiState>,
     path: web::Path<(String, String)>,
-) -> HttpResponse {
-    let start = Instant::now();
+) -> Result<HttpResponse, ApiError> {
     let (id, n) = path.into_inner();
-    let result = match state.caller(&req) {
-        Ok(caller) => result_png(&state, &caller, &id, &n).await,
-        Err(err) => Err(err),
-    };
-    finish(&state, "job_result", start, result)
+    let caller = state.caller(&req)?;
+    result_png(&state, &caller, &id, &n).await
 }
 
 async fn result_png(

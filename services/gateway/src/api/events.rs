@@ -5,7 +5,7 @@
 //! the moment the client sees them. The first event describes the job as it is when the stream
 //! opens; a stream of a finished job carries just its ending.
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use actix_web::http::header::CACHE_CONTROL;
 use actix_web::{web, HttpRequest, HttpResponse};
@@ -18,9 +18,9 @@ use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use serde_json::{json, Value};
 
+use crate::api::jobs::{owned_record, JobView};
 use crate::error::{ApiError, ErrorBody};
-use crate::jobs::{owned_record, JobView};
-use crate::routes::{finish, ApiState};
+use crate::state::ApiState;
 
 /// A comment line this often keeps idle connections (and proxies) open.
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
@@ -49,10 +49,8 @@ pub async fn job_event_stream(
     req: HttpRequest,
     state: web::Data<ApiState>,
     id: web::Path<String>,
-) -> HttpResponse {
-    let start = Instant::now();
-    let result = open(&req, &state, &id).await;
-    finish(&state, "job_events", start, result)
+) -> Result<HttpResponse, ApiError> {
+    open(&req, &state, &id).await
 }
 
 async fn open(req: &HttpRequest, state: &ApiState, id: &str) -> Result<HttpResponse, ApiError> {

@@ -1,0 +1,40 @@
+//! The API handlers' shared state ([`ApiState`]): the mesh the jobs run through, the request
+//! limits and defaults, API keys and per-key limits, templates, LoRAs and ControlNets.
+use std::sync::Arc;
+
+use actix_web::http::header::AUTHORIZATION;
+use actix_web::HttpRequest;
+
+use crate::auth::{ApiKeys, Caller};
+use crate::error::ApiError;
+use crate::limits::KeyLimiter;
+use crate::pipeline::Mesh;
+use crate::validate::{Defaults, Limits};
+
+/// Shared state of the API handlers.
+pub struct ApiState {
+    pub mesh: Mesh,
+    pub limits: Limits,
+    pub defaults: Defaults,
+    /// Largest request body (all multipart parts together), bytes.
+    pub max_body_bytes: usize,
+    pub keys: ApiKeys,
+    pub key_limits: Arc<KeyLimiter>,
+    /// The OpenAPI document served at `/openapi.json` (`openapi::document`).
+    pub openapi: String,
+    /// Registered templates (`templates`).
+    pub templates: crate::templates::Templates,
+    /// Registered LoRAs (`loras`).
+    pub loras: crate::loras::store::LoraStore,
+    /// Largest LoRA weights file (`POST /v1/loras`), bytes.
+    pub max_lora_bytes: usize,
+    /// The ControlNets the mesh steers with now (`GET /v1/controlnets`).
+    pub controlnets: crate::controlnet_directory::ControlNetDirectory,
+}
+
+impl ApiState {
+    /// Who sent `req` (401 when keys are configured and it carries no valid one).
+    pub fn caller(&self, req: &HttpRequest) -> Result<Caller, ApiError> {
+        self.keys.authenticate(req.headers().get(AUTHORIZATION))
+    }
+}
