@@ -6,8 +6,8 @@ use diffmesh_shared::controlnet::{name_problem, ControlNetRef, MAX_CONTROLNET_SC
 use diffmesh_shared::messages::FieldError;
 use serde_json::Value;
 
-use crate::parse::image_size;
-use crate::validate::{check_pixels, Limits};
+use crate::request_limits::{check_pixels, Limits};
+use crate::upload::image_size;
 
 /// The client's `controlnet` object before checks (also its documented schema).
 #[derive(

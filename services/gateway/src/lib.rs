@@ -22,9 +22,11 @@ pub mod metrics;
 pub mod openapi;
 pub mod parse;
 pub mod pipeline;
+pub mod request_limits;
 pub mod routes;
 pub mod state;
 pub mod templates;
+pub mod upload;
 pub mod validate;
 
 use std::net::SocketAddr;
@@ -46,8 +48,8 @@ pub use error::ApiError;
 use limits::{KeyLimiter, KeyLimits};
 use metrics::{GatewayMetrics, RequestCounting};
 use pipeline::{FlowConfig, Mesh};
+use request_limits::{parse_size, Defaults, Limits};
 use state::ApiState;
-use validate::{parse_size, Defaults, Limits};
 
 /// Gateway flags.
 #[derive(Debug, Clone, clap::Args)]

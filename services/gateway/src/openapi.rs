@@ -10,8 +10,8 @@ use utoipa::{Modify, OpenApi};
 
 use crate::api::{controlnets, events, images, jobs, loras, playground, templates};
 use crate::idempotency;
+use crate::request_limits::Limits;
 use crate::state::ApiState;
-use crate::validate::Limits;
 use diffmesh_shared::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
 
 #[derive(OpenApi)]

@@ -82,6 +82,13 @@ pub struct JobInput {
     pub control_image: Option<Vec<u8>>,
 }
 
+/// A validated image request.
+pub struct ImageRequest {
+    pub input: JobInput,
+    /// Hash of the request (`idempotency::fingerprint`).
+    pub fingerprint: String,
+}
+
 /// Where an edit's or a capture's image is.
 pub enum InputImage {
     /// Uploaded with the request: stored as the job's blob.

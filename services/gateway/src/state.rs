@@ -9,7 +9,7 @@ use crate::auth::{ApiKeys, Caller};
 use crate::error::ApiError;
 use crate::limits::KeyLimiter;
 use crate::pipeline::Mesh;
-use crate::validate::{Defaults, Limits};
+use crate::request_limits::{Defaults, Limits};
 
 /// Shared state of the API handlers.
 pub struct ApiState {

@@ -3,29 +3,7 @@
 use diffmesh_shared::messages::{FieldError, GenerationParams, TrueCfg};
 
 use crate::loras::params::{self as lora_params, RawLora};
-
-/// Request limits, set by gateway flags.
-#[derive(Debug, Clone)]
-pub struct Limits {
-    pub max_n: u32,
-    pub min_steps: u32,
-    pub max_steps: u32,
-    pub max_guidance: f32,
-    /// Largest image (edits) or requested size (generations) in pixels.
-    pub max_pixels: u64,
-    pub max_prompt_chars: usize,
-}
-
-/// Values used when a request leaves a parameter out.
-#[derive(Debug, Clone)]
-pub struct Defaults {
-    pub steps: u32,
-    pub guidance: f32,
-    /// `true_cfg_scale` (1: off).
-    pub true_cfg: f32,
-    pub width: u32,
-    pub height: u32,
-}
+use crate::request_limits::{check_pixels, in_range, parse_size, rand_seed, Defaults, Limits};
 
 /// How the client wants the images back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,49 +87,6 @@ pub struct ValidParams {
 
 fn invalid(field: &str, message: impl Into<String>) -> FieldError {
     FieldError::invalid(field, message)
-}
-
-pub(crate) fn in_range(
-    field: &str,
-    value: Option<i64>,
-    default: u32,
-    min: u32,
-    max: u32,
-) -> Result<u32, FieldError> {
-    let v = value.unwrap_or(i64::from(default));
-    if v < i64::from(min) || v > i64::from(max) {
-        return Err(invalid(
-            field,
-            format!("must be between {min} and {max}, got {v}"),
-        ));
-    }
-    Ok(v as u32)
-}
-
-/// Parse `"WxH"` (OpenAI's `size`).
-pub fn parse_size(size: &str) -> Result<(u32, u32), FieldError> {
-    let bad = || invalid("size", format!("must look like 512x512, got {size:?}"));
-    let (w, h) = size.split_once(['x', 'X']).ok_or_else(bad)?;
-    let w: u32 = w.trim().parse().map_err(|_| bad())?;
-    let h: u32 = h.trim().parse().map_err(|_| bad())?;
-    if w == 0 || h == 0 {
-        return Err(bad());
-    }
-    Ok((w, h))
-}
-
-pub(crate) fn check_pixels(field: &str, w: u32, h: u32, limits: &Limits) -> Result<(), FieldError> {
-    let pixels = u64::from(w) * u64::from(h);
-    if pixels > limits.max_pixels {
-        return Err(invalid(
-            field,
-            format!(
-                "{w}x{h} = {pixels} pixels is above the limit of {}",
-                limits.max_pixels
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// Validate the parameters shared by both endpoints; `size` is the output size (the request's
@@ -326,19 +261,6 @@ pub fn validate_edit(
         parse_size(size)?;
     }
     validate_common(raw, image_size, limits, defaults)
-}
-
-/// A seed for requests that give none (time-based; reproducibility needs an explicit seed).
-pub(crate) fn rand_seed() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    // splitmix64 so nearby timestamps give unrelated seeds.
-    let mut z = nanos.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 #[cfg(test)]

@@ -11,12 +11,13 @@ use diffmesh_shared::job::{now_ms, JobRecord, JobState};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::api::image_request;
 use crate::api::jobs::{job_path, JobView};
 use crate::auth::Caller;
 use crate::disconnect;
 use crate::error::{ApiError, ErrorBody};
 use crate::idempotency::{self, IdempotencyKey};
-use crate::parse::{self, ImageRequest};
+use crate::pipeline::ImageRequest;
 use crate::pipeline::Mesh;
 use crate::state::ApiState;
 use crate::validate::{RawParams, ResponseFormat};
@@ -35,7 +36,7 @@ pub struct ImageData {
     pub b64_json: String,
 }
 
-/// The multipart form of `POST /v1/images/edits` (documentation of what `parse::read_edit`
+/// The multipart form of `POST /v1/images/edits` (documentation of what `image_request::read_edit`
 /// reads; text fields are those of the JSON generation request).
 #[derive(ToSchema)]
 pub struct EditForm {
@@ -119,7 +120,7 @@ pub async fn edits(
     payload: Multipart,
 ) -> Result<HttpResponse, ApiError> {
     let caller = admit(&req, &state)?;
-    let request = parse::read_edit(&state, &caller, payload).await?;
+    let request = image_request::read_edit(&state, &caller, payload).await?;
     serve(&req, &state, caller, request).await
 }
 
@@ -161,7 +162,7 @@ pub async fn generations(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let caller = admit(&req, &state)?;
-    let request = parse::read_generation(&state, &caller, payload).await?;
+    let request = image_request::read_generation(&state, &caller, payload).await?;
     serve(&req, &state, caller, request).await
 }
 

@@ -3,6 +3,7 @@
 //! `Result<HttpResponse, ApiError>`; `metrics::count_requests` counts and times every one.
 pub mod controlnets;
 pub mod events;
+pub mod image_request;
 pub mod images;
 pub mod jobs;
 pub mod loras;

@@ -11,7 +11,7 @@ use crate::state::ApiState;
 use crate::templates::cache_view::{self, CacheView};
 use crate::templates::delete::Outcome;
 use crate::templates::record::{TemplateRecord, TemplateState};
-use crate::templates::{capture, edit, form};
+use crate::templates::{capture, form};
 
 /// A template as clients see it.
 #[derive(Debug, Serialize, ToSchema)]
@@ -120,7 +120,7 @@ async fn owned(state: &ApiState, req: &HttpRequest, id: &str) -> Result<Template
         .get(id)
         .await?
         .filter(|r| caller.may_access(r.owner.as_deref()))
-        .ok_or_else(|| edit::not_found(id))?;
+        .ok_or_else(|| crate::templates::record::not_found(id))?;
     state.templates.settle(&state.mesh, record).await
 }
 
@@ -160,7 +160,7 @@ pub async fn create_template(
     )
     .await?;
     let _slot = state.key_limits.acquire(caller.limit_key())?;
-    let record = capture::register(&state, &caller, form).await?;
+    let record = capture::register(&state.mesh, &state.templates, &caller, form).await?;
     Ok(HttpResponse::Created()
         .insert_header(("Location", format!("/v1/templates/{}", record.id)))
         .json(TemplateView::of(&record, None)))
@@ -261,7 +261,7 @@ pub async fn delete_template(
         .deleter
         .delete(&state.mesh, &record.id)
         .await?
-        .ok_or_else(|| edit::not_found(&record.id))?;
+        .ok_or_else(|| crate::templates::record::not_found(&record.id))?;
     let (mut response, deleted) = match outcome {
         Outcome::Deleted {
             cache_entries_deleted,

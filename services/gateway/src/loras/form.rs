@@ -9,7 +9,7 @@ use futures::TryStreamExt;
 use sha2::{Digest, Sha256};
 
 use crate::error::ApiError;
-use crate::parse::{read_limited, MAX_TEXT_FIELD_BYTES};
+use crate::upload::{read_limited, MAX_TEXT_FIELD_BYTES};
 
 /// Longest `name`, in characters.
 pub const MAX_NAME_CHARS: usize = 200;

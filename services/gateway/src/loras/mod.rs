@@ -2,7 +2,7 @@
 //! the one base model they serve (many adapters, one model): the upload's checks (`form`),
 //! the records and weights in JetStream (`store`), and the `loras` field of image requests
 //! (`params`: reading, checks, and the lookup that each is registered). LoRAs are scoped per
-//! API key as templates are. The endpoints are `crate::api::loras`.
+//! API key as templates are. The endpoints are in the api layer (`api/loras.rs`).
 pub mod form;
 pub mod params;
 pub mod store;

@@ -6,7 +6,7 @@
 //! finishes a registration whose gateway stopped (`reported_capture`).
 use std::time::Duration;
 
-use diffmesh_shared::job::{CaptureReport, JobStore};
+use diffmesh_shared::job::CaptureReport;
 use diffmesh_shared::messages::{decode, JobEvent, JobKind, TemplateRef};
 use diffmesh_shared::subjects::job_events;
 use diffmesh_shared::MeshError;
@@ -17,7 +17,6 @@ use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::lost_events;
 use crate::pipeline::{InputImage, JobInput, Mesh};
-use crate::state::ApiState;
 use crate::templates::form::TemplateForm;
 use crate::templates::record::{TemplateRecord, TemplateState, TemplateStore};
 use crate::templates::Templates;
@@ -61,11 +60,11 @@ impl Drop for AbandonGuard {
 
 /// Register a template and wait for its capture; returns the record as it ended (`ready`).
 pub async fn register(
-    state: &ApiState,
+    mesh: &Mesh,
+    templates: &Templates,
     caller: &Caller,
     form: TemplateForm,
 ) -> Result<TemplateRecord, ApiError> {
-    let templates = &state.templates;
     let id = uuid::Uuid::new_v4().to_string();
     let params = form.params;
     let template = TemplateRef {
@@ -80,19 +79,20 @@ pub async fn register(
     (record.width, record.height) = (params.width, params.height);
     record.image_bytes = form.image.len() as u64;
 
-    templates.store.put_image(&id, &form.image).await?;
-    if let Err(err) = templates.store.create(&record).await {
-        forget(templates, &id).await;
+    let store = &templates.store;
+    store.put_image(&id, &form.image).await?;
+    if let Err(err) = store.create(&record).await {
+        forget(store, &id).await;
         return Err(err);
     }
     let mut guard = AbandonGuard {
-        mesh: state.mesh.clone(),
-        store: templates.store.clone(),
+        mesh: mesh.clone(),
+        store: store.clone(),
         id: id.clone(),
         armed: true,
     };
     let span = tracing::info_span!("template", template_id = %id);
-    let result = capture(state, caller, &record, params, template)
+    let result = capture(mesh, store, caller, &record, params, template)
         .instrument(span)
         .await;
     guard.armed = false;
@@ -100,16 +100,12 @@ pub async fn register(
         Ok(captured) => finish(templates, &id, captured).await,
         // The request itself was bad (the codec could not read the image): no template exists.
         Err(err @ (ApiError::Invalid(_) | ApiError::TooLarge { .. })) => {
-            forget(templates, &id).await;
+            forget(store, &id).await;
             Err(err)
         }
         Err(err) => {
             let message = err.to_string();
-            if let Err(e) = templates
-                .store
-                .update(&id, |r| r.mark_failed(&message))
-                .await
-            {
+            if let Err(e) = store.update(&id, |r| r.mark_failed(&message)).await {
                 tracing::warn!(template_id = %id, error = %e, "could not record the failure");
             }
             Err(err)
@@ -119,7 +115,8 @@ pub async fn register(
 
 /// Prepare and run the capture job; returns its `Captured` report.
 async fn capture(
-    state: &ApiState,
+    mesh: &Mesh,
+    store: &TemplateStore,
     caller: &Caller,
     record: &TemplateRecord,
     params: diffmesh_shared::messages::GenerationParams,
@@ -138,13 +135,11 @@ async fn capture(
         mask: None,
         template: Some(template),
     };
-    let prepared = state.mesh.prepare(input, caller.owner()).await?;
+    let prepared = mesh.prepare(input, caller.owner()).await?;
     let job_id = prepared.job_id().to_string();
     let content_hash = prepared.job.inputs.template_id.clone();
     let prepared_image_key = prepared.job.inputs.template_image_key.clone();
-    state
-        .templates
-        .store
+    store
         .update(id, |r| {
             r.capture_job_id = Some(job_id.clone());
             r.content_hash = content_hash.clone();
@@ -153,19 +148,18 @@ async fn capture(
         .await?;
     // The pipeline waits for Done/Failed only; `Captured` comes before Done, so subscribe to
     // the job's events ourselves before it is submitted.
-    let mut events = state
-        .mesh
+    let mut events = mesh
         .client
         .subscribe(job_events(&job_id))
         .await
         .map_err(MeshError::from)?;
-    state.mesh.complete(prepared).await?;
+    mesh.complete(prepared).await?;
     let deadline = tokio::time::Instant::now() + CAPTURED_GRACE;
     loop {
         let msg = match tokio::time::timeout_at(deadline, events.next()).await {
             Ok(Some(msg)) => msg,
             Ok(None) | Err(_) => {
-                return lost_report(&state.mesh, &job_id).await.ok_or_else(|| {
+                return lost_report(mesh, &job_id).await.ok_or_else(|| {
                     ApiError::Internal(format!(
                         "capture job {job_id} finished without reporting its cache (no Captured \
                          event, none on the job record, no denoiser remembers it)"
@@ -245,29 +239,17 @@ async fn finish(
             if let Err(err) = removed {
                 tracing::warn!(template_id = %id, error = %err, "could not remove an orphaned cache");
             }
-            Err(super::edit::not_found(id))
+            Err(super::record::not_found(id))
         }
     }
 }
 
-/// The cache a template's capture job reported on its job record (`None`: none reported, or
-/// the record expired): what settles a registration whose gateway stopped before recording it.
-pub async fn reported_capture(
-    jobs: &JobStore,
-    record: &TemplateRecord,
-) -> Result<Option<CaptureReport>, ApiError> {
-    let Some(job_id) = &record.capture_job_id else {
-        return Ok(None);
-    };
-    Ok(jobs.get(job_id).await?.and_then(|job| job.captured))
-}
-
 /// Remove a template that never came to be (its record and image); best effort.
-async fn forget(templates: &Templates, id: &str) {
-    if let Err(err) = templates.store.delete(id).await {
+async fn forget(store: &TemplateStore, id: &str) {
+    if let Err(err) = store.delete(id).await {
         tracing::warn!(template_id = %id, error = %err, "could not delete the record");
     }
-    if let Err(err) = templates.store.delete_image(id).await {
+    if let Err(err) = store.delete_image(id).await {
         tracing::warn!(template_id = %id, error = %err, "could not delete the image");
     }
 }

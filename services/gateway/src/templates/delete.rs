@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use crate::error::ApiError;
 use crate::pipeline::Mesh;
 use crate::templates::cache_view;
-use crate::templates::capture::reported_capture;
+use crate::templates::record::reported_capture;
 use crate::templates::record::{TemplateState, TemplateStore};
 use crate::templates::uses::TemplateUses;
 

@@ -11,20 +11,13 @@ use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::idempotency;
 use crate::loras::params::refuse_for_template;
-use crate::parse::{raw_from_text, ImageRequest};
+use crate::parse::raw_from_text;
+use crate::pipeline::ImageRequest;
 use crate::pipeline::{InputImage, JobInput};
+use crate::request_limits::{Defaults, Limits};
 use crate::state::ApiState;
-use crate::templates::record::{TemplateRecord, TemplateState};
-use crate::validate::{self, Defaults, Limits, RawParams, ValidParams};
-
-/// The 404 for a template that does not exist or belongs to another API key (the same answer,
-/// so ids of other keys cannot be confirmed).
-pub fn not_found(id: &str) -> ApiError {
-    ApiError::NotFound {
-        field: "template_id".into(),
-        message: format!("no template {id:?} for this API key"),
-    }
-}
+use crate::templates::record::{not_found, ready, TemplateRecord};
+use crate::validate::{self, RawParams, ValidParams};
 
 /// Build the job of an edit by template from the form's parts: `template_id` (a text field),
 /// no `image`, an optional `mask` and the usual text fields.
@@ -74,29 +67,6 @@ pub async fn read(
     })
 }
 
-/// 409 unless the template's cache is ready.
-pub fn ready(record: &TemplateRecord) -> Result<(), ApiError> {
-    match record.state {
-        TemplateState::Ready => Ok(()),
-        TemplateState::Capturing => Err(ApiError::Conflict {
-            message: format!(
-                "template {} is still being captured; retry when GET /v1/templates/{} says ready",
-                record.id, record.id
-            ),
-        }),
-        TemplateState::Failed => Err(ApiError::Conflict {
-            message: format!(
-                "template {} failed to capture ({}); delete it and register it again",
-                record.id,
-                record.error.as_deref().unwrap_or("no reason recorded")
-            ),
-        }),
-        TemplateState::Deleting => Err(ApiError::Conflict {
-            message: format!("template {} is being deleted", record.id),
-        }),
-    }
-}
-
 /// Validate as an edit of the template's image (its size is the output size), with the
 /// template's step count and guidance as defaults. The step count cannot differ: the cache has
 /// one entry per step of the template's schedule.
@@ -127,6 +97,7 @@ pub fn validate(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::templates::record::TemplateState;
     use diffmesh_shared::messages::TemplateRef;
 
     fn record(state: TemplateState) -> TemplateRecord {

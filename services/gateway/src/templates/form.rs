@@ -8,8 +8,10 @@ use diffmesh_shared::messages::{FieldError, GenerationParams};
 use futures::TryStreamExt;
 
 use crate::error::ApiError;
-use crate::parse::{image_size, raw_from_text, read_limited, MAX_TEXT_FIELD_BYTES};
-use crate::validate::{check_pixels, in_range, rand_seed, Defaults, Limits, RawParams};
+use crate::parse::raw_from_text;
+use crate::request_limits::{check_pixels, in_range, rand_seed, Defaults, Limits};
+use crate::upload::{image_size, read_limited, MAX_TEXT_FIELD_BYTES};
+use crate::validate::RawParams;
 
 /// A validated registration: the image and the capture's parameters (`n` = 1, output size =
 /// the image's size).

@@ -4,7 +4,7 @@
 //! The template domain: registration and capture (`capture`, `form`), the records (`record`),
 //! where a cache is (`cache_view`), removal once no accepted edit reads a template (`delete`,
 //! `uses`), and an edit that names a template with the `template_id` form field instead of
-//! uploading `image` (`edit`). The endpoints are `crate::api::templates`.
+//! uploading `image` (`edit`). The endpoints are in the api layer (`api/templates.rs`).
 pub mod cache_view;
 pub mod capture;
 pub mod delete;
@@ -90,7 +90,7 @@ impl Templates {
         if !record.capture_abandoned(now_ms(), limit) {
             return Ok(record);
         }
-        let captured = capture::reported_capture(&mesh.jobs, &record).await?;
+        let captured = record::reported_capture(&mesh.jobs, &record).await?;
         self.store.settle(record, limit, captured.as_ref()).await
     }
 }

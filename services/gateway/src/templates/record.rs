@@ -6,7 +6,7 @@ use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 use diffmesh_shared::blob_store::BlobStore;
 use diffmesh_shared::jetstream_layout::{TEMPLATE_IMAGES, TEMPLATE_RECORDS};
-use diffmesh_shared::job::{now_ms, CaptureReport};
+use diffmesh_shared::job::{now_ms, CaptureReport, JobStore};
 use diffmesh_shared::messages::{PreparedTemplate, TemplateImage, TemplateRef};
 use diffmesh_shared::templates::{image_key, prepared_image_key};
 use diffmesh_shared::transient::{self, KvUpdated};
@@ -347,6 +347,50 @@ impl TemplateStore {
             .await
             .map_err(|e| internal("list", e))
     }
+}
+
+/// The 404 for a template that does not exist or belongs to another API key (the same answer,
+/// so ids of other keys cannot be confirmed).
+pub fn not_found(id: &str) -> ApiError {
+    ApiError::NotFound {
+        field: "template_id".into(),
+        message: format!("no template {id:?} for this API key"),
+    }
+}
+
+/// 409 unless the template's cache is ready.
+pub fn ready(record: &TemplateRecord) -> Result<(), ApiError> {
+    match record.state {
+        TemplateState::Ready => Ok(()),
+        TemplateState::Capturing => Err(ApiError::Conflict {
+            message: format!(
+                "template {} is still being captured; retry when GET /v1/templates/{} says ready",
+                record.id, record.id
+            ),
+        }),
+        TemplateState::Failed => Err(ApiError::Conflict {
+            message: format!(
+                "template {} failed to capture ({}); delete it and register it again",
+                record.id,
+                record.error.as_deref().unwrap_or("no reason recorded")
+            ),
+        }),
+        TemplateState::Deleting => Err(ApiError::Conflict {
+            message: format!("template {} is being deleted", record.id),
+        }),
+    }
+}
+
+/// The cache a template's capture job reported on its job record (`None`: none reported, or
+/// the record expired): what settles a registration whose gateway stopped before recording it.
+pub async fn reported_capture(
+    jobs: &JobStore,
+    record: &TemplateRecord,
+) -> Result<Option<CaptureReport>, ApiError> {
+    let Some(job_id) = &record.capture_job_id else {
+        return Ok(None);
+    };
+    Ok(jobs.get(job_id).await?.and_then(|job| job.captured))
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ use diffmesh_shared::MeshError;
 use futures::TryStreamExt;
 
 use crate::error::ApiError;
-use crate::templates::edit::ready;
+use crate::templates::record::ready;
 use crate::templates::record::TemplateStore;
 
 fn internal(what: &str, err: impl std::fmt::Display) -> ApiError {
@@ -78,7 +78,7 @@ impl TemplateUses {
         .await?;
         let still = match self.records.get(template_id).await {
             Ok(Some(record)) => ready(&record),
-            Ok(None) => Err(super::edit::not_found(template_id)),
+            Ok(None) => Err(super::record::not_found(template_id)),
             Err(err) => Err(err),
         };
         if still.is_err() {

@@ -9,7 +9,7 @@ use diffmesh_shared::MeshError;
 
 use crate::error::{ApiError, ErrorBody};
 use crate::state::ApiState;
-use crate::templates::edit::not_found;
+use crate::templates::record::not_found;
 
 /// Longest read of a template image from the object store (they are at most a request body).
 const IMAGE_READ_TIMEOUT: Duration = Duration::from_secs(10);

@@ -1,0 +1,117 @@
+//! Reading the image requests: the JSON body of generations and the multipart form of edits
+//! (an uploaded image, or a registered template's by `template_id`), each capped in size (413
+//! naming the part) and validated; the result is the job and the fingerprint an
+//! `Idempotency-Key` binds to.
+use std::collections::HashMap;
+
+use actix_multipart::Multipart;
+use actix_web::web;
+use diffmesh_shared::messages::{FieldError, JobKind};
+use futures::TryStreamExt;
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::idempotency;
+use crate::loras::params as lora_params;
+use crate::parse::{raw_from_json, raw_from_text};
+use crate::pipeline::{ImageRequest, InputImage, JobInput};
+use crate::state::ApiState;
+use crate::upload::{image_size, read_limited, MAX_TEXT_FIELD_BYTES};
+use crate::validate;
+
+/// `POST /v1/images/generations`: a JSON body.
+pub async fn read_generation(
+    state: &ApiState,
+    caller: &Caller,
+    payload: web::Payload,
+) -> Result<ImageRequest, ApiError> {
+    let body = read_limited(payload, state.max_body_bytes, "body").await?;
+    let raw = raw_from_json(&body)?;
+    let fingerprint = idempotency::fingerprint("generations", &raw, None, None);
+    let control = raw
+        .controlnet
+        .as_ref()
+        .map(|c| crate::controlnet::validate(c, &state.limits))
+        .transpose()?;
+    let mut valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
+    if let Some(c) = &control {
+        state.controlnets.check_offered(&c.reference.name)?;
+    }
+    lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
+    let control_image = control.map(|c| {
+        valid.params.controlnet = Some(c.reference);
+        c.image
+    });
+    Ok(ImageRequest {
+        input: JobInput {
+            kind: JobKind::Generate,
+            valid,
+            image: None,
+            mask: None,
+            template: None,
+            control_image,
+        },
+        fingerprint,
+    })
+}
+
+/// `POST /v1/images/edits`: a multipart form with `image`, optional `mask` and text fields.
+pub async fn read_edit(
+    state: &ApiState,
+    caller: &Caller,
+    mut payload: Multipart,
+) -> Result<ImageRequest, ApiError> {
+    let mut budget = state.max_body_bytes;
+    let mut image = None;
+    let mut mask = None;
+    let mut text: HashMap<String, String> = HashMap::new();
+    while let Some(field) = payload
+        .try_next()
+        .await
+        .map_err(|e| FieldError::invalid("body", format!("malformed multipart body: {e}")))?
+    {
+        let name = field.name().unwrap_or_default().to_string();
+        let bytes = read_limited(field, budget, &name).await?;
+        budget -= bytes.len();
+        match name.as_str() {
+            "image" => image = Some(bytes),
+            "mask" => mask = Some(bytes),
+            _ if bytes.len() <= MAX_TEXT_FIELD_BYTES => {
+                let value = String::from_utf8(bytes)
+                    .map_err(|_| FieldError::invalid(&name, "must be UTF-8 text"))?;
+                text.insert(name, value);
+            }
+            _ => {
+                return Err(ApiError::TooLarge {
+                    field: name,
+                    limit: MAX_TEXT_FIELD_BYTES,
+                })
+            }
+        }
+    }
+    if let Some(template_id) = text.get("template_id") {
+        return crate::templates::edit::read(state, caller, template_id, image, mask, &text).await;
+    }
+    let image = image.ok_or_else(|| {
+        FieldError::invalid(
+            "image",
+            "required (multipart file field) unless `template_id` names a registered template",
+        )
+    })?;
+    let size = image_size(&image, "image")?;
+    let raw = raw_from_text(&text)?;
+    let fingerprint = idempotency::fingerprint("edits", &raw, Some(&image), mask.as_deref());
+    let valid = validate::validate_edit(raw, size, &state.limits, &state.defaults)?;
+    lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
+    Ok(ImageRequest {
+        input: JobInput {
+            kind: JobKind::Edit,
+            valid,
+            image: Some(InputImage::Upload(image)),
+            mask,
+            template: None,
+            control_image: None,
+        },
+        fingerprint,
+    })
+}
