@@ -30,13 +30,47 @@ impl Caller {
         self.owner().unwrap_or("anonymous")
     }
 
-    /// A job is visible to the key that created it only. With authentication off there is no
-    /// identity to scope by, so every job is visible.
-    pub fn may_access(&self, job_owner: Option<&str>) -> bool {
+    /// A job, template or LoRA is visible to the key that created it only. With
+    /// authentication off there is no identity to scope by, so every one is visible.
+    pub fn may_access(&self, owner: Option<&str>) -> bool {
         match self {
             Caller::Anonymous => true,
-            Caller::Key(id) => job_owner == Some(id.as_str()),
+            Caller::Key(id) => owner == Some(id.as_str()),
         }
+    }
+
+    /// Whether the caller may see `record`.
+    pub fn sees<R: Owned>(&self, record: &R) -> bool {
+        self.may_access(record.owner())
+    }
+
+    /// The one owner-checked lookup of jobs, templates and LoRAs: `found` when it exists and
+    /// the caller may see it, else `not_found()`, the same answer for another key's record as
+    /// for none (so ids of other keys cannot even be confirmed).
+    pub fn owned<R: Owned>(
+        &self,
+        found: Option<R>,
+        not_found: impl FnOnce() -> ApiError,
+    ) -> Result<R, ApiError> {
+        found.filter(|r| self.sees(r)).ok_or_else(not_found)
+    }
+}
+
+/// A record that belongs to the API key that created it.
+pub trait Owned {
+    /// The creating key's id (`None`: created with authentication off).
+    fn owner(&self) -> Option<&str>;
+}
+
+impl Owned for diffmesh_shared::job::JobRecord {
+    fn owner(&self) -> Option<&str> {
+        self.owner.as_deref()
+    }
+}
+
+impl Owned for diffmesh_shared::lora::LoraRecord {
+    fn owner(&self) -> Option<&str> {
+        self.owner.as_deref()
     }
 }
 

@@ -1,19 +1,18 @@
-//! `GET /v1/controlnets`: the ControlNets a steered generation may name now, from the
+//! The ControlNets a steered generation may name now (`GET /v1/controlnets`), from the
 //! heartbeats of the denoisers (what each can steer with, on its own or through ControlNet
-//! workers) and of the ControlNet workers (what each serves and has loaded).
+//! workers) and of the ControlNet workers (what each serves and has loaded); the heartbeats
+//! are kept by the `directory` actor, which answers with these views.
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use diffmesh_shared::controlnet_service::{ControlNetHeartbeat, HEARTBEAT as WORKER_HEARTBEAT};
-use diffmesh_shared::messages::{decode, FieldError, Heartbeat};
-use diffmesh_shared::MeshError;
-use futures::StreamExt;
+use diffmesh_shared::controlnet_service::ControlNetHeartbeat;
+use diffmesh_shared::messages::{FieldError, Heartbeat};
 use serde::Serialize;
-use tokio_util::sync::CancellationToken;
 use utoipa::ToSchema;
 
-use crate::denoiser_heartbeats::{DenoiserHeartbeats, STALE_AFTER};
+/// A worker unheard of this long is gone (they beat every 500 ms by default; the router
+/// expires denoisers sooner).
+pub const STALE_AFTER: Duration = Duration::from_secs(5);
 
 /// One ControlNet the mesh can steer with now.
 #[derive(Debug, Serialize, ToSchema, PartialEq)]
@@ -47,27 +46,27 @@ pub struct ControlNetList {
 
 /// The denoisers that take jobs: a draining one takes no new jobs, so it steers nothing from
 /// now on.
-fn taking_jobs<'a>(hbs: &mut dyn Iterator<Item = &'a Heartbeat>) -> Vec<&'a Heartbeat> {
+pub fn taking_jobs<'a>(hbs: &mut dyn Iterator<Item = &'a Heartbeat>) -> Vec<&'a Heartbeat> {
     hbs.filter(|hb| !hb.draining).collect()
 }
 
 /// The ControlNet workers' last heartbeats.
 #[derive(Default)]
-struct Workers {
+pub struct Workers {
     seen: HashMap<String, (ControlNetHeartbeat, Instant)>,
 }
 
 impl Workers {
-    fn expire(&mut self) {
+    pub fn expire(&mut self) {
         self.seen.retain(|_, (_, at)| at.elapsed() < STALE_AFTER);
     }
 
-    fn record(&mut self, hb: ControlNetHeartbeat) {
+    pub fn record(&mut self, hb: ControlNetHeartbeat) {
         self.seen.insert(hb.worker_id.clone(), (hb, Instant::now()));
     }
 
     /// Every ControlNet some denoiser steers with, with who serves it.
-    fn views(&self, denoisers: &[&Heartbeat]) -> Vec<ControlNetView> {
+    pub fn views(&self, denoisers: &[&Heartbeat]) -> Vec<ControlNetView> {
         let mut by_name: BTreeMap<&str, ControlNetView> = BTreeMap::new();
         for d in denoisers {
             for name in &d.controlnets {
@@ -105,7 +104,7 @@ impl Workers {
 /// Whether a generation may name `name`: refused when denoisers that take jobs were heard and
 /// none steers with it; let through while none was heard (this gateway just started, or none
 /// is up: placement answers for the job then).
-fn check_offered(denoisers: &[&Heartbeat], name: &str) -> Result<(), FieldError> {
+pub fn check_offered(denoisers: &[&Heartbeat], name: &str) -> Result<(), FieldError> {
     if denoisers.is_empty()
         || denoisers
             .iter()
@@ -128,74 +127,10 @@ fn check_offered(denoisers: &[&Heartbeat], name: &str) -> Result<(), FieldError>
     ))
 }
 
-/// The directory: the denoisers' heartbeats (shared with the rest of the gateway) and the
-/// ControlNet workers' (kept here, in the background, while this lives).
-pub struct ControlNetDirectory {
-    denoisers: DenoiserHeartbeats,
-    workers: Arc<Mutex<Workers>>,
-    stop: CancellationToken,
-}
-
-impl Drop for ControlNetDirectory {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
-
-impl ControlNetDirectory {
-    /// Subscribe to the workers' heartbeats (before returning, so none sent afterwards is
-    /// missed).
-    pub async fn watch(
-        client: &async_nats::Client,
-        denoisers: DenoiserHeartbeats,
-    ) -> Result<Self, MeshError> {
-        let mut sub = client.subscribe(WORKER_HEARTBEAT).await?;
-        let workers = Arc::new(Mutex::new(Workers::default()));
-        let stop = CancellationToken::new();
-        let (table, token) = (workers.clone(), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let msg = tokio::select! {
-                    _ = token.cancelled() => return,
-                    msg = sub.next() => match msg { Some(m) => m, None => return },
-                };
-                match decode::<ControlNetHeartbeat>(&msg.payload) {
-                    Ok(hb) => lock(&table).record(hb),
-                    Err(err) => tracing::debug!(error = %err, "undecodable heartbeat"),
-                }
-            }
-        });
-        Ok(Self {
-            denoisers,
-            workers,
-            stop,
-        })
-    }
-
-    pub fn list(&self) -> Vec<ControlNetView> {
-        self.denoisers.read(|hbs| {
-            let mut workers = lock(&self.workers);
-            workers.expire();
-            workers.views(&taking_jobs(hbs))
-        })
-    }
-
-    /// A steered generation's ControlNet, checked against what live denoisers offer (400
-    /// naming `controlnet.name` when none does).
-    pub fn check_offered(&self, name: &str) -> Result<(), FieldError> {
-        self.denoisers
-            .read(|hbs| check_offered(&taking_jobs(hbs), name))
-    }
-}
-
-fn lock(workers: &Mutex<Workers>) -> std::sync::MutexGuard<'_, Workers> {
-    workers.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::denoiser_heartbeats::heartbeat;
+    use crate::directory::heartbeat;
 
     fn worker(id: &str, served: &[&str], resident: &[&str], draining: bool) -> ControlNetHeartbeat {
         ControlNetHeartbeat {

@@ -2,7 +2,7 @@
 //!
 //! `POST /v1/images/edits` (multipart) and `POST /v1/images/generations` (JSON) are validated
 //! here (4xx naming the field), then driven through codec -> router -> denoiser -> codec over
-//! NATS (see `pipeline`), answered when done or, with `Prefer: respond-async`, at once as a job
+//! NATS (see `job_driver`), answered when done or, with `Prefer: respond-async`, at once as a job
 //! (`jobs`, `events`: state, progress stream, results, cancel). API keys and per-key limits are
 //! in `auth` and `limits`, the OpenAPI document in `openapi`, the browser playground at `/` in
 //! `playground`, registered templates and LoRAs in `templates` and `loras`. `/healthz`,
@@ -11,17 +11,17 @@ pub mod api;
 pub mod auth;
 pub mod controlnet;
 pub mod controlnet_directory;
-pub mod denoiser_heartbeats;
+pub mod directory;
 pub mod disconnect;
 pub mod error;
 pub mod idempotency;
+pub mod job_driver;
 pub mod limits;
 pub mod loras;
 pub mod lost_events;
 pub mod metrics;
 pub mod openapi;
 pub mod parse;
-pub mod pipeline;
 pub mod request_limits;
 pub mod routes;
 pub mod state;
@@ -45,9 +45,9 @@ use tokio_util::task::TaskTracker;
 
 use auth::ApiKeys;
 pub use error::ApiError;
+use job_driver::{FlowConfig, Mesh};
 use limits::{KeyLimiter, KeyLimits};
 use metrics::{GatewayMetrics, RequestCounting};
-use pipeline::{FlowConfig, Mesh};
 use request_limits::{parse_size, Defaults, Limits};
 use state::ApiState;
 
@@ -299,12 +299,10 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
     if config.known_job_records > 0 {
         jobs = jobs.with_known_revisions(config.known_job_records);
     }
-    // One subscription to the denoisers' heartbeats for the template views and the
     // ControlNet directory.
-    let denoisers = denoiser_heartbeats::DenoiserHeartbeats::watch(&client).await?;
-    let templates =
-        templates::Templates::open(&client, jobs.clone(), flow.job_timeout, denoisers.clone())
-            .await?;
+    // The workers' heartbeats, kept by one actor for the template views and the ControlNets.
+    let directory = directory::MeshDirectory::watch(&client).await?;
+    let templates = templates::Templates::open(&client, jobs.clone(), flow.job_timeout).await?;
     let loras = loras::store::LoraStore::open(&js).await?;
     let mesh = Mesh {
         blobs: BlobStore::open(&js).await?,
@@ -335,7 +333,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         templates,
         loras,
         max_lora_bytes: config.max_lora_bytes,
-        controlnets: controlnet_directory::ControlNetDirectory::watch(&client, denoisers).await?,
+        directory,
     });
     let probe = client.clone();
     let ready: Readiness =

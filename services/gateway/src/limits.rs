@@ -1,9 +1,10 @@
 //! Per-API-key limits on image requests: a token bucket for the request rate and a cap on jobs
 //! in flight (synchronous requests and async jobs until they end). Kept in this process: with
 //! several gateway replicas each enforces its own share.
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
 
 use crate::error::ApiError;
 
@@ -24,10 +25,11 @@ struct Usage {
     in_flight: usize,
 }
 
-/// The limits and every key's usage.
+/// The limits and every key's usage: read and written on every image request, so a concurrent
+/// map (one key's requests contend on its shard only, not on every other key's).
 pub struct KeyLimiter {
     limits: KeyLimits,
-    usage: Mutex<HashMap<String, Usage>>,
+    usage: DashMap<String, Usage>,
 }
 
 /// One job in flight for a key; dropping it frees the slot.
@@ -38,8 +40,7 @@ pub struct InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let mut usage = self.limiter.lock();
-        if let Some(u) = usage.get_mut(&self.key) {
+        if let Some(mut u) = self.limiter.usage.get_mut(&self.key) {
             u.in_flight = u.in_flight.saturating_sub(1);
         }
     }
@@ -55,12 +56,8 @@ impl KeyLimiter {
         };
         Arc::new(Self {
             limits: KeyLimits { burst, ..limits },
-            usage: Mutex::new(HashMap::new()),
+            usage: DashMap::new(),
         })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Usage>> {
-        self.usage.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Take one request from `key`'s bucket, or 429 saying when the next one is allowed.
@@ -74,8 +71,7 @@ impl KeyLimiter {
             return Ok(());
         }
         let burst = f64::from(self.limits.burst);
-        let mut usage = self.lock();
-        let u = usage.entry(key.to_string()).or_insert(Usage {
+        let mut u = self.usage.entry(key.to_string()).or_insert(Usage {
             tokens: burst,
             refilled: now,
             in_flight: 0,
@@ -101,8 +97,7 @@ impl KeyLimiter {
     /// Take a slot for one more job of `key`, or 429 when it already has the most allowed.
     pub fn acquire(self: &Arc<Self>, key: &str) -> Result<InFlight, ApiError> {
         let max = self.limits.max_concurrent;
-        let mut usage = self.lock();
-        let u = usage.entry(key.to_string()).or_insert(Usage {
+        let mut u = self.usage.entry(key.to_string()).or_insert(Usage {
             tokens: f64::from(self.limits.burst),
             refilled: Instant::now(),
             in_flight: 0,

@@ -7,8 +7,8 @@ use actix_web::HttpRequest;
 
 use crate::auth::{ApiKeys, Caller};
 use crate::error::ApiError;
+use crate::job_driver::Mesh;
 use crate::limits::KeyLimiter;
-use crate::pipeline::Mesh;
 use crate::request_limits::{Defaults, Limits};
 
 /// Shared state of the API handlers.
@@ -28,8 +28,9 @@ pub struct ApiState {
     pub loras: crate::loras::store::LoraStore,
     /// Largest LoRA weights file (`POST /v1/loras`), bytes.
     pub max_lora_bytes: usize,
-    /// The ControlNets the mesh steers with now (`GET /v1/controlnets`).
-    pub controlnets: crate::controlnet_directory::ControlNetDirectory,
+    /// The workers' last heartbeats: which denoisers hold a template's cache, the ControlNets
+    /// the mesh steers with now (`GET /v1/controlnets`).
+    pub directory: crate::directory::MeshDirectory,
 }
 
 impl ApiState {

@@ -24,6 +24,6 @@ pub async fn list_controlnets(
     state.caller(&req)?;
     Ok(HttpResponse::Ok().json(ControlNetList {
         object: "list".into(),
-        data: state.controlnets.list(),
+        data: state.directory.controlnets().await,
     }))
 }

@@ -12,9 +12,9 @@ use futures::TryStreamExt;
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::idempotency;
+use crate::job_driver::{ImageRequest, InputImage, JobInput};
 use crate::loras::params as lora_params;
 use crate::parse::{raw_from_json, raw_from_text};
-use crate::pipeline::{ImageRequest, InputImage, JobInput};
 use crate::state::ApiState;
 use crate::upload::{image_size, read_limited, MAX_TEXT_FIELD_BYTES};
 use crate::validate;
@@ -35,7 +35,7 @@ pub async fn read_generation(
         .transpose()?;
     let mut valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
     if let Some(c) = &control {
-        state.controlnets.check_offered(&c.reference.name)?;
+        state.directory.check_offered(&c.reference.name).await?;
     }
     lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
     let control_image = control.map(|c| {

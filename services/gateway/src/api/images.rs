@@ -17,8 +17,8 @@ use crate::auth::Caller;
 use crate::disconnect;
 use crate::error::{ApiError, ErrorBody};
 use crate::idempotency::{self, IdempotencyKey};
-use crate::pipeline::ImageRequest;
-use crate::pipeline::Mesh;
+use crate::job_driver::ImageRequest;
+use crate::job_driver::Mesh;
 use crate::state::ApiState;
 use crate::validate::{RawParams, ResponseFormat};
 
@@ -234,7 +234,7 @@ async fn serve(
     if idem.is_some() {
         prepared.make_resumable();
     }
-    // Dropping the job's driver when the client leaves cancels the job (see `pipeline`).
+    // Dropping the job's driver when the client leaves cancels the job (see `job_driver`).
     let png_keys = tokio::select! {
         done = state.mesh.complete(prepared) => done?,
         _ = disconnect::closed(req) => return Err(ApiError::ClientGone),

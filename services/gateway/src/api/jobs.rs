@@ -202,10 +202,7 @@ pub async fn owned_record(
     id: &str,
 ) -> Result<JobRecord, ApiError> {
     let id = parse_job_id(id)?;
-    match state.mesh.jobs.get(&id).await? {
-        Some(record) if caller.may_access(record.owner.as_deref()) => Ok(record),
-        _ => Err(not_found(&id)),
-    }
+    caller.owned(state.mesh.jobs.get(&id).await?, || not_found(&id))
 }
 
 #[utoipa::path(

@@ -101,12 +101,7 @@ pub fn not_found(id: &str) -> ApiError {
 /// The caller's LoRA `id`: 404 naming `lora_id` when it does not exist or belongs to another
 /// key (as templates answer).
 async fn owned(state: &ApiState, caller: &Caller, id: &str) -> Result<LoraRecord, ApiError> {
-    state
-        .loras
-        .get(id)
-        .await?
-        .filter(|r| caller.may_access(r.owner.as_deref()))
-        .ok_or_else(|| not_found(id))
+    caller.owned(state.loras.get(id).await?, || not_found(id))
 }
 
 #[utoipa::path(
@@ -167,7 +162,7 @@ pub async fn list_loras(
         .list()
         .await?
         .iter()
-        .filter(|r| caller.may_access(r.owner.as_deref()))
+        .filter(|r| caller.sees(*r))
         .map(LoraView::of)
         .collect();
     Ok(HttpResponse::Ok().json(LoraList {

@@ -114,13 +114,8 @@ pub struct TemplateFormDoc {
 /// another key.
 async fn owned(state: &ApiState, req: &HttpRequest, id: &str) -> Result<TemplateRecord, ApiError> {
     let caller = state.caller(req)?;
-    let record = state
-        .templates
-        .store
-        .get(id)
-        .await?
-        .filter(|r| caller.may_access(r.owner.as_deref()))
-        .ok_or_else(|| crate::templates::record::not_found(id))?;
+    let found = state.templates.store.get(id).await?;
+    let record = caller.owned(found, || crate::templates::record::not_found(id))?;
     state.templates.settle(&state.mesh, record).await
 }
 
@@ -183,7 +178,7 @@ pub async fn list_templates(
     let caller = state.caller(&req)?;
     let mut data = Vec::new();
     for record in state.templates.store.list().await? {
-        if caller.may_access(record.owner.as_deref()) {
+        if caller.sees(&record) {
             data.push(TemplateView::of(
                 &state.templates.settle(&state.mesh, record).await?,
                 None,
@@ -224,7 +219,7 @@ pub async fn get_template(
             Some(cache_view::view_of(
                 record.steps + 1,
                 located,
-                cache_view::holders(&t.denoisers, key),
+                cache_view::holders(&state.directory.denoisers().await, key),
             ))
         }
         None => None,

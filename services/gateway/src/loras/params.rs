@@ -154,10 +154,7 @@ pub async fn check_registered(
     loras: &[LoraRef],
 ) -> Result<(), ApiError> {
     for (i, lora) in loras.iter().enumerate() {
-        let accessible = store
-            .get(&lora.id)
-            .await?
-            .is_some_and(|r| caller.may_access(r.owner.as_deref()));
+        let accessible = store.get(&lora.id).await?.is_some_and(|r| caller.sees(&r));
         if !accessible {
             return Err(invalid(
                 format!("loras[{i}].id"),

@@ -15,8 +15,8 @@ use diffmesh_shared::MeshError;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::denoiser_heartbeats::DenoiserHeartbeats;
 use crate::error::ApiError;
+use diffmesh_shared::messages::Heartbeat;
 
 /// One cachestore entry of a template cache.
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -44,12 +44,12 @@ pub struct CacheView {
 }
 
 /// Live denoisers whose local tier holds `cache_key` (from their last heartbeats), sorted.
-pub fn holders(denoisers: &DenoiserHeartbeats, cache_key: &str) -> Vec<String> {
-    let mut workers: Vec<String> = denoisers.read(|hbs| {
-        hbs.filter(|hb| hb.cached_templates.iter().any(|k| k == cache_key))
-            .map(|hb| hb.worker_id.clone())
-            .collect()
-    });
+pub fn holders(denoisers: &[Heartbeat], cache_key: &str) -> Vec<String> {
+    let mut workers: Vec<String> = denoisers
+        .iter()
+        .filter(|hb| hb.cached_templates.iter().any(|k| k == cache_key))
+        .map(|hb| hb.worker_id.clone())
+        .collect();
     workers.sort();
     workers
 }

@@ -1,6 +1,6 @@
 //! Registering a template: store its image durably, create its record (`capturing`), have the
 //! codec prepare it (kind `Capture`: no mask, every token computed), run the capture job through
-//! the router and a denoiser like any job (`pipeline::Mesh::prepare` / `complete`), and record
+//! the router and a denoiser like any job (`job_driver::Mesh::prepare` / `complete`), and record
 //! what the denoiser's `Captured` event reports (`ready`) or why it failed (`failed`). The
 //! router keeps the same report on the capture job's record, from which another gateway
 //! finishes a registration whose gateway stopped (`reported_capture`).
@@ -15,8 +15,8 @@ use tracing::Instrument;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::job_driver::{InputImage, JobInput, Mesh};
 use crate::lost_events;
-use crate::pipeline::{InputImage, JobInput, Mesh};
 use crate::templates::form::TemplateForm;
 use crate::templates::record::{TemplateRecord, TemplateState, TemplateStore};
 use crate::templates::Templates;
@@ -27,7 +27,7 @@ use crate::validate::{ResponseFormat, ValidParams};
 const CAPTURED_GRACE: Duration = Duration::from_secs(2);
 
 /// Marks the record failed if the registration is dropped before it finished (the client went
-/// away; the capture job itself is cancelled by the pipeline's own guard).
+/// away; the capture job itself is cancelled by the job driver's own guard).
 struct AbandonGuard {
     mesh: Mesh,
     store: TemplateStore,
@@ -146,7 +146,7 @@ async fn capture(
             r.prepared_image_key = prepared_image_key.clone();
         })
         .await?;
-    // The pipeline waits for Done/Failed only; `Captured` comes before Done, so subscribe to
+    // The job driver waits for Done/Failed only; `Captured` comes before Done, so subscribe to
     // the job's events ourselves before it is submitted.
     let mut events = mesh
         .client

@@ -17,7 +17,7 @@ use diffmesh_shared::transient::{self, no_error_settles, ELECTION_WINDOW};
 use tokio::time::Instant;
 
 use crate::error::ApiError;
-use crate::pipeline::Mesh;
+use crate::job_driver::Mesh;
 use crate::templates::cache_view;
 use crate::templates::record::reported_capture;
 use crate::templates::record::{TemplateState, TemplateStore};

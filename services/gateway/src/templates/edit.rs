@@ -10,10 +10,10 @@ use diffmesh_shared::messages::{FieldError, JobKind};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::idempotency;
+use crate::job_driver::ImageRequest;
+use crate::job_driver::{InputImage, JobInput};
 use crate::loras::params::refuse_for_template;
 use crate::parse::raw_from_text;
-use crate::pipeline::ImageRequest;
-use crate::pipeline::{InputImage, JobInput};
 use crate::request_limits::{Defaults, Limits};
 use crate::state::ApiState;
 use crate::templates::record::{not_found, ready, TemplateRecord};
@@ -40,13 +40,8 @@ pub async fn read(
     // Checked before the lookup: no template could take LoRAs.
     refuse_for_template(raw.loras.as_deref())?;
     let template_id = template_id.trim();
-    let record = state
-        .templates
-        .store
-        .get(template_id)
-        .await?
-        .filter(|r| caller.may_access(r.owner.as_deref()))
-        .ok_or_else(|| not_found(template_id))?;
+    let found = state.templates.store.get(template_id).await?;
+    let record = caller.owned(found, || not_found(template_id))?;
     let record = state.templates.settle(&state.mesh, record).await?;
     ready(&record)?;
     // The template's id stands for its image in the fingerprint: a repeat names the same one.

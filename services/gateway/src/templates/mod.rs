@@ -19,9 +19,8 @@ use diffmesh_shared::jetstream_layout::TEMPLATE_CAPTURES;
 use diffmesh_shared::job::{now_ms, JobStore};
 use diffmesh_shared::MeshError;
 
-use crate::denoiser_heartbeats::DenoiserHeartbeats;
 use crate::error::ApiError;
-use crate::pipeline::Mesh;
+use crate::job_driver::Mesh;
 use delete::Deleter;
 use record::{TemplateRecord, TemplateStore};
 use uses::TemplateUses;
@@ -29,14 +28,11 @@ use uses::TemplateUses;
 /// Deadline of one cachestore request (locate, delete) made for the template endpoints.
 const CACHESTORE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The gateway's template state: records and images, the edits reading them, and the
-/// denoisers' local tiers.
+/// The gateway's template state: records and images, and the edits reading them.
 pub struct Templates {
     pub store: TemplateStore,
     pub uses: TemplateUses,
     pub deleter: Deleter,
-    /// The denoisers' heartbeats: which hold a template's cache in their local tier.
-    pub denoisers: DenoiserHeartbeats,
     pub cachestore_timeout: Duration,
 }
 
@@ -47,7 +43,6 @@ impl Templates {
         client: &async_nats::Client,
         jobs: JobStore,
         job_timeout: Duration,
-        denoisers: DenoiserHeartbeats,
     ) -> Result<Self, MeshError> {
         let js = async_nats::jetstream::new(client.clone());
         let store = TemplateStore::open(&js).await?;
@@ -66,7 +61,6 @@ impl Templates {
             store,
             uses,
             deleter,
-            denoisers,
             cachestore_timeout: CACHESTORE_TIMEOUT,
         })
     }

@@ -393,6 +393,12 @@ pub async fn reported_capture(
     Ok(jobs.get(job_id).await?.and_then(|job| job.captured))
 }
 
+impl crate::auth::Owned for TemplateRecord {
+    fn owner(&self) -> Option<&str> {
+        self.owner.as_deref()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

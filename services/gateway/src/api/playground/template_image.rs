@@ -49,11 +49,7 @@ pub async fn get_template_image(
 ) -> Result<HttpResponse, ApiError> {
     let caller = state.caller(&req)?;
     let store = &state.templates.store;
-    store
-        .get(&id)
-        .await?
-        .filter(|r| caller.may_access(r.owner.as_deref()))
-        .ok_or_else(|| not_found(&id))?;
+    caller.owned(store.get(&id).await?, || not_found(&id))?;
     let bytes = match tokio::time::timeout(IMAGE_READ_TIMEOUT, store.image(&id)).await {
         Ok(Ok(bytes)) => bytes,
         // Deleted (or its registration undone) between reading the record and the image.

@@ -3,10 +3,9 @@
 //! router submit (bounded retry) -> await Done/Failed (`complete`). The job record in KV
 //! follows every step, so `GET /v1/jobs/{id}` and the event stream can show it from any
 //! gateway. A job cancelled in its record (`DELETE`) is stopped at the next check.
-use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::Client;
@@ -169,11 +168,9 @@ impl Drop for AbandonGuard {
     }
 }
 
-type DrivingMap = Arc<Mutex<HashMap<String, CancellationToken>>>;
-
-fn lock(map: &DrivingMap) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
-    map.lock().unwrap_or_else(|p| p.into_inner())
-}
+/// The jobs this gateway drives, by job id: written as each job starts and ends, read by every
+/// cancel (a concurrent map: no lock shared by all jobs).
+type DrivingMap = Arc<dashmap::DashMap<String, CancellationToken>>;
 
 /// A job this gateway drives; dropping it (the driver ended or was dropped) forgets it.
 struct Driving {
@@ -184,7 +181,7 @@ struct Driving {
 
 impl Drop for Driving {
     fn drop(&mut self) {
-        lock(&self.driving).remove(&self.job_id);
+        self.driving.remove(&self.job_id);
     }
 }
 
@@ -537,7 +534,7 @@ impl Mesh {
     /// Note that this gateway drives `job_id` until the returned entry is dropped.
     fn register_driving(&self, job_id: &str) -> Driving {
         let token = CancellationToken::new();
-        lock(&self.driving).insert(job_id.to_string(), token.clone());
+        self.driving.insert(job_id.to_string(), token.clone());
         Driving {
             driving: self.driving.clone(),
             job_id: job_id.to_string(),
@@ -547,7 +544,7 @@ impl Mesh {
 
     /// Stop this gateway's driver of `job_id`, if it has one (after its record was cancelled).
     pub fn stop_driving(&self, job_id: &str) {
-        if let Some(token) = lock(&self.driving).get(job_id) {
+        if let Some(token) = self.driving.get(job_id) {
             token.cancel();
         }
     }

@@ -1,0 +1,264 @@
+//! The mesh's workers as the gateway hears them: an actor ([`Directory`]) that owns the last
+//! heartbeat of every denoiser and of every ControlNet worker, fed by one subscription each,
+//! and answers the parts of the gateway that read them: the template views (which denoisers
+//! hold a template's cache in their local tier) and the ControlNet views and checks
+//! (`controlnet_directory`: what a steered generation may name).
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::{Actor, Addr, Context, Handler, Message, MessageResult};
+use diffmesh_shared::controlnet_service::{ControlNetHeartbeat, HEARTBEAT as WORKER_HEARTBEAT};
+use diffmesh_shared::messages::{decode, FieldError, Heartbeat};
+use diffmesh_shared::subjects::DENOISER_HEARTBEAT;
+use diffmesh_shared::MeshError;
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+
+use crate::controlnet_directory::{
+    check_offered, taking_jobs, ControlNetView, Workers, STALE_AFTER,
+};
+
+/// The actor: the heartbeats, by worker id.
+#[derive(Default)]
+pub struct Directory {
+    denoisers: HashMap<String, (Heartbeat, Instant)>,
+    workers: Workers,
+}
+
+impl Actor for Directory {
+    type Context = Context<Self>;
+}
+
+/// The denoisers heard within [`STALE_AFTER`] (the others are dropped first).
+fn live(denoisers: &mut HashMap<String, (Heartbeat, Instant)>) -> Vec<&Heartbeat> {
+    denoisers.retain(|_, (_, at)| at.elapsed() < STALE_AFTER);
+    denoisers.values().map(|(hb, _)| hb).collect()
+}
+
+/// A denoiser's heartbeat, heard at the instant given.
+pub struct DenoiserBeat(pub Heartbeat, pub Instant);
+
+impl Message for DenoiserBeat {
+    type Result = ();
+}
+
+impl Handler<DenoiserBeat> for Directory {
+    type Result = ();
+
+    fn handle(&mut self, msg: DenoiserBeat, _: &mut Context<Self>) {
+        self.denoisers
+            .insert(msg.0.worker_id.clone(), (msg.0, msg.1));
+    }
+}
+
+/// A ControlNet worker's heartbeat.
+pub struct WorkerBeat(pub ControlNetHeartbeat);
+
+impl Message for WorkerBeat {
+    type Result = ();
+}
+
+impl Handler<WorkerBeat> for Directory {
+    type Result = ();
+
+    fn handle(&mut self, msg: WorkerBeat, _: &mut Context<Self>) {
+        self.workers.record(msg.0);
+    }
+}
+
+/// The last heartbeat of every live denoiser.
+pub struct Denoisers;
+
+impl Message for Denoisers {
+    type Result = Vec<Heartbeat>;
+}
+
+impl Handler<Denoisers> for Directory {
+    type Result = MessageResult<Denoisers>;
+
+    fn handle(&mut self, _: Denoisers, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(live(&mut self.denoisers).into_iter().cloned().collect())
+    }
+}
+
+/// The ControlNets a generation may name now, with who serves each.
+pub struct ControlNets;
+
+impl Message for ControlNets {
+    type Result = Vec<ControlNetView>;
+}
+
+impl Handler<ControlNets> for Directory {
+    type Result = MessageResult<ControlNets>;
+
+    fn handle(&mut self, _: ControlNets, _: &mut Context<Self>) -> Self::Result {
+        self.workers.expire();
+        let denoisers = live(&mut self.denoisers);
+        MessageResult(self.workers.views(&taking_jobs(&mut denoisers.into_iter())))
+    }
+}
+
+/// Whether a steered generation may name this ControlNet (400 naming `controlnet.name` when
+/// denoisers that take jobs were heard and none steers with it).
+pub struct CheckOffered(pub String);
+
+impl Message for CheckOffered {
+    type Result = Result<(), FieldError>;
+}
+
+impl Handler<CheckOffered> for Directory {
+    type Result = Result<(), FieldError>;
+
+    fn handle(&mut self, msg: CheckOffered, _: &mut Context<Self>) -> Self::Result {
+        let denoisers = live(&mut self.denoisers);
+        check_offered(&taking_jobs(&mut denoisers.into_iter()), &msg.0)
+    }
+}
+
+/// Stops the subscriptions feeding the actor once the last handle is gone.
+struct Feeds(CancellationToken);
+
+impl Drop for Feeds {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
+/// The gateway's handle on the directory (cheap to clone).
+#[derive(Clone)]
+pub struct MeshDirectory {
+    addr: Addr<Directory>,
+    _feeds: Arc<Feeds>,
+}
+
+impl MeshDirectory {
+    /// Start the actor and subscribe to both kinds of heartbeat (before returning, so none
+    /// sent afterwards is missed).
+    pub async fn watch(client: &async_nats::Client) -> Result<Self, MeshError> {
+        let directory = Self::empty();
+        let stop = directory._feeds.0.clone();
+        let denoisers = client.subscribe(DENOISER_HEARTBEAT).await?;
+        let workers = client.subscribe(WORKER_HEARTBEAT).await?;
+        let addr = directory.addr.clone();
+        tokio::spawn(feed(denoisers, stop.clone(), move |hb: Heartbeat| {
+            addr.do_send(DenoiserBeat(hb, Instant::now()))
+        }));
+        let addr = directory.addr.clone();
+        tokio::spawn(feed(workers, stop, move |hb: ControlNetHeartbeat| {
+            addr.do_send(WorkerBeat(hb))
+        }));
+        Ok(directory)
+    }
+
+    /// A directory no subscription feeds (tests feed it with [`Self::record_denoiser`]).
+    pub fn empty() -> Self {
+        Self {
+            addr: diffmesh_shared::actors::start(|_| Directory::default()),
+            _feeds: Arc::new(Feeds(CancellationToken::new())),
+        }
+    }
+
+    /// Keep `hb` as its denoiser's last heartbeat, heard at `at`.
+    pub fn record_denoiser(&self, hb: Heartbeat, at: Instant) {
+        self.addr.do_send(DenoiserBeat(hb, at));
+    }
+
+    /// The last heartbeat of every live denoiser (none when the actor is gone).
+    pub async fn denoisers(&self) -> Vec<Heartbeat> {
+        self.addr.send(Denoisers).await.unwrap_or_default()
+    }
+
+    /// The ControlNets a generation may name now.
+    pub async fn controlnets(&self) -> Vec<ControlNetView> {
+        self.addr.send(ControlNets).await.unwrap_or_default()
+    }
+
+    /// A steered generation's ControlNet, checked against what live denoisers offer.
+    pub async fn check_offered(&self, name: &str) -> Result<(), FieldError> {
+        // A directory that is gone lets the request through: placement answers for it then.
+        self.addr
+            .send(CheckOffered(name.to_string()))
+            .await
+            .unwrap_or(Ok(()))
+    }
+}
+
+/// Decode every message of `sub` as `T` and hand it to `deliver`, until `stop`.
+async fn feed<T: DeserializeOwned>(
+    mut sub: async_nats::Subscriber,
+    stop: CancellationToken,
+    deliver: impl Fn(T),
+) {
+    loop {
+        let msg = tokio::select! {
+            _ = stop.cancelled() => return,
+            msg = sub.next() => match msg { Some(m) => m, None => return },
+        };
+        match decode::<T>(&msg.payload) {
+            Ok(hb) => deliver(hb),
+            Err(err) => tracing::debug!(error = %err, "undecodable heartbeat"),
+        }
+    }
+}
+
+/// A heartbeat for unit tests.
+#[cfg(test)]
+pub fn heartbeat(id: &str, controlnets: &[&str], templates: &[&str], draining: bool) -> Heartbeat {
+    Heartbeat {
+        worker_id: id.into(),
+        running: Vec::new(),
+        queued: 0,
+        waiting: Vec::new(),
+        max_batch: 4,
+        model: "tiny".into(),
+        draining,
+        queue_capacity: 16,
+        cached_templates: templates.iter().map(|s| s.to_string()).collect(),
+        cached_loras: Vec::new(),
+        controlnets: controlnets.iter().map(|s| s.to_string()).collect(),
+        recent_steps: Vec::new(),
+        controlnet_step_s: vec![],
+        interval_ms: 500,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_last_heartbeat_counts_and_silent_denoisers_drop_out() {
+        let directory = MeshDirectory::empty();
+        directory.record_denoiser(heartbeat("d1", &[], &["a"], false), Instant::now());
+        directory.record_denoiser(heartbeat("d1", &[], &["b"], false), Instant::now());
+        directory.record_denoiser(
+            heartbeat("d2", &[], &["a"], false),
+            Instant::now() - STALE_AFTER,
+        );
+        let seen: Vec<(String, Vec<String>)> = directory
+            .denoisers()
+            .await
+            .into_iter()
+            .map(|hb| (hb.worker_id, hb.cached_templates))
+            .collect();
+        assert_eq!(seen, [("d1".to_string(), vec!["b".to_string()])]);
+    }
+
+    #[tokio::test]
+    async fn controlnet_names_are_checked_against_the_live_denoisers() {
+        let directory = MeshDirectory::empty();
+        assert!(
+            directory.check_offered("canny").await.is_ok(),
+            "none heard yet"
+        );
+        directory.record_denoiser(heartbeat("d1", &["silhouette"], &[], false), Instant::now());
+        assert!(directory.check_offered("silhouette").await.is_ok());
+        let refused = directory.check_offered("canny").await.unwrap_err();
+        assert_eq!(refused.field, "controlnet.name");
+        let views = directory.controlnets().await;
+        assert_eq!(views.len(), 1);
+        assert_eq!(views[0].id, "silhouette");
+    }
+}
