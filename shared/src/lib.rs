@@ -16,12 +16,3 @@ pub mod testing;
 
 pub use error::{panic_message, MeshError};
 pub use process::config::CommonConfig;
-
-// The flat names the crate had before it was grouped, while the workspace moves to the
-// grouped paths.
-pub use nats::{chunked, reconnects, serve, trace_context, unanswered};
-pub use process::{actors, config, health, metrics, shutdown, telemetry};
-pub use stores::{
-    blob_store, cache_read, idempotency, jetstream_layout, job, reopening_watch, transient,
-};
-pub use wire::{cachestore, controlnet, controlnet_service, lora, messages, subjects, templates};

@@ -62,13 +62,13 @@ pub trait Owned {
     fn owner(&self) -> Option<&str>;
 }
 
-impl Owned for diffmesh_shared::job::JobRecord {
+impl Owned for diffmesh_shared::stores::job::JobRecord {
     fn owner(&self) -> Option<&str> {
         self.owner.as_deref()
     }
 }
 
-impl Owned for diffmesh_shared::lora::LoraRecord {
+impl Owned for diffmesh_shared::wire::lora::LoraRecord {
     fn owner(&self) -> Option<&str> {
         self.owner.as_deref()
     }

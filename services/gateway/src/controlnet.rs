@@ -2,8 +2,8 @@
 //! (base64 PNG or JPEG, any size: the codec stretches it to the model resolution) and how strongly.
 //! Read field by field so every error names `controlnet.<field>`.
 use base64::Engine;
-use diffmesh_shared::controlnet::{name_problem, ControlNetRef, MAX_CONTROLNET_SCALE};
-use diffmesh_shared::messages::FieldError;
+use diffmesh_shared::wire::controlnet::{name_problem, ControlNetRef, MAX_CONTROLNET_SCALE};
+use diffmesh_shared::wire::messages::FieldError;
 use serde_json::Value;
 
 use crate::request_limits::{check_pixels, Limits};

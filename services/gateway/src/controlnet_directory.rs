@@ -5,8 +5,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use diffmesh_shared::controlnet_service::ControlNetHeartbeat;
-use diffmesh_shared::messages::{FieldError, Heartbeat};
+use diffmesh_shared::wire::controlnet_service::ControlNetHeartbeat;
+use diffmesh_shared::wire::messages::{FieldError, Heartbeat};
 use serde::Serialize;
 use utoipa::ToSchema;
 

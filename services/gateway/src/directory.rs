@@ -8,9 +8,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::{Actor, Addr, Context, Handler, Message, MessageResult};
-use diffmesh_shared::controlnet_service::{ControlNetHeartbeat, HEARTBEAT as WORKER_HEARTBEAT};
-use diffmesh_shared::messages::{decode, FieldError, Heartbeat};
-use diffmesh_shared::subjects::DENOISER_HEARTBEAT;
+use diffmesh_shared::wire::controlnet_service::{
+    ControlNetHeartbeat, HEARTBEAT as WORKER_HEARTBEAT,
+};
+use diffmesh_shared::wire::messages::{decode, FieldError, Heartbeat};
+use diffmesh_shared::wire::subjects::DENOISER_HEARTBEAT;
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
 use serde::de::DeserializeOwned;
@@ -155,7 +157,7 @@ impl MeshDirectory {
     /// A directory no subscription feeds (tests feed it with [`Self::record_denoiser`]).
     pub fn empty() -> Self {
         Self {
-            addr: diffmesh_shared::actors::start(|_| Directory::default()),
+            addr: diffmesh_shared::process::actors::start(|_| Directory::default()),
             _feeds: Arc::new(Feeds(CancellationToken::new())),
         }
     }

@@ -2,7 +2,7 @@
 //! `{"error": {"message", "error_type", "field"}}`.
 use actix_web::http::{header, StatusCode};
 use actix_web::{HttpResponse, ResponseError};
-use diffmesh_shared::messages::{error_types, FieldError};
+use diffmesh_shared::wire::messages::{error_types, FieldError};
 use diffmesh_shared::MeshError;
 use serde::Serialize;
 use utoipa::ToSchema;

@@ -3,7 +3,7 @@
 //! reusing it for a different request is refused (422) rather than silently answered with
 //! another request's images.
 use actix_web::HttpRequest;
-use diffmesh_shared::messages::FieldError;
+use diffmesh_shared::wire::messages::FieldError;
 use sha2::{Digest, Sha256};
 
 use crate::auth::Caller;

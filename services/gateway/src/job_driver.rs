@@ -9,17 +9,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::Client;
-use diffmesh_shared::blob_store::{blob_key, BlobStore};
-use diffmesh_shared::idempotency::IdempotencyStore;
-use diffmesh_shared::job::{now_ms, JobRecord, JobState, JobStore, ProgressWrites};
-use diffmesh_shared::messages::{
+use diffmesh_shared::nats::reconnects::Reconnects;
+use diffmesh_shared::nats::unanswered::{resent_while_unanswered, AttemptDeadlines};
+use diffmesh_shared::nats::{publish_msgpack, request_msgpack_job};
+use diffmesh_shared::stores::blob_store::{blob_key, BlobStore};
+use diffmesh_shared::stores::idempotency::IdempotencyStore;
+use diffmesh_shared::stores::job::{now_ms, JobRecord, JobState, JobStore, ProgressWrites};
+use diffmesh_shared::wire::messages::{
     decode, error_types, CancelJob, DenoiseJob, JobEvent, JobKind, PreparedInputs, PreprocessReply,
     PreprocessRequest, SubmitReply, TemplateImage, TemplateRef,
 };
-use diffmesh_shared::nats::{publish_msgpack, request_msgpack_job};
-use diffmesh_shared::reconnects::Reconnects;
-use diffmesh_shared::subjects::{job_events, CODEC_PRE, ROUTER_CANCEL, ROUTER_SUBMIT};
-use diffmesh_shared::unanswered::{resent_while_unanswered, AttemptDeadlines};
+use diffmesh_shared::wire::subjects::{job_events, CODEC_PRE, ROUTER_CANCEL, ROUTER_SUBMIT};
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
 use tokio::time::Instant;

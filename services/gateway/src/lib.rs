@@ -34,11 +34,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::{web, App, HttpServer};
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::health::{configure_health_routes, health_data, HealthServer, Readiness};
-use diffmesh_shared::idempotency::IdempotencyStore;
-use diffmesh_shared::job::JobStore;
 use diffmesh_shared::nats;
+use diffmesh_shared::process::health::{
+    configure_health_routes, health_data, HealthServer, Readiness,
+};
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::idempotency::IdempotencyStore;
+use diffmesh_shared::stores::job::JobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -292,7 +294,8 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         config.common.nats_connect_timeout,
     )
     .await?;
-    let js = diffmesh_shared::jetstream_layout::context(&client, &config.common, &[]).await?;
+    let js =
+        diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
     let background = TaskTracker::new();
     // The gateway writes most of a job's changes: it updates them without reading first.
     let mut jobs = JobStore::open(&js).await?;

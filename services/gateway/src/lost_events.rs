@@ -6,10 +6,10 @@
 //! while; a template registration asks what its capture stored.
 use std::time::Duration;
 
-use diffmesh_shared::job::CaptureReport;
-use diffmesh_shared::messages::{JobEvent, OutcomeQuery, WantedEvent};
 use diffmesh_shared::nats::request_msgpack;
-use diffmesh_shared::subjects::DENOISER_OUTCOME;
+use diffmesh_shared::stores::job::CaptureReport;
+use diffmesh_shared::wire::messages::{JobEvent, OutcomeQuery, WantedEvent};
+use diffmesh_shared::wire::subjects::DENOISER_OUTCOME;
 use diffmesh_shared::MeshError;
 
 /// How long a waiting job may hear nothing before the denoisers are asked. Running jobs send

@@ -15,12 +15,12 @@ struct Cli {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let common = &cli.gateway.common;
-    let _telemetry = diffmesh_shared::telemetry::init_telemetry(
+    let _telemetry = diffmesh_shared::process::telemetry::init_telemetry(
         "diffmesh-gateway",
         common.otlp_endpoint.as_deref(),
         common.log_json,
     )?;
-    let shutdown = diffmesh_shared::shutdown::on_signal();
+    let shutdown = diffmesh_shared::process::shutdown::on_signal();
     diffmesh_gateway::run(cli.gateway, shutdown).await?;
     Ok(())
 }

@@ -7,7 +7,7 @@ use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::Method;
 use actix_web::middleware::Next;
 use actix_web::{web, ResponseError};
-use diffmesh_shared::metrics::{
+use diffmesh_shared::process::metrics::{
     counter_vec, histogram_vec, FailureCounter, Unit, LATENCY_BUCKETS_SECONDS,
 };
 use prometheus::{HistogramVec, IntCounterVec, Registry};

@@ -12,7 +12,7 @@ use crate::api::{controlnets, events, images, jobs, loras, playground, templates
 use crate::idempotency;
 use crate::request_limits::Limits;
 use crate::state::ApiState;
-use diffmesh_shared::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
+use diffmesh_shared::wire::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
 
 #[derive(OpenApi)]
 #[openapi(

@@ -2,7 +2,7 @@
 //! multipart forms, read field by field so every type error names its field.
 use std::collections::HashMap;
 
-use diffmesh_shared::messages::FieldError;
+use diffmesh_shared::wire::messages::FieldError;
 use serde_json::Value;
 
 use crate::loras::params as lora_params;

@@ -1,6 +1,6 @@
 //! The request limits and defaults the gateway's flags set, and the checks every request
 //! field shares (ranges, pixel counts, sizes), each error naming the field.
-use diffmesh_shared::messages::FieldError;
+use diffmesh_shared::wire::messages::FieldError;
 
 /// Request limits, set by gateway flags.
 #[derive(Debug, Clone)]

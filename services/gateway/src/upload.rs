@@ -3,7 +3,7 @@
 use std::io::Cursor;
 
 use bytes::BytesMut;
-use diffmesh_shared::messages::FieldError;
+use diffmesh_shared::wire::messages::FieldError;
 use futures::{Stream, StreamExt};
 use image::{ImageFormat, ImageReader};
 

@@ -1,6 +1,6 @@
 //! Raw API requests -> validated requests. Every error names the field and, for ranges, the
 //! limit, so clients can fix the request without reading server logs.
-use diffmesh_shared::messages::{FieldError, GenerationParams, TrueCfg};
+use diffmesh_shared::wire::messages::{FieldError, GenerationParams, TrueCfg};
 
 use crate::loras::params::{self as lora_params, RawLora};
 use crate::request_limits::{check_pixels, in_range, parse_size, rand_seed, Defaults, Limits};
@@ -482,7 +482,7 @@ mod tests {
             }]),
             ..raw("x")
         };
-        let want = vec![diffmesh_shared::lora::LoraRef {
+        let want = vec![diffmesh_shared::wire::lora::LoraRef {
             id: id.into(),
             scale: 0.5,
         }];

@@ -27,7 +27,7 @@ async fn answer(req: reqwest::RequestBuilder) -> (u16, Value) {
 
 /// The deadline the job the codec saw carried.
 async fn seen_deadline(
-    seen: tokio::task::JoinHandle<diffmesh_shared::messages::PreprocessRequest>,
+    seen: tokio::task::JoinHandle<diffmesh_shared::wire::messages::PreprocessRequest>,
 ) -> Option<u64> {
     seen.await.unwrap().params.deadline_unix_ms
 }

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use common::{answer_codec_once, field, png};
 use diffmesh_gateway::{start, GatewayConfig, GatewayHandle};
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::jetstream_layout::LORA_WEIGHTS;
-use diffmesh_shared::lora::{weights_key, LoraRef};
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::jetstream_layout::LORA_WEIGHTS;
 use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::lora::{weights_key, LoraRef};
 use reqwest::multipart::{Form, Part};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -36,7 +36,7 @@ fn lora_file(tensors: &[(String, Vec<usize>)]) -> Vec<u8> {
             )
         })
         .collect();
-    diffmesh_shared::lora::write_f32_safetensors(&data, None).unwrap()
+    diffmesh_shared::wire::lora::write_f32_safetensors(&data, None).unwrap()
 }
 
 /// The file the brief asks for: one rank-4 adapter of `to_q` (192 features).
@@ -375,11 +375,11 @@ async fn loras_are_scoped_to_the_api_key_that_registered_them() {
     // The record keeps the key that registered it.
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client.clone());
-    let records = diffmesh_shared::jetstream_layout::LORA_RECORDS
+    let records = diffmesh_shared::stores::jetstream_layout::LORA_RECORDS
         .open_kv(&js)
         .await
         .unwrap();
-    let stored: diffmesh_shared::lora::LoraRecord =
+    let stored: diffmesh_shared::wire::lora::LoraRecord =
         serde_json::from_slice(&records.get(&a_id).await.unwrap().unwrap()).unwrap();
     assert_eq!(stored.owner.as_deref(), Some("alice"));
 

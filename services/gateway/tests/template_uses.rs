@@ -4,10 +4,10 @@
 use diffmesh_gateway::error::ApiError;
 use diffmesh_gateway::templates::record::{TemplateRecord, TemplateState, TemplateStore};
 use diffmesh_gateway::templates::uses::TemplateUses;
-use diffmesh_shared::job::{JobRecord, JobStore};
-use diffmesh_shared::messages::{JobKind, TemplateRef};
-use diffmesh_shared::subjects::TEMPLATE_USES_STREAM;
+use diffmesh_shared::stores::job::{JobRecord, JobStore};
 use diffmesh_shared::testing::NatsServer;
+use diffmesh_shared::wire::messages::{JobKind, TemplateRef};
+use diffmesh_shared::wire::subjects::TEMPLATE_USES_STREAM;
 
 const TEMPLATE: &str = "7f0c3a52-1d2e-4b8a-9c3d-2a1b0c9d8e7f";
 

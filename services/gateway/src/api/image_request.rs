@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use actix_multipart::Multipart;
 use actix_web::web;
-use diffmesh_shared::messages::{FieldError, JobKind};
+use diffmesh_shared::wire::messages::{FieldError, JobKind};
 use futures::TryStreamExt;
 
 use crate::auth::Caller;

@@ -6,8 +6,8 @@ use actix_multipart::Multipart;
 use actix_web::http::header;
 use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
 use base64::Engine;
-use diffmesh_shared::idempotency::{Claim, IdempotencyRecord};
-use diffmesh_shared::job::{now_ms, JobRecord, JobState};
+use diffmesh_shared::stores::idempotency::{Claim, IdempotencyRecord};
+use diffmesh_shared::stores::job::{now_ms, JobRecord, JobState};
 use serde::Serialize;
 use utoipa::ToSchema;
 

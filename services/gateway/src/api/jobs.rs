@@ -4,8 +4,8 @@
 //! that does not exist, so job ids of other keys cannot even be confirmed.
 
 use actix_web::{web, HttpRequest, HttpResponse};
-use diffmesh_shared::job::{now_ms, JobRecord, JobState};
-use diffmesh_shared::messages::{FieldError, JobKind};
+use diffmesh_shared::stores::job::{now_ms, JobRecord, JobState};
+use diffmesh_shared::wire::messages::{FieldError, JobKind};
 use diffmesh_shared::MeshError;
 use serde::Serialize;
 use utoipa::ToSchema;

@@ -11,7 +11,7 @@
 
 use actix_multipart::Multipart;
 use actix_web::{web, HttpRequest, HttpResponse};
-use diffmesh_shared::lora::LoraRecord;
+use diffmesh_shared::wire::lora::LoraRecord;
 use serde::Serialize;
 use utoipa::ToSchema;
 

@@ -3,8 +3,8 @@
 //! LoRA the denoisers can apply (`lora::LoraFile::parse`); a 400 names `weights` and, in its
 //! message, the tensor or metadata key at fault.
 use actix_multipart::Multipart;
-use diffmesh_shared::lora::{LoraFile, LoraRecord};
-use diffmesh_shared::messages::FieldError;
+use diffmesh_shared::wire::lora::{LoraFile, LoraRecord};
+use diffmesh_shared::wire::messages::FieldError;
 use futures::TryStreamExt;
 use sha2::{Digest, Sha256};
 

@@ -3,8 +3,8 @@
 //! entry so errors name `loras[i].id` or `loras[i].scale`, checked (how many, each id once,
 //! scale range; pure), and looked up (every id a registered LoRA; needs the KV bucket, so the
 //! request readers call it after validation).
-use diffmesh_shared::lora::{LoraRef, MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
-use diffmesh_shared::messages::FieldError;
+use diffmesh_shared::wire::lora::{LoraRef, MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
+use diffmesh_shared::wire::messages::FieldError;
 use serde_json::Value;
 
 use crate::auth::Caller;

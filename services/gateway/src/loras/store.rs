@@ -1,15 +1,14 @@
-//! Registered LoRAs in JetStream: the records (JSON, KV bucket `LORA_RECORDS`, key = id) and
-//! their weights files (object store `LORA_WEIGHTS`, key `lora::weights_key(id)`), neither of
-//! which expires. Every call is tried again while its stream has no leader (`transient`), as
-//! the template store's are.
-use async_nats::jetstream::{self, kv};
-use bytes::Bytes;
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::jetstream_layout::{LORA_RECORDS, LORA_WEIGHTS};
-use diffmesh_shared::job::now_ms;
-use diffmesh_shared::lora::{weights_key, LoraRecord};
-use diffmesh_shared::{transient, MeshError};
-use futures::TryStreamExt;
+//! Registered LoRAs in JetStream: the records (JSON, KV bucket `LORA_RECORDS`, key = id, in the
+//! shared record store) and their weights files (object store `LORA_WEIGHTS`, key
+//! `lora::weights_key(id)`), neither of which expires. Every call is tried again while its
+//! stream has no leader, as every record store's are.
+use async_nats::jetstream;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::jetstream_layout::{LORA_RECORDS, LORA_WEIGHTS};
+use diffmesh_shared::stores::job::now_ms;
+use diffmesh_shared::stores::record::RecordStore;
+use diffmesh_shared::wire::lora::{weights_key, LoraRecord};
+use diffmesh_shared::MeshError;
 
 use crate::error::ApiError;
 use crate::loras::form::LoraUpload;
@@ -34,23 +33,19 @@ pub fn rfc3339_utc(unix_ms: u64) -> String {
         .unwrap_or_else(|| "9999-12-31T23:59:59.999Z".into())
 }
 
-fn internal(what: &str, err: impl std::fmt::Display) -> ApiError {
-    ApiError::Internal(format!("LoRA store: {what}: {err}"))
-}
-
 /// Records and weights of registered LoRAs.
 #[derive(Clone)]
 pub struct LoraStore {
-    kv: kv::Store,
+    records: RecordStore<LoraRecord>,
     weights: BlobStore,
 }
 
 impl LoraStore {
     /// Open (creating when missing) the record bucket and the weights bucket.
     pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
-        let kv = LORA_RECORDS.open_kv(js).await?;
+        let records = RecordStore::open(js, &LORA_RECORDS).await?;
         let weights = BlobStore::open_with(js, &LORA_WEIGHTS).await?;
-        Ok(Self { kv, weights })
+        Ok(Self { records, weights })
     }
 
     /// Store a checked upload under a new id, owned by `owner` (the registering API key): the
@@ -64,16 +59,7 @@ impl LoraStore {
         let id = uuid::Uuid::new_v4().to_string();
         let record = upload.record(id.clone(), owner.map(str::to_string), rfc3339_utc(now_ms()));
         self.weights.put(&weights_key(&id), &upload.weights).await?;
-        let value = Bytes::from(serde_json::to_vec(&record).map_err(MeshError::from)?);
-        let created = transient::kv_create(
-            &self.kv,
-            "lora.create",
-            transient::ELECTION_WINDOW,
-            &id,
-            value,
-        )
-        .await;
-        if let Err(err) = created {
+        if let Err(err) = self.records.create(&id, &record).await {
             if let Err(cleanup) = self.weights.delete(&weights_key(&id)).await {
                 tracing::warn!(
                     lora_id = %id,
@@ -91,9 +77,7 @@ impl LoraStore {
         if !is_lora_id(id) {
             return Ok(None);
         }
-        let found =
-            transient::kv_get_json(&self.kv, "lora.get", transient::ELECTION_WINDOW, id).await?;
-        Ok(found.map(|(record, _)| record))
+        Ok(self.records.get(id).await?)
     }
 
     /// Remove `id`: the record first (requests naming it are refused from then on), then its
@@ -103,16 +87,7 @@ impl LoraStore {
         if self.get(id).await?.is_none() {
             return Ok(false);
         }
-        let settled = |e: &kv::DeleteError| e.kind() == kv::DeleteErrorKind::InvalidKey;
-        transient::retried_bounded(
-            "lora.delete",
-            transient::ELECTION_WINDOW,
-            Some(transient::REQUEST_ATTEMPT_TIMEOUT),
-            settled,
-            || self.kv.delete(id),
-        )
-        .await
-        .map_err(|e| internal("delete", e))?;
+        self.records.delete(id).await?;
         if let Err(err) = self.weights.delete(&weights_key(id)).await {
             tracing::warn!(
                 lora_id = %id,
@@ -125,32 +100,9 @@ impl LoraStore {
 
     /// Every record, oldest first (then by id), whoever owns it (the handlers filter by caller).
     pub async fn list(&self) -> Result<Vec<LoraRecord>, ApiError> {
-        let keys = transient::retried(
-            "lora.list",
-            transient::ELECTION_WINDOW,
-            transient::no_error_settles,
-            || self.keys(),
-        )
-        .await?;
-        let mut records = Vec::with_capacity(keys.len());
-        for key in keys {
-            // A record deleted between listing and reading is simply not listed.
-            if let Some(r) = self.get(&key).await? {
-                records.push(r);
-            }
-        }
+        let mut records = self.records.list().await?;
         sort_by_creation(&mut records);
         Ok(records)
-    }
-
-    async fn keys(&self) -> Result<Vec<String>, ApiError> {
-        self.kv
-            .keys()
-            .await
-            .map_err(|e| internal("list", e))?
-            .try_collect()
-            .await
-            .map_err(|e| internal("list", e))
     }
 }
 

@@ -4,19 +4,19 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use diffmesh_shared::cachestore::{
+use diffmesh_shared::nats::{publish_msgpack, request_msgpack};
+use diffmesh_shared::wire::cachestore::{
     delete_subject, locate_subject, template_keys, CacheDelete, CacheDeleteReply, CacheLocate,
     CacheLocateReply, CacheTier, KeyLocation,
 };
-use diffmesh_shared::messages::EvictTemplate;
-use diffmesh_shared::nats::{publish_msgpack, request_msgpack};
-use diffmesh_shared::subjects::TEMPLATES_EVICT;
+use diffmesh_shared::wire::messages::EvictTemplate;
+use diffmesh_shared::wire::subjects::TEMPLATES_EVICT;
 use diffmesh_shared::MeshError;
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::error::ApiError;
-use diffmesh_shared::messages::Heartbeat;
+use diffmesh_shared::wire::messages::Heartbeat;
 
 /// One cachestore entry of a template cache.
 #[derive(Debug, Clone, Serialize, ToSchema)]

@@ -6,9 +6,9 @@
 //! finishes a registration whose gateway stopped (`reported_capture`).
 use std::time::Duration;
 
-use diffmesh_shared::job::CaptureReport;
-use diffmesh_shared::messages::{decode, JobEvent, JobKind, TemplateRef};
-use diffmesh_shared::subjects::job_events;
+use diffmesh_shared::stores::job::CaptureReport;
+use diffmesh_shared::wire::messages::{decode, JobEvent, JobKind, TemplateRef};
+use diffmesh_shared::wire::subjects::job_events;
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
 use tracing::Instrument;
@@ -119,7 +119,7 @@ async fn capture(
     store: &TemplateStore,
     caller: &Caller,
     record: &TemplateRecord,
-    params: diffmesh_shared::messages::GenerationParams,
+    params: diffmesh_shared::wire::messages::GenerationParams,
     template: TemplateRef,
 ) -> Result<CaptureReport, ApiError> {
     let id = record.id.as_str();

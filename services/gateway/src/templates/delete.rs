@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::stream;
 use async_nats::Client;
-use diffmesh_shared::job::JobStore;
-use diffmesh_shared::subjects::template_captured;
-use diffmesh_shared::transient::{self, no_error_settles, ELECTION_WINDOW};
+use diffmesh_shared::stores::job::JobStore;
+use diffmesh_shared::stores::transient::{self, no_error_settles, ELECTION_WINDOW};
+use diffmesh_shared::wire::subjects::template_captured;
 use tokio::time::Instant;
 
 use crate::error::ApiError;

@@ -5,7 +5,7 @@
 //! computes only the masked tokens.
 use std::collections::HashMap;
 
-use diffmesh_shared::messages::{FieldError, JobKind};
+use diffmesh_shared::wire::messages::{FieldError, JobKind};
 
 use crate::auth::Caller;
 use crate::error::ApiError;
@@ -93,7 +93,7 @@ pub fn validate(
 mod tests {
     use super::*;
     use crate::templates::record::TemplateState;
-    use diffmesh_shared::messages::TemplateRef;
+    use diffmesh_shared::wire::messages::TemplateRef;
 
     fn record(state: TemplateState) -> TemplateRecord {
         let t = TemplateRef {

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use actix_multipart::Multipart;
-use diffmesh_shared::messages::{FieldError, GenerationParams};
+use diffmesh_shared::wire::messages::{FieldError, GenerationParams};
 use futures::TryStreamExt;
 
 use crate::error::ApiError;

@@ -15,8 +15,8 @@ pub mod uses;
 
 use std::time::Duration;
 
-use diffmesh_shared::jetstream_layout::TEMPLATE_CAPTURES;
-use diffmesh_shared::job::{now_ms, JobStore};
+use diffmesh_shared::stores::jetstream_layout::TEMPLATE_CAPTURES;
+use diffmesh_shared::stores::job::{now_ms, JobStore};
 use diffmesh_shared::MeshError;
 
 use crate::error::ApiError;

@@ -2,16 +2,15 @@
 //! object store of the same name, kept until the template is deleted, unlike the 24 h blobs).
 use std::time::Duration;
 
-use async_nats::jetstream::{self, kv};
-use bytes::Bytes;
-use diffmesh_shared::blob_store::BlobStore;
-use diffmesh_shared::jetstream_layout::{TEMPLATE_IMAGES, TEMPLATE_RECORDS};
-use diffmesh_shared::job::{now_ms, CaptureReport, JobStore};
-use diffmesh_shared::messages::{PreparedTemplate, TemplateImage, TemplateRef};
-use diffmesh_shared::templates::{image_key, prepared_image_key};
-use diffmesh_shared::transient::{self, KvUpdated};
+use async_nats::jetstream;
+use diffmesh_shared::stores::blob_store::BlobStore;
+use diffmesh_shared::stores::jetstream_layout::{TEMPLATE_IMAGES, TEMPLATE_RECORDS};
+use diffmesh_shared::stores::job::{now_ms, CaptureReport, JobStore};
+use diffmesh_shared::stores::record::{Record, RecordStore};
+use diffmesh_shared::stores::transient::KvUpdated;
+use diffmesh_shared::wire::messages::{PreparedTemplate, TemplateImage, TemplateRef};
+use diffmesh_shared::wire::templates::{image_key, prepared_image_key};
 use diffmesh_shared::MeshError;
-use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -178,14 +177,15 @@ pub fn is_template_id(id: &str) -> bool {
 const ABANDONED: &str = "the registration was interrupted (the gateway registering it stopped \
                          before the capture was recorded); delete it and register again";
 
-/// Compare-and-set attempts before an update gives up under contention.
-const MAX_UPDATE_ATTEMPTS: u32 = 16;
-
 /// Records and images of templates.
 #[derive(Clone)]
 pub struct TemplateStore {
-    kv: kv::Store,
+    records: RecordStore<TemplateRecord>,
     images: BlobStore,
+}
+
+impl Record for TemplateRecord {
+    const KIND: &'static str = "template";
 }
 
 fn internal(what: &str, err: impl std::fmt::Display) -> ApiError {
@@ -195,9 +195,9 @@ fn internal(what: &str, err: impl std::fmt::Display) -> ApiError {
 impl TemplateStore {
     /// Open (creating when missing) the record bucket and the image bucket; neither expires.
     pub async fn open(js: &jetstream::Context) -> Result<Self, MeshError> {
-        let kv = TEMPLATE_RECORDS.open_kv(js).await?;
+        let records = RecordStore::open(js, &TEMPLATE_RECORDS).await?;
         let images = BlobStore::open_with(js, &TEMPLATE_IMAGES).await?;
-        Ok(Self { kv, images })
+        Ok(Self { records, images })
     }
 
     pub async fn put_image(&self, template_id: &str, bytes: &[u8]) -> Result<(), ApiError> {
@@ -214,39 +214,23 @@ impl TemplateStore {
         Ok(self.images.delete(&image_key(template_id)).await?)
     }
 
-    /// Store a new record; fails if the id exists. Tried again while the bucket has no leader
-    /// (`transient`); a create that landed but whose reply was lost finds this record stored,
-    /// which counts as created.
+    /// Store a new record; fails if the id exists (a create that landed but whose reply was
+    /// lost finds this record stored, which counts as created).
     pub async fn create(&self, record: &TemplateRecord) -> Result<(), ApiError> {
-        let value = Bytes::from(serde_json::to_vec(record).map_err(MeshError::from)?);
-        transient::kv_create(
-            &self.kv,
-            "template.create",
-            transient::ELECTION_WINDOW,
-            &record.id,
-            value,
-        )
-        .await?;
+        self.records.create(&record.id, record).await?;
         Ok(())
     }
 
+    /// The record of `template_id`; `None` when there is none (or the id cannot be one).
     pub async fn get(&self, template_id: &str) -> Result<Option<TemplateRecord>, ApiError> {
-        Ok(self.get_with_revision(template_id).await?.map(|(r, _)| r))
-    }
-
-    async fn get_with_revision(
-        &self,
-        template_id: &str,
-    ) -> Result<Option<(TemplateRecord, u64)>, ApiError> {
         if !is_template_id(template_id) {
             return Ok(None);
         }
-        let call = "template.get";
-        Ok(transient::kv_get_json(&self.kv, call, transient::ELECTION_WINDOW, template_id).await?)
+        Ok(self.records.get(template_id).await?)
     }
 
-    /// Read-modify-write with compare-and-set (tried again during an election,
-    /// `transient::kv_update_json`). `Ok(None)` when the record is gone (deleted meanwhile).
+    /// Read-modify-write with compare-and-set. `Ok(None)` when the record is gone (deleted
+    /// meanwhile).
     pub async fn update<F>(
         &self,
         template_id: &str,
@@ -255,20 +239,14 @@ impl TemplateStore {
     where
         F: FnMut(&mut TemplateRecord),
     {
-        let updated = transient::kv_update_json(
-            &self.kv,
-            "template.update",
-            transient::ELECTION_WINDOW,
-            template_id,
-            MAX_UPDATE_ATTEMPTS,
-            None,
-            |record: &mut TemplateRecord| {
+        let updated = self
+            .records
+            .update(template_id, None, |record: &mut TemplateRecord| {
                 change(record);
                 record.updated_at_ms = now_ms();
                 true
-            },
-        )
-        .await;
+            })
+            .await;
         match updated {
             Ok(KvUpdated::Written(record, _)) => Ok(Some(record)),
             Ok(KvUpdated::Declined(..) | KvUpdated::Missing) => Ok(None),
@@ -306,46 +284,14 @@ impl TemplateStore {
     }
 
     pub async fn delete(&self, template_id: &str) -> Result<(), ApiError> {
-        let settled = |e: &kv::DeleteError| e.kind() == kv::DeleteErrorKind::InvalidKey;
-        transient::retried_bounded(
-            "template.delete",
-            transient::ELECTION_WINDOW,
-            Some(transient::REQUEST_ATTEMPT_TIMEOUT),
-            settled,
-            || self.kv.delete(template_id),
-        )
-        .await
-        .map_err(|e| internal("delete", e))
+        Ok(self.records.delete(template_id).await?)
     }
 
     /// Every record, oldest first.
     pub async fn list(&self) -> Result<Vec<TemplateRecord>, ApiError> {
-        let keys = transient::retried(
-            "template.list",
-            transient::ELECTION_WINDOW,
-            transient::no_error_settles,
-            || self.keys(),
-        )
-        .await?;
-        let mut records = Vec::with_capacity(keys.len());
-        for key in keys {
-            // A record deleted between listing and reading is simply not listed.
-            if let Some(r) = self.get(&key).await? {
-                records.push(r);
-            }
-        }
+        let mut records = self.records.list().await?;
         records.sort_by(|a, b| (a.created_at_ms, &a.id).cmp(&(b.created_at_ms, &b.id)));
         Ok(records)
-    }
-
-    async fn keys(&self) -> Result<Vec<String>, ApiError> {
-        self.kv
-            .keys()
-            .await
-            .map_err(|e| internal("list", e))?
-            .try_collect()
-            .await
-            .map_err(|e| internal("list", e))
     }
 }
 

@@ -16,10 +16,10 @@
 //! (on a cluster a follower may lag): the record bucket takes no direct reads
 //! (`jetstream_layout::TEMPLATE_RECORDS`) and stream info always comes from the leader.
 use async_nats::jetstream::{self, stream};
-use diffmesh_shared::jetstream_layout::TEMPLATE_USES;
-use diffmesh_shared::job::JobStore;
-use diffmesh_shared::subjects::{template_use, template_uses_of};
-use diffmesh_shared::transient::{self, no_error_settles, ELECTION_WINDOW};
+use diffmesh_shared::stores::jetstream_layout::TEMPLATE_USES;
+use diffmesh_shared::stores::job::JobStore;
+use diffmesh_shared::stores::transient::{self, no_error_settles, ELECTION_WINDOW};
+use diffmesh_shared::wire::subjects::{template_use, template_uses_of};
 use diffmesh_shared::MeshError;
 use futures::TryStreamExt;
 

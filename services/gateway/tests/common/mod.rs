@@ -2,8 +2,10 @@
 //! stand-in codec that answers one request.
 use std::io::Cursor;
 
-use diffmesh_shared::messages::{decode, encode, FieldError, PreprocessReply, PreprocessRequest};
-use diffmesh_shared::subjects::CODEC_PRE;
+use diffmesh_shared::wire::messages::{
+    decode, encode, FieldError, PreprocessReply, PreprocessRequest,
+};
+use diffmesh_shared::wire::subjects::CODEC_PRE;
 use futures::StreamExt;
 use serde_json::Value;
 
