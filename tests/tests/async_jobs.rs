@@ -458,8 +458,8 @@ async fn an_async_job_outlives_the_gateway_that_accepted_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_async_job_whose_gateway_died_before_placing_it_still_runs() {
     let mut mesh = start_mesh_without_denoiser(|g| {
-        g.router_timeout_s = 1.0;
-        g.submit_wait_s = 2.0;
+        g.router_timeout = Duration::from_secs_f64(1.0);
+        g.submit_wait = Duration::from_secs_f64(2.0);
     })
     .await;
     let job = mesh
@@ -497,9 +497,9 @@ async fn an_async_job_whose_gateway_died_before_placing_it_still_runs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_synchronous_job_with_a_key_outlives_its_gateway_for_the_repeat() {
     let mut mesh = start_mesh_without_denoiser(|g| {
-        g.router_timeout_s = 1.0;
+        g.router_timeout = Duration::from_secs_f64(1.0);
         // Time to see both jobs submitted and crash the gateway before it gives up on them.
-        g.submit_wait_s = 8.0;
+        g.submit_wait = Duration::from_secs_f64(8.0);
     })
     .await;
     let client = async_nats::connect(&mesh.nats_url).await.unwrap();

@@ -61,7 +61,7 @@ async fn a_capture_warms_the_other_denoisers_local_tiers() {
         .cachestore(|c| c.memory_bytes = 64 << 20)
         .denoisers(&DENOISERS)
         .denoiser(|id, c| c.warm_on_capture = id != COLD)
-        .gateway(|g| g.job_timeout_s = 180.0)
+        .gateway(|g| g.job_timeout = Duration::from_secs_f64(180.0))
         .start()
         .await;
     let denoisers = &mesh.denoisers;

@@ -23,7 +23,8 @@ async fn killed_denoiser_mid_job_is_retried_or_fails_clearly() {
         start_denoiser(&nats, &model, "d1", |_| {}).expect("denoiser d1"),
         start_denoiser(&nats, &model, "d2", |_| {}).expect("denoiser d2"),
     ];
-    let gateway = start_gateway(&nats, |g| g.job_timeout_s = 90.0).expect("gateway");
+    let gateway =
+        start_gateway(&nats, |g| g.job_timeout = Duration::from_secs_f64(90.0)).expect("gateway");
     for s in [&codec, &router, &gateway]
         .into_iter()
         .chain(denoisers.iter())
@@ -116,8 +117,8 @@ async fn killed_denoiser_mid_job_is_retried_or_fails_clearly() {
 
 /// Requests wait out a codec restart instead of failing: a job whose denoising finished while
 /// no codec ran waits for one (the denoiser sends its post-processing again for
-/// `--post-retry-window-s`), so its steps are not thrown away; a request that arrives while no
-/// codec runs has its pre-processing sent again for `--submit-wait-s`.
+/// `--post-retry-window`), so its steps are not thrown away; a request that arrives while no
+/// codec runs has its pre-processing sent again for `--submit-wait`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_wait_out_a_codec_restart() {
     init_test_logging();
@@ -127,8 +128,8 @@ async fn requests_wait_out_a_codec_restart() {
     let router = start_router(&nats, |_| {}).expect("router");
     let denoiser = start_denoiser(&nats, &model, "d1", |_| {}).expect("denoiser");
     let gateway = start_gateway(&nats, |g| {
-        g.job_timeout_s = 60.0;
-        g.submit_wait_s = 10.0;
+        g.job_timeout = Duration::from_secs_f64(60.0);
+        g.submit_wait = Duration::from_secs_f64(10.0);
     })
     .expect("gateway");
     for s in [&codec, &router, &denoiser, &gateway] {
@@ -232,11 +233,11 @@ async fn a_codec_dying_with_a_request_costs_the_first_attempts_deadline() {
     })
     .expect("denoiser");
     let gateway = start_gateway(&nats, |g| {
-        g.job_timeout_s = 90.0;
+        g.job_timeout = Duration::from_secs_f64(90.0);
         // The window in which pre-processing is sent again.
-        g.submit_wait_s = 30.0;
-        g.codec_timeout_s = 40.0;
-        g.codec_first_attempt_s = 1.0;
+        g.submit_wait = Duration::from_secs_f64(30.0);
+        g.codec_timeout = Duration::from_secs_f64(40.0);
+        g.codec_first_attempt = Duration::from_secs_f64(1.0);
         g.max_steps = g.max_steps.max(200);
     })
     .expect("gateway");

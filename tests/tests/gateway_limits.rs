@@ -29,7 +29,7 @@ async fn start(
     let codec = start_codec(&nats, |_| {}).expect("codec");
     let gateway = start_gateway(&nats, |g| {
         // Jobs the fake router never finishes end by this deadline (shutdown waits for them).
-        g.job_timeout_s = 4.0;
+        g.job_timeout = Duration::from_secs_f64(4.0);
         tweak(g)
     })
     .expect("gateway");

@@ -43,7 +43,8 @@ impl Env {
         .await
         .expect("fake router");
         let codec = start_codec(&nats, |_| {}).expect("codec");
-        let gateway = start_gateway(&nats, |g| g.job_timeout_s = 30.0).expect("gateway");
+        let gateway = start_gateway(&nats, |g| g.job_timeout = Duration::from_secs_f64(30.0))
+            .expect("gateway");
         for s in [&codec, &gateway] {
             s.wait_ready(Duration::from_secs(10)).await.expect("ready");
         }

@@ -14,7 +14,8 @@ use serde_json::Value;
 async fn openapi_documents_every_route_and_matches_the_server() {
     init_test_logging();
     let nats = NatsServer::start();
-    let gateway = start_gateway(&nats, |g| g.submit_wait_s = 0.5).expect("gateway");
+    let gateway =
+        start_gateway(&nats, |g| g.submit_wait = Duration::from_secs_f64(0.5)).expect("gateway");
     gateway.wait_ready(Duration::from_secs(10)).await.unwrap();
     let base = format!("http://{}", gateway.addrs.api.unwrap());
     let http = reqwest::Client::new();

@@ -43,8 +43,8 @@ async fn start_mesh() -> Mesh {
         .cachestore(|c| c.memory_bytes = 64 << 20)
         .gateway(|g| {
             g.max_steps = STEPS.max(g.max_steps);
-            g.submit_wait_s = 30.0;
-            g.job_timeout_s = 180.0;
+            g.submit_wait = Duration::from_secs_f64(30.0);
+            g.job_timeout = Duration::from_secs_f64(180.0);
             g.api_keys = Some(format!("browser:{API_KEY}"));
         })
         // Chromium shares the two cores with the whole mesh: a heartbeat can come late by more

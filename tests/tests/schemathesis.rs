@@ -53,8 +53,8 @@ async fn openapi_document_holds_against_the_running_server() {
             g.max_body_bytes = 1 << 20;
             // Keep resubmitting through a slow spell of a loaded machine: a 503 for a denoiser
             // that answered late is capacity, not the contract this test checks.
-            g.submit_wait_s = 10.0;
-            g.job_timeout_s = 20.0;
+            g.submit_wait = Duration::from_secs_f64(10.0);
+            g.job_timeout = Duration::from_secs_f64(20.0);
         })
         .start()
         .await;

@@ -64,7 +64,7 @@ async fn entries_held(client: &async_nats::Client, cache_key: &str) -> usize {
 async fn a_cache_two_templates_share_outlives_the_delete_of_one() {
     let mesh = MeshBuilder::new()
         .cachestore(|c| c.memory_bytes = 64 << 20)
-        .gateway(|g| g.job_timeout_s = 180.0)
+        .gateway(|g| g.job_timeout = Duration::from_secs_f64(180.0))
         .start()
         .await;
     let client = async_nats::connect(mesh.nats.url()).await.expect("NATS");

@@ -65,9 +65,9 @@ async fn start_mesh_with(tweak: fn(&mut diffmesh_denoiser::DenoiserConfig)) -> M
         })
         .denoiser(move |_, c| tweak(c))
         .gateway(|c| {
-            c.router_timeout_s = 5.0;
-            c.submit_wait_s = 60.0;
-            c.job_timeout_s = 180.0;
+            c.router_timeout = Duration::from_secs_f64(5.0);
+            c.submit_wait = Duration::from_secs_f64(60.0);
+            c.job_timeout = Duration::from_secs_f64(180.0);
         })
         .start()
         .await;

@@ -116,7 +116,8 @@ async fn a_gateway_settles_what_a_stopped_gateway_left() {
         .await
         .unwrap();
 
-    let gateway = start_gateway(&nats, |c| c.job_timeout_s = 60.0).expect("gateway");
+    let gateway =
+        start_gateway(&nats, |c| c.job_timeout = Duration::from_secs_f64(60.0)).expect("gateway");
     gateway
         .wait_ready(Duration::from_secs(30))
         .await

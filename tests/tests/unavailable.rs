@@ -33,7 +33,8 @@ async fn no_denoiser_gives_a_clear_503_after_a_bounded_wait() {
     init_test_logging();
     let nats = NatsServer::start();
     let codec = start_codec(&nats, |_| {}).expect("codec");
-    let gateway = start_gateway(&nats, |g| g.submit_wait_s = 1.5).expect("gateway");
+    let gateway =
+        start_gateway(&nats, |g| g.submit_wait = Duration::from_secs_f64(1.5)).expect("gateway");
     codec.wait_ready(Duration::from_secs(10)).await.unwrap();
     gateway.wait_ready(Duration::from_secs(10)).await.unwrap();
     let api = gateway.addrs.api.unwrap();

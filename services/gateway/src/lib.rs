@@ -35,6 +35,7 @@ use std::time::Duration;
 
 use actix_web::{web, App, HttpServer};
 use diffmesh_shared::nats;
+use diffmesh_shared::process::config::duration;
 use diffmesh_shared::process::health::{
     configure_health_routes, health_data, HealthServer, Readiness,
 };
@@ -99,24 +100,24 @@ pub struct GatewayConfig {
     /// Generation `size` when the request gives none (WxH).
     #[arg(long, env = "GATEWAY_DEFAULT_SIZE", default_value = "64x64")]
     pub default_size: String,
-    /// Deadline of the codec preprocessing request (seconds).
-    #[arg(long, env = "GATEWAY_CODEC_TIMEOUT_S", default_value_t = 30.0)]
-    pub codec_timeout_s: f64,
-    /// Deadline of the first preprocessing attempt (seconds); each attempt sent again after a
-    /// timeout doubles it, up to --codec-timeout-s. A codec killed while it held the request
+    /// Deadline of the codec preprocessing request.
+    #[arg(long, env = "GATEWAY_CODEC_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub codec_timeout: Duration,
+    /// Deadline of the first preprocessing attempt; each attempt sent again after a timeout
+    /// doubles it, up to --codec-timeout. A codec killed while it held the request
     /// then costs this, not the whole deadline.
-    #[arg(long, env = "GATEWAY_CODEC_FIRST_ATTEMPT_S", default_value_t = 5.0)]
-    pub codec_first_attempt_s: f64,
-    /// Deadline of one router submit request (seconds); the router may hold it while admitting.
-    #[arg(long, env = "GATEWAY_ROUTER_TIMEOUT_S", default_value_t = 5.0)]
-    pub router_timeout_s: f64,
+    #[arg(long, env = "GATEWAY_CODEC_FIRST_ATTEMPT", default_value = "5s", value_parser = duration)]
+    pub codec_first_attempt: Duration,
+    /// Deadline of one router submit request; the router may hold it while admitting.
+    #[arg(long, env = "GATEWAY_ROUTER_TIMEOUT", default_value = "5s", value_parser = duration)]
+    pub router_timeout: Duration,
     /// How long to keep resubmitting while no denoiser can take a job, and to send
     /// pre-processing again while no codec takes it, before answering 503.
-    #[arg(long, env = "GATEWAY_SUBMIT_WAIT_S", default_value_t = 10.0)]
-    pub submit_wait_s: f64,
-    /// Whole-job deadline; a job still running then is cancelled and answered 504 (seconds).
-    #[arg(long, env = "GATEWAY_JOB_TIMEOUT_S", default_value_t = 120.0)]
-    pub job_timeout_s: f64,
+    #[arg(long, env = "GATEWAY_SUBMIT_WAIT", default_value = "10s", value_parser = duration)]
+    pub submit_wait: Duration,
+    /// Whole-job deadline; a job still running then is cancelled and answered 504.
+    #[arg(long, env = "GATEWAY_JOB_TIMEOUT", default_value = "120s", value_parser = duration)]
+    pub job_timeout: Duration,
     /// File of API keys, one a line: `key` or `name:key` (`#` comments). With no keys from
     /// here or GATEWAY_API_KEYS, authentication is off.
     #[arg(long, env = "GATEWAY_API_KEYS_FILE")]
@@ -158,11 +159,11 @@ impl GatewayConfig {
             default_guidance: 3.5,
             default_true_cfg_scale: 1.0,
             default_size: "64x64".into(),
-            codec_timeout_s: 10.0,
-            codec_first_attempt_s: 5.0,
-            router_timeout_s: 3.0,
-            submit_wait_s: 2.0,
-            job_timeout_s: 60.0,
+            codec_timeout: Duration::from_secs(10),
+            codec_first_attempt: Duration::from_secs(5),
+            router_timeout: Duration::from_secs(3),
+            submit_wait: Duration::from_secs(2),
+            job_timeout: Duration::from_secs(60),
             api_keys_file: None,
             api_keys: None,
             rate_limit_per_s: 0.0,
@@ -172,13 +173,14 @@ impl GatewayConfig {
         }
     }
 
-    fn secs(field: &str, v: f64) -> Result<Duration, GatewayError> {
-        Duration::try_from_secs_f64(v)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| {
-                GatewayError::Config(format!("--{field} must be a positive number of seconds"))
-            })
+    /// `d`, refused when zero (a deadline of nothing fails every job).
+    fn positive(field: &str, d: Duration) -> Result<Duration, GatewayError> {
+        if d.is_zero() {
+            return Err(GatewayError::Config(format!(
+                "--{field} must be longer than 0"
+            )));
+        }
+        Ok(d)
     }
 }
 
@@ -237,14 +239,14 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
     let (dw, dh) = parse_size(&config.default_size)
         .map_err(|e| GatewayError::Config(format!("--default-size: {}", e.message)))?;
     let flow = FlowConfig {
-        codec_timeout: GatewayConfig::secs("codec-timeout-s", config.codec_timeout_s)?,
-        codec_first_attempt: GatewayConfig::secs(
-            "codec-first-attempt-s",
-            config.codec_first_attempt_s,
+        codec_timeout: GatewayConfig::positive("codec-timeout", config.codec_timeout)?,
+        codec_first_attempt: GatewayConfig::positive(
+            "codec-first-attempt",
+            config.codec_first_attempt,
         )?,
-        router_timeout: GatewayConfig::secs("router-timeout-s", config.router_timeout_s)?,
-        submit_wait: GatewayConfig::secs("submit-wait-s", config.submit_wait_s)?,
-        job_timeout: GatewayConfig::secs("job-timeout-s", config.job_timeout_s)?,
+        router_timeout: GatewayConfig::positive("router-timeout", config.router_timeout)?,
+        submit_wait: GatewayConfig::positive("submit-wait", config.submit_wait)?,
+        job_timeout: GatewayConfig::positive("job-timeout", config.job_timeout)?,
     };
     let limits = Limits {
         max_n: config.max_n,

@@ -35,7 +35,7 @@ async fn seen_deadline(
 async fn gateway(nats: &NatsServer) -> GatewayHandle {
     let mut config = GatewayConfig::for_tests(nats.url());
     // No codec runs: a request that gets past validation ends quickly.
-    config.submit_wait_s = 0.5;
+    config.submit_wait = std::time::Duration::from_millis(500);
     start(config).await.expect("gateway")
 }
 

@@ -120,7 +120,7 @@ async fn gateway(nats: &NatsServer, api_keys: Option<&str>) -> GatewayHandle {
     config.max_lora_bytes = MAX_LORA_BYTES;
     config.api_keys = api_keys.map(str::to_string);
     // No codec runs: a request that gets past validation ends quickly.
-    config.submit_wait_s = 0.5;
+    config.submit_wait = Duration::from_secs_f64(0.5);
     start(config).await.expect("gateway")
 }
 

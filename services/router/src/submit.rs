@@ -118,7 +118,7 @@ impl Router {
     }
 
     /// Place queued submits in order whenever capacity may have freed up; answer those that
-    /// waited longer than `--admission-wait-ms`. Returns at shutdown (the queue is drained by
+    /// waited longer than `--admission-wait`. Returns at shutdown (the queue is drained by
     /// [`Router::drain_admission`] once no submit handler runs any more).
     pub async fn dispatch(self: Arc<Self>, shutdown: CancellationToken) {
         let max_wait = self.config.admission_wait;
