@@ -1,5 +1,5 @@
 //! Which path a blob read takes. In a test binary of its own: a blob read that NATS reconnects
-//! under goes on from the stream leader (`shared::reconnects` is process-wide), and the crash
+//! under goes on from the stream leader (`shared::nats::reconnects` is process-wide), and the crash
 //! and restart tests beside it in `jetstream_layout.rs` would send it there.
 use async_nats::jetstream;
 use diffmesh_shared::stores::blob_store::{BlobStore, SMALL_BLOB_CHUNKS};

@@ -1,4 +1,4 @@
-//! The mesh's JetStream layout (`shared::jetstream_layout`) against real servers: what start-up
+//! The mesh's JetStream layout (`shared::stores::jetstream_layout`) against real servers: what start-up
 //! creates on one server, and replica counts on a three-node cluster.
 use std::time::{Duration, Instant};
 
@@ -417,7 +417,7 @@ async fn job_records_survive_a_crash_of_their_streams_leader() {
 }
 
 /// Every store's writes during an outage: each would fail (503, no leader) without
-/// `shared::transient`; each must land once a node returns.
+/// `shared::stores::transient`; each must land once a node returns.
 #[tokio::test]
 async fn writes_made_while_the_cluster_has_no_quorum_land_once_it_returns() {
     let _one = ONE_CLUSTER.lock().await;

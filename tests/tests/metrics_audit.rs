@@ -2,7 +2,7 @@
 //! tiny model, cachestore) after one edit and one bad request per service: the families the
 //! dashboards and alerts need exist, every name follows the convention
 //! (`diffmesh_` prefix; `_seconds`, `_bytes`, `_ratio`, counters `_total`, or a documented
-//! unitless metric: `shared::metrics::naming_problem`), and every metric the Grafana dashboard
+//! unitless metric: `shared::process::metrics::naming_problem`), and every metric the Grafana dashboard
 //! queries or an alerting rule watches is really exported, with the labels those queries match
 //! on and group by.
 //!

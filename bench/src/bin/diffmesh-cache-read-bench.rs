@@ -1,5 +1,5 @@
 //! diffmesh-cache-read-bench: how fast a client reads large cachestore values, in ranges
-//! straight from the cachestore (`shared::cache_read`) against through the JetStream object
+//! straight from the cachestore (`shared::stores::cache_read`) against through the JetStream object
 //! store (the path before ranges, and still the fallback).
 //!
 //! Starts its own `nats-server -js` (the test fixture's: default 1 MiB messages), or uses the

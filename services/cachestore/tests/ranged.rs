@@ -1,5 +1,5 @@
 //! Large values read in ranges straight from the cachestore instance that holds them
-//! (`shared::cache_read`), over a real nats-server: several ranges make up the exact value, a
+//! (`shared::stores::cache_read`), over a real nats-server: several ranges make up the exact value, a
 //! get that does not ask for ranges still gets the object store, bad or expired ranges are
 //! refused with a status, and a ranged read that fails falls back to the object store.
 use diffmesh_cachestore::{start, CachestoreConfig};

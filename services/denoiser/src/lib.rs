@@ -95,7 +95,7 @@ pub struct DenoiserConfig {
     pub codec_first_attempt: Duration,
     /// How long a finished job's post-processing is sent again while no codec takes it (its
     /// outputs are kept in the object store); then the job fails
-    /// (`shared::unanswered`).
+    /// (`shared::nats::unanswered`).
     #[arg(long, env = "DENOISER_POST_RETRY_WINDOW", default_value = "60s", value_parser = duration)]
     pub post_retry_window: Duration,
     /// Deadline of each hand-back of a queued job to the router at shutdown.

@@ -8,7 +8,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 /// `error_type` values that only the gateway produces (the mesh's are in
-/// `shared::messages::error_types`).
+/// `shared::wire::messages::error_types`).
 pub mod gateway_error_types {
     /// Missing or unknown API key (HTTP 401).
     pub const AUTHENTICATION: &str = "authentication_error";

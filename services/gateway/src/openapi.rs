@@ -56,7 +56,7 @@ use diffmesh_shared::wire::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
 )]
 pub struct ApiDoc;
 
-/// Health routes on the API port (`shared::health::configure_health_routes`), with the content
+/// Health routes on the API port (`shared::process::health::configure_health_routes`), with the content
 /// type each answers in and whether it can answer 503.
 pub const HEALTH_ROUTES: &[(&str, &str, &str, bool)] = &[
     ("/healthz", "The process is up", "text/plain", false),

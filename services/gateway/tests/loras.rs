@@ -1,5 +1,5 @@
 //! The LoRA registry of a running gateway against a real JetStream: register a LoRA file
-//! (written with `shared::lora::write_f32_safetensors`, laid out as diffusers'
+//! (written with `shared::wire::lora::write_f32_safetensors`, laid out as diffusers'
 //! `save_lora_weights` does), list it, get it, refuse broken or oversized files naming
 //! `weights`, refuse image requests naming LoRAs that are not registered (`loras[i].id`) or with bad entries, pass a registered one
 //! into the job's `GenerationParams`, and delete it (record and weights); with API keys, each

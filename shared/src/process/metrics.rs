@@ -123,7 +123,7 @@ pub fn naming_problem(name: &str, kind: &str) -> Option<String> {
         _ if documented => None,
         _ => Some(format!(
             "{name}: a {kind} needs a unit suffix (`_seconds`, `_bytes`, `_ratio`) or an entry \
-             in `shared::metrics::UNITLESS_METRICS`"
+             in `shared::process::metrics::UNITLESS_METRICS`"
         )),
     }
 }

@@ -185,7 +185,7 @@ pub fn range_subject(instance: &str) -> String {
 pub const MAX_KEYS_PER_REQUEST: usize = 1024;
 
 /// Every cachestore key of a template cache of `steps` steps: its meta entry, then the step
-/// entries `s0 .. s<steps-1>` (`shared::templates` names them).
+/// entries `s0 .. s<steps-1>` (`shared::wire::templates` names them).
 pub fn template_keys(cache_key: &str, steps: u32) -> Vec<String> {
     std::iter::once(crate::wire::templates::meta_key(cache_key))
         .chain((0..steps).map(|s| crate::wire::templates::step_key(cache_key, s)))

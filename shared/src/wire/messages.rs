@@ -20,7 +20,7 @@ pub enum JobKind {
 /// The template an edit reads (or a capture job records): what its activation cache depends on,
 /// besides the model and the template's pixels (`PreparedInputs::template_id`). Capture and edit
 /// must agree on all of it; the denoiser derives the cache key from it and its own model
-/// (`shared::templates::cache_key`) and falls back to full compute when no cache matches.
+/// (`shared::wire::templates::cache_key`) and falls back to full compute when no cache matches.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TemplateRef {
     /// Public id (`/v1/templates/{id}`).

@@ -2,7 +2,7 @@
 //! then the metadata, so a reader that finds the metadata finds every step), and fetch a whole
 //! cache into a [`TemplateEntry`]. Values above the inline limit are written through the cache
 //! bucket of the object store, and read in ranges from the cachestore that holds them
-//! (`shared::cache_read`), as the cachestore contract says.
+//! (`shared::stores::cache_read`), as the cachestore contract says.
 use super::entry::TemplateEntry;
 use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::stores::blob_store::BlobStore;
@@ -28,7 +28,7 @@ const FETCH_CONCURRENCY: usize = 8;
 const MAX_ENTRY_BYTES: usize = 2 << 30;
 
 impl CacheClient {
-    /// `bucket`: the cachestore's (`shared::cachestore::CACHE_BUCKET`); `timeout`: per request.
+    /// `bucket`: the cachestore's (`shared::wire::cachestore::CACHE_BUCKET`); `timeout`: per request.
     pub fn new(client: async_nats::Client, bucket: BlobStore, timeout: Duration) -> Self {
         Self {
             reader: CacheReader {
