@@ -1,15 +1,15 @@
 //! Graceful shutdown in a small mesh (router + two denoisers + fake codec on a real nats-server):
 //! the stopping denoiser finishes its running job and hands its queued job back to the router,
 //! which places it on the other denoiser; both jobs end Done.
+mod common;
+
 use diffmesh_denoiser::{start, DenoiserConfig};
 use diffmesh_model::tch::Device;
 use diffmesh_model::tiny::model::TinyModel;
 use diffmesh_router::RouterConfig;
 use diffmesh_shared::nats::request_msgpack;
 use diffmesh_shared::testing::NatsServer;
-use diffmesh_shared::wire::messages::{
-    decode, encode, DenoiseJob, JobEvent, PostprocessReply, PostprocessRequest, SubmitReply,
-};
+use diffmesh_shared::wire::messages::{decode, DenoiseJob, JobEvent, SubmitReply};
 use diffmesh_shared::wire::subjects;
 use futures::StreamExt;
 use std::collections::HashMap;
@@ -27,19 +27,7 @@ async fn shutdown_hands_queued_job_to_another_denoiser() {
     m.save(model_dir.path(), None).unwrap();
 
     let client = async_nats::connect(nats.url()).await.unwrap();
-    let mut codec = client.subscribe(subjects::CODEC_POST).await.unwrap();
-    let c = client.clone();
-    tokio::spawn(async move {
-        while let Some(msg) = codec.next().await {
-            let req: PostprocessRequest = decode(&msg.payload).unwrap();
-            let reply = PostprocessReply::Done {
-                png_keys: req.output_keys.iter().map(|k| format!("{k}.png")).collect(),
-            };
-            c.publish(msg.reply.unwrap(), encode(&reply).unwrap().into())
-                .await
-                .unwrap();
-        }
-    });
+    common::stand_in_codec(&client).await;
     let mut events = client.subscribe(subjects::job_events("*")).await.unwrap();
     client.flush().await.unwrap();
 

@@ -93,9 +93,7 @@ async fn a_job_cut_off_by_an_engine_restart_is_placed_again_and_finishes() {
     use diffmesh_router::RouterConfig;
     use diffmesh_shared::nats::request_msgpack;
     use diffmesh_shared::testing::NatsServer;
-    use diffmesh_shared::wire::messages::{
-        decode, encode, JobEvent, PostprocessReply, PostprocessRequest, SubmitReply,
-    };
+    use diffmesh_shared::wire::messages::{decode, JobEvent, SubmitReply};
     use diffmesh_shared::wire::subjects;
     use futures::StreamExt;
 
@@ -103,19 +101,7 @@ async fn a_job_cut_off_by_an_engine_restart_is_placed_again_and_finishes() {
     let model_dir = tempfile::tempdir().unwrap();
     write_random_model(model_dir.path());
     let client = async_nats::connect(nats.url()).await.unwrap();
-    let mut codec = client.subscribe(subjects::CODEC_POST).await.unwrap();
-    let c = client.clone();
-    tokio::spawn(async move {
-        while let Some(msg) = codec.next().await {
-            let req: PostprocessRequest = decode(&msg.payload).unwrap();
-            let reply = PostprocessReply::Done {
-                png_keys: req.output_keys.iter().map(|k| format!("{k}.png")).collect(),
-            };
-            c.publish(msg.reply.unwrap(), encode(&reply).unwrap().into())
-                .await
-                .unwrap();
-        }
-    });
+    common::stand_in_codec(&client).await;
     let mut events = client.subscribe(subjects::job_events("*")).await.unwrap();
     client.flush().await.unwrap();
     let router = diffmesh_router::start(RouterConfig::for_tests(nats.url()))

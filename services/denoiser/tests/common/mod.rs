@@ -36,3 +36,26 @@ pub fn engine_job(j: DenoiseJob) -> EngineJob {
     e.control_rgb = steered.then(control_rgb);
     e
 }
+
+/// A codec stand-in on `client`: answers every post-processing request `Done` (PNG keys named
+/// after the outputs), so a denoiser's jobs end without a real codec.
+pub async fn stand_in_codec(client: &async_nats::Client) {
+    use diffmesh_shared::wire::messages::{decode, encode, PostprocessReply, PostprocessRequest};
+    use futures::StreamExt;
+    let mut codec = client
+        .subscribe(diffmesh_shared::wire::subjects::CODEC_POST)
+        .await
+        .unwrap();
+    let c = client.clone();
+    tokio::spawn(async move {
+        while let Some(msg) = codec.next().await {
+            let req: PostprocessRequest = decode(&msg.payload).unwrap();
+            let reply = PostprocessReply::Done {
+                png_keys: req.output_keys.iter().map(|k| format!("{k}.png")).collect(),
+            };
+            c.publish(msg.reply.unwrap(), encode(&reply).unwrap().into())
+                .await
+                .unwrap();
+        }
+    });
+}
