@@ -15,6 +15,7 @@ pub mod noise_scheduler;
 pub mod packing;
 pub mod pipeline;
 pub mod quality;
+pub mod text;
 pub mod tiny;
 pub mod vae;
 pub mod weights;

@@ -3,7 +3,7 @@
 //! `promtool` and `amtool` (for `compose/validate.sh`) from Debian's prometheus packages, the
 //! Alertmanager server (for its inhibition check), and `haproxy` (the balancer of `compose/`
 //! and of the chaos scripts' replicated gateways).
-use crate::toolchain::{run, Toolchain, PY_REQUIREMENTS};
+use crate::toolchain::{run, Toolchain, PY_DATA_PACKAGES, PY_REQUIREMENTS};
 use std::process::Command;
 
 pub fn setup(tc: &Toolchain) -> anyhow::Result<()> {
@@ -17,7 +17,7 @@ pub fn setup(tc: &Toolchain) -> anyhow::Result<()> {
 }
 
 fn ensure_venv(tc: &Toolchain) -> anyhow::Result<()> {
-    let wanted = PY_REQUIREMENTS.join("\n");
+    let wanted = [PY_REQUIREMENTS, PY_DATA_PACKAGES].concat().join("\n");
     if std::fs::read_to_string(tc.stamp()).ok().as_deref() == Some(wanted.as_str())
         && tc.python().exists()
     {
@@ -41,6 +41,9 @@ fn ensure_venv(tc: &Toolchain) -> anyhow::Result<()> {
     run(Command::new(tc.python())
         .args(["-m", "pip", "install", "--quiet"])
         .args(PY_REQUIREMENTS))?;
+    run(Command::new(tc.python())
+        .args(["-m", "pip", "install", "--quiet", "--no-deps"])
+        .args(PY_DATA_PACKAGES))?;
     std::fs::write(tc.stamp(), wanted)?;
     Ok(())
 }

