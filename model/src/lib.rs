@@ -15,6 +15,7 @@ pub mod noise_scheduler;
 pub mod packing;
 pub mod pipeline;
 pub mod quality;
+pub mod safetensors_file;
 pub mod text;
 pub mod tiny;
 pub mod vae;

@@ -5,6 +5,8 @@
 //! `*.safetensors` file or shards listed by a `*.safetensors.index.json`. Loading fails with one
 //! message that names every missing and every mis-shaped key.
 use crate::error::{ModelError, Result};
+use crate::safetensors_file::SafetensorsFile;
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use tch::{nn::VarStore, Tensor};
@@ -43,33 +45,71 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Read every tensor of a component folder into memory (CPU), keyed by checkpoint name.
-pub fn read_checkpoint(dir: &Path) -> Result<HashMap<String, Tensor>> {
-    let mut all = HashMap::new();
-    for file in checkpoint_files(dir)? {
-        for (name, tensor) in Tensor::read_safetensors(&file)? {
-            all.insert(name, tensor);
-        }
-    }
-    Ok(all)
+/// An empty store whose variables are created in `kind` on `device`: a model built on it never
+/// holds its weights in f32 first (12B parameters of FLUX.1 would take 48 GB).
+pub fn new_store(device: tch::Device, kind: tch::Kind) -> VarStore {
+    let mut vs = VarStore::new(device);
+    vs.set_kind(kind);
+    vs
 }
 
 /// Copy a checkpoint into `vs`, converting dtype and device to each variable's own.
 /// Keys in the checkpoint that the model does not use are returned (callers may log them).
 pub fn load_strict(vs: &mut VarStore, dir: &Path) -> Result<Vec<String>> {
-    let mut checkpoint = read_checkpoint(dir)?;
+    load_strict_renamed(vs, dir, &|_| None)
+}
+
+/// [`load_strict`] for checkpoints written under other key names: `rename` maps a checkpoint key
+/// to the model's (`None` keeps it). A renamed key never replaces a key the checkpoint holds under
+/// the model's own name (tied copies, e.g. T5's `encoder.embed_tokens` beside `shared`).
+pub fn load_strict_renamed(
+    vs: &mut VarStore,
+    dir: &Path,
+    rename: &dyn Fn(&str) -> Option<String>,
+) -> Result<Vec<String>> {
+    // Headers first: which file holds each model key, so missing and mis-shaped keys are all
+    // reported before any weight is read.
+    let mut files = Vec::new();
+    for path in checkpoint_files(dir)? {
+        files.push(SafetensorsFile::open(&path)?);
+    }
+    // Model key -> (file, checkpoint key); a key under the model's own name wins over a rename.
+    let mut sources: HashMap<String, (usize, String)> = HashMap::new();
+    let mut renamed = Vec::new();
+    for (i, file) in files.iter().enumerate() {
+        for key in file.entries().keys() {
+            match rename(key).filter(|new| new != key) {
+                Some(new) => renamed.push((new, (i, key.clone()))),
+                None => {
+                    sources.insert(key.clone(), (i, key.clone()));
+                }
+            }
+        }
+    }
+    let mut unused: Vec<String> = Vec::new();
+    for (new, source) in renamed {
+        match sources.entry(new) {
+            Entry::Occupied(_) => unused.push(source.1),
+            Entry::Vacant(slot) => {
+                slot.insert(source);
+            }
+        }
+    }
     let variables = vs.variables();
     let mut missing = Vec::new();
     let mut misshaped = Vec::new();
     for (name, var) in &variables {
-        match checkpoint.get(name) {
+        match sources.get(name) {
             None => missing.push(name.clone()),
-            Some(t) if t.size() != var.size() => misshaped.push(format!(
-                "{name}: checkpoint {:?}, model {:?}",
-                t.size(),
-                var.size()
-            )),
-            Some(_) => {}
+            Some((i, key)) => {
+                let shape = &files[*i].entries()[key].shape;
+                if *shape != var.size() {
+                    misshaped.push(format!(
+                        "{name}: checkpoint {shape:?}, model {:?}",
+                        var.size()
+                    ));
+                }
+            }
         }
     }
     if !missing.is_empty() || !misshaped.is_empty() {
@@ -89,12 +129,13 @@ pub fn load_strict(vs: &mut VarStore, dir: &Path) -> Result<Vec<String>> {
     }
     tch::no_grad(|| -> Result<()> {
         for (name, mut var) in variables {
-            let src = checkpoint.remove(&name).expect("checked above");
+            let (i, key) = sources.remove(&name).expect("checked above");
+            let src = files[i].read(&key)?;
             var.f_copy_(&src.f_to_kind(var.kind())?.f_to_device(var.device())?)?;
         }
         Ok(())
     })?;
-    let mut unused: Vec<String> = checkpoint.into_keys().collect();
+    unused.extend(sources.into_values().map(|(_, key)| key));
     unused.sort();
     Ok(unused)
 }
@@ -104,6 +145,43 @@ pub fn load_strict(vs: &mut VarStore, dir: &Path) -> Result<Vec<String>> {
 pub fn load_frozen(vs: &mut VarStore, dir: &Path, kind: tch::Kind, what: &str) -> Result<()> {
     vs.set_kind(kind);
     let unused = load_strict(vs, dir)?;
+    if !unused.is_empty() {
+        tracing::warn!(dir = %dir.display(), count = unused.len(), first = %unused[0], "checkpoint keys not used by the {what}");
+    }
+    vs.freeze();
+    Ok(())
+}
+
+/// How a component's checkpoint lands in its variables: beyond [`load_frozen`], checkpoint keys
+/// under other names and variables that stay in f32 whatever the component's dtype.
+pub struct LoadPlan<'a> {
+    pub kind: tch::Kind,
+    /// Checkpoint key to model key (see [`load_strict_renamed`]).
+    pub rename: &'a dyn Fn(&str) -> Option<String>,
+    /// Variables kept in f32 (transformers' `_keep_in_fp32_modules`).
+    pub keep_f32: &'a dyn Fn(&str) -> bool,
+}
+
+/// [`load_frozen`] following `plan`.
+pub fn load_frozen_planned(
+    vs: &mut VarStore,
+    dir: &Path,
+    plan: &LoadPlan<'_>,
+    what: &str,
+) -> Result<()> {
+    vs.set_kind(plan.kind);
+    if plan.kind != tch::Kind::Float {
+        tch::no_grad(|| -> Result<()> {
+            for (name, mut var) in vs.variables() {
+                if (plan.keep_f32)(&name) {
+                    // set_data changes the variable the model holds, not a copy.
+                    var.f_set_data(&var.f_to_kind(tch::Kind::Float)?)?;
+                }
+            }
+            Ok(())
+        })?;
+    }
+    let unused = load_strict_renamed(vs, dir, plan.rename)?;
     if !unused.is_empty() {
         tracing::warn!(dir = %dir.display(), count = unused.len(), first = %unused[0], "checkpoint keys not used by the {what}");
     }

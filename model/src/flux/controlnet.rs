@@ -139,7 +139,7 @@ impl FluxControlNet {
                 "ControlNets with an input hint block are not supported",
             ));
         }
-        let mut vs = nn::VarStore::new(device);
+        let mut vs = crate::weights::new_store(device, kind);
         let model = Self::new(&vs.root(), cfg)?;
         crate::weights::load_frozen(&mut vs, dir, kind, "Flux ControlNet")?;
         Ok((model, vs))

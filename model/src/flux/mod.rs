@@ -102,7 +102,7 @@ impl FluxTransformer {
     /// and freeze the weights (inference). Returns the model and the store owning its variables.
     pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<(Self, nn::VarStore)> {
         let cfg = FluxConfig::from_dir(dir)?;
-        let mut vs = nn::VarStore::new(device);
+        let mut vs = crate::weights::new_store(device, kind);
         let model = Self::new(&vs.root(), cfg)?;
         crate::weights::load_frozen(&mut vs, dir, kind, "Flux model")?;
         Ok((model, vs))

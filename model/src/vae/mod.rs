@@ -217,11 +217,8 @@ impl AutoencoderKL {
                 path: dir.join("config.json"),
                 source,
             })?;
-        let mut vs = nn::VarStore::new(device);
+        let mut vs = weights::new_store(device, kind);
         let mut vae = Self::new(&vs.root(), config)?;
-        if kind != Kind::Float {
-            vs.set_kind(kind);
-        }
         let unused = weights::load_strict(&mut vs, dir)?;
         if !unused.is_empty() {
             tracing::warn!(dir = %dir.display(), count = unused.len(), first = %unused[0], "unused VAE weights");
