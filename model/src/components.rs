@@ -16,6 +16,20 @@ pub trait TextEncoder: Send {
     fn encode(&self, prompts: &[String]) -> Result<TextEmbeddings>;
     /// Number of text tokens T every prompt is padded/truncated to.
     fn max_tokens(&self) -> i64;
+    /// Pad and truncate to `max_tokens` from now on (FLUX.1's `max_sequence_length`); an encoder
+    /// with one fixed length accepts only that length.
+    fn set_max_tokens(&mut self, max_tokens: i64) -> Result<()> {
+        if max_tokens == self.max_tokens() {
+            return Ok(());
+        }
+        Err(crate::error::ModelError::input(
+            "max_sequence_length",
+            format!(
+                "this model's text encoder pads to {} tokens, not {max_tokens}",
+                self.max_tokens()
+            ),
+        ))
+    }
 }
 
 /// Maps images to the latent space the transformer denoises and back.

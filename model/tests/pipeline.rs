@@ -464,9 +464,10 @@ fn model_dir_loads_by_class_and_reports_unsupported() {
     let out = text_to_image(&model.pipeline(), &[req("red circle", 3)], &opts(2), None).unwrap();
     assert_eq!(out.images.size(), vec![1, 3, 16, 24]);
 
-    // A real FLUX.1 index names CLIP and T5 encoders, which diffmesh does not implement.
-    index["text_encoder"] = serde_json::json!(["transformers", "CLIPTextModel"]);
-    index["text_encoder_2"] = serde_json::json!(["transformers", "T5EncoderModel"]);
+    // Classes diffmesh does not implement (SD3's projected CLIP, an IP-Adapter's image encoder)
+    // are all named before any weight is read.
+    index["text_encoder"] = serde_json::json!(["transformers", "CLIPTextModelWithProjection"]);
+    index["image_encoder"] = serde_json::json!(["transformers", "CLIPVisionModelWithProjection"]);
     write_json(&dir.join("model_index.json"), index);
     match LoadedModel::load(&dir, Device::Cpu, Kind::Float) {
         Err(ModelError::Unsupported {
@@ -476,10 +477,10 @@ fn model_dir_loads_by_class_and_reports_unsupported() {
         }) => {
             assert_eq!(
                 (component.as_str(), class.as_str()),
-                ("text_encoder", "CLIPTextModel")
+                ("image_encoder", "CLIPVisionModelWithProjection")
             );
             assert!(
-                reason.contains("text_encoder_2 (T5EncoderModel)"),
+                reason.contains("text_encoder (CLIPTextModelWithProjection)"),
                 "{reason}"
             );
         }

@@ -45,6 +45,12 @@ enum Cmd {
     Down,
     /// One forward pass of a model component (see `diffmesh-forward --help`).
     Forward(PassThrough),
+    /// FLUX.1 prompt embeddings of a prompts file, as `FluxPipeline.encode_prompt` returns them
+    /// (see `diffmesh-pipeline encode-prompt --help`).
+    EncodePrompt(PassThrough),
+    /// A whole FLUX.1 (or Fill) pipeline from given latents to an image tensor, as diffusers'
+    /// pipeline returns it (see `diffmesh-pipeline generate --help`).
+    Generate(PassThrough),
     /// Benchmarks: `bench model` (see `diffmesh-bench --help`), `bench engine` (see
     /// `diffmesh-engine-bench --help`), `bench lora` (see `diffmesh-lora-bench --help`) and
     /// `bench controlnet` (see `diffmesh-controlnet-bench --help`).
@@ -101,6 +107,18 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Down => mesh::down(),
         Cmd::Forward(p) => release_bin(&tc, "diffmesh-model", "diffmesh-forward", &p.args),
+        Cmd::EncodePrompt(p) => release_bin(
+            &tc,
+            "diffmesh-model",
+            "diffmesh-pipeline",
+            &[&["encode-prompt".to_string()], p.args.as_slice()].concat(),
+        ),
+        Cmd::Generate(p) => release_bin(
+            &tc,
+            "diffmesh-model",
+            "diffmesh-pipeline",
+            &[&["generate".to_string()], p.args.as_slice()].concat(),
+        ),
         Cmd::Bench(p) => match p.args.split_first() {
             // The serving programs' benches live in their own crate (bench/).
             Some((part, rest)) if part == "engine" => {

@@ -38,7 +38,14 @@ pub struct InpaintOutput {
 }
 
 /// Expand a `[1, ...]` tensor to `batch` rows, or check it already has them.
-fn rows(t: &Tensor, batch: i64, field: &str, channels: i64, h: i64, w: i64) -> Result<Tensor> {
+pub(crate) fn rows(
+    t: &Tensor,
+    batch: i64,
+    field: &str,
+    channels: i64,
+    h: i64,
+    w: i64,
+) -> Result<Tensor> {
     let s = t.size();
     if s.len() != 4 || s[1] != channels || s[2] != h || s[3] != w || (s[0] != 1 && s[0] != batch) {
         return Err(ModelError::input(

@@ -7,8 +7,10 @@
 //! so batching never changes a request's result); image sizes must be multiples of
 //! `2 * downscale_factor` instead of being silently floored; inpainting masks at token level (see
 //! [`inpaint`]) and uses the posterior mean for template latents.
+pub mod cli;
 pub mod conditioning_cache;
 pub mod control;
+pub mod fill;
 pub mod inpaint;
 pub mod noise;
 pub mod stepper;
@@ -132,6 +134,18 @@ impl Prepared {
         opts: &GenerateOptions,
         text: Option<TextEmbeddings>,
     ) -> Result<Self> {
+        Self::with_conditioning(p, requests, opts, text, 0)
+    }
+
+    /// As [`Prepared::with_text`] for a transformer that takes `extra_channels` of conditioning
+    /// per token after the latents (FLUX.1-Fill's masked image and mask).
+    pub(crate) fn with_conditioning(
+        p: &FluxPipeline<'_>,
+        requests: &[GenerationRequest],
+        opts: &GenerateOptions,
+        text: Option<TextEmbeddings>,
+        extra_channels: i64,
+    ) -> Result<Self> {
         if requests.is_empty() {
             return Err(ModelError::input(
                 "requests",
@@ -150,10 +164,12 @@ impl Prepared {
         if opts.steps == 0 {
             return Err(ModelError::input("steps", "must be at least 1"));
         }
-        if p.transformer.cfg.in_channels != 4 * p.codec.latent_channels() {
+        if p.transformer.cfg.in_channels != 4 * p.codec.latent_channels() + extra_channels {
             return Err(ModelError::config(
                 "transformer.in_channels",
-                "must be 4 x the codec's latent channels",
+                format!(
+                    "must be 4 x the codec's latent channels + {extra_channels} of conditioning"
+                ),
             ));
         }
         let (device, kind) = p.transformer.device_kind();
@@ -247,6 +263,31 @@ impl Prepared {
         guide(&parts[0], &parts[1], self.true_cfg_scale)
     }
 
+    /// The requests' seeded noise, or `given` packed latents checked against the run's shape.
+    pub(crate) fn initial_latents(
+        &self,
+        requests: &[GenerationRequest],
+        channels: i64,
+        given: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let Some(given) = given else {
+            let seeds: Vec<u64> = requests.iter().map(|r| r.seed).collect();
+            return self.noise(&seeds, channels);
+        };
+        let want = [
+            self.batch,
+            (self.latent_h / 2) * (self.latent_w / 2),
+            4 * channels,
+        ];
+        if given.size() != want {
+            return Err(ModelError::input(
+                "latents",
+                format!("expected packed latents {want:?}, got {:?}", given.size()),
+            ));
+        }
+        Ok(given.f_to_device(self.device)?.f_to_kind(self.kind)?)
+    }
+
     /// Packed per-request noise `[B, N, 4C]` for `seeds`.
     pub(crate) fn noise(&self, seeds: &[u64], channels: i64) -> Result<Tensor> {
         let n = noise::batch_noise(
@@ -275,12 +316,23 @@ pub fn text_to_image(
     p: &FluxPipeline<'_>,
     requests: &[GenerationRequest],
     opts: &GenerateOptions,
+    observer: Observer<'_>,
+) -> Result<GenerateOutput> {
+    text_to_image_from(p, requests, opts, None, observer)
+}
+
+/// [`text_to_image`] from given packed initial latents `[B, N, 4C]` instead of the requests'
+/// seeded noise (`FluxPipeline(..., latents=...)`); `None` draws them from the seeds.
+pub fn text_to_image_from(
+    p: &FluxPipeline<'_>,
+    requests: &[GenerationRequest],
+    opts: &GenerateOptions,
+    initial: Option<&Tensor>,
     mut observer: Observer<'_>,
 ) -> Result<GenerateOutput> {
     tch::no_grad(|| {
         let prep = Prepared::new(p, requests, opts)?;
-        let seeds: Vec<u64> = requests.iter().map(|r| r.seed).collect();
-        let mut latents = prep.noise(&seeds, p.codec.latent_channels())?;
+        let mut latents = prep.initial_latents(requests, p.codec.latent_channels(), initial)?;
         for index in 0..prep.schedule.len() {
             let v = prep.velocity(p.transformer, &latents, index)?;
             latents = prep.schedule.step(index, &v, &latents)?;

@@ -1,7 +1,7 @@
 //! The model the engine owns, and the conversion of wire jobs into stepper requests and of
 //! decoded images back into RGB bytes.
 use crate::templates::GpuCopy;
-use diffmesh_model::model_dir::LoadedModel;
+use diffmesh_model::model_dir::{LoadedModel, FILL_PIPELINE};
 use diffmesh_model::pipeline::control::ControlInput;
 use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest, TrueCfg};
 use diffmesh_model::pipeline::template::{self, TemplateSpec};
@@ -38,6 +38,15 @@ impl EngineModel {
         default_size: i64,
     ) -> Result<Self, ModelError> {
         let model = LoadedModel::load(dir, device, kind)?;
+        if model.index.pipeline_class == FILL_PIPELINE {
+            // Its transformer takes the masked image and mask as extra channels, which the
+            // engine's stepper does not feed yet; `cargo xtask generate` runs it.
+            return Err(ModelError::Unsupported {
+                component: "transformer".into(),
+                class: FILL_PIPELINE.into(),
+                reason: "the denoiser does not serve FLUX.1-Fill models yet".into(),
+            });
+        }
         let gpu_copy = match device {
             Device::Cuda(ordinal) => match GpuCopy::new(ordinal, GpuCopy::RING) {
                 Ok(gpu) => Some(gpu),

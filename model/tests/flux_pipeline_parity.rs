@@ -1,0 +1,168 @@
+//! Whole FLUX.1 pipelines against diffusers 0.42.1 (python/parity/gen_flux_pipelines.py): reduced
+//! `FluxPipeline` and `FluxFillPipeline` directories with random weights, saved in the layout people
+//! download, loaded by diffmesh's model-directory loader. Prompt embeddings (`encode_prompt`) match
+//! within 1e-4 and the final images within 2e-3 (f32), by the functions `cargo xtask encode-prompt`
+//! and `cargo xtask generate` run.
+mod py_fixture;
+
+use diffmesh_model::pipeline::cli::{encode_prompt_file, generate_file, GenerateFileArgs};
+use py_fixture::{generate, max_abs_diff, read_tensors};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use tch::{Device, Kind};
+
+/// One fixture for both tests (it trains a tokenizer and runs two pipelines).
+fn fixture() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| generate("gen_flux_pipelines.py", &[], "parity-flux-pipelines"))
+}
+
+const EMBED_TOL: f64 = 1e-4;
+const IMAGE_TOL: f64 = 2e-3;
+
+#[derive(serde::Deserialize)]
+struct Cases {
+    height: i64,
+    width: i64,
+    steps: usize,
+    guidance_scale: f64,
+    lengths: Vec<i64>,
+    prompt: String,
+    pipelines: Vec<String>,
+}
+
+fn cases(dir: &Path) -> Cases {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).expect("cases"))
+        .expect("cases.json")
+}
+
+fn generate_args(dir: &Path, cases: &Cases, name: &str, out: &Path) -> GenerateFileArgs {
+    let fill = name == "fill";
+    GenerateFileArgs {
+        model_dir: dir.join(name),
+        prompt: cases.prompt.clone(),
+        height: cases.height,
+        width: cases.width,
+        steps: cases.steps,
+        guidance_scale: cases.guidance_scale,
+        max_sequence_length: cases.lengths[1],
+        latents: dir.join("latents.safetensors"),
+        image: fill.then(|| dir.join("image.png")),
+        mask: fill.then(|| dir.join("mask.png")),
+        out: out.to_path_buf(),
+        device: Device::Cpu,
+        kind: Kind::Float,
+    }
+}
+
+#[test]
+fn flux_pipelines_match_diffusers() {
+    let dir = fixture();
+    let cases = cases(dir);
+    let scratch = tempfile::tempdir().expect("tempdir");
+    for name in &cases.pipelines {
+        let folder = dir.join(name);
+        for n in &cases.lengths {
+            let out = scratch
+                .path()
+                .join(format!("{name}_encode_{n}.safetensors"));
+            encode_prompt_file(
+                &folder,
+                &dir.join("prompts.txt"),
+                *n,
+                &out,
+                Device::Cpu,
+                Kind::Float,
+            )
+            .expect("encode-prompt");
+            let got = read_tensors(&out);
+            let want = read_tensors(&folder.join(format!("expected/encode_{n}.safetensors")));
+            for key in ["prompt_embeds", "pooled_prompt_embeds"] {
+                assert_eq!(got[key].size(), want[key].size(), "{name} N={n} {key}");
+                let err = max_abs_diff(&got[key], &want[key]);
+                println!("{name} N={n} {key}: max abs error {err:.2e}");
+                assert!(err <= EMBED_TOL, "{name} N={n} {key}: {err} > {EMBED_TOL}");
+            }
+        }
+
+        let out = scratch.path().join(format!("{name}_image.safetensors"));
+        generate_file(&generate_args(dir, &cases, name, &out)).expect("generate");
+        let got = &read_tensors(&out)["image"];
+        let want = &read_tensors(&folder.join("expected/image.safetensors"))["image"];
+        assert_eq!(got.size(), want.size(), "{name} image shape");
+        let err = max_abs_diff(got, want);
+        let spread = want.std(true).double_value(&[]);
+        println!("{name} image: max abs error {err:.2e} (image std {spread:.3})");
+        assert!(
+            spread > 0.01,
+            "{name}: a flat reference would prove nothing"
+        );
+        assert!(err <= IMAGE_TOL, "{name} image: {err} > {IMAGE_TOL}");
+    }
+}
+
+#[test]
+fn flux_pipeline_inputs_are_checked() {
+    let dir = fixture();
+    let cases = cases(dir);
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let out = scratch.path().join("out.safetensors");
+    let error = |args: GenerateFileArgs| generate_file(&args).unwrap_err().to_string();
+
+    // The Fill model needs its image and mask; the text-to-image model takes neither.
+    let mut args = generate_args(dir, &cases, "fill", &out);
+    args.mask = None;
+    assert!(error(args).contains("image"));
+    let mut args = generate_args(dir, &cases, "dev", &out);
+    args.image = Some(dir.join("image.png"));
+    args.mask = Some(dir.join("mask.png"));
+    assert!(error(args).contains("FluxFillPipeline"));
+
+    // diffusers' limit on T5's length, and latents that do not fit the image size.
+    let mut args = generate_args(dir, &cases, "dev", &out);
+    args.max_sequence_length = 513;
+    assert!(error(args).contains("max_sequence_length"));
+    let mut args = generate_args(dir, &cases, "dev", &out);
+    args.height *= 2;
+    assert!(error(args).contains("latents"));
+
+    // A prompts file with no line at all is refused; one empty line is the empty prompt.
+    let empty = scratch.path().join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let err = encode_prompt_file(&dir.join("dev"), &empty, 16, &out, Device::Cpu, Kind::Float)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("prompts"), "{err}");
+    let blank = scratch.path().join("blank.txt");
+    std::fs::write(&blank, "\n").unwrap();
+    encode_prompt_file(&dir.join("dev"), &blank, 16, &out, Device::Cpu, Kind::Float)
+        .expect("the empty prompt");
+    assert_eq!(read_tensors(&out)["prompt_embeds"].size(), [1, 16, 32]);
+
+    // A FLUX.1 directory missing its T5 names what is missing.
+    let partial = scratch.path().join("partial");
+    copy_dir(&dir.join("dev"), &partial);
+    let index_path = partial.join("model_index.json");
+    let mut index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    index["text_encoder_2"] = serde_json::json!([null, null]);
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    let err = diffmesh_model::model_dir::LoadedModel::load(&partial, Device::Cpu, Kind::Float)
+        .err()
+        .expect("a FLUX.1 directory without T5")
+        .to_string();
+    assert!(err.contains("text_encoder_2 (T5EncoderModel)"), "{err}");
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
