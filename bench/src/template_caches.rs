@@ -65,6 +65,7 @@ impl BenchTemplates {
             job.template = Some(reference.clone());
             let capture = EngineJob {
                 control_rgb: None,
+                prompts: None,
                 job,
                 edit: Some(EditInputs {
                     template_rgb: rgb.clone(),

@@ -11,6 +11,7 @@ pub mod lora;
 pub mod metrics;
 pub mod model;
 pub mod outcomes;
+pub mod prompt_stage;
 pub mod service;
 pub mod step_samples;
 pub mod templates;
@@ -123,6 +124,11 @@ pub struct DenoiserConfig {
     /// on the step loop (LRU; 0 keeps nothing).
     #[arg(long, env = "DENOISER_CONDITIONING_CACHE_BYTES", default_value_t = 256 << 20)]
     pub conditioning_cache_bytes: u64,
+    /// Bytes of prompt embeddings the prompt stage keeps by (model, prompt, max tokens), so
+    /// repeated prompts encode once (LRU; 0 keeps nothing). The stage encodes prompts on a
+    /// thread of its own, off the engine's step loop.
+    #[arg(long, env = "DENOISER_PROMPT_CACHE_BYTES", default_value_t = 64 << 20)]
+    pub prompt_cache_bytes: u64,
     /// The order waiting jobs join the running batch in: `fcfs`, `srtf` (least image tokens x
     /// steps first) or `edf` (earliest `deadline_ms` first; jobs without one after them).
     #[arg(long, env = "DENOISER_QUEUE_ORDER", value_enum, default_value_t = diffmesh_sched::QueueOrder::Fcfs)]
@@ -206,6 +212,7 @@ impl DenoiserConfig {
             local_cache_bytes: 256 << 20,
             template_pixels_bytes: 64 << 20,
             conditioning_cache_bytes: 64 << 20,
+            prompt_cache_bytes: 16 << 20,
             queue_order: Default::default(),
             lora_async_fraction: 0.2,
             lora_originals: Default::default(),
@@ -489,6 +496,12 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
             },
         ));
     }
+    // Text encoding runs on the prompt stage's thread; the engine keeps a stand-in.
+    let prompt_stage = prompt_stage::PromptStageHandle::start(
+        prompt_stage::split_text_encoder(&mut model),
+        model_id.clone(),
+        config.prompt_cache_bytes,
+    );
     let (engine, engine_drained) = spawn_engine(
         model,
         engine_config,
@@ -508,6 +521,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         templates,
         loras,
         controlnet_workers,
+        prompt_stage: Some(prompt_stage),
     }));
     let intake = CancellationToken::new();
     let captures = diffmesh_shared::stores::jetstream_layout::TEMPLATE_CAPTURES

@@ -27,6 +27,9 @@ pub struct EngineModel {
     pub controlnet_dir: Option<std::path::PathBuf>,
     /// ControlNet workers to run steered steps on (`--controlnet-remote`); None: none.
     pub controlnet_service: Option<crate::controlnet_service::RemoteControlNets>,
+    /// Where the engine offers a job's pre-encoded prompts, once the prompt stage owns the text
+    /// encoder (`prompt_stage::split_text_encoder`); None: the engine encodes them.
+    pub pre_encoded: Option<crate::prompt_stage::PreEncodedHandle>,
 }
 
 impl EngineModel {
@@ -65,6 +68,7 @@ impl EngineModel {
             gpu_copy,
             controlnet_dir: None,
             controlnet_service: None,
+            pre_encoded: None,
         })
     }
 
@@ -218,6 +222,19 @@ pub fn tensor_to_rgb(image: &Tensor) -> Result<Vec<u8>, ModelError> {
     rgb.into_iter()
         .next()
         .ok_or_else(|| ModelError::input("image", "empty batch"))
+}
+
+/// The prompts preparing `job` encodes (what the prompt stage encodes ahead): the template's
+/// for a capture, else the job's and, with true CFG, its negative prompt.
+pub fn job_prompts(job: &DenoiseJob) -> Vec<String> {
+    if job.kind == JobKind::Capture {
+        return job.template.iter().map(|t| t.prompt.clone()).collect();
+    }
+    let mut prompts = vec![job.params.prompt.clone()];
+    if let Some(cfg) = &job.params.true_cfg {
+        prompts.push(cfg.negative_prompt.clone());
+    }
+    prompts
 }
 
 /// The capture pass of a `Capture` job: its template (the prepared image) under the template's

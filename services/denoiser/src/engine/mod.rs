@@ -13,6 +13,7 @@ use crate::metrics::{DenoiserMetrics, EnginePhase, PhaseClock};
 use crate::model::{
     apply_control, capture_state, job_resolution, step_requests, tensor_to_rgb, EngineModel,
 };
+use crate::prompt_stage::{slot_ready, take_slot};
 use crate::step_samples::StepSamples;
 use crate::templates::TemplateEntry;
 use diffmesh_model::controlnets::ControlNets;
@@ -303,8 +304,9 @@ impl Engine {
 
     /// Queue indices of the jobs that join the batch before the next step, in the queue
     /// order. Admission stops at the first job that does not fit (no overtaking within the
-    /// order); a job whose template cache is still being fetched is passed over (its fetch
-    /// overlaps the queueing).
+    /// order); a job whose template cache is still being fetched, or whose prompts the prompt
+    /// stage has not encoded yet, is passed over (the fetch or the encoding overlaps the
+    /// queueing).
     fn pick_admissions(&self) -> Vec<usize> {
         let mut rows = self.rows();
         let mut tokens: u64 = self.active.iter().map(|a| Self::job_tokens(&a.job)).sum();
@@ -320,6 +322,7 @@ impl Engine {
                 .template
                 .as_ref()
                 .is_some_and(|slot| slot.get().is_none())
+                || next.prompts.as_ref().is_some_and(|slot| !slot_ready(slot))
             {
                 continue;
             }
@@ -354,7 +357,20 @@ impl Engine {
         let admitted: Vec<(EngineJob, Span)> =
             picked.iter().filter_map(|&i| slots[i].take()).collect();
         self.waiting.extend(slots.into_iter().flatten());
-        for (job, span) in admitted {
+        for (mut job, span) in admitted {
+            let offered = match job.prompts.take().map(|slot| take_slot(&slot)) {
+                Some(Some(Err(message))) => {
+                    let error = EngineJobError::from_model(ModelError::input("prompt", message));
+                    self.fail(job.job, error, span);
+                    continue;
+                }
+                Some(Some(Ok(embeddings))) => self.model.pre_encoded.as_ref().map(|handle| {
+                    handle.offer(embeddings);
+                    handle.clone()
+                }),
+                // Admission waits for the slot; an engine without a stand-in encodes itself.
+                Some(None) | None => None,
+            };
             let prepared = {
                 let _e = span.enter();
                 let model = &self.model;
@@ -376,6 +392,9 @@ impl Engine {
                     },
                 ))
             };
+            if let Some(handle) = offered {
+                handle.clear();
+            }
             match prepared {
                 Ok(Ok(states)) => {
                     self.emit(EngineEvent::Started {

@@ -3,6 +3,7 @@
 use crate::cached_step::{CacheSettings, TemplateSlot};
 use crate::lora::LoraSlot;
 use crate::model::EditInputs;
+use crate::prompt_stage::PromptSlot;
 use crate::templates::TemplateEntry;
 use diffmesh_model::ModelError;
 use diffmesh_shared::wire::messages::{ControlNetStepCost, DenoiseJob, RunningJob};
@@ -23,6 +24,9 @@ pub struct EngineJob {
     pub lora: Option<LoraSlot>,
     /// A steered generation's control image at the model resolution (RGB u8).
     pub control_rgb: Option<Vec<u8>>,
+    /// Its prompts' embeddings, once the prompt stage has encoded them (admission waits for
+    /// them). None: the engine's own text encoder encodes them (no prompt stage).
+    pub prompts: Option<PromptSlot>,
 }
 
 impl EngineJob {
@@ -35,6 +39,7 @@ impl EngineJob {
             capture_key: None,
             lora: None,
             control_rgb: None,
+            prompts: None,
         }
     }
 }

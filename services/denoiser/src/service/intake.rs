@@ -3,6 +3,8 @@
 use super::{Service, SlotGuard};
 use crate::cached_step::TemplateSlot;
 use crate::engine::{EngineJob, SubmitError};
+use crate::model::job_prompts;
+use crate::prompt_stage::PromptSlot;
 use crate::templates::Fetched;
 use diffmesh_shared::nats::reply_msgpack;
 use diffmesh_shared::nats::serve::serve_subscription;
@@ -176,6 +178,11 @@ impl Service {
             }
             let template = self.template_slot(&job);
             let lora = self.loras.slot(&job.params.loras).await;
+            // Encoded by the prompt stage once the engine has taken the job.
+            let prompts = self
+                .prompt_stage
+                .as_ref()
+                .map(|stage| (stage, job_prompts(&job), PromptSlot::default()));
             let engine_job = EngineJob {
                 job,
                 edit,
@@ -183,6 +190,7 @@ impl Service {
                 capture_key,
                 lora,
                 control_rgb,
+                prompts: prompts.as_ref().map(|(_, _, slot)| slot.clone()),
             };
             let result = self
                 .engine
@@ -201,6 +209,9 @@ impl Service {
                 }
             };
             if let Ok(position) = result {
+                if let Some((stage, texts, slot)) = prompts {
+                    stage.encode(texts, slot);
+                }
                 self.submitted_at
                     .lock()
                     .map(|mut m| m.insert(job_id.clone(), Instant::now()))

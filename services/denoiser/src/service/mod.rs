@@ -45,6 +45,8 @@ pub struct Service {
     pub outcomes: RecentOutcomes,
     /// The ControlNet workers steered steps may run on (`--controlnet-remote`).
     pub controlnet_workers: Option<crate::controlnet_service::ControlNetWorkers>,
+    /// Where jobs' prompts are encoded ahead of admission; None: the engine encodes them.
+    pub prompt_stage: Option<crate::prompt_stage::PromptStageHandle>,
 }
 
 /// What a [`Service`] is built from (`lib::start` builds each).
@@ -59,6 +61,7 @@ pub struct ServiceParts {
     pub templates: Templates,
     pub loras: LoraStore,
     pub controlnet_workers: Option<crate::controlnet_service::ControlNetWorkers>,
+    pub prompt_stage: Option<crate::prompt_stage::PromptStageHandle>,
 }
 
 /// Template caches on this denoiser: the local tier, the cachestore client, the cache settings,
@@ -97,6 +100,7 @@ impl Service {
             templates,
             loras,
             controlnet_workers,
+            prompt_stage,
         } = parts;
         Self {
             client,
@@ -112,6 +116,7 @@ impl Service {
             loras,
             outcomes: RecentOutcomes::default(),
             controlnet_workers,
+            prompt_stage,
         }
     }
 
