@@ -7,6 +7,7 @@
 //! - [`engine_steps`]: whole engine steps by batch size, written into a scheduler profile;
 //! - [`mask_aware`]: FlashPS step latency with streamed cache loading, throughput at batch 8 and
 //!   quality (SSIM/PSNR) of mask-aware edits against full compute;
+//! - [`prompt_stage`]: text encoding on the step loop against on the denoiser's prompt stage;
 //! - [`lora`] (its own binary, `diffmesh-lora-bench`): LoRA switch costs and what bounded
 //!   asynchronous loading gives up in quality;
 //! - [`controlnet_service`] (its own binary, `diffmesh-controlnet-service-bench`): steered
@@ -23,6 +24,7 @@ pub mod driver;
 pub mod engine_steps;
 pub mod lora;
 pub mod mask_aware;
+pub mod prompt_stage;
 pub mod report;
 pub mod template_caches;
 pub mod workload;

@@ -7,6 +7,7 @@ use diffmesh_benches::disaggregation::{self, DisaggregationOptions};
 use diffmesh_benches::driver::{calibrate, BenchModel};
 use diffmesh_benches::engine_steps;
 use diffmesh_benches::mask_aware;
+use diffmesh_benches::prompt_stage;
 use diffmesh_benches::report::Report;
 use diffmesh_benches::workload::WorkloadSpec;
 use diffmesh_model::flux::kv_codec::CacheDtype;
@@ -29,6 +30,9 @@ enum Part {
     /// Only the quality figures of `mask-aware` (SSIM/PSNR with the tiny model; minutes, not
     /// the medium config's tens of minutes).
     Quality,
+    /// Text encoding on the step loop against on the denoiser's prompt stage: the gaps between
+    /// a running job's steps while new prompts arrive.
+    PromptStage,
 }
 
 #[derive(Debug, Parser)]
@@ -142,6 +146,24 @@ struct Args {
     /// Sweeps over batch sizes 1..=--max-batch in the engine-steps part.
     #[arg(long, default_value_t = 3)]
     engine_steps_rounds: usize,
+    /// Prompt-stage part: layers and tokens of the T5 encode (T5-small widths, random weights)
+    /// each prompt pays for, standing in for a real text encoder's cost.
+    #[arg(long, default_value_t = 4)]
+    prompt_stage_encoder_layers: i64,
+    #[arg(long, default_value_t = 256)]
+    prompt_stage_encoder_tokens: i64,
+    /// Prompt-stage part: jobs stepping all along (and their steps), and short jobs with a new
+    /// prompt each, arriving --prompt-stage-gap apart.
+    #[arg(long, default_value_t = 2)]
+    prompt_stage_long_jobs: usize,
+    #[arg(long, default_value_t = 120)]
+    prompt_stage_long_steps: u32,
+    #[arg(long, default_value_t = 12)]
+    prompt_stage_short_jobs: usize,
+    #[arg(long, default_value_t = 4)]
+    prompt_stage_short_steps: u32,
+    #[arg(long, default_value = "250ms", value_parser = humantime::parse_duration)]
+    prompt_stage_gap: std::time::Duration,
 }
 
 /// `path` as given when it exists, else relative to the repository root.
@@ -341,6 +363,20 @@ async fn main() -> Result<()> {
         };
         let step_s = calibrate_and_say(&args, &engine_model, &mut report, "disaggregation")?;
         disaggregation::run(&opts, &step_s, &mut report).await?;
+    }
+    if args.parts.contains(&Part::PromptStage) {
+        let opts = prompt_stage::PromptStageOptions {
+            model: engine_model.clone(),
+            encoder_layers: args.prompt_stage_encoder_layers,
+            encoder_tokens: args.prompt_stage_encoder_tokens,
+            long_jobs: args.prompt_stage_long_jobs,
+            long_steps: args.prompt_stage_long_steps,
+            short_jobs: args.prompt_stage_short_jobs,
+            short_steps: args.prompt_stage_short_steps,
+            arrival_gap: args.prompt_stage_gap,
+            max_batch: args.max_batch,
+        };
+        prompt_stage::run(&opts, &mut report).await?;
     }
     println!("{}", report.json_line());
     Ok(())
