@@ -41,4 +41,8 @@ pub trait LatentCodec: Send {
     fn latent_channels(&self) -> i64;
     /// Spatial downscale factor f from pixels to latents.
     fn downscale_factor(&self) -> i64;
+    /// Bytes its weights take (0 for a codec without weights).
+    fn resident_bytes(&self) -> u64 {
+        0
+    }
 }

@@ -418,6 +418,22 @@ impl LoadedModel {
         })
     }
 
+    /// Bytes the weights of each component with weights take: `transformer`, `text_encoders`
+    /// (all of them together) and `vae`.
+    pub fn resident_bytes(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            (
+                "transformer",
+                crate::weights::store_bytes(&self.transformer_store),
+            ),
+            (
+                "text_encoders",
+                self.stores.iter().map(crate::weights::store_bytes).sum(),
+            ),
+            ("vae", self.codec.resident_bytes()),
+        ]
+    }
+
     /// Borrow the components as a pipeline.
     pub fn pipeline(&self) -> crate::pipeline::FluxPipeline<'_> {
         crate::pipeline::FluxPipeline {

@@ -45,6 +45,14 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// Bytes the variables of `vs` hold (on whatever device they are).
+pub fn store_bytes(vs: &VarStore) -> u64 {
+    vs.variables()
+        .values()
+        .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+        .sum()
+}
+
 /// An empty store whose variables are created in `kind` on `device`: a model built on it never
 /// holds its weights in f32 first (12B parameters of FLUX.1 would take 48 GB).
 pub fn new_store(device: tch::Device, kind: tch::Kind) -> VarStore {

@@ -139,6 +139,25 @@ fn flux_pipeline_inputs_are_checked() {
         .expect("the empty prompt");
     assert_eq!(read_tensors(&out)["prompt_embeds"].size(), [1, 16, 32]);
 
+    // Resident bytes: every weight of the transformer and the VAE, in the dtype loaded.
+    let f32_model =
+        diffmesh_model::model_dir::LoadedModel::load(&dir.join("dev"), Device::Cpu, Kind::Float)
+            .expect("load dev");
+    let bf16_model =
+        diffmesh_model::model_dir::LoadedModel::load(&dir.join("dev"), Device::Cpu, Kind::BFloat16)
+            .expect("load dev in bf16");
+    let (f32_bytes, bf16_bytes) = (f32_model.resident_bytes(), bf16_model.resident_bytes());
+    for (i, component) in ["transformer", "text_encoders", "vae"].iter().enumerate() {
+        assert_eq!(f32_bytes[i].0, *component);
+        assert!(f32_bytes[i].1 > 0, "{component}");
+        assert_eq!(f32_bytes[i].1, 2 * bf16_bytes[i].1, "{component}");
+    }
+    assert_eq!(
+        f32_bytes[0].1,
+        checkpoint_bytes(&dir.join("dev/transformer"))
+    );
+    assert_eq!(f32_bytes[2].1, checkpoint_bytes(&dir.join("dev/vae")));
+
     // A FLUX.1 directory missing its T5 names what is missing.
     let partial = scratch.path().join("partial");
     copy_dir(&dir.join("dev"), &partial);
@@ -152,6 +171,19 @@ fn flux_pipeline_inputs_are_checked() {
         .expect("a FLUX.1 directory without T5")
         .to_string();
     assert!(err.contains("text_encoder_2 (T5EncoderModel)"), "{err}");
+}
+
+/// Bytes of every tensor in a component folder's safetensors files.
+fn checkpoint_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    for path in diffmesh_model::weights::checkpoint_files(dir).unwrap() {
+        let file = diffmesh_model::safetensors_file::SafetensorsFile::open(&path).unwrap();
+        for entry in file.entries().values() {
+            let n: i64 = entry.shape.iter().product();
+            total += n as u64 * entry.kind.elt_size_in_bytes() as u64;
+        }
+    }
+    total
 }
 
 fn copy_dir(from: &Path, to: &Path) {

@@ -74,6 +74,8 @@ const REQUIRED: &[(&str, &[&str])] = &[
             // Queueing latency on the worker.
             "diffmesh_denoiser_queue_wait_seconds",
             "diffmesh_denoiser_failures_total",
+            // Memory the served model's weights take, per component.
+            "diffmesh_denoiser_model_resident_bytes",
         ],
     ),
     (

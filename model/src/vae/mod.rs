@@ -321,6 +321,10 @@ impl LatentCodec for AutoencoderKL {
     fn downscale_factor(&self) -> i64 {
         self.config.downscale_factor()
     }
+
+    fn resident_bytes(&self) -> u64 {
+        self.vs.as_ref().map_or(0, weights::store_bytes)
+    }
 }
 
 /// `diffmesh-forward --component vae`: reads `sample` from `inputs`, writes `latent_mean`

@@ -396,6 +396,12 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
 
     let registry = prometheus::Registry::new();
     let metrics = metrics::DenoiserMetrics::new(&registry)?;
+    for (component, bytes) in model.model.resident_bytes() {
+        metrics
+            .model_resident_bytes
+            .with_label_values(&[&model_id, component])
+            .set(bytes as i64);
+    }
     // The ControlNets served from its folder are exported (at 0, free until one runs) before
     // a steered job measures them.
     for name in diffmesh_shared::wire::controlnet::served(config.controlnet_dir.as_deref()) {

@@ -70,6 +70,9 @@ pub struct DenoiserMetrics {
     pub conditioning_lookups: IntCounterVec,
     /// Bytes the conditioning cache holds, by kind.
     pub conditioning_bytes: IntGaugeVec,
+    /// Bytes the served model's weights take, by model and component (`transformer`,
+    /// `text_encoders`, `vae`).
+    pub model_resident_bytes: IntGaugeVec,
     pub lora: crate::lora::metrics::LoraMetrics,
     pub controlnet: ControlNetMetrics,
 }
@@ -223,6 +226,14 @@ impl DenoiserMetrics {
                 conditioning_lookups.with_label_values(&[kind, result]);
             }
         }
+        let model_resident_bytes = IntGaugeVec::new(
+            Opts::new(
+                "diffmesh_denoiser_model_resident_bytes",
+                "Bytes the served model's weights take, by model and component",
+            ),
+            &["model", "component"],
+        )?;
+        registry.register(Box::new(model_resident_bytes.clone()))?;
         registry.register(Box::new(conditioning_lookups.clone()))?;
         registry.register(Box::new(conditioning_bytes.clone()))?;
         registry.register(Box::new(engine_busy_seconds.clone()))?;
@@ -265,6 +276,7 @@ impl DenoiserMetrics {
             engine_busy_by_phase,
             conditioning_lookups,
             conditioning_bytes,
+            model_resident_bytes,
             lora: crate::lora::metrics::LoraMetrics::new(registry)?,
             controlnet: ControlNetMetrics::new(registry)?,
         })
