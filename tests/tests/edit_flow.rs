@@ -40,6 +40,36 @@ fn edit_form(image: Vec<u8>, mask: Vec<u8>, format: &str) -> Form {
 async fn edit_keeps_unmasked_pixels_and_generation_returns_images() {
     let mesh = start_mesh().await;
 
+    // The gateway lists the model its denoiser announces, OpenAI's way (once it has heard the
+    // denoiser's heartbeat).
+    let models = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let body: serde_json::Value = mesh
+                .http
+                .get(format!("http://{}/v1/models", mesh.api))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            if body["data"].as_array().is_some_and(|d| !d.is_empty()) {
+                return body;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("the gateway never listed the denoiser's model");
+    assert_eq!(models["object"], "list", "{models}");
+    assert_eq!(models["data"][0]["id"], "tiny", "{models}");
+    assert_eq!(models["data"][0]["object"], "model", "{models}");
+    assert_eq!(
+        models["data"][0]["denoisers"].as_array().map(Vec::len),
+        Some(1),
+        "{models}"
+    );
+
     // A non-square input that is not a multiple of the model resolution.
     let (w, h) = (100, 60);
     let tmpl = template(w, h);

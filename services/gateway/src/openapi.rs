@@ -8,7 +8,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ContentBuilder, ObjectBuilder, ResponseBuilder, Type};
 use utoipa::{Modify, OpenApi};
 
-use crate::api::{controlnets, events, images, jobs, loras, playground, templates};
+use crate::api::{controlnets, events, images, jobs, loras, models, playground, templates};
 use crate::idempotency;
 use crate::request_limits::Limits;
 use crate::state::ApiState;
@@ -41,6 +41,7 @@ use diffmesh_shared::wire::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
         loras::get_lora,
         loras::delete_lora,
         controlnets::list_controlnets,
+        models::list_models,
         playground::template_image::get_template_image,
         playground::page,
     ),

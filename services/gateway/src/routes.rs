@@ -3,7 +3,7 @@
 use actix_web::http::Method;
 use actix_web::{web, Resource, Route};
 
-use crate::api::{controlnets, events, images, jobs, loras, playground, templates};
+use crate::api::{controlnets, events, images, jobs, loras, models, playground, templates};
 use crate::openapi;
 
 /// One route of the API.
@@ -131,6 +131,12 @@ pub fn routes() -> Vec<ApiRoute> {
             "/v1/controlnets",
             web::get().to(controlnets::list_controlnets),
             Some("controlnets_list"),
+        ),
+        route(
+            M::GET,
+            "/v1/models",
+            web::get().to(models::list_models),
+            Some("models_list"),
         ),
         route(M::GET, "/openapi.json", web::get().to(openapi::serve), None),
         route(M::GET, "/", web::get().to(playground::page), None),

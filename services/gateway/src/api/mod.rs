@@ -7,5 +7,6 @@ pub mod image_request;
 pub mod images;
 pub mod jobs;
 pub mod loras;
+pub mod models;
 pub mod playground;
 pub mod templates;
