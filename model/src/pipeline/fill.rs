@@ -6,7 +6,6 @@
 //! As everywhere in diffmesh, the masked image is encoded to the VAE's posterior mean where
 //! diffusers samples the posterior with the request's generator.
 use super::inpaint::rows;
-use super::StepEvent;
 use super::{FluxPipeline, GenerateOptions, GenerateOutput, GenerationRequest, Observer, Prepared};
 use crate::error::Result;
 use crate::packing::{pack_latents, MASK_THRESHOLD};
@@ -57,7 +56,7 @@ pub fn fill(
     inputs: &FillInputs<'_>,
     opts: &GenerateOptions,
     initial: Option<&Tensor>,
-    mut observer: Observer<'_>,
+    observer: Observer<'_>,
 ) -> Result<GenerateOutput> {
     tch::no_grad(|| {
         let channels = p.codec.latent_channels();
@@ -72,20 +71,7 @@ pub fn fill(
             .f_ge(MASK_THRESHOLD as f64)?
             .f_to_kind(Kind::Float)?;
         let conditioning = fill_conditioning(p, &images, &masks, prep.kind)?;
-        let mut latents = prep.initial_latents(inputs.requests, channels, initial)?;
-        for index in 0..prep.schedule.len() {
-            let x = Tensor::f_cat(&[&latents, &conditioning], 2)?;
-            let v = prep.velocity(p.transformer, &x, index)?;
-            latents = prep.schedule.step(index, &v, &latents)?;
-            if let Some(obs) = observer.as_mut() {
-                obs(&StepEvent {
-                    index,
-                    schedule: &prep.schedule,
-                    latents: &latents,
-                })?;
-            }
-        }
-        let images = prep.decode(p.codec, &latents)?;
-        Ok(GenerateOutput { images, latents })
+        let latents = prep.initial_latents(inputs.requests, channels, initial)?;
+        prep.denoise_and_decode(p, latents, Some(&conditioning), observer)
     })
 }

@@ -299,6 +299,36 @@ impl Prepared {
         pack_latents(&n)
     }
 
+    /// Every Euler step of the schedule from `latents`, then the decoded images. `conditioning`
+    /// (FLUX.1-Fill's) follows each token's latents into the transformer.
+    pub(crate) fn denoise_and_decode(
+        &self,
+        p: &FluxPipeline<'_>,
+        mut latents: Tensor,
+        conditioning: Option<&Tensor>,
+        mut observer: Observer<'_>,
+    ) -> Result<GenerateOutput> {
+        for index in 0..self.schedule.len() {
+            let v = match conditioning {
+                Some(c) => {
+                    let x = Tensor::f_cat(&[&latents, c], 2)?;
+                    self.velocity(p.transformer, &x, index)?
+                }
+                None => self.velocity(p.transformer, &latents, index)?,
+            };
+            latents = self.schedule.step(index, &v, &latents)?;
+            if let Some(obs) = observer.as_mut() {
+                obs(&StepEvent {
+                    index,
+                    schedule: &self.schedule,
+                    latents: &latents,
+                })?;
+            }
+        }
+        let images = self.decode(p.codec, &latents)?;
+        Ok(GenerateOutput { images, latents })
+    }
+
     pub(crate) fn decode(&self, codec: &dyn LatentCodec, latents: &Tensor) -> Result<Tensor> {
         codec.decode(&unpack_latents(latents, self.latent_h, self.latent_w)?)
     }
@@ -328,23 +358,11 @@ pub fn text_to_image_from(
     requests: &[GenerationRequest],
     opts: &GenerateOptions,
     initial: Option<&Tensor>,
-    mut observer: Observer<'_>,
+    observer: Observer<'_>,
 ) -> Result<GenerateOutput> {
     tch::no_grad(|| {
         let prep = Prepared::new(p, requests, opts)?;
-        let mut latents = prep.initial_latents(requests, p.codec.latent_channels(), initial)?;
-        for index in 0..prep.schedule.len() {
-            let v = prep.velocity(p.transformer, &latents, index)?;
-            latents = prep.schedule.step(index, &v, &latents)?;
-            if let Some(obs) = observer.as_mut() {
-                obs(&StepEvent {
-                    index,
-                    schedule: &prep.schedule,
-                    latents: &latents,
-                })?;
-            }
-        }
-        let images = prep.decode(p.codec, &latents)?;
-        Ok(GenerateOutput { images, latents })
+        let latents = prep.initial_latents(requests, p.codec.latent_channels(), initial)?;
+        prep.denoise_and_decode(p, latents, None, observer)
     })
 }
