@@ -97,12 +97,6 @@ impl FluxPromptEncoder {
             })
         })
     }
-
-    /// The T5 hidden size (the transformer's `joint_attention_dim`) and CLIP's projection size
-    /// (its `pooled_projection_dim`).
-    pub fn widths(&self) -> (i64, i64) {
-        (self.t5.config.d_model, self.clip.config.hidden_size)
-    }
 }
 
 fn check_max_sequence_length(n: i64) -> Result<()> {
