@@ -44,7 +44,8 @@ pub async fn steered_engine(
     mode: RemoteMode,
     max_batch: usize,
 ) -> anyhow::Result<SteeredEngine> {
-    let mut model = EngineModel::load(model_dir, Device::Cpu, Kind::Float, "tiny".into(), 64)?;
+    let mut model =
+        EngineModel::load(model_dir, Device::Cpu, Kind::Float, "tiny".into(), Some(64))?;
     model.controlnet_dir = Some(controlnet_dir.to_path_buf());
     let client = async_nats::connect(url).await?;
     let workers = ControlNetWorkers::new(4);

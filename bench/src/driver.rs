@@ -42,7 +42,7 @@ impl BenchModel {
             self.device,
             self.kind,
             "bench".into(),
-            IMAGE_SIZE,
+            Some(IMAGE_SIZE),
         )
         .with_context(|| format!("--model-dir {}: cannot load the model", self.dir.display()))?;
         model.model.transformer.masked_attention = self.masked_attention;

@@ -5,7 +5,14 @@
 //! and `cargo xtask generate` run.
 mod py_fixture;
 
-use diffmesh_model::pipeline::cli::{encode_prompt_file, generate_file, GenerateFileArgs};
+use diffmesh_model::model_dir::LoadedModel;
+use diffmesh_model::packing::{pack_latents, token_mask};
+use diffmesh_model::pipeline::cli::{
+    encode_prompt_file, generate_file, read_image, read_mask, GenerateFileArgs,
+};
+use diffmesh_model::pipeline::fill::{fill, FillInputs};
+use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest};
+use diffmesh_model::pipeline::{GenerateOptions, GenerationRequest};
 use py_fixture::{generate, max_abs_diff, read_tensors};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -197,4 +204,92 @@ fn copy_dir(from: &Path, to: &Path) {
             std::fs::copy(entry.path(), target).unwrap();
         }
     }
+}
+
+/// The engine's stepper on the Fill model. An edit repainting every token is `FluxFillPipeline`
+/// with the whole image masked (same seed); with the fixture's mask, its unmasked tokens end on
+/// the template's latents (the edit blend) and its masked ones are repainted.
+#[test]
+fn the_stepper_runs_fill_edits() {
+    let dir = fixture();
+    let cases = cases(dir);
+    let model = LoadedModel::load(&dir.join("fill"), Device::Cpu, Kind::Float).expect("fill");
+    let p = model.pipeline();
+    let image = read_image(&dir.join("image.png")).unwrap();
+    let (h, w) = (cases.height, cases.width);
+    let unit = 2 * p.codec.downscale_factor();
+    let tokens = (h / unit) * (w / unit);
+    let run = |mask: &tch::Tensor| {
+        let req = StepRequest {
+            prompt: cases.prompt.clone(),
+            seed: 11,
+            height: h,
+            width: w,
+            steps: cases.steps,
+            guidance_scale: cases.guidance_scale,
+            edit: Some(EditSpec {
+                template: image.shallow_clone(),
+                token_mask: mask.shallow_clone(),
+                strength: 1.0,
+                template_seed: None,
+            }),
+            control: None,
+            true_cfg: None,
+        };
+        let mut state = DenoiseState::new(&p, &req).expect("a Fill edit");
+        while !state.is_done() {
+            state.step(&p).unwrap();
+        }
+        (state.latents().shallow_clone(), state.decode(&p).unwrap())
+    };
+
+    let everything = tch::Tensor::ones([tokens], (Kind::Bool, Device::Cpu));
+    let (_, stepped) = run(&everything);
+    let requests = [GenerationRequest {
+        prompt: cases.prompt.clone(),
+        seed: 11,
+    }];
+    let opts = GenerateOptions {
+        height: h,
+        width: w,
+        steps: cases.steps,
+        guidance_scale: cases.guidance_scale,
+        ..GenerateOptions::default()
+    };
+    let masks = tch::Tensor::ones([1, 1, h, w], (Kind::Float, Device::Cpu));
+    let inputs = FillInputs {
+        requests: &requests,
+        images: &image,
+        masks: &masks,
+    };
+    let piped = fill(&p, &inputs, &opts, None, None).unwrap().images;
+    let err = max_abs_diff(&stepped, &piped);
+    println!("fill stepper vs pipeline, whole image masked: max abs error {err:.2e}");
+    assert!(err <= 1e-5, "{err}");
+
+    let partial = token_mask(&read_mask(&dir.join("mask.png")).unwrap(), unit)
+        .unwrap()
+        .f_view([-1])
+        .unwrap();
+    let repainted = partial.sum(Kind::Int64).int64_value(&[]);
+    assert!(
+        0 < repainted && repainted < tokens,
+        "{repainted} of {tokens}"
+    );
+    let (latents, _) = run(&partial);
+    let template = pack_latents(&p.codec.encode(&image).unwrap()).unwrap();
+    let keep = partial.logical_not().nonzero().view([-1]);
+    let kept = max_abs_diff(
+        &latents.index_select(1, &keep),
+        &template.index_select(1, &keep),
+    );
+    assert!(kept <= 1e-5, "unmasked tokens left the template: {kept}");
+    let moved = max_abs_diff(
+        &latents.index_select(1, &partial.nonzero().view([-1])),
+        &template.index_select(1, &partial.nonzero().view([-1])),
+    );
+    assert!(
+        moved > 1e-2,
+        "the masked tokens were not repainted: {moved}"
+    );
 }

@@ -226,6 +226,7 @@ pub fn generation_job(
         job_id: job_id.into(),
         kind: JobKind::Generate,
         params: GenerationParams {
+            model: String::new(),
             prompt: prompt.into(),
             n: 1,
             num_inference_steps: steps,

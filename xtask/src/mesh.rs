@@ -24,13 +24,18 @@ pub struct UpArgs {
     /// Port of the gateway's REST API.
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Model directory the denoisers serve (diffusers layout).
+    /// A model directory in the diffusers layout (a FLUX.1 checkpoint) served beside the
+    /// tiny model, by `--denoisers` denoisers of its own; repeatable. Requests name it by the
+    /// folder's name (`model`); the tiny model stays the default.
+    #[arg(long)]
+    model_dir: Vec<PathBuf>,
+    /// The tiny model's directory (the default model).
     #[arg(long, default_value = "weights/tiny")]
-    model_dir: PathBuf,
+    tiny_model_dir: PathBuf,
     /// Folder of named ControlNets the denoisers serve (skipped when it does not exist).
     #[arg(long, default_value = "weights/tiny-controlnets")]
     controlnet_dir: PathBuf,
-    /// Number of denoiser workers.
+    /// Number of denoiser workers per model.
     #[arg(long, default_value_t = 1)]
     denoisers: u32,
     /// ControlNet workers (`diffmesh-controlnet`, serving --controlnet-dir) that steered
@@ -62,6 +67,51 @@ const SERVICES: &[&str] = &["cachestore", "codec", "router", "denoiser", "gatewa
 const HEALTH_PORT_BASE: u16 = 9100;
 /// Health/metrics ports of the ControlNet workers (after the services' ranges).
 const CONTROLNET_HEALTH_PORT_BASE: u16 = HEALTH_PORT_BASE + 10 * SERVICES.len() as u16;
+/// Health/metrics ports of the denoisers when several models are served (one range for all).
+const DENOISER_HEALTH_PORT_BASE: u16 = CONTROLNET_HEALTH_PORT_BASE + 10;
+/// Most denoisers `up` starts (the size of their port range).
+const MAX_DENOISERS: u32 = 100;
+
+/// A model `up` serves: its id (the folder's name, as the denoiser announces it) and folder.
+struct ServedModel {
+    id: String,
+    dir: PathBuf,
+    tiny: bool,
+}
+
+/// The tiny model first (the default), then each `--model-dir`; ids must differ.
+fn served_models(args: &UpArgs) -> anyhow::Result<Vec<ServedModel>> {
+    let mut models = Vec::new();
+    let dirs = std::iter::once((&args.tiny_model_dir, true))
+        .chain(args.model_dir.iter().map(|d| (d, false)));
+    for (dir, tiny) in dirs {
+        let id = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .ok_or_else(|| anyhow::anyhow!("--model-dir {} names no folder", dir.display()))?;
+        anyhow::ensure!(
+            !models.iter().any(|m: &ServedModel| m.id == id),
+            "two model folders are named {id:?}: a model's id is its folder's name"
+        );
+        if !tiny {
+            anyhow::ensure!(
+                dir.join("model_index.json").is_file(),
+                "--model-dir {}: no model_index.json (a diffusers directory is expected)",
+                dir.display()
+            );
+        }
+        models.push(ServedModel {
+            id,
+            dir: dir.clone(),
+            tiny,
+        });
+    }
+    anyhow::ensure!(
+        models.len() as u32 * args.denoisers <= MAX_DENOISERS,
+        "at most {MAX_DENOISERS} denoisers"
+    );
+    Ok(models)
+}
 
 pub fn up(tc: &Toolchain, args: UpArgs) -> anyhow::Result<()> {
     let root = workspace_root();
@@ -149,51 +199,32 @@ fn start_all(
     }
 
     let release = crate::target_dir(root).join("release");
+    let models = served_models(args)?;
     let mut gateway_health = None;
     let mut denoiser_health = Vec::new();
     for (i, svc) in SERVICES.iter().enumerate() {
-        let copies = if *svc == "denoiser" {
-            args.denoisers
-        } else {
-            1
-        };
-        for copy in 0..copies {
-            let mut cmd = Command::new(release.join(format!("diffmesh-{svc}")));
-            cmd.current_dir(root)
-                .env("NATS_URL", &args.nats_url)
-                .env("RUST_LOG", "info");
-            let health_port = HEALTH_PORT_BASE + (i as u16) * 10 + copy as u16;
-            cmd.env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"));
-            match *svc {
-                "gateway" => {
-                    cmd.env("GATEWAY_BIND", format!("0.0.0.0:{}", args.port))
-                        .env(
-                            "GATEWAY_DEFAULT_TRUE_CFG_SCALE",
-                            args.true_cfg_scale.to_string(),
-                        );
-                    gateway_health = Some(health_port);
-                }
-                "denoiser" => {
-                    cmd.env("DENOISER_MODEL_DIR", &args.model_dir)
-                        .env("DENOISER_WORKER_ID", format!("denoiser-{copy}"));
-                    if root.join(&args.controlnet_dir).is_dir() {
-                        cmd.env("DENOISER_CONTROLNET_DIR", &args.controlnet_dir);
-                        if args.controlnet_workers > 0 {
-                            cmd.env("DENOISER_CONTROLNET_REMOTE", &args.controlnet_remote);
-                        }
-                    }
-                    denoiser_health.push(health_port);
-                }
-                _ => {}
-            }
-            tc.apply(&mut cmd)?;
-            let name = if copies > 1 {
-                format!("{svc}-{copy}")
-            } else {
-                svc.to_string()
-            };
-            started.push(spawn(&name, cmd, run_dir)?);
+        if *svc == "denoiser" {
+            let ports = start_denoisers(tc, args, &models, root, run_dir, started)?;
+            denoiser_health.extend(ports);
+            continue;
         }
+        let mut cmd = Command::new(release.join(format!("diffmesh-{svc}")));
+        cmd.current_dir(root)
+            .env("NATS_URL", &args.nats_url)
+            .env("RUST_LOG", "info");
+        let health_port = HEALTH_PORT_BASE + (i as u16) * 10;
+        cmd.env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"));
+        if *svc == "gateway" {
+            cmd.env("GATEWAY_BIND", format!("0.0.0.0:{}", args.port))
+                .env("GATEWAY_DEFAULT_MODEL", &models[0].id)
+                .env(
+                    "GATEWAY_DEFAULT_TRUE_CFG_SCALE",
+                    args.true_cfg_scale.to_string(),
+                );
+            gateway_health = Some(health_port);
+        }
+        tc.apply(&mut cmd)?;
+        started.push(spawn(svc, cmd, run_dir)?);
     }
     if root.join(&args.controlnet_dir).is_dir() {
         for copy in 0..args.controlnet_workers {
@@ -220,6 +251,60 @@ fn start_all(
         )?;
     }
     Ok(())
+}
+
+/// `--denoisers` denoisers per served model; returns their health ports. With the tiny model
+/// alone they are named and numbered as before (`denoiser-0`, ports of the denoiser range).
+fn start_denoisers(
+    tc: &Toolchain,
+    args: &UpArgs,
+    models: &[ServedModel],
+    root: &Path,
+    run_dir: &Path,
+    started: &mut Vec<Started>,
+) -> anyhow::Result<Vec<u16>> {
+    let release = crate::target_dir(root).join("release");
+    let denoiser_index = SERVICES.iter().position(|s| *s == "denoiser").unwrap_or(0) as u16;
+    let mut ports = Vec::new();
+    for model in models {
+        for copy in 0..args.denoisers {
+            let k = ports.len() as u16;
+            let health_port = if models.len() == 1 && args.denoisers <= 10 {
+                HEALTH_PORT_BASE + denoiser_index * 10 + k
+            } else {
+                DENOISER_HEALTH_PORT_BASE + k
+            };
+            let worker_id = if model.tiny {
+                format!("denoiser-{copy}")
+            } else {
+                format!("denoiser-{}-{copy}", model.id)
+            };
+            let mut cmd = Command::new(release.join("diffmesh-denoiser"));
+            cmd.current_dir(root)
+                .env("NATS_URL", &args.nats_url)
+                .env("RUST_LOG", "info")
+                .env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"))
+                .env("DENOISER_MODEL_DIR", &model.dir)
+                .env("DENOISER_MODEL_ID", &model.id)
+                .env("DENOISER_WORKER_ID", &worker_id);
+            // The ControlNets in --controlnet-dir are the tiny model's.
+            if model.tiny && root.join(&args.controlnet_dir).is_dir() {
+                cmd.env("DENOISER_CONTROLNET_DIR", &args.controlnet_dir);
+                if args.controlnet_workers > 0 {
+                    cmd.env("DENOISER_CONTROLNET_REMOTE", &args.controlnet_remote);
+                }
+            }
+            tc.apply(&mut cmd)?;
+            let name = if models.len() == 1 && args.denoisers == 1 {
+                "denoiser".to_string()
+            } else {
+                worker_id
+            };
+            started.push(spawn(&name, cmd, run_dir)?);
+            ports.push(health_port);
+        }
+    }
+    Ok(ports)
 }
 
 fn spawn(name: &str, mut cmd: Command, run_dir: &Path) -> anyhow::Result<Started> {

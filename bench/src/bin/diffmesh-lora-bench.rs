@@ -104,7 +104,13 @@ fn main() -> Result<()> {
     let model = if args.no_tiny {
         None
     } else {
-        let m = EngineModel::load(&args.model_dir, Device::Cpu, Kind::Float, "tiny".into(), 64)?;
+        let m = EngineModel::load(
+            &args.model_dir,
+            Device::Cpu,
+            Kind::Float,
+            "tiny".into(),
+            Some(64),
+        )?;
         switches.push(tiny_switch_costs(&m, args.rank, args.rounds)?);
         Some(m)
     };

@@ -44,14 +44,15 @@ use processing::Codec;
 pub struct CodecConfig {
     #[command(flatten)]
     pub common: CommonConfig,
-    /// Model input width in pixels. Images are stretched to it (aspect ratio not kept).
+    /// Model input width in pixels, for requests that carry no model geometry (gateways send
+    /// each job's model's, from its denoisers' announcement; these flags are for older ones).
     #[arg(long, env = "CODEC_MODEL_WIDTH", default_value_t = 64)]
     pub model_width: u32,
-    /// Model input height in pixels.
+    /// Model input height in pixels, for requests that carry no model geometry.
     #[arg(long, env = "CODEC_MODEL_HEIGHT", default_value_t = 64)]
     pub model_height: u32,
-    /// Pixels per image-token side: VAE downscale factor times the 2x2 patch packing
-    /// (2 * 2 = 4 for the tiny default model, 8 * 2 = 16 for Flux).
+    /// Pixels per image-token side, for requests that carry no model geometry: VAE downscale
+    /// factor times the 2x2 patch packing (2 * 2 = 4 for the tiny model, 8 * 2 = 16 for FLUX).
     #[arg(long, env = "CODEC_TOKEN_PIXELS", default_value_t = 4)]
     pub token_pixels: u32,
     /// Largest accepted image or mask, in pixels (width * height).
@@ -199,7 +200,7 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
         codec: Codec {
             blobs,
             templates,
-            grid,
+            fallback_grid: grid,
             max_pixels: config.max_pixels,
             max_blob_bytes: config.max_blob_bytes,
             decoded,

@@ -26,7 +26,8 @@ pub struct Codec {
     pub blobs: BlobStore,
     /// Registered templates' images (`subjects::TEMPLATE_BUCKET`).
     pub templates: BlobStore,
-    pub grid: TokenGrid,
+    /// The grid of requests whose gateway sent no model geometry (older gateways).
+    pub fallback_grid: TokenGrid,
     pub max_pixels: u64,
     pub max_blob_bytes: usize,
     /// Template images decoded once for all their edits.
@@ -123,27 +124,44 @@ impl Codec {
             .await??)
     }
 
+    /// The grid a job's inputs are prepared at: its model's geometry (from the gateway) applied
+    /// to an input of `width x height`, else the codec's flags.
+    fn grid_for(
+        &self,
+        req: &PreprocessRequest,
+        (width, height): (u32, u32),
+    ) -> Result<TokenGrid, CodecError> {
+        let Some(geometry) = &req.geometry else {
+            return Ok(self.fallback_grid);
+        };
+        let (model_width, model_height) = geometry.model_size(width, height);
+        // A geometry is the gateway's word; still, no message makes the codec allocate more
+        // than the largest image it accepts.
+        if u64::from(model_width) * u64::from(model_height) > self.max_pixels {
+            return Err(CodecError::BadMessage {
+                sender: "gateway",
+                message: format!(
+                    "model resolution {model_width}x{model_height} is above the codec's \
+                     --max-pixels {}",
+                    self.max_pixels
+                ),
+            });
+        }
+        Ok(TokenGrid {
+            model_width,
+            model_height,
+            token_pixels: geometry.token_pixels.max(1),
+        })
+    }
+
     /// Validate and prepare a job's inputs at the model resolution.
     pub async fn preprocess(&self, req: &PreprocessRequest) -> Result<PreparedInputs, CodecError> {
-        let grid = self.grid;
-        let base = PreparedInputs {
-            image_key: None,
-            template_image_key: None,
-            token_mask_key: None,
-            mask_ratio: 1.0,
-            masked_tokens: grid.tokens(),
-            input_width: req.params.width,
-            input_height: req.params.height,
-            model_width: grid.model_width,
-            model_height: grid.model_height,
-            token_rows: grid.rows(),
-            token_cols: grid.cols(),
-            template_id: None,
-            control_image_key: None,
-        };
         match req.kind {
-            JobKind::Generate => return self.prepare_generation(req, base).await,
-            JobKind::Capture => return self.prepare_capture(req, base).await,
+            JobKind::Generate => {
+                let grid = self.grid_for(req, (req.params.width, req.params.height))?;
+                return self.prepare_generation(req, grid).await;
+            }
+            JobKind::Capture => return self.prepare_capture(req).await,
             JobKind::Edit => {}
         }
         let template = req.template_image.as_ref();
@@ -154,6 +172,8 @@ impl Codec {
                 "gateway",
             )
             .await?;
+        let grid = self.grid_for(req, (image.width(), image.height()))?;
+        let base = base_inputs(req, grid);
         let mask = self.fetch_mask(req.mask_key.as_deref()).await?;
         let kept = template.and_then(|t| t.prepared.clone());
         let max_pixels = self.max_pixels;
@@ -218,14 +238,15 @@ impl Codec {
     async fn prepare_generation(
         &self,
         req: &PreprocessRequest,
-        base: PreparedInputs,
+        grid: TokenGrid,
     ) -> Result<PreparedInputs, CodecError> {
+        let base = base_inputs(req, grid);
         let Some(key) = req.control_image_key.as_deref() else {
             return Ok(base);
         };
         const FIELD: &str = "controlnet.image";
         let bytes = self.fetch_upload(&self.blobs, key, FIELD).await?;
-        let (grid, max_pixels) = (self.grid, self.max_pixels);
+        let max_pixels = self.max_pixels;
         let rgb = self
             .workers
             .run(move || -> Result<Vec<u8>, FieldError> {
@@ -246,11 +267,7 @@ impl Codec {
     /// and the template's edits agree on `template_id`. A registered template's pixels are kept
     /// with it (template bucket) for its edits; without `template_image` (an older gateway) they
     /// go with the job.
-    async fn prepare_capture(
-        &self,
-        req: &PreprocessRequest,
-        base: PreparedInputs,
-    ) -> Result<PreparedInputs, CodecError> {
+    async fn prepare_capture(&self, req: &PreprocessRequest) -> Result<PreparedInputs, CodecError> {
         if req.mask_key.is_some() {
             return Err(CodecError::BadMessage {
                 sender: "gateway",
@@ -262,7 +279,8 @@ impl Codec {
             .job_image(req.image_key.as_deref(), template_id, "gateway")
             .await?;
         let (width, height) = (image.width(), image.height());
-        let grid = self.grid;
+        let grid = self.grid_for(req, (width, height))?;
+        let base = base_inputs(req, grid);
         let (model_rgb, content_hash) = self
             .workers
             .run(move || {
@@ -357,6 +375,25 @@ impl Codec {
             keys.push(key);
         }
         Ok(keys)
+    }
+}
+
+/// What every job's prepared inputs hold before its kind adds to them: the whole grid repainted.
+fn base_inputs(req: &PreprocessRequest, grid: TokenGrid) -> PreparedInputs {
+    PreparedInputs {
+        image_key: None,
+        template_image_key: None,
+        token_mask_key: None,
+        mask_ratio: 1.0,
+        masked_tokens: grid.tokens(),
+        input_width: req.params.width,
+        input_height: req.params.height,
+        model_width: grid.model_width,
+        model_height: grid.model_height,
+        token_rows: grid.rows(),
+        token_cols: grid.cols(),
+        template_id: None,
+        control_image_key: None,
     }
 }
 

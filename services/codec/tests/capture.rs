@@ -2,7 +2,8 @@
 //! token computed) and hashed exactly like an edit of the same image, so the capture's cache
 //! and the template's edits share one `template_id`; a registered template's image and pixels
 //! are read where the template keeps them, never copied per edit. A generation's ControlNet
-//! control image is stretched to the model resolution.
+//! control image is stretched to the model resolution. The job's model geometry, when the
+//! gateway sends it, sets the resolution and token grid instead of the codec's flags.
 use std::io::Cursor;
 
 use diffmesh_codec::decoded::DecodedImages;
@@ -17,6 +18,7 @@ use diffmesh_shared::wire::messages::{
     DenoiseJob, GenerationParams, JobKind, PostprocessRequest, PreparedTemplate, PreprocessRequest,
     TemplateImage, TemplateRef,
 };
+use diffmesh_shared::wire::models::{ModelGeometry, Resolution};
 use diffmesh_shared::wire::templates::{image_key, prepared_image_key};
 use image::{DynamicImage, GrayImage, ImageFormat, Luma, Rgb, RgbImage};
 
@@ -37,6 +39,7 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
         image_key: Some("upload/image".into()),
         mask_key,
         params: GenerationParams {
+            model: String::new(),
             prompt: String::new(),
             n: 1,
             num_inference_steps: 4,
@@ -51,6 +54,7 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
         },
         template_image: None,
         control_image_key: None,
+        geometry: None,
     }
 }
 
@@ -59,7 +63,7 @@ fn codec(blobs: &BlobStore, templates: &BlobStore, lookups: &prometheus::IntCoun
     Codec {
         blobs: blobs.clone(),
         templates: templates.clone(),
-        grid: TokenGrid {
+        fallback_grid: TokenGrid {
             model_width: 16,
             model_height: 16,
             token_pixels: 4,
@@ -144,6 +148,91 @@ async fn capture_is_prepared_without_mask_and_hashed_like_edits() {
         Err(CodecError::Invalid(field)) => assert_eq!(field.field, "image"),
         other => panic!("expected an invalid image, got {other:?}"),
     }
+}
+
+/// A FLUX-style geometry runs the input at its own size in whole tokens; a fixed one stretches
+/// it; the token mask follows the grid; a geometry beyond the codec's pixel limit is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_jobs_model_geometry_sets_resolution_and_grid() {
+    let nats = NatsServer::start();
+    let (blobs, templates) = buckets(&nats).await;
+    let codec = codec(&blobs, &templates, &decoded_lookups());
+    blobs
+        .put("upload/image", &png(&template_image()))
+        .await
+        .unwrap();
+    blobs.put("upload/mask", &png(&left_mask())).await.unwrap();
+    let with = |job_id: &str, kind, resolution, token_pixels| PreprocessRequest {
+        geometry: Some(ModelGeometry {
+            token_pixels,
+            resolution,
+            default_width: 64,
+            default_height: 64,
+        }),
+        ..request(job_id, kind, Some("upload/mask".into()))
+    };
+    let scaled = Resolution::Scaled {
+        max_pixels: 1 << 20,
+    };
+    // 30x20 in 4-pixel tokens: 28x20, 5 rows of 7.
+    let edit = codec
+        .preprocess(&with("e1", JobKind::Edit, scaled, 4))
+        .await
+        .unwrap();
+    assert_eq!((edit.model_width, edit.model_height), (28, 20));
+    assert_eq!((edit.token_rows, edit.token_cols), (5, 7));
+    let mask = blobs
+        .get(edit.token_mask_key.as_deref().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(mask.len(), 35);
+    // The left 5 of 30 columns cover the first 2 of 7 token columns (5/30 of 28 px = 4.7 px).
+    assert_eq!(&mask[..7], &[1, 1, 0, 0, 0, 0, 0]);
+    let rgb = blobs.get(edit.image_key.as_deref().unwrap()).await.unwrap();
+    assert_eq!(rgb.len(), 28 * 20 * 3);
+
+    let fixed = Resolution::Fixed {
+        width: 8,
+        height: 24,
+    };
+    let capture = codec
+        .preprocess(&PreprocessRequest {
+            mask_key: None,
+            ..with("c1", JobKind::Capture, fixed, 4)
+        })
+        .await
+        .unwrap();
+    assert_eq!((capture.model_width, capture.model_height), (8, 24));
+    assert_eq!(
+        (
+            capture.token_rows,
+            capture.token_cols,
+            capture.masked_tokens
+        ),
+        (6, 2, 12)
+    );
+
+    // A generation's size is its input size.
+    let generation = codec
+        .preprocess(&PreprocessRequest {
+            mask_key: None,
+            image_key: None,
+            ..with("g1", JobKind::Generate, scaled, 16)
+        })
+        .await
+        .unwrap();
+    // 30x20 floors to one 16-pixel token a side.
+    assert_eq!((generation.model_width, generation.model_height), (16, 16));
+
+    let huge = Resolution::Fixed {
+        width: 1 << 15,
+        height: 1 << 15,
+    };
+    let err = codec
+        .preprocess(&with("h1", JobKind::Edit, huge, 16))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, CodecError::BadMessage { .. }), "{err}");
 }
 
 /// A registered template (its image in the template bucket): the capture keeps its

@@ -13,6 +13,7 @@ pub mod model;
 pub mod outcomes;
 pub mod prompt_stage;
 pub mod service;
+pub mod sickness;
 pub mod step_samples;
 pub mod templates;
 pub mod warming;
@@ -83,9 +84,15 @@ pub struct DenoiserConfig {
     /// the period from the heartbeats themselves).
     #[arg(long, env = "DENOISER_HEARTBEAT_INTERVAL", default_value = "500ms", value_parser = duration)]
     pub heartbeat_interval: Duration,
-    /// Resolution (square, pixels) of jobs that do not carry a model resolution.
-    #[arg(long, env = "DENOISER_DEFAULT_RESOLUTION", default_value_t = 64)]
-    pub default_resolution: i64,
+    /// Default output size (square, pixels) the model announces: the one resolution the tiny
+    /// model runs at (default 64), a FLUX.1 model's generations that name no size (default
+    /// 1024). Also the resolution of jobs that carry none (from older codecs).
+    #[arg(long, env = "DENOISER_DEFAULT_RESOLUTION")]
+    pub default_resolution: Option<i64>,
+    /// Largest model resolution (pixels) a FLUX.1 model announces; larger inputs are scaled
+    /// down to it by the codec.
+    #[arg(long, env = "DENOISER_MAX_MODEL_PIXELS", default_value_t = model::DEFAULT_MAX_MODEL_PIXELS)]
+    pub max_model_pixels: u64,
     /// Deadline of the post-processing request to the codec.
     #[arg(long, env = "DENOISER_CODEC_TIMEOUT", default_value = "30s", value_parser = duration)]
     pub codec_timeout: Duration,
@@ -129,6 +136,13 @@ pub struct DenoiserConfig {
     /// thread of its own, off the engine's step loop.
     #[arg(long, env = "DENOISER_PROMPT_CACHE_BYTES", default_value_t = 64 << 20)]
     pub prompt_cache_bytes: u64,
+    /// Jobs failed in a row (for a reason other than their input) after which the denoiser
+    /// takes itself out: unready, and draining in its heartbeats (0: never; `sickness`).
+    #[arg(long, env = "DENOISER_SICK_AFTER_FAILURES", default_value_t = 5)]
+    pub sick_after_failures: u32,
+    /// How long a sick denoiser takes no work before it tries again.
+    #[arg(long, env = "DENOISER_SICK_COOLDOWN", default_value = "30s", value_parser = duration)]
+    pub sick_cooldown: Duration,
     /// The order waiting jobs join the running batch in: `fcfs`, `srtf` (least image tokens x
     /// steps first) or `edf` (earliest `deadline_ms` first; jobs without one after them).
     #[arg(long, env = "DENOISER_QUEUE_ORDER", value_enum, default_value_t = diffmesh_sched::QueueOrder::Fcfs)]
@@ -201,7 +215,8 @@ impl DenoiserConfig {
             token_budget: None,
             command_capacity: 16,
             heartbeat_interval: Duration::from_millis(100),
-            default_resolution: 64,
+            default_resolution: None,
+            max_model_pixels: model::DEFAULT_MAX_MODEL_PIXELS,
             codec_timeout: Duration::from_secs(10),
             codec_first_attempt: Duration::from_secs(5),
             post_retry_window: Duration::from_secs(30),
@@ -213,6 +228,8 @@ impl DenoiserConfig {
             template_pixels_bytes: 64 << 20,
             conditioning_cache_bytes: 64 << 20,
             prompt_cache_bytes: 16 << 20,
+            sick_after_failures: 5,
+            sick_cooldown: Duration::from_secs(30),
             queue_order: Default::default(),
             lora_async_fraction: 0.2,
             lora_originals: Default::default(),
@@ -377,11 +394,12 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     });
     let load_dir = dir.clone();
     let id = model_id.clone();
-    let size = config.default_resolution;
+    let (size, max_model_pixels) = (config.default_resolution, config.max_model_pixels);
     let controlnet_dir = config.controlnet_dir.clone();
     let model = tokio::task::spawn_blocking(move || {
         model::EngineModel::load(&load_dir, device, kind, id, size).map(|mut m| {
             m.controlnet_dir = controlnet_dir;
+            m.limit_model_pixels(max_model_pixels);
             m
         })
     })
@@ -502,6 +520,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
             },
         ));
     }
+    let card = model.card.clone();
     // Text encoding runs on the prompt stage's thread; the engine keeps a stand-in.
     let prompt_stage = prompt_stage::PromptStageHandle::start(
         prompt_stage::split_text_encoder(&mut model),
@@ -524,6 +543,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         config: config.clone(),
         worker_id: worker_id.clone(),
         model_id,
+        card,
         templates,
         loras,
         controlnet_workers,
@@ -559,11 +579,12 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         .await
         .map_err(|e| MeshError::Telemetry(format!("NATS flush: {e}")))?;
 
-    // Ready while connected and not draining (a draining worker takes no new jobs).
+    // Ready while connected, not draining (a draining worker takes no new jobs) and not sick.
     let (nats, svc) = (client.clone(), service.clone());
     let ready: Readiness = Arc::new(move || {
         nats.connection_state() == async_nats::connection::State::Connected
             && !svc.draining.load(Ordering::SeqCst)
+            && !svc.sickness.is_sick(std::time::Instant::now())
     });
     let addr = config.common.health_addr;
     let health = HealthServer::start(addr, registry, ready)

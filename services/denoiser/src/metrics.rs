@@ -40,6 +40,8 @@ pub struct DenoiserMetrics {
     pub jobs_done: IntCounter,
     /// Restarts of the engine actor after a panic of its own (its running jobs failed).
     pub engine_restarts: IntCounter,
+    /// Times the denoiser took itself out after jobs failed in a row (`sickness`).
+    pub sick_episodes: IntCounter,
     pub queued: IntGauge,
     pub running: IntGauge,
     /// Jobs and submits that failed, by reason.
@@ -116,6 +118,10 @@ impl DenoiserMetrics {
         let engine_restarts = IntCounter::new(
             "diffmesh_denoiser_engine_restarts_total",
             "Restarts of the engine after a panic of its own (its running jobs failed, its queued jobs kept)",
+        )?;
+        let sick_episodes = IntCounter::new(
+            "diffmesh_denoiser_sick_episodes_total",
+            "Times the denoiser took itself out (unready, draining) after jobs failed in a row",
         )?;
         let queued = IntGauge::new(
             "diffmesh_denoiser_queued_jobs",
@@ -251,6 +257,7 @@ impl DenoiserMetrics {
         registry.register(Box::new(queue_wait_seconds.clone()))?;
         registry.register(Box::new(jobs_done.clone()))?;
         registry.register(Box::new(engine_restarts.clone()))?;
+        registry.register(Box::new(sick_episodes.clone()))?;
         registry.register(Box::new(queued.clone()))?;
         registry.register(Box::new(running.clone()))?;
         registry.register(Box::new(failures.clone()))?;
@@ -261,6 +268,7 @@ impl DenoiserMetrics {
             queue_wait_seconds,
             jobs_done,
             engine_restarts,
+            sick_episodes,
             queued,
             running,
             failures,

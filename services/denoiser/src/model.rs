@@ -9,6 +9,7 @@ use diffmesh_model::pipeline::FluxPipeline;
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::ModelError;
 use diffmesh_shared::wire::messages::{DenoiseJob, JobKind};
+use diffmesh_shared::wire::models::{ModelCard, ModelFeatures, ModelGeometry, Resolution};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -17,6 +18,8 @@ pub struct EngineModel {
     pub model: LoadedModel,
     /// Id reported in heartbeats (router places only compatible jobs).
     pub model_id: String,
+    /// What heartbeats announce about the model (`announce`).
+    pub card: ModelCard,
     /// Resolution used when a job does not carry one (generations).
     pub default_width: i64,
     pub default_height: i64,
@@ -38,18 +41,11 @@ impl EngineModel {
         device: Device,
         kind: Kind,
         model_id: String,
-        default_size: i64,
+        default_size: Option<i64>,
     ) -> Result<Self, ModelError> {
         let model = LoadedModel::load(dir, device, kind)?;
-        if model.index.pipeline_class == FILL_PIPELINE {
-            // Its transformer takes the masked image and mask as extra channels, which the
-            // engine's stepper does not feed yet; `cargo xtask generate` runs it.
-            return Err(ModelError::Unsupported {
-                component: "transformer".into(),
-                class: FILL_PIPELINE.into(),
-                reason: "the denoiser does not serve FLUX.1-Fill models yet".into(),
-            });
-        }
+        let card = announce(&model, &model_id, default_size);
+        let default_size = i64::from(card.geometry.default_width);
         let gpu_copy = match device {
             Device::Cuda(ordinal) => match GpuCopy::new(ordinal, GpuCopy::RING) {
                 Ok(gpu) => Some(gpu),
@@ -63,6 +59,7 @@ impl EngineModel {
         Ok(Self {
             model,
             model_id,
+            card,
             default_width: default_size,
             default_height: default_size,
             gpu_copy,
@@ -72,8 +69,60 @@ impl EngineModel {
         })
     }
 
+    /// Announce at most `max_pixels` of model resolution (a flexible-resolution model only).
+    pub fn limit_model_pixels(&mut self, max_pixels: u64) {
+        if let Resolution::Scaled { .. } = self.card.geometry.resolution {
+            self.card.geometry.resolution = Resolution::Scaled { max_pixels };
+        }
+    }
+
     pub fn pipeline(&self) -> FluxPipeline<'_> {
         self.model.pipeline()
+    }
+}
+
+/// Largest model resolution (pixels) a model of a flexible resolution runs at by default:
+/// 2048x2048, beyond which FLUX.1 was not trained.
+pub const DEFAULT_MAX_MODEL_PIXELS: u64 = 2048 * 2048;
+
+/// What the denoiser announces about `model` ([`ModelCard`]): the tiny model runs at the one
+/// resolution it was trained at (`default_size`, 64 when unset); FLUX.1 at the input's own
+/// size in whole 16-pixel tokens (default 1024x1024, as diffusers'). ControlNets are added per
+/// heartbeat, as workers come and go.
+pub fn announce(model: &LoadedModel, id: &str, default_size: Option<i64>) -> ModelCard {
+    let tiny = model.index.class_of("vae").ok() == Some(diffmesh_model::tiny::codec::CLASS_NAME);
+    let size = default_size.unwrap_or(if tiny { 64 } else { 1024 }).max(1) as u32;
+    // One token is a 2x2 patch of latent pixels.
+    let token_pixels = (model.codec.downscale_factor() * 2).max(1) as u32;
+    let resolution = if tiny {
+        Resolution::Fixed {
+            width: size,
+            height: size,
+        }
+    } else {
+        Resolution::Scaled {
+            max_pixels: DEFAULT_MAX_MODEL_PIXELS,
+        }
+    };
+    ModelCard {
+        id: id.to_string(),
+        family: if tiny { "tiny" } else { "flux.1" }.into(),
+        pipeline: model.index.pipeline_class.clone(),
+        geometry: ModelGeometry {
+            token_pixels,
+            resolution,
+            default_width: size,
+            default_height: size,
+        },
+        features: ModelFeatures {
+            edit: true,
+            fill: model.index.pipeline_class == FILL_PIPELINE,
+            controlnet: false,
+            lora: true,
+            true_cfg: true,
+            guidance_embeds: model.transformer.cfg.guidance_embeds,
+            max_sequence_length: model.text_encoder.max_tokens().max(0) as u32,
+        },
     }
 }
 

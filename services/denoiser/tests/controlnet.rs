@@ -26,7 +26,8 @@ struct Ran {
 /// Run `batches` one after another on one engine; returns images and failure messages by id,
 /// the engine's step samples and its per-ControlNet step costs.
 async fn run(dir: &Path, batches: Vec<Vec<DenoiseJob>>, metrics: Option<DenoiserMetrics>) -> Ran {
-    let mut model = EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
+    let mut model =
+        EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), Some(64)).unwrap();
     model.controlnet_dir = Some(dir.join("controlnets"));
     let config = EngineConfig {
         max_batch: 4,

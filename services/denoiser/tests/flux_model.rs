@@ -1,13 +1,14 @@
 //! The denoiser's engine serving a FLUX.1 directory in the layout people download (reduced, random
 //! weights, written by diffusers' `save_pretrained`: python/parity/gen_flux_pipelines.py), its
 //! prompts encoded by the prompt stage: the image is the pipeline's own for the same prompt and
-//! seed. A FLUX.1-Fill directory is refused at load, naming the pipeline.
+//! seed. A FLUX.1-Fill directory loads and says so in its announcement.
 use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineJob};
 use diffmesh_denoiser::model::{job_prompts, tensor_to_rgb, EngineModel};
 use diffmesh_denoiser::prompt_stage::{split_text_encoder, PromptSlot, PromptStageHandle};
 use diffmesh_model::model_dir::LoadedModel;
 use diffmesh_model::pipeline::{text_to_image, GenerateOptions, GenerationRequest};
 use diffmesh_model::tch::{Device, Kind};
+use diffmesh_shared::wire::models::Resolution;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -59,7 +60,27 @@ async fn the_engine_serves_a_flux_directory_with_its_prompt_stage() {
         "a flat reference image would prove nothing"
     );
 
-    let mut model = EngineModel::load(&dev, Device::Cpu, Kind::Float, "dev".into(), 64).unwrap();
+    let mut model =
+        EngineModel::load(&dev, Device::Cpu, Kind::Float, "dev".into(), Some(64)).unwrap();
+    // What heartbeats announce: the reduced VAE halves each side, so a token is 4 pixels; the
+    // resolution follows the input; the text side is the pipeline's T5 length.
+    let card = &model.card;
+    assert_eq!(
+        (
+            card.id.as_str(),
+            card.family.as_str(),
+            card.pipeline.as_str()
+        ),
+        ("dev", "flux.1", "FluxPipeline")
+    );
+    assert_eq!(card.geometry.token_pixels, 4);
+    assert!(matches!(
+        card.geometry.resolution,
+        Resolution::Scaled { .. }
+    ));
+    assert_eq!(card.geometry.default_width, 64);
+    assert!(card.features.edit && !card.features.fill);
+    assert!(card.features.max_sequence_length > 0);
     let stage = PromptStageHandle::start(split_text_encoder(&mut model), "dev".into(), 1 << 24);
     let (tx, mut events) = mpsc::channel(256);
     let (engine, _drained) = spawn_engine(model, EngineConfig::default(), 16, tx, None).unwrap();
@@ -83,15 +104,19 @@ async fn the_engine_serves_a_flux_directory_with_its_prompt_stage() {
     assert_eq!(got.len(), 64 * 64 * 3);
     assert_eq!(got, want, "the engine's pixels are the pipeline's");
 
-    let err = EngineModel::load(
+    // A Fill directory loads and announces itself as one (its edits run in the mesh test).
+    let fill = EngineModel::load(
         &dir.join("fill"),
         Device::Cpu,
         Kind::Float,
         "fill".into(),
-        64,
+        None,
     )
-    .err()
-    .expect("a Fill directory is refused")
-    .to_string();
-    assert!(err.contains("FluxFillPipeline"), "{err}");
+    .expect("a Fill directory loads");
+    assert_eq!(fill.card.pipeline, "FluxFillPipeline");
+    assert!(fill.card.features.fill && fill.card.features.edit);
+    assert_eq!(
+        fill.card.geometry.default_width, 1024,
+        "FLUX.1's default size"
+    );
 }

@@ -62,7 +62,7 @@ struct Harness {
 }
 
 fn harness(dir: &Path, config: EngineConfig, metrics: Option<DenoiserMetrics>) -> Harness {
-    let model = EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
+    let model = EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), Some(64)).unwrap();
     harness_on(model, config, metrics)
 }
 
@@ -158,7 +158,14 @@ async fn a_lora_job_equals_the_model_patched_in_advance_and_shares_steps_with_ba
     let dir = model_dir();
     let bytes = lora_file(7, None);
     // Reference: the weights patched before the engine starts, a plain job.
-    let model = EngineModel::load(dir.path(), Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
+    let model = EngineModel::load(
+        dir.path(),
+        Device::Cpu,
+        Kind::Float,
+        "tiny".into(),
+        Some(64),
+    )
+    .unwrap();
     let adapter = LoraBlob::new("style", bytes.clone().into())
         .unwrap()
         .adapter()

@@ -17,7 +17,8 @@ use tracing::Span;
 const STEPS: u32 = 3;
 
 fn staged(dir: &Path) -> (Harness, PromptStageHandle) {
-    let mut model = EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
+    let mut model =
+        EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), Some(64)).unwrap();
     let stage = PromptStageHandle::start(split_text_encoder(&mut model), "tiny".into(), 1 << 20);
     let (tx, events) = mpsc::channel(256);
     let (engine, drained) = spawn_engine(model, EngineConfig::default(), 16, tx, None).unwrap();
@@ -102,8 +103,16 @@ async fn staged_prompts_give_the_images_of_inline_encoding() {
     let (got, log) = drain(&mut h, &ids()).await;
     assert!(log.iter().any(|l| l == "captured capture"), "{log:?}");
     assert_eq!(got.len(), 3, "{log:?}");
+    // Which jobs share a step depends on timing (when the stage fills a slot), and a batched
+    // GEMM may round a row differently with other rows beside it (seen on Intel Xeon: one
+    // byte off by one): the same pixels up to that.
     for (id, image) in &want {
-        assert_eq!(&got[id], image, "{id}: the same pixels");
+        let off = got[id].iter().zip(image).map(|(a, b)| a.abs_diff(*b));
+        let (max, count) = off.fold((0, 0), |(m, n), d| (m.max(d), n + usize::from(d > 0)));
+        assert!(
+            max <= 1 && count * 1000 <= image.len(),
+            "{id}: {count} bytes differ, by up to {max}"
+        );
     }
 }
 

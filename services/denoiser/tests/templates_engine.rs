@@ -29,7 +29,14 @@ fn harness() -> Harness {
         .unwrap()
         .save(dir.path(), None)
         .unwrap();
-    let model = EngineModel::load(dir.path(), Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
+    let model = EngineModel::load(
+        dir.path(),
+        Device::Cpu,
+        Kind::Float,
+        "tiny".into(),
+        Some(64),
+    )
+    .unwrap();
     let (tx, events) = mpsc::channel(256);
     let config = EngineConfig {
         max_batch: 4,

@@ -1,8 +1,9 @@
 //! The mesh's workers as the gateway hears them: an actor ([`Directory`]) that owns the last
 //! heartbeat of every denoiser and of every ControlNet worker, fed by one subscription each,
 //! and answers the parts of the gateway that read them: the template views (which denoisers
-//! hold a template's cache in their local tier) and the ControlNet views and checks
-//! (`controlnet_directory`: what a steered generation may name).
+//! hold a template's cache in their local tier), the ControlNet views and checks
+//! (`controlnet_directory`: what a steered generation may name) and the models requests may
+//! name (`model_catalogue`).
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,12 +22,14 @@ use tokio_util::sync::CancellationToken;
 use crate::controlnet_directory::{
     check_offered, taking_jobs, ControlNetView, Workers, STALE_AFTER,
 };
+use crate::model_catalogue::{ModelCatalogue, NoModel, ResolvedModel};
 
-/// The actor: the heartbeats, by worker id.
+/// The actor: the heartbeats, by worker id, and the models they announced.
 #[derive(Default)]
 pub struct Directory {
     denoisers: HashMap<String, (Heartbeat, Instant)>,
     workers: Workers,
+    models: ModelCatalogue,
 }
 
 impl Actor for Directory {
@@ -50,8 +53,31 @@ impl Handler<DenoiserBeat> for Directory {
     type Result = ();
 
     fn handle(&mut self, msg: DenoiserBeat, _: &mut Context<Self>) {
+        self.models.record(&msg.0, msg.1);
         self.denoisers
             .insert(msg.0.worker_id.clone(), (msg.0, msg.1));
+    }
+}
+
+/// The model a request runs on (`ModelCatalogue::resolve`): the one it names, else `default`.
+pub struct ResolveModel {
+    pub requested: Option<String>,
+    pub default: Option<String>,
+}
+
+impl Message for ResolveModel {
+    type Result = Result<ResolvedModel, NoModel>;
+}
+
+impl Handler<ResolveModel> for Directory {
+    type Result = Result<ResolvedModel, NoModel>;
+
+    fn handle(&mut self, msg: ResolveModel, _: &mut Context<Self>) -> Self::Result {
+        self.models.resolve(
+            msg.requested.as_deref(),
+            msg.default.as_deref(),
+            Instant::now(),
+        )
     }
 }
 
@@ -133,6 +159,8 @@ impl Drop for Feeds {
 pub struct MeshDirectory {
     addr: Addr<Directory>,
     _feeds: Arc<Feeds>,
+    /// When it began to listen (`request_model` waits a moment for the first heartbeats).
+    since: Instant,
 }
 
 impl MeshDirectory {
@@ -159,7 +187,13 @@ impl MeshDirectory {
         Self {
             addr: diffmesh_shared::process::actors::start(|_| Directory::default()),
             _feeds: Arc::new(Feeds(CancellationToken::new())),
+            since: Instant::now(),
         }
+    }
+
+    /// When the directory began to listen for heartbeats.
+    pub fn since(&self) -> Instant {
+        self.since
     }
 
     /// Keep `hb` as its denoiser's last heartbeat, heard at `at`.
@@ -175,6 +209,21 @@ impl MeshDirectory {
     /// The ControlNets a generation may name now.
     pub async fn controlnets(&self) -> Vec<ControlNetView> {
         self.addr.send(ControlNets).await.unwrap_or_default()
+    }
+
+    /// The model a request runs on; `NoneHeard` also when the actor is gone.
+    pub async fn resolve_model(
+        &self,
+        requested: Option<&str>,
+        default: Option<&str>,
+    ) -> Result<ResolvedModel, NoModel> {
+        self.addr
+            .send(ResolveModel {
+                requested: requested.map(str::to_string),
+                default: default.map(str::to_string),
+            })
+            .await
+            .unwrap_or(Err(NoModel::NoneHeard))
     }
 
     /// A steered generation's ControlNet, checked against what live denoisers offer.
@@ -215,6 +264,7 @@ pub fn heartbeat(id: &str, controlnets: &[&str], templates: &[&str], draining: b
         waiting: Vec::new(),
         max_batch: 4,
         model: "tiny".into(),
+        card: None,
         draining,
         queue_capacity: 16,
         cached_templates: templates.iter().map(|s| s.to_string()).collect(),

@@ -19,6 +19,7 @@ use diffmesh_shared::wire::messages::{
     decode, error_types, CancelJob, DenoiseJob, JobEvent, JobKind, PreparedInputs, PreprocessReply,
     PreprocessRequest, SubmitReply, TemplateImage, TemplateRef,
 };
+use diffmesh_shared::wire::models::ModelGeometry;
 use diffmesh_shared::wire::subjects::{job_events, CODEC_PRE, ROUTER_CANCEL, ROUTER_SUBMIT};
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
@@ -79,6 +80,9 @@ pub struct JobInput {
     pub template: Option<TemplateRef>,
     /// A generation's control image (bytes as uploaded), with `valid.params.controlnet`.
     pub control_image: Option<Vec<u8>>,
+    /// The geometry the model `valid.params.model` announced (`request_model`), which the codec
+    /// prepares the inputs at; None: the codec's own.
+    pub geometry: Option<ModelGeometry>,
 }
 
 /// A validated image request.
@@ -295,6 +299,7 @@ impl Mesh {
             params: params.clone(),
             template_image,
             control_image_key,
+            geometry: input.geometry,
         };
         // No codec for a moment (restarting) is waited out as a missing router is; one killed
         // while it held the request costs the first attempt's deadline.

@@ -20,9 +20,11 @@ pub mod limits;
 pub mod loras;
 pub mod lost_events;
 pub mod metrics;
+pub mod model_catalogue;
 pub mod openapi;
 pub mod parse;
 pub mod request_limits;
+pub mod request_model;
 pub mod routes;
 pub mod state;
 pub mod templates;
@@ -97,9 +99,14 @@ pub struct GatewayConfig {
     /// classifier-free guidance (the shipped tiny model: 4) serve better with it on.
     #[arg(long, env = "GATEWAY_DEFAULT_TRUE_CFG_SCALE", default_value_t = 1.0)]
     pub default_true_cfg_scale: f32,
-    /// Generation `size` when the request gives none (WxH).
-    #[arg(long, env = "GATEWAY_DEFAULT_SIZE", default_value = "64x64")]
-    pub default_size: String,
+    /// Generation `size` when the request gives none (WxH); unset: the model's own default
+    /// (its announcement: 64x64 for the tiny model, 1024x1024 for FLUX.1).
+    #[arg(long, env = "GATEWAY_DEFAULT_SIZE")]
+    pub default_size: Option<String>,
+    /// The model of a request that names none; unset: the mesh's only model (a request that
+    /// names none is a 400 while the mesh serves several).
+    #[arg(long, env = "GATEWAY_DEFAULT_MODEL")]
+    pub default_model: Option<String>,
     /// Deadline of the codec preprocessing request.
     #[arg(long, env = "GATEWAY_CODEC_TIMEOUT", default_value = "30s", value_parser = duration)]
     pub codec_timeout: Duration,
@@ -158,7 +165,8 @@ impl GatewayConfig {
             default_steps: 4,
             default_guidance: 3.5,
             default_true_cfg_scale: 1.0,
-            default_size: "64x64".into(),
+            default_size: None,
+            default_model: None,
             codec_timeout: Duration::from_secs(10),
             codec_first_attempt: Duration::from_secs(5),
             router_timeout: Duration::from_secs(3),
@@ -236,8 +244,14 @@ impl GatewayHandle {
 
 /// Connect to the mesh, bind the API and serve in the background.
 pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError> {
-    let (dw, dh) = parse_size(&config.default_size)
+    let default_size = config
+        .default_size
+        .as_deref()
+        .map(parse_size)
+        .transpose()
         .map_err(|e| GatewayError::Config(format!("--default-size: {}", e.message)))?;
+    // Models that announce no default size (older denoisers) get the tiny model's.
+    let (dw, dh) = default_size.unwrap_or((64, 64));
     let flow = FlowConfig {
         codec_timeout: GatewayConfig::positive("codec-timeout", config.codec_timeout)?,
         codec_first_attempt: GatewayConfig::positive(
@@ -339,6 +353,8 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         loras,
         max_lora_bytes: config.max_lora_bytes,
         directory,
+        default_model: config.default_model.clone(),
+        default_size,
     });
     let probe = client.clone();
     let ready: Readiness =

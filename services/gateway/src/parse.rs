@@ -63,6 +63,7 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
                 .ok_or_else(|| FieldError::invalid(key, "must be a string"))
         };
         match key.as_str() {
+            "model" => raw.model = Some(string()?),
             "prompt" => raw.prompt = Some(string()?),
             "size" => raw.size = Some(string()?),
             "response_format" => raw.response_format = Some(string()?),
@@ -75,7 +76,7 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
             "loras" => raw.loras = Some(lora_params::from_json(v)?),
             "deadline_ms" => raw.deadline_ms = Some(int_field(key, v)?),
             "controlnet" => raw.controlnet = Some(crate::controlnet::from_json(v)?),
-            // OpenAI fields that do not change what this server does (model, user, quality...).
+            // OpenAI fields that do not change what this server does (user, quality...).
             _ => {}
         }
     }
@@ -104,6 +105,7 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
         ));
     }
     Ok(RawParams {
+        model: text.get("model").cloned(),
         prompt: text.get("prompt").cloned(),
         size: text.get("size").cloned(),
         response_format: text.get("response_format").cloned(),

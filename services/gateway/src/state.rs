@@ -31,6 +31,10 @@ pub struct ApiState {
     /// The workers' last heartbeats: which denoisers hold a template's cache, the ControlNets
     /// the mesh steers with now (`GET /v1/controlnets`).
     pub directory: crate::directory::MeshDirectory,
+    /// The model of requests that name none (`--default-model`).
+    pub default_model: Option<String>,
+    /// `--default-size`, which overrides the models' own default sizes.
+    pub default_size: Option<(u32, u32)>,
 }
 
 impl ApiState {

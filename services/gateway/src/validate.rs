@@ -17,9 +17,15 @@ pub enum ResponseFormat {
 /// Parameters as the client sent them (JSON body or multipart text fields), before checks.
 /// Integers are signed so a negative value is reported as out of range, not as a type error.
 /// Also the documented JSON body of `POST /v1/images/generations` (limits are gateway flags);
-/// other OpenAI fields (`model`, `user`, ...) are accepted and ignored.
+/// other OpenAI fields (`user`, `quality`, ...) are accepted and ignored.
 #[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize, utoipa::ToSchema)]
 pub struct RawParams {
+    /// The model to run (`GET /v1/models` lists them): default `--default-model`, else the
+    /// mesh's only model. An edit by `template_id` runs on the template's model.
+    // Left out of the fingerprint's JSON when absent, so requests without it hash as before.
+    #[schema(example = "tiny")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
     /// What to draw (required, non-empty; at most `--max-prompt-chars` characters).
     #[schema(
         value_type = String,
@@ -161,6 +167,7 @@ fn validate_common(
     let deadline_unix_ms = deadline_from_now(raw.deadline_ms)?;
     Ok(ValidParams {
         params: GenerationParams {
+            model: String::new(),
             prompt,
             n,
             num_inference_steps: steps,

@@ -218,6 +218,7 @@ pub(crate) mod tests {
             waiting: vec![],
             max_batch,
             model: "tiny".into(),
+            card: None,
             draining: false,
             queue_capacity: 2,
             cached_templates: vec![],

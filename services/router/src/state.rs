@@ -120,9 +120,17 @@ impl RouterState {
         let serves = |w: &crate::registry::LiveWorker<'_>| {
             wanted.is_some_and(|name| w.heartbeat.controlnets.iter().any(|c| c == name))
         };
-        let someone_serves = wanted.is_some() && self.registry.live().any(|w| serves(&w));
+        // Only a worker holding the job's model runs it (an older gateway names none: any).
+        let model = job.params.model.as_str();
+        let holds =
+            |w: &crate::registry::LiveWorker<'_>| model.is_empty() || w.heartbeat.model == model;
+        let someone_serves =
+            wanted.is_some() && self.registry.live().any(|w| holds(&w) && serves(&w));
         for w in self.registry.live() {
-            if exclude.iter().any(|e| e == w.worker_id) || (someone_serves && !serves(&w)) {
+            if exclude.iter().any(|e| e == w.worker_id)
+                || !holds(&w)
+                || (someone_serves && !serves(&w))
+            {
                 continue;
             }
             if n == self.views.len() {
@@ -431,6 +439,38 @@ mod tests {
         assert_eq!(s.registry.owner("j1"), Some("a"));
         s.unplace("j1");
         assert_eq!(s.registry.owner("j1"), None);
+    }
+
+    #[test]
+    fn a_job_goes_only_to_a_worker_holding_its_model() {
+        let mut s = state(3);
+        let t0 = Instant::now();
+        // "tiny-1" is idle; "flux-1" is busier and holds the other model.
+        s.observe(heartbeat("tiny-1", 4, 0), t0);
+        let mut flux = heartbeat("flux-1", 4, 2);
+        flux.model = "flux-dev".into();
+        s.observe(flux, t0);
+        let on = |id: &str, model: &str| {
+            let mut j = job(id);
+            j.params.model = model.into();
+            j
+        };
+        for i in 0..3 {
+            let j = on(&format!("f{i}"), "flux-dev");
+            assert_eq!(s.place(&j, &[]), Decision::Chosen("flux-1".into()));
+        }
+        assert_eq!(
+            s.place(&on("t", "tiny"), &[]),
+            Decision::Chosen("tiny-1".into())
+        );
+        assert_eq!(
+            s.place(&on("f9", "flux-dev"), &["flux-1".into()]),
+            Decision::NoLiveWorker,
+            "the idle worker of another model is no candidate"
+        );
+        assert_eq!(s.place(&on("x", "sdxl"), &[]), Decision::NoLiveWorker);
+        // A job of an older gateway names no model: any worker.
+        assert!(matches!(s.place(&job("old"), &[]), Decision::Chosen(_)));
     }
 
     #[test]

@@ -50,7 +50,7 @@ async fn fake_worker_that(
                 _ = tick.tick() => {
                     let hb = Heartbeat {
                         worker_id: worker.clone(), running: vec![], queued: 0, waiting: vec![], max_batch: 2,
-                        model: "tiny".into(), draining: false, queue_capacity: 2, cached_templates: vec![], cached_loras: vec![], controlnets: vec![], recent_steps: vec![], controlnet_step_s: vec![],
+                        model: "tiny".into(), card: None, draining: false, queue_capacity: 2, cached_templates: vec![], cached_loras: vec![], controlnets: vec![], recent_steps: vec![], controlnet_step_s: vec![],
                         interval_ms: 100,
                     };
                     c.publish(subjects::DENOISER_HEARTBEAT, encode(&hb).unwrap().into()).await.unwrap();

@@ -39,6 +39,10 @@ pub struct TemplateRef {
 /// Validated generation parameters shared by every hop.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GenerationParams {
+    /// The model to run (`ModelCard::id`): the router places the job only on a denoiser that
+    /// holds it. Empty from older senders: any denoiser.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model: String,
     pub prompt: String,
     /// Number of images to produce for this request.
     pub n: u32,
@@ -100,6 +104,10 @@ pub struct PreprocessRequest {
     /// Object-store key of the raw uploaded control image (generations with a ControlNet).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_image_key: Option<String>,
+    /// The job's model's geometry from its announcement: the model resolution and token grid
+    /// the codec prepares at. None from older gateways: the codec's own flags.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub geometry: Option<crate::wire::models::ModelGeometry>,
 }
 
 /// The image of a job on a registered template (its capture, or an edit by `template_id`): it
@@ -366,6 +374,10 @@ pub struct Heartbeat {
     pub max_batch: u32,
     /// Model id the worker serves, so the router only places compatible jobs.
     pub model: String,
+    /// What the worker announces about that model (geometry, features). None from older
+    /// senders.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub card: Option<crate::wire::models::ModelCard>,
     pub draining: bool,
     /// Jobs the worker accepts beyond its running batch (its bounded wait queue), so the router
     /// knows when a worker is full. 0 from older senders.
@@ -542,6 +554,7 @@ mod tests {
 
     fn params() -> GenerationParams {
         GenerationParams {
+            model: String::new(),
             prompt: "a red square".into(),
             n: 2,
             num_inference_steps: 8,

@@ -6,6 +6,11 @@
 //! [`super::text_to_image`] / [`super::inpaint`] do, the Euler step is `Schedule::step`, and the
 //! edit blend is the inpainting pipeline's token-level blend, so a request stepped here alone
 //! ends on the same latents as the pipeline functions with the same seed.
+//!
+//! On a FLUX.1-Fill transformer every state is an edit: the template with its repainted tokens
+//! blanked and the token mask (as pixels) are its conditioning (`fill::fill_conditioning`), which
+//! follows each token's latents into the transformer, in full and mask-aware steps alike. A
+//! capture (nothing repainted) conditions on the whole template.
 use super::conditioning_cache::ConditioningCache;
 use super::control::{self, ControlInput, ControlState, ControlStep};
 use super::{FluxPipeline, GenerateOptions, GenerationRequest, Prepared};
@@ -94,6 +99,31 @@ pub struct DenoiseState {
     start: usize,
     edit: Option<EditState>,
     control: Option<ControlState>,
+    /// `[1, N, extra]` FLUX.1-Fill conditioning (masked template latents, then the mask).
+    fill: Option<Tensor>,
+}
+
+/// Conditioning channels per token the transformer takes after the latents: 0, or a
+/// FLUX.1-Fill transformer's (`fill::fill_conditioning_channels`).
+fn conditioning_channels(p: &FluxPipeline<'_>) -> i64 {
+    let (channels, f) = (p.codec.latent_channels(), p.codec.downscale_factor());
+    let fill = super::fill::fill_conditioning_channels(channels, f);
+    if p.transformer.cfg.in_channels == 4 * channels + fill {
+        fill
+    } else {
+        0
+    }
+}
+
+/// The pixel mask `[1, 1, H, W]` (1.0 = repaint) of a token mask `[N]` over a `rows x cols`
+/// grid of `unit`-pixel tokens.
+fn token_mask_pixels(token_mask: &Tensor, rows: i64, cols: i64, unit: i64) -> Result<Tensor> {
+    Ok(token_mask
+        .f_ne(0)?
+        .f_to_kind(Kind::Float)?
+        .f_view([1, 1, rows, 1, cols, 1])?
+        .f_expand([1, 1, rows, unit, cols, unit], false)?
+        .f_reshape([1, 1, rows * unit, cols * unit])?)
 }
 
 impl DenoiseState {
@@ -136,7 +166,14 @@ impl DenoiseState {
                 }
                 None => None,
             };
-            let mut prep = Prepared::with_text(
+            let extra = conditioning_channels(p);
+            if extra > 0 && req.edit.is_none() {
+                return Err(ModelError::input(
+                    "edit",
+                    "a FLUX.1-Fill model repaints a masked image: it takes edits only",
+                ));
+            }
+            let mut prep = Prepared::with_conditioning(
                 p,
                 &[GenerationRequest {
                     prompt: req.prompt.clone(),
@@ -144,6 +181,7 @@ impl DenoiseState {
                 }],
                 &opts,
                 text,
+                extra,
             )?;
             if let Some(cfg) = &req.true_cfg {
                 if !(cfg.scale.is_finite() && cfg.scale > 1.0) {
@@ -175,6 +213,7 @@ impl DenoiseState {
                     start: 0,
                     edit: None,
                     control,
+                    fill: None,
                 });
             };
             if req.control.is_some() {
@@ -232,6 +271,21 @@ impl DenoiseState {
                 .f_view([-1])?;
             let latents =
                 scale_noise_with_sigmas(&image_latents, &[prep.schedule.sigmas[start]], &noise)?;
+            let fill = if extra > 0 {
+                let unit = 2 * p.codec.downscale_factor();
+                let pixels = token_mask_pixels(
+                    &edit.token_mask.f_to_device(prep.device)?,
+                    req.height / unit,
+                    req.width / unit,
+                    unit,
+                )?;
+                let image = template.f_to_kind(Kind::Float)?;
+                Some(super::fill::fill_conditioning(
+                    p, &image, &pixels, prep.kind,
+                )?)
+            } else {
+                None
+            };
             Ok(Self {
                 prep,
                 latents,
@@ -245,6 +299,7 @@ impl DenoiseState {
                     masked_index,
                 }),
                 control: None,
+                fill,
             })
         })
     }
@@ -382,6 +437,15 @@ impl DenoiseState {
     /// Current packed latents `[1, N, 4C]`.
     pub fn latents(&self) -> &Tensor {
         &self.latents
+    }
+
+    /// What the transformer takes for this state's image tokens: the latents, followed on a
+    /// FLUX.1-Fill model by the conditioning.
+    fn transformer_input(&self) -> Result<Tensor> {
+        Ok(match &self.fill {
+            Some(c) => Tensor::f_cat(&[&self.latents, c], 2)?,
+            None => self.latents.shallow_clone(),
+        })
     }
 
     /// Run this request's next step alone.
@@ -588,7 +652,7 @@ impl DenoiseState {
             .edit
             .as_ref()
             .ok_or_else(|| ModelError::input("modes", "not an edit"))?;
-        let latents = self.latents.f_squeeze_dim(0)?;
+        let latents = self.transformer_input()?.f_squeeze_dim(0)?;
         let t = self.prep.schedule.timesteps[self.index];
         let guidance = match &self.prep.guidance {
             Some(g) => Some(g.f_to_kind(Kind::Double)?.f_view([-1])?.double_value(&[0])),
@@ -642,8 +706,12 @@ fn group_inputs(rows: &[(&DenoiseState, Branch)]) -> Result<FluxInputs> {
         .map(|(s, _)| s.prep.guidance.as_ref().map(Tensor::shallow_clone))
         .collect();
     let guidance = guidance.map(|g| Tensor::f_cat(&g, 0)).transpose()?;
+    let inputs: Vec<Tensor> = rows
+        .iter()
+        .map(|(s, _)| s.transformer_input())
+        .collect::<Result<_>>()?;
     Ok(FluxInputs {
-        hidden_states: cat(&|s, _| s.latents.shallow_clone())?,
+        hidden_states: Tensor::f_cat(&inputs, 0)?,
         encoder_hidden_states: cat(&|s, b| s.text(b).hidden.shallow_clone())?,
         pooled_projections: cat(&|s, b| s.text(b).pooled.shallow_clone())?,
         timestep,

@@ -12,6 +12,9 @@ use tokio_util::sync::CancellationToken;
 impl Service {
     pub fn heartbeat(&self) -> Heartbeat {
         let status = self.engine.status();
+        let controlnets = self.controlnets_served();
+        let mut card = self.card.clone();
+        card.features.controlnet = !controlnets.is_empty();
         Heartbeat {
             worker_id: self.worker_id.clone(),
             running: status.running,
@@ -19,11 +22,14 @@ impl Service {
             waiting: status.waiting,
             max_batch: self.config.max_batch as u32,
             model: self.model_id.clone(),
-            draining: status.draining || self.draining.load(Ordering::SeqCst),
+            card: Some(card),
+            draining: status.draining
+                || self.draining.load(Ordering::SeqCst)
+                || self.sickness.is_sick(std::time::Instant::now()),
             queue_capacity: self.config.max_queue as u32,
             cached_templates: self.templates.local.keys(),
             cached_loras: self.loras.ids(),
-            controlnets: self.controlnets_served(),
+            controlnets,
             recent_steps: self.engine.take_step_samples(),
             controlnet_step_s: status.controlnet_step_s,
             interval_ms: self

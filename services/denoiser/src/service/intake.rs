@@ -123,6 +123,19 @@ impl Service {
                 return;
             }
         };
+        if !job.params.model.is_empty() && job.params.model != self.model_id {
+            // The router places by model; a job for another is someone's mistake, refused
+            // before it takes a slot (the router places it again elsewhere).
+            let reply = SubmitReply::Rejected {
+                reason: format!(
+                    "denoiser {} holds model {:?}, not {:?}",
+                    self.worker_id, self.model_id, job.params.model
+                ),
+                retry_after_ms: 0,
+            };
+            let _ = reply_msgpack(&self.client, &msg, &reply).await;
+            return;
+        }
         let span = tracing::info_span!("denoise_job", job_id = %job.job_id, attempt = job.attempt, worker = %self.worker_id);
         diffmesh_shared::nats::trace_context::set_parent_from(&span, msg.headers.as_ref());
         async {

@@ -10,12 +10,14 @@ use crate::engine::EngineHandle;
 use crate::lora::LoraStore;
 use crate::metrics::DenoiserMetrics;
 use crate::outcomes::RecentOutcomes;
+use crate::sickness::Sickness;
 use crate::templates::store::CacheClient;
 use crate::templates::{CacheFetcher, LocalTier, TemplatePixels};
 use crate::DenoiserConfig;
 use diffmesh_shared::nats::publish_msgpack;
 use diffmesh_shared::stores::blob_store::BlobStore;
 use diffmesh_shared::wire::messages::{DenoiseJob, JobEvent};
+use diffmesh_shared::wire::models::ModelCard;
 use diffmesh_shared::wire::subjects;
 use diffmesh_shared::wire::templates::{cache_key, CacheKeyParts};
 use std::collections::HashMap;
@@ -34,6 +36,8 @@ pub struct Service {
     pub config: DenoiserConfig,
     pub worker_id: String,
     pub model_id: String,
+    /// What heartbeats announce about the model (ControlNets filled in per heartbeat).
+    pub card: ModelCard,
     /// Set once shutdown begins: heartbeats say draining, so the router places nothing new here.
     pub draining: AtomicBool,
     submitted_at: Mutex<HashMap<String, Instant>>,
@@ -47,6 +51,8 @@ pub struct Service {
     pub controlnet_workers: Option<crate::controlnet_service::ControlNetWorkers>,
     /// Where jobs' prompts are encoded ahead of admission; None: the engine encodes them.
     pub prompt_stage: Option<crate::prompt_stage::PromptStageHandle>,
+    /// Whether the engine keeps failing jobs (then it takes no work for a while).
+    pub sickness: Sickness,
 }
 
 /// What a [`Service`] is built from (`lib::start` builds each).
@@ -58,6 +64,7 @@ pub struct ServiceParts {
     pub config: DenoiserConfig,
     pub worker_id: String,
     pub model_id: String,
+    pub card: ModelCard,
     pub templates: Templates,
     pub loras: LoraStore,
     pub controlnet_workers: Option<crate::controlnet_service::ControlNetWorkers>,
@@ -97,11 +104,13 @@ impl Service {
             config,
             worker_id,
             model_id,
+            card,
             templates,
             loras,
             controlnet_workers,
             prompt_stage,
         } = parts;
+        let sickness = Sickness::new(config.sick_after_failures, config.sick_cooldown);
         Self {
             client,
             blobs,
@@ -110,6 +119,7 @@ impl Service {
             config,
             worker_id,
             model_id,
+            card,
             draining: AtomicBool::new(false),
             submitted_at: Mutex::new(HashMap::new()),
             templates,
@@ -117,6 +127,7 @@ impl Service {
             outcomes: RecentOutcomes::default(),
             controlnet_workers,
             prompt_stage,
+            sickness,
         }
     }
 

@@ -3,6 +3,7 @@
 //! cut off placed again.
 use super::Service;
 use crate::engine::{EngineEvent, EngineJobError};
+use crate::sickness::Verdict;
 use crate::templates::TemplateEntry;
 use diffmesh_shared::nats::request_msgpack_job;
 use diffmesh_shared::nats::unanswered::{resent_while_unanswered, AttemptDeadlines};
@@ -96,6 +97,7 @@ impl Service {
                     seconds,
                     span,
                 } => {
+                    self.sickness.succeeded();
                     let this = self.clone();
                     post.spawn(
                         async move { this.finish_capture(job, entry, seconds).await }
@@ -109,6 +111,7 @@ impl Service {
                     height,
                     span,
                 } => {
+                    self.sickness.succeeded();
                     let this = self.clone();
                     post.spawn(
                         async move { this.postprocess(job, images, width, height).await }
@@ -120,6 +123,7 @@ impl Service {
                     error: EngineJobError::Restarted(panic),
                     span,
                 } if job.attempt + 1 < PLACEMENTS_AFTER_RESTART => {
+                    self.note_failure(&job.job_id);
                     // Not the job's fault: it goes back to the router (off this loop, which
                     // must not wait for the router), as a lost denoiser's jobs do.
                     let this = self.clone();
@@ -128,7 +132,10 @@ impl Service {
                 EngineEvent::Failed { job, error, span } => {
                     let error_type = match error {
                         crate::engine::EngineJobError::Input(_) => error_types::INVALID_REQUEST,
-                        _ => error_types::INTERNAL,
+                        _ => {
+                            self.note_failure(&job.job_id);
+                            error_types::INTERNAL
+                        }
                     };
                     self.publish_failed(&job.job_id, error.to_string(), error_type)
                         .instrument(span)
@@ -143,6 +150,16 @@ impl Service {
         }
         while post.join_next().await.is_some() {}
         Ok(())
+    }
+
+    /// A job failed for a reason that was not its input: count it towards sickness.
+    fn note_failure(&self, job_id: &str) {
+        if self.sickness.failed(std::time::Instant::now()) == Verdict::FellSick {
+            self.metrics.sick_episodes.inc();
+            tracing::error!(%job_id, failures = self.config.sick_after_failures,
+                cooldown = ?self.config.sick_cooldown,
+                "jobs keep failing: this denoiser takes no work (unready, draining) for the cooldown");
+        }
     }
 
     /// Write the RGB outputs, ask the codec for PNGs, publish Done (or Failed).

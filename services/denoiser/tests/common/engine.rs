@@ -54,7 +54,7 @@ pub fn harness_with_metrics(config: EngineConfig, metrics: Option<DenoiserMetric
 /// An engine on the model in `dir` (tests that compare two engines load one model folder: the
 /// random weights depend on the torch RNG, which tests running in parallel share).
 pub fn harness_on(dir: &Path, config: EngineConfig, metrics: Option<DenoiserMetrics>) -> Harness {
-    let model = EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), 64).unwrap();
+    let model = EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), Some(64)).unwrap();
     let (tx, events) = mpsc::channel(256);
     let (engine, drained) = spawn_engine(model, config, 16, tx, metrics).unwrap();
     Harness {

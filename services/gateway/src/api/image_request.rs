@@ -15,6 +15,7 @@ use crate::idempotency;
 use crate::job_driver::{ImageRequest, InputImage, JobInput};
 use crate::loras::params as lora_params;
 use crate::parse::{raw_from_json, raw_from_text};
+use crate::request_model;
 use crate::state::ApiState;
 use crate::upload::{image_size, read_limited, MAX_TEXT_FIELD_BYTES};
 use crate::validate;
@@ -33,7 +34,13 @@ pub async fn read_generation(
         .as_ref()
         .map(|c| crate::controlnet::validate(c, &state.limits))
         .transpose()?;
+    let (requested, size_given) = (raw.model.clone(), raw.size.is_some());
     let mut valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
+    // The model is resolved after the fields are checked, so a bad field is named first.
+    let model = request_model::choose(state, requested.as_deref()).await?;
+    if !size_given {
+        request_model::default_size(state, &model, &mut valid.params)?;
+    }
     if let Some(c) = &control {
         state.directory.check_offered(&c.reference.name).await?;
     }
@@ -42,6 +49,8 @@ pub async fn read_generation(
         valid.params.controlnet = Some(c.reference);
         c.image
     });
+    valid.params.model = model.id.clone();
+    request_model::check_features(&model, JobKind::Generate, &valid.params)?;
     Ok(ImageRequest {
         input: JobInput {
             kind: JobKind::Generate,
@@ -50,6 +59,7 @@ pub async fn read_generation(
             mask: None,
             template: None,
             control_image,
+            geometry: model.card.map(|c| c.geometry),
         },
         fingerprint,
     })
@@ -101,8 +111,12 @@ pub async fn read_edit(
     let size = image_size(&image, "image")?;
     let raw = raw_from_text(&text)?;
     let fingerprint = idempotency::fingerprint("edits", &raw, Some(&image), mask.as_deref());
-    let valid = validate::validate_edit(raw, size, &state.limits, &state.defaults)?;
+    let requested = raw.model.clone();
+    let mut valid = validate::validate_edit(raw, size, &state.limits, &state.defaults)?;
     lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
+    let model = request_model::choose(state, requested.as_deref()).await?;
+    valid.params.model = model.id.clone();
+    request_model::check_features(&model, JobKind::Edit, &valid.params)?;
     Ok(ImageRequest {
         input: JobInput {
             kind: JobKind::Edit,
@@ -111,6 +125,7 @@ pub async fn read_edit(
             mask,
             template: None,
             control_image: None,
+            geometry: model.card.map(|c| c.geometry),
         },
         fingerprint,
     })

@@ -1,7 +1,9 @@
 //! `GET /v1/models`: the models the mesh serves now, in OpenAI's list shape, from the live
-//! denoisers' heartbeats (`crate::directory`): each model with the denoisers that hold it.
+//! denoisers' heartbeats (`crate::directory`): each model with the denoisers that hold it and
+//! what they announce of it (family, resolutions, features).
 use actix_web::{web, HttpRequest, HttpResponse};
 use diffmesh_shared::wire::messages::Heartbeat;
+use diffmesh_shared::wire::models::{ModelCard, Resolution};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use utoipa::ToSchema;
@@ -23,6 +25,65 @@ pub struct ModelView {
     pub owned_by: String,
     /// Denoisers that hold it and take jobs, sorted.
     pub denoisers: Vec<String>,
+    /// What its denoisers announce (absent from denoisers that announce only the id).
+    #[serde(flatten)]
+    pub card: Option<CardView>,
+}
+
+/// A model's announcement, as clients read it.
+#[derive(Debug, Serialize, ToSchema, PartialEq)]
+pub struct CardView {
+    /// `flux.1` or `tiny`.
+    pub family: String,
+    /// The diffusers pipeline class (`FluxPipeline`, `FluxFillPipeline`).
+    pub pipeline: String,
+    /// `fixed`: every image runs at `default_size` and is stretched back; `scaled`: at its own
+    /// size in whole tokens, scaled down to at most `max_pixels`.
+    pub resolution: String,
+    /// `WxH` of a generation that names no `size` (unless the gateway's `--default-size`).
+    pub default_size: String,
+    /// Largest model resolution in pixels (`scaled` models).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_pixels: Option<u64>,
+    /// Pixels per image-token side: masks are followed at this granularity.
+    pub token_pixels: u32,
+    /// What it serves beyond text-to-image: `edit`, `fill`, `controlnet`, `lora`, `true_cfg`,
+    /// `guidance` (guidance-distilled: `guidance_scale` steers it).
+    pub features: Vec<String>,
+    /// Longest prompt in text-encoder tokens.
+    pub max_sequence_length: u32,
+}
+
+impl CardView {
+    fn of(card: &ModelCard) -> Self {
+        let (g, f) = (&card.geometry, &card.features);
+        let (resolution, max_pixels) = match g.resolution {
+            Resolution::Fixed { .. } => ("fixed", None),
+            Resolution::Scaled { max_pixels } => ("scaled", Some(max_pixels)),
+        };
+        let features = [
+            ("edit", f.edit),
+            ("fill", f.fill),
+            ("controlnet", f.controlnet),
+            ("lora", f.lora),
+            ("true_cfg", f.true_cfg),
+            ("guidance", f.guidance_embeds),
+        ]
+        .into_iter()
+        .filter(|(_, on)| *on)
+        .map(|(name, _)| name.to_string())
+        .collect();
+        Self {
+            family: card.family.clone(),
+            pipeline: card.pipeline.clone(),
+            resolution: resolution.into(),
+            default_size: format!("{}x{}", g.default_width, g.default_height),
+            max_pixels,
+            token_pixels: g.token_pixels,
+            features,
+            max_sequence_length: f.max_sequence_length,
+        }
+    }
 }
 
 /// `GET /v1/models`.
@@ -34,20 +95,26 @@ pub struct ModelList {
     pub data: Vec<ModelView>,
 }
 
-/// The models of the denoisers that take jobs (a draining one takes none).
+/// The models of the denoisers that take jobs (a draining one takes none). A model's card is
+/// the first one heard among its denoisers (they load the same directory).
 pub fn model_list(heartbeats: &[Heartbeat]) -> ModelList {
-    let mut by_id: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    let mut by_id: BTreeMap<&str, (Vec<String>, Option<CardView>)> = BTreeMap::new();
     for hb in taking_jobs(&mut heartbeats.iter()) {
-        by_id
-            .entry(hb.model.as_str())
-            .or_default()
-            .push(hb.worker_id.clone());
+        let (denoisers, card) = by_id.entry(hb.model.as_str()).or_default();
+        denoisers.push(hb.worker_id.clone());
+        if card.is_none() {
+            *card = hb
+                .card
+                .as_ref()
+                .filter(|c| c.id == hb.model)
+                .map(CardView::of);
+        }
     }
     ModelList {
         object: "list".into(),
         data: by_id
             .into_iter()
-            .map(|(id, mut denoisers)| {
+            .map(|(id, (mut denoisers, card))| {
                 denoisers.sort();
                 ModelView {
                     id: id.to_string(),
@@ -55,6 +122,7 @@ pub fn model_list(heartbeats: &[Heartbeat]) -> ModelList {
                     created: 0,
                     owned_by: "diffmesh".into(),
                     denoisers,
+                    card,
                 }
             })
             .collect(),
@@ -116,5 +184,46 @@ mod tests {
         assert!(model_list(&[heartbeat("d-9", &[], &[], true)])
             .data
             .is_empty());
+    }
+
+    #[test]
+    fn a_models_announcement_is_shown_with_it() {
+        use diffmesh_shared::wire::models::{ModelFeatures, ModelGeometry};
+        let mut flux = heartbeat("d-1", &[], &[], false);
+        flux.model = "flux-dev".into();
+        flux.card = Some(ModelCard {
+            id: "flux-dev".into(),
+            family: "flux.1".into(),
+            pipeline: "FluxPipeline".into(),
+            geometry: ModelGeometry {
+                token_pixels: 16,
+                resolution: Resolution::Scaled {
+                    max_pixels: 1 << 22,
+                },
+                default_width: 1024,
+                default_height: 1024,
+            },
+            features: ModelFeatures {
+                edit: true,
+                lora: true,
+                guidance_embeds: true,
+                max_sequence_length: 512,
+                ..ModelFeatures::default()
+            },
+        });
+        let list = model_list(&[flux, heartbeat("d-2", &[], &[], false)]);
+        let json = serde_json::to_value(&list).unwrap();
+        let flux = &json["data"][0];
+        assert_eq!(flux["family"], "flux.1");
+        assert_eq!(flux["resolution"], "scaled");
+        assert_eq!(flux["default_size"], "1024x1024");
+        assert_eq!(flux["max_pixels"], 1 << 22);
+        assert_eq!(
+            flux["features"],
+            serde_json::json!(["edit", "lora", "guidance"])
+        );
+        assert_eq!(flux["max_sequence_length"], 512);
+        // A denoiser that announced only the id: the id alone.
+        assert!(json["data"][1].get("family").is_none(), "{json}");
     }
 }

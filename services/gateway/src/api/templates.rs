@@ -7,11 +7,13 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::error::{ApiError, ErrorBody};
+use crate::request_model;
 use crate::state::ApiState;
 use crate::templates::cache_view::{self, CacheView};
 use crate::templates::delete::Outcome;
 use crate::templates::record::{TemplateRecord, TemplateState};
 use crate::templates::{capture, form};
+use diffmesh_shared::wire::messages::JobKind;
 
 /// A template as clients see it.
 #[derive(Debug, Serialize, ToSchema)]
@@ -27,6 +29,8 @@ pub struct TemplateView {
     pub seed: u64,
     pub num_inference_steps: u32,
     pub guidance_scale: f32,
+    /// The model it was captured with; its edits run on it (empty: the default model).
+    pub model: String,
     /// The image's size: every edit of the template comes back at this size.
     pub width: u32,
     pub height: u32,
@@ -56,6 +60,7 @@ impl TemplateView {
             seed: r.seed,
             num_inference_steps: r.steps,
             guidance_scale: r.guidance_scale,
+            model: r.model.clone(),
             width: r.width,
             height: r.height,
             content_hash: r.content_hash.clone(),
@@ -147,15 +152,19 @@ pub async fn create_template(
 ) -> Result<HttpResponse, ApiError> {
     let caller = state.caller(&req)?;
     state.key_limits.check_rate(caller.limit_key())?;
-    let form = form::read(
+    let mut form = form::read(
         payload,
         state.max_body_bytes,
         &state.limits,
         &state.defaults,
     )
     .await?;
+    let model = request_model::choose(&state, form.model.as_deref()).await?;
+    form.params.model = model.id.clone();
+    request_model::check_features(&model, JobKind::Capture, &form.params)?;
     let _slot = state.key_limits.acquire(caller.limit_key())?;
-    let record = capture::register(&state.mesh, &state.templates, &caller, form).await?;
+    let geometry = model.card.map(|c| c.geometry);
+    let record = capture::register(&state.mesh, &state.templates, &caller, form, geometry).await?;
     Ok(HttpResponse::Created()
         .insert_header(("Location", format!("/v1/templates/{}", record.id)))
         .json(TemplateView::of(&record, None)))

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use diffmesh_shared::stores::job::CaptureReport;
 use diffmesh_shared::wire::messages::{decode, JobEvent, JobKind, TemplateRef};
+use diffmesh_shared::wire::models::ModelGeometry;
 use diffmesh_shared::wire::subjects::job_events;
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
@@ -64,6 +65,7 @@ pub async fn register(
     templates: &Templates,
     caller: &Caller,
     form: TemplateForm,
+    geometry: Option<ModelGeometry>,
 ) -> Result<TemplateRecord, ApiError> {
     let id = uuid::Uuid::new_v4().to_string();
     let params = form.params;
@@ -77,6 +79,7 @@ pub async fn register(
     };
     let mut record = TemplateRecord::new(id.clone(), caller.owner().map(str::to_string), &template);
     (record.width, record.height) = (params.width, params.height);
+    record.model = params.model.clone();
     record.image_bytes = form.image.len() as u64;
 
     let store = &templates.store;
@@ -92,7 +95,7 @@ pub async fn register(
         armed: true,
     };
     let span = tracing::info_span!("template", template_id = %id);
-    let result = capture(mesh, store, caller, &record, params, template)
+    let result = capture(mesh, store, caller, &record, params, template, geometry)
         .instrument(span)
         .await;
     guard.armed = false;
@@ -121,6 +124,7 @@ async fn capture(
     record: &TemplateRecord,
     params: diffmesh_shared::wire::messages::GenerationParams,
     template: TemplateRef,
+    geometry: Option<ModelGeometry>,
 ) -> Result<CaptureReport, ApiError> {
     let id = record.id.as_str();
     // The image is already in the template bucket: the capture reads it there.
@@ -134,6 +138,7 @@ async fn capture(
         image: Some(InputImage::Template(record.template_image())),
         mask: None,
         template: Some(template),
+        geometry,
     };
     let prepared = mesh.prepare(input, caller.owner()).await?;
     let job_id = prepared.job_id().to_string();

@@ -13,8 +13,10 @@ use crate::idempotency;
 use crate::job_driver::ImageRequest;
 use crate::job_driver::{InputImage, JobInput};
 use crate::loras::params::refuse_for_template;
+use crate::model_catalogue::ResolvedModel;
 use crate::parse::raw_from_text;
 use crate::request_limits::{Defaults, Limits};
+use crate::request_model;
 use crate::state::ApiState;
 use crate::templates::record::{not_found, ready, TemplateRecord};
 use crate::validate::{self, RawParams, ValidParams};
@@ -48,7 +50,11 @@ pub async fn read(
     let named = format!("template:{template_id}");
     let fingerprint =
         idempotency::fingerprint("edits", &raw, Some(named.as_bytes()), mask.as_deref());
-    let valid = validate(raw, &record, &state.limits, &state.defaults)?;
+    let requested = raw.model.clone();
+    let mut valid = validate(raw, &record, &state.limits, &state.defaults)?;
+    let model = template_model(state, requested.as_deref(), &record).await?;
+    valid.params.model = model.id.clone();
+    request_model::check_features(&model, JobKind::Edit, &valid.params)?;
     Ok(ImageRequest {
         input: JobInput {
             kind: JobKind::Edit,
@@ -57,9 +63,34 @@ pub async fn read(
             image: Some(InputImage::Template(record.template_image())),
             mask,
             template: Some(record.template_ref()),
+            geometry: model.card.map(|c| c.geometry),
         },
         fingerprint,
     })
+}
+
+/// The template's model: its cache holds that model's activations, so an edit that names
+/// another is refused.
+async fn template_model(
+    state: &ApiState,
+    requested: Option<&str>,
+    record: &TemplateRecord,
+) -> Result<ResolvedModel, ApiError> {
+    let requested = requested.map(str::trim).filter(|m| !m.is_empty());
+    if record.model.is_empty() {
+        return request_model::choose(state, requested).await;
+    }
+    if let Some(other) = requested.filter(|m| *m != record.model) {
+        return Err(FieldError::invalid(
+            "model",
+            format!(
+                "template {} was captured with model {:?}, not {other:?}; its edits run on it",
+                record.id, record.model
+            ),
+        )
+        .into());
+    }
+    request_model::choose(state, Some(&record.model)).await
 }
 
 /// Validate as an edit of the template's image (its size is the output size), with the

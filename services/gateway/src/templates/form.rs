@@ -19,6 +19,8 @@ use crate::validate::RawParams;
 pub struct TemplateForm {
     pub image: Vec<u8>,
     pub params: GenerationParams,
+    /// The `model` field as sent (`request_model::choose` resolves it).
+    pub model: Option<String>,
 }
 
 /// Read the multipart body (all parts together at most `max_body_bytes`, 413 naming the part).
@@ -64,8 +66,14 @@ pub async fn read(
     let image =
         image.ok_or_else(|| FieldError::invalid("image", "required (multipart file field)"))?;
     let size = image_size(&image, "image")?;
-    let params = validate(raw_from_text(&text)?, size, limits, defaults)?;
-    Ok(TemplateForm { image, params })
+    let raw = raw_from_text(&text)?;
+    let model = raw.model.clone();
+    let params = validate(raw, size, limits, defaults)?;
+    Ok(TemplateForm {
+        image,
+        params,
+        model,
+    })
 }
 
 /// Check a registration's parameters. Unlike an edit the prompt may be empty (it is the text
@@ -124,6 +132,7 @@ pub fn validate(
         ));
     }
     Ok(GenerationParams {
+        model: String::new(),
         prompt,
         n: 1,
         num_inference_steps: steps,

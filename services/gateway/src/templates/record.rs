@@ -56,6 +56,10 @@ pub struct TemplateRecord {
     pub seed: u64,
     pub steps: u32,
     pub guidance_scale: f32,
+    /// The model it was captured with (its edits run on it); empty in records written before
+    /// models were named: the gateway's default model.
+    #[serde(default)]
+    pub model: String,
     /// Size of the uploaded image (every edit's output size).
     pub width: u32,
     pub height: u32,
@@ -89,6 +93,7 @@ impl TemplateRecord {
             seed: template.seed,
             steps: template.steps,
             guidance_scale: template.guidance_scale,
+            model: String::new(),
             width: 0,
             height: 0,
             image_bytes: 0,

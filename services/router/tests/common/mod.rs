@@ -75,6 +75,7 @@ impl FakeWorker {
                             waiting: vec![],
                             max_batch: self.max_batch,
                             model: "tiny".into(),
+                            card: None,
                             draining: false,
                             queue_capacity: self.queue_capacity,
                             cached_templates: vec![],
