@@ -32,7 +32,7 @@ const MASK_AWARE: &str = "diffmesh_denoiser_step_rows_total{mode=\"mask_aware\"}
 
 /// The reduced FLUX.1 directories (`dev` and `fill`).
 fn flux_fixture() -> PathBuf {
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("two-models-flux");
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("several-models-flux");
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
     let python = std::env::var("DIFFMESH_PYTHON")

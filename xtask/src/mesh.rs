@@ -93,18 +93,18 @@ fn served_models(args: &UpArgs) -> anyhow::Result<Vec<ServedModel>> {
             !models.iter().any(|m: &ServedModel| m.id == id),
             "two model folders are named {id:?}: a model's id is its folder's name"
         );
-        if !tiny {
+        let dir = if tiny {
+            dir.clone()
+        } else {
             anyhow::ensure!(
                 dir.join("model_index.json").is_file(),
                 "--model-dir {}: no model_index.json (a diffusers directory is expected)",
                 dir.display()
             );
-        }
-        models.push(ServedModel {
-            id,
-            dir: dir.clone(),
-            tiny,
-        });
+            // The services run from the workspace root, not from where `up` was called.
+            std::fs::canonicalize(dir)?
+        };
+        models.push(ServedModel { id, dir, tiny });
     }
     anyhow::ensure!(
         models.len() as u32 * args.denoisers <= MAX_DENOISERS,
@@ -277,7 +277,7 @@ fn start_denoisers(
             let worker_id = if model.tiny {
                 format!("denoiser-{copy}")
             } else {
-                format!("denoiser-{}-{copy}", model.id)
+                format!("denoiser-{}-{copy}", subject_safe(&model.id))
             };
             let mut cmd = Command::new(release.join("diffmesh-denoiser"));
             cmd.current_dir(root)
@@ -305,6 +305,17 @@ fn start_denoisers(
         }
     }
     Ok(ports)
+}
+
+/// `id` with what a NATS subject token cannot hold (worker ids become subjects) made `-`
+/// (`FLUX.1-dev` -> `FLUX-1-dev`).
+fn subject_safe(id: &str) -> String {
+    id.chars()
+        .map(|c| match c {
+            '.' | '*' | '>' | ' ' => '-',
+            c => c,
+        })
+        .collect()
 }
 
 fn spawn(name: &str, mut cmd: Command, run_dir: &Path) -> anyhow::Result<Started> {
@@ -440,6 +451,12 @@ fn print_examples(port: u16) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn worker_ids_of_model_folders_are_subject_safe() {
+        assert_eq!(subject_safe("FLUX.1-dev"), "FLUX-1-dev");
+        assert_eq!(subject_safe("a b*c>d"), "a-b-c-d");
+    }
 
     #[test]
     fn nats_url_lists_resolve_each_entry() {
