@@ -52,10 +52,10 @@ impl BenchModel {
 
 /// The image-token grid the model runs at by default.
 pub fn model_grid(model: &EngineModel) -> ModelGrid {
-    let token_px = 2 * model.pipeline().codec.downscale_factor();
+    let g = &model.card.geometry;
     ModelGrid {
-        pixels: model.default_width as u32,
-        tokens_per_side: (model.default_width / token_px) as u32,
+        pixels: g.default_width,
+        tokens_per_side: g.default_width / g.token_pixels,
     }
 }
 

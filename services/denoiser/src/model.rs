@@ -20,9 +20,6 @@ pub struct EngineModel {
     pub model_id: String,
     /// What heartbeats announce about the model (`announce`).
     pub card: ModelCard,
-    /// Resolution used when a job does not carry one (generations).
-    pub default_width: i64,
-    pub default_height: i64,
     /// The copy stream and pinned-memory allocator of the model's GPU (None on CPU, or where
     /// the CUDA driver could not be opened through cudarc: then caches load synchronously).
     pub gpu_copy: Option<Arc<GpuCopy>>,
@@ -45,7 +42,6 @@ impl EngineModel {
     ) -> Result<Self, ModelError> {
         let model = LoadedModel::load(dir, device, kind)?;
         let card = announce(&model, &model_id, default_size);
-        let default_size = i64::from(card.geometry.default_width);
         let gpu_copy = match device {
             Device::Cuda(ordinal) => match GpuCopy::new(ordinal, GpuCopy::RING) {
                 Ok(gpu) => Some(gpu),
@@ -60,8 +56,6 @@ impl EngineModel {
             model,
             model_id,
             card,
-            default_width: default_size,
-            default_height: default_size,
             gpu_copy,
             controlnet_dir: None,
             controlnet_service: None,
@@ -135,19 +129,15 @@ pub struct EditInputs {
     pub token_mask: Vec<u8>,
 }
 
-/// Resolution a job runs at: what the codec prepared, else the model default.
+/// Resolution a job runs at: what the codec prepared, else the model's announced default.
 pub fn job_resolution(job: &DenoiseJob, model: &EngineModel) -> (i64, i64) {
-    let w = if job.inputs.model_width > 0 {
-        job.inputs.model_width as i64
-    } else {
-        model.default_width
-    };
-    let h = if job.inputs.model_height > 0 {
-        job.inputs.model_height as i64
-    } else {
-        model.default_height
-    };
-    (h, w)
+    let g = &model.card.geometry;
+    let or_default =
+        |prepared: u32, default: u32| i64::from(if prepared > 0 { prepared } else { default });
+    (
+        or_default(job.inputs.model_height, g.default_height),
+        or_default(job.inputs.model_width, g.default_width),
+    )
 }
 
 /// The stepper requests of a job: one per image, image `i` seeded with `seed + i`.
