@@ -42,7 +42,7 @@ impl ModelCatalogue {
         if hb.model.is_empty() {
             return;
         }
-        let card = hb.card.clone().filter(|c| c.id == hb.model);
+        let card = hb.model_card().cloned();
         match self.models.get_mut(&hb.model) {
             Some(entry) => {
                 if card.is_some() {

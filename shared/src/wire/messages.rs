@@ -412,6 +412,12 @@ pub struct Heartbeat {
 pub const DEFAULT_HEARTBEAT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(500);
 
 impl Heartbeat {
+    /// The announcement of the model this worker holds (None from older senders, and for a
+    /// card that names another model than `model`).
+    pub fn model_card(&self) -> Option<&crate::wire::models::ModelCard> {
+        self.card.as_ref().filter(|c| c.id == self.model)
+    }
+
     /// How often this worker sends heartbeats.
     pub fn interval(&self) -> std::time::Duration {
         match self.interval_ms {

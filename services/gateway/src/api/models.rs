@@ -103,11 +103,7 @@ pub fn model_list(heartbeats: &[Heartbeat]) -> ModelList {
         let (denoisers, card) = by_id.entry(hb.model.as_str()).or_default();
         denoisers.push(hb.worker_id.clone());
         if card.is_none() {
-            *card = hb
-                .card
-                .as_ref()
-                .filter(|c| c.id == hb.model)
-                .map(CardView::of);
+            *card = hb.model_card().map(CardView::of);
         }
     }
     ModelList {
