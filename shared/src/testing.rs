@@ -293,3 +293,25 @@ pub fn lora_file(
     }
     crate::wire::lora::write_f32_safetensors(&tensors, None).expect("valid shapes")
 }
+
+/// Run `python/parity/<script> <out>` into a fresh `out` with the project's Python
+/// (`DIFFMESH_PYTHON`, default the venv `cargo xtask setup` fills) and return `out`; the script's
+/// progress output is dropped (its errors still show).
+pub fn parity_fixture(script: &str, out: &Path) -> PathBuf {
+    let _ = std::fs::remove_dir_all(out);
+    std::fs::create_dir_all(out).expect("the fixture's folder");
+    let python = std::env::var("DIFFMESH_PYTHON")
+        .unwrap_or_else(|_| "/root/.cache/diffmesh/venv/bin/python".into());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../python/parity")
+        .join(script);
+    let status = Command::new(&python)
+        .arg(&script)
+        .arg(out)
+        .env("TQDM_DISABLE", "1")
+        .stdout(Stdio::null())
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {python} (set DIFFMESH_PYTHON): {e}"));
+    assert!(status.success(), "{} failed: {status}", script.display());
+    out.to_path_buf()
+}

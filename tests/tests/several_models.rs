@@ -7,7 +7,6 @@
 //! is a generation on the Fill model; a template captured with either FLUX.1 model takes
 //! mask-aware edits on it (unmasked pixels exact) and refuses edits naming another model.
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use diffmesh_model::model_dir::LoadedModel;
@@ -33,21 +32,7 @@ const MASK_AWARE: &str = "diffmesh_denoiser_step_rows_total{mode=\"mask_aware\"}
 /// The reduced FLUX.1 directories (`dev` and `fill`).
 fn flux_fixture() -> PathBuf {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("several-models-flux");
-    let _ = std::fs::remove_dir_all(&out);
-    std::fs::create_dir_all(&out).unwrap();
-    let python = std::env::var("DIFFMESH_PYTHON")
-        .unwrap_or_else(|_| "/root/.cache/diffmesh/venv/bin/python".into());
-    let script =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/parity/gen_flux_pipelines.py");
-    let status = Command::new(&python)
-        .arg(&script)
-        .arg(&out)
-        .env("TQDM_DISABLE", "1")
-        .stdout(std::process::Stdio::null())
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run {python} (set DIFFMESH_PYTHON): {e}"));
-    assert!(status.success(), "{} failed: {status}", script.display());
-    out
+    diffmesh_shared::testing::parity_fixture("gen_flux_pipelines.py", &out)
 }
 
 /// The pipeline's own image for the test's prompt and seed (RGB u8, 64x64).

@@ -10,7 +10,6 @@ use diffmesh_model::pipeline::{text_to_image, GenerateOptions, GenerationRequest
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_shared::wire::models::Resolution;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tracing::Span;
@@ -21,19 +20,7 @@ const PROMPT: &str = "a photo of a cat, sitting on a red sofa";
 /// The reduced FLUX.1 directories (the script the model crate's parity test runs).
 fn fixture() -> PathBuf {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("denoiser-flux-model");
-    let _ = std::fs::remove_dir_all(&out);
-    std::fs::create_dir_all(&out).unwrap();
-    let python = std::env::var("DIFFMESH_PYTHON")
-        .unwrap_or_else(|_| "/root/.cache/diffmesh/venv/bin/python".into());
-    let script =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python/parity/gen_flux_pipelines.py");
-    let status = Command::new(&python)
-        .arg(&script)
-        .arg(&out)
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run {python} (set DIFFMESH_PYTHON): {e}"));
-    assert!(status.success(), "{} failed: {status}", script.display());
-    out
+    diffmesh_shared::testing::parity_fixture("gen_flux_pipelines.py", &out)
 }
 
 #[tokio::test]
