@@ -452,9 +452,9 @@ async fn an_async_job_outlives_the_gateway_that_accepted_it() {
         .await;
 }
 
-/// An async job whose gateway dies before placing it (no denoiser is up yet, so the gateway is
-/// still resubmitting) is adopted by the router once the gateway's placement deadline passed,
-/// placed when a denoiser joins, and ends `done` with its result.
+/// An async job whose gateway dies before it was placed (no denoiser is up yet) waits in the
+/// durable queue, is placed by the router when a denoiser joins, and ends `done` with its
+/// result; the router writes its progress.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_async_job_whose_gateway_died_before_placing_it_still_runs() {
     let mut mesh = start_mesh_without_denoiser(|g| {
@@ -479,11 +479,11 @@ async fn an_async_job_whose_gateway_died_before_placing_it_still_runs() {
         .unwrap();
     let record = jobs.get(&id).await.unwrap().unwrap();
     assert!(
-        record.adopted,
-        "placed by its gateway, not adopted: {record:?}"
+        record.queue_seq.is_some() && record.detached && !record.adopted,
+        "not placed from the durable queue: {record:?}"
     );
     assert_eq!(record.worker_id.as_deref(), Some("d1"));
-    // Its progress was written by the router that adopted it (only `Started` sets this).
+    // Its progress was written by the router that placed it (only `Started` sets this).
     assert!(
         record.started_at_ms.is_some(),
         "no progress written: {record:?}"

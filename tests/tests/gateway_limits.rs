@@ -1,9 +1,11 @@
-//! The gateway's product surface without denoisers (NATS, the codec, the gateway, a fake router):
-//! API keys scope jobs to the key that created them (another key gets 404), per-key rate and
-//! concurrency limits answer 429 with Retry-After, the router's `Overloaded` is a 429, and every
-//! error is JSON naming the field.
+//! The gateway's product surface without denoisers (NATS, the codec, the gateway, a fake router
+//! that never takes async jobs from the durable queue): API keys scope jobs to the key that
+//! created them (another key gets 404), per-key rate, concurrency and async-queue limits answer
+//! 429 with Retry-After naming the quota, the router's `Overloaded` is a 429 while an async job
+//! waits in the queue through it, and every error is JSON naming the field.
 use std::time::Duration;
 
+use diffmesh_shared::stores::async_queue;
 use diffmesh_shared::wire::messages::SubmitReply;
 use diffmesh_tests::harness::{
     init_test_logging, start_codec, start_gateway, FakeRouter, NatsServer, Service, SseReader,
@@ -16,7 +18,7 @@ struct Env {
     _codec: Service,
     router: FakeRouter,
     http: reqwest::Client,
-    _nats: NatsServer,
+    nats: NatsServer,
 }
 
 async fn start(
@@ -41,7 +43,7 @@ async fn start(
         _codec: codec,
         router,
         http: reqwest::Client::new(),
-        _nats: nats,
+        nats,
     }
 }
 
@@ -58,6 +60,14 @@ struct Reply {
 }
 
 impl Env {
+    /// Jobs waiting in the durable queue of async jobs.
+    async fn queued_jobs(&self) -> u64 {
+        let client = async_nats::connect(self.nats.url()).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let mut stream = js.get_stream(async_queue::STREAM).await.unwrap();
+        stream.info().await.unwrap().state.messages
+    }
+
     fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.gateway.addrs.api.unwrap())
     }
@@ -235,7 +245,9 @@ async fn api_keys_scope_jobs_to_their_creator() {
         .await;
     assert_error(&r, 400, "invalid_request_error", Some("n"));
 
-    // The fake router placed it; Alice cancels it: the record says so and the router is told.
+    // It waits in the durable queue; Alice cancels it: the record says so, the routers are
+    // told, and it leaves the queue.
+    assert_eq!(env.queued_jobs().await, 1);
     let r = env
         .call(Method::DELETE, &path, Some("sk-alice"), None, false)
         .await;
@@ -250,6 +262,11 @@ async fn api_keys_scope_jobs_to_their_creator() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert_eq!(
+        env.queued_jobs().await,
+        0,
+        "the cancelled job is still queued"
+    );
     // Cancelling again is harmless; the event stream of a cancelled job is just its ending.
     let r = env
         .call(Method::DELETE, &path, Some("sk-alice"), None, false)
@@ -284,37 +301,8 @@ async fn api_keys_scope_jobs_to_their_creator() {
             .json(&gen_body())
     };
     let a1: Value = idem("sk-alice").send().await.unwrap().json().await.unwrap();
-    let a1_id = a1["id"].as_str().unwrap().to_string();
-    // The first request's own submit may be sent more than once (a NATS request is resent
-    // when any client of this process connects meanwhile; the router dedupes by job id), but
-    // not after it was answered: count once the job is placed, then replay.
-    let submits_of_a1 = || {
-        let submits = env.router.submits.lock().unwrap();
-        submits.iter().filter(|j| **j == a1_id).count()
-    };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        let r = env
-            .call(
-                Method::GET,
-                &format!("/v1/jobs/{a1_id}"),
-                Some("sk-alice"),
-                None,
-                false,
-            )
-            .await;
-        if r.body["worker_id"] == "w-fake" {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never placed: {}",
-            r.body
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let submitted = submits_of_a1();
-    assert!(submitted >= 1);
+    assert_eq!(a1["status"], "queued", "{a1}");
+    assert_eq!(env.queued_jobs().await, 1);
     let a2 = idem("sk-alice").send().await.unwrap();
     assert_eq!(a2.status(), StatusCode::ACCEPTED);
     assert_eq!(a2.headers()["idempotent-replayed"], "true");
@@ -338,8 +326,8 @@ async fn api_keys_scope_jobs_to_their_creator() {
         body: r.json().await.unwrap(),
     };
     assert_error(&r, 422, "idempotency_error", Some("Idempotency-Key"));
-    // The replays did not submit the job again.
-    assert_eq!(submits_of_a1(), submitted);
+    // The replays did not queue the job again: Alice's and Bob's jobs wait, once each.
+    assert_eq!(env.queued_jobs().await, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -390,9 +378,11 @@ async fn per_key_rate_and_concurrency_limits_answer_429() {
     let env = start(accepted(), |g| {
         g.api_keys = Some("alice:sk-alice,bob:sk-bob".into());
         g.max_concurrent_per_key = 1;
+        g.async_queue_per_key = 1;
     })
     .await;
-    // The fake router never finishes a job, so Alice's first job holds her only slot.
+    // Async jobs do not hold a slot once queued; the durable queue's per-key bound holds them:
+    // nobody takes Alice's first from the queue, so her second is refused, naming the quota.
     let first = env.submit("sk-alice").await;
     let r = env
         .call(
@@ -401,6 +391,39 @@ async fn per_key_rate_and_concurrency_limits_answer_429() {
             Some("sk-alice"),
             Some(gen_body()),
             true,
+        )
+        .await;
+    assert_error(&r, 429, "rate_limited", None);
+    assert_eq!(r.headers["retry-after"], "5", "{:?}", r.headers);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("async_queue_per_key"),
+        "{}",
+        r.body
+    );
+    // A synchronous request holds Alice's only slot while it runs (the fake router never
+    // finishes it: it ends at the job deadline).
+    let held = {
+        let (http, url) = (env.http.clone(), env.url("/v1/images/generations"));
+        tokio::spawn(async move {
+            let r = http.post(url).bearer_auth("sk-alice").json(&gen_body());
+            r.send().await.map(|r| r.status())
+        })
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while env.router.submits.lock().unwrap().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "never submitted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = env
+        .call(
+            Method::POST,
+            "/v1/images/generations",
+            Some("sk-alice"),
+            Some(gen_body()),
+            false,
         )
         .await;
     assert_error(&r, 429, "rate_limited", None);
@@ -413,6 +436,8 @@ async fn per_key_rate_and_concurrency_limits_answer_429() {
         "{}",
         r.body
     );
+    let status = held.await.unwrap().unwrap();
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
     env.submit("sk-bob").await;
     // Cancelling frees the slot.
     let r = env
@@ -442,7 +467,7 @@ async fn per_key_rate_and_concurrency_limits_answer_429() {
         assert_error(&r, 429, "rate_limited", None);
         assert!(
             tokio::time::Instant::now() < deadline,
-            "the slot was not freed by the cancel"
+            "the queue's room was not freed by the cancel"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -479,7 +504,8 @@ async fn router_overload_is_a_429_with_retry_after() {
         r.body
     );
 
-    // An async job is accepted, then fails with the same error, told by its event stream.
+    // An async job is accepted and waits in the durable queue through the overload, first in
+    // line: no router refusal can fail it.
     let r = env
         .call(
             Method::POST,
@@ -490,18 +516,13 @@ async fn router_overload_is_a_429_with_retry_after() {
         )
         .await;
     assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.body);
-    assert_eq!(
-        r.headers["location"],
-        format!("/v1/jobs/{}", r.body["id"].as_str().unwrap()).as_str()
-    );
-    let events_url = env.url(r.body["links"]["events"].as_str().unwrap());
-    let stream = env.http.get(events_url).send().await.unwrap();
-    let events = SseReader::new(stream)
-        .rest(Duration::from_secs(10))
-        .await
-        .unwrap();
-    let (name, data) = events.last().expect("an ending event");
-    assert_eq!(name, "failed", "{events:?}");
-    assert_eq!(data["status"], "failed");
-    assert_eq!(data["error"]["error_type"], "rate_limited");
+    let id = r.body["id"].as_str().unwrap().to_string();
+    assert_eq!(r.headers["location"], format!("/v1/jobs/{id}").as_str());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let r = env
+        .call(Method::GET, &format!("/v1/jobs/{id}"), None, None, false)
+        .await;
+    assert_eq!(r.body["status"], "queued", "{}", r.body);
+    assert_eq!(r.body["queue_position"], 0, "{}", r.body);
+    assert_eq!(env.queued_jobs().await, 1);
 }

@@ -7,6 +7,7 @@ mod load;
 mod load_inputs;
 mod load_tap;
 mod mesh;
+mod overload;
 mod plot;
 mod setup;
 mod sweep;
@@ -64,6 +65,9 @@ enum Cmd {
     Profile(PassThrough),
     /// Load generator for the live mesh: Poisson edit requests against the gateway.
     Load(load::LoadArgs),
+    /// Offer the live mesh 1.5x, 2x and 3x its measured capacity, sync and async, and check
+    /// that every refusal is a quick 429 with Retry-After and no accepted job fails.
+    Overload(overload::OverloadArgs),
     /// Simulator sweep over loads, policies and seeds: CSV and a p95-vs-load plot.
     Sweep(sweep::SweepArgs),
 }
@@ -148,6 +152,7 @@ fn main() -> anyhow::Result<()> {
             &p.args,
         ),
         Cmd::Load(args) => load::load(args),
+        Cmd::Overload(args) => overload::overload(args),
         Cmd::Sweep(args) => {
             let sim = build_release_bin(&tc, "diffmesh-sched", "diffmesh-sim", &[])?;
             sweep::sweep(&sim, args)

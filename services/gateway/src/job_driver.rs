@@ -12,6 +12,7 @@ use async_nats::Client;
 use diffmesh_shared::nats::reconnects::Reconnects;
 use diffmesh_shared::nats::unanswered::{resent_while_unanswered, AttemptDeadlines};
 use diffmesh_shared::nats::{publish_msgpack, request_msgpack_job};
+use diffmesh_shared::stores::async_queue::AsyncQueue;
 use diffmesh_shared::stores::blob_store::{blob_key, BlobStore};
 use diffmesh_shared::stores::idempotency::IdempotencyStore;
 use diffmesh_shared::stores::job::{now_ms, JobRecord, JobState, JobStore, ProgressWrites};
@@ -68,6 +69,12 @@ pub struct Mesh {
     pub driving: DrivingMap,
     /// Edits by template in flight, so a template is not deleted under them.
     pub template_uses: TemplateUses,
+    /// The durable queue async jobs wait in (`async_jobs`).
+    pub queue: AsyncQueue,
+    /// Longest an async job waits in that queue (`--async-queue-time`).
+    pub max_queue_time: Duration,
+    /// Models the router refused for load moments ago (`overload_gate`).
+    pub overload_gate: Arc<crate::overload_gate::OverloadGate>,
 }
 
 /// A validated request ready to run.
@@ -119,6 +126,12 @@ impl PreparedJob {
     /// die before placing the job, a router places it for the client's repeat to find.
     pub fn make_resumable(&mut self) {
         self.resumable = true;
+    }
+
+    /// Stop guarding the job: the durable queue holds it now, and no connection's end
+    /// cancels it (`async_jobs`).
+    pub(crate) fn release(&mut self) {
+        self.guard.disarm();
     }
 }
 
@@ -361,19 +374,11 @@ impl Mesh {
         self.end_template_use(&prepared).await;
     }
 
-    /// Make an accepted async job durable before its 202 is sent: the record holds the
-    /// prepared job and when this gateway will have placed it, so if this gateway dies first a
-    /// router adopts the job (`JobRecord::lost_its_driver`) instead of leaving it queued.
-    pub async fn commit_detached(&self, prepared: &PreparedJob) -> Result<(), ApiError> {
-        let job = &prepared.job;
-        let place_by = self.place_by_ms();
-        self.jobs
-            .update(&job.job_id, |r| {
-                r.record_submission(job, place_by);
-                r.detached = true;
-            })
-            .await?;
-        Ok(())
+    /// End a prepared job that was refused (the async queue is full): its record says why.
+    pub(crate) async fn refuse(&self, mut prepared: PreparedJob, err: &ApiError) {
+        prepared.guard.disarm();
+        self.record_failure(prepared.job_id(), err).await;
+        self.end_template_use(&prepared).await;
     }
 
     /// Unix ms by which a job submitted now has been placed or given up by its driver.
@@ -615,12 +620,14 @@ impl Mesh {
                     queue_depth,
                     retry_after_ms,
                 }) => {
+                    self.overload_gate
+                        .refused(&job.params.model, Duration::from_millis(retry_after_ms));
                     return Err(ApiError::Overloaded {
                         message: format!(
                             "the mesh is at capacity ({queue_depth} jobs waiting); retry later"
                         ),
                         retry_after_s: retry_after_ms.div_ceil(1000).max(1),
-                    })
+                    });
                 }
                 Ok(SubmitReply::Rejected {
                     reason,

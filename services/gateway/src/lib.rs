@@ -8,6 +8,7 @@
 //! `playground`, registered templates and LoRAs in `templates` and `loras`. `/healthz`,
 //! `/readyz`, `/metrics` answer on the API port and on the common health port.
 pub mod api;
+pub mod async_jobs;
 pub mod auth;
 pub mod controlnet;
 pub mod controlnet_directory;
@@ -22,6 +23,7 @@ pub mod lost_events;
 pub mod metrics;
 pub mod model_catalogue;
 pub mod openapi;
+pub mod overload_gate;
 pub mod parse;
 pub mod request_limits;
 pub mod request_model;
@@ -41,6 +43,7 @@ use diffmesh_shared::process::config::duration;
 use diffmesh_shared::process::health::{
     configure_health_routes, health_data, HealthServer, Readiness,
 };
+use diffmesh_shared::stores::async_queue::{AsyncQueue, QueueBounds};
 use diffmesh_shared::stores::blob_store::BlobStore;
 use diffmesh_shared::stores::idempotency::IdempotencyStore;
 use diffmesh_shared::stores::job::JobStore;
@@ -146,6 +149,24 @@ pub struct GatewayConfig {
     /// them first (`JobStore::with_known_revisions`; about 1 KB each; 0 = read every time).
     #[arg(long, env = "GATEWAY_KNOWN_JOB_RECORDS", default_value_t = 16_384)]
     pub known_job_records: u64,
+    /// Async jobs the mesh's durable queue holds at most, all keys together; beyond it an
+    /// async request is answered 429. Kept by JetStream for every gateway replica: give them
+    /// all the same value.
+    #[arg(long, env = "GATEWAY_ASYNC_QUEUE_MAX", default_value_t = 10_000)]
+    pub async_queue_max: u32,
+    /// Async jobs one API key may have waiting in the durable queue; beyond it its async
+    /// requests are answered 429.
+    #[arg(long, env = "GATEWAY_ASYNC_QUEUE_PER_KEY", default_value_t = 1_000)]
+    pub async_queue_per_key: u32,
+    /// Longest an async job waits in the queue for a denoiser (a shorter `deadline_ms` of the
+    /// request wins); then it fails with `timeout`.
+    #[arg(long, env = "GATEWAY_ASYNC_QUEUE_TIME", default_value = "10m", value_parser = duration)]
+    pub async_queue_time: Duration,
+    /// Gateway replicas behind the load balancer: each enforces 1/N of the per-key rate and
+    /// concurrency limits, so the mesh as a whole enforces them without a shared counter on
+    /// every request (the async queue's per-key bound is shared: JetStream keeps it).
+    #[arg(long, env = "GATEWAY_REPLICAS", default_value_t = 1)]
+    pub replicas: u32,
 }
 
 impl GatewayConfig {
@@ -178,6 +199,10 @@ impl GatewayConfig {
             rate_limit_burst: 0,
             known_job_records: 1024,
             max_concurrent_per_key: 0,
+            async_queue_max: 10_000,
+            async_queue_per_key: 1_000,
+            async_queue_time: Duration::from_secs(600),
+            replicas: 1,
         }
     }
 
@@ -297,11 +322,22 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
             "--rate-limit-per-s must be a non-negative number".into(),
         ));
     }
-    let key_limits = KeyLimiter::new(KeyLimits {
-        rate_per_s: config.rate_limit_per_s,
-        burst: config.rate_limit_burst,
-        max_concurrent: config.max_concurrent_per_key,
-    });
+    if config.replicas == 0 {
+        return Err(GatewayError::Config("--replicas must be at least 1".into()));
+    }
+    let key_limits = KeyLimiter::new(
+        KeyLimits {
+            rate_per_s: config.rate_limit_per_s,
+            burst: config.rate_limit_burst,
+            max_concurrent: config.max_concurrent_per_key,
+        }
+        .share_of(config.replicas),
+    );
+    if config.async_queue_max == 0 || config.async_queue_per_key == 0 {
+        return Err(GatewayError::Config(
+            "--async-queue-max and --async-queue-per-key must be at least 1".into(),
+        ));
+    }
     let registry = prometheus::Registry::new();
     let metrics = GatewayMetrics::register(&registry)?;
     let client = nats::connect(
@@ -323,7 +359,18 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
     let directory = directory::MeshDirectory::watch(&client).await?;
     let templates = templates::Templates::open(&client, jobs.clone(), flow.job_timeout).await?;
     let loras = loras::store::LoraStore::open(&js).await?;
+    let queue = AsyncQueue::open(
+        &js,
+        Some(QueueBounds {
+            max_jobs: config.async_queue_max,
+            max_per_key: config.async_queue_per_key,
+        }),
+        usize::from(config.common.js_replicas),
+    )
+    .await?;
     let mesh = Mesh {
+        queue,
+        max_queue_time: GatewayConfig::positive("async-queue-time", config.async_queue_time)?,
         blobs: BlobStore::open(&js).await?,
         jobs,
         idempotency: IdempotencyStore::open(&js).await?,
@@ -334,6 +381,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         background: background.clone(),
         driving: Default::default(),
         template_uses: templates.uses.clone(),
+        overload_gate: Default::default(),
     };
     {
         // Deletes a stopped gateway left pending; in the background, not to delay start-up.

@@ -1,6 +1,10 @@
 //! Per-API-key limits on image requests: a token bucket for the request rate and a cap on jobs
-//! in flight (synchronous requests and async jobs until they end). Kept in this process: with
-//! several gateway replicas each enforces its own share.
+//! in flight (synchronous requests until they end; async jobs until they are in the durable
+//! queue, whose per-key bound JetStream keeps for every replica). Kept in this process: with
+//! `--replicas N` each gateway enforces 1/N of them ([`KeyLimits::share_of`]). A counter shared
+//! in JetStream KV would cost a compare-and-set round trip on every request, contended by every
+//! replica on the same key; a load balancer spreading a key's requests evenly makes the shares
+//! add up to the limit, and an uneven one errs on the strict side for that replica only.
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,6 +21,22 @@ pub struct KeyLimits {
     pub burst: u32,
     /// Jobs in flight per key.
     pub max_concurrent: usize,
+}
+
+impl KeyLimits {
+    /// One of `replicas` gateways' share: rate, burst and concurrency divided (rounded up, so
+    /// a limit never becomes 0 = unlimited).
+    pub fn share_of(self, replicas: u32) -> Self {
+        let n = replicas.max(1);
+        if n == 1 {
+            return self;
+        }
+        Self {
+            rate_per_s: self.rate_per_s / f64::from(n),
+            burst: self.burst.div_ceil(n),
+            max_concurrent: self.max_concurrent.div_ceil(n as usize),
+        }
+    }
 }
 
 struct Usage {
@@ -170,6 +190,23 @@ mod tests {
         }
         let slots: Vec<_> = (0..100).map(|_| l.acquire("a").unwrap()).collect();
         assert_eq!(slots.len(), 100);
+    }
+
+    #[test]
+    fn replicas_share_the_limits_without_turning_them_off() {
+        let limits = KeyLimits {
+            rate_per_s: 9.0,
+            burst: 10,
+            max_concurrent: 5,
+        };
+        assert_eq!(limits.share_of(1), limits);
+        let third = limits.share_of(3);
+        assert_eq!(third.rate_per_s, 3.0);
+        assert_eq!(third.burst, 4);
+        assert_eq!(third.max_concurrent, 2);
+        let many = limits.share_of(100);
+        assert_eq!((many.burst, many.max_concurrent), (1, 1));
+        assert!(many.rate_per_s > 0.0);
     }
 
     #[test]

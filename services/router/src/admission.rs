@@ -1,5 +1,6 @@
 //! The router's admission queue: submits waiting, in arrival order, for a denoiser with a free
-//! slot. Bounded (beyond it a submit is answered `Overloaded`), cancellable by job id, and
+//! slot, and async jobs this router took from the durable queue (`async_jobs`), which wait
+//! among them. Bounded (beyond it a submit is answered `Overloaded`), cancellable by job id, and
 //! drained with an answer for everyone at shutdown. Pure data; the service owns the NATS side.
 use async_nats::{HeaderMap, Subject};
 use diffmesh_shared::wire::messages::DenoiseJob;
@@ -15,6 +16,19 @@ pub struct Waiting {
     /// The submit's headers (trace context), for the span of its placement.
     pub headers: Option<HeaderMap>,
     pub since: Instant,
+    /// Taken from the durable queue of async jobs: acked there once placed or ended. Such an
+    /// entry waits until its own deadline, not `--admission-wait`.
+    pub durable: Option<Durable>,
+}
+
+/// An async job's message in the durable queue, held unacked while it waits here.
+#[derive(Debug)]
+pub struct Durable {
+    pub message: async_nats::jetstream::Message,
+    /// Unix ms after which it is failed instead of placed.
+    pub place_by_ms: u64,
+    /// When the server was last told this router still works on it.
+    pub last_progress: Instant,
 }
 
 /// Why a submit was not queued.
@@ -58,6 +72,9 @@ impl AdmissionQueue {
             e.reply = w.reply;
             e.headers = w.headers;
             e.job = w.job;
+            if w.durable.is_some() {
+                e.durable = w.durable;
+            }
             return Ok(i);
         }
         if self.entries.len() >= self.capacity {
@@ -84,14 +101,56 @@ impl AdmissionQueue {
         self.entries.remove(i)
     }
 
-    /// Take every entry that waited longer than `max_wait`.
-    pub fn take_expired(&mut self, now: Instant, max_wait: Duration) -> Vec<Waiting> {
-        let (expired, kept): (Vec<Waiting>, Vec<Waiting>) = self
-            .entries
-            .drain(..)
-            .partition(|w| now.saturating_duration_since(w.since) > max_wait);
+    /// Take every submit that waited longer than `max_wait`, and every durable entry past its
+    /// deadline (`now_ms`, Unix ms).
+    pub fn take_expired(&mut self, now: Instant, max_wait: Duration, now_ms: u64) -> Vec<Waiting> {
+        let (expired, kept): (Vec<Waiting>, Vec<Waiting>) =
+            self.entries.drain(..).partition(|w| match &w.durable {
+                Some(d) => now_ms > d.place_by_ms,
+                None => now.saturating_duration_since(w.since) > max_wait,
+            });
         self.entries = kept.into();
         expired
+    }
+
+    /// Entries of `model` (a job's `params.model`) waiting.
+    pub fn count_model(&self, model: &str) -> usize {
+        self.entries
+            .iter()
+            .filter(|w| w.job.params.model == model)
+            .count()
+    }
+
+    /// Entries taken from the durable queue.
+    pub fn durable_count(&self) -> usize {
+        self.entries.iter().filter(|w| w.durable.is_some()).count()
+    }
+
+    /// The job ids and models of every entry, in order (to try each without holding the queue).
+    pub fn lineup(&self) -> Vec<(String, String)> {
+        self.entries
+            .iter()
+            .map(|w| (w.job.job_id.clone(), w.job.params.model.clone()))
+            .collect()
+    }
+
+    /// An entry by job id.
+    pub fn get(&self, job_id: &str) -> Option<&Waiting> {
+        self.entries.iter().find(|w| w.job.job_id == job_id)
+    }
+
+    /// The durable entries whose holder last reported progress before `due`; marked reported.
+    pub fn progress_due(&mut self, due: Instant) -> Vec<async_nats::jetstream::Message> {
+        let now = Instant::now();
+        self.entries
+            .iter_mut()
+            .filter_map(|w| w.durable.as_mut())
+            .filter(|d| d.last_progress < due)
+            .map(|d| {
+                d.last_progress = now;
+                d.message.clone()
+            })
+            .collect()
     }
 
     /// Take every entry (shutdown).
@@ -111,6 +170,7 @@ mod tests {
             reply: Some(Subject::from(reply)),
             headers: None,
             since,
+            durable: None,
         }
     }
 
@@ -139,7 +199,7 @@ mod tests {
             .unwrap();
         q.push(waiting("new2", "r", t0 + Duration::from_secs(6)))
             .unwrap();
-        let gone = q.take_expired(t0 + Duration::from_secs(7), Duration::from_secs(3));
+        let gone = q.take_expired(t0 + Duration::from_secs(7), Duration::from_secs(3), 0);
         assert_eq!(gone.len(), 1);
         assert_eq!(gone[0].job.job_id, "old");
         let left: Vec<String> = q.drain().into_iter().map(|w| w.job.job_id).collect();

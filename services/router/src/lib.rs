@@ -7,6 +7,7 @@ pub mod admin;
 pub mod admission;
 pub mod adopt;
 pub mod adopted_progress;
+pub mod async_jobs;
 pub mod cost_check;
 pub mod metrics;
 pub mod placement;
@@ -15,6 +16,7 @@ pub mod registry;
 pub mod service;
 pub mod state;
 pub mod submit;
+pub mod wait_estimate;
 pub mod worker_state;
 
 use admin::AdminServer;
@@ -192,12 +194,20 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     let js =
         diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
     let jobs = JobStore::open(&js).await?;
+    // The gateways set the queue's bounds; a router takes the stream as it is.
+    let queue = diffmesh_shared::stores::async_queue::AsyncQueue::open(
+        &js,
+        None,
+        usize::from(config.common.js_replicas),
+    )
+    .await?;
     let router = Arc::new(Router::new(
         client.clone(),
         state,
         metrics,
         config.clone(),
         jobs,
+        queue,
     ));
     let shutdown = CancellationToken::new();
     let mut tasks = JoinSet::new();
@@ -222,6 +232,12 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     let s = shutdown.clone();
     tasks.spawn(async move {
         r.adopt_orphans(s).await;
+        Ok(())
+    });
+    let r = router.clone();
+    let s = shutdown.clone();
+    tasks.spawn(async move {
+        r.pull_async_jobs(s).await;
         Ok(())
     });
     // The subscriptions reach the server before anyone is told the router is up.

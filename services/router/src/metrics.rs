@@ -34,6 +34,8 @@ pub struct RouterMetrics {
     /// Per denoiser, the factor its forecasts are scaled by (its smoothed measured/predicted
     /// step time; 1 until it has reported enough steps).
     pub step_time_factor: GaugeVec,
+    /// Async jobs taken from the durable queue into this router's admission line.
+    pub async_taken: IntCounter,
 }
 
 impl RouterMetrics {
@@ -107,6 +109,11 @@ impl RouterMetrics {
             ),
             &["worker"],
         )?;
+        let async_taken = IntCounter::new(
+            "diffmesh_router_async_jobs_taken_total",
+            "Async jobs taken from the durable queue to be placed",
+        )?;
+        registry.register(Box::new(async_taken.clone()))?;
         registry.register(Box::new(step_prediction_ratio.clone()))?;
         registry.register(Box::new(step_time_factor.clone()))?;
         registry.register(Box::new(submit_seconds.clone()))?;
@@ -130,6 +137,7 @@ impl RouterMetrics {
             adoptions,
             step_prediction_ratio,
             step_time_factor,
+            async_taken,
         })
     }
 

@@ -133,7 +133,26 @@ impl Handler<Finish> for Placement {
     type Result = bool;
 
     fn handle(&mut self, msg: Finish, _: &mut Context<Self>) -> bool {
-        self.state.registry.finish(&msg.0).is_some()
+        self.state.finish(&msg.0, Instant::now()).is_some()
+    }
+}
+
+/// The expected wait of a job of `model` with `ahead` of its model's submits queued before it
+/// (`RouterState::wait_for`).
+pub struct EstimateWait {
+    pub model: String,
+    pub ahead: usize,
+}
+
+impl Message for EstimateWait {
+    type Result = Option<Duration>;
+}
+
+impl Handler<EstimateWait> for Placement {
+    type Result = Option<Duration>;
+
+    fn handle(&mut self, msg: EstimateWait, _: &mut Context<Self>) -> Option<Duration> {
+        self.state.wait_for(&msg.model, msg.ahead)
     }
 }
 

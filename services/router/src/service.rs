@@ -25,6 +25,8 @@ use tracing::Instrument;
 /// How often silent workers are looked for: well under the shortest expiry (a few missed
 /// heartbeats of 100 ms in tests, 500 ms by default).
 const EXPIRY_CHECK: Duration = Duration::from_millis(50);
+/// How long a router leaves the ending of a job another router placed to that router.
+const OTHERS_OUTCOME_DELAY: Duration = Duration::from_secs(1);
 
 /// Why a job could not be placed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -84,6 +86,8 @@ pub struct Router {
     pub(crate) jobs: JobStore,
     /// Adopted jobs whose progress this router writes into their records.
     pub(crate) adopted: crate::adopted_progress::AdoptedProgress,
+    /// The durable queue of async jobs this router places from (`async_jobs`).
+    pub(crate) queue: diffmesh_shared::stores::async_queue::AsyncQueue,
 }
 
 impl Router {
@@ -93,6 +97,7 @@ impl Router {
         metrics: RouterMetrics,
         config: RouterConfig,
         jobs: JobStore,
+        queue: diffmesh_shared::stores::async_queue::AsyncQueue,
     ) -> Self {
         metrics.set_policy(state.policy_name());
         let admission = Mutex::new(AdmissionQueue::new(config.max_queue));
@@ -105,6 +110,7 @@ impl Router {
             admission,
             jobs,
             adopted: Default::default(),
+            queue,
         }
     }
 
@@ -273,12 +279,23 @@ impl Router {
     /// written here only: the registering gateway reads it from the event, and the record
     /// keeps it for when that gateway stopped before recording the template.
     pub(crate) fn record_outcome(&self, job_id: &str, event: JobEvent) {
+        self.record_outcome_after(job_id, event, Duration::ZERO);
+    }
+
+    /// [`Self::record_outcome`] after `delay`: for a job another router placed, whose router
+    /// writes it first unless it died meanwhile (then the job's ending is still written: an
+    /// async job from the durable queue has no gateway to write it). A record that already
+    /// ended is read, not written again.
+    pub(crate) fn record_outcome_after(&self, job_id: &str, event: JobEvent, delay: Duration) {
         if matches!(&event, JobEvent::Failed { error_type, .. } if error_type == error_types::CANCELLED)
         {
             return;
         }
         let (jobs, job_id) = (self.jobs.clone(), job_id.to_string());
         tokio::spawn(async move {
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             let written = match event {
                 JobEvent::Done { png_keys } => {
                     jobs.update(&job_id, |r| r.mark_done(png_keys.clone()))
@@ -370,6 +387,11 @@ impl Router {
                     .admission_waiting
                     .set(self.admission().len() as i64);
                 tracing::info!(job_id = %cancel.job_id, "cancelled while waiting for admission");
+                if let Some(durable) = &w.durable {
+                    // Its owner cancelled it: the record says so already.
+                    self.ended_async(durable, &cancel.job_id, false).await;
+                    continue;
+                }
                 let reason = "cancelled while waiting for a denoiser";
                 let reply = SubmitReply::Rejected {
                     reason: reason.into(),
@@ -424,6 +446,8 @@ impl Router {
                     if placed_here {
                         self.capacity.notify_waiters();
                         self.record_outcome(job_id, event);
+                    } else {
+                        self.record_outcome_after(job_id, event, OTHERS_OUTCOME_DELAY);
                     }
                 }
                 Ok(event @ JobEvent::Captured { .. }) => {

@@ -3,6 +3,7 @@
 //! short-held mutex and is unit-tested without NATS.
 use crate::cost_check::{CostCheck, CostReport};
 use crate::registry::{ExpiryPolicy, LostWorker, WorkerRegistry};
+use crate::wait_estimate::WaitEstimate;
 use crate::worker_state::{fill_worker_state, request_info};
 use diffmesh_sched::batching::BatchLimits;
 use diffmesh_sched::policy::{policy_by_name, Policy, RequestInfo, WorkerState};
@@ -42,6 +43,8 @@ pub struct RouterState {
     /// Reused per decision: the policy's view of each candidate and its worker id.
     views: Vec<WorkerState>,
     ids: Vec<String>,
+    /// How long a job that finds its model's denoisers full would wait ([`Self::wait_for`]).
+    waits: WaitEstimate,
 }
 
 impl RouterState {
@@ -60,6 +63,7 @@ impl RouterState {
             max_attempts: max_attempts.max(1),
             views: Vec::new(),
             ids: Vec::new(),
+            waits: WaitEstimate::default(),
         }
     }
 
@@ -158,6 +162,7 @@ impl RouterState {
             Some(i) if i < n => {
                 let worker = self.ids[i].clone();
                 self.registry.record_placement(&worker, job.clone());
+                self.waits.placed(&job.job_id, model, now);
                 Decision::Chosen(worker)
             }
             _ => Decision::NoCapacity,
@@ -167,6 +172,26 @@ impl RouterState {
     /// Undo a placement the worker refused or never answered.
     pub fn unplace(&mut self, job_id: &str) {
         self.registry.finish(job_id);
+        self.waits.unplaced(job_id);
+    }
+
+    /// A job ended (its `Done` or `Failed` event): forget its placement; answers the worker
+    /// it was placed on, if this router placed it.
+    pub fn finish(&mut self, job_id: &str, now: Instant) -> Option<String> {
+        self.waits.finished(job_id, now);
+        self.registry.finish(job_id)
+    }
+
+    /// The expected wait of a job of `model` with `ahead` submits of that model queued before
+    /// it, while its denoisers are full (`wait_estimate`); None while unknown.
+    pub fn wait_for(&self, model: &str, ahead: usize) -> Option<std::time::Duration> {
+        let positions: u32 = self
+            .registry
+            .live()
+            .filter(|w| model.is_empty() || w.heartbeat.model == model)
+            .map(|w| w.heartbeat.max_batch + w.heartbeat.queue_capacity)
+            .sum();
+        self.waits.estimate(model, positions, ahead)
     }
 
     /// The next attempt of a job whose worker was lost, or why it must fail.

@@ -1,16 +1,22 @@
 //! Submits: place a job on a denoiser now, or queue it in the bounded admission queue until a
-//! denoiser has room (answering `Overloaded` when the queue is full). A dispatcher task places
-//! queued jobs in arrival order as capacity frees up, answers those that waited too long with a
-//! retry hint, and at shutdown every queued submit is answered (rejected with a retry hint, so
-//! the gateway submits it again to a router that runs).
+//! denoiser has room. A submit the router cannot start within `--admission-wait` is answered
+//! `Overloaded` at once (the gateway's 429), with the expected wait as its retry hint
+//! (`wait_estimate`); so is one the queue has no room for, and one that waited out
+//! `--admission-wait` after all. A dispatcher task places queued jobs in arrival order per
+//! model as capacity frees up (a model whose denoisers are full does not hold up another's
+//! jobs), and at shutdown every queued submit is answered (rejected with a retry hint, so the
+//! gateway submits it again to a router that runs) and every held async job handed back.
 use crate::admission::Waiting;
+use crate::placement::EstimateWait;
 use crate::service::{PlaceError, Router};
 use crate::state::Decision;
 use async_nats::Subscriber;
 use diffmesh_shared::nats::serve::serve_subscription;
 use diffmesh_shared::nats::{publish_msgpack, reply_msgpack, request_msgpack_job};
+use diffmesh_shared::stores::job::now_ms;
 use diffmesh_shared::wire::messages::{decode, CancelJob, DenoiseJob, SubmitReply};
 use diffmesh_shared::{wire::subjects, MeshError};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
@@ -64,8 +70,10 @@ impl Router {
             template = crate::worker_state::template_cache_key(&job).unwrap_or(""),
         );
         diffmesh_shared::nats::trace_context::set_parent_from(&span, msg.headers.as_ref());
-        // Jobs already waiting go first: a new one only skips the queue when it is empty.
-        if self.admission().is_empty() {
+        // Jobs of its model already waiting go first: a new one only skips the queue when none
+        // of them waits.
+        let model = job.params.model.clone();
+        if self.admission().count_model(&model) == 0 {
             match self
                 .place_once(&job, &[], Some(0))
                 .instrument(span.clone())
@@ -89,11 +97,25 @@ impl Router {
                 }
             }
         }
+        let ahead = self.admission().count_model(&model);
+        let expected = self.ask(EstimateWait { model, ahead }).await;
+        if let Some(wait) = expected.filter(|w| *w > self.config.admission_wait) {
+            // It would not start within the admission wait: say so now, not after it.
+            self.count_failure("expected_wait");
+            let reply = SubmitReply::Overloaded {
+                queue_depth: ahead as u32,
+                retry_after_ms: self.retry_hint(wait),
+            };
+            span.in_scope(|| tracing::debug!(?wait, ahead, "refused: expected wait too long"));
+            self.reply(&msg, &reply, started).await;
+            return;
+        }
         let waiting = Waiting {
             job,
             reply: msg.reply.clone(),
             headers: msg.headers.clone(),
             since: started,
+            durable: None,
         };
         let queued = {
             let mut q = self.admission();
@@ -129,15 +151,26 @@ impl Router {
                 _ = woken => {}
                 _ = tokio::time::sleep(DISPATCH_TICK) => {}
             }
-            let expired = self.admission().take_expired(Instant::now(), max_wait);
+            let expired = self
+                .admission()
+                .take_expired(Instant::now(), max_wait, now_ms());
             for w in expired {
+                if let Some(durable) = &w.durable {
+                    self.ended_async(durable, &w.job.job_id, true).await;
+                    continue;
+                }
                 self.count_failure(PlaceError::NoCapacity.reason());
-                let reply = SubmitReply::Rejected {
-                    reason: format!(
-                        "every denoiser stayed full for {} ms",
-                        self.config.admission_wait.as_millis()
-                    ),
-                    retry_after_ms: self.config.retry_after.as_millis() as u64,
+                // Load, not a fault: the gateway answers 429 with this hint, not 503.
+                let ahead = self.admission().count_model(&w.job.params.model);
+                let expected = self
+                    .ask(EstimateWait {
+                        model: w.job.params.model.clone(),
+                        ahead,
+                    })
+                    .await;
+                let reply = SubmitReply::Overloaded {
+                    queue_depth: ahead as u32,
+                    retry_after_ms: self.retry_hint(expected.unwrap_or_default()),
                 };
                 self.answer(&w, &reply).await;
             }
@@ -147,30 +180,42 @@ impl Router {
         }
     }
 
-    /// Place from the head of the queue until a job finds no capacity. The head stays queued
-    /// while it is being placed, so a cancel or a resubmission during the round trip finds it.
+    /// Place queued jobs in order, each model's in its own line: once a job finds no capacity
+    /// (or, an async one, no denoiser of its model), the ones of its model behind it wait too,
+    /// the others are still tried. An entry stays queued while it is being placed, so a cancel
+    /// or a resubmission during the round trip finds it.
     async fn place_queued(&self) {
-        loop {
-            // A policy may hold the head back while a worker would take it, but not for so
-            // long that it expires unplaced: past half its allowed wait it goes where it can.
-            let may_hold_for = self.config.admission_wait / 2;
-            let head = {
-                let q = self.admission();
-                let behind = q.len().saturating_sub(1) as u32;
-                q.front().map(|w| {
-                    let hold = (w.since.elapsed() < may_hold_for).then_some(behind);
-                    (w.job.clone(), w.headers.clone(), hold)
-                })
-            };
-            let Some((job, headers, behind)) = head else {
-                return;
+        // A policy may hold a job back while a worker would take it, but not for so long that
+        // it expires unplaced: past half its allowed wait it goes where it can.
+        let may_hold_for = self.config.admission_wait / 2;
+        let lineup = self.admission().lineup();
+        let total = lineup.len();
+        let mut blocked: HashSet<String> = HashSet::new();
+        for (i, (job_id, model)) in lineup.into_iter().enumerate() {
+            if blocked.contains(&model) {
+                continue;
+            }
+            let entry = self.admission().get(&job_id).map(|w| {
+                let behind = (total - i - 1) as u32;
+                let hold = (w.since.elapsed() < may_hold_for).then_some(behind);
+                (w.job.clone(), w.headers.clone(), hold, w.durable.is_some())
+            });
+            let Some((job, headers, hold, durable)) = entry else {
+                continue;
             };
             let span =
                 tracing::info_span!("place_queued", job_id = %job.job_id, attempt = job.attempt);
             diffmesh_shared::nats::trace_context::set_parent_from(&span, headers.as_ref());
-            let result = self.place_once(&job, &[], behind).instrument(span).await;
-            if matches!(result, Err(PlaceError::NoCapacity)) {
-                return;
+            let result = self.place_once(&job, &[], hold).instrument(span).await;
+            let waits = match &result {
+                Err(PlaceError::NoCapacity) => true,
+                // An async job waits for its model's denoisers to come back, up to its deadline.
+                Err(PlaceError::NoLiveWorker) => durable,
+                _ => false,
+            };
+            if waits {
+                blocked.insert(model);
+                continue;
             }
             let taken = self.admission().remove(&job.job_id);
             match (result, taken) {
@@ -179,7 +224,10 @@ impl Router {
                     self.metrics
                         .submit_seconds
                         .observe(w.since.elapsed().as_secs_f64());
-                    self.answer(&w, &SubmitReply::Accepted { worker_id }).await;
+                    match &w.durable {
+                        Some(d) => self.placed_async(d, &job.job_id, &worker_id).await,
+                        None => self.answer(&w, &SubmitReply::Accepted { worker_id }).await,
+                    }
                 }
                 (Ok(worker_id), None) => {
                     // Cancelled while it was being placed: cancel it on its worker too.
@@ -207,6 +255,13 @@ impl Router {
         }
     }
 
+    /// The retry hint of a submit refused for load: when the line ahead of it should have
+    /// shrunk to what starts within the admission wait, at least `--retry-after`.
+    pub(crate) fn retry_hint(&self, expected: Duration) -> u64 {
+        let beyond = expected.saturating_sub(self.config.admission_wait);
+        beyond.max(self.config.retry_after).as_millis() as u64
+    }
+
     /// Answer every queued submit with `reason` and a retry hint (shutdown: the gateway submits
     /// them again, to this router's successor).
     pub async fn drain_admission(&self, reason: &str) {
@@ -216,6 +271,10 @@ impl Router {
             tracing::info!(jobs = waiting.len(), %reason, "answering queued submits");
         }
         for w in waiting {
+            if let Some(durable) = &w.durable {
+                self.release_async(durable, &w.job.job_id).await;
+                continue;
+            }
             let reply = SubmitReply::Rejected {
                 reason: reason.to_string(),
                 retry_after_ms: self.config.retry_after.as_millis() as u64,

@@ -197,10 +197,16 @@ async fn serve(
             return replay(req, state, key, existing, respond_async, format).await;
         }
     }
+    if !respond_async {
+        // Refused for load moments ago: refused now, before any work (async jobs queue).
+        state
+            .mesh
+            .overload_gate
+            .check(&request.input.valid.params.model)?;
+    }
     let slot = state.key_limits.acquire(caller.limit_key())?;
     let mut prepared = state.mesh.prepare(request.input, caller.owner()).await?;
     let job_id = prepared.job_id().to_string();
-    let kind = prepared.job.kind;
     if let Some(key) = &idem {
         let mine = IdempotencyRecord {
             job_id: job_id.clone(),
@@ -215,20 +221,12 @@ async fn serve(
         }
     }
     if respond_async {
-        // Durable before the 202: a router places the job if this gateway dies first.
-        state.mesh.commit_detached(&prepared).await?;
-        let mesh = state.mesh.clone();
-        state.mesh.spawn_background(async move {
-            let _slot = slot;
-            if let Err(err) = mesh.complete(prepared).await {
-                tracing::info!(error = %err, "async job ended without a result");
-            }
-        });
-        // The record as the job starts (a fresh one if it cannot be read back right now).
-        let record = match state.mesh.jobs.get(&job_id).await {
-            Ok(Some(r)) => r,
-            _ => JobRecord::new(job_id, kind),
-        };
+        // From the durable queue's 202 on, its per-key bound holds the key's async jobs.
+        drop(slot);
+        let record = state
+            .mesh
+            .enqueue_detached(prepared, caller.owner())
+            .await?;
         return Ok(accepted(&record, false));
     }
     if idem.is_some() {

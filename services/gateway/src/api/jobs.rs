@@ -225,7 +225,11 @@ pub async fn get_job(
 ) -> Result<HttpResponse, ApiError> {
     let caller = state.caller(&req)?;
     let record = owned_record(&state, &caller, &id).await?;
-    Ok(HttpResponse::Ok().json(JobView::of(&record)))
+    let mut view = JobView::of(&record);
+    if view.status == JobStatus::Queued && view.queue_position.is_none() {
+        view.queue_position = state.mesh.queue_position(&record).await;
+    }
+    Ok(HttpResponse::Ok().json(view))
 }
 
 #[utoipa::path(
@@ -278,6 +282,7 @@ async fn cancel(state: &ApiState, caller: &Caller, id: &str) -> Result<HttpRespo
     // The job's driver stops now if it runs here (else on its next check or the mesh's event);
     // the mesh is told to drop the job.
     state.mesh.stop_driving(&job_id);
+    state.mesh.unqueue(&record).await;
     let mesh = state.mesh.clone();
     let window = mesh.placement_window();
     let cancelled_id = job_id.clone();

@@ -131,6 +131,10 @@ pub struct JobRecord {
     /// A capture job's stored cache, once its denoiser reported it.
     #[serde(default)]
     pub captured: Option<CaptureReport>,
+    /// Its sequence in the durable queue of async jobs (`stores::async_queue`) while it waits
+    /// there for a router to place it.
+    #[serde(default)]
+    pub queue_seq: Option<u64>,
 }
 
 /// How often at most a running job's step progress is written to its record.
@@ -209,6 +213,7 @@ impl JobRecord {
             place_by_ms: None,
             adopted: false,
             captured: None,
+            queue_seq: None,
         }
     }
 
@@ -227,6 +232,16 @@ impl JobRecord {
         self.submitted = Some(job.clone());
         self.steps_total = job.params.num_inference_steps;
         self.place_by_ms = Some(place_by_ms);
+    }
+
+    /// The async job waits in the durable queue at `sequence`: routers place it from there, so
+    /// no router adopts it (no `place_by_ms`) and the job no longer needs its gateway.
+    pub fn record_queued(&mut self, job: &DenoiseJob, sequence: u64) {
+        self.submitted = Some(job.clone());
+        self.steps_total = job.params.num_inference_steps;
+        self.detached = true;
+        self.queue_seq = Some(sequence);
+        self.place_by_ms = None;
     }
 
     /// The job was placed on `worker_id` (it may still wait in that worker's queue).
