@@ -178,8 +178,42 @@ impl RouterState {
     /// A job ended (its `Done` or `Failed` event): forget its placement; answers the worker
     /// it was placed on, if this router placed it.
     pub fn finish(&mut self, job_id: &str, now: Instant) -> Option<String> {
-        self.waits.finished(job_id, now);
+        let model = self.model_of(job_id);
+        let busy = model.as_deref().is_some_and(|m| self.all_busy(m));
+        self.waits.finished(job_id, model.as_deref(), busy, now);
         self.registry.finish(job_id)
+    }
+
+    /// The model of a job: placed here, or listed by a denoiser's heartbeat.
+    fn model_of(&self, job_id: &str) -> Option<String> {
+        if let Some(model) = self.waits.model_of(job_id) {
+            return Some(model.to_string());
+        }
+        self.registry
+            .live()
+            .find(|w| {
+                w.heartbeat
+                    .running
+                    .iter()
+                    .chain(&w.heartbeat.waiting)
+                    .any(|r| r.job_id == job_id)
+            })
+            .map(|w| w.heartbeat.model.clone())
+    }
+
+    /// Whether every live denoiser of `model` is busy: a full batch, or jobs queued.
+    fn all_busy(&self, model: &str) -> bool {
+        let mut any = false;
+        let holds =
+            |w: &crate::registry::LiveWorker<'_>| model.is_empty() || w.heartbeat.model == model;
+        for w in self.registry.live().filter(holds) {
+            any = true;
+            let running = w.running().count() as u32;
+            if running < w.heartbeat.max_batch && w.heartbeat.queued == 0 {
+                return false;
+            }
+        }
+        any
     }
 
     /// The expected wait of a job of `model` with `ahead` submits of that model queued before
