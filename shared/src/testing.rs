@@ -73,6 +73,29 @@ impl NatsServer {
         panic!("nats-server did not come up after 5 tries; last log:\n{last_log}")
     }
 
+    /// [`NatsServer::start`] with `config` (a `nats-server` config file's text, such as
+    /// `nats::auth::server_config`'s authorization block) read by the server.
+    pub fn start_with_config(config: &str) -> Self {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "diffmesh-nats-{}-{}.conf",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::write(&path, config).expect("write the nats-server config");
+        let extra = ["-c".to_string(), path.display().to_string()];
+        let mut last_log = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let mut server = Self::spawn(port, "config", &extra);
+            if server.wait_ready(Duration::from_secs(10)) {
+                return server;
+            }
+            last_log = server.log();
+        }
+        panic!("nats-server did not come up after 5 tries; last log:\n{last_log}")
+    }
+
     /// Start `nats-server -js` on `port` with `extra` flags, data and log in a fresh temp dir.
     fn spawn(port: u16, label: &str, extra: &[String]) -> Self {
         static SEQ: AtomicU32 = AtomicU32::new(0);

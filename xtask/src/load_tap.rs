@@ -69,12 +69,17 @@ impl JobTap {
             .map(str::trim)
             .filter(|s| !s.is_empty())
             .collect();
-        let client = tokio::time::timeout(
-            Duration::from_secs(3),
-            async_nats::connect(servers.as_slice()),
-        )
-        .await
-        .with_context(|| format!("connecting to {url} timed out"))??;
+        // On a server with users (`cargo xtask up` starting its own): `run/nats/admin.env`.
+        let options = match (std::env::var("NATS_USER"), std::env::var("NATS_PASSWORD")) {
+            (Ok(user), Ok(password)) => {
+                async_nats::ConnectOptions::with_user_and_password(user, password)
+            }
+            _ => async_nats::ConnectOptions::new(),
+        };
+        let client =
+            tokio::time::timeout(Duration::from_secs(3), options.connect(servers.as_slice()))
+                .await
+                .with_context(|| format!("connecting to {url} timed out"))??;
         // `diffmesh_shared::wire::subjects::job_events("*")`, spelled out so xtask need not build the
         // shared crate (actix, OpenTelemetry) before its first command.
         let mut sub = client.subscribe("diffmesh.job.*.events").await?;

@@ -166,6 +166,8 @@ fn start_all(
     started: &mut Vec<Started>,
 ) -> anyhow::Result<()> {
     let nats_addrs = nats_socket_addrs(&args.nats_url)?;
+    // The users of a NATS server started here (None: an existing server, used as it is).
+    let mut nats_users: Option<Vec<diffmesh_shared::nats::auth::User>> = None;
     let answers =
         |a: &SocketAddr| TcpStream::connect_timeout(a, Duration::from_millis(500)).is_ok();
     if !nats_addrs.iter().any(answers) {
@@ -180,16 +182,38 @@ fn start_all(
             .ok_or_else(|| anyhow::anyhow!("nats-server is not installed (cargo xtask setup)"))?;
         let store = run_dir.join("nats");
         std::fs::create_dir_all(&store)?;
+        // Its own server refuses anonymous clients: each service gets its role's user.
+        let users = diffmesh_shared::nats::auth::mesh_users()?;
+        let conf = store.join("auth.conf");
+        write_private(&conf, &diffmesh_shared::nats::auth::server_config(&users))?;
+        let admin = users
+            .iter()
+            .find(|u| u.permissions.is_none())
+            .expect("admin");
+        write_private(
+            &store.join("admin.env"),
+            &format!(
+                "NATS_USER={}\nNATS_PASSWORD={}\n",
+                admin.name, admin.password
+            ),
+        )?;
+        println!(
+            "NATS: anonymous clients refused; the operator's credentials are in {}",
+            store.join("admin.env").display()
+        );
+        nats_users = Some(users);
         let mut cmd = Command::new(bin);
-        cmd.args([
-            "-js",
-            "-a",
-            &nats_addr.ip().to_string(),
-            "-p",
-            &nats_addr.port().to_string(),
-            "-sd",
-        ])
-        .arg(&store);
+        cmd.arg("-c")
+            .arg(&conf)
+            .args([
+                "-js",
+                "-a",
+                &nats_addr.ip().to_string(),
+                "-p",
+                &nats_addr.port().to_string(),
+                "-sd",
+            ])
+            .arg(&store);
         started.push(spawn("nats-server", cmd, run_dir)?);
         wait_until(Duration::from_secs(10), "nats-server", || {
             TcpStream::connect(nats_addr).is_ok()
@@ -200,11 +224,12 @@ fn start_all(
 
     let release = crate::target_dir(root).join("release");
     let models = served_models(args)?;
+    let users = nats_users.as_deref();
     let mut gateway_health = None;
     let mut denoiser_health = Vec::new();
     for (i, svc) in SERVICES.iter().enumerate() {
         if *svc == "denoiser" {
-            let ports = start_denoisers(tc, args, &models, root, run_dir, started)?;
+            let ports = start_denoisers(tc, args, &models, root, run_dir, started, users)?;
             denoiser_health.extend(ports);
             continue;
         }
@@ -212,6 +237,7 @@ fn start_all(
         cmd.current_dir(root)
             .env("NATS_URL", &args.nats_url)
             .env("RUST_LOG", "info");
+        nats_user(&mut cmd, users, svc);
         let health_port = HEALTH_PORT_BASE + (i as u16) * 10;
         cmd.env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"));
         if *svc == "gateway" {
@@ -236,6 +262,7 @@ fn start_all(
                 .env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"))
                 .env("CONTROLNET_WORKER_ID", format!("controlnet-{copy}"))
                 .env("CONTROLNET_DIR", &args.controlnet_dir);
+            nats_user(&mut cmd, users, "controlnet");
             tc.apply(&mut cmd)?;
             started.push(spawn(&format!("controlnet-{copy}"), cmd, run_dir)?);
             denoiser_health.push(health_port);
@@ -262,6 +289,7 @@ fn start_denoisers(
     root: &Path,
     run_dir: &Path,
     started: &mut Vec<Started>,
+    users: Option<&[diffmesh_shared::nats::auth::User]>,
 ) -> anyhow::Result<Vec<u16>> {
     let release = crate::target_dir(root).join("release");
     let denoiser_index = SERVICES.iter().position(|s| *s == "denoiser").unwrap_or(0) as u16;
@@ -287,6 +315,7 @@ fn start_denoisers(
                 .env("DENOISER_MODEL_DIR", &model.dir)
                 .env("DENOISER_MODEL_ID", &model.id)
                 .env("DENOISER_WORKER_ID", &worker_id);
+            nats_user(&mut cmd, users, "denoiser");
             // The ControlNets in --controlnet-dir are the tiny model's.
             if model.tiny && root.join(&args.controlnet_dir).is_dir() {
                 cmd.env("DENOISER_CONTROLNET_DIR", &args.controlnet_dir);
@@ -345,6 +374,27 @@ fn write_pids(run_dir: &Path, started: &[Started]) -> anyhow::Result<()> {
 /// SIGKILL to what is still alive after a grace period.
 pub fn down() -> anyhow::Result<()> {
     stop(&workspace_root().join("run"))
+}
+
+/// The service's NATS user (named as the service) on a server started here.
+fn nats_user(cmd: &mut Command, users: Option<&[diffmesh_shared::nats::auth::User]>, svc: &str) {
+    if let Some(u) = users.and_then(|users| users.iter().find(|u| u.name == svc)) {
+        cmd.env("NATS_USER", &u.name)
+            .env("NATS_PASSWORD", &u.password);
+    }
+}
+
+/// Write a file only its owner can read (passwords).
+fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    std::io::Write::write_all(&mut file, text.as_bytes())?;
+    Ok(())
 }
 
 fn stop(run_dir: &Path) -> anyhow::Result<()> {

@@ -125,12 +125,7 @@ impl CachestoreHandle {
 pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, CachestoreError> {
     let registry = prometheus::Registry::new();
     let metrics = metrics::CacheMetrics::new(&registry)?;
-    let client = diffmesh_shared::nats::connect(
-        &config.common.nats_url,
-        "diffmesh-cachestore",
-        config.common.nats_connect_timeout,
-    )
-    .await?;
+    let client = config.common.connect_nats("diffmesh-cachestore").await?;
     let cluster = if config.no_cluster_tier {
         None
     } else {

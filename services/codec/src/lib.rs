@@ -161,8 +161,7 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
     let grid = config.grid()?;
     let registry = prometheus::Registry::new();
     let metrics = CodecMetrics::register(&registry)?;
-    let connect_timeout = config.common.nats_connect_timeout;
-    let client = nats::connect(&config.common.nats_url, "diffmesh-codec", connect_timeout).await?;
+    let client = config.common.connect_nats("diffmesh-codec").await?;
     let js =
         diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
     let blobs = BlobStore::open(&js).await?;

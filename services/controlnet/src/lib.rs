@@ -248,12 +248,10 @@ pub async fn start(config: WorkerConfig) -> Result<WorkerHandle, WorkerError> {
         })?;
     let registry = Registry::new();
     let metrics = WorkerMetrics::new(&registry)?;
-    let client = diffmesh_shared::nats::connect(
-        &config.common.nats_url,
-        &format!("diffmesh-controlnet-{worker_id}"),
-        config.common.nats_connect_timeout,
-    )
-    .await?;
+    let client = config
+        .common
+        .connect_nats(&format!("diffmesh-controlnet-{worker_id}"))
+        .await?;
 
     let status = Arc::new(Mutex::new(ComputeStatus::default()));
     let work_tx = ComputeQueue::start(&config, device, kind, status.clone(), metrics.clone());

@@ -429,12 +429,10 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
             .with_label_values(&[&name])
             .set(0.0);
     }
-    let client = diffmesh_shared::nats::connect(
-        &config.common.nats_url,
-        &format!("diffmesh-denoiser-{worker_id}"),
-        config.common.nats_connect_timeout,
-    )
-    .await?;
+    let client = config
+        .common
+        .connect_nats(&format!("diffmesh-denoiser-{worker_id}"))
+        .await?;
     let js =
         diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
     let blobs = BlobStore::open(&js).await?;

@@ -38,7 +38,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::{web, App, HttpServer};
-use diffmesh_shared::nats;
 use diffmesh_shared::process::config::duration;
 use diffmesh_shared::process::health::{
     configure_health_routes, health_data, HealthServer, Readiness,
@@ -340,12 +339,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
     }
     let registry = prometheus::Registry::new();
     let metrics = GatewayMetrics::register(&registry)?;
-    let client = nats::connect(
-        &config.common.nats_url,
-        "diffmesh-gateway",
-        config.common.nats_connect_timeout,
-    )
-    .await?;
+    let client = config.common.connect_nats("diffmesh-gateway").await?;
     let js =
         diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
     let background = TaskTracker::new();

@@ -22,8 +22,11 @@ use tokio_util::sync::CancellationToken;
 
 /// Async jobs one router holds in its admission line at once.
 const HELD_AT_ONCE: usize = 4;
-/// How often the queue is looked at without being woken.
+/// How often a router without room looks again without being woken, and the pause after a
+/// failed pull.
 const PULL_TICK: Duration = Duration::from_millis(100);
+/// How long one pull waits at the server for a job.
+const LONG_POLL: Duration = Duration::from_millis(500);
 /// Wait before trying to open the consumer again.
 const REOPEN_AFTER: Duration = Duration::from_secs(1);
 /// Redelivery delay of a job whose record could not be read.
@@ -46,30 +49,47 @@ impl Router {
             }
         };
         loop {
-            let woken = self.capacity.notified();
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = woken => {}
-                _ = tokio::time::sleep(PULL_TICK) => {}
+            if shutdown.is_cancelled() {
+                return;
             }
             self.report_progress().await;
-            while self.wants_async_job() {
-                let batch = match consumer.fetch().max_messages(1).messages().await {
-                    Ok(batch) => batch,
-                    Err(err) => {
-                        tracing::debug!(error = %err, "async job queue fetch failed");
-                        break;
-                    }
-                };
-                let mut batch = std::pin::pin!(batch);
-                match batch.next().await {
-                    Some(Ok(message)) => self.take_async(message).await,
-                    Some(Err(err)) => {
-                        tracing::debug!(error = %err, "async job queue fetch failed");
-                        break;
-                    }
-                    None => break,
+            if !self.wants_async_job() {
+                let woken = self.capacity.notified();
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = woken => {}
+                    _ = tokio::time::sleep(PULL_TICK) => {}
                 }
+                continue;
+            }
+            // A long poll: the server answers as soon as a job is queued (or after LONG_POLL
+            // with none), so a queued job reaches a router with room within milliseconds.
+            let batch = consumer
+                .batch()
+                .max_messages(1)
+                .expires(LONG_POLL)
+                .messages()
+                .await;
+            let batch = match batch {
+                Ok(batch) => batch,
+                Err(err) => {
+                    tracing::debug!(error = %err, "async job queue pull failed");
+                    tokio::time::sleep(PULL_TICK).await;
+                    continue;
+                }
+            };
+            let mut batch = std::pin::pin!(batch);
+            let next = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                next = batch.next() => next,
+            };
+            match next {
+                Some(Ok(message)) => self.take_async(message).await,
+                Some(Err(err)) => {
+                    tracing::debug!(error = %err, "async job queue pull failed");
+                    tokio::time::sleep(PULL_TICK).await;
+                }
+                None => {}
             }
         }
     }

@@ -174,12 +174,7 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     let models = cost_models(&config)?;
     let registry = prometheus::Registry::new();
     let metrics = metrics::RouterMetrics::new(&registry)?;
-    let client = diffmesh_shared::nats::connect(
-        &config.common.nats_url,
-        "diffmesh-router",
-        config.common.nats_connect_timeout,
-    )
-    .await?;
+    let client = config.common.connect_nats("diffmesh-router").await?;
     let expiry = ExpiryPolicy {
         missed_heartbeats: config.missed_heartbeats,
     };

@@ -3,6 +3,7 @@
 //! ([`reconnects`]), serving a subscription ([`serve`]), trace context in headers
 //! ([`trace_context`]), requests for work that must not be lost ([`unanswered`]) and payloads
 //! larger than one message ([`chunked`]). Blobs: `stores::blob_store`.
+pub mod auth;
 pub mod chunked;
 pub mod reconnects;
 pub mod serve;
@@ -22,9 +23,20 @@ use crate::process::metrics::NatsMetrics;
 use crate::wire::messages::{decode, encode};
 use crate::wire::subjects::ANSWER_WITHIN_HEADER;
 
-/// Connect to NATS, retrying with capped exponential backoff for up to `give_up_after`
-/// (services often start before the server in compose). `name` shows in `nats server report`.
+/// Connect to NATS anonymously: [`connect_as`] without credentials.
 pub async fn connect(url: &str, name: &str, give_up_after: Duration) -> Result<Client, MeshError> {
+    connect_as(url, name, give_up_after, None).await
+}
+
+/// Connect to NATS as `credentials` (user and password; None: anonymously), retrying with
+/// capped exponential backoff for up to `give_up_after` (services often start before the
+/// server in compose). `name` shows in `nats server report`.
+pub async fn connect_as(
+    url: &str,
+    name: &str,
+    give_up_after: Duration,
+    credentials: Option<(&str, &str)>,
+) -> Result<Client, MeshError> {
     let start = tokio::time::Instant::now();
     let mut delay = Duration::from_millis(100);
     let mut attempts = 0u32;
@@ -37,7 +49,13 @@ pub async fn connect(url: &str, name: &str, give_up_after: Duration) -> Result<C
     loop {
         attempts += 1;
         let first_connect = reconnects::FirstConnect::before_connecting();
-        let result = async_nats::ConnectOptions::new()
+        let options = match credentials {
+            Some((user, password)) => {
+                async_nats::ConnectOptions::with_user_and_password(user.into(), password.into())
+            }
+            None => async_nats::ConnectOptions::new(),
+        };
+        let result = options
             .name(name)
             .connection_timeout(Duration::from_secs(2))
             // Calls in flight and watches try again once connected again (`reconnects`).

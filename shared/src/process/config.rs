@@ -36,6 +36,14 @@ pub struct CommonConfig {
     #[arg(long, env = "JS_REPLICAS", default_value_t = 1,
           value_parser = clap::value_parser!(u8).range(1..=5))]
     pub js_replicas: u8,
+    /// NATS user of this service on a server with authorization (`nats::auth`: one user per
+    /// service kind); unset: anonymous.
+    #[arg(long, env = "NATS_USER")]
+    pub nats_user: Option<String>,
+    /// That user's password (environment only: NATS_PASSWORD; a password does not belong on a
+    /// command line).
+    #[arg(skip = std::env::var("NATS_PASSWORD").ok())]
+    pub nats_password: Option<String>,
 }
 
 impl CommonConfig {
@@ -48,7 +56,18 @@ impl CommonConfig {
             log_json: false,
             nats_connect_timeout: Duration::from_secs(10),
             js_replicas: 1,
+            nats_user: None,
+            nats_password: None,
         }
+    }
+
+    /// Connect to NATS as this service's user (anonymously when none is set) as `name`.
+    pub async fn connect_nats(&self, name: &str) -> Result<async_nats::Client, crate::MeshError> {
+        let credentials = self
+            .nats_user
+            .as_deref()
+            .map(|user| (user, self.nats_password.as_deref().unwrap_or("")));
+        crate::nats::connect_as(&self.nats_url, name, self.nats_connect_timeout, credentials).await
     }
 }
 
