@@ -121,10 +121,6 @@ impl AsyncQueue {
         replicas: usize,
     ) -> Result<Self, MeshError> {
         let wanted = stream_config(bounds.unwrap_or_default(), replicas);
-        let layout_error = |reason: String| MeshError::JetStreamLayout {
-            name: STREAM.to_string(),
-            reason,
-        };
         match js.get_stream(STREAM).await {
             Ok(existing) => {
                 let mut config = existing.cached_info().config.clone();
@@ -134,9 +130,12 @@ impl AsyncQueue {
                         || config.max_bytes != wanted.max_bytes);
                 let fewer_replicas = config.num_replicas < wanted.num_replicas;
                 if stale || fewer_replicas {
-                    config.max_messages = wanted.max_messages;
-                    config.max_messages_per_subject = wanted.max_messages_per_subject;
-                    config.max_bytes = wanted.max_bytes;
+                    // A router (no bounds) raises replicas only: the gateways' bounds stay.
+                    if bounds.is_some() {
+                        config.max_messages = wanted.max_messages;
+                        config.max_messages_per_subject = wanted.max_messages_per_subject;
+                        config.max_bytes = wanted.max_bytes;
+                    }
                     config.num_replicas = config.num_replicas.max(wanted.num_replicas);
                     js.update_stream(config)
                         .await
@@ -180,10 +179,7 @@ impl AsyncQueue {
                 match refusal_of(&text) {
                     Some(Limit::PerKey) => Ok(Err(QueueRefusal::KeyFull(self.bound(true).await))),
                     Some(Limit::Total) => Ok(Err(QueueRefusal::Full(self.bound(false).await))),
-                    None => Err(MeshError::JetStreamLayout {
-                        name: STREAM.to_string(),
-                        reason: format!("publish: {text}"),
-                    }),
+                    None => Err(layout_error(format!("publish: {text}"))),
                 }
             }
         }
@@ -191,7 +187,7 @@ impl AsyncQueue {
 
     /// The configured bound (for the refusal's message).
     async fn bound(&self, per_key: bool) -> u32 {
-        match self.js.get_stream(STREAM).await {
+        match self.stream().await {
             Ok(s) => {
                 let c = &s.cached_info().config;
                 let v = if per_key {
@@ -209,23 +205,9 @@ impl AsyncQueue {
     /// stream's first sequence (a job cancelled out of the middle may make it overstate by one
     /// per such job until the queue moves past it). None when it is no longer queued.
     pub async fn position(&self, sequence: u64) -> Result<Option<u32>, MeshError> {
-        let mut stream =
-            self.js
-                .get_stream(STREAM)
-                .await
-                .map_err(|e| MeshError::JetStreamLayout {
-                    name: STREAM.to_string(),
-                    reason: format!("get: {e}"),
-                })?;
-        let state = stream
-            .info()
-            .await
-            .map_err(|e| MeshError::JetStreamLayout {
-                name: STREAM.to_string(),
-                reason: format!("info: {e}"),
-            })?
-            .state
-            .clone();
+        // `get_stream` reads the stream's info afresh: its state is current.
+        let stream = self.stream().await?;
+        let state = &stream.cached_info().state;
         if state.messages == 0 || sequence < state.first_sequence {
             return Ok(None);
         }
@@ -235,7 +217,7 @@ impl AsyncQueue {
 
     /// Take a cancelled job out of the queue (false: a router had taken it already).
     pub async fn remove(&self, sequence: u64) -> bool {
-        match self.js.get_stream(STREAM).await {
+        match self.stream().await {
             Ok(stream) => stream.delete_message(sequence).await.unwrap_or(false),
             Err(_) => false,
         }
@@ -243,15 +225,8 @@ impl AsyncQueue {
 
     /// The routers' shared consumer (created on first use).
     pub async fn consumer(&self) -> Result<consumer::Consumer<consumer::pull::Config>, MeshError> {
-        let stream = self
-            .js
-            .get_stream(STREAM)
-            .await
-            .map_err(|e| MeshError::JetStreamLayout {
-                name: STREAM.to_string(),
-                reason: format!("get: {e}"),
-            })?;
-        stream
+        self.stream()
+            .await?
             .get_or_create_consumer(
                 CONSUMER,
                 consumer::pull::Config {
@@ -264,10 +239,22 @@ impl AsyncQueue {
                 },
             )
             .await
-            .map_err(|e| MeshError::JetStreamLayout {
-                name: STREAM.to_string(),
-                reason: format!("consumer: {e}"),
-            })
+            .map_err(|e| layout_error(format!("consumer: {e}")))
+    }
+
+    /// The stream, with its info as of now.
+    async fn stream(&self) -> Result<stream::Stream, MeshError> {
+        self.js
+            .get_stream(STREAM)
+            .await
+            .map_err(|e| layout_error(format!("get: {e}")))
+    }
+}
+
+fn layout_error(reason: String) -> MeshError {
+    MeshError::JetStreamLayout {
+        name: STREAM.to_string(),
+        reason,
     }
 }
 
