@@ -37,7 +37,7 @@ run_mesh() { # label device dtype then load runs as "rps:duration" ...
   for svc in cachestore codec router denoiser gateway; do
     local port=$((9100 + i * 10))
     env NATS_URL=nats://127.0.0.1:$NATS_PORT RUST_LOG=info HEALTH_ADDR=127.0.0.1:$port \
-      GATEWAY_BIND=0.0.0.0:8080 DENOISER_MODEL_DIR=weights/tiny DENOISER_WORKER_ID=denoiser-0 \
+      GATEWAY_BIND=127.0.0.1:8080 DENOISER_MODEL_DIR=weights/tiny DENOISER_WORKER_ID=denoiser-0 \
       DENOISER_DEVICE=$device DENOISER_DTYPE=$dtype ROUTER_PROFILE=$([ "$device" = cuda ] && echo tiny-h100 || echo tiny-cpu) \
       $B/diffmesh-$svc > "$OUT/$label-$svc.log" 2>&1 &
     pids+=($!)

@@ -91,6 +91,9 @@ pub enum MeshError {
     Io(#[from] std::io::Error),
     #[error("telemetry setup failed: {0}")]
     Telemetry(String),
+    /// A flag names something that cannot be used (a missing file): no retry helps.
+    #[error("configuration: {0}")]
+    Config(String),
 }
 
 impl MeshError {
@@ -122,6 +125,7 @@ impl MeshError {
             | MeshError::JobNotFound { .. }
             | MeshError::KvContention { .. } => "job_store",
             MeshError::Telemetry(_) => "telemetry",
+            MeshError::Config(_) => "config",
         }
     }
 }

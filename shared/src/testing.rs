@@ -144,7 +144,11 @@ impl NatsServer {
             if matches!(self.child.try_wait(), Ok(Some(_))) {
                 return false;
             }
-            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+            // Its own log must say so: when two tests' servers race for one port, the loser's
+            // port answers too (the winner's), until the winner is stopped.
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+                && self.log().contains("Server is ready")
+            {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(20));

@@ -11,6 +11,9 @@ use diffmesh_shared::stores::transient;
 use diffmesh_shared::testing::{NatsCluster, NatsServer};
 use diffmesh_shared::wire::messages::JobKind;
 
+/// The storage budget of these tests' streams (`JS_MAX_BYTES`).
+const BUDGET: u64 = 1 << 30;
+
 async fn stream_config(js: &jetstream::Context, name: &str) -> jetstream::stream::Config {
     js.get_stream(name)
         .await
@@ -26,7 +29,7 @@ async fn start_up_creates_every_bucket_once_with_its_settings() {
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = jetstream::new(client);
 
-    let first = ensure_all(&js, 1, &[]).await.unwrap();
+    let first = ensure_all(&js, 1, BUDGET, &[]).await.unwrap();
     assert_eq!(first.len(), ALL.len());
     assert!(
         first
@@ -34,7 +37,7 @@ async fn start_up_creates_every_bucket_once_with_its_settings() {
             .all(|(_, e)| *e == Ensured::Created { replicas: 1 }),
         "{first:?}"
     );
-    let again = ensure_all(&js, 1, &[]).await.unwrap();
+    let again = ensure_all(&js, 1, BUDGET, &[]).await.unwrap();
     assert!(
         again
             .iter()
@@ -94,6 +97,72 @@ async fn direct_read_bucket(
     js.get_key_value(bucket).await.unwrap()
 }
 
+/// Every stream is bounded by its share of the budget, and a new budget re-bounds them at the
+/// next start. Full, an object bucket refuses a new object (no template, LoRA or blob is
+/// dropped to make room) while the job records drop their oldest.
+#[tokio::test]
+async fn every_stream_is_bounded_by_its_share_of_the_budget() {
+    use tokio::io::AsyncReadExt;
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client);
+    ensure_all(&js, 1, BUDGET, &[]).await.unwrap();
+    for spec in ALL {
+        let config = stream_config(&js, &spec.stream_name()).await;
+        assert_eq!(config.max_bytes, spec.max_bytes(BUDGET), "{}", spec.name);
+        assert!(config.max_bytes >= 8 << 20, "{}", spec.name);
+    }
+
+    // The smallest budget: every stream at its floor of 8 MiB.
+    let small = 1 << 20;
+    let done = ensure_all(&js, 1, small, &[]).await.unwrap();
+    assert!(
+        done.iter()
+            .all(|(_, e)| matches!(e, Ensured::Updated { .. })),
+        "{done:?}"
+    );
+    for spec in ALL {
+        let config = stream_config(&js, &spec.stream_name()).await;
+        assert_eq!(config.max_bytes, 8 << 20, "{}", spec.name);
+    }
+
+    // Blobs: a 6 MiB object fits; a second does not, and the first stays whole.
+    let blobs = js
+        .get_object_store(jetstream_layout::BLOBS.name.as_ref())
+        .await
+        .unwrap();
+    let six = vec![7u8; 6 << 20];
+    blobs.put("first", &mut six.as_slice()).await.unwrap();
+    assert!(
+        blobs.put("second", &mut six.as_slice()).await.is_err(),
+        "a full blob bucket took another object"
+    );
+    let mut read = Vec::new();
+    let mut first = blobs.get("first").await.unwrap();
+    first.read_to_end(&mut read).await.unwrap();
+    assert_eq!(read.len(), six.len());
+
+    // Job records: 24 of 512 KiB (12 MiB) into 8 MiB: the oldest went, the newest are there.
+    let jobs = js
+        .get_key_value(jetstream_layout::JOBS.name.as_ref())
+        .await
+        .unwrap();
+    let record = vec![b'x'; 512 << 10];
+    for i in 0..24 {
+        jobs.put(format!("job-{i}"), record.clone().into())
+            .await
+            .unwrap();
+    }
+    assert!(
+        jobs.get("job-0").await.unwrap().is_none(),
+        "the oldest record stayed"
+    );
+    assert!(
+        jobs.get("job-23").await.unwrap().is_some(),
+        "the newest record went"
+    );
+}
+
 #[tokio::test]
 async fn start_up_turns_off_direct_reads_of_an_older_bucket() {
     let nats = NatsServer::start();
@@ -117,7 +186,7 @@ async fn start_up_turns_off_direct_reads_of_an_older_bucket() {
         assert!(stream_config(&js, &name).await.allow_direct, "{name}");
     }
 
-    let done = ensure_all(&js, 1, &[]).await.unwrap();
+    let done = ensure_all(&js, 1, BUDGET, &[]).await.unwrap();
     for name in [records.stream_name(), blobs.stream_name()] {
         let ensured = &done.iter().find(|(n, _)| *n == name).unwrap().1;
         assert_eq!(
@@ -166,7 +235,7 @@ where
 }
 
 async fn ensure_all_when_ready(js: &jetstream::Context, replicas: usize) -> Vec<(String, Ensured)> {
-    when_ready(|| ensure_all(js, replicas, &[])).await
+    when_ready(|| ensure_all(js, replicas, BUDGET, &[])).await
 }
 
 #[tokio::test]
@@ -549,7 +618,7 @@ fn cpu_seconds(pid: u32) -> f64 {
 async fn blob_read_paths_consumer_against_leader() {
     let nats = NatsServer::start();
     let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    ensure_all(&js, 1, &[]).await.unwrap();
+    ensure_all(&js, 1, BUDGET, &[]).await.unwrap();
     let by_consumer = BlobStore::open(&js)
         .await
         .unwrap()
@@ -599,7 +668,7 @@ async fn blob_read_paths_consumer_against_leader() {
 async fn job_update_known_revisions_against_reads() {
     let nats = NatsServer::start();
     let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    ensure_all(&js, 1, &[]).await.unwrap();
+    ensure_all(&js, 1, BUDGET, &[]).await.unwrap();
     let reading = JobStore::open(&js).await.unwrap();
     let knowing = JobStore::open(&js)
         .await
@@ -651,7 +720,7 @@ async fn record_watches_after_a_restart() {
             .await
             .unwrap();
         let js = jetstream::new(client);
-        ensure_all(&js, 1, &[]).await.unwrap();
+        ensure_all(&js, 1, BUDGET, &[]).await.unwrap();
         let jobs = JobStore::open(&js).await.unwrap();
         let ids: Vec<String> = (0..watches).map(|i| format!("w{i}")).collect();
         stream::iter(&ids)

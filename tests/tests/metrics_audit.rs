@@ -76,6 +76,8 @@ const REQUIRED: &[(&str, &[&str])] = &[
             "diffmesh_denoiser_failures_total",
             // Memory the served model's weights take, per component.
             "diffmesh_denoiser_model_resident_bytes",
+            // Memory of the device it computes on (the host's on the CPU).
+            "diffmesh_denoiser_device_memory_bytes",
         ],
     ),
     (

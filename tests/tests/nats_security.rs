@@ -3,7 +3,8 @@
 //! is refused; sync and async generations and a template edit run end to end with no
 //! permission violation anywhere; and a client holding one service's credentials cannot
 //! publish outside them (the gateway's cannot hand a denoiser work or fake a heartbeat, the
-//! codec's cannot submit to the router, the router's cannot fake a heartbeat).
+//! codec's cannot submit to the router, the router's cannot fake a heartbeat). Over TLS, as
+//! `compose/` runs it, only a client that checks the mesh's CA and logs in gets through.
 use std::time::Duration;
 
 use diffmesh_shared::nats::auth::{mesh_users, server_config, Role, User};
@@ -191,6 +192,9 @@ async fn services_connect_as_their_role_and_nothing_else_gets_through() {
         ("gateway", "diffmesh.denoiser.heartbeat"),
         ("router", "diffmesh.denoiser.heartbeat"),
         ("codec", "diffmesh.router.submit"),
+        // No service may delete a bucket's stream or snapshot it, though each uses JetStream.
+        ("gateway", "$JS.API.STREAM.DELETE.KV_diffmesh-jobs"),
+        ("denoiser", "$JS.API.STREAM.SNAPSHOT.OBJ_diffmesh-blobs"),
     ] {
         let (client, mut errors) = connect_as(&nats, &users, who).await;
         client.publish(subject, "forged".into()).await.unwrap();
@@ -213,4 +217,91 @@ async fn services_connect_as_their_role_and_nothing_else_gets_through() {
         assert_ne!(&m.payload[..], b"forged", "{}", m.subject);
     }
     drop((denoiser, gateway, router, cachestore, codec));
+}
+
+/// The mesh's NATS over TLS, as `compose/` runs it: the server's certificate is signed by the
+/// mesh's own CA (`shared::nats::tls`), services check it (`--nats-ca-file`) and log in as
+/// their user. A client without TLS, or trusting another CA, gets nowhere; a service with the
+/// CA and its credentials connects and serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn services_reach_nats_only_over_tls_checked_against_the_mesh_ca() {
+    use diffmesh_shared::nats::tls::{mesh_certificates, server_tls_block};
+    use diffmesh_shared::nats::{connect_as as connect_securely, NatsSecurity};
+    init_test_logging();
+    let dir = tempfile::tempdir().unwrap();
+    let certs = mesh_certificates(&["localhost", "127.0.0.1"]).unwrap();
+    let path = |name: &str| dir.path().join(name);
+    std::fs::write(path("ca.pem"), &certs.ca_cert_pem).unwrap();
+    std::fs::write(path("cert.pem"), &certs.server_cert_pem).unwrap();
+    std::fs::write(path("key.pem"), &certs.server_key_pem).unwrap();
+    // A CA of someone else, whose certificate the mesh's server does not have.
+    let other = mesh_certificates(&["127.0.0.1"]).unwrap();
+    std::fs::write(path("other-ca.pem"), &other.ca_cert_pem).unwrap();
+
+    let users = mesh_users().unwrap();
+    let text = |name: &str| path(name).display().to_string();
+    let config = format!(
+        "{}{}",
+        server_config(&users),
+        server_tls_block(&text("cert.pem"), &text("key.pem"), &text("ca.pem"))
+    );
+    let nats = NatsServer::start_with_config(&config);
+    let (user, password) = creds(&users, Role::Router);
+    let (user, password) = (user.unwrap(), password.unwrap());
+    let quick = Duration::from_millis(300);
+
+    // Plain text with the right password: the server wants TLS, the client's default roots
+    // do not know the mesh's CA, so it is refused either way.
+    let plain = NatsSecurity {
+        credentials: Some((&user, &password)),
+        ca_file: None,
+    };
+    assert!(connect_securely(&nats.url(), "plain", quick, plain)
+        .await
+        .is_err());
+    // TLS trusting another CA: the server's certificate does not check out.
+    let other_ca = path("other-ca.pem");
+    let impostor = NatsSecurity {
+        credentials: Some((&user, &password)),
+        ca_file: Some(&other_ca),
+    };
+    assert!(connect_securely(&nats.url(), "other-ca", quick, impostor)
+        .await
+        .is_err());
+    // The mesh's CA but no user: refused by the server.
+    let ca = path("ca.pem");
+    let anonymous = NatsSecurity {
+        credentials: None,
+        ca_file: Some(&ca),
+    };
+    assert!(connect_securely(&nats.url(), "anonymous", quick, anonymous)
+        .await
+        .is_err());
+    // A CA file that is not there: a configuration error at once, not retries.
+    let missing = dir.path().join("missing.pem");
+    let err = connect_securely(
+        &nats.url(),
+        "missing",
+        Duration::from_secs(30),
+        NatsSecurity {
+            credentials: None,
+            ca_file: Some(&missing),
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("--nats-ca-file"), "{err}");
+
+    // The router, as compose starts it: TLS with the CA, its user; it comes up ready.
+    let router = start_router(&nats, |c| {
+        c.common.nats_user = Some(user.clone());
+        c.common.nats_password = Some(password.clone());
+        c.common.nats_ca_file = Some(ca.clone());
+    })
+    .expect("router over TLS");
+    router
+        .wait_ready(Duration::from_secs(20))
+        .await
+        .expect("the router is ready over TLS");
+    drop(router);
 }

@@ -2,6 +2,7 @@
 //!
 //! `up` and `test` are the two commands a newcomer needs: each does the whole set-up of a fresh
 //! machine first (see setup.rs), then runs the mesh or every test.
+mod compose_secrets;
 mod gates;
 mod load;
 mod load_inputs;
@@ -44,6 +45,9 @@ enum Cmd {
     Up(mesh::UpArgs),
     /// Stop a mesh started with `up --detach`.
     Down,
+    /// Write what `compose/` needs to start: NATS users and TLS certificates, an API key, the
+    /// router's admin key, Grafana's password (into compose/secrets, ignored by git).
+    ComposeSecrets(compose_secrets::ComposeSecretsArgs),
     /// One forward pass of a model component (see `diffmesh-forward --help`).
     Forward(PassThrough),
     /// FLUX.1 prompt embeddings of a prompts file, as `FluxPipeline.encode_prompt` returns them
@@ -110,6 +114,7 @@ fn main() -> anyhow::Result<()> {
             mesh::up(&tc, args)
         }
         Cmd::Down => mesh::down(),
+        Cmd::ComposeSecrets(args) => compose_secrets::compose_secrets(args),
         Cmd::Forward(p) => release_bin(&tc, "diffmesh-model", "diffmesh-forward", &p.args),
         Cmd::EncodePrompt(p) => release_bin(
             &tc,

@@ -24,6 +24,11 @@ pub struct UpArgs {
     /// Port of the gateway's REST API.
     #[arg(long, default_value_t = 8080)]
     port: u16,
+    /// Interface of the gateway's REST API: 127.0.0.1 (this machine only) by default; another
+    /// (0.0.0.0: every interface) needs API keys in GATEWAY_API_KEYS or GATEWAY_API_KEYS_FILE,
+    /// or the gateway refuses to start (GATEWAY_INSECURE_NO_AUTH=true overrides, knowingly).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
     /// A model directory in the diffusers layout (a FLUX.1 checkpoint) served beside the
     /// tiny model, by `--denoisers` denoisers of its own; repeatable. Requests name it by the
     /// folder's name (`model`); the tiny model stays the default.
@@ -240,13 +245,32 @@ fn start_all(
         nats_user(&mut cmd, users, svc);
         let health_port = HEALTH_PORT_BASE + (i as u16) * 10;
         cmd.env("HEALTH_ADDR", format!("127.0.0.1:{health_port}"));
+        if *svc == "router" {
+            // The admin API beside the health port, with a key of its own in the run folder.
+            let key = diffmesh_shared::nats::auth::random_password()?;
+            let env_file = run_dir.join("router-admin.env");
+            let admin_addr = format!("127.0.0.1:{}", health_port + 1);
+            write_private(
+                &env_file,
+                &format!("ROUTER_ADMIN_URL=http://{admin_addr}\nROUTER_ADMIN_KEY={key}\n"),
+            )?;
+            cmd.env("ROUTER_ADMIN_ADDR", &admin_addr)
+                .env("ROUTER_ADMIN_KEY", key);
+            println!(
+                "router admin API on {admin_addr}; its key is in {}",
+                env_file.display()
+            );
+        }
         if *svc == "gateway" {
-            cmd.env("GATEWAY_BIND", format!("0.0.0.0:{}", args.port))
-                .env("GATEWAY_DEFAULT_MODEL", &models[0].id)
-                .env(
-                    "GATEWAY_DEFAULT_TRUE_CFG_SCALE",
-                    args.true_cfg_scale.to_string(),
-                );
+            cmd.env(
+                "GATEWAY_BIND",
+                SocketAddr::new(args.host, args.port).to_string(),
+            )
+            .env("GATEWAY_DEFAULT_MODEL", &models[0].id)
+            .env(
+                "GATEWAY_DEFAULT_TRUE_CFG_SCALE",
+                args.true_cfg_scale.to_string(),
+            );
             gateway_health = Some(health_port);
         }
         tc.apply(&mut cmd)?;
@@ -385,7 +409,8 @@ fn nats_user(cmd: &mut Command, users: Option<&[diffmesh_shared::nats::auth::Use
 }
 
 /// Write a file only its owner can read (passwords).
-fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
+/// Write `text` readable by this user only (mode 0600), replacing the file.
+pub(crate) fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut file = std::fs::OpenOptions::new()
         .write(true)

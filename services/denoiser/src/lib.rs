@@ -6,6 +6,7 @@
 pub mod cached_step;
 pub mod capture_log;
 pub mod controlnet_service;
+pub mod device_memory;
 pub mod engine;
 pub mod lora;
 pub mod metrics;
@@ -459,6 +460,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     };
     let cache_bucket =
         BlobStore::open_with(&js, &diffmesh_shared::stores::jetstream_layout::CACHES).await?;
+    let device_memory = device_memory::MemorySource::for_device(device, gpu_copy.clone());
     let local = templates::LocalTier::new(config.local_cache_bytes, gpu_copy);
     let store =
         templates::store::CacheClient::new(client.clone(), cache_bucket, config.cachestore_timeout);
@@ -546,6 +548,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         loras,
         controlnet_workers,
         prompt_stage: Some(prompt_stage),
+        device_memory,
     }));
     let intake = CancellationToken::new();
     let captures = diffmesh_shared::stores::jetstream_layout::TEMPLATE_CAPTURES

@@ -42,6 +42,8 @@ pub struct DenoiserMetrics {
     pub engine_restarts: IntCounter,
     /// Times the denoiser took itself out after jobs failed in a row (`sickness`).
     pub sick_episodes: IntCounter,
+    /// Memory of the device it computes on, by state (`used`, `free`; `device_memory`).
+    pub device_memory_bytes: IntGaugeVec,
     pub queued: IntGauge,
     pub running: IntGauge,
     /// Jobs and submits that failed, by reason.
@@ -122,6 +124,14 @@ impl DenoiserMetrics {
         let sick_episodes = IntCounter::new(
             "diffmesh_denoiser_sick_episodes_total",
             "Times the denoiser took itself out (unready, draining) after jobs failed in a row",
+        )?;
+        let device_memory_bytes = IntGaugeVec::new(
+            Opts::new(
+                "diffmesh_denoiser_device_memory_bytes",
+                "Memory of the device the denoiser computes on (its CUDA device, or the host's \
+                 on the CPU), by state: used, free",
+            ),
+            &["state"],
         )?;
         let queued = IntGauge::new(
             "diffmesh_denoiser_queued_jobs",
@@ -258,6 +268,7 @@ impl DenoiserMetrics {
         registry.register(Box::new(jobs_done.clone()))?;
         registry.register(Box::new(engine_restarts.clone()))?;
         registry.register(Box::new(sick_episodes.clone()))?;
+        registry.register(Box::new(device_memory_bytes.clone()))?;
         registry.register(Box::new(queued.clone()))?;
         registry.register(Box::new(running.clone()))?;
         registry.register(Box::new(failures.clone()))?;
@@ -269,6 +280,7 @@ impl DenoiserMetrics {
             jobs_done,
             engine_restarts,
             sick_episodes,
+            device_memory_bytes,
             queued,
             running,
             failures,

@@ -18,6 +18,8 @@ pub mod gateway_error_types {
     pub const CONFLICT: &str = "conflict_error";
     /// An `Idempotency-Key` was reused with a different request (HTTP 422).
     pub const IDEMPOTENCY: &str = "idempotency_error";
+    /// The key keeps as many templates or LoRAs, or bytes, as its quota allows (HTTP 429/413).
+    pub const QUOTA: &str = "quota_exceeded";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +39,14 @@ pub enum ApiError {
     /// This API key is over its request-rate or concurrency limit (HTTP 429 with Retry-After).
     #[error("{message}")]
     RateLimited { message: String, retry_after_s: u64 },
+    /// The key keeps as much as a storage quota allows (`quotas`): HTTP 429 for a count, 413
+    /// (`too_large`) for bytes; `quota` names the flag.
+    #[error("{message}")]
+    QuotaExceeded {
+        quota: &'static str,
+        too_large: bool,
+        message: String,
+    },
     /// No API key, or an unknown one (HTTP 401).
     #[error("{message}")]
     Unauthorized { message: String },
@@ -83,6 +93,7 @@ impl ApiError {
             ApiError::Unavailable { .. } => "unavailable",
             ApiError::Overloaded { .. } => "overloaded",
             ApiError::RateLimited { .. } => "rate_limited",
+            ApiError::QuotaExceeded { .. } => "quota_exceeded",
             ApiError::Unauthorized { .. } => "unauthorized",
             ApiError::NotFound { .. } => "not_found",
             ApiError::Conflict { .. } => "conflict",
@@ -103,6 +114,7 @@ impl ApiError {
             ApiError::TooLarge { .. } => error_types::TOO_LARGE,
             ApiError::Unavailable { .. } => error_types::UNAVAILABLE,
             ApiError::Overloaded { .. } | ApiError::RateLimited { .. } => error_types::RATE_LIMITED,
+            ApiError::QuotaExceeded { .. } => gateway_error_types::QUOTA,
             ApiError::Unauthorized { .. } => gateway_error_types::AUTHENTICATION,
             ApiError::NotFound { .. } => gateway_error_types::NOT_FOUND,
             ApiError::Conflict { .. } => gateway_error_types::CONFLICT,
@@ -154,6 +166,10 @@ impl ResponseError for ApiError {
             ApiError::Overloaded { .. } | ApiError::RateLimited { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
             }
+            ApiError::QuotaExceeded { too_large, .. } => match too_large {
+                true => StatusCode::PAYLOAD_TOO_LARGE,
+                false => StatusCode::TOO_MANY_REQUESTS,
+            },
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Conflict { .. } | ApiError::Cancelled { .. } => StatusCode::CONFLICT,

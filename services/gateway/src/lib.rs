@@ -25,6 +25,7 @@ pub mod model_catalogue;
 pub mod openapi;
 pub mod overload_gate;
 pub mod parse;
+pub mod quotas;
 pub mod request_limits;
 pub mod request_model;
 pub mod routes;
@@ -128,13 +129,18 @@ pub struct GatewayConfig {
     #[arg(long, env = "GATEWAY_JOB_TIMEOUT", default_value = "120s", value_parser = duration)]
     pub job_timeout: Duration,
     /// File of API keys, one a line: `key` or `name:key` (`#` comments). With no keys from
-    /// here or GATEWAY_API_KEYS, authentication is off.
+    /// here or GATEWAY_API_KEYS, authentication is off, which the gateway allows only on a
+    /// loopback --bind or with --insecure-no-auth.
     #[arg(long, env = "GATEWAY_API_KEYS_FILE")]
     pub api_keys_file: Option<std::path::PathBuf>,
     /// API keys, comma-separated, each `key` or `name:key` (environment only: keys do not
     /// belong on a command line).
     #[arg(skip = std::env::var("GATEWAY_API_KEYS").ok())]
     pub api_keys: Option<String>,
+    /// Serve without API keys on an address other machines reach (every caller then sees and
+    /// cancels every job): without this flag such a gateway refuses to start.
+    #[arg(long, env = "GATEWAY_INSECURE_NO_AUTH", default_value_t = false, action = clap::ArgAction::Set)]
+    pub insecure_no_auth: bool,
     /// Image requests per second per API key, sustained (token bucket; 0 = unlimited).
     #[arg(long, env = "GATEWAY_RATE_LIMIT_PER_S", default_value_t = 0.0)]
     pub rate_limit_per_s: f64,
@@ -166,6 +172,21 @@ pub struct GatewayConfig {
     /// every request (the async queue's per-key bound is shared: JetStream keeps it).
     #[arg(long, env = "GATEWAY_REPLICAS", default_value_t = 1)]
     pub replicas: u32,
+    /// Templates one API key may keep (0 = no limit); beyond it a registration is a 429
+    /// naming this quota.
+    #[arg(long, env = "GATEWAY_MAX_TEMPLATES_PER_KEY", default_value_t = 100)]
+    pub max_templates_per_key: usize,
+    /// LoRAs one API key may keep (0 = no limit); beyond it an upload is a 429.
+    #[arg(long, env = "GATEWAY_MAX_LORAS_PER_KEY", default_value_t = 50)]
+    pub max_loras_per_key: usize,
+    /// Bytes one API key's templates (images and activation caches) and LoRA weights may
+    /// take together (0 = no limit); a registration beyond it is a 413 naming this quota.
+    #[arg(long, env = "GATEWAY_MAX_STORED_BYTES_PER_KEY", default_value_t = 10 * 1024 * 1024 * 1024)]
+    pub max_stored_bytes_per_key: u64,
+    /// LoRA uploads this gateway reads at once (each held in memory, up to --max-lora-bytes);
+    /// one more is a 429 with Retry-After.
+    #[arg(long, env = "GATEWAY_LORA_UPLOADS_AT_ONCE", default_value_t = 2)]
+    pub lora_uploads_at_once: usize,
 }
 
 impl GatewayConfig {
@@ -194,6 +215,7 @@ impl GatewayConfig {
             job_timeout: Duration::from_secs(60),
             api_keys_file: None,
             api_keys: None,
+            insecure_no_auth: false,
             rate_limit_per_s: 0.0,
             rate_limit_burst: 0,
             known_job_records: 1024,
@@ -202,6 +224,10 @@ impl GatewayConfig {
             async_queue_per_key: 1_000,
             async_queue_time: Duration::from_secs(600),
             replicas: 1,
+            max_templates_per_key: 100,
+            max_loras_per_key: 50,
+            max_stored_bytes_per_key: 10 * 1024 * 1024 * 1024,
+            lora_uploads_at_once: 2,
         }
     }
 
@@ -267,6 +293,24 @@ impl GatewayHandle {
 }
 
 /// Connect to the mesh, bind the API and serve in the background.
+/// Whether the gateway may serve without API keys on `bind`: on a loopback address (this machine
+/// only, as `cargo xtask up` binds it) or when the operator said `--insecure-no-auth`; an open API
+/// on an address other machines reach is refused, so a deployment cannot forget its keys.
+pub fn open_api_allowed(
+    has_keys: bool,
+    bind: SocketAddr,
+    insecure_no_auth: bool,
+) -> Result<(), String> {
+    if has_keys || insecure_no_auth || bind.ip().is_loopback() {
+        return Ok(());
+    }
+    Err(format!(
+        "no API keys configured and --bind {bind} reaches other machines: give keys \
+         (--api-keys-file or GATEWAY_API_KEYS), bind 127.0.0.1, or pass --insecure-no-auth \
+         (GATEWAY_INSECURE_NO_AUTH=true) to serve every caller every job knowingly"
+    ))
+}
+
 pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError> {
     let default_size = config
         .default_size
@@ -305,6 +349,8 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
     };
     let keys = ApiKeys::load(config.api_keys_file.as_deref(), config.api_keys.as_deref())
         .map_err(GatewayError::Config)?;
+    open_api_allowed(keys.is_enabled(), config.bind, config.insecure_no_auth)
+        .map_err(GatewayError::Config)?;
     if keys.is_enabled() {
         tracing::info!(
             keys = keys.len(),
@@ -312,6 +358,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         );
     } else {
         tracing::warn!(
+            bind = %config.bind,
             "no API keys configured (--api-keys-file, GATEWAY_API_KEYS): authentication is off \
              and every caller sees every job"
         );
@@ -394,6 +441,14 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         templates,
         loras,
         max_lora_bytes: config.max_lora_bytes,
+        quotas: quotas::StorageQuotas {
+            templates: config.max_templates_per_key,
+            loras: config.max_loras_per_key,
+            bytes: config.max_stored_bytes_per_key,
+        },
+        lora_uploads: Arc::new(tokio::sync::Semaphore::new(
+            config.lora_uploads_at_once.max(1),
+        )),
         directory,
         default_model: config.default_model.clone(),
         default_size,
@@ -457,4 +512,25 @@ pub async fn run(config: GatewayConfig, shutdown: CancellationToken) -> Result<(
     tracing::info!("gateway draining");
     handle.shutdown().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::open_api_allowed;
+
+    #[test]
+    fn an_open_api_is_refused_where_other_machines_reach_it() {
+        let public = "0.0.0.0:8080".parse().unwrap();
+        let err = open_api_allowed(false, public, false).unwrap_err();
+        assert!(
+            err.contains("--insecure-no-auth") && err.contains("GATEWAY_API_KEYS"),
+            "{err}"
+        );
+        assert!(open_api_allowed(false, "10.1.2.3:80".parse().unwrap(), false).is_err());
+        // Keys, the explicit flag, or this machine only: allowed.
+        assert!(open_api_allowed(true, public, false).is_ok());
+        assert!(open_api_allowed(false, public, true).is_ok());
+        assert!(open_api_allowed(false, "127.0.0.1:8080".parse().unwrap(), false).is_ok());
+        assert!(open_api_allowed(false, "[::1]:8080".parse().unwrap(), false).is_ok());
+    }
 }

@@ -28,6 +28,10 @@ pub struct ApiState {
     pub loras: crate::loras::store::LoraStore,
     /// Largest LoRA weights file (`POST /v1/loras`), bytes.
     pub max_lora_bytes: usize,
+    /// Per-key storage quotas (`quotas`).
+    pub quotas: crate::quotas::StorageQuotas,
+    /// LoRA uploads read at once (`--lora-uploads-at-once`): each holds up to max_lora_bytes.
+    pub lora_uploads: Arc<tokio::sync::Semaphore>,
     /// The workers' last heartbeats: which denoisers hold a template's cache, the ControlNets
     /// the mesh steers with now (`GET /v1/controlnets`).
     pub directory: crate::directory::MeshDirectory,

@@ -22,7 +22,7 @@ pub mod worker_state;
 use admin::AdminServer;
 use diffmesh_sched::{CostModels, SchedError};
 use diffmesh_shared::process::config::duration;
-use diffmesh_shared::process::health::Readiness;
+use diffmesh_shared::process::health::{HealthServer, Readiness};
 use diffmesh_shared::stores::job::JobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
 use registry::ExpiryPolicy;
@@ -74,7 +74,7 @@ pub struct RouterConfig {
     /// Placement policy: round-robin, request-count, token-count, mask-aware (FlashPS
     /// Algorithm 2 with remaining steps), mask-aware-marginal, mask-aware-deferring (holds jobs
     /// in the admission queue where batching saves no work, as on CPU denoisers of a larger
-    /// model) or flashps-greedy. Switch it at run time with `POST /admin/policy` on the health
+    /// model) or flashps-greedy. Switch it at run time with `POST /admin/policy` on the admin
     /// address.
     #[arg(long, env = "ROUTER_POLICY", default_value = "mask-aware")]
     pub policy: String,
@@ -88,6 +88,14 @@ pub struct RouterConfig {
     /// and exported).
     #[arg(long, env = "ROUTER_STEP_CALIBRATION", default_value_t = true, action = clap::ArgAction::Set)]
     pub step_calibration: bool,
+    /// Address of the admin API (`/admin/policy`), apart from the health address; it asks for
+    /// ROUTER_ADMIN_KEY. Unset: no admin API.
+    #[arg(long, env = "ROUTER_ADMIN_ADDR")]
+    pub admin_addr: Option<SocketAddr>,
+    /// The admin API's key, at least 16 characters (environment only: keys do not belong on a
+    /// command line).
+    #[arg(skip = std::env::var("ROUTER_ADMIN_KEY").ok())]
+    pub admin_key: Option<String>,
 }
 
 impl RouterConfig {
@@ -106,6 +114,8 @@ impl RouterConfig {
             policy: "mask-aware".into(),
             profile: None,
             step_calibration: true,
+            admin_addr: None,
+            admin_key: None,
         }
     }
 }
@@ -118,6 +128,8 @@ pub enum RouterError {
     Policy(#[source] SchedError),
     #[error("--profile: {0}")]
     Profile(#[source] SchedError),
+    #[error("--admin-addr: {0}")]
+    AdminKey(String),
     #[error("health server on {addr}: {source}")]
     Health {
         addr: SocketAddr,
@@ -132,10 +144,13 @@ pub enum RouterError {
 pub struct RouterHandle {
     /// Where /healthz, /readyz and /metrics answer (the bound port when 0 was asked).
     pub health_addr: SocketAddr,
+    /// Where the admin API answers, when configured (the bound port when 0 was asked).
+    pub admin_addr: Option<SocketAddr>,
     pub router: Arc<Router>,
     shutdown: CancellationToken,
     tasks: JoinSet<Result<(), MeshError>>,
-    health: AdminServer,
+    health: HealthServer,
+    admin: Option<AdminServer>,
 }
 
 impl RouterHandle {
@@ -154,6 +169,9 @@ impl RouterHandle {
             .await;
         let _ = self.router.client.flush().await;
         self.health.stop().await;
+        if let Some(admin) = self.admin {
+            admin.stop().await;
+        }
         Ok(())
     }
 }
@@ -172,6 +190,13 @@ pub fn cost_models(config: &RouterConfig) -> Result<CostModels, RouterError> {
 pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     let policy = diffmesh_sched::policy_by_name(&config.policy).map_err(RouterError::Policy)?;
     let models = cost_models(&config)?;
+    // A bad admin key is a configuration error, found before anything starts.
+    let admin_key = match config.admin_addr {
+        Some(_) => Some(
+            admin::check_admin_key(config.admin_key.as_deref()).map_err(RouterError::AdminKey)?,
+        ),
+        None => None,
+    };
     let registry = prometheus::Registry::new();
     let metrics = metrics::RouterMetrics::new(&registry)?;
     let client = config.common.connect_nats("diffmesh-router").await?;
@@ -189,6 +214,7 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     let js =
         diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
     let jobs = JobStore::open(&js).await?;
+    let storage = diffmesh_shared::stores::storage_usage::StorageGauges::new(&registry)?;
     // The gateways set the queue's bounds; a router takes the stream as it is.
     let queue = diffmesh_shared::stores::async_queue::AsyncQueue::open(
         &js,
@@ -215,6 +241,11 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     let s = shutdown.clone();
     tasks.spawn(async move {
         r.dispatch(s).await;
+        Ok(())
+    });
+    let (s, storage_js) = (shutdown.clone(), js.clone());
+    tasks.spawn(async move {
+        storage.watch(storage_js, s).await;
         Ok(())
     });
     let r = router.clone();
@@ -246,15 +277,25 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
         nats.connection_state() == async_nats::connection::State::Connected && placement.connected()
     });
     let addr = config.common.health_addr;
-    let health = AdminServer::start(addr, registry, ready, router.clone())
+    let health = HealthServer::start(addr, registry, ready)
         .map_err(|source| RouterError::Health { addr, source })?;
-    tracing::info!(health = %health.addr, "router up (admin: /admin/policy)");
+    let admin = match (config.admin_addr, admin_key) {
+        (Some(addr), Some(key)) => Some(
+            AdminServer::start(addr, key, router.clone())
+                .map_err(|source| RouterError::Health { addr, source })?,
+        ),
+        _ => None,
+    };
+    let admin_addr = admin.as_ref().map(|a| a.addr);
+    tracing::info!(health = %health.addr, admin = ?admin_addr, "router up");
     Ok(RouterHandle {
         health_addr: health.addr,
+        admin_addr,
         router,
         shutdown,
         tasks,
         health,
+        admin,
     })
 }
 

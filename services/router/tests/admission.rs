@@ -3,7 +3,7 @@
 //! answering queued jobs at shutdown with a retry hint, and switching the policy at run time.
 mod common;
 
-use common::{http, job, submit, wait_for_metric, FakeWorker};
+use common::{http, http_as, job, submit, wait_for_metric, FakeWorker};
 use diffmesh_router::{start, RouterConfig};
 use diffmesh_shared::testing::NatsServer;
 use diffmesh_shared::wire::messages::{decode, encode, CancelJob, JobEvent, SubmitReply};
@@ -127,11 +127,49 @@ async fn admission_queue_overflows_cancels_places_and_drains() {
     }
 }
 
+/// The admin key of the policy test.
+const KEY: &str = "admin-key-for-the-policy-test";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policy_switches_at_run_time_through_the_admin_endpoint() {
     let nats = NatsServer::start();
-    let router = start(RouterConfig::for_tests(nats.url())).await.unwrap();
+    let mut config = RouterConfig::for_tests(nats.url());
+    // Too short a key is refused before anything starts.
+    config.admin_addr = Some(([127, 0, 0, 1], 0).into());
+    config.admin_key = Some("short".into());
+    let refused = start(config.clone())
+        .await
+        .err()
+        .expect("a short admin key must be refused");
+    assert!(
+        refused.to_string().contains("ROUTER_ADMIN_KEY"),
+        "{refused}"
+    );
+    config.admin_key = Some(KEY.into());
+    let router = start(config).await.unwrap();
     let addr = router.health_addr;
+    let admin = router.admin_addr.expect("admin API bound");
+    assert_ne!(
+        admin, addr,
+        "the admin API listens apart from the health address"
+    );
+    // Without the key, with another, or on the health address: no policy to read or switch.
+    for (at, key) in [
+        (admin, None),
+        (admin, Some("not-the-admin-key-at-all")),
+        (addr, Some(KEY)),
+    ] {
+        let (status, body) = http_as(
+            at,
+            "POST",
+            "/admin/policy",
+            r#"{"policy":"round-robin"}"#,
+            key,
+        )
+        .await;
+        let wanted = if at == admin { 401 } else { 404 };
+        assert_eq!(status, wanted, "{at} {key:?}: {body}");
+    }
     let client = async_nats::connect(nats.url()).await.unwrap();
 
     // wa runs a full-image job with 20 steps left (placed by someone else); wb is idle.
@@ -141,7 +179,7 @@ async fn policy_switches_at_run_time_through_the_admin_endpoint() {
     let _b = FakeWorker::new("wb", 4, 4).spawn(client.clone(), tx).await;
     wait_for_metric(addr, "diffmesh_router_live_workers 2").await;
 
-    let (status, body) = http(addr, "GET", "/admin/policy", "").await;
+    let (status, body) = http_as(admin, "GET", "/admin/policy", "", Some(KEY)).await;
     assert_eq!(status, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["policy"], "mask-aware");
@@ -168,7 +206,14 @@ async fn policy_switches_at_run_time_through_the_admin_endpoint() {
     placed.recv().await.unwrap();
 
     // Switched to round-robin, the next job goes to the first worker in turn, busy or not.
-    let (status, body) = http(addr, "POST", "/admin/policy", r#"{"policy":"round-robin"}"#).await;
+    let (status, body) = http_as(
+        admin,
+        "POST",
+        "/admin/policy",
+        r#"{"policy":"round-robin"}"#,
+        Some(KEY),
+    )
+    .await;
     assert_eq!(status, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(
@@ -183,11 +228,11 @@ async fn policy_switches_at_run_time_through_the_admin_endpoint() {
 
     // Bad bodies are 400s naming the field; the policy stays.
     for body in [r#"{"policy":"fastest"}"#, r#"{"name":"x"}"#, "not json"] {
-        let (status, answer) = http(addr, "POST", "/admin/policy", body).await;
+        let (status, answer) = http_as(admin, "POST", "/admin/policy", body, Some(KEY)).await;
         assert_eq!(status, 400, "{body}: {answer}");
         assert!(answer.contains("\"field\":\"policy\""), "{answer}");
     }
-    let (_, body) = http(addr, "GET", "/admin/policy", "").await;
+    let (_, body) = http_as(admin, "GET", "/admin/policy", "", Some(KEY)).await;
     assert!(body.contains("\"policy\":\"round-robin\""), "{body}");
     let metrics = http(addr, "GET", "/metrics", "").await.1;
     assert!(

@@ -30,8 +30,24 @@ pub enum Role {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Permissions {
     pub publish: Vec<String>,
+    /// Subjects refused even where `publish` allows them (deny wins in nats-server).
+    pub publish_deny: Vec<String>,
     pub subscribe: Vec<String>,
 }
+
+/// JetStream API calls no service makes, which would destroy or copy out the mesh's data or
+/// reshape the cluster: refused to every service (the operator's `admin` keeps them), though
+/// the services otherwise reach the JetStream API. Object deletes are purges of one subject,
+/// so `STREAM.PURGE` stays allowed.
+pub const JETSTREAM_DENIED: [&str; 7] = [
+    "$JS.API.STREAM.DELETE.>",
+    "$JS.API.STREAM.SNAPSHOT.>",
+    "$JS.API.STREAM.RESTORE.>",
+    "$JS.API.STREAM.PEER.REMOVE.>",
+    "$JS.API.ACCOUNT.PURGE.>",
+    "$JS.API.SERVER.>",
+    "$JS.API.META.>",
+];
 
 /// One user of the server: a service role, or (no permissions) an operator who may do anything.
 #[derive(Debug, Clone)]
@@ -174,7 +190,11 @@ impl Role {
                 subscribe.extend(strings(&["diffmesh.controlnet.worker.>"]));
             }
         }
-        Permissions { publish, subscribe }
+        Permissions {
+            publish,
+            publish_deny: strings(&JETSTREAM_DENIED),
+            subscribe,
+        }
     }
 }
 
@@ -219,8 +239,9 @@ pub fn server_config(users: &[User]) -> String {
         ));
         if let Some(p) = &u.permissions {
             out.push_str(&format!(
-                ", permissions: {{ publish: {{ allow: {} }}, subscribe: {{ allow: {} }} }}",
+                ", permissions: {{ publish: {{ allow: {}, deny: {} }}, subscribe: {{ allow: {} }} }}",
                 quoted(&p.publish),
+                quoted(&p.publish_deny),
                 quoted(&p.subscribe)
             ));
         }

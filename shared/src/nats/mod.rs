@@ -7,6 +7,8 @@ pub mod auth;
 pub mod chunked;
 pub mod reconnects;
 pub mod serve;
+#[cfg(feature = "certs")]
+pub mod tls;
 pub mod trace_context;
 pub mod unanswered;
 
@@ -23,20 +25,40 @@ use crate::process::metrics::NatsMetrics;
 use crate::wire::messages::{decode, encode};
 use crate::wire::subjects::ANSWER_WITHIN_HEADER;
 
-/// Connect to NATS anonymously: [`connect_as`] without credentials.
+/// Connect to NATS anonymously, without TLS: [`connect_as`] with no [`NatsSecurity`].
 pub async fn connect(url: &str, name: &str, give_up_after: Duration) -> Result<Client, MeshError> {
-    connect_as(url, name, give_up_after, None).await
+    connect_as(url, name, give_up_after, NatsSecurity::default()).await
 }
 
-/// Connect to NATS as `credentials` (user and password; None: anonymously), retrying with
-/// capped exponential backoff for up to `give_up_after` (services often start before the
-/// server in compose). `name` shows in `nats server report`.
+/// How a service proves who it is to NATS, and how it checks the server is the mesh's.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NatsSecurity<'a> {
+    /// User and password (`auth`: one user per service kind); None: anonymously.
+    pub credentials: Option<(&'a str, &'a str)>,
+    /// CA certificate (PEM) the server's certificate must be signed by; set, the connection
+    /// must be TLS (`tls://` or a server that requires it) and a server without that CA's
+    /// signature is refused.
+    pub ca_file: Option<&'a std::path::Path>,
+}
+
+/// Connect to NATS as `security` says, retrying with capped exponential backoff for up to
+/// `give_up_after` (services often start before the server in compose). `name` shows in
+/// `nats server report`.
 pub async fn connect_as(
     url: &str,
     name: &str,
     give_up_after: Duration,
-    credentials: Option<(&str, &str)>,
+    security: NatsSecurity<'_>,
 ) -> Result<Client, MeshError> {
+    if let Some(ca) = security.ca_file {
+        // A missing file is a configuration error: no retry makes it appear.
+        if let Err(e) = std::fs::metadata(ca) {
+            return Err(MeshError::Config(format!(
+                "--nats-ca-file {}: {e}",
+                ca.display()
+            )));
+        }
+    }
     let start = tokio::time::Instant::now();
     let mut delay = Duration::from_millis(100);
     let mut attempts = 0u32;
@@ -49,12 +71,17 @@ pub async fn connect_as(
     loop {
         attempts += 1;
         let first_connect = reconnects::FirstConnect::before_connecting();
-        let options = match credentials {
+        let mut options = match security.credentials {
             Some((user, password)) => {
                 async_nats::ConnectOptions::with_user_and_password(user.into(), password.into())
             }
             None => async_nats::ConnectOptions::new(),
         };
+        if let Some(ca) = security.ca_file {
+            options = options
+                .add_root_certificates(ca.to_path_buf())
+                .require_tls(true);
+        }
         let result = options
             .name(name)
             .connection_timeout(Duration::from_secs(2))

@@ -36,6 +36,11 @@ pub struct CommonConfig {
     #[arg(long, env = "JS_REPLICAS", default_value_t = 1,
           value_parser = clap::value_parser!(u8).range(1..=5))]
     pub js_replicas: u8,
+    /// Bytes the mesh's JetStream streams may take together, each its fixed share
+    /// (`jetstream_layout`); 0: no byte bounds. Every server holding replicas reserves it
+    /// against its `max_file_store`, so it must fit there (with the async-job queue's own bound).
+    #[arg(long, env = "JS_MAX_BYTES", default_value_t = 8 * 1024 * 1024 * 1024)]
+    pub js_max_bytes: u64,
     /// NATS user of this service on a server with authorization (`nats::auth`: one user per
     /// service kind); unset: anonymous.
     #[arg(long, env = "NATS_USER")]
@@ -44,6 +49,10 @@ pub struct CommonConfig {
     /// command line).
     #[arg(skip = std::env::var("NATS_PASSWORD").ok())]
     pub nats_password: Option<String>,
+    /// CA certificate (PEM) the NATS server's certificate must be signed by; set, the
+    /// connection must be TLS (`cargo xtask compose-secrets` makes one for `compose/`).
+    #[arg(long, env = "NATS_CA_FILE")]
+    pub nats_ca_file: Option<std::path::PathBuf>,
 }
 
 impl CommonConfig {
@@ -56,18 +65,24 @@ impl CommonConfig {
             log_json: false,
             nats_connect_timeout: Duration::from_secs(10),
             js_replicas: 1,
+            js_max_bytes: 1024 * 1024 * 1024,
             nats_user: None,
             nats_password: None,
+            nats_ca_file: None,
         }
     }
 
-    /// Connect to NATS as this service's user (anonymously when none is set) as `name`.
+    /// Connect to NATS as this service's user (anonymously when none is set) as `name`, over
+    /// TLS checked against `--nats-ca-file` when one is given.
     pub async fn connect_nats(&self, name: &str) -> Result<async_nats::Client, crate::MeshError> {
-        let credentials = self
-            .nats_user
-            .as_deref()
-            .map(|user| (user, self.nats_password.as_deref().unwrap_or("")));
-        crate::nats::connect_as(&self.nats_url, name, self.nats_connect_timeout, credentials).await
+        let security = crate::nats::NatsSecurity {
+            credentials: self
+                .nats_user
+                .as_deref()
+                .map(|user| (user, self.nats_password.as_deref().unwrap_or(""))),
+            ca_file: self.nats_ca_file.as_deref(),
+        };
+        crate::nats::connect_as(&self.nats_url, name, self.nats_connect_timeout, security).await
     }
 }
 

@@ -5,6 +5,14 @@
 //! (`JS_REPLICAS`): on a NATS cluster every bucket then exists with that many replicas whichever
 //! service starts first, and a bucket made earlier with fewer is scaled up. No second copy of
 //! the settings (a CLI script) can drift from the code.
+//!
+//! Every stream is bounded in bytes too: the deployment gives one storage budget
+//! (`JS_MAX_BYTES`) and each spec takes its fixed share of it ([`Spec::max_bytes`]). When
+//! a stream is full, one of job records or idempotency keys drops its oldest entries (a record
+//! nobody has read for long goes first); every other refuses new writes, and the request that
+//! wrote answers an error, rather than losing a template, a LoRA or a blob something still
+//! reads. `storage_usage` exports how full each one is. The server reserves each stream's
+//! bound against its own `max_file_store` (per node, each replica): the budget must fit in it.
 use std::borrow::Cow;
 use std::time::Duration;
 
@@ -42,7 +50,14 @@ pub struct Spec {
     pub layout: Layout,
     /// Entries older than this are dropped by the server (zero: kept until deleted).
     pub max_age: Duration,
+    /// Its bound in bytes, in thousandths of the storage budget (`JS_MAX_BYTES`).
+    pub share_per_mille: u32,
+    /// When full, drop the oldest entries (true) or refuse new ones (false).
+    pub discard_old: bool,
 }
+
+/// The smallest bound a stream gets: room for a few of its largest messages.
+const MIN_STREAM_BYTES: u64 = 8 * 1024 * 1024;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
@@ -51,6 +66,8 @@ pub const JOBS: Spec = Spec {
     name: Cow::Borrowed(JOB_BUCKET),
     layout: Layout::Kv,
     max_age: Duration::from_secs(7 * 24 * 3600),
+    share_per_mille: 60,
+    discard_old: true,
 };
 
 /// How long a repeated idempotency key returns the same job.
@@ -61,6 +78,8 @@ pub const IDEMPOTENCY: Spec = Spec {
     name: Cow::Borrowed(IDEMPOTENCY_BUCKET),
     layout: Layout::Kv,
     max_age: IDEMPOTENCY_TTL,
+    share_per_mille: 10,
+    discard_old: true,
 };
 
 /// Template records.
@@ -68,6 +87,8 @@ pub const TEMPLATE_RECORDS: Spec = Spec {
     name: Cow::Borrowed(TEMPLATE_BUCKET),
     layout: Layout::Kv,
     max_age: Duration::ZERO,
+    share_per_mille: 10,
+    discard_old: false,
 };
 
 /// Uploads, prepared tensors and results (a day: ample for clients to fetch results).
@@ -75,6 +96,8 @@ pub const BLOBS: Spec = Spec {
     name: Cow::Borrowed(BLOB_BUCKET),
     layout: Layout::Objects,
     max_age: DAY,
+    share_per_mille: 380,
+    discard_old: false,
 };
 
 /// Template activation caches, the cluster tier (the cachestore manages their lifetime).
@@ -82,6 +105,8 @@ pub const CACHES: Spec = Spec {
     name: Cow::Borrowed(CACHE_BUCKET),
     layout: Layout::Objects,
     max_age: Duration::ZERO,
+    share_per_mille: 300,
+    discard_old: false,
 };
 
 /// Templates' images, kept as long as the template.
@@ -89,6 +114,8 @@ pub const TEMPLATE_IMAGES: Spec = Spec {
     name: Cow::Borrowed(TEMPLATE_BUCKET),
     layout: Layout::Objects,
     max_age: Duration::ZERO,
+    share_per_mille: 80,
+    discard_old: false,
 };
 
 /// Edits by template in flight, one message per edit (a day bounds a use whose gateway died).
@@ -98,6 +125,8 @@ pub const TEMPLATE_USES: Spec = Spec {
         subject_prefix: TEMPLATE_USES_PREFIX,
     },
     max_age: DAY,
+    share_per_mille: 10,
+    discard_old: false,
 };
 
 /// Capture announcements, the last per cache key, which a denoiser started later replays to
@@ -110,6 +139,8 @@ pub const TEMPLATE_CAPTURES: Spec = Spec {
         subject_prefix: TEMPLATES_CAPTURED,
     },
     max_age: Duration::from_secs(7 * 24 * 3600),
+    share_per_mille: 10,
+    discard_old: false,
 };
 
 /// LoRA records (`lora::LoraRecord`), kept until deleted.
@@ -117,6 +148,8 @@ pub const LORA_RECORDS: Spec = Spec {
     name: Cow::Borrowed(LORA_BUCKET),
     layout: Layout::Kv,
     max_age: Duration::ZERO,
+    share_per_mille: 10,
+    discard_old: false,
 };
 
 /// LoRA weights (`lora::weights_key`), kept as long as their record.
@@ -124,6 +157,8 @@ pub const LORA_WEIGHTS: Spec = Spec {
     name: Cow::Borrowed(LORA_BUCKET),
     layout: Layout::Objects,
     max_age: Duration::ZERO,
+    share_per_mille: 120,
+    discard_old: false,
 };
 
 /// Everything the mesh stores in JetStream.
@@ -149,6 +184,23 @@ impl Spec {
         }
     }
 
+    /// Its bound in bytes under a storage budget of `budget` bytes for every stream together
+    /// (0: no bounds; then -1, as JetStream writes "none").
+    pub fn max_bytes(&self, budget: u64) -> i64 {
+        if budget == 0 {
+            return -1;
+        }
+        let share = budget / 1000 * u64::from(self.share_per_mille);
+        i64::try_from(share.max(MIN_STREAM_BYTES)).unwrap_or(i64::MAX)
+    }
+
+    fn discard(&self) -> stream::DiscardPolicy {
+        match self.discard_old {
+            true => stream::DiscardPolicy::Old,
+            false => stream::DiscardPolicy::New,
+        }
+    }
+
     /// Buckets whose reads go to the stream's leader (no direct gets).
     fn reads_from_leader(&self) -> bool {
         matches!(self.layout, Layout::Kv | Layout::Objects)
@@ -167,17 +219,18 @@ impl Spec {
     /// layout async-nats' `create_key_value` / `create_object_store` would make, but without
     /// direct reads (see [`Layout::Kv`], [`Layout::Objects`]); `create_key_value` also needs
     /// account-info fields older servers (2.9) do not send.
-    fn stream_config(&self, replicas: usize) -> stream::Config {
+    fn stream_config(&self, replicas: usize, budget: u64) -> stream::Config {
         match self.layout {
             Layout::Kv => stream::Config {
                 name: self.stream_name(),
                 subjects: vec![format!("$KV.{}.>", self.name)],
                 max_messages_per_subject: 1,
                 max_age: self.max_age,
+                max_bytes: self.max_bytes(budget),
                 allow_rollup: true,
                 deny_delete: true,
                 allow_direct: false,
-                discard: stream::DiscardPolicy::New,
+                discard: self.discard(),
                 num_replicas: replicas,
                 ..Default::default()
             },
@@ -186,6 +239,8 @@ impl Spec {
                 subjects: vec![format!("{subject_prefix}.>")],
                 max_messages_per_subject: 1,
                 max_age: self.max_age,
+                max_bytes: self.max_bytes(budget),
+                discard: self.discard(),
                 num_replicas: replicas,
                 ..Default::default()
             },
@@ -196,9 +251,10 @@ impl Spec {
                     format!("$O.{}.M.>", self.name),
                 ],
                 max_age: self.max_age,
+                max_bytes: self.max_bytes(budget),
                 allow_rollup: true,
                 allow_direct: false,
-                discard: stream::DiscardPolicy::New,
+                discard: self.discard(),
                 num_replicas: replicas,
                 ..Default::default()
             },
@@ -207,11 +263,22 @@ impl Spec {
 
     /// Create the bucket or stream with `replicas` replicas (an error if it exists with
     /// another config; callers check for it first).
-    async fn create(&self, js: &jetstream::Context, replicas: usize) -> Result<(), MeshError> {
-        js.create_stream(self.stream_config(replicas))
+    async fn create(
+        &self,
+        js: &jetstream::Context,
+        replicas: usize,
+        budget: u64,
+    ) -> Result<(), MeshError> {
+        js.create_stream(self.stream_config(replicas, budget))
             .await
             .map(drop)
-            .map_err(|e| self.error(format!("create: {e}")))
+            .map_err(|e| {
+                self.error(format!(
+                    "create: {e} (it reserves {} bytes, its share of JS_MAX_BYTES, on each \
+                     server holding a replica: that server's max_file_store must have room)",
+                    self.max_bytes(budget)
+                ))
+            })
     }
 
     fn error(&self, reason: String) -> MeshError {
@@ -221,8 +288,9 @@ impl Spec {
         }
     }
 
-    /// Get the stream behind the spec, creating it with one replica when missing (a race with
-    /// another creator is harmless: the stream it made is used).
+    /// Get the stream behind the spec, creating it with one replica and no byte bound when
+    /// missing (services run [`ensure_all`] first, so only a test's store gets here; the next
+    /// service start bounds it). A race with another creator is harmless: its stream is used.
     pub async fn get_or_create(
         &self,
         js: &jetstream::Context,
@@ -230,7 +298,7 @@ impl Spec {
         if let Ok(stream) = js.get_stream(self.stream_name()).await {
             return Ok(stream);
         }
-        let created = self.create(js, 1).await;
+        let created = self.create(js, 1, 0).await;
         match js.get_stream(self.stream_name()).await {
             Ok(stream) => Ok(stream),
             Err(err) => Err(created
@@ -260,24 +328,28 @@ pub enum Ensured {
     Existed {
         replicas: usize,
     },
-    /// Raised to the wanted replica count and/or (a bucket) direct reads turned off.
+    /// Raised to the wanted replica count, its byte bound and discard policy set to the
+    /// budget's, and/or (a bucket) direct reads turned off.
     Updated {
         replicas_before: usize,
         replicas: usize,
     },
 }
 
-/// Make `spec` exist with at least `replicas` replicas (and bucket reads from the leader). An existing
-/// stream is never scaled down (an operator may have raised it) and keeps its other settings.
+/// Make `spec` exist with at least `replicas` replicas, its byte bound and discard policy (and
+/// bucket reads from the leader). An existing stream is never scaled down (an operator may
+/// have raised it); its byte bound follows the budget both ways (`JS_MAX_BYTES` is the one
+/// place it is set); its other settings stay.
 pub async fn ensure(
     js: &jetstream::Context,
     spec: &Spec,
     replicas: usize,
+    budget: u64,
 ) -> Result<Ensured, MeshError> {
     let replicas = replicas.max(1);
     let existing = match js.get_stream(spec.stream_name()).await {
         Ok(stream) => stream,
-        Err(_) => match spec.create(js, replicas).await {
+        Err(_) => match spec.create(js, replicas, budget).await {
             Ok(()) => return Ok(Ensured::Created { replicas }),
             // Another service may have created it meanwhile.
             Err(create_err) => js
@@ -290,10 +362,14 @@ pub async fn ensure(
     let before = config.num_replicas.max(1);
     // Buckets made by earlier versions (or `nats kv add`, `nats object add`) take direct reads.
     let direct_reads = spec.reads_from_leader() && config.allow_direct;
-    if before >= replicas && !direct_reads {
+    let bounds_differ =
+        config.max_bytes != spec.max_bytes(budget) || config.discard != spec.discard();
+    if before >= replicas && !direct_reads && !bounds_differ {
         return Ok(Ensured::Existed { replicas: before });
     }
     config.num_replicas = before.max(replicas);
+    config.max_bytes = spec.max_bytes(budget);
+    config.discard = spec.discard();
     if spec.reads_from_leader() {
         config.allow_direct = false;
     }
@@ -307,10 +383,12 @@ pub async fn ensure(
 }
 
 /// [`ensure`] every spec of the mesh (plus `extra`, e.g. a cachestore bucket under another
-/// name); returns what was done to each, by stream name.
+/// name) under the storage budget `budget` (`JS_MAX_BYTES`; 0: no byte bounds); returns what
+/// was done to each, by stream name.
 pub async fn ensure_all(
     js: &jetstream::Context,
     replicas: usize,
+    budget: u64,
     extra: &[Spec],
 ) -> Result<Vec<(String, Ensured)>, MeshError> {
     let mut done = Vec::new();
@@ -318,7 +396,7 @@ pub async fn ensure_all(
         if done.iter().any(|(name, _)| *name == spec.stream_name()) {
             continue;
         }
-        let ensured = ensure(js, spec, replicas).await?;
+        let ensured = ensure(js, spec, replicas, budget).await?;
         if !matches!(ensured, Ensured::Existed { .. }) {
             tracing::info!(stream = %spec.stream_name(), ?ensured, "JetStream layout");
         }
@@ -334,7 +412,13 @@ pub async fn context(
     extra: &[Spec],
 ) -> Result<jetstream::Context, MeshError> {
     let js = jetstream::new(client.clone());
-    ensure_all(&js, usize::from(config.js_replicas), extra).await?;
+    ensure_all(
+        &js,
+        usize::from(config.js_replicas),
+        config.js_max_bytes,
+        extra,
+    )
+    .await?;
     Ok(js)
 }
 
@@ -351,9 +435,21 @@ mod tests {
     }
 
     #[test]
+    fn the_shares_fit_in_the_budget_and_only_records_drop_their_oldest() {
+        let total: u32 = ALL.iter().map(|s| s.share_per_mille).sum();
+        assert!(total <= 1000, "{total}");
+        for spec in ALL {
+            assert!(spec.share_per_mille > 0, "{}", spec.name);
+            // A template, a LoRA or a blob someone reads must never vanish to make room.
+            let droppable = spec == JOBS || spec == IDEMPOTENCY;
+            assert_eq!(spec.discard_old, droppable, "{}", spec.name);
+        }
+    }
+
+    #[test]
     fn buckets_read_from_the_leader() {
         for spec in ALL.iter().filter(|s| s.reads_from_leader()) {
-            let config = spec.stream_config(3);
+            let config = spec.stream_config(3, 0);
             assert!(!config.allow_direct, "{}", spec.name);
             assert_eq!(config.num_replicas, 3);
         }

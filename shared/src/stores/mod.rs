@@ -10,4 +10,5 @@ pub mod jetstream_layout;
 pub mod job;
 pub mod record;
 pub mod reopening_watch;
+pub mod storage_usage;
 pub mod transient;

@@ -41,6 +41,11 @@ impl Service {
     }
 
     pub async fn send_heartbeat(&self) {
+        if let Some(memory) = self.device_memory.sample() {
+            let gauge = &self.metrics.device_memory_bytes;
+            gauge.with_label_values(&["used"]).set(memory.used as i64);
+            gauge.with_label_values(&["free"]).set(memory.free as i64);
+        }
         if let Err(err) = publish_msgpack(
             &self.client,
             subjects::DENOISER_HEARTBEAT,

@@ -53,6 +53,7 @@ pub struct Service {
     pub prompt_stage: Option<crate::prompt_stage::PromptStageHandle>,
     /// Whether the engine keeps failing jobs (then it takes no work for a while).
     pub sickness: Sickness,
+    pub device_memory: crate::device_memory::MemorySource,
 }
 
 /// What a [`Service`] is built from (`lib::start` builds each).
@@ -69,6 +70,8 @@ pub struct ServiceParts {
     pub loras: LoraStore,
     pub controlnet_workers: Option<crate::controlnet_service::ControlNetWorkers>,
     pub prompt_stage: Option<crate::prompt_stage::PromptStageHandle>,
+    /// Where the device's memory is read for `/metrics`.
+    pub device_memory: crate::device_memory::MemorySource,
 }
 
 /// Template caches on this denoiser: the local tier, the cachestore client, the cache settings,
@@ -109,6 +112,7 @@ impl Service {
             loras,
             controlnet_workers,
             prompt_stage,
+            device_memory,
         } = parts;
         let sickness = Sickness::new(config.sick_after_failures, config.sick_cooldown);
         Self {
@@ -128,6 +132,7 @@ impl Service {
             controlnet_workers,
             prompt_stage,
             sickness,
+            device_memory,
         }
     }
 

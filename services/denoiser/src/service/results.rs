@@ -123,7 +123,7 @@ impl Service {
                     error: EngineJobError::Restarted(panic),
                     span,
                 } if job.attempt + 1 < PLACEMENTS_AFTER_RESTART => {
-                    self.note_failure(&job.job_id);
+                    self.note_failure(&job.job_id, &panic);
                     // Not the job's fault: it goes back to the router (off this loop, which
                     // must not wait for the router), as a lost denoiser's jobs do.
                     let this = self.clone();
@@ -133,7 +133,7 @@ impl Service {
                     let error_type = match error {
                         crate::engine::EngineJobError::Input(_) => error_types::INVALID_REQUEST,
                         _ => {
-                            self.note_failure(&job.job_id);
+                            self.note_failure(&job.job_id, &error.to_string());
                             error_types::INTERNAL
                         }
                     };
@@ -153,12 +153,20 @@ impl Service {
     }
 
     /// A job failed for a reason that was not its input: count it towards sickness.
-    fn note_failure(&self, job_id: &str) {
-        if self.sickness.failed(std::time::Instant::now()) == Verdict::FellSick {
-            self.metrics.sick_episodes.inc();
-            tracing::error!(%job_id, failures = self.config.sick_after_failures,
-                cooldown = ?self.config.sick_cooldown,
-                "jobs keep failing: this denoiser takes no work (unready, draining) for the cooldown");
+    fn note_failure(&self, job_id: &str, error: &str) {
+        match self.sickness.failed(std::time::Instant::now(), error) {
+            Verdict::FellSick => {
+                self.metrics.sick_episodes.inc();
+                tracing::error!(%job_id, failures = self.config.sick_after_failures,
+                    cooldown = ?self.config.sick_cooldown,
+                    "jobs keep failing: this denoiser takes no work (unready, draining) for the cooldown");
+            }
+            Verdict::DeviceFault => {
+                self.metrics.sick_episodes.inc();
+                tracing::error!(%job_id, %error,
+                    "the device failed: this denoiser takes no work (unready, draining) until restarted");
+            }
+            Verdict::Healthy | Verdict::StillSick => {}
         }
     }
 

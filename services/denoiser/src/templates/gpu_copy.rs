@@ -96,6 +96,12 @@ impl GpuCopy {
         }))
     }
 
+    /// Free and total memory of this device, in bytes (the driver's count, all processes).
+    pub fn mem_get_info(&self) -> Result<(u64, u64), String> {
+        let (free, total) = self.ctx.mem_get_info().map_err(cuda)?;
+        Ok((free as u64, total as u64))
+    }
+
     pub fn device(&self) -> Device {
         self.device
     }

@@ -17,6 +17,7 @@ use utoipa::ToSchema;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
+use crate::quotas::{self, Adding};
 use crate::state::ApiState;
 
 /// A registered LoRA as clients see it: its record (`lora::LoraRecord`) and `object`.
@@ -116,8 +117,11 @@ async fn owned(state: &ApiState, caller: &Caller, id: &str) -> Result<LoraRecord
             message names the tensor or metadata key at fault", body = ErrorBody),
         (status = 401, description = "Missing or unknown API key", body = ErrorBody),
         (status = 413, description = "The weights file (above `--max-lora-bytes`) or a text \
-            field is too large", body = ErrorBody),
-        (status = 429, description = "Over the key's request rate", body = ErrorBody,
+            field is too large, or the key's stored bytes would pass \
+            `--max-stored-bytes-per-key`", body = ErrorBody),
+        (status = 429, description = "Over the key's request rate (with Retry-After), the \
+            gateway's LoRA uploads at once (with Retry-After), or `--max-loras-per-key` \
+            (`quota_exceeded`)", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds"))),
     ),
     security((), ("api_key" = []))
@@ -129,7 +133,20 @@ pub async fn create_lora(
 ) -> Result<HttpResponse, ApiError> {
     let caller = state.caller(&req)?;
     state.key_limits.check_rate(caller.limit_key())?;
+    // Every upload read at once is held in memory whole: their number is bounded.
+    let _reading = state
+        .lora_uploads
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| ApiError::RateLimited {
+            message: "as many LoRA uploads as this gateway reads at once are under way \
+                      (--lora-uploads-at-once); send it again shortly"
+                .into(),
+            retry_after_s: 1,
+        })?;
     let upload = crate::loras::form::read(payload, state.max_lora_bytes).await?;
+    let bytes = upload.weights.len() as u64;
+    quotas::admit(&state, caller.owner(), Adding::Lora { bytes }).await?;
     let record = state.loras.register(upload, caller.owner()).await?;
     tracing::info!(
         lora_id = %record.id,

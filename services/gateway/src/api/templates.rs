@@ -134,8 +134,10 @@ async fn owned(state: &ApiState, req: &HttpRequest, id: &str) -> Result<Template
             body = TemplateView, headers(("Location" = String, description = "The template's URL"))),
         (status = 400, description = "A field is missing, malformed or out of range", body = ErrorBody),
         (status = 401, description = "Missing or unknown API key", body = ErrorBody),
-        (status = 413, description = "The body or a part is too large", body = ErrorBody),
-        (status = 429, description = "Over the key's limits or the mesh's admission queue",
+        (status = 413, description = "The body or a part is too large, or the key's stored \
+            bytes would pass `--max-stored-bytes-per-key`", body = ErrorBody),
+        (status = 429, description = "Over the key's limits (with Retry-After), \
+            `--max-templates-per-key` (`quota_exceeded`), or the mesh's admission queue",
             body = ErrorBody, headers(("Retry-After" = u64, description = "Seconds"))),
         (status = 500, description = "The capture failed (the template is kept as `failed`)",
             body = ErrorBody),
@@ -162,6 +164,13 @@ pub async fn create_template(
     let model = request_model::choose(&state, form.model.as_deref()).await?;
     form.params.model = model.id.clone();
     request_model::check_features(&model, JobKind::Capture, &form.params)?;
+    let bytes = form.image.len() as u64;
+    crate::quotas::admit(
+        &state,
+        caller.owner(),
+        crate::quotas::Adding::Template { bytes },
+    )
+    .await?;
     let _slot = state.key_limits.acquire(caller.limit_key())?;
     let geometry = model.card.map(|c| c.geometry);
     let record = capture::register(&state.mesh, &state.templates, &caller, form, geometry).await?;

@@ -1,0 +1,81 @@
+//! How full the mesh's JetStream streams are, for `/metrics` and the storage alerts:
+//! `diffmesh_jetstream_stream_bytes{stream}` (stored now) and
+//! `diffmesh_jetstream_stream_limit_bytes{stream}` (its byte bound; absent when unbounded).
+//! The router samples them (one active router: one reader of the stream infos, however many
+//! gateways and denoisers run).
+use std::time::Duration;
+
+use async_nats::jetstream;
+use prometheus::{IntGaugeVec, Opts, Registry};
+use tokio_util::sync::CancellationToken;
+
+use crate::stores::{async_queue, jetstream_layout};
+
+/// How often the streams are read: storage fills over minutes, and each read is one request
+/// per stream.
+pub const SAMPLE_EVERY: Duration = Duration::from_secs(15);
+
+#[derive(Clone)]
+pub struct StorageGauges {
+    bytes: IntGaugeVec,
+    limit: IntGaugeVec,
+}
+
+impl StorageGauges {
+    pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let bytes = IntGaugeVec::new(
+            Opts::new(
+                "diffmesh_jetstream_stream_bytes",
+                "Bytes a JetStream stream of the mesh stores now (one replica's)",
+            ),
+            &["stream"],
+        )?;
+        let limit = IntGaugeVec::new(
+            Opts::new(
+                "diffmesh_jetstream_stream_limit_bytes",
+                "The stream's byte bound (its share of JS_MAX_BYTES; the async queue's own)",
+            ),
+            &["stream"],
+        )?;
+        registry.register(Box::new(bytes.clone()))?;
+        registry.register(Box::new(limit.clone()))?;
+        Ok(Self { bytes, limit })
+    }
+
+    /// Read every stream of the mesh once; one that cannot be read keeps its last values.
+    pub async fn sample(&self, js: &jetstream::Context) {
+        let mut names: Vec<String> = jetstream_layout::ALL
+            .iter()
+            .map(|spec| spec.stream_name())
+            .collect();
+        names.dedup();
+        names.push(async_queue::STREAM.to_string());
+        for name in names {
+            let Ok(mut stream) = js.get_stream(&name).await else {
+                continue;
+            };
+            let Ok(info) = stream.info().await else {
+                continue;
+            };
+            self.bytes
+                .with_label_values(&[&name])
+                .set(i64::try_from(info.state.bytes).unwrap_or(i64::MAX));
+            if info.config.max_bytes > 0 {
+                self.limit
+                    .with_label_values(&[&name])
+                    .set(info.config.max_bytes);
+            }
+        }
+    }
+
+    /// Sample every [`SAMPLE_EVERY`] until `shutdown`.
+    pub async fn watch(self, js: jetstream::Context, shutdown: CancellationToken) {
+        let mut tick = tokio::time::interval(SAMPLE_EVERY);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => self.sample(&js).await,
+            }
+        }
+    }
+}
