@@ -62,6 +62,17 @@ pub enum MeshError {
     JetStreamLayout { name: String, reason: String },
     #[error("object store put failed: {0}")]
     BlobPut(#[from] object_store::PutError),
+    /// The bucket is at its byte bound (its share of `JS_MAX_BYTES`) and refuses new objects.
+    #[error(
+        "storage bucket {bucket} is full: {stored} of its {bound} bytes are taken and {needed} \
+         more do not fit (delete templates or LoRAs, or raise JS_MAX_BYTES)"
+    )]
+    StoreFull {
+        bucket: String,
+        stored: u64,
+        bound: u64,
+        needed: u64,
+    },
     #[error("object store get failed: {0}")]
     BlobGet(#[from] object_store::GetError),
     #[error("object store delete failed: {0}")]
@@ -114,6 +125,7 @@ impl MeshError {
             | MeshError::BlobDelete(_)
             | MeshError::Io(_) => "object_store",
             MeshError::JetStreamLayout { .. } => "jetstream_layout",
+            MeshError::StoreFull { .. } => "store_full",
             MeshError::KvOpen(_)
             | MeshError::KvEntry(_)
             | MeshError::KvPut(_)

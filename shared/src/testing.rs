@@ -31,6 +31,9 @@ fn nats_server_binary() -> PathBuf {
 }
 
 /// Run `nats-server -js` on `port` with its data under `dir` and `extra` flags, logging to `log`.
+/// What nats-server logs once it takes clients.
+const READY_LINE: &str = "Server is ready";
+
 fn launch(port: u16, dir: &Path, extra: &[String], log: std::fs::File) -> Child {
     let bin = nats_server_binary();
     Command::new(&bin)
@@ -129,9 +132,10 @@ impl NatsServer {
             .append(true)
             .open(self.dir.join("nats.log"))
             .expect("open nats log");
+        let earlier_starts = self.log().matches(READY_LINE).count();
         self.child = launch(self.port, &self.dir, &self.extra, log);
         assert!(
-            self.wait_ready(Duration::from_secs(10)),
+            self.wait_ready_after(Duration::from_secs(10), earlier_starts),
             "nats-server {} did not come back:\n{}",
             self.label,
             self.log()
@@ -139,6 +143,12 @@ impl NatsServer {
     }
 
     fn wait_ready(&mut self, within: Duration) -> bool {
+        self.wait_ready_after(within, 0)
+    }
+
+    /// Wait until the server answers and its log says it is ready once more than
+    /// `earlier_starts` times (the log of a restarted server holds the first start's line).
+    fn wait_ready_after(&mut self, within: Duration, earlier_starts: usize) -> bool {
         let deadline = Instant::now() + within;
         while Instant::now() < deadline {
             if matches!(self.child.try_wait(), Ok(Some(_))) {
@@ -147,7 +157,7 @@ impl NatsServer {
             // Its own log must say so: when two tests' servers race for one port, the loser's
             // port answers too (the winner's), until the winner is stopped.
             if TcpStream::connect(("127.0.0.1", self.port)).is_ok()
-                && self.log().contains("Server is ready")
+                && self.log().matches(READY_LINE).count() > earlier_starts
             {
                 return true;
             }

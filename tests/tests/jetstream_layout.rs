@@ -98,11 +98,10 @@ async fn direct_read_bucket(
 }
 
 /// Every stream is bounded by its share of the budget, and a new budget re-bounds them at the
-/// next start. Full, an object bucket refuses a new object (no template, LoRA or blob is
-/// dropped to make room) while the job records drop their oldest.
+/// next start. Full, a bucket of templates, LoRAs or caches refuses a new object (none is
+/// dropped to make room) while job blobs and job records drop their oldest.
 #[tokio::test]
 async fn every_stream_is_bounded_by_its_share_of_the_budget() {
-    use tokio::io::AsyncReadExt;
     let nats = NatsServer::start();
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = jetstream::new(client);
@@ -126,21 +125,36 @@ async fn every_stream_is_bounded_by_its_share_of_the_budget() {
         assert_eq!(config.max_bytes, 8 << 20, "{}", spec.name);
     }
 
-    // Blobs: a 6 MiB object fits; a second does not, and the first stays whole.
-    let blobs = js
-        .get_object_store(jetstream_layout::BLOBS.name.as_ref())
+    // LoRA weights refuse when full: a 6 MiB object fits; a second is refused before a chunk
+    // of it is written, and the first stays whole.
+    let loras = BlobStore::open_with(&js, &jetstream_layout::LORA_WEIGHTS)
         .await
         .unwrap();
     let six = vec![7u8; 6 << 20];
-    blobs.put("first", &mut six.as_slice()).await.unwrap();
+    loras.put("first", &six).await.unwrap();
+    let mut stream = js
+        .get_stream(jetstream_layout::LORA_WEIGHTS.stream_name())
+        .await
+        .unwrap();
+    let stored = stream.info().await.unwrap().state.bytes;
+    let refused = loras.put("second", &six).await.unwrap_err();
     assert!(
-        blobs.put("second", &mut six.as_slice()).await.is_err(),
-        "a full blob bucket took another object"
+        matches!(refused, diffmesh_shared::MeshError::StoreFull { .. }),
+        "{refused}"
     );
-    let mut read = Vec::new();
-    let mut first = blobs.get("first").await.unwrap();
-    first.read_to_end(&mut read).await.unwrap();
-    assert_eq!(read.len(), six.len());
+    assert_eq!(
+        stream.info().await.unwrap().state.bytes,
+        stored,
+        "chunks were written"
+    );
+    assert_eq!(loras.get("first").await.unwrap().len(), six.len());
+
+    // Job blobs are a ring: a newer object pushes out the oldest, nothing is refused.
+    let blobs = BlobStore::open(&js).await.unwrap();
+    for i in 0..3 {
+        blobs.put(&format!("blob-{i}"), &six).await.unwrap();
+    }
+    assert!(blobs.get("blob-2").await.is_ok(), "the newest blob went");
 
     // Job records: 24 of 512 KiB (12 MiB) into 8 MiB: the oldest went, the newest are there.
     let jobs = js

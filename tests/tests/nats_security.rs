@@ -250,33 +250,50 @@ async fn services_reach_nats_only_over_tls_checked_against_the_mesh_ca() {
     let (user, password) = (user.unwrap(), password.unwrap());
     let quick = Duration::from_millis(300);
 
-    // Plain text with the right password: the server wants TLS, the client's default roots
-    // do not know the mesh's CA, so it is refused either way.
+    // The server takes no plain text: its greeting asks for TLS before anything else.
+    let port: u16 = nats.url().rsplit(':').next().unwrap().parse().unwrap();
+    let mut raw = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut greeting = [0u8; 2048];
+    let n = std::io::Read::read(&mut raw, &mut greeting).unwrap();
+    let greeting = String::from_utf8_lossy(&greeting[..n]);
+    assert!(greeting.contains("\"tls_required\":true"), "{greeting}");
+    let kind = |err: diffmesh_shared::MeshError| match err {
+        diffmesh_shared::MeshError::Connect { source, .. } => source.kind(),
+        other => panic!("not a connect error: {other}"),
+    };
+    use async_nats::ConnectErrorKind;
+    // The right password, without TLS: the server hangs up (no time-out: refused at once).
     let plain = NatsSecurity {
         credentials: Some((&user, &password)),
         ca_file: None,
     };
-    assert!(connect_securely(&nats.url(), "plain", quick, plain)
-        .await
-        .is_err());
+    let err = connect_securely(&nats.url(), "plain", quick, plain).await;
+    let refused = kind(err.unwrap_err());
+    assert!(
+        matches!(refused, ConnectErrorKind::Io | ConnectErrorKind::Tls),
+        "{refused:?}"
+    );
     // TLS trusting another CA: the server's certificate does not check out.
     let other_ca = path("other-ca.pem");
     let impostor = NatsSecurity {
         credentials: Some((&user, &password)),
         ca_file: Some(&other_ca),
     };
-    assert!(connect_securely(&nats.url(), "other-ca", quick, impostor)
-        .await
-        .is_err());
+    let err = connect_securely(&nats.url(), "other-ca", quick, impostor).await;
+    let err = err.unwrap_err().to_string();
+    assert!(err.contains("invalid peer certificate"), "{err}");
     // The mesh's CA but no user: refused by the server.
     let ca = path("ca.pem");
     let anonymous = NatsSecurity {
         credentials: None,
         ca_file: Some(&ca),
     };
-    assert!(connect_securely(&nats.url(), "anonymous", quick, anonymous)
-        .await
-        .is_err());
+    let err = connect_securely(&nats.url(), "anonymous", quick, anonymous).await;
+    assert_eq!(
+        kind(err.unwrap_err()),
+        ConnectErrorKind::AuthorizationViolation
+    );
     // A CA file that is not there: a configuration error at once, not retries.
     let missing = dir.path().join("missing.pem");
     let err = connect_securely(

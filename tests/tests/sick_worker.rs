@@ -97,6 +97,11 @@ async fn a_denoiser_failing_jobs_in_a_row_is_taken_out_and_the_router_places_aro
         metric_sample(&metrics, "diffmesh_denoiser_sick_episodes_total"),
         1.0
     );
+    wait_for("d1's sick gauge", async || {
+        let m = scrape_metrics(d1).await.unwrap_or_default();
+        metric_sample(&m, "diffmesh_denoiser_sick") == 1.0
+    })
+    .await;
     // The host's memory, as a CPU denoiser's device memory.
     for state in ["used", "free"] {
         let bytes = metric_sample(

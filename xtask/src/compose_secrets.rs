@@ -97,7 +97,11 @@ pub fn compose_secrets(args: ComposeSecretsArgs) -> anyhow::Result<()> {
         "  <service>.env: each service's NATS user; the gateway's API key, the router's admin key"
     );
     println!("  grafana.env, operator.env: Grafana's admin password; all of the above for you");
-    println!("API key for clients: {api_key}  (curl -H 'Authorization: Bearer {api_key}' ...)");
+    println!(
+        "the clients' API key is DIFFMESH_API_KEY in {} (set -a; . that file; then curl -H \
+         \"Authorization: Bearer $DIFFMESH_API_KEY\" ...)",
+        dir.join("operator.env").display()
+    );
     Ok(())
 }
 

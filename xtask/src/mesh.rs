@@ -371,8 +371,15 @@ fn subject_safe(id: &str) -> String {
         .collect()
 }
 
+/// The byte budget of a development mesh's JetStream streams, unless JS_MAX_BYTES says
+/// otherwise: the server reserves each stream's bound against 75% of its free disk.
+const UP_JS_MAX_BYTES: u64 = 2 << 30;
+
 fn spawn(name: &str, mut cmd: Command, run_dir: &Path) -> anyhow::Result<Started> {
     let log = File::create(run_dir.join("logs").join(format!("{name}.log")))?;
+    if std::env::var_os("JS_MAX_BYTES").is_none() {
+        cmd.env("JS_MAX_BYTES", UP_JS_MAX_BYTES.to_string());
+    }
     cmd.stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log);
@@ -408,16 +415,17 @@ fn nats_user(cmd: &mut Command, users: Option<&[diffmesh_shared::nats::auth::Use
     }
 }
 
-/// Write a file only its owner can read (passwords).
-/// Write `text` readable by this user only (mode 0600), replacing the file.
+/// Write `text` readable by this user only (mode 0600, also over a file that was readable by
+/// others before, set before the secret is written), replacing the file.
 pub(crate) fn write_private(path: &Path, text: &str) -> anyhow::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(0o600)
         .open(path)?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
     std::io::Write::write_all(&mut file, text.as_bytes())?;
     Ok(())
 }

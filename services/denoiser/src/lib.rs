@@ -312,6 +312,8 @@ impl DenoiserConfig {
 pub enum DenoiserError {
     #[error(transparent)]
     Mesh(#[from] MeshError),
+    #[error("the CUDA device faulted (its context is lost): exiting so that it is restarted")]
+    DeviceFault,
     #[error("loading the model from {dir}: {source}")]
     Model {
         dir: PathBuf,
@@ -606,8 +608,17 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
 }
 
 /// Serve until `shutdown` is cancelled, then drain and stop.
+/// Run until `shutdown`, or until the device faults (`sickness`): then drain (queued jobs go
+/// back to the router) and fail, so the process exits non-zero and its supervisor restarts it
+/// on a fresh CUDA context.
 pub async fn run(config: DenoiserConfig, shutdown: CancellationToken) -> Result<(), DenoiserError> {
     let handle = start(config).await?;
-    shutdown.cancelled().await;
-    handle.shutdown().await
+    let fault = handle.service.sickness.device_fault();
+    tokio::select! {
+        _ = shutdown.cancelled() => handle.shutdown().await,
+        _ = fault.cancelled() => {
+            handle.shutdown().await?;
+            Err(DenoiserError::DeviceFault)
+        }
+    }
 }

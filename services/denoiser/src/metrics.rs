@@ -42,6 +42,8 @@ pub struct DenoiserMetrics {
     pub engine_restarts: IntCounter,
     /// Times the denoiser took itself out after jobs failed in a row (`sickness`).
     pub sick_episodes: IntCounter,
+    /// 1 while the denoiser takes itself out (`sickness`), else 0.
+    pub sick: IntGauge,
     /// Memory of the device it computes on, by state (`used`, `free`; `device_memory`).
     pub device_memory_bytes: IntGaugeVec,
     pub queued: IntGauge,
@@ -124,6 +126,10 @@ impl DenoiserMetrics {
         let sick_episodes = IntCounter::new(
             "diffmesh_denoiser_sick_episodes_total",
             "Times the denoiser took itself out (unready, draining) after jobs failed in a row",
+        )?;
+        let sick = IntGauge::new(
+            "diffmesh_denoiser_sick",
+            "1 while the denoiser takes itself out (unready, draining) after failing jobs in a row",
         )?;
         let device_memory_bytes = IntGaugeVec::new(
             Opts::new(
@@ -269,6 +275,7 @@ impl DenoiserMetrics {
         registry.register(Box::new(engine_restarts.clone()))?;
         registry.register(Box::new(sick_episodes.clone()))?;
         registry.register(Box::new(device_memory_bytes.clone()))?;
+        registry.register(Box::new(sick.clone()))?;
         registry.register(Box::new(queued.clone()))?;
         registry.register(Box::new(running.clone()))?;
         registry.register(Box::new(failures.clone()))?;
@@ -280,6 +287,7 @@ impl DenoiserMetrics {
             jobs_done,
             engine_restarts,
             sick_episodes,
+            sick,
             device_memory_bytes,
             queued,
             running,

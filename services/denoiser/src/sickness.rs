@@ -7,10 +7,12 @@
 //!
 //! A CUDA device fault (an illegal address, a launch failure, an ECC error, a device-side
 //! assert) is different: it corrupts the CUDA context of the whole process, so every later
-//! job would fail too. One such failure makes the denoiser sick for good: unready until it is
-//! restarted ([`is_device_fault`]).
+//! job would fail too. One such failure makes the denoiser sick for good ([`is_device_fault`]):
+//! it drains and exits with an error ([`Sickness::device_fault`]), so its supervisor (Docker's
+//! restart policy, Kubernetes) starts it again on a fresh context.
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 
 /// The breaker's state.
 #[derive(Debug)]
@@ -19,6 +21,8 @@ pub struct Sickness {
     threshold: u32,
     cooldown: Duration,
     state: Mutex<State>,
+    /// Cancelled at the first device fault: the process should drain and exit.
+    device_fault: CancellationToken,
 }
 
 #[derive(Debug, Default)]
@@ -75,7 +79,13 @@ impl Sickness {
             threshold,
             cooldown,
             state: Mutex::new(State::default()),
+            device_fault: CancellationToken::new(),
         }
+    }
+
+    /// Cancelled once a device fault was seen (`run` then drains and exits with an error).
+    pub fn device_fault(&self) -> CancellationToken {
+        self.device_fault.clone()
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -102,6 +112,7 @@ impl Sickness {
             let first = !s.device_fault;
             s.device_fault = true;
             s.sick_since.get_or_insert(now);
+            self.device_fault.cancel();
             return if first {
                 Verdict::DeviceFault
             } else {
@@ -179,7 +190,12 @@ mod tests {
     fn a_device_fault_makes_it_sick_at_once_and_for_good() {
         let (s, t0) = (Sickness::new(5, COOL), Instant::now());
         let fault = "model error: CUDA error: an illegal memory access was encountered";
+        assert!(!s.device_fault().is_cancelled());
         assert_eq!(s.failed(t0, fault), Verdict::DeviceFault);
+        assert!(
+            s.device_fault().is_cancelled(),
+            "the process is told to restart"
+        );
         assert_eq!(s.failed(t0, fault), Verdict::StillSick);
         s.succeeded();
         assert!(

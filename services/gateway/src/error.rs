@@ -20,6 +20,8 @@ pub mod gateway_error_types {
     pub const IDEMPOTENCY: &str = "idempotency_error";
     /// The key keeps as many templates or LoRAs, or bytes, as its quota allows (HTTP 429/413).
     pub const QUOTA: &str = "quota_exceeded";
+    /// The mesh's storage for templates, LoRAs or caches is at its bound (HTTP 507).
+    pub const STORAGE_FULL: &str = "storage_full";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -124,6 +126,7 @@ impl ApiError {
             ApiError::JobFailed { error_type, .. } => error_type,
             ApiError::Mesh(MeshError::NoResponders { .. }) => error_types::UNAVAILABLE,
             ApiError::Mesh(MeshError::Timeout { .. }) => error_types::TIMEOUT,
+            ApiError::Mesh(MeshError::StoreFull { .. }) => gateway_error_types::STORAGE_FULL,
             ApiError::Mesh(_) | ApiError::Internal(_) => error_types::INTERNAL,
         }
     }
@@ -190,6 +193,7 @@ impl ResponseError for ApiError {
                 error_types::CANCELLED => StatusCode::CONFLICT,
                 _ => StatusCode::INTERNAL_SERVER_ERROR,
             },
+            ApiError::Mesh(MeshError::StoreFull { .. }) => StatusCode::INSUFFICIENT_STORAGE,
             ApiError::Mesh(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

@@ -181,12 +181,17 @@ pub struct GatewayConfig {
     pub max_loras_per_key: usize,
     /// Bytes one API key's templates (images and activation caches) and LoRA weights may
     /// take together (0 = no limit); a registration beyond it is a 413 naming this quota.
-    #[arg(long, env = "GATEWAY_MAX_STORED_BYTES_PER_KEY", default_value_t = 10 * 1024 * 1024 * 1024)]
+    /// Keep it well under the mesh's storage (JS_MAX_BYTES) so no one key can fill it.
+    #[arg(long, env = "GATEWAY_MAX_STORED_BYTES_PER_KEY", default_value_t = 2 * 1024 * 1024 * 1024)]
     pub max_stored_bytes_per_key: u64,
     /// LoRA uploads this gateway reads at once (each held in memory, up to --max-lora-bytes);
     /// one more is a 429 with Retry-After.
     #[arg(long, env = "GATEWAY_LORA_UPLOADS_AT_ONCE", default_value_t = 2)]
     pub lora_uploads_at_once: usize,
+    /// Longest a LoRA upload may take to arrive; a slower one is answered 504 and its reader
+    /// freed.
+    #[arg(long, env = "GATEWAY_LORA_UPLOAD_TIMEOUT", default_value = "5m", value_parser = duration)]
+    pub lora_upload_timeout: Duration,
 }
 
 impl GatewayConfig {
@@ -226,8 +231,9 @@ impl GatewayConfig {
             replicas: 1,
             max_templates_per_key: 100,
             max_loras_per_key: 50,
-            max_stored_bytes_per_key: 10 * 1024 * 1024 * 1024,
+            max_stored_bytes_per_key: 2 * 1024 * 1024 * 1024,
             lora_uploads_at_once: 2,
+            lora_upload_timeout: Duration::from_secs(60),
         }
     }
 
@@ -292,7 +298,6 @@ impl GatewayHandle {
     }
 }
 
-/// Connect to the mesh, bind the API and serve in the background.
 /// Whether the gateway may serve without API keys on `bind`: on a loopback address (this machine
 /// only, as `cargo xtask up` binds it) or when the operator said `--insecure-no-auth`; an open API
 /// on an address other machines reach is refused, so a deployment cannot forget its keys.
@@ -311,6 +316,7 @@ pub fn open_api_allowed(
     ))
 }
 
+/// Connect to the mesh, bind the API and serve in the background.
 pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError> {
     let default_size = config
         .default_size
@@ -449,6 +455,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         lora_uploads: Arc::new(tokio::sync::Semaphore::new(
             config.lora_uploads_at_once.max(1),
         )),
+        lora_upload_timeout: config.lora_upload_timeout,
         directory,
         default_model: config.default_model.clone(),
         default_size,

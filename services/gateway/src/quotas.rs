@@ -4,8 +4,9 @@
 //! uploads read at once, which bounds the memory they hold (each at most --max-lora-bytes).
 //!
 //! Checked at registration against the key's records (a count over the bucket, as listing
-//! does). Two registrations of one key at the same moment may both pass: the overshoot is at
-//! most the key's uploads in flight, which its concurrency limit bounds.
+//! does); a LoRA's count before its body is read, its bytes after. Two registrations of one
+//! key at the same moment may both pass: the overshoot is at most the key's requests in
+//! flight, which its concurrency limit (`--max-concurrent-per-key`) bounds where it is set.
 use crate::error::ApiError;
 use crate::state::ApiState;
 

@@ -32,6 +32,8 @@ pub struct ApiState {
     pub quotas: crate::quotas::StorageQuotas,
     /// LoRA uploads read at once (`--lora-uploads-at-once`): each holds up to max_lora_bytes.
     pub lora_uploads: Arc<tokio::sync::Semaphore>,
+    /// Longest a LoRA upload may take to arrive (`--lora-upload-timeout`).
+    pub lora_upload_timeout: std::time::Duration,
     /// The workers' last heartbeats: which denoisers hold a template's cache, the ControlNets
     /// the mesh steers with now (`GET /v1/controlnets`).
     pub directory: crate::directory::MeshDirectory,

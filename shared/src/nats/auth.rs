@@ -5,9 +5,11 @@
 //! `authorization` block of a `nats-server` config with these users; a server with it refuses
 //! anonymous connections.
 //!
-//! What the lists do not narrow: every service that uses JetStream may call its whole API
-//! (`$JS.API.>`: JetStream's per-stream API permissions would need a list per bucket and
-//! operation), and every service may publish to reply inboxes (`_INBOX.>`: chunked answers send
+//! What the lists do not narrow: every service that uses JetStream may call most of its API
+//! (`$JS.API.>` but [`JETSTREAM_DENIED`]: deleting, snapshotting or restoring a stream and
+//! cluster operations; updating and purging stay open, since every service bounds and scales
+//! the streams at start and object deletes are purges), and every service may publish to reply
+//! inboxes (`_INBOX.>`: chunked answers send
 //! several messages to one inbox, more than `allow_responses` lets through). Writes to buckets
 //! (`$KV.<bucket>.>`, `$O.<bucket>.>`) and stream subjects are per service.
 use crate::wire::cachestore::CACHE_BUCKET;

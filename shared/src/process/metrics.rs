@@ -89,6 +89,10 @@ pub const UNITLESS_METRICS: &[(&str, &str)] = &[
         "diffmesh_denoiser_batch_rows",
         "images denoised together in one step (histogram)",
     ),
+    (
+        "diffmesh_denoiser_sick",
+        "1 while the denoiser takes itself out after failing jobs (a state gauge)",
+    ),
     ("diffmesh_cachestore_entries", "entries held per tier"),
     (
         "diffmesh_controlnet_sessions",

@@ -31,6 +31,9 @@ pub struct BlobStore {
     /// Objects of at most this many chunks are read by message gets (default
     /// [`SMALL_BLOB_CHUNKS`]).
     small_blob_chunks: usize,
+    /// The bucket refuses new writes when full (`Spec::discard_old` false): puts check room
+    /// first.
+    refuses_when_full: bool,
 }
 
 /// Until when a store's reads skip the consumer, in ms since [`LeaderReads::origin`].
@@ -152,6 +155,7 @@ impl BlobStore {
             retry_window: transient::ELECTION_WINDOW,
             leader_reads: LeaderReads::new(),
             small_blob_chunks: SMALL_BLOB_CHUNKS,
+            refuses_when_full: !spec.discard_old,
         })
     }
 
@@ -183,6 +187,7 @@ impl BlobStore {
     /// Tried again while the bucket has no leader ([`transient`]): a put that fails midway is
     /// repeated whole (the object store replaces a name's chunks on each put).
     pub async fn put(&self, key: &str, data: &[u8]) -> Result<(), MeshError> {
+        self.check_room(data.len()).await?;
         let settled =
             |e: &object_store::PutError| e.kind() == object_store::PutErrorKind::InvalidName;
         transient::retried("blob.put", self.retry_window, settled, || async {
@@ -190,6 +195,34 @@ impl BlobStore {
             self.store.put(key, &mut reader).await
         })
         .await?;
+        Ok(())
+    }
+
+    /// In a bucket that refuses writes when full, refuse an object that would not fit before
+    /// a chunk of it is written: a put refused midway leaves the chunks it wrote behind,
+    /// unreferenced, for good. (Two puts at once may both pass; the server still refuses the
+    /// second's overflow.) When the stream cannot be read the put goes ahead.
+    async fn check_room(&self, len: usize) -> Result<(), MeshError> {
+        if !self.refuses_when_full {
+            return Ok(());
+        }
+        let mut stream = self.stream.clone();
+        let Ok(info) = stream.info().await else {
+            return Ok(());
+        };
+        let Ok(bound) = u64::try_from(info.config.max_bytes) else {
+            return Ok(()); // -1: unbounded
+        };
+        // Each chunk is a message with its subject and headers: about 1% more than the data.
+        let needed = len as u64 + len as u64 / 100 + 1024;
+        if info.state.bytes.saturating_add(needed) > bound {
+            return Err(MeshError::StoreFull {
+                bucket: self.bucket.clone(),
+                stored: info.state.bytes,
+                bound,
+                needed,
+            });
+        }
         Ok(())
     }
 

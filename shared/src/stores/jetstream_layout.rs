@@ -8,10 +8,10 @@
 //!
 //! Every stream is bounded in bytes too: the deployment gives one storage budget
 //! (`JS_MAX_BYTES`) and each spec takes its fixed share of it ([`Spec::max_bytes`]). When
-//! a stream is full, one of job records or idempotency keys drops its oldest entries (a record
-//! nobody has read for long goes first); every other refuses new writes, and the request that
-//! wrote answers an error, rather than losing a template, a LoRA or a blob something still
-//! reads. `storage_usage` exports how full each one is. The server reserves each stream's
+//! a stream is full, one of job records, idempotency keys or job blobs drops its oldest entries
+//! (under traffic that fills it, they are kept for less than their age limit); every other
+//! refuses new writes, and the request that wrote answers an error (507 at the gateway),
+//! rather than losing a template, a LoRA or a cache something still reads. `storage_usage` exports how full each one is. The server reserves each stream's
 //! bound against its own `max_file_store` (per node, each replica): the budget must fit in it.
 use std::borrow::Cow;
 use std::time::Duration;
@@ -91,13 +91,15 @@ pub const TEMPLATE_RECORDS: Spec = Spec {
     discard_old: false,
 };
 
-/// Uploads, prepared tensors and results (a day: ample for clients to fetch results).
+/// Uploads, prepared tensors and results (a day: ample for clients to fetch results). When
+/// full, the oldest go first (a ring): under traffic that fills it within the day, results
+/// stay fetchable for less than a day, and nothing new is refused.
 pub const BLOBS: Spec = Spec {
     name: Cow::Borrowed(BLOB_BUCKET),
     layout: Layout::Objects,
     max_age: DAY,
     share_per_mille: 380,
-    discard_old: false,
+    discard_old: true,
 };
 
 /// Template activation caches, the cluster tier (the cachestore manages their lifetime).
@@ -359,23 +361,35 @@ pub async fn ensure(
         },
     };
     let mut config = existing.cached_info().config.clone();
+    let stored = existing.cached_info().state.bytes;
     let before = config.num_replicas.max(1);
     // Buckets made by earlier versions (or `nats kv add`, `nats object add`) take direct reads.
     let direct_reads = spec.reads_from_leader() && config.allow_direct;
-    let bounds_differ =
-        config.max_bytes != spec.max_bytes(budget) || config.discard != spec.discard();
+    let mut bound = spec.max_bytes(budget);
+    // A stream that refuses writes when full, holding more than its new bound, would refuse
+    // every write: it keeps its old bound until data is deleted or the budget raised.
+    if !spec.discard_old && bound >= 0 && stored > bound as u64 {
+        tracing::warn!(stream = %spec.stream_name(), stored, new_bound = bound,
+            kept = config.max_bytes,
+            "the stream holds more than its share of JS_MAX_BYTES: its bound is left as it was");
+        bound = config.max_bytes;
+    }
+    let bounds_differ = config.max_bytes != bound || config.discard != spec.discard();
     if before >= replicas && !direct_reads && !bounds_differ {
         return Ok(Ensured::Existed { replicas: before });
     }
     config.num_replicas = before.max(replicas);
-    config.max_bytes = spec.max_bytes(budget);
+    config.max_bytes = bound;
     config.discard = spec.discard();
     if spec.reads_from_leader() {
         config.allow_direct = false;
     }
-    js.update_stream(config.clone())
-        .await
-        .map_err(|e| spec.error(format!("update: {e}")))?;
+    js.update_stream(config.clone()).await.map_err(|e| {
+        spec.error(format!(
+            "update: {e} (its bound of {bound} bytes, its share of JS_MAX_BYTES, is reserved on \
+             each server holding a replica: that server's max_file_store must have room)"
+        ))
+    })?;
     Ok(Ensured::Updated {
         replicas_before: before,
         replicas: config.num_replicas,
@@ -441,7 +455,7 @@ mod tests {
         for spec in ALL {
             assert!(spec.share_per_mille > 0, "{}", spec.name);
             // A template, a LoRA or a blob someone reads must never vanish to make room.
-            let droppable = spec == JOBS || spec == IDEMPOTENCY;
+            let droppable = spec == JOBS || spec == IDEMPOTENCY || spec == BLOBS;
             assert_eq!(spec.discard_old, droppable, "{}", spec.name);
         }
     }

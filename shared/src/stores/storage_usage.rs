@@ -1,6 +1,8 @@
 //! How full the mesh's JetStream streams are, for `/metrics` and the storage alerts:
 //! `diffmesh_jetstream_stream_bytes{stream}` (stored now) and
-//! `diffmesh_jetstream_stream_limit_bytes{stream}` (its byte bound; absent when unbounded).
+//! `diffmesh_jetstream_stream_limit_bytes{stream, when_full}` (its byte bound, absent when
+//! unbounded; `when_full` is `refuse` or `drop_oldest`: only the first kind fails writes when
+//! full, so only it needs an alert before).
 //! The router samples them (one active router: one reader of the stream infos, however many
 //! gateways and denoisers run).
 use std::time::Duration;
@@ -35,7 +37,7 @@ impl StorageGauges {
                 "diffmesh_jetstream_stream_limit_bytes",
                 "The stream's byte bound (its share of JS_MAX_BYTES; the async queue's own)",
             ),
-            &["stream"],
+            &["stream", "when_full"],
         )?;
         registry.register(Box::new(bytes.clone()))?;
         registry.register(Box::new(limit.clone()))?;
@@ -48,21 +50,23 @@ impl StorageGauges {
             .iter()
             .map(|spec| spec.stream_name())
             .collect();
-        names.dedup();
         names.push(async_queue::STREAM.to_string());
         for name in names {
-            let Ok(mut stream) = js.get_stream(&name).await else {
+            // Getting the stream reads its info.
+            let Ok(stream) = js.get_stream(&name).await else {
                 continue;
             };
-            let Ok(info) = stream.info().await else {
-                continue;
-            };
+            let info = stream.cached_info();
             self.bytes
                 .with_label_values(&[&name])
                 .set(i64::try_from(info.state.bytes).unwrap_or(i64::MAX));
             if info.config.max_bytes > 0 {
+                let when_full = match info.config.discard {
+                    jetstream::stream::DiscardPolicy::Old => "drop_oldest",
+                    _ => "refuse",
+                };
                 self.limit
-                    .with_label_values(&[&name])
+                    .with_label_values(&[&name, when_full])
                     .set(info.config.max_bytes);
             }
         }

@@ -41,6 +41,8 @@ impl Service {
     }
 
     pub async fn send_heartbeat(&self) {
+        let sick = self.sickness.is_sick(std::time::Instant::now());
+        self.metrics.sick.set(i64::from(sick));
         if let Some(memory) = self.device_memory.sample() {
             let gauge = &self.metrics.device_memory_bytes;
             gauge.with_label_values(&["used"]).set(memory.used as i64);

@@ -123,7 +123,7 @@ impl Service {
                     error: EngineJobError::Restarted(panic),
                     span,
                 } if job.attempt + 1 < PLACEMENTS_AFTER_RESTART => {
-                    self.note_failure(&job.job_id, &panic);
+                    self.note_failure(&job.job_id, Some(&panic));
                     // Not the job's fault: it goes back to the router (off this loop, which
                     // must not wait for the router), as a lost denoiser's jobs do.
                     let this = self.clone();
@@ -133,7 +133,16 @@ impl Service {
                     let error_type = match error {
                         crate::engine::EngineJobError::Input(_) => error_types::INVALID_REQUEST,
                         _ => {
-                            self.note_failure(&job.job_id, &error.to_string());
+                            // Only the model's own errors can tell of this device's fault: a
+                            // ControlNet worker's or a LoRA store's are about someone else.
+                            let own = matches!(
+                                error,
+                                crate::engine::EngineJobError::Model(_)
+                                    | crate::engine::EngineJobError::Panic(_)
+                                    | crate::engine::EngineJobError::Restarted(_)
+                            );
+                            let text = error.to_string();
+                            self.note_failure(&job.job_id, own.then_some(text.as_str()));
                             error_types::INTERNAL
                         }
                     };
@@ -152,8 +161,10 @@ impl Service {
         Ok(())
     }
 
-    /// A job failed for a reason that was not its input: count it towards sickness.
-    fn note_failure(&self, job_id: &str, error: &str) {
+    /// A job failed for a reason that was not its input: count it towards sickness. `error`:
+    /// the text of a failure of this denoiser's own model, which may tell of a device fault.
+    fn note_failure(&self, job_id: &str, error: Option<&str>) {
+        let error = error.unwrap_or_default();
         match self.sickness.failed(std::time::Instant::now(), error) {
             Verdict::FellSick => {
                 self.metrics.sick_episodes.inc();
@@ -164,7 +175,7 @@ impl Service {
             Verdict::DeviceFault => {
                 self.metrics.sick_episodes.inc();
                 tracing::error!(%job_id, %error,
-                    "the device failed: this denoiser takes no work (unready, draining) until restarted");
+                    "the device failed: this denoiser drains and exits, to be restarted");
             }
             Verdict::Healthy | Verdict::StillSick => {}
         }

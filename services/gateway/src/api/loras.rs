@@ -133,6 +133,10 @@ pub async fn create_lora(
 ) -> Result<HttpResponse, ApiError> {
     let caller = state.caller(&req)?;
     state.key_limits.check_rate(caller.limit_key())?;
+    // A key at its LoRA count (or bytes) is told so before it sends hundreds of MB.
+    quotas::admit(&state, caller.owner(), Adding::Lora { bytes: 0 }).await?;
+    // One key's uploads count among its requests in flight: it cannot take every reader.
+    let _slot = state.key_limits.acquire(caller.limit_key())?;
     // Every upload read at once is held in memory whole: their number is bounded.
     let _reading = state
         .lora_uploads
@@ -144,7 +148,16 @@ pub async fn create_lora(
                 .into(),
             retry_after_s: 1,
         })?;
-    let upload = crate::loras::form::read(payload, state.max_lora_bytes).await?;
+    // A client that sends slowly must not hold a reader for ever.
+    let read = crate::loras::form::read(payload, state.max_lora_bytes);
+    let upload = tokio::time::timeout(state.lora_upload_timeout, read)
+        .await
+        .map_err(|_| ApiError::Timeout {
+            message: format!(
+                "the LoRA upload did not arrive within {:?} (--lora-upload-timeout)",
+                state.lora_upload_timeout
+            ),
+        })??;
     let bytes = upload.weights.len() as u64;
     quotas::admit(&state, caller.owner(), Adding::Lora { bytes }).await?;
     let record = state.loras.register(upload, caller.owner()).await?;
