@@ -3,6 +3,7 @@
 //! `up` and `test` are the two commands a newcomer needs: each does the whole set-up of a fresh
 //! machine first (see setup.rs), then runs the mesh or every test.
 mod compose_secrets;
+mod fuzz;
 mod gates;
 mod load;
 mod load_inputs;
@@ -74,6 +75,9 @@ enum Cmd {
     Overload(overload::OverloadArgs),
     /// Simulator sweep over loads, policies and seeds: CSV and a p95-vs-load plot.
     Sweep(sweep::SweepArgs),
+    /// Run every cargo-fuzz target of fuzz/ for `--seconds` each (nightly; installs cargo-fuzz
+    /// if missing); fails naming the target and the crash file on any crash.
+    Fuzz(fuzz::FuzzArgs),
 }
 
 /// Arguments handed unchanged to the underlying binary.
@@ -158,6 +162,7 @@ fn main() -> anyhow::Result<()> {
         ),
         Cmd::Load(args) => load::load(args),
         Cmd::Overload(args) => overload::overload(args),
+        Cmd::Fuzz(args) => fuzz::fuzz(args),
         Cmd::Sweep(args) => {
             let sim = build_release_bin(&tc, "diffmesh-sched", "diffmesh-sim", &[])?;
             sweep::sweep(&sim, args)

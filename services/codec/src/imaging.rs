@@ -26,18 +26,55 @@ pub fn decode_upload(
         .format()
         .filter(|f| ACCEPTED.contains(f))
         .ok_or_else(not_image)?;
-    let (w, h) = ImageReader::with_format(Cursor::new(bytes), format)
+    let mut header = ImageReader::with_format(Cursor::new(bytes), format);
+    header.limits(alloc_limit(MAX_SIDE_ALLOC));
+    let (w, h) = header
         .into_dimensions()
         .map_err(|e| FieldError::invalid(field, format!("unreadable {format:?} header: {e}")))?;
     check_pixel_count(field, w, h, max_pixels)?;
+    if format == ImageFormat::Jpeg {
+        check_jpeg_complete(bytes, field)?;
+    }
     let mut reader = ImageReader::with_format(Cursor::new(bytes), format);
-    let mut limits = image::Limits::default();
+    // The pixels (at most 8 bytes each: RGBA16) and the decoder's own buffers, nothing more.
+    let mut limits = alloc_limit(
+        (u64::from(w) * u64::from(h))
+            .saturating_mul(8)
+            .saturating_add(MAX_SIDE_ALLOC),
+    );
     limits.max_image_width = Some(w);
     limits.max_image_height = Some(h);
     reader.limits(limits);
     reader
         .decode()
         .map_err(|e| FieldError::invalid(field, format!("cannot decode {format:?} image: {e}")))
+}
+
+/// What a decoder may allocate besides the pixels: its buffers and an embedded ICC profile. The
+/// PNG decoder inflates an iCCP chunk while it reads the header, up to its byte limit (512 MiB
+/// by default): a 600 KB PNG whose profile inflates to 600 MiB held 830 MB at once before this
+/// bound, 53 MB with it (tests/hostile_images.rs).
+pub const MAX_SIDE_ALLOC: u64 = 32 << 20;
+
+/// Decoder limits allowing `max_alloc` bytes.
+fn alloc_limit(max_alloc: u64) -> image::Limits {
+    let mut limits = image::Limits::default();
+    limits.max_alloc = Some(max_alloc);
+    limits
+}
+
+/// A JPEG ends its last scan with an end-of-image marker. The decoder fills a scan that was cut
+/// short with grey and reports success: a truncated upload was edited as a half-grey image.
+/// (Inside a scan 0xFF is always followed by 0x00 or a restart marker, never by 0xD9.)
+fn check_jpeg_complete(bytes: &[u8], field: &str) -> Result<(), FieldError> {
+    let last = |marker: u8| bytes.windows(2).rposition(|w| w == [0xFF, marker]);
+    match (last(0xDA), last(0xD9)) {
+        (Some(scan), Some(end)) if end > scan => Ok(()),
+        _ => Err(FieldError::invalid(
+            field,
+            "the JPEG is cut short: no end-of-image marker after its last scan",
+        )),
+    }
 }
 
 /// Refuses an image with no pixels or more than `max_pixels`.

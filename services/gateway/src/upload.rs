@@ -2,15 +2,58 @@
 //! endpoint shares (a part's byte limit, an image's format and size from its header alone).
 use std::io::Cursor;
 
+use actix_multipart::{Field, Multipart};
 use bytes::BytesMut;
 use diffmesh_shared::wire::messages::FieldError;
-use futures::{Stream, StreamExt};
+use futures::{Stream, StreamExt, TryStreamExt};
 use image::{ImageFormat, ImageReader};
 
 use crate::error::ApiError;
 
 /// Text fields are small; this caps each one independently of the body limit.
 pub const MAX_TEXT_FIELD_BYTES: usize = 64 * 1024;
+
+/// Most parts one form may have (each form takes a handful of fields). An empty part costs none
+/// of the byte budget, so without this a body of many empty parts kept a handler parsing and
+/// collecting field names for as long as the client kept sending.
+pub const MAX_PARTS: usize = 64;
+
+/// What the header reader may allocate: an embedded ICC profile and one row of pixels. The PNG
+/// decoder inflates an iCCP chunk while it reads the header, up to 512 MiB by default: a 600 KB
+/// upload whose profile inflates to 600 MiB held 830 MB at once before this bound (the codec
+/// has the same bound, services/codec/tests/hostile_images.rs).
+const MAX_HEADER_ALLOC: u64 = 32 << 20;
+
+/// The parts of a multipart body, one at a time, each counted against [`MAX_PARTS`].
+pub struct Parts {
+    payload: Multipart,
+    seen: usize,
+}
+
+impl Parts {
+    pub fn new(payload: Multipart) -> Self {
+        Self { payload, seen: 0 }
+    }
+
+    /// The next part; 400 naming `body` when the body is malformed or has too many parts.
+    pub async fn next(&mut self) -> Result<Option<Field>, ApiError> {
+        let field =
+            self.payload.try_next().await.map_err(|e| {
+                FieldError::invalid("body", format!("malformed multipart body: {e}"))
+            })?;
+        if field.is_some() {
+            self.seen += 1;
+            if self.seen > MAX_PARTS {
+                return Err(FieldError::invalid(
+                    "body",
+                    format!("has more than {MAX_PARTS} parts; send each field once"),
+                )
+                .into());
+            }
+        }
+        Ok(field)
+    }
+}
 
 /// Read a body or multipart part, failing with 413 naming `field` above `limit` bytes.
 pub async fn read_limited<S, E>(
@@ -42,9 +85,12 @@ where
 /// limit check. Full decoding and validation happen in the codec.
 pub fn image_size(bytes: &[u8], field: &str) -> Result<(u32, u32), FieldError> {
     let not_image = || FieldError::invalid(field, "not a PNG, JPEG or WebP image");
-    let reader = ImageReader::new(Cursor::new(bytes))
+    let mut reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|_| not_image())?;
+    let mut limits = image::Limits::default();
+    limits.max_alloc = Some(MAX_HEADER_ALLOC);
+    reader.limits(limits);
     match reader.format() {
         Some(ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP) => {}
         _ => return Err(not_image()),

@@ -236,7 +236,9 @@ mod bin {
             Ok(v)
         }
         fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
-            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+            // The hint is the length the message claims: a few bytes may claim 4 GiB. Reserve at
+            // most what a real value's first chunk needs; the loop grows it as bytes arrive.
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64 * 1024));
             while let Some(b) = seq.next_element::<u8>()? {
                 out.push(b);
             }

@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use actix_multipart::Multipart;
 use actix_web::web;
 use diffmesh_shared::wire::messages::{FieldError, JobKind};
-use futures::TryStreamExt;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
@@ -17,7 +16,7 @@ use crate::loras::params as lora_params;
 use crate::parse::{raw_from_json, raw_from_text};
 use crate::request_model;
 use crate::state::ApiState;
-use crate::upload::{image_size, read_limited, MAX_TEXT_FIELD_BYTES};
+use crate::upload::{image_size, read_limited, Parts, MAX_TEXT_FIELD_BYTES};
 use crate::validate;
 
 /// `POST /v1/images/generations`: a JSON body.
@@ -65,31 +64,34 @@ pub async fn read_generation(
     })
 }
 
-/// `POST /v1/images/edits`: a multipart form with `image`, optional `mask` and text fields.
-pub async fn read_edit(
-    state: &ApiState,
-    caller: &Caller,
-    mut payload: Multipart,
-) -> Result<ImageRequest, ApiError> {
-    let mut budget = state.max_body_bytes;
-    let mut image = None;
-    let mut mask = None;
-    let mut text: HashMap<String, String> = HashMap::new();
-    while let Some(field) = payload
-        .try_next()
-        .await
-        .map_err(|e| FieldError::invalid("body", format!("malformed multipart body: {e}")))?
-    {
+/// An edit's form as sent: the uploads and the text fields, not yet validated.
+#[derive(Debug, Default)]
+pub struct EditBody {
+    pub image: Option<Vec<u8>>,
+    pub mask: Option<Vec<u8>>,
+    pub text: HashMap<String, String>,
+}
+
+/// Read an edit's multipart body: all parts together at most `max_body_bytes` (413 naming the
+/// part), each text part at most `MAX_TEXT_FIELD_BYTES`, at most `MAX_PARTS` parts.
+pub async fn read_edit_form(
+    payload: Multipart,
+    max_body_bytes: usize,
+) -> Result<EditBody, ApiError> {
+    let mut parts = Parts::new(payload);
+    let mut budget = max_body_bytes;
+    let mut form = EditBody::default();
+    while let Some(field) = parts.next().await? {
         let name = field.name().unwrap_or_default().to_string();
         let bytes = read_limited(field, budget, &name).await?;
         budget -= bytes.len();
         match name.as_str() {
-            "image" => image = Some(bytes),
-            "mask" => mask = Some(bytes),
+            "image" => form.image = Some(bytes),
+            "mask" => form.mask = Some(bytes),
             _ if bytes.len() <= MAX_TEXT_FIELD_BYTES => {
                 let value = String::from_utf8(bytes)
                     .map_err(|_| FieldError::invalid(&name, "must be UTF-8 text"))?;
-                text.insert(name, value);
+                form.text.insert(name, value);
             }
             _ => {
                 return Err(ApiError::TooLarge {
@@ -99,6 +101,16 @@ pub async fn read_edit(
             }
         }
     }
+    Ok(form)
+}
+
+/// `POST /v1/images/edits`: a multipart form with `image`, optional `mask` and text fields.
+pub async fn read_edit(
+    state: &ApiState,
+    caller: &Caller,
+    payload: Multipart,
+) -> Result<ImageRequest, ApiError> {
+    let EditBody { image, mask, text } = read_edit_form(payload, state.max_body_bytes).await?;
     if let Some(template_id) = text.get("template_id") {
         return crate::templates::edit::read(state, caller, template_id, image, mask, &text).await;
     }

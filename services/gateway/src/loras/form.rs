@@ -5,11 +5,10 @@
 use actix_multipart::Multipart;
 use diffmesh_shared::wire::lora::{LoraFile, LoraRecord};
 use diffmesh_shared::wire::messages::FieldError;
-use futures::TryStreamExt;
 use sha2::{Digest, Sha256};
 
 use crate::error::ApiError;
-use crate::upload::{read_limited, MAX_TEXT_FIELD_BYTES};
+use crate::upload::{read_limited, Parts, MAX_TEXT_FIELD_BYTES};
 
 /// Longest `name`, in characters.
 pub const MAX_NAME_CHARS: usize = 200;
@@ -45,19 +44,14 @@ impl LoraUpload {
 }
 
 /// Read the form: `weights` up to `max_weights_bytes` (413 naming `weights`), every other part
-/// a small text field (together at most `MAX_TEXT_FIELD_BYTES`, 413 naming the part).
-pub async fn read(
-    mut payload: Multipart,
-    max_weights_bytes: usize,
-) -> Result<LoraUpload, ApiError> {
+/// a small text field (together at most `MAX_TEXT_FIELD_BYTES`, 413 naming the part); at most
+/// `MAX_PARTS` parts.
+pub async fn read(payload: Multipart, max_weights_bytes: usize) -> Result<LoraUpload, ApiError> {
+    let mut parts = Parts::new(payload);
     let mut text_budget = MAX_TEXT_FIELD_BYTES;
     let mut weights = None;
     let mut name = None;
-    while let Some(field) = payload
-        .try_next()
-        .await
-        .map_err(|e| FieldError::invalid("body", format!("malformed multipart body: {e}")))?
-    {
+    while let Some(field) = parts.next().await? {
         let field_name = field.name().unwrap_or_default().to_string();
         if field_name == "weights" {
             // One file per registration: a second would double what is held in memory.

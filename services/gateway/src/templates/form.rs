@@ -5,12 +5,11 @@ use std::collections::HashMap;
 
 use actix_multipart::Multipart;
 use diffmesh_shared::wire::messages::{FieldError, GenerationParams};
-use futures::TryStreamExt;
 
 use crate::error::ApiError;
 use crate::parse::raw_from_text;
 use crate::request_limits::{check_pixels, in_range, rand_seed, Defaults, Limits};
-use crate::upload::{image_size, read_limited, MAX_TEXT_FIELD_BYTES};
+use crate::upload::{image_size, read_limited, Parts, MAX_TEXT_FIELD_BYTES};
 use crate::validate::RawParams;
 
 /// A validated registration: the image and the capture's parameters (`n` = 1, output size =
@@ -23,21 +22,19 @@ pub struct TemplateForm {
     pub model: Option<String>,
 }
 
-/// Read the multipart body (all parts together at most `max_body_bytes`, 413 naming the part).
+/// Read the multipart body (all parts together at most `max_body_bytes`, 413 naming the part;
+/// at most `MAX_PARTS` parts).
 pub async fn read(
-    mut payload: Multipart,
+    payload: Multipart,
     max_body_bytes: usize,
     limits: &Limits,
     defaults: &Defaults,
 ) -> Result<TemplateForm, ApiError> {
+    let mut parts = Parts::new(payload);
     let mut budget = max_body_bytes;
     let mut image = None;
     let mut text: HashMap<String, String> = HashMap::new();
-    while let Some(field) = payload
-        .try_next()
-        .await
-        .map_err(|e| FieldError::invalid("body", format!("malformed multipart body: {e}")))?
-    {
+    while let Some(field) = parts.next().await? {
         let name = field.name().unwrap_or_default().to_string();
         let bytes = read_limited(field, budget, &name).await?;
         budget -= bytes.len();
