@@ -100,17 +100,24 @@ pub async fn usage(state: &ApiState, owner: Option<&str>) -> Result<Usage, ApiEr
     Ok(usage)
 }
 
-/// Check `adding` for `owner` against the configured quotas (no read when there are none).
-pub async fn admit(state: &ApiState, owner: Option<&str>, adding: Adding) -> Result<(), ApiError> {
+/// Check `adding` for `owner` against the configured quotas (no read when there are none);
+/// returns the usage it read, for a second check once the upload's size is known.
+pub async fn admit(
+    state: &ApiState,
+    owner: Option<&str>,
+    adding: Adding,
+) -> Result<Option<Usage>, ApiError> {
     let q = state.quotas;
     let counted = match adding {
         Adding::Template { .. } => q.templates,
         Adding::Lora { .. } => q.loras,
     };
     if counted == 0 && q.bytes == 0 {
-        return Ok(());
+        return Ok(None);
     }
-    q.check(&usage(state, owner).await?, adding)
+    let usage = usage(state, owner).await?;
+    q.check(&usage, adding)?;
+    Ok(Some(usage))
 }
 
 #[cfg(test)]

@@ -134,7 +134,7 @@ pub async fn create_lora(
     let caller = state.caller(&req)?;
     state.key_limits.check_rate(caller.limit_key())?;
     // A key at its LoRA count (or bytes) is told so before it sends hundreds of MB.
-    quotas::admit(&state, caller.owner(), Adding::Lora { bytes: 0 }).await?;
+    let usage = quotas::admit(&state, caller.owner(), Adding::Lora { bytes: 0 }).await?;
     // One key's uploads count among its requests in flight: it cannot take every reader.
     let _slot = state.key_limits.acquire(caller.limit_key())?;
     // Every upload read at once is held in memory whole: their number is bounded.
@@ -159,7 +159,10 @@ pub async fn create_lora(
             ),
         })??;
     let bytes = upload.weights.len() as u64;
-    quotas::admit(&state, caller.owner(), Adding::Lora { bytes }).await?;
+    // Its bytes against what the key held when the upload began (one read of the buckets).
+    if let Some(usage) = usage {
+        state.quotas.check(&usage, Adding::Lora { bytes })?;
+    }
     let record = state.loras.register(upload, caller.owner()).await?;
     tracing::info!(
         lora_id = %record.id,
