@@ -452,3 +452,14 @@ impl SseReader {
         Ok(events)
     }
 }
+
+/// The form of `POST /v1/templates` with the 64x64 test template (`images::template`), its
+/// prompt and `steps` denoising steps.
+pub fn template_form(steps: u32) -> reqwest::multipart::Form {
+    use reqwest::multipart::{Form, Part};
+    let png = crate::images::png_bytes(&crate::images::template(64, 64));
+    Form::new()
+        .part("image", Part::bytes(png).file_name("t.png"))
+        .text("prompt", "a blue background")
+        .text("num_inference_steps", steps.to_string())
+}

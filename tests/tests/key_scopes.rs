@@ -1,7 +1,8 @@
 //! With API keys on, a template and a LoRA belong to the key that registered them: another key
 //! cannot read, list, use, or delete them, and is told 404 as for one that does not exist (so it
 //! cannot even confirm the id); their owner can.
-use diffmesh_tests::images::{png_bytes, rect_mask, template};
+use diffmesh_tests::harness::template_form;
+use diffmesh_tests::images::{png_bytes, rect_mask};
 use diffmesh_tests::mesh::MeshBuilder;
 use reqwest::multipart::{Form, Part};
 use reqwest::Method;
@@ -49,13 +50,7 @@ async fn another_key_cannot_see_use_or_delete_a_template_or_a_lora() {
     let http = reqwest::Client::new();
     let (w, h) = (64, 64);
 
-    let form = Form::new()
-        .part(
-            "image",
-            Part::bytes(png_bytes(&template(w, h))).file_name("t.png"),
-        )
-        .text("prompt", "a blue background")
-        .text("num_inference_steps", "4");
+    let form = template_form(4);
     let (status, created) = call(
         &http,
         Method::POST,

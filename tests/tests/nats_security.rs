@@ -11,9 +11,9 @@ use diffmesh_shared::nats::auth::{mesh_users, server_config, Role, User};
 use diffmesh_shared::testing::NatsServer;
 use diffmesh_tests::harness::{
     init_test_logging, scrape_metrics, start_cachestore, start_codec, start_denoiser,
-    start_gateway, start_router, tiny_model_dir,
+    start_gateway, start_router, template_form, tiny_model_dir,
 };
-use diffmesh_tests::images::{png_bytes, rect_mask, template};
+use diffmesh_tests::images::{png_bytes, rect_mask};
 use futures::StreamExt;
 use reqwest::multipart::{Form, Part};
 use serde_json::{json, Value};
@@ -139,13 +139,7 @@ async fn services_connect_as_their_role_and_nothing_else_gets_through() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let (w, h) = (64, 64);
-    let form = Form::new()
-        .part(
-            "image",
-            Part::bytes(png_bytes(&template(w, h))).file_name("t.png"),
-        )
-        .text("prompt", "a blue background")
-        .text("num_inference_steps", "4");
+    let form = template_form(4);
     let r = http
         .post(url("/v1/templates"))
         .multipart(form)

@@ -2,7 +2,7 @@
 //! templates or LoRAs as its quota allows gets 429 `quota_exceeded` naming the quota's flag, an
 //! upload that would take its stored bytes past their quota 413; another key is not held back
 //! by the first one's, and deleting makes room again.
-use diffmesh_tests::images::{png_bytes, template};
+use diffmesh_tests::harness::template_form;
 use diffmesh_tests::mesh::MeshBuilder;
 use reqwest::multipart::{Form, Part};
 use serde_json::Value;
@@ -18,16 +18,6 @@ async fn post(http: &reqwest::Client, url: String, key: &str, form: Form) -> (u1
         .await
         .expect("request");
     (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
-}
-
-fn template_form() -> Form {
-    Form::new()
-        .part(
-            "image",
-            Part::bytes(png_bytes(&template(64, 64))).file_name("t.png"),
-        )
-        .text("prompt", "a blue background")
-        .text("num_inference_steps", "2")
 }
 
 fn lora_form(rank: usize) -> Form {
@@ -73,11 +63,11 @@ async fn quotas_answer_their_status_naming_the_quota() {
     let loras = mesh.url("/v1/loras");
 
     // Templates: one each; alice's second is over her count, bob's first is not.
-    let first = post(&http, templates.clone(), "sk-alice", template_form()).await;
+    let first = post(&http, templates.clone(), "sk-alice", template_form(2)).await;
     assert_eq!(first.0, 201, "{}", first.1);
-    let again = post(&http, templates.clone(), "sk-alice", template_form()).await;
+    let again = post(&http, templates.clone(), "sk-alice", template_form(2)).await;
     assert_quota(&again, 429, "--max-templates-per-key");
-    let bob = post(&http, templates.clone(), "sk-bob", template_form()).await;
+    let bob = post(&http, templates.clone(), "sk-bob", template_form(2)).await;
     assert_eq!(bob.0, 201, "{}", bob.1);
 
     // LoRAs: carol's second is over her count; dave's first is over his bytes.
@@ -97,6 +87,6 @@ async fn quotas_answer_their_status_naming_the_quota() {
         .await
         .unwrap();
     assert!(deleted.status().is_success(), "{}", deleted.status());
-    let after = post(&http, templates, "sk-alice", template_form()).await;
+    let after = post(&http, templates, "sk-alice", template_form(2)).await;
     assert_eq!(after.0, 201, "{}", after.1);
 }
