@@ -4,6 +4,7 @@
 //! The binary is `$NATS_SERVER_BIN`, else Debian's `/usr/sbin/nats-server`, else `nats-server` on
 //! `PATH`. Tests need no network: the server listens on 127.0.0.1 only and keeps its JetStream
 //! data and log in a fresh temp directory.
+pub mod peak_alloc;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

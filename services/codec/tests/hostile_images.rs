@@ -3,49 +3,16 @@
 //! PNG whose pixels would inflate to gigabytes), a profile bomb (a 1x1 PNG whose embedded ICC
 //! profile inflates to 600 MiB), truncated and oversized JPEGs. Each is answered with a field
 //! error, quickly, and without allocating what the file claims: a counting allocator measures it.
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::{Cursor, Read};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use diffmesh_codec::imaging::{decode_upload, MAX_SIDE_ALLOC};
+use diffmesh_shared::testing::peak_alloc::{peak_of, PeakAlloc};
 use image::{DynamicImage, ImageFormat, RgbImage};
 
-/// The system allocator, counting live bytes and their peak.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(size: usize) {
-    let live = LIVE.fetch_add(size, Ordering::Relaxed) + size;
-    PEAK.fetch_max(live, Ordering::Relaxed);
-}
-
-// SAFETY: every call is forwarded to `System`; only counters are added.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        grew(layout.size());
-        System.alloc(layout)
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        grew(layout.size());
-        System.alloc_zeroed(layout)
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        grew(new_size);
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        System.realloc(ptr, layout, new_size)
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        System.dealloc(ptr, layout)
-    }
-}
-
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: PeakAlloc = PeakAlloc;
 
 /// One test at a time: the tests of this file run on parallel threads, and another test's
 /// allocations would count in a measurement.
@@ -56,12 +23,9 @@ fn serial() -> MutexGuard<'static, ()> {
 
 /// `f`'s result, the most bytes it held at once beyond what was live before, and its time.
 fn measured<T>(f: impl FnOnce() -> T) -> (T, usize, Duration) {
-    let before = LIVE.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
     let started = Instant::now();
-    let out = f();
-    let elapsed = started.elapsed();
-    (out, PEAK.load(Ordering::Relaxed) - before, elapsed)
+    let (out, peak) = peak_of(f);
+    (out, peak, started.elapsed())
 }
 
 /// The codec's default `--max-pixels`.

@@ -2,56 +2,15 @@
 //! else. A PNG header may carry an ICC profile the decoder inflates while it reads it: a 600 KB
 //! upload whose profile inflates to 600 MiB must not cost that much memory. A counting allocator
 //! measures it.
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::{Cursor, Read};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use diffmesh_gateway::upload::image_size;
+use diffmesh_shared::testing::peak_alloc::{peak_of, PeakAlloc};
 use image::ImageFormat;
 
-/// The system allocator, counting live bytes and their peak.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(size: usize) {
-    let live = LIVE.fetch_add(size, Ordering::Relaxed) + size;
-    PEAK.fetch_max(live, Ordering::Relaxed);
-}
-
-// SAFETY: every call is forwarded to `System`; only counters are added.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        grew(layout.size());
-        System.alloc(layout)
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        grew(layout.size());
-        System.alloc_zeroed(layout)
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        grew(new_size);
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        System.realloc(ptr, layout, new_size)
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-        System.dealloc(ptr, layout)
-    }
-}
-
+// This file has one test, so nothing else allocates while it measures.
 #[global_allocator]
-static ALLOC: Counting = Counting;
-
-/// The most bytes `f` held at once beyond what was live before (this file has one test, so
-/// nothing else allocates meanwhile).
-fn peak_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
-    let before = LIVE.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
-    let out = f();
-    (out, PEAK.load(Ordering::Relaxed) - before)
-}
+static ALLOC: PeakAlloc = PeakAlloc;
 
 const MIB: usize = 1 << 20;
 
