@@ -4,11 +4,11 @@
 # model, bf16): continuous against static batching and pre/post-processing inline against on
 # codec workers, Poisson arrivals at 70% of the GPU engine's measured capacity. The JSON and
 # the human-readable lines go to $OUT/engine-<part>.log.
-export LD_LIBRARY_PATH=$(${PYTHON:-python3} -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
+export LD_LIBRARY_PATH=$(${PYTHON:-python3} -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 OUT=${OUT:-/tmp/gpu-engine}
 mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda}
-B=".gpu/diffmesh-engine-bench --mask-ratios .gpu/production-edit.txt --engine-device $DEVICE --dtype auto"
+B="${ENGINE_BENCH:-.gpu/diffmesh-engine-bench} --mask-ratios .gpu/production-edit.txt --engine-device $DEVICE --dtype auto"
 for part in batching disaggregation; do
   echo "=== engine $part on $DEVICE $(date +%T)"
   timeout "${LIMIT:-120}" $B --parts "$part" --requests "${REQUESTS:-300}" --rounds 2 \

@@ -4,11 +4,13 @@
 # model, one denoiser on the GPU and then one on the CPU, each under the load generator's edits
 # by template. Logs, load results and the denoiser's metrics go to $OUT. Without a GPU (or
 # nvidia-smi) only the CPU run runs, which is how the script is tried out before a device call.
-export LD_LIBRARY_PATH=$(${PYTHON:-python3} -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib
+# GPU_RUNS / CPU_RUNS: the load runs as "rps:seconds" words (CPU_RUNS=none: no CPU run).
+export LD_LIBRARY_PATH=$(${PYTHON:-python3} -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 OUT=${OUT:-/tmp/gpu-mesh}
-mkdir -p "$OUT" /tmp/mesh-bin
-tar -xJf .gpu/mesh.tar.xz -C /tmp/mesh-bin
-B=/tmp/mesh-bin
+# BIN_DIR: binaries already unpacked (scripts/gpu/all.sh); else .gpu/mesh.tar.xz is.
+B=${BIN_DIR:-/tmp/mesh-bin}
+mkdir -p "$OUT" "$B"
+[ -n "${BIN_DIR:-}" ] || tar -xJf .gpu/mesh.tar.xz -C "$B"
 NATS_PORT=${NATS_PORT:-4222} # another where a server already runs on 4222
 ready() { # wait until http://127.0.0.1:$1/readyz answers 200
   python3 - "$1" <<'PY'
@@ -66,8 +68,11 @@ run_mesh() { # label device dtype then load runs as "rps:duration" ...
 }
 if command -v nvidia-smi > /dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  run_mesh gpu cuda auto 8:30 30:20
+  # shellcheck disable=SC2086 # GPU_RUNS is a list of "rps:seconds" words
+  run_mesh gpu cuda auto ${GPU_RUNS:-8:30 30:20}
 else
   echo "=== no GPU here: the CPU run only"
 fi
-run_mesh cpu cpu auto ${CPU_RUNS:-3:30}
+# CPU_RUNS=none skips the CPU run (all.sh on a device: its time is the GPU's).
+# shellcheck disable=SC2086
+[ "${CPU_RUNS:-3:30}" = none ] || run_mesh cpu cpu auto ${CPU_RUNS:-3:30}

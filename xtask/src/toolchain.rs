@@ -94,11 +94,21 @@ impl Toolchain {
             .env("VIRTUAL_ENV", self.venv())
             .env("LIBTORCH_USE_PYTORCH", "1")
             .env("DIFFMESH_PYTHON", self.python())
-            .env(
-                "LD_LIBRARY_PATH",
-                prepend_env("LD_LIBRARY_PATH", &self.torch_lib()?)?,
-            );
+            .env("LD_LIBRARY_PATH", self.library_path()?);
         Ok(())
+    }
+
+    /// libtorch first, then the CUDA wheels' libraries beside it where they exist (NVRTC, which
+    /// cudarc opens by name for the fused kernels; their tests compile them here too).
+    fn library_path(&self) -> anyhow::Result<std::ffi::OsString> {
+        let torch = self.torch_lib()?;
+        let mut path = prepend_env("LD_LIBRARY_PATH", &torch)?;
+        let cuda = torch.join("../../nvidia/cu13/lib");
+        if cuda.join("libnvrtc.so.13").exists() {
+            path.push(":");
+            path.push(cuda);
+        }
+        Ok(path)
     }
 }
 

@@ -81,6 +81,9 @@ struct Args {
     /// Storage dtype of the cache in the mask-aware latency figures: f32, f16, bf16 or fp8.
     #[arg(long, default_value = "bf16")]
     latency_cache_dtype: String,
+    /// Decode an fp8 cache on a GPU through tch instead of the fused kernel (to compare).
+    #[arg(long)]
+    no_fused_kernels: bool,
     /// Timed rounds per mask-aware latency figure (the median is reported).
     #[arg(long, default_value_t = 5)]
     mask_aware_runs: usize,
@@ -317,6 +320,7 @@ async fn main() -> Result<()> {
             masked_attention,
             latency_cache_dtype: CacheDtype::parse(&args.latency_cache_dtype)
                 .map_err(|e| anyhow::anyhow!("invalid --latency-cache-dtype: {e}"))?,
+            fused_kernels: !args.no_fused_kernels,
             quality_edits: args.quality_edits,
             quality_steps: args.quality_steps,
             seed: args.seed,

@@ -11,7 +11,8 @@ use tch::{Device, Kind, Tensor};
 
 const MAGIC: &[u8; 4] = b"DMKV";
 const VERSION: u8 = 1;
-const HEADER: usize = 16;
+/// Bytes of a blob's header, before its payload.
+pub const HEADER: usize = 16;
 /// Largest finite float8 e4m3fn value.
 const FP8_MAX: f64 = 448.0;
 

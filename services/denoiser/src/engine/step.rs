@@ -24,6 +24,8 @@ impl Engine {
             return false;
         }
         let started = Instant::now();
+        // On a GPU the sample's seconds come from the device (see `step_samples`).
+        let gpu_started = self.model.gpu_copy.as_ref().and_then(|g| g.compute_mark());
         let fraction = self.config.lora_async_fraction;
         let needs: Vec<LoraNeed> = self
             .active
@@ -146,7 +148,12 @@ impl Engine {
             .is_some_and(|r| r.cached >= mask_aware_rows as usize);
         let plain = batched_ok && !capturing && single_group && switches == 0;
         if plain && !step_jobs.is_empty() && all_as_planned {
-            self.steps.push(StepSample::of_jobs(step_jobs, seconds));
+            let sample = StepSample::of_jobs(step_jobs, seconds);
+            let gpu_ended = self.model.gpu_copy.as_ref().and_then(|g| g.compute_mark());
+            match (gpu_started, gpu_ended) {
+                (Some(start), Some(end)) => self.steps.push_gpu_timed(start, end, sample),
+                _ => self.steps.push(sample),
+            }
         }
         for (a, span) in self.active.iter().zip(step_spans) {
             if let (Some(s), Some(span)) = (a.states.first(), span) {

@@ -14,6 +14,9 @@
 //! compute stream (the memory may have been freed by work still queued there). Pinned memory is
 //! freed only after the copy stream has drained.
 //!
+//! An fp8 block wanted in bf16 decodes in one fused kernel ([`super::fused_decode`]) where
+//! NVRTC loads; every other block, and every block where it does not, through tch.
+//!
 //! Without a GPU nothing here runs: the CPU loader decodes on the host, and the decode itself is
 //! the shared, tested part.
 use cudarc::driver::{
@@ -22,10 +25,12 @@ use cudarc::driver::{
 use diffmesh_model::flux::kv_codec::{decode_block_bytes, read_header, BlobHeader};
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::entry::TemplateEntry;
+use super::fused_decode::Fp8Decoder;
 
 fn cuda(e: DriverError) -> String {
     format!("CUDA: {e:?}")
@@ -51,6 +56,10 @@ pub struct GpuCopy {
     /// Copies queued with timing events (start, end, bytes), oldest first: the planner's load
     /// bandwidth comes from the GPU's own clock, not the host's queueing.
     timed: Mutex<VecDeque<(CudaEvent, CudaEvent, u64)>>,
+    /// The fused fp8 -> bf16 decode (None where NVRTC did not load).
+    fp8: Option<Fp8Decoder>,
+    /// Whether blocks use `fp8` (benchmarks turn it off to compare).
+    fused: AtomicBool,
 }
 
 impl std::fmt::Debug for GpuCopy {
@@ -78,6 +87,11 @@ impl GpuCopy {
         let compute = ctx.default_stream();
         let (free_tx, free_rx) = mpsc::channel();
         let ring = ring.max(1);
+        let fp8 = Fp8Decoder::load(&ctx)
+            .inspect_err(|e| {
+                tracing::warn!(error = %e, "fused fp8 cache decode unavailable: decoding through tch")
+            })
+            .ok();
         for slot in 0..ring {
             let _ = free_tx.send(Free {
                 slot,
@@ -93,7 +107,26 @@ impl GpuCopy {
             free_tx,
             free_rx: Mutex::new(free_rx),
             timed: Mutex::new(VecDeque::new()),
+            fused: AtomicBool::new(fp8.is_some()),
+            fp8,
         }))
+    }
+
+    /// A timing event recorded on the compute stream now (`None` where the driver refuses):
+    /// two of them time the work queued between on the GPU's clock.
+    pub fn compute_mark(&self) -> Option<CudaEvent> {
+        self.ctx.bind_to_thread().ok()?;
+        self.compute
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .ok()
+    }
+
+    /// Decode fp8 blocks wanted in bf16 with the fused kernel (`true`, where it loaded) or
+    /// through tch (`false`). Returns whether the kernel is now in use.
+    pub fn use_fused_kernels(&self, on: bool) -> bool {
+        let on = on && self.fp8.is_some();
+        self.fused.store(on, Ordering::Relaxed);
+        on
     }
 
     /// Free and total memory of this device, in bytes (the driver's count, all processes).
@@ -256,7 +289,15 @@ impl DeviceBlock {
                 .ok_or("ring buffer missing")?
                 .f_narrow(0, 0, self.len as i64)
                 .map_err(|e| e.to_string())?;
-            decode_block_bytes(&self.header, &raw, kind).map_err(|e| e.to_string())
+            match &gpu.fp8 {
+                Some(fp8)
+                    if gpu.fused.load(Ordering::Relaxed)
+                        && Fp8Decoder::serves(&self.header, kind) =>
+                {
+                    fp8.decode(&gpu.compute, &self.header, &raw)
+                }
+                _ => decode_block_bytes(&self.header, &raw, kind).map_err(|e| e.to_string()),
+            }
         };
         match gpu.compute.record_event(None) {
             Ok(released) => self.give_back(Some(released)),

@@ -4,6 +4,7 @@
 //! copy stream on a GPU), and the templates' own pixels held for their edits.
 pub mod entry;
 pub mod fetcher;
+pub mod fused_decode;
 pub mod gpu_copy;
 pub mod loader;
 pub mod pixels;
