@@ -195,19 +195,26 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
 
     let (mut full, mut ideal, mut pipelined, mut naive) = (vec![], vec![], vec![], vec![]);
     let (mut ideal_011, mut pipelined_011) = (vec![], vec![]);
-    for round in 0..opts.runs + 1 {
-        let f = ms(device, || model.forward(&inputs).map(drop))?;
-        let i = ms(device, || {
+    // The mask-aware step at `index` from the resident cache (ideal) and streamed (pipelined).
+    let ideal_ms = |index: &Tensor| {
+        ms(device, || {
             model
-                .forward_masked(&[masked_request(&inputs, 0, &index, &resident)])
+                .forward_masked(&[masked_request(&inputs, 0, index, &resident)])
                 .map(drop)
-        })?;
-        let p = ms(device, || {
+        })
+    };
+    let pipelined_ms = |index: &Tensor| {
+        ms(device, || {
             let stream = loader.load_step(vec![(entry.clone(), 0)], 0, kind, device);
             model
-                .forward_masked(&[masked_request(&inputs, 0, &index, &stream[0])])
+                .forward_masked(&[masked_request(&inputs, 0, index, &stream[0])])
                 .map(drop)
-        })?;
+        })
+    };
+    for round in 0..opts.runs + 1 {
+        let f = ms(device, || model.forward(&inputs).map(drop))?;
+        let i = ideal_ms(&index)?;
+        let p = pipelined_ms(&index)?;
         let nv = ms(device, || {
             let kv = decode_all(&entry, kind, device)
                 .map_err(|e| diffmesh_model::ModelError::input("cache", e.to_string()))?;
@@ -215,17 +222,8 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
                 .forward_masked(&[masked_request(&inputs, 0, &index, &kv)])
                 .map(drop)
         })?;
-        let i11 = ms(device, || {
-            model
-                .forward_masked(&[masked_request(&inputs, 0, &index_011, &resident)])
-                .map(drop)
-        })?;
-        let p11 = ms(device, || {
-            let stream = loader.load_step(vec![(entry.clone(), 0)], 0, kind, device);
-            model
-                .forward_masked(&[masked_request(&inputs, 0, &index_011, &stream[0])])
-                .map(drop)
-        })?;
+        let i11 = ideal_ms(&index_011)?;
+        let p11 = pipelined_ms(&index_011)?;
         if round > 0 {
             full.push(f);
             ideal.push(i);
