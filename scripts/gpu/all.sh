@@ -31,27 +31,17 @@ tar -xJf .gpu/all.tar.xz -C "$BIN"
 # diffusers (not on the device) beside its torch and transformers.
 rm -rf /tmp/site && mkdir -p /tmp/site && tar -xJf .gpu/site.tar.xz -C /tmp/site \
   && export PYTHONPATH=/tmp/site
+# shellcheck source=scripts/gpu/lib.sh
+. scripts/gpu/lib.sh
+LOGS=$WORK STEP_JSON=1 TAILN=${TAILN:-6}
 pack() { tar -czf "$OUT/results.tar.gz" -C "$WORK" . ; }
-want() { # whether step $1 runs: named in ONLY (when set) and the budget not spent
+after_step() { pack; }
+step_wanted() { # whether step $1 runs: named in ONLY (when set) and the budget not spent
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $1 "* ]]; then return 1; fi
   if [ $(( $(date +%s) - START )) -gt "$BUDGET" ]; then
     echo "=== $1 skipped: the budget of ${BUDGET}s is spent"
     return 1
   fi
-}
-step() { # name limit command...: its log in $WORK/name.log, its summary here
-  local name=$1 limit=$2
-  shift 2
-  want "$name" || return 0
-  echo "=== $name (limit ${limit}s) $(date +%T)"
-  local t0
-  t0=$(date +%s%N)
-  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name rc $rc in $(( ($(date +%s%N) - t0) / 1000000 )) ms"
-  grep -v '^{' "$WORK/$name.log" | tail -n "${TAILN:-6}"
-  grep '^{' "$WORK/$name.log" | tail -n 1 | cut -c 1-1500
-  pack
 }
 if [ "$DEVICE" = cuda ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$WORK/gpu.txt"
@@ -78,13 +68,13 @@ step mask-bf16 120 "${M[@]}" $MASK --latency-cache-dtype bf16
 step mask-fp8-fused 120 "${M[@]}" $MASK --latency-cache-dtype fp8
 # shellcheck disable=SC2086
 step mask-fp8-tch 120 "${M[@]}" $MASK --latency-cache-dtype fp8 --no-fused-kernels
-if want mesh; then
+if step_wanted mesh; then
   echo "=== mesh $(date +%T)"
   OUT=$WORK/mesh BIN_DIR=$BIN GPU_RUNS=${GPU_RUNS:-8:20 30:15} CPU_RUNS=${MESH_CPU_RUNS:-none} \
     timeout 180 bash scripts/gpu/mesh.sh
   pack
 fi
-if want engine; then
+if step_wanted engine; then
   echo "=== engine $(date +%T)"
   OUT=$WORK ENGINE_BENCH=$BIN/diffmesh-engine-bench DEVICE=$DEVICE REQUESTS=${REQUESTS:-400} \
     LIMIT=${LIMIT:-80} bash scripts/gpu/engine.sh

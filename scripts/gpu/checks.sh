@@ -10,17 +10,9 @@ export RUST_BACKTRACE=1
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 G=.gpu
-step() {
-  local name=$1 limit=$2
-  shift 2
-  echo "=== $name (limit ${limit}s) $(date +%T)"
-  local t0
-  t0=$(date +%s%N)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name rc $rc in $(( ($(date +%s%N) - t0) / 1000000 )) ms"
-  grep -v '^{' "$OUT/$name.log" | tail -n "${TAILN:-8}"
-}
+# shellcheck source=scripts/gpu/lib.sh
+. scripts/gpu/lib.sh
+LOGS=$OUT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 TAILN=30 step gpu-tests 120 $G/denoiser-tests --ignored gpu_ --nocapture --test-threads 1
 B="$G/diffmesh-engine-bench --parts mask-aware --device cuda --dtype bf16 --mask-ratios $G/production-edit.txt --quality-edits 1 --quality-steps 4"

@@ -5,12 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release -p diffmesh-benches --bin diffmesh-engine-bench --bin diffmesh-lora-bench
 cargo build --release -p diffmesh-model --bin diffmesh-controlnet-bench
-tests=$(cargo test --release -p diffmesh-denoiser --lib --no-run --message-format=json \
-  | python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("executable") and m["target"]["name"] == "diffmesh_denoiser":
-        print(m["executable"])')
+# shellcheck source=scripts/gpu/lib.sh
+. scripts/gpu/lib.sh
+tests=$(denoiser_tests_binary)
 mkdir -p .git/info .gpu
 grep -qx /.gpu/ .git/info/exclude 2>/dev/null || echo /.gpu/ >> .git/info/exclude
 cp target/release/diffmesh-engine-bench target/release/diffmesh-lora-bench .gpu/
