@@ -1,5 +1,5 @@
 //! A LoRA upload's `.safetensors` bytes: the gateway's check (`loras::form::check`, i.e.
-//! `LoraFile::parse` of the header and metadata). A file it accepts must be one the denoiser can
+//! `LoraFile::parse_header` of the header and metadata, as a spooled upload is checked). A file it accepts must be one the denoiser can
 //! read: every module's tensors present, with the shapes and a finite scale the header gave.
 #![no_main]
 
@@ -13,8 +13,14 @@ static ALLOC: diffmesh_fuzz::CappedAlloc = diffmesh_fuzz::CappedAlloc;
 fuzz_target!(
     init: diffmesh_fuzz::write_seeds_if_asked(diffmesh_fuzz::seeds::loras),
     |data: &[u8]| {
-        let upload = match check(data.to_vec(), Some("name".into())) {
-            Ok(upload) => upload,
+        let mut read_at = |offset: u64, len: usize| {
+            let start = usize::try_from(offset).unwrap_or(usize::MAX);
+            data.get(start..start.saturating_add(len))
+                .map(<[u8]>::to_vec)
+                .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))
+        };
+        let (file, _) = match check(data, data.len() as u64, &mut read_at, Some("name".into())) {
+            Ok(checked) => checked,
             Err(e) => {
                 assert_eq!(e.field, "weights", "{e:?}");
                 return;
@@ -22,7 +28,7 @@ fuzz_target!(
         };
         // What the denoiser's `LoraBlob::adapter` does before it builds tensors.
         let st = SafeTensors::deserialize(data).expect("an accepted file deserializes");
-        for m in &upload.file.modules {
+        for m in &file.modules {
             let down = st.tensor(&m.down_key).expect("lora_A is there");
             let up = st.tensor(&m.up_key).expect("lora_B is there");
             assert_eq!(down.shape(), [m.rank, m.in_features]);

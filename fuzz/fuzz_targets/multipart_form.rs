@@ -74,7 +74,9 @@ fuzz_target!(
                 1 => templates::form::read(payload, MAX_BODY_BYTES, &LIMITS, &DEFAULTS)
                     .await
                     .map(drop),
-                _ => loras::form::read(payload, MAX_WEIGHTS_BYTES).await.map(drop),
+                _ => loras::form::read(payload, MAX_WEIGHTS_BYTES, &std::env::temp_dir())
+                    .await
+                    .map(drop),
             }
         };
         refused_with_4xx(futures::executor::block_on(read));

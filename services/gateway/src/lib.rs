@@ -184,14 +184,19 @@ pub struct GatewayConfig {
     /// Keep it well under the mesh's storage (JS_MAX_BYTES) so no one key can fill it.
     #[arg(long, env = "GATEWAY_MAX_STORED_BYTES_PER_KEY", default_value_t = 2 * 1024 * 1024 * 1024)]
     pub max_stored_bytes_per_key: u64,
-    /// LoRA uploads this gateway reads at once (each held in memory, up to --max-lora-bytes);
-    /// one more is a 429 with Retry-After.
+    /// LoRA uploads this gateway reads at once (each streamed to a file in
+    /// --upload-spool-dir, up to --max-lora-bytes); one more is a 429 with Retry-After.
     #[arg(long, env = "GATEWAY_LORA_UPLOADS_AT_ONCE", default_value_t = 2)]
     pub lora_uploads_at_once: usize,
     /// Longest a LoRA upload may take to arrive; a slower one is answered 504 and its reader
     /// freed.
     #[arg(long, env = "GATEWAY_LORA_UPLOAD_TIMEOUT", default_value = "5m", value_parser = duration)]
     pub lora_upload_timeout: Duration,
+    /// Where LoRA uploads are written while they arrive (removed once stored or refused);
+    /// the system's temporary directory when unset. Needs room for --lora-uploads-at-once
+    /// files of --max-lora-bytes.
+    #[arg(long, env = "GATEWAY_UPLOAD_SPOOL_DIR")]
+    pub upload_spool_dir: Option<std::path::PathBuf>,
 }
 
 impl GatewayConfig {
@@ -234,6 +239,7 @@ impl GatewayConfig {
             max_stored_bytes_per_key: 2 * 1024 * 1024 * 1024,
             lora_uploads_at_once: 2,
             lora_upload_timeout: Duration::from_secs(60),
+            upload_spool_dir: None,
         }
     }
 
@@ -435,6 +441,17 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         let (deleter, mesh) = (templates.deleter.clone(), mesh.clone());
         tokio::spawn(async move { deleter.resume_pending(&mesh).await });
     }
+    // A spool directory the gateway cannot write would fail every LoRA upload: say so now.
+    let upload_spool_dir = config
+        .upload_spool_dir
+        .clone()
+        .unwrap_or_else(std::env::temp_dir);
+    tempfile::tempfile_in(&upload_spool_dir).map_err(|e| {
+        GatewayError::Config(format!(
+            "--upload-spool-dir {}: cannot write a file there: {e}",
+            upload_spool_dir.display()
+        ))
+    })?;
     let openapi = openapi::document(&limits);
     let api = web::Data::new(ApiState {
         mesh,
@@ -456,6 +473,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
             config.lora_uploads_at_once.max(1),
         )),
         lora_upload_timeout: config.lora_upload_timeout,
+        upload_spool_dir,
         directory,
         default_model: config.default_model.clone(),
         default_size,

@@ -30,10 +30,12 @@ pub struct ApiState {
     pub max_lora_bytes: usize,
     /// Per-key storage quotas (`quotas`).
     pub quotas: crate::quotas::StorageQuotas,
-    /// LoRA uploads read at once (`--lora-uploads-at-once`): each holds up to max_lora_bytes.
+    /// LoRA uploads read at once (`--lora-uploads-at-once`): each spools up to max_lora_bytes.
     pub lora_uploads: Arc<tokio::sync::Semaphore>,
     /// Longest a LoRA upload may take to arrive (`--lora-upload-timeout`).
     pub lora_upload_timeout: std::time::Duration,
+    /// Where LoRA uploads are streamed while they arrive (`--upload-spool-dir`).
+    pub upload_spool_dir: std::path::PathBuf,
     /// The workers' last heartbeats: which denoisers hold a template's cache, the ControlNets
     /// the mesh steers with now (`GET /v1/controlnets`).
     pub directory: crate::directory::MeshDirectory,

@@ -96,7 +96,9 @@ fn read_all(body: &[u8]) -> [Result<(), ApiError>; 3] {
             templates::form::read(multipart(body), MAX_BODY, &limits(), &defaults())
                 .await
                 .map(drop),
-            loras::form::read(multipart(body), MAX_BODY).await.map(drop),
+            loras::form::read(multipart(body), MAX_BODY, &std::env::temp_dir())
+                .await
+                .map(drop),
         ]
     })
 }
@@ -176,9 +178,13 @@ fn short_boundaries_are_a_400() {
                 read_edit_form(multipart_with(boundary, body.as_bytes()), MAX_BODY)
                     .await
                     .map(drop),
-                loras::form::read(multipart_with(boundary, body.as_bytes()), MAX_BODY)
-                    .await
-                    .map(drop),
+                loras::form::read(
+                    multipart_with(boundary, body.as_bytes()),
+                    MAX_BODY,
+                    &std::env::temp_dir(),
+                )
+                .await
+                .map(drop),
             ]
         });
         for result in results {

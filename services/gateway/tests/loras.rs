@@ -115,8 +115,13 @@ impl Api {
 }
 
 /// The field a 4xx names, after checking the body is the documented error.
-async fn gateway(nats: &NatsServer, api_keys: Option<&str>) -> GatewayHandle {
+async fn gateway(
+    nats: &NatsServer,
+    api_keys: Option<&str>,
+    spool: &std::path::Path,
+) -> GatewayHandle {
     let mut config = GatewayConfig::for_tests(nats.url());
+    config.upload_spool_dir = Some(spool.to_path_buf());
     config.max_lora_bytes = MAX_LORA_BYTES;
     config.api_keys = api_keys.map(str::to_string);
     // No codec runs: a request that gets past validation ends quickly.
@@ -127,7 +132,8 @@ async fn gateway(nats: &NatsServer, api_keys: Option<&str>) -> GatewayHandle {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loras_are_registered_listed_checked_in_requests_and_deleted() {
     let nats = NatsServer::start();
-    let gateway = gateway(&nats, None).await;
+    let spool = tempfile::tempdir().unwrap();
+    let gateway = gateway(&nats, None, spool.path()).await;
     let api = Api::new(&gateway, None);
 
     // Register: 201 with the record.
@@ -234,6 +240,9 @@ async fn loras_are_registered_listed_checked_in_requests_and_deleted() {
         2,
         "refused uploads left nothing"
     );
+    // Uploads were streamed through the spool directory, and none is left there.
+    let spooled: Vec<_> = std::fs::read_dir(spool.path()).unwrap().collect();
+    assert!(spooled.is_empty(), "spool files left behind: {spooled:?}");
 
     // Generations: unknown ids, bad scales, duplicates and too many are 400s naming the entry.
     let gen = |loras: Value| json!({"prompt": "a red circle", "loras": loras});
@@ -357,7 +366,8 @@ async fn loras_are_registered_listed_checked_in_requests_and_deleted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loras_are_scoped_to_the_api_key_that_registered_them() {
     let nats = NatsServer::start();
-    let gateway = gateway(&nats, Some("alice:sk-alice,bob:sk-bob")).await;
+    let spool = tempfile::tempdir().unwrap();
+    let gateway = gateway(&nats, Some("alice:sk-alice,bob:sk-bob"), spool.path()).await;
     let alice = Api::new(&gateway, Some("sk-alice"));
     let bob = Api::new(&gateway, Some("sk-bob"));
     let nobody = Api::new(&gateway, None);

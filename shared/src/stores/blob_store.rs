@@ -198,6 +198,29 @@ impl BlobStore {
         Ok(())
     }
 
+    /// Store the file at `path` (`len` bytes) under `key`, read from disk as it is sent: an
+    /// upload spooled to a file is never held whole in memory. Tried again from the file's
+    /// start as [`BlobStore::put`] is.
+    pub async fn put_file(
+        &self,
+        key: &str,
+        path: &std::path::Path,
+        len: u64,
+    ) -> Result<(), MeshError> {
+        self.check_room(usize::try_from(len).unwrap_or(usize::MAX))
+            .await?;
+        let settled =
+            |e: &object_store::PutError| e.kind() == object_store::PutErrorKind::InvalidName;
+        transient::retried("blob.put_file", self.retry_window, settled, || async {
+            let mut file = tokio::fs::File::open(path).await.map_err(|e| {
+                object_store::PutError::with_source(object_store::PutErrorKind::ReadChunks, e)
+            })?;
+            self.store.put(key, &mut file).await
+        })
+        .await?;
+        Ok(())
+    }
+
     /// In a bucket that refuses writes when full, refuse an object that would not fit before
     /// a chunk of it is written: a put refused midway leaves the chunks it wrote behind,
     /// unreferenced, for good. (Two puts at once may both pass; the server still refuses the

@@ -215,8 +215,65 @@ impl LoraFile {
     /// Check a LoRA file's header: every key a LoRA key of the transformer, A and B paired with
     /// one rank, 2-D float weights of one dtype, the PEFT config one we can apply.
     pub fn parse(bytes: &[u8]) -> Result<Self, LoraFormatError> {
-        let (_, meta) = SafeTensors::read_metadata(bytes)
+        let (n, meta) = SafeTensors::read_metadata(bytes)
             .map_err(|e| bad("file", format!("is not a safetensors file: {e}")))?;
+        // `read_metadata` checked that the tensors cover the file exactly.
+        let data = &bytes[8 + n..];
+        Self::check_metadata(&meta, &mut |start, len| {
+            Ok(data[start..start + len].to_vec())
+        })
+    }
+
+    /// The length of the JSON header a file starting with `prefix` (at least 8 bytes) has,
+    /// refused above `max_header` bytes: what a reader that streams a file must keep of it.
+    pub fn header_len(prefix: &[u8; 8], max_header: usize) -> Result<usize, LoraFormatError> {
+        let n = u64::from_le_bytes(*prefix);
+        match usize::try_from(n) {
+            Ok(n) if n <= max_header => Ok(n),
+            _ => Err(bad(
+                "file",
+                format!("is not a safetensors file: its header claims {n} bytes, above the limit of {max_header}"),
+            )),
+        }
+    }
+
+    /// [`LoraFile::parse`] from the file's first `8 + header_len` bytes and its length, for a
+    /// file streamed to disk rather than held whole: the header must cover exactly
+    /// `file_len` bytes of tensor data, as `parse` checks. `read_at(offset, len)` reads bytes
+    /// of the file (only `alpha` scalars are read, a few bytes each).
+    pub fn parse_header(
+        head: &[u8],
+        file_len: u64,
+        read_at: &mut dyn FnMut(u64, usize) -> std::io::Result<Vec<u8>>,
+    ) -> Result<Self, LoraFormatError> {
+        let not = |why: String| bad("file", format!("is not a safetensors file: {why}"));
+        let prefix: [u8; 8] = head
+            .get(..8)
+            .and_then(|p| p.try_into().ok())
+            .ok_or_else(|| not("shorter than its 8-byte header length".into()))?;
+        let n = Self::header_len(&prefix, usize::MAX)?;
+        let json = head
+            .get(8..8 + n)
+            .ok_or_else(|| not(format!("the header claims {n} bytes; the file ends first")))?;
+        let meta: safetensors::tensor::Metadata =
+            serde_json::from_slice(json).map_err(|e| not(format!("invalid header: {e}")))?;
+        let covered = (8 + n as u64).saturating_add(meta.data_len() as u64);
+        if covered != file_len {
+            return Err(not(format!(
+                "the header covers {covered} bytes, the file is {file_len}"
+            )));
+        }
+        let data_start = 8 + n as u64;
+        Self::check_metadata(&meta, &mut |start, len| {
+            read_at(data_start + start as u64, len).map_err(|e| e.to_string())
+        })
+    }
+
+    /// `data(start, len)`: bytes of the data section (offsets as the header gives them).
+    fn check_metadata(
+        meta: &safetensors::tensor::Metadata,
+        data: &mut dyn FnMut(usize, usize) -> Result<Vec<u8>, String>,
+    ) -> Result<Self, LoraFormatError> {
         let config = PeftConfig::from_metadata(meta.metadata().as_ref())?;
         if config.use_dora {
             return Err(bad(
@@ -298,15 +355,6 @@ impl LoraFile {
                 _ => entry.up = Some(slot),
             }
         }
-        // The data, for alpha tensors: one parse of the header for all of them.
-        let with_data = if parts.values().any(|p| p.alpha.is_some()) {
-            Some(
-                SafeTensors::deserialize(bytes)
-                    .map_err(|e| bad("file", format!("is not a safetensors file: {e}")))?,
-            )
-        } else {
-            None
-        };
         let mut modules = Vec::with_capacity(parts.len());
         let mut parameters = 0u64;
         for (module, p) in parts {
@@ -326,9 +374,15 @@ impl LoraFile {
             if rank > MAX_RANK {
                 return Err(bad(down_key, format!("rank {rank} is above {MAX_RANK}")));
             }
-            let alpha = match (p.alpha, &with_data) {
-                (Some(key), Some(st)) => Some(scalar(st, &key)?),
-                _ => None,
+            let alpha = match p.alpha {
+                Some(key) => {
+                    let info = tensors[&key];
+                    let (start, end) = info.data_offsets;
+                    let bytes = data(start, end - start)
+                        .map_err(|e| bad(key.as_str(), format!("cannot be read: {e}")))?;
+                    Some(scalar(&key, info.dtype, &bytes)?)
+                }
+                None => None,
             };
             // diffusers builds the layers from the metadata's rank, so one that disagrees with the
             // weights would not load there either.
@@ -388,11 +442,7 @@ pub fn write_f32_safetensors(
 }
 
 /// A one-element float tensor's value.
-fn scalar(st: &SafeTensors<'_>, key: &str) -> Result<f64, LoraFormatError> {
-    let view = st
-        .tensor(key)
-        .map_err(|e| bad(key, format!("cannot be read: {e}")))?;
-    let (data, dtype) = (view.data(), view.dtype());
+fn scalar(key: &str, dtype: Dtype, data: &[u8]) -> Result<f64, LoraFormatError> {
     let v = match (dtype, data.len()) {
         (Dtype::F32, 4) => f32::from_le_bytes([data[0], data[1], data[2], data[3]]) as f64,
         (Dtype::F64, 8) => f64::from_le_bytes(data.try_into().map_err(|_| bad(key, "bad size"))?),
@@ -524,6 +574,44 @@ mod tests {
         assert!(err(t, None).message.contains("2-D"));
         assert_eq!(LoraFile::parse(b"not a file").unwrap_err().key, "file");
         assert_eq!(LoraFile::parse(&file(&[], None)).unwrap_err().key, "file");
+    }
+
+    #[test]
+    fn the_header_alone_checks_a_file_as_the_whole_does() {
+        let mut t = pair("transformer_blocks.0.attn.to_q", 4, 32, 32);
+        t.push((
+            "transformer.transformer_blocks.0.attn.to_q.alpha".into(),
+            vec![],
+        ));
+        let refs: Vec<(&str, Vec<usize>)> =
+            t.iter().map(|(k, s)| (k.as_str(), s.clone())).collect();
+        let bytes = file(&refs, Some(serde_json::json!({"transformer.r": 4})));
+        let n = LoraFile::header_len(bytes[..8].try_into().unwrap(), 1 << 20).unwrap();
+        let head = &bytes[..8 + n];
+        let whole = LoraFile::parse(&bytes).unwrap();
+        let mut reads = 0;
+        let mut read_at = |offset: u64, len: usize| {
+            reads += 1;
+            Ok(bytes[offset as usize..offset as usize + len].to_vec())
+        };
+        let streamed = LoraFile::parse_header(head, bytes.len() as u64, &mut read_at).unwrap();
+        assert_eq!(reads, 1, "only the alpha scalar is read");
+        assert_eq!(streamed.modules, whole.modules);
+        assert_eq!(
+            (streamed.parameters, streamed.dtype),
+            (whole.parameters, whole.dtype)
+        );
+        // A file cut short, or with bytes after its tensors, is refused as `parse` refuses it.
+        let mut unread = |_: u64, _: usize| -> std::io::Result<Vec<u8>> { panic!("read") };
+        for len in [bytes.len() as u64 - 1, bytes.len() as u64 + 1] {
+            let e = LoraFile::parse_header(head, len, &mut unread).unwrap_err();
+            assert_eq!(e.key, "file");
+            assert!(e.message.contains("covers"), "{e}");
+        }
+        let cut = LoraFile::parse_header(&head[..8 + n / 2], bytes.len() as u64, &mut unread);
+        assert_eq!(cut.unwrap_err().key, "file");
+        let e = LoraFile::header_len(bytes[..8].try_into().unwrap(), n - 1).unwrap_err();
+        assert!(e.message.contains("above the limit"), "{e}");
     }
 
     #[test]

@@ -137,7 +137,7 @@ pub async fn create_lora(
     let usage = quotas::admit(&state, caller.owner(), Adding::Lora { bytes: 0 }).await?;
     // One key's uploads count among its requests in flight: it cannot take every reader.
     let _slot = state.key_limits.acquire(caller.limit_key())?;
-    // Every upload read at once is held in memory whole: their number is bounded.
+    // Every upload read at once takes a spool file and a reader: their number is bounded.
     let _reading = state
         .lora_uploads
         .clone()
@@ -149,7 +149,7 @@ pub async fn create_lora(
             retry_after_s: 1,
         })?;
     // A client that sends slowly must not hold a reader for ever.
-    let read = crate::loras::form::read(payload, state.max_lora_bytes);
+    let read = crate::loras::form::read(payload, state.max_lora_bytes, &state.upload_spool_dir);
     let upload = tokio::time::timeout(state.lora_upload_timeout, read)
         .await
         .map_err(|_| ApiError::Timeout {
@@ -158,7 +158,7 @@ pub async fn create_lora(
                 state.lora_upload_timeout
             ),
         })??;
-    let bytes = upload.weights.len() as u64;
+    let bytes = upload.weights.len();
     // Its bytes against what the key held when the upload began (one read of the buckets).
     if let Some(usage) = usage {
         state.quotas.check(&usage, Adding::Lora { bytes })?;

@@ -1,22 +1,26 @@
 //! `POST /v1/loras`: the multipart form (`weights`, the `.safetensors` file diffusers'
-//! `save_lora_weights` writes; optional `name`) read and checked. The file's header must be a
-//! LoRA the denoisers can apply (`lora::LoraFile::parse`); a 400 names `weights` and, in its
-//! message, the tensor or metadata key at fault.
+//! `save_lora_weights` writes; optional `name`) read and checked. The file is streamed to the
+//! spool directory as it arrives (`spool`), never held whole in memory; its header must be a
+//! LoRA the denoisers can apply (`lora::LoraFile::parse_header`); a 400 names `weights` and,
+//! in its message, the tensor or metadata key at fault.
+use std::path::Path;
+
 use actix_multipart::Multipart;
 use diffmesh_shared::wire::lora::{LoraFile, LoraRecord};
 use diffmesh_shared::wire::messages::FieldError;
-use sha2::{Digest, Sha256};
+use futures::StreamExt;
 
 use crate::error::ApiError;
+use crate::loras::spool::{SpooledWeights, Spooler};
 use crate::upload::{read_limited, Parts, MAX_TEXT_FIELD_BYTES};
 
 /// Longest `name`, in characters.
 pub const MAX_NAME_CHARS: usize = 200;
 
-/// A checked registration: the file, what its header says, and the client's label.
+/// A checked registration: the file (on disk), what its header says, and the client's label.
 #[derive(Debug)]
 pub struct LoraUpload {
-    pub weights: Vec<u8>,
+    pub weights: SpooledWeights,
     pub file: LoraFile,
     pub name: Option<String>,
 }
@@ -29,36 +33,44 @@ impl LoraUpload {
             id,
             name: self.name.clone(),
             owner,
-            bytes: self.weights.len() as u64,
+            bytes: self.weights.len(),
             parameters: self.file.parameters,
             modules: self.file.modules.len(),
             max_rank: self.file.max_rank(),
             dtype: self.file.dtype.clone(),
-            sha256: Sha256::digest(&self.weights)
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect(),
+            sha256: self.weights.sha256().to_string(),
             created_at,
         }
     }
 }
 
-/// Read the form: `weights` up to `max_weights_bytes` (413 naming `weights`), every other part
-/// a small text field (together at most `MAX_TEXT_FIELD_BYTES`, 413 naming the part); at most
-/// `MAX_PARTS` parts.
-pub async fn read(payload: Multipart, max_weights_bytes: usize) -> Result<LoraUpload, ApiError> {
+/// Read the form: `weights` up to `max_weights_bytes` (413 naming `weights`), streamed into
+/// `spool_dir`; every other part a small text field (together at most `MAX_TEXT_FIELD_BYTES`,
+/// 413 naming the part); at most `MAX_PARTS` parts.
+pub async fn read(
+    payload: Multipart,
+    max_weights_bytes: usize,
+    spool_dir: &Path,
+) -> Result<LoraUpload, ApiError> {
     let mut parts = Parts::new(payload);
     let mut text_budget = MAX_TEXT_FIELD_BYTES;
     let mut weights = None;
     let mut name = None;
-    while let Some(field) = parts.next().await? {
+    while let Some(mut field) = parts.next().await? {
         let field_name = field.name().unwrap_or_default().to_string();
         if field_name == "weights" {
-            // One file per registration: a second would double what is held in memory.
+            // One file per registration: a second would double what is spooled.
             if weights.is_some() {
                 return Err(FieldError::invalid("weights", "sent twice; send one file").into());
             }
-            weights = Some(read_limited(field, max_weights_bytes, "weights").await?);
+            let mut spooler = Spooler::new(spool_dir, "weights", max_weights_bytes)?;
+            while let Some(chunk) = field.next().await {
+                let chunk = chunk.map_err(|e| {
+                    FieldError::invalid("weights", format!("reading the upload failed: {e}"))
+                })?;
+                spooler.push(&chunk)?;
+            }
+            weights = Some(spooler.finish()?);
             continue;
         }
         let bytes = read_limited(field, text_budget, &field_name).await?;
@@ -76,19 +88,32 @@ pub async fn read(payload: Multipart, max_weights_bytes: usize) -> Result<LoraUp
             "required (multipart file field): the .safetensors file of a diffusers LoRA",
         )
     })?;
-    Ok(check(weights, name)?)
-}
-
-/// Check an upload's name and the file's header.
-pub fn check(weights: Vec<u8>, name: Option<String>) -> Result<LoraUpload, FieldError> {
-    let name = check_name(name)?;
-    let file = LoraFile::parse(&weights)
-        .map_err(|e| FieldError::invalid("weights", format!("not a LoRA we can apply: {e}")))?;
+    let (file, name) = check(
+        weights.head(),
+        weights.len(),
+        &mut |offset, len| weights.read_at(offset, len),
+        name,
+    )?;
     Ok(LoraUpload {
         weights,
         file,
         name,
     })
+}
+
+/// Check an upload's name and the file's header: `head` holds at least the file's first
+/// `8 + header length` bytes (or the whole file), `len` is the file's length, `read_at`
+/// reads other bytes of it (`alpha` scalars).
+pub fn check(
+    head: &[u8],
+    len: u64,
+    read_at: &mut dyn FnMut(u64, usize) -> std::io::Result<Vec<u8>>,
+    name: Option<String>,
+) -> Result<(LoraFile, Option<String>), FieldError> {
+    let name = check_name(name)?;
+    let file = LoraFile::parse_header(head, len, read_at)
+        .map_err(|e| FieldError::invalid("weights", format!("not a LoRA we can apply: {e}")))?;
+    Ok((file, name))
 }
 
 /// At most `MAX_NAME_CHARS` characters; an empty name is no name.
@@ -109,6 +134,18 @@ fn check_name(name: Option<String>) -> Result<Option<String>, FieldError> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use sha2::{Digest, Sha256};
+
+    /// `read_at` over a file in memory.
+    fn in_memory(bytes: &[u8]) -> impl FnMut(u64, usize) -> std::io::Result<Vec<u8>> + '_ {
+        |offset, len| {
+            let start = offset as usize;
+            bytes
+                .get(start..start + len)
+                .map(<[u8]>::to_vec)
+                .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))
+        }
+    }
 
     /// A safetensors file of f32 zero tensors `(key, shape)`, written by hand (the format is
     /// an 8-byte header length, a JSON header, then the data) so the crate needs no writer.
@@ -142,7 +179,23 @@ pub(crate) mod tests {
             (&format!("{Q}.lora_A.weight"), [4, 192]),
             (&format!("{Q}.lora_B.weight"), [192, 4]),
         ]);
-        let upload = check(bytes.clone(), Some("style".into())).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut spooler = Spooler::new(dir.path(), "weights", 1 << 20).unwrap();
+        spooler.push(&bytes).unwrap();
+        let weights = spooler.finish().unwrap();
+        let mut read_at = |offset, len| weights.read_at(offset, len);
+        let (file, name) = check(
+            weights.head(),
+            weights.len(),
+            &mut read_at,
+            Some("style".into()),
+        )
+        .unwrap();
+        let upload = LoraUpload {
+            weights,
+            file,
+            name,
+        };
         let r = upload.record(
             "id-1".into(),
             Some("alice".into()),
@@ -163,7 +216,7 @@ pub(crate) mod tests {
     #[test]
     fn bad_files_name_weights_and_the_key_at_fault() {
         let half = safetensors(&[(&format!("{Q}.lora_A.weight"), [4, 192])]);
-        let e = check(half, None).unwrap_err();
+        let e = check(&half, half.len() as u64, &mut in_memory(&half), None).unwrap_err();
         assert_eq!(e.field, "weights");
         assert!(
             e.message
@@ -171,7 +224,7 @@ pub(crate) mod tests {
             "{}",
             e.message
         );
-        let e = check(b"not a safetensors file".to_vec(), None).unwrap_err();
+        let e = check(b"not a safetensors file", 22, &mut in_memory(b""), None).unwrap_err();
         assert_eq!(e.field, "weights");
         assert!(e.message.contains("file: "), "{}", e.message);
     }

@@ -58,7 +58,10 @@ impl LoraStore {
     ) -> Result<LoraRecord, ApiError> {
         let id = uuid::Uuid::new_v4().to_string();
         let record = upload.record(id.clone(), owner.map(str::to_string), rfc3339_utc(now_ms()));
-        self.weights.put(&weights_key(&id), &upload.weights).await?;
+        let spooled = &upload.weights;
+        self.weights
+            .put_file(&weights_key(&id), spooled.path(), spooled.len())
+            .await?;
         if let Err(err) = self.records.create(&id, &record).await {
             if let Err(cleanup) = self.weights.delete(&weights_key(&id)).await {
                 tracing::warn!(
