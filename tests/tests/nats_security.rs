@@ -1,10 +1,11 @@
 //! The mesh on a NATS server that refuses anonymous connections, each service connected as its
 //! own user with only the subjects its role needs (`shared::nats::auth`): an anonymous client
-//! is refused; sync and async generations and a template edit run end to end with no
+//! is refused; sync and async generations, a template edit and a LoRA run end to end with no
 //! permission violation anywhere; and a client holding one service's credentials cannot
 //! publish outside them (the gateway's cannot hand a denoiser work or fake a heartbeat, the
 //! codec's cannot submit to the router, the router's cannot fake a heartbeat). Over TLS, as
-//! `compose/` runs it, only a client that checks the mesh's CA and logs in gets through.
+//! `compose/` runs it, only a client that checks the mesh's CA and logs in gets through. The
+//! JetStream API is open to each role only for its own streams.
 use std::time::Duration;
 
 use diffmesh_shared::nats::auth::{mesh_users, server_config, Role, User};
@@ -162,6 +163,26 @@ async fn services_connect_as_their_role_and_nothing_else_gets_through() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    // A LoRA: the gateway stores it, the denoiser reads its weights for a generation.
+    let modules = [("transformer_blocks.0.attn.to_q".to_string(), 192, 192)];
+    let weights = diffmesh_shared::testing::lora_file(&modules, 4, 0.6, 1);
+    let form = Form::new().part("weights", Part::bytes(weights).file_name("s.safetensors"));
+    let r = http
+        .post(url("/v1/loras"))
+        .multipart(form)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201, "{:?}", r.text().await);
+    let lora: Value = r.json().await.unwrap();
+    let r = http
+        .post(url("/v1/images/generations"))
+        .json(&json!({"prompt": "a red circle", "num_inference_steps": 4,
+                      "loras": [{"id": lora["id"], "scale": 1.0}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
     // No service was refused anything on the way (the services share this process's counter).
     let metrics = scrape_metrics(gateway.addrs.health).await.unwrap();
     let refused = metrics
@@ -189,6 +210,14 @@ async fn services_connect_as_their_role_and_nothing_else_gets_through() {
         // No service may delete a bucket's stream or snapshot it, though each uses JetStream.
         ("gateway", "$JS.API.STREAM.DELETE.KV_diffmesh-jobs"),
         ("denoiser", "$JS.API.STREAM.SNAPSHOT.OBJ_diffmesh-blobs"),
+        // The JetStream API only for a role's own streams: the codec reads no job record, the
+        // gateway neither purges nor rescales the cache bucket, the denoiser does not purge
+        // the LoRA weights it reads, and the controlnet worker has no JetStream at all.
+        ("codec", "$JS.API.STREAM.MSG.GET.KV_diffmesh-jobs"),
+        ("gateway", "$JS.API.STREAM.PURGE.OBJ_diffmesh-cache"),
+        ("gateway", "$JS.API.STREAM.UPDATE.OBJ_diffmesh-cache"),
+        ("denoiser", "$JS.API.STREAM.PURGE.OBJ_diffmesh-loras"),
+        ("controlnet", "$JS.API.STREAM.INFO.KV_diffmesh-jobs"),
     ] {
         let (client, mut errors) = connect_as(&nats, &users, who).await;
         client.publish(subject, "forged".into()).await.unwrap();

@@ -131,7 +131,12 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
     } else {
         // Cache entries are managed by the cachestore itself: no server-side expiry.
         let bucket = jetstream_layout::CACHES.renamed(config.bucket.clone());
-        let js = jetstream_layout::context(&client, &config.common, std::slice::from_ref(&bucket))
+        let js = jetstream_layout::context(
+            &client,
+            &config.common,
+            diffmesh_shared::nats::auth::Role::Cachestore,
+            Some(std::slice::from_ref(&bucket)),
+        )
             .await?;
         Some(BlobStore::open_with(&js, &bucket).await?)
     };

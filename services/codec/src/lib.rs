@@ -162,8 +162,13 @@ pub async fn start(config: CodecConfig) -> Result<CodecHandle, CodecError> {
     let registry = prometheus::Registry::new();
     let metrics = CodecMetrics::register(&registry)?;
     let client = config.common.connect_nats("diffmesh-codec").await?;
-    let js =
-        diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
+    let js = diffmesh_shared::stores::jetstream_layout::context(
+        &client,
+        &config.common,
+        diffmesh_shared::nats::auth::Role::Codec,
+        None,
+    )
+    .await?;
     let blobs = BlobStore::open(&js).await?;
     let templates = BlobStore::open_with(
         &js,

@@ -436,8 +436,13 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         .common
         .connect_nats(&format!("diffmesh-denoiser-{worker_id}"))
         .await?;
-    let js =
-        diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
+    let js = diffmesh_shared::stores::jetstream_layout::context(
+        &client,
+        &config.common,
+        diffmesh_shared::nats::auth::Role::Denoiser,
+        None,
+    )
+    .await?;
     let blobs = BlobStore::open(&js).await?;
 
     let (events_tx, events_rx) = tokio::sync::mpsc::channel(1024);

@@ -399,8 +399,13 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
     let registry = prometheus::Registry::new();
     let metrics = GatewayMetrics::register(&registry)?;
     let client = config.common.connect_nats("diffmesh-gateway").await?;
-    let js =
-        diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
+    let js = diffmesh_shared::stores::jetstream_layout::context(
+        &client,
+        &config.common,
+        diffmesh_shared::nats::auth::Role::Gateway,
+        None,
+    )
+    .await?;
     let background = TaskTracker::new();
     // The gateway writes most of a job's changes: it updates them without reading first.
     let mut jobs = JobStore::open(&js).await?;

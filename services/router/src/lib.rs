@@ -211,8 +211,13 @@ pub async fn start(config: RouterConfig) -> Result<RouterHandle, RouterError> {
     );
     let state = RouterState::new(expiry, policy, models, config.max_attempts)
         .with_step_calibration(config.step_calibration);
-    let js =
-        diffmesh_shared::stores::jetstream_layout::context(&client, &config.common, &[]).await?;
+    let js = diffmesh_shared::stores::jetstream_layout::context(
+        &client,
+        &config.common,
+        diffmesh_shared::nats::auth::Role::Router,
+        None,
+    )
+    .await?;
     let jobs = JobStore::open(&js).await?;
     let storage = diffmesh_shared::stores::storage_usage::StorageGauges::new(&registry)?;
     // The gateways set the queue's bounds; a router takes the stream as it is.

@@ -5,13 +5,33 @@
 //! `authorization` block of a `nats-server` config with these users; a server with it refuses
 //! anonymous connections.
 //!
-//! What the lists do not narrow: every service that uses JetStream may call most of its API
-//! (`$JS.API.>` but [`JETSTREAM_DENIED`]: deleting, snapshotting or restoring a stream and
-//! cluster operations; updating and purging stay open, since every service bounds and scales
-//! the streams at start and object deletes are purges), and every service may publish to reply
-//! inboxes (`_INBOX.>`: chunked answers send
-//! several messages to one inbox, more than `allow_responses` lets through). Writes to buckets
-//! (`$KV.<bucket>.>`, `$O.<bucket>.>`) and stream subjects are per service.
+//! JetStream is narrowed per role as well. A role reaches the JetStream API (`$JS.API.…`) only
+//! for the streams it uses ([`Role::stream_access`]), and there only for what it does with
+//! them ([`StreamUse`]): manage them (create, update, info: the buckets of
+//! [`Role::layout_specs`], which it ensures at start, and the async queue), read them
+//! (message gets, ordered consumers and their flow control, `$JS.FC.<stream>.>`), purge them,
+//! delete a message, pull from a durable consumer and ack what it delivers
+//! (`$JS.ACK.<stream>.<consumer>.>`).
+//! So the codec cannot read job records, the gateway cannot purge or rescale the cache bucket,
+//! the denoiser cannot purge template images or LoRA weights it only reads, and the controlnet
+//! worker has no JetStream at all. [`JETSTREAM_DENIED`] stays refused on top of the lists.
+//!
+//! What the lists do not narrow: a role that may purge a stream may purge all of it (the
+//! subject filter of a purge is in its payload, which permissions do not see; object stores
+//! need purges, since deleting or replacing an object purges its chunks); a role that manages
+//! a stream may update its whole config, as each service bounds and scales what it opens at
+//! start; reading covers every message of a stream; stream info, which the router reads for
+//! every stream (its storage gauges), lists subjects when asked to (KV keys); and every
+//! service may publish to reply inboxes (`_INBOX.>`: chunked answers send several messages to
+//! one inbox, more than `allow_responses` lets through). Writes to buckets
+//! (`$KV.<bucket>.>`, `$O.<bucket>.>`) and stream subjects are per service. The cache bucket
+//! is named here by its default, [`CACHE_BUCKET`]: a cachestore run with another `--bucket`
+//! needs these lists changed too.
+use crate::stores::async_queue;
+use crate::stores::jetstream_layout::{
+    self, Spec, BLOBS, CACHES, IDEMPOTENCY, JOBS, LORA_RECORDS, LORA_WEIGHTS, TEMPLATE_CAPTURES,
+    TEMPLATE_IMAGES, TEMPLATE_RECORDS, TEMPLATE_USES,
+};
 use crate::wire::cachestore::CACHE_BUCKET;
 use crate::wire::subjects::{
     BLOB_BUCKET, IDEMPOTENCY_BUCKET, JOB_BUCKET, LORA_BUCKET, TEMPLATE_BUCKET,
@@ -38,9 +58,9 @@ pub struct Permissions {
 }
 
 /// JetStream API calls no service makes, which would destroy or copy out the mesh's data or
-/// reshape the cluster: refused to every service (the operator's `admin` keeps them), though
-/// the services otherwise reach the JetStream API. Object deletes are purges of one subject,
-/// so `STREAM.PURGE` stays allowed.
+/// reshape the cluster: refused to every service (the operator's `admin` keeps them) on top of
+/// the per-role allow lists ([`Role::jetstream_api`]), so no later widening of a list lets
+/// them through.
 pub const JETSTREAM_DENIED: [&str; 7] = [
     "$JS.API.STREAM.DELETE.>",
     "$JS.API.STREAM.SNAPSHOT.>",
@@ -50,6 +70,157 @@ pub const JETSTREAM_DENIED: [&str; 7] = [
     "$JS.API.SERVER.>",
     "$JS.API.META.>",
 ];
+
+/// What a role does with one stream through the JetStream API. Writing messages is no API
+/// call: it is publishing to the stream's subjects (`$KV.<bucket>.>`, `$O.<bucket>.>`, a
+/// plain stream's subjects), allowed or not by the role's subject list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamUse {
+    /// Read the stream's info, nothing else ([`stream_api_info`]).
+    Info,
+    /// Create the stream, or set its replicas and bounds (`jetstream_layout::ensure`,
+    /// `AsyncQueue::open`), and read its info ([`stream_api_manage`]).
+    Manage,
+    /// Read its messages ([`stream_api_read`]): message gets (KV gets, object infos and
+    /// chunks, all read from the leader), direct gets (a bucket made by an older version takes
+    /// them until `ensure` turns them off), and ordered push consumers (KV keys and watches,
+    /// object reads and listings, `JobStore::watch_since`, the replay of capture
+    /// announcements).
+    Read,
+    /// Purge messages ([`stream_api_purge`]): an object's chunks when it is deleted or
+    /// replaced, a template use or capture announcement that ended.
+    Purge,
+    /// Delete one message by sequence ([`stream_api_delete_message`]): a cancelled async job.
+    DeleteMessage,
+    /// Pull from the durable consumer of this name, created on first use, and ack what it
+    /// delivers ([`stream_api_pull`]).
+    Pull(&'static str),
+}
+
+/// One stream a role reaches through the JetStream API, and what it does there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamAccess {
+    /// The stream's name (`KV_<bucket>`, `OBJ_<bucket>`, or a plain stream's).
+    pub stream: String,
+    pub uses: Vec<StreamUse>,
+}
+
+/// The JetStream API's subject prefix (the mesh uses no JetStream domain).
+const JS_API: &str = "$JS.API";
+
+/// Read `stream`'s info: what opening it (`get_stream`) asks, and the storage gauges.
+pub fn stream_api_info(stream: &str) -> Vec<String> {
+    vec![format!("{JS_API}.STREAM.INFO.{stream}")]
+}
+
+/// Create `stream`, update its config, read its info.
+pub fn stream_api_manage(stream: &str) -> Vec<String> {
+    vec![
+        format!("{JS_API}.STREAM.INFO.{stream}"),
+        format!("{JS_API}.STREAM.CREATE.{stream}"),
+        format!("{JS_API}.STREAM.UPDATE.{stream}"),
+    ]
+}
+
+/// Read `stream`'s messages: message gets, direct gets, and ordered push consumers, which
+/// async-nats makes as `CONSUMER.CREATE.<stream>` (no name), re-makes as
+/// `CONSUMER.CREATE.<stream>.<name>.<filter>` after deleting the previous one, asks the info of
+/// (KV keys) and answers the flow control of (`$JS.FC.<stream>.<consumer>.<token>`).
+pub fn stream_api_read(stream: &str) -> Vec<String> {
+    vec![
+        format!("{JS_API}.STREAM.INFO.{stream}"),
+        format!("{JS_API}.STREAM.MSG.GET.{stream}"),
+        format!("{JS_API}.DIRECT.GET.{stream}"),
+        format!("{JS_API}.DIRECT.GET.{stream}.>"),
+        format!("{JS_API}.CONSUMER.CREATE.{stream}"),
+        format!("{JS_API}.CONSUMER.CREATE.{stream}.>"),
+        format!("{JS_API}.CONSUMER.INFO.{stream}.*"),
+        format!("{JS_API}.CONSUMER.DELETE.{stream}.*"),
+        format!("$JS.FC.{stream}.>"),
+    ]
+}
+
+/// Purge `stream` (any part of it: the subject filter is in the payload).
+pub fn stream_api_purge(stream: &str) -> Vec<String> {
+    vec![format!("{JS_API}.STREAM.PURGE.{stream}")]
+}
+
+/// Delete single messages of `stream` by sequence.
+pub fn stream_api_delete_message(stream: &str) -> Vec<String> {
+    vec![format!("{JS_API}.STREAM.MSG.DELETE.{stream}")]
+}
+
+/// Pull from the durable `consumer` of `stream` (made on first use) and ack its messages: the
+/// server's ack subjects are `$JS.ACK.<stream>.<consumer>.` and then the delivery count, the
+/// stream and consumer sequences, the time and the pending count.
+pub fn stream_api_pull(stream: &str, consumer: &str) -> Vec<String> {
+    vec![
+        format!("{JS_API}.STREAM.INFO.{stream}"),
+        format!("{JS_API}.CONSUMER.INFO.{stream}.{consumer}"),
+        format!("{JS_API}.CONSUMER.CREATE.{stream}.{consumer}"),
+        format!("{JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}"),
+        format!("$JS.ACK.{stream}.{consumer}.>"),
+    ]
+}
+
+/// The subjects `kind` of use of `stream` publishes to.
+fn stream_api(stream: &str, kind: StreamUse) -> Vec<String> {
+    match kind {
+        StreamUse::Info => stream_api_info(stream),
+        StreamUse::Manage => stream_api_manage(stream),
+        StreamUse::Read => stream_api_read(stream),
+        StreamUse::Purge => stream_api_purge(stream),
+        StreamUse::DeleteMessage => stream_api_delete_message(stream),
+        StreamUse::Pull(consumer) => stream_api_pull(stream, consumer),
+    }
+}
+
+/// Add `uses` of `stream` to `access` (merged into the stream's entry when it has one).
+fn grant(access: &mut Vec<StreamAccess>, stream: String, uses: &[StreamUse]) {
+    let found = access.iter().position(|a| a.stream == stream);
+    let index = match found {
+        Some(index) => index,
+        None => {
+            access.push(StreamAccess {
+                stream,
+                uses: Vec::new(),
+            });
+            access.len() - 1
+        }
+    };
+    for kind in uses {
+        if !access[index].uses.contains(kind) {
+            access[index].uses.push(*kind);
+        }
+    }
+}
+
+/// Whether `subject` matches the NATS subject pattern `pattern` (`*`: one token, `>`: one or
+/// more tokens to the end).
+pub fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let mut tokens = subject.split('.');
+    for want in pattern.split('.') {
+        if want == ">" {
+            return tokens.next().is_some();
+        }
+        match tokens.next() {
+            Some(token) if want == "*" || want == token => {}
+            _ => return false,
+        }
+    }
+    tokens.next().is_none()
+}
+
+impl Permissions {
+    /// Whether the server lets this user publish to `subject` (an allow matches, no deny does).
+    pub fn may_publish(&self, subject: &str) -> bool {
+        self.publish.iter().any(|p| subject_matches(p, subject))
+            && !self
+                .publish_deny
+                .iter()
+                .any(|p| subject_matches(p, subject))
+    }
+}
 
 /// One user of the server: a service role, or (no permissions) an operator who may do anything.
 #[derive(Debug, Clone)]
@@ -93,14 +264,134 @@ impl Role {
         }
     }
 
+    /// The buckets and streams of [`jetstream_layout::ALL`] this role opens, which it should
+    /// ensure at start (`jetstream_layout::ensure`) and may manage ([`StreamUse::Manage`]).
+    /// The cachestore's is [`CACHES`] under its `--bucket`; the async queue
+    /// ([`async_queue::STREAM`]), no spec of the table, the gateway and the router open and
+    /// manage themselves (`AsyncQueue::open`).
+    pub fn layout_specs(self) -> Vec<Spec> {
+        match self {
+            // Job records and idempotency keys (`JobStore`, `IdempotencyStore`), blobs
+            // (`Mesh::blobs`), template records and images and their uses and captures
+            // (`templates::Templates::open`), LoRA records and weights (`loras::store`).
+            Role::Gateway => vec![
+                JOBS,
+                IDEMPOTENCY,
+                TEMPLATE_RECORDS,
+                BLOBS,
+                TEMPLATE_IMAGES,
+                TEMPLATE_USES,
+                TEMPLATE_CAPTURES,
+                LORA_RECORDS,
+                LORA_WEIGHTS,
+            ],
+            // Job records (`JobStore`: placement, adoption, async jobs).
+            Role::Router => vec![JOBS],
+            // Inputs and results, template caches, template images, LoRA weights, and the
+            // capture announcements it replays at start.
+            Role::Denoiser => vec![
+                BLOBS,
+                CACHES,
+                TEMPLATE_IMAGES,
+                LORA_WEIGHTS,
+                TEMPLATE_CAPTURES,
+            ],
+            // Inputs and outputs, prepared template images.
+            Role::Codec => vec![BLOBS, TEMPLATE_IMAGES],
+            // Its cluster tier.
+            Role::Cachestore => vec![CACHES],
+            Role::Controlnet => Vec::new(),
+        }
+    }
+
+    /// Every stream this role reaches through the JetStream API, and how: it manages what it
+    /// opens ([`Role::layout_specs`], and the async queue for the gateway and the router).
+    pub fn stream_access(self) -> Vec<StreamAccess> {
+        use StreamUse::{DeleteMessage, Info, Manage, Pull, Purge, Read};
+        let mut access = Vec::new();
+        for spec in self.layout_specs() {
+            grant(&mut access, spec.stream_name(), &[Manage]);
+        }
+        let mut give =
+            |spec: Spec, uses: &[StreamUse]| grant(&mut access, spec.stream_name(), uses);
+        match self {
+            Role::Gateway => {
+                give(JOBS, &[Read]);
+                give(IDEMPOTENCY, &[Read]);
+                give(TEMPLATE_RECORDS, &[Read]);
+                give(LORA_RECORDS, &[Read]);
+                // Objects are read, written and deleted (a put replacing one, and a delete,
+                // purge its chunks).
+                give(BLOBS, &[Read, Purge]);
+                give(TEMPLATE_IMAGES, &[Read, Purge]);
+                give(LORA_WEIGHTS, &[Read, Purge]);
+                // An edit's use ends with a purge of its subject, a deleted template's
+                // capture announcement too; listing uses is stream info.
+                give(TEMPLATE_USES, &[Purge]);
+                give(TEMPLATE_CAPTURES, &[Purge]);
+            }
+            Role::Router => {
+                give(JOBS, &[Read]);
+                // The storage gauges read every stream's info (`storage_usage`).
+                for spec in jetstream_layout::ALL {
+                    give(spec, &[Info]);
+                }
+            }
+            Role::Denoiser => {
+                give(BLOBS, &[Read, Purge]);
+                give(CACHES, &[Read, Purge]);
+                give(TEMPLATE_IMAGES, &[Read]);
+                give(LORA_WEIGHTS, &[Read]);
+                give(TEMPLATE_CAPTURES, &[Read]);
+            }
+            Role::Codec => {
+                give(BLOBS, &[Read, Purge]);
+                give(TEMPLATE_IMAGES, &[Read, Purge]);
+            }
+            Role::Cachestore => give(CACHES, &[Read, Purge]),
+            Role::Controlnet => {}
+        }
+        match self {
+            // Appends jobs (a publish), takes a cancelled one out by sequence, reads the
+            // stream's info for a job's position; sets the queue's bounds.
+            Role::Gateway => grant(
+                &mut access,
+                async_queue::STREAM.to_string(),
+                &[Manage, DeleteMessage],
+            ),
+            // Takes jobs from the routers' durable consumer; raises the queue's replicas.
+            Role::Router => grant(
+                &mut access,
+                async_queue::STREAM.to_string(),
+                &[Manage, Pull(async_queue::CONSUMER)],
+            ),
+            _ => {}
+        }
+        access
+    }
+
+    /// The JetStream subjects this role may publish to: the API for its streams
+    /// ([`Role::stream_access`]), flow control and acks of its consumers.
+    pub fn jetstream_api(self) -> Vec<String> {
+        let mut subjects: Vec<String> = Vec::new();
+        for access in self.stream_access() {
+            for kind in access.uses {
+                for subject in stream_api(&access.stream, kind) {
+                    if !subjects.contains(&subject) {
+                        subjects.push(subject);
+                    }
+                }
+            }
+        }
+        subjects
+    }
+
     pub fn permissions(self) -> Permissions {
         // Every service answers requests and receives JetStream deliveries on inboxes.
         let mut publish = strings(&["_INBOX.>"]);
         let mut subscribe = strings(&["_INBOX.>"]);
-        let jetstream = ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>"];
         match self {
             Role::Gateway => {
-                publish.extend(strings(&jetstream));
                 publish.extend(strings(&[
                     "diffmesh.codec.pre",
                     "diffmesh.router.submit",
@@ -132,7 +423,6 @@ impl Role {
                 ]));
             }
             Role::Router => {
-                publish.extend(strings(&jetstream));
                 publish.extend(strings(&[
                     "diffmesh.denoiser.*.submit",
                     "diffmesh.denoiser.*.cancel",
@@ -148,7 +438,6 @@ impl Role {
                 ]));
             }
             Role::Denoiser => {
-                publish.extend(strings(&jetstream));
                 publish.extend(strings(&[
                     "diffmesh.denoiser.heartbeat",
                     "diffmesh.job.*.events",
@@ -172,12 +461,10 @@ impl Role {
                 ]));
             }
             Role::Codec => {
-                publish.extend(strings(&jetstream));
                 publish.extend([objects(BLOB_BUCKET), objects(TEMPLATE_BUCKET)]);
                 subscribe.extend(strings(&["diffmesh.codec.pre", "diffmesh.codec.post"]));
             }
             Role::Cachestore => {
-                publish.extend(strings(&jetstream));
                 publish.push(objects(CACHE_BUCKET));
                 subscribe.extend(strings(&[
                     "diffmesh.cachestore.>",
@@ -192,6 +479,8 @@ impl Role {
                 subscribe.extend(strings(&["diffmesh.controlnet.worker.>"]));
             }
         }
+        // The JetStream API, for the streams the role uses only.
+        publish.extend(self.jetstream_api());
         Permissions {
             publish,
             publish_deny: strings(&JETSTREAM_DENIED),
@@ -254,36 +543,5 @@ pub fn server_config(users: &[User]) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_denoisers_publish_heartbeats_and_only_the_router_hands_out_work() {
-        for role in Role::ALL {
-            let p = role.permissions();
-            let heartbeats = p.publish.iter().any(|s| s == "diffmesh.denoiser.heartbeat");
-            assert_eq!(heartbeats, role == Role::Denoiser, "{role:?}");
-            let work = p
-                .publish
-                .iter()
-                .any(|s| s.starts_with("diffmesh.denoiser.*"));
-            assert_eq!(work, role == Role::Router, "{role:?}");
-            assert!(
-                !p.publish.iter().any(|s| s == ">" || s == "diffmesh.>"),
-                "{role:?}"
-            );
-        }
-    }
-
-    #[test]
-    fn the_config_lists_every_user_with_its_permissions() {
-        let users = mesh_users().unwrap();
-        assert_eq!(users.len(), 7);
-        assert_eq!(users[1].password.len(), 32);
-        assert_ne!(users[1].password, users[2].password);
-        let conf = server_config(&users);
-        assert!(conf.contains("user: \"gateway\""), "{conf}");
-        assert!(conf.contains("\"diffmesh.queue.async.>\""), "{conf}");
-        assert_eq!(conf.matches("permissions").count(), 6, "the admin has none");
-    }
-}
+#[path = "auth_tests.rs"]
+mod tests;

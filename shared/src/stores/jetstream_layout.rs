@@ -1,10 +1,11 @@
 //! Every JetStream bucket and stream of the mesh, in one table.
 //!
 //! Services open what they use from these specs (get, or create with one replica when missing),
-//! and each service first runs [`ensure_all`] with the deployment's replica count
-//! (`JS_REPLICAS`): on a NATS cluster every bucket then exists with that many replicas whichever
-//! service starts first, and a bucket made earlier with fewer is scaled up. No second copy of
-//! the settings (a CLI script) can drift from the code.
+//! and each service first ensures the specs its role opens ([`context`], `Role::layout_specs`)
+//! with the deployment's replica count (`JS_REPLICAS`): on a NATS cluster every bucket then
+//! exists with that many replicas whichever of its users starts first, and a bucket made
+//! earlier with fewer is scaled up. No second copy of the settings (a CLI script) can drift
+//! from the code.
 //!
 //! Every stream is bounded in bytes too: the deployment gives one storage budget
 //! (`JS_MAX_BYTES`) and each spec takes its fixed share of it ([`Spec::max_bytes`]). When
@@ -19,6 +20,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, kv, stream};
 
 use crate::error::MeshError;
+use crate::nats::auth::Role;
 use crate::wire::cachestore::CACHE_BUCKET;
 use crate::wire::subjects::{
     BLOB_BUCKET, IDEMPOTENCY_BUCKET, JOB_BUCKET, LORA_BUCKET, TEMPLATES_CAPTURED, TEMPLATE_BUCKET,
@@ -398,15 +400,26 @@ pub async fn ensure(
 
 /// [`ensure`] every spec of the mesh (plus `extra`, e.g. a cachestore bucket under another
 /// name) under the storage budget `budget` (`JS_MAX_BYTES`; 0: no byte bounds); returns what
-/// was done to each, by stream name.
+/// was done to each, by stream name. (What an operator's tool does; a service ensures only
+/// its own, [`context`].)
 pub async fn ensure_all(
     js: &jetstream::Context,
     replicas: usize,
     budget: u64,
     extra: &[Spec],
 ) -> Result<Vec<(String, Ensured)>, MeshError> {
+    ensure_specs(js, ALL.iter().chain(extra), replicas, budget).await
+}
+
+/// [`ensure`] each of `specs` once (by stream name).
+async fn ensure_specs<'a>(
+    js: &jetstream::Context,
+    specs: impl Iterator<Item = &'a Spec>,
+    replicas: usize,
+    budget: u64,
+) -> Result<Vec<(String, Ensured)>, MeshError> {
     let mut done = Vec::new();
-    for spec in ALL.iter().chain(extra) {
+    for spec in specs {
         if done.iter().any(|(name, _)| *name == spec.stream_name()) {
             continue;
         }
@@ -419,18 +432,23 @@ pub async fn ensure_all(
     Ok(done)
 }
 
-/// The JetStream context of a service, after [`ensure_all`] with the configured replica count.
+/// The JetStream context of a service of `role`, after [`ensure`] of the specs that role
+/// opens ([`Role::layout_specs`], or `instead` when given: a cachestore bucket under another
+/// name) with the configured replica count. Each role manages only its own streams: its NATS
+/// user may create and update no other (`nats::auth`).
 pub async fn context(
     client: &async_nats::Client,
     config: &crate::CommonConfig,
-    extra: &[Spec],
+    role: Role,
+    instead: Option<&[Spec]>,
 ) -> Result<jetstream::Context, MeshError> {
     let js = jetstream::new(client.clone());
-    ensure_all(
+    let own = role.layout_specs();
+    ensure_specs(
         &js,
+        instead.unwrap_or(&own).iter(),
         usize::from(config.js_replicas),
         config.js_max_bytes,
-        extra,
     )
     .await?;
     Ok(js)
