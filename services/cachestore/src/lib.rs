@@ -2,6 +2,7 @@
 //! JetStream object store), served over NATS request/reply.
 //!
 //! Start it in-process with [`start`] (tests) or run it until a signal with [`run`] (the binary).
+pub mod cluster_lru;
 pub mod disk;
 pub mod memory;
 pub mod metrics;
@@ -43,6 +44,11 @@ pub struct CachestoreConfig {
     /// JetStream object store bucket of the cluster tier.
     #[arg(long, env = "CACHESTORE_BUCKET", default_value = CACHE_BUCKET)]
     pub bucket: String,
+    /// Bytes the cluster tier keeps: past them the least recently used template caches are
+    /// deleted from it (a later edit of such a template captures it again). 0: 90% of the
+    /// cache bucket's bound (its share of JS_MAX_BYTES); with no bound either, none.
+    #[arg(long, env = "CACHESTORE_CLUSTER_BYTES", default_value_t = 0)]
+    pub cluster_bytes: u64,
     /// Run without the cluster tier (memory and disk only; large values cannot be served).
     #[arg(long, env = "CACHESTORE_NO_CLUSTER_TIER", default_value_t = false)]
     pub no_cluster_tier: bool,
@@ -69,10 +75,24 @@ impl CachestoreConfig {
             disk_bytes: 64 << 20,
             inline_limit: DEFAULT_INLINE_LIMIT,
             bucket: CACHE_BUCKET.to_string(),
+            cluster_bytes: 0,
             no_cluster_tier: false,
             max_in_flight: 16,
             prefetch_concurrency: 2,
             transfer_bytes: 256 << 20,
+        }
+    }
+}
+
+impl CachestoreConfig {
+    /// The cluster tier's budget: `--cluster-bytes`, else 90% of the bucket's bound.
+    pub fn cluster_budget(&self) -> u64 {
+        if self.cluster_bytes > 0 {
+            return self.cluster_bytes;
+        }
+        match u64::try_from(jetstream_layout::CACHES.max_bytes(self.common.js_max_bytes)) {
+            Ok(bound) => bound / 10 * 9,
+            Err(_) => 0, // -1: the bucket has no bound
         }
     }
 }
@@ -137,16 +157,20 @@ pub async fn start(config: CachestoreConfig) -> Result<CachestoreHandle, Cachest
             diffmesh_shared::nats::auth::Role::Cachestore,
             Some(std::slice::from_ref(&bucket)),
         )
-            .await?;
+        .await?;
         Some(BlobStore::open_with(&js, &bucket).await?)
     };
-    let store = Arc::new(store::TieredStore::new(
-        config.memory_bytes,
-        config.disk_dir.clone(),
-        config.disk_bytes,
-        cluster,
-        metrics,
-    )?);
+    let store = Arc::new(
+        store::TieredStore::new(
+            config.memory_bytes,
+            config.disk_dir.clone(),
+            config.disk_bytes,
+            cluster,
+            metrics,
+        )?
+        .with_cluster_budget(config.cluster_budget())
+        .await,
+    );
     let handler = Arc::new(Handler {
         client: client.clone(),
         store: store.clone(),

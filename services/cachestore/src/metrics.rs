@@ -19,6 +19,8 @@ pub struct CacheMetrics {
     range_bytes: IntCounter,
     /// Requests that failed, by reason.
     pub failures: IntCounterVec,
+    /// Caches deleted from the cluster tier to keep it within `--cluster-bytes`.
+    pub cluster_evictions: IntCounter,
 }
 
 impl CacheMetrics {
@@ -89,6 +91,12 @@ impl CacheMetrics {
             served.with_label_values(&[path]);
         }
         registry.register(Box::new(failures.clone()))?;
+        let cluster_evictions = IntCounter::new(
+            "diffmesh_cachestore_cluster_evictions_total",
+            "Template caches deleted from the cluster tier, least recently used first, to keep \
+             it within --cluster-bytes",
+        )?;
+        registry.register(Box::new(cluster_evictions.clone()))?;
         // Every tier's series exist at 0 from the start: the hit rate and size panels (and
         // `rate()`) see a tier before its first get.
         for tier in [CacheTier::Memory, CacheTier::Disk, CacheTier::Cluster] {
@@ -132,6 +140,7 @@ impl CacheMetrics {
             served,
             range_bytes,
             failures,
+            cluster_evictions,
         })
     }
 

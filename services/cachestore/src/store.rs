@@ -1,7 +1,9 @@
 //! The tiered store: memory (moka, bytes-weighed) -> local disk -> JetStream object store.
 //!
 //! Reads fall through the tiers and promote hits into memory; writes go to memory and through to
-//! the cluster tier (so other nodes find them); memory evictions spill to disk.
+//! the cluster tier (so other nodes find them); memory evictions spill to disk. The cluster
+//! tier keeps to its own budget by deleting the least recently used caches (`cluster_lru`).
+use crate::cluster_lru::{group_of, ClusterLru};
 use crate::disk::DiskTier;
 use crate::memory::MemoryTier;
 use crate::metrics::CacheMetrics;
@@ -89,6 +91,8 @@ pub struct TieredStore {
     disk: Arc<DiskTier>,
     disk_dir: PathBuf,
     cluster: Option<BlobStore>,
+    /// Use order and sizes of the cluster tier's caches (no budget until `with_cluster_budget`).
+    lru: ClusterLru,
     metrics: CacheMetrics,
 }
 
@@ -113,8 +117,42 @@ impl TieredStore {
             disk,
             disk_dir,
             cluster,
+            lru: ClusterLru::new(0),
             metrics,
         })
+    }
+
+    /// Keep the cluster tier within `bytes` (0: only the bucket's own bound) by deleting the
+    /// least recently used caches; seed their order from what the bucket holds now.
+    pub async fn with_cluster_budget(mut self, bytes: u64) -> Self {
+        self.lru = ClusterLru::new(bytes);
+        if let Some(cluster) = &self.cluster {
+            match cluster.list().await {
+                Ok(objects) => self.lru.seed(objects),
+                Err(err) => tracing::warn!(
+                    error = %err,
+                    "could not list the cluster tier; its caches count from their next write"
+                ),
+            }
+        }
+        self
+    }
+
+    /// Record a write to the cluster tier and delete the caches the budget no longer has room
+    /// for. A delete that fails is logged: the bucket's own bound still holds.
+    async fn stored_in_cluster(&self, cluster: &BlobStore, key: &str, size: u64) {
+        let victims = self.lru.stored(key, size);
+        let mut caches = std::collections::HashSet::new();
+        for victim in &victims {
+            caches.insert(group_of(victim).to_string());
+            if let Err(err) = cluster.delete(victim).await {
+                tracing::warn!(key = %victim, error = %err, "could not evict from the cluster tier");
+            }
+        }
+        if !caches.is_empty() {
+            tracing::info!(caches = ?caches, keys = victims.len(), "least recently used caches evicted from the cluster tier");
+            self.metrics.cluster_evictions.inc_by(caches.len() as u64);
+        }
     }
 
     fn disk_err(&self, source: std::io::Error) -> StoreError {
@@ -127,6 +165,7 @@ impl TieredStore {
     /// Find a value in the fastest tier holding it.
     pub async fn get(&self, key: &str) -> Result<Option<(CacheTier, Bytes)>, StoreError> {
         validate_key(key)?;
+        self.lru.touch(key);
         if let Some(v) = self.memory.get(key) {
             self.metrics.hit(CacheTier::Memory, v.len());
             return Ok(Some((CacheTier::Memory, v)));
@@ -203,6 +242,7 @@ impl TieredStore {
     /// Counted in `prefetches_total{outcome}`, not as a get's hit or miss.
     pub async fn promote(&self, key: &str) -> Result<Promotion, StoreError> {
         validate_key(key)?;
+        self.lru.touch(key);
         let outcome = self.promote_inner(key).await?;
         self.metrics.prefetched(outcome.as_str());
         Ok(outcome)
@@ -235,8 +275,11 @@ impl TieredStore {
         let size = value.len() as u64;
         // An older copy on disk would be served after this one is evicted from memory.
         self.disk.delete(key).map_err(|e| self.disk_err(e))?;
-        if let (Some(cluster), false) = (&self.cluster, in_cluster) {
-            cluster.put(key, &value).await?;
+        if let Some(cluster) = &self.cluster {
+            if !in_cluster {
+                cluster.put(key, &value).await?;
+            }
+            self.stored_in_cluster(cluster, key, size).await;
         }
         self.memory.put(key, value);
         self.metrics.puts.inc();
@@ -268,6 +311,7 @@ impl TieredStore {
                 Err(MeshError::BlobNotFound { .. })
             );
             cluster.delete(key).await?;
+            self.lru.forget(key);
         }
         Ok(in_memory || on_disk || in_cluster)
     }
@@ -296,7 +340,12 @@ impl TieredStore {
                 key: key.to_string(),
             })?;
         match cluster.get_limited(key, 0).await {
-            Err(MeshError::BlobNotFound { .. }) => Ok(cluster.put(key, value).await?),
+            Err(MeshError::BlobNotFound { .. }) => {
+                cluster.put(key, value).await?;
+                self.stored_in_cluster(cluster, key, value.len() as u64)
+                    .await;
+                Ok(())
+            }
             _ => Ok(()),
         }
     }
@@ -328,11 +377,9 @@ impl TieredStore {
                 self.memory.bytes(),
             ),
             disk: tier(CacheTier::Disk, self.disk.entries(), self.disk.bytes()),
-            cluster: TierStats {
-                entries: 0,
-                bytes: 0,
-                hits: self.metrics.hits_of(CacheTier::Cluster),
-                misses: self.metrics.misses_of(CacheTier::Cluster),
+            cluster: {
+                let (_, keys, bytes) = self.lru.size();
+                tier(CacheTier::Cluster, keys, bytes)
             },
         }
     }

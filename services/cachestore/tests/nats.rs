@@ -146,3 +146,81 @@ async fn tiers_over_nats() {
     assert_eq!(get(&c, "tpl/a/0").await, CacheGetReply::Missing);
     store2.shutdown().await.unwrap();
 }
+
+async fn put_inline(c: &async_nats::Client, key: &str, len: usize) {
+    let put: CachePutReply = request_msgpack(
+        c,
+        &put_subject(),
+        &CachePut {
+            key: key.into(),
+            value: Some(vec![1; len]),
+        },
+        T,
+    )
+    .await
+    .unwrap();
+    assert_eq!(put, CachePutReply::Stored { size: len as u64 });
+}
+
+/// The cluster tier keeps to `--cluster-bytes`: a write past it deletes the least recently
+/// used cache (every key of it) from the object store, never the one being written; a fresh
+/// instance orders what the bucket holds by write time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_tier_drops_its_least_recently_used_caches() {
+    let nats = NatsServer::start();
+    let disk = tempfile::tempdir().unwrap();
+    let mut config = CachestoreConfig::for_tests(nats.url(), disk.path().to_path_buf());
+    config.cluster_bytes = 3000;
+    let store = start(config.clone()).await.unwrap();
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(c.clone());
+    let bucket = BlobStore::open_with(&js, &CACHES).await.unwrap();
+    let in_cluster = |key: &'static str| {
+        let bucket = bucket.clone();
+        async move { bucket.get_limited(key, 1 << 20).await.is_ok() }
+    };
+
+    for cache in ["tpl-a", "tpl-b"] {
+        put_inline(&c, &format!("{cache}/s0"), 1000).await;
+        put_inline(&c, &format!("{cache}/meta"), 10).await;
+    }
+    // a is read (from memory): b is now the least recently used.
+    assert!(matches!(
+        get(&c, "tpl-a/s0").await,
+        CacheGetReply::Inline { .. }
+    ));
+    put_inline(&c, "tpl-c/s0", 1000).await;
+    assert!(!in_cluster("tpl-b/s0").await && !in_cluster("tpl-b/meta").await);
+    for key in ["tpl-a/s0", "tpl-a/meta", "tpl-c/s0"] {
+        assert!(in_cluster(key).await, "{key}");
+    }
+    let stats: CacheStatsReply = request_msgpack(&c, &stats_subject(), &(), T).await.unwrap();
+    assert_eq!((stats.cluster.entries, stats.cluster.bytes), (3, 2010));
+    let metrics = metrics_text(store.health_addr).await;
+    assert!(
+        metrics.contains("diffmesh_cachestore_cluster_evictions_total 1"),
+        "{metrics}"
+    );
+    store.shutdown().await.unwrap();
+
+    // A fresh instance saw no reads: a (written first) is the oldest now.
+    let disk2 = tempfile::tempdir().unwrap();
+    config.disk_dir = disk2.path().to_path_buf();
+    let store2 = start(config).await.unwrap();
+    put_inline(&c, "tpl-d/s0", 1000).await;
+    assert!(!in_cluster("tpl-a/s0").await && !in_cluster("tpl-a/meta").await);
+    assert!(in_cluster("tpl-c/s0").await && in_cluster("tpl-d/s0").await);
+    store2.shutdown().await.unwrap();
+}
+
+/// `/metrics` of the health server, read with a bare HTTP/1.0 request.
+async fn metrics_text(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.unwrap();
+    body
+}

@@ -572,6 +572,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
                 .capture_warmups(captures, background.clone()),
         ),
         tokio::spawn(service.clone().heartbeats(background.clone())),
+        tokio::spawn(service.clone().recaptures(background.clone())),
         tokio::spawn(
             service
                 .outcomes

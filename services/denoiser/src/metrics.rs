@@ -62,6 +62,9 @@ pub struct DenoiserMetrics {
     pub template_fetch_seconds: Histogram,
     /// Capture broadcasts of other denoisers, by what this one did with them.
     pub capture_warmups: IntCounterVec,
+    /// Templates whose cache an edit found gone from every tier, captured again here, by
+    /// outcome (`service::recapture::Outcome`).
+    pub recaptures: IntCounterVec,
     pub template_pixels_lookups: IntCounterVec,
     /// Capture passes (template registration), whole pass.
     pub capture_seconds: Histogram,
@@ -192,6 +195,17 @@ impl DenoiserMetrics {
                 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
             ]),
         )?;
+        let recaptures = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_template_recaptures_total",
+                "Templates whose cache an edit found gone from every tier (evicted from the \
+                 cluster tier), captured again by this denoiser, by outcome",
+            ),
+            &["outcome"],
+        )?;
+        for outcome in crate::service::recapture::Outcome::ALL {
+            recaptures.with_label_values(&[outcome.as_str()]);
+        }
         let capture_warmups = IntCounterVec::new(
             Opts::new(
                 "diffmesh_denoiser_capture_warmups_total",
@@ -264,6 +278,7 @@ impl DenoiserMetrics {
         registry.register(Box::new(local_cache_lookups.clone()))?;
         registry.register(Box::new(local_cache_bytes.clone()))?;
         registry.register(Box::new(capture_warmups.clone()))?;
+        registry.register(Box::new(recaptures.clone()))?;
         registry.register(Box::new(template_fetch_seconds.clone()))?;
         registry.register(Box::new(template_pixels_lookups.clone()))?;
         registry.register(Box::new(capture_seconds.clone()))?;
@@ -298,6 +313,7 @@ impl DenoiserMetrics {
             local_cache_bytes,
             template_fetch_seconds,
             capture_warmups,
+            recaptures,
             template_pixels_lookups,
             capture_seconds,
             engine_busy_seconds,

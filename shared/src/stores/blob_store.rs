@@ -434,6 +434,27 @@ impl BlobStore {
         Ok(buf)
     }
 
+    /// Every object in the bucket as `(key, size, written at in ns since the epoch)`: what an
+    /// owner of the bucket's lifetimes (the cachestore's LRU) learns at start.
+    pub async fn list(&self) -> Result<Vec<(String, u64, i128)>, String> {
+        use futures::StreamExt;
+        let mut listing = self
+            .store
+            .list()
+            .await
+            .map_err(|e| format!("listing bucket {}: {e}", self.bucket))?;
+        let mut out = Vec::new();
+        while let Some(info) = listing.next().await {
+            let info = info.map_err(|e| format!("listing bucket {}: {e}", self.bucket))?;
+            if info.deleted {
+                continue;
+            }
+            let written = info.modified.map_or(0, |t| t.unix_timestamp_nanos());
+            out.push((info.name, info.size as u64, written));
+        }
+        Ok(out)
+    }
+
     /// Remove the object under `key`; removing a missing key is not an error.
     pub async fn delete(&self, key: &str) -> Result<(), MeshError> {
         let settled = |e: &object_store::DeleteError| {

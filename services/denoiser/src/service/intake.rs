@@ -54,6 +54,7 @@ impl Service {
         }
         let guard = SlotGuard(slot.clone());
         let (fetcher, local) = (self.templates.fetcher.clone(), self.templates.local.clone());
+        let (recaptures, edit) = (self.recaptures.clone(), job.clone());
         tokio::spawn(
             async move {
                 let (fetched, joined) = fetcher.fetch(&key).await;
@@ -65,8 +66,11 @@ impl Service {
                         Some(entry)
                     }
                     Fetched::Missing => {
-                        tracing::warn!(%key, "template cache not in the cachestore; full compute");
+                        tracing::warn!(%key, "template cache in no tier; full compute, and the template is captured again");
                         metrics.local_cache_lookups.with_label_values(&["unavailable"]).inc();
+                        if !recaptures.request(&edit) {
+                            metrics.recaptures.with_label_values(&["busy"]).inc();
+                        }
                         None
                     }
                     Fetched::Failed(err) => {

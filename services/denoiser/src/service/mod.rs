@@ -3,6 +3,7 @@
 //! to the codec for compositing and PNG encoding ([`results`]). The engine actor does the work.
 mod heartbeats;
 mod intake;
+pub mod recapture;
 mod results;
 
 use crate::cached_step::{format_name, CacheSettings, TemplateSlot};
@@ -22,7 +23,7 @@ use diffmesh_shared::wire::subjects;
 use diffmesh_shared::wire::templates::{cache_key, CacheKeyParts};
 use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Largest prepared input the denoiser reads from the object store (bytes).
@@ -54,6 +55,8 @@ pub struct Service {
     /// Whether the engine keeps failing jobs (then it takes no work for a while).
     pub sickness: Sickness,
     pub device_memory: crate::device_memory::MemorySource,
+    /// Templates whose cache an edit found in no tier, to capture again (`recapture`).
+    pub recaptures: Arc<recapture::Recaptures>,
 }
 
 /// What a [`Service`] is built from (`lib::start` builds each).
@@ -133,6 +136,7 @@ impl Service {
             prompt_stage,
             sickness,
             device_memory,
+            recaptures: Arc::default(),
         }
     }
 
@@ -174,6 +178,10 @@ impl Service {
     }
 
     async fn publish_event(&self, job_id: &str, event: &JobEvent) {
+        if recapture::is_recapture(job_id) {
+            // Internal: no client, record or router waits for its events.
+            return;
+        }
         self.outcomes.note(job_id, event);
         if let Err(err) = publish_msgpack(
             &self.client,

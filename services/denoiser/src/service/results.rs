@@ -293,6 +293,11 @@ impl Service {
     /// Submit `job` to the router again; `why` this denoiser gives it up goes into the
     /// failure should the router not take it.
     async fn hand_back_one(&self, job: DenoiseJob, why: &str) {
+        if super::recapture::is_recapture(&job.job_id) {
+            // Internal: the template's next edit asks for it again wherever it runs.
+            tracing::info!(job_id = %job.job_id, why, "re-capture dropped");
+            return;
+        }
         let timeout = self.config.handback_timeout;
         let job_id = job.job_id.clone();
         let reply = request_msgpack_job::<_, SubmitReply>(
