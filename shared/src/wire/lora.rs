@@ -252,8 +252,10 @@ impl LoraFile {
             .and_then(|p| p.try_into().ok())
             .ok_or_else(|| not("shorter than its 8-byte header length".into()))?;
         let n = Self::header_len(&prefix, usize::MAX)?;
-        let json = head
-            .get(8..8 + n)
+        // A length near u64::MAX (found by fuzz/lora_safetensors) must not overflow.
+        let json = 8usize
+            .checked_add(n)
+            .and_then(|end| head.get(8..end))
             .ok_or_else(|| not(format!("the header claims {n} bytes; the file ends first")))?;
         let meta: safetensors::tensor::Metadata =
             serde_json::from_slice(json).map_err(|e| not(format!("invalid header: {e}")))?;
@@ -610,6 +612,9 @@ mod tests {
         }
         let cut = LoraFile::parse_header(&head[..8 + n / 2], bytes.len() as u64, &mut unread);
         assert_eq!(cut.unwrap_err().key, "file");
+        // A header length of u64::MAX (a fuzzer's find: it overflowed).
+        let huge = LoraFile::parse_header(&[255; 136], 136, &mut unread).unwrap_err();
+        assert!(huge.message.contains("ends first"), "{huge}");
         let e = LoraFile::header_len(bytes[..8].try_into().unwrap(), n - 1).unwrap_err();
         assert!(e.message.contains("above the limit"), "{e}");
     }
