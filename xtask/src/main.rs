@@ -58,8 +58,9 @@ enum Cmd {
     /// pipeline returns it (see `diffmesh-pipeline generate --help`).
     Generate(PassThrough),
     /// Benchmarks: `bench model` (see `diffmesh-bench --help`), `bench engine` (see
-    /// `diffmesh-engine-bench --help`), `bench lora` (see `diffmesh-lora-bench --help`) and
-    /// `bench controlnet` (see `diffmesh-controlnet-bench --help`).
+    /// `diffmesh-engine-bench --help`), `bench lora` (see `diffmesh-lora-bench --help`),
+    /// `bench controlnet` (see `diffmesh-controlnet-bench --help`) and `bench collectives`
+    /// (see `diffmesh-collectives-bench --help`).
     Bench(PassThrough),
     /// Train the tiny default model (see `diffmesh-train-tiny --help`).
     TrainTiny(PassThrough),
@@ -146,6 +147,10 @@ fn main() -> anyhow::Result<()> {
                 "diffmesh-controlnet-service-bench",
                 rest,
             ),
+            // GF-DiT's group-free collectives on CPU ranks (parallel/).
+            Some((part, rest)) if part == "collectives" => {
+                release_bin(&tc, "diffmesh-parallel", "diffmesh-collectives-bench", rest)
+            }
             Some((part, rest)) if part == "controlnet" => {
                 release_bin(&tc, "diffmesh-model", "diffmesh-controlnet-bench", rest)
             }
