@@ -14,6 +14,7 @@ pub mod kv_codec;
 pub mod layers;
 pub mod masked;
 pub mod padded_attention;
+pub mod sequence_parallel;
 
 use crate::error::{ModelError, Result};
 use blocks::{attention, DoubleBlock, SingleBlock};
