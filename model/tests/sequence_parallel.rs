@@ -1,9 +1,10 @@
-//! The sequence-parallel (Ulysses) Flux forward on 2 and 4 CPU ranks equals the single-rank
-//! forward (fp32, random weights, 4 heads): with the image tokens dividing among the ranks
-//! and with an odd count (the last shards padded and masked); heads that do not divide are
-//! refused naming `ranks`.
+//! The sequence-parallel Flux forward on 2 and 4 CPU ranks equals the single-rank forward
+//! (fp32, random weights), with the image tokens dividing among the ranks and with an odd
+//! count (the last shards padded): Ulysses with 4 heads; ring attention with 4 heads and with
+//! 3 (which do not divide). Ulysses on heads that do not divide is refused naming `ranks`.
 use std::sync::Mutex;
 
+use diffmesh_model::flux::sequence_parallel::SequenceParallel;
 use diffmesh_model::flux::{FluxConfig, FluxInputs, FluxTransformer};
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 use diffmesh_parallel::{Group, RankConfig, Ranks};
@@ -12,7 +13,7 @@ use diffmesh_parallel::{Group, RankConfig, Ranks};
 /// holds the same weights as the reference.
 static TURN: Mutex<()> = Mutex::new(());
 
-fn model() -> (FluxTransformer, nn::VarStore) {
+fn model(heads: i64) -> (FluxTransformer, nn::VarStore) {
     let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
     tch::manual_seed(5);
     let cfg = FluxConfig {
@@ -21,7 +22,7 @@ fn model() -> (FluxTransformer, nn::VarStore) {
         num_layers: 2,
         num_single_layers: 2,
         attention_head_dim: 8,
-        num_attention_heads: 4,
+        num_attention_heads: heads,
         joint_attention_dim: 24,
         pooled_projection_dim: 12,
         guidance_embeds: true,
@@ -93,21 +94,26 @@ impl Case {
     }
 }
 
-fn single_rank(case: &Case) -> Vec<f32> {
-    let (model, _vs) = model();
+fn single_rank(case: &Case, heads: i64) -> Vec<f32> {
+    let (model, _vs) = model(heads);
     let out = tch::no_grad(|| model.forward(&case.inputs())).unwrap();
     Vec::<f32>::try_from(&out.view([-1])).unwrap()
 }
 
-/// Each rank's whole output of the Ulysses forward over `ranks` ranks.
-fn ulysses(case: &Case, ranks: usize) -> Vec<Result<Vec<f32>, String>> {
+/// Each rank's whole output of the forward split `how` over `ranks` ranks.
+fn split(
+    case: &Case,
+    heads: i64,
+    ranks: usize,
+    how: SequenceParallel,
+) -> Vec<Result<Vec<f32>, String>> {
     let world = Ranks::start(RankConfig::new(ranks)).unwrap();
     let case = case.clone();
     world
         .on_all(move |ep| {
-            let (model, _vs) = model();
+            let (model, _vs) = model(heads);
             let group = Group::new(1, &(0..ranks).collect::<Vec<_>>(), ep.rank(), ranks).unwrap();
-            tch::no_grad(|| model.forward_ulysses(&case.inputs(), ep, &group))
+            tch::no_grad(|| model.forward_sequence_parallel(&case.inputs(), ep, &group, how))
                 .map(|out| Vec::<f32>::try_from(&out.view([-1])).unwrap())
                 .map_err(|e| e.to_string())
         })
@@ -125,34 +131,105 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[test]
-fn ulysses_on_2_and_4_ranks_equals_one_rank() {
+fn split_over_2_and_4_ranks_equals_one_rank() {
+    use SequenceParallel::{Ring, Ulysses};
     // 16 image tokens (divide by 2 and 4) and 15 (odd: shards padded), 5 text tokens.
     for (n_h, n_w) in [(4, 4), (3, 5)] {
         let case = Case::new(n_h, n_w, 5);
-        let reference = single_rank(&case);
-        assert!(
-            reference.iter().any(|v| v.abs() > 1e-3),
-            "a trivial output proves nothing"
-        );
-        for ranks in [2, 4] {
-            for (rank, out) in ulysses(&case, ranks).into_iter().enumerate() {
-                let out = out.unwrap_or_else(|e| panic!("{ranks} ranks, rank {rank}: {e}"));
-                let diff = max_diff(&out, &reference);
-                eprintln!("{n_h}x{n_w} tokens, {ranks} ranks, rank {rank}: max |diff| {diff:e}");
-                assert!(
-                    diff <= 1e-4,
-                    "{n_h}x{n_w} tokens on {ranks} ranks, rank {rank}: max |diff| {diff}"
-                );
+        for (heads, how) in [(4, Ulysses), (4, Ring), (3, Ring)] {
+            let reference = single_rank(&case, heads);
+            assert!(
+                reference.iter().any(|v| v.abs() > 1e-3),
+                "a trivial output proves nothing"
+            );
+            for ranks in [2, 4] {
+                for (rank, out) in split(&case, heads, ranks, how).into_iter().enumerate() {
+                    let out =
+                        out.unwrap_or_else(|e| panic!("{how:?} {ranks} ranks, rank {rank}: {e}"));
+                    let diff = max_diff(&out, &reference);
+                    eprintln!(
+                        "{how:?}, {heads} heads, {n_h}x{n_w} tokens, {ranks} ranks, rank {rank}: \
+                         max |diff| {diff:e}"
+                    );
+                    assert!(
+                        diff <= 1e-4,
+                        "{how:?} {n_h}x{n_w} tokens on {ranks} ranks, rank {rank}: max |diff| {diff}"
+                    );
+                }
             }
         }
     }
 }
 
 #[test]
-fn heads_that_do_not_divide_are_refused() {
+fn ulysses_refuses_heads_that_do_not_divide() {
     let case = Case::new(2, 3, 3);
-    for out in ulysses(&case, 3) {
+    for out in split(&case, 4, 3, SequenceParallel::Ulysses) {
         let err = out.unwrap_err();
         assert!(err.contains("ranks") && err.contains("4 heads"), "{err}");
     }
+}
+
+/// `cargo xtask forward --ranks R --sp ...`'s code path on the shipped tiny model (3 heads):
+/// the same inputs file and output as the plain forward, within 1e-4, ring attention on 2 and
+/// 4 ranks and Ulysses on 3, with 15 image tokens.
+#[test]
+fn the_forward_tool_splits_the_tiny_model() {
+    use diffmesh_model::flux::cli_forward_transformer;
+    use diffmesh_model::flux::sequence_parallel::cli_forward_transformer_split;
+    let model_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights/tiny");
+    let dir = tempfile::tempdir().unwrap();
+    let inputs = dir.path().join("inputs.safetensors");
+    {
+        let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+        tch::manual_seed(23);
+        let opts = (Kind::Float, Device::Cpu);
+        let (n_h, n_w, t) = (3i64, 5i64, 7i64);
+        let rows = Tensor::arange(n_h, opts)
+            .view([n_h, 1])
+            .expand([n_h, n_w], false);
+        let cols = Tensor::arange(n_w, opts)
+            .view([1, n_w])
+            .expand([n_h, n_w], false);
+        let img_ids =
+            Tensor::stack(&[Tensor::zeros([n_h, n_w], opts), rows, cols], -1).view([n_h * n_w, 3]);
+        Tensor::write_safetensors(
+            &[
+                ("hidden_states", Tensor::randn([1, n_h * n_w, 48], opts)),
+                ("encoder_hidden_states", Tensor::randn([1, t, 128], opts)),
+                ("pooled_projections", Tensor::randn([1, 128], opts)),
+                ("timestep", Tensor::from_slice(&[0.4f32])),
+                ("img_ids", img_ids),
+                ("txt_ids", Tensor::zeros([t, 3], opts)),
+            ],
+            &inputs,
+        )
+        .unwrap();
+    }
+    let read = |path: &std::path::Path| {
+        let (_, sample) = Tensor::read_safetensors(path).unwrap().remove(0);
+        Vec::<f32>::try_from(&sample.view([-1])).unwrap()
+    };
+    let plain = dir.path().join("plain.safetensors");
+    cli_forward_transformer(&model_dir, &inputs, &plain).unwrap();
+    let reference = read(&plain);
+    for (ranks, how) in [
+        (2, SequenceParallel::Ring),
+        (4, SequenceParallel::Ring),
+        (3, SequenceParallel::Ulysses),
+    ] {
+        let out = dir.path().join(format!("{ranks}-{how:?}.safetensors"));
+        cli_forward_transformer_split(&model_dir, &inputs, &out, ranks, how).unwrap();
+        let diff = max_diff(&read(&out), &reference);
+        eprintln!("tiny model, {how:?} on {ranks} ranks: max |diff| {diff:e}");
+        assert!(diff <= 1e-4, "{how:?} on {ranks} ranks: {diff}");
+    }
+    let err =
+        cli_forward_transformer_split(&model_dir, &inputs, &plain, 2, SequenceParallel::Ulysses)
+            .unwrap_err()
+            .to_string();
+    assert!(
+        err.contains("3 heads") && err.contains("ring attention does not"),
+        "{err}"
+    );
 }

@@ -30,6 +30,17 @@ pub trait Collectives {
     fn send(&mut self, group: &Group, to: usize, data: &[f32]) -> Result<(), Error>;
     /// Receive `out.len()` floats from the member at position `from`.
     fn recv(&mut self, group: &Group, from: usize, out: &mut [f32]) -> Result<(), Error>;
+    /// Send `data` to the member at position `to` while receiving `out.len()` floats from
+    /// the one at `from`, chunk by chunk (a ring's step: every member shifts at once, and
+    /// none waits on a send the other end has not begun to take).
+    fn shift(
+        &mut self,
+        group: &Group,
+        to: usize,
+        from: usize,
+        data: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), Error>;
     /// Return once every member has entered it.
     fn barrier(&mut self, group: &Group) -> Result<(), Error>;
 }
@@ -203,6 +214,32 @@ impl Collectives for Endpoint {
             let (a, b) = chunk_range(c, len, n);
             let dst = &mut out[a..b];
             self.take_from(group.id, peer, |data| land(group, dst, data))?;
+        }
+        Ok(())
+    }
+
+    fn shift(
+        &mut self,
+        group: &Group,
+        to: usize,
+        from: usize,
+        data: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), Error> {
+        let (next, prev) = (member(group, to)?, member(group, from)?);
+        self.check_members(group.id, &[next, prev])?;
+        let len = self.chunk_for(group.size());
+        let (sent, taken) = (data.len(), out.len());
+        for c in 0..sent.max(taken).div_ceil(len) {
+            if c * len < sent {
+                let (a, b) = chunk_range(c, len, sent);
+                self.post(group.id, &[next], &data[a..b])?;
+            }
+            if c * len < taken {
+                let (a, b) = chunk_range(c, len, taken);
+                let dst = &mut out[a..b];
+                self.take_from(group.id, prev, |d| land(group, dst, d))?;
+            }
         }
         Ok(())
     }

@@ -89,6 +89,13 @@ fn round(ranks: &Ranks, id: u64, members: Vec<usize>, round_no: usize, n: usize)
                     }
                     assert_eq!(part, data(members[before], round_no, n), "send/recv");
                 }
+                if k > 1 {
+                    // A ring step: everyone shifts to the next at once.
+                    let (next, before) = ((pos + 1) % k, (pos + k - 1) % k);
+                    let mut got = vec![0.0; n + 3];
+                    ep.shift(&g, next, before, &data(me, round_no + 1, n + 3), &mut got)?;
+                    assert_eq!(got, data(members[before], round_no + 1, n + 3), "shift");
+                }
                 ep.barrier(&g)
             })
         })

@@ -18,12 +18,31 @@ struct Args {
     /// Where to write the output tensors.
     #[arg(long)]
     out: PathBuf,
+    /// Split the transformer's forward over this many CPU ranks (threads; GF-DiT's sequence
+    /// parallelism); 1: the plain forward.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// How attention is split over the ranks: `ulysses` (heads must divide) or `ring`.
+    #[arg(long, default_value = "ulysses")]
+    sp: diffmesh_model::flux::sequence_parallel::SequenceParallel,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.ranks > 1 && args.component != "transformer" {
+        anyhow::bail!("--ranks splits the transformer only");
+    }
     match args.component.as_str() {
         // Flux transformer: inputs are the FluxInputs fields, output `sample`.
+        "transformer" if args.ranks > 1 => {
+            diffmesh_model::flux::sequence_parallel::cli_forward_transformer_split(
+                &args.model_dir,
+                &args.inputs,
+                &args.out,
+                args.ranks,
+                args.sp,
+            )?
+        }
         "transformer" => {
             diffmesh_model::flux::cli_forward_transformer(&args.model_dir, &args.inputs, &args.out)?
         }

@@ -7,6 +7,7 @@
 pub mod blocks;
 pub mod config;
 pub mod controlnet;
+pub mod elastic;
 pub mod embeddings;
 pub mod gather;
 pub mod kv;
@@ -367,12 +368,24 @@ pub(crate) fn ids_2d(field: &str, ids: &Tensor, len: i64, axes: i64) -> Result<T
 /// (`guidance` optional) from `inputs`, writes `sample` (fp32 CPU forward) to `out`. `model_dir`
 /// is a `transformer/` folder or a model directory containing one.
 pub fn cli_forward_transformer(model_dir: &Path, inputs: &Path, out: &Path) -> Result<()> {
-    let dir = if model_dir.join("transformer").join("config.json").is_file() {
+    let (model, _vs) = FluxTransformer::load(&component_dir(model_dir), Device::Cpu, Kind::Float)?;
+    let x = cli_inputs(inputs)?;
+    let sample = tch::no_grad(|| model.forward(&x))?;
+    Tensor::write_safetensors(&[("sample", sample.f_contiguous()?)], out)?;
+    Ok(())
+}
+
+/// The transformer's folder: `model_dir/transformer` when there is one, else `model_dir`.
+pub(crate) fn component_dir(model_dir: &Path) -> std::path::PathBuf {
+    if model_dir.join("transformer").join("config.json").is_file() {
         model_dir.join("transformer")
     } else {
         model_dir.into()
-    };
-    let (model, _vs) = FluxTransformer::load(&dir, Device::Cpu, Kind::Float)?;
+    }
+}
+
+/// [`FluxInputs`] from a safetensors file holding the forward's argument names.
+pub(crate) fn cli_inputs(inputs: &Path) -> Result<FluxInputs> {
     let mut named: std::collections::HashMap<String, Tensor> =
         Tensor::read_safetensors(inputs)?.into_iter().collect();
     let mut take = |name: &str| {
@@ -380,7 +393,7 @@ pub fn cli_forward_transformer(model_dir: &Path, inputs: &Path, out: &Path) -> R
             ModelError::input(name, format!("no tensor `{name}` in {}", inputs.display()))
         })
     };
-    let x = FluxInputs {
+    Ok(FluxInputs {
         hidden_states: take("hidden_states")?,
         encoder_hidden_states: take("encoder_hidden_states")?,
         pooled_projections: take("pooled_projections")?,
@@ -388,8 +401,5 @@ pub fn cli_forward_transformer(model_dir: &Path, inputs: &Path, out: &Path) -> R
         img_ids: take("img_ids")?,
         txt_ids: take("txt_ids")?,
         guidance: take("guidance").ok(),
-    };
-    let sample = tch::no_grad(|| model.forward(&x))?;
-    Tensor::write_safetensors(&[("sample", sample.f_contiguous()?)], out)?;
-    Ok(())
+    })
 }

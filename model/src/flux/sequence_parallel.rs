@@ -12,24 +12,109 @@
 //! masked out. At the end every rank all-gathers the velocity, so each returns the whole
 //! `[B, N, out]`, equal to the single-rank forward up to float rounding.
 //!
-//! Needs the heads to divide among the ranks (Flux's 24 over 2, 3, 4, 6, 8); ring attention
-//! for the rest is still to come.
+//! Ulysses needs the heads to divide among the ranks (Flux's 24 over 2, 3, 4, 6, 8). Ring
+//! attention ([`SequenceParallel::Ring`]) does not: each rank keeps all heads of its queries
+//! and the image keys and values travel around the ring, one shard a step ([`Collectives::shift`]),
+//! each folded into the rank's running softmax (the text's keys, the same on every rank, are
+//! folded in once, locally); every rank then holds its own tokens' outputs and the text's,
+//! with no exchange back.
 use super::blocks::{self, to_heads};
 use super::{check_inputs, FluxInputs, FluxTransformer};
 use crate::error::{ModelError, Result};
 use diffmesh_parallel::{Collectives, Group};
 use tch::{Kind, Tensor};
 
+/// How a group splits attention over the sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SequenceParallel {
+    /// All-to-all over heads (the heads must divide among the ranks).
+    Ulysses,
+    /// Keys and values passed around the ring, any head count.
+    Ring,
+}
+
+impl std::str::FromStr for SequenceParallel {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "ulysses" => Ok(Self::Ulysses),
+            "ring" => Ok(Self::Ring),
+            other => Err(format!("`{other}`: expected ulysses or ring")),
+        }
+    }
+}
+
 /// One rank's view of the split: the group, its shard of the image tokens, the head share.
 struct Split<'a, C> {
     comm: &'a mut C,
     group: &'a Group,
+    how: SequenceParallel,
     ranks: i64,
     /// Image tokens per rank (the last ranks' shards padded to it).
     shard: i64,
-    /// Heads per rank.
+    /// Real (unpadded) image tokens of each rank's shard.
+    real: Vec<i64>,
+    /// Heads per rank (Ulysses).
     heads: i64,
     head_dim: i64,
+}
+
+/// A running softmax over key blocks (flash attention's online form), in fp32.
+struct Online {
+    /// Row maxima `[B, H, Sq, 1]`, sums of exponentials, and the weighted values `[B, H, Sq, D]`.
+    max: Tensor,
+    sum: Tensor,
+    acc: Tensor,
+    scale: f64,
+}
+
+impl Online {
+    fn new(q: &Tensor) -> Result<Self> {
+        let s = q.size();
+        let opts = (Kind::Float, q.device());
+        Ok(Self {
+            max: Tensor::f_full([s[0], s[1], s[2], 1], f64::NEG_INFINITY, opts)?,
+            sum: Tensor::f_zeros([s[0], s[1], s[2], 1], opts)?,
+            acc: Tensor::f_zeros([s[0], s[1], s[2], s[3]], opts)?,
+            scale: 1.0 / (s[3] as f64).sqrt(),
+        })
+    }
+
+    /// Fold in the first `valid` keys and values of `[B, S, H, D]` blocks, for queries `q`
+    /// `[B, H, Sq, D]` (fp32).
+    fn add(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, valid: i64) -> Result<()> {
+        if valid == 0 {
+            return Ok(());
+        }
+        let heads_first = |x: &Tensor| -> Result<Tensor> {
+            Ok(x.f_narrow(1, 0, valid)?
+                .f_transpose(1, 2)?
+                .f_to_kind(Kind::Float)?)
+        };
+        let (k, v) = (heads_first(k)?, heads_first(v)?);
+        let scores = q
+            .f_matmul(&k.f_transpose(-2, -1)?)?
+            .f_mul_scalar(self.scale)?;
+        let max = self.max.f_maximum(&scores.f_amax([-1], true)?)?;
+        // exp(-inf - finite) = 0 drops the empty start.
+        let carry = self.max.f_sub(&max)?.f_exp()?;
+        let p = scores.f_sub(&max)?.f_exp()?;
+        self.sum = self.sum.f_mul(&carry)?.f_add(&p.f_sum_dim_intlist(
+            [-1i64].as_slice(),
+            true,
+            Kind::Float,
+        )?)?;
+        self.acc = self.acc.f_mul(&carry)?.f_add(&p.f_matmul(&v)?)?;
+        self.max = max;
+        Ok(())
+    }
+
+    /// `[B, Sq, H * D]`.
+    fn finish(self) -> Result<Tensor> {
+        let o = self.acc.f_div(&self.sum)?;
+        let s = o.size();
+        Ok(o.f_transpose(1, 2)?.f_reshape([s[0], s[2], s[1] * s[3]])?)
+    }
 }
 
 fn comm_err(e: diffmesh_parallel::Error) -> ModelError {
@@ -103,10 +188,66 @@ impl<C: Collectives> Split<'_, C> {
             .f_reshape([b, t, self.ranks * w])?)
     }
 
-    /// Attention over the whole sequence for this rank's heads. `q`, `k`, `v` are
+    /// Attention of this rank's queries over the whole sequence. `q`, `k`, `v` are
     /// `[B, T + L, H, D]` (text then this rank's image tokens, RoPE applied to `q` and `k`);
     /// returns the text and image outputs `[B, T, H*D]` and `[B, L, H*D]`.
     fn attention(
+        &mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        t: i64,
+        mask: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        match self.how {
+            SequenceParallel::Ulysses => self.ulysses(q, k, v, t, mask),
+            SequenceParallel::Ring => self.ring(q, k, v, t),
+        }
+    }
+
+    /// Ring attention: every head of this rank's queries against the text's keys, then every
+    /// rank's image shard as it comes round.
+    fn ring(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, t: i64) -> Result<(Tensor, Tensor)> {
+        let (l, d) = (self.shard, self.head_dim);
+        let kind = q.kind();
+        let qh = q.f_transpose(1, 2)?.f_to_kind(Kind::Float)?;
+        let mut online = Online::new(&qh)?;
+        online.add(&qh, &k.f_narrow(1, 0, t)?, &v.f_narrow(1, 0, t)?, t)?;
+        // Keys and values of one shard together, `[B, L, H, 2D]`: one shift a step.
+        let mut kv = Tensor::f_cat(&[&k.f_narrow(1, t, l)?, &v.f_narrow(1, t, l)?], 3)?;
+        let (ranks, me) = (self.ranks as usize, self.group.position);
+        for step in 0..ranks {
+            let owner = (me + ranks - step) % ranks;
+            let (kb, vb) = (kv.f_narrow(3, 0, d)?, kv.f_narrow(3, d, d)?);
+            online.add(&qh, &kb, &vb, self.real[owner])?;
+            if step + 1 < ranks {
+                kv = self.shift(&kv)?;
+            }
+        }
+        let o = online.finish()?.f_to_kind(kind)?;
+        Ok((o.f_narrow(1, 0, t)?, o.f_narrow(1, t, l)?))
+    }
+
+    /// Send `x` to the next rank and take the previous rank's (the same shape).
+    fn shift(&mut self, x: &Tensor) -> Result<Tensor> {
+        let ranks = self.group.size();
+        let me = self.group.position;
+        let input = floats(x)?;
+        let mut out = vec![0.0; input.len()];
+        self.comm
+            .shift(
+                self.group,
+                (me + 1) % ranks,
+                (me + ranks - 1) % ranks,
+                &input,
+                &mut out,
+            )
+            .map_err(comm_err)?;
+        tensor(&out, &x.size(), x)
+    }
+
+    /// Ulysses: every token for this rank's heads, then back.
+    fn ulysses(
         &mut self,
         q: &Tensor,
         k: &Tensor,
@@ -152,22 +293,26 @@ fn masked_attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result
 
 impl FluxTransformer {
     /// The forward of [`FluxTransformer::forward`], computed by every member of `group` for
-    /// its shard of the image tokens (Ulysses sequence parallelism); each member returns the
+    /// its shard of the image tokens, attention split as `how` says; each member returns the
     /// whole velocity `[B, N, out]`. Every member calls it with the same inputs.
-    pub fn forward_ulysses<C: Collectives>(
+    pub fn forward_sequence_parallel<C: Collectives>(
         &self,
         inputs: &FluxInputs,
         comm: &mut C,
         group: &Group,
+        how: SequenceParallel,
     ) -> Result<Tensor> {
         let shapes = check_inputs(&self.cfg, inputs)?;
         let (n, t) = (shapes.img_tokens, shapes.txt_tokens);
         let ranks = group.size() as i64;
         let heads = self.cfg.num_attention_heads;
-        if heads % ranks != 0 {
+        if how == SequenceParallel::Ulysses && heads % ranks != 0 {
             return Err(ModelError::input(
                 "ranks",
-                format!("Ulysses needs the {heads} heads to divide among {ranks} ranks"),
+                format!(
+                    "Ulysses needs the {heads} heads to divide among {ranks} ranks \
+                     (ring attention does not)"
+                ),
             ));
         }
         let head_dim = self.cfg.attention_head_dim;
@@ -205,14 +350,18 @@ impl FluxTransformer {
         rows.extend((0..shard).map(|i| if i < real { t + start + i } else { 0 }));
         let rope = rope.select(&Tensor::f_from_slice(&rows)?.f_to_device(device)?)?;
         // Keys of the whole exchanged sequence: text, then every rank's shard in order.
-        let mask = (n % ranks != 0)
+        let mask = (how == SequenceParallel::Ulysses && n % ranks != 0)
             .then(|| Tensor::f_arange(t + ranks * shard, (Kind::Int64, device))?.f_lt(t + n))
             .transpose()?;
         let mut split = Split {
             comm,
             group,
+            how,
             ranks,
             shard,
+            real: (0..ranks)
+                .map(|r| (n - r * shard).clamp(0, shard))
+                .collect(),
             heads: heads / ranks,
             head_dim,
         };
@@ -247,4 +396,57 @@ impl FluxTransformer {
             .f_reshape([size[0], ranks * shard, size[2]])?
             .f_narrow(1, 0, n)?)
     }
+}
+
+/// `cargo xtask forward --component transformer --ranks R --sp ulysses|ring`: the same inputs
+/// and output file as [`super::cli_forward_transformer`], computed by `ranks` CPU ranks (threads,
+/// each loading the weights as a device's rank would); rank 0's output is written, after
+/// checking that every rank returned the same.
+pub fn cli_forward_transformer_split(
+    model_dir: &std::path::Path,
+    inputs: &std::path::Path,
+    out: &std::path::Path,
+    ranks: usize,
+    how: SequenceParallel,
+) -> Result<()> {
+    use diffmesh_parallel::{RankConfig, Ranks};
+    if ranks == 0 {
+        return Err(ModelError::input("ranks", "must be at least 1"));
+    }
+    let world = Ranks::start(RankConfig::new(ranks))
+        .map_err(|e| ModelError::input("ranks", format!("starting the rank threads: {e}")))?;
+    let (dir, file) = (super::component_dir(model_dir), inputs.to_path_buf());
+    let outputs = world.on_all(
+        move |ep| -> std::result::Result<(Vec<f32>, Vec<i64>), String> {
+            let mut run = || -> Result<(Vec<f32>, Vec<i64>)> {
+                let (model, _vs) = FluxTransformer::load(&dir, tch::Device::Cpu, Kind::Float)?;
+                let x = super::cli_inputs(&file)?;
+                let members: Vec<usize> = (0..ranks).collect();
+                let group = Group::new(1, &members, ep.rank(), ranks).map_err(comm_err)?;
+                let y = tch::no_grad(|| model.forward_sequence_parallel(&x, ep, &group, how))?;
+                Ok((floats(&y)?, y.size()))
+            };
+            run().map_err(|e| e.to_string())
+        },
+    );
+    let mut first: Option<(Vec<f32>, Vec<i64>)> = None;
+    for (rank, result) in outputs.into_iter().enumerate() {
+        let (values, shape) = result
+            .ok_or_else(|| ModelError::input("ranks", format!("rank {rank} stopped")))?
+            .map_err(|e| ModelError::input("ranks", format!("rank {rank}: {e}")))?;
+        match &first {
+            None => first = Some((values, shape)),
+            Some((v0, _)) if *v0 != values => {
+                return Err(ModelError::input(
+                    "ranks",
+                    format!("rank {rank} returned another velocity than rank 0"),
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    let (values, shape) = first.expect("at least one rank");
+    let sample = Tensor::f_from_slice(&values)?.f_view(shape.as_slice())?;
+    Tensor::write_safetensors(&[("sample", sample)], out)?;
+    Ok(())
 }
