@@ -1,7 +1,10 @@
 //! A trajectory whose steps change layout (GF-DiT's elastic parallelism) gives the image the
 //! same trajectory on one rank gives: the shipped tiny model, 6 steps, on 4 CPU ranks with
 //! SP4 (ring) -> SP3 (Ulysses, other ranks and order) -> SP2 (ring, a rank joining that
-//! must be sent the latents) -> SP1 (a rank that left two steps ago, sent them again).
+//! must be sent the latents) -> SP1 (a rank that left two steps ago, sent them again). And
+//! CFG parallelism: a guided generation with the prompt's and the negative prompt's forwards
+//! on two halves of a group (each half split by sequence on 4 ranks) ends where the
+//! single-rank guided generation does.
 use std::path::Path;
 
 use diffmesh_model::flux::elastic::{Layout, Trajectory};
@@ -9,7 +12,7 @@ use diffmesh_model::flux::sequence_parallel::SequenceParallel::{Ring, Ulysses};
 use diffmesh_model::flux::{FluxInputs, FluxTransformer};
 use diffmesh_model::noise_scheduler::FlowMatchEulerDiscreteScheduler;
 use diffmesh_model::tch::{self, Device, Kind, Tensor};
-use diffmesh_parallel::{RankConfig, Ranks};
+use diffmesh_parallel::{Group, RankConfig, Ranks};
 
 const STEPS: usize = 6;
 const N_H: i64 = 4;
@@ -22,6 +25,9 @@ fn tiny() -> std::path::PathBuf {
 
 /// Initial noise and conditioning, as numbers (tensors stay on their thread).
 fn case() -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    // Torch's RNG is global and the tests run at once: one draw at a time.
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
     tch::manual_seed(31);
     let opts = (Kind::Float, Device::Cpu);
     let v = |x: Tensor| Vec::<f32>::try_from(&x.view([-1])).unwrap();
@@ -122,4 +128,68 @@ fn a_trajectory_moved_sp4_sp3_sp2_sp1_equals_one_never_moved() {
             .any(|(a, b)| (a - b).abs() > 1e-2),
         "the steps changed nothing"
     );
+}
+
+/// A guided generation (true CFG, scale 4) of `STEPS` steps: on one rank (both forwards
+/// there), or on a group of `ranks` split in two halves; every rank's final latents.
+fn guided(ranks: usize) -> Vec<Vec<f32>> {
+    let (noise, text, pooled) = case();
+    let negative: Vec<f32> = text.iter().map(|v| -0.5 * v + 0.1).collect();
+    let world = Ranks::start(RankConfig::new(ranks)).unwrap();
+    world
+        .on_all(move |ep| {
+            let dir = tiny().join("transformer");
+            let (model, _vs) = FluxTransformer::load(&dir, Device::Cpu, Kind::Float).unwrap();
+            let scheduler = FlowMatchEulerDiscreteScheduler::from_config_file(
+                &tiny().join("scheduler/scheduler_config.json"),
+            )
+            .unwrap();
+            let schedule = scheduler.flux_schedule(STEPS, N_H * N_W).unwrap();
+            let mut x = Tensor::from_slice(&noise).view([1, N_H * N_W, 48]);
+            let members: Vec<usize> = (0..ranks).collect();
+            tch::no_grad(|| {
+                for i in 0..STEPS {
+                    let at = |text: &[f32]| {
+                        let mut inputs = inputs(text, &pooled);
+                        inputs.hidden_states = x.shallow_clone();
+                        inputs.timestep = Tensor::from_slice(&[schedule.timesteps[i] / 1000.0]);
+                        inputs
+                    };
+                    let (cond, uncond) = (at(&text), at(&negative));
+                    let v = if ranks == 1 {
+                        let (c, u) = (
+                            model.forward(&cond).unwrap(),
+                            model.forward(&uncond).unwrap(),
+                        );
+                        &u + (&c - &u) * 4.0
+                    } else {
+                        let group = Group::new(7, &members, ep.rank(), ranks).unwrap();
+                        model
+                            .velocity_cfg_parallel(&cond, &uncond, 4.0, ep, &group, Ring)
+                            .unwrap()
+                    };
+                    x = schedule.step(i, &v, &x).unwrap();
+                }
+            });
+            Vec::<f32>::try_from(&x.view([-1])).unwrap()
+        })
+        .into_iter()
+        .map(|r| r.expect("the rank ran"))
+        .collect()
+}
+
+#[test]
+fn cfg_parallel_generation_equals_the_single_rank_guided_one() {
+    let reference = guided(1).remove(0);
+    for ranks in [2, 4] {
+        for (rank, out) in guided(ranks).iter().enumerate() {
+            let diff = out
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            eprintln!("CFG over {ranks} ranks, rank {rank}: max |diff| {diff:e}");
+            assert!(diff <= 1e-4, "{ranks} ranks, rank {rank}: {diff}");
+        }
+    }
 }

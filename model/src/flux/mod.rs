@@ -5,6 +5,7 @@
 //! made of plain fallible tch ops (no `no_grad` inside), so the same code trains a model; callers
 //! serving inference wrap it in `tch::no_grad` (or use `load`, which freezes the weights).
 pub mod blocks;
+pub mod cfg_parallel;
 pub mod config;
 pub mod controlnet;
 pub mod elastic;
