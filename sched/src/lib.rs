@@ -13,10 +13,14 @@
 //!   simulator, with round-robin, request-count, token-count and mask-aware (Algorithm 2) policies.
 //! - [`sim`]: a discrete-event simulator that drives the same policies with the fitted costs.
 //! - [`profiles`]: the measured profiles checked in under `sched/profiles/`, built in.
+//! - [`elastic`]: GF-DiT's elastic parallelism: the policies that give each ready denoising
+//!   step a number of ranks, a parallel-cost model, and their simulator (`diffmesh-sim
+//!   --elastic`).
 pub mod batching;
 pub mod calibration;
 pub mod compute_fit;
 pub mod cost_model;
+pub mod elastic;
 pub mod error;
 pub mod forecast;
 pub mod mask_aware;

@@ -3,6 +3,7 @@
 //! `up` and `test` are the two commands a newcomer needs: each does the whole set-up of a fresh
 //! machine first (see setup.rs), then runs the mesh or every test.
 mod compose_secrets;
+mod elastic_sweep;
 mod fuzz;
 mod gates;
 mod load;
@@ -76,6 +77,9 @@ enum Cmd {
     Overload(overload::OverloadArgs),
     /// Simulator sweep over loads, policies and seeds: CSV and a p95-vs-load plot.
     Sweep(sweep::SweepArgs),
+    /// GF-DiT's elastic parallelism in the simulator: every policy at every load on 8 and 72
+    /// ranks, JSON lines and an SLO-attainment-vs-load plot per rank count.
+    ElasticSweep(elastic_sweep::ElasticSweepArgs),
     /// Run every cargo-fuzz target of fuzz/ for `--seconds` each (nightly; installs cargo-fuzz
     /// if missing); fails naming the target and the crash file on any crash.
     Fuzz(fuzz::FuzzArgs),
@@ -171,6 +175,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Sweep(args) => {
             let sim = build_release_bin(&tc, "diffmesh-sched", "diffmesh-sim", &[])?;
             sweep::sweep(&sim, args)
+        }
+        Cmd::ElasticSweep(args) => {
+            let sim = build_release_bin(&tc, "diffmesh-sched", "diffmesh-sim", &[])?;
+            elastic_sweep::sweep(&sim, args)
         }
     }
 }

@@ -1,4 +1,5 @@
-//! diffmesh-sim: replay a workload through a placement policy in the discrete-event simulator.
+//! diffmesh-sim: replay a workload through a placement policy in the discrete-event simulator;
+//! with `--elastic`, GF-DiT's elastic parallelism instead (`diffmesh_sched::elastic::cli`).
 //!
 //! Human-readable lines first; the last line is one JSON object with the run's measures.
 use anyhow::{bail, ensure, Context};
@@ -151,6 +152,11 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    // GF-DiT's elastic parallelism: a simulation of its own, with its own flags.
+    if std::env::args().any(|a| a == "--elastic") {
+        let args = diffmesh_sched::elastic::cli::ElasticArgs::parse();
+        return diffmesh_sched::elastic::cli::run(&args);
+    }
     let args = Args::parse();
     if let Some(path) = &args.write_profile {
         synthetic::profile(0).write(path)?;
