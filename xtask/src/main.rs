@@ -60,8 +60,8 @@ enum Cmd {
     Generate(PassThrough),
     /// Benchmarks: `bench model` (see `diffmesh-bench --help`), `bench engine` (see
     /// `diffmesh-engine-bench --help`), `bench lora` (see `diffmesh-lora-bench --help`),
-    /// `bench controlnet` (see `diffmesh-controlnet-bench --help`) and `bench collectives`
-    /// (see `diffmesh-collectives-bench --help`).
+    /// `bench controlnet` (see `diffmesh-controlnet-bench --help`), `bench collectives`
+    /// (see `diffmesh-collectives-bench --help`) and `bench sp` (see `diffmesh-sp-bench --help`).
     Bench(PassThrough),
     /// Train the tiny default model (see `diffmesh-train-tiny --help`).
     TrainTiny(PassThrough),
@@ -151,6 +151,10 @@ fn main() -> anyhow::Result<()> {
                 "diffmesh-controlnet-service-bench",
                 rest,
             ),
+            // The sequence-parallel step on CPU ranks: the elastic simulator's measured costs.
+            Some((part, rest)) if part == "sp" => {
+                release_bin(&tc, "diffmesh-model", "diffmesh-sp-bench", rest)
+            }
             // GF-DiT's group-free collectives on CPU ranks (parallel/).
             Some((part, rest)) if part == "collectives" => {
                 release_bin(&tc, "diffmesh-parallel", "diffmesh-collectives-bench", rest)

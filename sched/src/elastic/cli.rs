@@ -39,6 +39,10 @@ pub struct ElasticArgs {
     /// Print only the JSON line.
     #[arg(long)]
     pub json: bool,
+    /// Step costs measured on ranks (`cargo xtask bench sp` writes the file; its classes
+    /// replace S/M/L); without it the modelled H100 costs.
+    #[arg(long)]
+    pub cost: Option<std::path::PathBuf>,
 }
 
 /// `mix:S=a,M=b,L=c` as weights in the classes' order.
@@ -68,14 +72,22 @@ pub fn parse_mix(text: &str, names: &[&str]) -> anyhow::Result<Vec<f64>> {
 }
 
 pub fn run(args: &ElasticArgs) -> anyhow::Result<()> {
-    let classes = image_classes();
+    let (cost, classes) = match &args.cost {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("--cost {}", path.display()))?;
+            let table = serde_json::from_str(&text)
+                .with_context(|| format!("--cost {}: not a step-cost table", path.display()))?;
+            StepCost::measured(table)
+        }
+        None => (StepCost::h100_flux(), image_classes().to_vec()),
+    };
     let names: Vec<&str> = classes.iter().map(|c| c.name).collect();
     let mix = parse_mix(&args.workload, &names)?;
     let positive = |x: f64| x.is_finite() && x > 0.0;
     if args.gpus == 0 || !positive(args.load) || !positive(args.slo_scale) {
         bail!("--gpus, --load and --slo-scale must be positive");
     }
-    let cost = StepCost::h100_flux();
     let mut policy = by_name(&args.policy).with_context(|| {
         format!(
             "--policy {}: expected static-sp<k>, fcfs-elastic, srtf-elastic, edf-bestfit or slo-elastic",
@@ -94,7 +106,12 @@ pub fn run(args: &ElasticArgs) -> anyhow::Result<()> {
     });
     let out = simulate(&requests, &classes, &cost, args.gpus, policy.as_mut());
     if !args.json {
-        println!("cost model: {} (MODELLED)", cost.label);
+        let kind = if cost.measured.is_some() {
+            "measured"
+        } else {
+            "MODELLED"
+        };
+        println!("cost model: {} ({kind})", cost.label);
         println!(
             "{} on {} ranks, load {}, {} requests: SLO attainment {:.3}, mean {:.2} s, p95 {:.2} s, {:.3} req/s, {} degree changes",
             out.policy, args.gpus, args.load, out.requests, out.slo_attainment, out.mean_latency,
@@ -117,7 +134,8 @@ pub fn run(args: &ElasticArgs) -> anyhow::Result<()> {
             "throughput": out.throughput,
             "degree_changes": out.degree_changes,
             "steps_by_degree": out.steps_by_degree,
-            "cost_model": format!("{} (modelled)", cost.label),
+            "cost_model": cost.label,
+            "cost_measured": cost.measured.is_some(),
         })
     );
     Ok(())

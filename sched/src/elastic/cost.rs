@@ -9,7 +9,10 @@
 //! all-to-alls per block (57 blocks) over NVLink at 450 GB/s, each with 5 µs of latency plus
 //! 2 µs per peer (an all-to-all sends to every other rank), so past some degree a request's
 //! step gets slower, sooner the smaller the request.
-use serde::Serialize;
+//!
+//! [`StepCost::measured`] instead reads the seconds a step took at each degree from a table
+//! `cargo xtask bench sp` measured on this machine's ranks.
+use serde::{Deserialize, Serialize};
 
 /// A request class: its image tokens and denoising steps.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -39,6 +42,29 @@ pub struct StepCost {
     pub latency_per_peer_s: f64,
     /// Per-step work no degree divides (scheduler step, launch overheads).
     pub fixed_s: f64,
+    /// Measured seconds per step by class and degree; when present they replace the model.
+    pub measured: Option<MeasuredTable>,
+}
+
+/// Step seconds measured per class and degree (`cargo xtask bench sp` writes it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredTable {
+    pub label: String,
+    pub classes: Vec<MeasuredClass>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredClass {
+    pub name: String,
+    pub image_tokens: f64,
+    pub steps: u32,
+    pub per_degree: Vec<DegreeCost>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DegreeCost {
+    pub degree: u32,
+    pub step_s: f64,
 }
 
 impl StepCost {
@@ -59,11 +85,50 @@ impl StepCost {
             collective_latency_s: 5e-6,
             latency_per_peer_s: 2e-6,
             fixed_s: 0.001,
+            measured: None,
         }
     }
 
-    /// Seconds of one step of `class` at degree `k` (k >= 1).
+    /// Costs read from a measured table, and its classes (the deadline factors of the image
+    /// classes of the same names, 2.0 for others).
+    pub fn measured(table: MeasuredTable) -> (Self, Vec<Class>) {
+        let factors = image_classes();
+        let classes = table
+            .classes
+            .iter()
+            .map(|c| Class {
+                // Class names live as long as the run: leaked once per run (three strings).
+                name: Box::leak(c.name.clone().into_boxed_str()),
+                image_tokens: c.image_tokens,
+                steps: c.steps,
+                slo_factor: factors
+                    .iter()
+                    .find(|f| f.name == c.name)
+                    .map_or(2.0, |f| f.slo_factor),
+            })
+            .collect();
+        let cost = Self {
+            label: table.label.clone(),
+            measured: Some(table),
+            ..Self::h100_flux()
+        };
+        (cost, classes)
+    }
+
+    /// Seconds of one step of `class` at degree `k` (k >= 1). From a measured table: the
+    /// largest measured degree not above `k` (ranks beyond it would idle).
     pub fn step_s(&self, class: &Class, k: u32) -> f64 {
+        if let Some(table) = &self.measured {
+            let row = table.classes.iter().find(|c| c.name == class.name);
+            return row
+                .and_then(|c| {
+                    c.per_degree
+                        .iter()
+                        .filter(|d| d.degree <= k.max(1))
+                        .max_by_key(|d| d.degree)
+                })
+                .map_or(f64::INFINITY, |d| d.step_s);
+        }
         let k = f64::from(k.max(1));
         let (n, t) = (class.image_tokens, self.text_tokens);
         let compute = self.linear_s_per_token * (n / k + t)
@@ -141,5 +206,42 @@ mod tests {
             speedup(&l)
         );
         assert!(cost.best_degree(&l, 8) == 8 && cost.best_degree(&s, 64) < 64);
+    }
+}
+
+#[cfg(test)]
+mod measured_tests {
+    use super::*;
+
+    #[test]
+    fn a_measured_table_replaces_the_model() {
+        let table = MeasuredTable {
+            label: "t".into(),
+            classes: vec![MeasuredClass {
+                name: "S".into(),
+                image_tokens: 256.0,
+                steps: 4,
+                per_degree: vec![
+                    DegreeCost {
+                        degree: 1,
+                        step_s: 1.0,
+                    },
+                    DegreeCost {
+                        degree: 2,
+                        step_s: 0.6,
+                    },
+                ],
+            }],
+        };
+        let (cost, classes) = StepCost::measured(table);
+        assert_eq!(classes[0].slo_factor, 1.5);
+        assert_eq!(cost.step_s(&classes[0], 1), 1.0);
+        assert_eq!(cost.step_s(&classes[0], 2), 0.6);
+        assert_eq!(
+            cost.step_s(&classes[0], 8),
+            0.6,
+            "past the table: the largest measured"
+        );
+        assert_eq!(cost.best_degree(&classes[0], 8), 2);
     }
 }
