@@ -7,6 +7,11 @@ use std::sync::Mutex;
 use diffmesh_model::flux::sequence_parallel::SequenceParallel;
 use diffmesh_model::flux::{FluxConfig, FluxInputs, FluxTransformer};
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
+/// The tests of this file one at a time: loading a model draws from torch's global RNG (its
+/// variables are initialised before the weights are read), which would shift another test's
+/// seeded draws and give its ranks or its reference other numbers.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 use diffmesh_parallel::{Group, RankConfig, Ranks};
 
 /// Torch's RNG is global: models are built one at a time from the same seed, so every rank
@@ -132,6 +137,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn split_over_2_and_4_ranks_equals_one_rank() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     use SequenceParallel::{Ring, Ulysses};
     // 16 image tokens (divide by 2 and 4) and 15 (odd: shards padded), 5 text tokens.
     for (n_h, n_w) in [(4, 4), (3, 5)] {
@@ -163,6 +169,7 @@ fn split_over_2_and_4_ranks_equals_one_rank() {
 
 #[test]
 fn ulysses_refuses_heads_that_do_not_divide() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let case = Case::new(2, 3, 3);
     for out in split(&case, 4, 3, SequenceParallel::Ulysses) {
         let err = out.unwrap_err();
@@ -175,6 +182,7 @@ fn ulysses_refuses_heads_that_do_not_divide() {
 /// 4 ranks and Ulysses on 3, with 15 image tokens.
 #[test]
 fn the_forward_tool_splits_the_tiny_model() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     use diffmesh_model::flux::cli_forward_transformer;
     use diffmesh_model::flux::sequence_parallel::cli_forward_transformer_split;
     let model_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../weights/tiny");

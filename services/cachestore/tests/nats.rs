@@ -13,6 +13,10 @@ use std::time::Duration;
 
 const T: Duration = Duration::from_secs(5);
 
+/// The tests one at a time: each expects to be the only cachestore traffic on its machine's
+/// cores while it checks which tier answered.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn get(c: &async_nats::Client, key: &str) -> CacheGetReply {
     request_msgpack(
         c,
@@ -29,6 +33,7 @@ async fn get(c: &async_nats::Client, key: &str) -> CacheGetReply {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiers_over_nats() {
+    let _serial = SERIAL.lock().await;
     let nats = NatsServer::start();
     let disk1 = tempfile::tempdir().unwrap();
     let mut config = CachestoreConfig::for_tests(nats.url(), disk1.path().to_path_buf());
@@ -167,6 +172,7 @@ async fn put_inline(c: &async_nats::Client, key: &str, len: usize) {
 /// instance orders what the bucket holds by write time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cluster_tier_drops_its_least_recently_used_caches() {
+    let _serial = SERIAL.lock().await;
     let nats = NatsServer::start();
     let disk = tempfile::tempdir().unwrap();
     let mut config = CachestoreConfig::for_tests(nats.url(), disk.path().to_path_buf());
