@@ -198,7 +198,8 @@ impl Endpoint {
             } else {
                 // Ranks may outnumber cores: give the peer the core.
                 std::thread::yield_now();
-                if spins.is_multiple_of(1024) && started.elapsed() > self.world.timeout {
+                // A yield can take a time slice on a loaded machine: look at the clock often.
+                if spins.is_multiple_of(16) && started.elapsed() > self.world.timeout {
                     return Err(Error::Timeout {
                         group,
                         rank: peer,
@@ -224,7 +225,9 @@ impl Endpoint {
     }
 
     /// Room for `len` floats in the staging ring: frees chunks every receiver acked, waiting
-    /// for acks when the ring is full.
+    /// for acks when the ring is full. A place is taken only where it overlaps no chunk still
+    /// staged (checked against each: "head caught up with the oldest chunk" reads the same
+    /// for a full ring and an empty one, and zero-length chunks sit anywhere).
     fn alloc(&mut self, group: u64, len: usize) -> Result<usize, Error> {
         let cap = self.world.capacity;
         assert!(len <= cap / 2, "chunks are at most a quarter of the buffer");
@@ -237,23 +240,21 @@ impl Endpoint {
                     break;
                 }
             }
-            let Some(front) = self.staged.front() else {
+            if self.staged.is_empty() {
                 self.head = 0;
-                return self.take(len);
-            };
-            let tail = front.start;
-            if self.head >= tail {
-                if self.head + len <= cap {
+            }
+            for start in [self.head, 0] {
+                let clear = start + len <= cap
+                    && !self.staged.iter().any(|c| {
+                        len > 0 && c.len > 0 && start < c.start + c.len && c.start < start + len
+                    });
+                if clear {
+                    self.head = start;
                     return self.take(len);
                 }
-                if len <= tail {
-                    self.head = 0;
-                    return self.take(len);
-                }
-            } else if self.head + len <= tail {
-                return self.take(len);
             }
             // Full: wait for the oldest chunk's receivers.
+            let front = self.staged.front().expect("a full ring holds chunks");
             let (peer, seq) = *front
                 .acks
                 .iter()
