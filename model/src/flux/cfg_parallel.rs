@@ -5,15 +5,11 @@
 //! when `k > 1`; then member `i` of each half swaps its velocity with member `i` of the
 //! other, and every rank combines the two (`uncond + scale * (cond - uncond)`) the same
 //! way, so all `2k` hold the guided velocity.
-use super::sequence_parallel::SequenceParallel;
+use super::sequence_parallel::{comm_err as comm, floats, SequenceParallel};
 use super::{FluxInputs, FluxTransformer};
 use crate::error::{ModelError, Result};
 use diffmesh_parallel::{Collectives, Group};
-use tch::{Kind, Tensor};
-
-fn comm(e: diffmesh_parallel::Error) -> ModelError {
-    ModelError::input("ranks", e.to_string())
-}
+use tch::Tensor;
 
 impl FluxTransformer {
     /// The guided velocity of one step, computed by the `2k` members of `group` (every
@@ -71,9 +67,4 @@ impl FluxTransformer {
         };
         crate::pipeline::guide(c, u, scale)
     }
-}
-
-fn floats(t: &Tensor) -> Result<Vec<f32>> {
-    let flat = t.f_to_kind(Kind::Float)?.f_contiguous()?.f_view([-1])?;
-    Ok(Vec::<f32>::try_from(&flat)?)
 }

@@ -10,12 +10,12 @@
 //! the last step (it was not in that layout) gets them from the first rank that has them,
 //! sent over a two-rank group: layout-aware migration between replicated layouts. Ranks
 //! outside a step's layout skip it (on a node they would run other requests' tasks).
-use super::sequence_parallel::SequenceParallel;
+use super::sequence_parallel::{comm_err as comm, floats, SequenceParallel};
 use super::{FluxInputs, FluxTransformer};
 use crate::error::{ModelError, Result};
 use crate::noise_scheduler::Schedule;
 use diffmesh_parallel::{Collectives, Group};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 /// Where one step runs: world ranks in group order, and how attention is split over them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,10 +28,6 @@ pub struct Layout {
 /// latents to a newcomer before step `i` uses `MIGRATION_GROUPS + i * world + newcomer`.
 const STEP_GROUPS: u64 = 1 << 40;
 const MIGRATION_GROUPS: u64 = 1 << 41;
-
-fn comm(e: diffmesh_parallel::Error) -> ModelError {
-    ModelError::input("ranks", e.to_string())
-}
 
 /// One request's denoising trajectory and where each of its steps runs.
 pub struct Trajectory<'a> {
@@ -119,9 +115,4 @@ impl Trajectory<'_> {
         }
         Ok(mine)
     }
-}
-
-fn floats(t: &Tensor) -> Result<Vec<f32>> {
-    let flat = t.f_to_kind(Kind::Float)?.f_contiguous()?.f_view([-1])?;
-    Ok(Vec::<f32>::try_from(&flat)?)
 }

@@ -117,12 +117,14 @@ impl Online {
     }
 }
 
-fn comm_err(e: diffmesh_parallel::Error) -> ModelError {
+/// A collective's failure as the model's error, naming `ranks` (also used by `elastic` and
+/// `cfg_parallel`).
+pub(crate) fn comm_err(e: diffmesh_parallel::Error) -> ModelError {
     ModelError::input("ranks", e.to_string())
 }
 
 /// A tensor's values as f32, in its (contiguous) element order.
-fn floats(t: &Tensor) -> Result<Vec<f32>> {
+pub(crate) fn floats(t: &Tensor) -> Result<Vec<f32>> {
     let flat = t.f_to_kind(Kind::Float)?.f_contiguous()?.f_view([-1])?;
     Ok(Vec::<f32>::try_from(&flat)?)
 }
