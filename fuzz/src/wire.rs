@@ -336,6 +336,8 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
             }],
             controlnet_step_s: Vec::new(),
             interval_ms: 500,
+            ranks: 0,
+            free_ranks: 0,
         }),
         seed(&CancelJob {
             job_id: "j1".into(),

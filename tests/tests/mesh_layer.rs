@@ -408,7 +408,14 @@ async fn a_lost_terminal_event_is_learned_from_the_denoiser_that_ended_the_job()
     let done = JobEvent::Done {
         png_keys: vec!["job-d/result-0.png".into()],
     };
-    ended_here.note("job-d", &JobEvent::Step { step: 4, total: 4 });
+    ended_here.note(
+        "job-d",
+        &JobEvent::Step {
+            step: 4,
+            total: 4,
+            ranks: None,
+        },
+    );
     ended_here.note("job-d", &done);
     ended_elsewhere.note("job-other", &done);
     let report = CaptureReport {

@@ -35,7 +35,7 @@ impl View<'_> {
 }
 
 /// Decides, at each decision point, which ready tasks step now and on how many ranks.
-pub trait ElasticPolicy {
+pub trait ElasticPolicy: Send {
     fn name(&self) -> String;
     /// `(task id, ranks)` for the tasks to step now; together at most `view.free` ranks.
     fn assign(&mut self, view: &View, ready: &[Ready]) -> Vec<(usize, u32)>;

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod model;
 pub mod outcomes;
 pub mod prompt_stage;
+pub mod ranks;
 pub mod service;
 pub mod sickness;
 pub mod step_samples;
@@ -198,6 +199,26 @@ pub struct DenoiserConfig {
     /// Deadline of each cachestore request.
     #[arg(long, env = "DENOISER_CACHESTORE_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub cachestore_timeout: Duration,
+    /// Elastic ranks (GF-DiT): above 1, the node runs R ranks (one per device: cuda:0..R-1;
+    /// worker threads on a CPU), each with a transformer replica, and its elastic policy
+    /// places every denoising step on a group of them. Such a node serves generations only.
+    #[arg(long, env = "DENOISER_RANKS", default_value_t = 1)]
+    pub ranks: usize,
+    /// The policy binding steps to rank groups (`diffmesh-sim --elastic`'s: static-sp<k>,
+    /// fcfs-elastic, srtf-elastic, edf-bestfit, slo-elastic).
+    #[arg(long, env = "DENOISER_ELASTIC_POLICY", default_value = "slo-elastic")]
+    pub elastic_policy: String,
+    /// Square image sides (pixels, comma-separated) whose step costs the ranks measure at
+    /// start (default: the model's default size).
+    #[arg(long, env = "DENOISER_ELASTIC_SIZES", value_delimiter = ',')]
+    pub elastic_sizes: Vec<u32>,
+    /// Intra-op threads per rank (default: the machine's cores shared among the ranks).
+    #[arg(long, env = "DENOISER_RANK_THREADS")]
+    pub rank_threads: Option<i32>,
+    /// A step-cost table (`cargo xtask bench sp`'s JSON, or the one a node logged) to plan
+    /// with instead of measuring one at start.
+    #[arg(long, env = "DENOISER_ELASTIC_COST")]
+    pub elastic_cost: Option<PathBuf>,
 }
 
 impl DenoiserConfig {
@@ -244,7 +265,58 @@ impl DenoiserConfig {
             cache_lookahead: 2,
             cache_prefix: "auto".into(),
             cachestore_timeout: Duration::from_secs(5),
+            ranks: 1,
+            elastic_policy: "slo-elastic".into(),
+            elastic_sizes: Vec::new(),
+            rank_threads: None,
+            elastic_cost: None,
         }
+    }
+
+    /// The elastic ranks' settings (None: one device, no ranks).
+    pub fn elastic_settings(
+        &self,
+        default_side: u32,
+    ) -> Result<Option<ranks::ElasticSettings>, DenoiserError> {
+        if self.ranks <= 1 {
+            return Ok(None);
+        }
+        if self.controlnet_dir.is_some()
+            || self.controlnet_remote != controlnet_service::RemoteMode::Off
+        {
+            return Err(DenoiserError::Flag {
+                flag: "ranks",
+                value: self.ranks.to_string(),
+                expected:
+                    "1 with --controlnet-dir or --controlnet-remote (ranks serve plain generations)",
+            });
+        }
+        if diffmesh_sched::elastic::policies::by_name(&self.elastic_policy).is_none() {
+            return Err(DenoiserError::Flag {
+                flag: "elastic-policy",
+                value: self.elastic_policy.clone(),
+                expected: "static-sp<k>, fcfs-elastic, srtf-elastic, edf-bestfit or slo-elastic",
+            });
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Ok(Some(ranks::ElasticSettings {
+            ranks: self.ranks,
+            policy: self.elastic_policy.clone(),
+            sizes: if self.elastic_sizes.is_empty() {
+                vec![default_side]
+            } else {
+                self.elastic_sizes.clone()
+            },
+            threads_per_rank: self
+                .rank_threads
+                .unwrap_or((cores / self.ranks).max(1) as i32),
+            calibration_repeats: 3,
+            table: self
+                .elastic_cost
+                .as_deref()
+                .map(read_cost_table)
+                .transpose()?,
+        }))
     }
 
     /// The template-cache settings of the engine, from the flags.
@@ -336,6 +408,8 @@ pub enum DenoiserError {
         #[source]
         source: std::io::Error,
     },
+    #[error("starting the elastic ranks: {0}")]
+    Ranks(String),
     #[error("metrics registration: {0}")]
     Metrics(#[from] prometheus::Error),
 }
@@ -380,6 +454,15 @@ impl DenoiserHandle {
     }
 }
 
+/// A step-cost table from `path` (`--elastic-cost`).
+fn read_cost_table(
+    path: &Path,
+) -> Result<diffmesh_sched::elastic::cost::MeasuredTable, DenoiserError> {
+    let bad = |why: String| DenoiserError::Ranks(format!("elastic_cost {}: {why}", path.display()));
+    let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| bad(e.to_string()))
+}
+
 /// Load the model, start the engine thread, connect, subscribe, and serve in the background.
 pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserError> {
     let worker_id = config.resolved_worker_id();
@@ -413,10 +496,23 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         source,
     })?;
     tracing::info!(model = %model_id, dir = %dir.display(), ?device, ?kind, "model loaded");
+    let mut model = model;
+    if let Some(settings) = config.elastic_settings(model.card.geometry.default_width)? {
+        let ranks_dir = dir.clone();
+        model = tokio::task::spawn_blocking(move || {
+            model.start_ranks(&ranks_dir, &settings).map(|()| model)
+        })
+        .await
+        .map_err(|e| DenoiserError::Thread(std::io::Error::other(e.to_string())))?
+        .map_err(DenoiserError::Ranks)?;
+    }
     let gpu_copy = model.gpu_copy.clone();
 
     let registry = prometheus::Registry::new();
     let metrics = metrics::DenoiserMetrics::new(&registry)?;
+    if let Some(r) = &model.ranks {
+        metrics.elastic.ranks.set(r.pool.size() as i64);
+    }
     for (component, bytes) in model.model.resident_bytes() {
         metrics
             .model_resident_bytes
@@ -503,7 +599,6 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         Some(metrics.clone()),
     );
     let background = CancellationToken::new();
-    let mut model = model;
     let mut follow_workers = None;
     let mut controlnet_workers = None;
     if config.controlnet_remote != controlnet_service::RemoteMode::Off {

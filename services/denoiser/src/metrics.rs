@@ -84,6 +84,7 @@ pub struct DenoiserMetrics {
     pub model_resident_bytes: IntGaugeVec,
     pub lora: crate::lora::metrics::LoraMetrics,
     pub controlnet: ControlNetMetrics,
+    pub elastic: crate::ranks::metrics::ElasticMetrics,
 }
 
 impl DenoiserMetrics {
@@ -323,6 +324,7 @@ impl DenoiserMetrics {
             model_resident_bytes,
             lora: crate::lora::metrics::LoraMetrics::new(registry)?,
             controlnet: ControlNetMetrics::new(registry)?,
+            elastic: crate::ranks::metrics::ElasticMetrics::new(registry)?,
         })
     }
 

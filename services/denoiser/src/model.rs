@@ -30,6 +30,9 @@ pub struct EngineModel {
     /// Where the engine offers a job's pre-encoded prompts, once the prompt stage owns the text
     /// encoder (`prompt_stage::split_text_encoder`); None: the engine encodes them.
     pub pre_encoded: Option<crate::prompt_stage::PreEncodedHandle>,
+    /// The node's elastic ranks (`--ranks R`, R > 1): the engine then runs every step as a
+    /// task on a group of them ([`crate::ranks`]). None: it steps on this model.
+    pub ranks: Option<crate::ranks::ElasticRanks>,
 }
 
 impl EngineModel {
@@ -60,7 +63,34 @@ impl EngineModel {
             controlnet_dir: None,
             controlnet_service: None,
             pre_encoded: None,
+            ranks: None,
         })
+    }
+
+    /// Start `settings.ranks` elastic ranks on this model's transformer (read again from
+    /// `dir`, one replica per rank) and measure their step costs. A node with ranks serves
+    /// generations only: edits, fills and LoRAs need the engine's own template caches and
+    /// patched weights, so the card stops announcing them.
+    pub fn start_ranks(
+        &mut self,
+        dir: &Path,
+        settings: &crate::ranks::ElasticSettings,
+    ) -> Result<(), String> {
+        let (device, kind) = self.model.transformer.device_kind();
+        let token_pixels = self.card.geometry.token_pixels;
+        let text_tokens = self.model.text_encoder.max_tokens().max(1);
+        let ranks = crate::ranks::ElasticRanks::start(
+            dir,
+            settings,
+            device,
+            kind,
+            token_pixels,
+            text_tokens,
+        )?;
+        let features = &mut self.card.features;
+        (features.edit, features.fill, features.lora) = (false, false, false);
+        self.ranks = Some(ranks);
+        Ok(())
     }
 
     /// Announce at most `max_pixels` of model resolution (a flexible-resolution model only).

@@ -90,7 +90,14 @@ mod tests {
     #[test]
     fn terminal_events_and_capture_reports_are_kept() {
         let outcomes = RecentOutcomes::default();
-        outcomes.note("a", &JobEvent::Step { step: 1, total: 4 });
+        outcomes.note(
+            "a",
+            &JobEvent::Step {
+                step: 1,
+                total: 4,
+                ranks: None,
+            },
+        );
         assert_eq!(outcomes.get("a", WantedEvent::Terminal), None);
         let done = JobEvent::Done {
             png_keys: vec!["a/result-0.png".into()],

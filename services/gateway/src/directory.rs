@@ -273,6 +273,8 @@ pub fn heartbeat(id: &str, controlnets: &[&str], templates: &[&str], draining: b
         recent_steps: Vec::new(),
         controlnet_step_s: vec![],
         interval_ms: 500,
+        ranks: 0,
+        free_ranks: 0,
     }
 }
 

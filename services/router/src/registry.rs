@@ -227,6 +227,8 @@ pub(crate) mod tests {
             recent_steps: vec![],
             controlnet_step_s: vec![],
             interval_ms: 500,
+            ranks: 0,
+            free_ranks: 0,
         }
     }
 

@@ -52,6 +52,8 @@ async fn fake_worker_that(
                         worker_id: worker.clone(), running: vec![], queued: 0, waiting: vec![], max_batch: 2,
                         model: "tiny".into(), card: None, draining: false, queue_capacity: 2, cached_templates: vec![], cached_loras: vec![], controlnets: vec![], recent_steps: vec![], controlnet_step_s: vec![],
                         interval_ms: 100,
+                        ranks: 0,
+                        free_ranks: 0,
                     };
                     c.publish(subjects::DENOISER_HEARTBEAT, encode(&hb).unwrap().into()).await.unwrap();
                 }

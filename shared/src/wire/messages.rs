@@ -316,6 +316,10 @@ pub enum JobEvent {
     Step {
         step: u32,
         total: u32,
+        /// Ranks the step ran on, on a denoiser with elastic ranks (its policy may change
+        /// them from step to step). None from others and older senders.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ranks: Option<u32>,
     },
     Done {
         png_keys: Vec<String>,
@@ -406,6 +410,12 @@ pub struct Heartbeat {
     /// ([`Heartbeat::interval`] then assumes [`DEFAULT_HEARTBEAT_INTERVAL`]).
     #[serde(default)]
     pub interval_ms: u32,
+    /// Elastic ranks of the worker (`--ranks`; 0 from workers without them and older senders:
+    /// one device), and how many run no step now: its capacity in devices and what is free.
+    #[serde(default)]
+    pub ranks: u32,
+    #[serde(default)]
+    pub free_ranks: u32,
 }
 
 /// The heartbeat period of senders that do not say theirs.
@@ -622,7 +632,16 @@ mod tests {
                 worker_id: "w".into(),
                 position: 3,
             },
-            JobEvent::Step { step: 2, total: 8 },
+            JobEvent::Step {
+                step: 2,
+                total: 8,
+                ranks: None,
+            },
+            JobEvent::Step {
+                step: 3,
+                total: 8,
+                ranks: Some(4),
+            },
             JobEvent::Done {
                 png_keys: vec!["a".into(), "b".into()],
             },

@@ -726,5 +726,7 @@ pub fn state_kind(state: &DenoiseState) -> Kind {
     state.prep.kind
 }
 
+mod remote;
+
 #[cfg(test)]
 mod tests;

@@ -302,3 +302,32 @@ fn true_cfg_errors_name_the_field() {
     let state = DenoiseState::new(&p, &steered).unwrap();
     assert!(state.has_control() && state.rows() == 2);
 }
+
+#[test]
+fn a_step_in_two_halves_equals_a_step() {
+    let (m, s) = model();
+    let p = m.pipeline(&s);
+    for r in [
+        req("a red circle", 5, 3),
+        guided("a red circle", 6, 3, "blue", 3.0),
+    ] {
+        let mut halves = DenoiseState::new(&p, &r).unwrap();
+        while !halves.is_done() {
+            let velocities = halves
+                .step_inputs()
+                .unwrap()
+                .iter()
+                .map(|x| tch::no_grad(|| p.transformer.forward(x)).unwrap())
+                .collect();
+            halves.apply_velocities(velocities).unwrap();
+        }
+        // A guided state's two rows share one forward in `step`, here one each: batch size
+        // changes the float sums' order, nothing else.
+        let diff = max_diff(halves.latents(), &run_alone(&p, &r));
+        assert!(diff < 1e-4, "{diff}");
+        assert!(halves.step_inputs().is_err(), "no step is left");
+    }
+    let mut st = DenoiseState::new(&p, &guided("x", 1, 2, "y", 2.0)).unwrap();
+    let err = st.apply_velocities(vec![]).unwrap_err().to_string();
+    assert!(err.contains("velocities"), "{err}");
+}

@@ -34,6 +34,7 @@ use tracing::Span;
 
 mod actor;
 mod control;
+mod elastic;
 mod lora_steps;
 mod step;
 mod types;
@@ -69,6 +70,8 @@ struct Active {
     /// over its steps (reported in heartbeats).
     step_control_s: f64,
     control_s: control::Smoothed,
+    /// On elastic ranks: its class, clock and the ranks of its steps (None elsewhere).
+    elastic: Option<elastic::Placement>,
 }
 
 impl Active {
@@ -206,7 +209,11 @@ impl Engine {
         if std::mem::take(&mut self.panic_mid_batch) && !self.active.is_empty() {
             panic!("injected: the engine panics mid-batch");
         }
-        let stepped = self.step();
+        let stepped = if self.model.ranks.is_some() {
+            self.step_on_ranks()
+        } else {
+            self.step()
+        };
         clock.lap(self.metrics.as_ref(), EnginePhase::Step);
         self.retire();
         clock.lap(self.metrics.as_ref(), EnginePhase::Retire);
@@ -358,6 +365,15 @@ impl Engine {
             picked.iter().filter_map(|&i| slots[i].take()).collect();
         self.waiting.extend(slots.into_iter().flatten());
         for (mut job, span) in admitted {
+            if let Some(error) = self
+                .model
+                .ranks
+                .as_ref()
+                .and_then(|_| elastic::refusal(&job))
+            {
+                self.fail(job.job, error, span);
+                continue;
+            }
             let offered = match job.prompts.take().map(|slot| take_slot(&slot)) {
                 Some(Some(Err(message))) => {
                     let error = EngineJobError::from_model(ModelError::input("prompt", message));
@@ -413,6 +429,7 @@ impl Engine {
                         control_rows: Vec::new(),
                         step_control_s: 0.0,
                         control_s: control::Smoothed::default(),
+                        elastic: None,
                         capture: job.capture_key.map(|key| {
                             (
                                 CaptureSink::new(settings.format, settings.dtype),
@@ -532,8 +549,13 @@ impl Engine {
             m.queued.set(self.waiting.len() as i64);
             m.running.set(self.active.len() as i64);
         }
+        let (ranks, free_ranks) = self.model.ranks.as_ref().map_or((0, 0), |r| {
+            (r.pool.size() as u32, r.pool.free().len() as u32)
+        });
         if let Ok(mut s) = self.status.lock() {
             *s = EngineStatus {
+                ranks,
+                free_ranks,
                 running,
                 queued: self.waiting.len() as u32,
                 waiting,

@@ -173,6 +173,7 @@ impl Engine {
                     job_id: a.job.job_id.clone(),
                     step: step as u32,
                     total: total as u32,
+                    ranks: None,
                 });
             }
         }

@@ -77,6 +77,8 @@ pub enum EngineEvent {
         job_id: String,
         step: u32,
         total: u32,
+        /// Ranks the step ran on (elastic ranks only).
+        ranks: Option<u32>,
     },
     /// A capture job recorded its template's cache.
     Captured {
@@ -211,4 +213,7 @@ pub struct EngineStatus {
     /// Per ControlNet, what one steered job costs the step loop a step (smoothed).
     pub controlnet_step_s: Vec<ControlNetStepCost>,
     pub draining: bool,
+    /// Elastic ranks of the node, and how many have no step task now (0, 0 without ranks).
+    pub ranks: u32,
+    pub free_ranks: u32,
 }

@@ -37,6 +37,8 @@ impl Service {
                 .heartbeat_interval
                 .as_millis()
                 .min(u32::MAX.into()) as u32,
+            ranks: status.ranks,
+            free_ranks: status.free_ranks,
         }
     }
 

@@ -87,8 +87,9 @@ impl Service {
                     job_id,
                     step,
                     total,
+                    ranks,
                 } => {
-                    self.publish_event(&job_id, &JobEvent::Step { step, total })
+                    self.publish_event(&job_id, &JobEvent::Step { step, total, ranks })
                         .await;
                 }
                 EngineEvent::Captured {

@@ -54,7 +54,20 @@ pub fn harness_with_metrics(config: EngineConfig, metrics: Option<DenoiserMetric
 /// An engine on the model in `dir` (tests that compare two engines load one model folder: the
 /// random weights depend on the torch RNG, which tests running in parallel share).
 pub fn harness_on(dir: &Path, config: EngineConfig, metrics: Option<DenoiserMetrics>) -> Harness {
-    let model = EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), Some(64)).unwrap();
+    harness_of(load_model(dir), config, metrics)
+}
+
+/// The tiny model in `dir`, at 64x64.
+pub fn load_model(dir: &Path) -> EngineModel {
+    EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), Some(64)).unwrap()
+}
+
+/// An engine on `model`.
+pub fn harness_of(
+    model: EngineModel,
+    config: EngineConfig,
+    metrics: Option<DenoiserMetrics>,
+) -> Harness {
     let (tx, events) = mpsc::channel(256);
     let (engine, drained) = spawn_engine(model, config, 16, tx, metrics).unwrap();
     Harness {
@@ -81,6 +94,7 @@ pub async fn drain(h: &mut Harness, ids: &[&str]) -> (HashMap<String, Vec<u8>>, 
                 job_id,
                 step,
                 total,
+                ..
             } => log.push(format!("step {job_id} {step}/{total}")),
             EngineEvent::Finished {
                 job,

@@ -205,8 +205,12 @@ impl EventStream {
             Ok(JobEvent::Started { worker_id }) => {
                 self.push("started", json!({"worker_id": worker_id}))
             }
-            Ok(JobEvent::Step { step, total }) => {
-                self.push("step", json!({"step": step, "total": total}))
+            Ok(JobEvent::Step { step, total, ranks }) => {
+                let mut data = json!({"step": step, "total": total});
+                if let Some(ranks) = ranks {
+                    data["ranks"] = json!(ranks);
+                }
+                self.push("step", data)
             }
             Ok(JobEvent::Retrying { attempt, reason }) => {
                 self.push("retrying", json!({"attempt": attempt, "reason": reason}))

@@ -84,6 +84,8 @@ impl FakeWorker {
                             recent_steps: vec![],
                             controlnet_step_s: vec![],
                             interval_ms: 100,
+                            ranks: 0,
+                            free_ranks: 0,
                         };
                         let _ = client.publish(subjects::DENOISER_HEARTBEAT, encode(&hb).unwrap().into()).await;
                     }

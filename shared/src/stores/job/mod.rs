@@ -162,7 +162,7 @@ impl ProgressWrites {
             } => Some(Box::new(move |r| r.mark_queued_on(&worker_id, position))),
             JobEvent::Started { worker_id } => Some(Box::new(move |r| r.mark_running(&worker_id))),
             JobEvent::Retrying { attempt, .. } => Some(Box::new(move |r| r.mark_retrying(attempt))),
-            JobEvent::Step { step, total } => {
+            JobEvent::Step { step, total, .. } => {
                 if self
                     .last_step_write
                     .is_some_and(|t| now.duration_since(t) < PROGRESS_WRITE_INTERVAL)
@@ -444,7 +444,11 @@ mod tests {
         assert!(apply(&mut p, &mut r, started, t0));
         assert_eq!(r.state, JobState::Running);
         assert!(r.started_at_ms.is_some());
-        let step = |s| JobEvent::Step { step: s, total: 20 };
+        let step = |s| JobEvent::Step {
+            step: s,
+            total: 20,
+            ranks: None,
+        };
         assert!(apply(&mut p, &mut r, step(1), t0));
         assert!(!apply(
             &mut p,

@@ -1,0 +1,237 @@
+//! The engine's step loop on elastic ranks (`--ranks R`, [`crate::ranks`]): instead of one
+//! batched forward on its own model, each iteration takes the step tasks that ended on the
+//! ranks (their velocities step the jobs' states here), asks the node's elastic policy which
+//! ready jobs step next on how many ranks, and dispatches those tasks to groups of free ranks.
+//! Jobs step asynchronously, each at its own pace and degree, like in `diffmesh-sim`.
+use super::{Active, Engine, EngineEvent, EngineJob, EngineJobError};
+use crate::ranks::pool::TaskDone;
+use crate::ranks::ElasticRanks;
+use diffmesh_sched::elastic::policies::Ready;
+use diffmesh_shared::wire::messages::JobKind;
+use std::time::Duration;
+
+/// How long an iteration that dispatched nothing waits for a task to end (commands such as
+/// submits are handled between iterations).
+const TASK_WAIT: Duration = Duration::from_millis(5);
+
+/// Where a job stands on the ranks.
+#[derive(Debug, Clone)]
+pub(super) struct Placement {
+    /// Its step task in flight.
+    task: Option<u64>,
+    /// Ranks of its last (or running) step; empty before its first.
+    ranks: Vec<usize>,
+    class: usize,
+    /// On the policy's clock.
+    arrival: f64,
+    deadline: f64,
+}
+
+/// Why a node with elastic ranks does not run `job` (None: it does).
+pub(super) fn refusal(job: &EngineJob) -> Option<EngineJobError> {
+    let p = &job.job.params;
+    let field = if job.job.kind != JobKind::Generate {
+        "kind"
+    } else if job.lora.is_some() || !p.loras.is_empty() {
+        "params.loras"
+    } else if p.controlnet.is_some() || job.control_rgb.is_some() {
+        "params.controlnet"
+    } else {
+        return None;
+    };
+    Some(EngineJobError::Input(format!(
+        "{field}: this denoiser steps on elastic ranks (--ranks), which run plain and guided \
+         generations only"
+    )))
+}
+
+impl Engine {
+    /// One iteration on the ranks; whether anything stepped or started.
+    pub(super) fn step_on_ranks(&mut self) -> bool {
+        let Some(mut ranks) = self.model.ranks.take() else {
+            return false;
+        };
+        for a in self.active.iter_mut().filter(|a| a.elastic.is_none()) {
+            a.elastic = Some(place(&ranks, a));
+        }
+        let ended = ranks.pool.poll(Duration::ZERO);
+        let mut progressed = !ended.is_empty();
+        self.apply_ended(ended);
+        let started = self.start_ready(&mut ranks);
+        progressed |= started;
+        if !started {
+            let ended = ranks.pool.poll(TASK_WAIT);
+            progressed |= !ended.is_empty();
+            self.apply_ended(ended);
+        }
+        if let Some(m) = &self.metrics {
+            let busy = ranks.pool.size() - ranks.pool.free().len();
+            m.elastic.ranks_busy.set(busy as i64);
+        }
+        self.model.ranks = Some(ranks);
+        progressed
+    }
+
+    /// Step the jobs whose tasks ended with the velocities they brought.
+    fn apply_ended(&mut self, ended: Vec<TaskDone>) {
+        for done in ended {
+            let Some(a) = self.active.iter_mut().find(|a| {
+                a.elastic
+                    .as_ref()
+                    .is_some_and(|p| p.task == Some(done.task))
+            }) else {
+                continue; // cancelled or failed meanwhile
+            };
+            if let Some(p) = a.elastic.as_mut() {
+                p.task = None;
+            }
+            let stepped = done.outcome.and_then(|velocities| apply(a, velocities));
+            if let Err(e) = stepped {
+                a.failed.get_or_insert(EngineJobError::Model(e));
+                continue;
+            }
+            let (step, total) = a.states.first().map(|s| s.progress()).unwrap_or((0, 0));
+            let event = EngineEvent::Step {
+                job_id: a.job.job_id.clone(),
+                step: step as u32,
+                total: total as u32,
+                ranks: Some(done.ranks.len() as u32),
+            };
+            if let Some(m) = &self.metrics {
+                let degree = done.ranks.len().to_string();
+                m.elastic.steps.with_label_values(&[&degree]).inc();
+            }
+            self.emit(event);
+        }
+    }
+
+    /// Ask the policy about the ready jobs and dispatch what it chose; whether any started.
+    fn start_ready(&mut self, ranks: &mut ElasticRanks) -> bool {
+        let free = ranks.pool.free();
+        let ready: Vec<Ready> = self
+            .active
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| is_ready(a))
+            .map(|(id, a)| {
+                let p = a.elastic.as_ref().expect("placed above");
+                let (done, total) = a.states.first().map(|s| s.progress()).unwrap_or((0, 0));
+                Ready {
+                    id,
+                    class: p.class,
+                    arrival: p.arrival,
+                    deadline: p.deadline,
+                    // A step runs one forward per row (images x guidance branches).
+                    steps_left: ((total - done) * a.rows()) as u32,
+                    degree: p.ranks.len() as u32,
+                }
+            })
+            .collect();
+        if ready.is_empty() || free.is_empty() {
+            return false;
+        }
+        let mut chosen = ranks.decide(free.len() as u32, &ready);
+        if chosen.is_empty() && ranks.pool.in_flight() == 0 {
+            // A policy that starts nothing on idle ranks would stall the node.
+            chosen.push((ready[0].id, 1));
+        }
+        let mut free = free;
+        let mut started = false;
+        for (id, k) in chosen {
+            let k = k as usize;
+            let known = ready.iter().any(|r| r.id == id);
+            if !known || k == 0 || k > free.len() || !is_ready(&self.active[id]) {
+                tracing::warn!(
+                    id,
+                    k,
+                    free = free.len(),
+                    "the elastic policy's choice was refused"
+                );
+                continue;
+            }
+            let a = &mut self.active[id];
+            let p = a.elastic.as_mut().expect("placed above");
+            // Its last ranks first where free (no artifact moves on a GPU node), then the lowest.
+            let mut members: Vec<usize> = p
+                .ranks
+                .iter()
+                .copied()
+                .filter(|r| free.contains(r))
+                .take(k)
+                .collect();
+            for &r in &free {
+                if members.len() == k {
+                    break;
+                }
+                if !members.contains(&r) {
+                    members.push(r);
+                }
+            }
+            free.retain(|r| !members.contains(r));
+            let inputs: Result<Vec<_>, _> = a
+                .states
+                .iter()
+                .filter(|s| !s.is_done())
+                .map(|s| s.step_inputs())
+                .collect::<Result<Vec<_>, _>>()
+                .map(|rows| rows.into_iter().flatten().collect::<Vec<_>>());
+            let task = ranks.next_task_id();
+            let dispatched = inputs
+                .map_err(|e| e.to_string())
+                .and_then(|rows| ranks.pool.dispatch(task, &members, &rows));
+            if let Err(e) = dispatched {
+                a.failed = Some(EngineJobError::Model(e));
+                continue;
+            }
+            if let Some(m) = &self.metrics {
+                if !p.ranks.is_empty() && p.ranks.len() != k {
+                    m.elastic.degree_changes.inc();
+                }
+            }
+            p.task = Some(task);
+            p.ranks = members;
+            started = true;
+        }
+        started
+    }
+}
+
+fn is_ready(a: &Active) -> bool {
+    a.failed.is_none()
+        && !a.cancelled
+        && a.elastic.as_ref().is_some_and(|p| p.task.is_none())
+        && a.states.iter().any(|s| !s.is_done())
+}
+
+/// A newly admitted job's class, arrival and deadline on the policy's clock.
+fn place(ranks: &ElasticRanks, a: &Active) -> Placement {
+    let tokens = a.states.first().map_or(1, |s| s.image_tokens()) as f64;
+    let arrival = ranks.now();
+    Placement {
+        task: None,
+        ranks: Vec::new(),
+        class: ranks.class_of(tokens),
+        arrival,
+        deadline: a
+            .job
+            .params
+            .deadline_unix_ms
+            .map_or(f64::INFINITY, |ms| ranks.clock_of_unix_ms(ms)),
+    }
+}
+
+/// Step every unfinished state of `a` with its rows' velocities, in dispatch order.
+fn apply(a: &mut Active, velocities: Vec<diffmesh_model::tch::Tensor>) -> Result<(), String> {
+    let mut velocities = velocities.into_iter();
+    for s in a.states.iter_mut().filter(|s| !s.is_done()) {
+        let device = s.latents().device();
+        let rows = velocities
+            .by_ref()
+            .take(s.rows())
+            .map(|v| v.f_to_device(device))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        s.apply_velocities(rows).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}

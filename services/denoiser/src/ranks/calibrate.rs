@@ -1,0 +1,73 @@
+//! The node's own parallel-cost table, measured at start on its ranks: for each request size
+//! and each degree k (powers of two up to the ranks), the seconds of one step with **every
+//! rank busy** (ranks / k groups of k stepping at once), since that is what a step costs
+//! under load on ranks that share a machine (CPU ranks share its cores; GPU ranks their host
+//! links). The elastic policy plans with it, and `diffmesh-sim --elastic --cost FILE` reads
+//! the same table, so a live run and its simulation share one cost model.
+use super::pool::RankPool;
+use diffmesh_model::bench_inputs::random_inputs;
+use diffmesh_model::flux::FluxConfig;
+use diffmesh_sched::elastic::cost::{DegreeCost, MeasuredClass, MeasuredTable};
+use std::time::{Duration, Instant};
+
+/// One request size to measure: its name and image tokens per side.
+#[derive(Debug, Clone)]
+pub struct SizeToMeasure {
+    pub name: String,
+    pub token_side: i64,
+    /// Steps its requests take (the table's field; the policy reads each job's own).
+    pub steps: u32,
+}
+
+/// Measure `sizes` at every power-of-two degree up to the pool's ranks: one warm-up round,
+/// then the median of `repeats` rounds.
+pub fn measure(
+    pool: &mut RankPool,
+    cfg: &FluxConfig,
+    text_tokens: i64,
+    sizes: &[SizeToMeasure],
+    repeats: usize,
+) -> Result<MeasuredTable, String> {
+    let ranks = pool.size();
+    let mut classes = Vec::new();
+    let mut task = u64::MAX / 2;
+    for size in sizes {
+        let inputs = [random_inputs(cfg, size.token_side, text_tokens.max(1))];
+        let mut per_degree = Vec::new();
+        let mut k = 1;
+        while k <= ranks {
+            let mut rounds = Vec::new();
+            for _ in 0..=repeats.max(1) {
+                let started = Instant::now();
+                for g in 0..ranks / k {
+                    let members: Vec<usize> = (g * k..(g + 1) * k).collect();
+                    task += 1;
+                    pool.dispatch(task, &members, &inputs)?;
+                }
+                while pool.in_flight() > 0 {
+                    for done in pool.poll(Duration::from_secs(60)) {
+                        done.outcome?;
+                    }
+                }
+                rounds.push(started.elapsed().as_secs_f64());
+            }
+            rounds.remove(0); // the warm-up
+            rounds.sort_by(f64::total_cmp);
+            per_degree.push(DegreeCost {
+                degree: k as u32,
+                step_s: rounds[rounds.len() / 2],
+            });
+            k *= 2;
+        }
+        classes.push(MeasuredClass {
+            name: size.name.clone(),
+            image_tokens: (size.token_side * size.token_side) as f64,
+            steps: size.steps,
+            per_degree,
+        });
+    }
+    Ok(MeasuredTable {
+        label: format!("measured at start on this node's {ranks} ranks, every rank busy"),
+        classes,
+    })
+}

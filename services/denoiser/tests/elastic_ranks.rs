@@ -1,0 +1,213 @@
+//! A denoiser engine on elastic ranks (`--ranks`, issue 47): its images equal the one-device
+//! engine's, its policy shrinks a running job to admit others (visible in the step events and
+//! the metrics), and it refuses what ranks do not run with an error naming the field.
+mod common;
+
+use common::engine::{
+    harness_of, harness_on, load_model, max_abs_diff, submit, write_random_model, Harness,
+};
+use diffmesh_denoiser::engine::{EngineConfig, EngineEvent};
+use diffmesh_denoiser::metrics::DenoiserMetrics;
+use diffmesh_denoiser::ranks::ElasticSettings;
+use diffmesh_sched::elastic::cost::{DegreeCost, MeasuredClass, MeasuredTable};
+use diffmesh_shared::wire::lora::LoraRef;
+use diffmesh_shared::wire::messages::{DenoiseJob, TrueCfg};
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+/// Each test runs four rank threads beside the engine: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A table in which more ranks always make a step faster (so a job alone takes them all).
+fn more_is_faster() -> MeasuredTable {
+    let per_degree = [(1, 0.008), (2, 0.005), (4, 0.003)]
+        .into_iter()
+        .map(|(degree, step_s)| DegreeCost { degree, step_s })
+        .collect();
+    MeasuredTable {
+        label: "test".into(),
+        classes: vec![MeasuredClass {
+            name: "64px".into(),
+            image_tokens: 16.0,
+            steps: 0,
+            per_degree,
+        }],
+    }
+}
+
+fn ranked(dir: &Path, policy: &str, metrics: Option<DenoiserMetrics>) -> Harness {
+    let mut model = load_model(dir);
+    let settings = ElasticSettings {
+        ranks: 4,
+        policy: policy.into(),
+        sizes: vec![64],
+        threads_per_rank: 1,
+        calibration_repeats: 1,
+        table: Some(more_is_faster()),
+    };
+    model.start_ranks(dir, &settings).unwrap();
+    let config = EngineConfig {
+        max_batch: 8,
+        ..Default::default()
+    };
+    harness_of(model, config, metrics)
+}
+
+fn job(id: &str, seed: u64, steps: u32) -> DenoiseJob {
+    diffmesh_shared::testing::generation_job(id, "a red circle", seed, steps)
+}
+
+/// Images and step events (job, step, ranks) until every job in `ids` ended.
+async fn run(
+    h: &mut Harness,
+    ids: &[&str],
+) -> (
+    HashMap<String, Vec<Vec<u8>>>,
+    Vec<(String, u32, Option<u32>)>,
+) {
+    let (mut images, mut steps, mut left) = (HashMap::new(), Vec::new(), ids.len());
+    while left > 0 {
+        let event = tokio::time::timeout(Duration::from_secs(120), h.events.recv())
+            .await
+            .expect("engine stalled")
+            .expect("events open");
+        match event {
+            EngineEvent::Step {
+                job_id,
+                step,
+                ranks,
+                ..
+            } => steps.push((job_id, step, ranks)),
+            EngineEvent::Finished { job, images: i, .. } => {
+                images.insert(job.job_id, i);
+                left -= 1;
+            }
+            EngineEvent::Failed { job, error, .. } => panic!("{} failed: {error}", job.job_id),
+            _ => {}
+        }
+    }
+    (images, steps)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_on_ranks_equal_images_on_one_device() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    write_random_model(dir.path());
+    let mut guided = job("guided", 2, 3);
+    guided.params.true_cfg = Some(TrueCfg {
+        scale: 3.0,
+        negative_prompt: "blue".into(),
+    });
+    let mut two = job("two", 3, 3);
+    two.params.n = 2;
+    let jobs = [job("plain", 1, 4), guided, two];
+    let ids = ["plain", "guided", "two"];
+    let mut one = harness_on(dir.path(), EngineConfig::default(), None);
+    for j in &jobs {
+        submit(&one, j.clone(), None).await;
+    }
+    let (expected, _) = run(&mut one, &ids).await;
+    for policy in ["static-sp4", "static-sp2", "fcfs-elastic"] {
+        let mut h = ranked(dir.path(), policy, None);
+        for j in &jobs {
+            submit(&h, j.clone(), None).await;
+        }
+        let (got, steps) = run(&mut h, &ids).await;
+        assert!(
+            steps.iter().all(|(_, _, r)| r.is_some()),
+            "{policy}: {steps:?}"
+        );
+        if policy == "static-sp4" {
+            assert!(steps.iter().all(|(_, _, r)| *r == Some(4)), "{steps:?}");
+        }
+        for id in ids {
+            assert_eq!(got[id].len(), expected[id].len(), "{policy} {id}");
+            for (a, b) in got[id].iter().zip(&expected[id]) {
+                let diff = max_abs_diff(a, b);
+                assert!(diff <= 1, "{policy} {id}: pixels differ by {diff}");
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_policy_shrinks_a_running_job_to_admit_others() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    write_random_model(dir.path());
+    let registry = prometheus::Registry::new();
+    let metrics = DenoiserMetrics::new(&registry).unwrap();
+    let mut h = ranked(dir.path(), "fcfs-elastic", Some(metrics.clone()));
+    submit(&h, job("long", 1, 40), None).await;
+    // Once it runs alone (on every rank), three more arrive.
+    loop {
+        match h.events.recv().await.expect("events open") {
+            EngineEvent::Step { job_id, ranks, .. } => {
+                assert_eq!(
+                    (job_id.as_str(), ranks),
+                    ("long", Some(4)),
+                    "alone it takes all ranks"
+                );
+                break;
+            }
+            EngineEvent::Failed { error, .. } => panic!("{error}"),
+            _ => {}
+        }
+    }
+    for id in ["b", "c", "d"] {
+        submit(&h, job(id, 2, 6), None).await;
+    }
+    let (_, steps) = run(&mut h, &["long", "b", "c", "d"]).await;
+    let long: Vec<Option<u32>> = steps
+        .iter()
+        .filter(|s| s.0 == "long")
+        .map(|s| s.2)
+        .collect();
+    assert!(
+        long.contains(&Some(1)),
+        "it shrank to admit the others: {long:?}"
+    );
+    assert_eq!(
+        long.last(),
+        Some(&Some(4)),
+        "and grew back once alone: {long:?}"
+    );
+    assert!(metrics.elastic.degree_changes.get() >= 2);
+    for degree in ["1", "4"] {
+        assert!(
+            metrics.elastic.steps.with_label_values(&[degree]).get() > 0,
+            "degree {degree}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_refuse_what_they_do_not_run_naming_the_field() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    write_random_model(dir.path());
+    let mut h = ranked(dir.path(), "slo-elastic", None);
+    let mut with_lora = job("lora", 1, 2);
+    with_lora.params.loras = vec![LoraRef {
+        id: "style".into(),
+        scale: 1.0,
+    }];
+    submit(&h, with_lora, None).await;
+    let event = tokio::time::timeout(Duration::from_secs(60), h.events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    match event {
+        EngineEvent::Failed { error, .. } => {
+            assert!(error.to_string().starts_with("params.loras:"), "{error}");
+            assert_eq!(error.reason(), "invalid_input");
+        }
+        other => panic!("{other:?}"),
+    }
+    // A plain generation still runs.
+    submit(&h, job("plain", 1, 2), None).await;
+    let (images, _) = run(&mut h, &["plain"]).await;
+    assert_eq!(images["plain"].len(), 1);
+}
