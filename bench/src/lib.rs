@@ -8,6 +8,7 @@
 //! - [`mask_aware`]: FlashPS step latency with streamed cache loading, throughput at batch 8 and
 //!   quality (SSIM/PSNR) of mask-aware edits against full compute;
 //! - [`prompt_stage`]: text encoding on the step loop against on the denoiser's prompt stage;
+//! - [`elastic`]: a live run on elastic ranks against the simulator on the same arrivals;
 //! - [`lora`] (its own binary, `diffmesh-lora-bench`): LoRA switch costs and what bounded
 //!   asynchronous loading gives up in quality;
 //! - [`controlnet_service`] (its own binary, `diffmesh-controlnet-service-bench`): steered
@@ -21,6 +22,7 @@ pub mod codec_work;
 pub mod controlnet_service;
 pub mod disaggregation;
 pub mod driver;
+pub mod elastic;
 pub mod engine_steps;
 pub mod lora;
 pub mod mask_aware;

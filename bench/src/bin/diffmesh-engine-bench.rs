@@ -33,6 +33,9 @@ enum Part {
     /// Text encoding on the step loop against on the denoiser's prompt stage: the gaps between
     /// a running job's steps while new prompts arrive.
     PromptStage,
+    /// A live run on elastic ranks (`--ranks`) against `diffmesh-sim --elastic` on the same
+    /// arrivals (issue 47).
+    Elastic,
 }
 
 #[derive(Debug, Parser)]
@@ -167,6 +170,27 @@ struct Args {
     prompt_stage_short_steps: u32,
     #[arg(long, default_value = "250ms", value_parser = humantime::parse_duration)]
     prompt_stage_gap: std::time::Duration,
+    /// Elastic part: ranks, policy, class image sides (pixels) and weights, steps per request,
+    /// load (fraction of the ranks' SP1 capacity), deadline scale and seconds of arrivals.
+    #[arg(long, default_value_t = 4)]
+    elastic_ranks: usize,
+    #[arg(long, default_value = "slo-elastic")]
+    elastic_policy: String,
+    #[arg(long, value_delimiter = ',', default_values_t = [128, 192, 256])]
+    elastic_sizes: Vec<u32>,
+    #[arg(long, value_delimiter = ',', default_values_t = [0.6, 0.3, 0.1])]
+    elastic_mix: Vec<f64>,
+    #[arg(long, default_value_t = 8)]
+    elastic_steps: u32,
+    #[arg(long, default_value_t = 0.8)]
+    elastic_load: f64,
+    #[arg(long, default_value_t = 1.0)]
+    elastic_slo_scale: f64,
+    #[arg(long, default_value_t = 60.0)]
+    elastic_duration: f64,
+    /// Elastic part: where to write the ranks' measured step-cost table.
+    #[arg(long)]
+    elastic_cost_out: Option<PathBuf>,
 }
 
 /// `path` as given when it exists, else relative to the repository root.
@@ -381,6 +405,23 @@ async fn main() -> Result<()> {
             max_batch: args.max_batch,
         };
         prompt_stage::run(&opts, &mut report).await?;
+    }
+    if args.parts.contains(&Part::Elastic) {
+        let opts = diffmesh_benches::elastic::ElasticOptions {
+            model: engine_model.clone(),
+            ranks: args.elastic_ranks,
+            policy: args.elastic_policy.clone(),
+            sizes: args.elastic_sizes.clone(),
+            steps: args.elastic_steps,
+            mix: args.elastic_mix.clone(),
+            load: args.elastic_load,
+            slo_scale: args.elastic_slo_scale,
+            duration: args.elastic_duration,
+            seed: args.seed,
+            threads_per_rank: args.torch_threads,
+            cost_out: args.elastic_cost_out.clone(),
+        };
+        diffmesh_benches::elastic::run(&opts, &mut report).await?;
     }
     println!("{}", report.json_line());
     Ok(())

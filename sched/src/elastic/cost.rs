@@ -61,9 +61,22 @@ pub struct MeasuredClass {
     pub per_degree: Vec<DegreeCost>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DegreeCost {
     pub degree: u32,
+    /// Seconds of a step (with every rank busy, in the tables a node measures).
+    pub step_s: f64,
+    /// Where measured: seconds of a step by how many of the node's ranks are busy (this
+    /// step's included), ascending. Ranks that share a machine's cores (CPU ranks) step
+    /// faster while fewer of them run.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub by_busy_ranks: Vec<BusyCost>,
+}
+
+/// A step's seconds while `busy_ranks` ranks of the node are busy.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct BusyCost {
+    pub busy_ranks: u32,
     pub step_s: f64,
 }
 
@@ -141,6 +154,35 @@ impl StepCost {
             0.0
         };
         self.fixed_s + compute + comm
+    }
+
+    /// Seconds of one step of `class` at degree `k` while `busy_ranks` ranks of the node
+    /// are busy (its own included): from a table with `by_busy_ranks`, interpolated linearly
+    /// between the measured counts (CPU ranks contend for the cores); otherwise
+    /// [`StepCost::step_s`] (GPU ranks do not).
+    pub fn step_s_loaded(&self, class: &Class, k: u32, busy_ranks: u32) -> f64 {
+        let points = self.measured.as_ref().and_then(|table| {
+            let row = table.classes.iter().find(|c| c.name == class.name)?;
+            let d = row
+                .per_degree
+                .iter()
+                .filter(|d| d.degree <= k.max(1))
+                .max_by_key(|d| d.degree)?;
+            (!d.by_busy_ranks.is_empty()).then_some(&d.by_busy_ranks)
+        });
+        let Some(points) = points else {
+            return self.step_s(class, k);
+        };
+        let busy = f64::from(busy_ranks);
+        let at = |p: &BusyCost| f64::from(p.busy_ranks);
+        match points.iter().position(|p| at(p) >= busy) {
+            Some(0) => points[0].step_s,
+            Some(i) => {
+                let (a, b) = (&points[i - 1], &points[i]);
+                a.step_s + (b.step_s - a.step_s) * (busy - at(a)) / (at(b) - at(a)).max(1e-9)
+            }
+            None => points[points.len() - 1].step_s,
+        }
     }
 
     /// The degree (a power of two up to `max`) with the shortest step; more ranks beyond it
@@ -225,10 +267,21 @@ mod measured_tests {
                     DegreeCost {
                         degree: 1,
                         step_s: 1.0,
+                        by_busy_ranks: vec![
+                            BusyCost {
+                                busy_ranks: 1,
+                                step_s: 0.5,
+                            },
+                            BusyCost {
+                                busy_ranks: 3,
+                                step_s: 0.9,
+                            },
+                        ],
                     },
                     DegreeCost {
                         degree: 2,
                         step_s: 0.6,
+                        by_busy_ranks: Vec::new(),
                     },
                 ],
             }],
@@ -243,5 +296,15 @@ mod measured_tests {
             "past the table: the largest measured"
         );
         assert_eq!(cost.best_degree(&classes[0], 8), 2);
+        // Loaded: interpolated between the measured busy counts, clamped outside them.
+        let c = &classes[0];
+        assert_eq!(cost.step_s_loaded(c, 1, 1), 0.5);
+        assert!((cost.step_s_loaded(c, 1, 2) - 0.7).abs() < 1e-12);
+        assert_eq!(cost.step_s_loaded(c, 1, 4), 0.9);
+        assert_eq!(
+            cost.step_s_loaded(c, 2, 2),
+            0.6,
+            "none measured: the busy figure"
+        );
     }
 }

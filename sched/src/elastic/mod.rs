@@ -2,7 +2,9 @@
 //! classes arrive on `G` ranks; at every arrival and step completion the policy
 //! ([`policies::ElasticPolicy`], the trait a node's live ranks will use too) decides which
 //! ready tasks step next and on how many ranks; steps take what the parallel-cost model
-//! ([`cost::StepCost`]) says. A request whose degree changes between steps pays a latents
+//! ([`cost::StepCost`]) says; where the cost depends on how many ranks are busy (CPU ranks
+//! sharing cores, [`cost::StepCost::step_s_loaded`]) a running step advances at the pace of
+//! the ranks busy at each moment, re-evaluated at every event. A request whose degree changes between steps pays a latents
 //! migration (small: they are replicated; [`MIGRATION_S`]).
 //!
 //! `diffmesh-sim --elastic ...` ([`cli`]) runs it and prints `slo_attainment`,
@@ -10,9 +12,6 @@
 pub mod cli;
 pub mod cost;
 pub mod policies;
-
-use std::cmp::Ordering;
-use std::collections::BinaryHeap;
 
 use cost::{Class, StepCost};
 use policies::{ElasticPolicy, Ready, View};
@@ -109,22 +108,17 @@ pub struct Outcome {
     pub degree_changes: u64,
     /// Steps run at each degree (index: log2 of the degree).
     pub steps_by_degree: Vec<u64>,
+    /// Mean seconds of those steps, by degree (index: log2 of the degree; 0 where none ran).
+    pub mean_step_s_by_degree: Vec<f64>,
 }
 
-/// A step completion, earliest first in the heap.
-#[derive(Debug, PartialEq)]
-struct Done(f64, usize);
-
-impl Eq for Done {}
-impl PartialOrd for Done {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Done {
-    fn cmp(&self, other: &Self) -> Ordering {
-        other.0.total_cmp(&self.0).then(other.1.cmp(&self.1))
-    }
+/// A step running on `k` ranks: the fraction of it still to run.
+#[derive(Debug, Clone)]
+struct Running {
+    id: usize,
+    k: u32,
+    left: f64,
+    started: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -152,25 +146,45 @@ pub fn simulate(
             done_at: None,
         })
         .collect();
-    let mut heap = BinaryHeap::new();
+    let mut running: Vec<Running> = Vec::new();
     let (mut next_arrival, mut ready, mut busy) = (0usize, Vec::<usize>::new(), 0u32);
-    let (mut changes, mut by_degree) = (0u64, vec![0u64; 8]);
+    let (mut changes, mut by_degree, mut step_sums) = (0u64, vec![0u64; 8], vec![0.0f64; 8]);
+    let mut now = 0.0;
+    // Seconds a whole step of `r` takes at the ranks busy now.
+    let pace =
+        |r: &Running, busy: u32| cost.step_s_loaded(&classes[requests[r.id].class], r.k, busy);
     loop {
-        // The next event: an arrival or a step completion.
+        // The next event: an arrival or a step completion (each running step advancing at
+        // the pace the ranks busy now allow).
         let arrival = requests.get(next_arrival).map(|r| r.arrival);
-        let completion = heap.peek().map(|d: &Done| d.0);
-        let now = match (arrival, completion) {
+        let completion = running
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (now + r.left * pace(r, busy), i))
+            .min_by(|a, b| a.0.total_cmp(&b.0));
+        let (next, ending) = match (arrival, completion) {
             (None, None) => break,
-            (Some(a), Some(c)) => a.min(c),
-            (Some(a), None) => a,
-            (None, Some(c)) => c,
+            (Some(a), Some((c, i))) if c <= a => (c, Some(i)),
+            (Some(a), _) => (a, None),
+            (None, Some((c, i))) => (c, Some(i)),
         };
+        for r in &mut running {
+            r.left -= (next - now) / pace(r, busy);
+        }
+        if let Some(i) = ending {
+            running[i].left = 0.0;
+        }
+        now = next;
         while requests.get(next_arrival).is_some_and(|r| r.arrival <= now) {
             ready.push(next_arrival);
             next_arrival += 1;
         }
-        while heap.peek().is_some_and(|d| d.0 <= now) {
-            let Done(_, id) = heap.pop().expect("peeked");
+        let (ended, still): (Vec<Running>, Vec<Running>) =
+            running.drain(..).partition(|r| r.left <= 1e-9);
+        running = still;
+        for r in ended {
+            let id = r.id;
+            step_sums[(r.k.trailing_zeros() as usize).min(7)] += now - r.started;
             let s = &mut state[id];
             s.running = false;
             s.steps_left -= 1;
@@ -221,6 +235,7 @@ pub fn simulate(
             // A policy that starts nothing on an idle machine would stall the run.
             chosen.push((ready[0], 1));
         }
+        let mut started = Vec::new();
         for (id, k) in chosen {
             let s = &mut state[id];
             if s.running {
@@ -232,9 +247,19 @@ pub fn simulate(
             s.running = true;
             busy += k;
             by_degree[(k.trailing_zeros() as usize).min(7)] += 1;
-            let step = cost.step_s(&classes[requests[id].class], k)
-                + if moved { MIGRATION_S } else { 0.0 };
-            heap.push(Done(now + step, id));
+            started.push((id, k, moved));
+        }
+        for (id, k, moved) in started {
+            let mut r = Running {
+                id,
+                k,
+                left: 1.0,
+                started: now,
+            };
+            if moved {
+                r.left += MIGRATION_S / pace(&r, busy);
+            }
+            running.push(r);
         }
         ready.retain(|&r| !state[r].running);
     }
@@ -263,6 +288,11 @@ pub fn simulate(
             .unwrap_or(0.0),
         throughput: latencies.len() as f64 / (last - first).max(1e-9),
         degree_changes: changes,
+        mean_step_s_by_degree: step_sums
+            .iter()
+            .zip(&by_degree)
+            .map(|(s, &n)| if n > 0 { s / n as f64 } else { 0.0 })
+            .collect(),
         steps_by_degree: by_degree,
     }
 }

@@ -23,7 +23,11 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 fn more_is_faster() -> MeasuredTable {
     let per_degree = [(1, 0.008), (2, 0.005), (4, 0.003)]
         .into_iter()
-        .map(|(degree, step_s)| DegreeCost { degree, step_s })
+        .map(|(degree, step_s)| DegreeCost {
+            degree,
+            step_s,
+            by_busy_ranks: Vec::new(),
+        })
         .collect();
     MeasuredTable {
         label: "test".into(),

@@ -100,6 +100,10 @@ impl Engine {
             if let Some(m) = &self.metrics {
                 let degree = done.ranks.len().to_string();
                 m.elastic.steps.with_label_values(&[&degree]).inc();
+                m.elastic
+                    .step_seconds
+                    .with_label_values(&[&degree])
+                    .observe(done.seconds);
             }
             self.emit(event);
         }

@@ -2,12 +2,13 @@
 //! and each degree k (powers of two up to the ranks), the seconds of one step with **every
 //! rank busy** (ranks / k groups of k stepping at once), since that is what a step costs
 //! under load on ranks that share a machine (CPU ranks share its cores; GPU ranks their host
-//! links). The elastic policy plans with it, and `diffmesh-sim --elastic --cost FILE` reads
+//! links), and with 1, 2, ... groups of k busy, by which the simulator costs each step for
+//! the ranks busy when it starts. The elastic policy plans with it, and `diffmesh-sim --elastic --cost FILE` reads
 //! the same table, so a live run and its simulation share one cost model.
 use super::pool::RankPool;
 use diffmesh_model::bench_inputs::random_inputs;
 use diffmesh_model::flux::FluxConfig;
-use diffmesh_sched::elastic::cost::{DegreeCost, MeasuredClass, MeasuredTable};
+use diffmesh_sched::elastic::cost::{BusyCost, DegreeCost, MeasuredClass, MeasuredTable};
 use std::time::{Duration, Instant};
 
 /// One request size to measure: its name and image tokens per side.
@@ -17,6 +18,36 @@ pub struct SizeToMeasure {
     pub token_side: i64,
     /// Steps its requests take (the table's field; the policy reads each job's own).
     pub steps: u32,
+}
+
+/// The median seconds of a round of `groups` groups of `k` ranks stepping at once, after one
+/// warm-up round.
+fn median_round(
+    pool: &mut RankPool,
+    inputs: &[diffmesh_model::flux::FluxInputs],
+    k: usize,
+    groups: usize,
+    repeats: usize,
+    task: &mut u64,
+) -> Result<f64, String> {
+    let mut rounds = Vec::new();
+    for _ in 0..=repeats.max(1) {
+        let started = Instant::now();
+        for g in 0..groups {
+            let members: Vec<usize> = (g * k..(g + 1) * k).collect();
+            *task += 1;
+            pool.dispatch(*task, &members, inputs)?;
+        }
+        while pool.in_flight() > 0 {
+            for done in pool.poll(Duration::from_secs(60)) {
+                done.outcome?;
+            }
+        }
+        rounds.push(started.elapsed().as_secs_f64());
+    }
+    rounds.remove(0); // the warm-up
+    rounds.sort_by(f64::total_cmp);
+    Ok(rounds[rounds.len() / 2])
 }
 
 /// Measure `sizes` at every power-of-two degree up to the pool's ranks: one warm-up round,
@@ -36,26 +67,17 @@ pub fn measure(
         let mut per_degree = Vec::new();
         let mut k = 1;
         while k <= ranks {
-            let mut rounds = Vec::new();
-            for _ in 0..=repeats.max(1) {
-                let started = Instant::now();
-                for g in 0..ranks / k {
-                    let members: Vec<usize> = (g * k..(g + 1) * k).collect();
-                    task += 1;
-                    pool.dispatch(task, &members, &inputs)?;
-                }
-                while pool.in_flight() > 0 {
-                    for done in pool.poll(Duration::from_secs(60)) {
-                        done.outcome?;
-                    }
-                }
-                rounds.push(started.elapsed().as_secs_f64());
+            let mut by_busy_ranks = Vec::new();
+            for groups in 1..=ranks / k {
+                by_busy_ranks.push(BusyCost {
+                    busy_ranks: (groups * k) as u32,
+                    step_s: median_round(pool, &inputs, k, groups, repeats, &mut task)?,
+                });
             }
-            rounds.remove(0); // the warm-up
-            rounds.sort_by(f64::total_cmp);
             per_degree.push(DegreeCost {
                 degree: k as u32,
-                step_s: rounds[rounds.len() / 2],
+                step_s: by_busy_ranks.last().map_or(0.0, |b| b.step_s),
+                by_busy_ranks,
             });
             k *= 2;
         }
