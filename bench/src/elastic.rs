@@ -60,7 +60,9 @@ pub async fn run(opts: &ElasticOptions, report: &mut Report) -> Result<()> {
         policy: opts.policy.clone(),
         sizes: opts.sizes.clone(),
         threads_per_rank: opts.threads_per_rank,
-        calibration_repeats: 3,
+        // More rounds than a denoiser's start takes: the comparison is only as good as the
+        // table both runs use.
+        calibration_repeats: 8,
         table: None,
     };
     let dir = opts.model.dir.clone();

@@ -95,6 +95,9 @@ pub fn fill_worker_state(
 ) {
     let shape = &models.shape;
     let hb = w.heartbeat;
+    // A node with elastic ranks steps its jobs side by side on them: costed as one device
+    // that many times as fast (how it spreads them over its ranks is its own policy's call).
+    let step_time_factor = step_time_factor / f64::from(hb.ranks.max(1));
     out.alive = !hb.draining;
     out.limits = BatchLimits {
         max_batch: hb.max_batch,
@@ -365,6 +368,7 @@ pub(crate) mod tests {
         hb.queued = 3;
         hb.cached_templates = vec!["t".into()];
         hb.cached_loras = vec!["style".into()];
+        let observed = hb.clone();
         reg.observe(hb, t0);
         let mut ws = WorkerState::idle(BatchLimits::default());
         fill_worker_state(reg.live().next().unwrap(), &models(), 1.0, t0, &mut ws);
@@ -406,6 +410,15 @@ pub(crate) mod tests {
         let remaining: Vec<u32> = ws.running.iter().map(|r| r.remaining_steps).collect();
         assert_eq!(remaining, vec![3, 1]);
         assert_eq!(ws.step_time_factor, 2.5);
+        // The same worker with 4 elastic ranks runs its steps 4x as fast: 10 steps by now.
+        let mut ranked = observed;
+        ranked.ranks = 4;
+        let mut reg4 = WorkerRegistry::new(policy());
+        reg4.observe(ranked, t0);
+        fill_worker_state(reg4.live().next().unwrap(), &models(), 1.0, later, &mut ws);
+        assert_eq!(ws.step_time_factor, 0.25);
+        let remaining: Vec<u32> = ws.running.iter().map(|r| r.remaining_steps).collect();
+        assert_eq!(remaining, vec![0, 0]);
     }
 
     #[test]

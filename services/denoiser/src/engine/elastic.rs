@@ -8,6 +8,7 @@ use crate::ranks::pool::TaskDone;
 use crate::ranks::ElasticRanks;
 use diffmesh_sched::elastic::policies::Ready;
 use diffmesh_shared::wire::messages::JobKind;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
 /// How long an iteration that dispatched nothing waits for a task to end (commands such as
@@ -51,13 +52,21 @@ impl Engine {
         let Some(mut ranks) = self.model.ranks.take() else {
             return false;
         };
+        // A panic here restarts the engine (`actor`): the ranks go back first, so the next
+        // engine steps on them too (tasks of the jobs that failed end unclaimed).
+        let stepped = catch_unwind(AssertUnwindSafe(|| self.iterate_ranks(&mut ranks)));
+        self.model.ranks = Some(ranks);
+        stepped.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    }
+
+    fn iterate_ranks(&mut self, ranks: &mut ElasticRanks) -> bool {
         for a in self.active.iter_mut().filter(|a| a.elastic.is_none()) {
-            a.elastic = Some(place(&ranks, a));
+            a.elastic = Some(place(ranks, a));
         }
         let ended = ranks.pool.poll(Duration::ZERO);
         let mut progressed = !ended.is_empty();
         self.apply_ended(ended);
-        let started = self.start_ready(&mut ranks);
+        let started = self.start_ready(ranks);
         progressed |= started;
         if !started {
             let ended = ranks.pool.poll(TASK_WAIT);
@@ -68,7 +77,6 @@ impl Engine {
             let busy = ranks.pool.size() - ranks.pool.free().len();
             m.elastic.ranks_busy.set(busy as i64);
         }
-        self.model.ranks = Some(ranks);
         progressed
     }
 

@@ -9,7 +9,7 @@ use super::pool::RankPool;
 use diffmesh_model::bench_inputs::random_inputs;
 use diffmesh_model::flux::FluxConfig;
 use diffmesh_sched::elastic::cost::{BusyCost, DegreeCost, MeasuredClass, MeasuredTable};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// One request size to measure: its name and image tokens per side.
 #[derive(Debug, Clone)]
@@ -20,8 +20,8 @@ pub struct SizeToMeasure {
     pub steps: u32,
 }
 
-/// The median seconds of a round of `groups` groups of `k` ranks stepping at once, after one
-/// warm-up round.
+/// The median seconds of a step task (dispatch to its last member's end) while `groups`
+/// groups of `k` ranks step at once, over `repeats` rounds after one warm-up round.
 fn median_round(
     pool: &mut RankPool,
     inputs: &[diffmesh_model::flux::FluxInputs],
@@ -30,9 +30,8 @@ fn median_round(
     repeats: usize,
     task: &mut u64,
 ) -> Result<f64, String> {
-    let mut rounds = Vec::new();
-    for _ in 0..=repeats.max(1) {
-        let started = Instant::now();
+    let mut seconds = Vec::new();
+    for round in 0..=repeats.max(1) {
         for g in 0..groups {
             let members: Vec<usize> = (g * k..(g + 1) * k).collect();
             *task += 1;
@@ -41,13 +40,14 @@ fn median_round(
         while pool.in_flight() > 0 {
             for done in pool.poll(Duration::from_secs(60)) {
                 done.outcome?;
+                if round > 0 {
+                    seconds.push(done.seconds);
+                }
             }
         }
-        rounds.push(started.elapsed().as_secs_f64());
     }
-    rounds.remove(0); // the warm-up
-    rounds.sort_by(f64::total_cmp);
-    Ok(rounds[rounds.len() / 2])
+    seconds.sort_by(f64::total_cmp);
+    Ok(seconds[seconds.len() / 2])
 }
 
 /// Measure `sizes` at every power-of-two degree up to the pool's ranks: one warm-up round,
