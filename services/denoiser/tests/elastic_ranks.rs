@@ -215,3 +215,62 @@ async fn ranks_refuse_what_they_do_not_run_naming_the_field() {
     let (images, _) = run(&mut h, &["plain"]).await;
     assert_eq!(images["plain"].len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guided_step_runs_its_rows_on_the_two_halves_of_an_even_group() {
+    use diffmesh_denoiser::ranks::pool::RankPool;
+    use diffmesh_model::pipeline::stepper::{DenoiseState, StepRequest, TrueCfg as Guidance};
+    use diffmesh_model::tch::{Device, Kind};
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    write_random_model(dir.path());
+    let model = load_model(dir.path());
+    let p = model.pipeline();
+    let request = StepRequest {
+        prompt: "a red circle".into(),
+        seed: 3,
+        height: 64,
+        width: 64,
+        steps: 2,
+        guidance_scale: 1.0,
+        edit: None,
+        control: None,
+        true_cfg: Some(Guidance {
+            negative_prompt: "blue".into(),
+            scale: 3.0,
+        }),
+    };
+    let rows = DenoiseState::new(&p, &request)
+        .unwrap()
+        .step_inputs()
+        .unwrap();
+    assert_eq!(rows.len(), 2);
+    let expected: Vec<_> = rows
+        .iter()
+        .map(|x| diffmesh_model::tch::no_grad(|| p.transformer.forward(x)).unwrap())
+        .collect();
+    let transformer = dir.path().join("transformer");
+    let mut pool = RankPool::start(&transformer, 4, Device::Cpu, Kind::Float, 1).unwrap();
+    for (task, members) in [vec![0, 1], vec![3, 1, 2, 0], vec![2], vec![0, 1, 2]]
+        .into_iter()
+        .enumerate()
+    {
+        pool.dispatch(task as u64, &members, &rows).unwrap();
+        let done = loop {
+            if let Some(done) = pool.poll(Duration::from_secs(60)).pop() {
+                break done;
+            }
+        };
+        let velocities = done.outcome.unwrap();
+        for (got, want) in velocities.iter().zip(&expected) {
+            let diff = got.f_sub(want).unwrap().abs().max().double_value(&[]);
+            assert!(diff < 1e-4, "ranks {members:?}: {diff}");
+        }
+        assert_eq!(pool.free().len(), 4, "every rank is free again");
+    }
+    assert_eq!(
+        pool.cfg_split_tasks(),
+        2,
+        "the groups of 2 and 4 ranks split the rows"
+    );
+}

@@ -1,8 +1,10 @@
 //! A node's ranks with a transformer replica each (GF-DiT's workers): a step task runs on a
 //! group of free ranks, every member computing its share of a sequence-parallel forward over
 //! the group-free collectives of `diffmesh-parallel`, and the group's first member handing
-//! back the velocities. The engine thread dispatches tasks in one order, so two ranks always
-//! meet their shared collectives in the same order (each rank runs its queue in order).
+//! back the velocities. A guided step's two rows on an even group run side by side, one per
+//! half (CFG parallelism). The engine thread dispatches tasks in one order, so two ranks
+//! always meet their shared collectives in the same order (each rank runs its queue in
+//! order).
 use diffmesh_model::flux::sequence_parallel::SequenceParallel;
 use diffmesh_model::flux::{FluxConfig, FluxInputs, FluxTransformer};
 use diffmesh_model::tch::nn::VarStore;
@@ -25,15 +27,16 @@ struct Replica {
 /// What a member of a task's group reports when it is done with it.
 struct RankReport {
     task: u64,
-    /// The velocities (the group's first member), or this member's error; None: another
-    /// member reports them.
-    outcome: Option<Result<Vec<Tensor>, String>>,
+    /// The velocities of its group's rows, by row index (the group's first member), or this
+    /// member's error; None: another member reports them.
+    outcome: Option<Result<Vec<(usize, Tensor)>, String>>,
 }
 
 struct Pending {
     members: Vec<usize>,
     left: usize,
-    outcome: Option<Result<Vec<Tensor>, String>>,
+    rows: Vec<Option<Tensor>>,
+    error: Option<String>,
     started: Instant,
 }
 
@@ -57,6 +60,7 @@ pub struct RankPool {
     reports_tx: mpsc::Sender<RankReport>,
     reports: mpsc::Receiver<RankReport>,
     pending: HashMap<u64, Pending>,
+    cfg_split_tasks: u64,
 }
 
 /// The device of rank `rank` on a node whose model sits on `device`.
@@ -122,6 +126,7 @@ impl RankPool {
             reports_tx,
             reports,
             pending: HashMap::new(),
+            cfg_split_tasks: 0,
         })
     }
 
@@ -154,7 +159,10 @@ impl RankPool {
     }
 
     /// Run a forward per row of `inputs` on the free ranks `members` (group order), as task
-    /// `task`; its end comes from [`RankPool::poll`].
+    /// `task`; its end comes from [`RankPool::poll`]. A guided step's two rows on an even
+    /// group run side by side, one on each half (Katz's latent parallelism: CFG parallel),
+    /// each half splitting its row by sequence; otherwise the whole group takes the rows in
+    /// turn.
     pub fn dispatch(
         &mut self,
         task: u64,
@@ -170,51 +178,70 @@ impl RankPool {
         if self.pending.contains_key(&task) {
             return Err(format!("task {task} is already running"));
         }
-        let (id, how) = (self.next_group, self.split_for(members.len()));
-        self.next_group += 1;
-        for &rank in members {
-            let group = Group::new(id, members, rank, world).map_err(|e| e.to_string())?;
-            let rows: Vec<FluxInputs> = inputs.iter().map(shallow).collect();
-            let (replica, tx) = (self.replicas[rank].clone(), self.reports_tx.clone());
-            self.ranks.submit(rank, move |endpoint| {
-                let run = || -> Result<Vec<Tensor>, String> {
-                    let guard = replica.lock().unwrap_or_else(|p| p.into_inner());
-                    let replica = guard.as_ref().ok_or("the rank holds no model")?;
-                    tch::no_grad(|| {
-                        rows.iter()
-                            .map(|x| {
-                                let x = to_device(x, replica.device)?;
-                                if group.size() == 1 {
-                                    replica.model.forward(&x)
-                                } else {
-                                    replica
-                                        .model
-                                        .forward_sequence_parallel(&x, endpoint, &group, how)
-                                }
-                            })
-                            .collect::<Result<Vec<Tensor>, _>>()
-                    })
-                    .map_err(|e| e.to_string())
-                };
-                let outcome = match catch_unwind(AssertUnwindSafe(run)) {
-                    Ok(Ok(velocities)) => (group.position == 0).then_some(Ok(velocities)),
-                    Ok(Err(e)) => Some(Err(e)),
-                    Err(p) => Some(Err(format!("rank {rank} panicked: {}", panic_message(p)))),
-                };
-                let _ = tx.send(RankReport { task, outcome });
-            });
-            self.busy[rank] = true;
+        let cfg_split = inputs.len() == 2 && members.len().is_multiple_of(2);
+        // (ranks, row indices) per group of this task.
+        let parts: Vec<(&[usize], Vec<usize>)> = if cfg_split {
+            let (first, second) = members.split_at(members.len() / 2);
+            vec![(first, vec![0]), (second, vec![1])]
+        } else {
+            vec![(members, (0..inputs.len()).collect())]
+        };
+        self.cfg_split_tasks += u64::from(cfg_split);
+        for (group_ranks, rows) in parts {
+            let (id, how) = (self.next_group, self.split_for(group_ranks.len()));
+            self.next_group += 1;
+            for &rank in group_ranks {
+                let group = Group::new(id, group_ranks, rank, world).map_err(|e| e.to_string())?;
+                let mine: Vec<(usize, FluxInputs)> =
+                    rows.iter().map(|&i| (i, shallow(&inputs[i]))).collect();
+                let (replica, tx) = (self.replicas[rank].clone(), self.reports_tx.clone());
+                self.ranks.submit(rank, move |endpoint| {
+                    let run = || -> Result<Vec<(usize, Tensor)>, String> {
+                        let guard = replica.lock().unwrap_or_else(|p| p.into_inner());
+                        let replica = guard.as_ref().ok_or("the rank holds no model")?;
+                        tch::no_grad(|| {
+                            mine.iter()
+                                .map(|(i, x)| {
+                                    let x = to_device(x, replica.device)?;
+                                    let v = if group.size() == 1 {
+                                        replica.model.forward(&x)?
+                                    } else {
+                                        replica
+                                            .model
+                                            .forward_sequence_parallel(&x, endpoint, &group, how)?
+                                    };
+                                    Ok((*i, v))
+                                })
+                                .collect::<Result<Vec<_>, diffmesh_model::ModelError>>()
+                        })
+                        .map_err(|e| e.to_string())
+                    };
+                    let outcome = match catch_unwind(AssertUnwindSafe(run)) {
+                        Ok(Ok(velocities)) => (group.position == 0).then_some(Ok(velocities)),
+                        Ok(Err(e)) => Some(Err(e)),
+                        Err(p) => Some(Err(format!("rank {rank} panicked: {}", panic_message(p)))),
+                    };
+                    let _ = tx.send(RankReport { task, outcome });
+                });
+                self.busy[rank] = true;
+            }
         }
         self.pending.insert(
             task,
             Pending {
                 members: members.to_vec(),
                 left: members.len(),
-                outcome: None,
+                rows: inputs.iter().map(|_| None).collect(),
+                error: None,
                 started: Instant::now(),
             },
         );
         Ok(())
+    }
+
+    /// Tasks whose guided rows ran side by side on the two halves of their group.
+    pub fn cfg_split_tasks(&self) -> u64 {
+        self.cfg_split_tasks
     }
 
     /// The tasks that ended: waits up to `wait` for the first report when none is in yet.
@@ -232,25 +259,36 @@ impl RankPool {
                 continue;
             };
             p.left -= 1;
-            match (&p.outcome, report.outcome) {
-                // The first error wins; a member's error beats the leader's velocities.
-                (Some(Err(_)), _) | (_, None) => {}
-                (_, Some(outcome)) => {
-                    if p.outcome.is_none() || outcome.is_err() {
-                        p.outcome = Some(outcome);
+            match report.outcome {
+                Some(Ok(rows)) => {
+                    for (i, v) in rows {
+                        if let Some(slot) = p.rows.get_mut(i) {
+                            *slot = Some(v);
+                        }
                     }
                 }
+                // The first error wins.
+                Some(Err(e)) => {
+                    p.error.get_or_insert(e);
+                }
+                None => {}
             }
             if p.left == 0 {
                 let p = self.pending.remove(&report.task).expect("found above");
                 for &r in &p.members {
                     self.busy[r] = false;
                 }
+                let outcome = match p.error {
+                    Some(e) => Err(e),
+                    None => p
+                        .rows
+                        .into_iter()
+                        .collect::<Option<Vec<Tensor>>>()
+                        .ok_or_else(|| "a row's velocity never came back".to_string()),
+                };
                 done.push(TaskDone {
                     task: report.task,
-                    outcome: p
-                        .outcome
-                        .unwrap_or_else(|| Err("no member returned the velocities".into())),
+                    outcome,
                     seconds: p.started.elapsed().as_secs_f64(),
                     ranks: p.members,
                 });
