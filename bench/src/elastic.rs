@@ -250,36 +250,8 @@ fn note(
 
 /// The live run in the simulator's terms (its percentile, attainment and throughput).
 fn outcome(policy: &str, requests: &[Request], latencies: &HashMap<usize, f64>) -> Outcome {
-    let mut sorted: Vec<f64> = latencies.values().copied().collect();
-    sorted.sort_by(f64::total_cmp);
-    let met = requests
-        .iter()
-        .enumerate()
-        .filter(|(i, r)| {
-            latencies
-                .get(i)
-                .is_some_and(|l| *l <= r.deadline - r.arrival)
-        })
-        .count();
-    let last = requests
-        .iter()
-        .enumerate()
-        .filter_map(|(i, r)| latencies.get(&i).map(|l| r.arrival + l))
-        .fold(0.0, f64::max);
-    let first = requests.first().map_or(0.0, |r| r.arrival);
-    let n = requests.len().max(1) as f64;
-    Outcome {
-        policy: policy.into(),
-        requests: requests.len(),
-        slo_attainment: met as f64 / n,
-        mean_latency: sorted.iter().sum::<f64>() / sorted.len().max(1) as f64,
-        p95: sorted
-            .get(((sorted.len() as f64 * 0.95).ceil() as usize).saturating_sub(1))
-            .copied()
-            .unwrap_or(0.0),
-        throughput: sorted.len() as f64 / (last - first).max(1e-9),
-        degree_changes: 0,
-        steps_by_degree: Vec::new(),
-        mean_step_s_by_degree: Vec::new(),
-    }
+    let done_at: Vec<Option<f64>> = (0..requests.len())
+        .map(|i| latencies.get(&i).map(|l| requests[i].arrival + l))
+        .collect();
+    Outcome::of_completions(policy.into(), requests, &done_at)
 }

@@ -1,5 +1,5 @@
-//! GF-DiT's parallel runtime (issue 47), first part: a node's ranks, logical execution groups
-//! and group-free collectives.
+//! GF-DiT's parallel runtime (issue 47): a node's ranks, logical execution groups and
+//! group-free collectives.
 //!
 //! - [`ranks`]: one worker per rank (threads here on the CPU), each running its work in
 //!   submission order.
@@ -11,11 +11,11 @@
 //! - [`collectives`]: all-gather, all-to-all, reduce-scatter, send/recv and barrier on any
 //!   group, staged in chunks.
 //!
-//! The Flux forward split over a group by sequence uses these collectives
-//! (`diffmesh_model::flux::sequence_parallel`). Still to come (issue 47): ring attention, CFG
-//! parallelism, trajectory tasks with execution layouts chosen by a policy, artifact
-//! migration, and a GPU backend (CUDA IPC or NCCL through cudarc) behind the same
-//! [`collectives::Collectives`] trait.
+//! The Flux forward split over a group by sequence (Ulysses, ring attention) and CFG
+//! parallelism use these collectives (`diffmesh_model::flux::sequence_parallel`,
+//! `cfg_parallel`, `elastic`), and the denoiser's elastic ranks (`--ranks`) run every
+//! denoising step on a group its policy forms. Still to come: a GPU backend (CUDA IPC or NCCL
+//! through cudarc) behind the same [`collectives::Collectives`] trait.
 pub mod collectives;
 pub mod group;
 pub mod ranks;
