@@ -93,6 +93,14 @@ pub const UNITLESS_METRICS: &[(&str, &str)] = &[
         "diffmesh_denoiser_sick",
         "1 while the denoiser takes itself out after failing jobs (a state gauge)",
     ),
+    (
+        "diffmesh_denoiser_ranks",
+        "elastic ranks of the denoiser (0 without `--ranks`)",
+    ),
+    (
+        "diffmesh_denoiser_ranks_busy",
+        "elastic ranks running a step task now",
+    ),
     ("diffmesh_cachestore_entries", "entries held per tier"),
     (
         "diffmesh_controlnet_sessions",
