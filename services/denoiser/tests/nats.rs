@@ -112,7 +112,8 @@ async fn job_runs_to_done_over_nats() {
     assert!(seen.iter().any(|e| e.starts_with("Queued")), "{seen:?}");
     assert!(seen.iter().any(|e| e.starts_with("Started")), "{seen:?}");
     assert!(
-        seen.iter().any(|e| e == "Step { step: 3, total: 3 }"),
+        seen.iter()
+            .any(|e| e == "Step { step: 3, total: 3, ranks: None }"),
         "{seen:?}"
     );
 
