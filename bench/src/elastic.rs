@@ -15,9 +15,10 @@ use anyhow::{ensure, Context, Result};
 use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineJob};
 use diffmesh_denoiser::metrics::DenoiserMetrics;
 use diffmesh_denoiser::ranks::ElasticSettings;
-use diffmesh_sched::elastic::cost::{MeasuredTable, StepCost};
+use diffmesh_sched::elastic::cost::{image_classes, MeasuredTable, StepCost};
 use diffmesh_sched::elastic::policies::by_name;
 use diffmesh_sched::elastic::{simulate, workload, Outcome, Request, WorkloadSpec};
+use diffmesh_shared::stores::job::now_ms;
 use serde_json::json;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -44,9 +45,6 @@ pub struct ElasticOptions {
     /// Where to write the measured table (for `diffmesh-sim --elastic --cost FILE`).
     pub cost_out: Option<PathBuf>,
 }
-
-/// GF-DiT's deadline factors of its small, medium and large classes.
-const SLO_FACTORS: [f64; 3] = [1.5, 2.0, 6.0];
 
 pub async fn run(opts: &ElasticOptions, report: &mut Report) -> Result<()> {
     ensure!(opts.ranks >= 2, "--elastic-ranks must be at least 2");
@@ -87,9 +85,11 @@ pub async fn run(opts: &ElasticOptions, report: &mut Report) -> Result<()> {
         serde_json::to_string(&table)?
     ));
     let (cost, mut classes) = StepCost::measured(table.clone());
+    // GF-DiT's deadline factors of its small, medium and large classes, in size order.
+    let factors = image_classes().map(|c| c.slo_factor);
     for (class, factor) in classes
         .iter_mut()
-        .zip(SLO_FACTORS.iter().chain(std::iter::repeat(&2.0)))
+        .zip(factors.iter().chain(std::iter::repeat(&2.0)))
     {
         class.slo_factor = *factor;
     }
@@ -184,11 +184,6 @@ async fn replay(
     opts: &ElasticOptions,
 ) -> Result<HashMap<usize, f64>> {
     let start = Instant::now();
-    let unix_ms = || {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64)
-    };
     let mut submitted: HashMap<String, (usize, Instant)> = HashMap::new();
     let mut latencies = HashMap::new();
     let mut next = 0;
@@ -207,7 +202,7 @@ async fn replay(
                 (job.params.width, job.params.height) = (side, side);
                 (job.inputs.model_width, job.inputs.model_height) = (side, side);
                 job.params.deadline_unix_ms =
-                    Some(unix_ms() + ((r.deadline - r.arrival) * 1000.0) as u64);
+                    Some(now_ms() + ((r.deadline - r.arrival) * 1000.0) as u64);
                 engine
                     .submit(EngineJob::new(job, None), Span::none())
                     .await

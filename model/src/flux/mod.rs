@@ -377,7 +377,7 @@ pub fn cli_forward_transformer(model_dir: &Path, inputs: &Path, out: &Path) -> R
 }
 
 /// The transformer's folder: `model_dir/transformer` when there is one, else `model_dir`.
-pub(crate) fn component_dir(model_dir: &Path) -> std::path::PathBuf {
+pub fn component_dir(model_dir: &Path) -> std::path::PathBuf {
     if model_dir.join("transformer").join("config.json").is_file() {
         model_dir.join("transformer")
     } else {

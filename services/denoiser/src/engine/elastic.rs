@@ -74,8 +74,7 @@ impl Engine {
             self.apply_ended(ended);
         }
         if let Some(m) = &self.metrics {
-            let busy = ranks.pool.size() - ranks.pool.free().len();
-            m.elastic.ranks_busy.set(busy as i64);
+            m.elastic.ranks_busy.set(ranks.pool.busy() as i64);
         }
         progressed
     }
@@ -151,8 +150,8 @@ impl Engine {
         let mut started = false;
         for (id, k) in chosen {
             let k = k as usize;
-            let known = ready.iter().any(|r| r.id == id);
-            if !known || k == 0 || k > free.len() || !is_ready(&self.active[id]) {
+            // Only ready jobs (not one named twice), on ranks that are free.
+            if k == 0 || k > free.len() || !self.active.get(id).is_some_and(is_ready) {
                 tracing::warn!(
                     id,
                     k,

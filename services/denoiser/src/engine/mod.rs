@@ -550,7 +550,8 @@ impl Engine {
             m.running.set(self.active.len() as i64);
         }
         let (ranks, free_ranks) = self.model.ranks.as_ref().map_or((0, 0), |r| {
-            (r.pool.size() as u32, r.pool.free().len() as u32)
+            let size = r.pool.size();
+            (size as u32, (size - r.pool.busy()) as u32)
         });
         if let Ok(mut s) = self.status.lock() {
             *s = EngineStatus {

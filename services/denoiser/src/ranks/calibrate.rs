@@ -16,8 +16,6 @@ use std::time::Duration;
 pub struct SizeToMeasure {
     pub name: String,
     pub token_side: i64,
-    /// Steps its requests take (the table's field; the policy reads each job's own).
-    pub steps: u32,
 }
 
 /// The median seconds of a step task (dispatch to its last member's end) while `groups`
@@ -84,7 +82,8 @@ pub fn measure(
         classes.push(MeasuredClass {
             name: size.name.clone(),
             image_tokens: (size.token_side * size.token_side) as f64,
-            steps: size.steps,
+            // The policy reads each job's own steps; a workload drawn from the table sets them.
+            steps: 0,
             per_degree,
         });
     }

@@ -72,11 +72,7 @@ impl ElasticRanks {
         if settings.sizes.is_empty() {
             return Err("elastic_sizes: give at least one image side".into());
         }
-        let dir = if model_dir.join("transformer").is_dir() {
-            model_dir.join("transformer")
-        } else {
-            model_dir.to_path_buf()
-        };
+        let dir = diffmesh_model::flux::component_dir(model_dir);
         let mut pool = RankPool::start(
             &dir,
             settings.ranks,
@@ -106,10 +102,6 @@ impl ElasticRanks {
         })
     }
 
-    pub fn policy_name(&self) -> String {
-        self.policy.name()
-    }
-
     /// Seconds on the policy's clock.
     pub fn now(&self) -> f64 {
         self.epoch.elapsed().as_secs_f64()
@@ -117,10 +109,8 @@ impl ElasticRanks {
 
     /// Seconds on the policy's clock of a wall-clock instant given in Unix milliseconds.
     pub fn clock_of_unix_ms(&self, unix_ms: u64) -> f64 {
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64() * 1000.0);
-        self.now() + (unix_ms as f64 - now_ms) / 1000.0
+        let now_ms = diffmesh_shared::stores::job::now_ms();
+        self.now() + (unix_ms as f64 - now_ms as f64) / 1000.0
     }
 
     /// The class (measured size) nearest `image_tokens`.
@@ -129,13 +119,6 @@ impl ElasticRanks {
         (0..self.classes.len())
             .min_by(|&a, &b| gap(&self.classes[a]).total_cmp(&gap(&self.classes[b])))
             .unwrap_or(0)
-    }
-
-    /// Seconds of one step of class `class` at degree `k`, as planned.
-    pub fn step_s(&self, class: usize, k: u32) -> f64 {
-        self.classes
-            .get(class)
-            .map_or(f64::INFINITY, |c| self.cost.step_s(c, k))
     }
 
     /// The policy's decision for the ready tasks on `free` ranks: `(task id, degree)`.
@@ -168,7 +151,6 @@ fn measure(
         .map(|&side| SizeToMeasure {
             name: format!("{side}px"),
             token_side: i64::from((side / token_pixels.max(1)).max(1)),
-            steps: 0,
         })
         .collect();
     let cfg = pool.config().clone();

@@ -144,6 +144,11 @@ impl RankPool {
         &self.cfg
     }
 
+    /// Ranks running a step task now.
+    pub fn busy(&self) -> usize {
+        self.busy.iter().filter(|&&b| b).count()
+    }
+
     pub fn in_flight(&self) -> usize {
         self.pending.len()
     }
