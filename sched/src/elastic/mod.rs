@@ -1,11 +1,12 @@
 //! Elastic parallelism in simulation (GF-DiT §5.5, issue 47 point 4): requests of mixed
 //! classes arrive on `G` ranks; at every arrival and step completion the policy
-//! ([`policies::ElasticPolicy`], the trait a node's live ranks will use too) decides which
+//! ([`policies::ElasticPolicy`], the trait a node's live ranks use too) decides which
 //! ready tasks step next and on how many ranks; steps take what the parallel-cost model
 //! ([`cost::StepCost`]) says; where the cost depends on how many ranks are busy (CPU ranks
 //! sharing cores, [`cost::StepCost::step_s_loaded`]) a running step advances at the pace of
-//! the ranks busy at each moment, re-evaluated at every event. A request whose degree changes between steps pays a latents
-//! migration (small: they are replicated; [`MIGRATION_S`]).
+//! the ranks busy at each moment, re-evaluated at every event. A request whose degree
+//! changes between steps pays a latents migration (small: they are replicated;
+//! [`MIGRATION_S`]).
 //!
 //! `diffmesh-sim --elastic ...` ([`cli`]) runs it and prints `slo_attainment`,
 //! `mean_latency`, `p95` and `throughput`.

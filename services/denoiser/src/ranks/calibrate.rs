@@ -2,9 +2,10 @@
 //! and each degree k (powers of two up to the ranks), the seconds of one step with **every
 //! rank busy** (ranks / k groups of k stepping at once), since that is what a step costs
 //! under load on ranks that share a machine (CPU ranks share its cores; GPU ranks their host
-//! links), and with 1, 2, ... groups of k busy, by which the simulator costs each step for
-//! the ranks busy when it starts. The elastic policy plans with it, and `diffmesh-sim --elastic --cost FILE` reads
-//! the same table, so a live run and its simulation share one cost model.
+//! links), and with 1, 2, ... groups of k busy, by which the simulator paces each running
+//! step for the ranks busy at each moment. The elastic policy plans with it, and
+//! `diffmesh-sim --elastic --cost FILE` reads the same table, so a live run and its
+//! simulation share one cost model.
 use super::pool::RankPool;
 use diffmesh_model::bench_inputs::random_inputs;
 use diffmesh_model::flux::FluxConfig;
