@@ -22,6 +22,21 @@ use tch::{Device, Kind, Tensor};
 
 pub use super::kv::{CapturedKv, FnSink, KvCache, KvFormat, KvSink};
 
+/// Completes a rank's fresh keys and values where an edit's masked tokens are spread over the
+/// ranks of a group ([`super::masked_parallel`]).
+pub(crate) trait SpreadKeys {
+    /// This rank's fresh image keys (rotated) and values `[M_local, H, D]` of request
+    /// `request`'s masked tokens -> every rank's, `[M, H, D]` in `token_index` order.
+    fn gather(&mut self, request: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)>;
+}
+
+/// An edit spread over ranks: this rank's (start, length) share of each request's
+/// `token_index`, and the exchange of the other shares' keys.
+pub(crate) struct Spread<'a> {
+    pub(crate) shards: &'a [(i64, i64)],
+    pub(crate) keys: &'a mut dyn SpreadKeys,
+}
+
 /// One request of a mask-aware forward, at its own denoising step.
 pub struct MaskedRequest<'a> {
     /// `[M, in_channels]` packed latents of the masked image tokens only.
@@ -59,18 +74,27 @@ struct Prepared {
     /// Rows of the computed tokens in the joint text-then-image sequence: `0..T`, then
     /// `T + token_index` (int64, on the model's device).
     rows: Tensor,
+    /// Rows of every fresh key, where they are more than this rank's computed tokens (an
+    /// edit spread over ranks, [`super::masked_parallel`]): `0..T`, then `T +` the whole
+    /// request's masked index.
+    key_rows: Option<Tensor>,
     /// RoPE rows of the computed tokens (text, then masked image tokens), for queries and keys.
     rope: Rope,
     /// RoPE rows of all N image tokens: only for a raw cache that is read.
     rope_img: Option<Rope>,
     format: KvFormat,
-    /// Set when M = N (nothing is cached, the request is a plain full forward): the computed
-    /// rows in token order (`rows` inverted), so keys and values are gathered into token order
-    /// rather than scattered into an uninitialised buffer.
+    /// Set when M = N (nothing is cached, the request is a plain full forward): the fresh
+    /// key rows in token order (`key_rows()` inverted), so keys and values are gathered into
+    /// token order rather than scattered into an uninitialised buffer.
     token_order: Option<Tensor>,
 }
 
 impl Prepared {
+    /// Rows of the fresh keys and values in the joint sequence.
+    fn key_rows(&self) -> &Tensor {
+        self.key_rows.as_ref().unwrap_or(&self.rows)
+    }
+
     /// M = N: every image token is computed and no cache is read.
     fn all_masked(&self) -> bool {
         self.token_order.is_some()
@@ -175,6 +199,17 @@ impl FluxTransformer {
         requests: &[MaskedRequest],
         full_prefix: usize,
     ) -> Result<Vec<Tensor>> {
+        self.forward_masked_spread(requests, full_prefix, None)
+    }
+
+    /// [`Self::forward_masked_prefix`], computing only this rank's share of each request's
+    /// masked tokens where `spread` is set (and then no full prefix).
+    pub(crate) fn forward_masked_spread(
+        &self,
+        requests: &[MaskedRequest],
+        full_prefix: usize,
+        spread: Option<Spread>,
+    ) -> Result<Vec<Tensor>> {
         if requests.is_empty() {
             return Ok(Vec::new());
         }
@@ -182,24 +217,40 @@ impl FluxTransformer {
         let n_double = self.transformer_blocks.len();
         let n_blocks = n_double + self.single_transformer_blocks.len();
         let prefix = full_prefix.min(n_blocks);
+        let (shards, mut keys) = match spread {
+            Some(s) if prefix == 0 && s.shards.len() == requests.len() => (s.shards, Some(s.keys)),
+            Some(_) => {
+                return Err(ModelError::input(
+                    "ranks",
+                    "a spread edit needs one shard per request and no full prefix",
+                ))
+            }
+            None => (&[][..], None),
+        };
+        // Attention runs per request where keys are exchanged, in the same order on every rank.
+        let mode = if keys.is_some() {
+            MaskedAttention::PerRequest
+        } else {
+            self.masked_attention
+        };
         let masked = Phase::new(
             requests
                 .iter()
                 .enumerate()
-                .map(|(r, q)| self.prepare(r, q, device, false))
+                .map(|(r, q)| self.prepare(r, q, device, false, shards.get(r).copied()))
                 .collect::<Result<_>>()?,
             device,
-            self.masked_attention,
+            mode,
         )?;
         let full = if prefix > 0 {
             Some(Phase::new(
                 requests
                     .iter()
                     .enumerate()
-                    .map(|(r, q)| self.prepare(r, q, device, true))
+                    .map(|(r, q)| self.prepare(r, q, device, true, None))
                     .collect::<Result<_>>()?,
                 device,
-                self.masked_attention,
+                mode,
             )?)
         } else {
             None
@@ -219,7 +270,10 @@ impl FluxTransformer {
                     format!("requests[{r}].full_hidden_states"),
                     "required when blocks run over every token (full_prefix > 0)",
                 )),
-                (None, _) => on_dev(&q.hidden_states),
+                (None, _) => match shards.get(r) {
+                    Some(&(start, len)) => on_dev(&q.hidden_states.f_narrow(0, start, len)?),
+                    None => on_dev(&q.hidden_states),
+                },
             })
             .collect::<Result<_>>()?;
         let es: Vec<Tensor> = requests
@@ -247,7 +301,15 @@ impl FluxTransformer {
                     phase = &masked;
                 }
             }
-            (img, txt) = self.masked_double_block(i, block, phase, requests, &img, &txt, &cond)?;
+            (img, txt) = self.masked_double_block(
+                i,
+                block,
+                phase,
+                requests,
+                (&img, &txt),
+                &cond,
+                keys.as_deref_mut(),
+            )?;
         }
 
         // Single blocks: one packed stream, all text tokens first, then all computed image tokens.
@@ -260,7 +322,8 @@ impl FluxTransformer {
                     phase = &masked;
                 }
             }
-            x = self.masked_single_block(n_double + j, block, phase, requests, &x, &cond)?;
+            let keys = keys.as_deref_mut();
+            x = self.masked_single_block(n_double + j, block, phase, requests, &x, &cond, keys)?;
         }
         let total_txt = masked.total_txt;
         let mut img = x.f_narrow(0, total_txt, x.size()[0] - total_txt)?;
@@ -286,9 +349,9 @@ impl FluxTransformer {
         block: &super::blocks::DoubleBlock,
         phase: &Phase,
         requests: &[MaskedRequest],
-        img: &Tensor,
-        txt: &Tensor,
+        (img, txt): (&Tensor, &Tensor),
         cond: &super::Conditioning,
+        mut keys: Option<&mut (dyn SpreadKeys + '_)>,
     ) -> Result<(Tensor, Tensor)> {
         let img_rows = |c: &Tensor| Phase::rows(&phase.img_rid, c);
         let txt_rows = |c: &Tensor| Phase::rows(&phase.txt_rid, c);
@@ -320,7 +383,7 @@ impl FluxTransformer {
                 )?)
             };
             let o = self.request_attention(
-                i,
+                (i, r),
                 p,
                 q.cache,
                 &block.img,
@@ -329,6 +392,7 @@ impl FluxTransformer {
                     k: join(&qt.k, &qi.k)?,
                     v: join(&qt.v, &qi.v)?,
                 },
+                keys.as_deref_mut(),
             )?;
             out_txt.push(o.f_narrow(0, 0, p.txt)?);
             out_img.push(o.f_narrow(0, p.txt, p.masked)?);
@@ -338,6 +402,7 @@ impl FluxTransformer {
     }
 
     /// One single-stream block of the packed mask-aware forward (`x` = all text, then all image).
+    #[allow(clippy::too_many_arguments)]
     fn masked_single_block(
         &self,
         b: usize,
@@ -346,6 +411,7 @@ impl FluxTransformer {
         requests: &[MaskedRequest],
         x: &Tensor,
         cond: &super::Conditioning,
+        mut keys: Option<&mut (dyn SpreadKeys + '_)>,
     ) -> Result<Tensor> {
         let all_rows = |c: &Tensor| Phase::rows(&phase.all_rid, c);
         let m = block.mods(&cond.temb_silu, &all_rows)?;
@@ -353,7 +419,7 @@ impl FluxTransformer {
         let qkv = &pre.qkv;
         let attn = if phase.single_request() {
             self.request_attention(
-                b,
+                (b, 0),
                 &phase.prep[0],
                 requests[0].cache,
                 &block.attn,
@@ -362,6 +428,7 @@ impl FluxTransformer {
                     k: qkv.k.shallow_clone(),
                     v: qkv.v.shallow_clone(),
                 },
+                keys,
             )?
         } else if let Some(padded) = &phase.padded {
             padded.attend(&qkv.q, &qkv.k, &qkv.v, self.cfg.attention_head_dim, |r| {
@@ -382,7 +449,7 @@ impl FluxTransformer {
                     )?)
                 };
                 let o = self.request_attention(
-                    b,
+                    (b, r),
                     p,
                     q.cache,
                     &block.attn,
@@ -391,6 +458,7 @@ impl FluxTransformer {
                         k: join(&qkv.k)?,
                         v: join(&qkv.v)?,
                     },
+                    keys.as_deref_mut(),
                 )?;
                 out_txt.push(o.f_narrow(0, 0, p.txt)?);
                 out_img.push(o.f_narrow(0, p.txt, p.masked)?);
@@ -408,18 +476,34 @@ impl FluxTransformer {
     /// fused kernels on GPU) only skip work for a missing mask, so a block-diagonal mask would cost
     /// (sum of lengths)^2 and use the slow masked path, while a loop does exactly the per-request
     /// FLOPs. A varlen kernel (cumulative offsets) can replace this loop on GPU.
+    ///
+    /// Where the masked tokens are spread over ranks, `keys` completes this rank's fresh image
+    /// keys and values with the other ranks' before they join the cached ones.
     fn request_attention(
         &self,
-        block: usize,
+        (block, request): (usize, usize),
         p: &Prepared,
         cache: &dyn KvCache,
         proj: &QkvProj,
         s: Streams,
+        keys: Option<&mut (dyn SpreadKeys + '_)>,
     ) -> Result<Tensor> {
         let head_dim = self.cfg.attention_head_dim;
         let q = p.rope.apply(&s.q)?;
         let k = p.rope.apply(&s.k)?;
         let v = to_heads(&s.v, head_dim)?;
+        let (k, v) = match keys {
+            Some(keys) => {
+                let image = |x: &Tensor| x.f_narrow(0, p.txt, p.masked);
+                let (ik, iv) = keys.gather(request, &image(&k)?, &image(&v)?)?;
+                let text = |x: &Tensor| x.f_narrow(0, 0, p.txt);
+                (
+                    Tensor::f_cat(&[&text(&k)?, &ik], 0)?,
+                    Tensor::f_cat(&[&text(&v)?, &iv], 0)?,
+                )
+            }
+            None => (k, v),
+        };
         let (k, v) = if let Some(order) = &p.token_order {
             // The computed rows are the whole key set. Put them in token order anyway: key order
             // does not change the math but does change float rounding, and in token order the
@@ -433,8 +517,8 @@ impl FluxTransformer {
             let opts = (k.kind(), k.device());
             let mut kb = Tensor::f_empty(size, opts)?;
             let mut vb = Tensor::f_empty(size, opts)?;
-            merge_rows_(&mut kb, p.txt, &ck, &p.rows, &k)?;
-            merge_rows_(&mut vb, p.txt, &cv, &p.rows, &v)?;
+            merge_rows_(&mut kb, p.txt, &ck, p.key_rows(), &k)?;
+            merge_rows_(&mut vb, p.txt, &cv, p.key_rows(), &v)?;
             (kb, vb)
         };
         let o = attention(&q.f_unsqueeze(0)?, &k.f_unsqueeze(0)?, &v.f_unsqueeze(0)?)?;
@@ -482,8 +566,16 @@ impl FluxTransformer {
     }
 
     /// Validate one request and precompute its positions and RoPE rows; `full` prepares the
-    /// full-prefix phase (every image token computed, no cache read).
-    fn prepare(&self, r: usize, q: &MaskedRequest, device: Device, full: bool) -> Result<Prepared> {
+    /// full-prefix phase (every image token computed, no cache read); `shard` (start, length)
+    /// computes only those of the request's masked tokens, the others' keys coming from ranks.
+    fn prepare(
+        &self,
+        r: usize,
+        q: &MaskedRequest,
+        device: Device,
+        full: bool,
+        shard: Option<(i64, i64)>,
+    ) -> Result<Prepared> {
         let cfg = &self.cfg;
         let field = |name: &str| format!("requests[{r}].{name}");
         let hs = q.hidden_states.size();
@@ -546,12 +638,20 @@ impl FluxTransformer {
             }
         }
         let format = q.cache.format();
-        let (index, m) = if full {
-            (Tensor::f_arange(n, (Kind::Int64, device))?, n)
-        } else {
-            (index, m)
+        let all_masked = full || m == n;
+        let (index, m, key_index) = match (full, shard) {
+            (true, _) => (Tensor::f_arange(n, (Kind::Int64, device))?, n, None),
+            (false, Some((start, len))) if start >= 0 && len >= 0 && start + len <= m => {
+                (index.f_narrow(0, start, len)?, len, Some(index))
+            }
+            (false, Some(bad)) => {
+                return Err(ModelError::input(
+                    field("token_index"),
+                    format!("shard {bad:?} outside the {m} masked tokens"),
+                ))
+            }
+            (false, None) => (index, m, None),
         };
-        let all_masked = m == n;
         // RoPE tables only for the rows that need them: the computed tokens always, all N image
         // tokens only when a raw cache is read.
         let img_ids = img_ids.f_to_device(device)?;
@@ -567,22 +667,27 @@ impl FluxTransformer {
             KvFormat::Raw if !all_masked => Some(Rope::new(&img_ids, &cfg.axes_dims_rope)?),
             _ => None,
         };
-        let rows = Tensor::f_cat(
-            &[
-                &Tensor::f_arange(t, (Kind::Int64, device))?,
-                &index.f_add_scalar(t)?,
-            ],
-            0,
-        )?;
-        // `rows` is a permutation of `0..T + N` when every token is computed; its inverse puts
-        // the computed rows back in token order.
+        let joint_rows = |index: &Tensor| -> Result<Tensor> {
+            Ok(Tensor::f_cat(
+                &[
+                    &Tensor::f_arange(t, (Kind::Int64, device))?,
+                    &index.f_add_scalar(t)?,
+                ],
+                0,
+            )?)
+        };
+        let rows = joint_rows(&index)?;
+        let key_rows = key_index.as_ref().map(joint_rows).transpose()?;
+        // The fresh key rows are a permutation of `0..T + N` when every token is computed; its
+        // inverse puts them back in token order.
         let token_order = if all_masked {
-            Some(rows.f_argsort(0, false)?)
+            Some(key_rows.as_ref().unwrap_or(&rows).f_argsort(0, false)?)
         } else {
             None
         };
         Ok(Prepared {
             token_order,
+            key_rows,
             txt: t,
             masked: m,
             img: n,

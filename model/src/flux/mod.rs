@@ -15,6 +15,7 @@ pub mod kv;
 pub mod kv_codec;
 pub mod layers;
 pub mod masked;
+pub mod masked_parallel;
 pub mod padded_attention;
 pub mod sequence_parallel;
 

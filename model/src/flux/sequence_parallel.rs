@@ -136,6 +136,20 @@ fn tensor(values: &[f32], shape: &[i64], like: &Tensor) -> Result<Tensor> {
         .f_to_device(like.device())?)
 }
 
+/// Every member's `send` (the same shape on each), `[R, ...]` in group order.
+pub(crate) fn all_gather<C: Collectives>(
+    comm: &mut C,
+    group: &Group,
+    send: &Tensor,
+) -> Result<Tensor> {
+    let input = floats(send)?;
+    let mut out = vec![0.0; input.len() * group.size()];
+    comm.all_gather(group, &input, &mut out).map_err(comm_err)?;
+    let mut shape = vec![group.size() as i64];
+    shape.extend(send.size());
+    tensor(&out, &shape, send)
+}
+
 impl<C: Collectives> Split<'_, C> {
     fn all_to_all(&mut self, send: &Tensor) -> Result<Tensor> {
         let input = floats(send)?;
@@ -147,14 +161,7 @@ impl<C: Collectives> Split<'_, C> {
     }
 
     fn all_gather(&mut self, send: &Tensor) -> Result<Tensor> {
-        let input = floats(send)?;
-        let mut out = vec![0.0; input.len() * self.ranks as usize];
-        self.comm
-            .all_gather(self.group, &input, &mut out)
-            .map_err(comm_err)?;
-        let mut shape = vec![self.ranks];
-        shape.extend(send.size());
-        tensor(&out, &shape, send)
+        all_gather(self.comm, self.group, send)
     }
 
     /// `[B, L, H, D]` of this rank's image tokens -> `[B, R * L, H / R, D]`: every rank's
