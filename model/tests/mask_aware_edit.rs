@@ -325,3 +325,70 @@ fn guided_edits_packed_with_plain_ones_match_each_alone() {
         }
     }
 }
+
+/// A guided and a plain edit stepped in two halves (`masked_step_rows`, the mask-aware
+/// forward split over 2 and 3 CPU ranks, `apply_masked_velocities`) end where the engine's
+/// one-device cached steps end: what a denoiser's elastic ranks do with an edit.
+#[test]
+fn an_edit_stepped_on_ranks_equals_its_cached_steps() {
+    use diffmesh_model::flux::{CapturedKv, FluxTransformer};
+    use diffmesh_model::pipeline::stepper::MaskedRow;
+    use diffmesh_parallel::{Group, RankConfig, Ranks};
+    use std::sync::Arc;
+    let f = Fixture::new();
+    let kv = f.capture(3, KvFormat::Prepared);
+    // Every rank loads the fixture's weights, as a device's rank would.
+    let dir = tempfile::tempdir().unwrap();
+    f.model.save(dir.path(), None).unwrap();
+    let transformer_dir = Arc::new(diffmesh_model::flux::component_dir(dir.path()));
+    for (prompt, seed, m, c) in [
+        ("a red circle", 1u64, mask(40, 2), cfg("", 3.0)),
+        ("a green square", 2, mask(5, 3), None),
+    ] {
+        let mut reference = f.guided_edit(prompt, seed, 3, &m, c.clone());
+        run_cached(&f, &kv, &mut [&mut reference], 0);
+        for ranks in [2usize, 3] {
+            let world = Ranks::start(RankConfig::new(ranks)).unwrap();
+            let mut st = f.guided_edit(prompt, seed, 3, &m, c.clone());
+            while !st.is_done() {
+                let step = st.step_index();
+                let rows = st.masked_step_rows().unwrap();
+                // Each rank gets its own handles on the rows and the step's cache (tensors are
+                // shared by reference count, not copied).
+                let outs: Vec<_> = (0..ranks)
+                    .map(|rank| {
+                        let rows: Vec<MaskedRow> =
+                            rows.iter().map(MaskedRow::shallow_clone).collect();
+                        let cache = CapturedKv {
+                            blocks: kv.steps[step]
+                                .blocks
+                                .iter()
+                                .map(|(k, v)| (k.shallow_clone(), v.shallow_clone()))
+                                .collect(),
+                            format: kv.format,
+                        };
+                        let dir = transformer_dir.clone();
+                        world.submit(rank, move |ep| {
+                            let (model, _vs) =
+                                FluxTransformer::load(&dir, Device::Cpu, Kind::Float).unwrap();
+                            let reqs: Vec<_> = rows.iter().map(|r| r.request(&cache)).collect();
+                            let group =
+                                Group::new(1, &(0..ranks).collect::<Vec<_>>(), ep.rank(), ranks)
+                                    .unwrap();
+                            diffmesh_model::tch::no_grad(|| {
+                                model.forward_masked_sequence_parallel(&reqs, ep, &group)
+                            })
+                            .unwrap()
+                        })
+                    })
+                    .collect();
+                let mut outs = outs.into_iter().map(|rx| rx.recv().expect("the rank ran"));
+                let velocities = outs.next().unwrap();
+                outs.for_each(drop);
+                st.apply_masked_velocities(velocities).unwrap();
+            }
+            let err = max_err(st.latents(), reference.latents());
+            assert!(err <= 1e-4, "{prompt} on {ranks} ranks: {err}");
+        }
+    }
+}

@@ -625,15 +625,7 @@ pub fn step_batch_controlled(
                 velocities[i][b as usize] = Some(v);
             }
             for &(i, _) in &cached {
-                let s = &mut states[i];
-                let v = s.guided(std::mem::take(&mut velocities[i]))?;
-                let index = &s.edit.as_ref().expect("checked above").masked_index;
-                // Unmasked rows stay zero: the edit blend replaces them with the template anyway.
-                let full = s
-                    .latents
-                    .f_zeros_like()?
-                    .f_index_copy(1, index, &v.f_unsqueeze(0)?)?;
-                s.apply(&full)?;
+                states[i].apply_masked(std::mem::take(&mut velocities[i]))?;
             }
         }
         Ok(())
@@ -648,6 +640,15 @@ impl DenoiseState {
         with_full: bool,
         branch: Branch,
     ) -> Result<MaskedRequest<'c>> {
+        let mut request = self.masked_row(branch)?.request(cache);
+        if with_full {
+            request.full_hidden_states = Some(self.transformer_input()?.f_squeeze_dim(0)?);
+        }
+        Ok(request)
+    }
+
+    /// Row `branch` of this state's next mask-aware step, without its cache.
+    fn masked_row(&self, branch: Branch) -> Result<MaskedRow> {
         let e = self
             .edit
             .as_ref()
@@ -658,7 +659,7 @@ impl DenoiseState {
             Some(g) => Some(g.f_to_kind(Kind::Double)?.f_view([-1])?.double_value(&[0])),
             None => None,
         };
-        Ok(MaskedRequest {
+        Ok(MaskedRow {
             hidden_states: latents.f_index_select(0, &e.masked_index)?,
             token_index: e.masked_index.shallow_clone(),
             encoder_hidden_states: self.text(branch).hidden.f_squeeze_dim(0)?,
@@ -668,9 +669,22 @@ impl DenoiseState {
             guidance,
             img_ids: self.prep.img_ids.shallow_clone(),
             txt_ids: self.txt_ids(branch)?,
-            cache,
-            full_hidden_states: with_full.then(|| latents.shallow_clone()),
         })
+    }
+
+    /// Step with the guided rows' velocities of the masked tokens.
+    fn apply_masked(&mut self, rows: [Option<Tensor>; 2]) -> Result<()> {
+        let v = self.guided(rows)?;
+        let e = self
+            .edit
+            .as_ref()
+            .ok_or_else(|| ModelError::input("modes", "not an edit"))?;
+        // Unmasked rows stay zero: the edit blend replaces them with the template anyway.
+        let full =
+            self.latents
+                .f_zeros_like()?
+                .f_index_copy(1, &e.masked_index, &v.f_unsqueeze(0)?)?;
+        self.apply(&full)
     }
 }
 
@@ -727,6 +741,7 @@ pub fn state_kind(state: &DenoiseState) -> Kind {
 }
 
 mod remote;
+pub use remote::MaskedRow;
 
 #[cfg(test)]
 mod tests;
