@@ -1,11 +1,11 @@
 //! A denoiser with elastic ranks in the mesh (issue 47): a generation through the REST API
 //! steps on its ranks (each `step` event says on how many), the denoiser's `/metrics` counts
-//! them, its heartbeat announces what it serves, and an edit (which ranks do not run) is
-//! refused by the gateway naming the field.
+//! them, and a template registered through the REST API is edited mask-aware on the ranks,
+//! its unmasked pixels exactly the template's.
 use std::time::Duration;
 
 use diffmesh_tests::harness::{metric_sample, scrape_metrics, SseReader};
-use diffmesh_tests::images::{png_bytes, rect_mask, template};
+use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask, template};
 use diffmesh_tests::mesh::MeshBuilder;
 use reqwest::multipart::{Form, Part};
 use reqwest::StatusCode;
@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_generation_steps_on_the_ranks_its_policy_gives_it() {
     let mesh = MeshBuilder::new()
-        .without_cachestore()
+        .cachestore(|c| c.memory_bytes = 16 << 20)
         .denoisers(&["ranked"])
         .denoiser(|_, c| {
             c.ranks = 2;
@@ -57,25 +57,31 @@ async fn a_generation_steps_on_the_ranks_its_policy_gives_it() {
         3.0
     );
 
-    // Ranks run generations only: the model's card says so, and the gateway refuses an edit.
-    let models: Value = http
-        .get(mesh.url("/v1/models"))
+    // A template's edits step mask-aware on the ranks (its capture runs on the engine's own
+    // transformer); the unmasked pixels stay the template's.
+    let picture = template(64, 64);
+    let form = Form::new()
+        .part("image", Part::bytes(png_bytes(&picture)).file_name("t.png"))
+        .text("prompt", "a blue background")
+        .text("seed", "7")
+        .text("num_inference_steps", "3");
+    let r = http
+        .post(mesh.url("/v1/templates"))
+        .multipart(form)
         .send()
         .await
-        .unwrap()
-        .json()
-        .await
         .unwrap();
+    let status = r.status();
+    let created: Value = r.json().await.unwrap();
+    assert_eq!(status, StatusCode::CREATED, "{created}");
     let form = Form::new()
-        .part(
-            "image",
-            Part::bytes(png_bytes(&template(64, 64))).file_name("t.png"),
-        )
+        .text("template_id", created["id"].as_str().unwrap().to_string())
         .part(
             "mask",
             Part::bytes(png_bytes(&rect_mask(64, 64, 0, 0, 32, 32))).file_name("m.png"),
         )
-        .text("prompt", "a blue square");
+        .text("prompt", "a yellow square")
+        .text("seed", "3");
     let r = http
         .post(mesh.url("/v1/images/edits"))
         .multipart(form)
@@ -84,5 +90,22 @@ async fn a_generation_steps_on_the_ranks_its_policy_gives_it() {
         .unwrap();
     let status = r.status();
     let body: Value = r.json().await.unwrap();
-    assert_eq!(status, StatusCode::BAD_REQUEST, "{body} (models: {models})");
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let edited = decode_b64_images(&body).unwrap().remove(0).to_rgb8();
+    let original = picture.to_rgb8();
+    for (x, y, pixel) in edited.enumerate_pixels() {
+        if x >= 32 || y >= 32 {
+            assert_eq!(pixel, original.get_pixel(x, y), "unmasked pixel ({x}, {y})");
+        }
+    }
+    let metrics = scrape_metrics(mesh.denoiser("ranked").addrs.health)
+        .await
+        .unwrap();
+    assert!(
+        metric_sample(
+            &metrics,
+            "diffmesh_denoiser_step_rows_total{mode=\"mask_aware\"}"
+        ) >= 3.0,
+        "the edit's steps ran mask-aware"
+    );
 }

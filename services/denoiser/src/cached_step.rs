@@ -117,7 +117,7 @@ impl CachedStepper {
 
     /// The cache a state reads this step, if it can run mask-aware: an edit with a resident
     /// cache that covers its step, with at least one unmasked token.
-    fn usable<'e>(
+    pub fn usable<'e>(
         s: &DenoiseState,
         cache: Option<&'e Arc<TemplateEntry>>,
     ) -> Option<&'e Arc<TemplateEntry>> {

@@ -201,7 +201,8 @@ pub struct DenoiserConfig {
     pub cachestore_timeout: Duration,
     /// Elastic ranks (GF-DiT): above 1, the node runs R ranks (one per device: cuda:0..R-1;
     /// worker threads on a CPU), each with a transformer replica, and its elastic policy
-    /// places every denoising step on a group of them. Such a node serves generations only.
+    /// places every denoising step on a group of them. Such a node serves no LoRAs or
+    /// ControlNets.
     #[arg(long, env = "DENOISER_RANKS", default_value_t = 1)]
     pub ranks: usize,
     /// The policy binding steps to rank groups (`diffmesh-sim --elastic`'s: static-sp<k>,

@@ -69,8 +69,9 @@ impl EngineModel {
 
     /// Start `settings.ranks` elastic ranks on this model's transformer (read again from
     /// `dir`, one replica per rank) and measure their step costs. A node with ranks serves
-    /// generations only: edits, fills and LoRAs need the engine's own template caches and
-    /// patched weights, so the card stops announcing them.
+    /// generations, edits (mask-aware on the ranks, template captures on the engine's own
+    /// transformer) and fills; LoRAs would need every replica's weights patched, so the card
+    /// stops announcing them.
     pub fn start_ranks(
         &mut self,
         dir: &Path,
@@ -88,7 +89,7 @@ impl EngineModel {
             text_tokens,
         )?;
         let features = &mut self.card.features;
-        (features.edit, features.fill, features.lora) = (false, false, false);
+        features.lora = false;
         self.ranks = Some(ranks);
         Ok(())
     }

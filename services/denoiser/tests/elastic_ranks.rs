@@ -1,20 +1,27 @@
 //! A denoiser engine on elastic ranks (`--ranks`, issue 47): its images equal the one-device
 //! engine's, its policy shrinks a running job to admit others (visible in the step events and
-//! the metrics), and it refuses what ranks do not run with an error naming the field.
+//! the metrics), edits step mask-aware on groups of ranks, and it refuses what ranks do not
+//! run with an error naming the field.
 mod common;
 
 use common::engine::{
     harness_of, harness_on, load_model, max_abs_diff, submit, write_random_model, Harness,
 };
+use diffmesh_denoiser::cached_step::TemplateSlot;
+use diffmesh_denoiser::engine::EngineJob;
 use diffmesh_denoiser::engine::{EngineConfig, EngineEvent};
 use diffmesh_denoiser::metrics::DenoiserMetrics;
+use diffmesh_denoiser::model::EditInputs;
 use diffmesh_denoiser::ranks::ElasticSettings;
+use diffmesh_denoiser::templates::TemplateEntry;
 use diffmesh_sched::elastic::cost::{DegreeCost, MeasuredClass, MeasuredTable};
 use diffmesh_shared::wire::lora::LoraRef;
-use diffmesh_shared::wire::messages::{DenoiseJob, TrueCfg};
+use diffmesh_shared::wire::messages::{DenoiseJob, JobKind, TemplateRef, TrueCfg};
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
+use tracing::Span;
 
 /// Each test runs four rank threads beside the engine: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -273,4 +280,117 @@ async fn a_guided_step_runs_its_rows_on_the_two_halves_of_an_even_group() {
         2,
         "the groups of 2 and 4 ranks split the rows"
     );
+}
+
+/// The template every edit below reads.
+fn template_job(id: &str, kind: JobKind, seed: u64) -> DenoiseJob {
+    let mut j = job(id, seed, 3);
+    j.kind = kind;
+    j.template = Some(TemplateRef {
+        template_id: "tpl".into(),
+        prompt: "a blue background".into(),
+        seed: 77,
+        steps: 3,
+        guidance_scale: 1.0,
+        cache_key: "key".into(),
+    });
+    j
+}
+
+fn template_rgb() -> Vec<u8> {
+    (0..64 * 64 * 3).map(|i| ((i * 7) % 253) as u8).collect()
+}
+
+/// Run a capture of the template; its cache.
+async fn capture(h: &mut Harness) -> Arc<TemplateEntry> {
+    let inputs = EditInputs {
+        template_rgb: template_rgb(),
+        token_mask: Vec::new(),
+    };
+    let mut ej = EngineJob::new(template_job("capture", JobKind::Capture, 0), Some(inputs));
+    ej.capture_key = Some("key".into());
+    h.engine.submit(ej, Span::none()).await.unwrap();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(120), h.events.recv())
+            .await
+            .expect("engine stalled")
+            .expect("events open");
+        match event {
+            EngineEvent::Captured { entry, .. } => return entry,
+            EngineEvent::Failed { error, .. } => panic!("capture failed: {error}"),
+            _ => {}
+        }
+    }
+}
+
+/// An edit repainting the token rectangle `rows x cols` at (r0, c0) of the 16x16 grid.
+async fn submit_edit(
+    h: &Harness,
+    id: &str,
+    (r0, c0, rows, cols): (usize, usize, usize, usize),
+    true_cfg: Option<TrueCfg>,
+    entry: &Arc<TemplateEntry>,
+) {
+    let mut token_mask = vec![0u8; 256];
+    for r in r0..r0 + rows {
+        token_mask[r * 16 + c0..r * 16 + c0 + cols].fill(1);
+    }
+    let mut j = template_job(id, JobKind::Edit, 5);
+    j.params.true_cfg = true_cfg;
+    j.inputs.mask_ratio = (rows * cols) as f32 / 256.0;
+    let inputs = EditInputs {
+        template_rgb: template_rgb(),
+        token_mask,
+    };
+    let mut ej = EngineJob::new(j, Some(inputs));
+    let slot = TemplateSlot::default();
+    slot.set(Some(entry.clone())).unwrap();
+    ej.template = Some(slot);
+    h.engine.submit(ej, Span::none()).await.unwrap();
+}
+
+/// Edits read a template cache on ranks as on one device: the capture runs on the engine's
+/// own transformer, each edit step mask-aware on a group of ranks (every member a share of
+/// the masked tokens), and the images equal the one-device engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edits_on_ranks_equal_edits_on_one_device() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    write_random_model(dir.path());
+    let guided = Some(TrueCfg {
+        scale: 3.0,
+        negative_prompt: "blue".into(),
+    });
+    let edits = [
+        ("small", (2, 3, 6, 5), None),
+        ("guided", (8, 0, 4, 16), guided),
+    ];
+    let ids = ["small", "guided"];
+    let mut one = harness_on(dir.path(), EngineConfig::default(), None);
+    let entry = capture(&mut one).await;
+    for (id, rect, cfg) in &edits {
+        submit_edit(&one, id, *rect, cfg.clone(), &entry).await;
+    }
+    let (expected, _) = run(&mut one, &ids).await;
+
+    let registry = prometheus::Registry::new();
+    let metrics = DenoiserMetrics::new(&registry).unwrap();
+    let mut h = ranked(dir.path(), "static-sp2", Some(metrics.clone()));
+    let captured = capture(&mut h).await;
+    assert_eq!(
+        (captured.steps(), captured.blocks(), captured.bytes()),
+        (entry.steps(), entry.blocks(), entry.bytes())
+    );
+    for (id, rect, cfg) in &edits {
+        submit_edit(&h, id, *rect, cfg.clone(), &captured).await;
+    }
+    let (got, steps) = run(&mut h, &ids).await;
+    assert!(steps.iter().all(|(_, _, r)| *r == Some(2)), "{steps:?}");
+    for id in ids {
+        let diff = max_abs_diff(&got[id][0], &expected[id][0]);
+        assert!(diff <= 1, "{id}: pixels differ by {diff}");
+    }
+    let rows = |mode: &str| metrics.step_rows.with_label_values(&[mode]).get();
+    // 3 steps of one plain and one guided edit, every one mask-aware.
+    assert_eq!((rows("mask_aware"), rows("full")), (9, 0));
 }

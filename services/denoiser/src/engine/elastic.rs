@@ -3,11 +3,17 @@
 //! ranks (their velocities step the jobs' states here), asks the node's elastic policy which
 //! ready jobs step next on how many ranks, and dispatches those tasks to groups of free ranks.
 //! Jobs step asynchronously, each at its own pace and degree, like in `diffmesh-sim`.
+//!
+//! An edit whose template cache is resident steps mask-aware on its ranks, each member
+//! computing a share of the masked tokens ([`crate::ranks::pool::RankPool::dispatch_edit`]);
+//! template captures record K/V, which the split forward does not, and run on the engine's
+//! own transformer between iterations.
 use super::{Active, Engine, EngineEvent, EngineJob, EngineJobError};
+use crate::cached_step::CachedStepper;
 use crate::ranks::pool::TaskDone;
 use crate::ranks::ElasticRanks;
+use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_sched::elastic::policies::Ready;
-use diffmesh_shared::wire::messages::JobKind;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
@@ -20,6 +26,8 @@ const TASK_WAIT: Duration = Duration::from_millis(5);
 pub(super) struct Placement {
     /// Its step task in flight.
     task: Option<u64>,
+    /// That task is a mask-aware edit step (velocities of the masked tokens only).
+    masked: bool,
     /// Ranks of its last (or running) step; empty before its first.
     ranks: Vec<usize>,
     class: usize,
@@ -31,9 +39,7 @@ pub(super) struct Placement {
 /// Why a node with elastic ranks does not run `job` (None: it does).
 pub(super) fn refusal(job: &EngineJob) -> Option<EngineJobError> {
     let p = &job.job.params;
-    let field = if job.job.kind != JobKind::Generate {
-        "kind"
-    } else if job.lora.is_some() || !p.loras.is_empty() {
+    let field = if job.lora.is_some() || !p.loras.is_empty() {
         "params.loras"
     } else if p.controlnet.is_some() || job.control_rgb.is_some() {
         "params.controlnet"
@@ -41,8 +47,8 @@ pub(super) fn refusal(job: &EngineJob) -> Option<EngineJobError> {
         return None;
     };
     Some(EngineJobError::Input(format!(
-        "{field}: this denoiser steps on elastic ranks (--ranks), which run plain and guided \
-         generations only"
+        "{field}: this denoiser steps on elastic ranks (--ranks), which run generations, \
+         edits and captures without adapters"
     )))
 }
 
@@ -60,8 +66,16 @@ impl Engine {
     }
 
     fn iterate_ranks(&mut self, ranks: &mut ElasticRanks) -> bool {
-        for a in self.active.iter_mut().filter(|a| a.elastic.is_none()) {
+        for a in self
+            .active
+            .iter_mut()
+            .filter(|a| a.elastic.is_none() && a.capture.is_none())
+        {
             a.elastic = Some(place(ranks, a));
+        }
+        let capturing = self.active.iter().any(|a| a.capture.is_some());
+        if capturing {
+            self.step_captures();
         }
         let ended = ranks.pool.poll(Duration::ZERO);
         let mut progressed = !ended.is_empty();
@@ -76,7 +90,7 @@ impl Engine {
         if let Some(m) = &self.metrics {
             m.elastic.ranks_busy.set(ranks.pool.busy() as i64);
         }
-        progressed
+        progressed || capturing
     }
 
     /// Step the jobs whose tasks ended with the velocities they brought.
@@ -89,10 +103,13 @@ impl Engine {
             }) else {
                 continue; // cancelled or failed meanwhile
             };
-            if let Some(p) = a.elastic.as_mut() {
+            let masked = a.elastic.as_mut().is_some_and(|p| {
                 p.task = None;
-            }
-            let stepped = done.outcome.and_then(|velocities| apply(a, velocities));
+                p.masked
+            });
+            let stepped = done
+                .outcome
+                .and_then(|velocities| apply(a, velocities, masked));
             if let Err(e) = stepped {
                 a.failed.get_or_insert(EngineJobError::Model(e));
                 continue;
@@ -105,6 +122,10 @@ impl Engine {
                 ranks: Some(done.ranks.len() as u32),
             };
             if let Some(m) = &self.metrics {
+                let mode = if masked { "mask_aware" } else { "full" };
+                m.step_rows
+                    .with_label_values(&[mode])
+                    .inc_by(a.rows() as u64);
                 let degree = done.ranks.len().to_string();
                 m.elastic.steps.with_label_values(&[&degree]).inc();
                 m.elastic
@@ -161,10 +182,9 @@ impl Engine {
                 continue;
             }
             let a = &mut self.active[id];
-            let p = a.elastic.as_mut().expect("placed above");
+            let last = &a.elastic.as_ref().expect("placed above").ranks;
             // Its last ranks first where free (no artifact moves on a GPU node), then the lowest.
-            let mut members: Vec<usize> = p
-                .ranks
+            let mut members: Vec<usize> = last
                 .iter()
                 .copied()
                 .filter(|r| free.contains(r))
@@ -179,27 +199,29 @@ impl Engine {
                 }
             }
             free.retain(|r| !members.contains(r));
-            let inputs: Result<Vec<_>, _> = a
-                .states
-                .iter()
-                .filter(|s| !s.is_done())
-                .map(|s| s.step_inputs())
-                .collect::<Result<Vec<_>, _>>()
-                .map(|rows| rows.into_iter().flatten().collect::<Vec<_>>());
             let task = ranks.next_task_id();
-            let dispatched = inputs
-                .map_err(|e| e.to_string())
-                .and_then(|rows| ranks.pool.dispatch(task, &members, &rows));
+            let masked = mask_aware_cache(a);
+            let dispatched = match &masked {
+                Some((entry, step)) => flat_rows(a, |s| s.masked_step_rows()).and_then(|rows| {
+                    ranks
+                        .pool
+                        .dispatch_edit(task, &members, &rows, entry, *step)
+                }),
+                None => flat_rows(a, |s| s.step_inputs())
+                    .and_then(|rows| ranks.pool.dispatch(task, &members, &rows)),
+            };
             if let Err(e) = dispatched {
                 a.failed = Some(EngineJobError::Model(e));
                 continue;
             }
+            let p = a.elastic.as_mut().expect("placed above");
             if let Some(m) = &self.metrics {
                 if !p.ranks.is_empty() && p.ranks.len() != k {
                     m.elastic.degree_changes.inc();
                 }
             }
             p.task = Some(task);
+            p.masked = masked.is_some();
             p.ranks = members;
             started = true;
         }
@@ -207,19 +229,54 @@ impl Engine {
     }
 }
 
+/// The template cache and step `a` reads if its next step runs mask-aware: every unfinished
+/// state of an edit can ([`CachedStepper::usable`]); they step together, so at one index.
+fn mask_aware_cache(
+    a: &Active,
+) -> Option<(std::sync::Arc<crate::templates::TemplateEntry>, usize)> {
+    let mut states = a.states.iter().filter(|s| !s.is_done()).peekable();
+    let step = states.peek()?.step_index();
+    let mut usable = states
+        .map(|s| CachedStepper::usable(s, a.cache.as_ref()).filter(|_| s.step_index() == step));
+    let first = usable.next()??.clone();
+    usable.all(|c| c.is_some()).then_some((first, step))
+}
+
+/// The rows of `a`'s unfinished states' next step, made by `rows_of`, in state order.
+fn flat_rows<T>(
+    a: &Active,
+    rows_of: impl Fn(&DenoiseState) -> diffmesh_model::Result<Vec<T>>,
+) -> Result<Vec<T>, String> {
+    let mut all = Vec::new();
+    for s in a.states.iter().filter(|s| !s.is_done()) {
+        all.extend(rows_of(s).map_err(|e| e.to_string())?);
+    }
+    Ok(all)
+}
+
 fn is_ready(a: &Active) -> bool {
     a.failed.is_none()
+        && a.capture.is_none()
         && !a.cancelled
         && a.elastic.as_ref().is_some_and(|p| p.task.is_none())
         && a.states.iter().any(|s| !s.is_done())
 }
 
-/// A newly admitted job's class, arrival and deadline on the policy's clock.
+/// A newly admitted job's class, arrival and deadline on the policy's clock. An edit is
+/// classed by its masked tokens: its mask-aware steps compute only those (the cached keys
+/// add attention, the model leaves that out).
 fn place(ranks: &ElasticRanks, a: &Active) -> Placement {
-    let tokens = a.states.first().map_or(1, |s| s.image_tokens()) as f64;
+    let tokens = a
+        .states
+        .first()
+        .map_or(1, |s| match (&a.cache, s.masked_tokens()) {
+            (Some(_), Some(m)) => m,
+            _ => s.image_tokens(),
+        }) as f64;
     let arrival = ranks.now();
     Placement {
         task: None,
+        masked: false,
         ranks: Vec::new(),
         class: ranks.class_of(tokens),
         arrival,
@@ -231,8 +288,13 @@ fn place(ranks: &ElasticRanks, a: &Active) -> Placement {
     }
 }
 
-/// Step every unfinished state of `a` with its rows' velocities, in dispatch order.
-fn apply(a: &mut Active, velocities: Vec<diffmesh_model::tch::Tensor>) -> Result<(), String> {
+/// Step every unfinished state of `a` with its rows' velocities, in dispatch order (of the
+/// masked tokens only where the step was `masked`).
+fn apply(
+    a: &mut Active,
+    velocities: Vec<diffmesh_model::tch::Tensor>,
+    masked: bool,
+) -> Result<(), String> {
     let mut velocities = velocities.into_iter();
     for s in a.states.iter_mut().filter(|s| !s.is_done()) {
         let device = s.latents().device();
@@ -242,7 +304,12 @@ fn apply(a: &mut Active, velocities: Vec<diffmesh_model::tch::Tensor>) -> Result
             .map(|v| v.f_to_device(device))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| e.to_string())?;
-        s.apply_velocities(rows).map_err(|e| e.to_string())?;
+        let stepped = if masked {
+            s.apply_masked_velocities(rows)
+        } else {
+            s.apply_velocities(rows)
+        };
+        stepped.map_err(|e| e.to_string())?;
     }
     Ok(())
 }

@@ -322,7 +322,7 @@ impl Engine {
     }
 
     /// One capture step for every active capture job.
-    fn step_captures(&mut self) {
+    pub(super) fn step_captures(&mut self) {
         let pipeline = self.model.pipeline();
         for a in self.active.iter_mut().filter(|a| a.failed.is_none()) {
             let (Some((sink, _, _)), Some(state)) = (a.capture.as_mut(), a.states.first_mut())

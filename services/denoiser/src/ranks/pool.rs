@@ -2,13 +2,18 @@
 //! group of free ranks, every member computing its share of a sequence-parallel forward over
 //! the group-free collectives of `diffmesh-parallel`, and the group's first member handing
 //! back the velocities. A guided step's two rows on an even group run side by side, one per
-//! half (CFG parallelism). The engine thread dispatches tasks in one order, so two ranks
+//! half (CFG parallelism). An edit's mask-aware step splits its masked tokens over the group,
+//! each member reading the template cache itself. The engine thread dispatches tasks in one order, so two ranks
 //! always meet their shared collectives in the same order (each rank runs its queue in
 //! order).
+use crate::templates::{StepKv, TemplateEntry};
 use diffmesh_model::flux::sequence_parallel::SequenceParallel;
 use diffmesh_model::flux::{FluxConfig, FluxInputs, FluxTransformer};
+use diffmesh_model::pipeline::stepper::MaskedRow;
 use diffmesh_model::tch::nn::VarStore;
 use diffmesh_model::tch::{self, Device, Kind, Tensor};
+use diffmesh_model::Result as ModelResult;
+use diffmesh_parallel::shm::Endpoint;
 use diffmesh_parallel::{Group, RankConfig, Ranks};
 use diffmesh_shared::panic_message;
 use std::collections::HashMap;
@@ -174,15 +179,7 @@ impl RankPool {
         members: &[usize],
         inputs: &[FluxInputs],
     ) -> Result<(), String> {
-        let world = self.size();
-        if members.is_empty() || members.iter().any(|&r| r >= world || self.busy[r]) {
-            return Err(format!(
-                "ranks {members:?} are not all free ranks of this node"
-            ));
-        }
-        if self.pending.contains_key(&task) {
-            return Err(format!("task {task} is already running"));
-        }
+        self.check_free(task, members)?;
         let cfg_split = inputs.len() == 2 && members.len().is_multiple_of(2);
         // (ranks, row indices) per group of this task.
         let parts: Vec<(&[usize], Vec<usize>)> = if cfg_split {
@@ -193,55 +190,128 @@ impl RankPool {
         };
         self.cfg_split_tasks += u64::from(cfg_split);
         for (group_ranks, rows) in parts {
-            let (id, how) = (self.next_group, self.split_for(group_ranks.len()));
-            self.next_group += 1;
-            for &rank in group_ranks {
-                let group = Group::new(id, group_ranks, rank, world).map_err(|e| e.to_string())?;
+            let how = self.split_for(group_ranks.len());
+            self.submit_to_group(task, group_ranks, |_| {
                 let mine: Vec<(usize, FluxInputs)> =
                     rows.iter().map(|&i| (i, shallow(&inputs[i]))).collect();
-                let (replica, tx) = (self.replicas[rank].clone(), self.reports_tx.clone());
-                self.ranks.submit(rank, move |endpoint| {
-                    let run = || -> Result<Vec<(usize, Tensor)>, String> {
-                        let guard = replica.lock().unwrap_or_else(|p| p.into_inner());
-                        let replica = guard.as_ref().ok_or("the rank holds no model")?;
-                        tch::no_grad(|| {
-                            mine.iter()
-                                .map(|(i, x)| {
-                                    let x = to_device(x, replica.device)?;
-                                    let v = if group.size() == 1 {
-                                        replica.model.forward(&x)?
-                                    } else {
-                                        replica
-                                            .model
-                                            .forward_sequence_parallel(&x, endpoint, &group, how)?
-                                    };
-                                    Ok((*i, v))
-                                })
-                                .collect::<Result<Vec<_>, diffmesh_model::ModelError>>()
+                move |replica: &Replica, endpoint: &mut Endpoint, group: &Group| {
+                    mine.iter()
+                        .map(|(i, x)| {
+                            let x = to_device(x, replica.device)?;
+                            let v = if group.size() == 1 {
+                                replica.model.forward(&x)?
+                            } else {
+                                replica
+                                    .model
+                                    .forward_sequence_parallel(&x, endpoint, group, how)?
+                            };
+                            Ok((*i, v))
                         })
-                        .map_err(|e| e.to_string())
-                    };
-                    let outcome = match catch_unwind(AssertUnwindSafe(run)) {
-                        Ok(Ok(velocities)) => (group.position == 0).then_some(Ok(velocities)),
-                        Ok(Err(e)) => Some(Err(e)),
-                        Err(p) => Some(Err(format!("rank {rank} panicked: {}", panic_message(p)))),
-                    };
-                    let _ = tx.send(RankReport { task, outcome });
-                });
-                self.busy[rank] = true;
-            }
+                        .collect()
+                }
+            })?;
         }
+        self.track(task, members, inputs.len());
+        Ok(())
+    }
+
+    /// Run an edit's mask-aware step on the free ranks `members`: every member computes its
+    /// share of each row's masked tokens against `step` of the template cache `entry`, which
+    /// it reads itself onto its device ([`StepKv`]); the rows' velocities `[M, out]` come back
+    /// as [`RankPool::dispatch`]'s do.
+    pub fn dispatch_edit(
+        &mut self,
+        task: u64,
+        members: &[usize],
+        rows: &[MaskedRow],
+        entry: &Arc<TemplateEntry>,
+        step: usize,
+    ) -> Result<(), String> {
+        self.check_free(task, members)?;
+        self.submit_to_group(task, members, |_| {
+            let mine: Vec<MaskedRow> = rows.iter().map(MaskedRow::shallow_clone).collect();
+            let entry = entry.clone();
+            move |replica: &Replica, endpoint: &mut Endpoint, group: &Group| {
+                let (device, kind) = replica.model.device_kind();
+                let cache = StepKv::new(entry, step, kind, device);
+                let requests: Vec<_> = mine.iter().map(|r| r.request(&cache)).collect();
+                let velocities = if group.size() == 1 {
+                    replica.model.forward_masked(&requests)?
+                } else {
+                    replica
+                        .model
+                        .forward_masked_sequence_parallel(&requests, endpoint, group)?
+                };
+                Ok(velocities.into_iter().enumerate().collect())
+            }
+        })?;
+        self.track(task, members, rows.len());
+        Ok(())
+    }
+
+    fn check_free(&self, task: u64, members: &[usize]) -> Result<(), String> {
+        let world = self.size();
+        if members.is_empty() || members.iter().any(|&r| r >= world || self.busy[r]) {
+            return Err(format!(
+                "ranks {members:?} are not all free ranks of this node"
+            ));
+        }
+        if self.pending.contains_key(&task) {
+            return Err(format!("task {task} is already running"));
+        }
+        Ok(())
+    }
+
+    /// Queue task `task` on every rank of `group_ranks` (one fresh group): `work_for(rank)`
+    /// makes each member's work, which gets the rank's replica, endpoint and group position.
+    /// The group's first member reports the rows' velocities, every member its errors.
+    fn submit_to_group<W>(
+        &mut self,
+        task: u64,
+        group_ranks: &[usize],
+        mut work_for: impl FnMut(usize) -> W,
+    ) -> Result<(), String>
+    where
+        W: FnOnce(&Replica, &mut Endpoint, &Group) -> ModelResult<Vec<(usize, Tensor)>>
+            + Send
+            + 'static,
+    {
+        let (id, world) = (self.next_group, self.size());
+        self.next_group += 1;
+        for &rank in group_ranks {
+            let group = Group::new(id, group_ranks, rank, world).map_err(|e| e.to_string())?;
+            let work = work_for(rank);
+            let (replica, tx) = (self.replicas[rank].clone(), self.reports_tx.clone());
+            self.ranks.submit(rank, move |endpoint| {
+                let run = || -> Result<Vec<(usize, Tensor)>, String> {
+                    let guard = replica.lock().unwrap_or_else(|p| p.into_inner());
+                    let replica = guard.as_ref().ok_or("the rank holds no model")?;
+                    tch::no_grad(|| work(replica, endpoint, &group)).map_err(|e| e.to_string())
+                };
+                let outcome = match catch_unwind(AssertUnwindSafe(run)) {
+                    Ok(Ok(velocities)) => (group.position == 0).then_some(Ok(velocities)),
+                    Ok(Err(e)) => Some(Err(e)),
+                    Err(p) => Some(Err(format!("rank {rank} panicked: {}", panic_message(p)))),
+                };
+                let _ = tx.send(RankReport { task, outcome });
+            });
+            self.busy[rank] = true;
+        }
+        Ok(())
+    }
+
+    /// Wait for task `task`'s `rows` velocities from its `members`.
+    fn track(&mut self, task: u64, members: &[usize], rows: usize) {
         self.pending.insert(
             task,
             Pending {
                 members: members.to_vec(),
                 left: members.len(),
-                rows: inputs.iter().map(|_| None).collect(),
+                rows: (0..rows).map(|_| None).collect(),
                 error: None,
                 started: Instant::now(),
             },
         );
-        Ok(())
     }
 
     /// Tasks whose guided rows ran side by side on the two halves of their group.

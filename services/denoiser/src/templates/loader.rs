@@ -187,10 +187,54 @@ fn load_block(
     kind: Kind,
     device: Device,
 ) -> Block {
+    let (k, v) = decode_on(entry, step, block, kind, device)?;
+    Ok(Loaded::Host(k, v))
+}
+
+/// Block `block` of `step` decoded on the host, as `kind` on `device`.
+fn decode_on(
+    entry: &TemplateEntry,
+    step: usize,
+    block: usize,
+    kind: Kind,
+    device: Device,
+) -> std::result::Result<(Tensor, Tensor), String> {
     let blob = block_bytes(entry, step, block)?;
     let (k, v, _) = decode_block(blob, kind).map_err(|e| e.to_string())?;
     let on = |t: Tensor| t.f_to_device(device).map_err(|e| e.to_string());
-    Ok(Loaded::Host(on(k)?, on(v)?))
+    Ok((on(k)?, on(v)?))
+}
+
+/// One step of a resident cache, each block decoded when attention asks for it, on the
+/// reader's own thread: what a rank of `--ranks` reads (every member of a group its own
+/// copy, on its own device), where no loader thread streams ahead.
+pub struct StepKv {
+    entry: Arc<TemplateEntry>,
+    step: usize,
+    kind: Kind,
+    device: Device,
+}
+
+impl StepKv {
+    pub fn new(entry: Arc<TemplateEntry>, step: usize, kind: Kind, device: Device) -> Self {
+        Self {
+            entry,
+            step,
+            kind,
+            device,
+        }
+    }
+}
+
+impl KvCache for StepKv {
+    fn block_kv(&self, block: usize) -> Result<(Tensor, Tensor)> {
+        decode_on(&self.entry, self.step, block, self.kind, self.device)
+            .map_err(|message| ModelError::input("cache", message))
+    }
+
+    fn format(&self) -> KvFormat {
+        self.entry.format
+    }
 }
 
 /// One request's K/V of one step, arriving block by block from the loader thread.

@@ -13,5 +13,5 @@ pub mod store;
 pub use entry::{LocalTier, TemplateEntry};
 pub use fetcher::{CacheFetcher, Fetched};
 pub use gpu_copy::GpuCopy;
-pub use loader::{KvLoader, LoadStats, StreamedKv};
+pub use loader::{KvLoader, LoadStats, StepKv, StreamedKv};
 pub use pixels::TemplatePixels;
