@@ -18,6 +18,7 @@ pub mod quality;
 pub mod safetensors_file;
 pub mod text;
 pub mod tiny;
+pub mod unet;
 pub mod vae;
 pub mod weights;
 

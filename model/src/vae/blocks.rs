@@ -47,25 +47,32 @@ impl Conv2d {
     }
 }
 
-/// `nn.GroupNorm(num_groups, channels, eps=1e-6, affine=True)`.
+/// `nn.GroupNorm(num_groups, channels, eps=1e-6, affine=True)` (another eps: [`GroupNorm::with_eps`]).
 #[derive(Debug)]
 pub struct GroupNorm {
     pub weight: Tensor,
     pub bias: Tensor,
     groups: i64,
+    eps: f64,
 }
 
 impl GroupNorm {
     pub fn new(vs: nn::Path, groups: i64, channels: i64) -> Self {
+        Self::with_eps(vs, groups, channels, EPS)
+    }
+
+    pub fn with_eps(vs: nn::Path, groups: i64, channels: i64, eps: f64) -> Self {
         Self {
             weight: vs.ones("weight", &[channels]),
             bias: vs.zeros("bias", &[channels]),
             groups,
+            eps,
         }
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.f_group_norm(self.groups, Some(&self.weight), Some(&self.bias), EPS, true)?)
+        let (w, b) = (Some(&self.weight), Some(&self.bias));
+        Ok(x.f_group_norm(self.groups, w, b, self.eps, true)?)
     }
 }
 

@@ -4,7 +4,7 @@
 //! Only the configuration space real checkpoints use is supported (`DownEncoderBlock2D` /
 //! `UpDecoderBlock2D`, SiLU, group norm); anything else is rejected by [`AutoencoderKLConfig::validate`]
 //! with the offending field named. Tiling and slicing are not implemented.
-mod blocks;
+pub(crate) mod blocks;
 mod coder;
 
 pub use coder::{Decoder, Encoder};

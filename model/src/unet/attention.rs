@@ -1,0 +1,198 @@
+//! The UNet's attention with diffusers' key names: `Transformer2DModel` over a feature map
+//! (group norm, projection in, `BasicTransformerBlock`s, projection out, residual) and its
+//! blocks (self-attention, cross-attention on the text, GEGLU feed-forward, each behind a
+//! LayerNorm with a residual).
+use crate::error::Result;
+use crate::flux::layers::Linear;
+use crate::vae::blocks::{Conv2d, GroupNorm};
+use tch::{nn, Tensor};
+
+/// `nn.LayerNorm(dim, eps=1e-5, elementwise_affine=True)`.
+#[derive(Debug)]
+struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl LayerNorm {
+    fn new(vs: nn::Path, dim: i64) -> Self {
+        Self {
+            weight: vs.ones("weight", &[dim]),
+            bias: vs.zeros("bias", &[dim]),
+        }
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dim = self.weight.size()[0];
+        Ok(x.f_layer_norm([dim], Some(&self.weight), Some(&self.bias), 1e-5, true)?)
+    }
+}
+
+/// `Attention(bias=False, out_bias=True)`: queries from the image tokens, keys and values from
+/// them (self) or from the text (cross).
+#[derive(Debug)]
+pub struct Attention {
+    to_q: Linear,
+    to_k: Linear,
+    to_v: Linear,
+    to_out: Linear,
+    heads: i64,
+}
+
+impl Attention {
+    fn new(vs: nn::Path, dim: i64, context_dim: i64, heads: i64) -> Self {
+        Self {
+            to_q: Linear::new(&vs / "to_q", dim, dim, false),
+            to_k: Linear::new(&vs / "to_k", context_dim, dim, false),
+            to_v: Linear::new(&vs / "to_v", context_dim, dim, false),
+            to_out: Linear::new(&vs / "to_out" / "0", dim, dim, true),
+            heads,
+        }
+    }
+
+    /// `x` `[B, S, dim]`, `context` `[B, T, context_dim]` -> `[B, S, dim]`.
+    pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
+        let split = |t: Tensor| -> Result<Tensor> {
+            let s = t.size();
+            Ok(t.f_view([s[0], s[1], self.heads, s[2] / self.heads])?
+                .f_transpose(1, 2)?)
+        };
+        let q = split(self.to_q.forward(x)?)?;
+        let k = split(self.to_k.forward(context)?)?;
+        let v = split(self.to_v.forward(context)?)?;
+        let o = Tensor::f_scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            None::<&Tensor>,
+            0.0,
+            false,
+            None,
+            false,
+        )?;
+        let s = o.size();
+        let o = o.f_transpose(1, 2)?.f_reshape([s[0], s[2], s[1] * s[3]])?;
+        self.to_out.forward(&o)
+    }
+}
+
+/// `BasicTransformerBlock(norm_type="layer_norm", activation_fn="geglu")`.
+#[derive(Debug)]
+pub struct BasicTransformerBlock {
+    norm1: LayerNorm,
+    attn1: Attention,
+    norm2: LayerNorm,
+    attn2: Attention,
+    norm3: LayerNorm,
+    /// GEGLU's projection to twice the inner width, then the projection back.
+    ff_in: Linear,
+    ff_out: Linear,
+}
+
+impl BasicTransformerBlock {
+    fn new(vs: nn::Path, dim: i64, context_dim: i64, heads: i64) -> Self {
+        let inner = 4 * dim;
+        Self {
+            norm1: LayerNorm::new(&vs / "norm1", dim),
+            attn1: Attention::new(&vs / "attn1", dim, dim, heads),
+            norm2: LayerNorm::new(&vs / "norm2", dim),
+            attn2: Attention::new(&vs / "attn2", dim, context_dim, heads),
+            norm3: LayerNorm::new(&vs / "norm3", dim),
+            ff_in: Linear::new(&vs / "ff" / "net" / "0" / "proj", dim, 2 * inner, true),
+            ff_out: Linear::new(&vs / "ff" / "net" / "2", inner, dim, true),
+        }
+    }
+
+    fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
+        let n = self.norm1.forward(x)?;
+        let x = x.f_add(&self.attn1.forward(&n, &n)?)?;
+        let n = self.norm2.forward(&x)?;
+        let x = x.f_add(&self.attn2.forward(&n, context)?)?;
+        let h = self.ff_in.forward(&self.norm3.forward(&x)?)?;
+        let half = h.size()[2] / 2;
+        let (hidden, gate) = (h.f_narrow(2, 0, half)?, h.f_narrow(2, half, half)?);
+        let h = hidden.f_mul(&gate.f_gelu("none")?)?;
+        Ok(x.f_add(&self.ff_out.forward(&h)?)?)
+    }
+}
+
+/// How `Transformer2DModel` projects in and out: a linear over tokens (SD2.x, SDXL) or a 1x1
+/// conv over the map (SD1.x).
+#[derive(Debug)]
+enum Projection {
+    Linear(Linear),
+    Conv(Conv2d),
+}
+
+/// `Transformer2DModel` on a continuous feature map `[B, C, H, W]`.
+#[derive(Debug)]
+pub struct Transformer2D {
+    norm: GroupNorm,
+    proj_in: Projection,
+    blocks: Vec<BasicTransformerBlock>,
+    proj_out: Projection,
+}
+
+/// What one `Transformer2DModel` is built from.
+#[derive(Debug, Clone, Copy)]
+pub struct Transformer2DShape {
+    pub channels: i64,
+    pub heads: i64,
+    pub layers: i64,
+    pub context_dim: i64,
+    pub groups: i64,
+    pub linear_projection: bool,
+}
+
+impl Transformer2D {
+    pub fn new(vs: nn::Path, s: Transformer2DShape) -> Self {
+        let c = s.channels;
+        let projection = |name: &str| {
+            if s.linear_projection {
+                Projection::Linear(Linear::new(&vs / name, c, c, true))
+            } else {
+                Projection::Conv(Conv2d::new(&vs / name, c, c, 1, 1, 0))
+            }
+        };
+        Self {
+            norm: GroupNorm::with_eps(&vs / "norm", s.groups, c, 1e-6),
+            proj_in: projection("proj_in"),
+            blocks: (0..s.layers)
+                .map(|i| {
+                    BasicTransformerBlock::new(
+                        &vs / "transformer_blocks" / i,
+                        c,
+                        s.context_dim,
+                        s.heads,
+                    )
+                })
+                .collect(),
+            proj_out: projection("proj_out"),
+        }
+    }
+
+    /// `x` `[B, C, H, W]`, `context` the text `[B, T, context_dim]`.
+    pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
+        let s = x.size();
+        let (b, c, h, w) = (s[0], s[1], s[2], s[3]);
+        let to_tokens = |m: &Tensor| -> Result<Tensor> {
+            Ok(m.f_permute([0, 2, 3, 1])?.f_reshape([b, h * w, c])?)
+        };
+        let to_map = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.f_reshape([b, h, w, c])?.f_permute([0, 3, 1, 2])?)
+        };
+        let n = self.norm.forward(x)?;
+        let mut t = match &self.proj_in {
+            Projection::Linear(l) => l.forward(&to_tokens(&n)?)?,
+            Projection::Conv(conv) => to_tokens(&conv.forward(&n)?)?,
+        };
+        for block in &self.blocks {
+            t = block.forward(&t, context)?;
+        }
+        let out = match &self.proj_out {
+            Projection::Linear(l) => to_map(&l.forward(&t)?)?,
+            Projection::Conv(conv) => conv.forward(&to_map(&t)?.f_contiguous()?)?,
+        };
+        Ok(out.f_add(x)?)
+    }
+}
