@@ -85,7 +85,8 @@ fn inputs(case: &str) -> UNetInputs {
 fn bad_inputs_name_the_field() {
     let dir = fixtures().join("sdxl").join("unet");
     let unet = UNet2DConditionModel::load(&dir, Device::Cpu, Kind::Float).unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&mut UNetInputs)>)> = vec![
+    type Spoil = Box<dyn Fn(&mut UNetInputs)>;
+    let cases: Vec<(&str, Spoil)> = vec![
         ("sample", Box::new(|x| x.sample = x.sample.narrow(1, 0, 3))),
         (
             "encoder_hidden_states",
