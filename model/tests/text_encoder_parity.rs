@@ -1,10 +1,11 @@
 //! CLIPTextModel and T5EncoderModel against transformers 5.25 (python/parity/gen_text_encoders.py)
 //! on reduced configs with random weights: last hidden states and CLIP's pooled output within
-//! 1e-4 in f32, and within one unit in the last place in bf16 and f16 (where transformers keeps
+//! 1e-4 in f32 (for CLIP also the penultimate hidden states SDXL reads, and the projected
+//! pooled output of `CLIPTextModelWithProjection`), and within one unit in the last place in bf16 and f16 (where transformers keeps
 //! T5's `wo` in f32; T5 v1.1's `gelu_new` is computed op by op as transformers writes it). Checkpoints in transformers 4's key names and sharded ones load too.
 mod py_fixture;
 
-use diffmesh_model::text::{ClipTextModel, T5EncoderModel};
+use diffmesh_model::text::{ClipTextModel, ClipTextModelWithProjection, T5EncoderModel};
 use py_fixture::{generate, max_abs_diff, read_tensors};
 use tch::{Device, Kind, Tensor};
 
@@ -41,7 +42,7 @@ fn text_encoders_match_transformers() {
     let cases: Vec<Case> =
         serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).expect("cases"))
             .expect("json");
-    assert_eq!(cases.len(), 4);
+    assert_eq!(cases.len(), 5);
     for case in &cases {
         let folder = dir.join(&case.name);
         let io = read_tensors(&folder.join("io.safetensors"));
@@ -56,6 +57,17 @@ fn text_encoders_match_transformers() {
                         let out = model.forward(ids).expect("clip forward");
                         outputs.push(("last_hidden_state", out.last_hidden_state));
                         outputs.push(("pooler_output", out.pooler_output));
+                        outputs.push(("penultimate_hidden_state", out.penultimate_hidden_state));
+                    }
+                    "clip_projection" => {
+                        let (model, _vs) =
+                            ClipTextModelWithProjection::load(&folder, Device::Cpu, kind)
+                                .expect("load clip with projection");
+                        let out = model.forward(ids).expect("clip forward");
+                        outputs.push(("text_embeds", out.text_embeds));
+                        outputs.push(("last_hidden_state", out.text.last_hidden_state));
+                        let penultimate = out.text.penultimate_hidden_state;
+                        outputs.push(("penultimate_hidden_state", penultimate));
                     }
                     _ => {
                         let (model, _vs) =

@@ -6,7 +6,8 @@ weights, for the Rust parity test (model/tests/text_encoder_parity.rs).
 Writes OUT_DIR/cases.json and per case OUT_DIR/<case>/ (config.json and safetensors as
 `save_pretrained` writes them; one case rewritten to transformers 4's key names, one sharded) plus
 OUT_DIR/<case>/io.safetensors: `input_ids` [B, T] (int64) and, per dtype (f32, bf16, f16), the
-last hidden state (and CLIP's pooled output) transformers computes, stored as f32.
+last hidden state (and CLIP's pooled output, its `hidden_states[-2]` and, with a projection,
+`text_embeds`) transformers computes, stored as f32.
 """
 
 import json
@@ -15,7 +16,8 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config,
+                          T5EncoderModel)
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -31,6 +33,15 @@ CLIP_CASES = {
         config=dict(hidden_act="gelu", eos_token_id=999, num_hidden_layers=3, num_attention_heads=2),
         lengths=[20],
         legacy_keys=False,
+    ),
+    # SDXL's text_encoder_2 (OpenCLIP-bigG) in miniature: CLIPTextModelWithProjection, exact
+    # GELU, the projected pooled output and the penultimate hidden states.
+    "clip_with_projection": dict(
+        config=dict(hidden_act="gelu", eos_token_id=999, num_hidden_layers=3, num_attention_heads=4,
+                    projection_dim=24),
+        lengths=[77, 9],
+        legacy_keys=False,
+        projection=True,
     ),
 }
 
@@ -88,7 +99,8 @@ def run_clip(out, name, spec, generator):
     base = dict(vocab_size=1000, hidden_size=32, intermediate_size=64, max_position_embeddings=77,
                 bos_token_id=998, pad_token_id=999)
     config = CLIPTextConfig(**{**base, **spec["config"]})
-    model = CLIPTextModel(config).eval()
+    cls = CLIPTextModelWithProjection if spec.get("projection") else CLIPTextModel
+    model = cls(config).eval()
     folder = os.path.join(out, name)
     model.save_pretrained(folder)
     if spec["legacy_keys"]:
@@ -98,13 +110,18 @@ def run_clip(out, name, spec, generator):
         ids = clip_ids(generator, 3, length, config.vocab_size, bos=998, eos=999)
         io[f"input_ids_{length}"] = ids
         for tag, dtype in DTYPES.items():
-            m = CLIPTextModel.from_pretrained(folder, dtype=dtype).eval()
+            m = cls.from_pretrained(folder, dtype=dtype).eval()
             with torch.no_grad():
-                o = m(ids)
+                o = m(ids, output_hidden_states=True)
             io[f"last_hidden_state_{length}_{tag}"] = o.last_hidden_state.float()
-            io[f"pooler_output_{length}_{tag}"] = o.pooler_output.float()
+            io[f"penultimate_hidden_state_{length}_{tag}"] = o.hidden_states[-2].float()
+            if spec.get("projection"):
+                io[f"text_embeds_{length}_{tag}"] = o.text_embeds.float()
+            else:
+                io[f"pooler_output_{length}_{tag}"] = o.pooler_output.float()
     save_file(io, os.path.join(folder, "io.safetensors"))
-    return {"name": name, "family": "clip", "lengths": spec["lengths"]}
+    family = "clip_projection" if spec.get("projection") else "clip"
+    return {"name": name, "family": family, "lengths": spec["lengths"]}
 
 
 def run_t5(out, name, spec, generator):

@@ -91,6 +91,9 @@ pub struct ClipTextOutput {
     pub last_hidden_state: Tensor,
     /// `[B, hidden_size]`: `last_hidden_state` at each prompt's end-of-text token.
     pub pooler_output: Tensor,
+    /// `[B, T, hidden_size]`: transformers' `hidden_states[-2]`, the output of the layer
+    /// before the last, without the final LayerNorm (what SDXL's pipelines condition on).
+    pub penultimate_hidden_state: Tensor,
 }
 
 #[derive(Debug)]
@@ -239,7 +242,9 @@ impl ClipTextModel {
             .apply(&self.token_embedding)
             .f_add(&positions.apply(&self.position_embedding))?;
         let heads = self.config.num_attention_heads;
+        let mut penultimate = x.shallow_clone();
         for layer in &self.layers {
+            penultimate = x.shallow_clone();
             x = layer.forward(&x, heads, self.activation)?;
         }
         let last = x.apply(&self.final_layer_norm);
@@ -257,6 +262,72 @@ impl ClipTextModel {
         Ok(ClipTextOutput {
             last_hidden_state: last,
             pooler_output: pooled,
+            penultimate_hidden_state: penultimate,
+        })
+    }
+}
+
+pub const WITH_PROJECTION_CLASS_NAME: &str = "CLIPTextModelWithProjection";
+
+/// `CLIPTextModelWithProjection` (SDXL's second text encoder, OpenCLIP-bigG): the text model
+/// and `text_projection` (no bias) of its pooled output.
+#[derive(Debug)]
+pub struct ClipTextModelWithProjection {
+    pub text_model: ClipTextModel,
+    text_projection: Linear,
+}
+
+/// What the projecting text model returns.
+#[derive(Debug)]
+pub struct ClipProjectedOutput {
+    /// `[B, projection_dim]`: the projected pooled output (SDXL's pooled `text_embeds`).
+    pub text_embeds: Tensor,
+    pub text: ClipTextOutput,
+}
+
+impl ClipTextModelWithProjection {
+    /// Parameters under `p`: the text model's (transformers 5's names without `text_model.`)
+    /// and `text_projection`.
+    pub fn new(p: &nn::Path, config: ClipTextConfig, projection_dim: i64) -> Result<Self> {
+        if projection_dim < 1 {
+            return Err(ModelError::config(
+                "projection_dim",
+                format!("must be positive, got {projection_dim}"),
+            ));
+        }
+        let d = config.hidden_size;
+        Ok(Self {
+            text_model: ClipTextModel::new(p, config)?,
+            text_projection: Linear::new(p / "text_projection", d, projection_dim, false),
+        })
+    }
+
+    /// Load a transformers `CLIPTextModelWithProjection` folder as `kind`.
+    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<(Self, nn::VarStore)> {
+        #[derive(Deserialize)]
+        struct Projection {
+            projection_dim: Option<i64>,
+        }
+        let config = ClipTextConfig::from_dir(dir)?;
+        let projection: Projection = read_json(&dir.join("config.json"))?;
+        let projection_dim = projection.projection_dim.unwrap_or(512);
+        let mut vs = crate::weights::new_store(device, kind);
+        let model = Self::new(&vs.root(), config, projection_dim)?;
+        let plan = LoadPlan {
+            kind,
+            rename: &|key| key.strip_prefix("text_model.").map(str::to_string),
+            keep_f32: &|_| false,
+        };
+        weights::load_frozen_planned(&mut vs, dir, &plan, "CLIP text model with projection")?;
+        Ok((model, vs))
+    }
+
+    /// `input_ids` `[B, T]` (int64).
+    pub fn forward(&self, input_ids: &Tensor) -> Result<ClipProjectedOutput> {
+        let text = self.text_model.forward(input_ids)?;
+        Ok(ClipProjectedOutput {
+            text_embeds: self.text_projection.forward(&text.pooler_output)?,
+            text,
         })
     }
 }

@@ -8,7 +8,9 @@ pub mod tokenizer;
 mod tokenizer_files;
 
 pub use activation::Activation;
-pub use clip::{ClipTextConfig, ClipTextModel, ClipTextOutput};
+pub use clip::{
+    ClipProjectedOutput, ClipTextConfig, ClipTextModel, ClipTextModelWithProjection, ClipTextOutput,
+};
 pub use flux_prompt::FluxPromptEncoder;
 pub use t5::{T5Config, T5EncoderModel};
 pub use tokenizer::{PromptTokenizer, TokenizerClass};
