@@ -16,6 +16,7 @@ pub mod packing;
 pub mod pipeline;
 pub mod quality;
 pub mod safetensors_file;
+pub mod schedulers;
 pub mod text;
 pub mod tiny;
 pub mod unet;
