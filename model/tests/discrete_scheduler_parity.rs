@@ -67,7 +67,7 @@ fn check(case: &Case, scheduler: &DiscreteScheduler, dir: &std::path::Path) {
             &at(scaled),
             1e-6,
         );
-        let noise = noises.map(|n| at(n));
+        let noise = noises.map(&at);
         let next = schedule
             .step(i, &at(outputs), &sample, noise.as_ref())
             .unwrap();
