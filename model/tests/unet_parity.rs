@@ -2,7 +2,8 @@
 //! random-weight configs (batches of 1 and 2, sides that do and do not divide by the
 //! downsampling, linear and conv projections, several transformer layers per level, SDXL's
 //! added conditioning), through `cargo xtask forward --component unet`'s code path; and the
-//! errors of strict loading and of bad inputs. Fixtures come from `python/parity/gen_unet.py`,
+//! errors of strict loading and of bad inputs; ControlNets' residuals, and a UNet steered by two
+//! ControlNets at once. Fixtures come from `python/parity/gen_unet.py`,
 //! run here with `$DIFFMESH_PYTHON` (default: the project venv) into this test's tmp dir.
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::unet::{cli_forward_unet, UNet2DConditionModel, UNetInputs};
@@ -143,4 +144,70 @@ fn loading_names_missing_and_misshaped_keys() {
         err.contains(&format!("mis-shaped key: {misshaped}")),
         "{err}"
     );
+}
+
+/// A ControlNet's residuals (`--component controlnet`), and a UNet steered by two ControlNets
+/// whose residuals are summed (diffusers' `MultiControlNetModel`, scales 0.7 and 0.4), both
+/// through the forward tool's inputs and through the API.
+#[test]
+fn controlnets_match_diffusers() {
+    use diffmesh_model::unet::controlnet::cli_forward_controlnet;
+    use diffmesh_model::unet::ControlNetModel;
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("manifest.json")).unwrap())
+            .unwrap();
+    let controlled: Vec<&str> = v["controlnet_cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert_eq!(controlled.len(), 2);
+    for name in controlled {
+        let dir = fixtures().join(name);
+        let err_of = |got: &Tensor, want: &Tensor, what: &str| {
+            assert_eq!(got.size(), want.size(), "{name} {what}");
+            let err = f64::try_from((got - want).abs().max()).unwrap();
+            println!("{name} {what}: max abs err {err:.3e}");
+            assert!(err <= TOLERANCE, "{name} {what}: {err}");
+        };
+        let out = dir.join("cn_ours.safetensors");
+        cli_forward_controlnet(&dir, &dir.join("controlnet_inputs.safetensors"), &out).unwrap();
+        let got = read(&out);
+        let want = read(&dir.join("controlnet_output.safetensors"));
+        assert_eq!(got.len(), want.len(), "{name}: residual count");
+        for (key, w) in &want {
+            err_of(&got[key], w, key);
+        }
+
+        let out = dir.join("controlled_ours.safetensors");
+        cli_forward_unet(&dir, &dir.join("controlled_inputs.safetensors"), &out).unwrap();
+        let mut expected = read(&dir.join("controlled_output.safetensors"));
+        let want = expected.remove("sample").unwrap();
+        err_of(
+            &read(&out).remove("sample").unwrap(),
+            &want,
+            "steered by two (tool)",
+        );
+
+        let x = inputs(name);
+        let mut c = read(&dir.join("controlnet_inputs.safetensors"));
+        let cond = c.remove("controlnet_cond").unwrap();
+        let cond_2 = expected.remove("controlnet_cond_2").unwrap();
+        let load = |d: &str| ControlNetModel::load(&dir.join(d), Device::Cpu, Kind::Float).unwrap();
+        let (first, second) = (load("controlnet"), load("controlnet_2"));
+        let unet = UNet2DConditionModel::load(&dir.join("unet"), Device::Cpu, Kind::Float).unwrap();
+        let got = diffmesh_model::tch::no_grad(|| {
+            let a = first.forward(&x, &cond, 0.7).unwrap();
+            let b = second.forward(&x, &cond_2, 0.4).unwrap();
+            unet.forward_controlled(&x, Some(&a.sum(&b).unwrap()))
+        })
+        .unwrap();
+        err_of(&got, &want, "steered by two (API)");
+        let err = first
+            .forward(&x, &cond.narrow(2, 0, 8), 1.0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("controlnet_cond"), "{err}");
+    }
 }

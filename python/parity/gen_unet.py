@@ -8,7 +8,19 @@ output:
     OUT/<case>/unet/{config.json, diffusion_pytorch_model.safetensors}
     OUT/<case>/inputs.safetensors   sample, timestep, encoder_hidden_states[, text_embeds, time_ids]
     OUT/<case>/output.safetensors   sample
-    OUT/manifest.json               list of case names
+    OUT/manifest.json               list of case names, and the cases with ControlNets
+
+For the ControlNet cases, two random `ControlNetModel`s built `from_unet` (then re-randomised, so
+the zero convs are not zero) and:
+
+    OUT/<case>/controlnet/, OUT/<case>/controlnet_2/
+    OUT/<case>/controlnet_inputs.safetensors   the UNet's inputs, controlnet_cond, conditioning_scale
+    OUT/<case>/controlnet_output.safetensors   down_block_res_samples.{i}, mid_block_res_sample
+    OUT/<case>/controlled_inputs.safetensors   the UNet's inputs with the summed residuals of both
+                                               (MultiControlNetModel, scales 0.7 and 0.4) under
+                                               down_block_additional_residuals.{i},
+                                               mid_block_additional_residual
+    OUT/<case>/controlled_output.safetensors   sample
 
 Usage: python gen_unet.py --out DIR
 """
@@ -18,7 +30,8 @@ import math
 import os
 
 import torch
-from diffusers import UNet2DConditionModel
+from diffusers import ControlNetModel, UNet2DConditionModel
+from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 from safetensors.torch import save_file
 
 # SD2.1's shape of config: heads per level (`attention_head_dim`, a misnomer in diffusers),
@@ -86,6 +99,43 @@ def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(noise / math.sqrt(p[0].numel()))
 
 
+CONTROL_CASES = ["sd21", "sdxl"]
+SCALES = [0.7, 0.4]
+
+
+def controlnets(model, case_dir, inputs, added, gen):
+    nets = []
+    for i in range(2):
+        net = ControlNetModel.from_unet(model).eval()
+        randomize(net, gen)
+        net.save_pretrained(os.path.join(case_dir, "controlnet" if i == 0 else f"controlnet_{i + 1}"),
+                            safe_serialization=True)
+        nets.append(net)
+    b, _, h, w = inputs["sample"].shape
+    cond = torch.rand(b, 3, 8 * h, 8 * w, generator=gen)
+    args = (inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"])
+    with torch.no_grad():
+        down, mid = nets[0](*args, controlnet_cond=cond, conditioning_scale=SCALES[0],
+                            added_cond_kwargs=added, return_dict=False)
+        both_down, both_mid = MultiControlNetModel(nets)(*args, controlnet_cond=[cond, 1.0 - cond],
+                                                         conditioning_scale=SCALES, added_cond_kwargs=added,
+                                                         return_dict=False)
+        controlled = model(*args, added_cond_kwargs=added, down_block_additional_residuals=both_down,
+                           mid_block_additional_residual=both_mid, return_dict=False)[0]
+    save_file({**{k: v.contiguous() for k, v in inputs.items()}, "controlnet_cond": cond,
+               "conditioning_scale": torch.tensor([SCALES[0]])},
+              os.path.join(case_dir, "controlnet_inputs.safetensors"))
+    out = {f"down_block_res_samples.{i}": t.contiguous() for i, t in enumerate(down)}
+    out["mid_block_res_sample"] = mid.contiguous()
+    save_file(out, os.path.join(case_dir, "controlnet_output.safetensors"))
+    residuals = {f"down_block_additional_residuals.{i}": t.contiguous() for i, t in enumerate(both_down)}
+    residuals["mid_block_additional_residual"] = both_mid.contiguous()
+    save_file({**{k: v.contiguous() for k, v in inputs.items()}, **residuals},
+              os.path.join(case_dir, "controlled_inputs.safetensors"))
+    save_file({"sample": controlled.contiguous(), "controlnet_cond_2": (1.0 - cond).contiguous()},
+              os.path.join(case_dir, "controlled_output.safetensors"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -115,8 +165,10 @@ def main() -> None:
                         added_cond_kwargs=added, return_dict=False)[0]
         save_file({k: v.contiguous() for k, v in inputs.items()}, os.path.join(case_dir, "inputs.safetensors"))
         save_file({"sample": out.contiguous()}, os.path.join(case_dir, "output.safetensors"))
+        if name in CONTROL_CASES:
+            controlnets(model, case_dir, inputs, added, gen)
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
-        json.dump({"cases": list(CASES)}, f)
+        json.dump({"cases": list(CASES), "controlnet_cases": CONTROL_CASES}, f)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ struct Args {
     /// A diffusers model directory, or the component folder itself.
     #[arg(long, env = "DIFFMESH_MODEL_DIR")]
     model_dir: PathBuf,
-    /// Which component to run: `transformer` (Flux), `unet` (UNet2DConditionModel) or `vae`
-    /// (AutoencoderKL).
-    #[arg(long, value_parser = ["transformer", "unet", "vae"])]
+    /// Which component to run: `transformer` (Flux), `unet` (UNet2DConditionModel),
+    /// `controlnet` (a UNet's ControlNetModel: residuals) or `vae` (AutoencoderKL).
+    #[arg(long, value_parser = ["transformer", "unet", "controlnet", "vae"])]
     component: String,
     /// Input tensors by name (see the component's `cli_forward_*` docs).
     #[arg(long)]
@@ -50,6 +50,11 @@ fn main() -> anyhow::Result<()> {
 
         // UNet2DConditionModel (SD2.x, SDXL): inputs are its forward's argument names.
         "unet" => diffmesh_model::unet::cli_forward_unet(&args.model_dir, &args.inputs, &args.out)?,
+        "controlnet" => diffmesh_model::unet::controlnet::cli_forward_controlnet(
+            &args.model_dir,
+            &args.inputs,
+            &args.out,
+        )?,
 
         // ---- VAE (owned by the VAE helper) ----
         "vae" => diffmesh_model::cli_forward_vae(&args.model_dir, &args.inputs, &args.out)?,

@@ -388,6 +388,14 @@ impl UNetConfig {
             .unwrap_or(1)
     }
 
+    /// The text width the cross-attention reads (every level's: [`UNetConfig::validate`]).
+    pub fn context_dim(&self) -> i64 {
+        match &self.cross_attention_dim {
+            PerLevel::One(d) => *d,
+            PerLevel::Each(d) => d.first().copied().unwrap_or(0),
+        }
+    }
+
     /// `block_out_channels[0] * 4`, the time embedding's width.
     pub fn time_embed_dim(&self) -> i64 {
         self.block_out_channels.first().copied().unwrap_or(0) * 4

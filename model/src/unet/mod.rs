@@ -11,16 +11,18 @@
 pub mod attention;
 pub mod blocks;
 pub mod config;
+pub mod controlnet;
 pub mod resnet;
+mod stem;
 
 use crate::error::{read_json, ModelError, Result};
-use crate::flux::embeddings::TimestepEmbedding;
 use crate::vae::blocks::{Conv2d, GroupNorm};
 use crate::weights;
-use blocks::{AttentionShape, DownBlock, MidBlock, UpBlock, UpChannels};
+use blocks::{UpBlock, UpChannels};
 pub use config::UNetConfig;
-use resnet::ResnetShape;
+pub use controlnet::{ControlNetModel, UNetResiduals};
 use std::path::{Path, PathBuf};
+use stem::Stem;
 use tch::{nn, Device, Kind, Tensor};
 
 pub const CLASS_NAME: &str = "UNet2DConditionModel";
@@ -42,11 +44,7 @@ pub struct UNetInputs {
 #[derive(Debug)]
 pub struct UNet2DConditionModel {
     pub config: UNetConfig,
-    conv_in: Conv2d,
-    time_embedding: TimestepEmbedding,
-    add_embedding: Option<TimestepEmbedding>,
-    down: Vec<DownBlock>,
-    mid: MidBlock,
+    stem: Stem,
     up: Vec<UpBlock>,
     conv_norm_out: GroupNorm,
     conv_out: Conv2d,
@@ -59,35 +57,10 @@ impl UNet2DConditionModel {
     pub fn new(vs: &nn::Path, config: UNetConfig) -> Result<Self> {
         config.validate()?;
         let levels = config.levels()?;
-        let groups = config.norm_num_groups.unwrap_or(32);
-        let c0 = config.block_out_channels[0];
-        let temb = config.time_embed_dim();
-        let r = ResnetShape {
-            groups,
-            eps: config.norm_eps,
-            temb,
-        };
-        let a = AttentionShape {
-            groups,
-            linear_projection: config.use_linear_projection,
-        };
-        let n = levels.len();
-        let down = (0..n)
-            .map(|i| {
-                let c_in = if i == 0 { c0 } else { levels[i - 1].channels };
-                let downsample = (i + 1 < n).then_some(config.downsample_padding);
-                DownBlock::new(vs / "down_blocks" / i, c_in, &levels[i], downsample, r, a)
-            })
-            .collect();
-        let last = &levels[n - 1];
-        let mid = MidBlock::new(
-            vs / "mid_block",
-            last,
-            config.mid_transformer_layers(),
-            r,
-            a,
-        );
-        let mut prev_output = last.channels;
+        let stem = Stem::new(vs, &config)?;
+        let (r, a) = (stem.resnet_shape, stem.attention_shape);
+        let (groups, c0, n) = (r.groups, config.block_out_channels[0], levels.len());
+        let mut prev_output = levels[n - 1].channels;
         let up = (0..n)
             .map(|i| {
                 let level = &levels[n - 1 - i];
@@ -99,15 +72,9 @@ impl UNet2DConditionModel {
                 UpBlock::new(vs / "up_blocks" / i, level, channels, i + 1 < n, r, a)
             })
             .collect();
-        let (k_in, k_out) = (config.conv_in_kernel, config.conv_out_kernel);
+        let k_out = config.conv_out_kernel;
         Ok(Self {
-            conv_in: Conv2d::new(vs / "conv_in", config.in_channels, c0, k_in, 1, k_in / 2),
-            time_embedding: TimestepEmbedding::new(vs / "time_embedding", c0, temb),
-            add_embedding: config
-                .text_time()
-                .map(|(_, input)| TimestepEmbedding::new(vs / "add_embedding", input, temb)),
-            down,
-            mid,
+            stem,
             up,
             conv_norm_out: GroupNorm::with_eps(vs / "conv_norm_out", groups, c0, config.norm_eps),
             conv_out: Conv2d::new(
@@ -152,58 +119,49 @@ impl UNet2DConditionModel {
 
     /// The weights' device and dtype.
     pub fn device_kind(&self) -> (Device, Kind) {
-        (self.conv_in.weight.device(), self.conv_in.weight.kind())
+        self.stem.device_kind()
     }
 
     /// The predicted noise or velocity, `[B, out_channels, H, W]`.
     pub fn forward(&self, x: &UNetInputs) -> Result<Tensor> {
+        self.forward_controlled(x, None)
+    }
+
+    /// [`Self::forward`] steered by ControlNet residuals (summed over the ControlNets of a
+    /// request): each added to its skip connection, the last to the mid block's output.
+    pub fn forward_controlled(
+        &self,
+        x: &UNetInputs,
+        residuals: Option<&UNetResiduals>,
+    ) -> Result<Tensor> {
+        let (batch, side) = check_inputs(&self.config, x)?;
         let (device, kind) = self.device_kind();
         let on = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_device(device)?.f_to_kind(kind)?) };
-        let (batch, side) = self.check(x)?;
-        let sample = on(&x.sample)?;
         let context = on(&x.encoder_hidden_states)?;
-        let cfg = &self.config;
-
-        let t = x.timestep.f_to_device(device)?.f_reshape([-1])?;
-        let t = if t.size()[0] == 1 {
-            t.f_expand([batch], false)?
-        } else {
-            t
-        };
-        let c0 = cfg.block_out_channels[0];
-        let t_emb = sinusoidal(&t, c0, cfg.flip_sin_to_cos, cfg.freq_shift)?.f_to_kind(kind)?;
-        let mut emb = self.time_embedding.forward(&t_emb)?;
-        if let (Some(add), Some((time_dim, _))) = (&self.add_embedding, cfg.text_time()) {
-            let (text, ids) =
-                match (&x.text_embeds, &x.time_ids) {
-                    (Some(text), Some(ids)) => (on(text)?, ids.f_to_device(device)?),
-                    _ => return Err(ModelError::input(
-                        if x.text_embeds.is_none() {
-                            "text_embeds"
-                        } else {
-                            "time_ids"
-                        },
-                        "this UNet (addition_embed_type text_time) needs text_embeds and time_ids",
-                    )),
-                };
-            let time = sinusoidal(
-                &ids.f_reshape([-1])?,
-                time_dim,
-                cfg.flip_sin_to_cos,
-                cfg.freq_shift,
-            )?
-            .f_reshape([batch, -1])?
-            .f_to_kind(kind)?;
-            emb = emb.f_add(&add.forward(&Tensor::f_cat(&[&text, &time], -1)?)?)?;
+        let temb_silu = self.stem.time_embedding(&self.config, x, batch)?;
+        let h = self.stem.conv_in.forward(&on(&x.sample)?)?;
+        let (mut h, mut skips) = self.stem.down_mid(h, &temb_silu, &context)?;
+        if let Some(r) = residuals {
+            let add = |a: &Tensor, b: &Tensor, what: &str| -> Result<Tensor> {
+                if a.size() != b.size() {
+                    return Err(ModelError::input(
+                        "controlnet",
+                        format!("{what}: residual {:?} for {:?}", b.size(), a.size()),
+                    ));
+                }
+                Ok(a.f_add(&b.f_to_device(device)?.f_to_kind(kind)?)?)
+            };
+            if r.down.len() != skips.len() {
+                return Err(ModelError::input(
+                    "controlnet",
+                    format!("{} down residuals for {} skips", r.down.len(), skips.len()),
+                ));
+            }
+            for (i, (skip, residual)) in skips.iter_mut().zip(&r.down).enumerate() {
+                *skip = add(skip, residual, &format!("down residual {i}"))?;
+            }
+            h = add(&h, &r.mid, "mid residual")?;
         }
-        let temb_silu = emb.f_silu()?;
-
-        let mut h = self.conv_in.forward(&sample)?;
-        let mut skips = vec![h.shallow_clone()];
-        for block in &self.down {
-            h = block.forward(&h, &temb_silu, &context, &mut skips)?;
-        }
-        h = self.mid.forward(&h, &temb_silu, &context)?;
         // Sides that do not divide by the downsampling: each upsampler takes its size from
         // the skip it meets next, as diffusers does.
         let factor = 1i64 << (self.up.len() - 1);
@@ -223,72 +181,68 @@ impl UNet2DConditionModel {
         self.conv_out.forward(&h)
     }
 
-    /// Check the inputs' shapes against the configuration: the batch and the latent sides.
-    fn check(&self, x: &UNetInputs) -> Result<(i64, [i64; 2])> {
-        let cfg = &self.config;
-        let s = x.sample.size();
-        if s.len() != 4 || s[1] != cfg.in_channels || s[0] < 1 || s[2] < 1 || s[3] < 1 {
+    /// The text width the cross-attention reads (every level's: [`UNetConfig::validate`]).
+    pub fn context_dim(&self) -> i64 {
+        self.config.context_dim()
+    }
+}
+
+/// Check the inputs' shapes against the configuration: the batch and the latent sides.
+pub(crate) fn check_inputs(cfg: &UNetConfig, x: &UNetInputs) -> Result<(i64, [i64; 2])> {
+    let s = x.sample.size();
+    if s.len() != 4 || s[1] != cfg.in_channels || s[0] < 1 || s[2] < 1 || s[3] < 1 {
+        return Err(ModelError::input(
+            "sample",
+            format!("expected [B, {}, H, W], got {s:?}", cfg.in_channels),
+        ));
+    }
+    let batch = s[0];
+    let context_dim = cfg.context_dim();
+    let e = x.encoder_hidden_states.size();
+    if e.len() != 3 || e[0] != batch || e[2] != context_dim || e[1] < 1 {
+        return Err(ModelError::input(
+            "encoder_hidden_states",
+            format!("expected [{batch}, T, {context_dim}], got {e:?}"),
+        ));
+    }
+    let t = x.timestep.numel() as i64;
+    if t != 1 && !(x.timestep.dim() == 1 && t == batch) {
+        return Err(ModelError::input(
+            "timestep",
+            format!(
+                "expected one value or [{batch}], got {:?}",
+                x.timestep.size()
+            ),
+        ));
+    }
+    if let Some((_, input)) = cfg.text_time() {
+        let time_ids = x.time_ids.as_ref().map(|t| t.size());
+        let text = x.text_embeds.as_ref().map(|t| t.size());
+        let (Some(time_ids), Some(text)) = (time_ids, text) else {
             return Err(ModelError::input(
-                "sample",
-                format!("expected [B, {}, H, W], got {s:?}", cfg.in_channels),
+                "text_embeds",
+                "this UNet (addition_embed_type text_time) needs text_embeds and time_ids",
+            ));
+        };
+        let time_dim = cfg.addition_time_embed_dim.unwrap_or(0);
+        let ids = input - time_dim * time_ids.get(1).copied().unwrap_or(0);
+        if time_ids.len() != 2 || time_ids[0] != batch {
+            return Err(ModelError::input(
+                "time_ids",
+                format!("expected [{batch}, N], got {time_ids:?}"),
             ));
         }
-        let batch = s[0];
-        let context_dim = self.context_dim();
-        let e = x.encoder_hidden_states.size();
-        if e.len() != 3 || e[0] != batch || e[2] != context_dim || e[1] < 1 {
+        if text != [batch, ids] {
             return Err(ModelError::input(
-                "encoder_hidden_states",
-                format!("expected [{batch}, T, {context_dim}], got {e:?}"),
-            ));
-        }
-        let t = x.timestep.numel() as i64;
-        if t != 1 && !(x.timestep.dim() == 1 && t == batch) {
-            return Err(ModelError::input(
-                "timestep",
+                "text_embeds",
                 format!(
-                    "expected one value or [{batch}], got {:?}",
-                    x.timestep.size()
+                    "expected [{batch}, {ids}] (with {} time ids), got {text:?}",
+                    time_ids[1]
                 ),
             ));
         }
-        if let Some((_, input)) = cfg.text_time() {
-            let time_ids = x.time_ids.as_ref().map(|t| t.size());
-            let text = x.text_embeds.as_ref().map(|t| t.size());
-            let (Some(time_ids), Some(text)) = (time_ids, text) else {
-                return Err(ModelError::input(
-                    "text_embeds",
-                    "this UNet (addition_embed_type text_time) needs text_embeds and time_ids",
-                ));
-            };
-            let time_dim = cfg.addition_time_embed_dim.unwrap_or(0);
-            let ids = input - time_dim * time_ids.get(1).copied().unwrap_or(0);
-            if time_ids.len() != 2 || time_ids[0] != batch {
-                return Err(ModelError::input(
-                    "time_ids",
-                    format!("expected [{batch}, N], got {time_ids:?}"),
-                ));
-            }
-            if text != [batch, ids] {
-                return Err(ModelError::input(
-                    "text_embeds",
-                    format!(
-                        "expected [{batch}, {ids}] (with {} time ids), got {text:?}",
-                        time_ids[1]
-                    ),
-                ));
-            }
-        }
-        Ok((batch, [s[2], s[3]]))
     }
-
-    /// The text width the cross-attention reads (every level's: [`UNetConfig::validate`]).
-    pub fn context_dim(&self) -> i64 {
-        match &self.config.cross_attention_dim {
-            config::PerLevel::One(d) => *d,
-            config::PerLevel::Each(d) => d.first().copied().unwrap_or(0),
-        }
-    }
+    Ok((batch, [s[2], s[3]]))
 }
 
 /// diffusers' `get_timestep_embedding(t, dim, flip_sin_to_cos, downscale_freq_shift=shift)`,
@@ -328,6 +282,24 @@ pub fn component_dir(model_dir: &Path) -> PathBuf {
 /// `time_ids`); writes `sample`. fp32 on the CPU.
 pub fn cli_forward_unet(model_dir: &Path, inputs: &Path, out: &Path) -> Result<()> {
     let unet = UNet2DConditionModel::load(&component_dir(model_dir), Device::Cpu, Kind::Float)?;
+    let (x, mut rest) = cli_inputs(inputs)?;
+    // diffusers' names for a ControlNet's residuals, where given.
+    let mut down = Vec::new();
+    while let Some(t) = rest.remove(&format!("down_block_additional_residuals.{}", down.len())) {
+        down.push(t);
+    }
+    let residuals = rest
+        .remove("mid_block_additional_residual")
+        .map(|mid| UNetResiduals { down, mid });
+    let sample = tch::no_grad(|| unet.forward_controlled(&x, residuals.as_ref()))?;
+    Tensor::write_safetensors(&[("sample", sample.f_contiguous()?)], out)?;
+    Ok(())
+}
+
+/// The UNet's inputs from a safetensors file under diffusers' argument names, and the rest.
+pub(crate) fn cli_inputs(
+    inputs: &Path,
+) -> Result<(UNetInputs, std::collections::HashMap<String, Tensor>)> {
     let mut named: std::collections::HashMap<String, Tensor> =
         Tensor::read_safetensors(inputs)?.into_iter().collect();
     let mut take = |name: &str| {
@@ -342,7 +314,5 @@ pub fn cli_forward_unet(model_dir: &Path, inputs: &Path, out: &Path) -> Result<(
         text_embeds: take("text_embeds").ok(),
         time_ids: take("time_ids").ok(),
     };
-    let sample = tch::no_grad(|| unet.forward(&x))?;
-    Tensor::write_safetensors(&[("sample", sample.f_contiguous()?)], out)?;
-    Ok(())
+    Ok((x, named))
 }
