@@ -17,6 +17,7 @@ pub mod pipeline;
 pub mod quality;
 pub mod safetensors_file;
 pub mod schedulers;
+pub mod sdxl;
 pub mod text;
 pub mod tiny;
 pub mod unet;

@@ -1,6 +1,6 @@
-//! FLUX.1 pipelines on files, for comparing a checkpoint with diffusers outside the mesh:
-//! `encode-prompt` (`FluxPipeline.encode_prompt`) and `generate` (`FluxPipeline` or
-//! `FluxFillPipeline` from given latents, `output_type="pt"`).
+//! FLUX.1 and SDXL pipelines on files, for comparing a checkpoint with diffusers outside the
+//! mesh: `encode-prompt` (`FluxPipeline.encode_prompt`) and `generate` (`FluxPipeline`,
+//! `FluxFillPipeline` or `StableDiffusionXLPipeline` from given latents, `output_type="pt"`).
 use clap::{Args, Parser, Subcommand};
 use diffmesh_model::device::{parse_device, parse_model_dtype};
 use diffmesh_model::pipeline::cli::{encode_prompt_file, generate_file, GenerateFileArgs};
@@ -75,6 +75,16 @@ enum Command {
         /// FluxFillPipeline: white (>= 0.5) where the image is repainted.
         #[arg(long)]
         mask: Option<PathBuf>,
+        /// SDXL: the negative prompt (none: zeros where the checkpoint says so).
+        #[arg(long)]
+        negative_prompt: Option<String>,
+        /// SDXL: euler, euler_a, dpmpp_2m, dpmpp_2m_karras or ddim on the checkpoint's training
+        /// schedule (none: its own scheduler).
+        #[arg(long)]
+        scheduler: Option<String>,
+        /// SDXL: seeds the noise of ancestral steps.
+        #[arg(long, default_value_t = 0)]
+        seed: i64,
         #[arg(long)]
         out: PathBuf,
         #[command(flatten)]
@@ -113,10 +123,38 @@ fn main() -> anyhow::Result<()> {
             latents,
             image,
             mask,
+            negative_prompt,
+            scheduler,
+            seed,
             out,
             placement,
         } => {
             let kind = placement.kind()?;
+            if diffmesh_model::sdxl::is_sdxl_dir(&model_dir) {
+                let request = diffmesh_model::sdxl::SdxlRequest {
+                    prompt,
+                    negative_prompt,
+                    height,
+                    width,
+                    steps,
+                    guidance_scale,
+                    scheduler,
+                };
+                diffmesh_model::sdxl::generate_file(&diffmesh_model::sdxl::SdxlFileArgs {
+                    model_dir,
+                    request,
+                    latents,
+                    seed,
+                    out: out.clone(),
+                    device: placement.device,
+                    kind,
+                })?;
+                println!("wrote {}", out.display());
+                return Ok(());
+            }
+            if scheduler.is_some() || negative_prompt.is_some() {
+                anyhow::bail!("--scheduler and --negative-prompt are for SDXL directories");
+            }
             generate_file(&GenerateFileArgs {
                 model_dir,
                 prompt,

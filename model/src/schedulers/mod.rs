@@ -159,7 +159,11 @@ pub const NAMES: &[&str] = &["euler", "euler_a", "dpmpp_2m", "dpmpp_2m_karras", 
 impl DiscreteScheduler {
     /// From a `scheduler_config.json` (its `_class_name` picks the method).
     pub fn from_config_file(path: &Path) -> Result<Self> {
-        let config = DiscreteSchedulerConfig::from_file(path)?;
+        Self::from_config(DiscreteSchedulerConfig::from_file(path)?)
+    }
+
+    /// From a scheduler config (its `_class_name` picks the method).
+    pub fn from_config(config: DiscreteSchedulerConfig) -> Result<Self> {
         let class = config.class_name.clone().unwrap_or_default();
         let method = Method::of_class(&class).ok_or_else(|| {
             ModelError::config(

@@ -1,0 +1,273 @@
+//! `StableDiffusionXLPipeline` (diffusers 0.42.1) text-to-image on a diffusers SDXL directory
+//! (issue 48): two CLIP tokenizers and encoders (the prompt conditioned on the concatenated
+//! penultimate hidden states of both, pooled on the second's projection), the UNet with SDXL's
+//! time ids, classifier-free guidance, any of the discrete schedulers (the checkpoint's own or
+//! one named by `--scheduler`), and the VAE. `cargo xtask generate --model-dir SDXL_DIR ...`
+//! runs it from given latents.
+use crate::components::LatentCodec;
+use crate::error::{read_json, ModelError, Result};
+use crate::schedulers::{DiscreteScheduler, DiscreteSchedulerConfig};
+use crate::text::{ClipTextModel, ClipTextModelWithProjection, PromptTokenizer};
+use crate::unet::{UNet2DConditionModel, UNetInputs};
+use crate::vae::AutoencoderKL;
+use std::path::{Path, PathBuf};
+use tch::{nn, Device, Kind, Tensor};
+
+pub const PIPELINE_CLASS: &str = "StableDiffusionXLPipeline";
+
+/// A prompt's conditioning: `[1, T, D1 + D2]` and the pooled `[1, projection_dim]`.
+#[derive(Debug)]
+pub struct SdxlPrompt {
+    pub embeds: Tensor,
+    pub pooled: Tensor,
+}
+
+pub struct SdxlPipeline {
+    tokenizer: PromptTokenizer,
+    text_encoder: ClipTextModel,
+    tokenizer_2: PromptTokenizer,
+    text_encoder_2: ClipTextModelWithProjection,
+    pub unet: UNet2DConditionModel,
+    pub vae: AutoencoderKL,
+    /// The checkpoint's `scheduler/scheduler_config.json`.
+    pub scheduler: DiscreteSchedulerConfig,
+    /// An absent negative prompt conditions on zeros (SDXL base's `model_index.json`).
+    force_zeros_for_empty_prompt: bool,
+    _stores: [nn::VarStore; 2],
+}
+
+/// What one generation asks for.
+#[derive(Debug, Clone)]
+pub struct SdxlRequest {
+    pub prompt: String,
+    pub negative_prompt: Option<String>,
+    pub height: i64,
+    pub width: i64,
+    pub steps: usize,
+    pub guidance_scale: f64,
+    /// A [`crate::schedulers::NAMES`] name; None: the checkpoint's own scheduler.
+    pub scheduler: Option<String>,
+}
+
+impl SdxlPipeline {
+    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
+        #[derive(serde::Deserialize)]
+        struct Index {
+            #[serde(rename = "_class_name")]
+            class: String,
+            #[serde(default = "yes")]
+            force_zeros_for_empty_prompt: bool,
+        }
+        fn yes() -> bool {
+            true
+        }
+        let index: Index = read_json(&dir.join("model_index.json"))?;
+        if index.class != PIPELINE_CLASS {
+            return Err(ModelError::config(
+                "_class_name",
+                format!("expected {PIPELINE_CLASS}, found {}", index.class),
+            ));
+        }
+        let tokenizer = PromptTokenizer::load(&dir.join("tokenizer"), Some("CLIPTokenizer"))?;
+        let tokenizer_2 = PromptTokenizer::load(&dir.join("tokenizer_2"), Some("CLIPTokenizer"))?;
+        let (text_encoder, vs1) = ClipTextModel::load(&dir.join("text_encoder"), device, kind)?;
+        let (text_encoder_2, vs2) =
+            ClipTextModelWithProjection::load(&dir.join("text_encoder_2"), device, kind)?;
+        let scheduler = DiscreteSchedulerConfig::from_file(
+            &dir.join("scheduler").join("scheduler_config.json"),
+        )?;
+        Ok(Self {
+            tokenizer,
+            text_encoder,
+            tokenizer_2,
+            text_encoder_2,
+            unet: UNet2DConditionModel::load(&dir.join("unet"), device, kind)?,
+            vae: AutoencoderKL::load(&dir.join("vae"), device, kind)?,
+            scheduler,
+            force_zeros_for_empty_prompt: index.force_zeros_for_empty_prompt,
+            _stores: [vs1, vs2],
+        })
+    }
+
+    /// `encode_prompt` of one prompt: each encoder's penultimate hidden states of the prompt
+    /// padded to its tokenizer's length, concatenated; the pooled output of the second.
+    pub fn encode_prompt(&self, prompt: &str) -> Result<SdxlPrompt> {
+        let ids = |t: &PromptTokenizer| -> Result<Tensor> {
+            let length = t.model_max_length().unwrap_or(77);
+            let ids: Vec<i64> = t
+                .encode_padded(prompt, length)?
+                .into_iter()
+                .map(i64::from)
+                .collect();
+            Ok(Tensor::from_slice(&ids).f_unsqueeze(0)?)
+        };
+        let first = self.text_encoder.forward(&ids(&self.tokenizer)?)?;
+        let second = self.text_encoder_2.forward(&ids(&self.tokenizer_2)?)?;
+        Ok(SdxlPrompt {
+            embeds: Tensor::f_cat(
+                &[
+                    &first.penultimate_hidden_state,
+                    &second.text.penultimate_hidden_state,
+                ],
+                -1,
+            )?,
+            pooled: second.text_embeds,
+        })
+    }
+
+    /// The negative conditioning: zeros shaped like `prompt` where no negative prompt is given
+    /// and the checkpoint says so, else the encoded negative prompt (empty if none).
+    pub fn negative(&self, negative: Option<&str>, prompt: &SdxlPrompt) -> Result<SdxlPrompt> {
+        match negative {
+            None if self.force_zeros_for_empty_prompt => Ok(SdxlPrompt {
+                embeds: prompt.embeds.f_zeros_like()?,
+                pooled: prompt.pooled.f_zeros_like()?,
+            }),
+            other => self.encode_prompt(other.unwrap_or("")),
+        }
+    }
+
+    /// The image `[1, 3, H, W]` in [0, 1] from `latents` `[1, C, H / f, W / f]` (diffusers'
+    /// `latents=`, `output_type="pt"`); `noise(step)` gives an ancestral step's noise.
+    pub fn generate(
+        &self,
+        req: &SdxlRequest,
+        latents: &Tensor,
+        noise: &mut dyn FnMut(usize, &[i64]) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let f = self.vae.config.downscale_factor();
+        for (field, side) in [("height", req.height), ("width", req.width)] {
+            if side < 8 || side % 8 != 0 {
+                return Err(ModelError::input(
+                    field,
+                    format!("must be a positive multiple of 8, got {side}"),
+                ));
+            }
+        }
+        let want = [
+            1,
+            self.unet.config.in_channels,
+            req.height / f,
+            req.width / f,
+        ];
+        if latents.size() != want {
+            return Err(ModelError::input(
+                "latents",
+                format!("expected {want:?}, got {:?}", latents.size()),
+            ));
+        }
+        if !(req.guidance_scale.is_finite() && req.guidance_scale >= 0.0) {
+            return Err(ModelError::input(
+                "guidance_scale",
+                "must be finite and non-negative",
+            ));
+        }
+        let scheduler = match &req.scheduler {
+            Some(name) => DiscreteScheduler::named(name, &self.scheduler)?,
+            None => DiscreteScheduler::from_config(self.scheduler.clone())?,
+        };
+        let mut schedule = scheduler.set_timesteps(req.steps)?;
+        let (device, kind) = self.unet.device_kind();
+        tch::no_grad(|| {
+            let prompt = self.encode_prompt(&req.prompt)?;
+            let guided = req.guidance_scale > 1.0;
+            let (h, w) = (req.height as f32, req.width as f32);
+            let ids = Tensor::from_slice(&[h, w, 0.0, 0.0, h, w]).f_view([1, 6])?;
+            let (embeds, pooled, time_ids) = if guided {
+                let negative = self.negative(req.negative_prompt.as_deref(), &prompt)?;
+                (
+                    Tensor::f_cat(&[&negative.embeds, &prompt.embeds], 0)?,
+                    Tensor::f_cat(&[&negative.pooled, &prompt.pooled], 0)?,
+                    Tensor::f_cat(&[&ids, &ids], 0)?,
+                )
+            } else {
+                (prompt.embeds, prompt.pooled, ids)
+            };
+            let mut x = latents
+                .f_to_device(device)?
+                .f_to_kind(Kind::Float)?
+                .f_mul_scalar(schedule.init_noise_sigma)?;
+            for i in 0..schedule.len() {
+                let input = if guided {
+                    Tensor::f_cat(&[&x, &x], 0)?
+                } else {
+                    x.shallow_clone()
+                };
+                let input = schedule.scale_model_input(&input, i)?.f_to_kind(kind)?;
+                let t = Tensor::from_slice(&[schedule.timesteps[i] as f32]);
+                let out = self.unet.forward(&UNetInputs {
+                    sample: input,
+                    timestep: t,
+                    encoder_hidden_states: embeds.shallow_clone(),
+                    text_embeds: Some(pooled.shallow_clone()),
+                    time_ids: Some(time_ids.shallow_clone()),
+                })?;
+                let out = out.f_to_kind(Kind::Float)?;
+                let prediction = if guided {
+                    let (uncond, text) = (out.f_narrow(0, 0, 1)?, out.f_narrow(0, 1, 1)?);
+                    uncond.f_add(&text.f_sub(&uncond)?.f_mul_scalar(req.guidance_scale)?)?
+                } else {
+                    out
+                };
+                let n = if schedule.needs_noise() {
+                    Some(noise(i, &x.size())?.f_to_device(device)?)
+                } else {
+                    None
+                };
+                x = schedule.step(i, &prediction, &x, n.as_ref())?;
+            }
+            let (_, vae_kind) = self.vae.device_kind();
+            let image = self.vae.decode(&x.f_to_kind(vae_kind)?)?;
+            Ok(image
+                .f_to_kind(Kind::Float)?
+                .f_div_scalar(2.0)?
+                .f_add_scalar(0.5)?
+                .f_clamp(0.0, 1.0)?)
+        })
+    }
+}
+
+/// Whether `dir` holds an SDXL pipeline (its `model_index.json` says so).
+pub fn is_sdxl_dir(dir: &Path) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Index {
+        #[serde(rename = "_class_name")]
+        class: String,
+    }
+    read_json::<Index>(&dir.join("model_index.json")).is_ok_and(|i| i.class == PIPELINE_CLASS)
+}
+
+/// What `diffmesh-pipeline generate` passes for an SDXL directory.
+pub struct SdxlFileArgs {
+    pub model_dir: PathBuf,
+    pub request: SdxlRequest,
+    /// Safetensors holding `latents` `[1, C, H / f, W / f]`.
+    pub latents: PathBuf,
+    /// Seeds the noise of ancestral steps.
+    pub seed: i64,
+    pub out: PathBuf,
+    pub device: Device,
+    pub kind: Kind,
+}
+
+/// `cargo xtask generate` on an SDXL directory: writes `image` `[1, 3, H, W]` in [0, 1].
+pub fn generate_file(args: &SdxlFileArgs) -> Result<()> {
+    let pipe = SdxlPipeline::load(&args.model_dir, args.device, args.kind)?;
+    let latents = Tensor::read_safetensors(&args.latents)?
+        .into_iter()
+        .find(|(name, _)| name == "latents")
+        .map(|(_, t)| t)
+        .ok_or_else(|| {
+            ModelError::input(
+                "latents",
+                format!("no `latents` in {}", args.latents.display()),
+            )
+        })?;
+    tch::manual_seed(args.seed);
+    let mut noise = |_: usize, shape: &[i64]| -> Result<Tensor> {
+        Ok(Tensor::f_randn(shape, (Kind::Float, Device::Cpu))?)
+    };
+    let image = pipe.generate(&args.request, &latents, &mut noise)?;
+    Tensor::write_safetensors(&[("image", image.f_contiguous()?)], &args.out)?;
+    Ok(())
+}
