@@ -61,7 +61,8 @@ enum Cmd {
     /// Benchmarks: `bench model` (see `diffmesh-bench --help`), `bench engine` (see
     /// `diffmesh-engine-bench --help`), `bench lora` (see `diffmesh-lora-bench --help`),
     /// `bench controlnet` (see `diffmesh-controlnet-bench --help`), `bench collectives`
-    /// (see `diffmesh-collectives-bench --help`) and `bench sp` (see `diffmesh-sp-bench --help`).
+    /// (see `diffmesh-collectives-bench --help`), `bench sp` (see `diffmesh-sp-bench --help`)
+    /// and `bench unet` (see `diffmesh-unet-bench --help`).
     Bench(PassThrough),
     /// Train the tiny default model (see `diffmesh-train-tiny --help`).
     TrainTiny(PassThrough),
@@ -161,6 +162,10 @@ fn main() -> anyhow::Result<()> {
             }
             Some((part, rest)) if part == "controlnet" => {
                 release_bin(&tc, "diffmesh-model", "diffmesh-controlnet-bench", rest)
+            }
+            // The UNet family's full forward against diffusers.
+            Some((part, rest)) if part == "unet" => {
+                release_bin(&tc, "diffmesh-model", "diffmesh-unet-bench", rest)
             }
             _ => release_bin(&tc, "diffmesh-model", "diffmesh-bench", &p.args),
         },
