@@ -34,6 +34,8 @@ pub struct SafetensorsFile {
     file: File,
     data_start: u64,
     entries: BTreeMap<String, TensorEntry>,
+    /// The header's `__metadata__` (string to string; other values are skipped).
+    metadata: BTreeMap<String, String>,
 }
 
 fn kind_of(dtype: &str) -> Option<Kind> {
@@ -78,8 +80,15 @@ impl SafetensorsFile {
             serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
         let data_start = 8 + header_len;
         let mut entries = BTreeMap::new();
+        let mut metadata = BTreeMap::new();
         for (name, value) in raw {
             if name == "__metadata__" {
+                if let serde_json::Value::Object(m) = value {
+                    metadata = m
+                        .into_iter()
+                        .filter_map(|(k, v)| v.as_str().map(|v| (k, v.to_string())))
+                        .collect();
+                }
                 continue;
             }
             let e: RawEntry = serde_json::from_value(value)
@@ -114,11 +123,17 @@ impl SafetensorsFile {
             file,
             data_start,
             entries,
+            metadata,
         })
     }
 
     pub fn entries(&self) -> &BTreeMap<String, TensorEntry> {
         &self.entries
+    }
+
+    /// The header's `__metadata__` entries.
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
     }
 
     /// Read tensor `name` into a new CPU tensor of its stored dtype.

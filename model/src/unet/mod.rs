@@ -12,6 +12,7 @@ pub mod attention;
 pub mod blocks;
 pub mod config;
 pub mod controlnet;
+pub mod lora;
 pub mod resnet;
 mod stem;
 
@@ -184,6 +185,26 @@ impl UNet2DConditionModel {
     /// The text width the cross-attention reads (every level's: [`UNetConfig::validate`]).
     pub fn context_dim(&self) -> i64 {
         self.config.context_dim()
+    }
+
+    /// The parameters, when [`Self::load`] built it (what a LoRA patcher patches).
+    pub fn var_store(&self) -> Option<&nn::VarStore> {
+        self.vs.as_ref()
+    }
+
+    /// The paths of its linear layers (2-D weights), as LoRA files name them.
+    pub fn linear_modules(&self) -> Vec<String> {
+        let Some(vs) = &self.vs else {
+            return Vec::new();
+        };
+        let mut modules: Vec<String> = vs
+            .variables()
+            .into_iter()
+            .filter(|(name, t)| name.ends_with(".weight") && t.dim() == 2)
+            .map(|(name, _)| name.trim_end_matches(".weight").to_string())
+            .collect();
+        modules.sort();
+        modules
     }
 }
 

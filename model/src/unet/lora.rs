@@ -1,0 +1,329 @@
+//! LoRA files for the UNet family in the two layouts people have (issue 48), read into a
+//! [`LoraAdapter`] that [`crate::lora::LoraPatcher`] patches into the UNet's linear layers:
+//!
+//! - **diffusers / PEFT**: `unet.<module>.lora_A.weight` and `.lora_B.weight`, the scale
+//!   `lora_alpha / r` from the PEFT config in the `lora_adapter_metadata` entry (keys prefixed
+//!   `unet.`), else 1 (alpha = rank), as `load_lora_weights` reads them;
+//! - **kohya / A1111**: `lora_unet_<name>.lora_down.weight`, `.lora_up.weight` and `.alpha`
+//!   (scale `alpha / rank`), where `<name>` is the module path with `_` for `.`, in diffusers'
+//!   block names (kohya's SD1.x files) or in SGM's (`input_blocks_4_1_...`, `middle_block_1_...`,
+//!   `output_blocks_2_0_...`: its SDXL files). Names are resolved against the UNet's own
+//!   modules, so nothing is guessed from the underscores.
+//!
+//! Text encoders' adapters (`text_encoder.`, `lora_te1_`, `lora_te2_`, ...) are counted and left
+//! out: the text encoders run unpatched. Adapters of convolutions (LoCon) are refused, naming the
+//! key.
+use super::config::UNetConfig;
+use crate::error::{ModelError, Result};
+use crate::lora::{LoraAdapter, LoraDelta};
+use crate::safetensors_file::SafetensorsFile;
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// A UNet LoRA file, read.
+#[derive(Debug)]
+pub struct UNetLora {
+    pub adapter: LoraAdapter,
+    /// Keys of text-encoder adapters that were left out.
+    pub text_encoder_keys: usize,
+}
+
+/// The PEFT config entries that set a module's scale.
+#[derive(Debug, Default, serde::Deserialize)]
+struct Peft {
+    r: Option<f64>,
+    lora_alpha: Option<f64>,
+    #[serde(default)]
+    use_rslora: bool,
+    #[serde(default)]
+    rank_pattern: BTreeMap<String, f64>,
+    #[serde(default)]
+    alpha_pattern: BTreeMap<String, f64>,
+}
+
+/// Read the UNet adapters of the LoRA file `path` for a UNet configured as `config` whose
+/// linear layers are `modules` (paths without `.weight`).
+pub fn read_unet_lora(
+    id: &str,
+    path: &Path,
+    config: &UNetConfig,
+    modules: &[String],
+) -> Result<UNetLora> {
+    let mut file = SafetensorsFile::open(path)?;
+    let peft = peft_config(file.metadata())?;
+    // Every linear layer by its path with `_` for `.` (kohya's spelling).
+    let by_kohya: HashMap<String, &String> =
+        modules.iter().map(|m| (m.replace('.', "_"), m)).collect();
+    let keys: Vec<String> = file.entries().keys().cloned().collect();
+    #[derive(Default)]
+    struct Parts {
+        down: Option<String>,
+        up: Option<String>,
+        alpha: Option<String>,
+    }
+    let mut parts: BTreeMap<String, Parts> = BTreeMap::new();
+    let mut text_encoder_keys = 0;
+    for key in &keys {
+        if is_text_encoder_key(key) {
+            text_encoder_keys += 1;
+            continue;
+        }
+        let (module, role) = if let Some(rest) = key.strip_prefix("unet.") {
+            let split = [(".lora_A.weight", 0), (".lora_B.weight", 1), (".alpha", 2)]
+                .into_iter()
+                .find_map(|(suffix, role)| {
+                    rest.strip_suffix(suffix).map(|m| (m.to_string(), role))
+                });
+            split.ok_or_else(|| not_lora(key))?
+        } else if let Some(rest) = key.strip_prefix("lora_unet_") {
+            let (name, role) = [
+                (".lora_down.weight", 0),
+                (".lora_up.weight", 1),
+                (".alpha", 2),
+            ]
+            .into_iter()
+            .find_map(|(suffix, role)| rest.strip_suffix(suffix).map(|m| (m, role)))
+            .ok_or_else(|| not_lora(key))?;
+            let diffusers_name = from_sgm(name, config)?.unwrap_or_else(|| name.to_string());
+            let module = by_kohya.get(&diffusers_name).ok_or_else(|| {
+                ModelError::input(
+                    key.as_str(),
+                    "names no linear layer of this UNet (convolution adapters are not supported)",
+                )
+            })?;
+            ((*module).clone(), role)
+        } else {
+            return Err(not_lora(key));
+        };
+        let entry = parts.entry(module).or_default();
+        let slot = match role {
+            0 => &mut entry.down,
+            1 => &mut entry.up,
+            _ => &mut entry.alpha,
+        };
+        *slot = Some(key.clone());
+    }
+    let mut deltas = Vec::with_capacity(parts.len());
+    for (module, p) in parts {
+        let (Some(down_key), Some(up_key)) = (p.down, p.up) else {
+            return Err(ModelError::input(
+                module.as_str(),
+                "needs both the down (lora_A) and the up (lora_B) matrix",
+            ));
+        };
+        let down = file.read(&down_key)?;
+        let up = file.read(&up_key)?;
+        if down.dim() != 2 || up.dim() != 2 {
+            return Err(ModelError::input(
+                down_key.as_str(),
+                format!(
+                    "{:?} and {:?}: only linear layers' adapters (2-D) are supported",
+                    down.size(),
+                    up.size()
+                ),
+            ));
+        }
+        let rank = down.size()[0] as f64;
+        let alpha = match &p.alpha {
+            Some(key) => Some(file.read(key)?.f_double_value(&[])?),
+            None => None,
+        };
+        let scale = match alpha {
+            Some(alpha) => alpha / rank,
+            None => peft.scale(rank),
+        };
+        if !scale.is_finite() {
+            return Err(ModelError::input(
+                down_key.as_str(),
+                format!("scale {scale} is not finite"),
+            ));
+        }
+        deltas.push(LoraDelta {
+            module,
+            down,
+            up,
+            scale,
+        });
+    }
+    if deltas.is_empty() {
+        return Err(ModelError::input("file", "holds no UNet adapter"));
+    }
+    Ok(UNetLora {
+        adapter: LoraAdapter {
+            id: id.to_string(),
+            deltas,
+        },
+        text_encoder_keys,
+    })
+}
+
+fn not_lora(key: &str) -> ModelError {
+    ModelError::input(
+        key,
+        "not a UNet LoRA key (`unet.<module>.lora_A.weight` / `.lora_B.weight`, or kohya's \
+         `lora_unet_<name>.lora_down.weight` / `.lora_up.weight` / `.alpha`)",
+    )
+}
+
+fn is_text_encoder_key(key: &str) -> bool {
+    key.starts_with("text_encoder") || key.starts_with("lora_te")
+}
+
+impl Peft {
+    fn scale(&self, rank: f64) -> f64 {
+        let alpha = self.lora_alpha.unwrap_or(self.r.unwrap_or(rank));
+        if self.use_rslora {
+            alpha / rank.sqrt()
+        } else {
+            alpha / rank
+        }
+    }
+}
+
+/// The `unet.` part of the PEFT config in the file's metadata (patterns are refused).
+fn peft_config(metadata: &BTreeMap<String, String>) -> Result<Peft> {
+    let Some(raw) = metadata.get("lora_adapter_metadata") else {
+        return Ok(Peft::default());
+    };
+    let all: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(raw).map_err(|e| {
+            ModelError::input(
+                "lora_adapter_metadata",
+                format!("is not a JSON object: {e}"),
+            )
+        })?;
+    let ours: serde_json::Map<String, serde_json::Value> = all
+        .into_iter()
+        .filter_map(|(k, v)| k.strip_prefix("unet.").map(|k| (k.to_string(), v)))
+        .collect();
+    let peft: Peft = serde_json::from_value(serde_json::Value::Object(ours))
+        .map_err(|e| ModelError::input("lora_adapter_metadata", format!("unet config: {e}")))?;
+    if !peft.rank_pattern.is_empty() || !peft.alpha_pattern.is_empty() {
+        return Err(ModelError::input(
+            "lora_adapter_metadata",
+            "rank_pattern / alpha_pattern in a UNet LoRA are not supported yet",
+        ));
+    }
+    Ok(peft)
+}
+
+/// A kohya name in SGM's block names as diffusers' (`_` for `.`), or None when it is not one.
+/// SGM numbers the down path's blocks `input_blocks_<i>_<j>` (block 0 is `conv_in`; then per
+/// level `layers_per_block` pairs of resnet `_0` and attention `_1`, and a downsampler `_0_op`),
+/// the mid block's `middle_block_<0|1|2>` (resnet, attention, resnet), the up path's
+/// `output_blocks_<i>_<j>` (`layers_per_block + 1` per level; `_2` or a level's last `_1` for
+/// the upsampler), as diffusers' `_maybe_map_sgm_blocks_to_diffusers` reads them; and inside a
+/// resnet `emb_layers_1` is `time_emb_proj`.
+fn from_sgm(name: &str, config: &UNetConfig) -> Result<Option<String>> {
+    let per_level = |field: &str| -> Result<i64> {
+        match &config.layers_per_block {
+            super::config::PerLevel::One(l) => Ok(*l),
+            super::config::PerLevel::Each(_) => Err(ModelError::input(
+                field,
+                "SGM block names need one layers_per_block for every level",
+            )),
+        }
+    };
+    let fixed = [
+        ("time_embed_0", "time_embedding_linear_1"),
+        ("time_embed_2", "time_embedding_linear_2"),
+        ("label_emb_0_0", "add_embedding_linear_1"),
+        ("label_emb_0_2", "add_embedding_linear_2"),
+    ];
+    if let Some((_, to)) = fixed.iter().find(|(from, _)| name == *from) {
+        return Ok(Some(to.to_string()));
+    }
+    let numbers = |rest: &str| -> Option<(i64, i64, String)> {
+        let mut it = rest.splitn(3, '_');
+        let i = it.next()?.parse().ok()?;
+        let j = it.next()?.parse().ok()?;
+        Some((i, j, it.next().unwrap_or("").to_string()))
+    };
+    let resnet_inside = |tail: &str| tail.replace("emb_layers_1", "time_emb_proj");
+    let mapped = if let Some(rest) = name.strip_prefix("input_blocks_") {
+        let l = per_level(name)?;
+        let Some((i, j, tail)) = numbers(rest) else {
+            return Ok(None);
+        };
+        if i == 0 {
+            return Ok(None);
+        }
+        let (block, layer) = ((i - 1) / (l + 1), (i - 1) % (l + 1));
+        match j {
+            0 => format!(
+                "down_blocks_{block}_resnets_{layer}_{}",
+                resnet_inside(&tail)
+            ),
+            _ => format!("down_blocks_{block}_attentions_{layer}_{tail}"),
+        }
+    } else if let Some(rest) = name.strip_prefix("middle_block_") {
+        let mut it = rest.splitn(2, '_');
+        let i: i64 = it.next().and_then(|i| i.parse().ok()).unwrap_or(-1);
+        let tail = it.next().unwrap_or("");
+        match i {
+            0 => format!("mid_block_resnets_0_{}", resnet_inside(tail)),
+            1 => format!("mid_block_attentions_0_{tail}"),
+            2 => format!("mid_block_resnets_1_{}", resnet_inside(tail)),
+            _ => return Ok(None),
+        }
+    } else if let Some(rest) = name.strip_prefix("output_blocks_") {
+        let l = per_level(name)?;
+        let Some((i, j, tail)) = numbers(rest) else {
+            return Ok(None);
+        };
+        let (block, layer) = (i / (l + 1), i % (l + 1));
+        match j {
+            0 => format!("up_blocks_{block}_resnets_{layer}_{}", resnet_inside(&tail)),
+            1 => format!("up_blocks_{block}_attentions_{layer}_{tail}"),
+            _ => format!("up_blocks_{block}_upsamplers_0_{tail}"),
+        }
+    } else {
+        return Ok(None);
+    };
+    Ok(Some(mapped))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sgm_names_map_to_diffusers_blocks() {
+        let sdxl = UNetConfig::default(); // layers_per_block 2, as SDXL's
+        let cases = [
+            (
+                "input_blocks_4_1_transformer_blocks_0_attn1_to_q",
+                "down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q",
+            ),
+            (
+                "input_blocks_8_0_emb_layers_1",
+                "down_blocks_2_resnets_1_time_emb_proj",
+            ),
+            ("middle_block_1_proj_in", "mid_block_attentions_0_proj_in"),
+            (
+                "middle_block_2_emb_layers_1",
+                "mid_block_resnets_1_time_emb_proj",
+            ),
+            (
+                "output_blocks_2_1_transformer_blocks_1_ff_net_2",
+                "up_blocks_0_attentions_2_transformer_blocks_1_ff_net_2",
+            ),
+            (
+                "output_blocks_5_0_emb_layers_1",
+                "up_blocks_1_resnets_2_time_emb_proj",
+            ),
+            ("label_emb_0_2", "add_embedding_linear_2"),
+        ];
+        for (sgm, diffusers) in cases {
+            assert_eq!(
+                from_sgm(sgm, &sdxl).unwrap().as_deref(),
+                Some(diffusers),
+                "{sgm}"
+            );
+        }
+        assert_eq!(
+            from_sgm("down_blocks_1_attentions_0_proj_in", &sdxl).unwrap(),
+            None
+        );
+    }
+}
