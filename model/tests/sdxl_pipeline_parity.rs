@@ -2,7 +2,9 @@
 //! directory (python/parity/gen_sdxl_pipeline.py): the prompt encoding (with a negative prompt
 //! and with the zeros SDXL conditions on without one) within 1e-4, and the whole pipeline from
 //! given latents through `cargo xtask generate`'s code path with the checkpoint's Euler
-//! scheduler and with `--scheduler dpmpp_2m_karras` and `ddim` swapped in, within 2e-3.
+//! scheduler and with `--scheduler dpmpp_2m_karras` and `ddim` swapped in, within 2e-3; and
+//! `StableDiffusionXLInpaintPipeline` with a plain 4-channel UNet (latent blending, strength
+//! 0.75, Euler) and a 9-channel inpainting UNet (DPM++ 2M Karras), within 2e-3.
 mod py_fixture;
 
 use diffmesh_model::sdxl::{generate_file, SdxlFileArgs, SdxlPipeline, SdxlRequest};
@@ -18,6 +20,14 @@ struct Cases {
     prompt: String,
     negative_prompt: String,
     schedulers: Vec<String>,
+    inpaints: std::collections::BTreeMap<String, Inpaint>,
+}
+
+#[derive(serde::Deserialize)]
+struct Inpaint {
+    dir: String,
+    scheduler: Option<String>,
+    strength: f64,
 }
 
 #[test]
@@ -64,6 +74,7 @@ fn sdxl_pipeline_matches_diffusers() {
             request,
             latents: dir.join("latents.safetensors"),
             seed: 0,
+            inpaint: None,
             out: out.clone(),
             device: Device::Cpu,
             kind: Kind::Float,
@@ -79,6 +90,35 @@ fn sdxl_pipeline_matches_diffusers() {
         println!("{name}: image max abs err {err:.2e} (value spread {spread:.2})");
         assert!(spread > 0.1, "{name}: a flat image proves nothing");
         assert!(err <= 2e-3, "{name}: {err}");
+    }
+    assert_eq!(cases.inpaints.len(), 2);
+    for (name, case) in &cases.inpaints {
+        let out = dir.join(format!("ours_inpaint_{name}.safetensors"));
+        generate_file(&SdxlFileArgs {
+            model_dir: dir.join(&case.dir),
+            request: SdxlRequest {
+                prompt: cases.prompt.clone(),
+                negative_prompt: Some(cases.negative_prompt.clone()),
+                height: cases.height,
+                width: cases.width,
+                steps: cases.steps,
+                guidance_scale: cases.guidance_scale,
+                scheduler: case.scheduler.clone(),
+            },
+            latents: dir.join("latents.safetensors"),
+            seed: 0,
+            inpaint: Some((dir.join("image.png"), dir.join("mask.png"), case.strength)),
+            out: out.clone(),
+            device: Device::Cpu,
+            kind: Kind::Float,
+        })
+        .unwrap();
+        let got = &read_tensors(&out)["image"];
+        let file = format!("inpaint_{name}.safetensors");
+        let expected = &read_tensors(&dir.join("expected").join(file))["image"];
+        let err = max_abs_diff(got, expected);
+        println!("inpaint {name}: image max abs err {err:.2e}");
+        assert!(err <= 2e-3, "inpaint {name}: {err}");
     }
 }
 
@@ -131,6 +171,45 @@ fn sdxl_refuses_bad_requests_naming_the_field() {
     ] {
         let err = pipe
             .generate(&req, &latents, &mut no_noise)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(field), "{field}: {err}");
+    }
+    use diffmesh_model::sdxl::inpaint::InpaintInputs;
+    let opts = (Kind::Float, Device::Cpu);
+    let (image, mask) = (
+        tch::Tensor::zeros([1, 3, 32, 32], opts),
+        tch::Tensor::ones([1, 1, 32, 32], opts),
+    );
+    let small = tch::Tensor::ones([1, 1, 16, 32], opts);
+    for (field, inputs) in [
+        (
+            "mask_image",
+            InpaintInputs {
+                image: &image,
+                mask: &small,
+                strength: 1.0,
+            },
+        ),
+        (
+            "strength",
+            InpaintInputs {
+                image: &image,
+                mask: &mask,
+                strength: 0.1,
+            },
+        ),
+        (
+            "strength",
+            InpaintInputs {
+                image: &image,
+                mask: &mask,
+                strength: 1.5,
+            },
+        ),
+    ] {
+        let err = pipe
+            .inpaint(&base, &inputs, &latents, &mut no_noise)
             .unwrap_err()
             .to_string();
         assert!(err.contains(field), "{field}: {err}");

@@ -14,7 +14,12 @@ OUT_DIR/expected/:
   negative prompt (`*_zero`: diffusers' force_zeros_for_empty_prompt);
 - image_<scheduler>.safetensors: the pipeline's `output_type="pt"` image from the latents with
   the scheduler swapped in `from_config` (`euler` is the checkpoint's own).
-OUT_DIR/cases.json lists the settings.
+- inpaint_<name>.safetensors: `StableDiffusionXLInpaintPipeline` images of OUT_DIR/image.png
+  under OUT_DIR/mask.png, from the same latents: `plain` (OUT_DIR/inpaint, the 4-channel UNet:
+  latent blending; Euler, strength 0.75) and `channels9` (OUT_DIR/inpaint9, a 9-channel UNet;
+  DPM++ 2M Karras, strength 1).
+OUT_DIR/cases.json lists the settings. The VAE's encoder gives a log-variance of -30 (std 3e-7),
+so diffusers' posterior sample is its mean within 3e-7: diffmesh encodes images to the mean.
 """
 
 import json
@@ -26,8 +31,10 @@ import sys
 import diffusers
 import torch
 import transformers
+import numpy as np
 from diffusers import (AutoencoderKL, DDIMScheduler, DPMSolverMultistepScheduler, EulerDiscreteScheduler,
-                       StableDiffusionXLPipeline, UNet2DConditionModel)
+                       StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline, UNet2DConditionModel)
+from PIL import Image
 from safetensors.torch import save_file
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
@@ -71,9 +78,12 @@ def text_side(work, gen):
     return tokenizer, tokenizer_2, encoder, encoder_2
 
 
-def unet(gen):
+INPAINTS = {"plain": ("inpaint", 4, None, 0.75), "channels9": ("inpaint9", 9, "dpmpp_2m_karras", 1.0)}
+
+
+def unet(gen, in_channels=4):
     model = UNet2DConditionModel(
-        sample_size=HEIGHT // 2, in_channels=4, out_channels=4, block_out_channels=[32, 64],
+        sample_size=HEIGHT // 2, in_channels=in_channels, out_channels=4, block_out_channels=[32, 64],
         down_block_types=["DownBlock2D", "CrossAttnDownBlock2D"], up_block_types=["CrossAttnUpBlock2D", "UpBlock2D"],
         attention_head_dim=[2, 4], transformer_layers_per_block=[1, 2], cross_attention_dim=64, layers_per_block=1,
         norm_num_groups=16, use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
@@ -87,6 +97,11 @@ def vae(gen):
                           down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
                           scaling_factor=0.13025, sample_size=HEIGHT).eval()
     randomize(model, gen, scale=0.5)
+    with torch.no_grad():
+        # The log-variance half after quant_conv (SDXL's VAE has one).
+        conv = model.quant_conv
+        conv.weight[4:] = 0.0
+        conv.bias[4:] = -30.0
     return model
 
 
@@ -102,11 +117,18 @@ def main():
     gen = torch.Generator().manual_seed(0)
     work = os.path.join(out, "work")
     tokenizer, tokenizer_2, encoder, encoder_2 = text_side(work, gen)
-    pipe = StableDiffusionXLPipeline(vae=vae(gen), text_encoder=encoder, text_encoder_2=encoder_2,
-                                     tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=unet(gen),
+    the_vae, the_unet = vae(gen), unet(gen)
+    pipe = StableDiffusionXLPipeline(vae=the_vae, text_encoder=encoder, text_encoder_2=encoder_2,
+                                     tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=the_unet,
                                      scheduler=scheduler(), add_watermarker=False)
     folder = os.path.join(out, "sdxl")
     pipe.save_pretrained(folder)
+    for name, channels, _, _ in INPAINTS.values():
+        inpaint = StableDiffusionXLInpaintPipeline(
+            vae=the_vae, text_encoder=encoder, text_encoder_2=encoder_2, tokenizer=tokenizer,
+            tokenizer_2=tokenizer_2, unet=the_unet if channels == 4 else unet(gen, channels), scheduler=scheduler(),
+            add_watermarker=False)
+        inpaint.save_pretrained(os.path.join(out, name))
     shutil.rmtree(work)
     loaded = StableDiffusionXLPipeline.from_pretrained(folder, torch_dtype=torch.float32, add_watermarker=False)
     latents = torch.randn(1, 4, HEIGHT // 2, WIDTH // 2, generator=gen)
@@ -127,9 +149,29 @@ def main():
                            num_inference_steps=STEPS, guidance_scale=GUIDANCE, latents=latents.clone(),
                            output_type="pt").images
             save_file({"image": image.float().contiguous()}, os.path.join(exp, f"image_{name}.safetensors"))
+        pixels = (torch.rand(HEIGHT, WIDTH, 3, generator=gen) * 255).round().to(torch.uint8).numpy()
+        Image.fromarray(pixels, "RGB").save(os.path.join(out, "image.png"))
+        mask = np.zeros((HEIGHT, WIDTH), dtype=np.uint8)
+        mask[4:20, 10:30] = 255
+        mask[24:28, 2:6] = 200  # binarised: repainted
+        mask[28:30, 20:24] = 100  # binarised: kept
+        Image.fromarray(mask, "L").save(os.path.join(out, "mask.png"))
+        for key, (name, _, sched, strength) in INPAINTS.items():
+            pipe = StableDiffusionXLInpaintPipeline.from_pretrained(os.path.join(out, name), torch_dtype=torch.float32,
+                                                                    add_watermarker=False)
+            if sched is not None:
+                pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config,
+                                                                         **SCHEDULERS[sched][1])
+            image = pipe(prompt=PROMPT, negative_prompt=NEGATIVE, image=Image.open(os.path.join(out, "image.png")),
+                         mask_image=Image.open(os.path.join(out, "mask.png")), height=HEIGHT, width=WIDTH,
+                         strength=strength, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                         latents=latents.clone(), output_type="pt").images
+            save_file({"image": image.float().contiguous()}, os.path.join(exp, f"inpaint_{key}.safetensors"))
     with open(os.path.join(out, "cases.json"), "w") as f:
         json.dump({"height": HEIGHT, "width": WIDTH, "steps": STEPS, "guidance_scale": GUIDANCE, "prompt": PROMPT,
-                   "negative_prompt": NEGATIVE, "schedulers": list(SCHEDULERS)}, f, indent=2)
+                   "negative_prompt": NEGATIVE, "schedulers": list(SCHEDULERS),
+                   "inpaints": {k: {"dir": v[0], "scheduler": v[2], "strength": v[3]} for k, v in INPAINTS.items()}},
+                  f, indent=2)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,9 @@ enum Command {
         /// SDXL: seeds the noise of ancestral steps.
         #[arg(long, default_value_t = 0)]
         seed: i64,
+        /// SDXL inpainting: how much of the schedule runs (diffusers' default).
+        #[arg(long, default_value_t = 0.9999)]
+        strength: f64,
         #[arg(long)]
         out: PathBuf,
         #[command(flatten)]
@@ -126,6 +129,7 @@ fn main() -> anyhow::Result<()> {
             negative_prompt,
             scheduler,
             seed,
+            strength,
             out,
             placement,
         } => {
@@ -145,6 +149,11 @@ fn main() -> anyhow::Result<()> {
                     request,
                     latents,
                     seed,
+                    inpaint: match (image, mask) {
+                        (Some(i), Some(m)) => Some((i, m, strength)),
+                        (None, None) => None,
+                        _ => anyhow::bail!("--image and --mask go together"),
+                    },
                     out: out.clone(),
                     device: placement.device,
                     kind,

@@ -59,6 +59,19 @@ pub(super) fn schedule(s: &DiscreteScheduler, steps: usize) -> Result<DiscreteSc
 }
 
 impl Ddim {
+    /// `alphas_cumprod[t]`, float32.
+    pub(super) fn alphas_cumprod_at(&self, t: i64) -> Result<f32> {
+        usize::try_from(t)
+            .ok()
+            .and_then(|t| self.alphas_cumprod.get(t).copied())
+            .ok_or_else(|| {
+                crate::error::ModelError::input(
+                    "timestep",
+                    format!("{t} is outside the training schedule"),
+                )
+            })
+    }
+
     pub(super) fn step(
         &mut self,
         timesteps: &[f64],

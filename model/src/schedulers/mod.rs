@@ -292,6 +292,34 @@ impl DiscreteSchedule {
         }
     }
 
+    /// `original` noised to the level of step `index` (diffusers' `add_noise` at
+    /// `timesteps[index]`): `x0 + sigma * noise` for the Euler methods, `alpha x0 + sigma
+    /// noise` in the variance-preserving form for DPM++ and DDIM.
+    pub fn add_noise(&self, original: &Tensor, noise: &Tensor, index: usize) -> Result<Tensor> {
+        let (a, s) = match &self.state {
+            State::Euler { .. } => {
+                let sigma = *self.sigmas.get(index).ok_or_else(|| out_of_range(index))?;
+                (1.0, sigma)
+            }
+            State::Dpm(_) => {
+                let sigma = *self.sigmas.get(index).ok_or_else(|| out_of_range(index))?;
+                let alpha = 1.0 / (sigma * sigma + 1.0).sqrt();
+                (alpha, sigma * alpha)
+            }
+            State::Ddim(ddim) => {
+                let t = *self
+                    .timesteps
+                    .get(index)
+                    .ok_or_else(|| out_of_range(index))?;
+                let acp = ddim.alphas_cumprod_at(t as i64)?;
+                (acp.sqrt(), (1.0 - acp).sqrt())
+            }
+        };
+        Ok(original
+            .f_mul_scalar(f64::from(a))?
+            .f_add(&noise.f_mul_scalar(f64::from(s))?)?)
+    }
+
     /// Step `index` (steps are taken in order) from `sample` with the model's output at it;
     /// `noise` (standard normal, the sample's shape) where [`DiscreteSchedule::needs_noise`].
     pub fn step(

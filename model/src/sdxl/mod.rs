@@ -3,10 +3,12 @@
 //! penultimate hidden states of both, pooled on the second's projection), the UNet with SDXL's
 //! time ids, classifier-free guidance, any of the discrete schedulers (the checkpoint's own or
 //! one named by `--scheduler`), and the VAE. `cargo xtask generate --model-dir SDXL_DIR ...`
-//! runs it from given latents.
+//! runs it from given latents. `StableDiffusionXLInpaintPipeline` is in [`inpaint`].
+pub mod inpaint;
+
 use crate::components::LatentCodec;
 use crate::error::{read_json, ModelError, Result};
-use crate::schedulers::{DiscreteScheduler, DiscreteSchedulerConfig};
+use crate::schedulers::{DiscreteSchedule, DiscreteScheduler, DiscreteSchedulerConfig};
 use crate::text::{ClipTextModel, ClipTextModelWithProjection, PromptTokenizer};
 use crate::unet::{UNet2DConditionModel, UNetInputs};
 use crate::vae::AutoencoderKL;
@@ -14,6 +16,7 @@ use std::path::{Path, PathBuf};
 use tch::{nn, Device, Kind, Tensor};
 
 pub const PIPELINE_CLASS: &str = "StableDiffusionXLPipeline";
+pub const INPAINT_PIPELINE_CLASS: &str = "StableDiffusionXLInpaintPipeline";
 
 /// A prompt's conditioning: `[1, T, D1 + D2]` and the pooled `[1, projection_dim]`.
 #[derive(Debug)]
@@ -62,10 +65,13 @@ impl SdxlPipeline {
             true
         }
         let index: Index = read_json(&dir.join("model_index.json"))?;
-        if index.class != PIPELINE_CLASS {
+        if index.class != PIPELINE_CLASS && index.class != INPAINT_PIPELINE_CLASS {
             return Err(ModelError::config(
                 "_class_name",
-                format!("expected {PIPELINE_CLASS}, found {}", index.class),
+                format!(
+                    "expected {PIPELINE_CLASS} or {INPAINT_PIPELINE_CLASS}, found {}",
+                    index.class
+                ),
             ));
         }
         let tokenizer = PromptTokenizer::load(&dir.join("tokenizer"), Some("CLIPTokenizer"))?;
@@ -135,6 +141,14 @@ impl SdxlPipeline {
         latents: &Tensor,
         noise: &mut dyn FnMut(usize, &[i64]) -> Result<Tensor>,
     ) -> Result<Tensor> {
+        self.check_request(req, latents)?;
+        let schedule = self.schedule(req)?;
+        let x = self.initial(latents, schedule.init_noise_sigma)?;
+        self.denoise(req, schedule, 0, x, &Extra::None, noise)
+    }
+
+    /// Check the request's sizes and guidance against the latents; the error names the field.
+    fn check_request(&self, req: &SdxlRequest, latents: &Tensor) -> Result<()> {
         let f = self.vae.config.downscale_factor();
         for (field, side) in [("height", req.height), ("width", req.width)] {
             if side < 8 || side % 8 != 0 {
@@ -146,7 +160,7 @@ impl SdxlPipeline {
         }
         let want = [
             1,
-            self.unet.config.in_channels,
+            self.vae.config.latent_channels,
             req.height / f,
             req.width / f,
         ];
@@ -162,11 +176,38 @@ impl SdxlPipeline {
                 "must be finite and non-negative",
             ));
         }
+        Ok(())
+    }
+
+    /// The request's scheduler set to its steps.
+    fn schedule(&self, req: &SdxlRequest) -> Result<DiscreteSchedule> {
         let scheduler = match &req.scheduler {
             Some(name) => DiscreteScheduler::named(name, &self.scheduler)?,
             None => DiscreteScheduler::from_config(self.scheduler.clone())?,
         };
-        let mut schedule = scheduler.set_timesteps(req.steps)?;
+        scheduler.set_timesteps(req.steps)
+    }
+
+    /// Given latents as the loop starts from them: `latents * init_noise_sigma`, fp32.
+    fn initial(&self, latents: &Tensor, init_noise_sigma: f64) -> Result<Tensor> {
+        let (device, _) = self.unet.device_kind();
+        Ok(latents
+            .f_to_device(device)?
+            .f_to_kind(Kind::Float)?
+            .f_mul_scalar(init_noise_sigma)?)
+    }
+
+    /// The denoising loop from step `start` of `schedule` and `x`, then the VAE: the image in
+    /// [0, 1]. `extra` is what an inpainting request adds at each step.
+    fn denoise(
+        &self,
+        req: &SdxlRequest,
+        mut schedule: DiscreteSchedule,
+        start: usize,
+        mut x: Tensor,
+        extra: &Extra,
+        noise: &mut dyn FnMut(usize, &[i64]) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let (device, kind) = self.unet.device_kind();
         tch::no_grad(|| {
             let prompt = self.encode_prompt(&req.prompt)?;
@@ -183,20 +224,24 @@ impl SdxlPipeline {
             } else {
                 (prompt.embeds, prompt.pooled, ids)
             };
-            let mut x = latents
-                .f_to_device(device)?
-                .f_to_kind(Kind::Float)?
-                .f_mul_scalar(schedule.init_noise_sigma)?;
-            for i in 0..schedule.len() {
-                let input = if guided {
-                    Tensor::f_cat(&[&x, &x], 0)?
+            let rows = |t: &Tensor| -> Result<Tensor> {
+                Ok(if guided {
+                    Tensor::f_cat(&[t, t], 0)?
                 } else {
-                    x.shallow_clone()
+                    t.shallow_clone()
+                })
+            };
+            for i in start..schedule.len() {
+                let input = schedule.scale_model_input(&rows(&x)?, i)?;
+                let input = match extra {
+                    Extra::Concat { mask, masked } => {
+                        Tensor::f_cat(&[&input, &rows(mask)?, &rows(masked)?], 1)?
+                    }
+                    _ => input,
                 };
-                let input = schedule.scale_model_input(&input, i)?.f_to_kind(kind)?;
                 let t = Tensor::from_slice(&[schedule.timesteps[i] as f32]);
                 let out = self.unet.forward(&UNetInputs {
-                    sample: input,
+                    sample: input.f_to_kind(kind)?,
                     timestep: t,
                     encoder_hidden_states: embeds.shallow_clone(),
                     text_embeds: Some(pooled.shallow_clone()),
@@ -215,6 +260,16 @@ impl SdxlPipeline {
                     None
                 };
                 x = schedule.step(i, &prediction, &x, n.as_ref())?;
+                if let Extra::Blend { image, mask, noise } = extra {
+                    // Outside the mask, the image's latents noised to the next step's level.
+                    let proper = if i + 1 < schedule.len() {
+                        schedule.add_noise(image, noise, i + 1)?
+                    } else {
+                        image.shallow_clone()
+                    };
+                    let keep = mask.f_neg()?.f_add_scalar(1.0)?;
+                    x = keep.f_mul(&proper)?.f_add(&mask.f_mul(&x)?)?;
+                }
             }
             let (_, vae_kind) = self.vae.device_kind();
             let image = self.vae.decode(&x.f_to_kind(vae_kind)?)?;
@@ -227,6 +282,23 @@ impl SdxlPipeline {
     }
 }
 
+/// What an inpainting request adds to the loop: a plain (4-channel) UNet's latent blending
+/// outside the mask, or a 9-channel inpainting UNet's extra input channels.
+enum Extra {
+    None,
+    /// The image's latents, the latent mask (1: repaint) and the initial noise.
+    Blend {
+        image: Tensor,
+        mask: Tensor,
+        noise: Tensor,
+    },
+    /// The latent mask and the masked image's latents, after the scaled latents.
+    Concat {
+        mask: Tensor,
+        masked: Tensor,
+    },
+}
+
 /// Whether `dir` holds an SDXL pipeline (its `model_index.json` says so).
 pub fn is_sdxl_dir(dir: &Path) -> bool {
     #[derive(serde::Deserialize)]
@@ -234,7 +306,8 @@ pub fn is_sdxl_dir(dir: &Path) -> bool {
         #[serde(rename = "_class_name")]
         class: String,
     }
-    read_json::<Index>(&dir.join("model_index.json")).is_ok_and(|i| i.class == PIPELINE_CLASS)
+    read_json::<Index>(&dir.join("model_index.json"))
+        .is_ok_and(|i| i.class == PIPELINE_CLASS || i.class == INPAINT_PIPELINE_CLASS)
 }
 
 /// What `diffmesh-pipeline generate` passes for an SDXL directory.
@@ -245,6 +318,8 @@ pub struct SdxlFileArgs {
     pub latents: PathBuf,
     /// Seeds the noise of ancestral steps.
     pub seed: i64,
+    /// An inpainting pipeline's image and mask (PNG or any format `image` reads) and strength.
+    pub inpaint: Option<(PathBuf, PathBuf, f64)>,
     pub out: PathBuf,
     pub device: Device,
     pub kind: Kind,
@@ -267,7 +342,19 @@ pub fn generate_file(args: &SdxlFileArgs) -> Result<()> {
     let mut noise = |_: usize, shape: &[i64]| -> Result<Tensor> {
         Ok(Tensor::f_randn(shape, (Kind::Float, Device::Cpu))?)
     };
-    let image = pipe.generate(&args.request, &latents, &mut noise)?;
+    let image = match &args.inpaint {
+        Some((image, mask, strength)) => {
+            let image = crate::pipeline::cli::read_image(image)?;
+            let mask = crate::pipeline::cli::read_mask(mask)?;
+            let inputs = inpaint::InpaintInputs {
+                image: &image,
+                mask: &mask,
+                strength: *strength,
+            };
+            pipe.inpaint(&args.request, &inputs, &latents, &mut noise)?
+        }
+        None => pipe.generate(&args.request, &latents, &mut noise)?,
+    };
     Tensor::write_safetensors(&[("image", image.f_contiguous()?)], &args.out)?;
     Ok(())
 }
