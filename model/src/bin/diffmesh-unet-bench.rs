@@ -1,4 +1,5 @@
-//! `cargo xtask bench unet`: the UNet2DConditionModel's full forward, ours against diffusers, on
+//! `cargo xtask bench unet`: the UNet2DConditionModel's full forward, ours against diffusers, and
+//! against our mask-aware forward at mask 0.2 (FlashPS for UNets: 2.2x for SDXL on an H800), on
 //! a medium SDXL-shaped config with random weights (issue 48: ours/diffusers <= 1.0). A diffusers
 //! subprocess builds the model and saves it; this process loads the same weights; both time a
 //! guided step's batch of two on the same inputs at the same thread count, interleaved in rounds
@@ -92,17 +93,34 @@ fn main() -> Result<()> {
         ),
     };
     let _guard = tch::no_grad_guard();
-    let (mut ours, mut diffusers) = (Vec::new(), Vec::new());
+    // A template's cache (its own inputs: the timing does not depend on the values) and a
+    // mask as edits have them: one rectangle, a fifth of the latent pixels (scattered pixels
+    // would mask nearly every token of the deeper levels, which pool 2x2 per level).
+    let (_, cache) = unet.forward_capture(&inputs)?;
+    let rect_h = ((args.side * args.side) as f64 * 0.2).sqrt().round() as i64;
+    let rect_w = ((args.side * args.side) as f64 * 0.2 / rect_h as f64).round() as i64;
+    let mask = Tensor::zeros([args.side, args.side], opts);
+    let _ = mask
+        .narrow(0, (args.side - rect_h) / 2, rect_h)
+        .narrow(1, (args.side - rect_w) / 2, rect_w)
+        .fill_(1.0);
+    let (mut ours, mut diffusers, mut masked) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..args.warmup + args.runs.max(1) {
         let t = Instant::now();
         let _ = unet.forward(&inputs)?;
         let ms = t.elapsed().as_secs_f64() * 1e3;
         let theirs_ms = theirs.run()?;
+        let t = Instant::now();
+        let _ = unet.forward_masked(&inputs, &mask, &cache)?;
+        let masked_ms = t.elapsed().as_secs_f64() * 1e3;
         if round >= args.warmup {
             ours.push(ms);
             diffusers.push(theirs_ms);
+            masked.push(masked_ms);
         }
     }
+    let masked_min = minimum(&masked);
+    let masked_ms = median(masked);
     let (ours_min, theirs_min) = (minimum(&ours), minimum(&diffusers));
     let (ours_ms, theirs_ms) = (median(ours), median(diffusers));
     println!(
@@ -110,8 +128,19 @@ fn main() -> Result<()> {
         ours_ms / theirs_ms,
         ours_min / theirs_min
     );
+    println!(
+        "  mask-aware at 0.2: {masked_ms:.1} ms (min {masked_min:.1}); full/masked {:.2} (of minima {:.2}); cache {} MB a step",
+        ours_ms / masked_ms,
+        ours_min / masked_min,
+        cache.bytes() / 1_000_000
+    );
     let report = json!({
         "unet_medium": {
+            "masked_ms_at_0_2": masked_ms,
+            "masked_min_ms_at_0_2": masked_min,
+            "full_over_masked_at_0_2": ours_ms / masked_ms,
+            "full_over_masked_at_0_2_of_minima": ours_min / masked_min,
+            "cache_bytes_per_step": cache.bytes(),
             "full_ms": ours_ms,
             "full_min_ms": ours_min,
             "diffusers_full_ms": theirs_ms,

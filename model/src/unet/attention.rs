@@ -52,14 +52,25 @@ impl Attention {
 
     /// `x` `[B, S, dim]`, `context` `[B, T, context_dim]` -> `[B, S, dim]`.
     pub fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
+        let (k, v) = self.keys_values(context)?;
+        self.attend(x, &k, &v)
+    }
+
+    /// The keys and values of `context`, `[B, T, dim]` each.
+    fn keys_values(&self, context: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((self.to_k.forward(context)?, self.to_v.forward(context)?))
+    }
+
+    /// `x`'s queries over given keys and values `[B, T, dim]`, then `to_out`.
+    fn attend(&self, x: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let split = |t: Tensor| -> Result<Tensor> {
             let s = t.size();
             Ok(t.f_view([s[0], s[1], self.heads, s[2] / self.heads])?
                 .f_transpose(1, 2)?)
         };
         let q = split(self.to_q.forward(x)?)?;
-        let k = split(self.to_k.forward(context)?)?;
-        let v = split(self.to_v.forward(context)?)?;
+        let k = split(k.shallow_clone())?;
+        let v = split(v.shallow_clone())?;
         let o = Tensor::f_scaled_dot_product_attention(
             &q,
             &k,
@@ -104,8 +115,23 @@ impl BasicTransformerBlock {
     }
 
     fn forward(&self, x: &Tensor, context: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, context, &mut |k, v| Ok((k, v)))
+    }
+
+    /// The block with `self_kv` shown the self-attention's keys and values of `x`'s tokens
+    /// (`[B, S, dim]` each) and returning the ones attention reads: the same (the plain and
+    /// capture passes), or every token's with cached rows for the tokens `x` leaves out (the
+    /// mask-aware pass).
+    fn forward_with(
+        &self,
+        x: &Tensor,
+        context: &Tensor,
+        self_kv: &mut dyn FnMut(Tensor, Tensor) -> Result<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
         let n = self.norm1.forward(x)?;
-        let x = x.f_add(&self.attn1.forward(&n, &n)?)?;
+        let (k, v) = self.attn1.keys_values(&n)?;
+        let (k, v) = self_kv(k, v)?;
+        let x = x.f_add(&self.attn1.attend(&n, &k, &v)?)?;
         let n = self.norm2.forward(&x)?;
         let x = x.f_add(&self.attn2.forward(&n, context)?)?;
         let h = self.ff_in.forward(&self.norm3.forward(&x)?)?;
@@ -195,4 +221,114 @@ impl Transformer2D {
         };
         Ok(out.f_add(x)?)
     }
+
+    /// [`Self::forward`] of a template, recording what its edits read: each block's
+    /// self-attention keys and values and the output, as tokens `[H * W, C]` of row 0.
+    pub fn forward_capture(
+        &self,
+        x: &Tensor,
+        context: &Tensor,
+    ) -> Result<(Tensor, CapturedTransformer)> {
+        let mut kv = Vec::with_capacity(self.blocks.len());
+        let s = x.size();
+        let (b, c, h, w) = (s[0], s[1], s[2], s[3]);
+        let tokens = |m: &Tensor| -> Result<Tensor> {
+            Ok(m.f_permute([0, 2, 3, 1])?.f_reshape([b, h * w, c])?)
+        };
+        let mut t = self.project_in(&tokens(&self.norm.forward(x)?)?)?;
+        for block in &self.blocks {
+            t = block.forward_with(&t, context, &mut |k, v| {
+                kv.push((k.f_get(0)?.f_contiguous()?, v.f_get(0)?.f_contiguous()?));
+                Ok((k, v))
+            })?;
+        }
+        let out = self.project_out(&t)?.f_add(&tokens(x)?)?;
+        let captured = CapturedTransformer {
+            kv,
+            out: out.f_get(0)?.f_contiguous()?,
+        };
+        Ok((
+            out.f_reshape([b, h, w, c])?.f_permute([0, 3, 1, 2])?,
+            captured,
+        ))
+    }
+
+    /// FlashPS for a UNet's attention: only the tokens at `index` (`[M]` of the `H * W`) go
+    /// through the blocks, their self-attention reading every token's keys and values (theirs
+    /// fresh, the others' from `cache`, the template's); the output is the template's at the
+    /// other tokens. The group norm sees the whole map (the resnets computed it in full).
+    pub fn forward_masked(
+        &self,
+        x: &Tensor,
+        context: &Tensor,
+        index: &Tensor,
+        cache: &CapturedTransformer,
+    ) -> Result<Tensor> {
+        let s = x.size();
+        let (b, c, h, w) = (s[0], s[1], s[2], s[3]);
+        if cache.kv.len() != self.blocks.len() || cache.out.size() != [h * w, c] {
+            return Err(crate::error::ModelError::input(
+                "cache",
+                format!(
+                    "a cache of {} blocks and {:?} for a transformer of {} blocks on [{}, {c}]",
+                    cache.kv.len(),
+                    cache.out.size(),
+                    self.blocks.len(),
+                    h * w
+                ),
+            ));
+        }
+        let masked = |m: &Tensor| -> Result<Tensor> {
+            Ok(m.f_permute([0, 2, 3, 1])?
+                .f_reshape([b, h * w, c])?
+                .f_index_select(1, index)?)
+        };
+        // Every token's rows of `cached` for each batch row, `fresh` written at `index`.
+        let merge = |cached: &Tensor, fresh: &Tensor| -> Result<Tensor> {
+            let all = cached
+                .f_to_kind(fresh.kind())?
+                .f_unsqueeze(0)?
+                .f_expand([b, h * w, c], false)?
+                .f_contiguous()?;
+            Ok(all.f_index_copy(1, index, fresh)?)
+        };
+        let mut t = self.project_in(&masked(&self.norm.forward(x)?)?)?;
+        for (block, (ck, cv)) in self.blocks.iter().zip(&cache.kv) {
+            t = block.forward_with(&t, context, &mut |k, v| {
+                Ok((merge(ck, &k)?, merge(cv, &v)?))
+            })?;
+        }
+        let out = self.project_out(&t)?.f_add(&masked(x)?)?;
+        Ok(merge(&cache.out, &out)?
+            .f_reshape([b, h, w, c])?
+            .f_permute([0, 3, 1, 2])?)
+    }
+
+    /// `proj_in` on tokens `[B, S, C]` (a 1x1 conv is a linear over channels).
+    fn project_in(&self, t: &Tensor) -> Result<Tensor> {
+        project(&self.proj_in, t)
+    }
+
+    fn project_out(&self, t: &Tensor) -> Result<Tensor> {
+        project(&self.proj_out, t)
+    }
+}
+
+fn project(p: &Projection, t: &Tensor) -> Result<Tensor> {
+    match p {
+        Projection::Linear(l) => l.forward(t),
+        Projection::Conv(conv) => {
+            let s = conv.weight.size();
+            let w = conv.weight.f_view([s[0], s[1]])?;
+            Ok(t.f_linear(&w, conv.bias.as_ref())?)
+        }
+    }
+}
+
+/// What a template's `Transformer2DModel` leaves its edits: per block, the self-attention keys
+/// and values of every token, and the output, each `[H * W, C]`.
+#[derive(Debug)]
+pub struct CapturedTransformer {
+    pub kv: Vec<(Tensor, Tensor)>,
+    pub out: Tensor,
 }

@@ -4,6 +4,7 @@
 //! resnets take the down path's skip connections concatenated on channels.
 use super::attention::{Transformer2D, Transformer2DShape};
 use super::config::Level;
+use super::masked::AttentionPass;
 use super::resnet::{Downsample2D, ResnetBlock2D, ResnetShape, Upsample2D};
 use crate::error::Result;
 use tch::{nn, Tensor};
@@ -72,12 +73,13 @@ impl DownBlock {
         temb_silu: &Tensor,
         context: &Tensor,
         skips: &mut Vec<Tensor>,
+        pass: &mut dyn AttentionPass,
     ) -> Result<Tensor> {
         let mut h = x.shallow_clone();
         for (i, resnet) in self.resnets.iter().enumerate() {
             h = resnet.forward(&h, temb_silu)?;
             if let Some(attn) = self.attentions.get(i) {
-                h = attn.forward(&h, context)?;
+                h = pass.run(attn, &h, context)?;
             }
             skips.push(h.shallow_clone());
         }
@@ -113,9 +115,15 @@ impl MidBlock {
         }
     }
 
-    pub fn forward(&self, x: &Tensor, temb_silu: &Tensor, context: &Tensor) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        temb_silu: &Tensor,
+        context: &Tensor,
+        pass: &mut dyn AttentionPass,
+    ) -> Result<Tensor> {
         let h = self.first.forward(x, temb_silu)?;
-        let h = self.attention.forward(&h, context)?;
+        let h = pass.run(&self.attention, &h, context)?;
         self.second.forward(&h, temb_silu)
     }
 }
@@ -179,6 +187,7 @@ impl UpBlock {
         context: &Tensor,
         mut skips: Vec<Tensor>,
         upsample_size: Option<[i64; 2]>,
+        pass: &mut dyn AttentionPass,
     ) -> Result<Tensor> {
         let mut h = x.shallow_clone();
         for (i, resnet) in self.resnets.iter().enumerate() {
@@ -187,7 +196,7 @@ impl UpBlock {
             })?;
             h = resnet.forward(&Tensor::f_cat(&[&h, &skip], 1)?, temb_silu)?;
             if let Some(attn) = self.attentions.get(i) {
-                h = attn.forward(&h, context)?;
+                h = pass.run(attn, &h, context)?;
             }
         }
         match &self.upsampler {

@@ -258,7 +258,9 @@ impl ControlNetModel {
         let temb_silu = self.stem.time_embedding(cfg, x, batch)?;
         let h = self.stem.conv_in.forward(&on(&x.sample)?)?;
         let h = h.f_add(&self.cond_embedding.forward(&on(control)?)?)?;
-        let (mid, skips) = self.stem.down_mid(h, &temb_silu, &context)?;
+        let (mid, skips) =
+            self.stem
+                .down_mid(h, &temb_silu, &context, &mut super::masked::Plain)?;
         let down = skips
             .iter()
             .zip(&self.down_convs)

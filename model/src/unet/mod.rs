@@ -13,6 +13,7 @@ pub mod blocks;
 pub mod config;
 pub mod controlnet;
 pub mod lora;
+pub mod masked;
 pub mod resnet;
 mod stem;
 
@@ -135,13 +136,24 @@ impl UNet2DConditionModel {
         x: &UNetInputs,
         residuals: Option<&UNetResiduals>,
     ) -> Result<Tensor> {
+        self.forward_with(x, residuals, &mut masked::Plain)
+    }
+
+    /// The forward with each `Transformer2DModel` run by `pass` (in full, capturing, or
+    /// mask-aware: [`masked`]).
+    pub(crate) fn forward_with(
+        &self,
+        x: &UNetInputs,
+        residuals: Option<&UNetResiduals>,
+        pass: &mut dyn masked::AttentionPass,
+    ) -> Result<Tensor> {
         let (batch, side) = check_inputs(&self.config, x)?;
         let (device, kind) = self.device_kind();
         let on = |t: &Tensor| -> Result<Tensor> { Ok(t.f_to_device(device)?.f_to_kind(kind)?) };
         let context = on(&x.encoder_hidden_states)?;
         let temb_silu = self.stem.time_embedding(&self.config, x, batch)?;
         let h = self.stem.conv_in.forward(&on(&x.sample)?)?;
-        let (mut h, mut skips) = self.stem.down_mid(h, &temb_silu, &context)?;
+        let (mut h, mut skips) = self.stem.down_mid(h, &temb_silu, &context, pass)?;
         if let Some(r) = residuals {
             let add = |a: &Tensor, b: &Tensor, what: &str| -> Result<Tensor> {
                 if a.size() != b.size() {
@@ -176,7 +188,7 @@ impl UNet2DConditionModel {
                 }
                 _ => None,
             };
-            h = block.forward(&h, &temb_silu, &context, mine, size)?;
+            h = block.forward(&h, &temb_silu, &context, mine, size, pass)?;
         }
         let h = self.conv_norm_out.forward(&h)?.f_silu()?;
         self.conv_out.forward(&h)

@@ -3,6 +3,7 @@
 //! same key names in both.
 use super::blocks::{AttentionShape, DownBlock, MidBlock};
 use super::config::UNetConfig;
+use super::masked::AttentionPass;
 use super::resnet::ResnetShape;
 use super::{sinusoidal, UNetInputs};
 use crate::error::{ModelError, Result};
@@ -107,12 +108,13 @@ impl Stem {
         h: Tensor,
         temb_silu: &Tensor,
         context: &Tensor,
+        pass: &mut dyn AttentionPass,
     ) -> Result<(Tensor, Vec<Tensor>)> {
         let mut skips = vec![h.shallow_clone()];
         let mut h = h;
         for block in &self.down {
-            h = block.forward(&h, temb_silu, context, &mut skips)?;
+            h = block.forward(&h, temb_silu, context, &mut skips, pass)?;
         }
-        Ok((self.mid.forward(&h, temb_silu, context)?, skips))
+        Ok((self.mid.forward(&h, temb_silu, context, pass)?, skips))
     }
 }

@@ -1,0 +1,161 @@
+//! The mask-aware UNet (FlashPS for UNets) on a random SDXL-shaped UNet (fp32 CPU): with every
+//! token masked it is the full forward; with the template's own inputs and a partial mask it is
+//! the full forward too (the cache holds exactly what it replaces), at a side that does not
+//! divide by the downsampling; an edit reads the cache (another template's cache changes the
+//! result); rows sharing a mask (a guided step) equal each row alone; bad masks and caches are
+//! refused naming the field.
+use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
+use diffmesh_model::unet::{UNet2DConditionModel, UNetConfig, UNetInputs};
+use std::sync::Mutex;
+
+/// Torch's RNG is global: one test draws at a time.
+static TURN: Mutex<()> = Mutex::new(());
+
+fn unet() -> (UNet2DConditionModel, nn::VarStore) {
+    let config: UNetConfig = serde_json::from_value(serde_json::json!({
+        "block_out_channels": [32, 64, 64],
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+        "attention_head_dim": [2, 4, 4],
+        "transformer_layers_per_block": [1, 2, 1],
+        "cross_attention_dim": 24,
+        "layers_per_block": 1,
+        "norm_num_groups": 16,
+        "use_linear_projection": true,
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": 8,
+        "projection_class_embeddings_input_dim": 12 + 6 * 8,
+    }))
+    .unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = UNet2DConditionModel::new(&vs.root(), config).unwrap();
+    (model, vs)
+}
+
+fn inputs(batch: i64, h: i64, w: i64) -> UNetInputs {
+    let opts = (Kind::Float, Device::Cpu);
+    UNetInputs {
+        sample: Tensor::randn([batch, 4, h, w], opts),
+        timestep: Tensor::from_slice(&[400.0f32]),
+        encoder_hidden_states: Tensor::randn([batch, 5, 24], opts),
+        text_embeds: Some(Tensor::randn([batch, 12], opts)),
+        time_ids: Some(
+            Tensor::from_slice(&[512.0f32, 512.0, 0.0, 0.0, 512.0, 512.0]).repeat([batch, 1]),
+        ),
+    }
+}
+
+/// `count` random latent pixels of an `h x w` map.
+fn mask(h: i64, w: i64, count: i64) -> Tensor {
+    let index = Tensor::randperm(h * w, (Kind::Int64, Device::Cpu)).narrow(0, 0, count);
+    Tensor::zeros([h * w], (Kind::Float, Device::Cpu))
+        .index_fill(0, &index, 1.0)
+        .view([h, w])
+}
+
+fn max_err(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+#[test]
+fn mask_aware_unet_equals_full_compute_where_it_must() {
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    tch::manual_seed(3);
+    let (unet, _vs) = unet();
+    let (h, w) = (13, 10);
+    let x = inputs(1, h, w);
+    tch::no_grad(|| {
+        let full = unet.forward(&x).unwrap();
+        let (captured_out, cache) = unet.forward_capture(&x).unwrap();
+        assert_eq!(
+            max_err(&captured_out, &full),
+            0.0,
+            "capturing changes nothing"
+        );
+        assert!(cache.bytes() > 0);
+
+        // Every token masked: the full forward, whatever the cache holds.
+        let other = inputs(1, h, w);
+        let (_, other_cache) = unet.forward_capture(&other).unwrap();
+        let all = unet
+            .forward_masked(
+                &x,
+                &Tensor::ones([h, w], (Kind::Float, Device::Cpu)),
+                &other_cache,
+            )
+            .unwrap();
+        let err = max_err(&all, &full);
+        println!("mask 1.0: max abs err {err:.2e}");
+        assert!(err <= 1e-5, "mask 1.0: {err}");
+
+        // The template's own inputs: the cache holds exactly what it replaces.
+        for count in [1, 26, 65] {
+            let m = mask(h, w, count);
+            let got = unet.forward_masked(&x, &m, &cache).unwrap();
+            let err = max_err(&got, &full);
+            println!(
+                "{count} of {} latent pixels masked, own cache: max abs err {err:.2e}",
+                h * w
+            );
+            assert!(err <= 1e-4, "{count}: {err}");
+            // Another template's cache changes the result: the cache is read.
+            let moved = max_err(&unet.forward_masked(&x, &m, &other_cache).unwrap(), &full);
+            assert!(
+                moved > 1e-3,
+                "{count}: another cache moved the output by only {moved}"
+            );
+        }
+    });
+}
+
+#[test]
+fn rows_sharing_a_mask_equal_each_row_alone() {
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    tch::manual_seed(5);
+    let (unet, _vs) = unet();
+    let (h, w) = (8, 8);
+    let template = inputs(1, h, w);
+    let batch = inputs(2, h, w);
+    let m = mask(h, w, 13);
+    tch::no_grad(|| {
+        let (_, cache) = unet.forward_capture(&template).unwrap();
+        let both = unet.forward_masked(&batch, &m, &cache).unwrap();
+        for row in 0..2 {
+            let one = UNetInputs {
+                sample: batch.sample.narrow(0, row, 1),
+                timestep: batch.timestep.shallow_clone(),
+                encoder_hidden_states: batch.encoder_hidden_states.narrow(0, row, 1),
+                text_embeds: batch.text_embeds.as_ref().map(|t| t.narrow(0, row, 1)),
+                time_ids: batch.time_ids.as_ref().map(|t| t.narrow(0, row, 1)),
+            };
+            let alone = unet.forward_masked(&one, &m, &cache).unwrap();
+            let err = max_err(&both.narrow(0, row, 1), &alone);
+            assert!(err <= 1e-5, "row {row}: {err}");
+        }
+        // Refusals.
+        let err = unet
+            .forward_masked(
+                &template,
+                &Tensor::ones([4, 4], (Kind::Float, Device::Cpu)),
+                &cache,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("mask"), "{err}");
+        let err = unet
+            .forward_masked(
+                &template,
+                &Tensor::zeros([h, w], (Kind::Float, Device::Cpu)),
+                &cache,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("mask"), "{err}");
+        let (_, small) = unet.forward_capture(&inputs(1, 4, 4)).unwrap();
+        let err = unet
+            .forward_masked(&template, &m, &small)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cache"), "{err}");
+    });
+}
