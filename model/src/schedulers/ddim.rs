@@ -1,6 +1,5 @@
 //! `DDIMScheduler` with `eta = 0` (deterministic, as pipelines call it): the clean-sample and
 //! noise predictions at `t`, recombined at the previous timestep's `alphas_cumprod`.
-use super::tables::{self, Spacing};
 use super::{DiscreteSchedule, DiscreteScheduler, Prediction, State};
 use crate::error::Result;
 use tch::Tensor;
@@ -19,24 +18,13 @@ pub(super) struct Ddim {
 pub(super) fn schedule(s: &DiscreteScheduler, steps: usize) -> Result<DiscreteSchedule> {
     let c = &s.config;
     let train = s.alphas_cumprod.len();
-    let timesteps: Vec<f64> = match s.spacing {
-        Spacing::Linspace => tables::linspace(0.0, (train - 1) as f64, steps)
-            .into_iter()
-            .map(f64::round_ties_even)
-            .rev()
-            .collect(),
-        Spacing::Leading(offset) => {
-            let ratio = (train / steps) as f64;
-            (0..steps)
-                .rev()
-                .map(|i| (i as f64 * ratio).round_ties_even() + offset as f64)
-                .collect()
-        }
-        Spacing::Trailing => tables::arange_down(train as f64, train as f64 / steps as f64)
-            .into_iter()
-            .map(|t| t.round_ties_even() - 1.0)
-            .collect(),
-    };
+    // Integers, as diffusers keeps them.
+    let timesteps: Vec<f64> = s
+        .spacing
+        .spread(train, steps)
+        .into_iter()
+        .map(f64::round_ties_even)
+        .collect();
     Ok(DiscreteSchedule {
         timesteps,
         sigmas: Vec::new(),

@@ -6,33 +6,16 @@ use super::{x0_from_sigma, DiscreteSchedule, DiscreteScheduler, Method, Predicti
 use crate::error::Result;
 use tch::Tensor;
 
-/// Timesteps (float32 values, as diffusers keeps them) spread as `spacing` says.
-fn spaced_timesteps(spacing: Spacing, train: usize, steps: usize) -> Vec<f64> {
-    let as_f32 = |v: f64| f64::from(v as f32);
-    match spacing {
-        Spacing::Linspace => tables::linspace(0.0, (train - 1) as f64, steps)
-            .into_iter()
-            .rev()
-            .map(as_f32)
-            .collect(),
-        Spacing::Leading(offset) => {
-            let ratio = (train / steps) as f64;
-            (0..steps)
-                .rev()
-                .map(|i| (i as f64 * ratio).round_ties_even() + offset as f64)
-                .collect()
-        }
-        Spacing::Trailing => tables::arange_down(train as f64, train as f64 / steps as f64)
-            .into_iter()
-            .map(|t| as_f32(t.round_ties_even() - 1.0))
-            .collect(),
-    }
-}
-
 pub(super) fn schedule(s: &DiscreteScheduler, steps: usize) -> Result<DiscreteSchedule> {
     let c = &s.config;
     let train_sigmas = tables::train_sigmas(&s.alphas_cumprod);
-    let mut timesteps = spaced_timesteps(s.spacing, train_sigmas.len(), steps);
+    // Float32 values, as diffusers keeps them.
+    let mut timesteps: Vec<f64> = s
+        .spacing
+        .spread(train_sigmas.len(), steps)
+        .into_iter()
+        .map(|t| f64::from(t as f32))
+        .collect();
     let mut sigmas: Vec<f64> = timesteps
         .iter()
         .map(|&t| tables::interp(t, &train_sigmas))

@@ -2,6 +2,7 @@
 //! the precision diffusers computes them in (see the module docs of [`super`]).
 use super::{DiscreteSchedulerConfig, Method};
 use crate::error::{ModelError, Result};
+pub use crate::noise_scheduler::linspace;
 use tch::{Kind, Tensor};
 
 /// Refuse a configuration these schedulers do not implement, naming the field.
@@ -110,6 +111,30 @@ impl Spacing {
     }
 }
 
+impl Spacing {
+    /// `steps` of the `train` training timesteps, the largest first, as Euler's and DDIM's
+    /// `set_timesteps` spread them (before Euler keeps them as float32 and DDIM rounds them).
+    pub fn spread(self, train: usize, steps: usize) -> Vec<f64> {
+        match self {
+            Self::Linspace => linspace(0.0, (train - 1) as f64, steps)
+                .into_iter()
+                .rev()
+                .collect(),
+            Self::Leading(offset) => {
+                let ratio = (train / steps) as f64;
+                (0..steps)
+                    .rev()
+                    .map(|i| (i as f64 * ratio).round_ties_even() + offset as f64)
+                    .collect()
+            }
+            Self::Trailing => arange_down(train as f64, train as f64 / steps as f64)
+                .into_iter()
+                .map(|t| t.round_ties_even() - 1.0)
+                .collect(),
+        }
+    }
+}
+
 /// `alphas_cumprod` of the training schedule, float32 as torch computes it.
 pub fn alphas_cumprod(c: &DiscreteSchedulerConfig) -> Result<Vec<f32>> {
     let n = c.num_train_timesteps.unwrap_or(1000);
@@ -152,17 +177,6 @@ pub fn train_sigmas(alphas_cumprod: &[f32]) -> Vec<f32> {
         .iter()
         .map(|&a| ((1.0 - a) / a).sqrt())
         .collect()
-}
-
-/// numpy's `linspace(start, stop, num)` (float64).
-pub fn linspace(start: f64, stop: f64, num: usize) -> Vec<f64> {
-    if num == 1 {
-        return vec![start];
-    }
-    let step = (stop - start) / (num - 1) as f64;
-    let mut v: Vec<f64> = (0..num).map(|i| i as f64 * step + start).collect();
-    v[num - 1] = stop;
-    v
 }
 
 /// numpy's `arange(start, 0, -step)` for a positive `step` (float64).
