@@ -61,35 +61,12 @@ impl DenoiseState {
     /// The transformer inputs of this state's next step, one per row. Steered states need
     /// their ControlNet residuals in the forward and are refused (field `control`).
     pub fn step_inputs(&self) -> Result<Vec<FluxInputs>> {
-        if self.is_done() {
-            return Err(ModelError::input("state", "every step has been taken"));
-        }
-        if self.has_control() {
-            return Err(ModelError::input(
-                "control",
-                "a steered request steps with its ControlNet residuals, not on a remote forward",
-            ));
-        }
-        tch::no_grad(|| {
-            self.branches()
-                .iter()
-                .map(|&b| group_inputs(&[(self, b)]))
-                .collect()
-        })
+        self.remote_rows(|b| group_inputs(&[(self, b)]))
     }
 
     /// Step with the velocities of [`DenoiseState::step_inputs`]' rows, in their order.
     pub fn apply_velocities(&mut self, velocities: Vec<Tensor>) -> Result<()> {
-        if velocities.len() != self.rows() {
-            return Err(ModelError::input(
-                "velocities",
-                format!("{} velocities for {} rows", velocities.len(), self.rows()),
-            ));
-        }
-        let mut rows = [None, None];
-        for (slot, v) in rows.iter_mut().zip(velocities) {
-            *slot = Some(v);
-        }
+        let rows = self.velocity_rows(velocities)?;
         tch::no_grad(|| {
             let v = self.guided(rows)?;
             self.apply(&v)
@@ -99,6 +76,18 @@ impl DenoiseState {
     /// The rows of this edit's next step in mask-aware mode (its step reads the template
     /// cache at [`DenoiseState::step_index`]), one per branch.
     pub fn masked_step_rows(&self) -> Result<Vec<MaskedRow>> {
+        self.remote_rows(|b| self.masked_row(b))
+    }
+
+    /// Step with the masked tokens' velocities `[M, out]` of
+    /// [`DenoiseState::masked_step_rows`]' rows, in their order.
+    pub fn apply_masked_velocities(&mut self, velocities: Vec<Tensor>) -> Result<()> {
+        let rows = self.velocity_rows(velocities)?;
+        tch::no_grad(|| self.apply_masked(rows))
+    }
+
+    /// `row(branch)` for each branch of the next step, which must exist and be unsteered.
+    fn remote_rows<T>(&self, row: impl Fn(super::Branch) -> Result<T>) -> Result<Vec<T>> {
         if self.is_done() {
             return Err(ModelError::input("state", "every step has been taken"));
         }
@@ -108,17 +97,11 @@ impl DenoiseState {
                 "a steered request steps with its ControlNet residuals, not on a remote forward",
             ));
         }
-        tch::no_grad(|| {
-            self.branches()
-                .iter()
-                .map(|&b| self.masked_row(b))
-                .collect()
-        })
+        tch::no_grad(|| self.branches().iter().map(|&b| row(b)).collect())
     }
 
-    /// Step with the masked tokens' velocities `[M, out]` of
-    /// [`DenoiseState::masked_step_rows`]' rows, in their order.
-    pub fn apply_masked_velocities(&mut self, velocities: Vec<Tensor>) -> Result<()> {
+    /// One velocity per row, as `guided` takes them.
+    fn velocity_rows(&self, velocities: Vec<Tensor>) -> Result<[Option<Tensor>; 2]> {
         if velocities.len() != self.rows() {
             return Err(ModelError::input(
                 "velocities",
@@ -129,6 +112,6 @@ impl DenoiseState {
         for (slot, v) in rows.iter_mut().zip(velocities) {
             *slot = Some(v);
         }
-        tch::no_grad(|| self.apply_masked(rows))
+        Ok(rows)
     }
 }
