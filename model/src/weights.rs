@@ -148,6 +148,22 @@ pub fn load_strict_renamed(
     Ok(unused)
 }
 
+/// A diffusers component folder's `config.json`, whose `_class_name` (where it names one) must
+/// be `class`.
+pub fn component_config<C: serde::de::DeserializeOwned>(dir: &Path, class: &str) -> Result<C> {
+    let path = dir.join("config.json");
+    let raw: serde_json::Value = crate::error::read_json(&path)?;
+    if let Some(found) = raw.get("_class_name").and_then(|c| c.as_str()) {
+        if found != class {
+            return Err(ModelError::config(
+                "_class_name",
+                format!("expected {class}, found {found}"),
+            ));
+        }
+    }
+    serde_json::from_value(raw).map_err(|source| ModelError::Json { path, source })
+}
+
 /// [`load_strict`] into `vs` as `kind`, then freeze it (inference): the loading every
 /// component folder shares. Unused checkpoint keys are logged, naming `what` reads them.
 pub fn load_frozen(vs: &mut VarStore, dir: &Path, kind: tch::Kind, what: &str) -> Result<()> {

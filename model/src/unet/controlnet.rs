@@ -8,7 +8,7 @@
 use super::config::UNetConfig;
 use super::stem::Stem;
 use super::{check_inputs, UNetInputs};
-use crate::error::{read_json, ModelError, Result};
+use crate::error::{ModelError, Result};
 use crate::vae::blocks::Conv2d;
 use crate::weights;
 use serde::Deserialize;
@@ -206,27 +206,10 @@ impl ControlNetModel {
 
     /// Load from a diffusers `controlnet/` folder, strictly by key.
     pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
-        let raw: serde_json::Value = read_json(&dir.join("config.json"))?;
-        if let Some(class) = raw.get("_class_name").and_then(|c| c.as_str()) {
-            if class != CLASS_NAME {
-                return Err(ModelError::config(
-                    "_class_name",
-                    format!("expected {CLASS_NAME}, found {class}"),
-                ));
-            }
-        }
-        let config: ControlNetConfig =
-            serde_json::from_value(raw).map_err(|source| ModelError::Json {
-                path: dir.join("config.json"),
-                source,
-            })?;
+        let config: ControlNetConfig = weights::component_config(dir, CLASS_NAME)?;
         let mut vs = weights::new_store(device, kind);
         let mut model = Self::new(&vs.root(), config)?;
-        let unused = weights::load_strict(&mut vs, dir)?;
-        if !unused.is_empty() {
-            tracing::warn!(dir = %dir.display(), count = unused.len(), first = %unused[0], "unused ControlNet weights");
-        }
-        vs.freeze();
+        weights::load_frozen(&mut vs, dir, kind, "ControlNet")?;
         model.vs = Some(vs);
         Ok(model)
     }

@@ -17,7 +17,7 @@ pub mod masked;
 pub mod resnet;
 mod stem;
 
-use crate::error::{read_json, ModelError, Result};
+use crate::error::{ModelError, Result};
 use crate::vae::blocks::{Conv2d, GroupNorm};
 use crate::weights;
 use blocks::{UpBlock, UpChannels};
@@ -94,27 +94,10 @@ impl UNet2DConditionModel {
 
     /// Load from a diffusers `unet/` folder (`config.json` + safetensors), strictly by key.
     pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
-        let raw: serde_json::Value = read_json(&dir.join("config.json"))?;
-        if let Some(class) = raw.get("_class_name").and_then(|c| c.as_str()) {
-            if class != CLASS_NAME {
-                return Err(ModelError::config(
-                    "_class_name",
-                    format!("expected {CLASS_NAME}, found {class}"),
-                ));
-            }
-        }
-        let config: UNetConfig =
-            serde_json::from_value(raw).map_err(|source| ModelError::Json {
-                path: dir.join("config.json"),
-                source,
-            })?;
+        let config: UNetConfig = weights::component_config(dir, CLASS_NAME)?;
         let mut vs = weights::new_store(device, kind);
         let mut unet = Self::new(&vs.root(), config)?;
-        let unused = weights::load_strict(&mut vs, dir)?;
-        if !unused.is_empty() {
-            tracing::warn!(dir = %dir.display(), count = unused.len(), first = %unused[0], "unused UNet weights");
-        }
-        vs.freeze();
+        weights::load_frozen(&mut vs, dir, kind, "UNet")?;
         unet.vs = Some(vs);
         Ok(unet)
     }

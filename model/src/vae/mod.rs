@@ -10,7 +10,7 @@ mod coder;
 pub use coder::{Decoder, Encoder};
 
 use crate::components::LatentCodec;
-use crate::error::{read_json, ModelError, Result};
+use crate::error::{ModelError, Result};
 use crate::weights;
 use serde::Deserialize;
 use std::path::Path;
@@ -203,27 +203,10 @@ impl AutoencoderKL {
 
     /// Load a diffusers `vae/` folder (`config.json` + safetensors) strictly, frozen for inference.
     pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
-        let raw: serde_json::Value = read_json(&dir.join("config.json"))?;
-        if let Some(class) = raw.get("_class_name").and_then(|c| c.as_str()) {
-            if class != CLASS_NAME {
-                return Err(ModelError::config(
-                    "_class_name",
-                    format!("expected {CLASS_NAME}, found {class}"),
-                ));
-            }
-        }
-        let config: AutoencoderKLConfig =
-            serde_json::from_value(raw).map_err(|source| ModelError::Json {
-                path: dir.join("config.json"),
-                source,
-            })?;
+        let config: AutoencoderKLConfig = weights::component_config(dir, CLASS_NAME)?;
         let mut vs = weights::new_store(device, kind);
         let mut vae = Self::new(&vs.root(), config)?;
-        let unused = weights::load_strict(&mut vs, dir)?;
-        if !unused.is_empty() {
-            tracing::warn!(dir = %dir.display(), count = unused.len(), first = %unused[0], "unused VAE weights");
-        }
-        vs.freeze();
+        weights::load_frozen(&mut vs, dir, kind, "VAE")?;
         vae.vs = Some(vs);
         Ok(vae)
     }
