@@ -3,6 +3,7 @@
 //! Laid out like HuggingFace diffusers so real checkpoints load by key name.
 pub mod autocast;
 pub mod bench_inputs;
+pub mod bench_worker;
 pub mod components;
 pub mod controlnets;
 pub mod device;

@@ -6,14 +6,13 @@
 //! ratios, for a medium random-weight config and (if present) the tiny trained model, plus the same
 //! medium full pass run by diffusers in a Python subprocess at the same thread count. Prints
 //! human-readable lines, then one JSON line with every figure last.
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
-use diffmesh_model::flux::{CapturedKv, FluxConfig, FluxTransformer, KvFormat, MaskedRequest};
+use diffmesh_model::bench_worker::{median, minimum, DiffusersWorker};
+use diffmesh_model::flux::{CapturedKv, FluxTransformer, KvFormat, MaskedRequest};
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 use serde_json::{json, Map, Value};
-use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::path::PathBuf;
 use std::time::Instant;
 
 const MASK_RATIOS: [f64; 6] = [0.05, 0.1, 0.2, 0.35, 0.5, 1.0];
@@ -93,12 +92,13 @@ fn main() -> Result<()> {
     let mut diffusers = if args.no_diffusers {
         None
     } else {
-        Some(Diffusers::start(
+        // diffusers' `FluxTransformer2DModel` with the same config, shapes and thread count.
+        let spec =
+            json!({ "config": cfg, "side": MEDIUM_SIDE, "txt": MEDIUM_TXT, "threads": threads });
+        Some(DiffusersWorker::start(
             &args.python,
-            &cfg,
-            MEDIUM_SIDE,
-            MEDIUM_TXT,
-            threads,
+            DIFFUSERS_BENCH,
+            &spec,
         )?)
     };
     let medium = bench_model(&model, MEDIUM_SIDE, MEDIUM_TXT, &args, diffusers.as_mut())?;
@@ -135,7 +135,7 @@ fn bench_model(
     side: i64,
     txt: i64,
     args: &ModelArgs,
-    mut diffusers: Option<&mut Diffusers>,
+    mut diffusers: Option<&mut DiffusersWorker>,
 ) -> Result<Map<String, Value>> {
     let _guard = tch::no_grad_guard();
     let cfg = &model.cfg;
@@ -269,72 +269,6 @@ fn time_ms(f: impl FnOnce() -> diffmesh_model::Result<()>) -> Result<f64> {
     let t = Instant::now();
     f()?;
     Ok(t.elapsed().as_secs_f64() * 1e3)
-}
-
-fn minimum(times: &[f64]) -> f64 {
-    times.iter().copied().reduce(f64::min).unwrap_or(f64::NAN)
-}
-
-fn median(mut times: Vec<f64>) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times.get(times.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
-/// diffusers' `FluxTransformer2DModel` with the same config, shapes and thread count, kept alive
-/// in a Python subprocess that runs one timed forward per `run` line on stdin.
-struct Diffusers {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Diffusers {
-    fn start(python: &str, cfg: &FluxConfig, side: i64, txt: i64, threads: usize) -> Result<Self> {
-        let spec = json!({ "config": cfg, "side": side, "txt": txt, "threads": threads });
-        let mut child = Command::new(python)
-            .args(["-c", DIFFUSERS_BENCH, &spec.to_string()])
-            .current_dir(Path::new("/"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("running {python}"))?;
-        let stdin = child.stdin.take().context("diffusers stdin")?;
-        let stdout = BufReader::new(child.stdout.take().context("diffusers stdout")?);
-        let mut d = Self {
-            child,
-            stdin,
-            stdout,
-        };
-        anyhow::ensure!(d.read_line()? == "ready", "diffusers bench did not start");
-        Ok(d)
-    }
-
-    fn read_line(&mut self) -> Result<String> {
-        let mut line = String::new();
-        self.stdout.read_line(&mut line)?;
-        anyhow::ensure!(
-            !line.is_empty(),
-            "diffusers bench exited (see its stderr above)"
-        );
-        Ok(line.trim().to_string())
-    }
-
-    /// One timed diffusers forward, in milliseconds.
-    fn run(&mut self) -> Result<f64> {
-        writeln!(self.stdin, "run")?;
-        self.stdin.flush()?;
-        let line = self.read_line()?;
-        line.parse()
-            .with_context(|| format!("diffusers bench printed `{line}`"))
-    }
-}
-
-impl Drop for Diffusers {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "quit");
-        let _ = self.stdin.flush();
-        let _ = self.child.wait();
-    }
 }
 
 const DIFFUSERS_BENCH: &str = r#"

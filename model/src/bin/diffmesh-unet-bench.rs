@@ -5,13 +5,12 @@
 //! guided step's batch of two on the same inputs at the same thread count, interleaved in rounds
 //! so a load change on a shared machine hits both alike. Prints human-readable lines, then one
 //! JSON line with every figure last.
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Parser;
+use diffmesh_model::bench_worker::{median, minimum, DiffusersWorker};
 use diffmesh_model::tch::{self, Device, Kind, Tensor};
 use diffmesh_model::unet::{UNet2DConditionModel, UNetInputs};
 use serde_json::json;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
 #[derive(Debug, Parser)]
@@ -77,7 +76,9 @@ fn main() -> Result<()> {
         side = args.side
     );
     println!("config: {cfg}");
-    let mut theirs = Diffusers::start(&args.python, &cfg, &dir, args.side, threads)?;
+    let spec = json!({ "config": cfg, "dir": dir, "side": args.side, "threads": threads,
+        "txt": TEXT_TOKENS, "pooled": POOLED });
+    let mut theirs = DiffusersWorker::start(&args.python, DIFFUSERS_BENCH, &spec)?;
     let unet = UNet2DConditionModel::load(&dir, Device::Cpu, Kind::Float);
     let _ = std::fs::remove_dir_all(&dir);
     let unet = unet?;
@@ -154,73 +155,6 @@ fn main() -> Result<()> {
     });
     println!("{report}");
     Ok(())
-}
-
-fn minimum(times: &[f64]) -> f64 {
-    times.iter().copied().reduce(f64::min).unwrap_or(f64::NAN)
-}
-
-fn median(mut times: Vec<f64>) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times.get(times.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
-/// The diffusers side: builds the model, saves it for us, then times a forward per `run`.
-struct Diffusers {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Diffusers {
-    fn start(
-        python: &str,
-        cfg: &serde_json::Value,
-        dir: &std::path::Path,
-        side: i64,
-        threads: usize,
-    ) -> Result<Self> {
-        let spec = json!({ "config": cfg, "dir": dir, "side": side, "threads": threads,
-            "txt": TEXT_TOKENS, "pooled": POOLED });
-        let mut child = Command::new(python)
-            .args(["-c", DIFFUSERS_BENCH, &spec.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("running {python}"))?;
-        let stdin = child.stdin.take().context("diffusers stdin")?;
-        let stdout = BufReader::new(child.stdout.take().context("diffusers stdout")?);
-        let mut d = Self {
-            child,
-            stdin,
-            stdout,
-        };
-        anyhow::ensure!(d.read_line()? == "ready", "diffusers bench did not start");
-        Ok(d)
-    }
-
-    fn read_line(&mut self) -> Result<String> {
-        let mut line = String::new();
-        self.stdout.read_line(&mut line)?;
-        anyhow::ensure!(!line.is_empty(), "diffusers bench exited (see its stderr)");
-        Ok(line.trim().to_string())
-    }
-
-    fn run(&mut self) -> Result<f64> {
-        writeln!(self.stdin, "run")?;
-        self.stdin.flush()?;
-        let line = self.read_line()?;
-        line.parse()
-            .with_context(|| format!("diffusers bench printed `{line}`"))
-    }
-}
-
-impl Drop for Diffusers {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "quit");
-        let _ = self.stdin.flush();
-        let _ = self.child.wait();
-    }
 }
 
 const DIFFUSERS_BENCH: &str = r#"
