@@ -8,7 +8,7 @@
 //! order).
 use crate::templates::{StepKv, TemplateEntry};
 use diffmesh_model::flux::sequence_parallel::SequenceParallel;
-use diffmesh_model::flux::{FluxConfig, FluxInputs, FluxTransformer};
+use diffmesh_model::flux::{FluxConfig, FluxInputs, FluxTransformer, SharedBlockReads};
 use diffmesh_model::pipeline::stepper::MaskedRow;
 use diffmesh_model::tch::nn::VarStore;
 use diffmesh_model::tch::{self, Device, Kind, Tensor};
@@ -234,7 +234,10 @@ impl RankPool {
             move |replica: &Replica, endpoint: &mut Endpoint, group: &Group| {
                 let (device, kind) = replica.model.device_kind();
                 let cache = StepKv::new(entry, step, kind, device);
-                let requests: Vec<_> = mine.iter().map(|r| r.request(&cache)).collect();
+                // The rows (a guided edit's two, a job's images) read one step of one cache,
+                // block by block together: each block is decoded once for all of them.
+                let shared = SharedBlockReads::new(&cache);
+                let requests: Vec<_> = mine.iter().map(|r| r.request(&shared)).collect();
                 let velocities = if group.size() == 1 {
                     replica.model.forward_masked(&requests)?
                 } else {
