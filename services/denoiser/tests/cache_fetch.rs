@@ -1,7 +1,8 @@
 //! Whole-cache fetches against a real nats-server and a fake cachestore that counts its gets:
 //! two fetches of one cache at once share one read of every entry and get the same held
 //! entry; the read leaves the in-flight map when it ends; a cache the cachestore lacks is
-//! `Missing`, and a fetch after a finished one reads afresh.
+//! `Missing`; a fetch after a finished one gets the held entry, and reads afresh only once the
+//! tier has let the cache go.
 use diffmesh_denoiser::templates::store::CacheClient;
 use diffmesh_denoiser::templates::{CacheFetcher, Fetched, LocalTier};
 use diffmesh_model::flux::kv_codec::{encode_block, CacheDtype};
@@ -102,7 +103,20 @@ async fn concurrent_fetches_of_one_cache_share_one_read() {
     assert_eq!(fetcher.in_flight(), 0, "the finished read stayed in flight");
     assert!(local.contains("tpl-a"), "the fetched cache is not held");
 
-    // A fetch after the first ended reads afresh (callers look in the tier first).
+    // A fetch after the first ended (a caller that looked in the tier just before the read
+    // admitted the entry) gets the held entry without a read of its own.
+    let (again, joined) = fetcher.fetch("tpl-a").await;
+    let Fetched::Entry(held) = again else {
+        panic!("the held cache was not found: {again:?}");
+    };
+    assert!(
+        joined && Arc::ptr_eq(&held, &a),
+        "a held cache was read again"
+    );
+    assert_eq!(gets.load(Ordering::SeqCst), one_read);
+
+    // Once the tier has let it go, a fetch reads afresh.
+    local.remove("tpl-a");
     let (again, joined) = fetcher.fetch("tpl-a").await;
     assert!(matches!(again, Fetched::Entry(_)) && !joined);
     assert_eq!(gets.load(Ordering::SeqCst), 2 * one_read);

@@ -44,8 +44,8 @@ impl CacheFetcher {
         }
     }
 
-    /// Fetch `cache_key` into the local tier, or join the fetch of it already running. The
-    /// second element says whether this call joined one (it started no read of its own).
+    /// Fetch `cache_key` into the local tier, or join the fetch of it already running, or find
+    /// it held already. The second element says whether this call started no read of its own.
     pub async fn fetch(&self, cache_key: &str) -> (Fetched, bool) {
         let (fetch, joined) = self.fetch_of(cache_key);
         (fetch.await, joined)
@@ -60,6 +60,14 @@ impl CacheFetcher {
         let mut in_flight = lock(&self.in_flight);
         if let Some(fetch) = in_flight.get(cache_key) {
             return (fetch.clone(), true);
+        }
+        // Callers look in the tier before they fetch, but a read that ended between that look
+        // and this lock has admitted the entry and left the map: hand out what it held instead
+        // of reading the whole cache again. (A read admits before it leaves the map, so under
+        // this lock the key is either in flight or held, unless evicted since.)
+        if let Some(entry) = self.local.get(cache_key) {
+            let held = futures::future::ready(Fetched::Entry(entry));
+            return (held.boxed().shared(), true);
         }
         let (store, local, map, key, seconds) = (
             self.store.clone(),
@@ -84,8 +92,8 @@ impl CacheFetcher {
                 Ok(None) => Fetched::Missing,
                 Err(err) => Fetched::Failed(err),
             };
-            // Held in the tier now (or known absent): later lookups go to the tier first, so a
-            // fetch of this key after `_leave` drops is a fresh read, as it should be.
+            // Held in the tier now (or known absent): a fetch of this key after `_leave` drops
+            // finds it there, and reads afresh only once the tier has let it go.
             fetched
         }
         .boxed()
