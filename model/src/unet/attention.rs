@@ -253,8 +253,8 @@ impl Transformer2D {
         ))
     }
 
-    /// FlashPS for a UNet's attention: only the tokens at `index` (`[M]` of the `H * W`) go
-    /// through the blocks, their self-attention reading every token's keys and values (theirs
+    /// FlashPS for a UNet's attention: only the tokens at `index` (`[B, M]` of the `H * W`, a
+    /// row's repeats allowed) go through the blocks, their self-attention reading every token's keys and values (theirs
     /// fresh, the others' from `cache`, the template's); the output is the template's at the
     /// other tokens. The group norm sees the whole map (the resnets computed it in full).
     pub fn forward_masked(
@@ -278,19 +278,28 @@ impl Transformer2D {
                 ),
             ));
         }
-        let masked = |m: &Tensor| -> Result<Tensor> {
-            Ok(m.f_permute([0, 2, 3, 1])?
+        let m = index.size().get(1).copied().unwrap_or(0);
+        if index.size() != [b, m] {
+            return Err(crate::error::ModelError::input(
+                "mask",
+                format!("token index {:?} for {b} rows", index.size()),
+            ));
+        }
+        let gather_index = index.f_unsqueeze(2)?.f_expand([b, m, c], false)?;
+        let masked = |x: &Tensor| -> Result<Tensor> {
+            Ok(x.f_permute([0, 2, 3, 1])?
                 .f_reshape([b, h * w, c])?
-                .f_index_select(1, index)?)
+                .f_gather(1, &gather_index, false)?)
         };
-        // Every token's rows of `cached` for each batch row, `fresh` written at `index`.
+        // Every token's rows of `cached` for each batch row, `fresh` written at `index` (a
+        // repeated index writes the same values twice).
         let merge = |cached: &Tensor, fresh: &Tensor| -> Result<Tensor> {
             let all = cached
                 .f_to_kind(fresh.kind())?
                 .f_unsqueeze(0)?
                 .f_expand([b, h * w, c], false)?
                 .f_contiguous()?;
-            Ok(all.f_index_copy(1, index, fresh)?)
+            Ok(all.f_scatter(1, &gather_index, fresh)?)
         };
         let mut t = self.project_in(&masked(&self.norm.forward(x)?)?)?;
         for (block, (ck, cv)) in self.blocks.iter().zip(&cache.kv) {

@@ -7,10 +7,13 @@
 //! A template's forward ([`UNet2DConditionModel::forward_capture`]) records, for every
 //! `Transformer2DModel` in the order the forward meets them (down levels, mid block, up levels),
 //! each block's self-attention keys and values and the output ([`CapturedTransformer`]). An
-//! edit ([`UNet2DConditionModel::forward_masked`]) gives the latent mask; a level's mask is a
-//! token masked where any latent pixel under it is (max-pooled by 2 per level, as the
-//! downsamplers halve the side rounding up). With every token masked no cache is read and the
-//! result is the full forward's.
+//! edit ([`UNet2DConditionModel::forward_masked`]) gives the latent mask, one for every row or
+//! one per row; a level's mask is a token masked where any latent pixel under it is
+//! (max-pooled by 2 per level, as the downsamplers halve the side rounding up). Rows with
+//! different masks run as one batch: each row's masked tokens are padded to the level's largest
+//! count by repeating its first one (a repeated query gives the same output, and every row's
+//! keys are the whole map, so the repeats change nothing). With every token of every row masked
+//! no cache is read and the result is the full forward's.
 use super::attention::{CapturedTransformer, Transformer2D};
 use super::{UNet2DConditionModel, UNetInputs};
 use crate::error::{ModelError, Result};
@@ -43,10 +46,18 @@ impl AttentionPass for Capture {
     }
 }
 
+/// One resolution level's masked tokens.
+struct LevelMask {
+    side: [i64; 2],
+    /// `[B, M]`: each row's masked token indices, padded to the level's largest count.
+    index: Tensor,
+    /// Every token of every row masked: the transformer runs in full.
+    all_masked: bool,
+}
+
 /// Mask-aware, reading the template's caches in order.
 struct Masked<'a> {
-    /// `(side, index of the masked tokens)` per resolution level.
-    levels: Vec<([i64; 2], Tensor)>,
+    levels: Vec<LevelMask>,
     cache: &'a UNetTemplateCache,
     next: usize,
 }
@@ -55,17 +66,12 @@ impl AttentionPass for Masked<'_> {
     fn run(&mut self, t: &Transformer2D, x: &Tensor, context: &Tensor) -> Result<Tensor> {
         let s = x.size();
         let side = [s[2], s[3]];
-        let index = self
-            .levels
-            .iter()
-            .find(|(l, _)| *l == side)
-            .map(|(_, i)| i)
-            .ok_or_else(|| {
-                ModelError::input(
-                    "mask",
-                    format!("no level of the mask has the side {side:?}"),
-                )
-            })?;
+        let level = self.levels.iter().find(|l| l.side == side).ok_or_else(|| {
+            ModelError::input(
+                "mask",
+                format!("no level of the mask has the side {side:?}"),
+            )
+        })?;
         let cache = self.cache.transformers.get(self.next).ok_or_else(|| {
             ModelError::input(
                 "cache",
@@ -76,11 +82,11 @@ impl AttentionPass for Masked<'_> {
             )
         })?;
         self.next += 1;
-        if index.size()[0] == s[2] * s[3] {
+        if level.all_masked {
             // Every token masked: the transformer in full, no cache read.
             return t.forward(x, context);
         }
-        t.forward_masked(x, context, index, cache)
+        t.forward_masked(x, context, &level.index, cache)
     }
 }
 
@@ -116,8 +122,9 @@ impl UNet2DConditionModel {
         ))
     }
 
-    /// The mask-aware forward of an edit of the template `cache` was captured from, at the same
-    /// step: `mask` `[H, W]` over the latents (true or 1: repainted), the same for every row.
+    /// The mask-aware forward of edits of the template `cache` was captured from, at the same
+    /// step: `mask` over the latents (true or 1: repainted), `[H, W]` for every row or
+    /// `[B, H, W]`, one per row.
     pub fn forward_masked(
         &self,
         x: &UNetInputs,
@@ -125,14 +132,29 @@ impl UNet2DConditionModel {
         cache: &UNetTemplateCache,
     ) -> Result<Tensor> {
         let s = x.sample.size();
+        let rows = s.first().copied().unwrap_or(0);
         let side = [
             s.get(2).copied().unwrap_or(0),
             s.get(3).copied().unwrap_or(0),
         ];
-        if mask.size() != side {
+        let m = mask.size();
+        let per_row = match m.len() {
+            2 => false,
+            3 if m[0] == rows => true,
+            _ => {
+                return Err(ModelError::input(
+                    "mask",
+                    format!(
+                        "expected [{}, {}] or [{rows}, {}, {}], got {m:?}",
+                        side[0], side[1], side[0], side[1]
+                    ),
+                ))
+            }
+        };
+        if m[m.len() - 2..] != side {
             return Err(ModelError::input(
                 "mask",
-                format!("expected the latents' side {side:?}, got {:?}", mask.size()),
+                format!("expected the latents' side {side:?}, got {m:?}"),
             ));
         }
         let (device, _) = self.device_kind();
@@ -141,15 +163,13 @@ impl UNet2DConditionModel {
             .f_to_kind(Kind::Float)?
             .f_gt(0.5)?
             .f_to_kind(Kind::Float)?
-            .f_view([1, 1, side[0], side[1]])?;
-        if i64::try_from(m.f_sum(Kind::Int64)?)? == 0 {
-            return Err(ModelError::input("mask", "masks no token"));
+            .f_view([-1, 1, side[0], side[1]])?;
+        if !per_row {
+            m = m.f_expand([rows, 1, side[0], side[1]], false)?;
         }
         let mut levels = Vec::new();
         for _ in 0..self.config.block_out_channels.len() {
-            let ms = m.size();
-            let index = m.f_view([-1])?.f_nonzero()?.f_view([-1])?;
-            levels.push(([ms[2], ms[3]], index));
+            levels.push(level_mask(&m)?);
             m = m.f_max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], true)?;
         }
         let mut pass = Masked {
@@ -170,4 +190,33 @@ impl UNet2DConditionModel {
         }
         Ok(out)
     }
+}
+
+/// The masked tokens of one level's mask `[B, 1, H, W]` (0 or 1), each row's padded to the
+/// largest count by repeating its first.
+fn level_mask(m: &Tensor) -> Result<LevelMask> {
+    let s = m.size();
+    let (rows, tokens) = (s[0], s[2] * s[3]);
+    let flat = m.f_reshape([rows, tokens])?;
+    let counts = flat.f_sum_dim_intlist(1, false, Kind::Int64)?;
+    let fewest = i64::try_from(counts.f_min()?)?;
+    if fewest == 0 {
+        let row = i64::try_from(counts.f_argmin(None, false)?)?;
+        return Err(ModelError::input(
+            "mask",
+            format!("row {row} masks no token"),
+        ));
+    }
+    let most = i64::try_from(counts.f_max()?)?;
+    // A stable descending sort puts each row's masked tokens first, in token order.
+    let order = flat.f_argsort_stable(true, 1, true)?.f_narrow(1, 0, most)?;
+    let filled = Tensor::f_arange(most, (Kind::Int64, m.device()))?
+        .f_unsqueeze(0)?
+        .f_lt_tensor(&counts.f_unsqueeze(1)?)?;
+    let first = order.f_narrow(1, 0, 1)?.f_expand([rows, most], false)?;
+    Ok(LevelMask {
+        side: [s[2], s[3]],
+        index: order.f_where_self(&filled, &first)?,
+        all_masked: fewest == tokens,
+    })
 }
