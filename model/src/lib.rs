@@ -18,7 +18,7 @@ pub mod pipeline;
 pub mod quality;
 pub mod safetensors_file;
 pub mod schedulers;
-pub mod sdxl;
+pub mod stable_diffusion;
 pub mod text;
 pub mod tiny;
 pub mod unet;

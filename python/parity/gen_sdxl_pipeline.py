@@ -1,6 +1,6 @@
 """A reduced StableDiffusionXLPipeline with random weights, saved by diffusers' `save_pretrained` in
 the layout people download, and what diffusers computes with it, for the Rust parity test
-(model/tests/sdxl_pipeline_parity.rs).
+(model/tests/sd_pipeline_parity.rs).
 
     python gen_sdxl_pipeline.py OUT_DIR
 
@@ -110,6 +110,18 @@ def scheduler():
                                   steps_offset=1, timestep_spacing="leading", interpolation_type="linear")
 
 
+def write_image_and_mask(out, gen):
+    """OUT_DIR/image.png (random pixels) and OUT_DIR/mask.png, with grey levels either side of the
+    0.5 the pipelines binarise at."""
+    pixels = (torch.rand(HEIGHT, WIDTH, 3, generator=gen) * 255).round().to(torch.uint8).numpy()
+    Image.fromarray(pixels, "RGB").save(os.path.join(out, "image.png"))
+    mask = np.zeros((HEIGHT, WIDTH), dtype=np.uint8)
+    mask[4:20, 10:30] = 255
+    mask[24:28, 2:6] = 200  # binarised: repainted
+    mask[28:30, 20:24] = 100  # binarised: kept
+    Image.fromarray(mask, "L").save(os.path.join(out, "mask.png"))
+
+
 def main():
     out = sys.argv[1]
     diffusers.utils.logging.set_verbosity_error()
@@ -149,13 +161,7 @@ def main():
                            num_inference_steps=STEPS, guidance_scale=GUIDANCE, latents=latents.clone(),
                            output_type="pt").images
             save_file({"image": image.float().contiguous()}, os.path.join(exp, f"image_{name}.safetensors"))
-        pixels = (torch.rand(HEIGHT, WIDTH, 3, generator=gen) * 255).round().to(torch.uint8).numpy()
-        Image.fromarray(pixels, "RGB").save(os.path.join(out, "image.png"))
-        mask = np.zeros((HEIGHT, WIDTH), dtype=np.uint8)
-        mask[4:20, 10:30] = 255
-        mask[24:28, 2:6] = 200  # binarised: repainted
-        mask[28:30, 20:24] = 100  # binarised: kept
-        Image.fromarray(mask, "L").save(os.path.join(out, "mask.png"))
+        write_image_and_mask(out, gen)
         for key, (name, _, sched, strength) in INPAINTS.items():
             pipe = StableDiffusionXLInpaintPipeline.from_pretrained(os.path.join(out, name), torch_dtype=torch.float32,
                                                                     add_watermarker=False)
@@ -168,8 +174,8 @@ def main():
                          latents=latents.clone(), output_type="pt").images
             save_file({"image": image.float().contiguous()}, os.path.join(exp, f"inpaint_{key}.safetensors"))
     with open(os.path.join(out, "cases.json"), "w") as f:
-        json.dump({"height": HEIGHT, "width": WIDTH, "steps": STEPS, "guidance_scale": GUIDANCE, "prompt": PROMPT,
-                   "negative_prompt": NEGATIVE, "schedulers": list(SCHEDULERS),
+        json.dump({"pipeline": "sdxl", "height": HEIGHT, "width": WIDTH, "steps": STEPS, "guidance_scale": GUIDANCE, "prompt": PROMPT,
+                   "negative_prompt": NEGATIVE, "own_scheduler": "euler", "schedulers": list(SCHEDULERS),
                    "inpaints": {k: {"dir": v[0], "scheduler": v[2], "strength": v[3]} for k, v in INPAINTS.items()}},
                   f, indent=2)
 

@@ -1,6 +1,6 @@
-//! FLUX.1 and SDXL pipelines on files, for comparing a checkpoint with diffusers outside the
+//! FLUX.1, SD 2.1 and SDXL pipelines on files, for comparing a checkpoint with diffusers outside the
 //! mesh: `encode-prompt` (`FluxPipeline.encode_prompt`) and `generate` (`FluxPipeline`,
-//! `FluxFillPipeline` or `StableDiffusionXLPipeline` from given latents, `output_type="pt"`).
+//! `FluxFillPipeline` or a Stable Diffusion (2.1, XL) pipeline from given latents, `output_type="pt"`).
 use clap::{Args, Parser, Subcommand};
 use diffmesh_model::device::{parse_device, parse_model_dtype};
 use diffmesh_model::pipeline::cli::{encode_prompt_file, generate_file, GenerateFileArgs};
@@ -75,17 +75,17 @@ enum Command {
         /// FluxFillPipeline: white (>= 0.5) where the image is repainted.
         #[arg(long)]
         mask: Option<PathBuf>,
-        /// SDXL: the negative prompt (none: zeros where the checkpoint says so).
+        /// SD and SDXL: the negative prompt (none: SDXL zeros where the checkpoint says so, SD encodes "").
         #[arg(long)]
         negative_prompt: Option<String>,
-        /// SDXL: euler, euler_a, dpmpp_2m, dpmpp_2m_karras or ddim on the checkpoint's training
+        /// SD and SDXL: euler, euler_a, dpmpp_2m, dpmpp_2m_karras or ddim on the checkpoint's training
         /// schedule (none: its own scheduler).
         #[arg(long)]
         scheduler: Option<String>,
-        /// SDXL: seeds the noise of ancestral steps.
+        /// SD and SDXL: seeds the noise of ancestral steps.
         #[arg(long, default_value_t = 0)]
         seed: i64,
-        /// SDXL inpainting: how much of the schedule runs (diffusers' default).
+        /// SD and SDXL inpainting: how much of the schedule runs (diffusers' default).
         #[arg(long, default_value_t = 0.9999)]
         strength: f64,
         #[arg(long)]
@@ -134,8 +134,8 @@ fn main() -> anyhow::Result<()> {
             placement,
         } => {
             let kind = placement.kind()?;
-            if diffmesh_model::sdxl::is_sdxl_dir(&model_dir) {
-                let request = diffmesh_model::sdxl::SdxlRequest {
+            if diffmesh_model::stable_diffusion::is_unet_pipeline_dir(&model_dir) {
+                let request = diffmesh_model::stable_diffusion::SdRequest {
                     prompt,
                     negative_prompt,
                     height,
@@ -144,25 +144,27 @@ fn main() -> anyhow::Result<()> {
                     guidance_scale,
                     scheduler,
                 };
-                diffmesh_model::sdxl::generate_file(&diffmesh_model::sdxl::SdxlFileArgs {
-                    model_dir,
-                    request,
-                    latents,
-                    seed,
-                    inpaint: match (image, mask) {
-                        (Some(i), Some(m)) => Some((i, m, strength)),
-                        (None, None) => None,
-                        _ => anyhow::bail!("--image and --mask go together"),
+                diffmesh_model::stable_diffusion::generate_file(
+                    &diffmesh_model::stable_diffusion::SdFileArgs {
+                        model_dir,
+                        request,
+                        latents,
+                        seed,
+                        inpaint: match (image, mask) {
+                            (Some(i), Some(m)) => Some((i, m, strength)),
+                            (None, None) => None,
+                            _ => anyhow::bail!("--image and --mask go together"),
+                        },
+                        out: out.clone(),
+                        device: placement.device,
+                        kind,
                     },
-                    out: out.clone(),
-                    device: placement.device,
-                    kind,
-                })?;
+                )?;
                 println!("wrote {}", out.display());
                 return Ok(());
             }
             if scheduler.is_some() || negative_prompt.is_some() {
-                anyhow::bail!("--scheduler and --negative-prompt are for SDXL directories");
+                anyhow::bail!("--scheduler and --negative-prompt are for SD and SDXL directories");
             }
             generate_file(&GenerateFileArgs {
                 model_dir,

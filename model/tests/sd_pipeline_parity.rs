@@ -1,24 +1,31 @@
-//! `StableDiffusionXLPipeline` against diffusers 0.42.1 on a reduced random-weight SDXL
-//! directory (python/parity/gen_sdxl_pipeline.py): the prompt encoding (with a negative prompt
-//! and with the zeros SDXL conditions on without one) within 1e-4, and the whole pipeline from
-//! given latents through `cargo xtask generate`'s code path with the checkpoint's Euler
-//! scheduler and with `--scheduler dpmpp_2m_karras` and `ddim` swapped in, within 2e-3; and
-//! `StableDiffusionXLInpaintPipeline` with a plain 4-channel UNet (latent blending, strength
-//! 0.75, Euler) and a 9-channel inpainting UNet (DPM++ 2M Karras), within 2e-3.
+//! The Stable Diffusion pipelines against diffusers 0.42.1 on reduced random-weight directories:
+//! `StableDiffusionXLPipeline` (python/parity/gen_sdxl_pipeline.py; the prompt encoding with a
+//! negative prompt and with the zeros SDXL conditions on without one) and SD 2.1's
+//! `StableDiffusionPipeline` (gen_sd21_pipeline.py; one encoder's last hidden states, the
+//! empty negative prompt encoded, DDIM with v-prediction as its own scheduler), each encoding
+//! within 1e-4; the whole pipeline from given latents through `cargo xtask generate`'s code path
+//! with the checkpoint's scheduler and two others swapped in by `--scheduler`, within 2e-3; and
+//! the inpainting pipelines with a plain 4-channel UNet (latent blending, strength 0.75, Euler)
+//! and a 9-channel inpainting UNet (DPM++ 2M Karras), within 2e-3.
 mod py_fixture;
 
-use diffmesh_model::sdxl::{generate_file, SdxlFileArgs, SdxlPipeline, SdxlRequest};
+use diffmesh_model::stable_diffusion::{generate_file, SdFileArgs, SdPipeline, SdRequest};
 use py_fixture::{generate, max_abs_diff, read_tensors};
+use std::path::Path;
 use tch::{Device, Kind};
 
 #[derive(serde::Deserialize)]
 struct Cases {
+    /// The pipeline's folder: `sd21` or `sdxl`.
+    pipeline: String,
     height: i64,
     width: i64,
     steps: usize,
     guidance_scale: f64,
     prompt: String,
     negative_prompt: String,
+    /// The checkpoint's own scheduler, run without `--scheduler`.
+    own_scheduler: String,
     schedulers: Vec<String>,
     inpaints: std::collections::BTreeMap<String, Inpaint>,
 }
@@ -33,45 +40,83 @@ struct Inpaint {
 #[test]
 fn sdxl_pipeline_matches_diffusers() {
     let dir = generate("gen_sdxl_pipeline.py", &[], "parity-sdxl-pipeline");
-    let cases: Cases =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
-    let model_dir = dir.join("sdxl");
-    let pipe = SdxlPipeline::load(&model_dir, Device::Cpu, Kind::Float).unwrap();
-    let want = read_tensors(&dir.join("expected").join("encode.safetensors"));
-    let check = |what: &str, got: &tch::Tensor, tolerance: f64| {
-        let err = max_abs_diff(got, &want[what]);
-        println!("{what}: max abs err {err:.2e}");
-        assert!(err <= tolerance, "{what}: {err}");
-    };
-    tch::no_grad(|| {
+    pipelines_match_diffusers(&dir, |pipe, cases, check| {
         let prompt = pipe.encode_prompt(&cases.prompt).unwrap();
         let negative = pipe
             .negative(Some(&cases.negative_prompt), &prompt)
             .unwrap();
         let zeros = pipe.negative(None, &prompt).unwrap();
         check("prompt_embeds", &prompt.embeds, 1e-4);
-        check("pooled_prompt_embeds", &prompt.pooled, 1e-4);
+        check(
+            "pooled_prompt_embeds",
+            prompt.pooled.as_ref().unwrap(),
+            1e-4,
+        );
         check("negative_prompt_embeds", &negative.embeds, 1e-4);
-        check("negative_pooled_prompt_embeds", &negative.pooled, 1e-4);
+        check(
+            "negative_pooled_prompt_embeds",
+            negative.pooled.as_ref().unwrap(),
+            1e-4,
+        );
         check("negative_prompt_embeds_zero", &zeros.embeds, 0.0);
-        check("negative_pooled_prompt_embeds_zero", &zeros.pooled, 0.0);
+        check(
+            "negative_pooled_prompt_embeds_zero",
+            zeros.pooled.as_ref().unwrap(),
+            0.0,
+        );
     });
+}
+
+#[test]
+fn sd21_pipeline_matches_diffusers() {
+    let dir = generate("gen_sd21_pipeline.py", &[], "parity-sd21-pipeline");
+    pipelines_match_diffusers(&dir, |pipe, cases, check| {
+        let prompt = pipe.encode_prompt(&cases.prompt).unwrap();
+        assert!(prompt.pooled.is_none() && !pipe.is_xl());
+        let negative = pipe
+            .negative(Some(&cases.negative_prompt), &prompt)
+            .unwrap();
+        // SD encodes the empty negative prompt (no zeros).
+        let empty = pipe.negative(None, &prompt).unwrap();
+        check("prompt_embeds", &prompt.embeds, 1e-4);
+        check("negative_prompt_embeds", &negative.embeds, 1e-4);
+        check("prompt_embeds_empty", &prompt.embeds, 1e-4);
+        check("negative_prompt_embeds_empty", &empty.embeds, 1e-4);
+    });
+}
+
+type Check<'a> = &'a dyn Fn(&str, &tch::Tensor, f64);
+
+/// The fixture in `dir` (a generator's OUT_DIR): `encode` checks the prompt encoding, then
+/// every text-to-image scheduler and both inpainting pipelines run through `cargo xtask
+/// generate`'s code path against diffusers' images.
+fn pipelines_match_diffusers(dir: &Path, encode: impl Fn(&SdPipeline, &Cases, Check)) {
+    let cases: Cases =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    let model_dir = dir.join(&cases.pipeline);
+    let pipe = SdPipeline::load(&model_dir, Device::Cpu, Kind::Float).unwrap();
+    let want = read_tensors(&dir.join("expected").join("encode.safetensors"));
+    let check = |what: &str, got: &tch::Tensor, tolerance: f64| {
+        let err = max_abs_diff(got, &want[what]);
+        println!("{what}: max abs err {err:.2e}");
+        assert!(err <= tolerance, "{what}: {err}");
+    };
+    tch::no_grad(|| encode(&pipe, &cases, &check));
     assert_eq!(cases.schedulers.len(), 3);
+    let request = |scheduler: Option<String>| SdRequest {
+        prompt: cases.prompt.clone(),
+        negative_prompt: Some(cases.negative_prompt.clone()),
+        height: cases.height,
+        width: cases.width,
+        steps: cases.steps,
+        guidance_scale: cases.guidance_scale,
+        scheduler,
+    };
     for name in &cases.schedulers {
         let out = dir.join(format!("ours_{name}.safetensors"));
-        let request = SdxlRequest {
-            prompt: cases.prompt.clone(),
-            negative_prompt: Some(cases.negative_prompt.clone()),
-            height: cases.height,
-            width: cases.width,
-            steps: cases.steps,
-            guidance_scale: cases.guidance_scale,
-            // The checkpoint's own scheduler is Euler.
-            scheduler: (name != "euler").then(|| name.clone()),
-        };
-        generate_file(&SdxlFileArgs {
+        generate_file(&SdFileArgs {
             model_dir: model_dir.clone(),
-            request,
+            request: request((*name != cases.own_scheduler).then(|| name.clone())),
             latents: dir.join("latents.safetensors"),
             seed: 0,
             inpaint: None,
@@ -94,17 +139,10 @@ fn sdxl_pipeline_matches_diffusers() {
     assert_eq!(cases.inpaints.len(), 2);
     for (name, case) in &cases.inpaints {
         let out = dir.join(format!("ours_inpaint_{name}.safetensors"));
-        generate_file(&SdxlFileArgs {
+        let scheduler = case.scheduler.clone().filter(|s| *s != cases.own_scheduler);
+        generate_file(&SdFileArgs {
             model_dir: dir.join(&case.dir),
-            request: SdxlRequest {
-                prompt: cases.prompt.clone(),
-                negative_prompt: Some(cases.negative_prompt.clone()),
-                height: cases.height,
-                width: cases.width,
-                steps: cases.steps,
-                guidance_scale: cases.guidance_scale,
-                scheduler: case.scheduler.clone(),
-            },
+            request: request(scheduler),
             latents: dir.join("latents.safetensors"),
             seed: 0,
             inpaint: Some((dir.join("image.png"), dir.join("mask.png"), case.strength)),
@@ -125,9 +163,9 @@ fn sdxl_pipeline_matches_diffusers() {
 #[test]
 fn sdxl_refuses_bad_requests_naming_the_field() {
     let dir = generate("gen_sdxl_pipeline.py", &[], "parity-sdxl-pipeline-errors");
-    let pipe = SdxlPipeline::load(&dir.join("sdxl"), Device::Cpu, Kind::Float).unwrap();
+    let pipe = SdPipeline::load(&dir.join("sdxl"), Device::Cpu, Kind::Float).unwrap();
     let latents = read_tensors(&dir.join("latents.safetensors"))["latents"].shallow_clone();
-    let base = SdxlRequest {
+    let base = SdRequest {
         prompt: "x".into(),
         negative_prompt: None,
         height: 32,
@@ -142,28 +180,28 @@ fn sdxl_refuses_bad_requests_naming_the_field() {
     for (field, req) in [
         (
             "height",
-            SdxlRequest {
+            SdRequest {
                 height: 30,
                 ..base.clone()
             },
         ),
         (
             "latents",
-            SdxlRequest {
+            SdRequest {
                 width: 48,
                 ..base.clone()
             },
         ),
         (
             "scheduler",
-            SdxlRequest {
+            SdRequest {
                 scheduler: Some("lms".into()),
                 ..base.clone()
             },
         ),
         (
             "num_inference_steps",
-            SdxlRequest {
+            SdRequest {
                 steps: 0,
                 ..base.clone()
             },
@@ -175,7 +213,7 @@ fn sdxl_refuses_bad_requests_naming_the_field() {
             .to_string();
         assert!(err.contains(field), "{field}: {err}");
     }
-    use diffmesh_model::sdxl::inpaint::InpaintInputs;
+    use diffmesh_model::stable_diffusion::inpaint::InpaintInputs;
     let opts = (Kind::Float, Device::Cpu);
     let (image, mask) = (
         tch::Tensor::zeros([1, 3, 32, 32], opts),

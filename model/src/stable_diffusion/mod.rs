@@ -1,9 +1,10 @@
-//! `StableDiffusionXLPipeline` (diffusers 0.42.1) text-to-image on a diffusers SDXL directory
-//! (issue 48): two CLIP tokenizers and encoders (the prompt conditioned on the concatenated
-//! penultimate hidden states of both, pooled on the second's projection), the UNet with SDXL's
-//! time ids, classifier-free guidance, any of the discrete schedulers (the checkpoint's own or
-//! one named by `--scheduler`), and the VAE. `cargo xtask generate --model-dir SDXL_DIR ...`
-//! runs it from given latents. `StableDiffusionXLInpaintPipeline` is in [`inpaint`].
+//! The UNet pipelines of diffusers 0.42.1 (issue 48): `StableDiffusionPipeline` (SD 2.1, and
+//! 1.x) and `StableDiffusionXLPipeline` text-to-image, and their inpainting pipelines in
+//! [`inpaint`]. SD 2.1 conditions on one CLIP encoder's last hidden states; SDXL on the
+//! concatenated penultimate hidden states of two, pooled on the second's projection, with its
+//! time ids as added conditioning. Both run the UNet with classifier-free guidance, any of the
+//! discrete schedulers (the checkpoint's own or one named by `--scheduler`), and the VAE.
+//! `cargo xtask generate --model-dir DIR ...` runs them from given latents.
 pub mod inpaint;
 
 use crate::components::LatentCodec;
@@ -15,33 +16,56 @@ use crate::vae::AutoencoderKL;
 use std::path::{Path, PathBuf};
 use tch::{nn, Device, Kind, Tensor};
 
-pub const PIPELINE_CLASS: &str = "StableDiffusionXLPipeline";
-pub const INPAINT_PIPELINE_CLASS: &str = "StableDiffusionXLInpaintPipeline";
+pub const SD_PIPELINE_CLASS: &str = "StableDiffusionPipeline";
+pub const SD_INPAINT_PIPELINE_CLASS: &str = "StableDiffusionInpaintPipeline";
+pub const SDXL_PIPELINE_CLASS: &str = "StableDiffusionXLPipeline";
+pub const SDXL_INPAINT_PIPELINE_CLASS: &str = "StableDiffusionXLInpaintPipeline";
 
-/// A prompt's conditioning: `[1, T, D1 + D2]` and the pooled `[1, projection_dim]`.
+/// The pipeline classes this module loads, SD's then SDXL's.
+pub const PIPELINE_CLASSES: [&str; 4] = [
+    SD_PIPELINE_CLASS,
+    SD_INPAINT_PIPELINE_CLASS,
+    SDXL_PIPELINE_CLASS,
+    SDXL_INPAINT_PIPELINE_CLASS,
+];
+
+/// A prompt's conditioning: `[1, T, D]`, and SDXL's pooled `[1, projection_dim]`.
 #[derive(Debug)]
-pub struct SdxlPrompt {
+pub struct SdPrompt {
     pub embeds: Tensor,
-    pub pooled: Tensor,
+    pub pooled: Option<Tensor>,
 }
 
-pub struct SdxlPipeline {
-    tokenizer: PromptTokenizer,
-    text_encoder: ClipTextModel,
-    tokenizer_2: PromptTokenizer,
-    text_encoder_2: ClipTextModelWithProjection,
+/// The text encoders of the family.
+enum TextSide {
+    /// SD 1.x/2.x: one CLIP encoder, its last hidden states.
+    Single {
+        tokenizer: PromptTokenizer,
+        encoder: ClipTextModel,
+    },
+    /// SDXL: CLIP-L and OpenCLIP-bigG, their penultimate hidden states concatenated.
+    Dual {
+        tokenizer: PromptTokenizer,
+        encoder: ClipTextModel,
+        tokenizer_2: PromptTokenizer,
+        encoder_2: ClipTextModelWithProjection,
+    },
+}
+
+pub struct SdPipeline {
+    text: TextSide,
     pub unet: UNet2DConditionModel,
     pub vae: AutoencoderKL,
     /// The checkpoint's `scheduler/scheduler_config.json`.
     pub scheduler: DiscreteSchedulerConfig,
     /// An absent negative prompt conditions on zeros (SDXL base's `model_index.json`).
     force_zeros_for_empty_prompt: bool,
-    _stores: [nn::VarStore; 2],
+    _stores: Vec<nn::VarStore>,
 }
 
 /// What one generation asks for.
 #[derive(Debug, Clone)]
-pub struct SdxlRequest {
+pub struct SdRequest {
     pub prompt: String,
     pub negative_prompt: Option<String>,
     pub height: i64,
@@ -52,52 +76,66 @@ pub struct SdxlRequest {
     pub scheduler: Option<String>,
 }
 
-impl SdxlPipeline {
+impl SdPipeline {
     pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
         #[derive(serde::Deserialize)]
         struct Index {
             #[serde(rename = "_class_name")]
             class: String,
-            #[serde(default = "yes")]
-            force_zeros_for_empty_prompt: bool,
-        }
-        fn yes() -> bool {
-            true
+            /// SDXL's; SD's pipelines encode the empty negative prompt.
+            force_zeros_for_empty_prompt: Option<bool>,
         }
         let index: Index = read_json(&dir.join("model_index.json"))?;
-        if index.class != PIPELINE_CLASS && index.class != INPAINT_PIPELINE_CLASS {
+        if !PIPELINE_CLASSES.contains(&index.class.as_str()) {
             return Err(ModelError::config(
                 "_class_name",
                 format!(
-                    "expected {PIPELINE_CLASS} or {INPAINT_PIPELINE_CLASS}, found {}",
+                    "expected one of {PIPELINE_CLASSES:?}, found {}",
                     index.class
                 ),
             ));
         }
+        let xl = index.class.starts_with("StableDiffusionXL");
         let tokenizer = PromptTokenizer::load(&dir.join("tokenizer"), Some("CLIPTokenizer"))?;
-        let tokenizer_2 = PromptTokenizer::load(&dir.join("tokenizer_2"), Some("CLIPTokenizer"))?;
-        let (text_encoder, vs1) = ClipTextModel::load(&dir.join("text_encoder"), device, kind)?;
-        let (text_encoder_2, vs2) =
-            ClipTextModelWithProjection::load(&dir.join("text_encoder_2"), device, kind)?;
+        let (encoder, vs1) = ClipTextModel::load(&dir.join("text_encoder"), device, kind)?;
+        let mut stores = vec![vs1];
+        let text = if xl {
+            let tokenizer_2 =
+                PromptTokenizer::load(&dir.join("tokenizer_2"), Some("CLIPTokenizer"))?;
+            let (encoder_2, vs2) =
+                ClipTextModelWithProjection::load(&dir.join("text_encoder_2"), device, kind)?;
+            stores.push(vs2);
+            TextSide::Dual {
+                tokenizer,
+                encoder,
+                tokenizer_2,
+                encoder_2,
+            }
+        } else {
+            TextSide::Single { tokenizer, encoder }
+        };
         let scheduler = DiscreteSchedulerConfig::from_file(
             &dir.join("scheduler").join("scheduler_config.json"),
         )?;
         Ok(Self {
-            tokenizer,
-            text_encoder,
-            tokenizer_2,
-            text_encoder_2,
+            text,
             unet: UNet2DConditionModel::load(&dir.join("unet"), device, kind)?,
             vae: AutoencoderKL::load(&dir.join("vae"), device, kind)?,
             scheduler,
-            force_zeros_for_empty_prompt: index.force_zeros_for_empty_prompt,
-            _stores: [vs1, vs2],
+            force_zeros_for_empty_prompt: index.force_zeros_for_empty_prompt.unwrap_or(xl),
+            _stores: stores,
         })
     }
 
-    /// `encode_prompt` of one prompt: each encoder's penultimate hidden states of the prompt
-    /// padded to its tokenizer's length, concatenated; the pooled output of the second.
-    pub fn encode_prompt(&self, prompt: &str) -> Result<SdxlPrompt> {
+    /// Whether this is an SDXL pipeline (two encoders, added time conditioning).
+    pub fn is_xl(&self) -> bool {
+        matches!(self.text, TextSide::Dual { .. })
+    }
+
+    /// `encode_prompt` of one prompt padded to each tokenizer's length: SD's last hidden
+    /// states; SDXL's penultimate hidden states of both encoders concatenated, and the pooled
+    /// output of the second.
+    pub fn encode_prompt(&self, prompt: &str) -> Result<SdPrompt> {
         let ids = |t: &PromptTokenizer| -> Result<Tensor> {
             let length = t.model_max_length().unwrap_or(77);
             let ids: Vec<i64> = t
@@ -107,27 +145,40 @@ impl SdxlPipeline {
                 .collect();
             Ok(Tensor::from_slice(&ids).f_unsqueeze(0)?)
         };
-        let first = self.text_encoder.forward(&ids(&self.tokenizer)?)?;
-        let second = self.text_encoder_2.forward(&ids(&self.tokenizer_2)?)?;
-        Ok(SdxlPrompt {
-            embeds: Tensor::f_cat(
-                &[
-                    &first.penultimate_hidden_state,
-                    &second.text.penultimate_hidden_state,
-                ],
-                -1,
-            )?,
-            pooled: second.text_embeds,
-        })
+        match &self.text {
+            TextSide::Single { tokenizer, encoder } => Ok(SdPrompt {
+                embeds: encoder.forward(&ids(tokenizer)?)?.last_hidden_state,
+                pooled: None,
+            }),
+            TextSide::Dual {
+                tokenizer,
+                encoder,
+                tokenizer_2,
+                encoder_2,
+            } => {
+                let first = encoder.forward(&ids(tokenizer)?)?;
+                let second = encoder_2.forward(&ids(tokenizer_2)?)?;
+                Ok(SdPrompt {
+                    embeds: Tensor::f_cat(
+                        &[
+                            &first.penultimate_hidden_state,
+                            &second.text.penultimate_hidden_state,
+                        ],
+                        -1,
+                    )?,
+                    pooled: Some(second.text_embeds),
+                })
+            }
+        }
     }
 
     /// The negative conditioning: zeros shaped like `prompt` where no negative prompt is given
     /// and the checkpoint says so, else the encoded negative prompt (empty if none).
-    pub fn negative(&self, negative: Option<&str>, prompt: &SdxlPrompt) -> Result<SdxlPrompt> {
+    pub fn negative(&self, negative: Option<&str>, prompt: &SdPrompt) -> Result<SdPrompt> {
         match negative {
-            None if self.force_zeros_for_empty_prompt => Ok(SdxlPrompt {
+            None if self.force_zeros_for_empty_prompt => Ok(SdPrompt {
                 embeds: prompt.embeds.f_zeros_like()?,
-                pooled: prompt.pooled.f_zeros_like()?,
+                pooled: prompt.pooled.as_ref().map(Tensor::zeros_like),
             }),
             other => self.encode_prompt(other.unwrap_or("")),
         }
@@ -137,7 +188,7 @@ impl SdxlPipeline {
     /// `latents=`, `output_type="pt"`); `noise(step)` gives an ancestral step's noise.
     pub fn generate(
         &self,
-        req: &SdxlRequest,
+        req: &SdRequest,
         latents: &Tensor,
         noise: &mut dyn FnMut(usize, &[i64]) -> Result<Tensor>,
     ) -> Result<Tensor> {
@@ -148,7 +199,7 @@ impl SdxlPipeline {
     }
 
     /// Check the request's sizes and guidance against the latents; the error names the field.
-    fn check_request(&self, req: &SdxlRequest, latents: &Tensor) -> Result<()> {
+    fn check_request(&self, req: &SdRequest, latents: &Tensor) -> Result<()> {
         let f = self.vae.config.downscale_factor();
         for (field, side) in [("height", req.height), ("width", req.width)] {
             if side < 8 || side % 8 != 0 {
@@ -180,7 +231,7 @@ impl SdxlPipeline {
     }
 
     /// The request's scheduler set to its steps.
-    fn schedule(&self, req: &SdxlRequest) -> Result<DiscreteSchedule> {
+    fn schedule(&self, req: &SdRequest) -> Result<DiscreteSchedule> {
         let scheduler = match &req.scheduler {
             Some(name) => DiscreteScheduler::named(name, &self.scheduler)?,
             None => DiscreteScheduler::from_config(self.scheduler.clone())?,
@@ -201,7 +252,7 @@ impl SdxlPipeline {
     /// [0, 1]. `extra` is what an inpainting request adds at each step.
     fn denoise(
         &self,
-        req: &SdxlRequest,
+        req: &SdRequest,
         mut schedule: DiscreteSchedule,
         start: usize,
         mut x: Tensor,
@@ -213,16 +264,29 @@ impl SdxlPipeline {
             let prompt = self.encode_prompt(&req.prompt)?;
             let guided = req.guidance_scale > 1.0;
             let (h, w) = (req.height as f32, req.width as f32);
+            // SDXL's added conditioning: original size, crop origin, target size.
             let ids = Tensor::from_slice(&[h, w, 0.0, 0.0, h, w]).f_view([1, 6])?;
-            let (embeds, pooled, time_ids) = if guided {
-                let negative = self.negative(req.negative_prompt.as_deref(), &prompt)?;
-                (
-                    Tensor::f_cat(&[&negative.embeds, &prompt.embeds], 0)?,
-                    Tensor::f_cat(&[&negative.pooled, &prompt.pooled], 0)?,
-                    Tensor::f_cat(&[&ids, &ids], 0)?,
-                )
+            let pair = |negative: Option<&Tensor>, positive: &Tensor| -> Result<Tensor> {
+                Ok(match negative {
+                    Some(n) => Tensor::f_cat(&[n, positive], 0)?,
+                    None => positive.shallow_clone(),
+                })
+            };
+            let negative = if guided {
+                Some(self.negative(req.negative_prompt.as_deref(), &prompt)?)
             } else {
-                (prompt.embeds, prompt.pooled, ids)
+                None
+            };
+            let embeds = pair(negative.as_ref().map(|n| &n.embeds), &prompt.embeds)?;
+            let (pooled, time_ids) = match &prompt.pooled {
+                Some(pooled) => {
+                    let negative_pooled = negative.as_ref().and_then(|n| n.pooled.as_ref());
+                    (
+                        Some(pair(negative_pooled, pooled)?),
+                        Some(pair(guided.then_some(&ids), &ids)?),
+                    )
+                }
+                None => (None, None),
             };
             let rows = |t: &Tensor| -> Result<Tensor> {
                 Ok(if guided {
@@ -244,8 +308,8 @@ impl SdxlPipeline {
                     sample: input.f_to_kind(kind)?,
                     timestep: t,
                     encoder_hidden_states: embeds.shallow_clone(),
-                    text_embeds: Some(pooled.shallow_clone()),
-                    time_ids: Some(time_ids.shallow_clone()),
+                    text_embeds: pooled.as_ref().map(Tensor::shallow_clone),
+                    time_ids: time_ids.as_ref().map(Tensor::shallow_clone),
                 })?;
                 let out = out.f_to_kind(Kind::Float)?;
                 let prediction = if guided {
@@ -299,21 +363,21 @@ enum Extra {
     },
 }
 
-/// Whether `dir` holds an SDXL pipeline (its `model_index.json` says so).
-pub fn is_sdxl_dir(dir: &Path) -> bool {
+/// Whether `dir` holds one of [`PIPELINE_CLASSES`] (its `model_index.json` says so).
+pub fn is_unet_pipeline_dir(dir: &Path) -> bool {
     #[derive(serde::Deserialize)]
     struct Index {
         #[serde(rename = "_class_name")]
         class: String,
     }
     read_json::<Index>(&dir.join("model_index.json"))
-        .is_ok_and(|i| i.class == PIPELINE_CLASS || i.class == INPAINT_PIPELINE_CLASS)
+        .is_ok_and(|i| PIPELINE_CLASSES.contains(&i.class.as_str()))
 }
 
-/// What `diffmesh-pipeline generate` passes for an SDXL directory.
-pub struct SdxlFileArgs {
+/// What `diffmesh-pipeline generate` passes for an SD or SDXL directory.
+pub struct SdFileArgs {
     pub model_dir: PathBuf,
-    pub request: SdxlRequest,
+    pub request: SdRequest,
     /// Safetensors holding `latents` `[1, C, H / f, W / f]`.
     pub latents: PathBuf,
     /// Seeds the noise of ancestral steps.
@@ -325,9 +389,9 @@ pub struct SdxlFileArgs {
     pub kind: Kind,
 }
 
-/// `cargo xtask generate` on an SDXL directory: writes `image` `[1, 3, H, W]` in [0, 1].
-pub fn generate_file(args: &SdxlFileArgs) -> Result<()> {
-    let pipe = SdxlPipeline::load(&args.model_dir, args.device, args.kind)?;
+/// `cargo xtask generate` on an SD or SDXL directory: writes `image` `[1, 3, H, W]` in [0, 1].
+pub fn generate_file(args: &SdFileArgs) -> Result<()> {
+    let pipe = SdPipeline::load(&args.model_dir, args.device, args.kind)?;
     let latents = Tensor::read_safetensors(&args.latents)?
         .into_iter()
         .find(|(name, _)| name == "latents")

@@ -1,11 +1,12 @@
-//! `StableDiffusionXLInpaintPipeline` (diffusers 0.42.1): an image repainted under a mask. With
+//! `StableDiffusionInpaintPipeline` and `StableDiffusionXLInpaintPipeline` (diffusers 0.42.1):
+//! an image repainted under a mask. With
 //! a plain 4-channel UNet the latents outside the mask are replaced after every step by the
 //! image's own latents noised to the next step's level (latent blending); a 9-channel
 //! inpainting UNet takes the latent mask and the masked image's latents as extra input channels
 //! instead. `strength` starts the schedule late, as diffusers' `get_timesteps` does. The image is
 //! encoded to its posterior mean (diffusers samples the posterior; serving keeps one latent per
 //! image, as the Flux pipelines here do).
-use super::{Extra, SdxlPipeline, SdxlRequest};
+use super::{Extra, SdPipeline, SdRequest};
 use crate::components::LatentCodec;
 use crate::error::{ModelError, Result};
 use tch::{Kind, Tensor};
@@ -20,12 +21,12 @@ pub struct InpaintInputs<'a> {
     pub strength: f64,
 }
 
-impl SdxlPipeline {
+impl SdPipeline {
     /// The repainted image `[1, 3, H, W]` in [0, 1] from `latents` (the initial noise, as
     /// diffusers' `latents=`).
     pub fn inpaint(
         &self,
-        req: &SdxlRequest,
+        req: &SdRequest,
         inputs: &InpaintInputs,
         latents: &Tensor,
         noise: &mut dyn FnMut(usize, &[i64]) -> Result<Tensor>,
