@@ -6,7 +6,8 @@
 //! instead. `strength` starts the schedule late, as diffusers' `get_timesteps` does. The image is
 //! encoded to its posterior mean (diffusers samples the posterior; serving keeps one latent per
 //! image, as the Flux pipelines here do).
-use super::{Extra, SdPipeline, SdRequest};
+use super::stepper::Extra;
+use super::{SdPipeline, SdRequest};
 use crate::components::LatentCodec;
 use crate::error::{ModelError, Result};
 use tch::{Kind, Tensor};
@@ -31,7 +32,17 @@ impl SdPipeline {
         latents: &Tensor,
         noise: &mut dyn FnMut(usize, &[i64]) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        self.check_request(req, latents)?;
+        self.run_alone(req, latents, Some(inputs), noise)
+    }
+
+    /// The step an inpainting request starts at (of `steps`), and what it adds to each step.
+    pub(super) fn inpaint_extra(
+        &self,
+        req: &SdRequest,
+        inputs: &InpaintInputs,
+        latents: &Tensor,
+        steps: usize,
+    ) -> Result<(usize, Extra)> {
         for (field, t, channels) in [("image", inputs.image, 3), ("mask_image", inputs.mask, 1)] {
             if t.size() != [1, channels, req.height, req.width] {
                 return Err(ModelError::input(
@@ -48,8 +59,6 @@ impl SdPipeline {
         if !(inputs.strength > 0.0 && inputs.strength <= 1.0) {
             return Err(ModelError::input("strength", "must be in (0, 1]"));
         }
-        let schedule = self.schedule(req)?;
-        let steps = schedule.len();
         let run = ((steps as f64 * inputs.strength) as usize).min(steps);
         if run == 0 {
             return Err(ModelError::input(
@@ -92,7 +101,6 @@ impl SdPipeline {
                 )),
             }
         })?;
-        let x = self.initial(latents, schedule.init_noise_sigma)?;
-        self.denoise(req, schedule, steps - run, x, &extra, noise)
+        Ok((steps - run, extra))
     }
 }

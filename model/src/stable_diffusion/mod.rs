@@ -6,12 +6,12 @@
 //! discrete schedulers (the checkpoint's own or one named by `--scheduler`), and the VAE.
 //! `cargo xtask generate --model-dir DIR ...` runs them from given latents.
 pub mod inpaint;
+pub mod stepper;
 
-use crate::components::LatentCodec;
 use crate::error::{read_json, ModelError, Result};
 use crate::schedulers::{DiscreteSchedule, DiscreteScheduler, DiscreteSchedulerConfig};
 use crate::text::{ClipTextModel, ClipTextModelWithProjection, PromptTokenizer};
-use crate::unet::{UNet2DConditionModel, UNetInputs};
+use crate::unet::UNet2DConditionModel;
 use crate::vae::AutoencoderKL;
 use std::path::{Path, PathBuf};
 use tch::{nn, Device, Kind, Tensor};
@@ -192,14 +192,11 @@ impl SdPipeline {
         latents: &Tensor,
         noise: &mut dyn FnMut(usize, &[i64]) -> Result<Tensor>,
     ) -> Result<Tensor> {
-        self.check_request(req, latents)?;
-        let schedule = self.schedule(req)?;
-        let x = self.initial(latents, schedule.init_noise_sigma)?;
-        self.denoise(req, schedule, 0, x, &Extra::None, noise)
+        self.run_alone(req, latents, None, noise)
     }
 
     /// Check the request's sizes and guidance against the latents; the error names the field.
-    fn check_request(&self, req: &SdRequest, latents: &Tensor) -> Result<()> {
+    pub(super) fn check_request(&self, req: &SdRequest, latents: &Tensor) -> Result<()> {
         let f = self.vae.config.downscale_factor();
         for (field, side) in [("height", req.height), ("width", req.width)] {
             if side < 8 || side % 8 != 0 {
@@ -231,136 +228,13 @@ impl SdPipeline {
     }
 
     /// The request's scheduler set to its steps.
-    fn schedule(&self, req: &SdRequest) -> Result<DiscreteSchedule> {
+    pub(super) fn schedule(&self, req: &SdRequest) -> Result<DiscreteSchedule> {
         let scheduler = match &req.scheduler {
             Some(name) => DiscreteScheduler::named(name, &self.scheduler)?,
             None => DiscreteScheduler::from_config(self.scheduler.clone())?,
         };
         scheduler.set_timesteps(req.steps)
     }
-
-    /// Given latents as the loop starts from them: `latents * init_noise_sigma`, fp32.
-    fn initial(&self, latents: &Tensor, init_noise_sigma: f64) -> Result<Tensor> {
-        let (device, _) = self.unet.device_kind();
-        Ok(latents
-            .f_to_device(device)?
-            .f_to_kind(Kind::Float)?
-            .f_mul_scalar(init_noise_sigma)?)
-    }
-
-    /// The denoising loop from step `start` of `schedule` and `x`, then the VAE: the image in
-    /// [0, 1]. `extra` is what an inpainting request adds at each step.
-    fn denoise(
-        &self,
-        req: &SdRequest,
-        mut schedule: DiscreteSchedule,
-        start: usize,
-        mut x: Tensor,
-        extra: &Extra,
-        noise: &mut dyn FnMut(usize, &[i64]) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        let (device, kind) = self.unet.device_kind();
-        tch::no_grad(|| {
-            let prompt = self.encode_prompt(&req.prompt)?;
-            let guided = req.guidance_scale > 1.0;
-            let (h, w) = (req.height as f32, req.width as f32);
-            // SDXL's added conditioning: original size, crop origin, target size.
-            let ids = Tensor::from_slice(&[h, w, 0.0, 0.0, h, w]).f_view([1, 6])?;
-            let pair = |negative: Option<&Tensor>, positive: &Tensor| -> Result<Tensor> {
-                Ok(match negative {
-                    Some(n) => Tensor::f_cat(&[n, positive], 0)?,
-                    None => positive.shallow_clone(),
-                })
-            };
-            let negative = if guided {
-                Some(self.negative(req.negative_prompt.as_deref(), &prompt)?)
-            } else {
-                None
-            };
-            let embeds = pair(negative.as_ref().map(|n| &n.embeds), &prompt.embeds)?;
-            let (pooled, time_ids) = match &prompt.pooled {
-                Some(pooled) => {
-                    let negative_pooled = negative.as_ref().and_then(|n| n.pooled.as_ref());
-                    (
-                        Some(pair(negative_pooled, pooled)?),
-                        Some(pair(guided.then_some(&ids), &ids)?),
-                    )
-                }
-                None => (None, None),
-            };
-            let rows = |t: &Tensor| -> Result<Tensor> {
-                Ok(if guided {
-                    Tensor::f_cat(&[t, t], 0)?
-                } else {
-                    t.shallow_clone()
-                })
-            };
-            for i in start..schedule.len() {
-                let input = schedule.scale_model_input(&rows(&x)?, i)?;
-                let input = match extra {
-                    Extra::Concat { mask, masked } => {
-                        Tensor::f_cat(&[&input, &rows(mask)?, &rows(masked)?], 1)?
-                    }
-                    _ => input,
-                };
-                let t = Tensor::from_slice(&[schedule.timesteps[i] as f32]);
-                let out = self.unet.forward(&UNetInputs {
-                    sample: input.f_to_kind(kind)?,
-                    timestep: t,
-                    encoder_hidden_states: embeds.shallow_clone(),
-                    text_embeds: pooled.as_ref().map(Tensor::shallow_clone),
-                    time_ids: time_ids.as_ref().map(Tensor::shallow_clone),
-                })?;
-                let out = out.f_to_kind(Kind::Float)?;
-                let prediction = if guided {
-                    let (uncond, text) = (out.f_narrow(0, 0, 1)?, out.f_narrow(0, 1, 1)?);
-                    uncond.f_add(&text.f_sub(&uncond)?.f_mul_scalar(req.guidance_scale)?)?
-                } else {
-                    out
-                };
-                let n = if schedule.needs_noise() {
-                    Some(noise(i, &x.size())?.f_to_device(device)?)
-                } else {
-                    None
-                };
-                x = schedule.step(i, &prediction, &x, n.as_ref())?;
-                if let Extra::Blend { image, mask, noise } = extra {
-                    // Outside the mask, the image's latents noised to the next step's level.
-                    let proper = if i + 1 < schedule.len() {
-                        schedule.add_noise(image, noise, i + 1)?
-                    } else {
-                        image.shallow_clone()
-                    };
-                    let keep = mask.f_neg()?.f_add_scalar(1.0)?;
-                    x = keep.f_mul(&proper)?.f_add(&mask.f_mul(&x)?)?;
-                }
-            }
-            let (_, vae_kind) = self.vae.device_kind();
-            let image = self.vae.decode(&x.f_to_kind(vae_kind)?)?;
-            Ok(image
-                .f_to_kind(Kind::Float)?
-                .f_div_scalar(2.0)?
-                .f_add_scalar(0.5)?
-                .f_clamp(0.0, 1.0)?)
-        })
-    }
-}
-
-/// What an inpainting request adds to the loop: a plain (4-channel) UNet's latent blending
-/// outside the mask, or a 9-channel inpainting UNet's extra input channels.
-enum Extra {
-    None,
-    /// The image's latents, the latent mask (1: repaint) and the initial noise.
-    Blend {
-        image: Tensor,
-        mask: Tensor,
-        noise: Tensor,
-    },
-    /// The latent mask and the masked image's latents, after the scaled latents.
-    Concat {
-        mask: Tensor,
-        masked: Tensor,
-    },
 }
 
 /// Whether `dir` holds one of [`PIPELINE_CLASSES`] (its `model_index.json` says so).

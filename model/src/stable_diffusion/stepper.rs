@@ -1,0 +1,265 @@
+//! The Stable Diffusion loop as per-request states an engine steps in batches (step-level
+//! continuous batching, as `pipeline::stepper` does for Flux): [`SdPipeline::prepare`] encodes
+//! the prompts and sets the schedule (an inpainting request's start, blend or extra channels),
+//! [`SdPipeline::step_batch`] runs one UNet forward for the guided rows of many requests, each
+//! at its own step and scheduler, and [`SdPipeline::decode`] runs the VAE. `generate` and
+//! `inpaint` are this loop on one request, so a request stepped in a batch ends on what the
+//! pipeline gives it alone.
+use super::inpaint::InpaintInputs;
+use super::{SdPipeline, SdRequest};
+use crate::components::LatentCodec;
+use crate::error::{ModelError, Result};
+use crate::schedulers::DiscreteSchedule;
+use crate::unet::UNetInputs;
+use tch::{Kind, Tensor};
+
+/// What an inpainting request adds to the loop: a plain (4-channel) UNet's latent blending
+/// outside the mask, or a 9-channel inpainting UNet's extra input channels.
+pub(super) enum Extra {
+    None,
+    /// The image's latents, the latent mask (1: repaint) and the initial noise.
+    Blend {
+        image: Tensor,
+        mask: Tensor,
+        noise: Tensor,
+    },
+    /// The latent mask and the masked image's latents, after the scaled latents.
+    Concat {
+        mask: Tensor,
+        masked: Tensor,
+    },
+}
+
+/// One request's place in the loop.
+pub struct SdState {
+    schedule: DiscreteSchedule,
+    /// The step to run next.
+    next: usize,
+    /// The latents `[1, C, h, w]`, fp32.
+    x: Tensor,
+    /// The UNet's text inputs, one row per branch (negative then prompt when guided).
+    embeds: Tensor,
+    pooled: Option<Tensor>,
+    time_ids: Option<Tensor>,
+    /// The guidance scale where classifier-free guidance runs (above 1).
+    guidance: Option<f64>,
+    extra: Extra,
+}
+
+impl SdState {
+    /// Every step has run: [`SdPipeline::decode`] is next.
+    pub fn done(&self) -> bool {
+        self.next >= self.schedule.len()
+    }
+
+    /// The step to run next, of [`Self::steps`].
+    pub fn next_step(&self) -> usize {
+        self.next
+    }
+
+    pub fn steps(&self) -> usize {
+        self.schedule.len()
+    }
+
+    /// UNet rows one step of it takes (2 when guided).
+    pub fn rows(&self) -> i64 {
+        self.embeds.size()[0]
+    }
+
+    /// The latents' side: states batch together only with the same side.
+    pub fn latent_side(&self) -> [i64; 2] {
+        let s = self.x.size();
+        [s[2], s[3]]
+    }
+
+    /// Each row as many times as the state has branches.
+    fn branches(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.f_repeat([self.rows(), 1, 1, 1])?)
+    }
+}
+
+impl SdPipeline {
+    /// A request's state before its first step: `latents` `[1, C, H / f, W / f]` are the
+    /// initial noise (diffusers' `latents=`); `inpaint` repaints an image under a mask.
+    pub fn prepare(
+        &self,
+        req: &SdRequest,
+        latents: &Tensor,
+        inpaint: Option<&InpaintInputs>,
+    ) -> Result<SdState> {
+        self.check_request(req, latents)?;
+        let schedule = self.schedule(req)?;
+        let (start, extra) = match inpaint {
+            Some(inputs) => self.inpaint_extra(req, inputs, latents, schedule.len())?,
+            None => (0, Extra::None),
+        };
+        let (device, _) = self.unet.device_kind();
+        let x = latents
+            .f_to_device(device)?
+            .f_to_kind(Kind::Float)?
+            .f_mul_scalar(schedule.init_noise_sigma)?;
+        tch::no_grad(|| {
+            let prompt = self.encode_prompt(&req.prompt)?;
+            let guided = req.guidance_scale > 1.0;
+            let negative = if guided {
+                Some(self.negative(req.negative_prompt.as_deref(), &prompt)?)
+            } else {
+                None
+            };
+            let pair = |negative: Option<&Tensor>, positive: &Tensor| -> Result<Tensor> {
+                Ok(match negative {
+                    Some(n) => Tensor::f_cat(&[n, positive], 0)?,
+                    None => positive.shallow_clone(),
+                })
+            };
+            let (h, w) = (req.height as f32, req.width as f32);
+            // SDXL's added conditioning: original size, crop origin, target size.
+            let ids = Tensor::from_slice(&[h, w, 0.0, 0.0, h, w]).f_view([1, 6])?;
+            let (pooled, time_ids) = match &prompt.pooled {
+                Some(pooled) => {
+                    let negative_pooled = negative.as_ref().and_then(|n| n.pooled.as_ref());
+                    (
+                        Some(pair(negative_pooled, pooled)?),
+                        Some(pair(guided.then_some(&ids), &ids)?),
+                    )
+                }
+                None => (None, None),
+            };
+            Ok(SdState {
+                embeds: pair(negative.as_ref().map(|n| &n.embeds), &prompt.embeds)?,
+                pooled,
+                time_ids,
+                guidance: guided.then_some(req.guidance_scale),
+                schedule,
+                next: start,
+                x,
+                extra,
+            })
+        })
+    }
+
+    /// One step of every state in `states` (same latent side, none done) in one UNet forward.
+    /// `noise(i, step, shape)` gives state `i`'s noise for an ancestral step.
+    pub fn step_batch(
+        &self,
+        states: &mut [&mut SdState],
+        noise: &mut dyn FnMut(usize, usize, &[i64]) -> Result<Tensor>,
+    ) -> Result<()> {
+        let Some(first) = states.first() else {
+            return Ok(());
+        };
+        let side = first.latent_side();
+        if let Some(s) = states.iter().find(|s| s.done() || s.latent_side() != side) {
+            let why = if s.done() {
+                "a finished request".to_string()
+            } else {
+                format!("latents of side {:?} beside {side:?}", s.latent_side())
+            };
+            return Err(ModelError::input("states", format!("cannot step {why}")));
+        }
+        let (device, kind) = self.unet.device_kind();
+        tch::no_grad(|| {
+            let mut samples = Vec::with_capacity(states.len());
+            let mut timesteps = Vec::new();
+            for s in states.iter() {
+                let input = s.schedule.scale_model_input(&s.branches(&s.x)?, s.next)?;
+                samples.push(match &s.extra {
+                    Extra::Concat { mask, masked } => {
+                        Tensor::f_cat(&[&input, &s.branches(mask)?, &s.branches(masked)?], 1)?
+                    }
+                    _ => input,
+                });
+                let t = s.schedule.timesteps[s.next] as f32;
+                timesteps.extend(std::iter::repeat_n(t, s.rows() as usize));
+            }
+            let cat = |part: &dyn Fn(&SdState) -> Option<&Tensor>| -> Result<Option<Tensor>> {
+                let parts: Option<Vec<&Tensor>> = states.iter().map(|s| part(s)).collect();
+                Ok(match parts {
+                    Some(p) => Some(Tensor::f_cat(&p, 0)?),
+                    None => None,
+                })
+            };
+            let out = self.unet.forward(&UNetInputs {
+                sample: Tensor::f_cat(&samples, 0)?.f_to_kind(kind)?,
+                timestep: Tensor::from_slice(&timesteps),
+                encoder_hidden_states: Tensor::f_cat(
+                    &states.iter().map(|s| &s.embeds).collect::<Vec<_>>(),
+                    0,
+                )?,
+                text_embeds: cat(&|s| s.pooled.as_ref())?,
+                time_ids: cat(&|s| s.time_ids.as_ref())?,
+            })?;
+            let out = out.f_to_kind(Kind::Float)?;
+            let mut row = 0;
+            for (i, s) in states.iter_mut().enumerate() {
+                let mine = out.f_narrow(0, row, s.rows())?;
+                row += s.rows();
+                let prediction = match s.guidance {
+                    Some(scale) => {
+                        let (uncond, text) = (mine.f_narrow(0, 0, 1)?, mine.f_narrow(0, 1, 1)?);
+                        uncond.f_add(&text.f_sub(&uncond)?.f_mul_scalar(scale)?)?
+                    }
+                    None => mine,
+                };
+                let n = if s.schedule.needs_noise() {
+                    Some(noise(i, s.next, &s.x.size())?.f_to_device(device)?)
+                } else {
+                    None
+                };
+                let step = s.next;
+                let mut x = s.schedule.step(step, &prediction, &s.x, n.as_ref())?;
+                if let Extra::Blend { image, mask, noise } = &s.extra {
+                    // Outside the mask, the image's latents noised to the next step's level.
+                    let proper = if step + 1 < s.schedule.len() {
+                        s.schedule.add_noise(image, noise, step + 1)?
+                    } else {
+                        image.shallow_clone()
+                    };
+                    let keep = mask.f_neg()?.f_add_scalar(1.0)?;
+                    x = keep.f_mul(&proper)?.f_add(&mask.f_mul(&x)?)?;
+                }
+                s.x = x;
+                s.next += 1;
+            }
+            Ok(())
+        })
+    }
+
+    /// The image `[1, 3, H, W]` in [0, 1] of a finished state.
+    pub fn decode(&self, state: &SdState) -> Result<Tensor> {
+        if !state.done() {
+            return Err(ModelError::input(
+                "states",
+                format!(
+                    "decoding a request at step {} of {}",
+                    state.next,
+                    state.steps()
+                ),
+            ));
+        }
+        tch::no_grad(|| {
+            let (_, vae_kind) = self.vae.device_kind();
+            let image = self.vae.decode(&state.x.f_to_kind(vae_kind)?)?;
+            Ok(image
+                .f_to_kind(Kind::Float)?
+                .f_div_scalar(2.0)?
+                .f_add_scalar(0.5)?
+                .f_clamp(0.0, 1.0)?)
+        })
+    }
+
+    /// `prepare` and `step_batch` on one request until it is done, then `decode`.
+    pub(super) fn run_alone(
+        &self,
+        req: &SdRequest,
+        latents: &Tensor,
+        inpaint: Option<&InpaintInputs>,
+        noise: &mut dyn FnMut(usize, &[i64]) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let mut state = self.prepare(req, latents, inpaint)?;
+        while !state.done() {
+            self.step_batch(&mut [&mut state], &mut |_, step, shape| noise(step, shape))?;
+        }
+        self.decode(&state)
+    }
+}
