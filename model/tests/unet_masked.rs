@@ -3,8 +3,9 @@
 //! the full forward too (the cache holds exactly what it replaces), at a side that does not
 //! divide by the downsampling; an edit reads the cache (another template's cache changes the
 //! result); rows sharing a mask (a guided step) equal each row alone, and so do rows of one
-//! batch with different masks (one of them masking every token); bad masks and caches are
-//! refused naming the field.
+//! batch with different masks (one of them masking every token); a guided template's rows are
+//! each read by their own edit row, and rows of two templates mix in one batch; bad masks and
+//! caches are refused naming the field.
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 use diffmesh_model::unet::{UNet2DConditionModel, UNetConfig, UNetInputs};
 use std::sync::Mutex;
@@ -214,5 +215,57 @@ fn a_batch_of_different_masks_equals_each_mask_alone() {
             .unwrap_err()
             .to_string();
         assert!(err.contains("mask") && err.contains("row 1"), "{err}");
+    });
+}
+
+#[test]
+fn rows_read_their_own_template_rows() {
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    tch::manual_seed(11);
+    let (unet, _vs) = unet();
+    let (h, w) = (8, 10);
+    // A guided template: two rows (negative and prompt) with different text.
+    let template = inputs(2, h, w);
+    let other = inputs(1, h, w);
+    let m = mask(h, w, 21);
+    tch::no_grad(|| {
+        let full = unet.forward(&template).unwrap();
+        let (_, cache) = unet.forward_capture(&template).unwrap();
+        let (_, other_cache) = unet.forward_capture(&other).unwrap();
+        assert_eq!((cache.rows(), other_cache.rows()), (2, 1));
+        // The template's own two rows, each reading its own cache row: the full forward.
+        let got = unet.forward_masked(&template, &m, &cache).unwrap();
+        let err = max_err(&got, &full);
+        println!("two template rows, row for row: max abs err {err:.2e}");
+        assert!(err <= 1e-4, "{err}");
+        // Swapped rows read the other row's keys and values: no longer the full forward.
+        let swapped = unet
+            .forward_masked_rows(&template, &m, &[(&cache, 1), (&cache, 0)])
+            .unwrap();
+        assert!(
+            max_err(&swapped, &full) > 1e-3,
+            "the cache rows were not read"
+        );
+        // Rows of two templates in one batch equal each alone.
+        let mixed = unet
+            .forward_masked_rows(&template, &m, &[(&cache, 0), (&other_cache, 0)])
+            .unwrap();
+        let second = unet
+            .forward_masked(&row_of(&template, 1), &m, &other_cache)
+            .unwrap();
+        let err = max_err(&mixed.narrow(0, 0, 1), &full.narrow(0, 0, 1))
+            .max(max_err(&mixed.narrow(0, 1, 1), &second));
+        assert!(err <= 3e-5, "mixed templates: {err}");
+        // A cache of 2 rows for a batch of 3, and a row the cache lacks.
+        let err = unet
+            .forward_masked(&inputs(3, h, w), &m, &cache)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cache"), "{err}");
+        let err = unet
+            .forward_masked_rows(&template, &m, &[(&cache, 0), (&other_cache, 1)])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cache") && err.contains("row 1"), "{err}");
     });
 }

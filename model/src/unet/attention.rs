@@ -223,7 +223,8 @@ impl Transformer2D {
     }
 
     /// [`Self::forward`] of a template, recording what its edits read: each block's
-    /// self-attention keys and values and the output, as tokens `[H * W, C]` of row 0.
+    /// self-attention keys and values and the output, as tokens `[B, H * W, C]` of every row
+    /// (a guided template's negative and prompt rows alike).
     pub fn forward_capture(
         &self,
         x: &Tensor,
@@ -238,14 +239,14 @@ impl Transformer2D {
         let mut t = self.project_in(&tokens(&self.norm.forward(x)?)?)?;
         for block in &self.blocks {
             t = block.forward_with(&t, context, &mut |k, v| {
-                kv.push((k.f_get(0)?.f_contiguous()?, v.f_get(0)?.f_contiguous()?));
+                kv.push((k.f_contiguous()?, v.f_contiguous()?));
                 Ok((k, v))
             })?;
         }
         let out = self.project_out(&t)?.f_add(&tokens(x)?)?;
         let captured = CapturedTransformer {
             kv,
-            out: out.f_get(0)?.f_contiguous()?,
+            out: out.f_contiguous()?,
         };
         Ok((
             out.f_reshape([b, h, w, c])?.f_permute([0, 3, 1, 2])?,
@@ -254,29 +255,42 @@ impl Transformer2D {
     }
 
     /// FlashPS for a UNet's attention: only the tokens at `index` (`[B, M]` of the `H * W`, a
-    /// row's repeats allowed) go through the blocks, their self-attention reading every token's keys and values (theirs
-    /// fresh, the others' from `cache`, the template's); the output is the template's at the
-    /// other tokens. The group norm sees the whole map (the resnets computed it in full).
+    /// row's repeats allowed) go through the blocks, their self-attention reading every token's
+    /// keys and values (theirs fresh, the others' from the template's cache); the output is the
+    /// template's at the other tokens. Batch row `r` reads row `cached[r].1` of the cache
+    /// `cached[r].0`. The group norm sees the whole map (the resnets computed it in full).
     pub fn forward_masked(
         &self,
         x: &Tensor,
         context: &Tensor,
         index: &Tensor,
-        cache: &CapturedTransformer,
+        cached: &[(&CapturedTransformer, i64)],
     ) -> Result<Tensor> {
         let s = x.size();
         let (b, c, h, w) = (s[0], s[1], s[2], s[3]);
-        if cache.kv.len() != self.blocks.len() || cache.out.size() != [h * w, c] {
+        if cached.len() as i64 != b {
             return Err(crate::error::ModelError::input(
                 "cache",
-                format!(
-                    "a cache of {} blocks and {:?} for a transformer of {} blocks on [{}, {c}]",
-                    cache.kv.len(),
-                    cache.out.size(),
-                    self.blocks.len(),
-                    h * w
-                ),
+                format!("{} cache rows for a batch of {b}", cached.len()),
             ));
+        }
+        for (cache, row) in cached {
+            let rows = cache.rows();
+            if cache.kv.len() != self.blocks.len()
+                || cache.out.size() != [rows, h * w, c]
+                || !(0..rows).contains(row)
+            {
+                return Err(crate::error::ModelError::input(
+                    "cache",
+                    format!(
+                        "row {row} of a cache of {} blocks and {:?} for a transformer of {} blocks on [{}, {c}]",
+                        cache.kv.len(),
+                        cache.out.size(),
+                        self.blocks.len(),
+                        h * w
+                    ),
+                ));
+            }
         }
         let m = index.size().get(1).copied().unwrap_or(0);
         if index.size() != [b, m] {
@@ -291,24 +305,35 @@ impl Transformer2D {
                 .f_reshape([b, h * w, c])?
                 .f_gather(1, &gather_index, false)?)
         };
-        // Every token's rows of `cached` for each batch row, `fresh` written at `index` (a
-        // repeated index writes the same values twice).
-        let merge = |cached: &Tensor, fresh: &Tensor| -> Result<Tensor> {
-            let all = cached
-                .f_to_kind(fresh.kind())?
-                .f_unsqueeze(0)?
-                .f_expand([b, h * w, c], false)?
-                .f_contiguous()?;
-            Ok(all.f_scatter(1, &gather_index, fresh)?)
+        // Every token of each batch row's cache row, `fresh` written at `index` (a repeated
+        // index writes the same values twice).
+        let merge = |part: &dyn Fn(&CapturedTransformer) -> &Tensor, fresh: &Tensor| {
+            let (first, row) = cached[0];
+            let shared = cached
+                .iter()
+                .all(|(c, r)| std::ptr::eq(*c, first) && *r == row);
+            let all = if shared {
+                part(first)
+                    .f_narrow(0, row, 1)?
+                    .f_expand([b, h * w, c], false)?
+            } else {
+                let rows: Vec<Tensor> = cached
+                    .iter()
+                    .map(|(c, r)| part(c).f_narrow(0, *r, 1))
+                    .collect::<std::result::Result<_, _>>()?;
+                Tensor::f_cat(&rows, 0)?
+            };
+            let all = all.f_to_kind(fresh.kind())?.f_contiguous()?;
+            Ok::<_, crate::error::ModelError>(all.f_scatter(1, &gather_index, fresh)?)
         };
         let mut t = self.project_in(&masked(&self.norm.forward(x)?)?)?;
-        for (block, (ck, cv)) in self.blocks.iter().zip(&cache.kv) {
+        for (j, block) in self.blocks.iter().enumerate() {
             t = block.forward_with(&t, context, &mut |k, v| {
-                Ok((merge(ck, &k)?, merge(cv, &v)?))
+                Ok((merge(&|c| &c.kv[j].0, &k)?, merge(&|c| &c.kv[j].1, &v)?))
             })?;
         }
         let out = self.project_out(&t)?.f_add(&masked(x)?)?;
-        Ok(merge(&cache.out, &out)?
+        Ok(merge(&|c| &c.out, &out)?
             .f_reshape([b, h, w, c])?
             .f_permute([0, 3, 1, 2])?)
     }
@@ -335,9 +360,16 @@ fn project(p: &Projection, t: &Tensor) -> Result<Tensor> {
 }
 
 /// What a template's `Transformer2DModel` leaves its edits: per block, the self-attention keys
-/// and values of every token, and the output, each `[H * W, C]`.
+/// and values of every token, and the output, each `[R, H * W, C]` for the template's `R` rows.
 #[derive(Debug)]
 pub struct CapturedTransformer {
     pub kv: Vec<(Tensor, Tensor)>,
     pub out: Tensor,
+}
+
+impl CapturedTransformer {
+    /// The template's rows (2 for a guided template: negative, then prompt).
+    pub fn rows(&self) -> i64 {
+        self.out.size().first().copied().unwrap_or(0)
+    }
 }

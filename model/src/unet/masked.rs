@@ -6,9 +6,11 @@
 //!
 //! A template's forward ([`UNet2DConditionModel::forward_capture`]) records, for every
 //! `Transformer2DModel` in the order the forward meets them (down levels, mid block, up levels),
-//! each block's self-attention keys and values and the output ([`CapturedTransformer`]). An
-//! edit ([`UNet2DConditionModel::forward_masked`]) gives the latent mask, one for every row or
-//! one per row; a level's mask is a token masked where any latent pixel under it is
+//! each block's self-attention keys and values and the output ([`CapturedTransformer`]), of
+//! every row (a guided template has two: negative and prompt). An edit
+//! ([`UNet2DConditionModel::forward_masked`]) gives the latent mask, one for every row or one
+//! per row, and each of its rows reads a row of a template's cache
+//! ([`UNet2DConditionModel::forward_masked_rows`]: edits of different templates in one batch); a level's mask is a token masked where any latent pixel under it is
 //! (max-pooled by 2 per level, as the downsamplers halve the side rounding up). Rows with
 //! different masks run as one batch: each row's masked tokens are padded to the level's largest
 //! count by repeating its first one (a repeated query gives the same output, and every row's
@@ -55,10 +57,13 @@ struct LevelMask {
     all_masked: bool,
 }
 
-/// Mask-aware, reading the template's caches in order.
+/// Mask-aware, reading the templates' caches in order.
 struct Masked<'a> {
     levels: Vec<LevelMask>,
-    cache: &'a UNetTemplateCache,
+    /// Per batch row: the cache it reads and the row of it.
+    rows: &'a [(&'a UNetTemplateCache, i64)],
+    /// The transformers of every cache (checked before the forward).
+    transformers: usize,
     next: usize,
 }
 
@@ -72,21 +77,27 @@ impl AttentionPass for Masked<'_> {
                 format!("no level of the mask has the side {side:?}"),
             )
         })?;
-        let cache = self.cache.transformers.get(self.next).ok_or_else(|| {
-            ModelError::input(
+        if self.next >= self.transformers {
+            return Err(ModelError::input(
                 "cache",
                 format!(
                     "holds {} transformers; this UNet has more",
-                    self.cache.transformers.len()
+                    self.transformers
                 ),
-            )
-        })?;
+            ));
+        }
+        let j = self.next;
         self.next += 1;
         if level.all_masked {
             // Every token masked: the transformer in full, no cache read.
             return t.forward(x, context);
         }
-        t.forward_masked(x, context, &level.index, cache)
+        let cached: Vec<_> = self
+            .rows
+            .iter()
+            .map(|(cache, row)| (&cache.transformers[j], *row))
+            .collect();
+        t.forward_masked(x, context, &level.index, &cached)
     }
 }
 
@@ -97,6 +108,11 @@ pub struct UNetTemplateCache {
 }
 
 impl UNetTemplateCache {
+    /// The template's rows (2 for a guided template: negative, then prompt).
+    pub fn rows(&self) -> i64 {
+        self.transformers.first().map_or(0, |t| t.rows())
+    }
+
     /// Bytes the cached tensors hold.
     pub fn bytes(&self) -> u64 {
         let of = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
@@ -108,7 +124,7 @@ impl UNetTemplateCache {
 }
 
 impl UNet2DConditionModel {
-    /// The forward of a template (row 0 is recorded), and its cache.
+    /// The forward of a template, and its cache (of every row).
     pub fn forward_capture(&self, x: &UNetInputs) -> Result<(Tensor, UNetTemplateCache)> {
         let mut pass = Capture {
             captured: Vec::new(),
@@ -124,15 +140,39 @@ impl UNet2DConditionModel {
 
     /// The mask-aware forward of edits of the template `cache` was captured from, at the same
     /// step: `mask` over the latents (true or 1: repainted), `[H, W]` for every row or
-    /// `[B, H, W]`, one per row.
+    /// `[B, H, W]`, one per row. A cache of one row serves every row; a cache of `B` rows
+    /// serves row for row (a guided step's negative and prompt rows).
     pub fn forward_masked(
         &self,
         x: &UNetInputs,
         mask: &Tensor,
         cache: &UNetTemplateCache,
     ) -> Result<Tensor> {
+        let batch = x.sample.size().first().copied().unwrap_or(0);
+        let rows: Vec<(&UNetTemplateCache, i64)> = match cache.rows() {
+            1 => (0..batch).map(|_| (cache, 0)).collect(),
+            r if r == batch => (0..batch).map(|row| (cache, row)).collect(),
+            r => {
+                return Err(ModelError::input(
+                    "cache",
+                    format!("a cache of {r} rows for a batch of {batch}"),
+                ))
+            }
+        };
+        self.forward_masked_rows(x, mask, &rows)
+    }
+
+    /// [`Self::forward_masked`] with batch row `r` reading row `rows[r].1` of the cache
+    /// `rows[r].0`: edits of several templates, or of a template's rows, in one batch. A row
+    /// whose mask covers every latent pixel computes in full and reads no cache.
+    pub fn forward_masked_rows(
+        &self,
+        x: &UNetInputs,
+        mask: &Tensor,
+        rows: &[(&UNetTemplateCache, i64)],
+    ) -> Result<Tensor> {
         let s = x.sample.size();
-        let rows = s.first().copied().unwrap_or(0);
+        let batch = s.first().copied().unwrap_or(0);
         let side = [
             s.get(2).copied().unwrap_or(0),
             s.get(3).copied().unwrap_or(0),
@@ -140,12 +180,12 @@ impl UNet2DConditionModel {
         let m = mask.size();
         let per_row = match m.len() {
             2 => false,
-            3 if m[0] == rows => true,
+            3 if m[0] == batch => true,
             _ => {
                 return Err(ModelError::input(
                     "mask",
                     format!(
-                        "expected [{}, {}] or [{rows}, {}, {}], got {m:?}",
+                        "expected [{}, {}] or [{batch}, {}, {}], got {m:?}",
                         side[0], side[1], side[0], side[1]
                     ),
                 ))
@@ -165,25 +205,45 @@ impl UNet2DConditionModel {
             .f_to_kind(Kind::Float)?
             .f_view([-1, 1, side[0], side[1]])?;
         if !per_row {
-            m = m.f_expand([rows, 1, side[0], side[1]], false)?;
+            m = m.f_expand([batch, 1, side[0], side[1]], false)?;
         }
         let mut levels = Vec::new();
         for _ in 0..self.config.block_out_channels.len() {
             levels.push(level_mask(&m)?);
             m = m.f_max_pool2d([2, 2], [2, 2], [0, 0], [1, 1], true)?;
         }
-        let mut pass = Masked {
-            levels,
-            cache,
-            next: 0,
-        };
-        let out = self.forward_with(x, None, &mut pass)?;
-        if pass.next != cache.transformers.len() {
+        if rows.len() as i64 != batch {
+            return Err(ModelError::input(
+                "cache",
+                format!("{} cache rows for a batch of {batch}", rows.len()),
+            ));
+        }
+        let transformers = rows.first().map_or(0, |(c, _)| c.transformers.len());
+        if let Some((c, r)) = rows
+            .iter()
+            .find(|(c, r)| c.transformers.len() != transformers || !(0..c.rows()).contains(r))
+        {
             return Err(ModelError::input(
                 "cache",
                 format!(
-                    "holds {} transformers, this UNet has {}",
-                    cache.transformers.len(),
+                    "row {r} of a cache of {} rows and {} transformers beside caches of {transformers}",
+                    c.rows(),
+                    c.transformers.len()
+                ),
+            ));
+        }
+        let mut pass = Masked {
+            levels,
+            rows,
+            transformers,
+            next: 0,
+        };
+        let out = self.forward_with(x, None, &mut pass)?;
+        if pass.next != transformers {
+            return Err(ModelError::input(
+                "cache",
+                format!(
+                    "holds {transformers} transformers, this UNet has {}",
                     pass.next
                 ),
             ));
