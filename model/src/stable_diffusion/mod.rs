@@ -7,6 +7,7 @@
 //! `cargo xtask generate --model-dir DIR ...` runs them from given latents.
 pub mod inpaint;
 pub mod stepper;
+pub mod template;
 
 use crate::error::{read_json, ModelError, Result};
 use crate::schedulers::{DiscreteSchedule, DiscreteScheduler, DiscreteSchedulerConfig};
@@ -36,20 +37,18 @@ pub struct SdPrompt {
     pub pooled: Option<Tensor>,
 }
 
-/// The text encoders of the family.
-enum TextSide {
-    /// SD 1.x/2.x: one CLIP encoder, its last hidden states.
-    Single {
-        tokenizer: PromptTokenizer,
-        encoder: ClipTextModel,
-    },
-    /// SDXL: CLIP-L and OpenCLIP-bigG, their penultimate hidden states concatenated.
-    Dual {
-        tokenizer: PromptTokenizer,
-        encoder: ClipTextModel,
-        tokenizer_2: PromptTokenizer,
-        encoder_2: ClipTextModelWithProjection,
-    },
+/// The text encoders of the family: SD 1.x/2.x's one CLIP encoder (its last hidden states), or
+/// SDXL's CLIP-L and OpenCLIP-bigG (their penultimate hidden states concatenated).
+struct TextSide {
+    tokenizer: PromptTokenizer,
+    encoder: ClipTextModel,
+    /// SDXL's second encoder.
+    second: Option<Box<SecondEncoder>>,
+}
+
+struct SecondEncoder {
+    tokenizer: PromptTokenizer,
+    encoder: ClipTextModelWithProjection,
 }
 
 pub struct SdPipeline {
@@ -99,20 +98,23 @@ impl SdPipeline {
         let tokenizer = PromptTokenizer::load(&dir.join("tokenizer"), Some("CLIPTokenizer"))?;
         let (encoder, vs1) = ClipTextModel::load(&dir.join("text_encoder"), device, kind)?;
         let mut stores = vec![vs1];
-        let text = if xl {
+        let second = if xl {
             let tokenizer_2 =
                 PromptTokenizer::load(&dir.join("tokenizer_2"), Some("CLIPTokenizer"))?;
             let (encoder_2, vs2) =
                 ClipTextModelWithProjection::load(&dir.join("text_encoder_2"), device, kind)?;
             stores.push(vs2);
-            TextSide::Dual {
-                tokenizer,
-                encoder,
-                tokenizer_2,
-                encoder_2,
-            }
+            Some(Box::new(SecondEncoder {
+                tokenizer: tokenizer_2,
+                encoder: encoder_2,
+            }))
         } else {
-            TextSide::Single { tokenizer, encoder }
+            None
+        };
+        let text = TextSide {
+            tokenizer,
+            encoder,
+            second,
         };
         let scheduler = DiscreteSchedulerConfig::from_file(
             &dir.join("scheduler").join("scheduler_config.json"),
@@ -129,7 +131,7 @@ impl SdPipeline {
 
     /// Whether this is an SDXL pipeline (two encoders, added time conditioning).
     pub fn is_xl(&self) -> bool {
-        matches!(self.text, TextSide::Dual { .. })
+        self.text.second.is_some()
     }
 
     /// `encode_prompt` of one prompt padded to each tokenizer's length: SD's last hidden
@@ -145,19 +147,15 @@ impl SdPipeline {
                 .collect();
             Ok(Tensor::from_slice(&ids).f_unsqueeze(0)?)
         };
-        match &self.text {
-            TextSide::Single { tokenizer, encoder } => Ok(SdPrompt {
-                embeds: encoder.forward(&ids(tokenizer)?)?.last_hidden_state,
+        let text = &self.text;
+        let first = text.encoder.forward(&ids(&text.tokenizer)?)?;
+        match &text.second {
+            None => Ok(SdPrompt {
+                embeds: first.last_hidden_state,
                 pooled: None,
             }),
-            TextSide::Dual {
-                tokenizer,
-                encoder,
-                tokenizer_2,
-                encoder_2,
-            } => {
-                let first = encoder.forward(&ids(tokenizer)?)?;
-                let second = encoder_2.forward(&ids(tokenizer_2)?)?;
+            Some(second) => {
+                let second = second.encoder.forward(&ids(&second.tokenizer)?)?;
                 Ok(SdPrompt {
                     embeds: Tensor::f_cat(
                         &[

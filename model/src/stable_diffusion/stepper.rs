@@ -6,11 +6,14 @@
 //! `inpaint` are this loop on one request, so a request stepped in a batch ends on what the
 //! pipeline gives it alone.
 use super::inpaint::InpaintInputs;
+use super::template::SdTemplate;
 use super::{SdPipeline, SdRequest};
 use crate::components::LatentCodec;
 use crate::error::{ModelError, Result};
 use crate::schedulers::DiscreteSchedule;
+use crate::unet::masked::UNetTemplateCache;
 use crate::unet::UNetInputs;
+use std::sync::Arc;
 use tch::{Kind, Tensor};
 
 /// What an inpainting request adds to the loop: a plain (4-channel) UNet's latent blending
@@ -30,6 +33,23 @@ pub(super) enum Extra {
     },
 }
 
+/// `noise(i, step, shape)`: state `i` of a batch's noise for an ancestral step.
+pub type BatchNoise<'a> = dyn FnMut(usize, usize, &[i64]) -> Result<Tensor> + 'a;
+
+/// How a state's rows run the UNet's attention.
+pub(super) enum Attention {
+    /// In full.
+    Full,
+    /// In full, recording each step's cache ([`super::template`]).
+    Capture(Vec<Option<UNetTemplateCache>>),
+    /// Mask-aware: only the tokens under `mask` (`[h, w]` over the latents) computed, each row
+    /// reading its row of the template's cache at the step.
+    Edit {
+        template: Arc<SdTemplate>,
+        mask: Tensor,
+    },
+}
+
 /// One request's place in the loop.
 pub struct SdState {
     schedule: DiscreteSchedule,
@@ -44,6 +64,7 @@ pub struct SdState {
     /// The guidance scale where classifier-free guidance runs (above 1).
     guidance: Option<f64>,
     extra: Extra,
+    pub(super) attention: Attention,
 }
 
 impl SdState {
@@ -59,6 +80,11 @@ impl SdState {
 
     pub fn steps(&self) -> usize {
         self.schedule.len()
+    }
+
+    /// The latents `[1, C, h, w]` as the last step left them.
+    pub fn latents(&self) -> &Tensor {
+        &self.x
     }
 
     /// UNet rows one step of it takes (2 when guided).
@@ -134,17 +160,14 @@ impl SdPipeline {
                 next: start,
                 x,
                 extra,
+                attention: Attention::Full,
             })
         })
     }
 
     /// One step of every state in `states` (same latent side, none done) in one UNet forward.
     /// `noise(i, step, shape)` gives state `i`'s noise for an ancestral step.
-    pub fn step_batch(
-        &self,
-        states: &mut [&mut SdState],
-        noise: &mut dyn FnMut(usize, usize, &[i64]) -> Result<Tensor>,
-    ) -> Result<()> {
+    pub fn step_batch(&self, states: &mut [&mut SdState], noise: &mut BatchNoise) -> Result<()> {
         let Some(first) = states.first() else {
             return Ok(());
         };
@@ -179,7 +202,7 @@ impl SdPipeline {
                     None => None,
                 })
             };
-            let out = self.unet.forward(&UNetInputs {
+            let inputs = UNetInputs {
                 sample: Tensor::f_cat(&samples, 0)?.f_to_kind(kind)?,
                 timestep: Tensor::from_slice(&timesteps),
                 encoder_hidden_states: Tensor::f_cat(
@@ -188,8 +211,8 @@ impl SdPipeline {
                 )?,
                 text_embeds: cat(&|s| s.pooled.as_ref())?,
                 time_ids: cat(&|s| s.time_ids.as_ref())?,
-            })?;
-            let out = out.f_to_kind(Kind::Float)?;
+            };
+            let out = self.run_unet(states, &inputs)?.f_to_kind(Kind::Float)?;
             let mut row = 0;
             for (i, s) in states.iter_mut().enumerate() {
                 let mine = out.f_narrow(0, row, s.rows())?;
@@ -223,6 +246,73 @@ impl SdPipeline {
             }
             Ok(())
         })
+    }
+
+    /// The batch's UNet forward as its states' attention modes ask: in full; capturing (the
+    /// captures' rows recorded); or mask-aware when any state is an edit (the other rows then
+    /// compute every token, which pads every row to all of them: batch edits with edits).
+    fn run_unet(&self, states: &mut [&mut SdState], inputs: &UNetInputs) -> Result<Tensor> {
+        let captures = states
+            .iter()
+            .any(|s| matches!(s.attention, Attention::Capture(_)));
+        let edits = states
+            .iter()
+            .any(|s| matches!(s.attention, Attention::Edit { .. }));
+        if captures && edits {
+            return Err(ModelError::input(
+                "states",
+                "a capture and an edit cannot share a step",
+            ));
+        }
+        if captures {
+            let (out, cache) = self.unet.forward_capture(inputs)?;
+            let mut row = 0;
+            for s in states.iter_mut() {
+                let rows = s.rows();
+                let step = s.next;
+                if let Attention::Capture(steps) = &mut s.attention {
+                    steps[step] = Some(cache.narrow_rows(row, rows)?);
+                }
+                row += rows;
+            }
+            return Ok(out);
+        }
+        if !edits {
+            return self.unet.forward(inputs);
+        }
+        let mut masks = Vec::new();
+        let mut rows: Vec<(&UNetTemplateCache, i64)> = Vec::new();
+        // Rows that compute in full read no cache; any edit's names one for them.
+        let any = states
+            .iter()
+            .find_map(|s| match &s.attention {
+                Attention::Edit { template, .. } => template.steps[s.next].as_ref(),
+                _ => None,
+            })
+            .ok_or_else(|| ModelError::input("template", "holds no cache for this step"))?;
+        for s in states.iter() {
+            let [h, w] = s.latent_side();
+            for r in 0..s.rows() {
+                match &s.attention {
+                    Attention::Edit { template, mask } => {
+                        let cache = template.steps[s.next].as_ref().ok_or_else(|| {
+                            ModelError::input(
+                                "template",
+                                format!("holds no cache for step {}", s.next),
+                            )
+                        })?;
+                        masks.push(mask.shallow_clone());
+                        rows.push((cache, r));
+                    }
+                    _ => {
+                        masks.push(Tensor::f_ones([h, w], (Kind::Float, s.x.device()))?);
+                        rows.push((any, 0));
+                    }
+                }
+            }
+        }
+        self.unet
+            .forward_masked_rows(inputs, &Tensor::f_stack(&masks, 0)?, &rows)
     }
 
     /// The image `[1, 3, H, W]` in [0, 1] of a finished state.

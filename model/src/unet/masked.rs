@@ -113,6 +113,28 @@ impl UNetTemplateCache {
         self.transformers.first().map_or(0, |t| t.rows())
     }
 
+    /// Rows `start..start + len` alone (one request's rows of a batch's capture).
+    pub fn narrow_rows(&self, start: i64, len: i64) -> Result<Self> {
+        let narrow =
+            |t: &Tensor| -> Result<Tensor> { Ok(t.f_narrow(0, start, len)?.f_contiguous()?) };
+        Ok(Self {
+            transformers: self
+                .transformers
+                .iter()
+                .map(|c| {
+                    Ok(CapturedTransformer {
+                        kv: c
+                            .kv
+                            .iter()
+                            .map(|(k, v)| Ok((narrow(k)?, narrow(v)?)))
+                            .collect::<Result<_>>()?,
+                        out: narrow(&c.out)?,
+                    })
+                })
+                .collect::<Result<_>>()?,
+        })
+    }
+
     /// Bytes the cached tensors hold.
     pub fn bytes(&self) -> u64 {
         let of = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
