@@ -5,7 +5,8 @@
 //! result); rows sharing a mask (a guided step) equal each row alone, and so do rows of one
 //! batch with different masks (one of them masking every token); a guided template's rows are
 //! each read by their own edit row, and rows of two templates mix in one batch; bad masks and
-//! caches are refused naming the field.
+//! caches are refused naming the field. A cache through the tiers' block codec reads the same
+//! (exactly in f32).
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 use diffmesh_model::unet::{UNet2DConditionModel, UNetConfig, UNetInputs};
 use std::sync::Mutex;
@@ -267,5 +268,56 @@ fn rows_read_their_own_template_rows() {
             .unwrap_err()
             .to_string();
         assert!(err.contains("cache") && err.contains("row 1"), "{err}");
+    });
+}
+
+#[test]
+fn a_cache_through_the_tiers_codec_reads_the_same() {
+    use diffmesh_model::flux::kv_codec::CacheDtype;
+    use diffmesh_model::unet::cache_codec::{decode_step, encode_step};
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    tch::manual_seed(13);
+    let (unet, _vs) = unet();
+    let (h, w) = (8, 8);
+    let template = inputs(2, h, w);
+    let edit = inputs(2, h, w);
+    let m = mask(h, w, 17);
+    tch::no_grad(|| {
+        let (_, cache) = unet.forward_capture(&template).unwrap();
+        let layers = unet.transformer_layers();
+        assert_eq!(layers.len(), cache.transformers.len());
+        assert!(layers
+            .iter()
+            .zip(&cache.transformers)
+            .all(|(l, t)| *l == t.kv.len()));
+        let want = unet.forward_masked(&edit, &m, &cache).unwrap();
+        for (dtype, tolerance) in [(CacheDtype::F32, 0.0), (CacheDtype::Bf16, 0.05)] {
+            let blocks = encode_step(&cache, dtype).unwrap();
+            let views: Vec<&[u8]> = blocks.iter().map(Vec::as_slice).collect();
+            let decoded = decode_step(&views, &layers, 2, Kind::Float).unwrap();
+            let err = max_err(&unet.forward_masked(&edit, &m, &decoded).unwrap(), &want);
+            println!("{dtype:?} cache through the codec: max abs err {err:.2e}");
+            assert!(err <= tolerance, "{dtype:?}: {err}");
+            if dtype == CacheDtype::F32 {
+                assert_eq!(decoded.bytes(), cache.bytes());
+            }
+        }
+        // Refused naming the cache: other layer counts, other rows, a cut block.
+        let blocks = encode_step(&cache, CacheDtype::F32).unwrap();
+        let views: Vec<&[u8]> = blocks.iter().map(Vec::as_slice).collect();
+        let mut fewer = layers.clone();
+        fewer[0] -= 1;
+        let mut errors = vec![
+            decode_step(&views, &fewer, 2, Kind::Float).unwrap_err(),
+            decode_step(&views, &layers, 3, Kind::Float).unwrap_err(),
+        ];
+        let cut = &blocks[0][..blocks[0].len() - 1];
+        let mut damaged = views.clone();
+        damaged[0] = cut;
+        errors.push(decode_step(&damaged, &layers, 2, Kind::Float).unwrap_err());
+        for e in errors {
+            let e = e.to_string();
+            assert!(e.contains("cache") || e.contains("length"), "{e}");
+        }
     });
 }

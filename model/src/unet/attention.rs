@@ -338,6 +338,11 @@ impl Transformer2D {
             .f_permute([0, 3, 1, 2])?)
     }
 
+    /// Its `BasicTransformerBlock`s.
+    pub fn layers(&self) -> usize {
+        self.blocks.len()
+    }
+
     /// `proj_in` on tokens `[B, S, C]` (a 1x1 conv is a linear over channels).
     fn project_in(&self, t: &Tensor) -> Result<Tensor> {
         project(&self.proj_in, t)

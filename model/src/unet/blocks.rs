@@ -40,6 +40,11 @@ pub struct DownBlock {
 }
 
 impl DownBlock {
+    /// Layers of each of its transformers, in forward order.
+    pub fn transformer_layers(&self) -> Vec<usize> {
+        self.attentions.iter().map(|t| t.layers()).collect()
+    }
+
     pub fn new(
         vs: nn::Path,
         c_in: i64,
@@ -100,6 +105,11 @@ pub struct MidBlock {
 }
 
 impl MidBlock {
+    /// Layers of each of its transformers, in forward order.
+    pub fn transformer_layers(&self) -> Vec<usize> {
+        vec![self.attention.layers()]
+    }
+
     pub fn new(
         vs: nn::Path,
         level: &Level,
@@ -147,6 +157,11 @@ pub struct UpChannels {
 }
 
 impl UpBlock {
+    /// Layers of each of its transformers, in forward order.
+    pub fn transformer_layers(&self) -> Vec<usize> {
+        self.attentions.iter().map(|t| t.layers()).collect()
+    }
+
     pub fn new(
         vs: nn::Path,
         level: &Level,

@@ -10,6 +10,7 @@
 //! (`v_prediction`) is the scheduler's business, not the UNet's.
 pub mod attention;
 pub mod blocks;
+pub mod cache_codec;
 pub mod config;
 pub mod controlnet;
 pub mod lora;
@@ -105,6 +106,14 @@ impl UNet2DConditionModel {
     /// The weights' device and dtype.
     pub fn device_kind(&self) -> (Device, Kind) {
         self.stem.device_kind()
+    }
+
+    /// Layers of each `Transformer2DModel`, in the order the forward meets them (and a
+    /// template's cache holds them): what [`cache_codec::decode_step`] needs.
+    pub fn transformer_layers(&self) -> Vec<usize> {
+        let mut layers = self.stem.transformer_layers();
+        layers.extend(self.up.iter().flat_map(|u| u.transformer_layers()));
+        layers
     }
 
     /// The predicted noise or velocity, `[B, out_channels, H, W]`.

@@ -66,6 +66,17 @@ impl Stem {
         (self.conv_in.weight.device(), self.conv_in.weight.kind())
     }
 
+    /// Layers of each transformer of the down levels and the mid block, in forward order.
+    pub fn transformer_layers(&self) -> Vec<usize> {
+        let mut layers: Vec<usize> = self
+            .down
+            .iter()
+            .flat_map(|d| d.transformer_layers())
+            .collect();
+        layers.extend(self.mid.transformer_layers());
+        layers
+    }
+
     /// SiLU of the time embedding (plus the added conditioning), `[B, temb]`: what every
     /// resnet projects.
     pub fn time_embedding(&self, cfg: &UNetConfig, x: &UNetInputs, batch: i64) -> Result<Tensor> {
