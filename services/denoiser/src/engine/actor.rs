@@ -1,8 +1,7 @@
 //! The engine as an actix sync actor on a thread of its own (`SyncArbiter`: it owns the tch
 //! tensors, which are `Send`, not `Sync`), and the async side's handle on it.
 //!
-//! Messages: [`Submit`], [`Cancel`], [`RunInline`], [`SetEventTap`], [`BeginShutdown`], and
-//! [`Step`], which the engine sends itself while it has jobs: one step-loop iteration per
+//! Messages: those of every engine ([`super::handle`]), and [`Step`], which the engine sends itself while it has jobs: one step-loop iteration per
 //! `Step`, so commands that arrive during a step are handled, in order, before the next one.
 //!
 //! Supervision: a handler that panics (the engine's own per-job panics are caught deeper down,
@@ -11,15 +10,20 @@
 //! the actor; actix starts a new engine from the
 //! factory, which takes over the model (its weights restored to the base model), the queued
 //! jobs, untouched, and the event tap. `diffmesh_denoiser_engine_restarts_total` counts it.
+#[cfg(feature = "fault-injection")]
+use super::handle::PanicMidBatch;
+use super::handle::{
+    BeginShutdown, Cancel, EngineDrained, EngineHandle, RunInline, SetEventTap, Submit,
+};
 use super::{Engine, EngineConfig, EngineEvent, EngineJob, EngineJobError, EngineStatus};
-use super::{EventTap, InlineWork, SubmitError};
+use super::{EventTap, SubmitError};
 use crate::metrics::DenoiserMetrics;
 use crate::model::EngineModel;
 use crate::step_samples::StepSamples;
-use actix::{Actor, ActorContext, Addr, Handler, Message, SyncContext};
+use actix::{Actor, ActorContext, Handler, Message, SyncContext};
 use diffmesh_model::lora::LoraPatcher;
 use diffmesh_shared::panic_message;
-use diffmesh_shared::wire::messages::{DenoiseJob, StepSample};
+use diffmesh_shared::wire::messages::DenoiseJob;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -27,67 +31,10 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::{mpsc, watch};
 use tracing::Span;
 
-/// Queue a job; answers its queue position.
-pub struct Submit {
-    pub job: Box<EngineJob>,
-    pub span: Span,
-}
-
-impl Message for Submit {
-    type Result = Result<u32, SubmitError>;
-}
-
-/// Drop a job at the next step boundary (or from the queue).
-pub struct Cancel {
-    pub job_id: String,
-    pub span: Span,
-}
-
-impl Message for Cancel {
-    type Result = ();
-}
-
-/// Run work on the engine thread at the next step boundary, pausing the step loop (the engine
-/// bench's inline pre-processing strawman; the service never sends it). A job it returns is
-/// queued like a submit.
-pub struct RunInline {
-    pub work: InlineWork,
-    pub span: Span,
-}
-
-impl Message for RunInline {
-    type Result = Result<Option<u32>, SubmitError>;
-}
-
-/// Install (or remove) the event tap.
-pub struct SetEventTap(pub Option<EventTap>);
-
-impl Message for SetEventTap {
-    type Result = ();
-}
-
-/// Stop taking jobs and answer the queued ones (to hand back); the running ones finish.
-pub struct BeginShutdown {
-    pub span: Span,
-}
-
-impl Message for BeginShutdown {
-    type Result = Vec<DenoiseJob>;
-}
-
 /// One step-loop iteration (the engine sends it to itself while it has jobs).
 pub(super) struct Step;
 
 impl Message for Step {
-    type Result = ();
-}
-
-/// Make the next step panic in the middle of the batch (tests of the supervision).
-#[cfg(feature = "fault-injection")]
-pub struct PanicMidBatch;
-
-#[cfg(feature = "fault-injection")]
-impl Message for PanicMidBatch {
     type Result = ();
 }
 
@@ -323,25 +270,6 @@ impl Handler<PanicMidBatch> for Engine {
     }
 }
 
-/// The async side's handle on the engine actor (cheap to clone).
-#[derive(Clone)]
-pub struct EngineHandle {
-    addr: Addr<Engine>,
-    status: Arc<Mutex<EngineStatus>>,
-    steps: StepSamples,
-    pending_submits: Arc<AtomicUsize>,
-    capacity: usize,
-}
-
-/// Waits until the engine has drained (its running jobs finished after `begin_shutdown`).
-pub struct EngineDrained(watch::Receiver<bool>);
-
-impl EngineDrained {
-    pub async fn wait(mut self) {
-        let _ = self.0.wait_for(|drained| *drained).await;
-    }
-}
-
 /// Start the engine actor. `command_capacity` bounds the submits not yet taken.
 pub fn spawn_engine(
     model: EngineModel,
@@ -387,84 +315,6 @@ pub fn spawn_engine(
         let stepper = stepper.lock().unwrap_or_else(|p| p.into_inner()).take();
         Engine::new(carry, shared.clone(), stepper)
     });
-    let handle = EngineHandle {
-        addr,
-        status,
-        steps,
-        pending_submits,
-        capacity: command_capacity.max(1),
-    };
-    Ok((handle, EngineDrained(drained_rx)))
-}
-
-impl EngineHandle {
-    /// Queue a job. Fails fast when `command_capacity` submits are already on their way to
-    /// the engine (it is saturated).
-    pub async fn submit(&self, job: EngineJob, span: Span) -> Result<u32, SubmitError> {
-        if self.pending_submits.fetch_add(1, Ordering::SeqCst) >= self.capacity {
-            self.pending_submits.fetch_sub(1, Ordering::SeqCst);
-            return Err(SubmitError::QueueFull(self.capacity));
-        }
-        let msg = Submit {
-            job: Box::new(job),
-            span,
-        };
-        match self.addr.send(msg).await {
-            Ok(answer) => answer,
-            Err(_) => Err(SubmitError::ShuttingDown),
-        }
-    }
-
-    /// Run `work` on the engine thread at its next step boundary (see [`RunInline`]); returns
-    /// the queue position of the job it produced, if any.
-    pub async fn run_inline(
-        &self,
-        work: InlineWork,
-        span: Span,
-    ) -> Result<Option<u32>, SubmitError> {
-        match self.addr.send(RunInline { work, span }).await {
-            Ok(answer) => answer,
-            Err(_) => Err(SubmitError::ShuttingDown),
-        }
-    }
-
-    /// Install (`Some`) or remove (`None`) the [`EventTap`]; returns once the engine has it.
-    pub async fn set_event_tap(&self, tap: Option<EventTap>) -> Result<(), SubmitError> {
-        self.addr
-            .send(SetEventTap(tap))
-            .await
-            .map_err(|_| SubmitError::ShuttingDown)
-    }
-
-    pub async fn cancel(&self, job_id: String, span: Span) {
-        if self.addr.send(Cancel { job_id, span }).await.is_err() {
-            tracing::debug!("cancel after engine exit ignored");
-        }
-    }
-
-    /// Ask the engine to stop; returns the queued jobs it had not started (to hand back). The
-    /// engine finishes its running jobs (see [`EngineDrained::wait`]).
-    pub async fn begin_shutdown(&self) -> Vec<DenoiseJob> {
-        let span = Span::current();
-        self.addr
-            .send(BeginShutdown { span })
-            .await
-            .unwrap_or_default()
-    }
-
-    /// Make the engine's next step panic mid-batch (tests of its supervision).
-    #[cfg(feature = "fault-injection")]
-    pub async fn panic_mid_batch(&self) {
-        let _ = self.addr.send(PanicMidBatch).await;
-    }
-
-    pub fn status(&self) -> EngineStatus {
-        self.status.lock().map(|s| s.clone()).unwrap_or_default()
-    }
-
-    /// The batched steps run since the last call (at most
-    /// [`crate::step_samples::KEPT_STEPS`], the latest).
-    pub fn take_step_samples(&self) -> Vec<StepSample> {
-        self.steps.take()
-    }
+    let handle = EngineHandle::new(addr, status, steps, pending_submits, command_capacity);
+    Ok((handle, EngineDrained::new(drained_rx)))
 }

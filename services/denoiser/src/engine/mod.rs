@@ -35,14 +35,15 @@ use tracing::Span;
 mod actor;
 mod control;
 mod elastic;
+mod handle;
 mod lora_steps;
 mod step;
 mod types;
+pub use actor::spawn_engine;
 #[cfg(feature = "fault-injection")]
-pub use actor::PanicMidBatch;
-pub use actor::{
-    spawn_engine, BeginShutdown, Cancel, EngineDrained, EngineHandle, RunInline, SetEventTap,
-    Submit,
+pub use handle::PanicMidBatch;
+pub use handle::{
+    BeginShutdown, Cancel, EngineDrained, EngineHandle, RunInline, SetEventTap, Submit,
 };
 pub use types::{
     Batching, EngineConfig, EngineEvent, EngineJob, EngineJobError, EngineStatus, EventTap,
