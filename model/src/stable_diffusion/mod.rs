@@ -52,6 +52,8 @@ struct SecondEncoder {
 }
 
 pub struct SdPipeline {
+    /// `model_index.json`'s `_class_name` (one of [`PIPELINE_CLASSES`]).
+    pub class: String,
     text: TextSide,
     pub unet: UNet2DConditionModel,
     pub vae: AutoencoderKL,
@@ -120,6 +122,7 @@ impl SdPipeline {
             &dir.join("scheduler").join("scheduler_config.json"),
         )?;
         Ok(Self {
+            class: index.class,
             text,
             unet: UNet2DConditionModel::load(&dir.join("unet"), device, kind)?,
             vae: AutoencoderKL::load(&dir.join("vae"), device, kind)?,

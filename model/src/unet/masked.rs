@@ -115,8 +115,16 @@ impl UNetTemplateCache {
 
     /// Rows `start..start + len` alone (one request's rows of a batch's capture).
     pub fn narrow_rows(&self, start: i64, len: i64) -> Result<Self> {
-        let narrow =
-            |t: &Tensor| -> Result<Tensor> { Ok(t.f_narrow(0, start, len)?.f_contiguous()?) };
+        self.map(|t| Ok(t.f_narrow(0, start, len)?.f_contiguous()?))
+    }
+
+    /// The cache on `device` (a decoded cache comes to the host first).
+    pub fn to_device(&self, device: tch::Device) -> Result<Self> {
+        self.map(|t| Ok(t.f_to_device(device)?))
+    }
+
+    /// Every cached tensor through `f`.
+    fn map(&self, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
         Ok(Self {
             transformers: self
                 .transformers
@@ -126,9 +134,9 @@ impl UNetTemplateCache {
                         kv: c
                             .kv
                             .iter()
-                            .map(|(k, v)| Ok((narrow(k)?, narrow(v)?)))
+                            .map(|(k, v)| Ok((f(k)?, f(v)?)))
                             .collect::<Result<_>>()?,
-                        out: narrow(&c.out)?,
+                        out: f(&c.out)?,
                     })
                 })
                 .collect::<Result<_>>()?,

@@ -18,11 +18,13 @@ pub mod service;
 pub mod sickness;
 pub mod step_samples;
 pub mod templates;
+pub mod unet_engine;
 pub mod warming;
 
 #[cfg(test)]
 mod gpu_checks;
 mod job_inputs;
+mod loading;
 
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_shared::process::config::duration;
@@ -30,6 +32,7 @@ use diffmesh_shared::process::health::{HealthServer, Readiness};
 use diffmesh_shared::stores::blob_store::BlobStore;
 use diffmesh_shared::{CommonConfig, MeshError};
 use engine::{spawn_engine, EngineConfig, EngineDrained};
+use loading::{load_model, Loaded};
 use service::Service;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -51,8 +54,9 @@ pub struct DenoiserConfig {
     /// Unique id of this worker in the mesh (default: hostname and process id).
     #[arg(long, env = "DENOISER_WORKER_ID")]
     pub worker_id: Option<String>,
-    /// Diffusers-format model directory (relative paths are tried from the working directory,
-    /// then from the repository root).
+    /// Diffusers-format model directory: FLUX.1 layout, the tiny model, or an SD 2.x / SDXL
+    /// pipeline (served by the UNet engine); relative paths are tried from the working directory,
+    /// then from the repository root.
     #[arg(long, env = "DENOISER_MODEL_DIR", default_value = "weights/tiny")]
     pub model_dir: PathBuf,
     /// Model id announced in heartbeats (default: the model directory's name).
@@ -479,46 +483,24 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
             .map(|n| n.to_string_lossy().to_string())
             .unwrap_or_else(|| "model".into())
     });
-    let load_dir = dir.clone();
-    let id = model_id.clone();
-    let (size, max_model_pixels) = (config.default_resolution, config.max_model_pixels);
-    let controlnet_dir = config.controlnet_dir.clone();
-    let model = tokio::task::spawn_blocking(move || {
-        model::EngineModel::load(&load_dir, device, kind, id, size).map(|mut m| {
-            m.controlnet_dir = controlnet_dir;
-            m.limit_model_pixels(max_model_pixels);
-            m
-        })
-    })
-    .await
-    .map_err(|e| DenoiserError::Thread(std::io::Error::other(e.to_string())))?
-    .map_err(|source| DenoiserError::Model {
-        dir: dir.clone(),
-        source,
-    })?;
-    tracing::info!(model = %model_id, dir = %dir.display(), ?device, ?kind, "model loaded");
-    let mut model = model;
-    if let Some(settings) = config.elastic_settings(model.card.geometry.default_width)? {
-        let ranks_dir = dir.clone();
-        model = tokio::task::spawn_blocking(move || {
-            model.start_ranks(&ranks_dir, &settings).map(|()| model)
-        })
-        .await
-        .map_err(|e| DenoiserError::Thread(std::io::Error::other(e.to_string())))?
-        .map_err(DenoiserError::Ranks)?;
-    }
-    let gpu_copy = model.gpu_copy.clone();
+    let mut loaded = load_model(&config, &dir, device, kind, &model_id).await?;
+    let gpu_copy = match &loaded {
+        Loaded::Flux(model) => model.gpu_copy.clone(),
+        Loaded::Unet(_) => None,
+    };
 
     let registry = prometheus::Registry::new();
     let metrics = metrics::DenoiserMetrics::new(&registry)?;
-    if let Some(r) = &model.ranks {
-        metrics.elastic.ranks.set(r.pool.size() as i64);
-    }
-    for (component, bytes) in model.model.resident_bytes() {
-        metrics
-            .model_resident_bytes
-            .with_label_values(&[&model_id, component])
-            .set(bytes as i64);
+    if let Loaded::Flux(model) = &loaded {
+        if let Some(r) = &model.ranks {
+            metrics.elastic.ranks.set(r.pool.size() as i64);
+        }
+        for (component, bytes) in model.model.resident_bytes() {
+            metrics
+                .model_resident_bytes
+                .with_label_values(&[&model_id, component])
+                .set(bytes as i64);
+        }
     }
     // The ControlNets served from its folder are exported (at 0, free until one runs) before
     // a steered job measures them.
@@ -602,7 +584,10 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let background = CancellationToken::new();
     let mut follow_workers = None;
     let mut controlnet_workers = None;
-    if config.controlnet_remote != controlnet_service::RemoteMode::Off {
+    if let (Loaded::Flux(model), true) = (
+        &mut loaded,
+        config.controlnet_remote != controlnet_service::RemoteMode::Off,
+    ) {
         // A worker is gone after 4 missed heartbeats (at the period its heartbeats give).
         let workers = controlnet_service::ControlNetWorkers::new(4);
         controlnet_workers = Some(workers.clone());
@@ -623,21 +608,37 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
             },
         ));
     }
-    let card = model.card.clone();
-    // Text encoding runs on the prompt stage's thread; the engine keeps a stand-in.
-    let prompt_stage = prompt_stage::PromptStageHandle::start(
-        prompt_stage::split_text_encoder(&mut model),
-        model_id.clone(),
-        config.prompt_cache_bytes,
-    );
-    let (engine, engine_drained) = spawn_engine(
-        model,
-        engine_config,
-        config.command_capacity,
-        events_tx,
-        Some(metrics.clone()),
-    )
-    .map_err(DenoiserError::Thread)?;
+    let (card, prompt_stage, spawned) = match loaded {
+        Loaded::Flux(mut model) => {
+            let card = model.card.clone();
+            // Text encoding runs on the prompt stage's thread; the engine keeps a stand-in.
+            let prompt_stage = prompt_stage::PromptStageHandle::start(
+                prompt_stage::split_text_encoder(&mut model),
+                model_id.clone(),
+                config.prompt_cache_bytes,
+            );
+            let spawned = spawn_engine(
+                *model,
+                engine_config,
+                config.command_capacity,
+                events_tx,
+                Some(metrics.clone()),
+            );
+            (card, Some(prompt_stage), spawned)
+        }
+        Loaded::Unet(model) => {
+            let card = model.card.clone();
+            let spawned = unet_engine::spawn_unet_engine(
+                model,
+                engine_config,
+                config.command_capacity,
+                events_tx,
+                Some(metrics.clone()),
+            );
+            (card, None, spawned)
+        }
+    };
+    let (engine, engine_drained) = spawned.map_err(DenoiserError::Thread)?;
     let service = Arc::new(Service::new(service::ServiceParts {
         client: client.clone(),
         blobs,
@@ -650,7 +651,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         templates,
         loras,
         controlnet_workers,
-        prompt_stage: Some(prompt_stage),
+        prompt_stage,
         device_memory,
     }));
     let intake = CancellationToken::new();

@@ -162,7 +162,12 @@ pub struct EditInputs {
 
 /// Resolution a job runs at: what the codec prepared, else the model's announced default.
 pub fn job_resolution(job: &DenoiseJob, model: &EngineModel) -> (i64, i64) {
-    let g = &model.card.geometry;
+    job_resolution_of(job, &model.card)
+}
+
+/// Resolution a job runs at on a model announced as `card`.
+pub fn job_resolution_of(job: &DenoiseJob, card: &ModelCard) -> (i64, i64) {
+    let g = &card.geometry;
     let or_default =
         |prepared: u32, default: u32| i64::from(if prepared > 0 { prepared } else { default });
     (

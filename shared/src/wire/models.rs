@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 pub struct ModelCard {
     /// The id requests name (`model`): `--model-id`, else the model folder's name.
     pub id: String,
-    /// `flux.1` for the FLUX.1 family in the diffusers layout, `tiny` for diffmesh's own.
+    /// `flux.1` for the FLUX.1 family in the diffusers layout, `tiny` for diffmesh's own, `sd`
+    /// (SD 1.x/2.x) and `sdxl` for the UNet family.
     pub family: String,
     /// The diffusers pipeline class in `model_index.json` (`FluxPipeline`, `FluxFillPipeline`).
     pub pipeline: String,

@@ -127,7 +127,7 @@ pub enum EngineJobError {
 }
 
 impl EngineJobError {
-    pub(super) fn from_model(e: ModelError) -> Self {
+    pub(crate) fn from_model(e: ModelError) -> Self {
         match e {
             ModelError::Input { .. } => EngineJobError::Input(e.to_string()),
             other => EngineJobError::Model(other.to_string()),

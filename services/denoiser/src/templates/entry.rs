@@ -29,7 +29,9 @@ impl TemplateEntry {
             ));
         }
         let mut ranges = Vec::with_capacity(steps.len());
-        let mut first: Option<BlobHeader> = None;
+        // Block `b` of every step has the first step's block `b` shape; all share one format
+        // and dtype (a UNet's blocks differ in shape level by level, a Flux model's do not).
+        let mut first_step: Vec<BlobHeader> = Vec::new();
         for (s, entry) in steps.iter().enumerate() {
             let r = step_block_ranges(entry).map_err(|e| format!("step {s}: {e}"))?;
             if r.len() != meta.blocks as usize {
@@ -42,19 +44,27 @@ impl TemplateEntry {
             for (b, range) in r.iter().enumerate() {
                 let h = read_header(&entry[range.clone()])
                     .map_err(|e| format!("step {s} block {b}: {e}"))?;
-                match first {
-                    None => first = Some(h),
-                    Some(f) if f == h => {}
-                    Some(f) => {
-                        return Err(format!(
-                            "step {s} block {b}: {h:?} differs from the first block's {f:?}"
-                        ))
+                let like = if s == 0 {
+                    first_step.push(h);
+                    first_step.first()
+                } else {
+                    first_step.get(b)
+                };
+                if let Some(f) = like.filter(|&&f| {
+                    if s == 0 {
+                        (f.format, f.dtype) != (h.format, h.dtype)
+                    } else {
+                        f != h
                     }
+                }) {
+                    return Err(format!(
+                        "step {s} block {b}: {h:?} does not match the first step's {f:?}"
+                    ));
                 }
             }
             ranges.push(r);
         }
-        let format = first.map(|h| h.format).unwrap_or_default();
+        let format = first_step.first().map(|h| h.format).unwrap_or_default();
         Ok(Self {
             meta,
             format,
@@ -223,6 +233,32 @@ mod tests {
         assert!(TemplateEntry::new(meta, e.step_entries().to_vec()).is_err());
         let damaged = vec![bytes::Bytes::from_static(b"DMST\x01\x00\x00\x00"); 3];
         assert!(TemplateEntry::new(e.meta.clone(), damaged).is_err());
+    }
+
+    #[test]
+    fn blocks_differ_in_shape_by_index_never_by_step() {
+        let block = |rows: i64, dtype| {
+            let t = Tensor::ones([rows, 8], (Kind::Float, Device::Cpu));
+            encode_block(&t, &t, KvFormat::Raw, dtype).unwrap()
+        };
+        let step = |a, b, dtype| bytes::Bytes::from(pack_step(&[block(a, dtype), block(b, dtype)]));
+        let meta = CacheMeta {
+            cache_key: "unet".into(),
+            steps: 2,
+            blocks: 2,
+            bytes: 0,
+            format: "raw".into(),
+            dtype: "f32".into(),
+        };
+        let f32 = CacheDtype::F32;
+        // A UNet's levels: blocks of different shapes within a step.
+        assert!(TemplateEntry::new(meta.clone(), vec![step(4, 2, f32), step(4, 2, f32)]).is_ok());
+        let err =
+            TemplateEntry::new(meta.clone(), vec![step(4, 2, f32), step(4, 3, f32)]).unwrap_err();
+        assert!(err.contains("step 1 block 1"), "{err}");
+        let mixed = bytes::Bytes::from(pack_step(&[block(4, f32), block(2, CacheDtype::Bf16)]));
+        let err = TemplateEntry::new(meta, vec![mixed.clone(), mixed]).unwrap_err();
+        assert!(err.contains("step 0 block 1"), "{err}");
     }
 
     #[test]

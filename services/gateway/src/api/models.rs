@@ -33,9 +33,9 @@ pub struct ModelView {
 /// A model's announcement, as clients read it.
 #[derive(Debug, Serialize, ToSchema, PartialEq)]
 pub struct CardView {
-    /// `flux.1` or `tiny`.
+    /// `flux.1`, `tiny`, `sd` (SD 1.x/2.x) or `sdxl`.
     pub family: String,
-    /// The diffusers pipeline class (`FluxPipeline`, `FluxFillPipeline`).
+    /// The diffusers pipeline class (`FluxPipeline`, `FluxFillPipeline`, `StableDiffusionPipeline`, ...).
     pub pipeline: String,
     /// `fixed`: every image runs at `default_size` and is stretched back; `scaled`: at its own
     /// size in whole tokens, scaled down to at most `max_pixels`.

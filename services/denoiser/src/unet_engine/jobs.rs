@@ -1,0 +1,328 @@
+//! A UNet-family model as the engine holds it, what its heartbeats announce, and the
+//! conversions of wire jobs into Stable Diffusion states, of captures into template caches of
+//! the tiers' block codec and back.
+use crate::model::{job_resolution_of, rgb_to_tensor, EditInputs};
+use crate::templates::TemplateEntry;
+use diffmesh_model::flux::kv_codec::CacheDtype;
+use diffmesh_model::pipeline::noise::seeded_noise;
+use diffmesh_model::stable_diffusion::inpaint::InpaintInputs;
+use diffmesh_model::stable_diffusion::stepper::SdState;
+use diffmesh_model::stable_diffusion::template::SdTemplate;
+use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
+use diffmesh_model::tch::{Device, Kind, Tensor};
+use diffmesh_model::unet::cache_codec::{decode_step, encode_step};
+use diffmesh_model::ModelError;
+use diffmesh_shared::wire::messages::{DenoiseJob, JobKind, TemplateRef};
+use diffmesh_shared::wire::models::{ModelCard, ModelFeatures, ModelGeometry, Resolution};
+use diffmesh_shared::wire::templates::{pack_step, CacheMeta};
+use std::path::Path;
+use std::sync::Arc;
+
+/// CLIP's context: every prompt of the family is padded or cut to 77 tokens.
+const CLIP_TOKENS: u32 = 77;
+
+/// A loaded UNet pipeline plus what the engine announces about it.
+pub struct UnetModel {
+    pub pipeline: SdPipeline,
+    pub model_id: String,
+    pub card: ModelCard,
+}
+
+impl UnetModel {
+    pub fn load(
+        dir: &Path,
+        device: Device,
+        kind: Kind,
+        model_id: String,
+        default_size: Option<i64>,
+    ) -> Result<Self, ModelError> {
+        let pipeline = SdPipeline::load(dir, device, kind)?;
+        let card = announce(&pipeline, &model_id, default_size);
+        Ok(Self {
+            pipeline,
+            model_id,
+            card,
+        })
+    }
+}
+
+/// What the denoiser announces about a UNet pipeline: any size up to `max_pixels` in whole
+/// tokens, a token being the pixels one latent pixel of the UNet's coarsest level covers (so a
+/// token mask is exact at every level, and every size the codec rounds to runs); the default
+/// size is diffusers' (`unet.sample_size` latents), or `default_size`. Template edits and
+/// plain inpainting run; LoRAs, ControlNets and fills are not served for this family yet.
+pub fn announce(pipeline: &SdPipeline, id: &str, default_size: Option<i64>) -> ModelCard {
+    let factor = pipeline.vae.config.downscale_factor().max(1);
+    let levels = pipeline.unet.config.block_out_channels.len().max(1) as u32;
+    // SD's sizes are multiples of 8 whatever the VAE (diffusers checks the same).
+    let token_pixels = (factor as u32 * (1 << (levels - 1))).max(8);
+    let sample = pipeline
+        .unet
+        .config
+        .sample_size
+        .as_ref()
+        .and_then(|v| v.as_i64().or_else(|| v.get(0).and_then(|s| s.as_i64())))
+        .unwrap_or(64);
+    let size = default_size.unwrap_or(sample * factor).max(1) as u32;
+    ModelCard {
+        id: id.to_string(),
+        family: if pipeline.is_xl() { "sdxl" } else { "sd" }.into(),
+        pipeline: pipeline.class.clone(),
+        geometry: ModelGeometry {
+            token_pixels,
+            resolution: Resolution::Scaled {
+                max_pixels: crate::model::DEFAULT_MAX_MODEL_PIXELS,
+            },
+            default_width: size,
+            default_height: size,
+        },
+        features: ModelFeatures {
+            edit: true,
+            fill: false,
+            controlnet: false,
+            lora: false,
+            true_cfg: false,
+            guidance_embeds: false,
+            max_sequence_length: CLIP_TOKENS,
+        },
+    }
+}
+
+/// Template UNet rows of a capture with `guidance_scale` (both branches when guided).
+fn template_rows(t: &TemplateRef) -> i64 {
+    if t.guidance_scale > 1.0 {
+        2
+    } else {
+        1
+    }
+}
+
+/// The pixel mask `[1, 1, H, W]` (1 = repaint) of a token mask over the model resolution.
+fn pixel_mask(
+    token_mask: &[u8],
+    job: &DenoiseJob,
+    card: &ModelCard,
+    height: i64,
+    width: i64,
+) -> Result<Tensor, ModelError> {
+    let t = i64::from(card.geometry.token_pixels.max(1));
+    let (rows, cols) = (height / t, width / t);
+    if token_mask.len() as i64 != rows * cols || rows * t != height || cols * t != width {
+        return Err(ModelError::input(
+            "inputs.token_mask_key",
+            format!(
+                "{} tokens for {height}x{width} pixels in {t}-pixel tokens (job {})",
+                token_mask.len(),
+                job.job_id
+            ),
+        ));
+    }
+    Ok(Tensor::from_slice(token_mask)
+        .f_to_kind(Kind::Float)?
+        .f_view([1, 1, rows, cols])?
+        .f_upsample_nearest2d([height, width], None, None)?)
+}
+
+/// The states of a job's images (image `i` seeded with `seed + i`): a generation; an edit, as
+/// SD inpainting at strength 1 whose latents carry the template's noise outside the mask when
+/// it edits a registered template; mask-aware on `template` (its decoded cache) when given.
+pub fn job_states(
+    job: &DenoiseJob,
+    edit: Option<&EditInputs>,
+    template: Option<&Arc<SdTemplate>>,
+    model: &UnetModel,
+) -> Result<Vec<SdState>, ModelError> {
+    let p = &job.params;
+    if p.n == 0 {
+        return Err(ModelError::input("params.n", "must be at least 1"));
+    }
+    if let Some(c) = &p.controlnet {
+        return Err(ModelError::input(
+            "params.controlnet",
+            format!(
+                "{} is a UNet model: ControlNet {} is not served on it",
+                model.model_id, c.name
+            ),
+        ));
+    }
+    if !p.loras.is_empty() {
+        return Err(ModelError::input(
+            "params.loras",
+            format!(
+                "{} is a UNet model: LoRAs are not served on it",
+                model.model_id
+            ),
+        ));
+    }
+    let (height, width) = job_resolution_of(job, &model.card);
+    let request = SdRequest {
+        prompt: p.prompt.clone(),
+        negative_prompt: p.true_cfg.as_ref().map(|c| c.negative_prompt.clone()),
+        height,
+        width,
+        steps: p.num_inference_steps as usize,
+        guidance_scale: f64::from(p.guidance_scale),
+        scheduler: None,
+    };
+    let pipe = &model.pipeline;
+    let shape = latent_shape(pipe, height, width);
+    let inpaint = match job.kind {
+        JobKind::Generate => None,
+        JobKind::Capture => {
+            return Err(ModelError::input(
+                "kind",
+                "a capture job is not a denoising request",
+            ))
+        }
+        JobKind::Edit => {
+            let e = edit.ok_or_else(|| {
+                ModelError::input(
+                    "inputs.image_key",
+                    "an edit needs the prepared template and token mask",
+                )
+            })?;
+            let image = rgb_to_tensor(&e.template_rgb, height, width, "inputs.image_key")?;
+            let mask = pixel_mask(&e.token_mask, job, &model.card, height, width)?;
+            Some((image, mask))
+        }
+    };
+    let (device, _) = pipe.unet.device_kind();
+    let template_noise = match (&inpaint, &job.template) {
+        (Some(_), Some(t)) => Some(seeded_noise(t.seed, &shape, device, Kind::Float)?),
+        _ => None,
+    };
+    let mut states = Vec::with_capacity(p.n as usize);
+    for i in 0..p.n {
+        let own = seeded_noise(
+            p.seed.wrapping_add(u64::from(i)),
+            &shape,
+            device,
+            Kind::Float,
+        )?;
+        let state = match &inpaint {
+            None => pipe.prepare(&request, &own, None)?,
+            Some((image, mask)) => {
+                let inputs = InpaintInputs {
+                    image,
+                    mask,
+                    strength: 1.0,
+                };
+                // Outside the mask the template's noise, so the latents there follow its
+                // capture's exactly (cache or not).
+                let latents = match &template_noise {
+                    Some(noise) => {
+                        let m = mask.f_to_device(device)?.f_upsample_nearest2d(
+                            [shape[2], shape[3]],
+                            None,
+                            None,
+                        )?;
+                        noise.f_add(&own.f_sub(noise)?.f_mul(&m)?)?
+                    }
+                    None => own,
+                };
+                match template {
+                    Some(t) => pipe.prepare_edit(&request, &latents, &inputs, t.clone())?,
+                    None => pipe.prepare(&request, &latents, Some(&inputs))?,
+                }
+            }
+        };
+        states.push(state);
+    }
+    Ok(states)
+}
+
+fn latent_shape(pipe: &SdPipeline, height: i64, width: i64) -> [i64; 4] {
+    let f = pipe.vae.config.downscale_factor().max(1);
+    [1, pipe.vae.config.latent_channels, height / f, width / f]
+}
+
+/// The capture of a `Capture` job: its template image under the template's prompt, seed,
+/// steps and guidance, run as inpainting at strength 1 that repaints nothing.
+pub fn capture_state(
+    job: &DenoiseJob,
+    edit: Option<&EditInputs>,
+    model: &UnetModel,
+) -> Result<SdState, ModelError> {
+    let t = job
+        .template
+        .as_ref()
+        .ok_or_else(|| ModelError::input("template", "a capture job names its template"))?;
+    let e = edit.ok_or_else(|| {
+        ModelError::input(
+            "inputs.image_key",
+            "a capture job needs the prepared template",
+        )
+    })?;
+    let (height, width) = job_resolution_of(job, &model.card);
+    let pipe = &model.pipeline;
+    let request = SdRequest {
+        prompt: t.prompt.clone(),
+        negative_prompt: None,
+        height,
+        width,
+        steps: t.steps as usize,
+        guidance_scale: f64::from(t.guidance_scale),
+        scheduler: None,
+    };
+    let (device, _) = pipe.unet.device_kind();
+    let noise = seeded_noise(
+        t.seed,
+        &latent_shape(pipe, height, width),
+        device,
+        Kind::Float,
+    )?;
+    let image = rgb_to_tensor(&e.template_rgb, height, width, "inputs.image_key")?;
+    pipe.prepare_capture(&request, &noise, &image, 1.0)
+}
+
+/// A finished capture as a cache of the tiers: one step entry per step, each the UNet blocks
+/// of `encode_step` in `dtype`.
+pub fn capture_entry(
+    template: &SdTemplate,
+    cache_key: String,
+    dtype: CacheDtype,
+) -> Result<TemplateEntry, String> {
+    let mut steps = Vec::with_capacity(template.steps.len());
+    let mut blocks = 0;
+    for (s, cache) in template.steps.iter().enumerate() {
+        let cache = cache
+            .as_ref()
+            .ok_or_else(|| format!("the capture recorded nothing at step {s}"))?;
+        let encoded = encode_step(cache, dtype).map_err(|e| e.to_string())?;
+        blocks = encoded.len();
+        steps.push(bytes::Bytes::from(pack_step(&encoded)));
+    }
+    let meta = CacheMeta {
+        cache_key,
+        steps: steps.len() as u32,
+        blocks: blocks as u32,
+        bytes: steps.iter().map(|s| s.len() as u64).sum(),
+        format: "raw".into(),
+        dtype: dtype.as_str().into(),
+    };
+    TemplateEntry::new(meta, steps)
+}
+
+/// A template cache of the tiers as the UNet's template, on the model's device in its dtype.
+pub fn entry_template(
+    entry: &TemplateEntry,
+    template: &TemplateRef,
+    pipe: &SdPipeline,
+) -> Result<SdTemplate, ModelError> {
+    let layers = pipe.unet.transformer_layers();
+    let (device, kind) = pipe.unet.device_kind();
+    let rows = template_rows(template);
+    let mut steps = Vec::with_capacity(entry.steps());
+    for s in 0..entry.steps() {
+        let blocks: Vec<&[u8]> = (0..entry.blocks())
+            .map(|b| entry.block(s, b).unwrap_or_default())
+            .collect();
+        let cache = decode_step(&blocks, &layers, rows, kind)?;
+        steps.push(Some(if device == Device::Cpu {
+            cache
+        } else {
+            cache.to_device(device)?
+        }));
+    }
+    Ok(SdTemplate { steps, rows })
+}

@@ -1,0 +1,440 @@
+//! The engine of a UNet-family model (SD 2.x, SDXL: `diffmesh_model::stable_diffusion`), the
+//! Flux engine's counterpart behind the same [`crate::engine::EngineHandle`], messages and
+//! events, so the service, router and gateway serve it unchanged.
+//!
+//! Every iteration: drop cancelled jobs, admit waiting jobs up to `max_batch` rows (a template
+//! edit waits for its cache fetch), step every active job's states at their own step indices,
+//! one batched UNet forward per group of the same latent size and kind (mask-aware edits batch
+//! with edits: a batch mixing them with full rows would pad every row to every token), and
+//! retire finished jobs as RGB images or, for captures, as template caches in the tiers' codec.
+//! A failed batched step is retried job by job, so one bad job fails alone.
+use crate::engine::{EngineConfig, EngineEvent, EngineJob, EngineJobError, EngineStatus};
+use crate::engine::{EventTap, SubmitError};
+use crate::metrics::DenoiserMetrics;
+use crate::model::{job_resolution_of, tensor_to_rgb};
+use diffmesh_model::pipeline::noise::seeded_noise;
+use diffmesh_model::stable_diffusion::stepper::SdState;
+use diffmesh_model::stable_diffusion::template::SdTemplate;
+use diffmesh_model::tch::Kind;
+use diffmesh_model::ModelError;
+use diffmesh_shared::panic_message;
+use diffmesh_shared::wire::messages::{DenoiseJob, RunningJob};
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tracing::Span;
+
+mod actor;
+pub mod jobs;
+
+pub use actor::spawn_unet_engine;
+pub use jobs::UnetModel;
+
+/// How long the loop sleeps when every job waits on another thread (a template fetch).
+const IDLE_POLL: Duration = Duration::from_millis(1);
+
+struct Active {
+    job: DenoiseJob,
+    span: Span,
+    states: Vec<SdState>,
+    /// Per state, the seed its ancestral noise derives from.
+    seeds: Vec<u64>,
+    cancelled: bool,
+    failed: Option<EngineJobError>,
+    /// A capture job: its cache key and start.
+    capture: Option<(String, Instant)>,
+    /// Mask-aware (edits batch with edits only).
+    masked: bool,
+}
+
+impl Active {
+    fn rows(&self) -> usize {
+        self.states.iter().map(|s| s.rows() as usize).sum()
+    }
+
+    fn done(&self) -> bool {
+        self.states.iter().all(SdState::done)
+    }
+}
+
+pub struct UnetEngine {
+    model: UnetModel,
+    config: EngineConfig,
+    events: Option<mpsc::Sender<EngineEvent>>,
+    shared: Arc<actor::Shared>,
+    waiting: VecDeque<(EngineJob, Span)>,
+    active: Vec<Active>,
+    /// The template decoded last, by cache key (consecutive edits of one template share it).
+    decoded: Option<(String, Arc<SdTemplate>)>,
+    shutting_down: bool,
+    tap: Option<EventTap>,
+    step_queued: bool,
+    #[cfg(feature = "fault-injection")]
+    panic_mid_batch: bool,
+}
+
+impl UnetEngine {
+    fn metrics(&self) -> Option<&DenoiserMetrics> {
+        self.shared.metrics.as_ref()
+    }
+
+    /// One step-loop iteration; whether any state stepped.
+    fn iterate(&mut self) -> bool {
+        self.drop_cancelled();
+        self.admit();
+        #[cfg(feature = "fault-injection")]
+        if std::mem::take(&mut self.panic_mid_batch) && !self.active.is_empty() {
+            panic!("injected: the engine panics mid-batch");
+        }
+        let stepped = self.step();
+        self.retire();
+        self.publish_status();
+        stepped
+    }
+
+    fn emit(&self, event: EngineEvent) {
+        if let Some(tap) = &self.tap {
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| tap(&event))) {
+                tracing::warn!(panic = %panic_message(p), "event tap panicked");
+            }
+        }
+        let Some(events) = &self.events else {
+            tracing::debug!("engine event dropped: the engine has drained");
+            return;
+        };
+        if events.blocking_send(event).is_err() {
+            tracing::debug!("engine event dropped: receiver gone");
+        }
+    }
+
+    fn fail(&self, job: DenoiseJob, error: EngineJobError, span: Span) {
+        {
+            let _e = span.enter();
+            tracing::warn!(job_id = %job.job_id, %error, "job failed in the engine");
+        }
+        if let Some(m) = self.metrics() {
+            m.failures.with_label_values(&[error.reason()]).inc();
+        }
+        self.emit(EngineEvent::Failed { job, error, span });
+    }
+
+    fn enqueue(&mut self, job: EngineJob, span: Span) -> Result<u32, SubmitError> {
+        let id = &job.job.job_id;
+        if self.shutting_down {
+            Err(SubmitError::ShuttingDown)
+        } else if self.waiting.iter().any(|(j, _)| &j.job.job_id == id)
+            || self.active.iter().any(|a| &a.job.job_id == id)
+        {
+            Err(SubmitError::Duplicate(id.clone()))
+        } else if self.waiting.len() >= self.config.max_queue {
+            Err(SubmitError::QueueFull(self.config.max_queue))
+        } else {
+            self.waiting.push_back((job, span));
+            Ok(self.waiting.len() as u32)
+        }
+    }
+
+    fn cancel(&mut self, job_id: String, span: Span) {
+        let _e = span.enter();
+        if let Some(pos) = self
+            .waiting
+            .iter()
+            .position(|(j, _)| j.job.job_id == job_id)
+        {
+            self.waiting.remove(pos);
+            self.emit(EngineEvent::Cancelled { job_id });
+        } else if let Some(a) = self.active.iter_mut().find(|a| a.job.job_id == job_id) {
+            a.cancelled = true;
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        let (cancelled, keep): (Vec<Active>, Vec<Active>) =
+            self.active.drain(..).partition(|a| a.cancelled);
+        self.active = keep;
+        for a in cancelled {
+            self.emit(EngineEvent::Cancelled {
+                job_id: a.job.job_id,
+            });
+        }
+    }
+
+    /// Admit waiting jobs in arrival order while their rows fit `max_batch` (a job larger than
+    /// the batch runs alone); a job whose template cache is still being fetched is passed over.
+    fn admit(&mut self) {
+        let mut rows: usize = self.active.iter().map(Active::rows).sum();
+        let mut queue = std::mem::take(&mut self.waiting);
+        while let Some(pos) = queue
+            .iter()
+            .position(|(j, _)| j.template.as_ref().is_none_or(|s| s.get().is_some()))
+        {
+            let n = queue[pos].0.job.params.batch_rows() as usize;
+            if rows > 0 && rows + n > self.config.max_batch {
+                break;
+            }
+            let Some((job, span)) = queue.remove(pos) else {
+                break;
+            };
+            rows += n;
+            self.start(job, span);
+        }
+        self.waiting = queue;
+    }
+
+    fn start(&mut self, job: EngineJob, span: Span) {
+        let prepared = {
+            let _e = span.enter();
+            catch_unwind(AssertUnwindSafe(|| self.prepare(&job)))
+        };
+        match prepared {
+            Ok(Ok((states, masked))) => {
+                self.emit(EngineEvent::Started {
+                    job_id: job.job.job_id.clone(),
+                });
+                let seeds = (0..states.len() as u64)
+                    .map(|i| job.job.params.seed.wrapping_add(i))
+                    .collect();
+                self.active.push(Active {
+                    capture: job.capture_key.map(|key| (key, Instant::now())),
+                    job: job.job,
+                    span,
+                    states,
+                    seeds,
+                    cancelled: false,
+                    failed: None,
+                    masked,
+                });
+            }
+            Ok(Err(e)) => self.fail(job.job, EngineJobError::from_model(e), span),
+            Err(p) => self.fail(job.job, EngineJobError::Panic(panic_message(p)), span),
+        }
+    }
+
+    /// A job's states, and whether they are mask-aware.
+    fn prepare(&mut self, job: &EngineJob) -> Result<(Vec<SdState>, bool), ModelError> {
+        if job.capture_key.is_some() {
+            let state = jobs::capture_state(&job.job, job.edit.as_ref(), &self.model)?;
+            return Ok((vec![state], false));
+        }
+        let entry = job
+            .template
+            .as_ref()
+            .and_then(|s| s.get().cloned().flatten());
+        let template = match (entry, &job.job.template) {
+            (Some(entry), Some(t)) => Some(self.decoded_template(&entry, t)?),
+            _ => None,
+        };
+        let states = jobs::job_states(&job.job, job.edit.as_ref(), template.as_ref(), &self.model)?;
+        Ok((states, template.is_some()))
+    }
+
+    fn decoded_template(
+        &mut self,
+        entry: &crate::templates::TemplateEntry,
+        t: &diffmesh_shared::wire::messages::TemplateRef,
+    ) -> Result<Arc<SdTemplate>, ModelError> {
+        let key = &entry.meta.cache_key;
+        if let Some((k, template)) = &self.decoded {
+            if k == key {
+                return Ok(template.clone());
+            }
+        }
+        let template = Arc::new(jobs::entry_template(entry, t, &self.model.pipeline)?);
+        self.decoded = Some((key.clone(), template.clone()));
+        Ok(template)
+    }
+
+    /// One step of every active job, batched by latent size and kind; whether any stepped.
+    fn step(&mut self) -> bool {
+        let mut groups: Vec<([i64; 2], bool, Vec<usize>)> = Vec::new();
+        for (i, a) in self.active.iter().enumerate() {
+            if a.failed.is_some() || a.done() {
+                continue;
+            }
+            let key = (a.states[0].latent_side(), a.masked);
+            match groups.iter_mut().find(|(side, m, _)| (*side, *m) == key) {
+                Some((_, _, members)) => members.push(i),
+                None => groups.push((key.0, key.1, vec![i])),
+            }
+        }
+        let stepped = !groups.is_empty();
+        for (_, masked, members) in groups {
+            let started = Instant::now();
+            let Err(error) = self.step_jobs(&members) else {
+                self.record_step(&members, masked, started);
+                continue;
+            };
+            if let [only] = members[..] {
+                self.active[only].failed = Some(error);
+                continue;
+            }
+            // Job by job, so the one at fault fails alone.
+            for &i in &members {
+                if let Err(error) = self.step_jobs(&[i]) {
+                    self.active[i].failed = Some(error);
+                }
+            }
+        }
+        for a in &self.active {
+            if a.failed.is_none() {
+                if let Some(s) = a.states.first() {
+                    self.emit(EngineEvent::Step {
+                        job_id: a.job.job_id.clone(),
+                        step: s.next_step() as u32,
+                        total: s.steps() as u32,
+                        ranks: None,
+                    });
+                }
+            }
+        }
+        stepped
+    }
+
+    /// Metrics of a batched step of jobs `members` that began at `started`.
+    fn record_step(&self, members: &[usize], masked: bool, started: Instant) {
+        let Some(m) = self.metrics() else {
+            return;
+        };
+        let rows: usize = members.iter().map(|&i| self.active[i].rows()).sum();
+        m.step_seconds.observe(started.elapsed().as_secs_f64());
+        m.batch_rows.observe(rows as f64);
+        let mode = if masked { "mask_aware" } else { "full" };
+        m.step_rows.with_label_values(&[mode]).inc_by(rows as u64);
+    }
+
+    /// One batched step of the states of jobs `members` (their indices in `active`).
+    fn step_jobs(&mut self, members: &[usize]) -> Result<(), EngineJobError> {
+        if members.is_empty() {
+            return Ok(());
+        }
+        let mut seeds = Vec::new();
+        let mut states: Vec<&mut SdState> = Vec::new();
+        for (i, a) in self.active.iter_mut().enumerate() {
+            if members.contains(&i) {
+                seeds.extend(a.seeds.iter().copied());
+                states.extend(a.states.iter_mut());
+            }
+        }
+        let pipe = &self.model.pipeline;
+        let ran = catch_unwind(AssertUnwindSafe(|| {
+            let mut noise = |i: usize, step: usize, shape: &[i64]| {
+                let (device, _) = pipe.unet.device_kind();
+                // Per image and step, independent of what it is batched with.
+                let seed = seeds[i] ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                seeded_noise(seed, shape, device, Kind::Float)
+            };
+            pipe.step_batch(&mut states, &mut noise)
+        }));
+        match ran {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(EngineJobError::from_model(e)),
+            Err(p) => Err(EngineJobError::Panic(panic_message(p))),
+        }
+    }
+
+    fn retire(&mut self) {
+        let (finished, keep): (Vec<Active>, Vec<Active>) = self
+            .active
+            .drain(..)
+            .partition(|a| a.failed.is_some() || a.done());
+        self.active = keep;
+        for mut a in finished {
+            if let Some(error) = a.failed.take() {
+                self.fail(a.job, error, a.span);
+                continue;
+            }
+            if let Some((key, started)) = a.capture.take() {
+                let dtype = self.config.cache.dtype;
+                let entry = a
+                    .states
+                    .pop()
+                    .and_then(SdState::into_template)
+                    .ok_or_else(|| "the capture left no template".to_string())
+                    .and_then(|t| jobs::capture_entry(&t, key, dtype));
+                match entry {
+                    Ok(entry) => self.emit(EngineEvent::Captured {
+                        job: a.job,
+                        entry: Arc::new(entry),
+                        seconds: started.elapsed().as_secs_f64(),
+                        span: a.span,
+                    }),
+                    Err(e) => self.fail(a.job, EngineJobError::Model(e), a.span),
+                }
+                continue;
+            }
+            let (height, width) = job_resolution_of(&a.job, &self.model.card);
+            let pipe = &self.model.pipeline;
+            let decoded = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<Vec<u8>>, ModelError> {
+                a.states
+                    .iter()
+                    .map(|s| {
+                        // decode gives [0, 1]; the RGB conversion takes [-1, 1].
+                        let image = pipe.decode(s)?.f_mul_scalar(2.0)?.f_sub_scalar(1.0)?;
+                        tensor_to_rgb(&image)
+                    })
+                    .collect()
+            }));
+            match decoded {
+                Ok(Ok(images)) => {
+                    if let Some(m) = self.metrics() {
+                        m.jobs_done.inc();
+                    }
+                    self.emit(EngineEvent::Finished {
+                        job: a.job,
+                        images,
+                        width: width as u32,
+                        height: height as u32,
+                        span: a.span,
+                    });
+                }
+                Ok(Err(e)) => self.fail(a.job, EngineJobError::from_model(e), a.span),
+                Err(p) => self.fail(a.job, EngineJobError::Panic(panic_message(p)), a.span),
+            }
+        }
+    }
+
+    fn publish_status(&self) {
+        let running = self
+            .active
+            .iter()
+            .map(|a| {
+                let s = a.states.first();
+                RunningJob {
+                    job_id: a.job.job_id.clone(),
+                    masked_tokens: a.job.inputs.masked_tokens,
+                    remaining_steps: s.map_or(0, |s| s.steps() - s.next_step()) as u32,
+                    rows: a.rows() as u32,
+                    images: a.states.len() as u32,
+                    control_s: 0.0,
+                }
+            })
+            .collect();
+        let waiting = self
+            .waiting
+            .iter()
+            .map(|(j, _)| RunningJob {
+                job_id: j.job.job_id.clone(),
+                masked_tokens: j.job.inputs.masked_tokens,
+                remaining_steps: j.job.params.num_inference_steps,
+                rows: j.job.params.batch_rows(),
+                images: j.job.params.n.max(1),
+                control_s: 0.0,
+            })
+            .collect();
+        if let Some(m) = self.metrics() {
+            m.queued.set(self.waiting.len() as i64);
+            m.running.set(self.active.len() as i64);
+        }
+        if let Ok(mut s) = self.shared.status.lock() {
+            *s = EngineStatus {
+                running,
+                queued: self.waiting.len() as u32,
+                waiting,
+                draining: self.shutting_down,
+                ..EngineStatus::default()
+            };
+        }
+    }
+}
