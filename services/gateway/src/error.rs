@@ -1,5 +1,7 @@
-//! The gateway's API errors and their one mapping to HTTP status and JSON body
-//! `{"error": {"message", "error_type", "field"}}`.
+//! The gateway's API errors and their one mapping to HTTP status and JSON body in OpenAI's
+//! shape, `{"error": {"message", "type", "param", "code"}}` (so the official SDKs' exceptions
+//! carry them), plus the earlier `error_type` and `field` (the same values as `code` and
+//! `param`) for clients written against them.
 use actix_web::http::{header, StatusCode};
 use actix_web::{HttpResponse, ResponseError};
 use diffmesh_shared::wire::messages::{error_types, FieldError};
@@ -142,7 +144,8 @@ impl ApiError {
     }
 }
 
-/// Every error response: `{"error": {"message", "error_type", "field"}}`.
+/// Every error response: `{"error": {"message", "type", "param", "code", "error_type",
+/// "field"}}`.
 #[derive(Serialize, ToSchema)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
@@ -152,10 +155,32 @@ pub struct ErrorBody {
 pub struct ErrorDetail {
     /// What went wrong, in words a client can act on.
     pub message: String,
-    /// Machine-readable kind, e.g. `invalid_request_error`, `rate_limited`.
-    pub error_type: String,
+    /// OpenAI's coarse kind, from the status: `invalid_request_error` (400, 413, 422),
+    /// `authentication_error` (401), `not_found_error` (404), `conflict_error` (409),
+    /// `rate_limit_error` (429), `server_error` (5xx).
+    #[serde(rename = "type")]
+    pub kind: String,
     /// The request field (or header, or path parameter) at fault, when one is.
+    pub param: Option<String>,
+    /// Machine-readable kind, e.g. `invalid_request_error`, `rate_limited`, `quota_exceeded`.
+    pub code: String,
+    /// The same as `code` (the name before OpenAI's shape).
+    pub error_type: String,
+    /// The same as `param` (the name before OpenAI's shape).
     pub field: Option<String>,
+}
+
+/// OpenAI's `type` of an error answered with `status`.
+fn openai_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        409 => "conflict_error",
+        429 => "rate_limit_error",
+        500.. => "server_error",
+        _ => "invalid_request_error",
+    }
 }
 
 impl ResponseError for ApiError {
@@ -218,11 +243,15 @@ impl ResponseError for ApiError {
             }
             other => other.to_string(),
         };
+        let (code, param) = (self.error_type(), self.field().map(str::to_string));
         response.json(ErrorBody {
             error: ErrorDetail {
                 message,
-                error_type: self.error_type().to_string(),
-                field: self.field().map(str::to_string),
+                kind: openai_type(self.status_code()).into(),
+                param: param.clone(),
+                code: code.to_string(),
+                error_type: code.to_string(),
+                field: param,
             },
         })
     }
@@ -244,6 +273,10 @@ mod tests {
         assert_eq!(e.status_code(), StatusCode::BAD_REQUEST);
         let v = body_json(&e);
         assert_eq!(v["error"]["field"], "n");
+        // OpenAI's shape, what the SDK's BadRequestError reads.
+        assert_eq!(v["error"]["param"], "n");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["code"], error_types::INVALID_REQUEST);
         assert_eq!(v["error"]["error_type"], error_types::INVALID_REQUEST);
         assert!(v["error"]["message"]
             .as_str()
@@ -280,6 +313,8 @@ mod tests {
             body_json(&e)["error"]["error_type"],
             error_types::RATE_LIMITED
         );
+        assert_eq!(body_json(&e)["error"]["type"], "rate_limit_error");
+        assert_eq!(body_json(&e)["error"]["code"], error_types::RATE_LIMITED);
 
         let e = ApiError::RateLimited {
             message: "slow down".into(),

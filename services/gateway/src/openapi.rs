@@ -22,7 +22,8 @@ use diffmesh_shared::wire::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
             with async jobs: progress, Server-Sent Events, cancel. When the gateway has API keys \
             configured every route but /openapi.json and the health routes needs \
             `Authorization: Bearer <key>`, and a job is visible only to the key that created it \
-            (others get 404). Every error is `{\"error\": {\"message\", \"error_type\", \"field\"}}`."
+            (others get 404). Every error is OpenAI's shape `{\"error\": {\"message\", \"type\", \"param\", \"code\"}}` \
+            (with `error_type` and `field`, the same as `code` and `param`)."
     ),
     paths(
         images::edits,

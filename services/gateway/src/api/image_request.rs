@@ -86,7 +86,15 @@ pub async fn read_edit_form(
         let bytes = read_limited(field, budget, &name).await?;
         budget -= bytes.len();
         match name.as_str() {
-            "image" => form.image = Some(bytes),
+            // `image[]`: the OpenAI SDK's name for a list of images (one, for these models).
+            "image" | "image[]" if form.image.is_some() => {
+                return Err(FieldError::invalid(
+                    "image",
+                    "one image per edit: these models take no second input image",
+                )
+                .into())
+            }
+            "image" | "image[]" => form.image = Some(bytes),
             "mask" => form.mask = Some(bytes),
             _ if bytes.len() <= MAX_TEXT_FIELD_BYTES => {
                 let value = String::from_utf8(bytes)
@@ -104,7 +112,8 @@ pub async fn read_edit_form(
     Ok(form)
 }
 
-/// `POST /v1/images/edits`: a multipart form with `image`, optional `mask` and text fields.
+/// `POST /v1/images/edits`: a multipart form with `image` (or `image[]`), optional `mask` and
+/// text fields.
 pub async fn read_edit(
     state: &ApiState,
     caller: &Caller,

@@ -1,0 +1,60 @@
+"""The official `openai` SDK against a diffmesh gateway, unchanged (tests/tests/openai_sdk.rs).
+
+Usage: openai_images.py BASE_URL API_KEY MODEL. Runs images.generate (n=2, b64_json), images.edit
+with `image` and a mask in OpenAI's alpha convention, images.edit with `image=[...]` (sent as
+`image[]`), a generation of an invalid size (BadRequestError: its param, type and code), then
+generations until the key's rate limit answers (RateLimitError). Prints one JSON line of what
+it saw; any other exception fails the run.
+"""
+import base64
+import io
+import json
+import sys
+
+import openai
+from PIL import Image
+
+
+def png(image):
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+def sizes(response):
+    return [list(Image.open(io.BytesIO(base64.b64decode(d.b64_json))).size) for d in response.data]
+
+
+def main():
+    base, key, model = sys.argv[1:4]
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=120)
+    seen = {"sdk": openai.__version__}
+    r = client.images.generate(model=model, prompt="a red square", n=2, size="64x64",
+                               response_format="b64_json")
+    seen["generate"] = sizes(r)
+    template = png(Image.new("RGB", (64, 64), (120, 30, 200)))
+    # OpenAI's convention: where the mask is transparent, the image is edited.
+    mask = Image.new("RGBA", (64, 64), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (16, 16, 48, 48))
+    r = client.images.edit(model=model, image=("t.png", template, "image/png"),
+                           mask=("m.png", png(mask), "image/png"), prompt="a cat")
+    seen["edit"] = sizes(r)
+    r = client.images.edit(model=model, image=[("t.png", template, "image/png")],
+                           mask=("m.png", png(mask), "image/png"), prompt="a cat")
+    seen["edit_list"] = sizes(r)
+    try:
+        client.images.generate(model=model, prompt="a cat", size="big")
+        seen["bad_size"] = None
+    except openai.BadRequestError as e:
+        seen["bad_size"] = {"status": e.status_code, "param": e.param, "type": e.type, "code": e.code}
+    for _ in range(8):
+        try:
+            client.images.generate(model=model, prompt="a cat", size="64x64")
+        except openai.RateLimitError as e:
+            seen["rate_limited"] = {"status": e.status_code, "type": e.type, "code": e.code}
+            break
+    print(json.dumps(seen))
+
+
+if __name__ == "__main__":
+    main()

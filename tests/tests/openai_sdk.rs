@@ -1,0 +1,53 @@
+//! The official `openai` Python SDK (pinned in `xtask/src/toolchain.rs`) against an in-process
+//! mesh, unchanged but for `base_url` (python/sdk/openai_images.py): generations with n = 2,
+//! edits with `image` and with `image=[...]` (the SDK's `image[]`), a 400 whose exception carries
+//! `param`, `type` and `code`, and a 429 the SDK raises as `RateLimitError`.
+use std::process::Command;
+
+use diffmesh_tests::mesh::MeshBuilder;
+use serde_json::{json, Value};
+
+const KEY: &str = "sk-alice";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_sdk_generates_edits_and_reads_errors() {
+    let mesh = MeshBuilder::new()
+        .gateway(|g| {
+            g.api_keys = Some(format!("alice:{KEY}"));
+            // Four image requests, then 429 (the SDK retries nothing: max_retries=0).
+            g.rate_limit_per_s = 0.001;
+            g.rate_limit_burst = 4;
+        })
+        .start()
+        .await;
+    let python = std::env::var("DIFFMESH_PYTHON")
+        .unwrap_or_else(|_| "/root/.cache/diffmesh/venv/bin/python".into());
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../python/sdk/openai_images.py"
+    );
+    let base = mesh.url("/v1");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(&python)
+            .args([script, &base, KEY, "tiny"])
+            .output()
+            .expect("the venv's python")
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the SDK run failed: {stderr}");
+    let seen: Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    assert_eq!(seen["generate"], json!([[64, 64], [64, 64]]), "{seen}");
+    assert_eq!(seen["edit"], json!([[64, 64]]), "{seen}");
+    assert_eq!(seen["edit_list"], json!([[64, 64]]), "{seen}");
+    let bad = &seen["bad_size"];
+    assert_eq!(bad["status"], 400, "{seen}");
+    assert_eq!(bad["param"], "size", "{seen}");
+    assert_eq!(bad["type"], "invalid_request_error", "{seen}");
+    assert_eq!(bad["code"], "invalid_request_error", "{seen}");
+    let limited = &seen["rate_limited"];
+    assert_eq!(limited["status"], 429, "{seen}");
+    assert_eq!(limited["type"], "rate_limit_error", "{seen}");
+    assert_eq!(limited["code"], "rate_limited", "{seen}");
+}
