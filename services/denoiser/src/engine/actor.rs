@@ -15,8 +15,8 @@ use super::handle::PanicMidBatch;
 use super::handle::{
     BeginShutdown, Cancel, EngineDrained, EngineHandle, RunInline, SetEventTap, Submit,
 };
-use super::{Engine, EngineConfig, EngineEvent, EngineJob, EngineJobError, EngineStatus};
-use super::{EventTap, SubmitError};
+use super::SubmitError;
+use super::{Engine, EngineConfig, EngineEvent, EngineJobError, EngineStatus};
 use crate::metrics::DenoiserMetrics;
 use crate::model::EngineModel;
 use crate::step_samples::StepSamples;
@@ -24,12 +24,10 @@ use actix::{Actor, ActorContext, Handler, Message, SyncContext};
 use diffmesh_model::lora::LoraPatcher;
 use diffmesh_shared::panic_message;
 use diffmesh_shared::wire::messages::DenoiseJob;
-use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{mpsc, watch};
-use tracing::Span;
 
 /// One step-loop iteration (the engine sends it to itself while it has jobs).
 pub(super) struct Step;
@@ -42,9 +40,7 @@ impl Message for Step {
 pub(super) struct Carry {
     pub model: EngineModel,
     pub patcher: LoraPatcher,
-    pub waiting: VecDeque<(EngineJob, Span)>,
-    pub tap: Option<EventTap>,
-    pub shutting_down: bool,
+    pub ledger: super::ledger::Ledger,
     pub control_costs: super::control::ControlCosts,
 }
 
@@ -69,9 +65,9 @@ impl Actor for Engine {
 
     fn started(&mut self, ctx: &mut SyncContext<Self>) {
         tracing::info!(model = %self.model.model_id, max_batch = self.config.max_batch,
-            queued = self.waiting.len(), "engine started");
+            queued = self.ledger.waiting.len(), "engine started");
         // After a restart: the queued jobs it took over run without waiting for a new submit.
-        if !self.waiting.is_empty() {
+        if !self.ledger.waiting.is_empty() {
             self.schedule_step(ctx);
         }
     }
@@ -96,14 +92,14 @@ impl Engine {
     }
 
     fn restart_after(&mut self, panic: String, ctx: &mut SyncContext<Self>) {
-        tracing::error!(%panic, running = self.active.len(), queued = self.waiting.len(),
+        tracing::error!(%panic, running = self.active.len(), queued = self.ledger.waiting.len(),
             "the engine panicked: failing its running jobs and restarting");
         if let Some(m) = &self.metrics {
             m.engine_restarts.inc();
         }
         for a in std::mem::take(&mut self.active) {
             let error = EngineJobError::Restarted(panic.clone());
-            self.fail(a.job, error, a.span);
+            self.ledger.fail(a.job, error, a.span);
         }
         // The weights may hold a half-applied LoRA patch: back to the base model exactly.
         let reset = match catch_unwind(AssertUnwindSafe(|| self.patcher.reset())) {
@@ -118,9 +114,7 @@ impl Engine {
         let carry = Carry {
             model: self.model.take(),
             patcher: self.patcher.take(),
-            waiting: std::mem::take(&mut self.waiting),
-            tap: self.tap.take(),
-            shutting_down: self.shutting_down,
+            ledger: std::mem::replace(&mut self.ledger, super::ledger::Ledger::new(None, None, 0)),
             control_costs: std::mem::take(&mut self.control_costs),
         };
         *self
@@ -144,9 +138,9 @@ impl Engine {
     /// Once shutting down with nothing left to run: say so (the drain waiter returns), and
     /// close the events (their receiver ends once it has the last one).
     fn signal_if_drained(&mut self) {
-        if self.shutting_down && self.active.is_empty() && self.waiting.is_empty() {
+        if self.ledger.shutting_down && self.active.is_empty() && self.ledger.waiting.is_empty() {
             self.publish_status();
-            self.events = None;
+            self.ledger.close();
             self.shared
                 .events
                 .lock()
@@ -190,15 +184,7 @@ impl Handler<RunInline> for Engine {
             ctx,
             || Err(SubmitError::Restarting),
             |engine, ctx| {
-                let result = {
-                    let _e = msg.span.enter();
-                    catch_unwind(AssertUnwindSafe(msg.work))
-                };
-                let queued = match result {
-                    Ok(Some(job)) => engine.enqueue(job, msg.span).map(Some),
-                    Ok(None) => Ok(None),
-                    Err(p) => Err(SubmitError::InlinePanic(panic_message(p))),
-                };
+                let queued = msg.run(|job, span| engine.enqueue(job, span));
                 if matches!(queued, Ok(Some(_))) {
                     engine.schedule_step(ctx);
                 }
@@ -212,7 +198,7 @@ impl Handler<SetEventTap> for Engine {
     type Result = ();
 
     fn handle(&mut self, msg: SetEventTap, _: &mut SyncContext<Self>) {
-        self.tap = msg.0;
+        self.ledger.tap = msg.0;
     }
 }
 
@@ -222,14 +208,8 @@ impl Handler<BeginShutdown> for Engine {
     fn handle(&mut self, msg: BeginShutdown, ctx: &mut SyncContext<Self>) -> Vec<DenoiseJob> {
         self.supervised(ctx, Vec::new, |engine, _| {
             let _e = msg.span.enter();
-            engine.shutting_down = true;
-            let handed_back: Vec<DenoiseJob> =
-                engine.waiting.drain(..).map(|(j, _)| j.job).collect();
-            tracing::info!(
-                handed_back = handed_back.len(),
-                running = engine.active.len(),
-                "engine draining"
-            );
+            let handed_back = engine.ledger.begin_shutdown();
+            tracing::info!(running = engine.active.len(), "engine draining");
             engine.signal_if_drained();
             handed_back
         })
@@ -246,7 +226,7 @@ impl Handler<Step> for Engine {
             || (),
             |engine, ctx| {
                 let stepped = engine.iterate();
-                if engine.active.is_empty() && engine.waiting.is_empty() {
+                if engine.active.is_empty() && engine.ledger.waiting.is_empty() {
                     engine.signal_if_drained();
                     return;
                 }
@@ -287,9 +267,7 @@ pub fn spawn_engine(
     let first = Carry {
         model,
         patcher,
-        waiting: VecDeque::new(),
-        tap: None,
-        shutting_down: false,
+        ledger: super::ledger::Ledger::new(Some(events.clone()), metrics.clone(), config.max_queue),
         control_costs: Default::default(),
     };
     // The loader thread of the first engine starts here, so a failure is this call's error.

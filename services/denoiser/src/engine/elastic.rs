@@ -133,7 +133,7 @@ impl Engine {
                     .with_label_values(&[&degree])
                     .observe(done.seconds);
             }
-            self.emit(event);
+            self.ledger.emit(event);
         }
     }
 

@@ -43,6 +43,25 @@ impl Message for RunInline {
     type Result = Result<Option<u32>, SubmitError>;
 }
 
+impl RunInline {
+    /// Run the work under its span (a panic is the answer's error) and queue the job it made
+    /// with `enqueue`.
+    pub(crate) fn run(
+        self,
+        enqueue: impl FnOnce(EngineJob, Span) -> Result<u32, SubmitError>,
+    ) -> Result<Option<u32>, SubmitError> {
+        let made = {
+            let _e = self.span.enter();
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(self.work))
+        };
+        match made {
+            Ok(Some(job)) => enqueue(job, self.span).map(Some),
+            Ok(None) => Ok(None),
+            Err(p) => Err(SubmitError::InlinePanic(diffmesh_shared::panic_message(p))),
+        }
+    }
+}
+
 /// Install (or remove) the event tap.
 pub struct SetEventTap(pub Option<EventTap>);
 

@@ -24,18 +24,17 @@ use diffmesh_model::ModelError;
 use diffmesh_sched::{QueueOrder, QueuedJob};
 use diffmesh_shared::panic_message;
 use diffmesh_shared::wire::messages::{DenoiseJob, RunningJob};
-use std::collections::VecDeque;
 use std::ops::{Deref, DerefMut};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
 use tracing::Span;
 
 mod actor;
 mod control;
 mod elastic;
 mod handle;
+pub(crate) mod ledger;
 mod lora_steps;
 mod step;
 mod types;
@@ -95,16 +94,13 @@ pub struct Engine {
     /// Per ControlNet, what one steered job costs the step loop a step.
     control_costs: control::ControlCosts,
     config: EngineConfig,
-    /// Where events go (`None` once drained: see `actor`).
-    events: Option<mpsc::Sender<EngineEvent>>,
+    /// The waiting jobs, the drain flag and where events go.
+    ledger: ledger::Ledger,
     status: Arc<Mutex<EngineStatus>>,
     steps: StepSamples,
     metrics: Option<DenoiserMetrics>,
     shared: Arc<actor::Shared>,
-    waiting: VecDeque<(EngineJob, Span)>,
     active: Vec<Active>,
-    shutting_down: bool,
-    tap: Option<EventTap>,
     /// A `Step` message is on its way (the engine sends one at a time).
     step_queued: bool,
     /// Stopping after a panic: no more steps; the next engine takes over.
@@ -164,11 +160,6 @@ impl Engine {
                 .expect("starting the cache loader thread of a restarted engine")
         });
         let (device, kind) = carry.model.model.transformer.device_kind();
-        let events = shared
-            .events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
         let controlnets = ControlNets::new(
             carry.model.controlnet_dir.clone(),
             config.controlnet_cache,
@@ -183,15 +174,12 @@ impl Engine {
             controlnets,
             control_costs: carry.control_costs,
             config,
-            events,
+            ledger: carry.ledger,
             status: shared.status.clone(),
             steps: shared.steps.clone(),
             metrics: shared.metrics.clone(),
             shared,
-            waiting: carry.waiting,
             active: Vec::new(),
-            shutting_down: carry.shutting_down,
-            tap: carry.tap,
             step_queued: false,
             restarting: false,
             #[cfg(feature = "fault-injection")]
@@ -223,33 +211,12 @@ impl Engine {
         stepped
     }
 
-    fn emit(&self, event: EngineEvent) {
-        if let Some(tap) = &self.tap {
-            if let Err(p) = catch_unwind(AssertUnwindSafe(|| tap(&event))) {
-                tracing::warn!(panic = %panic_message(p), "event tap panicked");
-            }
-        }
-        // Backpressure: a slow NATS side slows the engine rather than growing a queue.
-        let Some(events) = &self.events else {
-            tracing::debug!("engine event dropped: the engine has drained");
-            return;
-        };
-        if events.blocking_send(event).is_err() {
-            tracing::debug!("engine event dropped: receiver gone");
-        }
-    }
-
     fn cancel(&mut self, job_id: String, span: Span) {
         let _e = span.enter();
-        if let Some(pos) = self
-            .waiting
-            .iter()
-            .position(|(j, _)| j.job.job_id == job_id)
-        {
-            self.waiting.remove(pos);
-            tracing::info!(%job_id, "cancelled while queued");
-            self.emit(EngineEvent::Cancelled { job_id });
-        } else if let Some(a) = self.active.iter_mut().find(|a| a.job.job_id == job_id) {
+        if self.ledger.cancel_waiting(&job_id) {
+            return;
+        }
+        if let Some(a) = self.active.iter_mut().find(|a| a.job.job_id == job_id) {
             a.cancelled = true;
         } else {
             tracing::debug!(%job_id, "cancel for an unknown job");
@@ -257,19 +224,9 @@ impl Engine {
     }
 
     fn enqueue(&mut self, job: EngineJob, span: Span) -> Result<u32, SubmitError> {
-        let id = &job.job.job_id;
-        if self.shutting_down {
-            Err(SubmitError::ShuttingDown)
-        } else if self.waiting.iter().any(|(j, _)| &j.job.job_id == id)
-            || self.active.iter().any(|a| &a.job.job_id == id)
-        {
-            Err(SubmitError::Duplicate(id.clone()))
-        } else if self.waiting.len() >= self.config.max_queue {
-            Err(SubmitError::QueueFull(self.config.max_queue))
-        } else {
-            self.waiting.push_back((job, span));
-            Ok(self.waiting.len() as u32)
-        }
+        let active = &self.active;
+        self.ledger
+            .enqueue(job, span, |id| active.iter().any(|a| a.job.job_id == id))
     }
 
     fn drop_cancelled(&mut self) {
@@ -279,7 +236,7 @@ impl Engine {
         for a in cancelled {
             let _e = a.span.enter();
             tracing::info!(job_id = %a.job.job_id, "cancelled at step boundary");
-            self.emit(EngineEvent::Cancelled {
+            self.ledger.emit(EngineEvent::Cancelled {
                 job_id: a.job.job_id.clone(),
             });
         }
@@ -298,7 +255,8 @@ impl Engine {
     /// (jobs are queued as they come), its `deadline_unix_ms`, and image tokens x steps as its
     /// remaining work.
     fn queue_keys(&self) -> Vec<QueuedJob> {
-        self.waiting
+        self.ledger
+            .waiting
             .iter()
             .enumerate()
             .map(|(i, (j, _))| QueuedJob {
@@ -321,11 +279,11 @@ impl Engine {
         let mut picked = Vec::new();
         let order = match self.config.queue_order {
             // Arrival order needs no keys (this runs before every step).
-            QueueOrder::Fcfs => (0..self.waiting.len()).collect(),
+            QueueOrder::Fcfs => (0..self.ledger.waiting.len()).collect(),
             order => order.order(&self.queue_keys()),
         };
         for i in order {
-            let next = &self.waiting[i].0;
+            let next = &self.ledger.waiting[i].0;
             if next
                 .template
                 .as_ref()
@@ -361,10 +319,11 @@ impl Engine {
             return;
         }
         // Take the picked jobs out in their order; the rest stay queued as they were.
-        let mut slots: Vec<Option<(EngineJob, Span)>> = self.waiting.drain(..).map(Some).collect();
+        let mut slots: Vec<Option<(EngineJob, Span)>> =
+            self.ledger.waiting.drain(..).map(Some).collect();
         let admitted: Vec<(EngineJob, Span)> =
             picked.iter().filter_map(|&i| slots[i].take()).collect();
-        self.waiting.extend(slots.into_iter().flatten());
+        self.ledger.waiting.extend(slots.into_iter().flatten());
         for (mut job, span) in admitted {
             if let Some(error) = self
                 .model
@@ -372,13 +331,13 @@ impl Engine {
                 .as_ref()
                 .and_then(|_| elastic::refusal(&job))
             {
-                self.fail(job.job, error, span);
+                self.ledger.fail(job.job, error, span);
                 continue;
             }
             let offered = match job.prompts.take().map(|slot| take_slot(&slot)) {
                 Some(Some(Err(message))) => {
                     let error = EngineJobError::from_model(ModelError::input("prompt", message));
-                    self.fail(job.job, error, span);
+                    self.ledger.fail(job.job, error, span);
                     continue;
                 }
                 Some(Some(Ok(embeddings))) => self.model.pre_encoded.as_ref().map(|handle| {
@@ -414,7 +373,7 @@ impl Engine {
             }
             match prepared {
                 Ok(Ok(states)) => {
-                    self.emit(EngineEvent::Started {
+                    self.ledger.emit(EngineEvent::Started {
                         job_id: job.job.job_id.clone(),
                     });
                     let settings = self.cached.settings();
@@ -440,8 +399,12 @@ impl Engine {
                         }),
                     });
                 }
-                Ok(Err(e)) => self.fail(job.job, EngineJobError::from_model(e), span),
-                Err(p) => self.fail(job.job, EngineJobError::Panic(panic_message(p)), span),
+                Ok(Err(e)) => self
+                    .ledger
+                    .fail(job.job, EngineJobError::from_model(e), span),
+                Err(p) => self
+                    .ledger
+                    .fail(job.job, EngineJobError::Panic(panic_message(p)), span),
             }
         }
         // Once per admission round, and only when a job was prepared (this runs every step).
@@ -449,17 +412,6 @@ impl Engine {
         if let Some(m) = self.metrics.as_ref().filter(|_| after != before) {
             m.record_conditioning(before, after);
         }
-    }
-
-    fn fail(&self, job: DenoiseJob, error: EngineJobError, span: Span) {
-        {
-            let _e = span.enter();
-            tracing::warn!(job_id = %job.job_id, %error, "job failed in the engine");
-        }
-        if let Some(m) = &self.metrics {
-            m.failures.with_label_values(&[error.reason()]).inc();
-        }
-        self.emit(EngineEvent::Failed { job, error, span });
     }
 
     fn retire(&mut self) {
@@ -470,19 +422,19 @@ impl Engine {
         self.active = keep;
         for mut a in finished {
             if let Some(error) = a.failed {
-                self.fail(a.job, error, a.span);
+                self.ledger.fail(a.job, error, a.span);
                 continue;
             }
             if let Some((sink, key, started)) = a.capture.take() {
                 let blocks = self.model.pipeline().transformer.num_blocks();
                 match sink.finish(key, blocks) {
-                    Ok(entry) => self.emit(EngineEvent::Captured {
+                    Ok(entry) => self.ledger.emit(EngineEvent::Captured {
                         job: a.job,
                         entry: Arc::new(entry),
                         seconds: started.elapsed().as_secs_f64(),
                         span: a.span,
                     }),
-                    Err(e) => self.fail(a.job, EngineJobError::Model(e), a.span),
+                    Err(e) => self.ledger.fail(a.job, EngineJobError::Model(e), a.span),
                 }
                 continue;
             }
@@ -494,22 +446,7 @@ impl Engine {
                     .map(|s| tensor_to_rgb(&s.decode(&pipeline)?))
                     .collect()
             }));
-            match decoded {
-                Ok(Ok(images)) => {
-                    if let Some(m) = &self.metrics {
-                        m.jobs_done.inc();
-                    }
-                    self.emit(EngineEvent::Finished {
-                        job: a.job,
-                        images,
-                        width: width as u32,
-                        height: height as u32,
-                        span: a.span,
-                    });
-                }
-                Ok(Err(e)) => self.fail(a.job, EngineJobError::from_model(e), a.span),
-                Err(p) => self.fail(a.job, EngineJobError::Panic(panic_message(p)), a.span),
-            }
+            self.ledger.finish(a.job, a.span, decoded, (width, height));
         }
     }
 
@@ -529,25 +466,14 @@ impl Engine {
                 }
             })
             .collect();
-        let waiting = self
-            .waiting
-            .iter()
-            .map(|(j, _)| RunningJob {
-                job_id: j.job.job_id.clone(),
-                masked_tokens: j.job.inputs.masked_tokens,
-                remaining_steps: j.job.params.num_inference_steps,
-                rows: j.job.params.batch_rows(),
-                images: j.job.params.n.max(1),
-                control_s: j
-                    .job
-                    .params
-                    .controlnet
-                    .as_ref()
-                    .map_or(0.0, |c| self.control_costs.of(&c.name)),
-            })
-            .collect();
+        let waiting = self.ledger.waiting_jobs(|job| {
+            job.params
+                .controlnet
+                .as_ref()
+                .map_or(0.0, |c| self.control_costs.of(&c.name))
+        });
         if let Some(m) = &self.metrics {
-            m.queued.set(self.waiting.len() as i64);
+            m.queued.set(self.ledger.waiting.len() as i64);
             m.running.set(self.active.len() as i64);
         }
         let (ranks, free_ranks) = self.model.ranks.as_ref().map_or((0, 0), |r| {
@@ -559,10 +485,10 @@ impl Engine {
                 ranks,
                 free_ranks,
                 running,
-                queued: self.waiting.len() as u32,
+                queued: self.ledger.waiting.len() as u32,
                 waiting,
                 controlnet_step_s: self.control_costs.list(),
-                draining: self.shutting_down,
+                draining: self.ledger.shutting_down,
             };
         }
     }

@@ -169,7 +169,7 @@ impl Engine {
         {
             if let Some(s) = a.states.first() {
                 let (step, total) = s.progress();
-                self.emit(EngineEvent::Step {
+                self.ledger.emit(EngineEvent::Step {
                     job_id: a.job.job_id.clone(),
                     step: step as u32,
                     total: total as u32,

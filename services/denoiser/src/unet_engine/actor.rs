@@ -6,6 +6,7 @@
 //! them again through the router) and goes on with the queued ones: unlike the Flux engine, the
 //! UNet engine patches no weights, so nothing else can be left half-done.
 use super::{UnetEngine, UnetModel, IDLE_POLL};
+use crate::engine::ledger::Ledger;
 #[cfg(feature = "fault-injection")]
 use crate::engine::PanicMidBatch;
 use crate::engine::{
@@ -17,7 +18,6 @@ use crate::step_samples::StepSamples;
 use actix::{Actor, Handler, Message, SyncContext};
 use diffmesh_shared::panic_message;
 use diffmesh_shared::wire::messages::DenoiseJob;
-use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -64,7 +64,8 @@ impl UnetEngine {
                     m.engine_restarts.inc();
                 }
                 for a in std::mem::take(&mut self.active) {
-                    self.fail(a.job, EngineJobError::Restarted(panic.clone()), a.span);
+                    self.ledger
+                        .fail(a.job, EngineJobError::Restarted(panic.clone()), a.span);
                 }
                 self.schedule_step(ctx);
                 fallback()
@@ -73,7 +74,7 @@ impl UnetEngine {
     }
 
     fn schedule_step(&mut self, ctx: &mut SyncContext<Self>) {
-        let idle = self.active.is_empty() && self.waiting.is_empty();
+        let idle = self.active.is_empty() && self.ledger.waiting.is_empty();
         if !self.step_queued && !idle {
             self.step_queued = true;
             ctx.address().do_send(Step);
@@ -82,9 +83,9 @@ impl UnetEngine {
 
     /// Once shutting down with nothing left to run: say so and close the events.
     fn signal_if_drained(&mut self) {
-        if self.shutting_down && self.active.is_empty() && self.waiting.is_empty() {
+        if self.ledger.shutting_down && self.active.is_empty() && self.ledger.waiting.is_empty() {
             self.publish_status();
-            self.events = None;
+            self.ledger.close();
             self.shared.drained.send_replace(true);
             tracing::info!("UNet engine drained");
         }
@@ -121,15 +122,7 @@ impl Handler<RunInline> for UnetEngine {
             ctx,
             || Err(SubmitError::Restarting),
             |engine, ctx| {
-                let result = {
-                    let _e = msg.span.enter();
-                    catch_unwind(AssertUnwindSafe(msg.work))
-                };
-                let queued = match result {
-                    Ok(Some(job)) => engine.enqueue(job, msg.span).map(Some),
-                    Ok(None) => Ok(None),
-                    Err(p) => Err(SubmitError::InlinePanic(panic_message(p))),
-                };
+                let queued = msg.run(|job, span| engine.enqueue(job, span));
                 engine.schedule_step(ctx);
                 queued
             },
@@ -141,7 +134,7 @@ impl Handler<SetEventTap> for UnetEngine {
     type Result = ();
 
     fn handle(&mut self, msg: SetEventTap, _: &mut SyncContext<Self>) {
-        self.tap = msg.0;
+        self.ledger.tap = msg.0;
     }
 }
 
@@ -151,9 +144,7 @@ impl Handler<BeginShutdown> for UnetEngine {
     fn handle(&mut self, msg: BeginShutdown, ctx: &mut SyncContext<Self>) -> Vec<DenoiseJob> {
         self.supervised(ctx, Vec::new, |engine, _| {
             let _e = msg.span.enter();
-            engine.shutting_down = true;
-            let handed_back: Vec<DenoiseJob> =
-                engine.waiting.drain(..).map(|(j, _)| j.job).collect();
+            let handed_back = engine.ledger.begin_shutdown();
             engine.signal_if_drained();
             handed_back
         })
@@ -170,7 +161,7 @@ impl Handler<Step> for UnetEngine {
             || (),
             |engine, ctx| {
                 let stepped = engine.iterate();
-                if engine.active.is_empty() && engine.waiting.is_empty() {
+                if engine.active.is_empty() && engine.ledger.waiting.is_empty() {
                     engine.signal_if_drained();
                     return;
                 }
@@ -206,20 +197,17 @@ pub fn spawn_unet_engine(
     let (drained, drained_rx) = watch::channel(false);
     let shared = Arc::new(Shared {
         status: status.clone(),
-        metrics,
+        metrics: metrics.clone(),
         pending_submits: pending_submits.clone(),
         drained,
     });
     let engine = UnetEngine {
+        ledger: Ledger::new(Some(events), metrics.clone(), config.max_queue),
         model: *model,
         config,
-        events: Some(events),
         shared,
-        waiting: VecDeque::new(),
         active: Vec::new(),
         decoded: None,
-        shutting_down: false,
-        tap: None,
         step_queued: false,
         #[cfg(feature = "fault-injection")]
         panic_mid_batch: false,

@@ -8,8 +8,9 @@
 //! with edits: a batch mixing them with full rows would pad every row to every token), and
 //! retire finished jobs as RGB images or, for captures, as template caches in the tiers' codec.
 //! A failed batched step is retried job by job, so one bad job fails alone.
+use crate::engine::ledger::Ledger;
+use crate::engine::SubmitError;
 use crate::engine::{EngineConfig, EngineEvent, EngineJob, EngineJobError, EngineStatus};
-use crate::engine::{EventTap, SubmitError};
 use crate::metrics::DenoiserMetrics;
 use crate::model::{job_resolution_of, tensor_to_rgb};
 use diffmesh_model::pipeline::noise::seeded_noise;
@@ -19,11 +20,9 @@ use diffmesh_model::tch::Kind;
 use diffmesh_model::ModelError;
 use diffmesh_shared::panic_message;
 use diffmesh_shared::wire::messages::{DenoiseJob, RunningJob};
-use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
 use tracing::Span;
 
 mod actor;
@@ -62,14 +61,12 @@ impl Active {
 pub struct UnetEngine {
     model: UnetModel,
     config: EngineConfig,
-    events: Option<mpsc::Sender<EngineEvent>>,
+    /// The waiting jobs, the drain flag and where events go.
+    ledger: Ledger,
     shared: Arc<actor::Shared>,
-    waiting: VecDeque<(EngineJob, Span)>,
     active: Vec<Active>,
     /// The template decoded last, by cache key (consecutive edits of one template share it).
     decoded: Option<(String, Arc<SdTemplate>)>,
-    shutting_down: bool,
-    tap: Option<EventTap>,
     step_queued: bool,
     #[cfg(feature = "fault-injection")]
     panic_mid_batch: bool,
@@ -94,59 +91,18 @@ impl UnetEngine {
         stepped
     }
 
-    fn emit(&self, event: EngineEvent) {
-        if let Some(tap) = &self.tap {
-            if let Err(p) = catch_unwind(AssertUnwindSafe(|| tap(&event))) {
-                tracing::warn!(panic = %panic_message(p), "event tap panicked");
-            }
-        }
-        let Some(events) = &self.events else {
-            tracing::debug!("engine event dropped: the engine has drained");
-            return;
-        };
-        if events.blocking_send(event).is_err() {
-            tracing::debug!("engine event dropped: receiver gone");
-        }
-    }
-
-    fn fail(&self, job: DenoiseJob, error: EngineJobError, span: Span) {
-        {
-            let _e = span.enter();
-            tracing::warn!(job_id = %job.job_id, %error, "job failed in the engine");
-        }
-        if let Some(m) = self.metrics() {
-            m.failures.with_label_values(&[error.reason()]).inc();
-        }
-        self.emit(EngineEvent::Failed { job, error, span });
-    }
-
     fn enqueue(&mut self, job: EngineJob, span: Span) -> Result<u32, SubmitError> {
-        let id = &job.job.job_id;
-        if self.shutting_down {
-            Err(SubmitError::ShuttingDown)
-        } else if self.waiting.iter().any(|(j, _)| &j.job.job_id == id)
-            || self.active.iter().any(|a| &a.job.job_id == id)
-        {
-            Err(SubmitError::Duplicate(id.clone()))
-        } else if self.waiting.len() >= self.config.max_queue {
-            Err(SubmitError::QueueFull(self.config.max_queue))
-        } else {
-            self.waiting.push_back((job, span));
-            Ok(self.waiting.len() as u32)
-        }
+        let active = &self.active;
+        self.ledger
+            .enqueue(job, span, |id| active.iter().any(|a| a.job.job_id == id))
     }
 
     fn cancel(&mut self, job_id: String, span: Span) {
         let _e = span.enter();
-        if let Some(pos) = self
-            .waiting
-            .iter()
-            .position(|(j, _)| j.job.job_id == job_id)
-        {
-            self.waiting.remove(pos);
-            self.emit(EngineEvent::Cancelled { job_id });
-        } else if let Some(a) = self.active.iter_mut().find(|a| a.job.job_id == job_id) {
-            a.cancelled = true;
+        if !self.ledger.cancel_waiting(&job_id) {
+            if let Some(a) = self.active.iter_mut().find(|a| a.job.job_id == job_id) {
+                a.cancelled = true;
+            }
         }
     }
 
@@ -155,7 +111,7 @@ impl UnetEngine {
             self.active.drain(..).partition(|a| a.cancelled);
         self.active = keep;
         for a in cancelled {
-            self.emit(EngineEvent::Cancelled {
+            self.ledger.emit(EngineEvent::Cancelled {
                 job_id: a.job.job_id,
             });
         }
@@ -165,7 +121,7 @@ impl UnetEngine {
     /// the batch runs alone); a job whose template cache is still being fetched is passed over.
     fn admit(&mut self) {
         let mut rows: usize = self.active.iter().map(Active::rows).sum();
-        let mut queue = std::mem::take(&mut self.waiting);
+        let mut queue = std::mem::take(&mut self.ledger.waiting);
         while let Some(pos) = queue
             .iter()
             .position(|(j, _)| j.template.as_ref().is_none_or(|s| s.get().is_some()))
@@ -180,7 +136,7 @@ impl UnetEngine {
             rows += n;
             self.start(job, span);
         }
-        self.waiting = queue;
+        self.ledger.waiting = queue;
     }
 
     fn start(&mut self, job: EngineJob, span: Span) {
@@ -190,7 +146,7 @@ impl UnetEngine {
         };
         match prepared {
             Ok(Ok((states, masked))) => {
-                self.emit(EngineEvent::Started {
+                self.ledger.emit(EngineEvent::Started {
                     job_id: job.job.job_id.clone(),
                 });
                 let seeds = (0..states.len() as u64)
@@ -207,8 +163,12 @@ impl UnetEngine {
                     masked,
                 });
             }
-            Ok(Err(e)) => self.fail(job.job, EngineJobError::from_model(e), span),
-            Err(p) => self.fail(job.job, EngineJobError::Panic(panic_message(p)), span),
+            Ok(Err(e)) => self
+                .ledger
+                .fail(job.job, EngineJobError::from_model(e), span),
+            Err(p) => self
+                .ledger
+                .fail(job.job, EngineJobError::Panic(panic_message(p)), span),
         }
     }
 
@@ -280,7 +240,7 @@ impl UnetEngine {
         for a in &self.active {
             if a.failed.is_none() {
                 if let Some(s) = a.states.first() {
-                    self.emit(EngineEvent::Step {
+                    self.ledger.emit(EngineEvent::Step {
                         job_id: a.job.job_id.clone(),
                         step: s.next_step() as u32,
                         total: s.steps() as u32,
@@ -342,7 +302,7 @@ impl UnetEngine {
         self.active = keep;
         for mut a in finished {
             if let Some(error) = a.failed.take() {
-                self.fail(a.job, error, a.span);
+                self.ledger.fail(a.job, error, a.span);
                 continue;
             }
             if let Some((key, started)) = a.capture.take() {
@@ -354,13 +314,13 @@ impl UnetEngine {
                     .ok_or_else(|| "the capture left no template".to_string())
                     .and_then(|t| jobs::capture_entry(&t, key, dtype));
                 match entry {
-                    Ok(entry) => self.emit(EngineEvent::Captured {
+                    Ok(entry) => self.ledger.emit(EngineEvent::Captured {
                         job: a.job,
                         entry: Arc::new(entry),
                         seconds: started.elapsed().as_secs_f64(),
                         span: a.span,
                     }),
-                    Err(e) => self.fail(a.job, EngineJobError::Model(e), a.span),
+                    Err(e) => self.ledger.fail(a.job, EngineJobError::Model(e), a.span),
                 }
                 continue;
             }
@@ -376,22 +336,7 @@ impl UnetEngine {
                     })
                     .collect()
             }));
-            match decoded {
-                Ok(Ok(images)) => {
-                    if let Some(m) = self.metrics() {
-                        m.jobs_done.inc();
-                    }
-                    self.emit(EngineEvent::Finished {
-                        job: a.job,
-                        images,
-                        width: width as u32,
-                        height: height as u32,
-                        span: a.span,
-                    });
-                }
-                Ok(Err(e)) => self.fail(a.job, EngineJobError::from_model(e), a.span),
-                Err(p) => self.fail(a.job, EngineJobError::Panic(panic_message(p)), a.span),
-            }
+            self.ledger.finish(a.job, a.span, decoded, (width, height));
         }
     }
 
@@ -411,28 +356,17 @@ impl UnetEngine {
                 }
             })
             .collect();
-        let waiting = self
-            .waiting
-            .iter()
-            .map(|(j, _)| RunningJob {
-                job_id: j.job.job_id.clone(),
-                masked_tokens: j.job.inputs.masked_tokens,
-                remaining_steps: j.job.params.num_inference_steps,
-                rows: j.job.params.batch_rows(),
-                images: j.job.params.n.max(1),
-                control_s: 0.0,
-            })
-            .collect();
+        let waiting = self.ledger.waiting_jobs(|_| 0.0);
         if let Some(m) = self.metrics() {
-            m.queued.set(self.waiting.len() as i64);
+            m.queued.set(self.ledger.waiting.len() as i64);
             m.running.set(self.active.len() as i64);
         }
         if let Ok(mut s) = self.shared.status.lock() {
             *s = EngineStatus {
                 running,
-                queued: self.waiting.len() as u32,
+                queued: self.ledger.waiting.len() as u32,
                 waiting,
-                draining: self.shutting_down,
+                draining: self.ledger.shutting_down,
                 ..EngineStatus::default()
             };
         }
