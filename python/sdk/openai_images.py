@@ -1,6 +1,7 @@
 """The official `openai` SDK against a diffmesh gateway, unchanged (tests/tests/openai_sdk.rs).
 
-Usage: openai_images.py BASE_URL API_KEY MODEL. Runs images.generate (n=2, b64_json), images.edit
+Usage: openai_images.py BASE_URL API_KEY MODEL. Runs images.generate (n=2, b64_json; then
+n=2 at size auto as JPEG with output_compression, quality, background and user), images.edit
 with `image` and a mask in OpenAI's alpha convention, images.edit with `image=[...]` (sent as
 `image[]`), a generation of an invalid size (BadRequestError: its param, type and code), then
 generations until the key's rate limit answers (RateLimitError). Prints one JSON line of what
@@ -32,6 +33,11 @@ def main():
     r = client.images.generate(model=model, prompt="a red square", n=2, size="64x64",
                                response_format="b64_json")
     seen["generate"] = sizes(r)
+    r = client.images.generate(model=model, prompt="a red square", n=2, size="auto",
+                               output_format="jpeg", output_compression=80, quality="low",
+                               background="opaque", user="user-1")
+    seen["generate_jpeg"] = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))).format
+                             for d in r.data]
     template = png(Image.new("RGB", (64, 64), (120, 30, 200)))
     # OpenAI's convention: where the mask is transparent, the image is edited.
     mask = Image.new("RGBA", (64, 64), (0, 0, 0, 255))

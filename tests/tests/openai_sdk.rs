@@ -1,5 +1,6 @@
 //! The official `openai` Python SDK (pinned in `xtask/src/toolchain.rs`) against an in-process
-//! mesh, unchanged but for `base_url` (python/sdk/openai_images.py): generations with n = 2,
+//! mesh, unchanged but for `base_url` (python/sdk/openai_images.py): generations with n = 2 (PNG,
+//! and JPEG at size `auto` with `output_compression`, `quality`, `background` and `user`),
 //! edits with `image` and with `image=[...]` (the SDK's `image[]`), a 400 whose exception carries
 //! `param`, `type` and `code`, and a 429 the SDK raises as `RateLimitError`.
 use std::process::Command;
@@ -14,9 +15,9 @@ async fn the_official_sdk_generates_edits_and_reads_errors() {
     let mesh = MeshBuilder::new()
         .gateway(|g| {
             g.api_keys = Some(format!("alice:{KEY}"));
-            // Four image requests, then 429 (the SDK retries nothing: max_retries=0).
+            // Five image requests, then 429 (the SDK retries nothing: max_retries=0).
             g.rate_limit_per_s = 0.001;
-            g.rate_limit_burst = 4;
+            g.rate_limit_burst = 5;
         })
         .start()
         .await;
@@ -39,6 +40,7 @@ async fn the_official_sdk_generates_edits_and_reads_errors() {
     assert!(out.status.success(), "the SDK run failed: {stderr}");
     let seen: Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
     assert_eq!(seen["generate"], json!([[64, 64], [64, 64]]), "{seen}");
+    assert_eq!(seen["generate_jpeg"], json!(["JPEG", "JPEG"]), "{seen}");
     assert_eq!(seen["edit"], json!([[64, 64]]), "{seen}");
     assert_eq!(seen["edit_list"], json!([[64, 64]]), "{seen}");
     let bad = &seen["bad_size"];

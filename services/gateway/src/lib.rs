@@ -23,6 +23,7 @@ pub mod lost_events;
 pub mod metrics;
 pub mod model_catalogue;
 pub mod openapi;
+pub mod output_format;
 pub mod overload_gate;
 pub mod parse;
 pub mod quotas;
@@ -80,8 +81,8 @@ pub struct GatewayConfig {
     /// Largest image (edits) or requested size (generations), in pixels.
     #[arg(long, env = "GATEWAY_MAX_PIXELS", default_value_t = 4096 * 4096)]
     pub max_pixels: u64,
-    /// Largest `n` (images per request).
-    #[arg(long, env = "GATEWAY_MAX_N", default_value_t = 4)]
+    /// Largest `n` (images per request; OpenAI's limit is 10).
+    #[arg(long, env = "GATEWAY_MAX_N", default_value_t = 10)]
     pub max_n: u32,
     /// Largest `num_inference_steps`.
     #[arg(long, env = "GATEWAY_MAX_STEPS", default_value_t = 100)]

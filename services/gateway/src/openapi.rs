@@ -146,8 +146,12 @@ pub fn document(limits: &Limits) -> String {
         props["negative_prompt"]["maxLength"] = json!(limits.max_prompt_chars);
         props["n"]["maximum"] = json!(limits.max_n);
         // WxH, each side 1 to 99999 (the pixel limit still applies to the product).
-        props["size"]["pattern"] = json!("^[1-9][0-9]{0,4}[xX][1-9][0-9]{0,4}$");
+        props["size"]["pattern"] = json!("^(auto|[1-9][0-9]{0,4}[xX][1-9][0-9]{0,4})$");
         props["response_format"]["enum"] = json!(["b64_json", "png"]);
+        props["output_format"]["enum"] = json!(["png", "jpeg", "webp"]);
+        props["background"]["enum"] = json!(["auto", "opaque", "transparent"]);
+        props["quality"]["enum"] = json!(["auto", "low", "medium", "high", "standard", "hd"]);
+        props["user"]["maxLength"] = json!(256);
     }
     // A LoRA is named by its id, a UUID, at most a few per request.
     doc["components"]["schemas"]["RawParams"]["properties"]["loras"]["maxItems"] =
@@ -348,7 +352,7 @@ mod tests {
         assert_eq!(template["num_inference_steps"]["maximum"], 50);
         assert_eq!(
             doc["components"]["schemas"]["RawParams"]["properties"]["size"]["pattern"],
-            "^[1-9][0-9]{0,4}[xX][1-9][0-9]{0,4}$"
+            "^(auto|[1-9][0-9]{0,4}[xX][1-9][0-9]{0,4})$"
         );
         let params = doc["paths"]["/v1/images/generations"]["post"]["parameters"]
             .as_array()

@@ -76,7 +76,23 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
             "loras" => raw.loras = Some(lora_params::from_json(v)?),
             "deadline_ms" => raw.deadline_ms = Some(int_field(key, v)?),
             "controlnet" => raw.controlnet = Some(crate::controlnet::from_json(v)?),
-            // OpenAI fields that do not change what this server does (user, quality...).
+            "output_format" => raw.output_format = Some(string()?),
+            "output_compression" => raw.output_compression = Some(int_field(key, v)?),
+            "background" => raw.background = Some(string()?),
+            "quality" => raw.quality = Some(string()?),
+            "user" => raw.user = Some(string()?),
+            // Refused by name rather than answered without what they ask for.
+            "stream" if v.as_bool() != Some(false) => {
+                return Err(FieldError::invalid(
+                    key,
+                    "streamed responses are not served yet",
+                ))
+            }
+            "partial_images" | "input_fidelity" => {
+                return Err(FieldError::invalid(key, "not served yet"))
+            }
+            // Fields this server does not know (newer OpenAI ones): ignored, as OpenAI's SDK
+            // sends only what the caller set.
             _ => {}
         }
     }
@@ -98,6 +114,18 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
             })
             .transpose()
     }
+    if text.get("stream").is_some_and(|v| v.trim() != "false") {
+        return Err(FieldError::invalid(
+            "stream",
+            "streamed responses are not served yet",
+        ));
+    }
+    if let Some(name) = ["partial_images", "input_fidelity"]
+        .into_iter()
+        .find(|n| text.contains_key(*n))
+    {
+        return Err(FieldError::invalid(name, "not served yet"));
+    }
     if text.contains_key("controlnet") {
         return Err(FieldError::invalid(
             "controlnet",
@@ -109,6 +137,11 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
         prompt: text.get("prompt").cloned(),
         size: text.get("size").cloned(),
         response_format: text.get("response_format").cloned(),
+        output_format: text.get("output_format").cloned(),
+        output_compression: parse(text, "output_compression", "an integer")?,
+        background: text.get("background").cloned(),
+        quality: text.get("quality").cloned(),
+        user: text.get("user").cloned(),
         n: parse(text, "n", "an integer")?,
         num_inference_steps: parse(text, "num_inference_steps", "an integer")?,
         guidance_scale: parse(text, "guidance_scale", "a number")?,
@@ -150,6 +183,13 @@ mod tests {
                 .field,
             "loras[1].scale"
         );
+        for (body, field) in [
+            (&br#"{"prompt": "x", "stream": true}"#[..], "stream"),
+            (br#"{"prompt": "x", "partial_images": 2}"#, "partial_images"),
+        ] {
+            assert_eq!(raw_from_json(body).unwrap_err().field, field);
+        }
+        assert!(raw_from_json(br#"{"prompt": "x", "stream": false}"#).is_ok());
     }
 
     #[test]

@@ -3,6 +3,7 @@
 use diffmesh_shared::wire::messages::{FieldError, GenerationParams, TrueCfg};
 
 use crate::loras::params::{self as lora_params, RawLora};
+use crate::output_format::{self, OutputFormat, RawOutput};
 use crate::request_limits::{check_pixels, in_range, parse_size, rand_seed, Defaults, Limits};
 
 /// How the client wants the images back.
@@ -16,8 +17,7 @@ pub enum ResponseFormat {
 
 /// Parameters as the client sent them (JSON body or multipart text fields), before checks.
 /// Integers are signed so a negative value is reported as out of range, not as a type error.
-/// Also the documented JSON body of `POST /v1/images/generations` (limits are gateway flags);
-/// other OpenAI fields (`user`, `quality`, ...) are accepted and ignored.
+/// Also the documented JSON body of `POST /v1/images/generations` (limits are gateway flags).
 #[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize, utoipa::ToSchema)]
 pub struct RawParams {
     /// The model to run (`GET /v1/models` lists them): default `--default-model`, else the
@@ -37,12 +37,35 @@ pub struct RawParams {
     /// Images to make, 1 to `--max-n` (default 1).
     #[schema(minimum = 1)]
     pub n: Option<i64>,
-    /// `WxH` output size of a generation (default `--default-size`); at most `--max-pixels`.
+    /// `WxH` output size of a generation, or `auto` (the model's default, as when absent);
+    /// at most `--max-pixels`.
     #[schema(example = "64x64")]
     pub size: Option<String>,
-    /// `b64_json` (default) or `png` (the raw PNG; n must be 1).
+    /// `b64_json` (default) or `png` (the raw image in `output_format`; n must be 1).
     #[schema(example = "b64_json")]
     pub response_format: Option<String>,
+    /// `png` (default), `jpeg` or `webp` (lossless). Async jobs (`Prefer: respond-async`)
+    /// keep PNG results: png only.
+    #[schema(example = "png")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_format: Option<String>,
+    /// JPEG quality in percent, 0 to 100 (default 100); `jpeg` only (`webp` is lossless
+    /// here: only 100).
+    #[schema(minimum = 0, maximum = 100)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_compression: Option<i64>,
+    /// `auto` or `opaque`; `transparent` is refused (the models draw no alpha channel).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub background: Option<String>,
+    /// Sets the default of `num_inference_steps` (when that is absent): `low` half the
+    /// default steps, `auto`, `standard` or `medium` the default, `high` or `hd` twice it, within
+    /// the step limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quality: Option<String>,
+    /// The end user, for the caller's own abuse tracking: at most 256 characters, accepted and
+    /// not stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
     /// Denoising steps, 1 to `--max-steps` (default `--default-steps`).
     #[schema(minimum = 1)]
     pub num_inference_steps: Option<i64>,
@@ -84,11 +107,31 @@ pub struct RawParams {
 /// Longest `deadline_ms` a request may give (a day).
 pub const MAX_DEADLINE_MS: i64 = 86_400_000;
 
+impl RawParams {
+    /// The output fields, for [`output_format::validate`].
+    pub fn output(&self) -> RawOutput<'_> {
+        RawOutput {
+            output_format: self.output_format.as_deref(),
+            output_compression: self.output_compression,
+            background: self.background.as_deref(),
+            quality: self.quality.as_deref(),
+            user: self.user.as_deref(),
+        }
+    }
+
+    /// Whether a generation names its size (`auto` does not).
+    pub fn size_given(&self) -> bool {
+        self.size.as_deref().is_some_and(|s| s != "auto")
+    }
+}
+
 /// A request that passed every check.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidParams {
     pub params: GenerationParams,
     pub response_format: ResponseFormat,
+    /// How the images are encoded.
+    pub output: OutputFormat,
 }
 
 fn invalid(field: &str, message: impl Into<String>) -> FieldError {
@@ -103,6 +146,7 @@ fn validate_common(
     limits: &Limits,
     defaults: &Defaults,
 ) -> Result<ValidParams, FieldError> {
+    let (output, quality) = output_format::validate(&raw.output())?;
     let prompt = raw.prompt.unwrap_or_default();
     if prompt.trim().is_empty() {
         return Err(invalid("prompt", "required and must not be empty"));
@@ -121,7 +165,7 @@ fn validate_common(
     let steps = in_range(
         "num_inference_steps",
         raw.num_inference_steps,
-        defaults.steps,
+        quality.steps(defaults.steps, limits.min_steps, limits.max_steps),
         limits.min_steps,
         limits.max_steps,
     )?;
@@ -182,6 +226,7 @@ fn validate_common(
             true_cfg,
         },
         response_format,
+        output,
     })
 }
 
@@ -248,8 +293,8 @@ pub fn validate_generation(
     defaults: &Defaults,
 ) -> Result<ValidParams, FieldError> {
     let size = match raw.size.as_deref() {
-        Some(s) => parse_size(s)?,
-        None => (defaults.width, defaults.height),
+        Some(s) if s != "auto" => parse_size(s)?,
+        _ => (defaults.width, defaults.height),
     };
     check_pixels("size", size.0, size.1, limits)?;
     validate_common(raw, size, limits, defaults)
@@ -263,7 +308,7 @@ pub fn validate_edit(
     defaults: &Defaults,
 ) -> Result<ValidParams, FieldError> {
     check_pixels("image", image_size.0, image_size.1, limits)?;
-    if let Some(size) = raw.size.as_deref() {
+    if let Some(size) = raw.size.as_deref().filter(|s| *s != "auto") {
         // Accepted for OpenAI compatibility, but edits always come back at the input's size.
         parse_size(size)?;
     }
@@ -331,6 +376,37 @@ mod tests {
             let e = validate_generation(with(bad), &limits(), &defaults()).unwrap_err();
             assert_eq!(e.field, "deadline_ms", "{bad}");
         }
+    }
+
+    #[test]
+    fn openai_output_fields_parse_and_quality_sets_the_default_steps() {
+        let body = br#"{"prompt": "x", "size": "auto", "output_format": "jpeg",
+            "output_compression": 70, "quality": "low", "background": "opaque", "user": "u-1"}"#;
+        let parsed = crate::parse::raw_from_json(body).unwrap();
+        let (l, d) = (limits(), defaults());
+        let v = validate_generation(parsed, &l, &d).unwrap();
+        assert_eq!(v.output, OutputFormat::Jpeg(70));
+        assert_eq!(v.params.num_inference_steps, (d.steps / 2).max(l.min_steps));
+        assert_eq!((v.params.width, v.params.height), (d.width, d.height));
+        // An explicit step count wins over `quality`.
+        let explicit = RawParams {
+            quality: Some("high".into()),
+            num_inference_steps: Some(3),
+            ..raw("x")
+        };
+        assert_eq!(
+            validate_generation(explicit, &l, &d)
+                .unwrap()
+                .params
+                .num_inference_steps,
+            3
+        );
+        let transparent = RawParams {
+            background: Some("transparent".into()),
+            ..raw("x")
+        };
+        let e = validate_generation(transparent, &l, &d).unwrap_err();
+        assert_eq!(e.field, "background");
     }
 
     #[test]

@@ -33,7 +33,7 @@ pub async fn read_generation(
         .as_ref()
         .map(|c| crate::controlnet::validate(c, &state.limits))
         .transpose()?;
-    let (requested, size_given) = (raw.model.clone(), raw.size.is_some());
+    let (requested, size_given) = (raw.model.clone(), raw.size_given());
     let mut valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
     // The model is resolved after the fields are checked, so a bad field is named first.
     let model = request_model::choose(state, requested.as_deref()).await?;

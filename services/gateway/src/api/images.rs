@@ -19,8 +19,10 @@ use crate::error::{ApiError, ErrorBody};
 use crate::idempotency::{self, IdempotencyKey};
 use crate::job_driver::ImageRequest;
 use crate::job_driver::Mesh;
+use crate::output_format::OutputFormat;
 use crate::state::ApiState;
 use crate::validate::{RawParams, ResponseFormat};
+use diffmesh_shared::wire::messages::FieldError;
 
 /// The OpenAI images response.
 #[derive(Serialize, ToSchema)]
@@ -32,7 +34,7 @@ pub struct ImagesResponse {
 
 #[derive(Serialize, ToSchema)]
 pub struct ImageData {
-    /// The PNG, base64-encoded.
+    /// The image in `output_format` (PNG by default), base64-encoded.
     pub b64_json: String,
 }
 
@@ -57,8 +59,20 @@ pub struct EditForm {
     pub n: Option<i64>,
     /// Accepted for OpenAI compatibility; edits come back at the image's size.
     pub size: Option<String>,
-    /// `b64_json` (default) or `png` (the raw PNG, n = 1 only).
+    /// `b64_json` (default) or `png` (the raw image in `output_format`, n = 1 only).
     pub response_format: Option<String>,
+    /// `png` (default), `jpeg` or `webp` (lossless); png only for async jobs.
+    pub output_format: Option<String>,
+    /// JPEG quality in percent, 0 to 100 (default 100); `jpeg` only.
+    #[schema(minimum = 0, maximum = 100)]
+    pub output_compression: Option<i64>,
+    /// `auto` or `opaque` (`transparent` is refused: no alpha channel).
+    pub background: Option<String>,
+    /// `low`, `auto`/`standard`/`medium` or `high`/`hd`: half, the default or twice the
+    /// default steps, when `num_inference_steps` is absent.
+    pub quality: Option<String>,
+    /// The end user (at most 256 characters; accepted, not stored).
+    pub user: Option<String>,
     #[schema(minimum = 1)]
     pub num_inference_steps: Option<i64>,
     #[schema(minimum = 0.0)]
@@ -96,6 +110,8 @@ pub struct EditForm {
         (status = 200, description = "The edited image(s), at the input's size", content(
             (ImagesResponse = "application/json"),
             ([u8] = "image/png"),
+            ([u8] = "image/jpeg"),
+            ([u8] = "image/webp"),
         )),
         (status = 202, description = "Accepted (`Prefer: respond-async`): the job",
             body = JobView, headers(("Location" = String, description = "The job's URL"))),
@@ -139,6 +155,8 @@ pub async fn edits(
         (status = 200, description = "The generated image(s)", content(
             (ImagesResponse = "application/json"),
             ([u8] = "image/png"),
+            ([u8] = "image/jpeg"),
+            ([u8] = "image/webp"),
         )),
         (status = 202, description = "Accepted (`Prefer: respond-async`): the job",
             body = JobView, headers(("Location" = String, description = "The job's URL"))),
@@ -190,7 +208,18 @@ async fn serve(
     request: ImageRequest,
 ) -> Result<HttpResponse, ApiError> {
     let respond_async = prefers_async(req);
-    let format = request.input.valid.response_format;
+    let format = (
+        request.input.valid.response_format,
+        request.input.valid.output,
+    );
+    if respond_async && format.1 != OutputFormat::Png {
+        // An async job's results are the stored PNGs (`/v1/jobs/{id}/result/{i}`).
+        return Err(FieldError::invalid(
+            "output_format",
+            "async jobs (Prefer: respond-async) return PNG: png only",
+        )
+        .into());
+    }
     let idem = idempotency::from_request(req, &caller, request.fingerprint)?;
     if let Some(key) = &idem {
         if let Some(existing) = state.mesh.idempotency.get(&key.store_key).await? {
@@ -239,7 +268,7 @@ async fn serve(
     };
     drop(slot);
     let pngs = state.mesh.fetch_pngs(&png_keys).await?;
-    Ok(respond(pngs, format))
+    respond(pngs, format).await
 }
 
 /// 202 with the job, its URL in `Location`.
@@ -262,7 +291,7 @@ async fn replay(
     key: &IdempotencyKey,
     first: IdempotencyRecord,
     respond_async: bool,
-    format: ResponseFormat,
+    format: (ResponseFormat, OutputFormat),
 ) -> Result<HttpResponse, ApiError> {
     if first.fingerprint != key.fingerprint {
         return Err(idempotency::mismatch(&first.job_id));
@@ -279,7 +308,9 @@ async fn replay(
         _ = disconnect::closed(req) => return Err(ApiError::ClientGone),
     };
     let mut response = match record.state {
-        JobState::Done => respond(state.mesh.fetch_pngs(&record.result_keys).await?, format),
+        JobState::Done => {
+            respond(state.mesh.fetch_pngs(&record.result_keys).await?, format).await?
+        }
         JobState::Cancelled => {
             return Err(ApiError::Cancelled {
                 message: format!("job {job_id} was cancelled"),
@@ -323,25 +354,39 @@ async fn wait_for_ending(mesh: &Mesh, job_id: &str) -> Result<JobRecord, ApiErro
     }
 }
 
-fn respond(pngs: Vec<Vec<u8>>, format: ResponseFormat) -> HttpResponse {
-    match format {
-        ResponseFormat::Png => match pngs.into_iter().next() {
-            Some(png) => HttpResponse::Ok().content_type("image/png").body(png),
+/// The answer with a job's images, re-encoded in the asked format (off the runtime).
+async fn respond(
+    pngs: Vec<Vec<u8>>,
+    (format, output): (ResponseFormat, OutputFormat),
+) -> Result<HttpResponse, ApiError> {
+    let images = tokio::task::spawn_blocking(move || {
+        pngs.iter()
+            .map(|png| output.encode(png))
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("encoding the results: {e}")))?
+    .map_err(ApiError::Internal)?;
+    Ok(match format {
+        ResponseFormat::Png => match images.into_iter().next() {
+            Some(image) => HttpResponse::Ok()
+                .content_type(output.content_type())
+                .body(image),
             None => ApiError::Internal("the job returned no image".into()).error_response(),
         },
         ResponseFormat::B64Json => {
             let engine = base64::engine::general_purpose::STANDARD;
             HttpResponse::Ok().json(ImagesResponse {
                 created: now_ms() / 1000,
-                data: pngs
+                data: images
                     .iter()
-                    .map(|png| ImageData {
-                        b64_json: engine.encode(png),
+                    .map(|image| ImageData {
+                        b64_json: engine.encode(image),
                     })
                     .collect(),
             })
         }
-    }
+    })
 }
 
 #[cfg(test)]

@@ -134,6 +134,7 @@ async fn capture(
         valid: ValidParams {
             params,
             response_format: ResponseFormat::B64Json,
+            output: Default::default(),
         },
         image: Some(InputImage::Template(record.template_image())),
         mask: None,
