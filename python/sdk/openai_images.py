@@ -1,7 +1,8 @@
 """The official `openai` SDK against a diffmesh gateway, unchanged (tests/tests/openai_sdk.rs).
 
 Usage: openai_images.py BASE_URL API_KEY MODEL. Runs images.generate (n=2, b64_json; then
-n=2 at size auto as JPEG with output_compression, quality, background and user), images.edit
+n=2 at size auto as JPEG with output_compression, quality, background and user; then a
+signed result URL, read without the key, and a tampered one), images.edit
 with `image` and a mask in OpenAI's alpha convention, images.edit with `image=[...]` (sent as
 `image[]`), a generation of an invalid size (BadRequestError: its param, type and code), then
 generations until the key's rate limit answers (RateLimitError). Prints one JSON line of what
@@ -11,6 +12,8 @@ import base64
 import io
 import json
 import sys
+import urllib.error
+import urllib.request
 
 import openai
 from PIL import Image
@@ -38,6 +41,17 @@ def main():
                                background="opaque", user="user-1")
     seen["generate_jpeg"] = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))).format
                              for d in r.data]
+    r = client.images.generate(model=model, prompt="a red square", response_format="url")
+    url = r.data[0].url
+    # A signed URL opens without the API key; a tampered one does not.
+    with urllib.request.urlopen(url) as answer:
+        seen["url"] = {"content_type": answer.headers["content-type"],
+                       "size": list(Image.open(io.BytesIO(answer.read())).size)}
+    try:
+        urllib.request.urlopen(url.replace("signature=", "signature=A"))
+        seen["url"]["tampered"] = 200
+    except urllib.error.HTTPError as e:
+        seen["url"]["tampered"] = e.code
     template = png(Image.new("RGB", (64, 64), (120, 30, 200)))
     # OpenAI's convention: where the mask is transparent, the image is edited.
     mask = Image.new("RGBA", (64, 64), (0, 0, 0, 255))

@@ -1,6 +1,7 @@
 //! The official `openai` Python SDK (pinned in `xtask/src/toolchain.rs`) against an in-process
 //! mesh, unchanged but for `base_url` (python/sdk/openai_images.py): generations with n = 2 (PNG,
-//! and JPEG at size `auto` with `output_compression`, `quality`, `background` and `user`),
+//! and JPEG at size `auto` with `output_compression`, `quality`, `background` and `user`), a
+//! signed result URL (`response_format="url"`) read without the key (a tampered one: 401),
 //! edits with `image` and with `image=[...]` (the SDK's `image[]`), a 400 whose exception carries
 //! `param`, `type` and `code`, and a 429 the SDK raises as `RateLimitError`.
 use std::process::Command;
@@ -15,9 +16,9 @@ async fn the_official_sdk_generates_edits_and_reads_errors() {
     let mesh = MeshBuilder::new()
         .gateway(|g| {
             g.api_keys = Some(format!("alice:{KEY}"));
-            // Five image requests, then 429 (the SDK retries nothing: max_retries=0).
+            // Six image requests, then 429 (the SDK retries nothing: max_retries=0).
             g.rate_limit_per_s = 0.001;
-            g.rate_limit_burst = 5;
+            g.rate_limit_burst = 6;
         })
         .start()
         .await;
@@ -41,6 +42,11 @@ async fn the_official_sdk_generates_edits_and_reads_errors() {
     let seen: Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
     assert_eq!(seen["generate"], json!([[64, 64], [64, 64]]), "{seen}");
     assert_eq!(seen["generate_jpeg"], json!(["JPEG", "JPEG"]), "{seen}");
+    assert_eq!(
+        seen["url"],
+        json!({"content_type": "image/png", "size": [64, 64], "tampered": 401}),
+        "{seen}"
+    );
     assert_eq!(seen["edit"], json!([[64, 64]]), "{seen}");
     assert_eq!(seen["edit_list"], json!([[64, 64]]), "{seen}");
     let bad = &seen["bad_size"];

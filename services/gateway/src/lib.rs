@@ -29,6 +29,7 @@ pub mod parse;
 pub mod quotas;
 pub mod request_limits;
 pub mod request_model;
+pub mod result_urls;
 pub mod routes;
 pub mod state;
 pub mod templates;
@@ -126,6 +127,18 @@ pub struct GatewayConfig {
     /// pre-processing again while no codec takes it, before answering 503.
     #[arg(long, env = "GATEWAY_SUBMIT_WAIT", default_value = "10s", value_parser = duration)]
     pub submit_wait: Duration,
+    /// The key result URLs are signed with (`response_format: "url"`); gateways behind one
+    /// address must share it. Unset: a random key of this process (its URLs work only here
+    /// and not after a restart).
+    #[arg(long, env = "GATEWAY_RESULT_URL_KEY", hide_env_values = true)]
+    pub result_url_key: Option<String>,
+    /// How long a result URL stays readable (results may expire from the store earlier).
+    #[arg(long, env = "GATEWAY_RESULT_URL_TTL", default_value = "1h", value_parser = duration)]
+    pub result_url_ttl: Duration,
+    /// The gateway's public base URL (`https://images.example.com`) for result URLs; unset:
+    /// the scheme and Host of each request.
+    #[arg(long, env = "GATEWAY_PUBLIC_URL")]
+    pub public_url: Option<String>,
     /// Whole-job deadline; a job still running then is cancelled and answered 504.
     #[arg(long, env = "GATEWAY_JOB_TIMEOUT", default_value = "120s", value_parser = duration)]
     pub job_timeout: Duration,
@@ -224,6 +237,9 @@ impl GatewayConfig {
             router_timeout: Duration::from_secs(3),
             submit_wait: Duration::from_secs(2),
             job_timeout: Duration::from_secs(60),
+            result_url_key: None,
+            result_url_ttl: Duration::from_secs(3600),
+            public_url: None,
             api_keys_file: None,
             api_keys: None,
             insecure_no_auth: false,
@@ -483,6 +499,14 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         directory,
         default_model: config.default_model.clone(),
         default_size,
+        result_urls: result_urls::ResultUrls::new(
+            config.result_url_key.as_deref(),
+            config.result_url_ttl,
+        ),
+        public_url: config
+            .public_url
+            .as_ref()
+            .map(|u| u.trim_end_matches('/').to_string()),
     });
     let probe = client.clone();
     let ready: Readiness =

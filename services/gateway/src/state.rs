@@ -43,11 +43,26 @@ pub struct ApiState {
     pub default_model: Option<String>,
     /// `--default-size`, which overrides the models' own default sizes.
     pub default_size: Option<(u32, u32)>,
+    /// Signs and checks result URLs (`response_format: "url"`).
+    pub result_urls: crate::result_urls::ResultUrls,
+    /// `--public-url`, the base of result URLs (None: each request's scheme and Host).
+    pub public_url: Option<String>,
 }
 
 impl ApiState {
     /// Who sent `req` (401 when keys are configured and it carries no valid one).
     pub fn caller(&self, req: &HttpRequest) -> Result<Caller, ApiError> {
         self.keys.authenticate(req.headers().get(AUTHORIZATION))
+    }
+
+    /// Where clients reach this gateway: `--public-url`, else `req`'s scheme and Host.
+    pub fn base_url(&self, req: &HttpRequest) -> String {
+        match &self.public_url {
+            Some(url) => url.clone(),
+            None => {
+                let info = req.connection_info();
+                format!("{}://{}", info.scheme(), info.host())
+            }
+        }
     }
 }

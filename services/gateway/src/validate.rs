@@ -13,6 +13,8 @@ pub enum ResponseFormat {
     B64Json,
     /// The raw PNG as `image/png` (only with n = 1).
     Png,
+    /// OpenAI-style JSON with a signed, expiring URL per image (`result_urls`).
+    Url,
 }
 
 /// Parameters as the client sent them (JSON body or multipart text fields), before checks.
@@ -41,7 +43,8 @@ pub struct RawParams {
     /// at most `--max-pixels`.
     #[schema(example = "64x64")]
     pub size: Option<String>,
-    /// `b64_json` (default) or `png` (the raw image in `output_format`; n must be 1).
+    /// `b64_json` (default), `url` (a signed result URL per image, expiring after
+    /// `--result-url-ttl`; png only) or `png` (the raw image in `output_format`; n must be 1).
     #[schema(example = "b64_json")]
     pub response_format: Option<String>,
     /// `png` (default), `jpeg` or `webp` (lossless). Async jobs (`Prefer: respond-async`)
@@ -187,16 +190,18 @@ fn validate_common(
     let response_format = match raw.response_format.as_deref().unwrap_or("b64_json") {
         "b64_json" => ResponseFormat::B64Json,
         "png" => ResponseFormat::Png,
-        "url" => {
+        // The URL serves the stored PNG.
+        "url" if output != OutputFormat::Png => {
             return Err(invalid(
-                "response_format",
-                "url is not supported; use b64_json or png",
+                "output_format",
+                "png only with response_format url (the URL serves the stored PNG)",
             ))
         }
+        "url" => ResponseFormat::Url,
         other => {
             return Err(invalid(
                 "response_format",
-                format!("must be b64_json or png, got {other:?}"),
+                format!("must be b64_json, url or png, got {other:?}"),
             ))
         }
     };
@@ -533,10 +538,27 @@ mod tests {
         );
         assert_eq!(
             field(RawParams {
-                response_format: Some("url".into()),
+                response_format: Some("gif".into()),
                 ..raw("x")
             }),
             "response_format"
+        );
+        // A result URL serves the stored PNG.
+        assert_eq!(
+            field(RawParams {
+                response_format: Some("url".into()),
+                output_format: Some("jpeg".into()),
+                ..raw("x")
+            }),
+            "output_format"
+        );
+        let url = RawParams {
+            response_format: Some("url".into()),
+            ..raw("x")
+        };
+        assert_eq!(
+            validate_generation(url, &l, &d).unwrap().response_format,
+            ResponseFormat::Url
         );
         let png_many = RawParams {
             response_format: Some("png".into()),

@@ -34,8 +34,12 @@ pub struct ImagesResponse {
 
 #[derive(Serialize, ToSchema)]
 pub struct ImageData {
-    /// The image in `output_format` (PNG by default), base64-encoded.
-    pub b64_json: String,
+    /// The image in `output_format` (PNG by default), base64-encoded (`b64_json`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub b64_json: Option<String>,
+    /// A signed URL of the PNG, readable without an API key until it expires (`url`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
 }
 
 /// The multipart form of `POST /v1/images/edits` (documentation of what `image_request::read_edit`
@@ -267,6 +271,9 @@ async fn serve(
         _ = disconnect::closed(req) => return Err(ApiError::ClientGone),
     };
     drop(slot);
+    if format.0 == ResponseFormat::Url {
+        return Ok(respond_urls(req, state, &job_id, png_keys.len()));
+    }
     let pngs = state.mesh.fetch_pngs(&png_keys).await?;
     respond(pngs, format).await
 }
@@ -308,6 +315,9 @@ async fn replay(
         _ = disconnect::closed(req) => return Err(ApiError::ClientGone),
     };
     let mut response = match record.state {
+        JobState::Done if format.0 == ResponseFormat::Url => {
+            respond_urls(req, state, &job_id, record.result_keys.len())
+        }
         JobState::Done => {
             respond(state.mesh.fetch_pngs(&record.result_keys).await?, format).await?
         }
@@ -354,6 +364,23 @@ async fn wait_for_ending(mesh: &Mesh, job_id: &str) -> Result<JobRecord, ApiErro
     }
 }
 
+/// The answer with signed URLs of a job's `count` results.
+fn respond_urls(req: &HttpRequest, state: &ApiState, job_id: &str, count: usize) -> HttpResponse {
+    let (base, now_s) = (state.base_url(req), now_ms() / 1000);
+    HttpResponse::Ok().json(ImagesResponse {
+        created: now_s,
+        data: (0..count)
+            .map(|i| ImageData {
+                b64_json: None,
+                url: Some(format!(
+                    "{base}{}",
+                    state.result_urls.path(job_id, i, now_s)
+                )),
+            })
+            .collect(),
+    })
+}
+
 /// The answer with a job's images, re-encoded in the asked format (off the runtime).
 async fn respond(
     pngs: Vec<Vec<u8>>,
@@ -374,14 +401,15 @@ async fn respond(
                 .body(image),
             None => ApiError::Internal("the job returned no image".into()).error_response(),
         },
-        ResponseFormat::B64Json => {
+        ResponseFormat::B64Json | ResponseFormat::Url => {
             let engine = base64::engine::general_purpose::STANDARD;
             HttpResponse::Ok().json(ImagesResponse {
                 created: now_ms() / 1000,
                 data: images
                     .iter()
                     .map(|image| ImageData {
-                        b64_json: engine.encode(image),
+                        b64_json: Some(engine.encode(image)),
+                        url: None,
                     })
                     .collect(),
             })

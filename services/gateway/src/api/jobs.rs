@@ -1,5 +1,6 @@
 //! The job resource: `GET /v1/jobs/{id}` (state, queue position, step k of N, timings, result
-//! links), `GET /v1/jobs/{id}/result/{n}` (the n-th PNG) and `DELETE /v1/jobs/{id}` (cancel).
+//! links), `GET /v1/jobs/{id}/result/{n}` (the n-th PNG: the owner's key, or a signed URL's
+//! query, `result_urls`) and `DELETE /v1/jobs/{id}` (cancel).
 //! A job belongs to the API key that created it: any other key gets 404, exactly as for a job
 //! that does not exist, so job ids of other keys cannot even be confirmed.
 
@@ -12,6 +13,7 @@ use utoipa::ToSchema;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
+use crate::result_urls::Signed;
 use crate::state::ApiState;
 
 /// A job as clients see it.
@@ -300,6 +302,9 @@ async fn cancel(state: &ApiState, caller: &Caller, id: &str) -> Result<HttpRespo
     params(
         ("id" = String, Path, description = "Job id (UUID)"),
         ("n" = usize, Path, description = "Result index, from 0"),
+        ("expires" = Option<u64>, Query, description = "A signed result URL's expiry (Unix s)"),
+        ("signature" = Option<String>, Query,
+            description = "A signed result URL's signature: with `expires`, no API key is needed"),
     ),
     responses(
         (status = 200, description = "The n-th result image", content_type = "image/png", body = [u8]),
@@ -315,22 +320,36 @@ pub async fn get_result(
     req: HttpRequest,
     state: web::Data<ApiState>,
     path: web::Path<(String, String)>,
+    signed: Option<web::Query<Signed>>,
 ) -> Result<HttpResponse, ApiError> {
     let (id, n) = path.into_inner();
-    let caller = state.caller(&req)?;
-    result_png(&state, &caller, &id, &n).await
+    let index: usize = n
+        .parse()
+        .map_err(|_| FieldError::invalid("n", format!("must be a result index, got {n:?}")))?;
+    let record = match signed {
+        // A signed result URL opens this one result to anyone holding it.
+        Some(signed) => {
+            let id = parse_job_id(&id)?;
+            state
+                .result_urls
+                .check(&id, index, &signed, now_ms() / 1000)?;
+            state
+                .mesh
+                .jobs
+                .get(&id)
+                .await?
+                .ok_or_else(|| not_found(&id))?
+        }
+        None => owned_record(&state, &state.caller(&req)?, &id).await?,
+    };
+    result_png(&state, record, index).await
 }
 
 async fn result_png(
     state: &ApiState,
-    caller: &Caller,
-    id: &str,
-    n: &str,
+    record: JobRecord,
+    index: usize,
 ) -> Result<HttpResponse, ApiError> {
-    let record = owned_record(state, caller, id).await?;
-    let index: usize = n
-        .parse()
-        .map_err(|_| FieldError::invalid("n", format!("must be a result index, got {n:?}")))?;
     if record.state != JobState::Done {
         return Err(ApiError::Conflict {
             message: format!(
