@@ -8,6 +8,7 @@ pub mod capture_log;
 pub mod controlnet_service;
 pub mod device_memory;
 pub mod engine;
+pub mod labels;
 pub mod lora;
 pub mod metrics;
 pub mod model;

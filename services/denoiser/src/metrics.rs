@@ -63,7 +63,7 @@ pub struct DenoiserMetrics {
     /// Capture broadcasts of other denoisers, by what this one did with them.
     pub capture_warmups: IntCounterVec,
     /// Templates whose cache an edit found gone from every tier, captured again here, by
-    /// outcome (`service::recapture::Outcome`).
+    /// outcome (`labels::RecaptureOutcome`).
     pub recaptures: IntCounterVec,
     pub template_pixels_lookups: IntCounterVec,
     /// Capture passes (template registration), whole pass.
@@ -204,7 +204,7 @@ impl DenoiserMetrics {
             ),
             &["outcome"],
         )?;
-        for outcome in crate::service::recapture::Outcome::ALL {
+        for outcome in crate::labels::RecaptureOutcome::ALL {
             recaptures.with_label_values(&[outcome.as_str()]);
         }
         let capture_warmups = IntCounterVec::new(
@@ -216,7 +216,7 @@ impl DenoiserMetrics {
             ),
             &["outcome"],
         )?;
-        for outcome in crate::warming::WarmOutcome::ALL {
+        for outcome in crate::labels::WarmOutcome::ALL {
             capture_warmups.with_label_values(&[outcome.as_str()]);
         }
         let template_pixels_lookups = IntCounterVec::new(

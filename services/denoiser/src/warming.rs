@@ -25,24 +25,7 @@ use tracing::Instrument;
 /// How long a starting denoiser reads earlier announcements before it stops (they are a hint).
 const CATCH_UP_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// What a denoiser did with one capture broadcast; the label of
-/// `diffmesh_denoiser_capture_warmups_total{outcome}`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WarmOutcome {
-    /// Fetched into the local tier (or joined an edit's fetch of it).
-    Loaded,
-    /// Already held here.
-    Held,
-    /// Its own capture.
-    Own,
-    /// Another model or cache setting: this denoiser's edits would never read it.
-    OtherSettings,
-    /// It would not fit beside what the tier holds.
-    NoRoom,
-    /// Gone from the cachestore before it was read (deleted or evicted).
-    Missing,
-    Failed,
-}
+pub use crate::labels::WarmOutcome;
 
 /// How an announcement reached this denoiser.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,30 +34,6 @@ pub enum Heard {
     Live,
     /// Read back from the stream at start.
     Replayed,
-}
-
-impl WarmOutcome {
-    pub const ALL: [WarmOutcome; 7] = [
-        WarmOutcome::Loaded,
-        WarmOutcome::Held,
-        WarmOutcome::Own,
-        WarmOutcome::OtherSettings,
-        WarmOutcome::NoRoom,
-        WarmOutcome::Missing,
-        WarmOutcome::Failed,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WarmOutcome::Loaded => "loaded",
-            WarmOutcome::Held => "held",
-            WarmOutcome::Own => "own",
-            WarmOutcome::OtherSettings => "other_settings",
-            WarmOutcome::NoRoom => "no_room",
-            WarmOutcome::Missing => "missing",
-            WarmOutcome::Failed => "failed",
-        }
-    }
 }
 
 impl Service {

@@ -35,36 +35,7 @@ pub const RETRY_AFTER: Duration = Duration::from_secs(600);
 const QUEUE: usize = 16;
 const REMEMBERED: usize = 1024;
 
-/// What became of an edit's request to re-capture its template.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// Handed to the engine.
-    Started,
-    /// Re-captured here recently, or the cache is in the local tier again.
-    Recent,
-    /// The engine's queue was full, or too many requests waited.
-    Busy,
-    /// The template's pixels could not be read.
-    Failed,
-}
-
-impl Outcome {
-    pub const ALL: [Outcome; 4] = [
-        Outcome::Started,
-        Outcome::Recent,
-        Outcome::Busy,
-        Outcome::Failed,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Started => "started",
-            Outcome::Recent => "recent",
-            Outcome::Busy => "busy",
-            Outcome::Failed => "failed",
-        }
-    }
-}
+pub use crate::labels::RecaptureOutcome as Outcome;
 
 /// Whether `job_id` is a re-capture's (whose events nobody waits for).
 pub fn is_recapture(job_id: &str) -> bool {
