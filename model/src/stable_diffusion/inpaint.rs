@@ -12,15 +12,7 @@ use crate::components::LatentCodec;
 use crate::error::{ModelError, Result};
 use tch::{Kind, Tensor};
 
-/// The image to repaint and where.
-pub struct InpaintInputs<'a> {
-    /// `[1, 3, H, W]` in [-1, 1].
-    pub image: &'a Tensor,
-    /// `[1, 1, H, W]` in [0, 1]; at least 0.5 is repainted.
-    pub mask: &'a Tensor,
-    /// In (0, 1]: how much of the schedule runs (diffusers' default 0.9999).
-    pub strength: f64,
-}
+pub use super::inputs::InpaintInputs;
 
 impl SdPipeline {
     /// The repainted image `[1, 3, H, W]` in [0, 1] from `latents` (the initial noise, as

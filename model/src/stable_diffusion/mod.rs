@@ -6,6 +6,7 @@
 //! discrete schedulers (the checkpoint's own or one named by `--scheduler`), and the VAE.
 //! `cargo xtask generate --model-dir DIR ...` runs them from given latents.
 pub mod inpaint;
+pub mod inputs;
 pub mod stepper;
 pub mod template;
 

@@ -5,8 +5,7 @@
 //! at its own step and scheduler, and [`SdPipeline::decode`] runs the VAE. `generate` and
 //! `inpaint` are this loop on one request, so a request stepped in a batch ends on what the
 //! pipeline gives it alone.
-use super::inpaint::InpaintInputs;
-use super::template::SdTemplate;
+use super::inputs::{InpaintInputs, SdTemplate};
 use super::{SdPipeline, SdRequest};
 use crate::components::LatentCodec;
 use crate::error::{ModelError, Result};

@@ -13,36 +13,10 @@ use super::inpaint::InpaintInputs;
 use super::stepper::{Attention, SdState};
 use super::{SdPipeline, SdRequest};
 use crate::error::{ModelError, Result};
-use crate::unet::masked::UNetTemplateCache;
 use std::sync::Arc;
 use tch::{Kind, Tensor};
 
-/// A template's trajectory: per step of its schedule, what its UNet left its edits.
-#[derive(Debug)]
-pub struct SdTemplate {
-    /// Indexed by step; `None` before the step its strength starts at.
-    pub steps: Vec<Option<UNetTemplateCache>>,
-    /// UNet rows per step (2 when guided).
-    pub rows: i64,
-}
-
-// SAFETY: a template is written once, by its capture, before it is shared; afterwards every
-// use through `&SdTemplate` is a read-only torch op (narrow, cat, conversion), which libtorch
-// allows from several threads at once on one tensor (reference counts are atomic). `Tensor` is
-// not `Sync` only because it wraps a raw pointer.
-unsafe impl Sync for SdTemplate {}
-
-impl SdTemplate {
-    /// Bytes the caches hold.
-    pub fn bytes(&self) -> u64 {
-        self.steps.iter().flatten().map(|c| c.bytes()).sum()
-    }
-
-    /// The step the template's trajectory starts at.
-    pub fn start(&self) -> usize {
-        self.steps.iter().take_while(|s| s.is_none()).count()
-    }
-}
+pub use super::inputs::SdTemplate;
 
 impl SdPipeline {
     /// The state of a template's capture: `image` `[1, 3, H, W]` in [-1, 1] run as an
