@@ -13,7 +13,7 @@ use crate::report::{Latencies, Report};
 use anyhow::{bail, Context, Result};
 use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineJob};
 use diffmesh_denoiser::model::job_prompts;
-use diffmesh_denoiser::prompt_stage::{split_text_encoder, PromptSlot, PromptStageHandle};
+use diffmesh_denoiser::prompt_stage::{PromptSlot, PromptStageHandle};
 use diffmesh_model::components::{TextEmbeddings, TextEncoder};
 use diffmesh_model::tch::{nn, Device, Kind, Tensor};
 use diffmesh_model::text::{T5Config, T5EncoderModel};
@@ -130,7 +130,7 @@ async fn run_mode(opts: &PromptStageOptions, mode: Mode) -> Result<(Vec<f64>, f6
     }
     let staged = mode == Mode::Stage;
     let stage =
-        staged.then(|| PromptStageHandle::start(split_text_encoder(&mut model), "bench".into(), 0));
+        staged.then(|| PromptStageHandle::start(model.split_text_encoder(), "bench".into(), 0));
     let (tx, mut events) = mpsc::channel(4096);
     let config = EngineConfig {
         max_batch: opts.max_batch,

@@ -614,7 +614,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
             let card = model.card.clone();
             // Text encoding runs on the prompt stage's thread; the engine keeps a stand-in.
             let prompt_stage = prompt_stage::PromptStageHandle::start(
-                prompt_stage::split_text_encoder(&mut model),
+                model.split_text_encoder(),
                 model_id.clone(),
                 config.prompt_cache_bytes,
             );

@@ -1,6 +1,7 @@
 //! The model the engine owns, and the conversion of wire jobs into stepper requests and of
 //! decoded images back into RGB bytes.
 use crate::templates::GpuCopy;
+use diffmesh_model::components::TextEncoder;
 use diffmesh_model::model_dir::{LoadedModel, FILL_PIPELINE};
 use diffmesh_model::pipeline::control::ControlInput;
 use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest, TrueCfg};
@@ -28,7 +29,7 @@ pub struct EngineModel {
     /// ControlNet workers to run steered steps on (`--controlnet-remote`); None: none.
     pub controlnet_service: Option<crate::controlnet_service::RemoteControlNets>,
     /// Where the engine offers a job's pre-encoded prompts, once the prompt stage owns the text
-    /// encoder (`prompt_stage::split_text_encoder`); None: the engine encodes them.
+    /// encoder (`EngineModel::split_text_encoder`); None: the engine encodes them.
     pub pre_encoded: Option<crate::prompt_stage::PreEncodedHandle>,
     /// The node's elastic ranks (`--ranks R`, R > 1): the engine then runs every step as a
     /// task on a group of them ([`crate::ranks`]). None: it steps on this model.
@@ -103,6 +104,15 @@ impl EngineModel {
 
     pub fn pipeline(&self) -> FluxPipeline<'_> {
         self.model.pipeline()
+    }
+
+    /// Take the text encoder for the prompt stage and leave a stand-in that serves what the
+    /// stage encoded ([`crate::prompt_stage::PreEncodedHandle`]).
+    pub fn split_text_encoder(&mut self) -> Box<dyn TextEncoder> {
+        let max_tokens = self.model.text_encoder.max_tokens();
+        let (stand_in, handle) = crate::prompt_stage::PreEncodedHandle::stand_in(max_tokens);
+        self.pre_encoded = Some(handle);
+        std::mem::replace(&mut self.model.text_encoder, stand_in)
     }
 }
 

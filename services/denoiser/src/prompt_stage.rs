@@ -11,7 +11,6 @@
 //!
 //! Embeddings are cached by (model, prompt, max tokens), bounded in bytes, least recently used
 //! first out: a template's edits and repeated prompts encode once.
-use crate::model::EngineModel;
 use actix::{Actor, Addr, Handler, Message, SyncContext};
 use diffmesh_model::components::{TextEmbeddings, TextEncoder};
 use diffmesh_model::tch::Tensor;
@@ -97,15 +96,17 @@ fn tch_cat(parts: &[Tensor]) -> diffmesh_model::Result<Tensor> {
     }
 }
 
-/// Take `model`'s text encoder for the stage and leave a [`PreEncoded`] in its place.
-pub fn split_text_encoder(model: &mut EngineModel) -> Box<dyn TextEncoder> {
-    let offered = Arc::new(Mutex::new(HashMap::new()));
-    let stand_in = PreEncoded {
-        offered: offered.clone(),
-        max_tokens: model.model.text_encoder.max_tokens(),
-    };
-    model.pre_encoded = Some(PreEncodedHandle(offered));
-    std::mem::replace(&mut model.model.text_encoder, Box::new(stand_in))
+impl PreEncodedHandle {
+    /// A stand-in text encoder of `max_tokens` that serves what the stage encoded, and the
+    /// handle the stage offers its encodings through ([`crate::model::EngineModel::split_text_encoder`]).
+    pub fn stand_in(max_tokens: i64) -> (Box<dyn TextEncoder>, PreEncodedHandle) {
+        let offered = Arc::new(Mutex::new(HashMap::new()));
+        let stand_in = PreEncoded {
+            offered: offered.clone(),
+            max_tokens,
+        };
+        (Box::new(stand_in), PreEncodedHandle(offered))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -231,7 +232,7 @@ pub struct PromptStageHandle {
 }
 
 impl PromptStageHandle {
-    /// Start the stage on a thread of its own with `encoder` (see [`split_text_encoder`]),
+    /// Start the stage on a thread of its own with `encoder` (see `EngineModel::split_text_encoder`),
     /// caching up to `budget_bytes` of embeddings.
     pub fn start(encoder: Box<dyn TextEncoder>, model_id: String, budget_bytes: u64) -> Self {
         // A sync actor's factory may run again; only the first start has the encoder.

@@ -4,7 +4,7 @@
 //! seed. A FLUX.1-Fill directory loads and says so in its announcement.
 use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineJob};
 use diffmesh_denoiser::model::{job_prompts, tensor_to_rgb, EngineModel};
-use diffmesh_denoiser::prompt_stage::{split_text_encoder, PromptSlot, PromptStageHandle};
+use diffmesh_denoiser::prompt_stage::{PromptSlot, PromptStageHandle};
 use diffmesh_model::model_dir::LoadedModel;
 use diffmesh_model::pipeline::{text_to_image, GenerateOptions, GenerationRequest};
 use diffmesh_model::tch::{Device, Kind};
@@ -68,7 +68,7 @@ async fn the_engine_serves_a_flux_directory_with_its_prompt_stage() {
     assert_eq!(card.geometry.default_width, 64);
     assert!(card.features.edit && !card.features.fill);
     assert!(card.features.max_sequence_length > 0);
-    let stage = PromptStageHandle::start(split_text_encoder(&mut model), "dev".into(), 1 << 24);
+    let stage = PromptStageHandle::start(model.split_text_encoder(), "dev".into(), 1 << 24);
     let (tx, mut events) = mpsc::channel(256);
     let (engine, _drained) = spawn_engine(model, EngineConfig::default(), 16, tx, None).unwrap();
     let job = diffmesh_shared::testing::generation_job("flux", PROMPT, 5, STEPS);

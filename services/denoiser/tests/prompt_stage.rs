@@ -6,7 +6,7 @@ mod common;
 use common::engine::{drain, harness_on, job, write_random_model, Harness};
 use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineJob};
 use diffmesh_denoiser::model::{job_prompts, EditInputs, EngineModel};
-use diffmesh_denoiser::prompt_stage::{split_text_encoder, PromptSlot, PromptStageHandle};
+use diffmesh_denoiser::prompt_stage::{PromptSlot, PromptStageHandle};
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_shared::wire::messages::{DenoiseJob, JobKind, TemplateRef, TrueCfg};
 use std::path::Path;
@@ -19,7 +19,7 @@ const STEPS: u32 = 3;
 fn staged(dir: &Path) -> (Harness, PromptStageHandle) {
     let mut model =
         EngineModel::load(dir, Device::Cpu, Kind::Float, "tiny".into(), Some(64)).unwrap();
-    let stage = PromptStageHandle::start(split_text_encoder(&mut model), "tiny".into(), 1 << 20);
+    let stage = PromptStageHandle::start(model.split_text_encoder(), "tiny".into(), 1 << 20);
     let (tx, events) = mpsc::channel(256);
     let (engine, drained) = spawn_engine(model, EngineConfig::default(), 16, tx, None).unwrap();
     let h = Harness {
