@@ -184,9 +184,14 @@ async fn bad_inputs_get_field_errors() {
     let (s, b) = mesh.generate(json!({"prompt": "x", "seed": "abc"})).await;
     assert_field_error(s, &b, 400, "seed");
     let (s, b) = mesh
-        .generate(json!({"prompt": "x", "response_format": "url"}))
+        .generate(json!({"prompt": "x", "response_format": "gif"}))
         .await;
     assert_field_error(s, &b, 400, "response_format");
+    // A result URL serves the stored PNG: no other output format with it.
+    let (s, b) = mesh
+        .generate(json!({"prompt": "x", "response_format": "url", "output_format": "jpeg"}))
+        .await;
+    assert_field_error(s, &b, 400, "output_format");
 
     // A body above the limit (512 KiB) is a 413 naming the part.
     let huge = vec![0u8; 600 * 1024];
