@@ -28,10 +28,15 @@ struct RawEntry {
     data_offsets: [u64; 2],
 }
 
+/// Where a file's bytes are read from: the file itself, or its bytes in memory.
+trait ReadSeek: Read + Seek + Send {}
+impl<T: Read + Seek + Send> ReadSeek for T {}
+
 /// An open safetensors file and its parsed header.
 pub struct SafetensorsFile {
+    /// Its path (in memory: the name errors give it).
     path: PathBuf,
-    file: File,
+    file: Box<dyn ReadSeek>,
     data_start: u64,
     entries: BTreeMap<String, TensorEntry>,
     /// The header's `__metadata__` (string to string; other values are skipped).
@@ -56,6 +61,22 @@ fn kind_of(dtype: &str) -> Option<Kind> {
 
 impl SafetensorsFile {
     pub fn open(path: &Path) -> Result<Self> {
+        let io = |source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = File::open(path).map_err(io)?;
+        let file_len = file.metadata().map_err(io)?.len();
+        Self::read_header(path, Box::new(file), file_len)
+    }
+
+    /// A file's bytes held in memory (`bytes::Bytes`, `Vec<u8>`, ...), called `name` in errors.
+    pub fn from_bytes<B: AsRef<[u8]> + Send + 'static>(name: &str, bytes: B) -> Result<Self> {
+        let len = bytes.as_ref().len() as u64;
+        Self::read_header(Path::new(name), Box::new(std::io::Cursor::new(bytes)), len)
+    }
+
+    fn read_header(path: &Path, mut file: Box<dyn ReadSeek>, file_len: u64) -> Result<Self> {
         let bad = |report: String| ModelError::Weights {
             dir: path.to_path_buf(),
             report,
@@ -64,8 +85,6 @@ impl SafetensorsFile {
             path: path.to_path_buf(),
             source,
         };
-        let mut file = File::open(path).map_err(io)?;
-        let file_len = file.metadata().map_err(io)?.len();
         let mut len = [0u8; 8];
         file.read_exact(&mut len).map_err(io)?;
         let header_len = u64::from_le_bytes(len);

@@ -4,15 +4,21 @@
 //! the SD model is the pipeline's own image for the seed; a template captured with it takes
 //! mask-aware edits (unmasked pixels exact, the masked region repainted, close to the same edit
 //! computed in full: SSIM over the mask's box), stored in the cachestore like Flux captures.
+//! LoRAs registered at the gateway in diffusers' and kohya's UNet layouts patch the served
+//! UNet: a generation with both is the pipeline's own image with both patched in, and a Flux
+//! transformer's LoRA named for the SD model is a 400 naming it.
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use diffmesh_model::lora::{LoraPatcher, WeightedLora};
 use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::quality::{psnr, ssim};
 use diffmesh_model::stable_diffusion::inpaint::InpaintInputs;
 use diffmesh_model::stable_diffusion::stepper::SdState;
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
 use diffmesh_model::tch::{Device, Kind, Tensor};
+use diffmesh_model::unet::lora::read_unet_lora_bytes;
+use diffmesh_shared::wire::lora::write_f32_safetensors;
 use diffmesh_tests::harness::{generate, metric_sample, post_form, scrape_metrics};
 use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask, template};
 use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
@@ -107,6 +113,153 @@ async fn on_sd(mesh: &TestMesh, series: &str) -> f64 {
     metric_sample(&page, series)
 }
 
+/// A rank-4 LoRA of every third attention projection of the pipeline's UNet, pseudo-random from
+/// `seed`: in diffusers' keys (`unet.<module>.lora_A.weight`), or in kohya's
+/// (`lora_unet_<module with _>.lora_down.weight`, an `alpha` of 2 each, and one text-encoder
+/// key, which is left out).
+fn unet_lora(pipe: &SdPipeline, kohya: bool, seed: u64) -> Vec<u8> {
+    let vs = pipe
+        .unet
+        .var_store()
+        .expect("a loaded UNet has its variables");
+    let weights = vs.variables();
+    let modules: Vec<String> = pipe
+        .unet
+        .linear_modules()
+        .into_iter()
+        .filter(|m| m.contains(".attn1.to_") || m.contains(".attn2.to_"))
+        .step_by(3)
+        .collect();
+    assert!(modules.len() >= 4, "{modules:?}");
+    let mut state = seed;
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 0.8
+    };
+    let rank = 4;
+    let mut tensors = Vec::new();
+    for module in &modules {
+        let size = weights[&format!("{module}.weight")].size();
+        let (out, inp) = (size[0] as usize, size[1] as usize);
+        let (down, up) = if kohya {
+            let name = format!("lora_unet_{}", module.replace('.', "_"));
+            tensors.push((format!("{name}.alpha"), vec![], vec![2.0]));
+            (
+                format!("{name}.lora_down.weight"),
+                format!("{name}.lora_up.weight"),
+            )
+        } else {
+            (
+                format!("unet.{module}.lora_A.weight"),
+                format!("unet.{module}.lora_B.weight"),
+            )
+        };
+        for (key, shape) in [(down, vec![rank, inp]), (up, vec![out, rank])] {
+            let values = (0..shape.iter().product::<usize>())
+                .map(|_| next())
+                .collect();
+            tensors.push((key, shape, values));
+        }
+    }
+    if kohya {
+        let te = "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight";
+        tensors.push((te.into(), vec![rank, 8], vec![0.1; rank * 8]));
+    }
+    write_f32_safetensors(&tensors, None).unwrap()
+}
+
+/// Register a LoRA file; its record.
+async fn register_lora(mesh: &TestMesh, http: &reqwest::Client, file: Vec<u8>) -> Value {
+    let form = Form::new().part("weights", Part::bytes(file).file_name("l.safetensors"));
+    let (status, record) = post_form(http, &mesh.url("/v1/loras"), form).await;
+    assert_eq!(status, 201, "{record}");
+    record
+}
+
+/// LoRAs of both layouts on the SD model: the served image is the pipeline's own with both
+/// patched in (and not the base image), and a transformer's LoRA is refused by name.
+async fn loras_patch_the_served_unet(
+    mesh: &TestMesh,
+    http: &reqwest::Client,
+    pipe: &SdPipeline,
+    base: &[u8],
+) {
+    let files = [unet_lora(pipe, false, 7), unet_lora(pipe, true, 8)];
+    let mut ids = Vec::new();
+    for (file, (text_keys, kohya)) in files.iter().zip([(0, false), (1, true)]) {
+        let record = register_lora(mesh, http, file.clone()).await;
+        assert_eq!(record["target"], "unet", "{record}");
+        assert_eq!(
+            record["text_encoder_keys"], text_keys,
+            "kohya {kohya}: {record}"
+        );
+        ids.push(record["id"].as_str().unwrap().to_string());
+    }
+    let scales = [0.75f32, 0.5];
+    let side = 32;
+    let body = json!({"prompt": PROMPT, "model": SD, "seed": SEED,
+        "num_inference_steps": STEPS, "guidance_scale": 4.0,
+        "loras": [{"id": ids[0], "scale": scales[0]}, {"id": ids[1], "scale": scales[1]}]});
+    let (status, out, pixels) = generate(http, &mesh.url("/v1/images/generations"), &body).await;
+    assert_eq!(status, 200, "{out}");
+
+    let unet = &pipe.unet;
+    let modules = unet.linear_modules();
+    let adapters: Vec<_> = files
+        .iter()
+        .zip(&ids)
+        .map(|(f, id)| {
+            read_unet_lora_bytes(id, f.clone(), &unet.config, &modules)
+                .unwrap()
+                .adapter
+        })
+        .collect();
+    let mut patcher = LoraPatcher::new(unet.var_store().unwrap());
+    let set: Vec<WeightedLora<'_>> = adapters
+        .iter()
+        .zip(scales)
+        .map(|(adapter, s)| WeightedLora {
+            adapter,
+            weight: f64::from(s),
+        })
+        .collect();
+    patcher.apply(&set).unwrap();
+    let own = pipe
+        .prepare(
+            &request(PROMPT, side, side, 4.0),
+            &latents(pipe, SEED, side, side),
+            None,
+        )
+        .unwrap();
+    let expected = to_rgb(&run_alone(pipe, own));
+    patcher.apply(&[]).unwrap();
+    let differ = base
+        .iter()
+        .zip(&expected)
+        .filter(|(a, b)| a.abs_diff(**b) > 4)
+        .count();
+    assert!(
+        differ > base.len() / 20,
+        "the LoRAs changed only {differ} values: a test of nothing"
+    );
+    assert_eq!(
+        pixels, expected,
+        "the mesh's image is not the pipeline's own with the LoRAs patched in"
+    );
+
+    // A Flux transformer's LoRA on the SD model: refused at the edge, by name.
+    let flux = diffmesh_shared::testing::lora_file(&[("x_embedder".into(), 8, 8)], 2, 0.5, 1);
+    let record = register_lora(mesh, http, flux).await;
+    assert_eq!(record["target"], "transformer", "{record}");
+    let body = json!({"prompt": PROMPT, "model": SD, "seed": SEED,
+        "num_inference_steps": STEPS, "loras": [{"id": record["id"]}]});
+    let (status, out, _) = generate(http, &mesh.url("/v1/images/generations"), &body).await;
+    assert_eq!(status, 400, "{out}");
+    assert_eq!(out["error"]["param"], "loras[0].id", "{out}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_flux() {
     let dir = sd_fixture();
@@ -120,6 +273,8 @@ async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_fl
                 c.model_id = Some(SD.into());
                 // Exact caches: the served edit must be the in-process mask-aware one.
                 c.cache_dtype = "f32".into();
+                // LoRAs patched from the first step, so the image does not hang on fetch timing.
+                c.lora_async_fraction = 0.0;
             }
         })
         .gateway(|g| g.default_model = Some("tiny".into()))
@@ -164,6 +319,7 @@ async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_fl
         to_rgb(&run_alone(&pipe, own)),
         "the mesh's image is not the pipeline's own for the seed"
     );
+    loras_patch_the_served_unet(&mesh, &http, &pipe, &pixels).await;
 
     // A template captured with the SD model, edited mask-aware.
     let (captures, mask_aware) = (on_sd(&mesh, CAPTURES).await, on_sd(&mesh, MASK_AWARE).await);

@@ -49,7 +49,25 @@ pub fn read_unet_lora(
     config: &UNetConfig,
     modules: &[String],
 ) -> Result<UNetLora> {
-    let mut file = SafetensorsFile::open(path)?;
+    read_unet_lora_from(id, SafetensorsFile::open(path)?, config, modules)
+}
+
+/// [`read_unet_lora`] of a file held in memory (the denoiser's LoRA cache holds them so).
+pub fn read_unet_lora_bytes<B: AsRef<[u8]> + Send + 'static>(
+    id: &str,
+    bytes: B,
+    config: &UNetConfig,
+    modules: &[String],
+) -> Result<UNetLora> {
+    read_unet_lora_from(id, SafetensorsFile::from_bytes(id, bytes)?, config, modules)
+}
+
+fn read_unet_lora_from(
+    id: &str,
+    mut file: SafetensorsFile,
+    config: &UNetConfig,
+    modules: &[String],
+) -> Result<UNetLora> {
     let peft = peft_config(file.metadata())?;
     // Every linear layer by its path with `_` for `.` (kohya's spelling).
     let by_kohya: HashMap<String, &String> =

@@ -21,6 +21,13 @@ pub struct ResolvedModel {
     pub card: Option<ModelCard>,
 }
 
+impl ResolvedModel {
+    /// Its family (`flux.1`, `sd`, `sdxl`), when it announced a card.
+    pub fn family(&self) -> Option<&str> {
+        self.card.as_ref().map(|c| c.family.as_str())
+    }
+}
+
 /// Why a request has no model.
 #[derive(Debug, Clone, PartialEq)]
 pub enum NoModel {

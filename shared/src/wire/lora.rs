@@ -3,7 +3,11 @@
 //!
 //! A file holds, per adapted `Linear` of the transformer, `transformer.<module>.lora_A.weight`
 //! (`[rank, in]`) and `transformer.<module>.lora_B.weight` (`[out, rank]`); the adapted weight is
-//! `W + scale * B @ A`. The scale is `lora_alpha / rank` (`/ sqrt(rank)` with `use_rslora`) from
+//! `W + scale * B @ A`. A UNet's file (SD 2.x, SDXL) has the same keys under `unet.`, or kohya's
+//! (`lora_unet_<name>.lora_down.weight`, `.lora_up.weight`, `.alpha`, `<name>` the module path
+//! with `_` for `.`, resolved against the UNet by the denoiser, which alone knows its modules).
+//! Text-encoder adapters (`text_encoder*.`, `lora_te*_`) are counted and left out: the text
+//! encoders run unpatched. The scale is `lora_alpha / rank` (`/ sqrt(rank)` with `use_rslora`) from
 //! the PEFT config diffusers stores in the safetensors metadata (`lora_adapter_metadata`, keys
 //! prefixed `transformer.`), with its `rank_pattern` / `alpha_pattern` overrides; a
 //! `<module>.alpha` tensor (kohya style) overrides both; with neither, alpha is the rank (scale 1),
@@ -15,6 +19,10 @@ use std::collections::{BTreeMap, HashMap};
 
 /// The key prefix diffusers writes for the transformer's adapters.
 pub const TRANSFORMER_PREFIX: &str = "transformer.";
+/// The key prefix diffusers writes for a UNet's adapters.
+pub const UNET_PREFIX: &str = "unet.";
+/// The key prefix of kohya's (A1111's) UNet adapters.
+pub const KOHYA_UNET_PREFIX: &str = "lora_unet_";
 /// Metadata entry holding the PEFT config (JSON).
 pub const METADATA_KEY: &str = "lora_adapter_metadata";
 /// Most LoRAs one request may combine.
@@ -61,13 +69,59 @@ pub struct LoraRecord {
     pub sha256: String,
     /// RFC 3339.
     pub created_at: String,
+    /// The network it adapts (records from before UNet LoRAs are the transformer's).
+    #[serde(default)]
+    pub target: LoraTarget,
+    /// Text-encoder keys in the file, left out.
+    #[serde(default)]
+    pub text_encoder_keys: usize,
+}
+
+/// The network a LoRA file adapts, by its keys.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoraTarget {
+    /// A Flux transformer (`transformer.` keys).
+    #[default]
+    Transformer,
+    /// A UNet (`unet.` keys, or kohya's `lora_unet_`).
+    Unet,
+}
+
+impl LoraTarget {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoraTarget::Transformer => "transformer",
+            LoraTarget::Unet => "unet",
+        }
+    }
+
+    /// The adapters a model of `family` (its card's) takes.
+    pub fn of_family(family: &str) -> Self {
+        match family {
+            "sd" | "sdxl" => LoraTarget::Unet,
+            _ => LoraTarget::Transformer,
+        }
+    }
+
+    /// The prefix of this target's entries in the PEFT metadata.
+    fn metadata_prefix(self) -> &'static str {
+        match self {
+            LoraTarget::Transformer => TRANSFORMER_PREFIX,
+            LoraTarget::Unet => UNET_PREFIX,
+        }
+    }
 }
 
 /// One adapted linear layer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoraModule {
-    /// The layer's path in the transformer, e.g. `transformer_blocks.0.attn.to_q`.
+    /// The layer's path in the transformer, e.g. `transformer_blocks.0.attn.to_q` (a UNet's:
+    /// diffusers' path, or for kohya files the name with `_` for `.`, see [`LoraModule::kohya`]).
     pub module: String,
+    /// Named in kohya's spelling (`_` for `.`): the denoiser resolves it against its UNet.
+    #[serde(default)]
+    pub kohya: bool,
     pub rank: usize,
     pub in_features: usize,
     pub out_features: usize,
@@ -87,6 +141,12 @@ pub struct LoraFile {
     pub dtype: String,
     /// Parameters in all A and B matrices.
     pub parameters: u64,
+    /// The network it adapts.
+    #[serde(default)]
+    pub target: LoraTarget,
+    /// Text-encoder keys, left out.
+    #[serde(default)]
+    pub text_encoder_keys: usize,
 }
 
 /// Why a file is not a LoRA we can apply; `key` names the tensor or metadata entry at fault.
@@ -122,8 +182,12 @@ struct PeftConfig {
 }
 
 impl PeftConfig {
-    /// The transformer's config out of diffusers' metadata, which prefixes every key.
-    fn from_metadata(metadata: Option<&HashMap<String, String>>) -> Result<Self, LoraFormatError> {
+    /// One network's config out of diffusers' metadata, which prefixes every key with the
+    /// network's (`transformer.`, `unet.`).
+    fn from_metadata(
+        metadata: Option<&HashMap<String, String>>,
+        prefix: &str,
+    ) -> Result<Self, LoraFormatError> {
         let Some(raw) = metadata.and_then(|m| m.get(METADATA_KEY)) else {
             return Ok(Self::default());
         };
@@ -131,13 +195,10 @@ impl PeftConfig {
             .map_err(|e| bad(METADATA_KEY, format!("is not a JSON object: {e}")))?;
         let ours: serde_json::Map<String, serde_json::Value> = all
             .into_iter()
-            .filter_map(|(k, v)| {
-                k.strip_prefix(TRANSFORMER_PREFIX)
-                    .map(|k| (k.to_string(), v))
-            })
+            .filter_map(|(k, v)| k.strip_prefix(prefix).map(|k| (k.to_string(), v)))
             .collect();
         serde_json::from_value(serde_json::Value::Object(ours))
-            .map_err(|e| bad(METADATA_KEY, format!("transformer config: {e}")))
+            .map_err(|e| bad(METADATA_KEY, format!("{prefix} config: {e}")))
     }
 
     /// PEFT's pattern rule: a key matches a module whose path is the key or ends in `.key`
@@ -165,36 +226,63 @@ impl PeftConfig {
     }
 }
 
-/// The module path and role of one key, or why it is not one of ours.
+/// The module path and role of one key.
 enum KeyRole<'a> {
     Down(&'a str),
     Up(&'a str),
     Alpha(&'a str),
 }
 
-fn key_role(key: &str) -> Result<KeyRole<'_>, LoraFormatError> {
-    let Some(rest) = key.strip_prefix(TRANSFORMER_PREFIX) else {
+/// How one key of a file is read: its network, whether its module is named kohya's way, and its
+/// role; `None` for a text encoder's key (left out); an error for a key of neither.
+fn key_role(key: &str) -> Result<Option<(LoraTarget, bool, KeyRole<'_>)>, LoraFormatError> {
+    if key.starts_with("text_encoder") || key.starts_with("lora_te") {
+        return Ok(None);
+    }
+    if let Some(rest) = key.strip_prefix(KOHYA_UNET_PREFIX) {
+        let role = if let Some(m) = rest.strip_suffix(".lora_down.weight") {
+            KeyRole::Down(m)
+        } else if let Some(m) = rest.strip_suffix(".lora_up.weight") {
+            KeyRole::Up(m)
+        } else if let Some(m) = rest.strip_suffix(".alpha") {
+            KeyRole::Alpha(m)
+        } else if rest.ends_with(".dora_scale") {
+            return Err(bad(key, "DoRA adapters are not supported"));
+        } else {
+            return Err(bad(
+                key,
+                "not a kohya LoRA key (expected `lora_unet_<name>.lora_down.weight`, `.lora_up.weight` or `.alpha`; LyCORIS variants are not supported)",
+            ));
+        };
+        return Ok(Some((LoraTarget::Unet, true, role)));
+    }
+    let (target, rest) = if let Some(rest) = key.strip_prefix(TRANSFORMER_PREFIX) {
+        (LoraTarget::Transformer, rest)
+    } else if let Some(rest) = key.strip_prefix(UNET_PREFIX) {
+        (LoraTarget::Unet, rest)
+    } else {
         return Err(bad(
             key,
-            "only transformer adapters (keys starting with `transformer.`) are supported",
+            "only transformer adapters (keys starting with `transformer.`) and UNet adapters (`unet.`, or kohya's `lora_unet_`) are supported",
         ));
     };
-    if let Some(m) = rest.strip_suffix(".lora_A.weight") {
-        Ok(KeyRole::Down(m))
+    let role = if let Some(m) = rest.strip_suffix(".lora_A.weight") {
+        KeyRole::Down(m)
     } else if let Some(m) = rest.strip_suffix(".lora_B.weight") {
-        Ok(KeyRole::Up(m))
+        KeyRole::Up(m)
     } else if let Some(m) = rest.strip_suffix(".alpha") {
-        Ok(KeyRole::Alpha(m))
+        KeyRole::Alpha(m)
     } else if rest.contains("lora_magnitude_vector") {
-        Err(bad(key, "DoRA adapters are not supported"))
+        return Err(bad(key, "DoRA adapters are not supported"));
     } else if rest.ends_with(".lora_B.bias") {
-        Err(bad(key, "LoRA biases (lora_bias) are not supported"))
+        return Err(bad(key, "LoRA biases (lora_bias) are not supported"));
     } else {
-        Err(bad(
+        return Err(bad(
             key,
             "not a LoRA key (expected `<module>.lora_A.weight`, `<module>.lora_B.weight` or `<module>.alpha`)",
-        ))
-    }
+        ));
+    };
+    Ok(Some((target, false, role)))
 }
 
 fn dtype_name(d: Dtype) -> Option<&'static str> {
@@ -276,19 +364,6 @@ impl LoraFile {
         meta: &safetensors::tensor::Metadata,
         data: &mut dyn FnMut(usize, usize) -> Result<Vec<u8>, String>,
     ) -> Result<Self, LoraFormatError> {
-        let config = PeftConfig::from_metadata(meta.metadata().as_ref())?;
-        if config.use_dora {
-            return Err(bad(
-                METADATA_KEY,
-                "DoRA adapters (use_dora) are not supported",
-            ));
-        }
-        if config.lora_bias {
-            return Err(bad(
-                METADATA_KEY,
-                "LoRA biases (lora_bias) are not supported",
-            ));
-        }
         let tensors = meta.tensors();
         if tensors.is_empty() {
             return Err(bad("file", "holds no tensors"));
@@ -303,9 +378,24 @@ impl LoraFile {
         }
         let mut parts: BTreeMap<String, Parts> = BTreeMap::new();
         let mut dtype: Option<&'static str> = None;
+        // The network and naming of the first adapter key; every other must agree.
+        let mut layout: Option<(LoraTarget, bool)> = None;
+        let mut text_encoder_keys: Vec<&String> = Vec::new();
         for name in names {
             let info = tensors[name];
-            let role = key_role(name)?;
+            let Some((target, kohya, role)) = key_role(name)? else {
+                text_encoder_keys.push(name);
+                continue;
+            };
+            match layout {
+                Some(first) if first != (target, kohya) => {
+                    return Err(bad(
+                        name.as_str(),
+                        "mixes layouts: one file holds the adapters of one network, all in diffusers' keys or all in kohya's",
+                    ))
+                }
+                _ => layout = Some((target, kohya)),
+            }
             let module = match &role {
                 KeyRole::Down(m) | KeyRole::Up(m) | KeyRole::Alpha(m) => m.to_string(),
             };
@@ -357,13 +447,38 @@ impl LoraFile {
                 _ => entry.up = Some(slot),
             }
         }
+        let Some((target, kohya)) = layout else {
+            let key = text_encoder_keys.first().map_or("file", |k| k.as_str());
+            return Err(bad(
+                key,
+                "the file holds only text-encoder adapters, which are left out: no transformer or UNet adapter",
+            ));
+        };
+        let config = PeftConfig::from_metadata(meta.metadata().as_ref(), target.metadata_prefix())?;
+        if config.use_dora {
+            return Err(bad(
+                METADATA_KEY,
+                "DoRA adapters (use_dora) are not supported",
+            ));
+        }
+        if config.lora_bias {
+            return Err(bad(
+                METADATA_KEY,
+                "LoRA biases (lora_bias) are not supported",
+            ));
+        }
         let mut modules = Vec::with_capacity(parts.len());
         let mut parameters = 0u64;
         for (module, p) in parts {
             let (Some((down_key, down)), Some((up_key, up))) = (p.down, p.up) else {
+                let (prefix, both) = if kohya {
+                    (KOHYA_UNET_PREFIX, "lora_down.weight and lora_up.weight")
+                } else {
+                    (target.metadata_prefix(), "lora_A.weight and lora_B.weight")
+                };
                 return Err(bad(
-                    format!("{TRANSFORMER_PREFIX}{module}"),
-                    "needs both lora_A.weight and lora_B.weight",
+                    format!("{prefix}{module}"),
+                    format!("needs both {both}"),
                 ));
             };
             let rank = down[0];
@@ -406,6 +521,7 @@ impl LoraFile {
             modules.push(LoraModule {
                 in_features: down[1],
                 out_features: up[0],
+                kohya,
                 module,
                 rank,
                 scale,
@@ -417,6 +533,8 @@ impl LoraFile {
             modules,
             dtype: dtype.unwrap_or("F32").to_string(),
             parameters,
+            target,
+            text_encoder_keys: text_encoder_keys.len(),
         })
     }
 }
@@ -626,6 +744,63 @@ mod tests {
         let f = parse(t, Some(serde_json::json!({"transformer.lora_alpha": 16}))).unwrap();
         // The alpha tensor holds 0.5 (see `file`): 0.5 / 4.
         assert_eq!(f.modules[0].scale, 0.125);
+    }
+
+    #[test]
+    fn unet_files_in_both_layouts_parse_and_text_encoder_keys_are_left_out() {
+        let module = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q";
+        let peft: Vec<(String, Vec<usize>)> = pair(module, 4, 8, 8)
+            .into_iter()
+            .map(|(k, s)| (k.replacen("transformer.", "unet.", 1), s))
+            .collect();
+        let meta = serde_json::json!({"unet.r": 4, "unet.lora_alpha": 8, "transformer.r": 2});
+        let f = parse(peft.clone(), Some(meta)).unwrap();
+        assert_eq!(f.target, LoraTarget::Unet);
+        assert_eq!(
+            (f.modules[0].module.as_str(), f.modules[0].kohya),
+            (module, false)
+        );
+        assert_eq!(f.modules[0].scale, 2.0);
+        let kohya_name = module.replace('.', "_");
+        let kohya = vec![
+            (
+                format!("lora_unet_{kohya_name}.lora_down.weight"),
+                vec![4, 8],
+            ),
+            (format!("lora_unet_{kohya_name}.lora_up.weight"), vec![8, 4]),
+            (format!("lora_unet_{kohya_name}.alpha"), vec![]),
+            (
+                "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight".into(),
+                vec![4, 8],
+            ),
+            (
+                "lora_te2_text_model_encoder_layers_0_mlp_fc1.lora_up.weight".into(),
+                vec![8, 4],
+            ),
+        ];
+        let f = parse(kohya.clone(), None).unwrap();
+        assert_eq!(f.target, LoraTarget::Unet);
+        assert_eq!(f.text_encoder_keys, 2);
+        assert!(f.modules[0].kohya);
+        assert_eq!(f.modules[0].module, kohya_name);
+        // alpha 0.5 (see `file`) over rank 4.
+        assert_eq!(f.modules[0].scale, 0.125);
+        // A file mixing layouts or networks is refused, naming the first key out of line.
+        let mut mixed = kohya[..2].to_vec();
+        mixed.extend(peft);
+        let e = parse(mixed, None).unwrap_err();
+        assert!(e.message.contains("mixes"), "{e}");
+        let mut mixed = pair("x", 4, 8, 8);
+        mixed.push(("unet.x.lora_A.weight".into(), vec![4, 8]));
+        assert!(parse(mixed, None).unwrap_err().message.contains("mixes"));
+        let e = parse(
+            vec![(format!("lora_unet_{kohya_name}.hada_w1_a"), vec![4, 8])],
+            None,
+        )
+        .unwrap_err();
+        assert!(e.message.contains("kohya"), "{e}");
+        assert_eq!(LoraTarget::of_family("sdxl"), LoraTarget::Unet);
+        assert_eq!(LoraTarget::of_family("flux.1"), LoraTarget::Transformer);
     }
 
     #[test]

@@ -6,12 +6,15 @@
 //! steps on the base model until it has done its bound of steps (`floor(fraction * steps)`):
 //! the early, layout-forming steps, where Katz found a LoRA changes little. At the bound it sits
 //! steps out until the adapters are in memory; a bound of 0 is synchronous loading.
+use crate::lora::metrics::LoraMetrics;
 use crate::lora::{LoadedLora, LoraSlot};
-use diffmesh_model::lora::LoraSetKey;
+use diffmesh_model::lora::{LoraAdapter, LoraPatcher, LoraSetKey, PatchStats, WeightedLora};
+use diffmesh_model::ModelError;
+use std::time::Instant;
 
 /// What one job needs for its next step.
 #[derive(Debug, Clone)]
-pub(super) enum LoraNeed {
+pub(crate) enum LoraNeed {
     /// The base model (for a job with adapters: they are still loading, within its bound).
     Base,
     /// The weights patched with this set.
@@ -24,7 +27,7 @@ pub(super) enum LoraNeed {
 
 impl LoraNeed {
     /// The weights this need runs on, if it runs.
-    pub(super) fn key(&self) -> Option<LoraSetKey> {
+    pub(crate) fn key(&self) -> Option<LoraSetKey> {
         match self {
             LoraNeed::Base => Some(LoraSetKey::default()),
             LoraNeed::Set(k, _) => Some(k.clone()),
@@ -34,12 +37,12 @@ impl LoraNeed {
 }
 
 /// The weights a set of adapters makes.
-pub(super) fn set_key(set: &[LoadedLora]) -> LoraSetKey {
+pub(crate) fn set_key(set: &[LoadedLora]) -> LoraSetKey {
     LoraSetKey::new(set.iter().map(|l| (l.blob.id.as_str(), l.weight)))
 }
 
 /// Steps a job may run on the base model while its adapters load.
-pub(super) fn async_bound(total_steps: usize, fraction: f64) -> usize {
+pub(crate) fn async_bound(total_steps: usize, fraction: f64) -> usize {
     let f = if fraction.is_finite() {
         fraction.clamp(0.0, 1.0)
     } else {
@@ -50,7 +53,7 @@ pub(super) fn async_bound(total_steps: usize, fraction: f64) -> usize {
 }
 
 /// The need of a job with `slot` (None: no adapters) that has done `done` of `total` steps.
-pub(super) fn need(slot: Option<&LoraSlot>, done: usize, total: usize, fraction: f64) -> LoraNeed {
+pub(crate) fn need(slot: Option<&LoraSlot>, done: usize, total: usize, fraction: f64) -> LoraNeed {
     let Some(slot) = slot else {
         return LoraNeed::Base;
     };
@@ -64,7 +67,7 @@ pub(super) fn need(slot: Option<&LoraSlot>, done: usize, total: usize, fraction:
 
 /// The weight sets to visit this step, each with the indices of the jobs that run on it: the set
 /// the weights hold now first (no switch), then the others in key order (the base model first).
-pub(super) fn visit_order(
+pub(crate) fn visit_order(
     needs: &[LoraNeed],
     current: &LoraSetKey,
 ) -> Vec<(LoraSetKey, Vec<LoadedLora>, Vec<usize>)> {
@@ -84,6 +87,61 @@ pub(super) fn visit_order(
     }
     groups.sort_by(|a, b| (&a.0 != current, &a.0).cmp(&(&b.0 != current, &b.0)));
     groups
+}
+
+/// Patch the weights `patcher` holds to `set`, each adapter's tensors read by `read` (the
+/// engine thread reads them, and only for a switch); an adapter that cannot be read is an
+/// input error naming `loras: <id>`.
+pub(crate) fn patch(
+    patcher: &mut LoraPatcher,
+    set: &[LoadedLora],
+    read: impl Fn(&LoadedLora) -> Result<LoraAdapter, String>,
+) -> Result<PatchStats, ModelError> {
+    let adapters = set
+        .iter()
+        .map(|l| read(l).map_err(|e| ModelError::input(format!("loras: {}", l.blob.id), e)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let weighted: Vec<WeightedLora<'_>> = adapters
+        .iter()
+        .zip(set)
+        .map(|(adapter, l)| WeightedLora {
+            adapter,
+            weight: l.weight,
+        })
+        .collect();
+    patcher.apply(&weighted)
+}
+
+/// Metrics of one job's need at a step that began at `now` (`has_lora`: the job names
+/// adapters): the step counted by how its adapters stood, and once they arrive after it sat
+/// out past its bound, how long it sat (`waiting_since` keeps when it began to).
+pub(crate) fn observe(
+    need: &LoraNeed,
+    has_lora: bool,
+    waiting_since: &mut Option<Instant>,
+    now: Instant,
+    metrics: Option<&LoraMetrics>,
+) {
+    if let Some(m) = metrics.filter(|_| has_lora) {
+        match need {
+            LoraNeed::Base => m
+                .lora_steps
+                .with_label_values(&["base_while_loading"])
+                .inc(),
+            LoraNeed::Set(..) => m.lora_steps.with_label_values(&["patched"]).inc(),
+            LoraNeed::Wait | LoraNeed::Failed(_) => {}
+        }
+    }
+    match (need, *waiting_since) {
+        (LoraNeed::Wait, None) => *waiting_since = Some(now),
+        (LoraNeed::Set(..), Some(since)) => {
+            *waiting_since = None;
+            if let Some(m) = metrics {
+                m.lora_wait_seconds.observe((now - since).as_secs_f64());
+            }
+        }
+        _ => {}
+    }
 }
 
 #[cfg(test)]

@@ -35,7 +35,7 @@ mod control;
 mod elastic;
 mod handle;
 pub(crate) mod ledger;
-mod lora_steps;
+pub(crate) mod lora_steps;
 mod step;
 mod types;
 pub use actor::spawn_engine;

@@ -6,9 +6,7 @@ use super::{panic_message, Active, Engine, EngineEvent, EngineJobError};
 use crate::cached_step::StepReport;
 use crate::lora::LoadedLora;
 use diffmesh_model::flux::ControlResiduals;
-use diffmesh_model::lora::WeightedLora;
 use diffmesh_model::pipeline::stepper::DenoiseState;
-use diffmesh_model::ModelError;
 use diffmesh_shared::wire::messages::{StepJob, StepSample};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
@@ -99,30 +97,17 @@ impl Engine {
             for r in reports.iter().filter(|r| r.cached > 0) {
                 m.load_wait_seconds.observe(r.load_wait_s);
             }
-            for (a, n) in self.active.iter().zip(&needs) {
-                let mode = match n {
-                    _ if a.lora.is_none() => continue,
-                    LoraNeed::Base => "base_while_loading",
-                    LoraNeed::Set(..) => "patched",
-                    LoraNeed::Wait | LoraNeed::Failed(_) => continue,
-                };
-                m.lora.lora_steps.with_label_values(&[mode]).inc();
-            }
         }
-        // How long each job sat out past its bound, observed once its adapters arrived.
         for (a, n) in self.active.iter_mut().zip(&needs) {
-            match (n, a.lora_waiting_since) {
-                (LoraNeed::Wait, None) => a.lora_waiting_since = Some(started),
-                (LoraNeed::Set(..), Some(since)) => {
-                    a.lora_waiting_since = None;
-                    if let Some(m) = &self.metrics {
-                        m.lora
-                            .lora_wait_seconds
-                            .observe((started - since).as_secs_f64());
-                    }
-                }
-                _ => {}
-            }
+            let lora_metrics = self.metrics.as_ref().map(|m| &m.lora);
+            let has_lora = a.lora.is_some();
+            lora_steps::observe(
+                n,
+                has_lora,
+                &mut a.lora_waiting_since,
+                started,
+                lora_metrics,
+            );
         }
         let seconds = started.elapsed().as_secs_f64();
         if rows > 0 {
@@ -186,25 +171,8 @@ impl Engine {
         if self.patcher.current() == &lora_steps::set_key(set) {
             return 0;
         }
-        // The tensors are read here, on the engine thread, and only for a switch.
-        let adapters: Result<Vec<_>, ModelError> = set
-            .iter()
-            .map(|l| {
-                l.blob
-                    .adapter()
-                    .map_err(|e| ModelError::input(format!("loras: {}", l.blob.id), e.to_string()))
-            })
-            .collect();
-        let result = adapters.and_then(|adapters| {
-            let weighted: Vec<WeightedLora<'_>> = adapters
-                .iter()
-                .zip(set)
-                .map(|(adapter, l)| WeightedLora {
-                    adapter,
-                    weight: l.weight,
-                })
-                .collect();
-            self.patcher.apply(&weighted)
+        let result = lora_steps::patch(&mut self.patcher, set, |l| {
+            l.blob.adapter().map_err(|e| e.to_string())
         });
         match result {
             Ok(stats) if stats.layers == 0 => 0,

@@ -3,8 +3,9 @@
 //!
 //! Supervision: a handler that panics (per-job panics are caught deeper down, so this is a bug
 //! in the loop) fails the running jobs with [`EngineJobError::Restarted`] (the service places
-//! them again through the router) and goes on with the queued ones: unlike the Flux engine, the
-//! UNet engine patches no weights, so nothing else can be left half-done.
+//! them again through the router), puts the UNet's weights back to the base model exactly (a
+//! panic inside a LoRA patch may have left it half-applied; if even that fails the process
+//! aborts, for the orchestrator to restart) and goes on with the queued ones.
 use super::{UnetEngine, UnetModel, IDLE_POLL};
 use crate::engine::ledger::Ledger;
 #[cfg(feature = "fault-injection")]
@@ -16,6 +17,7 @@ use crate::engine::{
 use crate::metrics::DenoiserMetrics;
 use crate::step_samples::StepSamples;
 use actix::{Actor, Handler, Message, SyncContext};
+use diffmesh_model::lora::LoraPatcher;
 use diffmesh_shared::panic_message;
 use diffmesh_shared::wire::messages::DenoiseJob;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -66,6 +68,16 @@ impl UnetEngine {
                 for a in std::mem::take(&mut self.active) {
                     self.ledger
                         .fail(a.job, EngineJobError::Restarted(panic.clone()), a.span);
+                }
+                if let Some(patcher) = self.patcher.as_mut() {
+                    let reset = match catch_unwind(AssertUnwindSafe(|| patcher.reset())) {
+                        Ok(reset) => reset.map_err(|e| e.to_string()),
+                        Err(p) => Err(panic_message(p)),
+                    };
+                    if let Err(error) = reset {
+                        tracing::error!(%error, "restoring the UNet's base weights failed: exiting");
+                        std::process::abort();
+                    }
                 }
                 self.schedule_step(ctx);
                 fallback()
@@ -201,7 +213,14 @@ pub fn spawn_unet_engine(
         pending_submits: pending_submits.clone(),
         drained,
     });
+    let unet = &model.pipeline.unet;
+    let patcher = unet
+        .var_store()
+        .map(|vs| LoraPatcher::with_originals_on(vs, config.lora_originals));
+    let linear_modules = unet.linear_modules();
     let engine = UnetEngine {
+        patcher,
+        linear_modules,
         ledger: Ledger::new(Some(events), metrics.clone(), config.max_queue),
         model: *model,
         config,

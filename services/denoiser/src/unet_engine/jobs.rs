@@ -50,7 +50,8 @@ impl UnetModel {
 /// tokens, a token being the pixels one latent pixel of the UNet's coarsest level covers (so a
 /// token mask is exact at every level, and every size the codec rounds to runs); the default
 /// size is diffusers' (`unet.sample_size` latents), or `default_size`. Template edits and
-/// plain inpainting run; LoRAs, ControlNets and fills are not served for this family yet.
+/// plain inpainting run, LoRAs are patched in (diffusers' and kohya's UNet files); ControlNets
+/// and fills are not served for this family yet.
 pub fn announce(pipeline: &SdPipeline, id: &str, default_size: Option<i64>) -> ModelCard {
     let factor = pipeline.vae.config.downscale_factor().max(1);
     let levels = pipeline.unet.config.block_out_channels.len().max(1) as u32;
@@ -80,7 +81,7 @@ pub fn announce(pipeline: &SdPipeline, id: &str, default_size: Option<i64>) -> M
             edit: true,
             fill: false,
             controlnet: false,
-            lora: false,
+            lora: true,
             true_cfg: false,
             guidance_embeds: false,
             max_sequence_length: CLIP_TOKENS,
@@ -142,15 +143,6 @@ pub fn job_states(
             format!(
                 "{} is a UNet model: ControlNet {} is not served on it",
                 model.model_id, c.name
-            ),
-        ));
-    }
-    if !p.loras.is_empty() {
-        return Err(ModelError::input(
-            "params.loras",
-            format!(
-                "{} is a UNet model: LoRAs are not served on it",
-                model.model_id
             ),
         ));
     }

@@ -8,15 +8,24 @@
 //! with edits: a batch mixing them with full rows would pad every row to every token), and
 //! retire finished jobs as RGB images or, for captures, as template caches in the tiers' codec.
 //! A failed batched step is retried job by job, so one bad job fails alone.
+//!
+//! LoRAs (diffusers' `unet.` keys or kohya's `lora_unet_`, read by
+//! `diffmesh_model::unet::lora`) are patched into the UNet in place, as the Flux engine does:
+//! groups also split by LoRA set, the set the weights hold steps first, and a job whose adapters
+//! are still loading steps on the base model within its bound (`engine::lora_steps`).
 use crate::engine::ledger::Ledger;
+use crate::engine::lora_steps::{self, LoraNeed};
 use crate::engine::SubmitError;
 use crate::engine::{EngineConfig, EngineEvent, EngineJob, EngineJobError, EngineStatus};
+use crate::lora::{LoadedLora, LoraSlot};
 use crate::metrics::DenoiserMetrics;
 use crate::model::{job_resolution_of, tensor_to_rgb};
+use diffmesh_model::lora::LoraPatcher;
 use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::stable_diffusion::stepper::SdState;
 use diffmesh_model::stable_diffusion::template::SdTemplate;
 use diffmesh_model::tch::Kind;
+use diffmesh_model::unet::lora::read_unet_lora_bytes;
 use diffmesh_model::ModelError;
 use diffmesh_shared::panic_message;
 use diffmesh_shared::wire::messages::{DenoiseJob, RunningJob};
@@ -46,6 +55,10 @@ struct Active {
     capture: Option<(String, Instant)>,
     /// Mask-aware (edits batch with edits only).
     masked: bool,
+    /// Its LoRAs, once in memory (None: it names none).
+    lora: Option<LoraSlot>,
+    /// Since when it sits out waiting for its LoRAs (past its bound).
+    lora_waiting_since: Option<Instant>,
 }
 
 impl Active {
@@ -67,6 +80,11 @@ pub struct UnetEngine {
     active: Vec<Active>,
     /// The template decoded last, by cache key (consecutive edits of one template share it).
     decoded: Option<(String, Arc<SdTemplate>)>,
+    /// Patches the UNet's linear layers with LoRA sets (None: a UNet without a variable store,
+    /// which serves no LoRA).
+    patcher: Option<LoraPatcher>,
+    /// The UNet's linear layers, as LoRA files name them.
+    linear_modules: Vec<String>,
     step_queued: bool,
     #[cfg(feature = "fault-injection")]
     panic_mid_batch: bool,
@@ -153,6 +171,8 @@ impl UnetEngine {
                     .map(|i| job.job.params.seed.wrapping_add(i))
                     .collect();
                 self.active.push(Active {
+                    lora: job.lora,
+                    lora_waiting_since: None,
                     capture: job.capture_key.map(|key| (key, Instant::now())),
                     job: job.job,
                     span,
@@ -206,40 +226,81 @@ impl UnetEngine {
         Ok(template)
     }
 
-    /// One step of every active job, batched by latent size and kind; whether any stepped.
+    /// One step of every active job that can run, one batched forward per latent size, kind and
+    /// LoRA set (the set the weights hold first); whether any stepped.
     fn step(&mut self) -> bool {
-        let mut groups: Vec<([i64; 2], bool, Vec<usize>)> = Vec::new();
-        for (i, a) in self.active.iter().enumerate() {
-            if a.failed.is_some() || a.done() {
-                continue;
+        let started = Instant::now();
+        let fraction = self.config.lora_async_fraction;
+        let needs: Vec<LoraNeed> = self
+            .active
+            .iter()
+            .map(|a| {
+                let (done, total) = a
+                    .states
+                    .first()
+                    .map_or((0, 0), |s| (s.next_step(), s.steps()));
+                lora_steps::need(a.lora.as_ref(), done, total, fraction)
+            })
+            .collect();
+        let lora_metrics = self.shared.metrics.as_ref().map(|m| &m.lora);
+        for (a, n) in self.active.iter_mut().zip(&needs) {
+            if let (LoraNeed::Failed(e), None) = (n, &a.failed) {
+                a.failed = Some(EngineJobError::Lora(e.clone()));
             }
-            let key = (a.states[0].latent_side(), a.masked);
-            match groups.iter_mut().find(|(side, m, _)| (*side, *m) == key) {
-                Some((_, _, members)) => members.push(i),
-                None => groups.push((key.0, key.1, vec![i])),
+            if a.failed.is_none() && !a.done() {
+                let has_lora = a.lora.is_some();
+                lora_steps::observe(
+                    n,
+                    has_lora,
+                    &mut a.lora_waiting_since,
+                    started,
+                    lora_metrics,
+                );
+            }
+        }
+        // Per LoRA set (the one the weights hold first), one batch per latent size and kind.
+        let current = self.patcher.as_ref().map(|p| p.current().clone());
+        let mut groups: Vec<(bool, Vec<LoadedLora>, Vec<usize>)> = Vec::new();
+        for (_, set, members) in lora_steps::visit_order(&needs, &current.unwrap_or_default()) {
+            // (latent side, mask-aware) -> members
+            type Batch = (([i64; 2], bool), Vec<usize>);
+            let mut batches: Vec<Batch> = Vec::new();
+            for i in members {
+                let a = &self.active[i];
+                if a.failed.is_some() || a.done() {
+                    continue;
+                }
+                let key = (a.states[0].latent_side(), a.masked);
+                match batches.iter_mut().find(|b| b.0 == key) {
+                    Some(b) => b.1.push(i),
+                    None => batches.push((key, vec![i])),
+                }
+            }
+            for ((_, masked), batch) in batches {
+                groups.push((masked, set.clone(), batch));
             }
         }
         let stepped = !groups.is_empty();
-        for (_, masked, members) in groups {
-            let started = Instant::now();
-            let Err(error) = self.step_jobs(&members) else {
-                self.record_step(&members, masked, started);
-                continue;
-            };
-            if let [only] = members[..] {
-                self.active[only].failed = Some(error);
+        for (masked, set, members) in groups {
+            if !self.switch_weights(&set, &members) {
                 continue;
             }
-            // Job by job, so the one at fault fails alone.
-            for &i in &members {
-                if let Err(error) = self.step_jobs(&[i]) {
-                    self.active[i].failed = Some(error);
+            let started = Instant::now();
+            match self.step_jobs(&members) {
+                Ok(()) => self.record_step(&members, masked, started),
+                Err(error) if members.len() == 1 => self.active[members[0]].failed = Some(error),
+                Err(_) => {
+                    // Job by job, so the one at fault fails alone.
+                    for &i in &members {
+                        if let Err(error) = self.step_jobs(&[i]) {
+                            self.active[i].failed = Some(error);
+                        }
+                    }
                 }
             }
-        }
-        for a in &self.active {
-            if a.failed.is_none() {
-                if let Some(s) = a.states.first() {
+            for &i in &members {
+                let a = &self.active[i];
+                if let (None, Some(s)) = (&a.failed, a.states.first()) {
                     self.ledger.emit(EngineEvent::Step {
                         job_id: a.job.job_id.clone(),
                         step: s.next_step() as u32,
@@ -250,6 +311,48 @@ impl UnetEngine {
             }
         }
         stepped
+    }
+
+    /// Patch the UNet to `set` for the jobs at `members` (indices into `active`); false, with
+    /// those jobs failed, when the set cannot be had (a file that does not fit this UNet).
+    fn switch_weights(&mut self, set: &[LoadedLora], members: &[usize]) -> bool {
+        let key = lora_steps::set_key(set);
+        let result = match self.patcher.as_mut() {
+            Some(patcher) if patcher.current() == &key => return true,
+            None if key.is_base() => return true,
+            None => Err(ModelError::input(
+                "params.loras",
+                "this UNet was built without a variable store: it serves no LoRA",
+            )),
+            Some(patcher) => {
+                let unet = &self.model.pipeline.unet;
+                let modules = &self.linear_modules;
+                lora_steps::patch(patcher, set, |l| {
+                    let read = read_unet_lora_bytes(
+                        &l.blob.id,
+                        l.blob.bytes.clone(),
+                        &unet.config,
+                        modules,
+                    );
+                    read.map(|u| u.adapter).map_err(|e| e.to_string())
+                })
+            }
+        };
+        match result {
+            Ok(stats) => {
+                if let Some(m) = self.metrics().filter(|_| stats.layers > 0) {
+                    m.lora.lora_patch_seconds.observe(stats.seconds);
+                }
+                true
+            }
+            Err(e) => {
+                let error = EngineJobError::from_model(e);
+                for &i in members {
+                    self.active[i].failed.get_or_insert_with(|| error.clone());
+                }
+                false
+            }
+        }
     }
 
     /// Metrics of a batched step of jobs `members` that began at `started`.

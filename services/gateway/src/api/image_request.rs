@@ -43,13 +43,14 @@ pub async fn read_generation(
     if let Some(c) = &control {
         state.directory.check_offered(&c.reference.name).await?;
     }
-    lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
+    let loras = lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
     let control_image = control.map(|c| {
         valid.params.controlnet = Some(c.reference);
         c.image
     });
     valid.params.model = model.id.clone();
     request_model::check_features(&model, JobKind::Generate, &valid.params)?;
+    lora_params::check_targets(&model.id, model.family(), &loras)?;
     Ok(ImageRequest {
         input: JobInput {
             kind: JobKind::Generate,
@@ -134,10 +135,11 @@ pub async fn read_edit(
     let fingerprint = idempotency::fingerprint("edits", &raw, Some(&image), mask.as_deref());
     let requested = raw.model.clone();
     let mut valid = validate::validate_edit(raw, size, &state.limits, &state.defaults)?;
-    lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
+    let loras = lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
     let model = request_model::choose(state, requested.as_deref()).await?;
     valid.params.model = model.id.clone();
     request_model::check_features(&model, JobKind::Edit, &valid.params)?;
+    lora_params::check_targets(&model.id, model.family(), &loras)?;
     Ok(ImageRequest {
         input: JobInput {
             kind: JobKind::Edit,

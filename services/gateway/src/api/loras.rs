@@ -33,7 +33,7 @@ pub struct LoraView {
     pub bytes: u64,
     /// Parameters in all its A and B matrices.
     pub parameters: u64,
-    /// Adapted layers of the transformer.
+    /// Adapted layers of its network.
     pub modules: u64,
     /// Largest rank among them.
     pub max_rank: u64,
@@ -43,6 +43,12 @@ pub struct LoraView {
     pub sha256: String,
     /// When it was registered (RFC 3339, UTC).
     pub created_at: String,
+    /// The network it adapts: `transformer` (Flux models) or `unet` (SD 2.x, SDXL); a request
+    /// naming it for a model of the other kind is a 400 naming `loras[i].id`.
+    pub target: String,
+    /// Text-encoder adapters in the file (kohya's `lora_te*`), left out: the text encoders
+    /// run unpatched.
+    pub text_encoder_keys: u64,
 }
 
 impl LoraView {
@@ -58,6 +64,8 @@ impl LoraView {
             dtype: r.dtype.clone(),
             sha256: r.sha256.clone(),
             created_at: r.created_at.clone(),
+            target: r.target.as_str().into(),
+            text_encoder_keys: r.text_encoder_keys as u64,
         }
     }
 }
@@ -274,6 +282,8 @@ mod tests {
             dtype: "F32".into(),
             sha256: "ab".repeat(32),
             created_at: "2025-01-01T00:00:00.000Z".into(),
+            target: diffmesh_shared::wire::lora::LoraTarget::Unet,
+            text_encoder_keys: 2,
         };
         let stored = serde_json::to_value(&record).unwrap();
         let mut shown = serde_json::to_value(LoraView::of(&record)).unwrap();

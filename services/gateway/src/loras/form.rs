@@ -40,6 +40,8 @@ impl LoraUpload {
             dtype: self.file.dtype.clone(),
             sha256: self.weights.sha256().to_string(),
             created_at,
+            target: self.file.target,
+            text_encoder_keys: self.file.text_encoder_keys,
         }
     }
 }

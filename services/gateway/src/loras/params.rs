@@ -3,7 +3,9 @@
 //! entry so errors name `loras[i].id` or `loras[i].scale`, checked (how many, each id once,
 //! scale range; pure), and looked up (every id a registered LoRA; needs the KV bucket, so the
 //! request readers call it after validation).
-use diffmesh_shared::wire::lora::{LoraRef, MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
+use diffmesh_shared::wire::lora::{
+    LoraRecord, LoraRef, LoraTarget, MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE,
+};
 use diffmesh_shared::wire::messages::FieldError;
 use serde_json::Value;
 
@@ -147,15 +149,17 @@ pub fn validate(raw: &[RawLora]) -> Result<Vec<LoraRef>, FieldError> {
 }
 
 /// 400 naming `loras[i].id` for the first LoRA that is not registered or that `caller` may not
-/// access (another key's: answered as if it did not exist, as `GET /v1/loras/{id}` does).
+/// access (another key's: answered as if it did not exist, as `GET /v1/loras/{id}` does);
+/// else their records, in request order.
 pub async fn check_registered(
     store: &LoraStore,
     caller: &Caller,
     loras: &[LoraRef],
-) -> Result<(), ApiError> {
+) -> Result<Vec<LoraRecord>, ApiError> {
+    let mut records = Vec::with_capacity(loras.len());
     for (i, lora) in loras.iter().enumerate() {
-        let accessible = store.get(&lora.id).await?.is_some_and(|r| caller.sees(&r));
-        if !accessible {
+        let record = store.get(&lora.id).await?.filter(|r| caller.sees(r));
+        let Some(record) = record else {
             return Err(invalid(
                 format!("loras[{i}].id"),
                 format!(
@@ -165,9 +169,36 @@ pub async fn check_registered(
                 ),
             )
             .into());
-        }
+        };
+        records.push(record);
     }
-    Ok(())
+    Ok(records)
+}
+
+/// 400 naming `loras[i].id` for the first LoRA of another network than the model's (a Flux
+/// transformer's adapters on an SDXL model, or the reverse): the model of `family` (its card's;
+/// `None`, a model announced without a card, is not checked) named `model_id`.
+pub fn check_targets(
+    model_id: &str,
+    family: Option<&str>,
+    records: &[LoraRecord],
+) -> Result<(), FieldError> {
+    let Some(family) = family else {
+        return Ok(());
+    };
+    let wanted = LoraTarget::of_family(family);
+    match records.iter().position(|r| r.target != wanted) {
+        Some(i) => Err(invalid(
+            format!("loras[{i}].id"),
+            format!(
+                "LoRA {:?} adapts a {} but model {model_id:?} ({family}) takes {} adapters",
+                records[i].id,
+                records[i].target.as_str(),
+                wanted.as_str()
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// 400 naming `loras` when an edit of a registered template asks for LoRAs.

@@ -151,6 +151,8 @@ mod tests {
             dtype: "F32".into(),
             sha256: String::new(),
             created_at: rfc3339_utc(ms),
+            target: Default::default(),
+            text_encoder_keys: 0,
         };
         // 9 s sorts before 10 s only because the width is fixed.
         let mut records = vec![record("b", 10_000), record("c", 9_000), record("a", 10_000)];
