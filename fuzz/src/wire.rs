@@ -168,6 +168,7 @@ fn params() -> GenerationParams {
             scale: 4.0,
             negative_prompt: "blurry".into(),
         }),
+        preview_steps: vec![1, 3],
     }
 }
 
@@ -294,6 +295,13 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
         seed(&SubmitReply::Overloaded {
             queue_depth: 3,
             retry_after_ms: 250,
+        }),
+        seed(&JobEvent::Preview {
+            step: 1,
+            total: 4,
+            width: 2,
+            height: 1,
+            rgb: vec![0; 6],
         }),
         seed(&JobEvent::Captured {
             cache_key: "tpl-abc".into(),

@@ -15,6 +15,7 @@ pub mod model_dir;
 pub mod noise_scheduler;
 pub mod packing;
 pub mod pipeline;
+pub mod preview;
 pub mod quality;
 pub mod safetensors_file;
 pub mod schedulers;

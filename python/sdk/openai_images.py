@@ -4,7 +4,8 @@ Usage: openai_images.py BASE_URL API_KEY MODEL. Runs images.generate (n=2, b64_j
 n=2 at size auto as JPEG with output_compression, quality, background and user; then a
 signed result URL, read without the key, and a tampered one), images.edit
 with `image` and a mask in OpenAI's alpha convention, images.edit with `image=[...]` (sent as
-`image[]`), a generation of an invalid size (BadRequestError: its param, type and code), then
+`image[]`), a streamed generation with two partial images (JPEG) and a streamed edit with
+one, a generation of an invalid size (BadRequestError: its param, type and code), then
 generations until the key's rate limit answers (RateLimitError). Prints one JSON line of what
 it saw; any other exception fails the run.
 """
@@ -27,6 +28,20 @@ def png(image):
 
 def sizes(response):
     return [list(Image.open(io.BytesIO(base64.b64decode(d.b64_json))).size) for d in response.data]
+
+
+def streamed(stream):
+    """The events of a streamed answer: type, partial index, image format and size, usage."""
+    events = []
+    for event in stream:
+        image = Image.open(io.BytesIO(base64.b64decode(event.b64_json)))
+        seen = {"type": event.type, "format": image.format, "size": list(image.size)}
+        if "partial_image" in event.type:
+            seen["index"] = event.partial_image_index
+        else:
+            seen["output_tokens"] = event.usage.output_tokens
+        events.append(seen)
+    return events
 
 
 def main():
@@ -62,6 +77,13 @@ def main():
     r = client.images.edit(model=model, image=[("t.png", template, "image/png")],
                            mask=("m.png", png(mask), "image/png"), prompt="a cat")
     seen["edit_list"] = sizes(r)
+    stream = client.images.generate(model=model, prompt="a red square", size="64x64",
+                                    stream=True, partial_images=2, output_format="jpeg")
+    seen["stream"] = streamed(stream)
+    stream = client.images.edit(model=model, image=("t.png", template, "image/png"),
+                                mask=("m.png", png(mask), "image/png"), prompt="a cat",
+                                stream=True, partial_images=1)
+    seen["stream_edit"] = streamed(stream)
     try:
         client.images.generate(model=model, prompt="a cat", size="big")
         seen["bad_size"] = None

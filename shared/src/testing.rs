@@ -273,6 +273,7 @@ pub fn generation_job(
             width: 64,
             height: 64,
             loras: Vec::new(),
+            preview_steps: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
             true_cfg: None,

@@ -183,6 +183,7 @@ async fn async_jobs_report_progress_results_and_repeat_by_idempotency_key() {
         )
         .text("prompt", "a red square")
         .text("num_inference_steps", "4")
+        .text("preview_every", "2")
         .text("seed", "7");
     let r = mesh
         .http
@@ -218,6 +219,32 @@ async fn async_jobs_report_progress_results_and_repeat_by_idempotency_key() {
         "{events:?}"
     );
     assert!(names.iter().position(|n| *n == "step").unwrap() > started);
+    // One preview every 2 steps, never after the last (the image ends the job): step 2 only,
+    // right after its step event, a PNG of the size it says.
+    let previews: Vec<&Value> = events
+        .iter()
+        .filter(|(n, _)| n == "preview")
+        .map(|(_, d)| d)
+        .collect();
+    assert_eq!(previews.len(), 1, "{names:?}");
+    assert_eq!(
+        (previews[0]["step"].as_u64(), previews[0]["total"].as_u64()),
+        (Some(2), Some(4))
+    );
+    let at = names.iter().position(|n| *n == "preview").unwrap();
+    assert_eq!(events[at - 1].1["step"], 2, "{names:?}");
+    let b64 = previews[0]["b64_png"].as_str().unwrap();
+    let preview = image::load_from_memory(
+        &base64::Engine::decode(&base64::engine::general_purpose::STANDARD, b64).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (u64::from(preview.width()), u64::from(preview.height())),
+        (
+            previews[0]["width"].as_u64().unwrap(),
+            previews[0]["height"].as_u64().unwrap()
+        )
+    );
     let (last, done) = events.last().unwrap();
     assert_eq!(last, "done", "{events:?}");
     assert_eq!(done["status"], "done");

@@ -2,7 +2,9 @@
 //! mesh, unchanged but for `base_url` (python/sdk/openai_images.py): generations with n = 2 (PNG,
 //! and JPEG at size `auto` with `output_compression`, `quality`, `background` and `user`), a
 //! signed result URL (`response_format="url"`) read without the key (a tampered one: 401),
-//! edits with `image` and with `image=[...]` (the SDK's `image[]`), a 400 whose exception carries
+//! edits with `image` and with `image=[...]` (the SDK's `image[]`), streamed answers
+//! (`stream=True` with `partial_images`: a generation as JPEG and an edit, their partial images
+//! then the completed image with `usage`), a 400 whose exception carries
 //! `param`, `type` and `code`, and a 429 the SDK raises as `RateLimitError`.
 use std::process::Command;
 
@@ -16,9 +18,9 @@ async fn the_official_sdk_generates_edits_and_reads_errors() {
     let mesh = MeshBuilder::new()
         .gateway(|g| {
             g.api_keys = Some(format!("alice:{KEY}"));
-            // Six image requests, then 429 (the SDK retries nothing: max_retries=0).
+            // Eight image requests, then 429 (the SDK retries nothing: max_retries=0).
             g.rate_limit_per_s = 0.001;
-            g.rate_limit_burst = 6;
+            g.rate_limit_burst = 8;
         })
         .start()
         .await;
@@ -49,6 +51,28 @@ async fn the_official_sdk_generates_edits_and_reads_errors() {
     );
     assert_eq!(seen["edit"], json!([[64, 64]]), "{seen}");
     assert_eq!(seen["edit_list"], json!([[64, 64]]), "{seen}");
+    // The tiny model's token is 4 pixels (its codec halves, then 2x2 packing): 256 at 64x64.
+    let jpeg = |kind: &str, index: Option<u32>| match index {
+        Some(i) => json!({"type": kind, "format": "JPEG", "size": [64, 64], "index": i}),
+        None => json!({"type": kind, "format": "JPEG", "size": [64, 64], "output_tokens": 256}),
+    };
+    assert_eq!(
+        seen["stream"],
+        json!([
+            jpeg("image_generation.partial_image", Some(0)),
+            jpeg("image_generation.partial_image", Some(1)),
+            jpeg("image_generation.completed", None),
+        ]),
+        "{seen}"
+    );
+    assert_eq!(
+        seen["stream_edit"],
+        json!([
+            {"type": "image_edit.partial_image", "format": "PNG", "size": [64, 64], "index": 0},
+            {"type": "image_edit.completed", "format": "PNG", "size": [64, 64], "output_tokens": 256},
+        ]),
+        "{seen}"
+    );
     let bad = &seen["bad_size"];
     assert_eq!(bad["status"], 400, "{seen}");
     assert_eq!(bad["param"], "size", "{seen}");

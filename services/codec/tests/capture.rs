@@ -48,6 +48,7 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
             width: 30,
             height: 20,
             loras: Vec::new(),
+            preview_steps: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
             true_cfg: None,

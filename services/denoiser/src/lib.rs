@@ -13,6 +13,7 @@ pub mod lora;
 pub mod metrics;
 pub mod model;
 pub mod outcomes;
+pub mod previews;
 pub mod prompt_stage;
 pub mod ranks;
 pub mod service;

@@ -31,6 +31,8 @@ pub(crate) enum EnginePhase {
 pub struct DenoiserMetrics {
     /// Wall time of one engine step over the whole batch.
     pub step_seconds: Histogram,
+    /// One job preview on the step loop (`crate::previews`).
+    pub preview_seconds: Histogram,
     /// Image rows in each step's batch.
     pub batch_rows: Histogram,
     /// Submit to Done, per job.
@@ -89,6 +91,16 @@ pub struct DenoiserMetrics {
 
 impl DenoiserMetrics {
     pub fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let preview_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "diffmesh_denoiser_preview_duration_seconds",
+                "One job preview (latents projected to RGB) on the step loop",
+            )
+            .buckets(vec![
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+            ]),
+        )?;
+        registry.register(Box::new(preview_seconds.clone()))?;
         let step_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 "diffmesh_denoiser_step_duration_seconds",
@@ -297,6 +309,7 @@ impl DenoiserMetrics {
         registry.register(Box::new(failures.clone()))?;
         Ok(Self {
             step_seconds,
+            preview_seconds,
             batch_rows,
             job_seconds,
             queue_wait_seconds,

@@ -34,6 +34,8 @@ pub struct EngineModel {
     /// The node's elastic ranks (`--ranks R`, R > 1): the engine then runs every step as a
     /// task on a group of them ([`crate::ranks`]). None: it steps on this model.
     pub ranks: Option<crate::ranks::ElasticRanks>,
+    /// Maps latents to preview pixels (`crate::previews`); None: previews are off.
+    pub preview: Option<diffmesh_model::preview::LatentPreview>,
 }
 
 impl EngineModel {
@@ -46,6 +48,7 @@ impl EngineModel {
     ) -> Result<Self, ModelError> {
         let model = LoadedModel::load(dir, device, kind)?;
         let card = announce(&model, &model_id, default_size);
+        let preview = crate::previews::fit(&*model.codec, device);
         let gpu_copy = match device {
             Device::Cuda(ordinal) => match GpuCopy::new(ordinal, GpuCopy::RING) {
                 Ok(gpu) => Some(gpu),
@@ -65,6 +68,7 @@ impl EngineModel {
             controlnet_service: None,
             pre_encoded: None,
             ranks: None,
+            preview,
         })
     }
 

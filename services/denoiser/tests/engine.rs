@@ -52,6 +52,58 @@ async fn batch_of_two_equals_each_alone() {
     h.drained.wait().await;
 }
 
+/// Previews go out after exactly the steps a job names, each after its step's event, at the
+/// image's size, and change no pixel of the image; their cost is on `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn previews_go_out_after_the_named_steps_and_change_no_pixel() {
+    let registry = prometheus::Registry::new();
+    let metrics = DenoiserMetrics::new(&registry).unwrap();
+    let mut h = harness_with_metrics(
+        EngineConfig {
+            max_batch: 4,
+            max_queue: 8,
+            ..Default::default()
+        },
+        Some(metrics.clone()),
+    );
+    submit(&h, job("plain", "a red circle", 1, 6), None).await;
+    let (plain, _) = drain(&mut h, &["plain"]).await;
+    let mut previewed = job("seen", "a red circle", 1, 6);
+    previewed.params.preview_steps = vec![1, 3, 5, 6];
+    submit(&h, previewed, None).await;
+    let (seen, log) = drain(&mut h, &["seen"]).await;
+    assert_eq!(seen["seen"], plain["plain"], "previews changed the image");
+    let previews: Vec<&String> = log.iter().filter(|l| l.starts_with("preview")).collect();
+    // Never after the last step: the image itself ends the job.
+    assert_eq!(
+        previews,
+        [
+            "preview seen 1 64x64",
+            "preview seen 3 64x64",
+            "preview seen 5 64x64"
+        ],
+        "{log:?}"
+    );
+    let step_1 = log.iter().position(|l| l == "step seen 1/6").unwrap();
+    assert_eq!(log[step_1 + 1], "preview seen 1 64x64", "{log:?}");
+    let (previews_n, previews_s) = (
+        metrics.preview_seconds.get_sample_count(),
+        metrics.preview_seconds.get_sample_sum(),
+    );
+    let (steps_n, steps_s) = (
+        metrics.step_seconds.get_sample_count(),
+        metrics.step_seconds.get_sample_sum(),
+    );
+    assert_eq!(previews_n, 3);
+    eprintln!(
+        "preview {:.3} ms mean over {previews_n}; step {:.3} ms mean over {steps_n}",
+        previews_s / previews_n as f64 * 1e3,
+        steps_s / steps_n as f64 * 1e3
+    );
+    h.engine.begin_shutdown().await;
+    h.drained.wait().await;
+}
+
 /// True CFG: a guided job takes two batch rows per image (its prompt's and its negative
 /// prompt's), steers the image, and batched with others ends as it ends alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

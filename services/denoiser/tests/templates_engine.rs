@@ -147,6 +147,9 @@ async fn events_until(
             }
             EngineEvent::Failed { job, error, .. } => panic!("{} failed: {error}", job.job_id),
             EngineEvent::Cancelled { job_id } => log.push(format!("cancelled {job_id}")),
+            EngineEvent::Preview { job_id, step, .. } => {
+                log.push(format!("preview {job_id} {step}"))
+            }
         }
     }
     captured

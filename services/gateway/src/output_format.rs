@@ -50,13 +50,27 @@ impl OutputFormat {
         let image = image::load_from_memory_with_format(png, image::ImageFormat::Png)
             .map_err(|e| format!("reading a result PNG: {e}"))?
             .to_rgb8();
+        self.encode_image(&image)
+    }
+
+    /// RGB8 pixels (`width` x `height`, a preview's) in this format.
+    pub fn encode_rgb(self, rgb: Vec<u8>, width: u32, height: u32) -> Result<Vec<u8>, String> {
+        let image = image::RgbImage::from_raw(width, height, rgb)
+            .ok_or_else(|| format!("{width}x{height} RGB pixels of the wrong length"))?;
+        self.encode_image(&image)
+    }
+
+    fn encode_image(self, image: &image::RgbImage) -> Result<Vec<u8>, String> {
         let mut out = Cursor::new(Vec::new());
         let written = match self {
+            OutputFormat::Png => image.write_to(&mut out, image::ImageFormat::Png),
             OutputFormat::Jpeg(quality) => {
                 let encoder = image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, quality);
                 image.write_with_encoder(encoder)
             }
-            _ => image.write_with_encoder(image::codecs::webp::WebPEncoder::new_lossless(&mut out)),
+            OutputFormat::Webp => {
+                image.write_with_encoder(image::codecs::webp::WebPEncoder::new_lossless(&mut out))
+            }
         };
         written.map_err(|e| format!("encoding {}: {e}", self.name()))?;
         Ok(out.into_inner())

@@ -81,16 +81,16 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
             "background" => raw.background = Some(string()?),
             "quality" => raw.quality = Some(string()?),
             "user" => raw.user = Some(string()?),
-            // Refused by name rather than answered without what they ask for.
-            "stream" if v.as_bool() != Some(false) => {
-                return Err(FieldError::invalid(
-                    key,
-                    "streamed responses are not served yet",
-                ))
+            "stream" => {
+                raw.stream = Some(
+                    v.as_bool()
+                        .ok_or_else(|| FieldError::invalid(key, "must be true or false"))?,
+                )
             }
-            "partial_images" | "input_fidelity" => {
-                return Err(FieldError::invalid(key, "not served yet"))
-            }
+            "partial_images" => raw.partial_images = Some(int_field(key, v)?),
+            "preview_every" => raw.preview_every = Some(int_field(key, v)?),
+            // Refused by name rather than answered without what it asks for.
+            "input_fidelity" => return Err(FieldError::invalid(key, "not served yet")),
             // Fields this server does not know (newer OpenAI ones): ignored, as OpenAI's SDK
             // sends only what the caller set.
             _ => {}
@@ -114,17 +114,8 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
             })
             .transpose()
     }
-    if text.get("stream").is_some_and(|v| v.trim() != "false") {
-        return Err(FieldError::invalid(
-            "stream",
-            "streamed responses are not served yet",
-        ));
-    }
-    if let Some(name) = ["partial_images", "input_fidelity"]
-        .into_iter()
-        .find(|n| text.contains_key(*n))
-    {
-        return Err(FieldError::invalid(name, "not served yet"));
+    if text.contains_key("input_fidelity") {
+        return Err(FieldError::invalid("input_fidelity", "not served yet"));
     }
     if text.contains_key("controlnet") {
         return Err(FieldError::invalid(
@@ -154,6 +145,9 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
         },
         deadline_ms: parse(text, "deadline_ms", "an integer")?,
         controlnet: None,
+        stream: parse(text, "stream", "true or false")?,
+        partial_images: parse(text, "partial_images", "an integer")?,
+        preview_every: parse(text, "preview_every", "an integer")?,
     })
 }
 
@@ -184,8 +178,11 @@ mod tests {
             "loras[1].scale"
         );
         for (body, field) in [
-            (&br#"{"prompt": "x", "stream": true}"#[..], "stream"),
-            (br#"{"prompt": "x", "partial_images": 2}"#, "partial_images"),
+            (&br#"{"prompt": "x", "stream": 1}"#[..], "stream"),
+            (
+                br#"{"prompt": "x", "partial_images": "2"}"#,
+                "partial_images",
+            ),
         ] {
             assert_eq!(raw_from_json(body).unwrap_err().field, field);
         }

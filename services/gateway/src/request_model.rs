@@ -132,6 +132,7 @@ mod tests {
             width: 64,
             height: 64,
             loras: vec![],
+            preview_steps: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
             true_cfg: None,

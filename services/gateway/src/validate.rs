@@ -105,6 +105,41 @@ pub struct RawParams {
     /// over, at its place and size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub controlnet: Option<crate::controlnet::RawControlNet>,
+    /// Answer with Server-Sent Events in OpenAI's shapes (`image_generation.partial_image`
+    /// per preview, then `image_generation.completed`; `image_edit.` for edits) instead of
+    /// one JSON body: n 1, response_format b64_json, not with `Prefer: respond-async` or an
+    /// `Idempotency-Key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+    /// With `stream`: previews sent before the image, 0 to 3 (default 0), at evenly spaced
+    /// steps. A preview is the current latents projected to RGB (cheap, blurry), not decoded.
+    #[schema(minimum = 0, maximum = 3)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_images: Option<i64>,
+    /// A preview every this many steps on the job's event stream (`GET
+    /// /v1/jobs/{id}/events`, `preview` events): 1 to the step count. Absent: none.
+    #[schema(minimum = 1)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preview_every: Option<i64>,
+}
+
+/// Most `partial_images` a streamed request may ask for (OpenAI's limit).
+pub const MAX_PARTIAL_IMAGES: i64 = 3;
+
+/// The steps after which previews go out: `partial` evenly spaced ones (never after the last
+/// step, which the image itself ends), or one every `every` steps; at most
+/// `messages::MAX_PREVIEWS`.
+pub fn preview_steps(steps: u32, partial: u32, every: Option<u32>) -> Vec<u32> {
+    let mut out: Vec<u32> = match every {
+        Some(k) if k > 0 => (1..steps).filter(|s| s % k == 0).collect(),
+        _ => (1..=partial)
+            .map(|i| ((u64::from(i) * u64::from(steps)) / u64::from(partial + 1)) as u32)
+            .filter(|s| (1..steps).contains(s))
+            .collect(),
+    };
+    out.dedup();
+    out.truncate(diffmesh_shared::wire::messages::MAX_PREVIEWS);
+    out
 }
 
 /// Longest `deadline_ms` a request may give (a day).
@@ -135,6 +170,8 @@ pub struct ValidParams {
     pub response_format: ResponseFormat,
     /// How the images are encoded.
     pub output: OutputFormat,
+    /// Answer with Server-Sent Events (`RawParams::stream`).
+    pub stream: bool,
 }
 
 fn invalid(field: &str, message: impl Into<String>) -> FieldError {
@@ -211,6 +248,42 @@ fn validate_common(
             format!("png returns one image; n must be 1, got {n}"),
         ));
     }
+    let stream = raw.stream.unwrap_or(false);
+    if stream && n != 1 {
+        return Err(invalid(
+            "n",
+            format!("a stream carries one image; n must be 1, got {n}"),
+        ));
+    }
+    if stream && response_format != ResponseFormat::B64Json {
+        return Err(invalid(
+            "response_format",
+            "a stream carries b64_json images: b64_json only",
+        ));
+    }
+    let partial = match raw.partial_images {
+        None => 0,
+        Some(_) if !stream => {
+            return Err(invalid("partial_images", "needs stream: true"));
+        }
+        Some(p) if (0..=MAX_PARTIAL_IMAGES).contains(&p) => p as u32,
+        Some(p) => {
+            return Err(invalid(
+                "partial_images",
+                format!("must be between 0 and {MAX_PARTIAL_IMAGES}, got {p}"),
+            ))
+        }
+    };
+    let every = match raw.preview_every {
+        None => None,
+        Some(k) if (1..=i64::from(steps)).contains(&k) => Some(k as u32),
+        Some(k) => {
+            return Err(invalid(
+                "preview_every",
+                format!("must be between 1 and num_inference_steps ({steps}), got {k}"),
+            ))
+        }
+    };
     let loras = lora_params::validate(raw.loras.as_deref().unwrap_or_default())?;
     let seed = raw.seed.unwrap_or_else(rand_seed);
     let deadline_unix_ms = deadline_from_now(raw.deadline_ms)?;
@@ -229,9 +302,11 @@ fn validate_common(
             // Set by the caller from `raw.controlnet` (generations only).
             controlnet: None,
             true_cfg,
+            preview_steps: preview_steps(steps, partial, every),
         },
         response_format,
         output,
+        stream,
     })
 }
 
@@ -597,6 +672,62 @@ mod tests {
         assert_eq!(v.params.loras, want);
         let v = validate_generation(raw("x"), &limits(), &defaults()).unwrap();
         assert!(v.params.loras.is_empty());
+    }
+
+    #[test]
+    fn previews_fall_on_evenly_spaced_steps_before_the_last() {
+        assert_eq!(preview_steps(8, 2, None), vec![2, 5]);
+        assert_eq!(preview_steps(8, 3, None), vec![2, 4, 6]);
+        assert_eq!(preview_steps(2, 3, None), vec![1]);
+        assert!(preview_steps(1, 3, None).is_empty());
+        assert_eq!(preview_steps(10, 0, Some(3)), vec![3, 6, 9]);
+        assert_eq!(preview_steps(10, 0, Some(10)), Vec::<u32>::new());
+        assert_eq!(preview_steps(1000, 0, Some(1)).len(), 64);
+    }
+
+    #[test]
+    fn streams_take_one_b64_image_and_partial_images_need_one() {
+        let stream = |partial: Option<i64>| RawParams {
+            stream: Some(true),
+            partial_images: partial,
+            num_inference_steps: Some(8),
+            ..raw("x")
+        };
+        let v = validate_generation(stream(Some(2)), &limits(), &defaults()).unwrap();
+        assert!(v.stream);
+        assert_eq!(v.params.preview_steps, vec![2, 5]);
+        let field = |r: RawParams| {
+            validate_generation(r, &limits(), &defaults())
+                .unwrap_err()
+                .field
+        };
+        assert_eq!(field(stream(Some(4))), "partial_images");
+        assert_eq!(
+            field(RawParams {
+                n: Some(2),
+                ..stream(None)
+            }),
+            "n"
+        );
+        let url = RawParams {
+            response_format: Some("url".into()),
+            ..stream(None)
+        };
+        assert_eq!(field(url), "response_format");
+        let unstreamed = RawParams {
+            partial_images: Some(1),
+            ..raw("x")
+        };
+        assert_eq!(field(unstreamed), "partial_images");
+        let every = |k| RawParams {
+            preview_every: Some(k),
+            num_inference_steps: Some(8),
+            ..raw("x")
+        };
+        let v = validate_generation(every(4), &limits(), &defaults()).unwrap();
+        assert_eq!(v.params.preview_steps, vec![4]);
+        assert_eq!(field(every(0)), "preview_every");
+        assert_eq!(field(every(9)), "preview_every");
     }
 
     #[test]

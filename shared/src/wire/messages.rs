@@ -67,7 +67,15 @@ pub struct GenerationParams {
     /// True classifier-free guidance against a negative prompt. None: the prompt alone steers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub true_cfg: Option<TrueCfg>,
+    /// Steps (counted from 1) after which the denoiser sends a preview of the first image
+    /// ([`JobEvent::Preview`]): OpenAI's `partial_images`, or a job's `preview_every`. Empty:
+    /// none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub preview_steps: Vec<u32>,
 }
+
+/// Most previews one job may ask for (each is a small image on the job's event subject).
+pub const MAX_PREVIEWS: usize = 64;
 
 /// True classifier-free guidance (diffusers' `true_cfg_scale` and `negative_prompt`): every step
 /// runs each image twice, with the prompt and with the negative prompt, as two rows of the
@@ -340,6 +348,16 @@ pub enum JobEvent {
         attempt: u32,
         reason: String,
     },
+    /// A cheap preview of the first image after `step` of `total` (the latents projected to
+    /// RGB, not decoded: see `diffmesh_model::preview`), `width` x `height` RGB8.
+    Preview {
+        step: u32,
+        total: u32,
+        width: u32,
+        height: u32,
+        #[serde(with = "serde_bytes")]
+        rgb: Vec<u8>,
+    },
 }
 
 /// Machine-readable `error_type` values used in [`FieldError`], [`JobEvent::Failed`] and the
@@ -579,6 +597,7 @@ mod tests {
             width: 64,
             height: 48,
             loras: Vec::new(),
+            preview_steps: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
             true_cfg: None,
@@ -648,6 +667,13 @@ mod tests {
             JobEvent::Failed {
                 message: "boom".into(),
                 error_type: error_types::INTERNAL.into(),
+            },
+            JobEvent::Preview {
+                step: 2,
+                total: 8,
+                width: 2,
+                height: 1,
+                rgb: vec![1, 2, 3, 4, 5, 6],
             },
             JobEvent::Retrying {
                 attempt: 2,

@@ -17,7 +17,7 @@ use super::{FluxPipeline, GenerateOptions, GenerationRequest, Prepared};
 use crate::error::{ModelError, Result};
 use crate::flux::{ControlResiduals, FluxInputs, KvCache, KvSink, MaskedRequest, SharedBlockReads};
 use crate::noise_scheduler::scale_noise_with_sigmas;
-use crate::packing::pack_latents;
+use crate::packing::{pack_latents, unpack_latents};
 use tch::{Kind, Tensor};
 
 /// The template of an edit: blend target outside the mask.
@@ -437,6 +437,11 @@ impl DenoiseState {
     /// Current packed latents `[1, N, 4C]`.
     pub fn latents(&self) -> &Tensor {
         &self.latents
+    }
+
+    /// Current latents unpacked, `[1, C, H / f, W / f]` as the codec takes them (previews).
+    pub fn unpacked_latents(&self) -> Result<Tensor> {
+        unpack_latents(&self.latents, self.prep.latent_h, self.prep.latent_w)
     }
 
     /// What the transformer takes for this state's image tokens: the latents, followed on a

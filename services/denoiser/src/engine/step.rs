@@ -5,6 +5,8 @@ use super::lora_steps::{self, LoraNeed};
 use super::{panic_message, Active, Engine, EngineEvent, EngineJobError};
 use crate::cached_step::StepReport;
 use crate::lora::LoadedLora;
+use crate::model::job_resolution_of;
+use crate::previews;
 use diffmesh_model::flux::ControlResiduals;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_shared::wire::messages::{StepJob, StepSample};
@@ -160,6 +162,18 @@ impl Engine {
                     total: total as u32,
                     ranks: None,
                 });
+                let (height, width) = job_resolution_of(&a.job, &self.model.card);
+                if let Some(event) = previews::preview_event(
+                    self.model.preview.as_ref(),
+                    &a.job,
+                    step as u32,
+                    total as u32,
+                    (width as u32, height as u32),
+                    || s.unpacked_latents(),
+                    self.metrics.as_ref(),
+                ) {
+                    self.ledger.emit(event);
+                }
             }
         }
         rows > 0 || capturing

@@ -103,6 +103,15 @@ pub enum EngineEvent {
     Cancelled {
         job_id: String,
     },
+    /// A preview of the job's first image after `step` (`crate::previews`), RGB8.
+    Preview {
+        job_id: String,
+        step: u32,
+        total: u32,
+        width: u32,
+        height: u32,
+        rgb: Vec<u8>,
+    },
 }
 
 /// Why one job failed inside the engine.

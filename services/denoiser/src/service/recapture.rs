@@ -65,6 +65,7 @@ pub fn capture_of(edit: &DenoiseJob) -> Option<DenoiseJob> {
             width: inputs.model_width,
             height: inputs.model_height,
             loras: Vec::new(),
+            preview_steps: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
             true_cfg: None,

@@ -92,6 +92,23 @@ impl Service {
                     self.publish_event(&job_id, &JobEvent::Step { step, total, ranks })
                         .await;
                 }
+                EngineEvent::Preview {
+                    job_id,
+                    step,
+                    total,
+                    width,
+                    height,
+                    rgb,
+                } => {
+                    let event = JobEvent::Preview {
+                        step,
+                        total,
+                        width,
+                        height,
+                        rgb,
+                    };
+                    self.publish_event(&job_id, &event).await;
+                }
                 EngineEvent::Captured {
                     job,
                     entry,

@@ -26,6 +26,8 @@ pub struct UnetModel {
     pub pipeline: SdPipeline,
     pub model_id: String,
     pub card: ModelCard,
+    /// Maps latents to preview pixels (`crate::previews`); None: previews are off.
+    pub preview: Option<diffmesh_model::preview::LatentPreview>,
 }
 
 impl UnetModel {
@@ -38,10 +40,12 @@ impl UnetModel {
     ) -> Result<Self, ModelError> {
         let pipeline = SdPipeline::load(dir, device, kind)?;
         let card = announce(&pipeline, &model_id, default_size);
+        let preview = crate::previews::fit(&pipeline.vae, device);
         Ok(Self {
             pipeline,
             model_id,
             card,
+            preview,
         })
     }
 }

@@ -301,12 +301,25 @@ impl UnetEngine {
             for &i in &members {
                 let a = &self.active[i];
                 if let (None, Some(s)) = (&a.failed, a.states.first()) {
+                    let (step, total) = (s.next_step() as u32, s.steps() as u32);
                     self.ledger.emit(EngineEvent::Step {
                         job_id: a.job.job_id.clone(),
-                        step: s.next_step() as u32,
-                        total: s.steps() as u32,
+                        step,
+                        total,
                         ranks: None,
                     });
+                    let (height, width) = job_resolution_of(&a.job, &self.model.card);
+                    if let Some(event) = crate::previews::preview_event(
+                        self.model.preview.as_ref(),
+                        &a.job,
+                        step,
+                        total,
+                        (width as u32, height as u32),
+                        || Ok(s.latents().shallow_clone()),
+                        self.shared.metrics.as_ref(),
+                    ) {
+                        self.ledger.emit(event);
+                    }
                 }
             }
         }

@@ -122,6 +122,17 @@ pub async fn drain(h: &mut Harness, ids: &[&str]) -> (HashMap<String, Vec<u8>>, 
                 log.push(format!("captured {}", job.job_id));
                 left.retain(|j| j != &job.job_id);
             }
+            EngineEvent::Preview {
+                job_id,
+                step,
+                width,
+                height,
+                rgb,
+                ..
+            } => {
+                assert_eq!(rgb.len(), (width * height * 3) as usize);
+                log.push(format!("preview {job_id} {step} {width}x{height}"));
+            }
         }
     }
     (images, log)

@@ -1,5 +1,6 @@
 //! `GET /v1/jobs/{id}/events`: a job's progress as Server-Sent Events. Live progress
-//! (`queued` with the queue position, `started`, `step` k of N, `retrying`) comes from the job's
+//! (`queued` with the queue position, `started`, `step` k of N, `retrying`, `preview` images
+//! when the job asked for them with `preview_every`) comes from the job's
 //! NATS event subject; the ending (`done` with the result links, `failed` with the error,
 //! `cancelled`) comes from the job record, which the driving gateway writes, so the links work
 //! the moment the client sees them. The first event describes the job as it is when the stream
@@ -20,7 +21,9 @@ use serde_json::{json, Value};
 
 use crate::api::jobs::{owned_record, JobView};
 use crate::error::{ApiError, ErrorBody};
+use crate::output_format::OutputFormat;
 use crate::state::ApiState;
+use base64::Engine;
 
 /// A comment line this often keeps idle connections (and proxies) open.
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
@@ -35,7 +38,8 @@ const ENDING_GRACE: Duration = Duration::from_secs(30);
     responses(
         (status = 200, description = "Server-Sent Events. `event:` is one of `queued` \
             (`{position, worker_id}`), `started` (`{worker_id}`), `step` (`{step, total}`), \
-            `retrying` (`{attempt, reason}`), `captured` (template registrations), then one ending with the job (a JobView) as data: \
+            `retrying` (`{attempt, reason}`), `captured` (template registrations), `preview` \
+            (`{step, total, width, height, b64_png}`, when the job asked `preview_every`), then one ending with the job (a JobView) as data: \
             `done` (with `results` links), `failed` (with `error`) or `cancelled`; or `error` \
             (`{error}`) when the job's ending could not be learned. The stream closes after the \
             ending.", content_type = "text/event-stream", body = String),
@@ -104,7 +108,7 @@ struct EventStream {
 }
 
 /// One SSE frame.
-fn frame(seq: u64, event: &str, data: &Value) -> Bytes {
+pub(crate) fn frame(seq: u64, event: &str, data: &Value) -> Bytes {
     Bytes::from(format!("id: {seq}\nevent: {event}\ndata: {data}\n\n"))
 }
 
@@ -220,6 +224,23 @@ impl EventStream {
             Ok(JobEvent::Captured {
                 cache_key, bytes, ..
             }) => self.push("captured", json!({"cache_key": cache_key, "bytes": bytes})),
+            Ok(JobEvent::Preview {
+                step,
+                total,
+                width,
+                height,
+                rgb,
+            }) => match OutputFormat::Png.encode_rgb(rgb, width, height) {
+                Ok(png) => {
+                    let engine = base64::engine::general_purpose::STANDARD;
+                    self.push(
+                        "preview",
+                        json!({"step": step, "total": total, "width": width, "height": height,
+                            "b64_png": engine.encode(png)}),
+                    )
+                }
+                Err(err) => tracing::debug!(error = %err, "unusable preview"),
+            },
             Err(err) => tracing::debug!(error = %err, "undecodable job event"),
         }
     }

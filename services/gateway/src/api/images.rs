@@ -11,8 +11,8 @@ use diffmesh_shared::stores::job::{now_ms, JobRecord, JobState};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::api::image_request;
 use crate::api::jobs::{job_path, JobView};
+use crate::api::{image_request, image_stream};
 use crate::auth::Caller;
 use crate::disconnect;
 use crate::error::{ApiError, ErrorBody};
@@ -22,7 +22,7 @@ use crate::job_driver::Mesh;
 use crate::output_format::OutputFormat;
 use crate::state::ApiState;
 use crate::validate::{RawParams, ResponseFormat};
-use diffmesh_shared::wire::messages::FieldError;
+use diffmesh_shared::wire::messages::{FieldError, JobKind};
 
 /// The OpenAI images response.
 #[derive(Serialize, ToSchema)]
@@ -97,6 +97,15 @@ pub struct EditForm {
     /// (denoisers with `--queue-order edf` serve the earliest deadline first).
     #[schema(minimum = 1, maximum = 86_400_000)]
     pub deadline_ms: Option<i64>,
+    /// `true`: answer with Server-Sent Events (`image_edit.partial_image`, then
+    /// `image_edit.completed`), as in generations.
+    pub stream: Option<bool>,
+    /// With `stream`: previews before the image, 0 to 3.
+    #[schema(minimum = 0, maximum = 3)]
+    pub partial_images: Option<i64>,
+    /// A preview every this many steps on the job's event stream (1 to the step count).
+    #[schema(minimum = 1)]
+    pub preview_every: Option<i64>,
 }
 
 #[utoipa::path(
@@ -116,6 +125,7 @@ pub struct EditForm {
             ([u8] = "image/png"),
             ([u8] = "image/jpeg"),
             ([u8] = "image/webp"),
+            (image_stream::StreamEvent = "text/event-stream"),
         )),
         (status = 202, description = "Accepted (`Prefer: respond-async`): the job",
             body = JobView, headers(("Location" = String, description = "The job's URL"))),
@@ -161,6 +171,7 @@ pub async fn edits(
             ([u8] = "image/png"),
             ([u8] = "image/jpeg"),
             ([u8] = "image/webp"),
+            (image_stream::StreamEvent = "text/event-stream"),
         )),
         (status = 202, description = "Accepted (`Prefer: respond-async`): the job",
             body = JobView, headers(("Location" = String, description = "The job's URL"))),
@@ -216,6 +227,18 @@ async fn serve(
         request.input.valid.response_format,
         request.input.valid.output,
     );
+    let streamed = request
+        .input
+        .valid
+        .stream
+        .then(|| streamed_request(&request));
+    if streamed.is_some() && respond_async {
+        return Err(FieldError::invalid(
+            "stream",
+            "a stream is the answer itself: not with Prefer: respond-async",
+        )
+        .into());
+    }
     if respond_async && format.1 != OutputFormat::Png {
         // An async job's results are the stored PNGs (`/v1/jobs/{id}/result/{i}`).
         return Err(FieldError::invalid(
@@ -225,6 +248,13 @@ async fn serve(
         .into());
     }
     let idem = idempotency::from_request(req, &caller, request.fingerprint)?;
+    if streamed.is_some() && idem.is_some() {
+        return Err(FieldError::invalid(
+            "stream",
+            "a stream cannot be replayed: not with an Idempotency-Key",
+        )
+        .into());
+    }
     if let Some(key) = &idem {
         if let Some(existing) = state.mesh.idempotency.get(&key.store_key).await? {
             return replay(req, state, key, existing, respond_async, format).await;
@@ -262,6 +292,9 @@ async fn serve(
             .await?;
         return Ok(accepted(&record, false));
     }
+    if let Some(streamed) = streamed {
+        return image_stream::respond(state.mesh.clone(), prepared, slot, streamed).await;
+    }
     if idem.is_some() {
         prepared.make_resumable();
     }
@@ -276,6 +309,29 @@ async fn serve(
     }
     let pngs = state.mesh.fetch_pngs(&png_keys).await?;
     respond(pngs, format).await
+}
+
+/// What a streamed answer repeats of `request` (`image_stream`).
+fn streamed_request(request: &ImageRequest) -> image_stream::StreamedRequest {
+    let input = &request.input;
+    let p = &input.valid.params;
+    let token = input
+        .geometry
+        .as_ref()
+        .map_or(16, |g| g.token_pixels.max(1));
+    let output_tokens = u64::from(p.width / token) * u64::from(p.height / token);
+    let input_image_tokens = match input.kind {
+        JobKind::Edit => output_tokens,
+        _ => 0,
+    };
+    image_stream::StreamedRequest {
+        kind: input.kind,
+        output: input.valid.output,
+        size: format!("{}x{}", p.width, p.height),
+        quality: "auto",
+        background: "opaque",
+        usage: image_stream::usage(&p.prompt, input_image_tokens, output_tokens),
+    }
 }
 
 /// 202 with the job, its URL in `Location`.

@@ -4,6 +4,7 @@
 pub mod controlnets;
 pub mod events;
 pub mod image_request;
+pub mod image_stream;
 pub mod images;
 pub mod jobs;
 pub mod loras;

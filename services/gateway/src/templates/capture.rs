@@ -135,6 +135,7 @@ async fn capture(
             params,
             response_format: ResponseFormat::B64Json,
             output: Default::default(),
+            stream: false,
         },
         image: Some(InputImage::Template(record.template_image())),
         mask: None,

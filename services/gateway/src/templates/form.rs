@@ -138,6 +138,7 @@ pub fn validate(
         width: image_size.0,
         height: image_size.1,
         loras: Vec::new(),
+        preview_steps: Vec::new(),
         deadline_unix_ms: None,
         controlnet: None,
         true_cfg: None,

@@ -152,7 +152,7 @@ pub struct ProgressWrites {
 }
 
 impl ProgressWrites {
-    /// The change `event` calls for at `now`; `None` for endings, captures, and a step too soon
+    /// The change `event` calls for at `now`; `None` for endings, captures, previews, and a step too soon
     /// after the last one written.
     pub fn change_for(&mut self, event: &JobEvent, now: Instant) -> Option<RecordChange> {
         match event.clone() {
@@ -172,7 +172,10 @@ impl ProgressWrites {
                 self.last_step_write = Some(now);
                 Some(Box::new(move |r| r.mark_step(step, total)))
             }
-            JobEvent::Done { .. } | JobEvent::Failed { .. } | JobEvent::Captured { .. } => None,
+            JobEvent::Done { .. }
+            | JobEvent::Failed { .. }
+            | JobEvent::Captured { .. }
+            | JobEvent::Preview { .. } => None,
         }
     }
 }
