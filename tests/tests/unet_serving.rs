@@ -178,6 +178,42 @@ async fn register_lora(mesh: &TestMesh, http: &reqwest::Client, file: Vec<u8>) -
     record
 }
 
+/// The same generation streamed with one partial image: a preview (the UNet's latents
+/// projected) then the completed image, which is the plain answer's pixel for pixel.
+async fn streamed_with_a_preview(mesh: &TestMesh, http: &reqwest::Client, plain: &[u8]) {
+    let body = json!({"prompt": PROMPT, "model": SD, "seed": SEED,
+        "num_inference_steps": STEPS, "guidance_scale": 4.0, "stream": true, "partial_images": 1});
+    let r = http
+        .post(mesh.url("/v1/images/generations"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let events: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "image_generation.partial_image",
+            "image_generation.completed"
+        ],
+        "{text:.300}"
+    );
+    let completed = json!({"data": [{"b64_json": events[1]["b64_json"]}]});
+    let image = decode_b64_images(&completed).unwrap().remove(0).to_rgb8();
+    assert_eq!(
+        image.into_raw(),
+        plain,
+        "the streamed image is not the plain one"
+    );
+}
+
 /// LoRAs of both layouts on the SD model: the served image is the pipeline's own with both
 /// patched in (and not the base image), and a transformer's LoRA is refused by name.
 async fn loras_patch_the_served_unet(
@@ -319,6 +355,7 @@ async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_fl
         to_rgb(&run_alone(&pipe, own)),
         "the mesh's image is not the pipeline's own for the seed"
     );
+    streamed_with_a_preview(&mesh, &http, &pixels).await;
     loras_patch_the_served_unet(&mesh, &http, &pipe, &pixels).await;
 
     // A template captured with the SD model, edited mask-aware.
