@@ -221,6 +221,33 @@ async fn ranks_refuse_what_they_do_not_run_naming_the_field() {
     submit(&h, job("plain", 1, 2), None).await;
     let (images, _) = run(&mut h, &["plain"]).await;
     assert_eq!(images["plain"].len(), 1);
+    // Previews come after the ranks' steps as after the engine's own.
+    let mut seen = job("seen", 2, 3);
+    seen.params.preview_steps = vec![1, 2];
+    submit(&h, seen, None).await;
+    let mut previews = Vec::new();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(60), h.events.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        match event {
+            EngineEvent::Preview {
+                step,
+                width,
+                height,
+                rgb,
+                ..
+            } => {
+                assert_eq!(rgb.len(), (width * height * 3) as usize);
+                previews.push(step);
+            }
+            EngineEvent::Finished { .. } => break,
+            EngineEvent::Failed { error, .. } => panic!("{error}"),
+            _ => {}
+        }
+    }
+    assert_eq!(previews, [1, 2]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

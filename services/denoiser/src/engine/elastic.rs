@@ -134,6 +134,20 @@ impl Engine {
                     .observe(done.seconds);
             }
             self.ledger.emit(event);
+            if let Some(s) = a.states.first() {
+                let (height, width) = crate::model::job_resolution_of(&a.job, &self.model.card);
+                if let Some(preview) = crate::previews::preview_event(
+                    self.model.preview.as_ref(),
+                    &a.job,
+                    step as u32,
+                    total as u32,
+                    (width as u32, height as u32),
+                    || s.unpacked_latents(),
+                    self.metrics.as_ref(),
+                ) {
+                    self.ledger.emit(preview);
+                }
+            }
         }
     }
 

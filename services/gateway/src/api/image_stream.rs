@@ -44,6 +44,8 @@ pub struct StreamEvent {
 /// Frames waiting for a slow client; a preview that finds the buffer full is skipped rather than
 /// holding up the job (the image itself always waits for room).
 const FRAMES_BUFFERED: usize = 4;
+/// How long, after the job ended, previews still on their way are waited for.
+const PREVIEW_CATCH_UP: Duration = Duration::from_secs(2);
 /// How long the image may wait for a client that reads nothing.
 const FINAL_SEND_WAIT: Duration = Duration::from_secs(30);
 
@@ -143,33 +145,53 @@ async fn run(
         frame(seq, event, data)
     };
     let mut partial_index = 0u32;
+    let mut on_event = |payload: &[u8]| -> Result<bool, ()> {
+        let (width, height, rgb) = match decode(payload) {
+            Ok(JobEvent::Preview {
+                width, height, rgb, ..
+            }) => (width, height, rgb),
+            Ok(JobEvent::Done { .. } | JobEvent::Failed { .. }) => return Ok(true),
+            _ => return Ok(false),
+        };
+        let Ok(image) = request.output.encode_rgb(rgb, width, height) else {
+            return Ok(false);
+        };
+        let extra = json!({"partial_image_index": partial_index});
+        let (kind, data) = request.event("partial_image", &image, extra);
+        // A full buffer skips the preview; a gone client ends the job.
+        match frames.try_send(next_frame(&kind, &data)) {
+            Ok(()) => partial_index += 1,
+            Err(mpsc::error::TrySendError::Full(_)) => {}
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(()),
+        }
+        Ok(false)
+    };
     let done = mesh.complete(prepared);
     tokio::pin!(done);
     // Leaving this loop drops the job's driver, which cancels the job in the mesh.
+    let mut ending_seen = false;
     let ended = loop {
         tokio::select! {
             ended = &mut done => break ended,
-            Some(msg) = previews.next() => {
-                let Ok(JobEvent::Preview { width, height, rgb, .. }) = decode(&msg.payload) else {
-                    continue;
-                };
-                let output = request.output;
-                let encoded = tokio::task::spawn_blocking(move || output.encode_rgb(rgb, width, height)).await;
-                let Ok(Ok(image)) = encoded else {
-                    continue;
-                };
-                let (kind, data) = request.event("partial_image", &image,
-                    json!({"partial_image_index": partial_index}));
-                // A full buffer skips the preview; a gone client ends the job.
-                match frames.try_send(next_frame(&kind, &data)) {
-                    Ok(()) => partial_index += 1,
-                    Err(mpsc::error::TrySendError::Full(_)) => {}
-                    Err(mpsc::error::TrySendError::Closed(_)) => return,
-                }
-            }
+            Some(msg) = previews.next() => match on_event(&msg.payload) {
+                Ok(end) => ending_seen |= end,
+                Err(()) => return,
+            },
             () = frames.closed() => return,
         }
     };
+    // The driver may hear the ending before this subscription has delivered the previews
+    // published ahead of it: read on to the ending (briefly) so none is lost.
+    let until = tokio::time::Instant::now() + PREVIEW_CATCH_UP;
+    while !ending_seen {
+        match tokio::time::timeout_at(until, previews.next()).await {
+            Ok(Some(msg)) => match on_event(&msg.payload) {
+                Ok(end) => ending_seen = end,
+                Err(()) => return,
+            },
+            _ => break,
+        }
+    }
     let last = match finish(&mesh, ended, &request).await {
         Ok((kind, data)) => next_frame(&kind, &data),
         Err(err) => {
