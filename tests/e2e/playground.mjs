@@ -58,6 +58,8 @@ async function submitAndWait(page) {
       resultShown: !figure.hidden && result.complete && result.naturalWidth > 0,
       resultWidth: result.naturalWidth,
       resultHeight: result.naturalHeight,
+      // Previews the page showed while the job ran (`preview` events).
+      previews: Number(document.getElementById("preview-figure").dataset.count || 0),
       mask: document.getElementById("sent-mask").src,
       source: document.querySelector('input[name="source"]:checked').value,
       templateId: document.getElementById("template-select").value || null,
@@ -110,6 +112,13 @@ async function main() {
     edits.push({ name: "upload", ...upload, mask: "mask-upload.png" });
     if (opt.screenshot) await page.screenshot({ path: opt.screenshot, fullPage: true });
     if (upload.state !== "done") throw new Error(`upload edit: ${upload.status}`);
+    // The download in another format: the browser re-encodes the PNG result.
+    await page.selectOption("#download-format", "image/jpeg");
+    await page.waitForSelector('#download[data-type="image/jpeg"]', { timeout: 10000 });
+    edits[0].download = await page.evaluate(() => {
+      const a = document.getElementById("download");
+      return { name: a.download, type: a.dataset.type, blob: a.href.startsWith("blob:") };
+    });
 
     // 2. The same image registered as a template, then edited by template_id.
     await page.check("#register");

@@ -238,6 +238,20 @@ async fn playground_edits_an_upload_and_a_registered_template_in_chromium() {
         "{seen} step events for {STEPS} steps"
     );
     println!("the page saw {seen} of {STEPS} step events; log: {log:?}");
+    // Previews every 2 steps (the page's default), never after the last: at most 29 shown.
+    // Then the result downloads as JPEG, re-encoded by the browser.
+    let previews = edits[0]["previews"].as_u64().unwrap_or(0);
+    assert!(
+        (1..u64::from(STEPS / 2)).contains(&previews),
+        "{previews} previews for {STEPS} steps"
+    );
+    println!("the page showed {previews} previews");
+    assert_eq!(
+        edits[0]["download"],
+        serde_json::json!({"name": "edited.jpg", "type": "image/jpeg", "blob": true}),
+        "{}",
+        edits[0]
+    );
 
     // The template edits ran on the registered template, which the list shows as ready.
     let template_id = edits[1]["templateId"].as_str().expect("template id");

@@ -15,6 +15,8 @@
     templateSelect: $("template-select"), refreshTemplates: $("refresh-templates"),
     brush: $("brush"), brushValue: $("brush-value"), clearMask: $("clear-mask"),
     prompt: $("prompt"), steps: $("steps"), seed: $("seed"), trueCfg: $("true-cfg"),
+    previewEvery: $("preview-every"), previewFigure: $("preview-figure"), preview: $("preview"),
+    previewInfo: $("preview-info"), downloadFormat: $("download-format"),
     submit: $("submit"), cancel: $("cancel"),
     stage: $("stage"), layers: $("layers"), imageCanvas: $("image-canvas"),
     maskCanvas: $("mask-canvas"), stageHint: $("stage-hint"), imageInfo: $("image-info"),
@@ -36,6 +38,7 @@
     abort: null,         // AbortController of the event stream
     busy: false,
     resultUrl: null,
+    downloadUrl: null,   // the result re-encoded in the chosen download format
   };
 
   // ---------------------------------------------------------------------------------------
@@ -364,6 +367,10 @@
     if (!templateId && el.steps.value) form.append("num_inference_steps", el.steps.value);
     if (el.seed.value) form.append("seed", el.seed.value);
     if (el.trueCfg.value) form.append("true_cfg_scale", el.trueCfg.value);
+    // Previews need a step to follow them: none asked when the steps given are fewer.
+    const every = Number(el.previewEvery.value);
+    const steps = Number(el.steps.value);
+    if (every > 0 && !(steps > 0 && every >= steps)) form.append("preview_every", String(every));
     return form;
   }
 
@@ -378,6 +385,7 @@
       case "step": return `step ${data.step}/${data.total}`;
       case "retrying": return `retrying (attempt ${data.attempt}): ${data.reason}`;
       case "captured": return `template cache captured (${data.bytes} bytes)`;
+      case "preview": return `preview after step ${data.step}/${data.total}`;
       default: return name;
     }
   }
@@ -385,8 +393,9 @@
   /** Apply one event; returns the job's ending (`{name, data}`) or null. */
   function onEvent(name, data) {
     if (["done", "failed", "cancelled", "error"].includes(name)) return { name, data };
+    // Step events fold into one line; previews show in their figure, not in the log.
     if (name === "step") logStep(describe(name, data));
-    else logEvent(describe(name, data));
+    else if (name !== "preview") logEvent(describe(name, data));
     if (name === "queued") {
       setStatus(data.position == null ? "Queued" : `Queued: position ${data.position}`);
     } else if (name === "started") {
@@ -397,6 +406,12 @@
       setStatus(`Step ${data.step}/${data.total}`);
     } else if (name === "retrying") {
       setStatus(`Retrying (attempt ${data.attempt})`);
+    } else if (name === "preview") {
+      el.preview.src = `data:image/png;base64,${data.b64_png}`;
+      el.previewInfo.textContent =
+        `After step ${data.step}/${data.total}: the latents projected to colours, not decoded`;
+      el.previewFigure.hidden = false;
+      el.previewFigure.dataset.count = String(Number(el.previewFigure.dataset.count || 0) + 1);
     }
     return null;
   }
@@ -461,12 +476,39 @@
       el.result.src = state.resultUrl;
     });
     el.result.dataset.jobId = view.id;
-    el.download.href = state.resultUrl;
+    el.previewFigure.hidden = true;
+    await updateDownload();
     const t = view.timings || {};
     el.resultInfo.textContent =
       `${el.result.naturalWidth}×${el.result.naturalHeight} · ${t.total_ms} ms in all, ` +
       `${t.queued_ms} ms queued`;
     el.resultFigure.hidden = false;
+  }
+
+  /** Point the download link at the result in the chosen format: the job's result is PNG,
+   *  the browser re-encodes it for JPEG or WebP. */
+  async function updateDownload() {
+    if (!state.resultUrl) return;
+    const wanted = el.downloadFormat.value;
+    let url = state.resultUrl;
+    let type = "image/png";
+    if (wanted !== "image/png") {
+      const canvas = document.createElement("canvas");
+      canvas.width = el.result.naturalWidth;
+      canvas.height = el.result.naturalHeight;
+      canvas.getContext("2d").drawImage(el.result, 0, 0);
+      const blob = await new Promise((resolve) => canvas.toBlob(resolve, wanted, 0.92));
+      if (!blob) throw new Error(`this browser cannot encode ${wanted}`);
+      if (state.downloadUrl) URL.revokeObjectURL(state.downloadUrl);
+      state.downloadUrl = URL.createObjectURL(blob);
+      url = state.downloadUrl;
+      // A browser without the encoder hands back PNG: name the file by what it holds.
+      type = blob.type || wanted;
+    }
+    const ext = { "image/png": "png", "image/jpeg": "jpg", "image/webp": "webp" }[type] || "png";
+    el.download.href = url;
+    el.download.download = `edited.${ext}`;
+    el.download.dataset.type = type;
   }
 
   async function submit() {
@@ -486,6 +528,8 @@
     el.events.replaceChildren();
     el.progress.value = 0;
     el.resultFigure.hidden = true;
+    el.previewFigure.hidden = true;
+    el.previewFigure.dataset.count = "0";
     el.sentMask.src = mask.dataUrl;
     el.maskFigure.hidden = false;
     try {
@@ -544,6 +588,9 @@
   }
 
   el.submit.addEventListener("click", submit);
+  el.downloadFormat.addEventListener("change", () => {
+    updateDownload().catch((err) => setStatus(`Download: ${err.message}`, "failed"));
+  });
   el.cancel.addEventListener("click", cancel);
 
   // ---------------------------------------------------------------------------------------
