@@ -51,6 +51,7 @@ def main():
     r = client.images.generate(model=model, prompt="a red square", n=2, size="64x64",
                                response_format="b64_json")
     seen["generate"] = sizes(r)
+    seen["usage"] = r.usage.model_dump(exclude_none=True) if r.usage else None
     r = client.images.generate(model=model, prompt="a red square", n=2, size="auto",
                                output_format="jpeg", output_compression=80, quality="low",
                                background="opaque", user="user-1")

@@ -43,6 +43,13 @@ async fn the_official_sdk_generates_edits_and_reads_errors() {
     assert!(out.status.success(), "the SDK run failed: {stderr}");
     let seen: Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
     assert_eq!(seen["generate"], json!([[64, 64], [64, 64]]), "{seen}");
+    // Two 64x64 images of 4-pixel tokens out; "a red square" is three words in.
+    assert_eq!(
+        seen["usage"],
+        json!({"input_tokens": 3, "output_tokens": 512, "total_tokens": 515,
+            "input_tokens_details": {"text_tokens": 3, "image_tokens": 0}}),
+        "{seen}"
+    );
     assert_eq!(seen["generate_jpeg"], json!(["JPEG", "JPEG"]), "{seen}");
     assert_eq!(
         seen["url"],

@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::api::events::frame;
+use crate::api::usage::ImageUsage;
 use crate::error::ApiError;
 use crate::job_driver::{Mesh, PreparedJob};
 use crate::output_format::OutputFormat;
@@ -57,7 +58,7 @@ pub struct StreamedRequest {
     pub size: String,
     pub quality: &'static str,
     pub background: &'static str,
-    pub usage: Value,
+    pub usage: ImageUsage,
 }
 
 impl StreamedRequest {
@@ -86,19 +87,6 @@ impl StreamedRequest {
         }
         (kind, data)
     }
-}
-
-/// `usage` as OpenAI reports it for images: `text_tokens` counts the prompt's words (the
-/// gateway runs no tokenizer), `image_tokens` the input image's model tokens (edits), and
-/// `output_tokens` the output's (one per `token_pixels` square of the model's resolution).
-pub fn usage(prompt: &str, input_image_tokens: u64, output_tokens: u64) -> Value {
-    let text = prompt.split_whitespace().count() as u64;
-    json!({
-        "input_tokens": text + input_image_tokens,
-        "input_tokens_details": {"text_tokens": text, "image_tokens": input_image_tokens},
-        "output_tokens": output_tokens,
-        "total_tokens": text + input_image_tokens + output_tokens,
-    })
 }
 
 /// Run `prepared` and answer with its events; `hold` (the key's in-flight slot) is kept until
@@ -238,7 +226,7 @@ mod tests {
             size: "64x48".into(),
             quality: "auto",
             background: "opaque",
-            usage: usage("a red  circle", 12, 12),
+            usage: ImageUsage::new("a red  circle", 12, 12),
         };
         let (kind, data) =
             request.event("partial_image", b"png", json!({"partial_image_index": 1}));
@@ -248,8 +236,5 @@ mod tests {
         assert_eq!(data["partial_image_index"], 1);
         assert_eq!(data["size"], "64x48");
         assert_eq!(data["output_format"], "png");
-        assert_eq!(request.usage["input_tokens"], 15);
-        assert_eq!(request.usage["input_tokens_details"]["text_tokens"], 3);
-        assert_eq!(request.usage["total_tokens"], 27);
     }
 }

@@ -12,6 +12,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::api::jobs::{job_path, JobView};
+use crate::api::usage::ImageUsage;
 use crate::api::{image_request, image_stream};
 use crate::auth::Caller;
 use crate::disconnect;
@@ -22,7 +23,7 @@ use crate::job_driver::Mesh;
 use crate::output_format::OutputFormat;
 use crate::state::ApiState;
 use crate::validate::{RawParams, ResponseFormat};
-use diffmesh_shared::wire::messages::{FieldError, JobKind};
+use diffmesh_shared::wire::messages::FieldError;
 
 /// The OpenAI images response.
 #[derive(Serialize, ToSchema)]
@@ -30,6 +31,8 @@ pub struct ImagesResponse {
     /// Unix seconds.
     pub created: u64,
     pub data: Vec<ImageData>,
+    /// Tokens in and out (`api::usage`).
+    pub usage: ImageUsage,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -223,10 +226,11 @@ async fn serve(
     request: ImageRequest,
 ) -> Result<HttpResponse, ApiError> {
     let respond_async = prefers_async(req);
-    let format = (
-        request.input.valid.response_format,
-        request.input.valid.output,
-    );
+    let format = Answer {
+        response: request.input.valid.response_format,
+        output: request.input.valid.output,
+        usage: ImageUsage::of(&request),
+    };
     let streamed = request
         .input
         .valid
@@ -239,7 +243,7 @@ async fn serve(
         )
         .into());
     }
-    if respond_async && format.1 != OutputFormat::Png {
+    if respond_async && format.output != OutputFormat::Png {
         // An async job's results are the stored PNGs (`/v1/jobs/{id}/result/{i}`).
         return Err(FieldError::invalid(
             "output_format",
@@ -304,8 +308,14 @@ async fn serve(
         _ = disconnect::closed(req) => return Err(ApiError::ClientGone),
     };
     drop(slot);
-    if format.0 == ResponseFormat::Url {
-        return Ok(respond_urls(req, state, &job_id, png_keys.len()));
+    if format.response == ResponseFormat::Url {
+        return Ok(respond_urls(
+            req,
+            state,
+            &job_id,
+            png_keys.len(),
+            &format.usage,
+        ));
     }
     let pngs = state.mesh.fetch_pngs(&png_keys).await?;
     respond(pngs, format).await
@@ -315,22 +325,13 @@ async fn serve(
 fn streamed_request(request: &ImageRequest) -> image_stream::StreamedRequest {
     let input = &request.input;
     let p = &input.valid.params;
-    let token = input
-        .geometry
-        .as_ref()
-        .map_or(16, |g| g.token_pixels.max(1));
-    let output_tokens = u64::from(p.width / token) * u64::from(p.height / token);
-    let input_image_tokens = match input.kind {
-        JobKind::Edit => output_tokens,
-        _ => 0,
-    };
     image_stream::StreamedRequest {
         kind: input.kind,
         output: input.valid.output,
         size: format!("{}x{}", p.width, p.height),
         quality: "auto",
         background: "opaque",
-        usage: image_stream::usage(&p.prompt, input_image_tokens, output_tokens),
+        usage: ImageUsage::of(request),
     }
 }
 
@@ -354,7 +355,7 @@ async fn replay(
     key: &IdempotencyKey,
     first: IdempotencyRecord,
     respond_async: bool,
-    format: (ResponseFormat, OutputFormat),
+    format: Answer,
 ) -> Result<HttpResponse, ApiError> {
     if first.fingerprint != key.fingerprint {
         return Err(idempotency::mismatch(&first.job_id));
@@ -371,8 +372,8 @@ async fn replay(
         _ = disconnect::closed(req) => return Err(ApiError::ClientGone),
     };
     let mut response = match record.state {
-        JobState::Done if format.0 == ResponseFormat::Url => {
-            respond_urls(req, state, &job_id, record.result_keys.len())
+        JobState::Done if format.response == ResponseFormat::Url => {
+            respond_urls(req, state, &job_id, record.result_keys.len(), &format.usage)
         }
         JobState::Done => {
             respond(state.mesh.fetch_pngs(&record.result_keys).await?, format).await?
@@ -420,8 +421,21 @@ async fn wait_for_ending(mesh: &Mesh, job_id: &str) -> Result<JobRecord, ApiErro
     }
 }
 
+/// How a request wants its images answered, and its `usage`.
+struct Answer {
+    response: ResponseFormat,
+    output: OutputFormat,
+    usage: ImageUsage,
+}
+
 /// The answer with signed URLs of a job's `count` results.
-fn respond_urls(req: &HttpRequest, state: &ApiState, job_id: &str, count: usize) -> HttpResponse {
+fn respond_urls(
+    req: &HttpRequest,
+    state: &ApiState,
+    job_id: &str,
+    count: usize,
+    usage: &ImageUsage,
+) -> HttpResponse {
     let (base, now_s) = (state.base_url(req), now_ms() / 1000);
     HttpResponse::Ok().json(ImagesResponse {
         created: now_s,
@@ -434,13 +448,18 @@ fn respond_urls(req: &HttpRequest, state: &ApiState, job_id: &str, count: usize)
                 )),
             })
             .collect(),
+        usage: usage.clone(),
     })
 }
 
 /// The answer with a job's images, re-encoded in the asked format (off the runtime).
 async fn respond(
     pngs: Vec<Vec<u8>>,
-    (format, output): (ResponseFormat, OutputFormat),
+    Answer {
+        response: format,
+        output,
+        usage,
+    }: Answer,
 ) -> Result<HttpResponse, ApiError> {
     let images = tokio::task::spawn_blocking(move || {
         pngs.iter()
@@ -468,6 +487,7 @@ async fn respond(
                         url: None,
                     })
                     .collect(),
+                usage,
             })
         }
     })

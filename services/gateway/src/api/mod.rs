@@ -11,3 +11,4 @@ pub mod loras;
 pub mod models;
 pub mod playground;
 pub mod templates;
+pub mod usage;
