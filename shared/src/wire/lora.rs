@@ -467,6 +467,15 @@ impl LoraFile {
                 "LoRA biases (lora_bias) are not supported",
             ));
         }
+        // The UNet's reader (`diffmesh_model::unet::lora`) applies one rank and alpha.
+        if target == LoraTarget::Unet
+            && !(config.rank_pattern.is_empty() && config.alpha_pattern.is_empty())
+        {
+            return Err(bad(
+                METADATA_KEY,
+                "rank_pattern / alpha_pattern in a UNet LoRA are not supported",
+            ));
+        }
         let mut modules = Vec::with_capacity(parts.len());
         let mut parameters = 0u64;
         for (module, p) in parts {
@@ -793,6 +802,16 @@ mod tests {
         let mut mixed = pair("x", 4, 8, 8);
         mixed.push(("unet.x.lora_A.weight".into(), vec![4, 8]));
         assert!(parse(mixed, None).unwrap_err().message.contains("mixes"));
+        let patterned = serde_json::json!({"unet.rank_pattern": {"to_q": 4}});
+        let e = parse(
+            pair("x", 4, 8, 8)
+                .into_iter()
+                .map(|(k, s)| (k.replacen("transformer.", "unet.", 1), s))
+                .collect(),
+            Some(patterned),
+        )
+        .unwrap_err();
+        assert_eq!(e.key, METADATA_KEY, "{e}");
         let e = parse(
             vec![(format!("lora_unet_{kohya_name}.hada_w1_a"), vec![4, 8])],
             None,
