@@ -147,6 +147,8 @@ fn read_unet_lora_from(
             None => None,
         };
         let scale = match alpha {
+            // rsLoRA divides by the rank's root whatever gives alpha (as the gateway's parse).
+            Some(alpha) if peft.use_rslora => alpha / rank.sqrt(),
             Some(alpha) => alpha / rank,
             None => peft.scale(rank),
         };

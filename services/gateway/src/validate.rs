@@ -1,6 +1,6 @@
 //! Raw API requests -> validated requests. Every error names the field and, for ranges, the
 //! limit, so clients can fix the request without reading server logs.
-use diffmesh_shared::wire::messages::{FieldError, GenerationParams, TrueCfg};
+use diffmesh_shared::wire::messages::{FieldError, GenerationParams, TrueCfg, MAX_PREVIEWS};
 
 use crate::loras::params::{self as lora_params, RawLora};
 use crate::output_format::{self, OutputFormat, RawOutput};
@@ -138,7 +138,7 @@ pub fn preview_steps(steps: u32, partial: u32, every: Option<u32>) -> Vec<u32> {
             .collect(),
     };
     out.dedup();
-    out.truncate(diffmesh_shared::wire::messages::MAX_PREVIEWS);
+    out.truncate(MAX_PREVIEWS);
     out
 }
 
@@ -276,7 +276,26 @@ fn validate_common(
     };
     let every = match raw.preview_every {
         None => None,
-        Some(k) if (1..=i64::from(steps)).contains(&k) => Some(k as u32),
+        Some(_) if stream => {
+            return Err(invalid(
+                "preview_every",
+                "not with stream: partial_images sets a stream's previews",
+            ))
+        }
+        Some(k)
+            if (1..=i64::from(steps)).contains(&k)
+                && (i64::from(steps) - 1) / k <= MAX_PREVIEWS as i64 =>
+        {
+            Some(k as u32)
+        }
+        Some(k) if (1..=i64::from(steps)).contains(&k) => {
+            return Err(invalid(
+                "preview_every",
+                format!(
+                "{k} gives more than {MAX_PREVIEWS} previews over {steps} steps; take a larger one"
+            ),
+            ))
+        }
         Some(k) => {
             return Err(invalid(
                 "preview_every",
@@ -728,6 +747,13 @@ mod tests {
         assert_eq!(v.params.preview_steps, vec![4]);
         assert_eq!(field(every(0)), "preview_every");
         assert_eq!(field(every(9)), "preview_every");
+        assert_eq!(
+            field(RawParams {
+                preview_every: Some(2),
+                ..stream(None)
+            }),
+            "preview_every"
+        );
     }
 
     #[test]

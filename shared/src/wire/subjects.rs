@@ -72,6 +72,17 @@ pub fn job_events(job_id: &str) -> String {
     format!("diffmesh.job.{job_id}.events")
 }
 
+/// Previews of one job (`JobEvent::Preview`: images, so apart from the events every router
+/// follows).
+pub fn job_previews(job_id: &str) -> String {
+    format!("diffmesh.job.{job_id}.preview")
+}
+
+/// One job's events and previews, for a subscriber that wants both in their order.
+pub fn job_updates(job_id: &str) -> String {
+    format!("diffmesh.job.{job_id}.*")
+}
+
 /// JetStream object store bucket for images, masks, prepared tensors and results.
 pub const BLOB_BUCKET: &str = "diffmesh-blobs";
 /// JetStream KV bucket for job records.

@@ -183,14 +183,11 @@ impl Service {
             return;
         }
         self.outcomes.note(job_id, event);
-        if let Err(err) = publish_msgpack(
-            &self.client,
-            subjects::job_events(job_id),
-            Some(job_id),
-            event,
-        )
-        .await
-        {
+        let subject = match event {
+            JobEvent::Preview { .. } => subjects::job_previews(job_id),
+            _ => subjects::job_events(job_id),
+        };
+        if let Err(err) = publish_msgpack(&self.client, subject, Some(job_id), event).await {
             tracing::warn!(%job_id, error = %err, "could not publish job event");
         }
     }

@@ -13,7 +13,7 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use bytes::Bytes;
 use diffmesh_shared::stores::job::{now_ms, JobRecord, JobState};
 use diffmesh_shared::wire::messages::{decode, error_types, JobEvent};
-use diffmesh_shared::wire::subjects::job_events;
+use diffmesh_shared::wire::subjects::job_updates;
 use diffmesh_shared::MeshError;
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
@@ -65,7 +65,7 @@ async fn open(req: &HttpRequest, state: &ApiState, id: &str) -> Result<HttpRespo
     let live = state
         .mesh
         .client
-        .subscribe(job_events(&job_id))
+        .subscribe(job_updates(&job_id))
         .await
         .map_err(MeshError::from)?;
     let records = state.mesh.jobs.watch(&job_id).await?;

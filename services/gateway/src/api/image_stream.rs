@@ -10,19 +10,20 @@
 use std::time::Duration;
 
 use actix_web::http::header::CACHE_CONTROL;
-use actix_web::{HttpResponse, ResponseError};
+use actix_web::{HttpRequest, HttpResponse, ResponseError};
 use base64::Engine;
 use bytes::Bytes;
 use diffmesh_shared::stores::job::now_ms;
 use diffmesh_shared::wire::messages::{decode, JobEvent, JobKind};
-use diffmesh_shared::wire::subjects::job_events;
+use diffmesh_shared::wire::subjects::job_updates;
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::api::events::frame;
 use crate::api::usage::ImageUsage;
+use crate::disconnect;
 use crate::error::ApiError;
 use crate::job_driver::{Mesh, PreparedJob};
 use crate::output_format::OutputFormat;
@@ -47,6 +48,9 @@ pub struct StreamEvent {
 const FRAMES_BUFFERED: usize = 4;
 /// How long, after the job ended, previews still on their way are waited for.
 const PREVIEW_CATCH_UP: Duration = Duration::from_secs(2);
+/// A comment frame this often while nothing else is sent keeps proxies from closing the
+/// connection and finds a client that left.
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// How long the image may wait for a client that reads nothing.
 const FINAL_SEND_WAIT: Duration = Duration::from_secs(30);
 
@@ -59,6 +63,8 @@ pub struct StreamedRequest {
     pub quality: &'static str,
     pub background: &'static str,
     pub usage: ImageUsage,
+    /// Partial images asked for (`partial_images`).
+    pub partial_images: u32,
 }
 
 impl StreamedRequest {
@@ -90,24 +96,44 @@ impl StreamedRequest {
 }
 
 /// Run `prepared` and answer with its events; `hold` (the key's in-flight slot) is kept until
-/// the job ends.
+/// the job ends. The answer's headers go out once the job is on a denoiser (its first event):
+/// a job refused or failed before that (the mesh overloaded, no denoiser, a bad input) answers
+/// with the plain request's HTTP error, `Retry-After` included.
 pub async fn respond(
+    req: HttpRequest,
     mesh: Mesh,
     prepared: PreparedJob,
     hold: impl Send + 'static,
     request: StreamedRequest,
 ) -> Result<HttpResponse, ApiError> {
-    // Subscribed before the job is submitted (`complete`), so no preview is missed.
-    let previews = mesh
-        .client
-        .subscribe(job_events(prepared.job_id()))
-        .await
-        .map_err(MeshError::from)?;
+    // Subscribed before the job is submitted (`complete`), so no preview is missed; events and
+    // previews on one subscription, so they keep their order.
+    let updates = match mesh.client.subscribe(job_updates(prepared.job_id())).await {
+        Ok(updates) => updates,
+        Err(err) => {
+            let err = ApiError::from(MeshError::from(err));
+            mesh.refuse(prepared, &err).await;
+            return Err(err);
+        }
+    };
     let (frames, body) = mpsc::channel::<Bytes>(FRAMES_BUFFERED);
+    let (committed, answer) = oneshot::channel();
     actix_web::rt::spawn(async move {
-        run(mesh, prepared, previews, &frames, request).await;
+        let run = Run {
+            frames,
+            committed: Some(committed),
+            request,
+            seq: 0,
+            partials: 0,
+        };
+        run.drive(&req, mesh, prepared, updates).await;
         drop(hold);
     });
+    match answer.await {
+        Ok(Ok(())) => {}
+        Ok(Err(err)) => return Err(err),
+        Err(_) => return Err(ApiError::ClientGone),
+    }
     let body = futures::stream::unfold(body, |mut rx| async move {
         rx.recv()
             .await
@@ -120,79 +146,144 @@ pub async fn respond(
         .streaming(body))
 }
 
-async fn run(
-    mesh: Mesh,
-    prepared: PreparedJob,
-    mut previews: async_nats::Subscriber,
-    frames: &mpsc::Sender<Bytes>,
+/// One streamed answer in progress.
+struct Run {
+    frames: mpsc::Sender<Bytes>,
+    /// Told once whether the answer is a stream (the job reached a denoiser) or an error.
+    committed: Option<oneshot::Sender<Result<(), ApiError>>>,
     request: StreamedRequest,
-) {
-    let mut seq = 0u64;
-    let mut next_frame = |event: &str, data: &Value| {
-        seq += 1;
-        frame(seq, event, data)
-    };
-    let mut partial_index = 0u32;
-    let mut on_event = |payload: &[u8]| -> Result<bool, ()> {
+    seq: u64,
+    /// Partial images sent.
+    partials: u32,
+}
+
+/// What one message on the job's subjects asks of the stream.
+enum Update {
+    Nothing,
+    Ended,
+    ClientGone,
+}
+
+impl Run {
+    fn frame(&mut self, event: &str, data: &Value) -> Bytes {
+        self.seq += 1;
+        frame(self.seq, event, data)
+    }
+
+    fn commit(&mut self, answer: Result<(), ApiError>) {
+        if let Some(tx) = self.committed.take() {
+            let _ = tx.send(answer);
+        }
+    }
+
+    /// Drive the job to its end, streaming what it sends. Returning drops the job's driver
+    /// (`complete`), which cancels the job in the mesh when it has not ended.
+    async fn drive(
+        mut self,
+        req: &HttpRequest,
+        mesh: Mesh,
+        prepared: PreparedJob,
+        mut updates: async_nats::Subscriber,
+    ) {
+        let done = mesh.complete(prepared);
+        tokio::pin!(done);
+        let gone = disconnect::closed(req);
+        tokio::pin!(gone);
+        let mut keep_alive = tokio::time::interval(KEEP_ALIVE);
+        keep_alive.tick().await;
+        let mut ending_seen = false;
+        let ended = loop {
+            tokio::select! {
+                ended = &mut done => break ended,
+                Some(msg) = updates.next() => match self.on_update(&msg.payload) {
+                    Update::Nothing => {}
+                    Update::Ended => ending_seen = true,
+                    Update::ClientGone => return,
+                },
+                _ = keep_alive.tick(), if self.committed.is_none() => {
+                    if let Err(mpsc::error::TrySendError::Closed(_)) =
+                        self.frames.try_send(Bytes::from_static(b": keep-alive\n\n"))
+                    {
+                        return;
+                    }
+                }
+                () = self.frames.closed() => return,
+                () = &mut gone => return,
+            }
+        };
+        let ended = match ended {
+            // Nothing was streamed yet: the request answers with its HTTP error instead.
+            Err(err) if self.committed.is_some() => return self.commit(Err(err)),
+            ended => ended,
+        };
+        self.commit(Ok(()));
+        // The driver may hear the ending before this subscription has delivered the previews
+        // published ahead of it: read on to the ending (briefly) so none is lost. An ending
+        // the gateway decided (deadline, cancel) has no event to wait for.
+        if matches!(&ended, Ok(_) | Err(ApiError::JobFailed { .. })) {
+            let until = tokio::time::Instant::now() + PREVIEW_CATCH_UP;
+            while !ending_seen {
+                match tokio::time::timeout_at(until, updates.next()).await {
+                    Ok(Some(msg)) => match self.on_update(&msg.payload) {
+                        Update::Nothing => {}
+                        Update::Ended => ending_seen = true,
+                        Update::ClientGone => return,
+                    },
+                    _ => break,
+                }
+            }
+        }
+        let last = match finish(&mesh, ended, &self.request).await {
+            Ok((kind, data)) => self.frame(&kind, &data),
+            Err(err) => {
+                let body = err.error_response().into_body();
+                let data = actix_web::body::to_bytes(body)
+                    .await
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+                    .unwrap_or_else(|| json!({"error": {"message": err.to_string()}}));
+                self.frame("error", &data)
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::timeout(FINAL_SEND_WAIT, self.frames.send(last)) => {}
+            () = &mut gone => {}
+        }
+    }
+
+    /// One message of the job's subjects: a preview goes out as a partial image (up to the
+    /// request's `partial_images`; skipped, not queued, when the client's buffer is full).
+    fn on_update(&mut self, payload: &[u8]) -> Update {
         let (width, height, rgb) = match decode(payload) {
             Ok(JobEvent::Preview {
                 width, height, rgb, ..
             }) => (width, height, rgb),
-            Ok(JobEvent::Done { .. } | JobEvent::Failed { .. }) => return Ok(true),
-            _ => return Ok(false),
+            Ok(JobEvent::Done { .. } | JobEvent::Failed { .. }) => return Update::Ended,
+            // The job reached a denoiser: from here the answer is a stream.
+            Ok(_) => {
+                self.commit(Ok(()));
+                return Update::Nothing;
+            }
+            Err(_) => return Update::Nothing,
         };
-        let Ok(image) = request.output.encode_rgb(rgb, width, height) else {
-            return Ok(false);
+        self.commit(Ok(()));
+        // A job placed again previews its steps again: the count stays the request's.
+        if self.partials >= self.request.partial_images {
+            return Update::Nothing;
+        }
+        let Ok(image) = self.request.output.encode_rgb(rgb, width, height) else {
+            return Update::Nothing;
         };
-        let extra = json!({"partial_image_index": partial_index});
-        let (kind, data) = request.event("partial_image", &image, extra);
-        // A full buffer skips the preview; a gone client ends the job.
-        match frames.try_send(next_frame(&kind, &data)) {
-            Ok(()) => partial_index += 1,
+        let extra = json!({"partial_image_index": self.partials});
+        let (kind, data) = self.request.event("partial_image", &image, extra);
+        let frame = self.frame(&kind, &data);
+        match self.frames.try_send(frame) {
+            Ok(()) => self.partials += 1,
             Err(mpsc::error::TrySendError::Full(_)) => {}
-            Err(mpsc::error::TrySendError::Closed(_)) => return Err(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => return Update::ClientGone,
         }
-        Ok(false)
-    };
-    let done = mesh.complete(prepared);
-    tokio::pin!(done);
-    // Leaving this loop drops the job's driver, which cancels the job in the mesh.
-    let mut ending_seen = false;
-    let ended = loop {
-        tokio::select! {
-            ended = &mut done => break ended,
-            Some(msg) = previews.next() => match on_event(&msg.payload) {
-                Ok(end) => ending_seen |= end,
-                Err(()) => return,
-            },
-            () = frames.closed() => return,
-        }
-    };
-    // The driver may hear the ending before this subscription has delivered the previews
-    // published ahead of it: read on to the ending (briefly) so none is lost.
-    let until = tokio::time::Instant::now() + PREVIEW_CATCH_UP;
-    while !ending_seen {
-        match tokio::time::timeout_at(until, previews.next()).await {
-            Ok(Some(msg)) => match on_event(&msg.payload) {
-                Ok(end) => ending_seen = end,
-                Err(()) => return,
-            },
-            _ => break,
-        }
+        Update::Nothing
     }
-    let last = match finish(&mesh, ended, &request).await {
-        Ok((kind, data)) => next_frame(&kind, &data),
-        Err(err) => {
-            let body = err.error_response().into_body();
-            let data = actix_web::body::to_bytes(body)
-                .await
-                .ok()
-                .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-                .unwrap_or_else(|| json!({"error": {"message": err.to_string()}}));
-            next_frame("error", &data)
-        }
-    };
-    let _ = tokio::time::timeout(FINAL_SEND_WAIT, frames.send(last)).await;
 }
 
 /// The `.completed` event of a job that ended `ended`.
@@ -227,6 +318,7 @@ mod tests {
             quality: "auto",
             background: "opaque",
             usage: ImageUsage::new("a red  circle", 12, 12),
+            partial_images: 1,
         };
         let (kind, data) =
             request.event("partial_image", b"png", json!({"partial_image_index": 1}));

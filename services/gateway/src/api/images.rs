@@ -297,7 +297,10 @@ async fn serve(
         return Ok(accepted(&record, false));
     }
     if let Some(streamed) = streamed {
-        return image_stream::respond(state.mesh.clone(), prepared, slot, streamed).await;
+        let mesh = state.mesh.clone();
+        // Boxed: its state would otherwise grow every request's handler future.
+        let stream = image_stream::respond(req.clone(), mesh, prepared, slot, streamed);
+        return Box::pin(stream).await;
     }
     if idem.is_some() {
         prepared.make_resumable();
@@ -332,6 +335,7 @@ fn streamed_request(request: &ImageRequest) -> image_stream::StreamedRequest {
         quality: "auto",
         background: "opaque",
         usage: ImageUsage::of(request),
+        partial_images: p.preview_steps.len() as u32,
     }
 }
 
