@@ -1,10 +1,8 @@
 //! Previews of a running job (`GenerationParams::preview_steps`: OpenAI's `partial_images`, a
 //! job's `preview_every`): after each step a job named, its first image's latents projected to
-//! RGB by the model's fitted [`LatentPreview`] (no VAE decode on the step loop), sent as
-//! [`EngineEvent::Preview`] at most [`MAX_PREVIEW_SIDE`] pixels on its long side.
-use crate::engine::EngineEvent;
+//! RGB by the model's fitted [`LatentPreview`] (no VAE decode on the step loop), at most
+//! [`MAX_PREVIEW_SIDE`] pixels on its long side; the engines send it as an event.
 use crate::metrics::DenoiserMetrics;
-use crate::model::tensor_to_rgb;
 use diffmesh_model::preview::LatentPreview;
 use diffmesh_model::tch::{Device, Tensor};
 use diffmesh_model::ModelError;
@@ -37,6 +35,17 @@ pub fn fit(
     }
 }
 
+/// One job's preview after a step, RGB8.
+#[derive(Debug, Clone)]
+pub struct Preview {
+    pub job_id: String,
+    pub step: u32,
+    pub total: u32,
+    pub width: u32,
+    pub height: u32,
+    pub rgb: Vec<u8>,
+}
+
 /// A preview's size for a `width` x `height` image: the same shape, at most
 /// [`MAX_PREVIEW_SIDE`] on its long side.
 pub fn preview_size(width: u32, height: u32) -> (u32, u32) {
@@ -62,7 +71,7 @@ pub fn preview_event(
     (width, height): (u32, u32),
     latents: impl FnOnce() -> Result<Tensor, ModelError>,
     metrics: Option<&DenoiserMetrics>,
-) -> Option<EngineEvent> {
+) -> Option<Preview> {
     let preview = preview?;
     if step >= total || !job.params.preview_steps.contains(&step) {
         return None;
@@ -71,12 +80,17 @@ pub fn preview_event(
     let (w, h) = preview_size(width, height);
     let rgb = latents()
         .and_then(|l| preview.rgb(&l, i64::from(h), i64::from(w)))
-        .and_then(|image| tensor_to_rgb(&image));
+        .and_then(|image| diffmesh_model::tiny::model::images_to_rgb(&image))
+        .and_then(|mut images| {
+            images
+                .pop()
+                .ok_or_else(|| ModelError::input("preview", "empty batch"))
+        });
     if let Some(m) = metrics {
         m.preview_seconds.observe(started.elapsed().as_secs_f64());
     }
     match rgb {
-        Ok(rgb) => Some(EngineEvent::Preview {
+        Ok(rgb) => Some(Preview {
             job_id: job.job_id.clone(),
             step,
             total,

@@ -145,7 +145,7 @@ impl Engine {
                     || s.unpacked_latents(),
                     self.metrics.as_ref(),
                 ) {
-                    self.ledger.emit(preview);
+                    self.ledger.emit(preview.into());
                 }
             }
         }

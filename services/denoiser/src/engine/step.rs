@@ -172,7 +172,7 @@ impl Engine {
                     || s.unpacked_latents(),
                     self.metrics.as_ref(),
                 ) {
-                    self.ledger.emit(event);
+                    self.ledger.emit(event.into());
                 }
             }
         }

@@ -114,6 +114,19 @@ pub enum EngineEvent {
     },
 }
 
+impl From<crate::previews::Preview> for EngineEvent {
+    fn from(p: crate::previews::Preview) -> Self {
+        EngineEvent::Preview {
+            job_id: p.job_id,
+            step: p.step,
+            total: p.total,
+            width: p.width,
+            height: p.height,
+            rgb: p.rgb,
+        }
+    }
+}
+
 /// Why one job failed inside the engine.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum EngineJobError {

@@ -318,7 +318,7 @@ impl UnetEngine {
                         || Ok(s.latents().shallow_clone()),
                         self.shared.metrics.as_ref(),
                     ) {
-                        self.ledger.emit(event);
+                        self.ledger.emit(event.into());
                     }
                 }
             }
