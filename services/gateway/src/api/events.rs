@@ -88,12 +88,20 @@ async fn open(req: &HttpRequest, state: &ApiState, id: &str) -> Result<HttpRespo
             .await
             .map(|frame| (Ok::<_, actix_web::Error>(frame), s))
     });
-    Ok(HttpResponse::Ok()
+    Ok(sse_response(body))
+}
+
+/// A 200 answering Server-Sent Events from `frames`, neither cached nor buffered by proxies.
+pub(crate) fn sse_response<S>(frames: S) -> HttpResponse
+where
+    S: futures::Stream<Item = Result<Bytes, actix_web::Error>> + 'static,
+{
+    HttpResponse::Ok()
         .content_type("text/event-stream")
         .insert_header((CACHE_CONTROL, "no-cache"))
         // Tell nginx-style proxies not to buffer the stream.
         .insert_header(("X-Accel-Buffering", "no"))
-        .streaming(body))
+        .streaming(frames)
 }
 
 struct EventStream {

@@ -9,7 +9,6 @@
 //! `error` event carrying the error body a plain request would have had.
 use std::time::Duration;
 
-use actix_web::http::header::CACHE_CONTROL;
 use actix_web::{HttpRequest, HttpResponse, ResponseError};
 use base64::Engine;
 use bytes::Bytes;
@@ -21,7 +20,7 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::api::events::frame;
+use crate::api::events::{frame, sse_response};
 use crate::api::usage::ImageUsage;
 use crate::disconnect;
 use crate::error::ApiError;
@@ -139,11 +138,7 @@ pub async fn respond(
             .await
             .map(|frame| (Ok::<_, actix_web::Error>(frame), rx))
     });
-    Ok(HttpResponse::Ok()
-        .content_type("text/event-stream")
-        .insert_header((CACHE_CONTROL, "no-cache"))
-        .insert_header(("X-Accel-Buffering", "no"))
-        .streaming(body))
+    Ok(sse_response(body))
 }
 
 /// One streamed answer in progress.
