@@ -5,6 +5,7 @@
 //! time ids as added conditioning. Both run the UNet with classifier-free guidance, any of the
 //! discrete schedulers (the checkpoint's own or one named by `--scheduler`), and the VAE.
 //! `cargo xtask generate --model-dir DIR ...` runs them from given latents.
+pub mod control;
 pub mod inpaint;
 pub mod inputs;
 pub mod stepper;

@@ -11,7 +11,7 @@ use crate::components::LatentCodec;
 use crate::error::{ModelError, Result};
 use crate::schedulers::DiscreteSchedule;
 use crate::unet::masked::UNetTemplateCache;
-use crate::unet::UNetInputs;
+use crate::unet::{UNetInputs, UNetResiduals};
 use std::sync::Arc;
 use tch::{Kind, Tensor};
 
@@ -62,8 +62,10 @@ pub struct SdState {
     time_ids: Option<Tensor>,
     /// The guidance scale where classifier-free guidance runs (above 1).
     guidance: Option<f64>,
-    extra: Extra,
+    pub(super) extra: Extra,
     pub(super) attention: Attention,
+    /// Per ControlNet steering it ([`super::control`]): its image repeated per row, and scale.
+    pub(super) controls: Vec<(Tensor, f64)>,
 }
 
 impl SdState {
@@ -100,6 +102,25 @@ impl SdState {
     /// Each row as many times as the state has branches.
     fn branches(&self, t: &Tensor) -> Result<Tensor> {
         Ok(t.f_repeat([self.rows(), 1, 1, 1])?)
+    }
+
+    pub(super) fn attention_is_full(&self) -> bool {
+        matches!(self.attention, Attention::Full)
+    }
+
+    /// The UNet inputs of its rows for its next step, the sample being the scaled latents
+    /// alone (an inpainting UNet's extra channels are added by the step).
+    pub(super) fn unet_inputs(&self) -> Result<UNetInputs> {
+        let t = self.schedule.timesteps[self.next] as f32;
+        Ok(UNetInputs {
+            sample: self
+                .schedule
+                .scale_model_input(&self.branches(&self.x)?, self.next)?,
+            timestep: Tensor::from_slice(&vec![t; self.rows() as usize]),
+            encoder_hidden_states: self.embeds.shallow_clone(),
+            text_embeds: self.pooled.as_ref().map(Tensor::shallow_clone),
+            time_ids: self.time_ids.as_ref().map(Tensor::shallow_clone),
+        })
     }
 }
 
@@ -160,13 +181,25 @@ impl SdPipeline {
                 x,
                 extra,
                 attention: Attention::Full,
+                controls: Vec::new(),
             })
         })
     }
 
-    /// One step of every state in `states` (same latent side, none done) in one UNet forward.
-    /// `noise(i, step, shape)` gives state `i`'s noise for an ancestral step.
+    /// One step of every state in `states` (same latent side, none done, none steered: see
+    /// [`Self::step_batch_steered`]) in one UNet forward. `noise(i, step, shape)` gives state
+    /// `i`'s noise for an ancestral step.
     pub fn step_batch(&self, states: &mut [&mut SdState], noise: &mut BatchNoise) -> Result<()> {
+        self.step_batch_steered(states, noise, &[])
+    }
+
+    /// [`Self::step_batch`] with ControlNet residuals over all the batch's rows.
+    pub(super) fn step_batch_with(
+        &self,
+        states: &mut [&mut SdState],
+        noise: &mut BatchNoise,
+        residuals: Option<&UNetResiduals>,
+    ) -> Result<()> {
         let Some(first) = states.first() else {
             return Ok(());
         };
@@ -181,37 +214,38 @@ impl SdPipeline {
         }
         let (device, kind) = self.unet.device_kind();
         tch::no_grad(|| {
-            let mut samples = Vec::with_capacity(states.len());
-            let mut timesteps = Vec::new();
+            let mut parts = Vec::with_capacity(states.len());
             for s in states.iter() {
-                let input = s.schedule.scale_model_input(&s.branches(&s.x)?, s.next)?;
-                samples.push(match &s.extra {
-                    Extra::Concat { mask, masked } => {
-                        Tensor::f_cat(&[&input, &s.branches(mask)?, &s.branches(masked)?], 1)?
-                    }
-                    _ => input,
-                });
-                let t = s.schedule.timesteps[s.next] as f32;
-                timesteps.extend(std::iter::repeat_n(t, s.rows() as usize));
+                let mut x = s.unet_inputs()?;
+                if let Extra::Concat { mask, masked } = &s.extra {
+                    x.sample =
+                        Tensor::f_cat(&[&x.sample, &s.branches(mask)?, &s.branches(masked)?], 1)?;
+                }
+                parts.push(x);
             }
-            let cat = |part: &dyn Fn(&SdState) -> Option<&Tensor>| -> Result<Option<Tensor>> {
-                let parts: Option<Vec<&Tensor>> = states.iter().map(|s| part(s)).collect();
-                Ok(match parts {
+            let cat = |part: &dyn Fn(&UNetInputs) -> Option<&Tensor>| -> Result<Option<Tensor>> {
+                let picked: Option<Vec<&Tensor>> = parts.iter().map(part).collect();
+                Ok(match picked {
                     Some(p) => Some(Tensor::f_cat(&p, 0)?),
                     None => None,
                 })
             };
-            let inputs = UNetInputs {
-                sample: Tensor::f_cat(&samples, 0)?.f_to_kind(kind)?,
-                timestep: Tensor::from_slice(&timesteps),
-                encoder_hidden_states: Tensor::f_cat(
-                    &states.iter().map(|s| &s.embeds).collect::<Vec<_>>(),
+            let all = |part: &dyn Fn(&UNetInputs) -> &Tensor| -> Result<Tensor> {
+                Ok(Tensor::f_cat(
+                    &parts.iter().map(part).collect::<Vec<_>>(),
                     0,
-                )?,
-                text_embeds: cat(&|s| s.pooled.as_ref())?,
-                time_ids: cat(&|s| s.time_ids.as_ref())?,
+                )?)
             };
-            let out = self.run_unet(states, &inputs)?.f_to_kind(Kind::Float)?;
+            let inputs = UNetInputs {
+                sample: all(&|x| &x.sample)?.f_to_kind(kind)?,
+                timestep: all(&|x| &x.timestep)?,
+                encoder_hidden_states: all(&|x| &x.encoder_hidden_states)?,
+                text_embeds: cat(&|x| x.text_embeds.as_ref())?,
+                time_ids: cat(&|x| x.time_ids.as_ref())?,
+            };
+            let out = self
+                .run_unet(states, &inputs, residuals)?
+                .f_to_kind(Kind::Float)?;
             let mut row = 0;
             for (i, s) in states.iter_mut().enumerate() {
                 let mine = out.f_narrow(0, row, s.rows())?;
@@ -250,7 +284,12 @@ impl SdPipeline {
     /// The batch's UNet forward as its states' attention modes ask: in full; capturing (the
     /// captures' rows recorded); or mask-aware when any state is an edit (the other rows then
     /// compute every token, which pads every row to all of them: batch edits with edits).
-    fn run_unet(&self, states: &mut [&mut SdState], inputs: &UNetInputs) -> Result<Tensor> {
+    fn run_unet(
+        &self,
+        states: &mut [&mut SdState],
+        inputs: &UNetInputs,
+        residuals: Option<&UNetResiduals>,
+    ) -> Result<Tensor> {
         let captures = states
             .iter()
             .any(|s| matches!(s.attention, Attention::Capture(_)));
@@ -261,6 +300,12 @@ impl SdPipeline {
             return Err(ModelError::input(
                 "states",
                 "a capture and an edit cannot share a step",
+            ));
+        }
+        if residuals.is_some() && (captures || edits) {
+            return Err(ModelError::input(
+                "controlnet",
+                "a steered request cannot share a step with captures or edits",
             ));
         }
         if captures {
@@ -277,7 +322,7 @@ impl SdPipeline {
             return Ok(out);
         }
         if !edits {
-            return self.unet.forward(inputs);
+            return self.unet.forward_controlled(inputs, residuals);
         }
         let mut masks = Vec::new();
         let mut rows: Vec<(&UNetTemplateCache, i64)> = Vec::new();

@@ -31,6 +31,7 @@ use tch::{nn, Device, Kind, Tensor};
 pub const CLASS_NAME: &str = "UNet2DConditionModel";
 
 /// The forward's inputs, under diffusers' argument names.
+#[derive(Debug)]
 pub struct UNetInputs {
     /// `[B, in_channels, H, W]` latents.
     pub sample: Tensor,
