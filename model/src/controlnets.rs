@@ -1,13 +1,57 @@
-//! Named ControlNets loaded from a folder (diffusers' `FluxControlNetModel` layout, one
-//! sub-folder per name), of which the most recently used `capacity` stay loaded (Katz keeps the
-//! popular ControlNets resident on its ControlNet workers). Used by the denoiser's engine and by
-//! the ControlNet worker; lives on one thread: tch tensors are `Send`, not `Sync`, so no shared
-//! cache crate can hold them, and a handful of entries needs no more than a recency list.
+//! Named ControlNets loaded from a folder (one sub-folder per name, in diffusers' layout:
+//! `FluxControlNetModel` for Flux models, `ControlNetModel` for the UNet family), of which the
+//! most recently used `capacity` stay loaded (Katz keeps the popular ControlNets resident on its
+//! ControlNet workers). Used by the denoisers' engines and by the ControlNet worker; lives on one
+//! thread: tch tensors are `Send`, not `Sync`, so no shared cache crate can hold them, and a
+//! handful of entries needs no more than a recency list.
 use crate::flux::{ControlResiduals, FluxConfig, FluxControlNet};
 use crate::pipeline::control::ControlStep;
+use crate::unet::config::UNetConfig;
+use crate::unet::ControlNetModel;
 use std::collections::VecDeque;
 use std::path::{Component, Path, PathBuf};
 use tch::{nn, Device, Kind};
+
+/// A kind of ControlNet the registry loads: how from a folder, and what model it must fit.
+pub trait LoadableControlNet: Sized {
+    /// The configuration of the model it steers.
+    type Base;
+    /// The network and the variable store holding its weights, where it keeps none itself.
+    fn load(
+        folder: &Path,
+        device: Device,
+        kind: Kind,
+    ) -> crate::Result<(Self, Option<nn::VarStore>)>;
+    fn check_compatible(&self, base: &Self::Base) -> crate::Result<()>;
+}
+
+impl LoadableControlNet for FluxControlNet {
+    type Base = FluxConfig;
+    fn load(
+        folder: &Path,
+        device: Device,
+        kind: Kind,
+    ) -> crate::Result<(Self, Option<nn::VarStore>)> {
+        FluxControlNet::load(folder, device, kind).map(|(net, store)| (net, Some(store)))
+    }
+    fn check_compatible(&self, base: &FluxConfig) -> crate::Result<()> {
+        FluxControlNet::check_compatible(self, base)
+    }
+}
+
+impl LoadableControlNet for ControlNetModel {
+    type Base = UNetConfig;
+    fn load(
+        folder: &Path,
+        device: Device,
+        kind: Kind,
+    ) -> crate::Result<(Self, Option<nn::VarStore>)> {
+        ControlNetModel::load(folder, device, kind).map(|net| (net, None))
+    }
+    fn check_compatible(&self, base: &UNetConfig) -> crate::Result<()> {
+        ControlNetModel::check_compatible(self, base)
+    }
+}
 
 /// Where a ControlNet name points in `dir`, if a ControlNet is there. Only a plain folder name
 /// resolves (no separators, no `..`): names come from requests. Which names a request may
@@ -40,22 +84,22 @@ impl Lookup {
     }
 }
 
-struct Resident {
+struct Resident<N> {
     name: String,
-    net: FluxControlNet,
-    _store: nn::VarStore,
+    net: N,
+    _store: Option<nn::VarStore>,
 }
 
 /// The loaded ControlNets, most recently used last.
-pub struct ControlNets {
+pub struct ControlNets<N = FluxControlNet> {
     dir: Option<PathBuf>,
     capacity: usize,
     device: Device,
     kind: Kind,
-    resident: VecDeque<Resident>,
+    resident: VecDeque<Resident<N>>,
 }
 
-impl ControlNets {
+impl<N: LoadableControlNet> ControlNets<N> {
     pub fn new(dir: Option<PathBuf>, capacity: usize, device: Device, kind: Kind) -> Self {
         Self {
             dir,
@@ -78,13 +122,9 @@ impl ControlNets {
             .is_some_and(|d| controlnet_folder(d, name).is_some())
     }
 
-    /// The ControlNet `name`, loaded if needed and checked against the transformer `base` when
+    /// The ControlNet `name`, loaded if needed and checked against the model `base` when
     /// given (a ControlNet worker has no transformer: the denoiser checks what comes back).
-    pub fn get(
-        &mut self,
-        name: &str,
-        base: Option<&FluxConfig>,
-    ) -> Result<(&FluxControlNet, Lookup), String> {
+    pub fn get(&mut self, name: &str, base: Option<&N::Base>) -> Result<(&N, Lookup), String> {
         let lookup = match self.resident.iter().position(|r| r.name == name) {
             Some(i) => {
                 let r = self.resident.remove(i).expect("position is in range");
@@ -98,7 +138,7 @@ impl ControlNets {
                     .ok_or("controlnet.name: this denoiser serves no ControlNets")?;
                 let folder = controlnet_folder(dir, name)
                     .ok_or_else(|| format!("controlnet.name: no ControlNet `{name}` here"))?;
-                let (net, store) = FluxControlNet::load(&folder, self.device, self.kind)
+                let (net, store) = N::load(&folder, self.device, self.kind)
                     .map_err(|e| format!("controlnet.name: loading `{name}`: {e}"))?;
                 if let Some(base) = base {
                     net.check_compatible(base).map_err(|e| {
@@ -119,7 +159,9 @@ impl ControlNets {
         let net = &self.resident.back().expect("just pushed").net;
         Ok((net, lookup))
     }
+}
 
+impl ControlNets<FluxControlNet> {
     /// One request's residuals for its next step, from the ControlNet `name`.
     pub fn residuals(
         &mut self,

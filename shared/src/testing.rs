@@ -337,6 +337,11 @@ pub fn lora_file(
 /// (`DIFFMESH_PYTHON`, default the venv `cargo xtask setup` fills) and return `out`; the script's
 /// progress output is dropped (its errors still show).
 pub fn parity_fixture(script: &str, out: &Path) -> PathBuf {
+    parity_fixture_with(script, &[], out)
+}
+
+/// [`parity_fixture`] with `args` before `out`.
+pub fn parity_fixture_with(script: &str, args: &[&std::ffi::OsStr], out: &Path) -> PathBuf {
     let _ = std::fs::remove_dir_all(out);
     std::fs::create_dir_all(out).expect("the fixture's folder");
     let python = std::env::var("DIFFMESH_PYTHON")
@@ -346,6 +351,7 @@ pub fn parity_fixture(script: &str, out: &Path) -> PathBuf {
         .join(script);
     let status = Command::new(&python)
         .arg(&script)
+        .args(args)
         .arg(out)
         .env("TQDM_DISABLE", "1")
         .stdout(Stdio::null())

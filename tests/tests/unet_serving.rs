@@ -6,18 +6,24 @@
 //! computed in full: SSIM over the mask's box), stored in the cachestore like Flux captures.
 //! LoRAs registered at the gateway in diffusers' and kohya's UNet layouts patch the served
 //! UNet: a generation with both is the pipeline's own image with both patched in, and a Flux
-//! transformer's LoRA named for the SD model is a 400 naming it.
+//! transformer's LoRA named for the SD model is a 400 naming it. A generation steered by a
+//! ControlNet of the SD denoiser's `--controlnet-dir` (diffusers' `ControlNetModel`, random, fit
+//! to the served UNet) is the pipeline's own steered image; the same ControlNet named for the
+//! Flux model is a 400 naming `controlnet.name`.
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use base64::Engine;
 use diffmesh_model::lora::{LoraPatcher, WeightedLora};
 use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::quality::{psnr, ssim};
+use diffmesh_model::stable_diffusion::control::SdControl;
 use diffmesh_model::stable_diffusion::inpaint::InpaintInputs;
 use diffmesh_model::stable_diffusion::stepper::SdState;
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::unet::lora::read_unet_lora_bytes;
+use diffmesh_model::unet::ControlNetModel;
 use diffmesh_shared::wire::lora::write_f32_safetensors;
 use diffmesh_tests::harness::{generate, metric_sample, post_form, scrape_metrics};
 use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask, template};
@@ -36,6 +42,17 @@ const MASK_AWARE: &str = "diffmesh_denoiser_step_rows_total{mode=\"mask_aware\"}
 fn sd_fixture() -> PathBuf {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("unet-serving-sd21");
     diffmesh_shared::testing::parity_fixture("gen_sd21_pipeline.py", &out).join("sd21")
+}
+
+/// Two random ControlNets (`edges`, `depth`) that fit the UNet of the pipeline in `sd`.
+fn controlnets_fixture(sd: &Path) -> PathBuf {
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("unet-serving-controlnets");
+    let unet = sd.join("unet");
+    diffmesh_shared::testing::parity_fixture_with(
+        "gen_sd_controlnet_pipeline.py",
+        &["--for-unet".as_ref(), unet.as_os_str()],
+        &out,
+    )
 }
 
 /// `state` stepped to its end alone.
@@ -178,6 +195,81 @@ async fn register_lora(mesh: &TestMesh, http: &reqwest::Client, file: Vec<u8>) -
     record
 }
 
+/// A generation steered by the SD denoiser's ControlNet `edges` is the pipeline's own image
+/// steered in process, pixel for pixel, and not the plain one; the ControlNet named for the
+/// Flux model is refused at the gateway, naming the field.
+async fn controlnets_steer_the_served_unet(
+    mesh: &TestMesh,
+    http: &reqwest::Client,
+    pipe: &SdPipeline,
+    controlnets: &Path,
+    plain: &[u8],
+) {
+    let side = 32u32;
+    let control = template(side, side);
+    let b64 = base64::engine::general_purpose::STANDARD.encode(png_bytes(&control));
+    let scale = 0.8f32;
+    let mut body = json!({"prompt": PROMPT, "model": SD, "seed": SEED,
+        "num_inference_steps": STEPS, "guidance_scale": 4.0,
+        "controlnet": {"name": "edges", "image": b64, "scale": scale}});
+    let loaded = "diffmesh_denoiser_controlnet_lookups_total{outcome=\"loaded\"}";
+    let before = on_sd(mesh, loaded).await;
+    let (status, out, pixels) = generate(http, &mesh.url("/v1/images/generations"), &body).await;
+    assert_eq!(status, 200, "{out}");
+    assert_ne!(pixels, plain, "the ControlNet did not steer");
+    assert_eq!(on_sd(mesh, loaded).await, before + 1.0);
+
+    let net = ControlNetModel::load(&controlnets.join("edges"), Device::Cpu, Kind::Float).unwrap();
+    // As the codec prepares it (a resize to the model resolution), in [0, 1].
+    let rgb = image::imageops::resize(
+        &control.to_rgb8(),
+        side,
+        side,
+        image::imageops::FilterType::Triangle,
+    );
+    let s = i64::from(side);
+    let image = Tensor::from_slice(rgb.as_raw())
+        .view([s, s, 3])
+        .permute([2, 0, 1])
+        .to_kind(Kind::Float)
+        .f_div_scalar(255.0)
+        .unwrap()
+        .unsqueeze(0);
+    let mut state = pipe
+        .prepare(
+            &request(PROMPT, s, s, 4.0),
+            &latents(pipe, SEED, s, s),
+            None,
+        )
+        .unwrap();
+    let steer = SdControl {
+        image,
+        scale: f64::from(scale),
+    };
+    pipe.steer(&mut state, vec![steer]).unwrap();
+    while !state.done() {
+        let r = state
+            .control_step()
+            .unwrap()
+            .map(|step| step.residuals(&[&net]).unwrap());
+        let mut none = |_: usize, _: usize, _: &[i64]| -> diffmesh_model::Result<Tensor> {
+            unreachable!("the checkpoint's DDIM draws no noise")
+        };
+        pipe.step_batch_steered(&mut [&mut state], &mut none, &[r])
+            .unwrap();
+    }
+    assert_eq!(
+        pixels,
+        to_rgb(&pipe.decode(&state).unwrap()),
+        "the steered image is not the pipeline's own"
+    );
+
+    body["model"] = json!("tiny");
+    let (status, out, _) = generate(http, &mesh.url("/v1/images/generations"), &body).await;
+    assert_eq!(status, 400, "{out}");
+    assert_eq!(out["error"]["param"], "controlnet.name", "{out}");
+}
+
 /// The same generation streamed with one partial image: a preview (the UNet's latents
 /// projected) then the completed image, which is the plain answer's pixel for pixel.
 async fn streamed_with_a_preview(mesh: &TestMesh, http: &reqwest::Client, plain: &[u8]) {
@@ -299,14 +391,17 @@ async fn loras_patch_the_served_unet(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_flux() {
     let dir = sd_fixture();
+    let controlnets = controlnets_fixture(&dir);
     let pipe = SdPipeline::load(&dir, Device::Cpu, Kind::Float).unwrap();
     let model_dir = dir.clone();
+    let controlnet_dir = controlnets.clone();
     let mesh = MeshBuilder::new()
         .denoisers(&DENOISERS)
         .denoiser(move |id, c| {
             if id == "sd" {
                 c.model_dir = model_dir.clone();
                 c.model_id = Some(SD.into());
+                c.controlnet_dir = Some(controlnet_dir.clone());
                 // Exact caches: the served edit must be the in-process mask-aware one.
                 c.cache_dtype = "f32".into();
                 // LoRAs patched from the first step, so the image does not hang on fetch timing.
@@ -357,6 +452,7 @@ async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_fl
     );
     streamed_with_a_preview(&mesh, &http, &pixels).await;
     loras_patch_the_served_unet(&mesh, &http, &pipe, &pixels).await;
+    controlnets_steer_the_served_unet(&mesh, &http, &pipe, &controlnets, &pixels).await;
 
     // A template captured with the SD model, edited mask-aware.
     let (captures, mask_aware) = (on_sd(&mesh, CAPTURES).await, on_sd(&mesh, MASK_AWARE).await);

@@ -214,6 +214,42 @@ impl ControlNetModel {
         Ok(model)
     }
 
+    /// Whether its residuals fit the UNet of `base`: the same levels (widths, layers, text
+    /// width), block kinds and added conditioning (its down path is a copy of that UNet's).
+    pub fn check_compatible(&self, base: &UNetConfig) -> Result<()> {
+        let own = &self.config.unet;
+        let level = |l: &super::config::Level| (l.channels, l.layers, l.cross_attention_dim);
+        let shape = |c: &UNetConfig| -> Result<Vec<(i64, i64, i64)>> {
+            Ok(c.levels()?.iter().map(level).collect())
+        };
+        let checks = [
+            (
+                "block_out_channels, layers_per_block, cross_attention_dim",
+                format!("{:?}", shape(own)?),
+                format!("{:?}", shape(base)?),
+            ),
+            (
+                "down_block_types",
+                format!("{:?}", own.down_block_types),
+                format!("{:?}", base.down_block_types),
+            ),
+            (
+                "addition_embed_type",
+                format!("{:?}", own.addition_embed_type),
+                format!("{:?}", base.addition_embed_type),
+            ),
+        ];
+        for (field, ours, theirs) in checks {
+            if ours != theirs {
+                return Err(ModelError::config(
+                    field,
+                    format!("the ControlNet has {ours}, the UNet {theirs}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The residuals for `x` steered by `control` (`[B, conditioning_channels, H * f, W * f]`
     /// in [0, 1], `f` the embedding's downscale), times `scale`.
     pub fn forward(&self, x: &UNetInputs, control: &Tensor, scale: f64) -> Result<UNetResiduals> {

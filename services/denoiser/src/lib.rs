@@ -165,8 +165,9 @@ pub struct DenoiserConfig {
     #[arg(long, env = "DENOISER_LORA_ORIGINALS", value_enum, default_value_t = diffmesh_model::lora::OriginalsOn::Device)]
     pub lora_originals: diffmesh_model::lora::OriginalsOn,
     /// Folder of named ControlNets (`<dir>/<name>/config.json` + safetensors, diffusers'
-    /// `FluxControlNetModel` layout) that generations may name in `controlnet.name`; none: this
-    /// denoiser takes no steered generations.
+    /// `FluxControlNetModel` layout for a Flux model, `ControlNetModel` for a UNet one) that
+    /// generations may name in `controlnet.name`; none: this denoiser takes no steered
+    /// generations.
     #[arg(long, env = "DENOISER_CONTROLNET_DIR")]
     pub controlnet_dir: Option<std::path::PathBuf>,
     /// ControlNets kept loaded (the least recently used is dropped beyond it).

@@ -33,11 +33,6 @@ pub(crate) async fn load_model(
         let refused = [
             ("ranks", config.ranks > 1, config.ranks.to_string()),
             (
-                "controlnet-dir",
-                config.controlnet_dir.is_some(),
-                format!("{:?}", config.controlnet_dir),
-            ),
-            (
                 "controlnet-remote",
                 config.controlnet_remote != controlnet_service::RemoteMode::Off,
                 format!("{:?}", config.controlnet_remote),
@@ -51,7 +46,10 @@ pub(crate) async fn load_model(
             });
         }
         let model = tokio::task::spawn_blocking(move || {
-            unet_engine::UnetModel::load(&load_dir, device, kind, id, size)
+            unet_engine::UnetModel::load(&load_dir, device, kind, id, size).map(|mut m| {
+                m.controlnet_dir = controlnet_dir;
+                m
+            })
         })
         .await
         .map_err(thread)?

@@ -286,6 +286,27 @@ pub fn rgb_to_tensor(
     width: i64,
     field: &str,
 ) -> Result<Tensor, ModelError> {
+    Ok(rgb_planes(rgb, height, width, field)?
+        .f_div_scalar(127.5)?
+        .f_sub_scalar(1.0)?
+        .f_unsqueeze(0)?)
+}
+
+/// Row-major RGB bytes -> `[1, 3, H, W]` in [0, 1] (a UNet ControlNet's control image: diffusers'
+/// control image processor does not normalise).
+pub fn rgb_to_unit_tensor(
+    rgb: &[u8],
+    height: i64,
+    width: i64,
+    field: &str,
+) -> Result<Tensor, ModelError> {
+    Ok(rgb_planes(rgb, height, width, field)?
+        .f_div_scalar(255.0)?
+        .f_unsqueeze(0)?)
+}
+
+/// `[3, H, W]` float bytes; an error names `field` when the length is not `H * W * 3`.
+fn rgb_planes(rgb: &[u8], height: i64, width: i64, field: &str) -> Result<Tensor, ModelError> {
     let expect = (height * width * 3) as usize;
     if rgb.len() != expect {
         return Err(ModelError::input(
@@ -299,10 +320,7 @@ pub fn rgb_to_tensor(
     Ok(Tensor::from_slice(rgb)
         .f_view([height, width, 3])?
         .f_permute([2, 0, 1])?
-        .f_to_kind(Kind::Float)?
-        .f_div_scalar(127.5)?
-        .f_sub_scalar(1.0)?
-        .f_unsqueeze(0)?)
+        .f_to_kind(Kind::Float)?)
 }
 
 /// `[1, 3, H, W]` in [-1, 1] (clamped) -> row-major RGB bytes.

@@ -104,15 +104,17 @@ impl Workers {
 /// Whether a generation may name `name`: refused when denoisers that take jobs were heard and
 /// none steers with it; let through while none was heard (this gateway just started, or none
 /// is up: placement answers for the job then).
-pub fn check_offered(denoisers: &[&Heartbeat], name: &str) -> Result<(), FieldError> {
-    if denoisers.is_empty()
-        || denoisers
+pub fn check_offered(denoisers: &[&Heartbeat], name: &str, model: &str) -> Result<(), FieldError> {
+    // A ControlNet fits one model's network: only the denoisers of the requested model count.
+    let of_model: Vec<&&Heartbeat> = denoisers.iter().filter(|d| d.model == model).collect();
+    if of_model.is_empty()
+        || of_model
             .iter()
             .any(|d| d.controlnets.iter().any(|n| n == name))
     {
         return Ok(());
     }
-    let mut offered: Vec<&str> = denoisers
+    let mut offered: Vec<&str> = of_model
         .iter()
         .flat_map(|d| d.controlnets.iter().map(String::as_str))
         .collect();
@@ -121,7 +123,8 @@ pub fn check_offered(denoisers: &[&Heartbeat], name: &str) -> Result<(), FieldEr
     Err(FieldError::invalid(
         "controlnet.name",
         format!(
-            "no denoiser steers with {name:?}; offered now: [{}] (GET /v1/controlnets)",
+            "no denoiser of model {model:?} steers with {name:?}; offered for it now: [{}] \
+             (GET /v1/controlnets)",
             offered.join(", ")
         ),
     ))
@@ -189,7 +192,7 @@ mod tests {
 
     #[test]
     fn a_name_no_live_denoiser_offers_is_refused_once_denoisers_are_heard() {
-        let check = |hbs: &[Heartbeat], name: &str| check_offered(&denoisers(hbs), name);
+        let check = |hbs: &[Heartbeat], name: &str| check_offered(&denoisers(hbs), name, "tiny");
         // Nothing heard yet (just started): let through, placement answers for it.
         assert!(check(&[], "canny").is_ok());
         let live = [
@@ -211,6 +214,17 @@ mod tests {
         assert!(
             check(&all_draining, "edges").is_ok(),
             "none heard that takes jobs"
+        );
+        // Another model's ControlNets do not steer this one's generations.
+        let mut sd = heartbeat("d3", &["depth"], &[], false);
+        sd.model = "sd".into();
+        let mixed = [live[0].clone(), sd];
+        let e = check(&mixed, "depth").unwrap_err();
+        assert!(e.message.contains("[silhouette]"), "{}", e.message);
+        assert!(check_offered(&denoisers(&mixed), "depth", "sd").is_ok());
+        assert!(
+            check_offered(&denoisers(&mixed), "depth", "unheard").is_ok(),
+            "no denoiser of that model heard: placement answers"
         );
     }
 

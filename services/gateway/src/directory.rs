@@ -128,9 +128,10 @@ impl Handler<ControlNets> for Directory {
     }
 }
 
-/// Whether a steered generation may name this ControlNet (400 naming `controlnet.name` when
-/// denoisers that take jobs were heard and none steers with it).
-pub struct CheckOffered(pub String);
+/// Whether a steered generation of model `.1` may name ControlNet `.0` (400 naming
+/// `controlnet.name` when denoisers of that model that take jobs were heard and none steers
+/// with it).
+pub struct CheckOffered(pub String, pub String);
 
 impl Message for CheckOffered {
     type Result = Result<(), FieldError>;
@@ -141,7 +142,7 @@ impl Handler<CheckOffered> for Directory {
 
     fn handle(&mut self, msg: CheckOffered, _: &mut Context<Self>) -> Self::Result {
         let denoisers = live(&mut self.denoisers);
-        check_offered(&taking_jobs(&mut denoisers.into_iter()), &msg.0)
+        check_offered(&taking_jobs(&mut denoisers.into_iter()), &msg.0, &msg.1)
     }
 }
 
@@ -227,10 +228,10 @@ impl MeshDirectory {
     }
 
     /// A steered generation's ControlNet, checked against what live denoisers offer.
-    pub async fn check_offered(&self, name: &str) -> Result<(), FieldError> {
+    pub async fn check_offered(&self, name: &str, model: &str) -> Result<(), FieldError> {
         // A directory that is gone lets the request through: placement answers for it then.
         self.addr
-            .send(CheckOffered(name.to_string()))
+            .send(CheckOffered(name.to_string(), model.to_string()))
             .await
             .unwrap_or(Ok(()))
     }
@@ -304,12 +305,12 @@ mod tests {
     async fn controlnet_names_are_checked_against_the_live_denoisers() {
         let directory = MeshDirectory::empty();
         assert!(
-            directory.check_offered("canny").await.is_ok(),
+            directory.check_offered("canny", "tiny").await.is_ok(),
             "none heard yet"
         );
         directory.record_denoiser(heartbeat("d1", &["silhouette"], &[], false), Instant::now());
-        assert!(directory.check_offered("silhouette").await.is_ok());
-        let refused = directory.check_offered("canny").await.unwrap_err();
+        assert!(directory.check_offered("silhouette", "tiny").await.is_ok());
+        let refused = directory.check_offered("canny", "tiny").await.unwrap_err();
         assert_eq!(refused.field, "controlnet.name");
         let views = directory.controlnets().await;
         assert_eq!(views.len(), 1);

@@ -41,7 +41,7 @@ pub(super) struct Carry {
     pub model: EngineModel,
     pub patcher: LoraPatcher,
     pub ledger: super::ledger::Ledger,
-    pub control_costs: super::control::ControlCosts,
+    pub control_costs: super::control_costs::ControlCosts,
 }
 
 /// What every engine of one handle shares.

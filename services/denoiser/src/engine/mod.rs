@@ -32,6 +32,7 @@ use tracing::Span;
 
 mod actor;
 mod control;
+pub(crate) mod control_costs;
 mod elastic;
 mod handle;
 pub(crate) mod ledger;
@@ -69,7 +70,7 @@ struct Active {
     /// Seconds the step loop spent on its ControlNet: in the step now running, and smoothed
     /// over its steps (reported in heartbeats).
     step_control_s: f64,
-    control_s: control::Smoothed,
+    control_s: control_costs::Smoothed,
     /// On elastic ranks: its class, clock and the ranks of its steps (None elsewhere).
     elastic: Option<elastic::Placement>,
 }
@@ -92,7 +93,7 @@ pub struct Engine {
     /// The ControlNets of steered generations (loaded on first use).
     controlnets: ControlNets,
     /// Per ControlNet, what one steered job costs the step loop a step.
-    control_costs: control::ControlCosts,
+    control_costs: control_costs::ControlCosts,
     config: EngineConfig,
     /// The waiting jobs, the drain flag and where events go.
     ledger: ledger::Ledger,
@@ -388,7 +389,7 @@ impl Engine {
                         lora_waiting_since: None,
                         control_rows: Vec::new(),
                         step_control_s: 0.0,
-                        control_s: control::Smoothed::default(),
+                        control_s: control_costs::Smoothed::default(),
                         elastic: None,
                         capture: job.capture_key.map(|key| {
                             (

@@ -17,6 +17,7 @@ use crate::engine::{
 use crate::metrics::DenoiserMetrics;
 use crate::step_samples::StepSamples;
 use actix::{Actor, Handler, Message, SyncContext};
+use diffmesh_model::controlnets::ControlNets;
 use diffmesh_model::lora::LoraPatcher;
 use diffmesh_shared::panic_message;
 use diffmesh_shared::wire::messages::DenoiseJob;
@@ -218,9 +219,18 @@ pub fn spawn_unet_engine(
         .var_store()
         .map(|vs| LoraPatcher::with_originals_on(vs, config.lora_originals));
     let linear_modules = unet.linear_modules();
+    let (device, kind) = unet.device_kind();
+    let controlnets = ControlNets::new(
+        model.controlnet_dir.clone(),
+        config.controlnet_cache,
+        device,
+        kind,
+    );
     let engine = UnetEngine {
         patcher,
         linear_modules,
+        controlnets,
+        control_costs: Default::default(),
         ledger: Ledger::new(Some(events), metrics.clone(), config.max_queue),
         model: *model,
         config,

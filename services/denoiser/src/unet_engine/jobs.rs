@@ -1,10 +1,11 @@
 //! A UNet-family model as the engine holds it, what its heartbeats announce, and the
 //! conversions of wire jobs into Stable Diffusion states, of captures into template caches of
 //! the tiers' block codec and back.
-use crate::model::{job_resolution_of, rgb_to_tensor, EditInputs};
+use crate::model::{job_resolution_of, rgb_to_tensor, rgb_to_unit_tensor, EditInputs};
 use crate::templates::TemplateEntry;
 use diffmesh_model::flux::kv_codec::CacheDtype;
 use diffmesh_model::pipeline::noise::seeded_noise;
+use diffmesh_model::stable_diffusion::control::SdControl;
 use diffmesh_model::stable_diffusion::inpaint::InpaintInputs;
 use diffmesh_model::stable_diffusion::stepper::SdState;
 use diffmesh_model::stable_diffusion::template::SdTemplate;
@@ -28,6 +29,8 @@ pub struct UnetModel {
     pub card: ModelCard,
     /// Maps latents to preview pixels (`crate::previews`); None: previews are off.
     pub preview: Option<diffmesh_model::preview::LatentPreview>,
+    /// Folder of named ControlNets (`ControlNetModel`) generations may name (`--controlnet-dir`).
+    pub controlnet_dir: Option<std::path::PathBuf>,
 }
 
 impl UnetModel {
@@ -46,6 +49,7 @@ impl UnetModel {
             model_id,
             card,
             preview,
+            controlnet_dir: None,
         })
     }
 }
@@ -54,8 +58,9 @@ impl UnetModel {
 /// tokens, a token being the pixels one latent pixel of the UNet's coarsest level covers (so a
 /// token mask is exact at every level, and every size the codec rounds to runs); the default
 /// size is diffusers' (`unet.sample_size` latents), or `default_size`. Template edits and
-/// plain inpainting run, LoRAs are patched in (diffusers' and kohya's UNet files); ControlNets
-/// and fills are not served for this family yet.
+/// plain inpainting run, LoRAs are patched in (diffusers' and kohya's UNet files), generations
+/// are steered by the ControlNets of `--controlnet-dir` (the heartbeat sets `controlnet` from
+/// what it serves); fills are not served for this family.
 pub fn announce(pipeline: &SdPipeline, id: &str, default_size: Option<i64>) -> ModelCard {
     let factor = pipeline.vae.config.downscale_factor().max(1);
     let levels = pipeline.unet.config.block_out_channels.len().max(1) as u32;
@@ -128,29 +133,42 @@ fn pixel_mask(
         .f_upsample_nearest2d([height, width], None, None)?)
 }
 
-/// The states of a job's images (image `i` seeded with `seed + i`): a generation; an edit, as
-/// SD inpainting at strength 1 whose latents carry the template's noise outside the mask when
-/// it edits a registered template; mask-aware on `template` (its decoded cache) when given.
+/// The states of a job's images (image `i` seeded with `seed + i`): a generation, steered by
+/// its ControlNet when it names one (`control_rgb`: the control image at the model
+/// resolution); an edit, as SD inpainting at strength 1 whose latents carry the template's
+/// noise outside the mask when it edits a registered template; mask-aware on `template` (its
+/// decoded cache) when given.
 pub fn job_states(
     job: &DenoiseJob,
     edit: Option<&EditInputs>,
     template: Option<&Arc<SdTemplate>>,
+    control_rgb: Option<&[u8]>,
     model: &UnetModel,
 ) -> Result<Vec<SdState>, ModelError> {
     let p = &job.params;
     if p.n == 0 {
         return Err(ModelError::input("params.n", "must be at least 1"));
     }
-    if let Some(c) = &p.controlnet {
-        return Err(ModelError::input(
-            "params.controlnet",
-            format!(
-                "{} is a UNet model: ControlNet {} is not served on it",
-                model.model_id, c.name
-            ),
-        ));
-    }
     let (height, width) = job_resolution_of(job, &model.card);
+    let control = match (&p.controlnet, control_rgb) {
+        (None, _) => None,
+        (Some(_), _) if job.kind != JobKind::Generate => {
+            return Err(ModelError::input(
+                "params.controlnet",
+                "only generations are steered by a ControlNet",
+            ))
+        }
+        (Some(_), None) => {
+            return Err(ModelError::input(
+                "inputs.control_image_key",
+                "a steered generation without its control image",
+            ))
+        }
+        (Some(c), Some(rgb)) => Some((
+            rgb_to_unit_tensor(rgb, height, width, "inputs.control_image_key")?,
+            f64::from(c.scale),
+        )),
+    };
     let request = SdRequest {
         prompt: p.prompt.clone(),
         negative_prompt: p.true_cfg.as_ref().map(|c| c.negative_prompt.clone()),
@@ -196,7 +214,17 @@ pub fn job_states(
             Kind::Float,
         )?;
         let state = match &inpaint {
-            None => pipe.prepare(&request, &own, None)?,
+            None => {
+                let mut state = pipe.prepare(&request, &own, None)?;
+                if let Some((image, scale)) = &control {
+                    let steer = SdControl {
+                        image: image.shallow_clone(),
+                        scale: *scale,
+                    };
+                    pipe.steer(&mut state, vec![steer])?;
+                }
+                state
+            }
             Some((image, mask)) => {
                 let inputs = InpaintInputs {
                     image,

@@ -13,6 +13,11 @@
 //! `diffmesh_model::unet::lora`) are patched into the UNet in place, as the Flux engine does:
 //! groups also split by LoRA set, the set the weights hold steps first, and a job whose adapters
 //! are still loading steps on the base model within its bound (`engine::lora_steps`).
+//!
+//! Generations naming a ControlNet of `--controlnet-dir` are steered ([`control`]): before each
+//! batched step the engine runs each steered state's ControlNet on that state's own UNet
+//! inputs, and the forward adds the residuals to its rows (zeros in the others').
+use crate::engine::control_costs::{ControlCosts, Smoothed};
 use crate::engine::ledger::Ledger;
 use crate::engine::lora_steps::{self, LoraNeed};
 use crate::engine::SubmitError;
@@ -20,12 +25,14 @@ use crate::engine::{EngineConfig, EngineEvent, EngineJob, EngineJobError, Engine
 use crate::lora::{LoadedLora, LoraSlot};
 use crate::metrics::DenoiserMetrics;
 use crate::model::{job_resolution_of, tensor_to_rgb};
+use diffmesh_model::controlnets::ControlNets;
 use diffmesh_model::lora::LoraPatcher;
 use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::stable_diffusion::stepper::SdState;
 use diffmesh_model::stable_diffusion::template::SdTemplate;
 use diffmesh_model::tch::Kind;
 use diffmesh_model::unet::lora::read_unet_lora_bytes;
+use diffmesh_model::unet::ControlNetModel;
 use diffmesh_model::ModelError;
 use diffmesh_shared::panic_message;
 use diffmesh_shared::wire::messages::{DenoiseJob, RunningJob};
@@ -35,6 +42,7 @@ use std::time::{Duration, Instant};
 use tracing::Span;
 
 mod actor;
+mod control;
 pub mod jobs;
 
 pub use actor::spawn_unet_engine;
@@ -59,6 +67,8 @@ struct Active {
     lora: Option<LoraSlot>,
     /// Since when it sits out waiting for its LoRAs (past its bound).
     lora_waiting_since: Option<Instant>,
+    /// What its ControlNet costs a step (0 when not steered).
+    control_s: Smoothed,
 }
 
 impl Active {
@@ -85,6 +95,10 @@ pub struct UnetEngine {
     patcher: Option<LoraPatcher>,
     /// The UNet's linear layers, as LoRA files name them.
     linear_modules: Vec<String>,
+    /// The ControlNets of `--controlnet-dir` loaded now.
+    controlnets: ControlNets<ControlNetModel>,
+    /// Per ControlNet, what one steered job costs a step.
+    control_costs: ControlCosts,
     step_queued: bool,
     #[cfg(feature = "fault-injection")]
     panic_mid_batch: bool,
@@ -181,6 +195,7 @@ impl UnetEngine {
                     cancelled: false,
                     failed: None,
                     masked,
+                    control_s: Smoothed::default(),
                 });
             }
             Ok(Err(e)) => self
@@ -206,7 +221,13 @@ impl UnetEngine {
             (Some(entry), Some(t)) => Some(self.decoded_template(&entry, t)?),
             _ => None,
         };
-        let states = jobs::job_states(&job.job, job.edit.as_ref(), template.as_ref(), &self.model)?;
+        let states = jobs::job_states(
+            &job.job,
+            job.edit.as_ref(),
+            template.as_ref(),
+            job.control_rgb.as_deref(),
+            &self.model,
+        )?;
         Ok((states, template.is_some()))
     }
 
@@ -385,27 +406,29 @@ impl UnetEngine {
         if members.is_empty() {
             return Ok(());
         }
-        let mut seeds = Vec::new();
-        let mut states: Vec<&mut SdState> = Vec::new();
-        for (i, a) in self.active.iter_mut().enumerate() {
-            if members.contains(&i) {
-                seeds.extend(a.seeds.iter().copied());
-                states.extend(a.states.iter_mut());
+        let ran = catch_unwind(AssertUnwindSafe(|| -> Result<(), EngineJobError> {
+            // Steered jobs' residuals first: nothing has stepped if they fail.
+            let residuals = self.control_residuals(members)?;
+            let mut seeds = Vec::new();
+            let mut states: Vec<&mut SdState> = Vec::new();
+            for (i, a) in self.active.iter_mut().enumerate() {
+                if members.contains(&i) {
+                    seeds.extend(a.seeds.iter().copied());
+                    states.extend(a.states.iter_mut());
+                }
             }
-        }
-        let pipe = &self.model.pipeline;
-        let ran = catch_unwind(AssertUnwindSafe(|| {
+            let pipe = &self.model.pipeline;
             let mut noise = |i: usize, step: usize, shape: &[i64]| {
                 let (device, _) = pipe.unet.device_kind();
                 // Per image and step, independent of what it is batched with.
                 let seed = seeds[i] ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                 seeded_noise(seed, shape, device, Kind::Float)
             };
-            pipe.step_batch(&mut states, &mut noise)
+            pipe.step_batch_steered(&mut states, &mut noise, &residuals)
+                .map_err(EngineJobError::from_model)
         }));
         match ran {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(EngineJobError::from_model(e)),
+            Ok(result) => result,
             Err(p) => Err(EngineJobError::Panic(panic_message(p))),
         }
     }
@@ -468,11 +491,17 @@ impl UnetEngine {
                     remaining_steps: s.map_or(0, |s| s.steps() - s.next_step()) as u32,
                     rows: a.rows() as u32,
                     images: a.states.len() as u32,
-                    control_s: 0.0,
+                    control_s: a.control_s.value(),
                 }
             })
             .collect();
-        let waiting = self.ledger.waiting_jobs(|_| 0.0);
+        let costs = &self.control_costs;
+        let waiting = self.ledger.waiting_jobs(|j| {
+            j.params
+                .controlnet
+                .as_ref()
+                .map_or(0.0, |c| costs.of(&c.name))
+        });
         if let Some(m) = self.metrics() {
             m.queued.set(self.ledger.waiting.len() as i64);
             m.running.set(self.active.len() as i64);
@@ -482,6 +511,7 @@ impl UnetEngine {
                 running,
                 queued: self.ledger.waiting.len() as u32,
                 waiting,
+                controlnet_step_s: self.control_costs.list(),
                 draining: self.ledger.shutting_down,
                 ..EngineStatus::default()
             };

@@ -41,7 +41,10 @@ pub async fn read_generation(
         request_model::default_size(state, &model, &mut valid.params)?;
     }
     if let Some(c) = &control {
-        state.directory.check_offered(&c.reference.name).await?;
+        state
+            .directory
+            .check_offered(&c.reference.name, &model.id)
+            .await?;
     }
     let loras = lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
     let control_image = control.map(|c| {
