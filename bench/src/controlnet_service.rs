@@ -168,7 +168,7 @@ pub fn steered_job(
         scale: 1.0,
     });
     let mut e = EngineJob::new(j, None);
-    e.control_rgb = Some(control_rgb);
+    e.control_rgb = vec![control_rgb];
     e
 }
 

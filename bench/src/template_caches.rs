@@ -64,7 +64,7 @@ impl BenchTemplates {
             job.kind = JobKind::Capture;
             job.template = Some(reference.clone());
             let capture = EngineJob {
-                control_rgb: None,
+                control_rgb: Vec::new(),
                 prompts: None,
                 job,
                 edit: Some(EditInputs {

@@ -164,6 +164,10 @@ fn params() -> GenerationParams {
             name: "silhouette".into(),
             scale: 0.5,
         }),
+        extra_controlnets: vec![ControlNetRef {
+            name: "depth".into(),
+            scale: 0.25,
+        }],
         true_cfg: Some(TrueCfg {
             scale: 4.0,
             negative_prompt: "blurry".into(),
@@ -187,6 +191,7 @@ fn inputs() -> PreparedInputs {
         token_cols: 16,
         template_id: Some("tpl".into()),
         control_image_key: None,
+        extra_control_image_keys: Vec::new(),
     }
 }
 
@@ -272,6 +277,7 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
                 }),
             }),
             control_image_key: Some("j1/control".into()),
+            extra_control_image_keys: vec!["j1/control-1".into()],
             geometry: Some(geometry()),
         }),
         seed(&PreprocessReply::Prepared(inputs())),
@@ -324,6 +330,7 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
                 features: ModelFeatures {
                     edit: true,
                     max_sequence_length: 16,
+                    multi_controlnet: false,
                     ..Default::default()
                 },
             }),

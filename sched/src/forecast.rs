@@ -256,8 +256,8 @@ pub(crate) mod tests {
             footprint: Footprint::ONE_ROW,
             steps: 1,
             template: None,
-            loras: crate::policy::LoraKeys::NONE,
-            controlnet: None,
+            loras: crate::policy::NameKeys::NONE,
+            controlnets: crate::policy::NameKeys::NONE,
             waiting_behind: Some(0),
         };
         // t=0.5: batch {2,1} runs 2 steps of 3 s -> 6.5; the queued one retires, the new one
@@ -280,8 +280,8 @@ pub(crate) mod tests {
             footprint: Footprint::ONE_ROW,
             steps: 2,
             template: None,
-            loras: crate::policy::LoraKeys::NONE,
-            controlnet: Some(7),
+            loras: crate::policy::NameKeys::NONE,
+            controlnets: crate::policy::NameKeys::of_keys([7]),
             waiting_behind: Some(0),
         };
         // Alone: 4 s a step of the batched forward.
@@ -305,7 +305,7 @@ pub(crate) mod tests {
             ..WorkerState::idle(BatchLimits::default())
         };
         let plain = RequestInfo {
-            controlnet: None,
+            controlnets: crate::policy::NameKeys::NONE,
             ..steered
         };
         // Step 1: {2, 4} + 1 s = 7 s; step 2: {4} = 4 s.
@@ -324,8 +324,8 @@ pub(crate) mod tests {
             footprint: Footprint::new(1, true),
             steps: 1,
             template: None,
-            loras: crate::policy::LoraKeys::NONE,
-            controlnet: None,
+            loras: crate::policy::NameKeys::NONE,
+            controlnets: crate::policy::NameKeys::NONE,
             waiting_behind: Some(0),
         };
         // Alone: two rows of 4 masked tokens, a step of 8 s.
@@ -359,8 +359,8 @@ pub(crate) mod tests {
             footprint: Footprint::ONE_ROW,
             steps: 28,
             template: None,
-            loras: crate::policy::LoraKeys::NONE,
-            controlnet: None,
+            loras: crate::policy::NameKeys::NONE,
+            controlnets: crate::policy::NameKeys::NONE,
             waiting_behind: Some(0),
         };
         let f =

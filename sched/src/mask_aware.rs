@@ -290,8 +290,8 @@ mod tests {
             footprint: Footprint::ONE_ROW,
             steps: 3,
             template: None,
-            loras: crate::policy::LoraKeys::NONE,
-            controlnet: None,
+            loras: crate::policy::NameKeys::NONE,
+            controlnets: crate::policy::NameKeys::NONE,
             waiting_behind: Some(0),
         };
         assert_eq!(RequestCount.place(&req, &ws, &m), Some(1));
@@ -322,8 +322,8 @@ mod tests {
     fn lora_residency_breaks_ties_after_the_template() {
         let m = synthetic::default_models();
         let req = RequestInfo {
-            loras: crate::policy::LoraKeys::of(["style"]),
-            controlnet: None,
+            loras: crate::policy::NameKeys::of(["style"]),
+            controlnets: crate::policy::NameKeys::NONE,
             ..new_req()
         };
         let key = crate::policy::template_key("style");
@@ -344,8 +344,8 @@ mod tests {
         let mut ws = vec![worker(&[], &[]), worker(&[active(100, 5)], &[])];
         ws[1].resident_loras = vec![key];
         let req = RequestInfo {
-            loras: crate::policy::LoraKeys::of(["style"]),
-            controlnet: None,
+            loras: crate::policy::NameKeys::of(["style"]),
+            controlnets: crate::policy::NameKeys::NONE,
             ..new_req()
         };
         assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(0));
@@ -372,8 +372,8 @@ mod tests {
             footprint: Footprint::ONE_ROW,
             steps: 3,
             template: None,
-            loras: crate::policy::LoraKeys::NONE,
-            controlnet: None,
+            loras: crate::policy::NameKeys::NONE,
+            controlnets: crate::policy::NameKeys::NONE,
             waiting_behind: Some(0),
         };
         assert_eq!(MaskAware::default().place(&req, &ws, &m), Some(1));
@@ -397,8 +397,8 @@ mod tests {
             footprint: Footprint::ONE_ROW,
             steps: 3,
             template: None,
-            loras: crate::policy::LoraKeys::NONE,
-            controlnet: None,
+            loras: crate::policy::NameKeys::NONE,
+            controlnets: crate::policy::NameKeys::NONE,
             waiting_behind: Some(0),
         };
         let mut p = MaskAwareDeferring::default();

@@ -22,10 +22,10 @@ pub struct RequestInfo {
     /// Template whose cached activations the request reuses, if any.
     pub template: Option<u64>,
     /// LoRA adapters the request applies ([`template_key`] of each id).
-    pub loras: LoraKeys,
-    /// The ControlNet steering it ([`template_key`] of its name), whose step cost each worker
-    /// reports ([`WorkerState::controlnet_step_s`]).
-    pub controlnet: Option<u64>,
+    pub loras: NameKeys,
+    /// The ControlNets steering it ([`template_key`] of each name), whose step costs each
+    /// worker reports ([`WorkerState::controlnet_step_s`]).
+    pub controlnets: NameKeys,
     /// `Some(n)` when the caller can keep the request waiting if the policy declines to place
     /// it although a worker accepts (the router's admission queue can), with the `n` requests
     /// waiting behind it, whom holding it delays too; `None` when it must go now (a lost
@@ -67,12 +67,13 @@ pub struct WorkerState {
     pub controlnet_step_s: Vec<(u64, f64)>,
 }
 
-/// The step cost of `controlnet` in a worker's table ([`WorkerState::controlnet_step_s`]); 0
-/// for no ControlNet or one the worker has not measured.
-pub fn controlnet_step_s(table: &[(u64, f64)], controlnet: Option<u64>) -> f64 {
-    controlnet.map_or(0.0, |c| {
-        table.iter().find(|(k, _)| *k == c).map_or(0.0, |(_, s)| *s)
-    })
+/// The step cost of `controlnets` in a worker's table ([`WorkerState::controlnet_step_s`]),
+/// summed (each runs every step); 0 for one the worker has not measured.
+pub fn controlnet_step_s(table: &[(u64, f64)], controlnets: NameKeys) -> f64 {
+    controlnets
+        .iter()
+        .map(|c| table.iter().find(|(k, _)| *k == c).map_or(0.0, |(_, s)| *s))
+        .sum()
 }
 
 impl WorkerState {
@@ -90,10 +91,10 @@ impl WorkerState {
         }
     }
 
-    /// `req`'s footprint on this worker: with the step cost of its ControlNet here (0 when
+    /// `req`'s footprint on this worker: with the step cost of its ControlNets here (0 when
     /// the worker has not measured it yet).
     pub fn footprint_of(&self, req: &RequestInfo) -> Footprint {
-        let control_s = controlnet_step_s(&self.controlnet_step_s, req.controlnet);
+        let control_s = controlnet_step_s(&self.controlnet_step_s, req.controlnets);
         req.footprint.with_control_s(control_s)
     }
 
@@ -157,24 +158,30 @@ impl WorkerState {
     }
 }
 
-/// The LoRA adapters of a request, as keys; fixed-size so [`RequestInfo`] stays `Copy`.
+/// Up to four names of a request (its LoRA adapters, its ControlNets) as keys; fixed-size so
+/// [`RequestInfo`] stays `Copy`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct LoraKeys {
+pub struct NameKeys {
     keys: [u64; 4],
     len: u8,
 }
 
-impl LoraKeys {
-    pub const NONE: LoraKeys = LoraKeys {
+impl NameKeys {
+    pub const NONE: NameKeys = NameKeys {
         keys: [0; 4],
         len: 0,
     };
 
-    /// The keys of up to four adapter ids (a request carries at most four; more are ignored).
+    /// The keys of up to four names (a request carries at most four; more are ignored).
     pub fn of<'a>(ids: impl IntoIterator<Item = &'a str>) -> Self {
+        Self::of_keys(ids.into_iter().map(template_key))
+    }
+
+    /// Up to four keys as they are.
+    pub fn of_keys(keys: impl IntoIterator<Item = u64>) -> Self {
         let mut k = Self::NONE;
-        for id in ids.into_iter().take(4) {
-            k.keys[k.len as usize] = template_key(id);
+        for key in keys.into_iter().take(4) {
+            k.keys[k.len as usize] = key;
             k.len += 1;
         }
         k
@@ -327,8 +334,8 @@ pub(crate) mod tests {
             footprint: Footprint::ONE_ROW,
             steps: 28,
             template: None,
-            loras: LoraKeys::NONE,
-            controlnet: None,
+            loras: NameKeys::NONE,
+            controlnets: crate::policy::NameKeys::NONE,
             waiting_behind: Some(0),
         }
     }

@@ -276,6 +276,7 @@ pub fn generation_job(
             preview_steps: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
+            extra_controlnets: Vec::new(),
             true_cfg: None,
         },
         inputs: PreparedInputs {
@@ -292,6 +293,7 @@ pub fn generation_job(
             token_cols: 0,
             template_id: None,
             control_image_key: None,
+            extra_control_image_keys: Vec::new(),
         },
         raw_image_key: None,
         raw_mask_key: None,

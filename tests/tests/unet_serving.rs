@@ -6,10 +6,10 @@
 //! computed in full: SSIM over the mask's box), stored in the cachestore like Flux captures.
 //! LoRAs registered at the gateway in diffusers' and kohya's UNet layouts patch the served
 //! UNet: a generation with both is the pipeline's own image with both patched in, and a Flux
-//! transformer's LoRA named for the SD model is a 400 naming it. A generation steered by a
-//! ControlNet of the SD denoiser's `--controlnet-dir` (diffusers' `ControlNetModel`, random, fit
-//! to the served UNet) is the pipeline's own steered image; the same ControlNet named for the
-//! Flux model is a 400 naming `controlnet.name`.
+//! transformer's LoRA named for the SD model is a 400 naming it. Generations steered by the
+//! ControlNets of the SD denoiser's `--controlnet-dir` (diffusers' `ControlNetModel`, random, fit
+//! to the served UNet), one or two at once, are the pipeline's own steered images; a ControlNet
+//! named for the Flux model is a 400 naming `controlnet.name`.
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -195,9 +195,67 @@ async fn register_lora(mesh: &TestMesh, http: &reqwest::Client, file: Vec<u8>) -
     record
 }
 
-/// A generation steered by the SD denoiser's ControlNet `edges` is the pipeline's own image
-/// steered in process, pixel for pixel, and not the plain one; the ControlNet named for the
-/// Flux model is refused at the gateway, naming the field.
+/// A control image as the codec prepares it (a resize to the model resolution), `[1, 3, S, S]`
+/// in [0, 1].
+fn control_tensor(control: &image::DynamicImage, side: u32) -> Tensor {
+    let rgb = image::imageops::resize(
+        &control.to_rgb8(),
+        side,
+        side,
+        image::imageops::FilterType::Triangle,
+    );
+    let s = i64::from(side);
+    Tensor::from_slice(rgb.as_raw())
+        .view([s, s, 3])
+        .permute([2, 0, 1])
+        .to_kind(Kind::Float)
+        .f_div_scalar(255.0)
+        .unwrap()
+        .unsqueeze(0)
+}
+
+/// The pipeline's own generation at `side` for the seed, steered by `controls` (control image,
+/// scale, ControlNet), as RGB bytes.
+fn steered_in_process(
+    pipe: &SdPipeline,
+    side: u32,
+    controls: &[(&image::DynamicImage, f32, &ControlNetModel)],
+) -> Vec<u8> {
+    let s = i64::from(side);
+    let mut state = pipe
+        .prepare(
+            &request(PROMPT, s, s, 4.0),
+            &latents(pipe, SEED, s, s),
+            None,
+        )
+        .unwrap();
+    let steer = controls
+        .iter()
+        .map(|(image, scale, _)| SdControl {
+            image: control_tensor(image, side),
+            scale: f64::from(*scale),
+        })
+        .collect();
+    pipe.steer(&mut state, steer).unwrap();
+    let nets: Vec<&ControlNetModel> = controls.iter().map(|c| c.2).collect();
+    while !state.done() {
+        let r = state
+            .control_step()
+            .unwrap()
+            .map(|step| step.residuals(&nets).unwrap());
+        let mut none = |_: usize, _: usize, _: &[i64]| -> diffmesh_model::Result<Tensor> {
+            unreachable!("the checkpoint's DDIM draws no noise")
+        };
+        pipe.step_batch_steered(&mut [&mut state], &mut none, &[r])
+            .unwrap();
+    }
+    to_rgb(&pipe.decode(&state).unwrap())
+}
+
+/// Generations steered by the SD denoiser's ControlNets are the pipeline's own steered images,
+/// pixel for pixel, and not the plain one: one ControlNet (`controlnet`), and two at once
+/// (`controlnets`, residuals summed). The ControlNet named for the Flux model, and both fields
+/// at once, are refused at the gateway, naming the field.
 async fn controlnets_steer_the_served_unet(
     mesh: &TestMesh,
     http: &reqwest::Client,
@@ -207,65 +265,57 @@ async fn controlnets_steer_the_served_unet(
 ) {
     let side = 32u32;
     let control = template(side, side);
-    let b64 = base64::engine::general_purpose::STANDARD.encode(png_bytes(&control));
-    let scale = 0.8f32;
+    let second = rect_mask(side, side, 4, 6, 20, 28);
+    let b64 = |image: &image::DynamicImage| {
+        base64::engine::general_purpose::STANDARD.encode(png_bytes(image))
+    };
+    let url = mesh.url("/v1/images/generations");
     let mut body = json!({"prompt": PROMPT, "model": SD, "seed": SEED,
         "num_inference_steps": STEPS, "guidance_scale": 4.0,
-        "controlnet": {"name": "edges", "image": b64, "scale": scale}});
+        "controlnet": {"name": "edges", "image": b64(&control), "scale": 0.8}});
     let loaded = "diffmesh_denoiser_controlnet_lookups_total{outcome=\"loaded\"}";
     let before = on_sd(mesh, loaded).await;
-    let (status, out, pixels) = generate(http, &mesh.url("/v1/images/generations"), &body).await;
+    let (status, out, one) = generate(http, &url, &body).await;
     assert_eq!(status, 200, "{out}");
-    assert_ne!(pixels, plain, "the ControlNet did not steer");
+    assert_ne!(one, plain, "the ControlNet did not steer");
     assert_eq!(on_sd(mesh, loaded).await, before + 1.0);
-
-    let net = ControlNetModel::load(&controlnets.join("edges"), Device::Cpu, Kind::Float).unwrap();
-    // As the codec prepares it (a resize to the model resolution), in [0, 1].
-    let rgb = image::imageops::resize(
-        &control.to_rgb8(),
-        side,
-        side,
-        image::imageops::FilterType::Triangle,
-    );
-    let s = i64::from(side);
-    let image = Tensor::from_slice(rgb.as_raw())
-        .view([s, s, 3])
-        .permute([2, 0, 1])
-        .to_kind(Kind::Float)
-        .f_div_scalar(255.0)
-        .unwrap()
-        .unsqueeze(0);
-    let mut state = pipe
-        .prepare(
-            &request(PROMPT, s, s, 4.0),
-            &latents(pipe, SEED, s, s),
-            None,
-        )
-        .unwrap();
-    let steer = SdControl {
-        image,
-        scale: f64::from(scale),
+    let load = |name: &str| {
+        ControlNetModel::load(&controlnets.join(name), Device::Cpu, Kind::Float).unwrap()
     };
-    pipe.steer(&mut state, vec![steer]).unwrap();
-    while !state.done() {
-        let r = state
-            .control_step()
-            .unwrap()
-            .map(|step| step.residuals(&[&net]).unwrap());
-        let mut none = |_: usize, _: usize, _: &[i64]| -> diffmesh_model::Result<Tensor> {
-            unreachable!("the checkpoint's DDIM draws no noise")
-        };
-        pipe.step_batch_steered(&mut [&mut state], &mut none, &[r])
-            .unwrap();
-    }
+    let (edges, depth) = (load("edges"), load("depth"));
     assert_eq!(
-        pixels,
-        to_rgb(&pipe.decode(&state).unwrap()),
+        one,
+        steered_in_process(pipe, side, &[(&control, 0.8, &edges)]),
         "the steered image is not the pipeline's own"
     );
 
+    let both = json!({"prompt": PROMPT, "model": SD, "seed": SEED,
+        "num_inference_steps": STEPS, "guidance_scale": 4.0,
+        "controlnets": [{"name": "edges", "image": b64(&control), "scale": 0.7},
+                        {"name": "depth", "image": b64(&second), "scale": 0.4}]});
+    let (status, out, two) = generate(http, &url, &both).await;
+    assert_eq!(status, 200, "{out}");
+    assert_ne!(two, one);
+    assert_eq!(
+        two,
+        steered_in_process(
+            pipe,
+            side,
+            &[(&control, 0.7, &edges), (&second, 0.4, &depth)]
+        ),
+        "the image steered by two ControlNets is not the pipeline's own"
+    );
+
+    let mut twice = both.clone();
+    twice["controlnet"] = body["controlnet"].clone();
+    let (status, out, _) = generate(http, &url, &twice).await;
+    assert_eq!(
+        (status, &out["error"]["param"]),
+        (400, &json!("controlnets")),
+        "{out}"
+    );
     body["model"] = json!("tiny");
-    let (status, out, _) = generate(http, &mesh.url("/v1/images/generations"), &body).await;
+    let (status, out, _) = generate(http, &url, &body).await;
     assert_eq!(status, 400, "{out}");
     assert_eq!(out["error"]["param"], "controlnet.name", "{out}");
 }

@@ -104,7 +104,7 @@ async fn main() -> Result<()> {
         for i in 0..args.images {
             let mut plain = job(RemoteMode::Off, &format!("plain-r{round}"), i);
             plain.job.params.controlnet = None;
-            plain.control_rgb = None;
+            plain.control_rgb = Vec::new();
             let (_, s) = engines[0].run(vec![plain]).await?;
             seconds.entry("plain").or_default().push(s);
             for (e, mode) in engines.iter_mut().zip(MODES) {

@@ -48,17 +48,27 @@ impl SdControlStep {
                 ),
             ));
         }
-        tch::no_grad(|| {
-            let mut sum: Option<UNetResiduals> = None;
-            for (net, (image, scale)) in nets.iter().zip(&self.images) {
-                let r = net.forward(&self.inputs, image, *scale)?;
-                sum = Some(match sum {
-                    Some(s) => s.sum(&r)?,
-                    None => r,
-                });
-            }
-            sum.ok_or_else(|| ModelError::input("controlnet", "a steered step without controls"))
-        })
+        let mut sum: Option<UNetResiduals> = None;
+        for (k, net) in nets.iter().enumerate() {
+            let r = self.one(k, net)?;
+            sum = Some(match sum {
+                Some(s) => s.sum(&r)?,
+                None => r,
+            });
+        }
+        sum.ok_or_else(|| ModelError::input("controlnet", "a steered step without controls"))
+    }
+
+    /// Control `k`'s residuals from its ControlNet `net`, scaled (the caller sums them with
+    /// [`UNetResiduals::sum`] when it holds one network at a time).
+    pub fn one(&self, k: usize, net: &ControlNetModel) -> Result<UNetResiduals> {
+        let (image, scale) = self.images.get(k).ok_or_else(|| {
+            ModelError::input(
+                "controlnet",
+                format!("control {k} of {}", self.images.len()),
+            )
+        })?;
+        tch::no_grad(|| net.forward(&self.inputs, image, *scale))
     }
 }
 

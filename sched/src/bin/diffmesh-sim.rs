@@ -396,8 +396,8 @@ fn bench(args: &Args, model: &CostModels, n: usize) -> anyhow::Result<()> {
             footprint: Footprint::ONE_ROW,
             steps: 28,
             template: None,
-            loras: diffmesh_sched::policy::LoraKeys::NONE,
-            controlnet: None,
+            loras: diffmesh_sched::policy::NameKeys::NONE,
+            controlnets: diffmesh_sched::policy::NameKeys::NONE,
             waiting_behind: Some(0),
         })
         .collect();

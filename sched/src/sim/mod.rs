@@ -293,8 +293,8 @@ fn place_waiting(waiting: &mut VecDeque<Arrival>, now: f64, p: &mut Placement) {
             footprint: a.footprint,
             steps: a.steps.max(1),
             template: a.template,
-            loras: crate::policy::LoraKeys::NONE,
-            controlnet: a.steered.then_some(SIM_CONTROLNET),
+            loras: crate::policy::NameKeys::NONE,
+            controlnets: crate::policy::NameKeys::of_keys(a.steered.then_some(SIM_CONTROLNET)),
             waiting_behind: (now - a.time_s < p.cfg.max_hold_s)
                 .then_some((waiting.len() - 1) as u32),
         };

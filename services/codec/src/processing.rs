@@ -233,31 +233,52 @@ impl Codec {
         })
     }
 
-    /// A generation: nothing to prepare but a ControlNet's control image, stretched to the
-    /// model resolution like an edit's image.
+    /// A generation: nothing to prepare but its ControlNets' control images, each stretched to
+    /// the model resolution like an edit's image.
     async fn prepare_generation(
         &self,
         req: &PreprocessRequest,
         grid: TokenGrid,
     ) -> Result<PreparedInputs, CodecError> {
         let base = base_inputs(req, grid);
-        let Some(key) = req.control_image_key.as_deref() else {
+        let uploads: Vec<&str> = req
+            .control_image_key
+            .iter()
+            .chain(&req.extra_control_image_keys)
+            .map(String::as_str)
+            .collect();
+        if uploads.is_empty() {
             return Ok(base);
-        };
-        const FIELD: &str = "controlnet.image";
-        let bytes = self.fetch_upload(&self.blobs, key, FIELD).await?;
-        let max_pixels = self.max_pixels;
-        let rgb = self
-            .workers
-            .run(move || -> Result<Vec<u8>, FieldError> {
-                let image = imaging::decode_upload(&bytes, FIELD, max_pixels)?;
-                Ok(imaging::to_model_rgb(&image, grid))
-            })
-            .await??;
-        let key = blob_key(&req.job_id, PREPARED_CONTROL);
-        self.blobs.put(&key, &rgb).await?;
+        }
+        let listed = !req.extra_control_image_keys.is_empty();
+        let mut prepared = Vec::with_capacity(uploads.len());
+        for (i, upload) in uploads.into_iter().enumerate() {
+            // Named as the request named it: `controlnet`, or the list `controlnets`.
+            let field = match listed {
+                false => "controlnet.image".to_string(),
+                true => format!("controlnets[{i}].image"),
+            };
+            let bytes = self.fetch_upload(&self.blobs, upload, &field).await?;
+            let max_pixels = self.max_pixels;
+            let rgb = self
+                .workers
+                .run(move || -> Result<Vec<u8>, FieldError> {
+                    let image = imaging::decode_upload(&bytes, &field, max_pixels)?;
+                    Ok(imaging::to_model_rgb(&image, grid))
+                })
+                .await??;
+            let name = match i {
+                0 => PREPARED_CONTROL.to_string(),
+                i => format!("{PREPARED_CONTROL}.{i}"),
+            };
+            let key = blob_key(&req.job_id, &name);
+            self.blobs.put(&key, &rgb).await?;
+            prepared.push(key);
+        }
+        let mut prepared = prepared.into_iter();
         Ok(PreparedInputs {
-            control_image_key: Some(key),
+            control_image_key: prepared.next(),
+            extra_control_image_keys: prepared.collect(),
             ..base
         })
     }
@@ -394,6 +415,7 @@ fn base_inputs(req: &PreprocessRequest, grid: TokenGrid) -> PreparedInputs {
         token_cols: grid.cols(),
         template_id: None,
         control_image_key: None,
+        extra_control_image_keys: Vec::new(),
     }
 }
 

@@ -51,10 +51,12 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
             preview_steps: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
+            extra_controlnets: Vec::new(),
             true_cfg: None,
         },
         template_image: None,
         control_image_key: None,
+        extra_control_image_keys: Vec::new(),
         geometry: None,
     }
 }

@@ -49,27 +49,42 @@ impl Service {
         }))
     }
 
-    /// The model-resolution control image of a steered generation (None when it has no
-    /// ControlNet); fails, naming the field, when this denoiser does not hold its ControlNet.
-    pub(crate) async fn fetch_control_image(
+    /// The model-resolution control images of a steered generation, one per ControlNet in
+    /// `params.controlnets()` order (none when it has no ControlNet); fails, naming the field,
+    /// when this denoiser does not hold one of its ControlNets.
+    pub(crate) async fn fetch_control_images(
         &self,
         job: &DenoiseJob,
-    ) -> Result<Option<Vec<u8>>, String> {
-        let Some(control) = &job.params.controlnet else {
-            return Ok(None);
-        };
-        if !self.controlnets_served().contains(&control.name) {
+    ) -> Result<Vec<Vec<u8>>, String> {
+        let names: Vec<&str> = job.params.controlnets().map(|c| c.name.as_str()).collect();
+        if names.is_empty() {
+            return Ok(Vec::new());
+        }
+        let served = self.controlnets_served();
+        if let Some(name) = names.iter().find(|n| !served.iter().any(|s| s == *n)) {
             return Err(format!(
-                "controlnet.name: no ControlNet `{}` on this denoiser",
-                control.name
+                "controlnet.name: no ControlNet `{name}` on this denoiser"
             ));
         }
-        let key = job
+        let keys: Vec<&String> = job
             .inputs
             .control_image_key
-            .as_deref()
-            .ok_or("a ControlNet job without `inputs.control_image_key`")?;
-        Ok(Some(self.read_input("control_image_key", key).await?))
+            .iter()
+            .chain(&job.inputs.extra_control_image_keys)
+            .collect();
+        if keys.len() != names.len() {
+            return Err(format!(
+                "a job with {} ControlNets and {} control images (`inputs.control_image_key`, \
+                 `inputs.extra_control_image_keys`)",
+                names.len(),
+                keys.len()
+            ));
+        }
+        let mut images = Vec::with_capacity(keys.len());
+        for key in keys {
+            images.push(self.read_input("control_image_key", key).await?);
+        }
+        Ok(images)
     }
 
     /// The object-store blob a job's `inputs.<field>` names; an error names the field.

@@ -161,6 +161,7 @@ pub fn announce(model: &LoadedModel, id: &str, default_size: Option<i64>) -> Mod
             true_cfg: true,
             guidance_embeds: model.transformer.cfg.guidance_embeds,
             max_sequence_length: model.text_encoder.max_tokens().max(0) as u32,
+            multi_controlnet: false,
         },
     }
 }
@@ -247,23 +248,29 @@ pub fn step_requests(
 }
 
 /// Give each request of a steered generation its control image (`params.controlnet`, with the
-/// codec's model-resolution pixels `control_rgb`).
+/// codec's model-resolution pixels `control_rgb`). A Flux model is steered by one ControlNet.
 pub fn apply_control(
     requests: &mut [StepRequest],
     job: &DenoiseJob,
-    control_rgb: Option<&[u8]>,
+    control_rgb: &[Vec<u8>],
     model: &EngineModel,
 ) -> Result<(), ModelError> {
     let Some(control) = &job.params.controlnet else {
         return Ok(());
     };
+    if !job.params.extra_controlnets.is_empty() {
+        return Err(ModelError::input(
+            "params.extra_controlnets",
+            "a Flux model is steered by one ControlNet per request",
+        ));
+    }
     if job.kind != JobKind::Generate {
         return Err(ModelError::input(
             "params.controlnet",
             "only generations take a ControlNet",
         ));
     }
-    let rgb = control_rgb.ok_or_else(|| {
+    let rgb = control_rgb.first().ok_or_else(|| {
         ModelError::input(
             "inputs.control_image_key",
             "a ControlNet needs its control image",

@@ -1,8 +1,11 @@
 //! The `controlnet` object of a generation: which ControlNet steers it, the control image
-//! (base64 PNG or JPEG, any size: the codec stretches it to the model resolution) and how strongly.
-//! Read field by field so every error names `controlnet.<field>`.
+//! (base64 PNG or JPEG, any size: the codec stretches it to the model resolution) and how strongly;
+//! or a `controlnets` list of such objects steering it together. Read field by field so every
+//! error names `controlnet.<field>` or `controlnets[i].<field>`.
 use base64::Engine;
-use diffmesh_shared::wire::controlnet::{name_problem, ControlNetRef, MAX_CONTROLNET_SCALE};
+use diffmesh_shared::wire::controlnet::{
+    name_problem, ControlNetRef, MAX_CONTROLNETS, MAX_CONTROLNET_SCALE,
+};
 use diffmesh_shared::wire::messages::FieldError;
 use serde_json::Value;
 
@@ -30,17 +33,34 @@ fn invalid(field: &str, message: impl Into<String>) -> FieldError {
     FieldError::invalid(field, message)
 }
 
-/// The `controlnet` value of a JSON body.
-pub fn from_json(value: &Value) -> Result<RawControlNet, FieldError> {
+/// The `controlnets` value of a JSON body: 1 to [`MAX_CONTROLNETS`] objects.
+pub fn list_from_json(value: &Value) -> Result<Vec<RawControlNet>, FieldError> {
+    let list = value
+        .as_array()
+        .filter(|l| (1..=MAX_CONTROLNETS).contains(&l.len()))
+        .ok_or_else(|| {
+            invalid(
+                "controlnets",
+                format!("must be a list of 1 to {MAX_CONTROLNETS} objects {{name, image, scale}}"),
+            )
+        })?;
+    list.iter()
+        .enumerate()
+        .map(|(i, v)| from_json(v, &format!("controlnets[{i}]")))
+        .collect()
+}
+
+/// One ControlNet object of a JSON body, at `at` (`controlnet` or `controlnets[i]`).
+pub fn from_json(value: &Value, at: &str) -> Result<RawControlNet, FieldError> {
     let obj = value
         .as_object()
-        .ok_or_else(|| invalid("controlnet", "must be an object {name, image, scale}"))?;
+        .ok_or_else(|| invalid(at, "must be an object {name, image, scale}"))?;
     let mut raw = RawControlNet::default();
     for (key, v) in obj {
         if v.is_null() {
             continue;
         }
-        let field = format!("controlnet.{key}");
+        let field = format!("{at}.{key}");
         let string = || {
             v.as_str()
                 .map(str::to_string)
@@ -67,30 +87,37 @@ pub struct ValidControlNet {
     pub image: Vec<u8>,
 }
 
-pub fn validate(raw: &RawControlNet, limits: &Limits) -> Result<ValidControlNet, FieldError> {
+/// Check one ControlNet object found at `at` (`controlnet` or `controlnets[i]`).
+pub fn validate(
+    raw: &RawControlNet,
+    limits: &Limits,
+    at: &str,
+) -> Result<ValidControlNet, FieldError> {
+    let field = |name: &str| format!("{at}.{name}");
     let name = raw
         .name
         .clone()
-        .ok_or_else(|| invalid("controlnet.name", "required"))?;
+        .ok_or_else(|| invalid(&field("name"), "required"))?;
     if let Some(problem) = name_problem(&name) {
-        return Err(invalid("controlnet.name", problem));
+        return Err(invalid(&field("name"), problem));
     }
     let scale = raw.scale.unwrap_or(1.0);
     if !scale.is_finite() || !(0.0..=f64::from(MAX_CONTROLNET_SCALE)).contains(&scale) {
         return Err(invalid(
-            "controlnet.scale",
+            &field("scale"),
             format!("must be between 0 and {MAX_CONTROLNET_SCALE}, got {scale}"),
         ));
     }
+    let image_field = field("image");
     let b64 = raw
         .image
         .as_deref()
-        .ok_or_else(|| invalid("controlnet.image", "required (base64 PNG or JPEG)"))?;
+        .ok_or_else(|| invalid(&image_field, "required (base64 PNG or JPEG)"))?;
     let image = base64::engine::general_purpose::STANDARD
         .decode(b64.trim())
-        .map_err(|e| invalid("controlnet.image", format!("not valid base64: {e}")))?;
-    let (w, h) = image_size(&image, "controlnet.image")?;
-    check_pixels("controlnet.image", w, h, limits)?;
+        .map_err(|e| invalid(&image_field, format!("not valid base64: {e}")))?;
+    let (w, h) = image_size(&image, &image_field)?;
+    check_pixels(&image_field, w, h, limits)?;
     Ok(ValidControlNet {
         reference: ControlNetRef {
             name,
@@ -125,7 +152,7 @@ mod tests {
     }
 
     fn check(v: serde_json::Value) -> Result<ValidControlNet, FieldError> {
-        validate(&from_json(&v)?, &limits())
+        validate(&from_json(&v, "controlnet")?, &limits(), "controlnet")
     }
 
     #[test]
@@ -172,6 +199,28 @@ mod tests {
                 .err()
                 .unwrap_or_else(|| panic!("{value} passed"));
             assert_eq!(err.field, field, "{value}: {}", err.message);
+        }
+    }
+
+    #[test]
+    fn a_list_names_each_entry_and_is_bounded() {
+        let img = png_b64(8, 8);
+        let good = json!({"name": "edges", "image": img});
+        let two = list_from_json(&json!([good, {"name": "depth", "image": img, "scale": 0.5}]));
+        assert_eq!(two.unwrap().len(), 2);
+        let bad = list_from_json(&json!([good, {"name": "depth", "image": img, "x": 1}]));
+        assert_eq!(bad.unwrap_err().field, "controlnets[1].x");
+        let raw = list_from_json(&json!([good, {"name": "a/b", "image": img}])).unwrap();
+        let err = validate(&raw[1], &limits(), "controlnets[1]")
+            .err()
+            .unwrap();
+        assert_eq!(err.field, "controlnets[1].name");
+        for wrong in [
+            json!([]),
+            json!(good),
+            json!(vec![good.clone(); MAX_CONTROLNETS + 1]),
+        ] {
+            assert_eq!(list_from_json(&wrong).unwrap_err().field, "controlnets");
         }
     }
 }

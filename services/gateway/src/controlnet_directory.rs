@@ -104,7 +104,12 @@ impl Workers {
 /// Whether a generation may name `name`: refused when denoisers that take jobs were heard and
 /// none steers with it; let through while none was heard (this gateway just started, or none
 /// is up: placement answers for the job then).
-pub fn check_offered(denoisers: &[&Heartbeat], name: &str, model: &str) -> Result<(), FieldError> {
+pub fn check_offered(
+    denoisers: &[&Heartbeat],
+    name: &str,
+    model: &str,
+    field: &str,
+) -> Result<(), FieldError> {
     // A ControlNet fits one model's network: only the denoisers of the requested model count.
     let of_model: Vec<&&Heartbeat> = denoisers.iter().filter(|d| d.model == model).collect();
     if of_model.is_empty()
@@ -121,7 +126,7 @@ pub fn check_offered(denoisers: &[&Heartbeat], name: &str, model: &str) -> Resul
     offered.sort_unstable();
     offered.dedup();
     Err(FieldError::invalid(
-        "controlnet.name",
+        field,
         format!(
             "no denoiser of model {model:?} steers with {name:?}; offered for it now: [{}] \
              (GET /v1/controlnets)",
@@ -192,7 +197,9 @@ mod tests {
 
     #[test]
     fn a_name_no_live_denoiser_offers_is_refused_once_denoisers_are_heard() {
-        let check = |hbs: &[Heartbeat], name: &str| check_offered(&denoisers(hbs), name, "tiny");
+        let check = |hbs: &[Heartbeat], name: &str| {
+            check_offered(&denoisers(hbs), name, "tiny", "controlnet.name")
+        };
         // Nothing heard yet (just started): let through, placement answers for it.
         assert!(check(&[], "canny").is_ok());
         let live = [
@@ -221,9 +228,11 @@ mod tests {
         let mixed = [live[0].clone(), sd];
         let e = check(&mixed, "depth").unwrap_err();
         assert!(e.message.contains("[silhouette]"), "{}", e.message);
-        assert!(check_offered(&denoisers(&mixed), "depth", "sd").is_ok());
+        assert!(check_offered(&denoisers(&mixed), "depth", "sd", "controlnets[1].name").is_ok());
+        let e = check_offered(&denoisers(&mixed), "edges", "sd", "controlnets[1].name");
+        assert_eq!(e.unwrap_err().field, "controlnets[1].name");
         assert!(
-            check_offered(&denoisers(&mixed), "depth", "unheard").is_ok(),
+            check_offered(&denoisers(&mixed), "depth", "unheard", "controlnet.name").is_ok(),
             "no denoiser of that model heard: placement answers"
         );
     }

@@ -131,7 +131,12 @@ impl Handler<ControlNets> for Directory {
 /// Whether a steered generation of model `.1` may name ControlNet `.0` (400 naming
 /// `controlnet.name` when denoisers of that model that take jobs were heard and none steers
 /// with it).
-pub struct CheckOffered(pub String, pub String);
+pub struct CheckOffered {
+    pub name: String,
+    pub model: String,
+    /// The request's field naming it (`controlnet.name`, `controlnets[i].name`).
+    pub field: String,
+}
 
 impl Message for CheckOffered {
     type Result = Result<(), FieldError>;
@@ -142,7 +147,12 @@ impl Handler<CheckOffered> for Directory {
 
     fn handle(&mut self, msg: CheckOffered, _: &mut Context<Self>) -> Self::Result {
         let denoisers = live(&mut self.denoisers);
-        check_offered(&taking_jobs(&mut denoisers.into_iter()), &msg.0, &msg.1)
+        check_offered(
+            &taking_jobs(&mut denoisers.into_iter()),
+            &msg.name,
+            &msg.model,
+            &msg.field,
+        )
     }
 }
 
@@ -228,10 +238,19 @@ impl MeshDirectory {
     }
 
     /// A steered generation's ControlNet, checked against what live denoisers offer.
-    pub async fn check_offered(&self, name: &str, model: &str) -> Result<(), FieldError> {
+    pub async fn check_offered(
+        &self,
+        name: &str,
+        model: &str,
+        field: &str,
+    ) -> Result<(), FieldError> {
         // A directory that is gone lets the request through: placement answers for it then.
         self.addr
-            .send(CheckOffered(name.to_string(), model.to_string()))
+            .send(CheckOffered {
+                name: name.to_string(),
+                model: model.to_string(),
+                field: field.to_string(),
+            })
             .await
             .unwrap_or(Ok(()))
     }
@@ -305,12 +324,21 @@ mod tests {
     async fn controlnet_names_are_checked_against_the_live_denoisers() {
         let directory = MeshDirectory::empty();
         assert!(
-            directory.check_offered("canny", "tiny").await.is_ok(),
+            directory
+                .check_offered("canny", "tiny", "controlnet.name")
+                .await
+                .is_ok(),
             "none heard yet"
         );
         directory.record_denoiser(heartbeat("d1", &["silhouette"], &[], false), Instant::now());
-        assert!(directory.check_offered("silhouette", "tiny").await.is_ok());
-        let refused = directory.check_offered("canny", "tiny").await.unwrap_err();
+        assert!(directory
+            .check_offered("silhouette", "tiny", "controlnet.name")
+            .await
+            .is_ok());
+        let refused = directory
+            .check_offered("canny", "tiny", "controlnet.name")
+            .await
+            .unwrap_err();
         assert_eq!(refused.field, "controlnet.name");
         let views = directory.controlnets().await;
         assert_eq!(views.len(), 1);

@@ -85,8 +85,9 @@ pub struct JobInput {
     pub mask: Option<Vec<u8>>,
     /// The registered template an edit reads or a capture records (`templates`).
     pub template: Option<TemplateRef>,
-    /// A generation's control image (bytes as uploaded), with `valid.params.controlnet`.
-    pub control_image: Option<Vec<u8>>,
+    /// A generation's control images (bytes as uploaded): `valid.params.controlnet`'s, then
+    /// those of `extra_controlnets` in order.
+    pub control_images: Vec<Vec<u8>>,
     /// The geometry the model `valid.params.model` announced (`request_model`), which the codec
     /// prepares the inputs at; None: the codec's own.
     pub geometry: Option<ModelGeometry>,
@@ -296,10 +297,16 @@ impl Mesh {
             Some(bytes) => Some(self.put(job_id, "mask", bytes).await?),
             None => None,
         };
-        let control_image_key = match &input.control_image {
-            Some(bytes) => Some(self.put(job_id, "control", bytes).await?),
-            None => None,
-        };
+        let mut control_keys = Vec::with_capacity(input.control_images.len());
+        for (i, bytes) in input.control_images.iter().enumerate() {
+            let name = match i {
+                0 => "control".to_string(),
+                i => format!("control-{i}"),
+            };
+            control_keys.push(self.put(job_id, &name, bytes).await?);
+        }
+        let mut control_keys = control_keys.into_iter();
+        let control_image_key = control_keys.next();
         self.stage("store", t);
 
         let t = Instant::now();
@@ -312,6 +319,7 @@ impl Mesh {
             params: params.clone(),
             template_image,
             control_image_key,
+            extra_control_image_keys: control_keys.collect(),
             geometry: input.geometry,
         };
         // No codec for a moment (restarting) is waited out as a missing router is; one killed

@@ -75,7 +75,8 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
             "seed" => raw.seed = Some(u64_field(key, v)?),
             "loras" => raw.loras = Some(lora_params::from_json(v)?),
             "deadline_ms" => raw.deadline_ms = Some(int_field(key, v)?),
-            "controlnet" => raw.controlnet = Some(crate::controlnet::from_json(v)?),
+            "controlnet" => raw.controlnet = Some(crate::controlnet::from_json(v, key)?),
+            "controlnets" => raw.controlnets = Some(crate::controlnet::list_from_json(v)?),
             "output_format" => raw.output_format = Some(string()?),
             "output_compression" => raw.output_compression = Some(int_field(key, v)?),
             "background" => raw.background = Some(string()?),
@@ -117,9 +118,12 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
     if text.contains_key("input_fidelity") {
         return Err(FieldError::invalid("input_fidelity", "not served yet"));
     }
-    if text.contains_key("controlnet") {
+    if let Some(key) = ["controlnet", "controlnets"]
+        .into_iter()
+        .find(|k| text.contains_key(*k))
+    {
         return Err(FieldError::invalid(
-            "controlnet",
+            key,
             "edits do not take a ControlNet (their unmasked pixels stay the image's); generations do",
         ));
     }
@@ -145,6 +149,7 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
         },
         deadline_ms: parse(text, "deadline_ms", "an integer")?,
         controlnet: None,
+        controlnets: None,
         stream: parse(text, "stream", "true or false")?,
         partial_images: parse(text, "partial_images", "an integer")?,
         preview_every: parse(text, "preview_every", "an integer")?,

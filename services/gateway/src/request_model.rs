@@ -89,6 +89,12 @@ pub fn check_features(
     if params.controlnet.is_some() && !f.controlnet {
         return refuse("controlnet.name", "ControlNets");
     }
+    if !params.extra_controlnets.is_empty() && !f.multi_controlnet {
+        return refuse(
+            "controlnets",
+            "several ControlNets per request (one goes in `controlnet`)",
+        );
+    }
     if !params.loras.is_empty() && !f.lora {
         return refuse("loras", "LoRAs");
     }
@@ -135,6 +141,7 @@ mod tests {
             preview_steps: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
+            extra_controlnets: Vec::new(),
             true_cfg: None,
         }
     }
@@ -173,5 +180,29 @@ mod tests {
             card: None,
         };
         assert!(check_features(&legacy, JobKind::Edit, &guided).is_ok());
+    }
+
+    #[test]
+    fn several_controlnets_need_a_model_that_sums_them() {
+        use diffmesh_shared::wire::controlnet::ControlNetRef;
+        let steer = |name: &str| ControlNetRef {
+            name: name.into(),
+            scale: 1.0,
+        };
+        let mut two = params();
+        two.controlnet = Some(steer("edges"));
+        two.extra_controlnets = vec![steer("depth")];
+        let one_only = model(ModelFeatures {
+            controlnet: true,
+            ..ModelFeatures::default()
+        });
+        let e = check_features(&one_only, JobKind::Generate, &two).unwrap_err();
+        assert_eq!(e.field, "controlnets");
+        let sums = model(ModelFeatures {
+            controlnet: true,
+            multi_controlnet: true,
+            ..ModelFeatures::default()
+        });
+        assert!(check_features(&sums, JobKind::Generate, &two).is_ok());
     }
 }

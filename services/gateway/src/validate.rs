@@ -105,6 +105,12 @@ pub struct RawParams {
     /// over, at its place and size.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub controlnet: Option<crate::controlnet::RawControlNet>,
+    /// Several ControlNets steering the generation together, instead of `controlnet` (models
+    /// whose card says `multi_controlnet`; at most 4): their residuals are summed, each with its
+    /// own image and scale (diffusers' `MultiControlNetModel`).
+    #[schema(max_items = 4)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controlnets: Option<Vec<crate::controlnet::RawControlNet>>,
     /// Answer with Server-Sent Events in OpenAI's shapes (`image_generation.partial_image`
     /// per preview, then `image_generation.completed`; `image_edit.` for edits) instead of
     /// one JSON body: n 1, response_format b64_json, not with `Prefer: respond-async` or an
@@ -320,6 +326,7 @@ fn validate_common(
             deadline_unix_ms,
             // Set by the caller from `raw.controlnet` (generations only).
             controlnet: None,
+            extra_controlnets: Vec::new(),
             true_cfg,
             preview_steps: preview_steps(steps, partial, every),
         },

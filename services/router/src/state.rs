@@ -118,18 +118,21 @@ impl RouterState {
     ) -> Decision {
         let now = Instant::now();
         let mut n = 0;
-        // A steered generation goes where its ControlNet is; when no live worker says it has it
-        // (older workers say nothing), any may take it and the one chosen answers for it.
-        let wanted = job.params.controlnet.as_ref().map(|c| c.name.as_str());
+        // A steered generation goes where its ControlNets are; when no live worker says it has
+        // them all (older workers say nothing), any may take it and the one chosen answers.
+        let wanted: Vec<&str> = job.params.controlnets().map(|c| c.name.as_str()).collect();
         let serves = |w: &crate::registry::LiveWorker<'_>| {
-            wanted.is_some_and(|name| w.heartbeat.controlnets.iter().any(|c| c == name))
+            !wanted.is_empty()
+                && wanted
+                    .iter()
+                    .all(|name| w.heartbeat.controlnets.iter().any(|c| c == name))
         };
         // Only a worker holding the job's model runs it (an older gateway names none: any).
         let model = job.params.model.as_str();
         let holds =
             |w: &crate::registry::LiveWorker<'_>| model.is_empty() || w.heartbeat.model == model;
         let someone_serves =
-            wanted.is_some() && self.registry.live().any(|w| holds(&w) && serves(&w));
+            !wanted.is_empty() && self.registry.live().any(|w| holds(&w) && serves(&w));
         for w in self.registry.live() {
             if exclude.iter().any(|e| e == w.worker_id)
                 || !holds(&w)

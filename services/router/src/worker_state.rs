@@ -5,7 +5,7 @@ use crate::registry::LiveWorker;
 use diffmesh_sched::batching::BatchLimits;
 use diffmesh_sched::cost_model::BatchTotals;
 use diffmesh_sched::policy::{
-    controlnet_step_s, template_key, ActiveRequest, Footprint, LoraKeys, RequestInfo, WorkerState,
+    controlnet_step_s, template_key, ActiveRequest, Footprint, NameKeys, RequestInfo, WorkerState,
 };
 use diffmesh_sched::{CostModels, ModelShape};
 use diffmesh_shared::wire::messages::{DenoiseJob, JobKind, RunningJob};
@@ -65,12 +65,8 @@ pub fn request_info(job: &DenoiseJob, shape: &ModelShape) -> RequestInfo {
         footprint: job_footprint(job),
         steps: job.params.num_inference_steps.max(1),
         template: template_cache_key(job).map(template_key),
-        loras: LoraKeys::of(job.params.loras.iter().map(|l| l.id.as_str())),
-        controlnet: job
-            .params
-            .controlnet
-            .as_ref()
-            .map(|c| template_key(&c.name)),
+        loras: NameKeys::of(job.params.loras.iter().map(|l| l.id.as_str())),
+        controlnets: NameKeys::of(job.params.controlnets().map(|c| c.name.as_str())),
         waiting_behind: None,
     }
 }
@@ -117,12 +113,8 @@ pub fn fill_worker_state(
             .map(|c| (template_key(&c.name), c.seconds)),
     );
     let controlnet_s = |job: &DenoiseJob| {
-        let key = job
-            .params
-            .controlnet
-            .as_ref()
-            .map(|c| template_key(&c.name));
-        controlnet_step_s(&controlnets, key)
+        let keys = NameKeys::of(job.params.controlnets().map(|c| c.name.as_str()));
+        controlnet_step_s(&controlnets, keys)
     };
     let queued_job = |job: &DenoiseJob| ActiveRequest {
         masked_tokens: job_masked_tokens(job, shape),

@@ -9,6 +9,8 @@ use std::path::Path;
 pub const MAX_CONTROLNET_SCALE: f32 = 2.0;
 /// Longest ControlNet name.
 pub const MAX_NAME_LEN: usize = 64;
+/// Most ControlNets steering one generation (Katz: most multi-ControlNet requests use 2 or 3).
+pub const MAX_CONTROLNETS: usize = 4;
 
 /// The ControlNet a generation is steered by.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -64,6 +64,11 @@ pub struct GenerationParams {
     /// request to the codec, then of the prepared inputs). None: no ControlNet.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub controlnet: Option<crate::wire::controlnet::ControlNetRef>,
+    /// ControlNets steering it besides `controlnet`, each with its own control image
+    /// (`extra_control_image_keys`, in the same order); their residuals are summed with the
+    /// first's (diffusers' `MultiControlNetModel`). UNet models take them. Empty: one or none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extra_controlnets: Vec<crate::wire::controlnet::ControlNetRef>,
     /// True classifier-free guidance against a negative prompt. None: the prompt alone steers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub true_cfg: Option<TrueCfg>,
@@ -89,6 +94,11 @@ pub struct TrueCfg {
 }
 
 impl GenerationParams {
+    /// Every ControlNet steering it, `controlnet` first.
+    pub fn controlnets(&self) -> impl Iterator<Item = &crate::wire::controlnet::ControlNetRef> {
+        self.controlnet.iter().chain(&self.extra_controlnets)
+    }
+
     /// Batch rows the job takes in every step: one per image, two with true CFG.
     pub fn batch_rows(&self) -> u32 {
         let per_image = if self.true_cfg.is_some() { 2 } else { 1 };
@@ -112,6 +122,9 @@ pub struct PreprocessRequest {
     /// Object-store key of the raw uploaded control image (generations with a ControlNet).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_image_key: Option<String>,
+    /// Those of `params.extra_controlnets`, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extra_control_image_keys: Vec<String>,
     /// The job's model's geometry from its announcement: the model resolution and token grid
     /// the codec prepares at. None from older gateways: the codec's own flags.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -175,6 +188,9 @@ pub struct PreparedInputs {
     /// generations with a ControlNet only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_image_key: Option<String>,
+    /// Those of `params.extra_controlnets`, in order, as `control_image_key`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extra_control_image_keys: Vec<String>,
 }
 
 /// A field-level validation error, returned to the client as a 4xx.
@@ -600,6 +616,7 @@ mod tests {
             preview_steps: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
+            extra_controlnets: Vec::new(),
             true_cfg: None,
         }
     }
@@ -619,6 +636,7 @@ mod tests {
             token_cols: 16,
             template_id: Some("abc".into()),
             control_image_key: None,
+            extra_control_image_keys: Vec::new(),
         }
     }
 

@@ -59,6 +59,10 @@ pub struct ModelFeatures {
     pub guidance_embeds: bool,
     /// Longest prompt in text-encoder tokens (T5's `max_sequence_length`).
     pub max_sequence_length: u32,
+    /// Several ControlNets per request (`controlnets`), their residuals summed. False from
+    /// older senders.
+    #[serde(default)]
+    pub multi_controlnet: bool,
 }
 
 impl ModelGeometry {
@@ -146,6 +150,7 @@ mod tests {
                 edit: true,
                 guidance_embeds: true,
                 max_sequence_length: 512,
+                multi_controlnet: false,
                 ..ModelFeatures::default()
             },
         };

@@ -41,7 +41,7 @@ pub(super) fn refusal(job: &EngineJob) -> Option<EngineJobError> {
     let p = &job.job.params;
     let field = if job.lora.is_some() || !p.loras.is_empty() {
         "params.loras"
-    } else if p.controlnet.is_some() || job.control_rgb.is_some() {
+    } else if p.controlnet.is_some() || !job.control_rgb.is_empty() {
         "params.controlnet"
     } else {
         return None;

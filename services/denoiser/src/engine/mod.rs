@@ -361,7 +361,7 @@ impl Engine {
                         // The template's content hash names its image at this resolution.
                         let template = job.job.inputs.template_id.as_deref();
                         let mut requests = step_requests(&job.job, job.edit.as_ref(), model)?;
-                        apply_control(&mut requests, &job.job, job.control_rgb.as_deref(), model)?;
+                        apply_control(&mut requests, &job.job, &job.control_rgb, model)?;
                         requests
                             .iter()
                             .map(|r| DenoiseState::new_cached(&pipeline, r, conditioning, template))

@@ -22,8 +22,9 @@ pub struct EngineJob {
     /// A job with LoRAs: its adapters, filled once they are in memory (it steps on the base
     /// model meanwhile, up to `EngineConfig::lora_async_fraction` of its steps).
     pub lora: Option<LoraSlot>,
-    /// A steered generation's control image at the model resolution (RGB u8).
-    pub control_rgb: Option<Vec<u8>>,
+    /// A steered generation's control images at the model resolution (RGB u8), one per
+    /// ControlNet in `params.controlnets()` order.
+    pub control_rgb: Vec<Vec<u8>>,
     /// Its prompts' embeddings, once the prompt stage has encoded them (admission waits for
     /// them). None: the engine's own text encoder encodes them (no prompt stage).
     pub prompts: Option<PromptSlot>,
@@ -38,7 +39,7 @@ impl EngineJob {
             template: None,
             capture_key: None,
             lora: None,
-            control_rgb: None,
+            control_rgb: Vec::new(),
             prompts: None,
         }
     }

@@ -147,7 +147,7 @@ impl Service {
             // Inputs are read before acceptance so a job whose blobs are missing fails with a
             // clear error instead of occupying a batch slot.
             let inputs = match self.fetch_edit_inputs(&job).await {
-                Ok(edit) => self.fetch_control_image(&job).await.map(|c| (edit, c)),
+                Ok(edit) => self.fetch_control_images(&job).await.map(|c| (edit, c)),
                 Err(e) => Err(e),
             };
             let (edit, control_rgb) = match inputs {

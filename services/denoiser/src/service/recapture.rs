@@ -68,6 +68,7 @@ pub fn capture_of(edit: &DenoiseJob) -> Option<DenoiseJob> {
             preview_steps: Vec::new(),
             deadline_unix_ms: None,
             controlnet: None,
+            extra_controlnets: Vec::new(),
             true_cfg: None,
         },
         inputs,
@@ -164,7 +165,7 @@ impl Service {
             template: None,
             capture_key: Some(key.clone()),
             lora: None,
-            control_rgb: None,
+            control_rgb: Vec::new(),
             prompts: prompts.as_ref().map(|(_, _, slot)| slot.clone()),
         };
         match self.engine.submit(engine_job, span).await {

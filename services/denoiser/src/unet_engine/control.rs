@@ -1,16 +1,22 @@
 //! Steered UNet generations' ControlNet residuals, computed on the engine thread from the
 //! ControlNets of `--controlnet-dir` (diffusers' `ControlNetModel`, checked against this UNet
-//! when loaded) before each batched step; and what they cost, reported as the Flux engine
-//! reports its own (`diffmesh_denoiser_controlnet_*`, heartbeats' `controlnet_step_s`).
+//! when loaded) before each batched step, several per request summed as `MultiControlNetModel`
+//! sums them; and what they cost, reported as the Flux engine reports its own
+//! (`diffmesh_denoiser_controlnet_*`, heartbeats' `controlnet_step_s`).
 use super::UnetEngine;
 use crate::engine::EngineJobError;
 use diffmesh_model::unet::UNetResiduals;
+use diffmesh_model::ModelError;
 use std::time::Instant;
 
+fn failed(e: ModelError) -> EngineJobError {
+    EngineJobError::ControlNet(format!("controlnet: {e}"))
+}
+
 impl UnetEngine {
-    /// Per state of the jobs at `members` (indices into `active`, in order), its ControlNet's
-    /// residuals for this step; empty when none of them is steered. The time is shared evenly
-    /// by the steered jobs.
+    /// Per state of the jobs at `members` (indices into `active`, in order), its ControlNets'
+    /// summed residuals for this step; empty when none of them is steered. The time is shared
+    /// evenly by the steered jobs.
     pub(super) fn control_residuals(
         &mut self,
         members: &[usize],
@@ -18,7 +24,7 @@ impl UnetEngine {
         let steered: Vec<usize> = members
             .iter()
             .copied()
-            .filter(|&i| self.active[i].job.params.controlnet.is_some())
+            .filter(|&i| self.active[i].job.params.controlnets().next().is_some())
             .collect();
         if steered.is_empty() {
             return Ok(Vec::new());
@@ -33,41 +39,53 @@ impl UnetEngine {
             .enumerate()
             .filter(|(i, _)| members.contains(i))
         {
-            let name = a.job.params.controlnet.as_ref().map(|c| c.name.as_str());
+            let names: Vec<&str> = a
+                .job
+                .params
+                .controlnets()
+                .map(|c| c.name.as_str())
+                .collect();
             for s in &a.states {
-                let step = s.control_step().map_err(EngineJobError::from_model)?;
-                let (Some(name), Some(step)) = (name, step) else {
+                let Some(step) = s.control_step().map_err(EngineJobError::from_model)? else {
                     out.push(None);
                     continue;
                 };
-                let (net, lookup) = self
-                    .controlnets
-                    .get(name, Some(base))
-                    .map_err(EngineJobError::ControlNet)?;
-                if let Some(m) = metrics {
-                    m.controlnet
-                        .lookups
-                        .with_label_values(&[lookup.as_str()])
-                        .inc();
+                // One network at a time (the registry lends one).
+                let mut sum: Option<UNetResiduals> = None;
+                for (k, name) in names.iter().enumerate() {
+                    let (net, lookup) = self
+                        .controlnets
+                        .get(name, Some(base))
+                        .map_err(EngineJobError::ControlNet)?;
+                    if let Some(m) = metrics {
+                        m.controlnet
+                            .lookups
+                            .with_label_values(&[lookup.as_str()])
+                            .inc();
+                    }
+                    let forward = Instant::now();
+                    let r = step.one(k, net).map_err(failed)?;
+                    if let Some(m) = metrics {
+                        m.controlnet
+                            .seconds
+                            .observe(forward.elapsed().as_secs_f64());
+                    }
+                    sum = Some(match sum {
+                        Some(total) => total.sum(&r).map_err(failed)?,
+                        None => r,
+                    });
                 }
-                let forward = Instant::now();
-                let r = step
-                    .residuals(&[net])
-                    .map_err(|e| EngineJobError::ControlNet(format!("controlnet: {e}")))?;
-                if let Some(m) = metrics {
-                    m.controlnet
-                        .seconds
-                        .observe(forward.elapsed().as_secs_f64());
-                }
-                out.push(Some(r));
+                out.push(sum);
             }
         }
         let share = started.elapsed().as_secs_f64() / steered.len() as f64;
         for i in steered {
             let a = &mut self.active[i];
             a.control_s.observe(share);
-            if let Some(c) = &a.job.params.controlnet {
-                self.control_costs.observe(&c.name, share);
+            // A job's ControlNets cost it the share together: split evenly among them.
+            let count = a.job.params.controlnets().count().max(1) as f64;
+            for c in a.job.params.controlnets() {
+                self.control_costs.observe(&c.name, share / count);
                 if let Some(m) = metrics {
                     m.controlnet
                         .step_seconds

@@ -94,6 +94,7 @@ pub fn announce(pipeline: &SdPipeline, id: &str, default_size: Option<i64>) -> M
             true_cfg: false,
             guidance_embeds: false,
             max_sequence_length: CLIP_TOKENS,
+            multi_controlnet: true,
         },
     }
 }
@@ -134,15 +135,15 @@ fn pixel_mask(
 }
 
 /// The states of a job's images (image `i` seeded with `seed + i`): a generation, steered by
-/// its ControlNet when it names one (`control_rgb`: the control image at the model
-/// resolution); an edit, as SD inpainting at strength 1 whose latents carry the template's
+/// its ControlNets when it names any (`control_rgb`: their control images at the model
+/// resolution, in `params.controlnets()` order); an edit, as SD inpainting at strength 1 whose latents carry the template's
 /// noise outside the mask when it edits a registered template; mask-aware on `template` (its
 /// decoded cache) when given.
 pub fn job_states(
     job: &DenoiseJob,
     edit: Option<&EditInputs>,
     template: Option<&Arc<SdTemplate>>,
-    control_rgb: Option<&[u8]>,
+    control_rgb: &[Vec<u8>],
     model: &UnetModel,
 ) -> Result<Vec<SdState>, ModelError> {
     let p = &job.params;
@@ -150,25 +151,30 @@ pub fn job_states(
         return Err(ModelError::input("params.n", "must be at least 1"));
     }
     let (height, width) = job_resolution_of(job, &model.card);
-    let control = match (&p.controlnet, control_rgb) {
-        (None, _) => None,
-        (Some(_), _) if job.kind != JobKind::Generate => {
-            return Err(ModelError::input(
-                "params.controlnet",
-                "only generations are steered by a ControlNet",
-            ))
-        }
-        (Some(_), None) => {
-            return Err(ModelError::input(
-                "inputs.control_image_key",
-                "a steered generation without its control image",
-            ))
-        }
-        (Some(c), Some(rgb)) => Some((
-            rgb_to_unit_tensor(rgb, height, width, "inputs.control_image_key")?,
-            f64::from(c.scale),
-        )),
-    };
+    let names = p.controlnets().count();
+    if names > 0 && job.kind != JobKind::Generate {
+        return Err(ModelError::input(
+            "params.controlnet",
+            "only generations are steered by a ControlNet",
+        ));
+    }
+    if control_rgb.len() != names {
+        return Err(ModelError::input(
+            "inputs.control_image_key",
+            format!(
+                "{names} ControlNets and {} control images",
+                control_rgb.len()
+            ),
+        ));
+    }
+    let controls = p
+        .controlnets()
+        .zip(control_rgb)
+        .map(|(c, rgb)| {
+            let image = rgb_to_unit_tensor(rgb, height, width, "inputs.control_image_key")?;
+            Ok((image, f64::from(c.scale)))
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
     let request = SdRequest {
         prompt: p.prompt.clone(),
         negative_prompt: p.true_cfg.as_ref().map(|c| c.negative_prompt.clone()),
@@ -216,12 +222,15 @@ pub fn job_states(
         let state = match &inpaint {
             None => {
                 let mut state = pipe.prepare(&request, &own, None)?;
-                if let Some((image, scale)) = &control {
-                    let steer = SdControl {
-                        image: image.shallow_clone(),
-                        scale: *scale,
-                    };
-                    pipe.steer(&mut state, vec![steer])?;
+                if !controls.is_empty() {
+                    let steer = controls
+                        .iter()
+                        .map(|(image, scale)| SdControl {
+                            image: image.shallow_clone(),
+                            scale: *scale,
+                        })
+                        .collect();
+                    pipe.steer(&mut state, steer)?;
                 }
                 state
             }

@@ -225,7 +225,7 @@ impl UnetEngine {
             &job.job,
             job.edit.as_ref(),
             template.as_ref(),
-            job.control_rgb.as_deref(),
+            &job.control_rgb,
             &self.model,
         )?;
         Ok((states, template.is_some()))
@@ -496,12 +496,9 @@ impl UnetEngine {
             })
             .collect();
         let costs = &self.control_costs;
-        let waiting = self.ledger.waiting_jobs(|j| {
-            j.params
-                .controlnet
-                .as_ref()
-                .map_or(0.0, |c| costs.of(&c.name))
-        });
+        let waiting = self
+            .ledger
+            .waiting_jobs(|j| j.params.controlnets().map(|c| costs.of(&c.name)).sum());
         if let Some(m) = self.metrics() {
             m.queued.set(self.ledger.waiting.len() as i64);
             m.running.set(self.active.len() as i64);

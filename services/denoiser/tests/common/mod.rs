@@ -33,7 +33,7 @@ pub fn control_rgb() -> Vec<u8> {
 pub fn engine_job(j: DenoiseJob) -> EngineJob {
     let steered = j.params.controlnet.is_some();
     let mut e = EngineJob::new(j, None);
-    e.control_rgb = steered.then(control_rgb);
+    e.control_rgb = steered.then(control_rgb).into_iter().collect();
     e
 }
 

@@ -28,11 +28,8 @@ pub async fn read_generation(
     let body = read_limited(payload, state.max_body_bytes, "body").await?;
     let raw = raw_from_json(&body)?;
     let fingerprint = idempotency::fingerprint("generations", &raw, None, None);
-    let control = raw
-        .controlnet
-        .as_ref()
-        .map(|c| crate::controlnet::validate(c, &state.limits))
-        .transpose()?;
+    let controls = read_controlnets(&raw, state)?;
+    let listed = raw.controlnets.is_some();
     let (requested, size_given) = (raw.model.clone(), raw.size_given());
     let mut valid = validate::validate_generation(raw, &state.limits, &state.defaults)?;
     // The model is resolved after the fields are checked, so a bad field is named first.
@@ -40,17 +37,25 @@ pub async fn read_generation(
     if !size_given {
         request_model::default_size(state, &model, &mut valid.params)?;
     }
-    if let Some(c) = &control {
+    for (i, c) in controls.iter().enumerate() {
+        let at = match listed {
+            true => format!("controlnets[{i}].name"),
+            false => "controlnet.name".to_string(),
+        };
         state
             .directory
-            .check_offered(&c.reference.name, &model.id)
+            .check_offered(&c.reference.name, &model.id, &at)
             .await?;
     }
     let loras = lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
-    let control_image = control.map(|c| {
-        valid.params.controlnet = Some(c.reference);
-        c.image
-    });
+    let mut control_images = Vec::with_capacity(controls.len());
+    for c in controls {
+        match valid.params.controlnet {
+            None => valid.params.controlnet = Some(c.reference),
+            Some(_) => valid.params.extra_controlnets.push(c.reference),
+        }
+        control_images.push(c.image);
+    }
     valid.params.model = model.id.clone();
     request_model::check_features(&model, JobKind::Generate, &valid.params)?;
     lora_params::check_targets(&model.id, model.family(), &loras)?;
@@ -61,10 +66,34 @@ pub async fn read_generation(
             image: None,
             mask: None,
             template: None,
-            control_image,
+            control_images,
             geometry: model.card.map(|c| c.geometry),
         },
         fingerprint,
+    })
+}
+
+/// The checked ControlNets of a generation: its `controlnet`, or its `controlnets` list.
+fn read_controlnets(
+    raw: &validate::RawParams,
+    state: &ApiState,
+) -> Result<Vec<crate::controlnet::ValidControlNet>, ApiError> {
+    let check = |c, at: &str| crate::controlnet::validate(c, &state.limits, at);
+    Ok(match (&raw.controlnet, &raw.controlnets) {
+        (Some(_), Some(_)) => {
+            return Err(FieldError::invalid(
+                "controlnets",
+                "give one ControlNet in `controlnet` or several in `controlnets`, not both",
+            )
+            .into())
+        }
+        (Some(c), None) => vec![check(c, "controlnet")?],
+        (None, Some(list)) => list
+            .iter()
+            .enumerate()
+            .map(|(i, c)| check(c, &format!("controlnets[{i}]")))
+            .collect::<Result<_, _>>()?,
+        (None, None) => Vec::new(),
     })
 }
 
@@ -150,7 +179,7 @@ pub async fn read_edit(
             image: Some(InputImage::Upload(image)),
             mask,
             template: None,
-            control_image: None,
+            control_images: Vec::new(),
             geometry: model.card.map(|c| c.geometry),
         },
         fingerprint,

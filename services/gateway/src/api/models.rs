@@ -65,6 +65,7 @@ impl CardView {
             ("edit", f.edit),
             ("fill", f.fill),
             ("controlnet", f.controlnet),
+            ("multi_controlnet", f.controlnet && f.multi_controlnet),
             ("lora", f.lora),
             ("true_cfg", f.true_cfg),
             ("guidance", f.guidance_embeds),
@@ -204,6 +205,7 @@ mod tests {
                 lora: true,
                 guidance_embeds: true,
                 max_sequence_length: 512,
+                multi_controlnet: false,
                 ..ModelFeatures::default()
             },
         });

@@ -130,7 +130,7 @@ async fn capture(
     // The image is already in the template bucket: the capture reads it there.
     let input = JobInput {
         kind: JobKind::Capture,
-        control_image: None,
+        control_images: Vec::new(),
         valid: ValidParams {
             params,
             response_format: ResponseFormat::B64Json,

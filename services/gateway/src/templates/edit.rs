@@ -58,7 +58,7 @@ pub async fn read(
     Ok(ImageRequest {
         input: JobInput {
             kind: JobKind::Edit,
-            control_image: None,
+            control_images: Vec::new(),
             valid,
             image: Some(InputImage::Template(record.template_image())),
             mask,

@@ -141,6 +141,7 @@ pub fn validate(
         preview_steps: Vec::new(),
         deadline_unix_ms: None,
         controlnet: None,
+        extra_controlnets: Vec::new(),
         true_cfg: None,
     })
 }
