@@ -315,3 +315,61 @@ fn template_captures_and_mask_aware_edits() {
         .to_string();
     assert!(err.contains("states"), "{err}");
 }
+
+/// A batch whose step fails part-way (here: the second state's ancestral noise cannot be had)
+/// changes no state, so the engine's retry job by job steps each once: after a failed round the
+/// DPM++ 2M state (whose scheduler keeps the previous prediction) and the Euler-ancestral one
+/// end on the images they give alone.
+#[test]
+fn a_batch_that_fails_part_way_steps_no_one() {
+    let dir = generate("gen_sd21_pipeline.py", &[], "sd-stepper-atomic");
+    let pipe = SdPipeline::load(&dir.join("sd21"), Device::Cpu, Kind::Float).unwrap();
+    let latents = read_tensors(&dir.join("latents.safetensors"))["latents"].shallow_clone();
+    let requests = [
+        request("a cat on a sofa", 4, 5.0, Some("dpmpp_2m")),
+        request("a dog in the snow", 4, 5.0, Some("euler_a")),
+    ];
+    let alone: Vec<Tensor> = requests
+        .iter()
+        .enumerate()
+        .map(|(id, req)| {
+            let mut n = |step: usize, shape: &[i64]| noise(id as u64, step, shape);
+            pipe.generate(req, &latents, &mut n).unwrap()
+        })
+        .collect();
+    let mut states: Vec<SdState> = requests
+        .iter()
+        .map(|req| pipe.prepare(req, &latents, None).unwrap())
+        .collect();
+    let mut round = 0;
+    while states.iter().any(|s| !s.done()) {
+        let before: Vec<Tensor> = states.iter().map(|s| s.latents().copy()).collect();
+        let mut batch: Vec<&mut SdState> = states.iter_mut().collect();
+        if round == 2 {
+            // The failing round: the first state steps (its scheduler moves) before the second's
+            // noise fails; nothing may stay moved.
+            let err = pipe
+                .step_batch(&mut batch, &mut |i, step, shape| match i {
+                    1 => Err(diffmesh_model::ModelError::input("noise", "unavailable")),
+                    _ => noise(i as u64, step, shape),
+                })
+                .unwrap_err();
+            assert!(err.to_string().contains("unavailable"), "{err}");
+            for (s, b) in states.iter().zip(&before) {
+                assert_eq!(s.next_step(), 2);
+                assert_eq!(max_abs_diff(s.latents(), b), 0.0, "latents moved");
+            }
+            batch = states.iter_mut().collect();
+        }
+        pipe.step_batch(&mut batch, &mut |i, step, shape| {
+            noise(i as u64, step, shape)
+        })
+        .unwrap();
+        round += 1;
+    }
+    for (id, (state, alone)) in states.iter().zip(&alone).enumerate() {
+        let err = max_abs_diff(&pipe.decode(state).unwrap(), alone);
+        println!("request {id} after a failed round: max abs err {err:.2e} against alone");
+        assert!(err <= 1e-5, "request {id}: {err}");
+    }
+}

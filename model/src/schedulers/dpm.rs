@@ -91,6 +91,19 @@ fn alpha_sigma_lambda(sigma: f32) -> (f32, f32, f32) {
 }
 
 impl Dpm {
+    /// What a step changes: the previous prediction and the lower-order count.
+    pub(super) fn checkpoint(&self) -> (Option<Tensor>, i64) {
+        (
+            self.previous.as_ref().map(Tensor::shallow_clone),
+            self.lower_order_nums,
+        )
+    }
+
+    pub(super) fn restore(&mut self, (previous, lower_order_nums): (Option<Tensor>, i64)) {
+        self.previous = previous;
+        self.lower_order_nums = lower_order_nums;
+    }
+
     pub(super) fn step(
         &mut self,
         sigmas: &[f32],

@@ -259,6 +259,11 @@ pub struct DiscreteSchedule {
     state: State,
 }
 
+/// A schedule's stepping state as it was ([`DiscreteSchedule::checkpoint`]), so a batch whose
+/// step failed part-way can be put back and retried without stepping anything twice.
+#[derive(Debug)]
+pub struct ScheduleCheckpoint(Option<(Option<Tensor>, i64)>);
+
 #[derive(Debug)]
 enum State {
     Euler { ancestral: bool },
@@ -267,6 +272,21 @@ enum State {
 }
 
 impl DiscreteSchedule {
+    /// Its stepping state now (tensors shared, not copied).
+    pub fn checkpoint(&self) -> ScheduleCheckpoint {
+        ScheduleCheckpoint(match &self.state {
+            State::Dpm(dpm) => Some(dpm.checkpoint()),
+            _ => None,
+        })
+    }
+
+    /// Back to `checkpoint` (taken from this schedule).
+    pub fn restore(&mut self, checkpoint: ScheduleCheckpoint) {
+        if let (State::Dpm(dpm), Some(saved)) = (&mut self.state, checkpoint.0) {
+            dpm.restore(saved);
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.timesteps.len()
     }

@@ -122,6 +122,42 @@ impl SdState {
             time_ids: self.time_ids.as_ref().map(Tensor::shallow_clone),
         })
     }
+    /// The latents after this step from the UNet's output `mine` for its rows (guidance
+    /// applied, then the scheduler's step, then an inpainting blend); advances its scheduler's
+    /// state but not the latents or the step index. `i`: its place in the batch, for `noise`.
+    fn next_latents(
+        &mut self,
+        i: usize,
+        mine: &Tensor,
+        noise: &mut BatchNoise,
+        device: tch::Device,
+    ) -> Result<Tensor> {
+        let prediction = match self.guidance {
+            Some(scale) => {
+                let (uncond, text) = (mine.f_narrow(0, 0, 1)?, mine.f_narrow(0, 1, 1)?);
+                uncond.f_add(&text.f_sub(&uncond)?.f_mul_scalar(scale)?)?
+            }
+            None => mine.shallow_clone(),
+        };
+        let n = if self.schedule.needs_noise() {
+            Some(noise(i, self.next, &self.x.size())?.f_to_device(device)?)
+        } else {
+            None
+        };
+        let step = self.next;
+        let mut x = self.schedule.step(step, &prediction, &self.x, n.as_ref())?;
+        if let Extra::Blend { image, mask, noise } = &self.extra {
+            // Outside the mask, the image's latents noised to the next step's level.
+            let proper = if step + 1 < self.schedule.len() {
+                self.schedule.add_noise(image, noise, step + 1)?
+            } else {
+                image.shallow_clone()
+            };
+            let keep = mask.f_neg()?.f_add_scalar(1.0)?;
+            x = keep.f_mul(&proper)?.f_add(&mask.f_mul(&x)?)?;
+        }
+        Ok(x)
+    }
 }
 
 impl SdPipeline {
@@ -246,34 +282,31 @@ impl SdPipeline {
             let out = self
                 .run_unet(states, &inputs, residuals)?
                 .f_to_kind(Kind::Float)?;
+            // All or nothing: each state's next latents are computed first (its scheduler's
+            // state checkpointed), and only kept once every state has stepped, so a batch that
+            // fails part-way can be retried job by job without stepping anyone twice.
+            let saved: Vec<_> = states.iter().map(|s| s.schedule.checkpoint()).collect();
+            let mut next = Vec::with_capacity(states.len());
             let mut row = 0;
+            let mut failed = None;
             for (i, s) in states.iter_mut().enumerate() {
                 let mine = out.f_narrow(0, row, s.rows())?;
                 row += s.rows();
-                let prediction = match s.guidance {
-                    Some(scale) => {
-                        let (uncond, text) = (mine.f_narrow(0, 0, 1)?, mine.f_narrow(0, 1, 1)?);
-                        uncond.f_add(&text.f_sub(&uncond)?.f_mul_scalar(scale)?)?
+                match s.next_latents(i, &mine, noise, device) {
+                    Ok(x) => next.push(x),
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
                     }
-                    None => mine,
-                };
-                let n = if s.schedule.needs_noise() {
-                    Some(noise(i, s.next, &s.x.size())?.f_to_device(device)?)
-                } else {
-                    None
-                };
-                let step = s.next;
-                let mut x = s.schedule.step(step, &prediction, &s.x, n.as_ref())?;
-                if let Extra::Blend { image, mask, noise } = &s.extra {
-                    // Outside the mask, the image's latents noised to the next step's level.
-                    let proper = if step + 1 < s.schedule.len() {
-                        s.schedule.add_noise(image, noise, step + 1)?
-                    } else {
-                        image.shallow_clone()
-                    };
-                    let keep = mask.f_neg()?.f_add_scalar(1.0)?;
-                    x = keep.f_mul(&proper)?.f_add(&mask.f_mul(&x)?)?;
                 }
+            }
+            if let Some(e) = failed {
+                for (s, checkpoint) in states.iter_mut().zip(saved) {
+                    s.schedule.restore(checkpoint);
+                }
+                return Err(e);
+            }
+            for (s, x) in states.iter_mut().zip(next) {
                 s.x = x;
                 s.next += 1;
             }

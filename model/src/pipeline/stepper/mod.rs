@@ -460,6 +460,20 @@ impl DenoiseState {
 
     /// Euler step with this request's velocity row, then the edit blend.
     fn apply(&mut self, velocity: &Tensor) -> Result<()> {
+        let latents = self.next_latents(velocity)?;
+        self.commit(latents);
+        Ok(())
+    }
+
+    /// Take the step's latents (from [`Self::next_latents`]).
+    fn commit(&mut self, latents: Tensor) {
+        self.latents = latents;
+        self.index += 1;
+    }
+
+    /// The latents after this step with `velocity`, the state unchanged (the schedule's step
+    /// is stateless, so a batch can compute every state's before committing any).
+    fn next_latents(&self, velocity: &Tensor) -> Result<Tensor> {
         let schedule = &self.prep.schedule;
         let index = self.index;
         let mut latents = schedule.step(index, velocity, &self.latents)?;
@@ -471,9 +485,7 @@ impl DenoiseState {
             };
             latents = e.keep.f_mul(&proper)?.f_add(&e.blend.f_mul(&latents)?)?;
         }
-        self.latents = latents;
-        self.index += 1;
-        Ok(())
+        Ok(latents)
     }
 
     /// Decode the final latents: `[1, 3, H, W]`, unclamped (nominally [-1, 1]).
@@ -593,11 +605,15 @@ pub fn step_batch_controlled(
                 velocities[i][b as usize] = Some(velocity.f_narrow(0, row as i64, 1)?);
             }
         }
-        // Only full-compute states have velocities yet.
+        // All or nothing: every state's next latents are computed before any is kept, so a
+        // batch that fails part-way (the mask-aware forward after the full ones, say) can be
+        // retried job by job without stepping anyone twice. Only full-compute states have
+        // velocities yet.
+        let mut stepped: Vec<(usize, Tensor)> = Vec::with_capacity(states.len());
         for (i, rows) in velocities.iter_mut().enumerate() {
             if rows[0].is_some() {
                 let v = states[i].guided(std::mem::take(rows))?;
-                states[i].apply(&v)?;
+                stepped.push((i, states[i].next_latents(&v)?));
             }
         }
         if !cached.is_empty() {
@@ -630,8 +646,12 @@ pub fn step_batch_controlled(
                 velocities[i][b as usize] = Some(v);
             }
             for &(i, _) in &cached {
-                states[i].apply_masked(std::mem::take(&mut velocities[i]))?;
+                let rows = std::mem::take(&mut velocities[i]);
+                stepped.push((i, states[i].masked_next_latents(rows)?));
             }
+        }
+        for (i, latents) in stepped {
+            states[i].commit(latents);
         }
         Ok(())
     })
@@ -679,6 +699,13 @@ impl DenoiseState {
 
     /// Step with the guided rows' velocities of the masked tokens.
     fn apply_masked(&mut self, rows: [Option<Tensor>; 2]) -> Result<()> {
+        let latents = self.masked_next_latents(rows)?;
+        self.commit(latents);
+        Ok(())
+    }
+
+    /// [`Self::next_latents`] from the guided rows' velocities of the masked tokens.
+    fn masked_next_latents(&self, rows: [Option<Tensor>; 2]) -> Result<Tensor> {
         let v = self.guided(rows)?;
         let e = self
             .edit
@@ -689,7 +716,7 @@ impl DenoiseState {
             self.latents
                 .f_zeros_like()?
                 .f_index_copy(1, &e.masked_index, &v.f_unsqueeze(0)?)?;
-        self.apply(&full)
+        self.next_latents(&full)
     }
 }
 

@@ -331,3 +331,38 @@ fn a_step_in_two_halves_equals_a_step() {
     let err = st.apply_velocities(vec![]).unwrap_err().to_string();
     assert!(err.contains("velocities"), "{err}");
 }
+
+/// A cache whose every read fails (a tier that lost the template mid-step).
+struct FailingCache;
+
+impl KvCache for FailingCache {
+    fn block_kv(&self, block: usize) -> Result<(Tensor, Tensor)> {
+        Err(ModelError::input("cache", format!("block {block} is gone")))
+    }
+}
+
+#[test]
+fn a_batch_that_fails_part_way_steps_no_one() {
+    let (m, s) = model();
+    let p = m.pipeline(&s);
+    let mut plain = DenoiseState::new(&p, &req("a red circle", 1, 4)).unwrap();
+    let template = Tensor::rand([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 2.0 - 1.0;
+    let mask = Tensor::zeros([1, 1, 64, 64], (Kind::Float, Device::Cpu));
+    let _ = mask.narrow(2, 0, 32).narrow(3, 0, 32).fill_(1.0);
+    let mut r = req("a green triangle", 5, 4);
+    r.edit = Some(EditSpec {
+        template,
+        token_mask: crate::packing::token_mask(&mask, 4).unwrap().view([-1]),
+        strength: 1.0,
+        template_seed: None,
+    });
+    let mut edit = DenoiseState::new(&p, &r).unwrap();
+    let before = plain.latents().copy();
+    // The full-compute state's forward runs before the mask-aware one fails.
+    let modes = [StepMode::Full, StepMode::Cached(&FailingCache)];
+    let err = step_batch_modes(&p, &mut [&mut plain, &mut edit], &modes, 0).unwrap_err();
+    assert!(err.to_string().contains("is gone"), "{err}");
+    assert_eq!(plain.progress(), (0, 4), "the plain state stepped");
+    assert_eq!(max_diff(plain.latents(), &before), 0.0);
+    assert_eq!(edit.progress(), (0, 4));
+}
