@@ -238,6 +238,16 @@ impl ControlNetModel {
                 format!("{:?}", own.addition_embed_type),
                 format!("{:?}", base.addition_embed_type),
             ),
+            (
+                "addition_time_embed_dim",
+                format!("{:?}", own.addition_time_embed_dim),
+                format!("{:?}", base.addition_time_embed_dim),
+            ),
+            (
+                "projection_class_embeddings_input_dim",
+                format!("{:?}", own.projection_class_embeddings_input_dim),
+                format!("{:?}", base.projection_class_embeddings_input_dim),
+            ),
         ];
         for (field, ours, theirs) in checks {
             if ours != theirs {

@@ -61,10 +61,17 @@ impl Service {
             return Ok(Vec::new());
         }
         let served = self.controlnets_served();
-        if let Some(name) = names.iter().find(|n| !served.iter().any(|s| s == *n)) {
-            return Err(format!(
-                "controlnet.name: no ControlNet `{name}` on this denoiser"
-            ));
+        let listed = names.len() > 1;
+        if let Some((i, name)) = names
+            .iter()
+            .enumerate()
+            .find(|(_, n)| !served.iter().any(|s| s == *n))
+        {
+            let field = match listed {
+                true => format!("controlnets[{i}].name"),
+                false => "controlnet.name".to_string(),
+            };
+            return Err(format!("{field}: no ControlNet `{name}` on this denoiser"));
         }
         let keys: Vec<&String> = job
             .inputs
@@ -81,8 +88,12 @@ impl Service {
             ));
         }
         let mut images = Vec::with_capacity(keys.len());
-        for key in keys {
-            images.push(self.read_input("control_image_key", key).await?);
+        for (i, key) in keys.into_iter().enumerate() {
+            let field = match i {
+                0 => "control_image_key".to_string(),
+                i => format!("extra_control_image_keys[{}]", i - 1),
+            };
+            images.push(self.read_input(&field, key).await?);
         }
         Ok(images)
     }

@@ -255,15 +255,15 @@ pub fn apply_control(
     control_rgb: &[Vec<u8>],
     model: &EngineModel,
 ) -> Result<(), ModelError> {
-    let Some(control) = &job.params.controlnet else {
-        return Ok(());
-    };
     if !job.params.extra_controlnets.is_empty() {
         return Err(ModelError::input(
             "params.extra_controlnets",
             "a Flux model is steered by one ControlNet per request",
         ));
     }
+    let Some(control) = &job.params.controlnet else {
+        return Ok(());
+    };
     if job.kind != JobKind::Generate {
         return Err(ModelError::input(
             "params.controlnet",

@@ -101,38 +101,55 @@ impl Workers {
     }
 }
 
-/// Whether a generation may name `name`: refused when denoisers that take jobs were heard and
-/// none steers with it; let through while none was heard (this gateway just started, or none
-/// is up: placement answers for the job then).
+/// Whether a generation of `model` may name the ControlNets `wanted` (each with the request's
+/// field naming it): refused when denoisers of that model that take jobs were heard and none
+/// steers with one of them, or (several) none steers with all of them, since a job runs on one
+/// denoiser; let through while none was heard (this gateway just started, or none is up:
+/// placement answers for the job then).
 pub fn check_offered(
     denoisers: &[&Heartbeat],
-    name: &str,
+    wanted: &[(&str, &str)],
     model: &str,
-    field: &str,
 ) -> Result<(), FieldError> {
     // A ControlNet fits one model's network: only the denoisers of the requested model count.
     let of_model: Vec<&&Heartbeat> = denoisers.iter().filter(|d| d.model == model).collect();
-    if of_model.is_empty()
-        || of_model
-            .iter()
-            .any(|d| d.controlnets.iter().any(|n| n == name))
-    {
+    if of_model.is_empty() {
         return Ok(());
     }
+    let offers = |d: &Heartbeat, name: &str| d.controlnets.iter().any(|n| n == name);
     let mut offered: Vec<&str> = of_model
         .iter()
         .flat_map(|d| d.controlnets.iter().map(String::as_str))
         .collect();
     offered.sort_unstable();
     offered.dedup();
-    Err(FieldError::invalid(
-        field,
-        format!(
-            "no denoiser of model {model:?} steers with {name:?}; offered for it now: [{}] \
-             (GET /v1/controlnets)",
-            offered.join(", ")
-        ),
-    ))
+    let on_offer = offered.join(", ");
+    for (name, field) in wanted {
+        if !of_model.iter().any(|d| offers(d, name)) {
+            return Err(FieldError::invalid(
+                *field,
+                format!(
+                    "no denoiser of model {model:?} steers with {name:?}; offered for it now: \
+                     [{on_offer}] (GET /v1/controlnets)"
+                ),
+            ));
+        }
+    }
+    if wanted.len() > 1
+        && !of_model
+            .iter()
+            .any(|d| wanted.iter().all(|(name, _)| offers(d, name)))
+    {
+        let names: Vec<&str> = wanted.iter().map(|(name, _)| *name).collect();
+        return Err(FieldError::invalid(
+            "controlnets",
+            format!(
+                "no denoiser of model {model:?} steers with all of {names:?} together \
+                 (GET /v1/controlnets lists who steers with each)"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -198,7 +215,7 @@ mod tests {
     #[test]
     fn a_name_no_live_denoiser_offers_is_refused_once_denoisers_are_heard() {
         let check = |hbs: &[Heartbeat], name: &str| {
-            check_offered(&denoisers(hbs), name, "tiny", "controlnet.name")
+            check_offered(&denoisers(hbs), &[(name, "controlnet.name")], "tiny")
         };
         // Nothing heard yet (just started): let through, placement answers for it.
         assert!(check(&[], "canny").is_ok());
@@ -228,13 +245,39 @@ mod tests {
         let mixed = [live[0].clone(), sd];
         let e = check(&mixed, "depth").unwrap_err();
         assert!(e.message.contains("[silhouette]"), "{}", e.message);
-        assert!(check_offered(&denoisers(&mixed), "depth", "sd", "controlnets[1].name").is_ok());
-        let e = check_offered(&denoisers(&mixed), "edges", "sd", "controlnets[1].name");
+        let sd = |wanted: &[(&str, &str)]| check_offered(&denoisers(&mixed), wanted, "sd");
+        assert!(sd(&[("depth", "controlnets[1].name")]).is_ok());
+        let e = sd(&[
+            ("depth", "controlnets[0].name"),
+            ("edges", "controlnets[1].name"),
+        ]);
         assert_eq!(e.unwrap_err().field, "controlnets[1].name");
         assert!(
-            check_offered(&denoisers(&mixed), "depth", "unheard", "controlnet.name").is_ok(),
+            check_offered(
+                &denoisers(&mixed),
+                &[("depth", "controlnet.name")],
+                "unheard"
+            )
+            .is_ok(),
             "no denoiser of that model heard: placement answers"
         );
+        // Several must be on one denoiser: a job runs on one.
+        let apart = [
+            heartbeat("d1", &["edges"], &[], false),
+            heartbeat("d2", &["depth"], &[], false),
+            heartbeat("d3", &["edges", "pose"], &[], false),
+        ];
+        let both = [
+            ("edges", "controlnets[0].name"),
+            ("depth", "controlnets[1].name"),
+        ];
+        let e = check_offered(&denoisers(&apart), &both, "tiny").unwrap_err();
+        assert_eq!(e.field, "controlnets");
+        let together = [
+            ("edges", "controlnets[0].name"),
+            ("pose", "controlnets[1].name"),
+        ];
+        assert!(check_offered(&denoisers(&apart), &together, "tiny").is_ok());
     }
 
     #[test]

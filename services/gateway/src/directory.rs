@@ -128,14 +128,13 @@ impl Handler<ControlNets> for Directory {
     }
 }
 
-/// Whether a steered generation of model `.1` may name ControlNet `.0` (400 naming
-/// `controlnet.name` when denoisers of that model that take jobs were heard and none steers
-/// with it).
+/// Whether a steered generation of `model` may name the ControlNets `wanted`
+/// (`controlnet_directory::check_offered`).
 pub struct CheckOffered {
-    pub name: String,
+    /// Each ControlNet with the request's field naming it (`controlnet.name`,
+    /// `controlnets[i].name`).
+    pub wanted: Vec<(String, String)>,
     pub model: String,
-    /// The request's field naming it (`controlnet.name`, `controlnets[i].name`).
-    pub field: String,
 }
 
 impl Message for CheckOffered {
@@ -147,11 +146,15 @@ impl Handler<CheckOffered> for Directory {
 
     fn handle(&mut self, msg: CheckOffered, _: &mut Context<Self>) -> Self::Result {
         let denoisers = live(&mut self.denoisers);
+        let wanted: Vec<(&str, &str)> = msg
+            .wanted
+            .iter()
+            .map(|(name, field)| (name.as_str(), field.as_str()))
+            .collect();
         check_offered(
             &taking_jobs(&mut denoisers.into_iter()),
-            &msg.name,
+            &wanted,
             &msg.model,
-            &msg.field,
         )
     }
 }
@@ -240,16 +243,14 @@ impl MeshDirectory {
     /// A steered generation's ControlNet, checked against what live denoisers offer.
     pub async fn check_offered(
         &self,
-        name: &str,
+        wanted: Vec<(String, String)>,
         model: &str,
-        field: &str,
     ) -> Result<(), FieldError> {
         // A directory that is gone lets the request through: placement answers for it then.
         self.addr
             .send(CheckOffered {
-                name: name.to_string(),
+                wanted,
                 model: model.to_string(),
-                field: field.to_string(),
             })
             .await
             .unwrap_or(Ok(()))
@@ -325,18 +326,21 @@ mod tests {
         let directory = MeshDirectory::empty();
         assert!(
             directory
-                .check_offered("canny", "tiny", "controlnet.name")
+                .check_offered(vec![("canny".into(), "controlnet.name".into())], "tiny")
                 .await
                 .is_ok(),
             "none heard yet"
         );
         directory.record_denoiser(heartbeat("d1", &["silhouette"], &[], false), Instant::now());
         assert!(directory
-            .check_offered("silhouette", "tiny", "controlnet.name")
+            .check_offered(
+                vec![("silhouette".into(), "controlnet.name".into())],
+                "tiny"
+            )
             .await
             .is_ok());
         let refused = directory
-            .check_offered("canny", "tiny", "controlnet.name")
+            .check_offered(vec![("canny".into(), "controlnet.name".into())], "tiny")
             .await
             .unwrap_err();
         assert_eq!(refused.field, "controlnet.name");

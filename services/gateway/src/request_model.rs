@@ -87,7 +87,11 @@ pub fn check_features(
         return refuse("true_cfg_scale", "true classifier-free guidance");
     }
     if params.controlnet.is_some() && !f.controlnet {
-        return refuse("controlnet.name", "ControlNets");
+        let field = match params.extra_controlnets.is_empty() {
+            true => "controlnet.name",
+            false => "controlnets",
+        };
+        return refuse(field, "ControlNets");
     }
     if !params.extra_controlnets.is_empty() && !f.multi_controlnet {
         return refuse(

@@ -108,7 +108,7 @@ pub struct RawParams {
     /// Several ControlNets steering the generation together, instead of `controlnet` (models
     /// whose card says `multi_controlnet`; at most 4): their residuals are summed, each with its
     /// own image and scale (diffusers' `MultiControlNetModel`).
-    #[schema(max_items = 4)]
+    #[schema(min_items = 1, max_items = 4)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub controlnets: Option<Vec<crate::controlnet::RawControlNet>>,
     /// Answer with Server-Sent Events in OpenAI's shapes (`image_generation.partial_image`

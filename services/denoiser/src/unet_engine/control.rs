@@ -1,10 +1,11 @@
 //! Steered UNet generations' ControlNet residuals, computed on the engine thread from the
 //! ControlNets of `--controlnet-dir` (diffusers' `ControlNetModel`, checked against this UNet
 //! when loaded) before each batched step, several per request summed as `MultiControlNetModel`
-//! sums them; and what they cost, reported as the Flux engine reports its own
+//! sums them, each ControlNet loaded at most once a step; and what they cost, reported as the Flux engine reports its own
 //! (`diffmesh_denoiser_controlnet_*`, heartbeats' `controlnet_step_s`).
 use super::UnetEngine;
 use crate::engine::EngineJobError;
+use diffmesh_model::stable_diffusion::control::SdControlStep;
 use diffmesh_model::unet::UNetResiduals;
 use diffmesh_model::ModelError;
 use std::time::Instant;
@@ -32,7 +33,10 @@ impl UnetEngine {
         let started = Instant::now();
         let base = &self.model.pipeline.unet.config;
         let metrics = self.shared.metrics.as_ref();
-        let mut out = Vec::new();
+        // Per state of the batch: its ControlNets' names and inputs for this step, and the
+        // residuals of each as they come.
+        type Pending<'a> = (Vec<&'a str>, SdControlStep, Vec<Option<UNetResiduals>>);
+        let mut pending: Vec<Option<Pending>> = Vec::new();
         for (_, a) in self
             .active
             .iter()
@@ -46,37 +50,61 @@ impl UnetEngine {
                 .map(|c| c.name.as_str())
                 .collect();
             for s in &a.states {
-                let Some(step) = s.control_step().map_err(EngineJobError::from_model)? else {
-                    out.push(None);
-                    continue;
-                };
-                // One network at a time (the registry lends one).
-                let mut sum: Option<UNetResiduals> = None;
-                for (k, name) in names.iter().enumerate() {
-                    let (net, lookup) = self
-                        .controlnets
-                        .get(name, Some(base))
-                        .map_err(EngineJobError::ControlNet)?;
-                    if let Some(m) = metrics {
-                        m.controlnet
-                            .lookups
-                            .with_label_values(&[lookup.as_str()])
-                            .inc();
-                    }
+                let step = s.control_step().map_err(EngineJobError::from_model)?;
+                pending.push(step.map(|step| {
+                    let parts = names.iter().map(|_| None).collect();
+                    (names.clone(), step, parts)
+                }));
+            }
+        }
+        // Each ControlNet once per step, over every state it steers: loading one evicts
+        // another when the batch names more than the registry keeps.
+        let mut distinct: Vec<&str> = Vec::new();
+        for (names, _, _) in pending.iter().flatten() {
+            for name in names {
+                if !distinct.contains(name) {
+                    distinct.push(name);
+                }
+            }
+        }
+        for name in distinct {
+            let (net, lookup) = self
+                .controlnets
+                .get(name, Some(base))
+                .map_err(EngineJobError::ControlNet)?;
+            if let Some(m) = metrics {
+                m.controlnet
+                    .lookups
+                    .with_label_values(&[lookup.as_str()])
+                    .inc();
+            }
+            for (names, step, parts) in pending.iter_mut().flatten() {
+                for (k, _) in names.iter().enumerate().filter(|(_, n)| **n == name) {
                     let forward = Instant::now();
-                    let r = step.one(k, net).map_err(failed)?;
+                    parts[k] = Some(step.one(k, net).map_err(failed)?);
                     if let Some(m) = metrics {
                         m.controlnet
                             .seconds
                             .observe(forward.elapsed().as_secs_f64());
                     }
-                    sum = Some(match sum {
-                        Some(total) => total.sum(&r).map_err(failed)?,
-                        None => r,
-                    });
                 }
-                out.push(sum);
             }
+        }
+        // Summed in the request's order, as MultiControlNetModel sums them.
+        let mut out = Vec::with_capacity(pending.len());
+        for p in pending {
+            let Some((_, _, parts)) = p else {
+                out.push(None);
+                continue;
+            };
+            let mut sum: Option<UNetResiduals> = None;
+            for r in parts.into_iter().flatten() {
+                sum = Some(match sum {
+                    Some(total) => total.sum(&r).map_err(failed)?,
+                    None => r,
+                });
+            }
+            out.push(sum);
         }
         let share = started.elapsed().as_secs_f64() / steered.len() as f64;
         for i in steered {

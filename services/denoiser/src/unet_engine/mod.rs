@@ -209,6 +209,17 @@ impl UnetEngine {
 
     /// A job's states, and whether they are mask-aware.
     fn prepare(&mut self, job: &EngineJob) -> Result<(Vec<SdState>, bool), ModelError> {
+        let named = job.job.params.controlnets().count();
+        let kept = self.config.controlnet_cache.max(1);
+        if named > kept {
+            // Its ControlNets would evict one another every step.
+            return Err(ModelError::input(
+                "controlnets",
+                format!(
+                    "{named} ControlNets; this denoiser keeps {kept} loaded (--controlnet-cache)"
+                ),
+            ));
+        }
         if job.capture_key.is_some() {
             let state = jobs::capture_state(&job.job, job.edit.as_ref(), &self.model)?;
             return Ok((vec![state], false));

@@ -37,15 +37,19 @@ pub async fn read_generation(
     if !size_given {
         request_model::default_size(state, &model, &mut valid.params)?;
     }
-    for (i, c) in controls.iter().enumerate() {
-        let at = match listed {
-            true => format!("controlnets[{i}].name"),
-            false => "controlnet.name".to_string(),
-        };
-        state
-            .directory
-            .check_offered(&c.reference.name, &model.id, &at)
-            .await?;
+    if !controls.is_empty() {
+        let wanted = controls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let at = match listed {
+                    true => format!("controlnets[{i}].name"),
+                    false => "controlnet.name".to_string(),
+                };
+                (c.reference.name.clone(), at)
+            })
+            .collect();
+        state.directory.check_offered(wanted, &model.id).await?;
     }
     let loras = lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
     let mut control_images = Vec::with_capacity(controls.len());
