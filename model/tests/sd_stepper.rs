@@ -15,9 +15,11 @@ use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::stable_diffusion::inpaint::InpaintInputs;
 use diffmesh_model::stable_diffusion::stepper::SdState;
 use diffmesh_model::stable_diffusion::template::SdTemplate;
+use diffmesh_model::stable_diffusion::template::TemplateSteps;
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
+use diffmesh_model::unet::masked::UNetTemplateCache;
 use py_fixture::{generate, max_abs_diff, read_tensors};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use tch::{Device, Kind, Tensor};
 
 /// Request `id`'s noise at `step` (ancestral steps only).
@@ -263,6 +265,35 @@ fn template_captures_and_mask_aware_edits() {
         println!("edit {i}: batched vs alone max abs err {err:.2e}");
         assert!(err <= 1e-4, "edit {i}: {err}");
     }
+    // The loop reads a template step by step, as each step runs (a served template decodes
+    // each step then, not the whole trajectory at admission).
+    let recording = Arc::new(Recording {
+        inner: template.clone(),
+        asked: Mutex::new(Vec::new()),
+    });
+    let (prompt, mask, seed) = edits[0];
+    let own = seeded_noise(seed, &latents.size(), Device::Cpu, Kind::Float).unwrap();
+    let inputs = InpaintInputs {
+        image: &image,
+        mask,
+        strength: 0.75,
+    };
+    let mut lazy = pipe
+        .prepare_edit(
+            &request(prompt, 4, 4.0, None),
+            &mixed_latents(&latents, &own, mask),
+            &inputs,
+            recording.clone(),
+        )
+        .unwrap();
+    let mut stepped = Vec::new();
+    while !lazy.done() {
+        stepped.push(lazy.next_step());
+        run_one_step(&pipe, &mut lazy);
+        assert_eq!(*recording.asked.lock().unwrap(), stepped);
+    }
+    let lazy = pipe.decode(&lazy).unwrap();
+    assert_eq!(max_abs_diff(&lazy, &pipe.decode(&alone[0]).unwrap()), 0.0);
     // Outside its mask an edit's latents are the capture's, exactly (latent blending).
     let keep = 1.0
         - mask_a
@@ -372,4 +403,35 @@ fn a_batch_that_fails_part_way_steps_no_one() {
         println!("request {id} after a failed round: max abs err {err:.2e} against alone");
         assert!(err <= 1e-5, "request {id}: {err}");
     }
+}
+
+/// A template read through [`TemplateSteps`], recording the steps asked for.
+struct Recording {
+    inner: Arc<SdTemplate>,
+    asked: Mutex<Vec<usize>>,
+}
+
+impl TemplateSteps for Recording {
+    fn steps(&self) -> usize {
+        self.inner.steps()
+    }
+
+    fn start(&self) -> usize {
+        self.inner.start()
+    }
+
+    fn rows(&self) -> i64 {
+        self.inner.rows()
+    }
+
+    fn step(&self, k: usize) -> diffmesh_model::Result<Arc<UNetTemplateCache>> {
+        self.asked.lock().unwrap().push(k);
+        self.inner.step(k)
+    }
+}
+
+/// One step of `state` alone (the checkpoint's DDIM draws no noise).
+fn run_one_step(pipe: &SdPipeline, state: &mut SdState) {
+    pipe.step_batch(&mut [state], &mut |_, _, _| unreachable!())
+        .unwrap();
 }

@@ -5,7 +5,7 @@
 //! at its own step and scheduler, and [`SdPipeline::decode`] runs the VAE. `generate` and
 //! `inpaint` are this loop on one request, so a request stepped in a batch ends on what the
 //! pipeline gives it alone.
-use super::inputs::{InpaintInputs, SdTemplate};
+use super::inputs::{InpaintInputs, TemplateSteps};
 use super::{SdPipeline, SdRequest};
 use crate::components::LatentCodec;
 use crate::error::{ModelError, Result};
@@ -44,7 +44,7 @@ pub(super) enum Attention {
     /// Mask-aware: only the tokens under `mask` (`[h, w]` over the latents) computed, each row
     /// reading its row of the template's cache at the step.
     Edit {
-        template: Arc<SdTemplate>,
+        template: Arc<dyn TemplateSteps>,
         mask: Tensor,
     },
 }
@@ -357,33 +357,34 @@ impl SdPipeline {
         if !edits {
             return self.unet.forward_controlled(inputs, residuals);
         }
+        // Each edit's cache of this step (a served template decodes it now, for this step only).
+        let held: Vec<Option<Arc<UNetTemplateCache>>> = states
+            .iter()
+            .map(|s| match &s.attention {
+                Attention::Edit { template, .. } => template.step(s.next).map(Some),
+                _ => Ok(None),
+            })
+            .collect::<Result<_>>()?;
+        // Rows that compute in full read no cache; any edit's names one for them.
+        let any = held
+            .iter()
+            .flatten()
+            .next()
+            .cloned()
+            .ok_or_else(|| ModelError::input("template", "holds no cache for this step"))?;
         let mut masks = Vec::new();
         let mut rows: Vec<(&UNetTemplateCache, i64)> = Vec::new();
-        // Rows that compute in full read no cache; any edit's names one for them.
-        let any = states
-            .iter()
-            .find_map(|s| match &s.attention {
-                Attention::Edit { template, .. } => template.steps[s.next].as_ref(),
-                _ => None,
-            })
-            .ok_or_else(|| ModelError::input("template", "holds no cache for this step"))?;
-        for s in states.iter() {
+        for (s, cache) in states.iter().zip(&held) {
             let [h, w] = s.latent_side();
             for r in 0..s.rows() {
-                match &s.attention {
-                    Attention::Edit { template, mask } => {
-                        let cache = template.steps[s.next].as_ref().ok_or_else(|| {
-                            ModelError::input(
-                                "template",
-                                format!("holds no cache for step {}", s.next),
-                            )
-                        })?;
+                match (&s.attention, cache) {
+                    (Attention::Edit { mask, .. }, Some(cache)) => {
                         masks.push(mask.shallow_clone());
                         rows.push((cache, r));
                     }
                     _ => {
                         masks.push(Tensor::f_ones([h, w], (Kind::Float, s.x.device()))?);
-                        rows.push((any, 0));
+                        rows.push((&any, 0));
                     }
                 }
             }

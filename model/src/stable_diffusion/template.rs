@@ -16,7 +16,7 @@ use crate::error::{ModelError, Result};
 use std::sync::Arc;
 use tch::{Kind, Tensor};
 
-pub use super::inputs::SdTemplate;
+pub use super::inputs::{SdTemplate, TemplateSteps};
 
 impl SdPipeline {
     /// The state of a template's capture: `image` `[1, 3, H, W]` in [-1, 1] run as an
@@ -51,16 +51,16 @@ impl SdPipeline {
         req: &SdRequest,
         latents: &Tensor,
         inpaint: &InpaintInputs,
-        template: Arc<SdTemplate>,
+        template: Arc<dyn TemplateSteps>,
     ) -> Result<SdState> {
         let mut state = self.prepare(req, latents, Some(inpaint))?;
-        if template.steps.len() != state.steps() {
+        if template.steps() != state.steps() {
             return Err(ModelError::input(
                 "num_inference_steps",
                 format!(
                     "{} steps; the template was captured with {}",
                     state.steps(),
-                    template.steps.len()
+                    template.steps()
                 ),
             ));
         }
@@ -74,13 +74,13 @@ impl SdPipeline {
                 ),
             ));
         }
-        if template.rows != state.rows() {
+        if template.rows() != state.rows() {
             return Err(ModelError::input(
                 "guidance_scale",
                 format!(
                     "{} UNet rows a step; the template was captured with {}",
                     state.rows(),
-                    template.rows
+                    template.rows()
                 ),
             ));
         }
@@ -104,7 +104,10 @@ impl SdState {
     pub fn into_template(self) -> Option<SdTemplate> {
         let rows = self.rows();
         match (self.done(), self.attention) {
-            (true, Attention::Capture(steps)) => Some(SdTemplate { steps, rows }),
+            (true, Attention::Capture(steps)) => Some(SdTemplate {
+                steps: steps.into_iter().map(|s| s.map(Arc::new)).collect(),
+                rows,
+            }),
             _ => None,
         }
     }

@@ -107,6 +107,12 @@ pub struct UNetTemplateCache {
     pub transformers: Vec<CapturedTransformer>,
 }
 
+// SAFETY: a step's cache is written once, when captured or decoded, before it is shared;
+// afterwards every use through `&UNetTemplateCache` is a read-only torch op (narrow, cat,
+// conversion), which libtorch allows from several threads at once on one tensor (reference
+// counts are atomic). `Tensor` is not `Sync` only because it wraps a raw pointer.
+unsafe impl Sync for UNetTemplateCache {}
+
 impl UNetTemplateCache {
     /// The template's rows (2 for a guided template: negative, then prompt).
     pub fn rows(&self) -> i64 {

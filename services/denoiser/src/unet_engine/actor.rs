@@ -236,7 +236,7 @@ pub fn spawn_unet_engine(
         config,
         shared,
         active: Vec::new(),
-        decoded: None,
+        templates: Default::default(),
         step_queued: false,
         #[cfg(feature = "fault-injection")]
         panic_mid_batch: false,

@@ -8,10 +8,10 @@ use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::stable_diffusion::control::SdControl;
 use diffmesh_model::stable_diffusion::inpaint::InpaintInputs;
 use diffmesh_model::stable_diffusion::stepper::SdState;
-use diffmesh_model::stable_diffusion::template::SdTemplate;
+use diffmesh_model::stable_diffusion::template::{SdTemplate, TemplateSteps};
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
 use diffmesh_model::tch::{Device, Kind, Tensor};
-use diffmesh_model::unet::cache_codec::{decode_step, encode_step};
+use diffmesh_model::unet::cache_codec::encode_step;
 use diffmesh_model::ModelError;
 use diffmesh_shared::wire::messages::{DenoiseJob, JobKind, TemplateRef};
 use diffmesh_shared::wire::models::{ModelCard, ModelFeatures, ModelGeometry, Resolution};
@@ -100,7 +100,7 @@ pub fn announce(pipeline: &SdPipeline, id: &str, default_size: Option<i64>) -> M
 }
 
 /// Template UNet rows of a capture with `guidance_scale` (both branches when guided).
-fn template_rows(t: &TemplateRef) -> i64 {
+pub(super) fn template_rows(t: &TemplateRef) -> i64 {
     if t.guidance_scale > 1.0 {
         2
     } else {
@@ -142,7 +142,7 @@ fn pixel_mask(
 pub fn job_states(
     job: &DenoiseJob,
     edit: Option<&EditInputs>,
-    template: Option<&Arc<SdTemplate>>,
+    template: Option<&Arc<dyn TemplateSteps>>,
     control_rgb: &[Vec<u8>],
     model: &UnetModel,
 ) -> Result<Vec<SdState>, ModelError> {
@@ -334,28 +334,4 @@ pub fn capture_entry(
         dtype: dtype.as_str().into(),
     };
     TemplateEntry::new(meta, steps)
-}
-
-/// A template cache of the tiers as the UNet's template, on the model's device in its dtype.
-pub fn entry_template(
-    entry: &TemplateEntry,
-    template: &TemplateRef,
-    pipe: &SdPipeline,
-) -> Result<SdTemplate, ModelError> {
-    let layers = pipe.unet.transformer_layers();
-    let (device, kind) = pipe.unet.device_kind();
-    let rows = template_rows(template);
-    let mut steps = Vec::with_capacity(entry.steps());
-    for s in 0..entry.steps() {
-        let blocks: Vec<&[u8]> = (0..entry.blocks())
-            .map(|b| entry.block(s, b).unwrap_or_default())
-            .collect();
-        let cache = decode_step(&blocks, &layers, rows, kind)?;
-        steps.push(Some(if device == Device::Cpu {
-            cache
-        } else {
-            cache.to_device(device)?
-        }));
-    }
-    Ok(SdTemplate { steps, rows })
 }

@@ -29,7 +29,7 @@ use diffmesh_model::controlnets::ControlNets;
 use diffmesh_model::lora::LoraPatcher;
 use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::stable_diffusion::stepper::SdState;
-use diffmesh_model::stable_diffusion::template::SdTemplate;
+use diffmesh_model::stable_diffusion::template::TemplateSteps;
 use diffmesh_model::tch::Kind;
 use diffmesh_model::unet::lora::read_unet_lora_bytes;
 use diffmesh_model::unet::ControlNetModel;
@@ -43,9 +43,11 @@ use tracing::Span;
 
 mod actor;
 mod control;
+pub mod entry_steps;
 pub mod jobs;
 
 pub use actor::spawn_unet_engine;
+use entry_steps::EntrySteps;
 pub use jobs::UnetModel;
 
 /// How long the loop sleeps when every job waits on another thread (a template fetch).
@@ -88,8 +90,9 @@ pub struct UnetEngine {
     ledger: Ledger,
     shared: Arc<actor::Shared>,
     active: Vec<Active>,
-    /// The template decoded last, by cache key (consecutive edits of one template share it).
-    decoded: Option<(String, Arc<SdTemplate>)>,
+    /// The templates edits read now, by cache key: edits of one template share its steps (each
+    /// decoded once for all of them). Weak, so a template goes with its last edit.
+    templates: std::collections::HashMap<String, std::sync::Weak<EntrySteps>>,
     /// Patches the UNet's linear layers with LoRA sets (None: a UNet without a variable store,
     /// which serves no LoRA).
     patcher: Option<LoraPatcher>,
@@ -229,7 +232,7 @@ impl UnetEngine {
             .as_ref()
             .and_then(|s| s.get().cloned().flatten());
         let template = match (entry, &job.job.template) {
-            (Some(entry), Some(t)) => Some(self.decoded_template(&entry, t)?),
+            (Some(entry), Some(t)) => Some(self.template_steps(entry, t)?),
             _ => None,
         };
         let states = jobs::job_states(
@@ -242,20 +245,20 @@ impl UnetEngine {
         Ok((states, template.is_some()))
     }
 
-    fn decoded_template(
+    /// The steps of the template `entry` holds, shared with the other edits of it in flight.
+    fn template_steps(
         &mut self,
-        entry: &crate::templates::TemplateEntry,
+        entry: Arc<crate::templates::TemplateEntry>,
         t: &diffmesh_shared::wire::messages::TemplateRef,
-    ) -> Result<Arc<SdTemplate>, ModelError> {
-        let key = &entry.meta.cache_key;
-        if let Some((k, template)) = &self.decoded {
-            if k == key {
-                return Ok(template.clone());
-            }
+    ) -> Result<Arc<dyn TemplateSteps>, ModelError> {
+        let key = entry.meta.cache_key.clone();
+        if let Some(steps) = self.templates.get(&key).and_then(std::sync::Weak::upgrade) {
+            return Ok(steps);
         }
-        let template = Arc::new(jobs::entry_template(entry, t, &self.model.pipeline)?);
-        self.decoded = Some((key.clone(), template.clone()));
-        Ok(template)
+        self.templates.retain(|_, w| w.strong_count() > 0);
+        let steps = Arc::new(EntrySteps::new(entry, t, &self.model.pipeline)?);
+        self.templates.insert(key, Arc::downgrade(&steps));
+        Ok(steps)
     }
 
     /// One step of every active job that can run, one batched forward per latent size, kind and
