@@ -794,3 +794,48 @@ async fn record_watches_after_a_restart() {
         );
     }
 }
+
+/// `--js-job-retention` sets the job records' age limit at start, on a bucket made earlier with
+/// another one too; too short a retention is refused as a flag.
+#[tokio::test]
+async fn job_retention_follows_the_flag() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = jetstream::new(client.clone());
+    ensure_all(&js, 1, BUDGET, &[]).await.unwrap();
+    let stream = jetstream_layout::JOBS.stream_name();
+    assert_eq!(
+        stream_config(&js, &stream).await.max_age,
+        jetstream_layout::JOBS.max_age
+    );
+    let mut config = diffmesh_shared::CommonConfig::for_tests(nats.url());
+    config.js_job_retention = Duration::from_secs(2 * 3600);
+    let specs = jetstream_layout::configured(
+        diffmesh_shared::nats::auth::Role::Router.layout_specs(),
+        &config,
+    );
+    assert_eq!(specs[0].max_age, Duration::from_secs(2 * 3600));
+    jetstream_layout::context(
+        &client,
+        &config,
+        diffmesh_shared::nats::auth::Role::Router,
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        stream_config(&js, &stream).await.max_age,
+        Duration::from_secs(2 * 3600)
+    );
+    // Other buckets keep their own limits.
+    let blobs = jetstream_layout::BLOBS;
+    assert_eq!(
+        stream_config(&js, &blobs.stream_name()).await.max_age,
+        blobs.max_age
+    );
+    assert!(diffmesh_shared::process::config::job_retention("30m").is_err());
+    assert_eq!(
+        diffmesh_shared::process::config::job_retention("3days").unwrap(),
+        Duration::from_secs(3 * 24 * 3600)
+    );
+}

@@ -12,6 +12,16 @@ pub fn duration(value: &str) -> Result<Duration, String> {
     humantime::parse_duration(value).map_err(|e| format!("{e} (write e.g. 500ms, 2s, 1m)"))
 }
 
+/// Parse `--js-job-retention`: a duration of at least an hour (a record must outlive its job:
+/// routers adopt detached jobs from their records).
+pub fn job_retention(value: &str) -> Result<Duration, String> {
+    let d = duration(value)?;
+    if d < Duration::from_secs(3600) {
+        return Err(format!("{value}: keep job records at least 1h"));
+    }
+    Ok(d)
+}
+
 /// Common service flags (`#[command(flatten)]` this into a service's config).
 #[derive(Debug, Clone, clap::Args)]
 pub struct CommonConfig {
@@ -41,6 +51,12 @@ pub struct CommonConfig {
     /// against its `max_file_store`, so it must fit there (with the async-job queue's own bound).
     #[arg(long, env = "JS_MAX_BYTES", default_value_t = 8 * 1024 * 1024 * 1024)]
     pub js_max_bytes: u64,
+    /// How long job records (`GET /v1/jobs/{id}`) are kept before the bucket drops them (at
+    /// least 1h); the services that write them (gateways, routers) set the bucket's age limit
+    /// to it at start, so give them the same value. Result images live in the blob bucket for
+    /// a day whatever this says.
+    #[arg(long, env = "JS_JOB_RETENTION", default_value = "7days", value_parser = job_retention)]
+    pub js_job_retention: Duration,
     /// NATS user of this service on a server with authorization (`nats::auth`: one user per
     /// service kind); unset: anonymous.
     #[arg(long, env = "NATS_USER")]
@@ -66,6 +82,7 @@ impl CommonConfig {
             nats_connect_timeout: Duration::from_secs(10),
             js_replicas: 1,
             js_max_bytes: 1024 * 1024 * 1024,
+            js_job_retention: crate::stores::jetstream_layout::JOBS.max_age,
             nats_user: None,
             nats_password: None,
             nats_ca_file: None,

@@ -63,7 +63,7 @@ const MIN_STREAM_BYTES: u64 = 8 * 1024 * 1024;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
-/// Job records by job id (a week).
+/// Job records by job id (a week; `--js-job-retention` sets it, [`configured`]).
 pub const JOBS: Spec = Spec {
     name: Cow::Borrowed(JOB_BUCKET),
     layout: Layout::Kv,
@@ -180,6 +180,11 @@ pub const ALL: [Spec; 10] = [
 ];
 
 impl Spec {
+    /// The same spec with entries kept for `max_age`.
+    pub fn with_max_age(self, max_age: Duration) -> Self {
+        Self { max_age, ..self }
+    }
+
     /// The same spec under another name (the cachestore's bucket is a flag).
     pub fn renamed(self, name: impl Into<String>) -> Self {
         Self {
@@ -332,8 +337,8 @@ pub enum Ensured {
     Existed {
         replicas: usize,
     },
-    /// Raised to the wanted replica count, its byte bound and discard policy set to the
-    /// budget's, and/or (a bucket) direct reads turned off.
+    /// Raised to the wanted replica count, its byte bound, discard policy and age limit set to
+    /// the budget's and the spec's, and/or (a bucket) direct reads turned off.
     Updated {
         replicas_before: usize,
         replicas: usize,
@@ -343,7 +348,8 @@ pub enum Ensured {
 /// Make `spec` exist with at least `replicas` replicas, its byte bound and discard policy (and
 /// bucket reads from the leader). An existing stream is never scaled down (an operator may
 /// have raised it); its byte bound follows the budget both ways (`JS_MAX_BYTES` is the one
-/// place it is set); its other settings stay.
+/// place it is set) and its age limit the spec (`--js-job-retention` for job records); its
+/// other settings stay.
 pub async fn ensure(
     js: &jetstream::Context,
     spec: &Spec,
@@ -376,11 +382,14 @@ pub async fn ensure(
             "the stream holds more than its share of JS_MAX_BYTES: its bound is left as it was");
         bound = config.max_bytes;
     }
-    let bounds_differ = config.max_bytes != bound || config.discard != spec.discard();
+    let bounds_differ = config.max_bytes != bound
+        || config.discard != spec.discard()
+        || config.max_age != spec.max_age;
     if before >= replicas && !direct_reads && !bounds_differ {
         return Ok(Ensured::Existed { replicas: before });
     }
     config.num_replicas = before.max(replicas);
+    config.max_age = spec.max_age;
     config.max_bytes = bound;
     config.discard = spec.discard();
     if spec.reads_from_leader() {
@@ -396,6 +405,19 @@ pub async fn ensure(
         replicas_before: before,
         replicas: config.num_replicas,
     })
+}
+
+/// `specs` as the deployment configures them: job records kept for `--js-job-retention`.
+pub fn configured(specs: Vec<Spec>, config: &crate::CommonConfig) -> Vec<Spec> {
+    specs
+        .into_iter()
+        .map(
+            |spec| match spec.name == JOBS.name && spec.layout == JOBS.layout {
+                true => spec.with_max_age(config.js_job_retention),
+                false => spec,
+            },
+        )
+        .collect()
 }
 
 /// [`ensure`] every spec of the mesh (plus `extra`, e.g. a cachestore bucket under another
@@ -443,7 +465,7 @@ pub async fn context(
     instead: Option<&[Spec]>,
 ) -> Result<jetstream::Context, MeshError> {
     let js = jetstream::new(client.clone());
-    let own = role.layout_specs();
+    let own = configured(role.layout_specs(), config);
     ensure_specs(
         &js,
         instead.unwrap_or(&own).iter(),
