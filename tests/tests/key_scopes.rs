@@ -153,3 +153,110 @@ async fn another_key_cannot_see_use_or_delete_a_template_or_a_lora() {
     let (status, body) = call(&http, Method::DELETE, template_url, ALICE, None, None).await;
     assert_eq!(status / 100, 2, "{body}");
 }
+
+/// `GET /v1/jobs` lists the caller's jobs alone, newest first, a page at a time, filtered by
+/// status on request; bad parameters are 400s naming them, and another key's job id is no
+/// page mark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_lists_its_own_jobs_newest_first() {
+    let mesh = MeshBuilder::new()
+        .gateway(|g| g.api_keys = Some(format!("alice:{ALICE},bob:{BOB}")))
+        .start()
+        .await;
+    let http = reqwest::Client::new();
+    let submit = |key: &'static str, seed: u64| {
+        let (http, url) = (http.clone(), mesh.url("/v1/images/generations"));
+        async move {
+            let r = http
+                .post(url)
+                .bearer_auth(key)
+                .header("Prefer", "respond-async")
+                .json(&json!({"prompt": "a red circle", "seed": seed, "num_inference_steps": 2}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 202);
+            let body: Value = r.json().await.unwrap();
+            body["id"].as_str().unwrap().to_string()
+        }
+    };
+    let mut alice = Vec::new();
+    for seed in 0..3 {
+        alice.push(submit(ALICE, seed).await);
+        // Distinct creation times, so newest-first is one order.
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let bob = submit(BOB, 9).await;
+    let list = |key: &'static str, query: &'static str| {
+        let (http, url) = (http.clone(), mesh.url(&format!("/v1/jobs{query}")));
+        async move { call(&http, Method::GET, url, key, None, None).await }
+    };
+    let ids = |page: &Value| -> Vec<String> {
+        page["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|j| j["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let newest_first: Vec<String> = alice.iter().rev().cloned().collect();
+    let (status, all) = list(ALICE, "").await;
+    assert_eq!(status, 200, "{all}");
+    assert_eq!(
+        (all["object"].as_str(), ids(&all)),
+        (Some("list"), newest_first.clone())
+    );
+    let (_, first) = list(ALICE, "?limit=2").await;
+    assert_eq!(ids(&first), newest_first[..2]);
+    assert_eq!(
+        (first["has_more"].as_bool(), first["last_id"].as_str()),
+        (Some(true), Some(newest_first[1].as_str()))
+    );
+    let next = format!("?limit=2&after={}", newest_first[1]);
+    let (_, second) = call(
+        &http,
+        Method::GET,
+        mesh.url(&format!("/v1/jobs{next}")),
+        ALICE,
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(ids(&second), newest_first[2..]);
+    assert_eq!(second["has_more"], false);
+    let (_, theirs) = list(BOB, "").await;
+    assert_eq!(ids(&theirs), std::slice::from_ref(&bob));
+
+    // Once they are done, a status filter keeps them or leaves them out.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let (_, done) = list(ALICE, "?status=done").await;
+        if ids(&done).len() == 3 {
+            assert_eq!(ids(&done), newest_first);
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "alice's jobs never all finished: {done}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let (_, failed) = list(ALICE, "?status=failed").await;
+    assert!(ids(&failed).is_empty(), "{failed}");
+
+    for (query, param) in [("?limit=0", "limit"), ("?status=finished", "status")] {
+        let (status, body) = list(ALICE, query).await;
+        assert_eq!(
+            (status, body["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{body}"
+        );
+    }
+    let url = mesh.url(&format!("/v1/jobs?after={bob}"));
+    let (status, body) = call(&http, Method::GET, url, ALICE, None, None).await;
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("after")),
+        "{body}"
+    );
+}

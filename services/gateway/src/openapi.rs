@@ -8,7 +8,9 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ContentBuilder, ObjectBuilder, ResponseBuilder, Type};
 use utoipa::{Modify, OpenApi};
 
-use crate::api::{controlnets, events, images, jobs, loras, models, playground, templates};
+use crate::api::{
+    controlnets, events, images, job_list, jobs, loras, models, playground, templates,
+};
 use crate::idempotency;
 use crate::request_limits::Limits;
 use crate::state::ApiState;
@@ -28,6 +30,7 @@ use diffmesh_shared::wire::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
     paths(
         images::edits,
         images::generations,
+        job_list::list_jobs,
         jobs::get_job,
         jobs::cancel_job,
         events::job_event_stream,

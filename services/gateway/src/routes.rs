@@ -3,7 +3,9 @@
 use actix_web::http::Method;
 use actix_web::{web, Resource, Route};
 
-use crate::api::{controlnets, events, images, jobs, loras, models, playground, templates};
+use crate::api::{
+    controlnets, events, images, job_list, jobs, loras, models, playground, templates,
+};
 use crate::openapi;
 
 /// One route of the API.
@@ -47,6 +49,12 @@ pub fn routes() -> Vec<ApiRoute> {
             "/v1/images/generations",
             web::post().to(images::generations),
             Some("generations"),
+        ),
+        route(
+            M::GET,
+            "/v1/jobs",
+            web::get().to(job_list::list_jobs),
+            Some("jobs_list"),
         ),
         route(
             M::GET,

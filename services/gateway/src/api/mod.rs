@@ -6,6 +6,7 @@ pub mod events;
 pub mod image_request;
 pub mod image_stream;
 pub mod images;
+pub mod job_list;
 pub mod jobs;
 pub mod loras;
 pub mod models;

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::wire::messages::{DenoiseJob, JobEvent, JobKind};
 
+pub mod owner_index;
 mod store;
 pub use store::{JobStore, KNOWN_REVISION_TTL};
 

@@ -85,10 +85,26 @@ impl JobStore {
     /// A write that landed but whose reply was lost reads as "already exists" on the next
     /// attempt (async-nats also looks the key up after a failed create): that counts as
     /// created when the stored record is this one.
+    /// Its entry in the owner index ([`super::owner_index`]) is written after it: a failure
+    /// there leaves the job out of `GET /v1/jobs` (logged), not the job failed.
     pub async fn create(&self, record: &JobRecord) -> Result<(), MeshError> {
         let revision = self.records.create(&record.job_id, record).await?;
         self.remember(record, revision);
+        let key = super::owner_index::index_key(
+            record.owner.as_deref(),
+            record.created_at_ms,
+            &record.job_id,
+        );
+        if let Err(e) = self.kv().put(&key, bytes::Bytes::new()).await {
+            tracing::warn!(job_id = %record.job_id, error = %e, "job not indexed for its key's listing");
+        }
         Ok(())
+    }
+
+    /// The ids of the jobs `owner` created that the bucket still holds, newest first
+    /// ([`super::owner_index::owned_job_ids`]).
+    pub async fn owned_job_ids(&self, owner: Option<&str>) -> Result<Vec<String>, MeshError> {
+        super::owner_index::owned_job_ids(self.kv(), &self.client, owner).await
     }
 
     /// Overwrite the record unconditionally.
