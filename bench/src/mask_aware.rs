@@ -345,6 +345,15 @@ fn rect_mask(rng: &mut ChaCha8Rng, side: i64, ratio: f64) -> Tensor {
 }
 
 /// Mean and minimum of per-edit scores.
+/// The mean of `v` as a report value: null when nothing was measured (every mask at the border,
+/// say), not a zero that reads as a score.
+fn mean_or_null(v: &[f64]) -> Value {
+    match v.is_empty() {
+        true => Value::Null,
+        false => json!(mean_min(v).0),
+    }
+}
+
 fn mean_min(v: &[f64]) -> (f64, f64) {
     let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
     (mean, v.iter().copied().fold(f64::INFINITY, f64::min))
@@ -489,16 +498,18 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
         summary.insert(
             dtype.as_str().into(),
             json!({"ssim_mean": s, "ssim_min": min_s, "psnr_mean": q,
-                "ssim_box_mean": bs, "ssim_box_min": min_bs, "psnr_box_mean": bq,
-                "ssim_masked_mean": ms, "psnr_masked_mean": mq, "cache_bytes": entry.bytes()}),
+                "ssim_box_mean": mean_or_null(&box_ssims), "ssim_box_min": min_bs,
+                "psnr_box_mean": mean_or_null(&box_psnrs),
+                "ssim_masked_mean": mean_or_null(&masked_ssims),
+                "psnr_masked_mean": mean_or_null(&masked_psnrs), "cache_bytes": entry.bytes()}),
         );
         if dtype == CacheDtype::Bf16 {
             report.insert("ssim_mean", json!(s));
             report.insert("psnr_mean", json!(q));
-            report.insert("ssim_box_mean", json!(bs));
-            report.insert("psnr_box_mean", json!(bq));
-            report.insert("ssim_masked_mean", json!(ms));
-            report.insert("psnr_masked_mean", json!(mq));
+            report.insert("ssim_box_mean", mean_or_null(&box_ssims));
+            report.insert("psnr_box_mean", mean_or_null(&box_psnrs));
+            report.insert("ssim_masked_mean", mean_or_null(&masked_ssims));
+            report.insert("psnr_masked_mean", mean_or_null(&masked_psnrs));
         }
     }
     report.insert("quality_by_cache_dtype", Value::Object(summary));

@@ -809,12 +809,12 @@ async fn job_retention_follows_the_flag() {
         jetstream_layout::JOBS.max_age
     );
     let mut config = diffmesh_shared::CommonConfig::for_tests(nats.url());
-    config.js_job_retention = Duration::from_secs(2 * 3600);
+    config.js_job_retention = Duration::from_secs(2 * 24 * 3600);
     let specs = jetstream_layout::configured(
         diffmesh_shared::nats::auth::Role::Router.layout_specs(),
         &config,
     );
-    assert_eq!(specs[0].max_age, Duration::from_secs(2 * 3600));
+    assert_eq!(specs[0].max_age, Duration::from_secs(2 * 24 * 3600));
     jetstream_layout::context(
         &client,
         &config,
@@ -825,7 +825,7 @@ async fn job_retention_follows_the_flag() {
     .unwrap();
     assert_eq!(
         stream_config(&js, &stream).await.max_age,
-        Duration::from_secs(2 * 3600)
+        Duration::from_secs(2 * 24 * 3600)
     );
     // Other buckets keep their own limits.
     let blobs = jetstream_layout::BLOBS;
@@ -833,7 +833,7 @@ async fn job_retention_follows_the_flag() {
         stream_config(&js, &blobs.stream_name()).await.max_age,
         blobs.max_age
     );
-    assert!(diffmesh_shared::process::config::job_retention("30m").is_err());
+    assert!(diffmesh_shared::process::config::job_retention("23h").is_err());
     assert_eq!(
         diffmesh_shared::process::config::job_retention("3days").unwrap(),
         Duration::from_secs(3 * 24 * 3600)

@@ -286,26 +286,37 @@ impl SdPipeline {
             // state checkpointed), and only kept once every state has stepped, so a batch that
             // fails part-way can be retried job by job without stepping anyone twice.
             let saved: Vec<_> = states.iter().map(|s| s.schedule.checkpoint()).collect();
-            let mut next = Vec::with_capacity(states.len());
-            let mut row = 0;
-            let mut failed = None;
-            for (i, s) in states.iter_mut().enumerate() {
-                let mine = out.f_narrow(0, row, s.rows())?;
-                row += s.rows();
-                match s.next_latents(i, &mine, noise, device) {
-                    Ok(x) => next.push(x),
-                    Err(e) => {
-                        failed = Some(e);
-                        break;
-                    }
+            // A panic part-way (caught by the engine, which then retries) is put back too.
+            let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let mut next = Vec::with_capacity(states.len());
+                let mut row = 0;
+                for (i, s) in states.iter_mut().enumerate() {
+                    let rows = s.rows();
+                    let x = out
+                        .f_narrow(0, row, rows)
+                        .map_err(ModelError::from)
+                        .and_then(|mine| s.next_latents(i, &mine, noise, device));
+                    row += rows;
+                    next.push(x?);
                 }
-            }
-            if let Some(e) = failed {
+                Ok::<_, ModelError>(next)
+            }));
+            let restore = |states: &mut [&mut SdState]| {
                 for (s, checkpoint) in states.iter_mut().zip(saved) {
                     s.schedule.restore(checkpoint);
                 }
-                return Err(e);
-            }
+            };
+            let next = match stepped {
+                Ok(Ok(next)) => next,
+                Ok(Err(e)) => {
+                    restore(states);
+                    return Err(e);
+                }
+                Err(panic) => {
+                    restore(states);
+                    std::panic::resume_unwind(panic)
+                }
+            };
             for (s, x) in states.iter_mut().zip(next) {
                 s.x = x;
                 s.next += 1;

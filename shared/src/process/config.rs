@@ -12,15 +12,22 @@ pub fn duration(value: &str) -> Result<Duration, String> {
     humantime::parse_duration(value).map_err(|e| format!("{e} (write e.g. 500ms, 2s, 1m)"))
 }
 
-/// Parse `--js-job-retention`: a duration of at least an hour (a record must outlive its job:
-/// routers adopt detached jobs from their records).
+/// Parse `--js-job-retention`: a duration of at least a day. A record must outlive what refers
+/// to it: an idempotency key answers with its job for a day, and an async job may wait a day in
+/// the durable queue before a router places it from its record.
 pub fn job_retention(value: &str) -> Result<Duration, String> {
     let d = duration(value)?;
-    if d < Duration::from_secs(3600) {
-        return Err(format!("{value}: keep job records at least 1h"));
+    if d < MIN_JOB_RETENTION {
+        return Err(format!(
+            "{value}: keep job records at least a day (idempotency keys and queued async jobs \
+             refer to them that long)"
+        ));
     }
     Ok(d)
 }
+
+/// The shortest `--js-job-retention`.
+pub const MIN_JOB_RETENTION: Duration = Duration::from_secs(24 * 3600);
 
 /// Common service flags (`#[command(flatten)]` this into a service's config).
 #[derive(Debug, Clone, clap::Args)]
@@ -52,7 +59,7 @@ pub struct CommonConfig {
     #[arg(long, env = "JS_MAX_BYTES", default_value_t = 8 * 1024 * 1024 * 1024)]
     pub js_max_bytes: u64,
     /// How long job records (`GET /v1/jobs/{id}`) are kept before the bucket drops them (at
-    /// least 1h); the services that write them (gateways, routers) set the bucket's age limit
+    /// least a day); the services that write them (gateways, routers) set the bucket's age limit
     /// to it at start, so give them the same value. Result images live in the blob bucket for
     /// a day whatever this says.
     #[arg(long, env = "JS_JOB_RETENTION", default_value = "7days", value_parser = job_retention)]

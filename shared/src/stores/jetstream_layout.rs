@@ -389,7 +389,16 @@ pub async fn ensure(
         return Ok(Ensured::Existed { replicas: before });
     }
     config.num_replicas = before.max(replicas);
-    config.max_age = spec.max_age;
+    if config.max_age != spec.max_age {
+        // Lowered, the stream drops what is older at once.
+        let lowered = spec.max_age != Duration::ZERO
+            && (config.max_age == Duration::ZERO || spec.max_age < config.max_age);
+        if lowered {
+            tracing::warn!(stream = %spec.stream_name(), was = ?config.max_age, now = ?spec.max_age,
+                "lowering the stream's age limit: older entries go now");
+        }
+        config.max_age = spec.max_age;
+    }
     config.max_bytes = bound;
     config.discard = spec.discard();
     if spec.reads_from_leader() {

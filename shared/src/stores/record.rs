@@ -104,7 +104,13 @@ impl<R: Record> RecordStore<R> {
 
     /// Overwrite `key` with `record` unconditionally; its revision.
     pub async fn put(&self, key: &str, record: &R) -> Result<u64, MeshError> {
-        let value = Bytes::from(serde_json::to_vec(record)?);
+        self.put_bytes(key, Bytes::from(serde_json::to_vec(record)?))
+            .await
+    }
+
+    /// Overwrite `key` with `value` as it is (not a record: an index entry beside the records),
+    /// tried again as record writes are; its revision.
+    pub async fn put_bytes(&self, key: &str, value: Bytes) -> Result<u64, MeshError> {
         let call = Self::call("put");
         transient::retried_bounded(
             &call,

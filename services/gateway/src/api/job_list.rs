@@ -19,6 +19,9 @@ const DEFAULT_LIMIT: usize = 20;
 const MAX_LIMIT: usize = 100;
 /// Records read at once while a page is filled.
 const READS_IN_FLIGHT: usize = 16;
+/// Most records one page reads (a `status` that few jobs match would read them all): past it
+/// the page ends early, `has_more` set and `last_id` the last job looked at.
+const MAX_SCANNED: usize = 1000;
 
 /// A page of the caller's jobs.
 #[derive(Debug, Serialize, ToSchema)]
@@ -28,9 +31,10 @@ pub struct JobList {
     /// Newest first.
     pub data: Vec<JobView>,
     pub first_id: Option<String>,
-    /// Give it as `after` for the next page.
+    /// Give it as `after` for the next page: the page's last job, or, when a `status` filter
+    /// ended the page early (after 1000 records looked at), the last job looked at.
     pub last_id: Option<String>,
-    /// Whether jobs older than this page remain (with `status`, some may not match it).
+    /// Whether older jobs remain (with `status`, some may not match it).
     pub has_more: bool,
 }
 
@@ -112,7 +116,8 @@ pub async fn list_jobs(
 ) -> Result<HttpResponse, ApiError> {
     let caller = state.caller(&req)?;
     let page = page(&query)?;
-    let ids = state.mesh.jobs.owned_job_ids(caller.owner()).await?;
+    let owned = state.mesh.jobs.owned_job_ids(caller.owner()).await?;
+    let ids = owned.ids;
     let start = match &page.after {
         None => 0,
         Some(after) => {
@@ -129,12 +134,14 @@ pub async fn list_jobs(
         .map(|id| async move { (id, jobs.get(id).await) })
         .buffered(READS_IN_FLIGHT);
     let mut data = Vec::with_capacity(page.limit);
-    let mut has_more = false;
+    let (mut has_more, mut scanned, mut looked_at) = (false, 0, None);
     while let Some((id, record)) = records.next().await {
-        if data.len() == page.limit {
+        if data.len() == page.limit || scanned == MAX_SCANNED {
             has_more = true;
             break;
         }
+        scanned += 1;
+        looked_at = Some(id.clone());
         // Gone since it was indexed (expired), or indexed under a token another key shares.
         let Some(record) = record?.filter(|r| caller.sees(r)) else {
             continue;
@@ -146,10 +153,16 @@ pub async fn list_jobs(
         debug_assert_eq!(&view.id, id);
         data.push(view);
     }
+    // The index left older jobs out: say there are more (the listing cannot reach them).
+    has_more |= owned.truncated && !has_more && scanned > 0;
+    let last_id = match (data.len() < page.limit && has_more, data.last()) {
+        (true, _) => looked_at,
+        (false, last) => last.map(|j| j.id.clone()),
+    };
     Ok(HttpResponse::Ok().json(JobList {
         object: "list".into(),
         first_id: data.first().map(|j| j.id.clone()),
-        last_id: data.last().map(|j| j.id.clone()),
+        last_id,
         data,
         has_more,
     }))

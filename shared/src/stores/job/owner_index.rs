@@ -47,13 +47,21 @@ pub fn is_index_key(key: &str) -> bool {
     key.starts_with(PREFIX) && key.as_bytes().get(PREFIX.len()) == Some(&b'.')
 }
 
-/// The job ids `owner` created that the bucket still holds, newest first (at most
-/// [`MAX_LISTED`]).
+/// The ids of the jobs `owner` created that the bucket still holds.
+#[derive(Debug, Default)]
+pub struct OwnedJobs {
+    /// Newest first, at most [`MAX_LISTED`].
+    pub ids: Vec<String>,
+    /// Older ones were left out (beyond [`MAX_LISTED`]).
+    pub truncated: bool,
+}
+
+/// The job ids `owner` created that the bucket still holds, newest first.
 pub async fn owned_job_ids(
     kv: &kv::Store,
     client: &async_nats::Client,
     owner: Option<&str>,
-) -> Result<Vec<String>, MeshError> {
+) -> Result<OwnedJobs, MeshError> {
     let failed = |e: &dyn std::fmt::Display| MeshError::RecordWatch(format!("job listing: {e}"));
     let filter = format!("{}{PREFIX}.{}.>", kv.prefix, owner_token(owner));
     let consumer = kv
@@ -71,8 +79,9 @@ pub async fn owned_job_ids(
         .map_err(|e| failed(&e))?;
     let mut found: std::collections::VecDeque<(u64, String)> = Default::default();
     if consumer.cached_info().num_pending == 0 {
-        return Ok(Vec::new());
+        return Ok(OwnedJobs::default());
     }
+    let mut truncated = false;
     let mut messages = consumer.messages().await.map_err(|e| failed(&e))?;
     let prefix_len = filter.len() - 1;
     loop {
@@ -93,6 +102,7 @@ pub async fn owned_job_ids(
             if let Ok(created) = created.parse::<u64>() {
                 if found.len() == MAX_LISTED {
                     found.pop_front();
+                    truncated = true;
                 }
                 found.push_back((created, job_id.to_string()));
             }
@@ -103,7 +113,10 @@ pub async fn owned_job_ids(
     }
     let mut found: Vec<(u64, String)> = found.into();
     found.sort_by(|a, b| b.cmp(a));
-    Ok(found.into_iter().map(|(_, id)| id).collect())
+    Ok(OwnedJobs {
+        ids: found.into_iter().map(|(_, id)| id).collect(),
+        truncated,
+    })
 }
 
 #[cfg(test)]

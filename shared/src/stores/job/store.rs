@@ -95,7 +95,7 @@ impl JobStore {
             record.created_at_ms,
             &record.job_id,
         );
-        if let Err(e) = self.kv().put(&key, bytes::Bytes::new()).await {
+        if let Err(e) = self.records.put_bytes(&key, bytes::Bytes::new()).await {
             tracing::warn!(job_id = %record.job_id, error = %e, "job not indexed for its key's listing");
         }
         Ok(())
@@ -103,7 +103,10 @@ impl JobStore {
 
     /// The ids of the jobs `owner` created that the bucket still holds, newest first
     /// ([`super::owner_index::owned_job_ids`]).
-    pub async fn owned_job_ids(&self, owner: Option<&str>) -> Result<Vec<String>, MeshError> {
+    pub async fn owned_job_ids(
+        &self,
+        owner: Option<&str>,
+    ) -> Result<super::owner_index::OwnedJobs, MeshError> {
         super::owner_index::owned_job_ids(self.kv(), &self.client, owner).await
     }
 
