@@ -27,6 +27,19 @@ use base64::Engine;
 
 /// A comment line this often keeps idle connections (and proxies) open.
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
+/// One Server-Sent Event of a job's stream, as the OpenAPI document describes it (each event's
+/// fields).
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct JobStreamEvent {
+    /// Counts the events from 1.
+    pub id: Option<String>,
+    /// `queued`, `started`, `step`, `retrying`, `captured`, `preview`, then `done`, `failed`,
+    /// `cancelled` or `error`.
+    pub event: String,
+    /// The event's object as JSON (the job itself for the endings).
+    pub data: String,
+}
+
 /// Beyond the job deadline, how long to wait for the driving gateway to record the ending.
 const ENDING_GRACE: Duration = Duration::from_secs(30);
 
@@ -42,7 +55,7 @@ const ENDING_GRACE: Duration = Duration::from_secs(30);
             (`{step, total, width, height, b64_png}`, when the job asked `preview_every`), then one ending with the job (a JobView) as data: \
             `done` (with `results` links), `failed` (with `error`) or `cancelled`; or `error` \
             (`{error}`) when the job's ending could not be learned. The stream closes after the \
-            ending.", content_type = "text/event-stream", body = String),
+            ending.", content_type = "text/event-stream", body = JobStreamEvent),
         (status = 400, description = "Malformed job id", body = ErrorBody),
         (status = 401, description = "Missing or unknown API key", body = ErrorBody),
         (status = 404, description = "No such job for this API key", body = ErrorBody),
