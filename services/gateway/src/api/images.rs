@@ -153,8 +153,10 @@ pub async fn edits(
     payload: Multipart,
 ) -> Result<HttpResponse, ApiError> {
     let caller = admit(&req, &state)?;
-    let request = image_request::read_edit(&state, &caller, payload).await?;
-    serve(&req, &state, caller, request).await
+    // Boxed, both: their states would otherwise sit in the handler's future, which the actix
+    // worker's 2 MiB stack holds (a debug build overflowed it).
+    let request = Box::pin(image_request::read_edit(&state, &caller, payload)).await?;
+    Box::pin(serve(&req, &state, caller, request)).await
 }
 
 #[utoipa::path(
@@ -198,8 +200,9 @@ pub async fn generations(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let caller = admit(&req, &state)?;
-    let request = image_request::read_generation(&state, &caller, payload).await?;
-    serve(&req, &state, caller, request).await
+    // Boxed, both (see `edits`).
+    let request = Box::pin(image_request::read_generation(&state, &caller, payload)).await?;
+    Box::pin(serve(&req, &state, caller, request)).await
 }
 
 /// Authenticate and take one request from the key's rate budget (before reading the body).
@@ -272,7 +275,7 @@ async fn serve(
             .check(&request.input.valid.params.model)?;
     }
     let slot = state.key_limits.acquire(caller.limit_key())?;
-    let mut prepared = state.mesh.prepare(request.input, caller.owner()).await?;
+    let mut prepared = Box::pin(state.mesh.prepare(request.input, caller.owner())).await?;
     let job_id = prepared.job_id().to_string();
     if let Some(key) = &idem {
         let mine = IdempotencyRecord {
@@ -307,7 +310,7 @@ async fn serve(
     }
     // Dropping the job's driver when the client leaves cancels the job (see `job_driver`).
     let png_keys = tokio::select! {
-        done = state.mesh.complete(prepared) => done?,
+        done = Box::pin(state.mesh.complete(prepared)) => done?,
         _ = disconnect::closed(req) => return Err(ApiError::ClientGone),
     };
     drop(slot);
