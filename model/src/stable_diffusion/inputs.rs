@@ -20,7 +20,7 @@ pub struct InpaintInputs<'a> {
 /// A template's trajectory as its edits read it: per step of its schedule, what its UNet left.
 /// A capture made in process holds every step ([`SdTemplate`]); a serving engine decodes each
 /// step from the stored cache when the step runs, so an edit holds one step's cache at a time
-/// instead of the whole trajectory (tens of GB for SDXL at 1024 px).
+/// instead of the whole trajectory (tens of GB for SDXL at 1024 px, estimated from the shapes).
 pub trait TemplateSteps: Send + Sync {
     /// Steps of the template's schedule.
     fn steps(&self) -> usize;
