@@ -1,8 +1,8 @@
 //! A template cache of the tiers as a UNet edit reads it: each step's blocks decoded (to the
 //! model's device and dtype) when an edit's step needs them, not the whole trajectory at
-//! admission. An SDXL template at 1024 px holds about 1.7 GB of f32 K/V per step (estimated from the shapes), tens of GB
-//! over 30 steps; this way an edit holds one step's, and the encoded entry (the tiers' bytes,
-//! held anyway) is the only copy of the rest. The last decoded step is kept, so edits of one
+//! admission. An SDXL template at 1024 px holds about 1.7 GB of f32 K/V per step (estimated
+//! from the shapes), tens of GB over 30 steps; this way an edit holds one step's, and the
+//! encoded entry (the tiers' bytes, held anyway) is the only copy of the rest. The last decoded step is kept, so edits of one
 //! template at the same step (a batch) decode it once.
 use super::jobs::template_rows;
 use crate::templates::TemplateEntry;
