@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use base64::Engine;
+use diffmesh_model::components::LatentCodec;
 use diffmesh_model::lora::{LoraPatcher, WeightedLora};
 use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::quality::{psnr, ssim};
@@ -81,8 +82,8 @@ fn to_rgb(image01: &Tensor) -> Vec<u8> {
 }
 
 fn latents(pipe: &SdPipeline, seed: u64, height: i64, width: i64) -> Tensor {
-    let f = pipe.vae.config.downscale_factor();
-    let shape = [1, pipe.vae.config.latent_channels, height / f, width / f];
+    let f = pipe.vae.downscale_factor();
+    let shape = [1, pipe.vae.latent_channels(), height / f, width / f];
     seeded_noise(seed, &shape, Device::Cpu, Kind::Float).unwrap()
 }
 

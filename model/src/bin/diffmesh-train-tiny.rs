@@ -4,8 +4,11 @@
 //! diffmesh-train-tiny eval --model-dir weights/tiny --untrained-seed 0 --report weights/tiny
 //! diffmesh-train-tiny lora --model-dir weights/tiny --out weights/tiny-loras/outline.safetensors
 //! diffmesh-train-tiny controlnet --model-dir weights/tiny --out weights/tiny-controlnets/silhouette
+//! diffmesh-train-tiny unet --text-from weights/tiny --out weights/tiny-unet
 use clap::{Parser, Subcommand};
-use diffmesh_model::tiny::{controlnet_eval, controlnet_train, eval, lora_train, train};
+use diffmesh_model::tiny::{
+    controlnet_eval, controlnet_train, eval, lora_train, train, unet_eval, unet_train,
+};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -34,6 +37,12 @@ enum Command {
     /// Measure the silhouette ControlNet: overlap of the drawn object with the silhouette, with
     /// and without it, on held-out scenes; prints a JSON line last.
     ControlnetEval(controlnet_eval::ControlNetEvalArgs),
+    /// Train the tiny UNet (an SD pipeline over the tiny model's text encoder and pixel
+    /// codec); prints a JSON line last.
+    Unet(unet_train::UNetTrainArgs),
+    /// Evaluate the tiny UNet: held-out accuracy, and mask-aware edits against full compute;
+    /// prints a JSON line last.
+    UnetEval(unet_eval::UNetEvalArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -57,6 +66,15 @@ fn main() -> anyhow::Result<()> {
         }
         Some(Command::ControlnetEval(args)) => {
             println!("{}", serde_json::to_string(&controlnet_eval::run(&args)?)?);
+        }
+        Some(Command::Unet(args)) => {
+            println!(
+                "{}",
+                serde_json::to_string(&unet_train::train_unet(&args)?)?
+            );
+        }
+        Some(Command::UnetEval(args)) => {
+            println!("{}", serde_json::to_string(&unet_eval::run_eval(&args)?)?);
         }
         Some(Command::Train(args)) => report(train::train(&args)?)?,
         None => report(train::train(&cli.train)?)?,

@@ -15,6 +15,9 @@ mod dpm;
 mod euler;
 mod tables;
 
+/// The training schedule's cumulative alphas (its betas as the config gives them).
+pub use tables::alphas_cumprod;
+
 use crate::error::{ModelError, Result};
 use serde::Deserialize;
 use std::path::Path;

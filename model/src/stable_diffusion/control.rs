@@ -10,6 +10,7 @@
 //! [`SdControlStep`] is plain tensors).
 use super::stepper::{Extra, SdState};
 use super::SdPipeline;
+use crate::components::LatentCodec;
 use crate::error::{ModelError, Result};
 use crate::unet::{ControlNetModel, UNetInputs, UNetResiduals};
 use tch::{Kind, Tensor};
@@ -88,7 +89,7 @@ impl SdPipeline {
                 "a request is steered before its first step",
             ));
         }
-        let f = self.vae.config.downscale_factor();
+        let f = self.vae.downscale_factor();
         let [h, w] = state.latent_side();
         let want = [1, 3, h * f, w * f];
         let mut images = Vec::with_capacity(controls.len());

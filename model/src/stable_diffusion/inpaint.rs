@@ -59,11 +59,11 @@ impl SdPipeline {
             ));
         }
         let (device, _) = self.unet.device_kind();
-        let (_, vae_kind) = self.vae.device_kind();
-        let latent_channels = self.vae.config.latent_channels;
+        let vae_kind = self.vae.kind();
+        let latent_channels = self.vae.latent_channels();
         let extra = tch::no_grad(|| -> Result<Extra> {
             let mask = inputs.mask.f_ge(0.5)?.f_to_kind(Kind::Float)?;
-            let f = self.vae.config.downscale_factor();
+            let f = self.vae.downscale_factor();
             let latent_mask = mask
                 .f_upsample_nearest2d([req.height / f, req.width / f], None, None)?
                 .f_to_device(device)?;

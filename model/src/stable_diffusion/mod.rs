@@ -5,17 +5,18 @@
 //! time ids as added conditioning. Both run the UNet with classifier-free guidance, any of the
 //! discrete schedulers (the checkpoint's own or one named by `--scheduler`), and the VAE.
 //! `cargo xtask generate --model-dir DIR ...` runs them from given latents.
+pub mod components;
 pub mod control;
 pub mod inpaint;
 pub mod inputs;
 pub mod stepper;
 pub mod template;
 
+use crate::components::LatentCodec;
 use crate::error::{read_json, ModelError, Result};
 use crate::schedulers::{DiscreteSchedule, DiscreteScheduler, DiscreteSchedulerConfig};
-use crate::text::{ClipTextModel, ClipTextModelWithProjection, PromptTokenizer};
 use crate::unet::UNet2DConditionModel;
-use crate::vae::AutoencoderKL;
+use components::{SdVae, TextSide};
 use std::path::{Path, PathBuf};
 use tch::{nn, Device, Kind, Tensor};
 
@@ -39,26 +40,13 @@ pub struct SdPrompt {
     pub pooled: Option<Tensor>,
 }
 
-/// The text encoders of the family: SD 1.x/2.x's one CLIP encoder (its last hidden states), or
-/// SDXL's CLIP-L and OpenCLIP-bigG (their penultimate hidden states concatenated).
-struct TextSide {
-    tokenizer: PromptTokenizer,
-    encoder: ClipTextModel,
-    /// SDXL's second encoder.
-    second: Option<Box<SecondEncoder>>,
-}
-
-struct SecondEncoder {
-    tokenizer: PromptTokenizer,
-    encoder: ClipTextModelWithProjection,
-}
-
 pub struct SdPipeline {
     /// `model_index.json`'s `_class_name` (one of [`PIPELINE_CLASSES`]).
     pub class: String,
     text: TextSide,
     pub unet: UNet2DConditionModel,
-    pub vae: AutoencoderKL,
+    /// AutoencoderKL, or the tiny model's pixel codec.
+    pub vae: SdVae,
     /// The checkpoint's `scheduler/scheduler_config.json`.
     pub scheduler: DiscreteSchedulerConfig,
     /// An absent negative prompt conditions on zeros (SDXL base's `model_index.json`).
@@ -99,27 +87,8 @@ impl SdPipeline {
             ));
         }
         let xl = index.class.starts_with("StableDiffusionXL");
-        let tokenizer = PromptTokenizer::load(&dir.join("tokenizer"), Some("CLIPTokenizer"))?;
-        let (encoder, vs1) = ClipTextModel::load(&dir.join("text_encoder"), device, kind)?;
-        let mut stores = vec![vs1];
-        let second = if xl {
-            let tokenizer_2 =
-                PromptTokenizer::load(&dir.join("tokenizer_2"), Some("CLIPTokenizer"))?;
-            let (encoder_2, vs2) =
-                ClipTextModelWithProjection::load(&dir.join("text_encoder_2"), device, kind)?;
-            stores.push(vs2);
-            Some(Box::new(SecondEncoder {
-                tokenizer: tokenizer_2,
-                encoder: encoder_2,
-            }))
-        } else {
-            None
-        };
-        let text = TextSide {
-            tokenizer,
-            encoder,
-            second,
-        };
+        let mut stores = Vec::new();
+        let text = TextSide::load(dir, xl, device, kind, &mut stores)?;
         let scheduler = DiscreteSchedulerConfig::from_file(
             &dir.join("scheduler").join("scheduler_config.json"),
         )?;
@@ -127,7 +96,7 @@ impl SdPipeline {
             class: index.class,
             text,
             unet: UNet2DConditionModel::load(&dir.join("unet"), device, kind)?,
-            vae: AutoencoderKL::load(&dir.join("vae"), device, kind)?,
+            vae: SdVae::load(dir, device, kind)?,
             scheduler,
             force_zeros_for_empty_prompt: index.force_zeros_for_empty_prompt.unwrap_or(xl),
             _stores: stores,
@@ -136,43 +105,14 @@ impl SdPipeline {
 
     /// Whether this is an SDXL pipeline (two encoders, added time conditioning).
     pub fn is_xl(&self) -> bool {
-        self.text.second.is_some()
+        self.text.is_xl()
     }
 
     /// `encode_prompt` of one prompt padded to each tokenizer's length: SD's last hidden
     /// states; SDXL's penultimate hidden states of both encoders concatenated, and the pooled
     /// output of the second.
     pub fn encode_prompt(&self, prompt: &str) -> Result<SdPrompt> {
-        let ids = |t: &PromptTokenizer| -> Result<Tensor> {
-            let length = t.model_max_length().unwrap_or(77);
-            let ids: Vec<i64> = t
-                .encode_padded(prompt, length)?
-                .into_iter()
-                .map(i64::from)
-                .collect();
-            Ok(Tensor::from_slice(&ids).f_unsqueeze(0)?)
-        };
-        let text = &self.text;
-        let first = text.encoder.forward(&ids(&text.tokenizer)?)?;
-        match &text.second {
-            None => Ok(SdPrompt {
-                embeds: first.last_hidden_state,
-                pooled: None,
-            }),
-            Some(second) => {
-                let second = second.encoder.forward(&ids(&second.tokenizer)?)?;
-                Ok(SdPrompt {
-                    embeds: Tensor::f_cat(
-                        &[
-                            &first.penultimate_hidden_state,
-                            &second.text.penultimate_hidden_state,
-                        ],
-                        -1,
-                    )?,
-                    pooled: Some(second.text_embeds),
-                })
-            }
-        }
+        self.text.encode(prompt)
     }
 
     /// The negative conditioning: zeros shaped like `prompt` where no negative prompt is given
@@ -200,7 +140,7 @@ impl SdPipeline {
 
     /// Check the request's sizes and guidance against the latents; the error names the field.
     pub(super) fn check_request(&self, req: &SdRequest, latents: &Tensor) -> Result<()> {
-        let f = self.vae.config.downscale_factor();
+        let f = self.vae.downscale_factor();
         for (field, side) in [("height", req.height), ("width", req.width)] {
             if side < 8 || side % 8 != 0 {
                 return Err(ModelError::input(
@@ -209,12 +149,7 @@ impl SdPipeline {
                 ));
             }
         }
-        let want = [
-            1,
-            self.vae.config.latent_channels,
-            req.height / f,
-            req.width / f,
-        ];
+        let want = [1, self.vae.latent_channels(), req.height / f, req.width / f];
         if latents.size() != want {
             return Err(ModelError::input(
                 "latents",

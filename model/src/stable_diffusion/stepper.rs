@@ -417,7 +417,7 @@ impl SdPipeline {
             ));
         }
         tch::no_grad(|| {
-            let (_, vae_kind) = self.vae.device_kind();
+            let vae_kind = self.vae.kind();
             let image = self.vae.decode(&state.x.f_to_kind(vae_kind)?)?;
             Ok(image
                 .f_to_kind(Kind::Float)?

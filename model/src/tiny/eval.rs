@@ -118,7 +118,7 @@ pub struct ModelEval {
     pub images: Vec<ImageResult>,
 }
 
-fn accuracy(verdicts: &[Verdict]) -> Accuracy {
+pub(super) fn accuracy(verdicts: &[Verdict]) -> Accuracy {
     let n = verdicts.len().max(1) as f64;
     let frac = |f: &dyn Fn(&Verdict) -> bool| verdicts.iter().filter(|v| f(v)).count() as f64 / n;
     Accuracy {

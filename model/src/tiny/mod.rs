@@ -15,6 +15,8 @@ pub mod plot;
 pub mod text_encoder;
 pub mod tokenizer;
 pub mod train;
+pub mod unet_eval;
+pub mod unet_train;
 pub mod validate;
 
 pub use codec::DiffmeshPixelCodec;

@@ -159,14 +159,14 @@ pub struct TrainSummary {
 }
 
 /// Exponential moving average of a `VarStore`'s variables.
-struct Ema {
+pub(super) struct Ema {
     names: Vec<String>,
     live: Vec<Tensor>,
     shadow: Vec<Tensor>,
 }
 
 impl Ema {
-    fn new(vs: &nn::VarStore) -> Self {
+    pub(super) fn new(vs: &nn::VarStore) -> Self {
         let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         let shadow = vars.iter().map(|(_, t)| t.detach().copy()).collect();
@@ -178,7 +178,7 @@ impl Ema {
         }
     }
 
-    fn update(&mut self, decay: f64) -> Result<()> {
+    pub(super) fn update(&mut self, decay: f64) -> Result<()> {
         tch::no_grad(|| {
             for (s, v) in self.shadow.iter_mut().zip(&self.live) {
                 let _ = s.f_mul_scalar_(decay)?;
@@ -201,7 +201,7 @@ impl Ema {
         })
     }
 
-    fn named(&self) -> Vec<(String, Tensor)> {
+    pub(super) fn named(&self) -> Vec<(String, Tensor)> {
         self.names
             .iter()
             .cloned()
@@ -228,16 +228,21 @@ fn fitted_steps(steps: usize, done: usize, elapsed_s: f64, budget_s: f64) -> usi
 }
 
 fn lr_at(args: &TrainArgs, step: usize) -> f64 {
-    if step < args.warmup {
-        return args.lr * step as f64 / args.warmup as f64;
-    }
-    let span = args.steps.saturating_sub(args.warmup).max(1) as f64;
-    let progress = ((step - args.warmup) as f64 / span).min(1.0);
-    let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
-    args.lr * (args.lr_final + (1.0 - args.lr_final) * cosine)
+    cosine_lr(args.lr, args.lr_final, args.warmup, args.steps, step)
 }
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
+/// Linear warmup to `lr` over `warmup` steps, then cosine decay to `lr * lr_final` at `steps`.
+pub(super) fn cosine_lr(lr: f64, lr_final: f64, warmup: usize, steps: usize, step: usize) -> f64 {
+    if step < warmup {
+        return lr * step as f64 / warmup as f64;
+    }
+    let span = steps.saturating_sub(warmup).max(1) as f64;
+    let progress = ((step - warmup) as f64 / span).min(1.0);
+    let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+    lr * (lr_final + (1.0 - lr_final) * cosine)
+}
+
+pub(super) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     move |source| ModelError::Io {
         path: path.to_path_buf(),
         source,

@@ -3,6 +3,7 @@
 //! the tiers' block codec and back.
 use crate::model::{job_resolution_of, rgb_to_tensor, rgb_to_unit_tensor, EditInputs};
 use crate::templates::TemplateEntry;
+use diffmesh_model::components::LatentCodec;
 use diffmesh_model::flux::kv_codec::CacheDtype;
 use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::stable_diffusion::control::SdControl;
@@ -62,7 +63,7 @@ impl UnetModel {
 /// are steered by the ControlNets of `--controlnet-dir` (the heartbeat sets `controlnet` from
 /// what it serves); fills are not served for this family.
 pub fn announce(pipeline: &SdPipeline, id: &str, default_size: Option<i64>) -> ModelCard {
-    let factor = pipeline.vae.config.downscale_factor().max(1);
+    let factor = pipeline.vae.downscale_factor().max(1);
     let levels = pipeline.unet.config.block_out_channels.len().max(1) as u32;
     // SD's sizes are multiples of 8 whatever the VAE (diffusers checks the same).
     let token_pixels = (factor as u32 * (1 << (levels - 1))).max(8);
@@ -265,8 +266,8 @@ pub fn job_states(
 }
 
 fn latent_shape(pipe: &SdPipeline, height: i64, width: i64) -> [i64; 4] {
-    let f = pipe.vae.config.downscale_factor().max(1);
-    [1, pipe.vae.config.latent_channels, height / f, width / f]
+    let f = pipe.vae.downscale_factor().max(1);
+    [1, pipe.vae.latent_channels(), height / f, width / f]
 }
 
 /// The capture of a `Capture` job: its template image under the template's prompt, seed,
