@@ -5,6 +5,7 @@
 //! diffmesh-train-tiny lora --model-dir weights/tiny --out weights/tiny-loras/outline.safetensors
 //! diffmesh-train-tiny controlnet --model-dir weights/tiny --out weights/tiny-controlnets/silhouette
 //! diffmesh-train-tiny unet --text-from weights/tiny --out weights/tiny-unet
+//! diffmesh-train-tiny unet-eval --model-dir weights/tiny-unet --report weights/tiny-unet
 use clap::{Parser, Subcommand};
 use diffmesh_model::tiny::{
     controlnet_eval, controlnet_train, eval, lora_train, train, unet_eval, unet_train,

@@ -3,7 +3,7 @@
 //! `model_index.json` names by class.
 use super::SdPrompt;
 use crate::components::{LatentCodec, TextEncoder};
-use crate::error::{read_json, Result};
+use crate::error::{read_json, ModelError, Result};
 use crate::text::{ClipTextModel, ClipTextModelWithProjection, PromptTokenizer};
 use crate::tiny::{DiffmeshPixelCodec, DiffmeshTinyTextEncoder};
 use crate::vae::AutoencoderKL;
@@ -49,6 +49,12 @@ impl TextSide {
         if component_class(dir, "text_encoder").as_deref()
             == Some(crate::tiny::text_encoder::CLASS_NAME)
         {
+            if xl {
+                return Err(ModelError::config(
+                    "text_encoder",
+                    "an SDXL pipeline needs its two CLIP encoders, not the tiny text encoder",
+                ));
+            }
             let (encoder, vs) = DiffmeshTinyTextEncoder::load(&dir.join("text_encoder"), device)?;
             stores.push(vs);
             return Ok(TextSide::Tiny(Box::new(encoder)));
@@ -74,6 +80,15 @@ impl TextSide {
             encoder,
             second,
         })))
+    }
+
+    /// Tokens every prompt is padded or cut to (the first tokenizer's `model_max_length`, 77
+    /// where it sets none; the tiny encoder's fixed length).
+    pub(super) fn max_tokens(&self) -> i64 {
+        match self {
+            TextSide::Clip(clip) => clip.tokenizer.model_max_length().unwrap_or(77) as i64,
+            TextSide::Tiny(encoder) => encoder.max_tokens(),
+        }
     }
 
     pub(super) fn is_xl(&self) -> bool {

@@ -3,7 +3,9 @@
 //! [`inpaint`]. SD 2.1 conditions on one CLIP encoder's last hidden states; SDXL on the
 //! concatenated penultimate hidden states of two, pooled on the second's projection, with its
 //! time ids as added conditioning. Both run the UNet with classifier-free guidance, any of the
-//! discrete schedulers (the checkpoint's own or one named by `--scheduler`), and the VAE.
+//! discrete schedulers (the checkpoint's own or one named by `--scheduler`), and the VAE. An SD
+//! folder may name diffmesh's tiny text encoder and pixel codec instead of CLIP and the VAE
+//! (the tiny UNet's, [`components`]).
 //! `cargo xtask generate --model-dir DIR ...` runs them from given latents.
 pub mod components;
 pub mod control;
@@ -103,6 +105,11 @@ impl SdPipeline {
         })
     }
 
+    /// Tokens every prompt is padded or cut to (77 for CLIP).
+    pub fn max_tokens(&self) -> i64 {
+        self.text.max_tokens()
+    }
+
     /// Whether this is an SDXL pipeline (two encoders, added time conditioning).
     pub fn is_xl(&self) -> bool {
         self.text.is_xl()
@@ -110,7 +117,7 @@ impl SdPipeline {
 
     /// `encode_prompt` of one prompt padded to each tokenizer's length: SD's last hidden
     /// states; SDXL's penultimate hidden states of both encoders concatenated, and the pooled
-    /// output of the second.
+    /// output of the second; the tiny encoder's token states.
     pub fn encode_prompt(&self, prompt: &str) -> Result<SdPrompt> {
         self.text.encode(prompt)
     }

@@ -244,9 +244,18 @@ pub fn run(args: &EvalArgs) -> Result<serde_json::Value> {
 
 /// 16 prompts (`keys`, in `images` order) in 8 columns: a row of reference renders above each
 /// row of samples.
-fn write_samples(images: &[Vec<u8>], keys: &[SceneKey], path: &std::path::Path) -> Result<()> {
+pub(super) fn write_samples(
+    images: &[Vec<u8>],
+    keys: &[SceneKey],
+    path: &std::path::Path,
+) -> Result<()> {
     let n = images.len().min(16).min(keys.len());
     let cols = n.min(8);
+    if n == 0 {
+        return Ok(());
+    }
+    // Whole rows only, so reference and sample rows stay paired.
+    let n = n - n % cols;
     let mut tiles = Vec::new();
     for row in (0..n).step_by(cols) {
         let end = (row + cols).min(n);

@@ -212,13 +212,13 @@ impl Ema {
 
 /// Steps timed before `--fit-schedule` decides: past the warmup, one validation and one save,
 /// so the rate includes their share.
-const FIT_AFTER_STEPS: usize = 300;
+pub(super) const FIT_AFTER_STEPS: usize = 300;
 /// Share of `--max-minutes` a fitted schedule plans to use (the rest absorbs step-time noise).
 const FIT_MARGIN: f64 = 0.97;
 
 /// The schedule length that fits `budget_s` at `elapsed_s` for the first `done` steps: `steps`
 /// when it all fits, else fewer (never fewer than `done`).
-fn fitted_steps(steps: usize, done: usize, elapsed_s: f64, budget_s: f64) -> usize {
+pub(super) fn fitted_steps(steps: usize, done: usize, elapsed_s: f64, budget_s: f64) -> usize {
     if done == 0 || elapsed_s <= 0.0 {
         return steps;
     }

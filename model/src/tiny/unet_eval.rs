@@ -4,17 +4,18 @@
 //! - mask-aware edits (FlashPS on the UNet): a rendered scene is captured as a template, then
 //!   edited to another shape inside the object's box, once with the UNet computing only the
 //!   masked tokens against the template's cache and once in full; the report compares the two
-//!   (SSIM and PSNR over the whole image, the mask's box grown by 8 px, and the masked pixels)
+//!   (SSIM and PSNR over the whole image, the mask's box grown by 8 px, and the masked pixels;
+//!   masks in whole 8-pixel tokens, as the mesh applies them)
 //!   and checks that the mask-aware edit keeps every unmasked pixel of the template.
 use super::check::{detect, judge, Verdict};
 use super::data::{object_box_mask, render_rgb, rgb_to_tensor, scene_for, SceneKey, Shape, Split};
-use super::eval::{accuracy, Accuracy};
+use super::eval::{accuracy, write_samples, Accuracy};
 use super::model::images_to_rgb;
 use super::IMAGE_SIZE;
 use crate::components::LatentCodec;
 use crate::error::{ModelError, Result};
 use crate::pipeline::noise::seeded_noise;
-use crate::quality::{mask_box, psnr, ssim, ssim_masked};
+use crate::quality::{mask_box, psnr, psnr_masked, ssim, ssim_masked};
 use crate::stable_diffusion::inpaint::InpaintInputs;
 use crate::stable_diffusion::stepper::SdState;
 use crate::stable_diffusion::{SdPipeline, SdRequest};
@@ -50,7 +51,7 @@ pub struct UNetEvalArgs {
     /// Requests stepped together.
     #[arg(long, default_value_t = 20)]
     pub batch_size: usize,
-    /// Write `eval.json` here.
+    /// Write `eval.json` and `samples.png` (16 held-out prompts under their reference renders) here.
     #[arg(long)]
     pub report: Option<PathBuf>,
 }
@@ -67,8 +68,10 @@ pub struct EditQuality {
     pub ssim_box_min: f64,
     pub ssim_masked_mean: f64,
     pub psnr_mean: f64,
+    pub psnr_masked_mean: f64,
     pub psnr_box_mean: f64,
-    /// Largest difference (0..1) between a mask-aware edit and its template outside the mask.
+    /// Largest difference (0..1) between a mask-aware edit and its template outside the mask
+    /// (0: every unmasked pixel kept).
     pub unmasked_max_abs_diff: f64,
 }
 
@@ -119,8 +122,11 @@ fn run(pipe: &SdPipeline, states: &mut [SdState], seed: u64) -> Result<()> {
     Ok(())
 }
 
-/// Generate and judge the first `args.prompts` held-out prompts.
-pub fn held_out_accuracy(pipe: &SdPipeline, args: &UNetEvalArgs) -> Result<Accuracy> {
+/// Generate and judge the first `args.prompts` held-out prompts; returns the images too.
+pub fn held_out_accuracy(
+    pipe: &SdPipeline,
+    args: &UNetEvalArgs,
+) -> Result<(Accuracy, Vec<Vec<u8>>)> {
     let keys: Vec<SceneKey> = Split::new()
         .held_out
         .into_iter()
@@ -128,6 +134,7 @@ pub fn held_out_accuracy(pipe: &SdPipeline, args: &UNetEvalArgs) -> Result<Accur
         .collect();
     let shape = latent_shape(pipe);
     let mut verdicts: Vec<Verdict> = Vec::with_capacity(keys.len());
+    let mut images = Vec::with_capacity(keys.len());
     for (c, chunk) in keys.chunks(args.batch_size.max(1)).enumerate() {
         let mut states = chunk
             .iter()
@@ -143,13 +150,16 @@ pub fn held_out_accuracy(pipe: &SdPipeline, args: &UNetEvalArgs) -> Result<Accur
             let image = pipe.decode(state)?.f_mul_scalar(2.0)?.f_sub_scalar(1.0)?;
             let rgb = images_to_rgb(&image)?.remove(0);
             verdicts.push(judge(&detect(&rgb)?, key));
+            images.push(rgb);
         }
     }
-    Ok(accuracy(&verdicts))
+    Ok((accuracy(&verdicts), images))
 }
 
 /// One edit: its template scene's image `[1, 3, 64, 64]` in [-1, 1] and prompt, the edit's
-/// prompt (another shape at the same place) and mask `[1, 1, 64, 64]` (the object's box + 4 px).
+/// prompt (another shape at the same place) and mask `[1, 1, 64, 64]`: the object's box + 4 px,
+/// widened to whole `token`-pixel tokens as the mesh masks (so the mask every level of the UNet
+/// sees is this one).
 struct EditCase {
     template_image: Tensor,
     template_prompt: String,
@@ -157,28 +167,50 @@ struct EditCase {
     mask: Tensor,
 }
 
-fn edit_case(key: SceneKey, rng: &mut ChaCha8Rng) -> EditCase {
+fn edit_case(key: SceneKey, rng: &mut ChaCha8Rng, token: usize) -> EditCase {
     let scene = scene_for(key, rng);
     let next = Shape::ALL
         [(Shape::ALL.iter().position(|s| *s == key.shape).unwrap_or(0) + 1) % Shape::ALL.len()];
-    let mask =
-        Tensor::from_slice(&object_box_mask(&scene, 4.0)).view([1, 1, IMAGE_SIZE, IMAGE_SIZE]);
+    let n = IMAGE_SIZE as usize;
+    let (mut x0, mut y0, mut x1, mut y1) = (n, n, 0, 0);
+    for (i, v) in object_box_mask(&scene, 4.0).iter().enumerate() {
+        if *v > 0.5 {
+            let (x, y) = (i % n, i / n);
+            (x0, y0, x1, y1) = (x0.min(x), y0.min(y), x1.max(x + 1), y1.max(y + 1));
+        }
+    }
+    let t = token.max(1);
+    let (x0, y0) = (x0 / t * t, y0 / t * t);
+    let (x1, y1) = (x1.div_ceil(t) * t, y1.div_ceil(t) * t);
+    let mask: Vec<f32> = (0..n * n)
+        .map(|i| {
+            let (x, y) = (i % n, i / n);
+            if (x0..x1).contains(&x) && (y0..y1).contains(&y) {
+                1.0
+            } else {
+                0.0
+            }
+        })
+        .collect();
     EditCase {
         template_image: rgb_to_tensor(&render_rgb(&scene), IMAGE_SIZE).unsqueeze(0),
         template_prompt: key.prompt(),
         prompt: SceneKey { shape: next, ..key }.prompt(),
-        mask,
+        mask: Tensor::from_slice(&mask).view([1, 1, IMAGE_SIZE, IMAGE_SIZE]),
     }
 }
 
 /// Capture each case's template, then run its edit mask-aware and in full; compare.
 pub fn edit_quality(pipe: &SdPipeline, args: &UNetEvalArgs) -> Result<EditQuality> {
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed.wrapping_add(0xed17));
+    // The mesh's token: the pixels one latent pixel of the UNet's coarsest level covers.
+    let levels = pipe.unet.config.block_out_channels.len().max(1) as u32;
+    let token = (pipe.vae.downscale_factor() as usize * (1 << (levels - 1))).max(8);
     let cases: Vec<EditCase> = Split::new()
         .held_out
         .into_iter()
         .take(args.edits)
-        .map(|k| edit_case(k, &mut rng))
+        .map(|k| edit_case(k, &mut rng, token))
         .collect();
     if cases.is_empty() {
         return Ok(EditQuality::default());
@@ -240,15 +272,15 @@ pub fn edit_quality(pipe: &SdPipeline, args: &UNetEvalArgs) -> Result<EditQualit
             q.psnr_box_mean += psnr(&b.crop(&aware)?, &b.crop(&full)?)?.min(100.0);
             box_psnr_n += 1;
         }
-        if let Some(s) = ssim_masked(&aware, &full, &mask)? {
+        if let (Some(s), Some(db)) = (
+            ssim_masked(&aware, &full, &mask)?,
+            psnr_masked(&aware, &full, &mask)?,
+        ) {
             q.ssim_masked_mean += s;
+            q.psnr_masked_mean += db.min(100.0);
             masked_n += 1;
         }
-        // Outside the mask (at latent resolution: the pixel codec blends whole f x f cells).
-        let keep = latent_mask
-            .f_upsample_nearest2d([IMAGE_SIZE, IMAGE_SIZE], None, None)?
-            .f_lt(0.5)?
-            .f_to_kind(Kind::Float)?;
+        let keep = mask.f_lt(0.5)?.f_to_kind(Kind::Float)?;
         let template01 = case.template_image.f_div_scalar(2.0)?.f_add_scalar(0.5)?;
         let diff = aware.f_sub(&template01)?.f_abs()?.f_mul(&keep)?;
         q.unmasked_max_abs_diff = q.unmasked_max_abs_diff.max(diff.f_max()?.double_value(&[]));
@@ -260,6 +292,7 @@ pub fn edit_quality(pipe: &SdPipeline, args: &UNetEvalArgs) -> Result<EditQualit
     q.ssim_box_mean /= box_psnr_n.max(1) as f64;
     q.psnr_box_mean /= box_psnr_n.max(1) as f64;
     q.ssim_masked_mean /= masked_n.max(1) as f64;
+    q.psnr_masked_mean /= masked_n.max(1) as f64;
     Ok(q)
 }
 
@@ -268,7 +301,7 @@ pub fn run_eval(args: &UNetEvalArgs) -> Result<UNetEval> {
     tch::set_num_threads(args.threads);
     let start = Instant::now();
     let pipe = SdPipeline::load(&args.model_dir, Device::Cpu, Kind::Float)?;
-    let accuracy = held_out_accuracy(&pipe, args)?;
+    let (accuracy, images) = held_out_accuracy(&pipe, args)?;
     let edit = edit_quality(&pipe, args)?;
     let eval = UNetEval {
         model_dir: args.model_dir.clone(),
@@ -278,6 +311,12 @@ pub fn run_eval(args: &UNetEvalArgs) -> Result<UNetEval> {
     };
     if let Some(dir) = &args.report {
         super::codec::write_json(&dir.join("eval.json"), &eval)?;
+        let keys: Vec<SceneKey> = Split::new()
+            .held_out
+            .into_iter()
+            .take(args.prompts)
+            .collect();
+        write_samples(&images, &keys, &dir.join("samples.png"))?;
     }
     Ok(eval)
 }

@@ -5,13 +5,16 @@
 //!
 //! It conditions on the tiny Flux model's text encoder, kept frozen (it already tells the
 //! attributes apart), and denoises its pixel codec's latents (RGB 64x64 unshuffled to 12
-//! channels at 32x32), with DDPM's epsilon objective over the scaled-linear schedule SD uses.
+//! channels at 32x32), with SD 2.1's v-prediction objective over the scaled-linear schedule SD
+//! uses. (Epsilon prediction was tried first: in pixel space its error at the noisiest steps,
+//! multiplied by sigma ~ 14.6 in the sampler's estimate of the image, left the samples noise;
+//! v's image estimate carries its error unamplified.)
 //! Prompts are dropped (to "") with a small probability for classifier-free guidance; the
 //! saved weights are an EMA. The folder is a `StableDiffusionPipeline` whose text encoder,
 //! tokenizer and VAE are diffmesh's tiny ones.
 use super::codec::write_json;
 use super::data::{batch, Generator, Split};
-use super::train::{cosine_lr, io_err, Ema};
+use super::train::{cosine_lr, fitted_steps, io_err, Ema, FIT_AFTER_STEPS};
 use crate::autocast::{Bf16Mode, CpuAutocast};
 use crate::components::LatentCodec;
 use crate::error::{read_json, ModelError, Result};
@@ -73,7 +76,8 @@ pub struct UNetTrainArgs {
     /// Save the EMA weights every this many steps (0: only at the end).
     #[arg(long, default_value_t = 1000)]
     pub save_every: usize,
-    /// Stop after the first step that ends past this wall time (minutes).
+    /// Stop after the first step that ends past this wall time (minutes); after the first
+    /// 300 steps the schedule is shortened to the steps that fit, so the learning rate decays.
     #[arg(long)]
     pub max_minutes: Option<f64>,
 }
@@ -82,6 +86,9 @@ pub struct UNetTrainArgs {
 #[derive(Debug, Clone, Serialize)]
 pub struct UNetTrainSummary {
     pub args: UNetTrainArgs,
+    /// Steps of the learning-rate schedule that ran (`--steps`, or fewer to fit
+    /// `--max-minutes`).
+    pub schedule_steps: usize,
     pub steps_done: usize,
     pub bf16_autocast: bool,
     pub wall_time_s: f64,
@@ -93,7 +100,7 @@ pub struct UNetTrainSummary {
 
 /// The tiny UNet's `config.json` for first-level width `w`: SDXL's block layout at three
 /// levels (32x32 ResNets only; 16x16 and 8x8 with one transformer layer each, heads of 32
-/// channels), conditioned on the tiny text encoder's 128-wide states.
+/// channels where the width allows), conditioned on the tiny text encoder's 128-wide states.
 pub fn tiny_unet_config_json(w: i64, latent_channels: i64, text_width: i64) -> serde_json::Value {
     serde_json::json!({
         "_class_name": crate::unet::CLASS_NAME,
@@ -113,7 +120,7 @@ pub fn tiny_unet_config_json(w: i64, latent_channels: i64, text_width: i64) -> s
     })
 }
 
-/// The scheduler the tiny UNet trains and samples with: SD's scaled-linear betas, epsilon
+/// The scheduler the tiny UNet trains and samples with: SD's scaled-linear betas, v
 /// prediction, Euler sampling from the last training timestep ("trailing").
 pub fn tiny_unet_scheduler_json() -> serde_json::Value {
     serde_json::json!({
@@ -123,7 +130,7 @@ pub fn tiny_unet_scheduler_json() -> serde_json::Value {
         "beta_start": 0.00085,
         "beta_end": 0.012,
         "beta_schedule": "scaled_linear",
-        "prediction_type": "epsilon",
+        "prediction_type": "v_prediction",
         "timestep_spacing": "trailing",
         "steps_offset": 1,
         "interpolation_type": "linear",
@@ -181,8 +188,9 @@ fn save(args: &UNetTrainArgs, config: &serde_json::Value, unet: &[(String, Tenso
 }
 
 /// The tiny UNet's training objective on a batch: noise `images` (`[B, 3, 64, 64]` in
-/// [-1, 1]) to uniform timesteps and score the predicted noise (mean squared error).
-pub fn epsilon_loss(
+/// [-1, 1]) to uniform timesteps and score the predicted velocity
+/// `v = sqrt(a) noise - sqrt(1 - a) x0` (mean squared error).
+pub fn v_prediction_loss(
     unet: &UNet2DConditionModel,
     text: &DiffmeshTinyTextEncoder,
     codec: &DiffmeshPixelCodec,
@@ -196,26 +204,32 @@ pub fn epsilon_loss(
     let t = Tensor::f_randint(train_steps, [b], (Kind::Int64, x0.device()))?;
     let ac = alphas_cumprod.f_index_select(0, &t)?.f_view([b, 1, 1, 1])?;
     let noise = x0.f_randn_like()?;
-    let xt = x0
-        .f_mul(&ac.f_sqrt()?)?
-        .f_add(&noise.f_mul(&ac.f_neg()?.f_add_scalar(1.0)?.f_sqrt()?)?)?;
+    let (signal, spread) = (ac.f_sqrt()?, ac.f_neg()?.f_add_scalar(1.0)?.f_sqrt()?);
+    let xt = x0.f_mul(&signal)?.f_add(&noise.f_mul(&spread)?)?;
+    let v = noise.f_mul(&signal)?.f_sub(&x0.f_mul(&spread)?)?;
     let hidden = tch::no_grad(|| text.forward_ids(&text.tokenize(prompts)?))?.hidden;
-    let eps = unet.forward(&UNetInputs {
+    let predicted = unet.forward(&UNetInputs {
         sample: xt,
         timestep: t.f_to_kind(Kind::Float)?,
         encoder_hidden_states: hidden,
         text_embeds: None,
         time_ids: None,
     })?;
-    Ok(eps.f_sub(&noise)?.f_square()?.f_mean(Kind::Float)?)
+    Ok(predicted.f_sub(&v)?.f_square()?.f_mean(Kind::Float)?)
 }
 
 /// Train the tiny UNet and write the pipeline folder, `train_log.csv` and `train_meta.json`.
 pub fn train_unet(args: &UNetTrainArgs) -> Result<UNetTrainSummary> {
-    if args.steps == 0 || args.batch_size == 0 || args.width < 8 || args.width % 8 != 0 {
+    if args.steps == 0 || args.batch_size == 0 || args.log_every == 0 {
         return Err(ModelError::input(
-            "steps/batch_size/width",
-            "steps and batch size must be at least 1, width a positive multiple of 8",
+            "steps/batch_size/log_every",
+            "must each be at least 1",
+        ));
+    }
+    if args.width < 8 || args.width % 8 != 0 {
+        return Err(ModelError::input(
+            "width",
+            format!("must be a positive multiple of 8, got {}", args.width),
         ));
     }
     tch::set_num_threads(args.threads);
@@ -254,8 +268,13 @@ pub fn train_unet(args: &UNetTrainArgs) -> Result<UNetTrainSummary> {
     let (mut window, mut recent) = (Vec::new(), std::collections::VecDeque::new());
     let start = Instant::now();
     let mut steps_done = 0;
-    for step in 1..=args.steps {
-        let lr = cosine_lr(args.lr, args.lr_final, args.warmup, args.steps, step);
+    // The schedule that runs: `--steps`, or fewer where `--max-minutes` would cut it short, so
+    // the learning rate still decays to its end.
+    let mut schedule = args.steps;
+    let mut step = 0;
+    while step < schedule {
+        step += 1;
+        let lr = cosine_lr(args.lr, args.lr_final, args.warmup, schedule, step);
         opt.set_lr(lr);
         let (images, mut prompts) = batch(&mut gen, args.batch_size);
         for p in prompts.iter_mut() {
@@ -265,7 +284,7 @@ pub fn train_unet(args: &UNetTrainArgs) -> Result<UNetTrainSummary> {
         }
         let loss = {
             let _autocast = bf16.then(CpuAutocast::enter).transpose()?;
-            epsilon_loss(&unet, &text, &codec, &alphas, &images, &prompts)?
+            v_prediction_loss(&unet, &text, &codec, &alphas, &images, &prompts)?
         };
         opt.zero_grad();
         loss.f_backward()?;
@@ -288,22 +307,31 @@ pub fn train_unet(args: &UNetTrainArgs) -> Result<UNetTrainSummary> {
             recent.pop_front();
         }
         steps_done = step;
+        if step == FIT_AFTER_STEPS {
+            if let Some(minutes) = args.max_minutes {
+                let elapsed = start.elapsed().as_secs_f64();
+                let fitted = fitted_steps(schedule, step, elapsed, minutes * 60.0);
+                if fitted < schedule {
+                    eprintln!("--max-minutes {minutes}: the schedule now ends at step {fitted}");
+                    schedule = fitted;
+                }
+            }
+        }
         let stop_now = args
             .max_minutes
             .is_some_and(|m| start.elapsed().as_secs_f64() > m * 60.0);
-        if step % args.log_every == 0 || step == args.steps || stop_now {
+        if step % args.log_every == 0 || step == schedule || stop_now {
             let mean = window.iter().sum::<f64>() / window.len() as f64;
             window.clear();
             let elapsed = start.elapsed().as_secs_f64();
             writeln!(csv, "{step},{mean:.6},{lr:.3e},{elapsed:.1}").map_err(io_err(&csv_path))?;
             csv.flush().map_err(io_err(&csv_path))?;
             eprintln!(
-                "step {step}/{} loss {mean:.4} lr {lr:.2e} {:.3}s/step",
-                args.steps,
+                "step {step}/{schedule} loss {mean:.4} lr {lr:.2e} {:.3}s/step",
                 elapsed / step as f64
             );
         }
-        if args.save_every > 0 && step % args.save_every == 0 && step < args.steps {
+        if args.save_every > 0 && step % args.save_every == 0 && step < schedule {
             save(args, &config_json, &ema.named())?;
         }
         if stop_now {
@@ -315,6 +343,7 @@ pub fn train_unet(args: &UNetTrainArgs) -> Result<UNetTrainSummary> {
     save(args, &config_json, &ema.named())?;
     let summary = UNetTrainSummary {
         args: args.clone(),
+        schedule_steps: schedule,
         steps_done,
         bf16_autocast: bf16,
         wall_time_s: wall,
@@ -371,7 +400,7 @@ mod tests {
         let (images, prompts) = batch(&mut Generator::new(Split::new().train, 1), 2);
         let fixed = || {
             tch::manual_seed(5);
-            epsilon_loss(&unet, &text, &codec, &alphas, &images, &prompts).unwrap()
+            v_prediction_loss(&unet, &text, &codec, &alphas, &images, &prompts).unwrap()
         };
         let mut opt = nn::adamw(0.9, 0.99, 0.0).build(&vs, 2e-3).unwrap();
         let before = tch::no_grad(fixed).double_value(&[]);

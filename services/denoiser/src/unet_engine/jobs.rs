@@ -20,9 +20,6 @@ use diffmesh_shared::wire::templates::{pack_step, CacheMeta};
 use std::path::Path;
 use std::sync::Arc;
 
-/// CLIP's context: every prompt of the family is padded or cut to 77 tokens.
-const CLIP_TOKENS: u32 = 77;
-
 /// A loaded UNet pipeline plus what the engine announces about it.
 pub struct UnetModel {
     pub pipeline: SdPipeline,
@@ -94,7 +91,7 @@ pub fn announce(pipeline: &SdPipeline, id: &str, default_size: Option<i64>) -> M
             lora: true,
             true_cfg: false,
             guidance_embeds: false,
-            max_sequence_length: CLIP_TOKENS,
+            max_sequence_length: u32::try_from(pipeline.max_tokens()).unwrap_or(u32::MAX),
             multi_controlnet: true,
         },
     }
