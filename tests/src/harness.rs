@@ -302,6 +302,25 @@ pub async fn post_form(
 }
 
 /// POST a JSON generation: status, JSON body and (on 200) the first image's RGB pixels.
+/// `GET url` (a gateway's `/v1/models`) once it lists `count` models; panics after 30 s.
+pub async fn models_once_listed(
+    http: &reqwest::Client,
+    url: &str,
+    count: usize,
+) -> serde_json::Value {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let body: serde_json::Value = http.get(url).send().await.unwrap().json().await.unwrap();
+            if body["data"].as_array().is_some_and(|d| d.len() == count) {
+                return body;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{url} never listed {count} models"))
+}
+
 pub async fn generate(
     http: &reqwest::Client,
     url: &str,

@@ -7,17 +7,18 @@
 //! is a generation on the Fill model; a template captured with either FLUX.1 model takes
 //! mask-aware edits on it (unmasked pixels exact) and refuses edits naming another model.
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use diffmesh_model::model_dir::LoadedModel;
 use diffmesh_model::pipeline::{text_to_image, GenerateOptions, GenerationRequest};
 use diffmesh_model::tch::{Device, Kind};
-use diffmesh_tests::harness::{generate, metric_sample, post_form, scrape_metrics};
+use diffmesh_tests::harness::{
+    generate, metric_sample, models_once_listed, post_form, scrape_metrics,
+};
 use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask, template};
 use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
 use image::GenericImageView;
 use reqwest::multipart::{Form, Part};
-use serde_json::{json, Value};
+use serde_json::json;
 
 const FLUX: &str = "flux-dev";
 const FILL: &str = "flux-fill";
@@ -51,28 +52,6 @@ fn reference_pixels(dir: &Path) -> Vec<u8> {
     };
     let out = text_to_image(&model.pipeline(), &[request], &opts, None).unwrap();
     diffmesh_denoiser::model::tensor_to_rgb(&out.images).unwrap()
-}
-
-async fn get_json(http: &reqwest::Client, url: &str) -> Value {
-    http.get(url).send().await.unwrap().json().await.unwrap()
-}
-
-/// `GET /v1/models` once every model is listed.
-async fn all_models(mesh: &TestMesh, http: &reqwest::Client) -> Value {
-    tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            let body = get_json(http, &mesh.url("/v1/models")).await;
-            if body["data"]
-                .as_array()
-                .is_some_and(|d| d.len() == DENOISERS.len())
-            {
-                return body;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await
-    .expect("the gateway never listed every model")
 }
 
 /// `series` on each denoiser, in `DENOISERS` order.
@@ -182,7 +161,7 @@ async fn several_models_serve_side_by_side_each_on_its_own_denoisers() {
         .await;
     let http = reqwest::Client::new();
 
-    let models = all_models(&mesh, &http).await;
+    let models = models_once_listed(&http, &mesh.url("/v1/models"), DENOISERS.len()).await;
     let ids: Vec<&str> = models["data"]
         .as_array()
         .unwrap()

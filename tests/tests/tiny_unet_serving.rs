@@ -6,7 +6,6 @@
 //! over the mask's box, is close to the same edit computed in full (SSIM).
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use diffmesh_model::components::LatentCodec;
 use diffmesh_model::pipeline::noise::seeded_noise;
@@ -17,12 +16,12 @@ use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::tiny::check::{detect, judge};
 use diffmesh_model::tiny::data::{object_box_mask, render_rgb, Generator, SceneKey, Shape, Split};
-use diffmesh_tests::harness::{generate, post_form};
+use diffmesh_tests::harness::{generate, models_once_listed, post_form};
 use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask};
-use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
+use diffmesh_tests::mesh::MeshBuilder;
 use image::{DynamicImage, RgbImage};
 use reqwest::multipart::{Form, Part};
-use serde_json::{json, Value};
+use serde_json::json;
 
 const UNET: &str = "tiny-unet";
 const DENOISERS: [&str; 2] = ["tiny", "unet"];
@@ -83,30 +82,6 @@ fn unit_tensor(rgb: &[u8]) -> Tensor {
         .unsqueeze(0)
 }
 
-async fn all_models(mesh: &TestMesh, http: &reqwest::Client) -> Value {
-    tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let body: Value = http
-                .get(mesh.url("/v1/models"))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if body["data"]
-                .as_array()
-                .is_some_and(|d| d.len() == DENOISERS.len())
-            {
-                return body;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await
-    .expect("the gateway never listed both models")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_tiny_unet_serves_generations_and_mask_aware_edits_beside_the_tiny_flux_model() {
     let dir = unet_dir();
@@ -126,7 +101,7 @@ async fn the_tiny_unet_serves_generations_and_mask_aware_edits_beside_the_tiny_f
         .await;
     let http = reqwest::Client::new();
 
-    let models = all_models(&mesh, &http).await;
+    let models = models_once_listed(&http, &mesh.url("/v1/models"), DENOISERS.len()).await;
     let card = models["data"]
         .as_array()
         .unwrap()

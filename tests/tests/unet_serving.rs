@@ -11,7 +11,6 @@
 //! to the served UNet), one or two at once, are the pipeline's own steered images; a ControlNet
 //! named for the Flux model is a 400 naming `controlnet.name`.
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use base64::Engine;
 use diffmesh_model::components::LatentCodec;
@@ -26,7 +25,9 @@ use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::unet::lora::read_unet_lora_bytes;
 use diffmesh_model::unet::ControlNetModel;
 use diffmesh_shared::wire::lora::write_f32_safetensors;
-use diffmesh_tests::harness::{generate, metric_sample, post_form, scrape_metrics};
+use diffmesh_tests::harness::{
+    generate, metric_sample, models_once_listed, post_form, scrape_metrics,
+};
 use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask, template};
 use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
 use reqwest::multipart::{Form, Part};
@@ -97,31 +98,6 @@ fn request(prompt: &str, height: i64, width: i64, guidance: f64) -> SdRequest {
         guidance_scale: guidance,
         scheduler: None,
     }
-}
-
-/// `GET /v1/models` once both models are listed.
-async fn all_models(mesh: &TestMesh, http: &reqwest::Client) -> Value {
-    tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let body: Value = http
-                .get(mesh.url("/v1/models"))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if body["data"]
-                .as_array()
-                .is_some_and(|d| d.len() == DENOISERS.len())
-            {
-                return body;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await
-    .expect("the gateway never listed both models")
 }
 
 async fn on_sd(mesh: &TestMesh, series: &str) -> f64 {
@@ -464,7 +440,7 @@ async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_fl
         .await;
     let http = reqwest::Client::new();
 
-    let models = all_models(&mesh, &http).await;
+    let models = models_once_listed(&http, &mesh.url("/v1/models"), DENOISERS.len()).await;
     let sd = models["data"]
         .as_array()
         .unwrap()

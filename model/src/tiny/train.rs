@@ -210,6 +210,43 @@ impl Ema {
     }
 }
 
+/// A training run's losses: the window since the last log row, and the last 100 steps.
+#[derive(Default)]
+pub(super) struct LossLog {
+    window: Vec<f64>,
+    recent: std::collections::VecDeque<f64>,
+}
+
+impl LossLog {
+    /// Keep step `step`'s loss; a loss that is not finite ends the run.
+    pub(super) fn record(&mut self, step: usize, value: f64) -> Result<()> {
+        if !value.is_finite() {
+            return Err(ModelError::input(
+                "loss",
+                format!("became {value} at step {step}; lower --lr"),
+            ));
+        }
+        self.window.push(value);
+        self.recent.push_back(value);
+        if self.recent.len() > 100 {
+            self.recent.pop_front();
+        }
+        Ok(())
+    }
+
+    /// Mean of the window, which starts again.
+    pub(super) fn take_window_mean(&mut self) -> f64 {
+        let mean = self.window.iter().sum::<f64>() / self.window.len().max(1) as f64;
+        self.window.clear();
+        mean
+    }
+
+    /// Mean of the last 100 steps.
+    pub(super) fn recent_mean(&self) -> f64 {
+        self.recent.iter().sum::<f64>() / self.recent.len().max(1) as f64
+    }
+}
+
 /// Steps timed before `--fit-schedule` decides: past the warmup, one validation and one save,
 /// so the rate includes their share.
 pub(super) const FIT_AFTER_STEPS: usize = 300;
@@ -400,8 +437,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
     let mut csv = std::fs::File::create(&csv_path).map_err(io_err(&csv_path))?;
     writeln!(csv, "step,loss,lr,elapsed_s").map_err(io_err(&csv_path))?;
     let mut curve: Vec<(f64, f64)> = Vec::new();
-    let mut window = Vec::new();
-    let mut recent = std::collections::VecDeque::new();
+    let mut losses = LossLog::default();
     let start = Instant::now();
     let mut steps_done = 0;
     let validation = match args.val_every {
@@ -459,18 +495,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
             .min((1.0 + step as f64) / (10.0 + step as f64));
         ema_tr.update(decay)?;
         ema_te.update(decay)?;
-        let value = loss.f_double_value(&[])?;
-        if !value.is_finite() {
-            return Err(ModelError::input(
-                "loss",
-                format!("became {value} at step {step}; lower --lr"),
-            ));
-        }
-        window.push(value);
-        recent.push_back(value);
-        if recent.len() > 100 {
-            recent.pop_front();
-        }
+        losses.record(step, loss.f_double_value(&[])?)?;
         steps_done = step;
         if step == FIT_AFTER_STEPS && args.fit_schedule {
             if let Some(minutes) = args.max_minutes {
@@ -493,8 +518,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
             .is_some_and(|m| start.elapsed().as_secs_f64() > m * 60.0)
             || args.stop_after.is_some_and(|k| step >= k);
         if step % args.log_every == 0 || step == schedule.steps || stop_now {
-            let mean = window.iter().sum::<f64>() / window.len() as f64;
-            window.clear();
+            let mean = losses.take_window_mean();
             let elapsed = start.elapsed().as_secs_f64();
             writeln!(csv, "{step},{mean:.6},{lr:.3e},{elapsed:.1}").map_err(io_err(&csv_path))?;
             csv.flush().map_err(io_err(&csv_path))?;
@@ -543,7 +567,7 @@ pub fn train(args: &TrainArgs) -> Result<TrainSummary> {
         bf16_autocast: bf16,
         wall_time_s: wall,
         mean_step_s: wall / steps_done as f64,
-        final_loss: recent.iter().sum::<f64>() / recent.len().max(1) as f64,
+        final_loss: losses.recent_mean(),
         text_encoder_params: te_params,
         transformer_params: tr_params,
         train_tuples: split.train.len(),

@@ -14,7 +14,7 @@
 //! tokenizer and VAE are diffmesh's tiny ones.
 use super::codec::write_json;
 use super::data::{batch, Generator, Split};
-use super::train::{cosine_lr, fitted_steps, io_err, Ema, FIT_AFTER_STEPS};
+use super::train::{cosine_lr, fitted_steps, io_err, Ema, LossLog, FIT_AFTER_STEPS};
 use crate::autocast::{Bf16Mode, CpuAutocast};
 use crate::components::LatentCodec;
 use crate::error::{read_json, ModelError, Result};
@@ -265,7 +265,7 @@ pub fn train_unet(args: &UNetTrainArgs) -> Result<UNetTrainSummary> {
     let csv_path = args.out.join("train_log.csv");
     let mut csv = std::fs::File::create(&csv_path).map_err(io_err(&csv_path))?;
     writeln!(csv, "step,loss,lr,elapsed_s").map_err(io_err(&csv_path))?;
-    let (mut window, mut recent) = (Vec::new(), std::collections::VecDeque::new());
+    let mut losses = LossLog::default();
     let start = Instant::now();
     let mut steps_done = 0;
     // The schedule that runs: `--steps`, or fewer where `--max-minutes` would cut it short, so
@@ -294,18 +294,7 @@ pub fn train_unet(args: &UNetTrainArgs) -> Result<UNetTrainSummary> {
             args.ema_decay
                 .min((1.0 + step as f64) / (10.0 + step as f64)),
         )?;
-        let value = loss.f_double_value(&[])?;
-        if !value.is_finite() {
-            return Err(ModelError::input(
-                "loss",
-                format!("became {value} at step {step}; lower --lr"),
-            ));
-        }
-        window.push(value);
-        recent.push_back(value);
-        if recent.len() > 100 {
-            recent.pop_front();
-        }
+        losses.record(step, loss.f_double_value(&[])?)?;
         steps_done = step;
         if step == FIT_AFTER_STEPS {
             if let Some(minutes) = args.max_minutes {
@@ -321,8 +310,7 @@ pub fn train_unet(args: &UNetTrainArgs) -> Result<UNetTrainSummary> {
             .max_minutes
             .is_some_and(|m| start.elapsed().as_secs_f64() > m * 60.0);
         if step % args.log_every == 0 || step == schedule || stop_now {
-            let mean = window.iter().sum::<f64>() / window.len() as f64;
-            window.clear();
+            let mean = losses.take_window_mean();
             let elapsed = start.elapsed().as_secs_f64();
             writeln!(csv, "{step},{mean:.6},{lr:.3e},{elapsed:.1}").map_err(io_err(&csv_path))?;
             csv.flush().map_err(io_err(&csv_path))?;
@@ -348,7 +336,7 @@ pub fn train_unet(args: &UNetTrainArgs) -> Result<UNetTrainSummary> {
         bf16_autocast: bf16,
         wall_time_s: wall,
         mean_step_s: wall / steps_done.max(1) as f64,
-        final_loss: recent.iter().sum::<f64>() / recent.len().max(1) as f64,
+        final_loss: losses.recent_mean(),
         unet_params: params,
     };
     write_json(&args.out.join("train_meta.json"), &summary)?;
