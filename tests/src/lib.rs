@@ -3,4 +3,5 @@ pub mod harness;
 pub mod images;
 pub mod mesh;
 pub mod promql;
+pub mod sd;
 pub mod tools;

@@ -5,13 +5,8 @@
 //! as a template takes a mask-aware edit to another shape that keeps every unmasked pixel and,
 //! over the mask's box, is close to the same edit computed in full (SSIM).
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use diffmesh_model::components::LatentCodec;
-use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::quality::{psnr, ssim};
-use diffmesh_model::stable_diffusion::inpaint::InpaintInputs;
-use diffmesh_model::stable_diffusion::stepper::SdState;
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::tiny::check::{detect, judge};
@@ -19,6 +14,7 @@ use diffmesh_model::tiny::data::{object_box_mask, render_rgb, Generator, SceneKe
 use diffmesh_tests::harness::{generate, models_once_listed, post_form};
 use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask};
 use diffmesh_tests::mesh::MeshBuilder;
+use diffmesh_tests::sd;
 use image::{DynamicImage, RgbImage};
 use reqwest::multipart::{Form, Part};
 use serde_json::json;
@@ -43,32 +39,6 @@ fn request(prompt: &str) -> SdRequest {
         guidance_scale: GUIDANCE,
         scheduler: None,
     }
-}
-
-fn latents(pipe: &SdPipeline, seed: u64) -> Tensor {
-    let f = pipe.vae.downscale_factor();
-    let shape = [1, pipe.vae.latent_channels(), SIDE / f, SIDE / f];
-    seeded_noise(seed, &shape, Device::Cpu, Kind::Float).unwrap()
-}
-
-/// `state` stepped to its end alone and decoded (`[1, 3, H, W]` in [0, 1]).
-fn run_alone(pipe: &SdPipeline, mut state: SdState) -> Tensor {
-    while !state.done() {
-        let mut none = |_: usize, _: usize, _: &[i64]| -> diffmesh_model::Result<Tensor> {
-            unreachable!("Euler draws no noise")
-        };
-        pipe.step_batch(&mut [&mut state], &mut none).unwrap();
-    }
-    pipe.decode(&state).unwrap()
-}
-
-fn to_rgb(image01: &Tensor) -> Vec<u8> {
-    let signed = image01
-        .f_mul_scalar(2.0)
-        .unwrap()
-        .f_sub_scalar(1.0)
-        .unwrap();
-    diffmesh_denoiser::model::tensor_to_rgb(&signed).unwrap()
 }
 
 /// RGB8 `[H][W][3]` as `[1, 3, H, W]` in `[0, 1]`.
@@ -120,11 +90,15 @@ async fn the_tiny_unet_serves_generations_and_mask_aware_edits_beside_the_tiny_f
     let (status, out, pixels) = generate(&http, &mesh.url("/v1/images/generations"), &body).await;
     assert_eq!(status, 200, "{out}");
     let own = pipe
-        .prepare(&request(&key.prompt()), &latents(&pipe, seed), None)
+        .prepare(
+            &request(&key.prompt()),
+            &sd::latents(&pipe, seed, SIDE, SIDE),
+            None,
+        )
         .unwrap();
     assert_eq!(
         pixels,
-        to_rgb(&run_alone(&pipe, own)),
+        sd::to_rgb(&sd::run_alone(&pipe, own)),
         "the mesh's image is not the pipeline's own for the seed"
     );
     let verdict = judge(&detect(&pixels).unwrap(), &key);
@@ -198,37 +172,15 @@ async fn the_tiny_unet_serves_generations_and_mask_aware_edits_beside_the_tiny_f
         .unwrap()
         .f_sub_scalar(1.0)
         .unwrap();
-    let mask = Tensor::zeros([1, 1, SIDE, SIDE], (Kind::Float, Device::Cpu));
-    let _ = mask
-        .narrow(2, i64::from(y0), i64::from(y1 - y0))
-        .narrow(3, i64::from(x0), i64::from(x1 - x0))
-        .fill_(1.0);
-    let (noise, own) = (latents(&pipe, template_seed), latents(&pipe, edit_seed));
-    let m = mask.upsample_nearest2d([noise.size()[2], noise.size()[3]], None, None);
-    let mixed = &noise + (&own - &noise) * &m;
-    let inputs = InpaintInputs {
-        image: &image,
-        mask: &mask,
-        strength: 1.0,
-    };
-    let full = pipe
-        .prepare(&request(&edit_prompt), &mixed, Some(&inputs))
-        .unwrap();
-    let full = run_alone(&pipe, full);
-    let mut capture = pipe
-        .prepare_capture(&request(&key.prompt()), &noise, &image, 1.0)
-        .unwrap();
-    while !capture.done() {
-        let mut none = |_: usize, _: usize, _: &[i64]| -> diffmesh_model::Result<Tensor> {
-            unreachable!("Euler draws no noise")
-        };
-        pipe.step_batch(&mut [&mut capture], &mut none).unwrap();
-    }
-    let captured = Arc::new(capture.into_template().unwrap());
-    let aware = pipe
-        .prepare_edit(&request(&edit_prompt), &mixed, &inputs, captured)
-        .unwrap();
-    let in_process = to_rgb(&run_alone(&pipe, aware));
+    let rect = (i64::from(x0), i64::from(y0), i64::from(x1), i64::from(y1));
+    let (full, aware) = sd::template_edit(
+        &pipe,
+        &image,
+        rect,
+        (&request(&key.prompt()), template_seed),
+        (&request(&edit_prompt), edit_seed),
+    );
+    let in_process = sd::to_rgb(&aware);
     let differing = edited
         .as_raw()
         .iter()
@@ -239,10 +191,7 @@ async fn the_tiny_unet_serves_generations_and_mask_aware_edits_beside_the_tiny_f
         differing, 0,
         "{differing} bytes of the served edit are not the in-process mask-aware edit's"
     );
-    let boxed = |t: &Tensor| {
-        t.narrow(2, i64::from(y0), i64::from(y1 - y0))
-            .narrow(3, i64::from(x0), i64::from(x1 - x0))
-    };
+    let boxed = |t: &Tensor| sd::crop(t, rect);
     let served = unit_tensor(edited.as_raw());
     let score = ssim(&boxed(&served), &boxed(&full)).unwrap();
     let db = psnr(&boxed(&served), &boxed(&full)).unwrap();

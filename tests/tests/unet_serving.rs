@@ -13,13 +13,9 @@
 use std::path::{Path, PathBuf};
 
 use base64::Engine;
-use diffmesh_model::components::LatentCodec;
 use diffmesh_model::lora::{LoraPatcher, WeightedLora};
-use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::quality::{psnr, ssim};
 use diffmesh_model::stable_diffusion::control::SdControl;
-use diffmesh_model::stable_diffusion::inpaint::InpaintInputs;
-use diffmesh_model::stable_diffusion::stepper::SdState;
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::unet::lora::read_unet_lora_bytes;
@@ -30,6 +26,7 @@ use diffmesh_tests::harness::{
 };
 use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask, template};
 use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
+use diffmesh_tests::sd;
 use reqwest::multipart::{Form, Part};
 use serde_json::{json, Value};
 
@@ -55,37 +52,6 @@ fn controlnets_fixture(sd: &Path) -> PathBuf {
         &["--for-unet".as_ref(), unet.as_os_str()],
         &out,
     )
-}
-
-/// `state` stepped to its end alone.
-fn finish(pipe: &SdPipeline, state: &mut SdState) {
-    while !state.done() {
-        let mut none = |_: usize, _: usize, _: &[i64]| -> diffmesh_model::Result<Tensor> {
-            unreachable!("the checkpoint's DDIM draws no noise")
-        };
-        pipe.step_batch(&mut [state], &mut none).unwrap();
-    }
-}
-
-/// `state` stepped to its end alone and decoded (`[1, 3, H, W]` in [0, 1]).
-fn run_alone(pipe: &SdPipeline, mut state: SdState) -> Tensor {
-    finish(pipe, &mut state);
-    pipe.decode(&state).unwrap()
-}
-
-fn to_rgb(image01: &Tensor) -> Vec<u8> {
-    let signed = image01
-        .f_mul_scalar(2.0)
-        .unwrap()
-        .f_sub_scalar(1.0)
-        .unwrap();
-    diffmesh_denoiser::model::tensor_to_rgb(&signed).unwrap()
-}
-
-fn latents(pipe: &SdPipeline, seed: u64, height: i64, width: i64) -> Tensor {
-    let f = pipe.vae.downscale_factor();
-    let shape = [1, pipe.vae.latent_channels(), height / f, width / f];
-    seeded_noise(seed, &shape, Device::Cpu, Kind::Float).unwrap()
 }
 
 fn request(prompt: &str, height: i64, width: i64, guidance: f64) -> SdRequest {
@@ -202,7 +168,7 @@ fn steered_in_process(
     let mut state = pipe
         .prepare(
             &request(PROMPT, s, s, 4.0),
-            &latents(pipe, SEED, s, s),
+            &sd::latents(pipe, SEED, s, s),
             None,
         )
         .unwrap();
@@ -226,7 +192,7 @@ fn steered_in_process(
         pipe.step_batch_steered(&mut [&mut state], &mut none, &[r])
             .unwrap();
     }
-    to_rgb(&pipe.decode(&state).unwrap())
+    sd::to_rgb(&pipe.decode(&state).unwrap())
 }
 
 /// Generations steered by the SD denoiser's ControlNets are the pipeline's own steered images,
@@ -384,11 +350,11 @@ async fn loras_patch_the_served_unet(
     let own = pipe
         .prepare(
             &request(PROMPT, side, side, 4.0),
-            &latents(pipe, SEED, side, side),
+            &sd::latents(pipe, SEED, side, side),
             None,
         )
         .unwrap();
-    let expected = to_rgb(&run_alone(pipe, own));
+    let expected = sd::to_rgb(&sd::run_alone(pipe, own));
     patcher.apply(&[]).unwrap();
     let differ = base
         .iter()
@@ -468,13 +434,13 @@ async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_fl
     let own = pipe
         .prepare(
             &request(PROMPT, side, side, 4.0),
-            &latents(&pipe, SEED, side, side),
+            &sd::latents(&pipe, SEED, side, side),
             None,
         )
         .unwrap();
     assert_eq!(
         pixels,
-        to_rgb(&run_alone(&pipe, own)),
+        sd::to_rgb(&sd::run_alone(&pipe, own)),
         "the mesh's image is not the pipeline's own for the seed"
     );
     streamed_with_a_preview(&mesh, &http, &pixels).await;
@@ -533,8 +499,8 @@ async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_fl
     }
     assert!(changed > 0, "the masked region was not repainted");
 
-    // The same edit in full compute: inpainting whose latents carry the template's noise
-    // outside the mask, as the engine's.
+    // The same edit in full compute and mask-aware, in process (latents carrying the
+    // template's noise outside the mask, as the engine's).
     let (hh, ww) = (i64::from(h), i64::from(w));
     let image = Tensor::from_slice(original.as_raw())
         .view([hh, ww, 3])
@@ -545,53 +511,15 @@ async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_fl
         .f_sub_scalar(1.0)
         .unwrap()
         .unsqueeze(0);
-    let mask = Tensor::zeros([1, 1, hh, ww], (Kind::Float, Device::Cpu));
-    let _ = mask
-        .narrow(2, i64::from(y0), i64::from(y1 - y0))
-        .narrow(3, i64::from(x0), i64::from(x1 - x0))
-        .fill_(1.0);
-    let (noise, own) = (
-        latents(&pipe, template_seed, hh, ww),
-        latents(&pipe, edit_seed, hh, ww),
+    let rect = (i64::from(x0), i64::from(y0), i64::from(x1), i64::from(y1));
+    let (full, masked) = sd::template_edit(
+        &pipe,
+        &image,
+        rect,
+        (&request("a sofa", hh, ww, guidance), template_seed),
+        (&request(edit_prompt, hh, ww, guidance), edit_seed),
     );
-    let m = mask.upsample_nearest2d([noise.size()[2], noise.size()[3]], None, None);
-    let mixed = &noise + (&own - &noise) * &m;
-    let inputs = InpaintInputs {
-        image: &image,
-        mask: &mask,
-        strength: 1.0,
-    };
-    let full = pipe
-        .prepare(
-            &request(edit_prompt, hh, ww, guidance),
-            &mixed,
-            Some(&inputs),
-        )
-        .unwrap();
-    let full = run_alone(&pipe, full);
-    // The same edit mask-aware in process, on a capture made in process.
-    let capture_request = SdRequest {
-        negative_prompt: None,
-        ..request("a sofa", hh, ww, guidance)
-    };
-    let mut capture = pipe
-        .prepare_capture(&capture_request, &noise, &image, 1.0)
-        .unwrap();
-    finish(&pipe, &mut capture);
-    let captured = std::sync::Arc::new(capture.into_template().unwrap());
-    let masked = pipe
-        .prepare_edit(
-            &request(edit_prompt, hh, ww, guidance),
-            &mixed,
-            &inputs,
-            captured,
-        )
-        .unwrap();
-    let masked = run_alone(&pipe, masked);
-    let boxed = |t: &Tensor| {
-        t.narrow(2, i64::from(y0), i64::from(y1 - y0))
-            .narrow(3, i64::from(x0), i64::from(x1 - x0))
-    };
+    let boxed = |t: &Tensor| sd::crop(t, rect);
     let served = Tensor::from_slice(edited.as_raw())
         .view([hh, ww, 3])
         .permute([2, 0, 1])
@@ -599,7 +527,7 @@ async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_fl
         .f_div_scalar(255.0)
         .unwrap()
         .unsqueeze(0);
-    let in_process = to_rgb(&masked);
+    let in_process = sd::to_rgb(&masked);
     for (x, y, p) in edited.enumerate_pixels() {
         if (x0..x1).contains(&x) && (y0..y1).contains(&y) {
             let at = ((y * w + x) * 3) as usize;
