@@ -250,7 +250,7 @@ impl Codec {
         if uploads.is_empty() {
             return Ok(base);
         }
-        let listed = !req.extra_control_image_keys.is_empty();
+        let listed = req.controlnets_listed || !req.extra_control_image_keys.is_empty();
         let mut prepared = Vec::with_capacity(uploads.len());
         for (i, upload) in uploads.into_iter().enumerate() {
             // Named as the request named it: `controlnet`, or the list `controlnets`.

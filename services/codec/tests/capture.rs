@@ -57,6 +57,7 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
         template_image: None,
         control_image_key: None,
         extra_control_image_keys: Vec::new(),
+        controlnets_listed: false,
         geometry: None,
     }
 }
@@ -419,6 +420,15 @@ async fn a_generations_control_image_is_prepared_at_the_model_resolution() {
         .await
     {
         Err(CodecError::Invalid(field)) => assert_eq!(field.field, "controlnet.image"),
+        other => panic!("expected an invalid control image, got {other:?}"),
+    }
+    // A request that listed its one ControlNet (`controlnets`) hears of the list's item.
+    let listed = PreprocessRequest {
+        controlnets_listed: true,
+        ..generation("g3", Some("upload/control"))
+    };
+    match codec.preprocess(&listed).await {
+        Err(CodecError::Invalid(field)) => assert_eq!(field.field, "controlnets[0].image"),
         other => panic!("expected an invalid control image, got {other:?}"),
     }
 }

@@ -88,6 +88,8 @@ pub struct JobInput {
     /// A generation's control images (bytes as uploaded): `valid.params.controlnet`'s, then
     /// those of `extra_controlnets` in order.
     pub control_images: Vec<Vec<u8>>,
+    /// The request gave its ControlNets as the list `controlnets` (errors name its items).
+    pub controlnets_listed: bool,
     /// The geometry the model `valid.params.model` announced (`request_model`), which the codec
     /// prepares the inputs at; None: the codec's own.
     pub geometry: Option<ModelGeometry>,
@@ -320,6 +322,7 @@ impl Mesh {
             template_image,
             control_image_key,
             extra_control_image_keys: control_keys.collect(),
+            controlnets_listed: input.controlnets_listed,
             geometry: input.geometry,
         };
         // No codec for a moment (restarting) is waited out as a missing router is; one killed

@@ -125,6 +125,11 @@ pub struct PreprocessRequest {
     /// Those of `params.extra_controlnets`, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub extra_control_image_keys: Vec<String>,
+    /// The request listed its ControlNets (`controlnets`, even one) rather than naming one
+    /// (`controlnet`): errors about a control image name `controlnets[i].image` then. Older
+    /// gateways: false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub controlnets_listed: bool,
     /// The job's model's geometry from its announcement: the model resolution and token grid
     /// the codec prepares at. None from older gateways: the codec's own flags.
     #[serde(default, skip_serializing_if = "Option::is_none")]

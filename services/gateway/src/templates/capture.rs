@@ -131,6 +131,7 @@ async fn capture(
     let input = JobInput {
         kind: JobKind::Capture,
         control_images: Vec::new(),
+        controlnets_listed: false,
         valid: ValidParams {
             params,
             response_format: ResponseFormat::B64Json,

@@ -59,6 +59,7 @@ pub async fn read(
         input: JobInput {
             kind: JobKind::Edit,
             control_images: Vec::new(),
+            controlnets_listed: false,
             valid,
             image: Some(InputImage::Template(record.template_image())),
             mask,
