@@ -278,6 +278,7 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
             }),
             control_image_key: Some("j1/control".into()),
             extra_control_image_keys: vec!["j1/control-1".into()],
+            controlnets_listed: true,
             geometry: Some(geometry()),
         }),
         seed(&PreprocessReply::Prepared(inputs())),
