@@ -10,7 +10,8 @@ use diffmesh_model::quality::{psnr, ssim};
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::tiny::check::{detect, judge};
-use diffmesh_model::tiny::data::{object_box_mask, render_rgb, Generator, SceneKey, Shape, Split};
+use diffmesh_model::tiny::data::{render_rgb, Generator, SceneKey, Split};
+use diffmesh_model::tiny::unet_eval::{next_shape, object_box_in_tokens};
 use diffmesh_tests::harness::{generate, models_once_listed, post_form};
 use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask};
 use diffmesh_tests::mesh::MeshBuilder;
@@ -121,22 +122,10 @@ async fn the_tiny_unet_serves_generations_and_mask_aware_edits_beside_the_tiny_f
     assert_eq!(status, 201, "{created}");
     // The object's box (+ 4 px), widened to whole tokens (the pixels a latent pixel of the
     // UNet's coarsest level covers), so the mask the mesh applies is this one.
-    let in_box = object_box_mask(&scene, 4.0);
-    let (mut x0, mut y0, mut x1, mut y1) = (64u32, 64u32, 0u32, 0u32);
-    for (i, v) in in_box.iter().enumerate() {
-        if *v > 0.5 {
-            let (x, y) = ((i % 64) as u32, (i / 64) as u32);
-            (x0, y0, x1, y1) = (x0.min(x), y0.min(y), x1.max(x + 1), y1.max(y + 1));
-        }
-    }
-    let t = card["token_pixels"].as_u64().unwrap() as u32;
-    (x0, y0, x1, y1) = (
-        x0 / t * t,
-        y0 / t * t,
-        x1.div_ceil(t) * t,
-        y1.div_ceil(t) * t,
-    );
-    let next = Shape::ALL[(Shape::ALL.iter().position(|s| *s == key.shape).unwrap() + 1) % 3];
+    let token = card["token_pixels"].as_u64().unwrap() as usize;
+    let (x0, y0, x1, y1) = object_box_in_tokens(&scene, 4.0, token);
+    let (x0, y0, x1, y1) = (x0 as u32, y0 as u32, x1 as u32, y1 as u32);
+    let next = next_shape(key.shape);
     let edit_prompt = SceneKey { shape: next, ..key }.prompt();
     let edit_seed = 9u64;
     let form = Form::new()

@@ -105,6 +105,14 @@ impl SdPipeline {
         })
     }
 
+    /// Side in pixels of one token as the mesh masks: the pixels one latent pixel of the UNet's
+    /// coarsest level covers, so a token mask is exact at every level; at least 8, since SD's
+    /// sizes are multiples of 8 whatever the VAE (diffusers checks the same).
+    pub fn token_pixels(&self) -> i64 {
+        let levels = self.unet.config.block_out_channels.len().clamp(1, 16) as u32;
+        (self.vae.downscale_factor().max(1) << (levels - 1)).max(8)
+    }
+
     /// Tokens every prompt is padded or cut to (77 for CLIP).
     pub fn max_tokens(&self) -> i64 {
         self.text.max_tokens()

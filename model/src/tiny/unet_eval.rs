@@ -8,7 +8,9 @@
 //!   masks in whole 8-pixel tokens, as the mesh applies them)
 //!   and checks that the mask-aware edit keeps every unmasked pixel of the template.
 use super::check::{detect, judge, Verdict};
-use super::data::{object_box_mask, render_rgb, rgb_to_tensor, scene_for, SceneKey, Shape, Split};
+use super::data::{
+    object_box_mask, render_rgb, rgb_to_tensor, scene_for, Scene, SceneKey, Shape, Split,
+};
 use super::eval::{accuracy, write_samples, Accuracy};
 use super::model::images_to_rgb;
 use super::IMAGE_SIZE;
@@ -167,21 +169,41 @@ struct EditCase {
     mask: Tensor,
 }
 
-fn edit_case(key: SceneKey, rng: &mut ChaCha8Rng, token: usize) -> EditCase {
-    let scene = scene_for(key, rng);
-    let next = Shape::ALL
-        [(Shape::ALL.iter().position(|s| *s == key.shape).unwrap_or(0) + 1) % Shape::ALL.len()];
+/// The shape an edit turns `shape` into (the next of [`Shape::ALL`]).
+pub fn next_shape(shape: Shape) -> Shape {
+    let at = Shape::ALL.iter().position(|s| *s == shape).unwrap_or(0);
+    Shape::ALL[(at + 1) % Shape::ALL.len()]
+}
+
+/// The pixel rectangle `(x0, y0, x1, y1)` (ends exclusive) of the scene's object box grown by
+/// `margin`, widened to whole `token`-pixel tokens.
+pub fn object_box_in_tokens(
+    scene: &Scene,
+    margin: f64,
+    token: usize,
+) -> (usize, usize, usize, usize) {
     let n = IMAGE_SIZE as usize;
     let (mut x0, mut y0, mut x1, mut y1) = (n, n, 0, 0);
-    for (i, v) in object_box_mask(&scene, 4.0).iter().enumerate() {
+    for (i, v) in object_box_mask(scene, margin).iter().enumerate() {
         if *v > 0.5 {
             let (x, y) = (i % n, i / n);
             (x0, y0, x1, y1) = (x0.min(x), y0.min(y), x1.max(x + 1), y1.max(y + 1));
         }
     }
     let t = token.max(1);
-    let (x0, y0) = (x0 / t * t, y0 / t * t);
-    let (x1, y1) = (x1.div_ceil(t) * t, y1.div_ceil(t) * t);
+    (
+        x0 / t * t,
+        y0 / t * t,
+        x1.div_ceil(t) * t,
+        y1.div_ceil(t) * t,
+    )
+}
+
+fn edit_case(key: SceneKey, rng: &mut ChaCha8Rng, token: usize) -> EditCase {
+    let scene = scene_for(key, rng);
+    let next = next_shape(key.shape);
+    let n = IMAGE_SIZE as usize;
+    let (x0, y0, x1, y1) = object_box_in_tokens(&scene, 4.0, token);
     let mask: Vec<f32> = (0..n * n)
         .map(|i| {
             let (x, y) = (i % n, i / n);
@@ -203,9 +225,7 @@ fn edit_case(key: SceneKey, rng: &mut ChaCha8Rng, token: usize) -> EditCase {
 /// Capture each case's template, then run its edit mask-aware and in full; compare.
 pub fn edit_quality(pipe: &SdPipeline, args: &UNetEvalArgs) -> Result<EditQuality> {
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed.wrapping_add(0xed17));
-    // The mesh's token: the pixels one latent pixel of the UNet's coarsest level covers.
-    let levels = pipe.unet.config.block_out_channels.len().max(1) as u32;
-    let token = (pipe.vae.downscale_factor() as usize * (1 << (levels - 1))).max(8);
+    let token = pipe.token_pixels() as usize;
     let cases: Vec<EditCase> = Split::new()
         .held_out
         .into_iter()

@@ -61,9 +61,7 @@ impl UnetModel {
 /// what it serves); fills are not served for this family.
 pub fn announce(pipeline: &SdPipeline, id: &str, default_size: Option<i64>) -> ModelCard {
     let factor = pipeline.vae.downscale_factor().max(1);
-    let levels = pipeline.unet.config.block_out_channels.len().max(1) as u32;
-    // SD's sizes are multiples of 8 whatever the VAE (diffusers checks the same).
-    let token_pixels = (factor as u32 * (1 << (levels - 1))).max(8);
+    let token_pixels = u32::try_from(pipeline.token_pixels()).unwrap_or(u32::MAX);
     let sample = pipeline
         .unet
         .config
