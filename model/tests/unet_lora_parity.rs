@@ -7,7 +7,7 @@
 mod py_fixture;
 
 use diffmesh_model::lora::{LoraPatcher, WeightedLora};
-use diffmesh_model::unet::lora::read_unet_lora;
+use diffmesh_model::unet::lora::{read_unet_lora, LoraTargets};
 use diffmesh_model::unet::{UNet2DConditionModel, UNetInputs};
 use py_fixture::{generate, max_abs_diff, read_tensors};
 use tch::{Device, Kind, Tensor};
@@ -32,7 +32,13 @@ fn unet_loras_in_both_layouts_match_diffusers() {
     let mut patcher = LoraPatcher::new(unet.var_store().unwrap());
     for (name, text_keys) in [("diffusers", 0), ("kohya", 2)] {
         let path = dir.join(format!("lora_{name}.safetensors"));
-        let lora = read_unet_lora(name, &path, &unet.config, &modules).unwrap();
+        // No text encoders given: their keys are counted and left out.
+        let targets = LoraTargets {
+            config: &unet.config,
+            unet_modules: &modules,
+            text_modules: &[],
+        };
+        let lora = read_unet_lora(name, &path, targets).unwrap();
         assert_eq!(lora.text_encoder_keys, text_keys, "{name}");
         assert!(
             lora.adapter.deltas.len() > 40,
@@ -95,7 +101,12 @@ fn unet_lora_refusals_name_the_key() {
     for (field, tensors) in cases {
         let path = scratch.path().join("bad.safetensors");
         Tensor::write_safetensors(&tensors, &path).unwrap();
-        let err = read_unet_lora("bad", &path, &unet.config, &modules)
+        let targets = LoraTargets {
+            config: &unet.config,
+            unet_modules: &modules,
+            text_modules: &[],
+        };
+        let err = read_unet_lora("bad", &path, targets)
             .unwrap_err()
             .to_string();
         assert!(err.contains(field), "{field}: {err}");

@@ -16,9 +16,10 @@ use base64::Engine;
 use diffmesh_model::lora::{LoraPatcher, WeightedLora};
 use diffmesh_model::quality::{psnr, ssim};
 use diffmesh_model::stable_diffusion::control::SdControl;
+use diffmesh_model::stable_diffusion::text_lora::{TextLora, TextLoraPatchers};
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
 use diffmesh_model::tch::{Device, Kind, Tensor};
-use diffmesh_model::unet::lora::read_unet_lora_bytes;
+use diffmesh_model::unet::lora::{read_unet_lora_bytes, LoraTargets, UNetLora};
 use diffmesh_model::unet::ControlNetModel;
 use diffmesh_shared::wire::lora::write_f32_safetensors;
 use diffmesh_tests::harness::{
@@ -124,8 +125,16 @@ fn unet_lora(pipe: &SdPipeline, kohya: bool, seed: u64) -> Vec<u8> {
         }
     }
     if kohya {
-        let te = "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_down.weight";
-        tensors.push((te.into(), vec![rank, 8], vec![0.1; rank * 8]));
+        // The text encoder's too: square layers of its width (SD's cross-attention width).
+        let width = pipe.unet.context_dim() as usize;
+        for layer in ["0_self_attn_q_proj", "1_self_attn_out_proj"] {
+            let name = format!("lora_te_text_model_encoder_layers_{layer}");
+            tensors.push((format!("{name}.alpha"), vec![], vec![4.0]));
+            for (role, shape) in [("down", vec![rank, width]), ("up", vec![width, rank])] {
+                let values = (0..rank * width).map(|_| next()).collect();
+                tensors.push((format!("{name}.lora_{role}.weight"), shape, values));
+            }
+        }
     }
     write_f32_safetensors(&tensors, None).unwrap()
 }
@@ -309,7 +318,7 @@ async fn loras_patch_the_served_unet(
 ) {
     let files = [unet_lora(pipe, false, 7), unet_lora(pipe, true, 8)];
     let mut ids = Vec::new();
-    for (file, (text_keys, kohya)) in files.iter().zip([(0, false), (1, true)]) {
+    for (file, (text_keys, kohya)) in files.iter().zip([(0, false), (6, true)]) {
         let record = register_lora(mesh, http, file.clone()).await;
         assert_eq!(record["target"], "unet", "{record}");
         assert_eq!(
@@ -328,34 +337,60 @@ async fn loras_patch_the_served_unet(
 
     let unet = &pipe.unet;
     let modules = unet.linear_modules();
-    let adapters: Vec<_> = files
+    let text_modules = pipe.text_linear_modules();
+    let targets = LoraTargets {
+        config: &unet.config,
+        unet_modules: &modules,
+        text_modules: &text_modules,
+    };
+    let loras: Vec<UNetLora> = files
         .iter()
         .zip(&ids)
-        .map(|(f, id)| {
-            read_unet_lora_bytes(id, f.clone(), &unet.config, &modules)
-                .unwrap()
-                .adapter
-        })
+        .map(|(f, id)| read_unet_lora_bytes(id, f.clone(), targets).unwrap())
         .collect();
     let mut patcher = LoraPatcher::new(unet.var_store().unwrap());
-    let set: Vec<WeightedLora<'_>> = adapters
+    let set: Vec<WeightedLora<'_>> = loras
         .iter()
         .zip(scales)
-        .map(|(adapter, s)| WeightedLora {
-            adapter,
+        .map(|(l, s)| WeightedLora {
+            adapter: &l.adapter,
             weight: f64::from(s),
         })
         .collect();
     patcher.apply(&set).unwrap();
-    let own = pipe
-        .prepare(
-            &request(PROMPT, side, side, 4.0),
-            &sd::latents(pipe, SEED, side, side),
-            None,
-        )
-        .unwrap();
-    let expected = sd::to_rgb(&sd::run_alone(pipe, own));
+    let text_set: Vec<TextLora<'_>> = loras
+        .iter()
+        .zip(scales)
+        .map(|(l, s)| TextLora {
+            adapters: &l.text_encoders,
+            weight: f64::from(s),
+        })
+        .collect();
+    assert!(
+        TextLoraPatchers::adapts_any(&text_set),
+        "the kohya file adapts the text encoder"
+    );
+    let own = |text: Option<&mut TextLoraPatchers>| {
+        let prepare = || {
+            pipe.prepare(
+                &request(PROMPT, side, side, 4.0),
+                &sd::latents(pipe, SEED, side, side),
+                None,
+            )
+        };
+        let state = match text {
+            Some(text) => text.with_patched(&text_set, prepare).unwrap().0,
+            None => prepare().unwrap(),
+        };
+        sd::to_rgb(&sd::run_alone(pipe, state))
+    };
+    let expected = own(Some(&mut TextLoraPatchers::new(pipe)));
+    let unet_only = own(None);
     patcher.apply(&[]).unwrap();
+    assert_ne!(
+        unet_only, expected,
+        "the text encoder's adapters change nothing: a test of nothing"
+    );
     let differ = base
         .iter()
         .zip(&expected)

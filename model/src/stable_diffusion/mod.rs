@@ -13,6 +13,7 @@ pub mod inpaint;
 pub mod inputs;
 pub mod stepper;
 pub mod template;
+pub mod text_lora;
 
 use crate::components::LatentCodec;
 use crate::error::{read_json, ModelError, Result};
@@ -53,7 +54,8 @@ pub struct SdPipeline {
     pub scheduler: DiscreteSchedulerConfig,
     /// An absent negative prompt conditions on zeros (SDXL base's `model_index.json`).
     force_zeros_for_empty_prompt: bool,
-    _stores: Vec<nn::VarStore>,
+    /// The text encoders' weights, in the pipeline's order.
+    text_stores: Vec<nn::VarStore>,
 }
 
 /// What one generation asks for.
@@ -101,7 +103,7 @@ impl SdPipeline {
             vae: SdVae::load(dir, device, kind)?,
             scheduler,
             force_zeros_for_empty_prompt: index.force_zeros_for_empty_prompt.unwrap_or(xl),
-            _stores: stores,
+            text_stores: stores,
         })
     }
 
@@ -116,6 +118,35 @@ impl SdPipeline {
     /// Tokens every prompt is padded or cut to (77 for CLIP).
     pub fn max_tokens(&self) -> i64 {
         self.text.max_tokens()
+    }
+
+    /// Per CLIP text encoder, in the pipeline's order, its linear layers as LoRA files name
+    /// them (after transformers' `text_model.`); none for the tiny text encoder, which takes no
+    /// adapters.
+    pub fn text_linear_modules(&self) -> Vec<Vec<String>> {
+        self.clip_stores()
+            .iter()
+            .map(|vs| {
+                let mut modules: Vec<String> = vs
+                    .variables()
+                    .into_iter()
+                    .filter(|(name, t)| {
+                        t.dim() == 2 && name.ends_with(".weight") && !name.contains("embedding")
+                    })
+                    .map(|(name, _)| name.trim_end_matches(".weight").to_string())
+                    .collect();
+                modules.sort();
+                modules
+            })
+            .collect()
+    }
+
+    /// The CLIP text encoders' weights (none for the tiny text encoder).
+    pub(crate) fn clip_stores(&self) -> &[nn::VarStore] {
+        match self.text {
+            TextSide::Clip(_) => &self.text_stores,
+            TextSide::Tiny(_) => &[],
+        }
     }
 
     /// Whether this is an SDXL pipeline (two encoders, added time conditioning).

@@ -180,11 +180,43 @@ impl SdPipeline {
             .f_to_device(device)?
             .f_to_kind(Kind::Float)?
             .f_mul_scalar(schedule.init_noise_sigma)?;
+        let guided = req.guidance_scale > 1.0;
+        let (embeds, pooled) =
+            self.conditioning(&req.prompt, req.negative_prompt.as_deref(), guided)?;
+        let (h, w) = (req.height as f32, req.width as f32);
+        // SDXL's added conditioning: original size, crop origin, target size.
+        let ids = Tensor::from_slice(&[h, w, 0.0, 0.0, h, w]).f_view([1, 6])?;
+        let time_ids = match &pooled {
+            Some(_) if guided => Some(Tensor::f_cat(&[&ids, &ids], 0)?),
+            Some(_) => Some(ids),
+            None => None,
+        };
+        Ok(SdState {
+            embeds,
+            pooled,
+            time_ids,
+            guidance: guided.then_some(req.guidance_scale),
+            schedule,
+            next: start,
+            x,
+            extra,
+            attention: Attention::Full,
+            controls: Vec::new(),
+        })
+    }
+
+    /// The UNet's text inputs of `prompt` (and `negative` where `guided`), one row per branch,
+    /// negative first: the hidden states, and SDXL's pooled embeddings.
+    fn conditioning(
+        &self,
+        prompt: &str,
+        negative: Option<&str>,
+        guided: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         tch::no_grad(|| {
-            let prompt = self.encode_prompt(&req.prompt)?;
-            let guided = req.guidance_scale > 1.0;
+            let prompt = self.encode_prompt(prompt)?;
             let negative = if guided {
-                Some(self.negative(req.negative_prompt.as_deref(), &prompt)?)
+                Some(self.negative(negative, &prompt)?)
             } else {
                 None
             };
@@ -194,32 +226,48 @@ impl SdPipeline {
                     None => positive.shallow_clone(),
                 })
             };
-            let (h, w) = (req.height as f32, req.width as f32);
-            // SDXL's added conditioning: original size, crop origin, target size.
-            let ids = Tensor::from_slice(&[h, w, 0.0, 0.0, h, w]).f_view([1, 6])?;
-            let (pooled, time_ids) = match &prompt.pooled {
+            let pooled = match &prompt.pooled {
                 Some(pooled) => {
                     let negative_pooled = negative.as_ref().and_then(|n| n.pooled.as_ref());
-                    (
-                        Some(pair(negative_pooled, pooled)?),
-                        Some(pair(guided.then_some(&ids), &ids)?),
-                    )
+                    Some(pair(negative_pooled, pooled)?)
                 }
-                None => (None, None),
+                None => None,
             };
-            Ok(SdState {
-                embeds: pair(negative.as_ref().map(|n| &n.embeds), &prompt.embeds)?,
+            Ok((
+                pair(negative.as_ref().map(|n| &n.embeds), &prompt.embeds)?,
                 pooled,
-                time_ids,
-                guidance: guided.then_some(req.guidance_scale),
-                schedule,
-                next: start,
-                x,
-                extra,
-                attention: Attention::Full,
-                controls: Vec::new(),
-            })
+            ))
         })
+    }
+
+    /// Encode the text conditioning of `states` (one request's images) again from `prompt` and
+    /// `negative`: after the text encoders were patched with a request's LoRAs
+    /// ([`super::text_lora`]), its states condition on what the patched encoders give.
+    pub fn recondition(
+        &self,
+        states: &mut [SdState],
+        prompt: &str,
+        negative: Option<&str>,
+    ) -> Result<()> {
+        let Some(first) = states.first() else {
+            return Ok(());
+        };
+        let (embeds, pooled) = self.conditioning(prompt, negative, first.guidance.is_some())?;
+        for s in states {
+            if s.embeds.size() != embeds.size() {
+                return Err(ModelError::input(
+                    "states",
+                    format!(
+                        "conditioning {:?} does not replace {:?}",
+                        embeds.size(),
+                        s.embeds.size()
+                    ),
+                ));
+            }
+            s.embeds = embeds.shallow_clone();
+            s.pooled = pooled.as_ref().map(Tensor::shallow_clone);
+        }
+        Ok(())
     }
 
     /// One step of every state in `states` (same latent side, none done, none steered: see

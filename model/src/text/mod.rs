@@ -2,6 +2,7 @@
 //! and the text encoders FLUX.1 pairs them with (CLIP-L's pooled output, T5-XXL's hidden states).
 mod activation;
 pub mod clip;
+pub mod clip_lora;
 pub mod flux_prompt;
 pub mod t5;
 pub mod tokenizer;

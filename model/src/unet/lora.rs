@@ -10,22 +10,49 @@
 //!   `output_blocks_2_0_...`: its SDXL files). Names are resolved against the UNet's own
 //!   modules, so nothing is guessed from the underscores.
 //!
-//! Text encoders' adapters (`text_encoder.`, `lora_te1_`, `lora_te2_`, ...) are counted and left
-//! out: the text encoders run unpatched. Adapters of convolutions (LoCon) are refused, naming the
-//! key.
+//! Text encoders' adapters (`text_encoder.`, `text_encoder_2.`, kohya's `lora_te_`, `lora_te1_`,
+//! `lora_te2_`) are read against the CLIP encoders' linear layers the caller passes
+//! ([`crate::text::clip_lora`]) and patched by [`crate::stable_diffusion::text_lora`]; a caller
+//! with no CLIP encoders (the tiny text encoder) passes none, and they are counted and left out.
+//! Adapters of convolutions (LoCon) are refused, naming the key.
 use super::config::UNetConfig;
 use crate::error::{ModelError, Result};
 use crate::lora::{LoraAdapter, LoraDelta};
 use crate::safetensors_file::SafetensorsFile;
+use crate::text::clip_lora::{
+    is_text_encoder_key, metadata_prefix, resolve_text_encoder_key, LoraRole,
+};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 /// A UNet LoRA file, read.
 #[derive(Debug)]
 pub struct UNetLora {
+    /// The UNet's adapter (no layer when the file adapts only text encoders).
     pub adapter: LoraAdapter,
-    /// Keys of text-encoder adapters that were left out.
+    /// Per text encoder the caller passed (in the pipeline's order), its adapter where the file
+    /// has one.
+    pub text_encoders: Vec<Option<LoraAdapter>>,
+    /// Keys of text-encoder adapters left out (the caller passed no text encoders).
     pub text_encoder_keys: usize,
+}
+
+/// What a file's adapters may patch: the UNet, and the pipeline's CLIP text encoders (none:
+/// their keys are left out).
+#[derive(Debug, Clone, Copy)]
+pub struct LoraTargets<'a> {
+    pub config: &'a UNetConfig,
+    /// The UNet's linear layers (paths without `.weight`).
+    pub unet_modules: &'a [String],
+    /// Per CLIP text encoder, its linear layers.
+    pub text_modules: &'a [Vec<String>],
+}
+
+/// Where an adapter's layer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Network {
+    Unet,
+    TextEncoder(usize),
 }
 
 /// The PEFT config entries that set a module's scale.
@@ -41,34 +68,35 @@ struct Peft {
     alpha_pattern: BTreeMap<String, f64>,
 }
 
-/// Read the UNet adapters of the LoRA file `path` for a UNet configured as `config` whose
-/// linear layers are `modules` (paths without `.weight`).
-pub fn read_unet_lora(
-    id: &str,
-    path: &Path,
-    config: &UNetConfig,
-    modules: &[String],
-) -> Result<UNetLora> {
-    read_unet_lora_from(id, SafetensorsFile::open(path)?, config, modules)
+/// Read the adapters of the LoRA file `path` for `targets`.
+pub fn read_unet_lora(id: &str, path: &Path, targets: LoraTargets<'_>) -> Result<UNetLora> {
+    read_unet_lora_from(id, SafetensorsFile::open(path)?, targets)
 }
 
 /// [`read_unet_lora`] of a file held in memory (the denoiser's LoRA cache holds them so).
 pub fn read_unet_lora_bytes<B: AsRef<[u8]> + Send + 'static>(
     id: &str,
     bytes: B,
-    config: &UNetConfig,
-    modules: &[String],
+    targets: LoraTargets<'_>,
 ) -> Result<UNetLora> {
-    read_unet_lora_from(id, SafetensorsFile::from_bytes(id, bytes)?, config, modules)
+    read_unet_lora_from(id, SafetensorsFile::from_bytes(id, bytes)?, targets)
 }
 
 fn read_unet_lora_from(
     id: &str,
     mut file: SafetensorsFile,
-    config: &UNetConfig,
-    modules: &[String],
+    targets: LoraTargets<'_>,
 ) -> Result<UNetLora> {
-    let peft = peft_config(file.metadata())?;
+    let LoraTargets {
+        config,
+        unet_modules: modules,
+        text_modules,
+    } = targets;
+    let encoders = text_modules.len();
+    let mut pefts = vec![peft_config(file.metadata(), "unet.")?];
+    for e in 0..encoders {
+        pefts.push(peft_config(file.metadata(), &metadata_prefix(e))?);
+    }
     // Every linear layer by its path with `_` for `.` (kohya's spelling).
     let by_kohya: HashMap<String, &String> =
         modules.iter().map(|m| (m.replace('.', "_"), m)).collect();
@@ -79,11 +107,24 @@ fn read_unet_lora_from(
         up: Option<String>,
         alpha: Option<String>,
     }
-    let mut parts: BTreeMap<String, Parts> = BTreeMap::new();
+    let mut parts: BTreeMap<(Network, String), Parts> = BTreeMap::new();
     let mut text_encoder_keys = 0;
     for key in &keys {
         if is_text_encoder_key(key) {
-            text_encoder_keys += 1;
+            if encoders == 0 {
+                text_encoder_keys += 1;
+                continue;
+            }
+            let resolved = resolve_text_encoder_key(key, text_modules)?;
+            let role = match resolved.role {
+                LoraRole::Down => 0,
+                LoraRole::Up => 1,
+                LoraRole::Alpha => 2,
+            };
+            let entry = parts
+                .entry((Network::TextEncoder(resolved.encoder), resolved.module))
+                .or_default();
+            *[&mut entry.down, &mut entry.up, &mut entry.alpha][role] = Some(key.clone());
             continue;
         }
         let (module, role) = if let Some(rest) = key.strip_prefix("unet.") {
@@ -113,7 +154,7 @@ fn read_unet_lora_from(
         } else {
             return Err(not_lora(key));
         };
-        let entry = parts.entry(module).or_default();
+        let entry = parts.entry((Network::Unet, module)).or_default();
         let slot = match role {
             0 => &mut entry.down,
             1 => &mut entry.up,
@@ -121,8 +162,13 @@ fn read_unet_lora_from(
         };
         *slot = Some(key.clone());
     }
-    let mut deltas = Vec::with_capacity(parts.len());
-    for (module, p) in parts {
+    let mut deltas: Vec<Vec<LoraDelta>> = (0..=encoders).map(|_| Vec::new()).collect();
+    for ((network, module), p) in parts {
+        let slot = match network {
+            Network::Unet => 0,
+            Network::TextEncoder(e) => e + 1,
+        };
+        let peft = &pefts[slot];
         let (Some(down_key), Some(up_key)) = (p.down, p.up) else {
             return Err(ModelError::input(
                 module.as_str(),
@@ -158,21 +204,29 @@ fn read_unet_lora_from(
                 format!("scale {scale} is not finite"),
             ));
         }
-        deltas.push(LoraDelta {
+        deltas[slot].push(LoraDelta {
             module,
             down,
             up,
             scale,
         });
     }
-    if deltas.is_empty() {
-        return Err(ModelError::input("file", "holds no UNet adapter"));
+    if deltas.iter().all(Vec::is_empty) {
+        return Err(ModelError::input(
+            "file",
+            "holds no adapter of this model (UNet or text encoder)",
+        ));
     }
+    let mut deltas = deltas.into_iter();
+    let adapter = |deltas: Vec<LoraDelta>| LoraAdapter {
+        id: id.to_string(),
+        deltas,
+    };
     Ok(UNetLora {
-        adapter: LoraAdapter {
-            id: id.to_string(),
-            deltas,
-        },
+        adapter: adapter(deltas.next().unwrap_or_default()),
+        text_encoders: deltas
+            .map(|d| (!d.is_empty()).then(|| adapter(d)))
+            .collect(),
         text_encoder_keys,
     })
 }
@@ -183,10 +237,6 @@ fn not_lora(key: &str) -> ModelError {
         "not a UNet LoRA key (`unet.<module>.lora_A.weight` / `.lora_B.weight`, or kohya's \
          `lora_unet_<name>.lora_down.weight` / `.lora_up.weight` / `.alpha`)",
     )
-}
-
-fn is_text_encoder_key(key: &str) -> bool {
-    key.starts_with("text_encoder") || key.starts_with("lora_te")
 }
 
 impl Peft {
@@ -200,8 +250,9 @@ impl Peft {
     }
 }
 
-/// The `unet.` part of the PEFT config in the file's metadata (patterns are refused).
-fn peft_config(metadata: &BTreeMap<String, String>) -> Result<Peft> {
+/// The part of the PEFT config in the file's metadata under `prefix` (`unet.`,
+/// `text_encoder.`, ...; patterns are refused).
+fn peft_config(metadata: &BTreeMap<String, String>, prefix: &str) -> Result<Peft> {
     let Some(raw) = metadata.get("lora_adapter_metadata") else {
         return Ok(Peft::default());
     };
@@ -214,14 +265,16 @@ fn peft_config(metadata: &BTreeMap<String, String>) -> Result<Peft> {
         })?;
     let ours: serde_json::Map<String, serde_json::Value> = all
         .into_iter()
-        .filter_map(|(k, v)| k.strip_prefix("unet.").map(|k| (k.to_string(), v)))
+        .filter_map(|(k, v)| k.strip_prefix(prefix).map(|k| (k.to_string(), v)))
         .collect();
-    let peft: Peft = serde_json::from_value(serde_json::Value::Object(ours))
-        .map_err(|e| ModelError::input("lora_adapter_metadata", format!("unet config: {e}")))?;
+    let network = prefix.trim_end_matches('.');
+    let peft: Peft = serde_json::from_value(serde_json::Value::Object(ours)).map_err(|e| {
+        ModelError::input("lora_adapter_metadata", format!("{network} config: {e}"))
+    })?;
     if !peft.rank_pattern.is_empty() || !peft.alpha_pattern.is_empty() {
         return Err(ModelError::input(
             "lora_adapter_metadata",
-            "rank_pattern / alpha_pattern in a UNet LoRA are not supported yet",
+            format!("rank_pattern / alpha_pattern ({network}) are not supported yet"),
         ));
     }
     Ok(peft)

@@ -6,8 +6,10 @@
 //! `W + scale * B @ A`. A UNet's file (SD 2.x, SDXL) has the same keys under `unet.`, or kohya's
 //! (`lora_unet_<name>.lora_down.weight`, `.lora_up.weight`, `.alpha`, `<name>` the module path
 //! with `_` for `.`, resolved against the UNet by the denoiser, which alone knows its modules).
-//! Text-encoder adapters (`text_encoder*.`, `lora_te*_`) are counted and left out: the text
-//! encoders run unpatched. The scale is `lora_alpha / rank` (`/ sqrt(rank)` with `use_rslora`) from
+//! Text-encoder adapters (`text_encoder*.`, `lora_te*_`) are counted here and not checked: a
+//! UNet model with CLIP encoders patches them around its prompts' encoding (the denoiser
+//! resolves them against its encoders), Flux models and the tiny text encoder leave them out.
+//! The scale is `lora_alpha / rank` (`/ sqrt(rank)` with `use_rslora`) from
 //! the PEFT config diffusers stores in the safetensors metadata (`lora_adapter_metadata`, keys
 //! prefixed `transformer.`), with its `rank_pattern` / `alpha_pattern` overrides; a
 //! `<module>.alpha` tensor (kohya style) overrides both; with neither, alpha is the rank (scale 1),
@@ -75,7 +77,8 @@ pub struct LoraRecord {
     /// The network it adapts (records from before UNet LoRAs are the transformer's).
     #[serde(default)]
     pub target: LoraTarget,
-    /// Text-encoder keys in the file, left out.
+    /// Text-encoder keys in the file (applied by UNet models with CLIP encoders, left out by
+    /// Flux models).
     #[serde(default)]
     pub text_encoder_keys: usize,
 }
@@ -147,7 +150,7 @@ pub struct LoraFile {
     /// The network it adapts.
     #[serde(default)]
     pub target: LoraTarget,
-    /// Text-encoder keys, left out.
+    /// Text-encoder keys (applied by UNet models with CLIP encoders, left out by Flux models).
     #[serde(default)]
     pub text_encoder_keys: usize,
 }
@@ -324,7 +327,7 @@ impl LoraFile {
             let key = text_encoder_keys.first().map_or("file", |k| k.as_str());
             return Err(bad(
                 key,
-                "the file holds only text-encoder adapters, which are left out: no transformer or UNet adapter",
+                "the file holds only text-encoder adapters: no transformer or UNet adapter",
             ));
         };
         let config = PeftConfig::from_metadata(meta.metadata().as_ref(), target.metadata_prefix())?;

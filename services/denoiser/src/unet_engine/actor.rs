@@ -226,9 +226,11 @@ pub fn spawn_unet_engine(
         device,
         kind,
     );
+    let text_loras = super::text_loras::TextLoras::new(&model.pipeline);
     let engine = UnetEngine {
         patcher,
         linear_modules,
+        text_loras,
         controlnets,
         control_costs: Default::default(),
         ledger: Ledger::new(Some(events), metrics.clone(), config.max_queue),

@@ -130,6 +130,22 @@ fn pixel_mask(
         .f_upsample_nearest2d([height, width], None, None)?)
 }
 
+/// The prompt and negative prompt a job's states condition on: a capture's (`capture`: the
+/// engine runs it as one, as it does recaptures of edits) are its template's, with no negative;
+/// any other job's are its own.
+pub fn conditioning_prompts(job: &DenoiseJob, capture: bool) -> (String, Option<String>) {
+    match (capture, &job.template) {
+        (true, Some(t)) => (t.prompt.clone(), None),
+        _ => (
+            job.params.prompt.clone(),
+            job.params
+                .true_cfg
+                .as_ref()
+                .map(|c| c.negative_prompt.clone()),
+        ),
+    }
+}
+
 /// The states of a job's images (image `i` seeded with `seed + i`): a generation, steered by
 /// its ControlNets when it names any (`control_rgb`: their control images at the model
 /// resolution, in `params.controlnets()` order); an edit, as SD inpainting at strength 1 whose latents carry the template's
@@ -171,9 +187,10 @@ pub fn job_states(
             Ok((image, f64::from(c.scale)))
         })
         .collect::<Result<Vec<_>, ModelError>>()?;
+    let (prompt, negative_prompt) = conditioning_prompts(job, false);
     let request = SdRequest {
-        prompt: p.prompt.clone(),
-        negative_prompt: p.true_cfg.as_ref().map(|c| c.negative_prompt.clone()),
+        prompt,
+        negative_prompt,
         height,
         width,
         steps: p.num_inference_steps as usize,
@@ -284,9 +301,10 @@ pub fn capture_state(
     })?;
     let (height, width) = job_resolution_of(job, &model.card);
     let pipe = &model.pipeline;
+    let (prompt, negative_prompt) = conditioning_prompts(job, true);
     let request = SdRequest {
-        prompt: t.prompt.clone(),
-        negative_prompt: None,
+        prompt,
+        negative_prompt,
         height,
         width,
         steps: t.steps as usize,

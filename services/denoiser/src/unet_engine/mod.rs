@@ -12,7 +12,9 @@
 //! LoRAs (diffusers' `unet.` keys or kohya's `lora_unet_`, read by
 //! `diffmesh_model::unet::lora`) are patched into the UNet in place, as the Flux engine does:
 //! groups also split by LoRA set, the set the weights hold steps first, and a job whose adapters
-//! are still loading steps on the base model within its bound (`engine::lora_steps`).
+//! are still loading steps on the base model within its bound (`engine::lora_steps`). A set's
+//! text-encoder adapters (kohya's `lora_te*`, diffusers' `text_encoder.`) apply to the prompts
+//! of its jobs, encoded again when they first step with it ([`text_loras`]).
 //!
 //! Generations naming a ControlNet of `--controlnet-dir` are steered ([`control`]): before each
 //! batched step the engine runs each steered state's ControlNet on that state's own UNet
@@ -27,11 +29,12 @@ use crate::metrics::DenoiserMetrics;
 use crate::model::{job_resolution_of, tensor_to_rgb};
 use diffmesh_model::controlnets::ControlNets;
 use diffmesh_model::lora::LoraPatcher;
+use diffmesh_model::lora::LoraSetKey;
 use diffmesh_model::pipeline::noise::seeded_noise;
 use diffmesh_model::stable_diffusion::stepper::SdState;
 use diffmesh_model::stable_diffusion::template::TemplateSteps;
 use diffmesh_model::tch::Kind;
-use diffmesh_model::unet::lora::read_unet_lora_bytes;
+use diffmesh_model::unet::lora::{read_unet_lora_bytes, LoraTargets};
 use diffmesh_model::unet::ControlNetModel;
 use diffmesh_model::ModelError;
 use diffmesh_shared::panic_message;
@@ -45,6 +48,7 @@ mod actor;
 mod control;
 pub mod entry_steps;
 pub mod jobs;
+mod text_loras;
 
 pub use actor::spawn_unet_engine;
 use entry_steps::EntrySteps;
@@ -69,6 +73,8 @@ struct Active {
     lora: Option<LoraSlot>,
     /// Since when it sits out waiting for its LoRAs (past its bound).
     lora_waiting_since: Option<Instant>,
+    /// The LoRA set its prompts were encoded for (the base model's at start).
+    conditioned_for: LoraSetKey,
     /// What its ControlNet costs a step (0 when not steered).
     control_s: Smoothed,
 }
@@ -98,6 +104,8 @@ pub struct UnetEngine {
     patcher: Option<LoraPatcher>,
     /// The UNet's linear layers, as LoRA files name them.
     linear_modules: Vec<String>,
+    /// The text encoders' side of LoRA sets.
+    text_loras: text_loras::TextLoras,
     /// The ControlNets of `--controlnet-dir` loaded now.
     controlnets: ControlNets<ControlNetModel>,
     /// Per ControlNet, what one steered job costs a step.
@@ -190,6 +198,7 @@ impl UnetEngine {
                 self.active.push(Active {
                     lora: job.lora,
                     lora_waiting_since: None,
+                    conditioned_for: LoraSetKey::default(),
                     capture: job.capture_key.map(|key| (key, Instant::now())),
                     job: job.job,
                     span,
@@ -320,6 +329,22 @@ impl UnetEngine {
             if !self.switch_weights(&set, &members) {
                 continue;
             }
+            let key = lora_steps::set_key(&set);
+            let in_batch = self
+                .active
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| members.contains(i))
+                .map(|(_, a)| a);
+            self.text_loras
+                .recondition(&key, &self.model.pipeline, in_batch);
+            let members: Vec<usize> = members
+                .into_iter()
+                .filter(|&i| self.active[i].failed.is_none())
+                .collect();
+            if members.is_empty() {
+                continue;
+            }
             let started = Instant::now();
             match self.step_jobs(&members) {
                 Ok(()) => self.record_step(&members, masked, started),
@@ -374,16 +399,25 @@ impl UnetEngine {
             )),
             Some(patcher) => {
                 let unet = &self.model.pipeline.unet;
-                let modules = &self.linear_modules;
-                lora_steps::patch(patcher, set, |l| {
-                    let read = read_unet_lora_bytes(
-                        &l.blob.id,
-                        l.blob.bytes.clone(),
-                        &unet.config,
-                        modules,
-                    );
-                    read.map(|u| u.adapter).map_err(|e| e.to_string())
-                })
+                let targets = LoraTargets {
+                    config: &unet.config,
+                    unet_modules: &self.linear_modules,
+                    text_modules: &self.text_loras.modules,
+                };
+                // Each file's text-encoder adapters, kept for the prompts of the set's jobs.
+                let texts = std::cell::RefCell::new(Vec::new());
+                let patched = lora_steps::patch(patcher, set, |l| {
+                    let read = read_unet_lora_bytes(&l.blob.id, l.blob.bytes.clone(), targets);
+                    read.map(|u| {
+                        texts.borrow_mut().push((u.text_encoders, l.weight));
+                        u.adapter
+                    })
+                    .map_err(|e| e.to_string())
+                });
+                if patched.is_ok() {
+                    self.text_loras.record(key, texts.into_inner());
+                }
+                patched
             }
         };
         match result {

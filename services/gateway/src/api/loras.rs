@@ -46,8 +46,9 @@ pub struct LoraView {
     /// The network it adapts: `transformer` (Flux models) or `unet` (SD 2.x, SDXL); a request
     /// naming it for a model of the other kind is a 400 naming `loras[i].id`.
     pub target: String,
-    /// Text-encoder adapters in the file (kohya's `lora_te*`), left out: the text encoders
-    /// run unpatched.
+    /// Text-encoder adapter keys in the file (kohya's `lora_te*`, diffusers' `text_encoder.`):
+    /// UNet models with CLIP encoders patch them in for the request's prompts; Flux models and
+    /// the tiny text encoder leave them out.
     pub text_encoder_keys: u64,
 }
 

@@ -82,7 +82,8 @@ pub(super) enum KeyRole<'a> {
 }
 
 /// How one key of a file is read: its network, whether its module is named kohya's way, and its
-/// role; `None` for a text encoder's key (left out); an error for a key of neither.
+/// role; `None` for a text encoder's key (the denoiser's to resolve); an error for a key of
+/// neither.
 pub(super) fn key_role(
     key: &str,
 ) -> Result<Option<(LoraTarget, bool, KeyRole<'_>)>, LoraFormatError> {
