@@ -38,13 +38,22 @@ fn tensor_checked(t: &WireTensor) {
 impl Received for SessionOpen {
     fn received(&self) {
         for t in [
-            &self.encoder_hidden_states,
-            &self.pooled_projections,
-            &self.img_ids,
-            &self.txt_ids,
-            &self.control,
-        ] {
+            Some(&self.encoder_hidden_states),
+            self.pooled_projections.as_ref(),
+            self.img_ids.as_ref(),
+            self.txt_ids.as_ref(),
+            Some(&self.control),
+        ]
+        .into_iter()
+        .flatten()
+        {
             tensor_checked(t);
+        }
+        if let Some(u) = &self.unet {
+            u.text_embeds
+                .iter()
+                .chain(&u.time_ids)
+                .for_each(tensor_checked);
         }
     }
 }
@@ -59,8 +68,14 @@ impl Received for StepRequest {
 
 impl Received for StepReply {
     fn received(&self) {
-        if let StepReply::Residuals { double, single, .. } = self {
-            double.iter().chain(single).for_each(tensor_checked);
+        match self {
+            StepReply::Residuals { double, single, .. } => {
+                double.iter().chain(single).for_each(tensor_checked)
+            }
+            StepReply::UnetResiduals { down, mid, .. } => {
+                down.iter().chain([mid]).for_each(tensor_checked)
+            }
+            StepReply::UnknownSession | StepReply::Failed { .. } => {}
         }
     }
 }
@@ -247,10 +262,27 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
             scale: 0.5,
             guidance_scale: 3.5,
             encoder_hidden_states: tensor(vec![1, 4, 8]),
-            pooled_projections: tensor(vec![1, 8]),
-            img_ids: tensor(vec![16, 3]),
-            txt_ids: tensor(vec![4, 3]),
+            pooled_projections: Some(tensor(vec![1, 8])),
+            img_ids: Some(tensor(vec![16, 3])),
+            txt_ids: Some(tensor(vec![4, 3])),
             control: tensor(vec![1, 16, 4]),
+            unet: None,
+        }),
+        seed(&SessionOpen {
+            session: "j2-0".into(),
+            job_id: "j2".into(),
+            controlnet: "depth-xl".into(),
+            scale: 0.5,
+            guidance_scale: 5.0,
+            encoder_hidden_states: tensor(vec![2, 4, 8]),
+            pooled_projections: None,
+            img_ids: None,
+            txt_ids: None,
+            control: tensor(vec![2, 3, 8, 8]),
+            unet: Some(diffmesh_shared::wire::controlnet_service::UNetSession {
+                text_embeds: Some(tensor(vec![2, 8])),
+                time_ids: Some(tensor(vec![2, 6])),
+            }),
         }),
         seed(&StepRequest {
             session: "j1-0".into(),
@@ -419,6 +451,7 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
         seed(&ControlNetHeartbeat {
             worker_id: "c1".into(),
             served: vec!["silhouette".into()],
+            served_unet: vec!["depth-xl".into()],
             resident: vec!["silhouette".into()],
             sessions: 1,
             queued: 0,

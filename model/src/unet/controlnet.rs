@@ -214,6 +214,11 @@ impl ControlNetModel {
         Ok(model)
     }
 
+    /// Where its weights live and their dtype.
+    pub fn device_kind(&self) -> (Device, Kind) {
+        self.stem.device_kind()
+    }
+
     /// Whether its residuals fit the UNet of `base`: the same levels (widths, layers, text
     /// width), block kinds and added conditioning (its down path is a copy of that UNet's).
     pub fn check_compatible(&self, base: &UNetConfig) -> Result<()> {

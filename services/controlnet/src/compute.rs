@@ -1,13 +1,16 @@
 //! A ControlNet worker's compute: an actix sync actor on a thread of its own that owns the loaded
-//! ControlNets (tch tensors are `Send`, not `Sync`) and the open sessions. Opens and closes are
+//! ControlNets, Flux's and the UNet family's ([`crate::unet_session`]; tch tensors are `Send`,
+//! not `Sync`) and the open sessions. Opens and closes are
 //! done as they come; steps are kept until a [`Flush`] the actor sends itself, so every step that
 //! arrived meanwhile is answered together, those that can share a forward in one.
+use crate::unet_session::{self, UnetSession};
 use crate::wire::{from_wire, to_wire};
 use actix::{Actor, Handler, Message, SyncContext};
 use diffmesh_model::controlnets::ControlNets;
 use diffmesh_model::flux::FluxInputs;
 use diffmesh_model::pipeline::control::ControlStep;
 use diffmesh_model::tch::{Device, Tensor};
+use diffmesh_model::unet::ControlNetModel;
 use diffmesh_shared::wire::controlnet_service::{
     OpenReply, SessionOpen, StepReply, StepRequest, WireTensor,
 };
@@ -39,21 +42,33 @@ pub trait ComputeObserver: Send {
     fn forward(&self, seconds: f64, lookup: diffmesh_model::controlnets::Lookup);
 }
 
-/// One steered image's fixed inputs.
+/// One steered image's session.
 struct Session {
     controlnet: String,
     scale: f64,
+    inputs: Inputs,
+    used: Instant,
+}
+
+/// A session's fixed inputs, by the network its ControlNet steers.
+enum Inputs {
+    Flux(FluxSession),
+    Unet(UnetSession),
+}
+
+struct FluxSession {
     guidance_scale: f64,
     encoder_hidden_states: Tensor,
     pooled_projections: Tensor,
     img_ids: Tensor,
     txt_ids: Tensor,
     control: Tensor,
-    used: Instant,
 }
 
 pub struct Compute {
     controlnets: ControlNets,
+    /// The UNet family's (`ControlNetModel` folders of the same directory).
+    unet_controlnets: ControlNets<ControlNetModel>,
     device: Device,
     sessions: lru::LruCache<String, Session>,
     /// A session not used for this long is dropped (its denoiser died without closing it).
@@ -71,6 +86,7 @@ pub struct Compute {
 impl Compute {
     pub fn new(
         controlnets: ControlNets,
+        unet_controlnets: ControlNets<ControlNetModel>,
         device: Device,
         max_sessions: usize,
         idle: Duration,
@@ -78,6 +94,7 @@ impl Compute {
     ) -> Self {
         Self {
             controlnets,
+            unet_controlnets,
             device,
             sessions: lru::LruCache::new(NonZeroUsize::new(max_sessions.max(1)).expect("max 1")),
             idle,
@@ -149,8 +166,9 @@ impl Compute {
             s.resident = self
                 .controlnets
                 .resident()
-                .iter()
-                .map(|n| n.to_string())
+                .into_iter()
+                .chain(self.unet_controlnets.resident())
+                .map(str::to_string)
                 .collect();
             s.sessions = self.sessions.len() as u32;
         }
@@ -159,6 +177,24 @@ impl Compute {
     /// Check and keep a session's inputs; the ControlNet is loaded now, so the first step
     /// does not pay for it.
     fn open(&mut self, o: SessionOpen) -> Result<OpenReply, String> {
+        let inputs = match &o.unet {
+            Some(added) => {
+                let (net, _) = self.unet_controlnets.get(&o.controlnet, None)?;
+                Inputs::Unet(UnetSession::open(net, &o, added, self.device)?)
+            }
+            None => Inputs::Flux(self.open_flux(&o)?),
+        };
+        let session = Session {
+            controlnet: o.controlnet,
+            scale: o.scale,
+            inputs,
+            used: Instant::now(),
+        };
+        self.sessions.put(o.session, session);
+        Ok(OpenReply::Opened)
+    }
+
+    fn open_flux(&mut self, o: &SessionOpen) -> Result<FluxSession, String> {
         let d = self.device;
         let (in_channels, joint_attention_dim, kind) = {
             let (net, _) = self.controlnets.get(&o.controlnet, None)?;
@@ -167,6 +203,12 @@ impl Compute {
                 net.cfg.joint_attention_dim,
                 net.device_kind().1,
             )
+        };
+        let needed = |t: &Option<WireTensor>, field: &str| -> Result<Tensor, String> {
+            let w = t
+                .as_ref()
+                .ok_or_else(|| format!("{field}: a Flux ControlNet's session needs it"))?;
+            from_wire(w, d, field)
         };
         let control = from_wire(&o.control, d, "control")?;
         let encoder_hidden_states =
@@ -188,23 +230,18 @@ impl Compute {
             3,
             joint_attention_dim,
         )?;
-        let session = Session {
-            controlnet: o.controlnet,
-            scale: o.scale,
+        Ok(FluxSession {
             guidance_scale: o.guidance_scale,
             encoder_hidden_states: encoder_hidden_states
                 .f_to_kind(kind)
                 .map_err(|e| e.to_string())?,
-            pooled_projections: from_wire(&o.pooled_projections, d, "pooled_projections")?
+            pooled_projections: needed(&o.pooled_projections, "pooled_projections")?
                 .f_to_kind(kind)
                 .map_err(|e| e.to_string())?,
-            img_ids: from_wire(&o.img_ids, d, "img_ids")?,
-            txt_ids: from_wire(&o.txt_ids, d, "txt_ids")?,
+            img_ids: needed(&o.img_ids, "img_ids")?,
+            txt_ids: needed(&o.txt_ids, "txt_ids")?,
             control: control.f_to_kind(kind).map_err(|e| e.to_string())?,
-            used: Instant::now(),
-        };
-        self.sessions.put(o.session, session);
-        Ok(OpenReply::Opened)
+        })
     }
 
     /// Answer `steps`, those that can share a forward in one (up to `max_batch` rows); a
@@ -246,7 +283,7 @@ impl Compute {
             });
             if let Some(o) = &self.observer {
                 let outcome = match answer {
-                    StepReply::Residuals { .. } => "ok",
+                    StepReply::Residuals { .. } | StepReply::UnetResiduals { .. } => "ok",
                     StepReply::UnknownSession => "unknown_session",
                     StepReply::Failed { .. } => "failed",
                 };
@@ -256,8 +293,9 @@ impl Compute {
         }
     }
 
-    /// Whether steps `a` and `b` can share one forward: open sessions of one ControlNet, scale
-    /// and guidance, with inputs of the same shapes and the same position ids.
+    /// Whether steps `a` and `b` can share one forward: open sessions of one ControlNet and
+    /// scale, with inputs that batch (Flux: the same shapes, guidance and position ids; UNet:
+    /// [`UnetSession::shares_forward`]).
     fn share_forward(&self, a: &StepRequest, b: &StepRequest) -> bool {
         let (Some(sa), Some(sb)) = (
             self.sessions.peek(&a.session),
@@ -265,17 +303,24 @@ impl Compute {
         ) else {
             return false;
         };
-        sa.controlnet == sb.controlnet
-            && sa.scale.to_bits() == sb.scale.to_bits()
-            && sa.guidance_scale.to_bits() == sb.guidance_scale.to_bits()
-            && a.hidden_states.shape == b.hidden_states.shape
-            && a.hidden_states.dtype == b.hidden_states.dtype
-            && a.guidance.is_some() == b.guidance.is_some()
-            && sa.encoder_hidden_states.size() == sb.encoder_hidden_states.size()
-            && sa.img_ids.size() == sb.img_ids.size()
-            && sa.txt_ids.size() == sb.txt_ids.size()
-            && sa.img_ids.equal(&sb.img_ids)
-            && sa.txt_ids.equal(&sb.txt_ids)
+        if sa.controlnet != sb.controlnet || sa.scale.to_bits() != sb.scale.to_bits() {
+            return false;
+        }
+        match (&sa.inputs, &sb.inputs) {
+            (Inputs::Unet(ua), Inputs::Unet(ub)) => ua.shares_forward(a, ub, b),
+            (Inputs::Flux(fa), Inputs::Flux(fb)) => {
+                fa.guidance_scale.to_bits() == fb.guidance_scale.to_bits()
+                    && a.hidden_states.shape == b.hidden_states.shape
+                    && a.hidden_states.dtype == b.hidden_states.dtype
+                    && a.guidance.is_some() == b.guidance.is_some()
+                    && fa.encoder_hidden_states.size() == fb.encoder_hidden_states.size()
+                    && fa.img_ids.size() == fb.img_ids.size()
+                    && fa.txt_ids.size() == fb.txt_ids.size()
+                    && fa.img_ids.equal(&fb.img_ids)
+                    && fa.txt_ids.equal(&fb.txt_ids)
+            }
+            _ => false,
+        }
     }
 
     /// One forward for `reqs` (sessions that share it, or one request), a reply per request.
@@ -293,6 +338,34 @@ impl Compute {
             .iter()
             .filter_map(|r| self.sessions.peek(&r.session))
             .collect();
+        let (name, scale) = (rows[0].controlnet.clone(), rows[0].scale);
+        let unets: Vec<&UnetSession> = rows
+            .iter()
+            .filter_map(|s| match &s.inputs {
+                Inputs::Unet(u) => Some(u),
+                Inputs::Flux(_) => None,
+            })
+            .collect();
+        if !unets.is_empty() {
+            if unets.len() != rows.len() {
+                return Err("Flux and UNet sessions in one forward".into());
+            }
+            let (net, lookup) = self.unet_controlnets.get(&name, None)?;
+            let replies = unet_session::step(net, scale, &unets, reqs, d, || {
+                started.elapsed().as_secs_f64() * 1e3
+            })?;
+            if let Some(o) = &self.observer {
+                o.forward(started.elapsed().as_secs_f64(), lookup);
+            }
+            return Ok(replies);
+        }
+        let flux: Vec<&FluxSession> = rows
+            .iter()
+            .filter_map(|s| match &s.inputs {
+                Inputs::Flux(f) => Some(f),
+                Inputs::Unet(_) => None,
+            })
+            .collect();
         let cat = |parts: Vec<Tensor>| Tensor::f_cat(&parts, 0).map_err(|e| e.to_string());
         let wired = |field: &str, pick: &dyn Fn(&StepRequest) -> &WireTensor| {
             let parts = reqs
@@ -301,10 +374,10 @@ impl Compute {
                 .collect::<Result<Vec<_>, String>>()?;
             cat(parts)
         };
-        let held = |pick: &dyn Fn(&Session) -> &Tensor| {
-            cat(rows.iter().map(|s| pick(s).shallow_clone()).collect())
+        let held = |pick: &dyn Fn(&FluxSession) -> &Tensor| {
+            cat(flux.iter().map(|s| pick(s).shallow_clone()).collect())
         };
-        let first = rows[0];
+        let first = flux[0];
         let inputs = FluxInputs {
             hidden_states: wired("hidden_states", &|r| &r.hidden_states)?,
             encoder_hidden_states: held(&|s| &s.encoder_hidden_states)?,
@@ -322,10 +395,9 @@ impl Compute {
         let step = ControlStep {
             inputs,
             control: held(&|s| &s.control)?,
-            scale: first.scale,
+            scale,
             guidance_scale: first.guidance_scale,
         };
-        let name = first.controlnet.clone();
         let (residuals, lookup) = self.controlnets.residuals(&name, &step, None)?;
         let seconds = started.elapsed().as_secs_f64();
         if let Some(o) = &self.observer {
@@ -391,6 +463,7 @@ mod tests {
     use diffmesh_model::tch::{nn, Kind};
     use diffmesh_model::tiny::controlnet_train::{controlnet_from_transformer, save_controlnet};
     use diffmesh_model::tiny::model::TinyModel;
+    use diffmesh_model::unet::UNetInputs;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     struct Forwards(Arc<AtomicUsize>);
@@ -411,10 +484,11 @@ mod tests {
             scale: 0.8,
             guidance_scale: 1.0,
             encoder_hidden_states: r(&[1, 4, cfg.joint_attention_dim]),
-            pooled_projections: r(&[1, cfg.pooled_projection_dim]),
-            img_ids: to_wire(&Tensor::zeros([16, 3], (Kind::Float, Device::Cpu))).unwrap(),
-            txt_ids: to_wire(&Tensor::zeros([4, 3], (Kind::Float, Device::Cpu))).unwrap(),
+            pooled_projections: Some(r(&[1, cfg.pooled_projection_dim])),
+            img_ids: Some(to_wire(&Tensor::zeros([16, 3], (Kind::Float, Device::Cpu))).unwrap()),
+            txt_ids: Some(to_wire(&Tensor::zeros([4, 3], (Kind::Float, Device::Cpu))).unwrap()),
             control: r(&[1, 16, cfg.in_channels]),
+            unet: None,
         }
     }
 
@@ -435,7 +509,8 @@ mod tests {
     /// Returns the forwards run.
     fn run(dir: &std::path::Path, work: Vec<Work>) -> usize {
         let nets = ControlNets::new(Some(dir.to_path_buf()), 2, Device::Cpu, Kind::Float);
-        let mut c = Compute::new(nets, Device::Cpu, 16, Duration::from_secs(60), 8);
+        let unet_nets = ControlNets::new(Some(dir.to_path_buf()), 2, Device::Cpu, Kind::Float);
+        let mut c = Compute::new(nets, unet_nets, Device::Cpu, 16, Duration::from_secs(60), 8);
         let forwards = Arc::new(AtomicUsize::new(0));
         c.observer = Some(Box::new(Forwards(forwards.clone())));
         for w in work {
@@ -523,5 +598,155 @@ mod tests {
         }
         // The two sessions' residuals differ (each got its own row back).
         assert!(!alone[0][0].allclose(&alone[1][0], 1e-3, 1e-3, false));
+    }
+
+    /// A random SDXL-shaped UNet ControlNet (`ControlNetModel`) saved as folder `name` in `dir`.
+    fn unet_controlnet(dir: &std::path::Path, name: &str) -> ControlNetModel {
+        let config = serde_json::json!({
+            "_class_name": "ControlNetModel",
+            "block_out_channels": [16, 32],
+            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+            "layers_per_block": 1,
+            "cross_attention_dim": 16,
+            "attention_head_dim": 2,
+            "norm_num_groups": 8,
+            "use_linear_projection": true,
+            "addition_embed_type": "text_time",
+            "addition_time_embed_dim": 4,
+            "projection_class_embeddings_input_dim": 8 + 6 * 4,
+            "conditioning_embedding_out_channels": [8, 16],
+        });
+        let vs = nn::VarStore::new(Device::Cpu);
+        // Its variables, randomly initialised, are what gets saved.
+        ControlNetModel::new(&vs.root(), serde_json::from_value(config.clone()).unwrap()).unwrap();
+        let folder = dir.join(name);
+        std::fs::create_dir_all(&folder).unwrap();
+        std::fs::write(folder.join("config.json"), config.to_string()).unwrap();
+        let vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        Tensor::write_safetensors(&vars, folder.join("diffusion_pytorch_model.safetensors"))
+            .unwrap();
+        ControlNetModel::load(&folder, Device::Cpu, Kind::Float).unwrap()
+    }
+
+    fn unet_open(session: &str, rows: i64, seed: i64) -> SessionOpen {
+        diffmesh_model::tch::manual_seed(seed);
+        let r = |shape: &[i64]| to_wire(&Tensor::rand(shape, (Kind::Float, Device::Cpu))).unwrap();
+        SessionOpen {
+            session: session.into(),
+            job_id: "j".into(),
+            controlnet: "depth-xl".into(),
+            scale: 0.7,
+            guidance_scale: 5.0,
+            encoder_hidden_states: r(&[rows, 5, 16]),
+            pooled_projections: None,
+            img_ids: None,
+            txt_ids: None,
+            control: r(&[rows, 3, 16, 16]),
+            unet: Some(diffmesh_shared::wire::controlnet_service::UNetSession {
+                text_embeds: Some(r(&[rows, 8])),
+                time_ids: Some(r(&[rows, 6])),
+            }),
+        }
+    }
+
+    fn unet_step(session: &str, rows: i64, t: f32) -> StepRequest {
+        StepRequest {
+            session: session.into(),
+            hidden_states: to_wire(&Tensor::randn([rows, 4, 8, 8], (Kind::Float, Device::Cpu)))
+                .unwrap(),
+            timestep: to_wire(&Tensor::from_slice(&[t])).unwrap(),
+            guidance: None,
+        }
+    }
+
+    fn unet_residuals(reply: StepReply) -> Vec<Tensor> {
+        match reply {
+            StepReply::UnetResiduals { down, mid, .. } => down
+                .iter()
+                .chain([&mid])
+                .map(|w| from_wire(w, Device::Cpu, "r").unwrap())
+                .collect(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn unet_sessions_share_a_forward_and_get_the_residuals_of_their_own_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let net = unet_controlnet(dir.path(), "depth-xl");
+        // A guided session (2 rows) and an unguided one (1 row), at different steps.
+        let (a, b) = (unet_step("a", 2, 801.0), unet_step("b", 1, 201.0));
+        let expected: Vec<Vec<Tensor>> = [(&a, unet_open("a", 2, 1)), (&b, unet_open("b", 1, 2))]
+            .iter()
+            .map(|(s, o)| {
+                let w = |t: &WireTensor| from_wire(t, Device::Cpu, "x").unwrap();
+                let u = o.unet.as_ref().unwrap();
+                let rows = w(&o.encoder_hidden_states).size()[0];
+                let inputs = UNetInputs {
+                    sample: w(&s.hidden_states),
+                    timestep: w(&s.timestep).expand([rows], false),
+                    encoder_hidden_states: w(&o.encoder_hidden_states),
+                    text_embeds: u.text_embeds.as_ref().map(w),
+                    time_ids: u.time_ids.as_ref().map(w),
+                };
+                let r = diffmesh_model::tch::no_grad(|| net.forward(&inputs, &w(&o.control), 0.7))
+                    .unwrap();
+                r.down.into_iter().chain([r.mid]).collect()
+            })
+            .collect();
+        let (o1, _r1) = oneshot::channel();
+        let (o2, _r2) = oneshot::channel();
+        let (s1, r1) = oneshot::channel();
+        let (s2, r2) = oneshot::channel();
+        let work = vec![
+            Work::Open(Box::new(unet_open("a", 2, 1)), o1),
+            Work::Open(Box::new(unet_open("b", 1, 2)), o2),
+            Work::Step(Box::new(a), s1),
+            Work::Step(Box::new(b), s2),
+        ];
+        assert_eq!(
+            run(dir.path(), work),
+            1,
+            "the two steps did not share a forward"
+        );
+        for (reply, (want, rows)) in [r1, r2].into_iter().zip(expected.iter().zip([2, 1])) {
+            let got = unet_residuals(reply.blocking_recv().unwrap());
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(want) {
+                assert_eq!(g.size()[0], rows);
+                let err = (g - w).abs().max().double_value(&[]);
+                let scale = w.abs().max().double_value(&[]);
+                assert!(
+                    scale > 1e-3,
+                    "residuals of a random ControlNet are not zero"
+                );
+                assert!(err <= 1e-5 * scale.max(1.0), "off by {err} (of {scale})");
+            }
+        }
+    }
+
+    #[test]
+    fn a_unet_open_that_does_not_fit_fails_naming_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        unet_controlnet(dir.path(), "depth-xl");
+        let mut bad_rows = unet_open("a", 2, 1);
+        bad_rows.control = unet_open("x", 1, 1).control;
+        let mut bad_width = unet_open("b", 1, 1);
+        bad_width.encoder_hidden_states =
+            to_wire(&Tensor::zeros([1, 5, 12], (Kind::Float, Device::Cpu))).unwrap();
+        let mut flux_without_ids = unet_open("c", 1, 1);
+        flux_without_ids.unet = None;
+        for (open, field) in [
+            (bad_rows, "control"),
+            (bad_width, "encoder_hidden_states"),
+            (flux_without_ids, "controlnet.name"),
+        ] {
+            let (tx, rx) = oneshot::channel();
+            run(dir.path(), vec![Work::Open(Box::new(open), tx)]);
+            match rx.blocking_recv().unwrap() {
+                OpenReply::Failed { error } => assert!(error.contains(field), "{field}: {error}"),
+                OpenReply::Opened => panic!("{field}: opened"),
+            }
+        }
     }
 }

@@ -5,6 +5,7 @@
 //!
 //! Start it in-process with [`start`] (tests) or run it until a signal with [`run`] (the binary).
 pub mod compute;
+mod unet_session;
 pub mod wire;
 
 use compute::{Compute, ComputeObserver, ComputeStatus, Work};
@@ -477,9 +478,12 @@ impl Beat {
     fn heartbeat(&self) -> ControlNetHeartbeat {
         let status = self.status.lock().map(|s| s.clone()).unwrap_or_default();
         self.sessions.set(status.sessions as i64);
+        let (served, served_unet) =
+            diffmesh_shared::wire::controlnet::served_by_network(Some(&self.dir));
         ControlNetHeartbeat {
             worker_id: self.worker_id.clone(),
-            served: diffmesh_shared::wire::controlnet::served(Some(&self.dir)),
+            served,
+            served_unet,
             resident: status.resident,
             sessions: status.sessions,
             queued: self.work.queued() as u32,
@@ -537,8 +541,17 @@ impl ComputeQueue {
         let idle = config.session_idle;
         let addr =
             diffmesh_shared::process::actors::start_sync("controlnet-compute", 1, move || {
+                // Each family keeps up to `cache` ControlNets loaded.
                 let controlnets = ControlNets::new(Some(dir.clone()), cache, device, kind);
-                let mut compute = Compute::new(controlnets, device, sessions, idle, max_batch);
+                let unet_controlnets = ControlNets::new(Some(dir.clone()), cache, device, kind);
+                let mut compute = Compute::new(
+                    controlnets,
+                    unet_controlnets,
+                    device,
+                    sessions,
+                    idle,
+                    max_batch,
+                );
                 compute.status = status.clone();
                 compute.observer = Some(Box::new(metrics.clone()));
                 compute

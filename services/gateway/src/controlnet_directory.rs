@@ -83,7 +83,7 @@ impl Workers {
             }
         }
         for (id, (hb, _)) in self.seen.iter().filter(|(_, (hb, _))| !hb.draining) {
-            for name in &hb.served {
+            for name in hb.served.iter().chain(&hb.served_unet) {
                 if let Some(view) = by_name.get_mut(name.as_str()) {
                     view.workers.push(ControlNetWorkerView {
                         id: id.clone(),
@@ -161,6 +161,7 @@ mod tests {
         ControlNetHeartbeat {
             worker_id: id.into(),
             served: served.iter().map(|s| s.to_string()).collect(),
+            served_unet: Vec::new(),
             resident: resident.iter().map(|s| s.to_string()).collect(),
             sessions: 0,
             queued: 0,

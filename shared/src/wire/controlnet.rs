@@ -58,9 +58,53 @@ pub fn served(dir: Option<&Path>) -> Vec<String> {
     names
 }
 
+/// The `_class_name` of UNet ControlNets (diffusers' `ControlNetModel`, SD 2.x and SDXL).
+pub const UNET_CONTROLNET_CLASS: &str = "ControlNetModel";
+
+/// [`served`] split by the network the ControlNets steer: (Flux's, the UNet family's), as a
+/// ControlNet worker announces them. A folder is a UNet ControlNet when its `config.json` names
+/// [`UNET_CONTROLNET_CLASS`]; any other is taken for a Flux ControlNet (the worker checks it when
+/// it loads it).
+pub fn served_by_network(dir: Option<&Path>) -> (Vec<String>, Vec<String>) {
+    #[derive(Deserialize)]
+    struct Class {
+        #[serde(rename = "_class_name")]
+        class: Option<String>,
+    }
+    let (mut flux, mut unet) = (Vec::new(), Vec::new());
+    for name in served(dir) {
+        let config = dir.map(|d| d.join(&name).join("config.json"));
+        let class = config
+            .and_then(|c| std::fs::read(c).ok())
+            .and_then(|bytes| serde_json::from_slice::<Class>(&bytes).ok())
+            .and_then(|c| c.class);
+        match class.as_deref() {
+            Some(UNET_CONTROLNET_CLASS) => unet.push(name),
+            _ => flux.push(name),
+        }
+    }
+    (flux, unet)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{name_problem, served};
+    use super::{name_problem, served, served_by_network};
+
+    #[test]
+    fn workers_announce_flux_and_unet_controlnets_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, config) in [
+            ("canny", r#"{"_class_name": "FluxControlNetModel"}"#),
+            ("depth-xl", r#"{"_class_name": "ControlNetModel"}"#),
+            ("old", "{}"),
+        ] {
+            std::fs::create_dir_all(dir.path().join(name)).unwrap();
+            std::fs::write(dir.path().join(name).join("config.json"), config).unwrap();
+        }
+        let (flux, unet) = served_by_network(Some(dir.path()));
+        assert_eq!(flux, ["canny", "old"]);
+        assert_eq!(unet, ["depth-xl"]);
+    }
 
     #[test]
     fn heartbeats_advertise_the_folders_that_hold_a_controlnet() {

@@ -7,6 +7,11 @@
 //! what changes ([`StepRequest`]: the noisy latents and the timestep). Every message goes to the
 //! worker's own subjects, chunked when large (`chunked`); a worker that is gone or lost the
 //! session is replaced by another, and the session opened again there.
+//!
+//! Sessions are of a Flux ControlNet (`FluxControlNetModel`) or, with [`SessionOpen::unet`], of a
+//! UNet ControlNet (diffusers' `ControlNetModel`, SD 2.x and SDXL): then the fixed inputs are the
+//! UNet's text conditioning and the control image, one row per guidance branch, each step sends
+//! the UNet's sample and timestep, and the answer is [`StepReply::UnetResiduals`].
 use serde::{Deserialize, Serialize};
 
 /// Workers -> denoisers: periodic [`ControlNetHeartbeat`].
@@ -122,16 +127,34 @@ pub struct SessionOpen {
     pub controlnet: String,
     /// diffusers' `controlnet_conditioning_scale`.
     pub scale: f64,
-    /// The request's embedded-guidance scale (used when the ControlNet embeds guidance).
+    /// The request's embedded-guidance scale (used when a Flux ControlNet embeds guidance).
     pub guidance_scale: f64,
-    /// `[1, T, joint_attention_dim]` prompt embeddings.
+    /// Flux: `[1, T, joint_attention_dim]` prompt embeddings. UNet: `[R, T, cross_attention_dim]`,
+    /// one row per guidance branch (negative first), as the UNet takes them.
     pub encoder_hidden_states: WireTensor,
-    /// `[1, pooled_projection_dim]`.
-    pub pooled_projections: WireTensor,
-    pub img_ids: WireTensor,
-    pub txt_ids: WireTensor,
-    /// `[1, N, in_channels]` packed control latents.
+    /// Flux's `[1, pooled_projection_dim]` (None in a UNet session).
+    #[serde(default)]
+    pub pooled_projections: Option<WireTensor>,
+    /// Flux's position ids (None in a UNet session).
+    #[serde(default)]
+    pub img_ids: Option<WireTensor>,
+    #[serde(default)]
+    pub txt_ids: Option<WireTensor>,
+    /// Flux: `[1, N, in_channels]` packed control latents. UNet: the control image
+    /// `[R, 3, H, W]` in [0, 1], repeated per row.
     pub control: WireTensor,
+    /// A UNet ControlNet's session (None: a Flux ControlNet's).
+    #[serde(default)]
+    pub unet: Option<UNetSession>,
+}
+
+/// The UNet-only fixed inputs of a session: SDXL's added conditioning, per row.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct UNetSession {
+    /// `[R, projection_dim]` pooled text embeddings (SDXL).
+    pub text_embeds: Option<WireTensor>,
+    /// `[R, 6]` size and crop conditioning (SDXL).
+    pub time_ids: Option<WireTensor>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -148,9 +171,10 @@ pub enum OpenReply {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepRequest {
     pub session: String,
-    /// `[1, N, in_channels]` noisy latents.
+    /// Flux: `[1, N, in_channels]` noisy latents. UNet: the UNet's sample `[R, C, h, w]` (the
+    /// scaled model input).
     pub hidden_states: WireTensor,
-    /// `[1]` timestep as the transformer takes it.
+    /// `[1]` timestep as the transformer (or the UNet) takes it.
     pub timestep: WireTensor,
     /// `[1]` embedded guidance, when the transformer takes one.
     pub guidance: Option<WireTensor>,
@@ -163,6 +187,13 @@ pub enum StepReply {
         double: Vec<WireTensor>,
         single: Vec<WireTensor>,
         /// The forward's own time on the worker (ms), loading included.
+        compute_ms: f64,
+    },
+    /// A UNet session's residuals, already scaled, with the session's rows: one per skip of
+    /// the down path, and the mid block's.
+    UnetResiduals {
+        down: Vec<WireTensor>,
+        mid: WireTensor,
         compute_ms: f64,
     },
     /// The worker holds no such session (restarted, or dropped it): open it again.
@@ -181,8 +212,12 @@ pub struct SessionClose {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ControlNetHeartbeat {
     pub worker_id: String,
-    /// ControlNets it can run (folders it holds), sorted.
+    /// Flux ControlNets it can run (folders it holds), sorted.
     pub served: Vec<String>,
+    /// UNet ControlNets (`ControlNetModel` folders) it can run, sorted; empty from older
+    /// workers, which listed every folder in `served`.
+    #[serde(default)]
+    pub served_unet: Vec<String>,
     /// ControlNets loaded now (no loading on their first step).
     pub resident: Vec<String>,
     /// Sessions open.
@@ -223,6 +258,68 @@ mod tests {
         assert!(t(vec![2, 3], 20).problem().is_some());
         assert!(t(vec![-1, 3], 12).problem().is_some());
         assert!(t(vec![i64::MAX, i64::MAX], 0).problem().is_some());
+    }
+
+    #[test]
+    fn flux_opens_of_older_senders_read_and_unet_opens_round_trip() {
+        let t = |n: i64| WireTensor {
+            shape: vec![n],
+            dtype: WireDtype::F32,
+            data: vec![0; 4 * n as usize],
+        };
+        // An older denoiser's open: the Flux fields as plain values, no `unet`.
+        #[derive(Serialize)]
+        struct OlderOpen {
+            session: String,
+            job_id: String,
+            controlnet: String,
+            scale: f64,
+            guidance_scale: f64,
+            encoder_hidden_states: WireTensor,
+            pooled_projections: WireTensor,
+            img_ids: WireTensor,
+            txt_ids: WireTensor,
+            control: WireTensor,
+        }
+        let older = OlderOpen {
+            session: "s".into(),
+            job_id: "j".into(),
+            controlnet: "c".into(),
+            scale: 0.5,
+            guidance_scale: 3.5,
+            encoder_hidden_states: t(2),
+            pooled_projections: t(3),
+            img_ids: t(4),
+            txt_ids: t(5),
+            control: t(6),
+        };
+        let bytes = crate::wire::messages::encode(&older).unwrap();
+        let open: SessionOpen = crate::wire::messages::decode(&bytes).unwrap();
+        assert_eq!(open.pooled_projections, Some(t(3)));
+        assert_eq!(open.txt_ids, Some(t(5)));
+        assert_eq!(open.unet, None);
+
+        let unet = SessionOpen {
+            pooled_projections: None,
+            img_ids: None,
+            txt_ids: None,
+            unet: Some(UNetSession {
+                text_embeds: Some(t(7)),
+                time_ids: None,
+            }),
+            ..open
+        };
+        let back: SessionOpen =
+            crate::wire::messages::decode(&crate::wire::messages::encode(&unet).unwrap()).unwrap();
+        assert_eq!(back, unet);
+        let reply = StepReply::UnetResiduals {
+            down: vec![t(1), t(2)],
+            mid: t(3),
+            compute_ms: 1.5,
+        };
+        let back: StepReply =
+            crate::wire::messages::decode(&crate::wire::messages::encode(&reply).unwrap()).unwrap();
+        assert_eq!(back, reply);
     }
 
     #[test]

@@ -147,10 +147,11 @@ impl RemoteControlNets {
             scale: step.scale,
             guidance_scale: step.guidance_scale,
             encoder_hidden_states: to_wire(&i.encoder_hidden_states)?,
-            pooled_projections: to_wire(&i.pooled_projections)?,
-            img_ids: to_wire(&i.img_ids)?,
-            txt_ids: to_wire(&i.txt_ids)?,
+            pooled_projections: Some(to_wire(&i.pooled_projections)?),
+            img_ids: Some(to_wire(&i.img_ids)?),
+            txt_ids: Some(to_wire(&i.txt_ids)?),
             control: to_wire(&step.control)?,
+            unet: None,
         };
         Ok(Arc::new(SessionLink {
             id: session,
@@ -248,6 +249,11 @@ impl RemoteControlNets {
                 Ok(StepReply::UnknownSession) => {
                     link.set_worker(None);
                     last_error = format!("worker {worker} lost the session");
+                }
+                Ok(StepReply::UnetResiduals { .. }) => {
+                    link.set_worker(None);
+                    last_error = format!("worker {worker} answered a Flux step as a UNet's");
+                    avoid.push(worker);
                 }
                 Ok(StepReply::Failed { error }) | Err(error) => {
                     link.set_worker(None);

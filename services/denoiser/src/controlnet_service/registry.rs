@@ -106,6 +106,7 @@ mod tests {
         ControlNetHeartbeat {
             worker_id: id.into(),
             served: served.iter().map(|s| s.to_string()).collect(),
+            served_unet: Vec::new(),
             resident: resident.iter().map(|s| s.to_string()).collect(),
             sessions,
             queued: 0,
