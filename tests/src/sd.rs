@@ -1,13 +1,17 @@
-//! In-process references for the UNet mesh tests: an SD pipeline's own images, and a template
-//! edit computed in full and mask-aware, as the UNet engine runs them.
+//! In-process references for the UNet mesh tests: the reduced SD 2.1 pipeline and ControlNets
+//! they serve, an SD pipeline's own images (plain and steered), and a template edit computed in
+//! full and mask-aware, as the UNet engine runs them.
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use diffmesh_model::components::LatentCodec;
 use diffmesh_model::pipeline::noise::seeded_noise;
+use diffmesh_model::stable_diffusion::control::SdControl;
 use diffmesh_model::stable_diffusion::inpaint::InpaintInputs;
 use diffmesh_model::stable_diffusion::stepper::SdState;
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
 use diffmesh_model::tch::{Device, Kind, Tensor};
+use diffmesh_model::unet::ControlNetModel;
 
 /// `state` stepped to its end alone (its scheduler must draw no noise: DDIM, Euler).
 pub fn finish(pipe: &SdPipeline, state: &mut SdState) {
@@ -82,4 +86,74 @@ pub fn template_edit(
 /// The pixels of `image` (`[.., H, W]`) in the rectangle `(x0, y0, x1, y1)`.
 pub fn crop(image: &Tensor, (x0, y0, x1, y1): (i64, i64, i64, i64)) -> Tensor {
     image.narrow(-2, y0, y1 - y0).narrow(-1, x0, x1 - x0)
+}
+
+/// The reduced SD 2.1 pipeline of python/parity/gen_sd21_pipeline.py (random weights), made
+/// in `out` (a test's own folder under cargo's test temp dir) unless it is there.
+pub fn sd21_fixture(out: &Path) -> PathBuf {
+    diffmesh_shared::testing::parity_fixture("gen_sd21_pipeline.py", out).join("sd21")
+}
+
+/// Two random ControlNets (`edges`, `depth`, diffusers' `ControlNetModel`) that fit the UNet of
+/// the pipeline in `sd`, made in `out`; the folder holding them.
+pub fn controlnets_fixture(sd: &Path, out: &Path) -> PathBuf {
+    let unet = sd.join("unet");
+    diffmesh_shared::testing::parity_fixture_with(
+        "gen_sd_controlnet_pipeline.py",
+        &["--for-unet".as_ref(), unet.as_os_str()],
+        out,
+    )
+}
+
+/// A control image as the codec prepares it (a resize to the model resolution), `[1, 3, H, W]`
+/// in [0, 1].
+pub fn control_tensor(control: &image::DynamicImage, height: u32, width: u32) -> Tensor {
+    let rgb = image::imageops::resize(
+        &control.to_rgb8(),
+        width,
+        height,
+        image::imageops::FilterType::Triangle,
+    );
+    Tensor::from_slice(rgb.as_raw())
+        .view([i64::from(height), i64::from(width), 3])
+        .permute([2, 0, 1])
+        .to_kind(Kind::Float)
+        .f_div_scalar(255.0)
+        .unwrap()
+        .unsqueeze(0)
+}
+
+/// The pipeline's own generation of `request` from `seed`'s latents, steered by `controls`
+/// (control image, scale, ControlNet; residuals summed), as RGB bytes. The scheduler must draw
+/// no noise.
+pub fn steered(
+    pipe: &SdPipeline,
+    (request, seed): &(SdRequest, u64),
+    controls: &[(&image::DynamicImage, f32, &ControlNetModel)],
+) -> Vec<u8> {
+    let (h, w) = (request.height, request.width);
+    let mut state = pipe
+        .prepare(request, &latents(pipe, *seed, h, w), None)
+        .unwrap();
+    let steer = controls
+        .iter()
+        .map(|(image, scale, _)| SdControl {
+            image: control_tensor(image, h as u32, w as u32),
+            scale: f64::from(*scale),
+        })
+        .collect();
+    pipe.steer(&mut state, steer).unwrap();
+    let nets: Vec<&ControlNetModel> = controls.iter().map(|c| c.2).collect();
+    while !state.done() {
+        let r = state
+            .control_step()
+            .unwrap()
+            .map(|step| step.residuals(&nets).unwrap());
+        let mut none = |_: usize, _: usize, _: &[i64]| -> diffmesh_model::Result<Tensor> {
+            unreachable!("the scheduler draws no noise")
+        };
+        pipe.step_batch_steered(&mut [&mut state], &mut none, &[r])
+            .unwrap();
+    }
+    to_rgb(&pipe.decode(&state).unwrap())
 }

@@ -10,12 +10,11 @@
 //! ControlNets of the SD denoiser's `--controlnet-dir` (diffusers' `ControlNetModel`, random, fit
 //! to the served UNet), one or two at once, are the pipeline's own steered images; a ControlNet
 //! named for the Flux model is a 400 naming `controlnet.name`.
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use base64::Engine;
 use diffmesh_model::lora::{LoraPatcher, WeightedLora};
 use diffmesh_model::quality::{psnr, ssim};
-use diffmesh_model::stable_diffusion::control::SdControl;
 use diffmesh_model::stable_diffusion::text_lora::{TextLora, TextLoraPatchers};
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
 use diffmesh_model::tch::{Device, Kind, Tensor};
@@ -39,20 +38,10 @@ const SEED: u64 = 5;
 const CAPTURES: &str = "diffmesh_denoiser_capture_duration_seconds_count";
 const MASK_AWARE: &str = "diffmesh_denoiser_step_rows_total{mode=\"mask_aware\"}";
 
-fn sd_fixture() -> PathBuf {
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("unet-serving-sd21");
-    diffmesh_shared::testing::parity_fixture("gen_sd21_pipeline.py", &out).join("sd21")
-}
-
-/// Two random ControlNets (`edges`, `depth`) that fit the UNet of the pipeline in `sd`.
-fn controlnets_fixture(sd: &Path) -> PathBuf {
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("unet-serving-controlnets");
-    let unet = sd.join("unet");
-    diffmesh_shared::testing::parity_fixture_with(
-        "gen_sd_controlnet_pipeline.py",
-        &["--for-unet".as_ref(), unet.as_os_str()],
-        &out,
-    )
+/// The generation the steered tests ask for, at `side`, with the seed's latents.
+fn steered_request(side: u32) -> (SdRequest, u64) {
+    let s = i64::from(side);
+    (request(PROMPT, s, s, 4.0), SEED)
 }
 
 fn request(prompt: &str, height: i64, width: i64, guidance: f64) -> SdRequest {
@@ -147,63 +136,6 @@ async fn register_lora(mesh: &TestMesh, http: &reqwest::Client, file: Vec<u8>) -
     record
 }
 
-/// A control image as the codec prepares it (a resize to the model resolution), `[1, 3, S, S]`
-/// in [0, 1].
-fn control_tensor(control: &image::DynamicImage, side: u32) -> Tensor {
-    let rgb = image::imageops::resize(
-        &control.to_rgb8(),
-        side,
-        side,
-        image::imageops::FilterType::Triangle,
-    );
-    let s = i64::from(side);
-    Tensor::from_slice(rgb.as_raw())
-        .view([s, s, 3])
-        .permute([2, 0, 1])
-        .to_kind(Kind::Float)
-        .f_div_scalar(255.0)
-        .unwrap()
-        .unsqueeze(0)
-}
-
-/// The pipeline's own generation at `side` for the seed, steered by `controls` (control image,
-/// scale, ControlNet), as RGB bytes.
-fn steered_in_process(
-    pipe: &SdPipeline,
-    side: u32,
-    controls: &[(&image::DynamicImage, f32, &ControlNetModel)],
-) -> Vec<u8> {
-    let s = i64::from(side);
-    let mut state = pipe
-        .prepare(
-            &request(PROMPT, s, s, 4.0),
-            &sd::latents(pipe, SEED, s, s),
-            None,
-        )
-        .unwrap();
-    let steer = controls
-        .iter()
-        .map(|(image, scale, _)| SdControl {
-            image: control_tensor(image, side),
-            scale: f64::from(*scale),
-        })
-        .collect();
-    pipe.steer(&mut state, steer).unwrap();
-    let nets: Vec<&ControlNetModel> = controls.iter().map(|c| c.2).collect();
-    while !state.done() {
-        let r = state
-            .control_step()
-            .unwrap()
-            .map(|step| step.residuals(&nets).unwrap());
-        let mut none = |_: usize, _: usize, _: &[i64]| -> diffmesh_model::Result<Tensor> {
-            unreachable!("the checkpoint's DDIM draws no noise")
-        };
-        pipe.step_batch_steered(&mut [&mut state], &mut none, &[r])
-            .unwrap();
-    }
-    sd::to_rgb(&pipe.decode(&state).unwrap())
-}
-
 /// Generations steered by the SD denoiser's ControlNets are the pipeline's own steered images,
 /// pixel for pixel, and not the plain one: one ControlNet (`controlnet`), and two at once
 /// (`controlnets`, residuals summed). The ControlNet named for the Flux model, and both fields
@@ -237,7 +169,7 @@ async fn controlnets_steer_the_served_unet(
     let (edges, depth) = (load("edges"), load("depth"));
     assert_eq!(
         one,
-        steered_in_process(pipe, side, &[(&control, 0.8, &edges)]),
+        sd::steered(pipe, &steered_request(side), &[(&control, 0.8, &edges)]),
         "the steered image is not the pipeline's own"
     );
 
@@ -250,9 +182,9 @@ async fn controlnets_steer_the_served_unet(
     assert_ne!(two, one);
     assert_eq!(
         two,
-        steered_in_process(
+        sd::steered(
             pipe,
-            side,
+            &steered_request(side),
             &[(&control, 0.7, &edges), (&second, 0.4, &depth)]
         ),
         "the image steered by two ControlNets is not the pipeline's own"
@@ -418,8 +350,9 @@ async fn loras_patch_the_served_unet(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_flux() {
-    let dir = sd_fixture();
-    let controlnets = controlnets_fixture(&dir);
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let dir = sd::sd21_fixture(&tmp.join("unet-serving-sd21"));
+    let controlnets = sd::controlnets_fixture(&dir, &tmp.join("unet-serving-controlnets"));
     let pipe = SdPipeline::load(&dir, Device::Cpu, Kind::Float).unwrap();
     let model_dir = dir.clone();
     let controlnet_dir = controlnets.clone();

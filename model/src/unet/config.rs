@@ -379,6 +379,14 @@ impl UNetConfig {
             .collect())
     }
 
+    /// The skip connections of the down path (one per ControlNet down residual): `conv_in`'s,
+    /// each resnet's, and each downsampler's (every level but the last).
+    pub fn skip_count(&self) -> Result<usize> {
+        let levels = self.levels()?;
+        let layers: i64 = levels.iter().map(|l| l.layers).sum();
+        Ok(1 + layers.max(0) as usize + levels.len().saturating_sub(1))
+    }
+
     /// The mid block's transformer layers (the last level's setting, whatever its block type).
     pub fn mid_transformer_layers(&self) -> i64 {
         let n = self.block_out_channels.len();

@@ -649,12 +649,19 @@ mod tests {
         }
     }
 
-    fn unet_step(session: &str, rows: i64, t: f32) -> StepRequest {
+    /// A step of a session of `rows` rows; the timestep once per row (as the UNet engine sends
+    /// it) where `per_row`, else once for all.
+    fn unet_step(session: &str, rows: i64, t: f32, per_row: bool) -> StepRequest {
+        let timestep = if per_row {
+            Tensor::from_slice(&vec![t; rows as usize])
+        } else {
+            Tensor::from_slice(&[t])
+        };
         StepRequest {
             session: session.into(),
             hidden_states: to_wire(&Tensor::randn([rows, 4, 8, 8], (Kind::Float, Device::Cpu)))
                 .unwrap(),
-            timestep: to_wire(&Tensor::from_slice(&[t])).unwrap(),
+            timestep: to_wire(&timestep).unwrap(),
             guidance: None,
         }
     }
@@ -675,7 +682,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let net = unet_controlnet(dir.path(), "depth-xl");
         // A guided session (2 rows) and an unguided one (1 row), at different steps.
-        let (a, b) = (unet_step("a", 2, 801.0), unet_step("b", 1, 201.0));
+        let (a, b) = (
+            unet_step("a", 2, 801.0, true),
+            unet_step("b", 1, 201.0, false),
+        );
         let expected: Vec<Vec<Tensor>> = [(&a, unet_open("a", 2, 1)), (&b, unet_open("b", 1, 2))]
             .iter()
             .map(|(s, o)| {
@@ -684,7 +694,7 @@ mod tests {
                 let rows = w(&o.encoder_hidden_states).size()[0];
                 let inputs = UNetInputs {
                     sample: w(&s.hidden_states),
-                    timestep: w(&s.timestep).expand([rows], false),
+                    timestep: w(&s.timestep).reshape([-1]).expand([rows], false),
                     encoder_hidden_states: w(&o.encoder_hidden_states),
                     text_embeds: u.text_embeds.as_ref().map(w),
                     time_ids: u.time_ids.as_ref().map(w),

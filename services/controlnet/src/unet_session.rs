@@ -122,10 +122,18 @@ pub fn step(
             .f_to_kind(Kind::Float)
             .and_then(|t| t.f_reshape([-1]))
             .map_err(|e| format!("timestep: {e}"))?;
-        if t.size() != [1] {
-            return Err(format!("timestep: expected [1], got {:?}", t.size()));
-        }
-        let t = t.f_expand([s.rows()], false).map_err(|e| e.to_string())?;
+        // One for every row, or one per row (as the UNet engine sends it).
+        let t = match t.size()[0] {
+            1 => t.f_expand([s.rows()], false).map_err(|e| e.to_string())?,
+            n if n == s.rows() => t,
+            _ => {
+                return Err(format!(
+                    "timestep: expected [1] or [{}], got {:?}",
+                    s.rows(),
+                    t.size()
+                ))
+            }
+        };
         samples.push(sample.f_to_kind(kind).map_err(|e| e.to_string())?);
         timesteps.push(t);
     }

@@ -177,7 +177,7 @@ pub struct DenoiserConfig {
     /// --controlnet-dir), `sync` (from ControlNet workers, `diffmesh-controlnet`, for the step
     /// about to run) or `pipelined` (from workers, one step behind, hidden behind the forward).
     /// A ControlNet no worker serves, or a worker that fails, is computed here when
-    /// --controlnet-dir holds it.
+    /// --controlnet-dir holds it. UNet models (SD 2.x, SDXL) run `pipelined` as `sync`.
     #[arg(long, env = "DENOISER_CONTROLNET_REMOTE", value_enum, default_value_t = controlnet_service::RemoteMode::Off)]
     pub controlnet_remote: controlnet_service::RemoteMode,
     /// Deadline of each request to a ControlNet worker; past it the step goes to another
@@ -587,29 +587,42 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
     let background = CancellationToken::new();
     let mut follow_workers = None;
     let mut controlnet_workers = None;
-    if let (Loaded::Flux(model), true) = (
-        &mut loaded,
-        config.controlnet_remote != controlnet_service::RemoteMode::Off,
-    ) {
+    if config.controlnet_remote != controlnet_service::RemoteMode::Off {
+        let network = match &loaded {
+            Loaded::Flux(_) => controlnet_service::Network::Flux,
+            Loaded::Unet(_) => controlnet_service::Network::Unet,
+        };
+        let mut mode = config.controlnet_remote;
+        if network == controlnet_service::Network::Unet
+            && mode == controlnet_service::RemoteMode::Pipelined
+        {
+            // One step behind is measured for Flux only (the default everywhere in compose).
+            tracing::warn!("--controlnet-remote pipelined runs as sync on a UNet model");
+            mode = controlnet_service::RemoteMode::Sync;
+        }
         // A worker is gone after 4 missed heartbeats (at the period its heartbeats give).
-        let workers = controlnet_service::ControlNetWorkers::new(4);
+        let workers = controlnet_service::ControlNetWorkers::new(4, network);
         controlnet_workers = Some(workers.clone());
         let (listen, nats, stop) = (workers.clone(), client.clone(), background.clone());
         follow_workers = Some(tokio::spawn(async move {
             listen.listen(nats, stop).await;
             Ok(())
         }));
-        model.controlnet_service = Some(controlnet_service::RemoteControlNets::new(
+        let remote = controlnet_service::RemoteControlNets::new(
             client.clone(),
             tokio::runtime::Handle::current(),
             workers,
             controlnet_service::RemoteSettings {
-                mode: config.controlnet_remote,
+                mode,
                 timeout: config.controlnet_timeout,
                 attempts: 3,
                 max_reply_bytes: 1 << 30,
             },
-        ));
+        );
+        match &mut loaded {
+            Loaded::Flux(model) => model.controlnet_service = Some(remote),
+            Loaded::Unet(model) => model.controlnet_service = Some(remote),
+        }
     }
     let (card, prompt_stage, spawned) = match loaded {
         Loaded::Flux(mut model) => {

@@ -1,5 +1,5 @@
 //! Loading the model a denoiser serves, by family.
-use crate::{controlnet_service, model, unet_engine, DenoiserConfig, DenoiserError};
+use crate::{model, unet_engine, DenoiserConfig, DenoiserError};
 use diffmesh_model::tch::{Device, Kind};
 use std::path::Path;
 
@@ -30,18 +30,10 @@ pub(crate) async fn load_model(
     };
     if diffmesh_model::stable_diffusion::is_unet_pipeline_dir(dir) {
         // What only the Flux engine serves is refused by flag, not ignored.
-        let refused = [
-            ("ranks", config.ranks > 1, config.ranks.to_string()),
-            (
-                "controlnet-remote",
-                config.controlnet_remote != controlnet_service::RemoteMode::Off,
-                format!("{:?}", config.controlnet_remote),
-            ),
-        ];
-        if let Some((flag, _, value)) = refused.into_iter().find(|(_, set, _)| *set) {
+        if config.ranks > 1 {
             return Err(DenoiserError::Flag {
-                flag,
-                value,
+                flag: "ranks",
+                value: config.ranks.to_string(),
                 expected: "unset for a UNet model (SD 2.x, SDXL)",
             });
         }

@@ -5,11 +5,12 @@ use super::registry::ControlNetWorkers;
 use super::wire::to_wire;
 use bytes::Bytes;
 use diffmesh_model::pipeline::control::ControlStep;
+use diffmesh_model::stable_diffusion::control::SdControlStep;
 use diffmesh_shared::nats::chunked::request_chunked;
 use diffmesh_shared::nats::trace_context::headers_for;
 use diffmesh_shared::wire::controlnet_service::{
     close_subject, open_subject, step_subject, OpenReply, SessionClose, SessionOpen, StepReply,
-    StepRequest, WireTensor,
+    StepRequest, UNetSession, WireTensor,
 };
 use diffmesh_shared::wire::messages::{decode, encode};
 use std::sync::{Arc, Mutex};
@@ -46,10 +47,24 @@ pub struct RemoteSettings {
 /// The residuals of one step as they arrived.
 #[derive(Debug)]
 pub struct Arrived {
-    pub double: Vec<WireTensor>,
-    pub single: Vec<WireTensor>,
+    pub residuals: Residuals,
     pub worker: String,
     pub compute_ms: f64,
+}
+
+/// A step's residuals by the network they steer.
+#[derive(Debug)]
+pub enum Residuals {
+    /// Per Flux ControlNet double block, then per single block.
+    Flux {
+        double: Vec<WireTensor>,
+        single: Vec<WireTensor>,
+    },
+    /// Per skip of the UNet's down path, and its mid block's.
+    Unet {
+        down: Vec<WireTensor>,
+        mid: WireTensor,
+    },
 }
 
 /// Residuals on their way (`Err`: every try failed; the message says why).
@@ -153,11 +168,55 @@ impl RemoteControlNets {
             control: to_wire(&step.control)?,
             unet: None,
         };
+        self.link(session, job_id, controlnet, &open)
+    }
+
+    /// A session of ControlNet `k` (named `controlnet`) of a steered UNet image, from its first
+    /// step's inputs (its rows: one per guidance branch).
+    pub fn open_unet_link(
+        &self,
+        session: String,
+        job_id: &str,
+        controlnet: &str,
+        step: &SdControlStep,
+        k: usize,
+    ) -> Result<Arc<SessionLink>, String> {
+        let i = &step.inputs;
+        let (image, scale) = step
+            .images
+            .get(k)
+            .ok_or_else(|| format!("controlnet: control {k} of {}", step.images.len()))?;
+        let open = SessionOpen {
+            session: session.clone(),
+            job_id: job_id.into(),
+            controlnet: controlnet.into(),
+            scale: *scale,
+            guidance_scale: 1.0,
+            encoder_hidden_states: to_wire(&i.encoder_hidden_states)?,
+            pooled_projections: None,
+            img_ids: None,
+            txt_ids: None,
+            control: to_wire(image)?,
+            unet: Some(UNetSession {
+                text_embeds: i.text_embeds.as_ref().map(to_wire).transpose()?,
+                time_ids: i.time_ids.as_ref().map(to_wire).transpose()?,
+            }),
+        };
+        self.link(session, job_id, controlnet, &open)
+    }
+
+    fn link(
+        &self,
+        session: String,
+        job_id: &str,
+        controlnet: &str,
+        open: &SessionOpen,
+    ) -> Result<Arc<SessionLink>, String> {
         Ok(Arc::new(SessionLink {
             id: session,
             job_id: job_id.into(),
             controlnet: controlnet.into(),
-            open: Bytes::from(encode(&open).map_err(|e| e.to_string())?),
+            open: Bytes::from(encode(open).map_err(|e| e.to_string())?),
             worker: Mutex::new(None),
             client: self.client.clone(),
             runtime: self.runtime.clone(),
@@ -173,7 +232,27 @@ impl RemoteControlNets {
             timestep: to_wire(&i.timestep)?,
             guidance: i.guidance.as_ref().map(to_wire).transpose()?,
         };
-        let payload = Bytes::from(encode(&request).map_err(|e| e.to_string())?);
+        self.send(link, &request)
+    }
+
+    /// Send a UNet session's `step` (its sample and timestep); the residuals of all the
+    /// session's rows come on the returned channel.
+    pub fn submit_unet(
+        &self,
+        link: &Arc<SessionLink>,
+        step: &SdControlStep,
+    ) -> Result<Pending, String> {
+        let request = StepRequest {
+            session: link.id.clone(),
+            hidden_states: to_wire(&step.inputs.sample)?,
+            timestep: to_wire(&step.inputs.timestep)?,
+            guidance: None,
+        };
+        self.send(link, &request)
+    }
+
+    fn send(&self, link: &Arc<SessionLink>, request: &StepRequest) -> Result<Pending, String> {
+        let payload = Bytes::from(encode(request).map_err(|e| e.to_string())?);
         let (tx, rx) = oneshot::channel();
         let this = self.clone();
         let link = link.clone();
@@ -239,8 +318,18 @@ impl RemoteControlNets {
                     compute_ms,
                 }) => {
                     return Ok(Arrived {
-                        double,
-                        single,
+                        residuals: Residuals::Flux { double, single },
+                        worker,
+                        compute_ms,
+                    })
+                }
+                Ok(StepReply::UnetResiduals {
+                    down,
+                    mid,
+                    compute_ms,
+                }) => {
+                    return Ok(Arrived {
+                        residuals: Residuals::Unet { down, mid },
                         worker,
                         compute_ms,
                     })
@@ -249,11 +338,6 @@ impl RemoteControlNets {
                 Ok(StepReply::UnknownSession) => {
                     link.set_worker(None);
                     last_error = format!("worker {worker} lost the session");
-                }
-                Ok(StepReply::UnetResiduals { .. }) => {
-                    link.set_worker(None);
-                    last_error = format!("worker {worker} answered a Flux step as a UNet's");
-                    avoid.push(worker);
                 }
                 Ok(StepReply::Failed { error }) | Err(error) => {
                     link.set_worker(None);

@@ -13,4 +13,4 @@ pub mod registry;
 pub mod wire;
 
 pub use client::{RemoteControlNets, RemoteMode, RemoteSettings};
-pub use registry::ControlNetWorkers;
+pub use registry::{ControlNetWorkers, Network};

@@ -7,19 +7,38 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+/// The network a denoiser's ControlNets steer: which of a worker's lists it reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Network {
+    /// Flux ControlNets (`ControlNetHeartbeat::served`).
+    Flux,
+    /// The UNet family's (`ControlNetHeartbeat::served_unet`).
+    Unet,
+}
+
 /// Workers by id with their latest heartbeat; one that missed `missed` of its heartbeats (at
-/// the period they announce) is gone.
+/// the period they announce) is gone. Lookups see only the ControlNets of `network`.
 #[derive(Clone)]
 pub struct ControlNetWorkers {
     seen: Arc<Mutex<HashMap<String, (ControlNetHeartbeat, Instant)>>>,
     missed: u32,
+    network: Network,
 }
 
 impl ControlNetWorkers {
-    pub fn new(missed: u32) -> Self {
+    pub fn new(missed: u32, network: Network) -> Self {
         Self {
             seen: Arc::new(Mutex::new(HashMap::new())),
             missed: missed.max(1),
+            network,
+        }
+    }
+
+    /// The ControlNets of this registry's network that `hb` serves.
+    fn names<'a>(&self, hb: &'a ControlNetHeartbeat) -> &'a [String] {
+        match self.network {
+            Network::Flux => &hb.served,
+            Network::Unet => &hb.served_unet,
         }
     }
 
@@ -47,7 +66,7 @@ impl ControlNetWorkers {
     pub fn served(&self) -> BTreeSet<String> {
         self.with_live(|live| {
             live.into_iter()
-                .flat_map(|hb| hb.served.iter().cloned())
+                .flat_map(|hb| self.names(hb).iter().cloned())
                 .collect()
         })
     }
@@ -55,7 +74,7 @@ impl ControlNetWorkers {
     pub fn serves(&self, name: &str) -> bool {
         self.with_live(|live| {
             live.into_iter()
-                .any(|hb| hb.served.iter().any(|n| n == name))
+                .any(|hb| self.names(hb).iter().any(|n| n == name))
         })
     }
 
@@ -66,7 +85,7 @@ impl ControlNetWorkers {
         self.with_live(|live| {
             live.into_iter()
                 .filter(|hb| !avoid.contains(&hb.worker_id))
-                .filter(|hb| hb.served.iter().any(|n| n == name))
+                .filter(|hb| self.names(hb).iter().any(|n| n == name))
                 .min_by_key(|hb| {
                     let loaded = hb.resident.iter().any(|n| n == name);
                     (!loaded, hb.sessions + hb.queued, hb.worker_id.as_str())
@@ -117,7 +136,7 @@ mod tests {
 
     #[test]
     fn picks_a_worker_with_the_controlnet_loaded_then_the_least_busy() {
-        let w = ControlNetWorkers::new(500);
+        let w = ControlNetWorkers::new(500, Network::Flux);
         w.record(hb("a", &["canny", "depth"], &["depth"], 0));
         w.record(hb("b", &["canny"], &["canny"], 9));
         w.record(hb("c", &["canny"], &[], 1));
@@ -136,9 +155,29 @@ mod tests {
     }
 
     #[test]
+    fn each_network_sees_only_its_own_controlnets() {
+        let mut both = hb("a", &["canny"], &["canny"], 0);
+        both.served_unet = vec!["depth-xl".into()];
+        let flux_only = hb("b", &["canny"], &[], 0);
+        let (flux, unet) = (
+            ControlNetWorkers::new(500, Network::Flux),
+            ControlNetWorkers::new(500, Network::Unet),
+        );
+        for w in [&flux, &unet] {
+            w.record(both.clone());
+            w.record(flux_only.clone());
+        }
+        assert!(flux.serves("canny") && !flux.serves("depth-xl"));
+        assert!(unet.serves("depth-xl") && !unet.serves("canny"));
+        assert_eq!(unet.pick("depth-xl", &[]).as_deref(), Some("a"));
+        assert_eq!(unet.pick("canny", &[]), None);
+        assert_eq!(unet.served().into_iter().collect::<Vec<_>>(), ["depth-xl"]);
+    }
+
+    #[test]
     fn silent_workers_expire() {
         // Heartbeats every 10 ms: gone after 2 missed.
-        let w = ControlNetWorkers::new(2);
+        let w = ControlNetWorkers::new(2, Network::Flux);
         w.record(hb("a", &["canny"], &[], 0));
         assert!(w.serves("canny"));
         std::thread::sleep(std::time::Duration::from_millis(40));

@@ -4,7 +4,7 @@
 //! engine waits for any, so rows on different workers compute at once; a row whose worker
 //! fails falls back to the local ControlNet when the denoiser holds it.
 use super::Active;
-use crate::controlnet_service::client::{Arrived, Pending, SessionLink};
+use crate::controlnet_service::client::{Arrived, Pending, Residuals, SessionLink};
 use crate::controlnet_service::wire::from_wire;
 use crate::controlnet_service::{RemoteControlNets, RemoteMode};
 use crate::metrics::DenoiserMetrics;
@@ -259,6 +259,12 @@ fn local(
 
 /// Arrived residuals as tensors of the transformer's device and dtype, each `[1, N, inner]`.
 fn decode(r: &Arrived, step: &ControlStep, base: &FluxConfig) -> Result<ControlResiduals, String> {
+    let Residuals::Flux { double, single } = &r.residuals else {
+        return Err(format!(
+            "worker {} sent a UNet ControlNet's residuals for a Flux step",
+            r.worker
+        ));
+    };
     let like = &step.inputs.hidden_states;
     let (device, kind): (Device, Kind) = (like.device(), like.kind());
     let expect = [1, like.size()[1], base.inner_dim()];
@@ -274,7 +280,7 @@ fn decode(r: &Arrived, step: &ControlStep, base: &FluxConfig) -> Result<ControlR
         t.f_to_kind(kind).map_err(|e| e.to_string())
     };
     Ok(ControlResiduals {
-        double: r.double.iter().map(one).collect::<Result<_, _>>()?,
-        single: r.single.iter().map(one).collect::<Result<_, _>>()?,
+        double: double.iter().map(one).collect::<Result<_, _>>()?,
+        single: single.iter().map(one).collect::<Result<_, _>>()?,
     })
 }

@@ -29,6 +29,8 @@ pub struct UnetModel {
     pub preview: Option<diffmesh_model::preview::LatentPreview>,
     /// Folder of named ControlNets (`ControlNetModel`) generations may name (`--controlnet-dir`).
     pub controlnet_dir: Option<std::path::PathBuf>,
+    /// ControlNet workers serving UNet ControlNets (`--controlnet-remote sync`).
+    pub controlnet_service: Option<crate::controlnet_service::RemoteControlNets>,
 }
 
 impl UnetModel {
@@ -48,6 +50,7 @@ impl UnetModel {
             card,
             preview,
             controlnet_dir: None,
+            controlnet_service: None,
         })
     }
 }

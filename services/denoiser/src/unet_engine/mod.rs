@@ -77,6 +77,9 @@ struct Active {
     conditioned_for: LoraSetKey,
     /// What its ControlNet costs a step (0 when not steered).
     control_s: Smoothed,
+    /// Its sessions on ControlNet workers, per (image, ControlNet) pair in request order
+    /// (dropped with the job: the workers close them).
+    control_links: Vec<Option<std::sync::Arc<crate::controlnet_service::client::SessionLink>>>,
 }
 
 impl Active {
@@ -208,6 +211,7 @@ impl UnetEngine {
                     failed: None,
                     masked,
                     control_s: Smoothed::default(),
+                    control_links: Vec::new(),
                 });
             }
             Ok(Err(e)) => self
