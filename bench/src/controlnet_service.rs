@@ -5,7 +5,7 @@
 //! (PSNR against `off`, silhouette IoU with the trained ControlNet).
 use diffmesh_controlnet::{self as worker, WorkerConfig, WorkerHandle};
 use diffmesh_denoiser::controlnet_service::{
-    ControlNetWorkers, RemoteControlNets, RemoteMode, RemoteSettings,
+    ControlNetWorkers, Network, RemoteControlNets, RemoteMode, RemoteSettings,
 };
 use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineHandle, EngineJob};
 use diffmesh_denoiser::metrics::DenoiserMetrics;
@@ -48,7 +48,7 @@ pub async fn steered_engine(
         EngineModel::load(model_dir, Device::Cpu, Kind::Float, "tiny".into(), Some(64))?;
     model.controlnet_dir = Some(controlnet_dir.to_path_buf());
     let client = async_nats::connect(url).await?;
-    let workers = ControlNetWorkers::new(4);
+    let workers = ControlNetWorkers::new(4, Network::Flux);
     let stop = CancellationToken::new();
     tokio::spawn(workers.clone().listen(client.clone(), stop.clone()));
     model.controlnet_service = Some(RemoteControlNets::new(

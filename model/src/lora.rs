@@ -205,7 +205,7 @@ impl LoraPatcher {
             }
         }
         let mut layers = 0;
-        tch::no_grad(|| -> Result<()> {
+        let written = tch::no_grad(|| -> Result<()> {
             for module in updates.keys() {
                 if !self.originals.contains_key(*module) {
                     let w = &self.weights[*module];
@@ -240,7 +240,13 @@ impl LoraPatcher {
                 layers += 1;
             }
             Ok(())
-        })?;
+        });
+        if let Err(e) = written {
+            // Some layers may hold the new set and others the old: back to the base model,
+            // exactly, so the bookkeeping (`current`) tells the truth again.
+            self.reset()?;
+            return Err(e);
+        }
         self.current = key;
         Ok(PatchStats {
             layers,

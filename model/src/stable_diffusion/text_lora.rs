@@ -7,7 +7,7 @@
 //! base encoders whatever LoRA set the UNet holds, and no step pays for the text side.
 use super::SdPipeline;
 use crate::error::{ModelError, Result};
-use crate::lora::{LoraAdapter, LoraPatcher, PatchStats, WeightedLora};
+use crate::lora::{LoraAdapter, LoraPatcher, OriginalsOn, PatchStats, WeightedLora};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 /// One LoRA's text-encoder adapters (per encoder, in the pipeline's order; `None` where the file
@@ -21,13 +21,28 @@ pub struct TextLora<'a> {
 /// One patcher per CLIP text encoder of a pipeline (none for the tiny text encoder).
 pub struct TextLoraPatchers {
     patchers: Vec<LoraPatcher>,
+    /// The base weights could not be written back: every encoding from now on would be wrong.
+    poisoned: bool,
 }
 
 impl TextLoraPatchers {
-    pub fn new(pipe: &SdPipeline) -> Self {
+    /// Patchers keeping their base copies `originals_on` (the host suits the encoders, patched
+    /// once a job rather than once a step).
+    pub fn new(pipe: &SdPipeline, originals_on: OriginalsOn) -> Self {
         Self {
-            patchers: pipe.clip_stores().iter().map(LoraPatcher::new).collect(),
+            patchers: pipe
+                .clip_stores()
+                .iter()
+                .map(|vs| LoraPatcher::with_originals_on(vs, originals_on))
+                .collect(),
+            poisoned: false,
         }
+    }
+
+    /// Whether the encoders' base weights could not be written back after a patch: the
+    /// caller must stop using the pipeline (the UNet engine exits, as for the UNet's own).
+    pub fn poisoned(&self) -> bool {
+        self.poisoned
     }
 
     /// The encoders it patches.
@@ -41,12 +56,19 @@ impl TextLoraPatchers {
     }
 
     /// Run `f` with the text encoders patched with `set`, then give them their base weights
-    /// back, whether `f` succeeds, fails or panics. The stats count both switches.
+    /// back, whether the patch, `f` or neither fails, or `f` panics (re-raised after). The stats
+    /// count both switches.
     pub fn with_patched<T>(
         &mut self,
         set: &[TextLora<'_>],
         f: impl FnOnce() -> Result<T>,
     ) -> Result<(T, PatchStats)> {
+        if self.poisoned {
+            return Err(ModelError::config(
+                "text_encoder",
+                "its base weights could not be restored after a LoRA patch",
+            ));
+        }
         if let Some(l) = set.iter().find(|l| l.adapters.len() > self.patchers.len()) {
             return Err(ModelError::input(
                 format!(
@@ -64,18 +86,18 @@ impl TextLoraPatchers {
             layers: 0,
             seconds: 0.0,
         };
-        let patched = self.patch(set, &mut stats);
+        let patched = catch_unwind(AssertUnwindSafe(|| self.patch(set, &mut stats)));
+        // After a failed patch a patcher's bookkeeping may not know every layer it wrote.
+        let whole = !matches!(patched, Ok(Ok(())));
         let outcome = match patched {
-            Ok(()) => catch_unwind(AssertUnwindSafe(f)),
-            Err(e) => Ok(Err(e)),
+            Ok(Ok(())) => catch_unwind(AssertUnwindSafe(f)),
+            Ok(Err(e)) => Ok(Err(e)),
+            Err(panic) => Err(panic),
         };
-        let restored = self.restore(&mut stats);
+        // A failed restore outranks what `f` answered: the encoders are not the base's.
+        self.restore(whole, &mut stats)?;
         match outcome {
-            Ok(result) => {
-                let value = result?;
-                restored?;
-                Ok((value, stats))
-            }
+            Ok(result) => Ok((result?, stats)),
             Err(panic) => resume_unwind(panic),
         }
     }
@@ -99,15 +121,36 @@ impl TextLoraPatchers {
         Ok(())
     }
 
-    /// The base weights back; after a failure part-way, every layer ever patched is rewritten.
-    fn restore(&mut self, stats: &mut PatchStats) -> Result<()> {
+    /// The base weights back in every encoder: every layer ever patched rewritten where
+    /// `whole` (after a failed patch) or where a patcher fails to restore; where even that
+    /// fails, the patchers are poisoned.
+    fn restore(&mut self, whole: bool, stats: &mut PatchStats) -> Result<()> {
+        let mut failed = None;
         for patcher in &mut self.patchers {
-            match patcher.restore() {
+            let restored = if whole {
+                Err(ModelError::config("text_encoder", "a patch failed"))
+            } else {
+                patcher.restore()
+            };
+            match restored {
                 Ok(s) => add(stats, s),
-                Err(_) => patcher.reset()?,
+                Err(_) => {
+                    if let Err(e) = patcher.reset() {
+                        failed.get_or_insert(e);
+                    }
+                }
             }
         }
-        Ok(())
+        match failed {
+            None => Ok(()),
+            Some(e) => {
+                self.poisoned = true;
+                Err(ModelError::config(
+                    "text_encoder",
+                    format!("its base weights could not be restored after a LoRA patch: {e}"),
+                ))
+            }
+        }
     }
 }
 

@@ -379,12 +379,29 @@ impl UNetConfig {
             .collect())
     }
 
-    /// The skip connections of the down path (one per ControlNet down residual): `conv_in`'s,
-    /// each resnet's, and each downsampler's (every level but the last).
-    pub fn skip_count(&self) -> Result<usize> {
+    /// The shapes of a ControlNet's residuals for `rows` samples of latent side `[h, w]`: one
+    /// per skip of the down path (`conv_in`'s, each resnet's, each downsampler's: every level
+    /// but the last halves the side, rounding up as its stride-2 convolution does), and the mid
+    /// block's.
+    pub fn control_residual_shapes(
+        &self,
+        rows: i64,
+        [h, w]: [i64; 2],
+    ) -> Result<(Vec<[i64; 4]>, [i64; 4])> {
         let levels = self.levels()?;
-        let layers: i64 = levels.iter().map(|l| l.layers).sum();
-        Ok(1 + layers.max(0) as usize + levels.len().saturating_sub(1))
+        let mut side = [h, w];
+        let mut down = vec![[rows, self.block_out_channels[0], h, w]];
+        for (i, l) in levels.iter().enumerate() {
+            for _ in 0..l.layers {
+                down.push([rows, l.channels, side[0], side[1]]);
+            }
+            if i + 1 < levels.len() {
+                side = [(side[0] + 1) / 2, (side[1] + 1) / 2];
+                down.push([rows, l.channels, side[0], side[1]]);
+            }
+        }
+        let last = levels.last().map_or(0, |l| l.channels);
+        Ok((down, [rows, last, side[0], side[1]]))
     }
 
     /// The mid block's transformer layers (the last level's setting, whatever its block type).

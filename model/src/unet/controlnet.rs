@@ -339,3 +339,46 @@ pub fn cli_forward_controlnet(model_dir: &Path, inputs: &Path, out: &Path) -> Re
     Tensor::write_safetensors(&named, out)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shapes the denoiser checks a worker's residuals against are the ones a ControlNet
+    /// gives, odd latent sides (rounded up by each downsampler) included.
+    #[test]
+    fn residual_shapes_from_the_config_are_the_forwards() {
+        let config: ControlNetConfig = serde_json::from_value(serde_json::json!({
+            "block_out_channels": [8, 16, 16],
+            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+            "layers_per_block": 2,
+            "cross_attention_dim": 8,
+            "attention_head_dim": 2,
+            "norm_num_groups": 4,
+            "conditioning_embedding_out_channels": [4, 8],
+        }))
+        .unwrap();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = ControlNetModel::new(&vs.root(), config).unwrap();
+        let (rows, h, w) = (2, 9, 6);
+        let opts = (Kind::Float, Device::Cpu);
+        let inputs = UNetInputs {
+            sample: Tensor::randn([rows, 4, h, w], opts),
+            timestep: Tensor::from_slice(&[10.0f32, 10.0]),
+            encoder_hidden_states: Tensor::randn([rows, 3, 8], opts),
+            text_embeds: None,
+            time_ids: None,
+        };
+        let control = Tensor::rand([rows, 3, 2 * h, 2 * w], opts);
+        let r = tch::no_grad(|| net.forward(&inputs, &control, 1.0)).unwrap();
+        let (down, mid) = net
+            .config
+            .unet
+            .control_residual_shapes(rows, [h, w])
+            .unwrap();
+        let got: Vec<Vec<i64>> = r.down.iter().map(Tensor::size).collect();
+        let want: Vec<Vec<i64>> = down.iter().map(|s| s.to_vec()).collect();
+        assert_eq!(got, want);
+        assert_eq!(r.mid.size(), mid.to_vec());
+    }
+}

@@ -244,7 +244,8 @@ impl Compute {
         })
     }
 
-    /// Answer `steps`, those that can share a forward in one (up to `max_batch` rows); a
+    /// Answer `steps`, those that can share a forward in one (up to `max_batch` steps; a guided
+    /// UNet session's step is 2 rows); a
     /// shared forward that fails is tried again request by request.
     fn run_steps(&mut self, steps: Vec<(Box<StepRequest>, oneshot::Sender<StepReply>)>) {
         let mut groups: Vec<Vec<usize>> = Vec::new();

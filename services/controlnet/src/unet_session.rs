@@ -69,7 +69,10 @@ impl UnetSession {
                 .map(|t| t.f_to_kind(kind))
                 .transpose()
                 .map_err(|e| format!("unet.text_embeds: {e}"))?,
-            time_ids: per_row(&added.time_ids, "unet.time_ids")?,
+            time_ids: per_row(&added.time_ids, "unet.time_ids")?
+                .map(|t| t.f_to_kind(kind))
+                .transpose()
+                .map_err(|e| format!("unet.time_ids: {e}"))?,
             encoder_hidden_states: ehs,
             control,
         })

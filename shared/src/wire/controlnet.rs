@@ -60,11 +60,12 @@ pub fn served(dir: Option<&Path>) -> Vec<String> {
 
 /// The `_class_name` of UNet ControlNets (diffusers' `ControlNetModel`, SD 2.x and SDXL).
 pub const UNET_CONTROLNET_CLASS: &str = "ControlNetModel";
+/// The `_class_name` of Flux ControlNets.
+pub const FLUX_CONTROLNET_CLASS: &str = "FluxControlNetModel";
 
 /// [`served`] split by the network the ControlNets steer: (Flux's, the UNet family's), as a
-/// ControlNet worker announces them. A folder is a UNet ControlNet when its `config.json` names
-/// [`UNET_CONTROLNET_CLASS`]; any other is taken for a Flux ControlNet (the worker checks it when
-/// it loads it).
+/// ControlNet worker announces them, by the class its `config.json` names; a folder of any other
+/// class (SD3's, a union ControlNet, none) is in neither list, since no engine here runs it.
 pub fn served_by_network(dir: Option<&Path>) -> (Vec<String>, Vec<String>) {
     #[derive(Deserialize)]
     struct Class {
@@ -80,7 +81,8 @@ pub fn served_by_network(dir: Option<&Path>) -> (Vec<String>, Vec<String>) {
             .and_then(|c| c.class);
         match class.as_deref() {
             Some(UNET_CONTROLNET_CLASS) => unet.push(name),
-            _ => flux.push(name),
+            Some(FLUX_CONTROLNET_CLASS) => flux.push(name),
+            _ => {}
         }
     }
     (flux, unet)
@@ -102,7 +104,7 @@ mod tests {
             std::fs::write(dir.path().join(name).join("config.json"), config).unwrap();
         }
         let (flux, unet) = served_by_network(Some(dir.path()));
-        assert_eq!(flux, ["canny", "old"]);
+        assert_eq!(flux, ["canny"]);
         assert_eq!(unet, ["depth-xl"]);
     }
 

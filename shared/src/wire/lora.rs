@@ -330,6 +330,14 @@ impl LoraFile {
                 "the file holds only text-encoder adapters: no transformer or UNet adapter",
             ));
         };
+        if target == LoraTarget::Unet {
+            // UNet models apply them: a key the denoiser could not read is refused now, not
+            // at the first step of every job naming the file.
+            for name in &text_encoder_keys {
+                text_encoder_key_problem(name, &tensors[*name].shape)
+                    .map_or(Ok(()), |why| Err(bad(name.as_str(), why)))?;
+            }
+        }
         let config = PeftConfig::from_metadata(meta.metadata().as_ref(), target.metadata_prefix())?;
         if config.use_dora {
             return Err(bad(
@@ -444,6 +452,34 @@ pub fn write_f32_safetensors(
         })
         .collect::<Result<Vec<_>, _>>()?;
     safetensors::serialize(views, metadata).map_err(|e| bad("file", e.to_string()))
+}
+
+/// Why a text encoder's key of a UNet LoRA cannot be applied (`None`: it can, as far as its
+/// name's form and shape tell; the denoiser resolves the layer against its encoders): an
+/// adapter's down or up matrix (2-D) or its alpha (a scalar), under diffusers' or kohya's
+/// names.
+fn text_encoder_key_problem(name: &str, shape: &[usize]) -> Option<String> {
+    let matrix = [
+        ".lora_A.weight",
+        ".lora_B.weight",
+        ".lora_down.weight",
+        ".lora_up.weight",
+    ]
+    .iter()
+    .any(|s| name.ends_with(s));
+    if matrix {
+        return (shape.len() != 2 || shape.contains(&0))
+            .then(|| format!("must be a non-empty 2-D matrix, got shape {shape:?}"));
+    }
+    if name.ends_with(".alpha") {
+        return (shape.iter().product::<usize>() != 1)
+            .then(|| format!("alpha must be a scalar, got shape {shape:?}"));
+    }
+    Some(
+        "not a text encoder's LoRA key (`.lora_A.weight` / `.lora_B.weight`, kohya's \
+         `.lora_down.weight` / `.lora_up.weight` / `.alpha`)"
+            .into(),
+    )
 }
 
 #[cfg(test)]
@@ -632,6 +668,26 @@ mod tests {
         let f = parse(kohya.clone(), None).unwrap();
         assert_eq!(f.target, LoraTarget::Unet);
         assert_eq!(f.text_encoder_keys, 2);
+        // A text encoder's key the denoiser could not apply is refused by name at once.
+        for (key, shape) in [
+            (
+                "lora_te1_text_model_encoder_layers_0_mlp_fc1.dora_scale",
+                vec![1, 8],
+            ),
+            (
+                "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight",
+                vec![8, 4, 1],
+            ),
+            (
+                "lora_te2_text_model_encoder_layers_0_mlp_fc1.alpha",
+                vec![2],
+            ),
+        ] {
+            let mut bad = kohya[..3].to_vec();
+            bad.push((key.into(), shape));
+            let e = parse(bad, None).unwrap_err();
+            assert_eq!(e.key, key, "{e}");
+        }
         assert!(f.modules[0].kohya);
         assert_eq!(f.modules[0].module, kohya_name);
         // alpha 0.5 (see `file`) over rank 4.

@@ -226,7 +226,7 @@ pub fn spawn_unet_engine(
         device,
         kind,
     );
-    let text_loras = super::text_loras::TextLoras::new(&model.pipeline);
+    let text_loras = super::text_loras::TextLoras::new(&model.pipeline, config.lora_originals);
     let engine = UnetEngine {
         patcher,
         linear_modules,

@@ -17,6 +17,7 @@ use crate::controlnet_service::RemoteMode;
 use crate::engine::EngineJobError;
 use diffmesh_model::stable_diffusion::control::SdControlStep;
 use diffmesh_model::tch::{Device, Kind};
+use diffmesh_model::unet::config::UNetConfig;
 use diffmesh_model::unet::UNetResiduals;
 use diffmesh_model::ModelError;
 use std::time::Instant;
@@ -117,7 +118,8 @@ impl UnetEngine {
                     if !remote.workers.serves(name) {
                         continue;
                     }
-                    let session = format!("{}-{}-{k}", a.job.job_id, s.image);
+                    let session =
+                        format!("{}-{}-{k}-{}", a.job.job_id, s.image, a.control_generation);
                     match remote.open_unet_link(session, &a.job.job_id, name, &s.step, k) {
                         Ok(link) => a.control_links[slot] = Some(link),
                         Err(error) => {
@@ -204,20 +206,14 @@ impl UnetEngine {
         }
         let waited = Instant::now();
         let (device, kind) = self.model.pipeline.unet.device_kind();
-        let skips = self
-            .model
-            .pipeline
-            .unet
-            .config
-            .skip_count()
-            .map_err(EngineJobError::from_model)?;
+        let config = self.model.pipeline.unet.config.clone();
         let mut outcome = Ok(());
         for (b, k, pending) in in_flight {
             let Some(s) = batch[b].as_mut() else { continue };
             let arrived = pending
                 .blocking_recv()
                 .unwrap_or_else(|_| Err("the request was dropped".into()))
-                .and_then(|r| decode(&r, &s.step, skips, device, kind));
+                .and_then(|r| decode(&r, &s.step, &config, device, kind));
             let label = match arrived {
                 Ok(residuals) => {
                     s.parts[k] = Some(residuals);
@@ -274,12 +270,13 @@ impl UnetEngine {
     }
 }
 
-/// Arrived residuals as tensors of the UNet's device and dtype: `skips` down residuals and the
-/// mid block's, each with the image's rows.
+/// Arrived residuals as tensors of the UNet's device and dtype, each of the shape this UNet's
+/// skip (or mid block) has for the step's sample: a worker's ControlNet that does not fit this
+/// UNet is a failure of that worker, not a broadcast into a wrong image.
 fn decode(
     r: &Arrived,
     step: &SdControlStep,
-    skips: usize,
+    config: &UNetConfig,
     device: Device,
     kind: Kind,
 ) -> Result<UNetResiduals, String> {
@@ -289,19 +286,23 @@ fn decode(
             r.worker
         ));
     };
-    if down.len() != skips {
+    let s = step.inputs.sample.size();
+    let (want_down, want_mid) = config
+        .control_residual_shapes(s[0], [s[2], s[3]])
+        .map_err(|e| e.to_string())?;
+    if down.len() != want_down.len() {
         return Err(format!(
-            "worker {} sent {} down residuals; this UNet has {skips} skips",
+            "worker {} sent {} down residuals; this UNet has {} skips",
             r.worker,
-            down.len()
+            down.len(),
+            want_down.len()
         ));
     }
-    let rows = step.inputs.sample.size()[0];
-    let one = |w| -> Result<_, String> {
+    let one = |w, want: &[i64; 4]| -> Result<_, String> {
         let t = from_wire(w, device, "residual")?;
-        if t.dim() != 4 || t.size()[0] != rows {
+        if t.size() != want {
             return Err(format!(
-                "worker {} sent a residual of {:?} for {rows} rows",
+                "worker {} sent a residual of {:?}, expected {want:?}",
                 r.worker,
                 t.size()
             ));
@@ -309,7 +310,11 @@ fn decode(
         t.f_to_kind(kind).map_err(|e| e.to_string())
     };
     Ok(UNetResiduals {
-        down: down.iter().map(one).collect::<Result<_, _>>()?,
-        mid: one(mid)?,
+        down: down
+            .iter()
+            .zip(&want_down)
+            .map(|(w, want)| one(w, want))
+            .collect::<Result<_, _>>()?,
+        mid: one(mid, &want_mid)?,
     })
 }

@@ -80,6 +80,9 @@ struct Active {
     /// Its sessions on ControlNet workers, per (image, ControlNet) pair in request order
     /// (dropped with the job: the workers close them).
     control_links: Vec<Option<std::sync::Arc<crate::controlnet_service::client::SessionLink>>>,
+    /// Bumped when its sessions are dropped for new ones (session ids carry it, so a late close
+    /// of an old session never closes its successor).
+    control_generation: u32,
 }
 
 impl Active {
@@ -212,6 +215,7 @@ impl UnetEngine {
                     masked,
                     control_s: Smoothed::default(),
                     control_links: Vec::new(),
+                    control_generation: 0,
                 });
             }
             Ok(Err(e)) => self
@@ -340,8 +344,13 @@ impl UnetEngine {
                 .enumerate()
                 .filter(|(i, _)| members.contains(i))
                 .map(|(_, a)| a);
+            let reading = text_loras::Reading {
+                set: &set,
+                key: &key,
+                unet_modules: &self.linear_modules,
+            };
             self.text_loras
-                .recondition(&key, &self.model.pipeline, in_batch);
+                .recondition(reading, &self.model.pipeline, in_batch);
             let members: Vec<usize> = members
                 .into_iter()
                 .filter(|&i| self.active[i].failed.is_none())
@@ -403,25 +412,18 @@ impl UnetEngine {
             )),
             Some(patcher) => {
                 let unet = &self.model.pipeline.unet;
+                // The UNet's adapters only: the text encoders' are read when a job needs them
+                // (`text_loras`), not at every switch.
                 let targets = LoraTargets {
                     config: &unet.config,
                     unet_modules: &self.linear_modules,
-                    text_modules: &self.text_loras.modules,
+                    text_modules: &[],
                 };
-                // Each file's text-encoder adapters, kept for the prompts of the set's jobs.
-                let texts = std::cell::RefCell::new(Vec::new());
-                let patched = lora_steps::patch(patcher, set, |l| {
-                    let read = read_unet_lora_bytes(&l.blob.id, l.blob.bytes.clone(), targets);
-                    read.map(|u| {
-                        texts.borrow_mut().push((u.text_encoders, l.weight));
-                        u.adapter
-                    })
-                    .map_err(|e| e.to_string())
-                });
-                if patched.is_ok() {
-                    self.text_loras.record(key, texts.into_inner());
-                }
-                patched
+                lora_steps::patch(patcher, set, |l| {
+                    read_unet_lora_bytes(&l.blob.id, l.blob.bytes.clone(), targets)
+                        .map(|u| u.adapter)
+                        .map_err(|e| e.to_string())
+                })
             }
         };
         match result {
