@@ -303,6 +303,14 @@ pub async fn post_form(
 
 /// POST a JSON generation: status, JSON body and (on 200) the first image's RGB pixels.
 /// `GET url` (a gateway's `/v1/models`) once it lists `count` models; panics after 30 s.
+/// Model `id`'s entry in a `GET /v1/models` answer; panics naming it when it is not listed.
+pub fn model_card<'a>(models: &'a serde_json::Value, id: &str) -> &'a serde_json::Value {
+    models["data"]
+        .as_array()
+        .and_then(|d| d.iter().find(|m| m["id"] == id))
+        .unwrap_or_else(|| panic!("{id} not listed: {models}"))
+}
+
 pub async fn models_once_listed(
     http: &reqwest::Client,
     url: &str,

@@ -32,6 +32,34 @@ pub fn png_bytes(img: &DynamicImage) -> Vec<u8> {
     buf.into_inner()
 }
 
+/// `img` as a base64 PNG, as JSON requests carry images.
+pub fn png_b64(img: &DynamicImage) -> String {
+    base64::engine::general_purpose::STANDARD.encode(png_bytes(img))
+}
+
+/// The pixels of `edited` that differ from `original` inside the rectangle `[x0, x1) x [y0, y1)`;
+/// panics, naming the pixel and `what`, where one outside it differs (an edit keeps them).
+pub fn changed_inside_only(
+    edited: &RgbImage,
+    original: &RgbImage,
+    (x0, y0, x1, y1): (u32, u32, u32, u32),
+    what: &str,
+) -> usize {
+    let mut changed = 0;
+    for (x, y, p) in edited.enumerate_pixels() {
+        if (x0..x1).contains(&x) && (y0..y1).contains(&y) {
+            changed += usize::from(p != original.get_pixel(x, y));
+        } else {
+            assert_eq!(
+                p,
+                original.get_pixel(x, y),
+                "{what}unmasked pixel ({x},{y}) differs"
+            );
+        }
+    }
+    changed
+}
+
 /// Decode the `b64_json` images of an OpenAI-style response.
 pub fn decode_b64_images(body: &serde_json::Value) -> Result<Vec<DynamicImage>> {
     let data = body["data"]

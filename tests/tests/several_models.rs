@@ -14,7 +14,9 @@ use diffmesh_model::tch::{Device, Kind};
 use diffmesh_tests::harness::{
     generate, metric_sample, models_once_listed, post_form, scrape_metrics,
 };
-use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask, template};
+use diffmesh_tests::images::{
+    changed_inside_only, decode_b64_images, png_bytes, rect_mask, template,
+};
 use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
 use image::GenericImageView;
 use reqwest::multipart::{Form, Part};
@@ -115,18 +117,7 @@ async fn template_edit(mesh: &TestMesh, http: &reqwest::Client, model: &str) -> 
     let out = decode_b64_images(&body).unwrap().remove(0);
     assert_eq!(out.dimensions(), (w, h));
     let (out, tmpl) = (out.to_rgb8(), image.to_rgb8());
-    let mut changed = 0;
-    for (x, y, p) in out.enumerate_pixels() {
-        if (x0..x1).contains(&x) && (y0..y1).contains(&y) {
-            changed += usize::from(p != tmpl.get_pixel(x, y));
-        } else {
-            assert_eq!(
-                p,
-                tmpl.get_pixel(x, y),
-                "{model}: unmasked pixel ({x},{y}) differs"
-            );
-        }
-    }
+    let changed = changed_inside_only(&out, &tmpl, (x0, y0, x1, y1), &format!("{model}: "));
     assert!(changed > 0, "{model}: the masked region was not repainted");
     let (status, body) = post_form(http, &mesh.url("/v1/images/edits"), edit(Some("tiny"))).await;
     assert_eq!(status, 400, "{body}");

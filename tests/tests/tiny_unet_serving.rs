@@ -12,8 +12,8 @@ use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::tiny::check::{detect, judge};
 use diffmesh_model::tiny::data::{render_rgb, Generator, SceneKey, Split};
 use diffmesh_model::tiny::unet_eval::{next_shape, object_box_in_tokens};
-use diffmesh_tests::harness::{generate, models_once_listed, post_form};
-use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask};
+use diffmesh_tests::harness::{generate, model_card, models_once_listed, post_form};
+use diffmesh_tests::images::{changed_inside_only, decode_b64_images, png_bytes, rect_mask};
 use diffmesh_tests::mesh::MeshBuilder;
 use diffmesh_tests::sd;
 use image::{DynamicImage, RgbImage};
@@ -73,12 +73,7 @@ async fn the_tiny_unet_serves_generations_and_mask_aware_edits_beside_the_tiny_f
     let http = reqwest::Client::new();
 
     let models = models_once_listed(&http, &mesh.url("/v1/models"), DENOISERS.len()).await;
-    let card = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["id"] == UNET)
-        .unwrap_or_else(|| panic!("{UNET} not listed: {models}"));
+    let card = model_card(&models, UNET);
     assert_eq!(card["family"], "sd", "{models}");
     assert_eq!(card["default_size"], "64x64", "{models}");
     assert_eq!(card["token_pixels"], 8, "{models}");
@@ -140,19 +135,7 @@ async fn the_tiny_unet_serves_generations_and_mask_aware_edits_beside_the_tiny_f
     assert_eq!(status, 200, "{body}");
     let edited = decode_b64_images(&body).unwrap().remove(0).to_rgb8();
     let original = tmpl.to_rgb8();
-    let inside = |x: u32, y: u32| (x0..x1).contains(&x) && (y0..y1).contains(&y);
-    let mut changed = 0;
-    for (x, y, p) in edited.enumerate_pixels() {
-        if inside(x, y) {
-            changed += usize::from(p != original.get_pixel(x, y));
-        } else {
-            assert_eq!(
-                p,
-                original.get_pixel(x, y),
-                "unmasked pixel ({x},{y}) differs"
-            );
-        }
-    }
+    let changed = changed_inside_only(&edited, &original, (x0, y0, x1, y1), "");
     assert!(changed > 0, "the masked region was not repainted");
 
     // The same edit in full compute, and mask-aware in process.

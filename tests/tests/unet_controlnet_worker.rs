@@ -12,14 +12,13 @@
 use std::path::Path;
 use std::time::Duration;
 
-use base64::Engine;
 use diffmesh_controlnet::{start, WorkerConfig};
 use diffmesh_denoiser::controlnet_service::RemoteMode;
 use diffmesh_model::stable_diffusion::{SdPipeline, SdRequest};
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::unet::ControlNetModel;
 use diffmesh_tests::harness::{generate, metric_sample, scrape_metrics};
-use diffmesh_tests::images::{png_bytes, rect_mask, template};
+use diffmesh_tests::images::{png_b64, rect_mask, template};
 use diffmesh_tests::mesh::MeshBuilder;
 use diffmesh_tests::sd;
 use diffmesh_tests::tools::repo_root;
@@ -116,9 +115,6 @@ async fn a_controlnet_worker_steers_unet_generations_and_each_network_sees_its_o
     let side = 32u32;
     let control = template(side, side);
     let second = rect_mask(side, side, 4, 6, 20, 28);
-    let b64 = |image: &image::DynamicImage| {
-        base64::engine::general_purpose::STANDARD.encode(png_bytes(image))
-    };
     let url = mesh.url("/v1/images/generations");
     let pipe = SdPipeline::load(&sd_dir, Device::Cpu, Kind::Float).unwrap();
     let load = |name: &str| {
@@ -153,7 +149,7 @@ async fn a_controlnet_worker_steers_unet_generations_and_each_network_sees_its_o
 
     let one = json!({"prompt": PROMPT, "model": SD, "seed": SEED,
         "num_inference_steps": STEPS, "guidance_scale": 4.0,
-        "controlnet": {"name": "edges", "image": b64(&control), "scale": 0.8}});
+        "controlnet": {"name": "edges", "image": png_b64(&control), "scale": 0.8}});
     let (status, out, pixels) = generate(&http, &url, &one).await;
     assert_eq!(status, 200, "{out}");
     assert_eq!(
@@ -170,8 +166,8 @@ async fn a_controlnet_worker_steers_unet_generations_and_each_network_sees_its_o
 
     let two = json!({"prompt": PROMPT, "model": SD, "seed": SEED,
         "num_inference_steps": STEPS, "guidance_scale": 4.0,
-        "controlnets": [{"name": "edges", "image": b64(&control), "scale": 0.7},
-                        {"name": "depth", "image": b64(&second), "scale": 0.4}]});
+        "controlnets": [{"name": "edges", "image": png_b64(&control), "scale": 0.7},
+                        {"name": "depth", "image": png_b64(&second), "scale": 0.4}]});
     let (status, out, both) = generate(&http, &url, &two).await;
     assert_eq!(status, 200, "{out}");
     assert_ne!(both, pixels);

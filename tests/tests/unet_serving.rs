@@ -12,7 +12,6 @@
 //! named for the Flux model is a 400 naming `controlnet.name`.
 use std::path::Path;
 
-use base64::Engine;
 use diffmesh_model::lora::{LoraPatcher, OriginalsOn, WeightedLora};
 use diffmesh_model::quality::{psnr, ssim};
 use diffmesh_model::stable_diffusion::text_lora::{TextLora, TextLoraPatchers};
@@ -22,9 +21,11 @@ use diffmesh_model::unet::lora::{read_unet_lora_bytes, LoraTargets, UNetLora};
 use diffmesh_model::unet::ControlNetModel;
 use diffmesh_shared::wire::lora::write_f32_safetensors;
 use diffmesh_tests::harness::{
-    generate, metric_sample, models_once_listed, post_form, scrape_metrics,
+    generate, metric_sample, model_card, models_once_listed, post_form, scrape_metrics,
 };
-use diffmesh_tests::images::{decode_b64_images, png_bytes, rect_mask, template};
+use diffmesh_tests::images::{
+    changed_inside_only, decode_b64_images, png_b64, png_bytes, rect_mask, template,
+};
 use diffmesh_tests::mesh::{MeshBuilder, TestMesh};
 use diffmesh_tests::sd;
 use reqwest::multipart::{Form, Part};
@@ -150,13 +151,10 @@ async fn controlnets_steer_the_served_unet(
     let side = 32u32;
     let control = template(side, side);
     let second = rect_mask(side, side, 4, 6, 20, 28);
-    let b64 = |image: &image::DynamicImage| {
-        base64::engine::general_purpose::STANDARD.encode(png_bytes(image))
-    };
     let url = mesh.url("/v1/images/generations");
     let mut body = json!({"prompt": PROMPT, "model": SD, "seed": SEED,
         "num_inference_steps": STEPS, "guidance_scale": 4.0,
-        "controlnet": {"name": "edges", "image": b64(&control), "scale": 0.8}});
+        "controlnet": {"name": "edges", "image": png_b64(&control), "scale": 0.8}});
     let loaded = "diffmesh_denoiser_controlnet_lookups_total{outcome=\"loaded\"}";
     let before = on_sd(mesh, loaded).await;
     let (status, out, one) = generate(http, &url, &body).await;
@@ -175,8 +173,8 @@ async fn controlnets_steer_the_served_unet(
 
     let both = json!({"prompt": PROMPT, "model": SD, "seed": SEED,
         "num_inference_steps": STEPS, "guidance_scale": 4.0,
-        "controlnets": [{"name": "edges", "image": b64(&control), "scale": 0.7},
-                        {"name": "depth", "image": b64(&second), "scale": 0.4}]});
+        "controlnets": [{"name": "edges", "image": png_b64(&control), "scale": 0.7},
+                        {"name": "depth", "image": png_b64(&second), "scale": 0.4}]});
     let (status, out, two) = generate(http, &url, &both).await;
     assert_eq!(status, 200, "{out}");
     assert_ne!(two, one);
@@ -375,12 +373,7 @@ async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_fl
     let http = reqwest::Client::new();
 
     let models = models_once_listed(&http, &mesh.url("/v1/models"), DENOISERS.len()).await;
-    let sd = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|m| m["id"] == SD)
-        .unwrap_or_else(|| panic!("{SD} not listed: {models}"));
+    let sd = model_card(&models, SD);
     assert_eq!(sd["denoisers"], json!(["sd"]), "{models}");
     assert_eq!(sd["family"], "sd", "{models}");
     assert_eq!(sd["pipeline"], "StableDiffusionPipeline", "{models}");
@@ -453,18 +446,7 @@ async fn a_unet_model_serves_generations_and_mask_aware_template_edits_beside_fl
     let edited = decode_b64_images(&body).unwrap().remove(0).to_rgb8();
     assert_eq!(edited.dimensions(), (w, h));
     let original = tmpl.to_rgb8();
-    let mut changed = 0;
-    for (x, y, p) in edited.enumerate_pixels() {
-        if (x0..x1).contains(&x) && (y0..y1).contains(&y) {
-            changed += usize::from(p != original.get_pixel(x, y));
-        } else {
-            assert_eq!(
-                p,
-                original.get_pixel(x, y),
-                "unmasked pixel ({x},{y}) differs"
-            );
-        }
-    }
+    let changed = changed_inside_only(&edited, &original, (x0, y0, x1, y1), "");
     assert!(changed > 0, "the masked region was not repainted");
 
     // The same edit in full compute and mask-aware, in process (latents carrying the
