@@ -334,10 +334,10 @@ impl UnetEngine {
         }
         let stepped = !groups.is_empty();
         for (masked, set, members) in groups {
-            if !self.switch_weights(&set, &members) {
+            let key = lora_steps::set_key(&set);
+            if !self.switch_weights(&set, &key, &members) {
                 continue;
             }
-            let key = lora_steps::set_key(&set);
             let in_batch = self
                 .active
                 .iter_mut()
@@ -399,12 +399,11 @@ impl UnetEngine {
         stepped
     }
 
-    /// Patch the UNet to `set` for the jobs at `members` (indices into `active`); false, with
+    /// Patch the UNet to `set` (its key `key`) for the jobs at `members` (indices into `active`); false, with
     /// those jobs failed, when the set cannot be had (a file that does not fit this UNet).
-    fn switch_weights(&mut self, set: &[LoadedLora], members: &[usize]) -> bool {
-        let key = lora_steps::set_key(set);
+    fn switch_weights(&mut self, set: &[LoadedLora], key: &LoraSetKey, members: &[usize]) -> bool {
         let result = match self.patcher.as_mut() {
-            Some(patcher) if patcher.current() == &key => return true,
+            Some(patcher) if patcher.current() == key => return true,
             None if key.is_base() => return true,
             None => Err(ModelError::input(
                 "params.loras",
