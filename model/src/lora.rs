@@ -101,6 +101,19 @@ impl std::fmt::Display for LoraSetKey {
     }
 }
 
+/// The paths of the 2-D `<module>.weight` variables of `vs` (the layers a LoRA file can
+/// adapt, as it names them), sorted.
+pub fn linear_modules(vs: &VarStore) -> Vec<String> {
+    let mut modules: Vec<String> = vs
+        .variables()
+        .into_iter()
+        .filter(|(name, t)| name.ends_with(".weight") && t.dim() == 2)
+        .map(|(name, _)| name.trim_end_matches(".weight").to_string())
+        .collect();
+    modules.sort();
+    modules
+}
+
 /// What one switch of the weights did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PatchStats {

@@ -127,15 +127,9 @@ impl SdPipeline {
         self.clip_stores()
             .iter()
             .map(|vs| {
-                let mut modules: Vec<String> = vs
-                    .variables()
-                    .into_iter()
-                    .filter(|(name, t)| {
-                        t.dim() == 2 && name.ends_with(".weight") && !name.contains("embedding")
-                    })
-                    .map(|(name, _)| name.trim_end_matches(".weight").to_string())
-                    .collect();
-                modules.sort();
+                // Embedding tables are 2-D too; LoRA files adapt them by other keys.
+                let mut modules = crate::lora::linear_modules(vs);
+                modules.retain(|m| !m.contains("embedding"));
                 modules
             })
             .collect()

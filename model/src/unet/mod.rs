@@ -199,17 +199,10 @@ impl UNet2DConditionModel {
 
     /// The paths of its linear layers (2-D weights), as LoRA files name them.
     pub fn linear_modules(&self) -> Vec<String> {
-        let Some(vs) = &self.vs else {
-            return Vec::new();
-        };
-        let mut modules: Vec<String> = vs
-            .variables()
-            .into_iter()
-            .filter(|(name, t)| name.ends_with(".weight") && t.dim() == 2)
-            .map(|(name, _)| name.trim_end_matches(".weight").to_string())
-            .collect();
-        modules.sort();
-        modules
+        self.vs
+            .as_ref()
+            .map(crate::lora::linear_modules)
+            .unwrap_or_default()
     }
 }
 
