@@ -5,3 +5,4 @@ pub mod mesh;
 pub mod promql;
 pub mod sd;
 pub mod tools;
+pub mod webhook_receiver;

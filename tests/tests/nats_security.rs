@@ -4,7 +4,8 @@
 //! permission violation anywhere; and a client holding one service's credentials cannot
 //! publish outside them (the gateway's cannot hand a denoiser work or fake a heartbeat, the
 //! codec's cannot submit to the router, the router's cannot fake a heartbeat). Over TLS, as
-//! `compose/` runs it, only a client that checks the mesh's CA and logs in gets through. The
+//! `compose/` runs it, only a client that checks the mesh's CA and logs in gets through. An
+//! async job's webhook is relayed and posted under the gateway's grants. The
 //! JetStream API is open to each role only for its own streams.
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use diffmesh_tests::harness::{
     start_gateway, start_router, template_form, tiny_model_dir,
 };
 use diffmesh_tests::images::{png_bytes, rect_mask};
+use diffmesh_tests::webhook_receiver::WebhookReceiver;
 use futures::StreamExt;
 use reqwest::multipart::{Form, Part};
 use serde_json::{json, Value};
@@ -84,8 +86,13 @@ async fn services_connect_as_their_role_and_nothing_else_gets_through() {
     })
     .expect("router");
     let (u, p) = creds(&users, Role::Gateway);
+    // Webhooks on: the relay and the senders consume under the gateway's grants too.
+    let receiver = WebhookReceiver::start();
     let gateway = start_gateway(&nats, |c| {
-        (c.common.nats_user, c.common.nats_password) = (u, p)
+        (c.common.nats_user, c.common.nats_password) = (u, p);
+        c.webhooks.webhook_signing_key = Some("the signing key of the mesh webhooks".into());
+        c.webhooks.webhook_allow_http = true;
+        c.webhooks.webhook_allow_private_addresses = true;
     })
     .expect("gateway");
     let model = tiny_model_dir().expect("weights/tiny (the default model) is missing");
@@ -112,12 +119,21 @@ async fn services_connect_as_their_role_and_nothing_else_gets_through() {
     let r = http
         .post(url("/v1/images/generations"))
         .header("Prefer", "respond-async")
-        .json(&json!({"prompt": "a red circle", "num_inference_steps": 4}))
+        .json(&json!({"prompt": "a red circle", "num_inference_steps": 4,
+            "callback_url": receiver.url("/ok")}))
         .send()
         .await
         .unwrap();
     assert_eq!(r.status(), 202);
     let job: Value = r.json().await.unwrap();
+    let posts = receiver
+        .wait_for(job["id"].as_str().unwrap(), 1, Duration::from_secs(60))
+        .await;
+    assert_eq!(
+        posts.len(),
+        1,
+        "the job's webhook, relayed and sent under the gateway's grants"
+    );
     let job_url = url(&format!("/v1/jobs/{}", job["id"].as_str().unwrap()));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {

@@ -35,6 +35,7 @@ pub mod state;
 pub mod templates;
 pub mod upload;
 pub mod validate;
+pub mod webhooks;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -211,6 +212,8 @@ pub struct GatewayConfig {
     /// files of --max-lora-bytes.
     #[arg(long, env = "GATEWAY_UPLOAD_SPOOL_DIR")]
     pub upload_spool_dir: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub webhooks: webhooks::WebhookConfig,
 }
 
 impl GatewayConfig {
@@ -257,6 +260,7 @@ impl GatewayConfig {
             lora_uploads_at_once: 2,
             lora_upload_timeout: Duration::from_secs(60),
             upload_spool_dir: None,
+            webhooks: webhooks::WebhookConfig::for_tests(),
         }
     }
 
@@ -296,8 +300,10 @@ pub struct GatewayHandle {
     server: actix_web::dev::ServerHandle,
     task: tokio::task::JoinHandle<()>,
     health: HealthServer,
-    /// Async jobs and cancels still running.
+    /// Async jobs, cancels and webhook posts still running.
     background: TaskTracker,
+    /// Stops the webhook relay and senders' pulls.
+    stop_pulls: CancellationToken,
     job_timeout: Duration,
 }
 
@@ -307,6 +313,7 @@ impl GatewayHandle {
     pub async fn shutdown(self) {
         self.server.stop(true).await;
         let _ = self.task.await;
+        self.stop_pulls.cancel();
         self.background.close();
         if tokio::time::timeout(self.job_timeout, self.background.wait())
             .await
@@ -413,6 +420,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
             "--async-queue-max and --async-queue-per-key must be at least 1".into(),
         ));
     }
+    let webhook_keys = config.webhooks.keys().map_err(GatewayError::Config)?;
     let registry = prometheus::Registry::new();
     let metrics = GatewayMetrics::register(&registry)?;
     let client = config.common.connect_nats("diffmesh-gateway").await?;
@@ -474,6 +482,21 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
             upload_spool_dir.display()
         ))
     })?;
+    // One signer for the API's result URLs and the webhooks' (its key may be random).
+    let result_urls =
+        result_urls::ResultUrls::new(config.result_url_key.as_deref(), config.result_url_ttl);
+    let public_url = config
+        .public_url
+        .as_ref()
+        .map(|u| u.trim_end_matches('/').to_string());
+    let stop_pulls = CancellationToken::new();
+    if let Some(keys) = webhook_keys {
+        let links = webhooks::sender::ResultLinks {
+            urls: result_urls.clone(),
+            public_url: public_url.clone(),
+        };
+        webhooks::start(&js, &config, keys, &mesh, links, stop_pulls.clone()).await?;
+    }
     let openapi = openapi::document(&limits);
     let api = web::Data::new(ApiState {
         mesh,
@@ -499,14 +522,12 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         directory,
         default_model: config.default_model.clone(),
         default_size,
-        result_urls: result_urls::ResultUrls::new(
-            config.result_url_key.as_deref(),
-            config.result_url_ttl,
-        ),
-        public_url: config
-            .public_url
-            .as_ref()
-            .map(|u| u.trim_end_matches('/').to_string()),
+        result_urls,
+        public_url,
+        webhooks: webhooks::WebhookGate {
+            policy: config.webhooks.policy(),
+            enabled: config.webhooks.webhook_signing_key.is_some(),
+        },
     });
     let probe = client.clone();
     let ready: Readiness =
@@ -556,6 +577,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         task,
         health,
         background,
+        stop_pulls,
         job_timeout: flow.job_timeout,
     })
 }

@@ -32,6 +32,9 @@ pub struct GatewayMetrics {
     /// their result was ready in time (`met`), after it (`late`), or never (`failed`; cancelled
     /// jobs are not counted). SLO attainment = met / all three.
     pub deadlines: IntCounterVec,
+    /// `diffmesh_gateway_webhooks_total{outcome}`: webhook attempts this gateway made, by
+    /// outcome (`delivered`, `failed_attempt`: to be retried, `gave_up`).
+    pub webhooks: IntCounterVec,
 }
 
 impl GatewayMetrics {
@@ -88,6 +91,19 @@ impl GatewayMetrics {
                     deadlines.with_label_values(&[outcome]);
                 }
                 deadlines
+            },
+            webhooks: {
+                let webhooks = counter_vec(
+                    registry,
+                    "gateway",
+                    "webhooks",
+                    "Webhook attempts this gateway made, by outcome",
+                    &["outcome"],
+                )?;
+                for outcome in ["delivered", "failed_attempt", "gave_up"] {
+                    webhooks.with_label_values(&[outcome]);
+                }
+                webhooks
             },
         })
     }

@@ -90,6 +90,7 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
             }
             "partial_images" => raw.partial_images = Some(int_field(key, v)?),
             "preview_every" => raw.preview_every = Some(int_field(key, v)?),
+            "callback_url" => raw.callback_url = Some(string()?),
             // Refused by name rather than answered without what it asks for.
             "input_fidelity" => return Err(FieldError::invalid(key, "not served yet")),
             // Fields this server does not know (newer OpenAI ones): ignored, as OpenAI's SDK
@@ -153,6 +154,7 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
         stream: parse(text, "stream", "true or false")?,
         partial_images: parse(text, "partial_images", "an integer")?,
         preview_every: parse(text, "preview_every", "an integer")?,
+        callback_url: text.get("callback_url").cloned(),
     })
 }
 

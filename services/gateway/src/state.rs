@@ -47,6 +47,8 @@ pub struct ApiState {
     pub result_urls: crate::result_urls::ResultUrls,
     /// `--public-url`, the base of result URLs (None: each request's scheme and Host).
     pub public_url: Option<String>,
+    /// What a request's `callback_url` may be (`webhooks`).
+    pub webhooks: crate::webhooks::WebhookGate,
 }
 
 impl ApiState {

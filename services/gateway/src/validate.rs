@@ -127,6 +127,13 @@ pub struct RawParams {
     #[schema(minimum = 1)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preview_every: Option<i64>,
+    /// Where the job's ending is posted, signed (Standard Webhooks), retried with backoff:
+    /// only with `Prefer: respond-async`, on a gateway with `--webhook-signing-key`; https
+    /// (http with `--webhook-allow-http`), a public address (not a private, loopback or
+    /// link-local one), at most 2048 characters.
+    #[schema(example = "https://example.com/hooks/diffmesh")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub callback_url: Option<String>,
 }
 
 /// Most `partial_images` a streamed request may ask for (OpenAI's limit).
@@ -178,6 +185,9 @@ pub struct ValidParams {
     pub output: OutputFormat,
     /// Answer with Server-Sent Events (`RawParams::stream`).
     pub stream: bool,
+    /// `RawParams::callback_url` as given (checked with the gateway's webhook policy, which
+    /// knows whether the request is async: `webhooks::callback_url`).
+    pub callback_url: Option<String>,
 }
 
 fn invalid(field: &str, message: impl Into<String>) -> FieldError {
@@ -312,6 +322,7 @@ fn validate_common(
     let loras = lora_params::validate(raw.loras.as_deref().unwrap_or_default())?;
     let seed = raw.seed.unwrap_or_else(rand_seed);
     let deadline_unix_ms = deadline_from_now(raw.deadline_ms)?;
+    let callback_url = raw.callback_url;
     Ok(ValidParams {
         params: GenerationParams {
             model: String::new(),
@@ -333,6 +344,7 @@ fn validate_common(
         response_format,
         output,
         stream,
+        callback_url,
     })
 }
 

@@ -27,11 +27,11 @@
 //! (`$KV.<bucket>.>`, `$O.<bucket>.>`) and stream subjects are per service. The cache bucket
 //! is named here by its default, [`CACHE_BUCKET`]: a cachestore run with another `--bucket`
 //! needs these lists changed too.
-use crate::stores::async_queue;
 use crate::stores::jetstream_layout::{
     self, Spec, BLOBS, CACHES, IDEMPOTENCY, JOBS, LORA_RECORDS, LORA_WEIGHTS, TEMPLATE_CAPTURES,
     TEMPLATE_IMAGES, TEMPLATE_RECORDS, TEMPLATE_USES,
 };
+use crate::stores::{async_queue, webhook_queue};
 use crate::wire::cachestore::CACHE_BUCKET;
 use crate::wire::subjects::{
     BLOB_BUCKET, IDEMPOTENCY_BUCKET, JOB_BUCKET, LORA_BUCKET, TEMPLATE_BUCKET,
@@ -336,6 +336,7 @@ impl Role {
                 for spec in jetstream_layout::ALL {
                     give(spec, &[Info]);
                 }
+                grant(&mut access, webhook_queue::STREAM.to_string(), &[Info]);
             }
             Role::Denoiser => {
                 give(BLOBS, &[Read, Purge]);
@@ -354,11 +355,25 @@ impl Role {
         match self {
             // Appends jobs (a publish), takes a cancelled one out by sequence, reads the
             // stream's info for a job's position; sets the queue's bounds.
-            Role::Gateway => grant(
-                &mut access,
-                async_queue::STREAM.to_string(),
-                &[Manage, DeleteMessage],
-            ),
+            Role::Gateway => {
+                grant(
+                    &mut access,
+                    async_queue::STREAM.to_string(),
+                    &[Manage, DeleteMessage],
+                );
+                // Webhooks: the relay reads job records' writes, the senders take the
+                // deliveries due from their queue.
+                grant(
+                    &mut access,
+                    JOBS.stream_name(),
+                    &[Pull(webhook_queue::RELAY)],
+                );
+                grant(
+                    &mut access,
+                    webhook_queue::STREAM.to_string(),
+                    &[Manage, Pull(webhook_queue::SENDERS)],
+                );
+            }
             // Takes jobs from the routers' durable consumer; raises the queue's replicas.
             Role::Router => grant(
                 &mut access,
@@ -405,6 +420,7 @@ impl Role {
                     "diffmesh.templates.evict",
                     "diffmesh.template-uses.>",
                     "diffmesh.queue.async.>",
+                    webhook_queue::SUBJECT,
                 ]));
                 publish.extend([
                     kv(JOB_BUCKET),

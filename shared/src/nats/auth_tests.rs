@@ -5,13 +5,14 @@ fn may(role: Role, subject: &str) -> bool {
     role.permissions().may_publish(subject)
 }
 
-/// Every stream the mesh has: the layout's and the async queue.
+/// Every stream the mesh has: the layout's, the async queue and the webhooks due.
 fn every_stream() -> Vec<String> {
     let mut all: Vec<String> = jetstream_layout::ALL
         .iter()
         .map(Spec::stream_name)
         .collect();
     all.push(async_queue::STREAM.to_string());
+    all.push(webhook_queue::STREAM.to_string());
     all
 }
 
@@ -240,6 +241,50 @@ fn only_routers_pull_and_ack_async_jobs() {
     assert!(!may(
         Role::Router,
         "$JS.API.STREAM.PURGE.OBJ_diffmesh-blobs"
+    ));
+}
+
+#[test]
+fn only_gateways_relay_and_send_webhooks() {
+    let jobs = JOBS.stream_name();
+    let (queue, senders, relay) = (
+        webhook_queue::STREAM,
+        webhook_queue::SENDERS,
+        webhook_queue::RELAY,
+    );
+    let subjects = [
+        format!("$JS.API.CONSUMER.MSG.NEXT.{queue}.{senders}"),
+        format!("$JS.ACK.{queue}.{senders}.1.42.7.1700000000000000000.3"),
+        format!("$JS.API.CONSUMER.MSG.NEXT.{jobs}.{relay}"),
+        format!("$JS.ACK.{jobs}.{relay}.1.42.7.1700000000000000000.3"),
+        format!("$JS.API.STREAM.CREATE.{queue}"),
+        webhook_queue::SUBJECT.to_string(),
+    ];
+    for role in Role::ALL {
+        for subject in &subjects {
+            assert_eq!(
+                may(role, subject),
+                role == Role::Gateway,
+                "{role:?}: {subject}"
+            );
+        }
+    }
+    // The gateway acks no other consumer of the job records, nor takes async jobs.
+    assert!(!may(
+        Role::Gateway,
+        &format!("$JS.ACK.{jobs}.other.1.1.1.1.0")
+    ));
+    assert!(!may(
+        Role::Gateway,
+        &format!("$JS.API.CONSUMER.MSG.NEXT.{queue}.{relay}")
+    ));
+    assert!(!may(
+        Role::Gateway,
+        &format!(
+            "$JS.API.CONSUMER.MSG.NEXT.{}.{}",
+            async_queue::STREAM,
+            async_queue::CONSUMER
+        )
     ));
 }
 

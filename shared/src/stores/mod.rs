@@ -12,3 +12,4 @@ pub mod record;
 pub mod reopening_watch;
 pub mod storage_usage;
 pub mod transient;
+pub mod webhook_queue;

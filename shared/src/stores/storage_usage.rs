@@ -11,7 +11,7 @@ use async_nats::jetstream;
 use prometheus::{IntGaugeVec, Opts, Registry};
 use tokio_util::sync::CancellationToken;
 
-use crate::stores::{async_queue, jetstream_layout};
+use crate::stores::{async_queue, jetstream_layout, webhook_queue};
 
 /// How often the streams are read: storage fills over minutes, and each read is one request
 /// per stream.
@@ -35,7 +35,7 @@ impl StorageGauges {
         let limit = IntGaugeVec::new(
             Opts::new(
                 "diffmesh_jetstream_stream_limit_bytes",
-                "The stream's byte bound (its share of JS_MAX_BYTES; the async queue's own)",
+                "The stream's byte bound (its share of JS_MAX_BYTES; the async and webhook queues' own)",
             ),
             &["stream", "when_full"],
         )?;
@@ -51,6 +51,7 @@ impl StorageGauges {
             .map(|spec| spec.stream_name())
             .collect();
         names.push(async_queue::STREAM.to_string());
+        names.push(webhook_queue::STREAM.to_string());
         for name in names {
             // Getting the stream reads its info.
             let Ok(stream) = js.get_stream(&name).await else {

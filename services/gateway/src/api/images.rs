@@ -109,6 +109,8 @@ pub struct EditForm {
     /// A preview every this many steps on the job's event stream (1 to the step count).
     #[schema(minimum = 1)]
     pub preview_every: Option<i64>,
+    /// Where the job's ending is posted (async jobs only), as in generations.
+    pub callback_url: Option<String>,
 }
 
 #[utoipa::path(
@@ -254,6 +256,9 @@ async fn serve(
         )
         .into());
     }
+    let callback_url = state
+        .webhooks
+        .accept(request.input.valid.callback_url.as_deref(), respond_async)?;
     let idem = idempotency::from_request(req, &caller, request.fingerprint)?;
     if streamed.is_some() && idem.is_some() {
         return Err(FieldError::invalid(
@@ -295,7 +300,7 @@ async fn serve(
         drop(slot);
         let record = state
             .mesh
-            .enqueue_detached(prepared, caller.owner())
+            .enqueue_detached(prepared, caller.owner(), callback_url.as_deref())
             .await?;
         return Ok(accepted(&record, false));
     }

@@ -38,6 +38,45 @@ pub struct JobView {
     /// Why the job failed or was cancelled.
     pub error: Option<JobError>,
     pub links: JobLinks,
+    /// The job's `callback_url` and its delivery; absent for jobs without one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<WebhookView>,
+}
+
+/// Where a job's ending is posted and how that went so far.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct WebhookView {
+    pub url: String,
+    /// `pending` (not yet sent, or to be tried again), `delivered` (a 2xx) or `failed` (no
+    /// 2xx within the gateway's `--webhook-max-age`).
+    pub status: String,
+    pub attempts: u32,
+    /// The receiver's HTTP status at the last attempt.
+    pub last_status: Option<u16>,
+    /// Why the last attempt failed.
+    pub last_error: Option<String>,
+    pub delivered_at_ms: Option<u64>,
+    /// When the next attempt is due (Unix ms), after a failed one.
+    pub next_attempt_at_ms: Option<u64>,
+}
+
+impl WebhookView {
+    fn of(w: &diffmesh_shared::stores::job::Webhook) -> Self {
+        let status = match (w.delivered_at_ms, w.gave_up) {
+            (Some(_), _) => "delivered",
+            (None, true) => "failed",
+            (None, false) => "pending",
+        };
+        Self {
+            url: w.url.clone(),
+            status: status.into(),
+            attempts: w.attempts,
+            last_status: w.last_status,
+            last_error: w.last_error.clone(),
+            delivered_at_ms: w.delivered_at_ms,
+            next_attempt_at_ms: w.next_attempt_at_ms,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
@@ -179,6 +218,7 @@ impl JobView {
                 events: format!("{path}/events"),
                 self_: path,
             },
+            webhook: r.webhook.as_ref().map(WebhookView::of),
         }
     }
 }

@@ -137,6 +137,7 @@ async fn capture(
             response_format: ResponseFormat::B64Json,
             output: Default::default(),
             stream: false,
+            callback_url: None,
         },
         image: Some(InputImage::Template(record.template_image())),
         mask: None,

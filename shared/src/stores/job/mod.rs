@@ -9,7 +9,9 @@ use crate::wire::messages::{DenoiseJob, JobEvent, JobKind};
 
 pub mod owner_index;
 mod store;
+mod webhook;
 pub use store::{JobStore, KNOWN_REVISION_TTL};
+pub use webhook::Webhook;
 
 /// Where a job is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -136,6 +138,9 @@ pub struct JobRecord {
     /// there for a router to place it.
     #[serde(default)]
     pub queue_seq: Option<u64>,
+    /// Where the job's ending is posted (`callback_url`), and how that went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<Webhook>,
 }
 
 /// How often at most a running job's step progress is written to its record.
@@ -218,6 +223,7 @@ impl JobRecord {
             adopted: false,
             captured: None,
             queue_seq: None,
+            webhook: None,
         }
     }
 
@@ -239,8 +245,12 @@ impl JobRecord {
     }
 
     /// The async job waits in the durable queue at `sequence`: routers place it from there, so
-    /// no router adopts it (no `place_by_ms`) and the job no longer needs its gateway.
-    pub fn record_queued(&mut self, job: &DenoiseJob, sequence: u64) {
+    /// no router adopts it (no `place_by_ms`) and the job no longer needs its gateway. Its
+    /// ending is posted to `callback_url` when it has one.
+    pub fn record_queued(&mut self, job: &DenoiseJob, sequence: u64, callback_url: Option<&str>) {
+        if let Some(url) = callback_url {
+            self.webhook.get_or_insert_with(|| Webhook::new(url));
+        }
         self.submitted = Some(job.clone());
         self.steps_total = job.params.num_inference_steps;
         self.detached = true;
