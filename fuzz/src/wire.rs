@@ -188,6 +188,7 @@ fn params() -> GenerationParams {
             negative_prompt: "blurry".into(),
         }),
         preview_steps: vec![1, 3],
+        strength: None,
     }
 }
 

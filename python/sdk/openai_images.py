@@ -4,7 +4,7 @@ Usage: openai_images.py BASE_URL API_KEY MODEL. Runs images.generate (n=2, b64_j
 n=2 at size auto as JPEG with output_compression, quality, background and user; then a
 signed result URL, read without the key, and a tampered one), images.edit
 with `image` and a mask in OpenAI's alpha convention, images.edit with `image=[...]` (sent as
-`image[]`), a streamed generation with two partial images (JPEG) and a streamed edit with
+`image[]`), images.create_variation (n=2), a streamed generation with two partial images (JPEG) and a streamed edit with
 one, a generation of an invalid size (BadRequestError: its param, type and code), then
 generations until the key's rate limit answers (RateLimitError). Prints one JSON line of what
 it saw; any other exception fails the run.
@@ -78,6 +78,8 @@ def main():
     r = client.images.edit(model=model, image=[("t.png", template, "image/png")],
                            mask=("m.png", png(mask), "image/png"), prompt="a cat")
     seen["edit_list"] = sizes(r)
+    r = client.images.create_variation(model=model, image=("t.png", template, "image/png"), n=2)
+    seen["variation"] = sizes(r)
     stream = client.images.generate(model=model, prompt="a red square", size="64x64",
                                     stream=True, partial_images=2, output_format="jpeg")
     seen["stream"] = streamed(stream)

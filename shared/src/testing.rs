@@ -274,6 +274,7 @@ pub fn generation_job(
             height: 64,
             loras: Vec::new(),
             preview_steps: Vec::new(),
+            strength: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

@@ -2,7 +2,8 @@
 //! mesh, unchanged but for `base_url` (python/sdk/openai_images.py): generations with n = 2 (PNG,
 //! and JPEG at size `auto` with `output_compression`, `quality`, `background` and `user`), a
 //! signed result URL (`response_format="url"`) read without the key (a tampered one: 401),
-//! edits with `image` and with `image=[...]` (the SDK's `image[]`), streamed answers
+//! edits with `image` and with `image=[...]` (the SDK's `image[]`), two variations
+//! (`images.create_variation`), streamed answers
 //! (`stream=True` with `partial_images`: a generation as JPEG and an edit, their partial images
 //! then the completed image with `usage`), a 400 whose exception carries
 //! `param`, `type` and `code`, and a 429 the SDK raises as `RateLimitError`.
@@ -18,9 +19,9 @@ async fn the_official_sdk_generates_edits_and_reads_errors() {
     let mesh = MeshBuilder::new()
         .gateway(|g| {
             g.api_keys = Some(format!("alice:{KEY}"));
-            // Eight image requests, then 429 (the SDK retries nothing: max_retries=0).
+            // Nine image requests, then 429 (the SDK retries nothing: max_retries=0).
             g.rate_limit_per_s = 0.001;
-            g.rate_limit_burst = 8;
+            g.rate_limit_burst = 9;
         })
         .start()
         .await;
@@ -58,6 +59,7 @@ async fn the_official_sdk_generates_edits_and_reads_errors() {
     );
     assert_eq!(seen["edit"], json!([[64, 64]]), "{seen}");
     assert_eq!(seen["edit_list"], json!([[64, 64]]), "{seen}");
+    assert_eq!(seen["variation"], json!([[64, 64], [64, 64]]), "{seen}");
     // The tiny model's token is 4 pixels (its codec halves, then 2x2 packing): 256 at 64x64.
     let jpeg = |kind: &str, index: Option<u32>| match index {
         Some(i) => json!({"type": kind, "format": "JPEG", "size": [64, 64], "index": i}),

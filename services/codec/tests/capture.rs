@@ -49,6 +49,7 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
             height: 20,
             loras: Vec::new(),
             preview_steps: Vec::new(),
+            strength: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

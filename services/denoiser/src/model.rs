@@ -222,7 +222,7 @@ pub fn step_requests(
                 Some(EditSpec {
                     template: rgb_to_tensor(&e.template_rgb, height, width, "inputs.image_key")?,
                     token_mask: Tensor::from_slice(&e.token_mask),
-                    strength: 1.0,
+                    strength: p.strength.map_or(1.0, f64::from),
                     // Edits of a registered template follow its noise outside the mask (what
                     // its cache recorded), with or without the cache.
                     template_seed: job.template.as_ref().map(|t| t.seed),

@@ -30,6 +30,7 @@ use diffmesh_shared::wire::lora::{MAX_LORAS_PER_REQUEST, MAX_LORA_SCALE};
     paths(
         images::edits,
         images::generations,
+        images::variations,
         job_list::list_jobs,
         jobs::get_job,
         jobs::cancel_job,
@@ -133,7 +134,7 @@ pub fn document(limits: &Limits) -> String {
         Ok(v) => v,
         Err(e) => return format!(r#"{{"error": "building the document failed: {e}"}}"#),
     };
-    for form in ["RawParams", "EditForm", "TemplateFormDoc"] {
+    for form in ["RawParams", "EditForm", "VariationForm", "TemplateFormDoc"] {
         let props = &mut doc["components"]["schemas"][form]["properties"];
         if !props.is_object() {
             continue;
@@ -337,7 +338,7 @@ mod tests {
     #[test]
     fn request_schemas_carry_the_configured_limits() {
         let doc = doc();
-        for form in ["RawParams", "EditForm"] {
+        for form in ["RawParams", "EditForm", "VariationForm"] {
             let props = &doc["components"]["schemas"][form]["properties"];
             assert_eq!(props["n"]["maximum"], 3, "{form}");
             assert_eq!(props["num_inference_steps"]["maximum"], 50, "{form}");

@@ -143,6 +143,7 @@ mod tests {
             height: 64,
             loras: vec![],
             preview_steps: Vec::new(),
+            strength: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

@@ -51,6 +51,12 @@ pub fn routes() -> Vec<ApiRoute> {
             Some("generations"),
         ),
         route(
+            M::POST,
+            "/v1/images/variations",
+            web::post().to(images::variations),
+            Some("variations"),
+        ),
+        route(
             M::GET,
             "/v1/jobs",
             web::get().to(job_list::list_jobs),

@@ -194,17 +194,25 @@ fn invalid(field: &str, message: impl Into<String>) -> FieldError {
     FieldError::invalid(field, message)
 }
 
-/// Validate the parameters shared by both endpoints; `size` is the output size (the request's
-/// `size` for generations, the uploaded image's size for edits).
+/// Whether a request must give a prompt (a variation may leave it empty: unconditioned).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prompt {
+    Required,
+    Optional,
+}
+
+/// Validate the parameters shared by every endpoint; `size` is the output size (the request's
+/// `size` for generations, the uploaded image's size for edits and variations).
 fn validate_common(
     raw: RawParams,
     size: (u32, u32),
     limits: &Limits,
     defaults: &Defaults,
+    prompt_rule: Prompt,
 ) -> Result<ValidParams, FieldError> {
     let (output, quality) = output_format::validate(&raw.output())?;
     let prompt = raw.prompt.unwrap_or_default();
-    if prompt.trim().is_empty() {
+    if prompt_rule == Prompt::Required && prompt.trim().is_empty() {
         return Err(invalid("prompt", "required and must not be empty"));
     }
     let chars = prompt.chars().count();
@@ -340,6 +348,8 @@ fn validate_common(
             extra_controlnets: Vec::new(),
             true_cfg,
             preview_steps: preview_steps(steps, partial, every),
+            // Set by the caller for variations.
+            strength: None,
         },
         response_format,
         output,
@@ -415,22 +425,23 @@ pub fn validate_generation(
         _ => (defaults.width, defaults.height),
     };
     check_pixels("size", size.0, size.1, limits)?;
-    validate_common(raw, size, limits, defaults)
+    validate_common(raw, size, limits, defaults, Prompt::Required)
 }
 
-/// Validate an edit whose image header says `image_size`.
+/// Validate an edit (a variation: `Prompt::Optional`) whose image header says `image_size`.
 pub fn validate_edit(
     raw: RawParams,
     image_size: (u32, u32),
     limits: &Limits,
     defaults: &Defaults,
+    prompt_rule: Prompt,
 ) -> Result<ValidParams, FieldError> {
     check_pixels("image", image_size.0, image_size.1, limits)?;
     if let Some(size) = raw.size.as_deref().filter(|s| *s != "auto") {
         // Accepted for OpenAI compatibility, but edits always come back at the input's size.
         parse_size(size)?;
     }
-    validate_common(raw, image_size, limits, defaults)
+    validate_common(raw, image_size, limits, defaults, prompt_rule)
 }
 
 #[cfg(test)]
@@ -706,7 +717,7 @@ mod tests {
         }];
         let v = validate_generation(with.clone(), &limits(), &defaults()).unwrap();
         assert_eq!(v.params.loras, want);
-        let v = validate_edit(with, (8, 8), &limits(), &defaults()).unwrap();
+        let v = validate_edit(with, (8, 8), &limits(), &defaults(), Prompt::Required).unwrap();
         assert_eq!(v.params.loras, want);
         let v = validate_generation(raw("x"), &limits(), &defaults()).unwrap();
         assert!(v.params.loras.is_empty());
@@ -777,9 +788,23 @@ mod tests {
 
     #[test]
     fn edits_keep_input_size_and_check_pixels() {
-        let v = validate_edit(raw("x"), (300, 200), &limits(), &defaults()).unwrap();
+        let v = validate_edit(
+            raw("x"),
+            (300, 200),
+            &limits(),
+            &defaults(),
+            Prompt::Required,
+        )
+        .unwrap();
         assert_eq!((v.params.width, v.params.height), (300, 200));
-        let e = validate_edit(raw("x"), (2048, 2048), &limits(), &defaults()).unwrap_err();
+        let e = validate_edit(
+            raw("x"),
+            (2048, 2048),
+            &limits(),
+            &defaults(),
+            Prompt::Required,
+        )
+        .unwrap_err();
         assert_eq!(e.field, "image");
     }
 

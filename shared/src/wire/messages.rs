@@ -77,6 +77,11 @@ pub struct GenerationParams {
     /// none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub preview_steps: Vec<u32>,
+    /// An edit's strength, in (0, 1]: the share of the schedule it runs, starting from its
+    /// image noised to that point (diffusers' `strength`); `None` is 1, all of it (the image
+    /// only outside the mask). Below 1 only for variations (`POST /v1/images/variations`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strength: Option<f32>,
 }
 
 /// Most previews one job may ask for (each is a small image on the job's event subject).
@@ -619,6 +624,7 @@ mod tests {
             height: 48,
             loras: Vec::new(),
             preview_steps: Vec::new(),
+            strength: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

@@ -66,6 +66,7 @@ pub fn capture_of(edit: &DenoiseJob) -> Option<DenoiseJob> {
             height: inputs.model_height,
             loras: Vec::new(),
             preview_steps: Vec::new(),
+            strength: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

@@ -151,7 +151,7 @@ pub fn conditioning_prompts(job: &DenoiseJob, capture: bool) -> (String, Option<
 
 /// The states of a job's images (image `i` seeded with `seed + i`): a generation, steered by
 /// its ControlNets when it names any (`control_rgb`: their control images at the model
-/// resolution, in `params.controlnets()` order); an edit, as SD inpainting at strength 1 whose latents carry the template's
+/// resolution, in `params.controlnets()` order); an edit, as SD inpainting at the job's strength (1 but for variations) whose latents carry the template's
 /// noise outside the mask when it edits a registered template; mask-aware on `template` (its
 /// decoded cache) when given.
 pub fn job_states(
@@ -254,7 +254,8 @@ pub fn job_states(
                 let inputs = InpaintInputs {
                     image,
                     mask,
-                    strength: 1.0,
+                    // Below 1 for variations (the whole image, noised part of the way).
+                    strength: p.strength.map_or(1.0, f64::from),
                 };
                 // Outside the mask the template's noise, so the latents there follow its
                 // capture's exactly (cache or not).

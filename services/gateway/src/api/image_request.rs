@@ -17,7 +17,7 @@ use crate::parse::{raw_from_json, raw_from_text};
 use crate::request_model;
 use crate::state::ApiState;
 use crate::upload::{image_size, read_limited, Parts, MAX_TEXT_FIELD_BYTES};
-use crate::validate;
+use crate::validate::{self, Prompt};
 
 /// `POST /v1/images/generations`: a JSON body.
 pub async fn read_generation(
@@ -167,11 +167,26 @@ pub async fn read_edit(
             "required (multipart file field) unless `template_id` names a registered template",
         )
     })?;
+    upload_edit(state, caller, image, mask, &text, "edits", Prompt::Required).await
+}
+
+/// An edit of an uploaded `image` where `mask` says (or its transparent pixels), with the text
+/// fields `text`; `endpoint` keys its idempotency fingerprint.
+pub async fn upload_edit(
+    state: &ApiState,
+    caller: &Caller,
+    image: Vec<u8>,
+    mask: Option<Vec<u8>>,
+    text: &HashMap<String, String>,
+    endpoint: &str,
+    prompt_rule: Prompt,
+) -> Result<ImageRequest, ApiError> {
     let size = image_size(&image, "image")?;
-    let raw = raw_from_text(&text)?;
-    let fingerprint = idempotency::fingerprint("edits", &raw, Some(&image), mask.as_deref());
+    let raw = raw_from_text(text)?;
+    let fingerprint = idempotency::fingerprint(endpoint, &raw, Some(&image), mask.as_deref());
     let requested = raw.model.clone();
-    let mut valid = validate::validate_edit(raw, size, &state.limits, &state.defaults)?;
+    let mut valid =
+        validate::validate_edit(raw, size, &state.limits, &state.defaults, prompt_rule)?;
     let loras = lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
     let model = request_model::choose(state, requested.as_deref()).await?;
     valid.params.model = model.id.clone();

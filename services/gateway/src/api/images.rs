@@ -207,6 +207,52 @@ pub async fn generations(
     Box::pin(serve(&req, &state, caller, request)).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/v1/images/variations",
+    tag = "images",
+    request_body(content = super::variations::VariationForm, content_type = "multipart/form-data"),
+    params(
+        ("Prefer" = Option<String>, Header,
+            description = "`respond-async`: answer 202 with the job at once"),
+        ("Idempotency-Key" = Option<String>, Header,
+            description = "A repeat with the same key (per API key, for a day) returns the same job"),
+    ),
+    responses(
+        (status = 200, description = "The variations, at the image's size", content(
+            (ImagesResponse = "application/json"),
+            ([u8] = "image/png"),
+            ([u8] = "image/jpeg"),
+            ([u8] = "image/webp"),
+        )),
+        (status = 202, description = "Accepted (`Prefer: respond-async`): the job",
+            body = JobView, headers(("Location" = String, description = "The job's URL"))),
+        (status = 400, description = "A field is missing, malformed or out of range", body = ErrorBody),
+        (status = 401, description = "Missing or unknown API key", body = ErrorBody),
+        (status = 409, description = "The job was cancelled", body = ErrorBody),
+        (status = 413, description = "The body or a part is too large", body = ErrorBody),
+        (status = 422, description = "Idempotency-Key reused for another request", body = ErrorBody),
+        (status = 429, description = "Over the key's limits or the mesh's admission queue",
+            body = ErrorBody, headers(("Retry-After" = u64, description = "Seconds"))),
+        (status = 500, description = "Internal error", body = ErrorBody),
+        (status = 503, description = "No denoiser could take the job", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds"))),
+        (status = 504, description = "The job did not finish in time", body = ErrorBody),
+    ),
+    security((), ("api_key" = []))
+)]
+/// OpenAI's `images.create_variation`: the image redrawn at `strength` (`variations`).
+pub async fn variations(
+    req: HttpRequest,
+    state: web::Data<ApiState>,
+    payload: Multipart,
+) -> Result<HttpResponse, ApiError> {
+    let caller = admit(&req, &state)?;
+    // Boxed, both (see `edits`).
+    let request = Box::pin(super::variations::read_variation(&state, &caller, payload)).await?;
+    Box::pin(serve(&req, &state, caller, request)).await
+}
+
 /// Authenticate and take one request from the key's rate budget (before reading the body).
 fn admit(req: &HttpRequest, state: &ApiState) -> Result<Caller, ApiError> {
     let caller = state.caller(req)?;

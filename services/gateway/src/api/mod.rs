@@ -13,3 +13,4 @@ pub mod models;
 pub mod playground;
 pub mod templates;
 pub mod usage;
+pub mod variations;

@@ -108,7 +108,13 @@ pub fn validate(
         guidance: record.guidance_scale,
         ..defaults.clone()
     };
-    let valid = validate::validate_edit(raw, (record.width, record.height), limits, &defaults)?;
+    let valid = validate::validate_edit(
+        raw,
+        (record.width, record.height),
+        limits,
+        &defaults,
+        validate::Prompt::Required,
+    )?;
     if valid.params.num_inference_steps != record.steps {
         return Err(FieldError::invalid(
             "num_inference_steps",

@@ -139,6 +139,7 @@ pub fn validate(
         height: image_size.1,
         loras: Vec::new(),
         preview_steps: Vec::new(),
+        strength: None,
         deadline_unix_ms: None,
         controlnet: None,
         extra_controlnets: Vec::new(),
