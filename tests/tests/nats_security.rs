@@ -90,7 +90,7 @@ async fn services_connect_as_their_role_and_nothing_else_gets_through() {
     let receiver = WebhookReceiver::start();
     let gateway = start_gateway(&nats, |c| {
         (c.common.nats_user, c.common.nats_password) = (u, p);
-        c.webhooks.webhook_signing_key = Some("the signing key of the mesh webhooks".into());
+        c.webhooks.webhook_signing_key = Some("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into());
         c.webhooks.webhook_allow_http = true;
         c.webhooks.webhook_allow_private_addresses = true;
     })

@@ -3,27 +3,31 @@
 //! Standard Webhooks define (checked here with the signing key), with the job and signed
 //! result URLs in the body; a receiver that fails first gets the same `webhook-id` again after
 //! the backoff; one that always fails is given up after `--webhook-max-age`; the job view shows
-//! each delivery. A synchronous request or a refused URL with `callback_url` is a 400 naming it.
+//! each delivery, and the gateways' counters add up to the posts received. A synchronous request
+//! or a refused URL with `callback_url` is a 400 naming it.
 use std::time::{Duration, Instant};
 
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine;
 use diffmesh_gateway::webhooks::signing::verify;
 use diffmesh_gateway::GatewayConfig;
 use diffmesh_shared::stores::job::now_ms;
-use diffmesh_tests::harness::start_gateway;
+use diffmesh_tests::harness::{metric_sample, scrape_metrics, start_gateway};
 use diffmesh_tests::mesh::MeshBuilder;
 use diffmesh_tests::webhook_receiver::{Received, WebhookReceiver};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 
-const KEY: &str = "the tests' webhook signing key";
+/// The signing key's bytes; the gateways take it as `whsec_<base64>`.
+const KEY: &[u8] = b"the tests' webhook signing key";
 const RETRY_BASE: Duration = Duration::from_millis(200);
 
 fn webhooks_on(c: &mut GatewayConfig) {
-    c.webhooks.webhook_signing_key = Some(KEY.into());
+    c.webhooks.webhook_signing_key = Some(format!("whsec_{}", B64.encode(KEY)));
     c.webhooks.webhook_allow_http = true;
     c.webhooks.webhook_allow_private_addresses = true;
     c.webhooks.webhook_retry_base = RETRY_BASE;
-    c.webhooks.webhook_max_age = Duration::from_secs(3);
+    c.webhooks.webhook_max_age = Duration::from_secs(8);
     // Whichever gateway posts signs the result URLs: gateways behind one address share it.
     c.result_url_key = Some("the tests' result URL key".into());
 }
@@ -58,13 +62,7 @@ async fn job_view(http: &reqwest::Client, api: &str, id: &str) -> Value {
 fn check_signed(post: &Received, job: &str) -> Value {
     assert_eq!(post.id, job);
     assert!(
-        verify(
-            KEY.as_bytes(),
-            &post.id,
-            post.timestamp,
-            &post.body,
-            &post.signature
-        ),
+        verify(KEY, &post.id, post.timestamp, &post.body, &post.signature),
         "bad signature {:?}",
         post.signature
     );
@@ -186,4 +184,27 @@ async fn async_jobs_post_their_ending_once_signed_retried_and_given_up() {
     assert_eq!(view["webhook"]["attempts"], 2, "{view}");
     assert_eq!(view["webhook"]["status"], "delivered", "{view}");
     assert_eq!(receiver.posts_of(&flaky).len(), 2);
+
+    // The two gateways' senders together: five deliveries (four jobs and the flaky one), one
+    // given up, and every post they counted is one the receiver saw.
+    let mut counted = [0.0; 3];
+    for health in [mesh.gateway.addrs.health, second.addrs.health] {
+        let metrics = scrape_metrics(health).await.unwrap();
+        for (i, outcome) in ["delivered", "failed_attempt", "gave_up"]
+            .iter()
+            .enumerate()
+        {
+            counted[i] += metric_sample(
+                &metrics,
+                &format!("diffmesh_gateway_webhooks_total{{outcome=\"{outcome}\"}}"),
+            );
+        }
+    }
+    assert_eq!(counted[0], 5.0, "{counted:?}");
+    assert_eq!(counted[2], 1.0, "{counted:?}");
+    assert_eq!(
+        counted.iter().sum::<f64>() as usize,
+        receiver.posts().len(),
+        "{counted:?}"
+    );
 }

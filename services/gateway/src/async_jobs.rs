@@ -15,14 +15,14 @@ use crate::job_driver::{Mesh, PreparedJob};
 const QUEUE_FULL_RETRY_S: u64 = 5;
 
 impl Mesh {
-    /// Append a prepared async job to the durable queue and record it there, with the URL its
-    /// ending is posted to (`webhooks`); answers the record as the 202 shows it. A refused
-    /// job's record ends `failed` (`rate_limited`), with no webhook: its 429 said so.
+    /// Append a prepared async job to the durable queue and record it there (detached: from
+    /// then on its webhook, if any, is due at its ending); answers the record as the 202 shows
+    /// it. A refused job's record ends `failed` (`rate_limited`), with no webhook: its 429 said
+    /// so.
     pub async fn enqueue_detached(
         &self,
         mut prepared: PreparedJob,
         owner: Option<&str>,
-        callback_url: Option<&str>,
     ) -> Result<JobRecord, ApiError> {
         let job = prepared.job.clone();
         let queued = QueuedJob {
@@ -33,7 +33,7 @@ impl Mesh {
             Ok(Ok(sequence)) => {
                 // From here the queue holds the job: the client's connection no longer matters.
                 prepared.release();
-                return Ok(self.record_queued(&job, sequence, callback_url).await);
+                return Ok(self.record_queued(&job, sequence).await);
             }
             Ok(Err(refusal)) => {
                 let quota = match refusal {
@@ -59,26 +59,18 @@ impl Mesh {
         deadline_unix_ms.map_or(longest, |d| d.min(longest))
     }
 
-    async fn record_queued(
-        &self,
-        job: &DenoiseJob,
-        sequence: u64,
-        callback_url: Option<&str>,
-    ) -> JobRecord {
+    async fn record_queued(&self, job: &DenoiseJob, sequence: u64) -> JobRecord {
         match self
             .jobs
-            .update(&job.job_id, |r| {
-                r.record_queued(job, sequence, callback_url)
-            })
+            .update(&job.job_id, |r| r.record_queued(job, sequence))
             .await
         {
             Ok(record) => record,
             Err(err) => {
-                // The job is queued all the same; a router places it and writes its ending
-                // (with no webhook: the URL was in this write).
+                // The job is queued all the same; a router places it and writes its ending.
                 tracing::warn!(job_id = %job.job_id, error = %err, "could not record the queued job");
                 let mut record = JobRecord::new(job.job_id.clone(), job.kind);
-                record.record_queued(job, sequence, callback_url);
+                record.record_queued(job, sequence);
                 record
             }
         }

@@ -15,7 +15,9 @@ use diffmesh_shared::nats::{publish_msgpack, request_msgpack_job};
 use diffmesh_shared::stores::async_queue::AsyncQueue;
 use diffmesh_shared::stores::blob_store::{blob_key, BlobStore};
 use diffmesh_shared::stores::idempotency::IdempotencyStore;
-use diffmesh_shared::stores::job::{now_ms, JobRecord, JobState, JobStore, ProgressWrites};
+use diffmesh_shared::stores::job::{
+    now_ms, JobRecord, JobState, JobStore, ProgressWrites, Webhook,
+};
 use diffmesh_shared::wire::messages::{
     decode, error_types, CancelJob, DenoiseJob, JobEvent, JobKind, PreparedInputs, PreprocessReply,
     PreprocessRequest, SubmitReply, TemplateImage, TemplateRef,
@@ -236,6 +238,9 @@ impl Mesh {
         let deadline = Instant::now() + self.flow.job_timeout;
         let mut record = JobRecord::new(job_id.clone(), input.kind);
         record.owner = owner.map(str::to_string);
+        // In the first write, so no ending can be recorded without it (it is due only once the
+        // job is in the durable queue: `JobRecord::webhook_due`).
+        record.webhook = input.valid.callback_url.as_deref().map(Webhook::new);
         // Should this gateway die before the job is prepared, a router ends the record after
         // the job's deadline instead of leaving it queued for good.
         record.place_by_ms = Some(record.created_at_ms + self.flow.job_timeout.as_millis() as u64);

@@ -13,7 +13,7 @@ use crate::admission::{Durable, Waiting};
 use crate::service::Router;
 use async_nats::jetstream::AckKind;
 use diffmesh_shared::stores::async_queue::{QueuedJob, PROGRESS_EVERY};
-use diffmesh_shared::stores::job::now_ms;
+use diffmesh_shared::stores::job::{now_ms, JobRecord};
 use diffmesh_shared::wire::messages::{decode, error_types, JobEvent};
 use futures::StreamExt;
 use std::sync::Arc;
@@ -167,7 +167,12 @@ impl Router {
 
     /// A held async job was placed on `worker`: its record says so, then the queue lets it go.
     pub(crate) async fn placed_async(&self, durable: &Durable, job_id: &str, worker: &str) {
-        if let Err(err) = self.jobs.update(job_id, |r| r.mark_placed(worker)).await {
+        // Detached again: the gateway that queued it may have died before its own write said so.
+        let placed = |r: &mut JobRecord| {
+            r.mark_placed(worker);
+            r.detached = true;
+        };
+        if let Err(err) = self.jobs.update(job_id, placed).await {
             tracing::warn!(%job_id, error = %err, "could not record the placement");
         }
         if let Err(err) = durable.message.double_ack().await {
@@ -179,6 +184,10 @@ impl Router {
     /// failed here); the queue lets it go.
     pub(crate) async fn ended_async(&self, durable: &Durable, job_id: &str, past_deadline: bool) {
         self.adopted.forget(job_id);
+        // It was queued, so its webhook is due at this ending (see `placed_async`).
+        if let Err(err) = self.jobs.update(job_id, |r| r.detached = true).await {
+            tracing::warn!(%job_id, error = %err, "could not mark a queued job detached");
+        }
         if past_deadline {
             let waited_s = now_ms().saturating_sub(durable.place_by_ms) / 1000;
             let event = JobEvent::Failed {

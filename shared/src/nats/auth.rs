@@ -158,6 +158,8 @@ pub fn stream_api_pull(stream: &str, consumer: &str) -> Vec<String> {
         format!("{JS_API}.STREAM.INFO.{stream}"),
         format!("{JS_API}.CONSUMER.INFO.{stream}.{consumer}"),
         format!("{JS_API}.CONSUMER.CREATE.{stream}.{consumer}"),
+        // A durable consumer with a subject filter is made on `...<consumer>.<filter>`.
+        format!("{JS_API}.CONSUMER.CREATE.{stream}.{consumer}.>"),
         format!("{JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}"),
         format!("$JS.ACK.{stream}.{consumer}.>"),
     ]

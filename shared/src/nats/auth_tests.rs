@@ -269,6 +269,11 @@ fn only_gateways_relay_and_send_webhooks() {
             );
         }
     }
+    // The relay is made with its subject filter in the subject.
+    assert!(may(
+        Role::Gateway,
+        &format!("$JS.API.CONSUMER.CREATE.{jobs}.{relay}.$KV.diffmesh-jobs.*")
+    ));
     // The gateway acks no other consumer of the job records, nor takes async jobs.
     assert!(!may(
         Role::Gateway,

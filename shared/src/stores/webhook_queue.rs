@@ -38,6 +38,12 @@ pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(600);
 const MAX_AGE: Duration = Duration::from_secs(4 * 24 * 3600);
 /// The longest `--webhook-max-age` a gateway takes.
 pub const MAX_WEBHOOK_AGE: Duration = Duration::from_secs(3 * 24 * 3600);
+/// A sender holding a message past this without a word loses it to another sender; senders
+/// send a progress ack every [`PROGRESS_EVERY`] while they work on one, however long a post or
+/// the record's writes take.
+pub const ACK_WAIT: Duration = Duration::from_secs(30);
+/// How often a sender working on a message tells the server so.
+pub const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 /// A message is a job id (a UUID); anything longer is not one of ours.
 const MAX_MESSAGE_BYTES: i32 = 1024;
 
@@ -103,12 +109,8 @@ impl WebhookQueue {
             .map_err(|e| layout_error(format!("publish: {e}")))
     }
 
-    /// The senders' consumer (created on first use). A message held past `ack_wait` goes to
-    /// another sender: give it more than one post's timeout.
-    pub async fn senders(
-        &self,
-        ack_wait: Duration,
-    ) -> Result<consumer::Consumer<consumer::pull::Config>, MeshError> {
+    /// The senders' consumer (created on first use).
+    pub async fn senders(&self) -> Result<consumer::Consumer<consumer::pull::Config>, MeshError> {
         let stream = self
             .js
             .get_stream(STREAM)
@@ -120,7 +122,7 @@ impl WebhookQueue {
                 consumer::pull::Config {
                     durable_name: Some(SENDERS.to_string()),
                     ack_policy: consumer::AckPolicy::Explicit,
-                    ack_wait,
+                    ack_wait: ACK_WAIT,
                     // Deliveries waiting for their retry are pending too: room for all of them.
                     max_ack_pending: MAX_DUE,
                     ..Default::default()
@@ -131,8 +133,9 @@ impl WebhookQueue {
     }
 
     /// The relay's consumer of the job bucket's stream (created on first use): job records
-    /// only (single-token keys; the owner index's `owners.…` entries are not), from the writes
-    /// after its creation on.
+    /// only (single-token keys; the owner index's `owners.…` entries are not). Made, it starts
+    /// [`MAX_WEBHOOK_AGE`] back, so records that ended before any gateway made it are relayed
+    /// too (a record already claimed or without a webhook is passed over).
     pub async fn relay(&self) -> Result<consumer::Consumer<consumer::pull::Config>, MeshError> {
         let jobs = &jetstream_layout::JOBS;
         let stream = self
@@ -146,7 +149,9 @@ impl WebhookQueue {
                 consumer::pull::Config {
                     durable_name: Some(RELAY.to_string()),
                     filter_subject: format!("$KV.{}.*", jobs.name),
-                    deliver_policy: consumer::DeliverPolicy::New,
+                    deliver_policy: consumer::DeliverPolicy::ByStartTime {
+                        start_time: time::OffsetDateTime::now_utc() - MAX_WEBHOOK_AGE,
+                    },
                     ack_policy: consumer::AckPolicy::Explicit,
                     ack_wait: Duration::from_secs(30),
                     max_ack_pending: 1_000,

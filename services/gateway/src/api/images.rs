@@ -274,7 +274,7 @@ async fn serve(
     req: &HttpRequest,
     state: &web::Data<ApiState>,
     caller: Caller,
-    request: ImageRequest,
+    mut request: ImageRequest,
 ) -> Result<HttpResponse, ApiError> {
     let respond_async = prefers_async(req);
     let format = Answer {
@@ -302,9 +302,11 @@ async fn serve(
         )
         .into());
     }
-    let callback_url = state
+    // Kept on the job's record from its creation (`Mesh::prepare`), as checked.
+    let checked = state
         .webhooks
         .accept(request.input.valid.callback_url.as_deref(), respond_async)?;
+    request.input.valid.callback_url = checked;
     let idem = idempotency::from_request(req, &caller, request.fingerprint)?;
     if streamed.is_some() && idem.is_some() {
         return Err(FieldError::invalid(
@@ -346,7 +348,7 @@ async fn serve(
         drop(slot);
         let record = state
             .mesh
-            .enqueue_detached(prepared, caller.owner(), callback_url.as_deref())
+            .enqueue_detached(prepared, caller.owner())
             .await?;
         return Ok(accepted(&record, false));
     }

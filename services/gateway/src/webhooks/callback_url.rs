@@ -77,7 +77,9 @@ impl CallbackPolicy {
     }
 }
 
-/// Whether `ip` is an address of the public internet.
+/// Whether `ip` is an address of the public internet. IPv6 is public only in global unicast
+/// (2000::/3) outside its special blocks; addresses that carry an IPv4 one (mapped,
+/// compatible, NAT64, 6to4) are judged by it.
 pub fn is_public(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => is_public_v4(v4),
@@ -85,20 +87,16 @@ pub fn is_public(ip: IpAddr) -> bool {
             if let Some(v4) = embedded_v4(v6) {
                 return is_public_v4(v4);
             }
-            let first = v6.segments()[0];
-            !(v6.is_loopback()
-                || v6.is_unspecified()
-                || v6.is_multicast()
-                // Unique local fc00::/7, link-local fe80::/10, documentation 2001:db8::/32.
-                || (first & 0xfe00) == 0xfc00
-                || (first & 0xffc0) == 0xfe80
-                || (first == 0x2001 && v6.segments()[1] == 0x0db8))
+            let [first, second, ..] = v6.segments();
+            (first & 0xe000) == 0x2000
+                // Teredo 2001::/32, documentation 2001:db8::/32.
+                && !(first == 0x2001 && (second == 0 || second == 0x0db8))
         }
     }
 }
 
-/// The IPv4 address inside an IPv4-mapped (::ffff:a.b.c.d), NAT64 (64:ff9b::/96) or 6to4
-/// (2002::/16) IPv6 address, which reaches that IPv4 host.
+/// The IPv4 address inside an IPv4-mapped (::ffff:a.b.c.d), IPv4-compatible (::a.b.c.d),
+/// NAT64 (64:ff9b::/96) or 6to4 (2002::/16) IPv6 address, which reaches that IPv4 host.
 fn embedded_v4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
     let s = v6.segments();
     let from = |hi: u16, lo: u16| {
@@ -106,7 +104,7 @@ fn embedded_v4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
         let [c, d] = lo.to_be_bytes();
         Ipv4Addr::new(a, b, c, d)
     };
-    if let Some(v4) = v6.to_ipv4_mapped() {
+    if let Some(v4) = v6.to_ipv4() {
         return Some(v4);
     }
     if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
@@ -188,6 +186,10 @@ mod tests {
             ("https://[::1]/h", "public"),
             ("https://[fd00::1]/h", "public"),
             ("https://[::ffff:10.0.0.1]/h", "public"),
+            ("https://[::127.0.0.1]/h", "public"),
+            ("https://2130706433/h", "public"),
+            ("https://0x7f.1/h", "public"),
+            ("https://017700000001/h", "public"),
             ("not a url", "not a URL"),
         ] {
             let err = strict.check(url).unwrap_err();
@@ -229,6 +231,11 @@ mod tests {
             "64:ff9b::a00:1",
             "2002:a00:1::",
             "2001:db8::1",
+            "2001::1",
+            "fec0::1",
+            "100::1",
+            "64:ff9b:1::1",
+            "::ffff:0:0",
         ] {
             assert!(!is_public(ip.parse().unwrap()), "{ip}");
         }

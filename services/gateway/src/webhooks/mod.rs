@@ -38,9 +38,10 @@ use signing::SigningKeys;
 /// Webhook flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WebhookConfig {
-    /// Keys webhooks are signed with, comma-separated (each `whsec_<base64>`, the Standard
-    /// Webhooks form, or text of at least 24 bytes); every key signs, so receivers can move
-    /// to a new one. Unset: this gateway refuses `callback_url` and sends no webhooks.
+    /// Keys webhooks are signed with, comma-separated, each `whsec_` and 24 to 64 bytes in
+    /// base64 (Standard Webhooks' form: receivers' libraries take it as it is); every key
+    /// signs, so receivers can move to a new one. Unset: this gateway refuses `callback_url`
+    /// and sends no webhooks.
     #[arg(long, env = "GATEWAY_WEBHOOK_SIGNING_KEY", hide_env_values = true)]
     pub webhook_signing_key: Option<String>,
     /// Post webhooks to plain http URLs too.
@@ -98,6 +99,9 @@ impl WebhookConfig {
         if self.webhook_timeout.is_zero() || self.webhook_retry_base.is_zero() {
             return Err("--webhook-timeout and --webhook-retry-base must be longer than 0".into());
         }
+        if self.webhook_retry_base > Duration::from_secs(3600) {
+            return Err("--webhook-retry-base must be at most 1h (the longest wait)".into());
+        }
         if self.webhook_senders == 0 {
             return Err("--webhook-senders must be at least 1".into());
         }
@@ -121,6 +125,9 @@ pub async fn start(
 ) -> Result<(), GatewayError> {
     let hooks = &config.webhooks;
     let queue = WebhookQueue::open(js, usize::from(config.common.js_replicas)).await?;
+    // Both consumers exist before the first `callback_url` is taken, so no ending is missed.
+    queue.relay().await?;
+    queue.senders().await?;
     let sender = sender::Sender::new(
         hooks,
         keys,
@@ -129,17 +136,14 @@ pub async fn start(
         mesh.metrics.webhooks.clone(),
     )
     .map_err(GatewayError::Config)?;
-    // A message held this long goes to another gateway: a post's timeout and the record's
-    // reads and writes around it.
-    let ack_wait = hooks.webhook_timeout + Duration::from_secs(20);
     tokio::spawn(relay::run(queue.clone(), stop.clone()));
-    tokio::spawn(Arc::new(sender).run(
-        queue,
-        hooks.webhook_senders,
-        ack_wait,
-        mesh.background.clone(),
-        stop,
-    ));
+    tokio::spawn(Arc::new(sender).run(queue, hooks.webhook_senders, mesh.background.clone(), stop));
+    if config.public_url.is_none() {
+        tracing::warn!(
+            "webhooks on without --public-url: their result links are paths, which receivers \
+             must join to this gateway's address themselves"
+        );
+    }
     tracing::info!(
         http = hooks.webhook_allow_http,
         private_addresses = hooks.webhook_allow_private_addresses,
@@ -214,10 +218,13 @@ mod tests {
     fn flags_out_of_range_are_refused_by_name() {
         let mut config = WebhookConfig::for_tests();
         assert!(config.keys().unwrap().is_none());
-        config.webhook_signing_key = Some("too short".into());
+        config.webhook_signing_key = Some("whsec_c2hvcnQ=".into());
         assert!(config.keys().unwrap_err().contains("--webhook-signing-key"));
-        config.webhook_signing_key = Some("a key of at least twenty-four bytes".into());
+        config.webhook_signing_key = Some("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into());
         assert!(config.keys().unwrap().is_some());
+        config.webhook_retry_base = Duration::from_secs(7200);
+        assert!(config.keys().unwrap_err().contains("--webhook-retry-base"));
+        config.webhook_retry_base = Duration::from_secs(5);
         config.webhook_max_age = Duration::from_secs(4 * 24 * 3600);
         assert!(config.keys().unwrap_err().contains("--webhook-max-age"));
     }

@@ -102,6 +102,7 @@ mod tests {
         let json = |r: &JobRecord| serde_json::to_vec(r).unwrap();
         assert_eq!(due_job(&json(&r)), None);
         r.webhook = Some(Webhook::new("https://example.com/h"));
+        r.detached = true;
         assert_eq!(due_job(&json(&r)), None, "not ended");
         r.mark_failed("boom", "internal_error");
         assert_eq!(due_job(&json(&r)).as_deref(), Some("j1"));

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{consumer, AckKind, Message};
 use diffmesh_shared::stores::job::{now_ms, JobRecord, JobState, JobStore};
-use diffmesh_shared::stores::webhook_queue::WebhookQueue;
+use diffmesh_shared::stores::webhook_queue::{WebhookQueue, PROGRESS_EVERY};
 use diffmesh_shared::MeshError;
 use futures::StreamExt;
 use prometheus::IntCounterVec;
@@ -125,13 +125,12 @@ impl Sender {
         self: Arc<Self>,
         queue: WebhookQueue,
         concurrency: usize,
-        ack_wait: Duration,
         posts: TaskTracker,
         shutdown: CancellationToken,
     ) {
         let slots = Arc::new(tokio::sync::Semaphore::new(concurrency.max(1)));
         loop {
-            let consumer = match queue.senders(ack_wait).await {
+            let consumer = match queue.senders().await {
                 Ok(consumer) => consumer,
                 Err(err) => {
                     tracing::warn!(error = %err, "cannot open the webhook queue; trying again");
@@ -204,7 +203,23 @@ impl Sender {
             let _ = message.ack_with(AckKind::Term).await;
             return;
         };
-        let next = match self.deliver(&job_id, sequence).await {
+        // The server hears from this sender while it works, however long the post and the
+        // record's writes take: no other sender gets the message meanwhile.
+        let work = self.deliver(&job_id, sequence);
+        let mut work = std::pin::pin!(work);
+        let mut progress =
+            tokio::time::interval_at(tokio::time::Instant::now() + PROGRESS_EVERY, PROGRESS_EVERY);
+        let delivered = loop {
+            tokio::select! {
+                done = &mut work => break done,
+                _ = progress.tick() => {
+                    if let Err(err) = message.ack_with(AckKind::Progress).await {
+                        tracing::debug!(%job_id, error = %err, "webhook progress ack failed");
+                    }
+                }
+            }
+        };
+        let next = match delivered {
             Ok(next) => next,
             Err(err) => {
                 tracing::warn!(%job_id, error = %err, "webhook delivery could not use the job's record; later");
@@ -220,32 +235,37 @@ impl Sender {
         }
     }
 
-    /// One attempt at `job_id`'s delivery for the message at `sequence`.
-    async fn deliver(&self, job_id: &str, sequence: u64) -> Result<Next, MeshError> {
+    /// `job_id`'s record with its delivery claimed for the message at `sequence`; `None` when
+    /// there is nothing for this message to send (no record, no webhook, settled, or another
+    /// message's).
+    async fn claimed(&self, job_id: &str, sequence: u64) -> Result<Option<JobRecord>, MeshError> {
         let Some(record) = self.jobs.get(job_id).await? else {
-            return Ok(Next::Ack); // Expired with its record.
+            return Ok(None); // Expired with its record.
         };
         let Some(hook) = record.webhook.as_ref() else {
-            return Ok(Next::Ack);
+            return Ok(None);
         };
         if !record.state.is_terminal() || hook.settled() {
-            return Ok(Next::Ack);
+            return Ok(None);
         }
-        let record = match hook.claimed_by {
-            Some(owner) if owner != sequence => return Ok(Next::Ack),
-            Some(_) => record,
+        match hook.claimed_by {
+            Some(owner) if owner != sequence => Ok(None),
+            Some(_) => Ok(Some(record)),
+            // Declined (None) when another message claimed it first.
             None => {
-                let claimed = self
-                    .jobs
+                self.jobs
                     .update_if(job_id, |r| {
                         r.webhook.as_mut().is_some_and(|w| w.claim(sequence))
                     })
-                    .await?;
-                match claimed {
-                    Some(record) => record,
-                    None => return Ok(Next::Ack), // Another message claimed it first.
-                }
+                    .await
             }
+        }
+    }
+
+    /// One attempt at `job_id`'s delivery for the message at `sequence`.
+    async fn deliver(&self, job_id: &str, sequence: u64) -> Result<Next, MeshError> {
+        let Some(record) = self.claimed(job_id, sequence).await? else {
+            return Ok(Next::Ack);
         };
         let Some(hook) = record.webhook.clone() else {
             return Ok(Next::Ack);
@@ -257,36 +277,37 @@ impl Sender {
         }
         let ended_at = record.finished_at_ms.unwrap_or(record.updated_at_ms);
         let give_up_at = ended_at + self.max_age.as_millis() as u64;
-        let outcome = if now > give_up_at {
-            Err(Failure {
-                status: hook.last_status,
-                error: format!(
-                    "not delivered within --webhook-max-age ({}s) of the job's ending",
-                    self.max_age.as_secs()
-                ),
-                retry_after: None,
-                permanent: true,
-            })
-        } else {
-            self.post(&record, &hook.url).await
-        };
+        // A retry is scheduled by the deadline at the latest: only a delivery that was never
+        // scheduled in time (gateways down that long) comes later, and is given up unsent.
+        if hook.next_attempt_at_ms.unwrap_or(now) > give_up_at + 1_000 {
+            let why = format!(
+                "not sent within --webhook-max-age ({}s) of the job's ending",
+                self.max_age.as_secs()
+            );
+            return self.settle_unsent(job_id, sequence, why).await;
+        }
+        let outcome = self.post(&record, &hook.url).await;
+        let attempted_at = now_ms();
         let (status, error, next) = match outcome {
             Ok(status) => (Some(status), None, Next::Ack),
             Err(failure) => {
                 let delay = match failure.retry_after {
-                    Some(s) => Duration::from_secs(s).clamp(self.retry_base, MAX_RETRY_DELAY),
+                    Some(s) => Duration::from_secs(s)
+                        .max(self.retry_base)
+                        .min(MAX_RETRY_DELAY),
                     None => backoff(self.retry_base, hook.attempts + 1),
                 };
-                let retry_at = now_ms() + delay.as_millis() as u64;
-                let next = match failure.permanent || retry_at > give_up_at {
+                // The last retry comes at the deadline, not before it with time to spare.
+                let left = Duration::from_millis(give_up_at.saturating_sub(attempted_at));
+                let next = match failure.permanent || left.is_zero() {
                     true => Next::Ack,
-                    false => Next::RetryIn(delay),
+                    false => Next::RetryIn(delay.min(left)),
                 };
                 (failure.status, Some(failure.error), next)
             }
         };
         let next_attempt = match &next {
-            Next::RetryIn(delay) => Some(now_ms() + delay.as_millis() as u64),
+            Next::RetryIn(delay) => Some(attempted_at + delay.as_millis() as u64),
             Next::Ack => None,
         };
         let outcome = match (&error, &next) {
@@ -294,8 +315,9 @@ impl Sender {
             (Some(_), Next::RetryIn(_)) => "failed_attempt",
             (Some(_), Next::Ack) => "gave_up",
         };
-        let attempted_at = now_ms();
-        self.jobs
+        tracing::info!(%job_id, outcome, status = ?status, error = ?error, "webhook attempt");
+        let written = self
+            .jobs
             .update_if(job_id, |r| match r.webhook.as_mut() {
                 Some(w) if w.claimed_by == Some(sequence) && !w.settled() => {
                     w.record_attempt(status, error.clone(), attempted_at, next_attempt);
@@ -303,10 +325,42 @@ impl Sender {
                 }
                 _ => false,
             })
-            .await?;
-        self.outcomes.with_label_values(&[outcome]).inc();
-        tracing::info!(%job_id, outcome, status = ?status, error = ?error, "webhook attempt");
+            .await;
+        match written {
+            Ok(Some(_)) => self.outcomes.with_label_values(&[outcome]).inc(),
+            Ok(None) => {}
+            // Delivered but not written: posted again later (at least once; `webhook-id`
+            // tells the receiver). Failed: the retry keeps its delay all the same.
+            Err(err) if error.is_none() => return Err(err),
+            Err(err) => {
+                tracing::warn!(%job_id, error = %err, "webhook attempt not recorded");
+            }
+        }
         Ok(next)
+    }
+
+    /// Give the delivery up without a post.
+    async fn settle_unsent(
+        &self,
+        job_id: &str,
+        sequence: u64,
+        why: String,
+    ) -> Result<Next, MeshError> {
+        let written = self
+            .jobs
+            .update_if(job_id, |r| match r.webhook.as_mut() {
+                Some(w) if w.claimed_by == Some(sequence) && !w.settled() => {
+                    w.give_up(why.clone());
+                    true
+                }
+                _ => false,
+            })
+            .await?;
+        if written.is_some() {
+            self.outcomes.with_label_values(&["gave_up"]).inc();
+            tracing::info!(%job_id, why, "webhook given up unsent");
+        }
+        Ok(Next::Ack)
     }
 
     /// Post `record`'s event to `url`: the 2xx status, or why not.

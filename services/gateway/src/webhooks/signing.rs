@@ -11,8 +11,9 @@ type HmacSha256 = Hmac<Sha256>;
 
 /// The secrets' prefix in Standard Webhooks: `whsec_` then the key in base64.
 const SECRET_PREFIX: &str = "whsec_";
-/// Fewest key bytes taken (HMAC-SHA256 keys shorter than this are guessable).
+/// Fewest and most key bytes taken (Standard Webhooks' bounds; shorter keys are guessable).
 const MIN_KEY_BYTES: usize = 24;
+const MAX_KEY_BYTES: usize = 64;
 
 /// The keys webhooks are signed with, the first being the newest.
 #[derive(Clone)]
@@ -27,20 +28,20 @@ impl std::fmt::Debug for SigningKeys {
 }
 
 impl SigningKeys {
-    /// Comma-separated keys, each `whsec_<base64>` (the standard's form) or plain text of at
-    /// least 24 bytes.
+    /// Comma-separated keys, each `whsec_<base64>` (the standard's form, which its receiver
+    /// libraries take as it is) of 24 to 64 bytes.
     pub fn parse(list: &str) -> Result<Self, String> {
         let mut keys = Vec::new();
         for (i, key) in list.split(',').map(str::trim).enumerate() {
-            let bytes = match key.strip_prefix(SECRET_PREFIX) {
-                Some(b64) => B64
-                    .decode(b64)
-                    .map_err(|e| format!("key {i}: whsec_ but not base64: {e}"))?,
-                None => key.as_bytes().to_vec(),
-            };
-            if bytes.len() < MIN_KEY_BYTES {
+            let b64 = key.strip_prefix(SECRET_PREFIX).ok_or_else(|| {
+                format!("key {i}: must be {SECRET_PREFIX} and the key in base64 (Standard Webhooks' form)")
+            })?;
+            let bytes = B64
+                .decode(b64)
+                .map_err(|e| format!("key {i}: {SECRET_PREFIX} but not base64: {e}"))?;
+            if !(MIN_KEY_BYTES..=MAX_KEY_BYTES).contains(&bytes.len()) {
                 return Err(format!(
-                    "key {i}: {} bytes; a signing key needs at least {MIN_KEY_BYTES}",
+                    "key {i}: {} bytes; a signing key has {MIN_KEY_BYTES} to {MAX_KEY_BYTES}",
                     bytes.len()
                 ));
             }
@@ -90,10 +91,10 @@ mod tests {
 
     #[test]
     fn every_key_signs_and_each_verifies_alone() {
-        let old = "an old key of at least twenty-four bytes";
+        let old = [9u8; 24];
         let new_bytes = [7u8; 32];
         let new = format!("whsec_{}", B64.encode(new_bytes));
-        let keys = SigningKeys::parse(&format!("{new}, {old}")).unwrap();
+        let keys = SigningKeys::parse(&format!("{new}, whsec_{}", B64.encode(old))).unwrap();
         let header = keys.sign("job-1", 1_700_000_000, b"{\"a\":1}");
         assert_eq!(header.split(' ').count(), 2);
         assert!(verify(
@@ -103,13 +104,7 @@ mod tests {
             b"{\"a\":1}",
             &header
         ));
-        assert!(verify(
-            old.as_bytes(),
-            "job-1",
-            1_700_000_000,
-            b"{\"a\":1}",
-            &header
-        ));
+        assert!(verify(&old, "job-1", 1_700_000_000, b"{\"a\":1}", &header));
         assert!(!verify(
             &new_bytes,
             "job-1",
@@ -154,11 +149,12 @@ mod tests {
 
     #[test]
     fn short_or_malformed_keys_are_refused() {
-        assert!(SigningKeys::parse("short")
-            .unwrap_err()
-            .contains("at least 24"));
+        let short = format!("whsec_{}", B64.encode([1u8; 16]));
+        assert!(SigningKeys::parse(&short).unwrap_err().contains("24 to 64"));
         assert!(SigningKeys::parse("whsec_***")
             .unwrap_err()
             .contains("base64"));
+        let plain = "a key of more than twenty-four bytes, not in the standard's form";
+        assert!(SigningKeys::parse(plain).unwrap_err().contains("whsec_"));
     }
 }

@@ -114,7 +114,9 @@ pub struct JobRecord {
     #[serde(default)]
     pub submitted: Option<DenoiseJob>,
     /// Accepted with `Prefer: respond-async`: no client connection waits for it, so it must
-    /// run even if the gateway that accepted it dies.
+    /// run even if the gateway that accepted it dies. Set when the job is in the durable queue
+    /// (by its gateway, and again by the router that takes it from there): only then is its
+    /// webhook due at its ending, not for a job refused before (its client had an error).
     #[serde(default)]
     pub detached: bool,
     /// Accepted synchronously with an `Idempotency-Key`: should its gateway die, the client
@@ -245,12 +247,8 @@ impl JobRecord {
     }
 
     /// The async job waits in the durable queue at `sequence`: routers place it from there, so
-    /// no router adopts it (no `place_by_ms`) and the job no longer needs its gateway. Its
-    /// ending is posted to `callback_url` when it has one.
-    pub fn record_queued(&mut self, job: &DenoiseJob, sequence: u64, callback_url: Option<&str>) {
-        if let Some(url) = callback_url {
-            self.webhook.get_or_insert_with(|| Webhook::new(url));
-        }
+    /// no router adopts it (no `place_by_ms`) and the job no longer needs its gateway.
+    pub fn record_queued(&mut self, job: &DenoiseJob, sequence: u64) {
         self.submitted = Some(job.clone());
         self.steps_total = job.params.num_inference_steps;
         self.detached = true;

@@ -101,12 +101,24 @@ impl Webhook {
     }
 }
 
+impl Webhook {
+    /// Given up without a post: the delivery came after `--webhook-max-age` (the gateways were
+    /// down, or the age was lowered). Not an attempt: `attempts` counts posts made.
+    pub fn give_up(&mut self, why: String) {
+        self.last_error = Some(why);
+        self.next_attempt_at_ms = None;
+        self.gave_up = true;
+    }
+}
+
 impl JobRecord {
-    /// Whether this version of the record calls for its webhook to be sent: the job has ended,
-    /// has a webhook, and no delivery has claimed it yet. Read by the relay on every record
-    /// write; the claim, not this, keeps a job to one delivery.
+    /// Whether this version of the record calls for its webhook to be sent: the job went into
+    /// the durable queue (`detached`), has ended, has a webhook, and no delivery has claimed it
+    /// yet. Read by the relay on every record write; the claim, not this, keeps a job to one
+    /// delivery.
     pub fn webhook_due(&self) -> bool {
         self.state.is_terminal()
+            && self.detached
             && self
                 .webhook
                 .as_ref()
@@ -126,6 +138,13 @@ mod tests {
         r.webhook = Some(Webhook::new("https://example.com/hook"));
         r.mark_running("d1");
         assert!(!r.webhook_due(), "still running");
+        let mut refused = r.clone();
+        refused.mark_failed("the queue is full", "rate_limited");
+        assert!(
+            !refused.webhook_due(),
+            "never queued: its client had the error"
+        );
+        r.detached = true;
         r.mark_done(vec!["k".into()]);
         assert!(r.webhook_due());
         let hook = r.webhook.as_mut().unwrap();
@@ -154,6 +173,10 @@ mod tests {
         let mut never = Webhook::new("https://example.com/hook");
         never.record_attempt(None, Some("timed out".into()), 10, None);
         assert!(never.gave_up && never.settled());
+
+        let mut late = Webhook::new("https://example.com/hook");
+        late.give_up("too late".into());
+        assert!(late.settled() && late.attempts == 0, "no post, no attempt");
     }
 
     #[test]
