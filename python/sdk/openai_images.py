@@ -1,7 +1,7 @@
 """The official `openai` SDK against a diffmesh gateway, unchanged (tests/tests/openai_sdk.rs).
 
 Usage: openai_images.py BASE_URL API_KEY MODEL. Runs images.generate (n=2, b64_json; then
-n=2 at size auto as JPEG with output_compression, quality, background and user; then a
+n=2 at size auto as JPEG with output_compression, quality, background and user; WebP; then a
 signed result URL, read without the key, and a tampered one), images.edit
 with `image` and a mask in OpenAI's alpha convention, images.edit with `image=[...]` (sent as
 `image[]`), images.create_variation (n=2), a streamed generation with two partial images (JPEG) and a streamed edit with
@@ -56,6 +56,9 @@ def main():
                                output_format="jpeg", output_compression=80, quality="low",
                                background="opaque", user="user-1")
     seen["generate_jpeg"] = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))).format
+                             for d in r.data]
+    r = client.images.generate(model=model, prompt="a red square", output_format="webp")
+    seen["generate_webp"] = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))).format
                              for d in r.data]
     r = client.images.generate(model=model, prompt="a red square", response_format="url")
     url = r.data[0].url

@@ -1,6 +1,6 @@
 //! The official `openai` Python SDK (pinned in `xtask/src/toolchain.rs`) against an in-process
 //! mesh, unchanged but for `base_url` (python/sdk/openai_images.py): generations with n = 2 (PNG,
-//! and JPEG at size `auto` with `output_compression`, `quality`, `background` and `user`), a
+//! and JPEG at size `auto` with `output_compression`, `quality`, `background` and `user`), WebP, a
 //! signed result URL (`response_format="url"`) read without the key (a tampered one: 401),
 //! edits with `image` and with `image=[...]` (the SDK's `image[]`), two variations
 //! (`images.create_variation`), streamed answers
@@ -19,9 +19,9 @@ async fn the_official_sdk_generates_edits_and_reads_errors() {
     let mesh = MeshBuilder::new()
         .gateway(|g| {
             g.api_keys = Some(format!("alice:{KEY}"));
-            // Nine image requests, then 429 (the SDK retries nothing: max_retries=0).
+            // Ten image requests, then 429 (the SDK retries nothing: max_retries=0).
             g.rate_limit_per_s = 0.001;
-            g.rate_limit_burst = 9;
+            g.rate_limit_burst = 10;
         })
         .start()
         .await;
@@ -52,6 +52,7 @@ async fn the_official_sdk_generates_edits_and_reads_errors() {
         "{seen}"
     );
     assert_eq!(seen["generate_jpeg"], json!(["JPEG", "JPEG"]), "{seen}");
+    assert_eq!(seen["generate_webp"], json!(["WEBP"]), "{seen}");
     assert_eq!(
         seen["url"],
         json!({"content_type": "image/png", "size": [64, 64], "tampered": 401}),
