@@ -524,7 +524,7 @@ pub async fn start(config: GatewayConfig) -> Result<GatewayHandle, GatewayError>
         default_size,
         result_urls,
         public_url,
-        webhooks: webhooks::WebhookGate {
+        webhooks: webhooks::callback_url::WebhookGate {
             policy: config.webhooks.policy(),
             enabled: config.webhooks.webhook_signing_key.is_some(),
         },

@@ -48,7 +48,7 @@ pub struct ApiState {
     /// `--public-url`, the base of result URLs (None: each request's scheme and Host).
     pub public_url: Option<String>,
     /// What a request's `callback_url` may be (`webhooks`).
-    pub webhooks: crate::webhooks::WebhookGate,
+    pub webhooks: crate::webhooks::callback_url::WebhookGate,
 }
 
 impl ApiState {

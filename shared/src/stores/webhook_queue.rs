@@ -19,7 +19,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use async_nats::HeaderMap;
 
 use crate::error::MeshError;
-use crate::stores::jetstream_layout;
+use crate::wire::subjects::JOB_BUCKET;
 
 /// The stream's name.
 pub const STREAM: &str = "DIFFMESH_WEBHOOKS";
@@ -137,10 +137,10 @@ impl WebhookQueue {
     /// [`MAX_WEBHOOK_AGE`] back, so records that ended before any gateway made it are relayed
     /// too (a record already claimed or without a webhook is passed over).
     pub async fn relay(&self) -> Result<consumer::Consumer<consumer::pull::Config>, MeshError> {
-        let jobs = &jetstream_layout::JOBS;
+        // The bucket's stream, as `jetstream_layout::JOBS` names it (`KV_<bucket>`).
         let stream = self
             .js
-            .get_stream(jobs.stream_name())
+            .get_stream(format!("KV_{JOB_BUCKET}"))
             .await
             .map_err(|e| layout_error(format!("job bucket: {e}")))?;
         stream
@@ -148,7 +148,7 @@ impl WebhookQueue {
                 RELAY,
                 consumer::pull::Config {
                     durable_name: Some(RELAY.to_string()),
-                    filter_subject: format!("$KV.{}.*", jobs.name),
+                    filter_subject: format!("$KV.{JOB_BUCKET}.*"),
                     deliver_policy: consumer::DeliverPolicy::ByStartTime {
                         start_time: time::OffsetDateTime::now_utc() - MAX_WEBHOOK_AGE,
                     },

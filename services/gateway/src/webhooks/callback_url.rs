@@ -77,6 +77,40 @@ impl CallbackPolicy {
     }
 }
 
+/// What a request's `callback_url` may be on this gateway.
+#[derive(Debug, Clone, Copy)]
+pub struct WebhookGate {
+    pub policy: CallbackPolicy,
+    /// Webhooks are on (a signing key is configured).
+    pub enabled: bool,
+}
+
+impl WebhookGate {
+    /// The URL to keep on the job's record, or a 400 naming `callback_url`.
+    pub fn accept(
+        &self,
+        url: Option<&str>,
+        respond_async: bool,
+    ) -> Result<Option<String>, FieldError> {
+        let Some(url) = url else {
+            return Ok(None);
+        };
+        if !respond_async {
+            return Err(FieldError::invalid(
+                "callback_url",
+                "only with Prefer: respond-async (a synchronous request's answer is the result itself)",
+            ));
+        }
+        if !self.enabled {
+            return Err(FieldError::invalid(
+                "callback_url",
+                "this gateway sends no webhooks (it has no --webhook-signing-key)",
+            ));
+        }
+        self.policy.check(url).map(|u| Some(u.to_string()))
+    }
+}
+
 /// Whether `ip` is an address of the public internet. IPv6 is public only in global unicast
 /// (2000::/3) outside its special blocks; addresses that carry an IPv4 one (mapped,
 /// compatible, NAT64, 6to4) are judged by it.
@@ -163,6 +197,30 @@ impl Resolve for PublicResolver {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_callback_url_needs_an_async_request_and_a_signing_key() {
+        let on = WebhookGate {
+            policy: CallbackPolicy::default(),
+            enabled: true,
+        };
+        assert_eq!(on.accept(None, false).unwrap(), None);
+        assert_eq!(
+            on.accept(Some("https://example.com/h"), true)
+                .unwrap()
+                .as_deref(),
+            Some("https://example.com/h")
+        );
+        let sync = on.accept(Some("https://example.com/h"), false).unwrap_err();
+        assert!(sync.message.contains("respond-async"), "{}", sync.message);
+        let off = WebhookGate {
+            enabled: false,
+            ..on
+        };
+        let err = off.accept(Some("https://example.com/h"), true).unwrap_err();
+        assert_eq!(err.field, "callback_url");
+        assert!(err.message.contains("--webhook-signing-key"));
+    }
 
     #[test]
     fn only_https_urls_of_public_hosts_pass_by_default() {

@@ -26,7 +26,6 @@ use std::time::Duration;
 use async_nats::jetstream;
 use diffmesh_shared::process::config::duration;
 use diffmesh_shared::stores::webhook_queue::{WebhookQueue, MAX_WEBHOOK_AGE};
-use diffmesh_shared::wire::messages::FieldError;
 use tokio_util::sync::CancellationToken;
 
 use crate::job_driver::Mesh;
@@ -152,67 +151,9 @@ pub async fn start(
     Ok(())
 }
 
-/// What a request's `callback_url` may be on this gateway.
-#[derive(Debug, Clone, Copy)]
-pub struct WebhookGate {
-    pub policy: CallbackPolicy,
-    /// Webhooks are on (a signing key is configured).
-    pub enabled: bool,
-}
-
-impl WebhookGate {
-    /// The URL to keep on the job's record, or a 400 naming `callback_url`.
-    pub fn accept(
-        &self,
-        url: Option<&str>,
-        respond_async: bool,
-    ) -> Result<Option<String>, FieldError> {
-        let Some(url) = url else {
-            return Ok(None);
-        };
-        if !respond_async {
-            return Err(FieldError::invalid(
-                "callback_url",
-                "only with Prefer: respond-async (a synchronous request's answer is the result itself)",
-            ));
-        }
-        if !self.enabled {
-            return Err(FieldError::invalid(
-                "callback_url",
-                "this gateway sends no webhooks (it has no --webhook-signing-key)",
-            ));
-        }
-        self.policy.check(url).map(|u| Some(u.to_string()))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_callback_url_needs_an_async_request_and_a_signing_key() {
-        let on = WebhookGate {
-            policy: CallbackPolicy::default(),
-            enabled: true,
-        };
-        assert_eq!(on.accept(None, false).unwrap(), None);
-        assert_eq!(
-            on.accept(Some("https://example.com/h"), true)
-                .unwrap()
-                .as_deref(),
-            Some("https://example.com/h")
-        );
-        let sync = on.accept(Some("https://example.com/h"), false).unwrap_err();
-        assert!(sync.message.contains("respond-async"), "{}", sync.message);
-        let off = WebhookGate {
-            enabled: false,
-            ..on
-        };
-        let err = off.accept(Some("https://example.com/h"), true).unwrap_err();
-        assert_eq!(err.field, "callback_url");
-        assert!(err.message.contains("--webhook-signing-key"));
-    }
 
     #[test]
     fn flags_out_of_range_are_refused_by_name() {
