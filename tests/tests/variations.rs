@@ -1,7 +1,8 @@
 //! Variations (`POST /v1/images/variations`, OpenAI's `images.create_variation`) on the whole
 //! mesh with the tiny model: n variations at the image's size, each its own (seed + i), closer
 //! to the image at a low `strength` than at 1 (where nothing of it is kept), with no prompt
-//! needed; a mask, a strength out of range and one that runs no step are 400s naming the field.
+//! needed; a mask, a strength out of range, one that runs no step, streaming, an image over the
+//! pixel limit, and a strength on an edit are 400s naming the field.
 use diffmesh_tests::images::{decode_b64_images, png_bytes};
 use diffmesh_tests::mesh::MeshBuilder;
 use image::{DynamicImage, GenericImageView};
@@ -112,6 +113,7 @@ async fn variations_keep_the_image_in_proportion_to_strength() {
             "strength",
         ),
         (Vec::new(), true, "mask"),
+        (vec![("stream", "true".to_string())], false, "stream"),
     ] {
         let mask = mask.then(|| Part::bytes(png.clone()).file_name("m.png"));
         let r = vary(fields, mask).await.unwrap();
@@ -119,4 +121,26 @@ async fn variations_keep_the_image_in_proportion_to_strength() {
         let error: Value = r.json().await.unwrap();
         assert_eq!(error["error"]["param"], field, "{error}");
     }
+
+    // An image beyond the pixel limit is refused from its header, before its mask is made.
+    let huge = png_bytes(&DynamicImage::new_luma8(2048, 2048));
+    let r = http
+        .post(mesh.url("/v1/images/variations"))
+        .multipart(form(&huge, &[]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let error: Value = r.json().await.unwrap();
+    assert_eq!(error["error"]["param"], "image", "{error}");
+    // Edits do not take a strength: they repaint their mask in full.
+    let r = http
+        .post(mesh.url("/v1/images/edits"))
+        .multipart(form(&png, &[("prompt", "x"), ("strength", "0.5")]))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let error: Value = r.json().await.unwrap();
+    assert_eq!(error["error"]["param"], "strength", "{error}");
 }

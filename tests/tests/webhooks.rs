@@ -27,7 +27,7 @@ fn webhooks_on(c: &mut GatewayConfig) {
     c.webhooks.webhook_allow_http = true;
     c.webhooks.webhook_allow_private_addresses = true;
     c.webhooks.webhook_retry_base = RETRY_BASE;
-    c.webhooks.webhook_max_age = Duration::from_secs(8);
+    c.webhooks.webhook_max_age = Duration::from_secs(12);
     // Whichever gateway posts signs the result URLs: gateways behind one address share it.
     c.result_url_key = Some("the tests' result URL key".into());
 }

@@ -45,6 +45,14 @@ fn u64_field(name: &str, value: &Value) -> Result<u64, FieldError> {
         .ok_or_else(|| FieldError::invalid(name, "must be a non-negative integer"))
 }
 
+/// `strength` where it is not taken (variations read theirs before the other fields).
+fn not_here_strength() -> FieldError {
+    FieldError::invalid(
+        "strength",
+        "taken by variations only (POST /v1/images/variations): edits repaint their mask in full",
+    )
+}
+
 /// Field-by-field reading of the JSON body, so type errors name the field.
 pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
     let value: Value = serde_json::from_slice(body)
@@ -93,6 +101,7 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
             "callback_url" => raw.callback_url = Some(string()?),
             // Refused by name rather than answered without what it asks for.
             "input_fidelity" => return Err(FieldError::invalid(key, "not served yet")),
+            "strength" => return Err(not_here_strength()),
             // Fields this server does not know (newer OpenAI ones): ignored, as OpenAI's SDK
             // sends only what the caller set.
             _ => {}
@@ -118,6 +127,9 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
     }
     if text.contains_key("input_fidelity") {
         return Err(FieldError::invalid("input_fidelity", "not served yet"));
+    }
+    if text.contains_key("strength") {
+        return Err(not_here_strength());
     }
     if let Some(key) = ["controlnet", "controlnets"]
         .into_iter()

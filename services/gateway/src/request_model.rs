@@ -83,6 +83,14 @@ pub fn check_features(
         }
         _ => {}
     }
+    // The UNet engine starts a late schedule from noise, not from the image noised to it: a
+    // variation there would keep nothing of its image.
+    if params.strength.is_some_and(|s| s < 1.0) && !card.pipeline.starts_with("Flux") {
+        return refuse(
+            "strength",
+            "variations (a strength below 1) yet: Flux models do",
+        );
+    }
     if params.true_cfg.is_some() && !f.true_cfg {
         return refuse("true_cfg_scale", "true classifier-free guidance");
     }
@@ -185,6 +193,26 @@ mod tests {
             card: None,
         };
         assert!(check_features(&legacy, JobKind::Edit, &guided).is_ok());
+    }
+
+    #[test]
+    fn only_flux_models_take_a_strength_below_1() {
+        let features = ModelFeatures {
+            edit: true,
+            ..ModelFeatures::default()
+        };
+        let mut variation = params();
+        variation.strength = Some(0.6);
+        let flux = model(features);
+        assert!(check_features(&flux, JobKind::Edit, &variation).is_ok());
+        let mut sdxl = model(features);
+        if let Some(card) = sdxl.card.as_mut() {
+            card.pipeline = "StableDiffusionXLInpaintPipeline".into();
+        }
+        let e = check_features(&sdxl, JobKind::Edit, &variation).unwrap_err();
+        assert_eq!(e.field, "strength");
+        variation.strength = Some(1.0);
+        assert!(check_features(&sdxl, JobKind::Edit, &variation).is_ok());
     }
 
     #[test]

@@ -169,8 +169,11 @@ impl Router {
     pub(crate) async fn placed_async(&self, durable: &Durable, job_id: &str, worker: &str) {
         // Detached again: the gateway that queued it may have died before its own write said so.
         let placed = |r: &mut JobRecord| {
-            r.mark_placed(worker);
-            r.detached = true;
+            // An ended record stays as it is (its ending has no webhook if it was never queued).
+            if !r.state.is_terminal() {
+                r.mark_placed(worker);
+                r.detached = true;
+            }
         };
         if let Err(err) = self.jobs.update(job_id, placed).await {
             tracing::warn!(%job_id, error = %err, "could not record the placement");
@@ -185,7 +188,8 @@ impl Router {
     pub(crate) async fn ended_async(&self, durable: &Durable, job_id: &str, past_deadline: bool) {
         self.adopted.forget(job_id);
         // It was queued, so its webhook is due at this ending (see `placed_async`).
-        if let Err(err) = self.jobs.update(job_id, |r| r.detached = true).await {
+        let queued = |r: &mut JobRecord| r.detached |= !r.state.is_terminal();
+        if let Err(err) = self.jobs.update(job_id, queued).await {
             tracing::warn!(%job_id, error = %err, "could not mark a queued job detached");
         }
         if past_deadline {

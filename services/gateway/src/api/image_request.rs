@@ -167,11 +167,23 @@ pub async fn read_edit(
             "required (multipart file field) unless `template_id` names a registered template",
         )
     })?;
-    upload_edit(state, caller, image, mask, &text, "edits", Prompt::Required).await
+    upload_edit(
+        state,
+        caller,
+        image,
+        mask,
+        &text,
+        "edits",
+        Prompt::Required,
+        None,
+    )
+    .await
 }
 
 /// An edit of an uploaded `image` where `mask` says (or its transparent pixels), with the text
-/// fields `text`; `endpoint` keys its idempotency fingerprint.
+/// fields `text`, at `strength` (a variation's; `None`: 1); `endpoint` keys its idempotency
+/// fingerprint.
+#[allow(clippy::too_many_arguments)]
 pub async fn upload_edit(
     state: &ApiState,
     caller: &Caller,
@@ -180,6 +192,7 @@ pub async fn upload_edit(
     text: &HashMap<String, String>,
     endpoint: &str,
     prompt_rule: Prompt,
+    strength: Option<f32>,
 ) -> Result<ImageRequest, ApiError> {
     let size = image_size(&image, "image")?;
     let raw = raw_from_text(text)?;
@@ -190,6 +203,7 @@ pub async fn upload_edit(
     let loras = lora_params::check_registered(&state.loras, caller, &valid.params.loras).await?;
     let model = request_model::choose(state, requested.as_deref()).await?;
     valid.params.model = model.id.clone();
+    valid.params.strength = strength;
     request_model::check_features(&model, JobKind::Edit, &valid.params)?;
     lora_params::check_targets(&model.id, model.family(), &loras)?;
     Ok(ImageRequest {

@@ -47,8 +47,9 @@ pub struct JobView {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct WebhookView {
     pub url: String,
-    /// `pending` (not yet sent, or to be tried again), `delivered` (a 2xx) or `failed` (no
-    /// 2xx within the gateway's `--webhook-max-age`).
+    /// `pending` (not yet sent, or to be tried again), `delivered` (a 2xx), `failed` (no 2xx
+    /// within the gateway's `--webhook-max-age`) or `not_sent` (the job ended before it was
+    /// queued: its request was refused).
     pub status: String,
     pub attempts: u32,
     /// The receiver's HTTP status at the last attempt.
@@ -61,10 +62,11 @@ pub struct WebhookView {
 }
 
 impl WebhookView {
-    fn of(w: &diffmesh_shared::stores::job::Webhook) -> Self {
+    fn of(r: &JobRecord, w: &diffmesh_shared::stores::job::Webhook) -> Self {
         let status = match (w.delivered_at_ms, w.gave_up) {
             (Some(_), _) => "delivered",
             (None, true) => "failed",
+            (None, false) if r.state.is_terminal() && !r.detached => "not_sent",
             (None, false) => "pending",
         };
         Self {
@@ -218,7 +220,7 @@ impl JobView {
                 events: format!("{path}/events"),
                 self_: path,
             },
-            webhook: r.webhook.as_ref().map(WebhookView::of),
+            webhook: r.webhook.as_ref().map(|w| WebhookView::of(r, w)),
         }
     }
 }

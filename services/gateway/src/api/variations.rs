@@ -13,12 +13,13 @@ use crate::api::image_request::{read_edit_form, upload_edit, EditBody};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::job_driver::ImageRequest;
+use crate::request_limits::check_pixels;
 use crate::state::ApiState;
 use crate::upload::image_size;
 use crate::validate::Prompt;
 
 /// A variation's `strength` when the request gives none.
-pub const DEFAULT_STRENGTH: f64 = 0.75;
+pub const DEFAULT_STRENGTH: f32 = 0.75;
 
 /// The multipart form of `POST /v1/images/variations` (what [`read_variation`] reads; text
 /// fields are those of an edit, less `mask` and `template_id`).
@@ -93,11 +94,19 @@ pub async fn read_variation(
     }
     let image =
         image.ok_or_else(|| FieldError::invalid("image", "required (multipart file field)"))?;
+    for field in ["stream", "partial_images", "preview_every"] {
+        if text.contains_key(field) {
+            // Previews are planned over the whole schedule; a variation runs part of it.
+            return Err(FieldError::invalid(field, "not served for variations").into());
+        }
+    }
     let strength = parse_strength(text.remove("strength").as_deref())?;
     let (width, height) = image_size(&image, "image")?;
+    // Before the mask is made: it is as large as the image's header says.
+    check_pixels("image", width, height, &state.limits)?;
     let everything = whole_image_mask(width, height)?;
     let endpoint = format!("variations:{strength}");
-    let mut request = upload_edit(
+    let request = upload_edit(
         state,
         caller,
         image,
@@ -105,26 +114,26 @@ pub async fn read_variation(
         &text,
         &endpoint,
         Prompt::Optional,
+        Some(strength),
     )
     .await?;
-    let params = &mut request.input.valid.params;
-    let steps = params.num_inference_steps;
-    if (f64::from(steps) * strength).floor() < 1.0 {
+    let steps = request.input.valid.params.num_inference_steps;
+    // Counted as the engines count the steps they run, from the f32 the job carries.
+    if (f64::from(steps) * f64::from(strength)).floor() < 1.0 {
         return Err(FieldError::invalid(
             "strength",
             format!("{strength} of {steps} steps runs none: raise strength or num_inference_steps"),
         )
         .into());
     }
-    params.strength = Some(strength as f32);
     Ok(request)
 }
 
-fn parse_strength(text: Option<&str>) -> Result<f64, FieldError> {
+fn parse_strength(text: Option<&str>) -> Result<f32, FieldError> {
     let Some(text) = text else {
         return Ok(DEFAULT_STRENGTH);
     };
-    let value: f64 = text
+    let value: f32 = text
         .trim()
         .parse()
         .map_err(|_| FieldError::invalid("strength", format!("must be a number, got {text:?}")))?;

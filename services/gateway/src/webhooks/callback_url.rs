@@ -121,10 +121,17 @@ pub fn is_public(ip: IpAddr) -> bool {
             if let Some(v4) = embedded_v4(v6) {
                 return is_public_v4(v4);
             }
-            let [first, second, ..] = v6.segments();
+            let [first, second, third, ..] = v6.segments();
             (first & 0xe000) == 0x2000
-                // Teredo 2001::/32, documentation 2001:db8::/32.
-                && !(first == 0x2001 && (second == 0 || second == 0x0db8))
+                // Teredo 2001::/32, benchmarking 2001:2::/48, ORCHID 2001:10::/28 and
+                // 2001:20::/28, documentation 2001:db8::/32 and 3fff::/20.
+                && !(first == 0x2001
+                    && (second == 0
+                        || (second == 2 && third == 0)
+                        || (second & 0xfff0) == 0x10
+                        || (second & 0xfff0) == 0x20
+                        || second == 0x0db8))
+                && !(first == 0x3fff && (second & 0xf000) == 0)
         }
     }
 }
@@ -290,6 +297,9 @@ mod tests {
             "2002:a00:1::",
             "2001:db8::1",
             "2001::1",
+            "2001:2::1",
+            "2001:10::1",
+            "3fff::1",
             "fec0::1",
             "100::1",
             "64:ff9b:1::1",

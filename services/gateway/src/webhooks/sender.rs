@@ -277,9 +277,9 @@ impl Sender {
         }
         let ended_at = record.finished_at_ms.unwrap_or(record.updated_at_ms);
         let give_up_at = ended_at + self.max_age.as_millis() as u64;
-        // A retry is scheduled by the deadline at the latest: only a delivery that was never
-        // scheduled in time (gateways down that long) comes later, and is given up unsent.
-        if hook.next_attempt_at_ms.unwrap_or(now) > give_up_at + 1_000 {
+        // A retry is scheduled by the deadline at the latest: only a delivery that comes later
+        // (gateways down that long) is given up unsent.
+        if hook.next_attempt_at_ms.unwrap_or(now).max(now) > give_up_at + 1_000 {
             let why = format!(
                 "not sent within --webhook-max-age ({}s) of the job's ending",
                 self.max_age.as_secs()
@@ -329,9 +329,10 @@ impl Sender {
         match written {
             Ok(Some(_)) => self.outcomes.with_label_values(&[outcome]).inc(),
             Ok(None) => {}
-            // Delivered but not written: posted again later (at least once; `webhook-id`
-            // tells the receiver). Failed: the retry keeps its delay all the same.
-            Err(err) if error.is_none() => return Err(err),
+            // Delivered, or given up, but not written: tried again later (a repeat post is
+            // at least once: `webhook-id` tells the receiver). Failed: the retry keeps its
+            // delay all the same.
+            Err(err) if matches!(next, Next::Ack) => return Err(err),
             Err(err) => {
                 tracing::warn!(%job_id, error = %err, "webhook attempt not recorded");
             }
