@@ -27,6 +27,7 @@ pub mod output_format;
 pub mod overload_gate;
 pub mod parse;
 pub mod quotas;
+pub mod raw_params;
 pub mod request_limits;
 pub mod request_model;
 pub mod result_urls;
