@@ -142,14 +142,7 @@ impl AsyncQueue {
                         .map_err(|e| layout_error(format!("update: {e}")))?;
                 }
             }
-            Err(_) => {
-                if let Err(err) = js.create_stream(wanted).await {
-                    // Another service may have created it meanwhile.
-                    js.get_stream(STREAM)
-                        .await
-                        .map_err(|_| layout_error(format!("create: {err}")))?;
-                }
-            }
+            Err(_) => create_or_find(js, wanted).await.map_err(layout_error)?,
         }
         Ok(Self { js: js.clone() })
     }
@@ -249,6 +242,21 @@ impl AsyncQueue {
             .await
             .map_err(|e| layout_error(format!("get: {e}")))
     }
+}
+
+/// Create the stream `wanted`, or find it when another service created it meanwhile; the
+/// reason it is neither, for the caller's error.
+pub(crate) async fn create_or_find(
+    js: &jetstream::Context,
+    wanted: stream::Config,
+) -> Result<(), String> {
+    let name = wanted.name.clone();
+    if let Err(err) = js.create_stream(wanted).await {
+        js.get_stream(&name)
+            .await
+            .map_err(|_| format!("create: {err}"))?;
+    }
+    Ok(())
 }
 
 fn layout_error(reason: String) -> MeshError {

@@ -19,6 +19,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use async_nats::HeaderMap;
 
 use crate::error::MeshError;
+use crate::stores::async_queue;
 use crate::wire::subjects::JOB_BUCKET;
 
 /// The stream's name.
@@ -83,14 +84,9 @@ impl WebhookQueue {
                         .map_err(|e| layout_error(format!("update: {e}")))?;
                 }
             }
-            Err(_) => {
-                if let Err(err) = js.create_stream(wanted).await {
-                    // Another gateway may have created it meanwhile.
-                    js.get_stream(STREAM)
-                        .await
-                        .map_err(|_| layout_error(format!("create: {err}")))?;
-                }
-            }
+            Err(_) => async_queue::create_or_find(js, wanted)
+                .await
+                .map_err(layout_error)?,
         }
         Ok(Self { js: js.clone() })
     }
