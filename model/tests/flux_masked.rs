@@ -138,7 +138,7 @@ fn masked(model: &FluxTransformer, reqs: &[MaskedRequest]) -> Vec<Tensor> {
     tch::no_grad(|| model.forward_masked(reqs)).unwrap()
 }
 
-const FORMATS: [KvFormat; 2] = [KvFormat::Raw, KvFormat::Prepared];
+const FORMATS: [KvFormat; 3] = [KvFormat::Raw, KvFormat::Prepared, KvFormat::Hidden];
 
 /// A copy of `cache` (same format) with every block's K/V passed through `f`.
 fn map_cache(cache: &CapturedKv, f: impl Fn(&Tensor) -> Tensor) -> CapturedKv {
@@ -222,10 +222,42 @@ fn partial_mask_with_captured_cache_equals_full_forward_at_masked_tokens() {
         );
         outs.push(out.into_iter().next().unwrap());
     }
-    // Both formats describe the same attention inputs.
+    // Every format describes the same attention inputs (the hidden stream's K/V are rebuilt
+    // under the edit's conditioning, here the template's own).
+    for (format, out) in FORMATS.iter().zip(&outs).skip(1) {
+        let err = max_err(out, &outs[0]);
+        println!("raw vs {format:?}: max abs err {err:.3e}");
+        assert!(err <= 1e-5, "raw vs {format:?}: {err}");
+    }
+}
+
+/// A hidden-stream (Y) cache rebuilds the unmasked tokens' K/V under the edit's own
+/// conditioning: an edit with another prompt (its pooled embedding enters every block's AdaLN)
+/// reads different K/V from it than from the template's stored K/V, while with the template's
+/// prompt the two agree (checked above). Stored as one tensor per block, not two.
+#[test]
+fn hidden_cache_follows_the_edits_conditioning() {
+    let (model, _fixture) = model();
+    let template = Case::new(5, 0.4, 2.0);
+    let (_, prepared) = template.full_with_cache(&model, KvFormat::Prepared);
+    let (_, hidden) = template.full_with_cache(&model, KvFormat::Hidden);
+    for (k, v) in &hidden.blocks {
+        assert!(k.equal(v), "a hidden block is one tensor, given twice");
+    }
+    let index = random_mask(13);
+    let mut edit = Case::new(5, 0.4, 2.0);
+    edit.hs = template.hs.shallow_clone();
+    edit.text = template.text.shallow_clone();
+    let outs: Vec<Tensor> = [&prepared, &hidden]
+        .iter()
+        .map(|c| masked(&model, &[edit.request(&index, c)]).remove(0))
+        .collect();
     let err = max_err(&outs[0], &outs[1]);
-    println!("raw vs prepared: max abs err {err:.3e}");
-    assert!(err <= 1e-5, "raw vs prepared: {err}");
+    println!("another pooled prompt: prepared vs hidden {err:.3e}");
+    assert!(
+        err > 1e-4,
+        "the hidden cache ignored the edit's conditioning: {err}"
+    );
 }
 
 #[test]
@@ -265,8 +297,8 @@ fn packed_batch_equals_each_request_alone() {
     let formats = [
         KvFormat::Raw,
         KvFormat::Prepared,
-        KvFormat::Prepared,
-        KvFormat::Raw,
+        KvFormat::Hidden,
+        KvFormat::Hidden,
     ];
     let caches: Vec<CapturedKv> = cases
         .iter()
@@ -318,7 +350,7 @@ fn padded_attention_equals_the_per_request_loop() {
         Case::new(5, 0.05, 4.0),
     ];
     let mixed_text = [Case::new(3, 0.5, 2.5), Case::new(6, 0.7, 3.0)];
-    let formats = [KvFormat::Raw, KvFormat::Prepared, KvFormat::Raw];
+    let formats = [KvFormat::Raw, KvFormat::Prepared, KvFormat::Hidden];
     for (cases, masks) in [
         (
             &same_text[..],

@@ -186,7 +186,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn a_spread_edit_equals_the_single_rank_edit() {
-    use KvFormat::{Prepared, Raw};
+    use KvFormat::{Hidden, Prepared, Raw};
     let cases: Vec<(&str, Vec<Request>)> = vec![
         ("raw, 11 of 35 masked", vec![Request::new(1, 11, 0.6, Raw)]),
         (
@@ -200,6 +200,13 @@ fn a_spread_edit_equals_the_single_rank_edit() {
             vec![
                 Request::new(5, 9, 0.7, Raw),
                 Request::new(6, 20, 0.2, Prepared),
+            ],
+        ),
+        (
+            "a batch with a hidden-stream cache",
+            vec![
+                Request::new(7, 9, 0.7, Prepared),
+                Request::new(8, 14, 0.45, Hidden),
             ],
         ),
     ];

@@ -100,6 +100,11 @@ impl QkvProj {
         })
     }
 
+    /// Raw `to_k` and `to_v` projections of `x` (no norm, no heads split).
+    pub fn raw_kv(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((self.to_k.forward(x)?, self.to_v.forward(x)?))
+    }
+
     /// `norm_k` applied to raw keys `[..., inner]` (fresh or cached), giving `[..., H, D]`.
     pub fn norm_k(&self, k_raw: &Tensor) -> Result<Tensor> {
         self.norm_k.forward(&to_heads(k_raw, self.head_dim)?)
@@ -217,6 +222,20 @@ impl DoubleBlock {
     }
 }
 
+/// AdaLN rows of one request, unexpanded (`[1, C]` chunks broadcast over its tokens).
+fn one_row(c: &Tensor) -> Result<Tensor> {
+    Ok(c.shallow_clone())
+}
+
+impl DoubleBlock {
+    /// Raw image K and V `[N, inner]` of a cached input hidden stream `h` (`KvFormat::Hidden`)
+    /// under one request's conditioning `temb_silu` (`[1, C]`): what `pre` computes for them.
+    pub fn hidden_kv(&self, temb_silu: &Tensor, h: &Tensor) -> Result<(Tensor, Tensor)> {
+        let m = DoubleMods::new(&self.norm1, temb_silu, &one_row)?;
+        self.img.raw_kv(&m.msa.apply(h, self.dim)?)
+    }
+}
+
 impl DoubleBlock {
     /// The whole block over full `[B, S, C]` streams (no capture), as diffusers runs it:
     /// returns the new (image, text) streams. `rope` covers the text then the image tokens.
@@ -291,6 +310,13 @@ impl SingleBlock {
             qkv: self.attn.forward(&nx)?,
             mlp,
         })
+    }
+
+    /// Raw K and V `[N, inner]` of a cached input hidden stream `h` (`KvFormat::Hidden`)
+    /// under one request's conditioning `temb_silu` (`[1, C]`): what `pre` computes for them.
+    pub fn hidden_kv(&self, temb_silu: &Tensor, h: &Tensor) -> Result<(Tensor, Tensor)> {
+        let m = self.mods(temb_silu, &one_row)?;
+        self.attn.raw_kv(&m.apply(h, self.dim)?)
     }
 
     /// `x + gate * proj_out(cat[attn, mlp])`.

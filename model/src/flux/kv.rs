@@ -1,18 +1,25 @@
 //! The mask-aware K/V cache interface: what `forward_capture` hands out and `forward_masked` reads.
 //!
-//! Two formats, chosen by the capture caller (`KvSink::format`) and carried with the cache
-//! (`KvCache::format`). Both are `[N, inner]` per block (token-major, heads flattened), so one
-//! storage path serves both:
+//! Three formats, chosen by the capture caller (`KvSink::format`) and carried with the cache
+//! (`KvCache::format`). All are `[N, inner]` per block (token-major, heads flattened), so one
+//! storage path serves them:
 //! - `Raw`: the `to_k`/`to_v` projections before QK RMSNorm and RoPE (what FlashPS caches). The
 //!   edit re-applies `norm_k` and RoPE to all N cached keys in every block.
 //! - `Prepared`: K after `norm_k` and RoPE, V unchanged. Both are per-token and depend only on the
 //!   token's own projection and position, never on the request, so for the unmasked tokens of the
 //!   same (template, step) they equal what the edit would compute: caching them is exact and saves
 //!   the per-block norm + RoPE over N rows.
+//! - `Hidden`: FlashPS's Y cache (paper Fig. 5-Bottom): the block's input hidden stream at the
+//!   image tokens, i.e. the previous block's output Y. One tensor instead of two, so half the
+//!   bytes; the edit rebuilds the unmasked tokens' K/V from it with its own AdaLN row (LayerNorm,
+//!   modulation, `to_k`/`to_v`: about a sixth of a block's per-token compute). Because the
+//!   modulation is the edit's own, it is exact against `Prepared` when the conditioning matches
+//!   and closer to full compute when it does not (another prompt's pooled embedding).
 use crate::error::{ModelError, Result};
 use tch::Tensor;
 
-/// Layout of cached keys; values are the raw `to_v` rows in both.
+/// What a cache holds per block: keys and values (values are the raw `to_v` rows in both K/V
+/// formats), or the block's input hidden stream.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum KvFormat {
     /// Keys are raw `to_k` rows (before `norm_k` and RoPE).
@@ -20,10 +27,59 @@ pub enum KvFormat {
     Raw,
     /// Keys are `rope(norm_k(to_k))` rows at the token's own position.
     Prepared,
+    /// The block's input hidden stream (FlashPS's Y); K/V are projected from it at read time.
+    Hidden,
+}
+
+impl KvFormat {
+    /// Tensors stored per block: two (K, V), or one (the hidden stream).
+    pub fn parts(self) -> usize {
+        match self {
+            KvFormat::Raw | KvFormat::Prepared => 2,
+            KvFormat::Hidden => 1,
+        }
+    }
+
+    /// Compute spent per cached token to turn a block's cache into K/V, as a fraction of the
+    /// block's compute per computed token: a hidden stream is LayerNorm-modulated and projected
+    /// by `to_k` and `to_v`, 2 of the 12 `dim x dim` products a token costs in a Flux block
+    /// (double: q, k, v, out and a 4x MLP; single: q, k, v, the 4x MLP in and the 5x out);
+    /// K/V formats need at most a norm and RoPE, noise beside that.
+    pub fn read_compute_per_token(self) -> f64 {
+        match self {
+            KvFormat::Raw | KvFormat::Prepared => 0.0,
+            KvFormat::Hidden => 2.0 / 12.0,
+        }
+    }
+
+    /// The name flags, metrics and reports use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvFormat::Raw => "raw",
+            KvFormat::Prepared => "prepared",
+            KvFormat::Hidden => "hidden",
+        }
+    }
+
+    /// Parse `raw|prepared|hidden` (`y`, the paper's name, is `hidden`).
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "raw" => KvFormat::Raw,
+            "prepared" => KvFormat::Prepared,
+            "hidden" | "y" => KvFormat::Hidden,
+            other => {
+                return Err(ModelError::input(
+                    "cache_format",
+                    format!("expected raw, prepared or hidden (y), got {other:?}"),
+                ))
+            }
+        })
+    }
 }
 
 /// Receives the captured image-token K/V of each block (`[N, inner]` each, in `format()`) during
-/// `forward_capture`; the caller decides where they go (memory, cachestore, disk).
+/// `forward_capture`; the caller decides where they go (memory, cachestore, disk). A `Hidden`
+/// sink gets the hidden stream as both `k` and `v` (the same tensor) and keeps one.
 pub trait KvSink {
     fn put(&mut self, block: usize, k: &Tensor, v: &Tensor) -> Result<()>;
 
@@ -44,6 +100,7 @@ impl<F: FnMut(usize, &Tensor, &Tensor) -> Result<()>> KvSink for FnSink<F> {
 
 /// Supplies one request's cached K/V per block (`[N, inner]` each, any dtype/device; they are
 /// converted to the model's). Called once per block in order, so an implementation may load lazily.
+/// A `Hidden` cache returns the hidden stream as `k` (and `v` is not read).
 pub trait KvCache {
     fn block_kv(&self, block: usize) -> Result<(Tensor, Tensor)>;
 

@@ -1,5 +1,6 @@
 //! Byte encoding of one block's cached image K/V, for the cache tiers (memory, disk, object
-//! store) and the network: a 16-byte header, then K, then V.
+//! store) and the network: a 16-byte header, then K, then V (a `Hidden` block: the hidden
+//! stream only).
 //!
 //! Header: `b"DMKV"`, version (1), [`CacheDtype`] code, [`KvFormat`] code, 0, rows (u32 LE),
 //! cols (u32 LE). Payloads are row-major; `Fp8` stores per-row f32 scales first (absmax / 448,
@@ -104,20 +105,22 @@ fn format_code(f: KvFormat) -> u8 {
     match f {
         KvFormat::Raw => 0,
         KvFormat::Prepared => 1,
+        KvFormat::Hidden => 2,
     }
 }
 
-/// Encoded size of one block's K and V (`rows x cols` each).
-pub fn encoded_len(rows: usize, cols: usize, dtype: CacheDtype) -> usize {
+/// Encoded size of one block (`format.parts()` tensors of `rows x cols`).
+pub fn encoded_len(rows: usize, cols: usize, dtype: CacheDtype, format: KvFormat) -> usize {
     let scales = if dtype == CacheDtype::Fp8 {
         4 * rows
     } else {
         0
     };
-    HEADER + 2 * (scales + rows * cols * dtype.element_bytes())
+    HEADER + format.parts() * (scales + rows * cols * dtype.element_bytes())
 }
 
-/// Encode one block's `[N, inner]` K and V (any float dtype, any device).
+/// Encode one block's `[N, inner]` K and V (any float dtype, any device); a `Hidden` block
+/// stores `k` (the hidden stream) only.
 pub fn encode_block(
     k: &Tensor,
     v: &Tensor,
@@ -136,12 +139,12 @@ pub fn encode_block(
         ));
     }
     let (rows, cols) = (size[0] as usize, size[1] as usize);
-    let mut out = Vec::with_capacity(encoded_len(rows, cols, dtype));
+    let mut out = Vec::with_capacity(encoded_len(rows, cols, dtype, format));
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&[VERSION, dtype.code(), format_code(format), 0]);
     out.extend_from_slice(&(rows as u32).to_le_bytes());
     out.extend_from_slice(&(cols as u32).to_le_bytes());
-    for t in [k, v] {
+    for t in [k, v].into_iter().take(format.parts()) {
         append_payload(&mut out, t, dtype)?;
     }
     Ok(out)
@@ -195,11 +198,12 @@ pub fn read_header(blob: &[u8]) -> Result<BlobHeader> {
     let format = match blob[6] {
         0 => KvFormat::Raw,
         1 => KvFormat::Prepared,
+        2 => KvFormat::Hidden,
         other => return Err(bad("format", format!("unknown format code {other}"))),
     };
     let word = |at: usize| u32::from_le_bytes([blob[at], blob[at + 1], blob[at + 2], blob[at + 3]]);
     let (rows, cols) = (word(8) as usize, word(12) as usize);
-    let expect = encoded_len(rows, cols, dtype);
+    let expect = encoded_len(rows, cols, dtype, format);
     if blob.len() != expect {
         return Err(bad(
             "length",
@@ -218,7 +222,8 @@ pub fn read_header(blob: &[u8]) -> Result<BlobHeader> {
     })
 }
 
-/// Decode one block into `[N, inner]` K and V of `kind` (on the CPU).
+/// Decode one block into `[N, inner]` K and V of `kind` (on the CPU); a `Hidden` block's
+/// hidden stream comes back as both.
 pub fn decode_block(blob: &[u8], kind: Kind) -> Result<(Tensor, Tensor, KvFormat)> {
     let h = read_header(blob)?;
     // `from_data_size` copies: every part is a tensor of its own.
@@ -234,7 +239,7 @@ pub fn decode_block(blob: &[u8], kind: Kind) -> Result<(Tensor, Tensor, KvFormat
 /// bytes to the device and decodes there, so only the narrow form crosses the bus. K and V are
 /// always fresh tensors, never views of `raw` (its buffer is reused for the next block).
 pub fn decode_block_bytes(h: &BlobHeader, raw: &Tensor, kind: Kind) -> Result<(Tensor, Tensor)> {
-    let expect = encoded_len(h.rows, h.cols, h.dtype);
+    let expect = encoded_len(h.rows, h.cols, h.dtype, h.format);
     if raw.kind() != Kind::Uint8 || raw.dim() != 1 || raw.size()[0] as usize != expect {
         return Err(bad(
             "length",
@@ -296,7 +301,10 @@ fn decode_parts(
         })
     };
     let k = next()?;
-    let v = next()?;
+    let v = match h.format.parts() {
+        1 => k.shallow_clone(),
+        _ => next()?,
+    };
     Ok((k, v))
 }
 
@@ -335,7 +343,7 @@ mod tests {
             (CacheDtype::Fp8, 7e-2),
         ] {
             let blob = encode_block(&k, &v, KvFormat::Prepared, dtype).unwrap();
-            assert_eq!(blob.len(), encoded_len(37, 24, dtype));
+            assert_eq!(blob.len(), encoded_len(37, 24, dtype, KvFormat::Prepared));
             let (k2, v2, f) = decode_block(&blob, Kind::Float).unwrap();
             assert_eq!(f, KvFormat::Prepared);
             let (ek, ev) = (max_rel_err(&k2, &k), max_rel_err(&v2, &v));
@@ -378,11 +386,41 @@ mod tests {
         assert!(err.to_string().contains("cache_blob.length"), "{err}");
     }
 
+    /// A hidden-stream block keeps one tensor: half a K/V block's payload, the same header,
+    /// and it decodes (on the host and from device bytes) into that tensor twice.
+    #[test]
+    fn hidden_blocks_hold_one_tensor() {
+        let (h, other) = kv();
+        for dtype in [CacheDtype::F32, CacheDtype::Bf16, CacheDtype::Fp8] {
+            let blob = encode_block(&h, &h, KvFormat::Hidden, dtype).unwrap();
+            let kv_len = encoded_len(37, 24, dtype, KvFormat::Prepared);
+            assert_eq!(blob.len(), (kv_len - HEADER) / 2 + HEADER, "{dtype:?}");
+            let (a, b, f) = decode_block(&blob, Kind::Float).unwrap();
+            assert_eq!(f, KvFormat::Hidden);
+            assert!(a.equal(&b), "{dtype:?}");
+            let full = encode_block(&h, &other, KvFormat::Prepared, dtype).unwrap();
+            let (k, _, _) = decode_block(&full, Kind::Float).unwrap();
+            assert!(
+                a.equal(&k),
+                "{dtype:?}: the hidden stream decodes as K would"
+            );
+            let head = read_header(&blob).unwrap();
+            let (d, _) =
+                decode_block_bytes(&head, &Tensor::from_slice(&blob), Kind::Float).unwrap();
+            assert!(d.equal(&a), "{dtype:?}");
+        }
+        // A K/V blob relabelled hidden has the wrong length for its header.
+        let mut blob = encode_block(&h, &other, KvFormat::Raw, CacheDtype::Bf16).unwrap();
+        blob[6] = 2;
+        let err = decode_block(&blob, Kind::Float).unwrap_err();
+        assert!(err.to_string().contains("cache_blob.length"), "{err}");
+    }
+
     #[test]
     fn narrower_dtypes_are_smaller() {
         let sizes: Vec<usize> = [CacheDtype::F32, CacheDtype::Bf16, CacheDtype::Fp8]
             .iter()
-            .map(|&d| encoded_len(1024, 1024, d))
+            .map(|&d| encoded_len(1024, 1024, d, KvFormat::Raw))
             .collect();
         assert!(sizes[0] > sizes[1] && sizes[1] > sizes[2], "{sizes:?}");
     }

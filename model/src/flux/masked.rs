@@ -12,7 +12,7 @@
 //! sequence without padding for every token-wise op; each token carries its request index so it
 //! gathers its own request's AdaLN rows. Only attention is split per request: one call per request,
 //! or on a GPU one padded call for the batch (`padded_attention`).
-use super::blocks::{attention, to_heads, QkvProj};
+use super::blocks::{attention, to_heads, DoubleBlock, SingleBlock};
 use super::embeddings::Rope;
 use super::gather::{cat_rows, check_token_index, gather_rows, merge_rows_, offsets, request_ids};
 use super::padded_attention::{MaskedAttention, PaddedLayout, RequestRows};
@@ -21,6 +21,9 @@ use crate::error::{ModelError, Result};
 use tch::{Device, Kind, Tensor};
 
 pub use super::kv::{CapturedKv, FnSink, KvCache, KvFormat, KvSink};
+
+mod cache_read;
+use cache_read::{CacheRead, CachedLayer};
 
 /// Completes a rank's fresh keys and values where an edit's masked tokens are spread over the
 /// ranks of a group ([`super::masked_parallel`]).
@@ -80,7 +83,7 @@ struct Prepared {
     key_rows: Option<Tensor>,
     /// RoPE rows of the computed tokens (text, then masked image tokens), for queries and keys.
     rope: Rope,
-    /// RoPE rows of all N image tokens: only for a raw cache that is read.
+    /// RoPE rows of all N image tokens: only for a raw or hidden cache that is read.
     rope_img: Option<Rope>,
     format: KvFormat,
     /// Set when M = N (nothing is cached, the request is a plain full forward): the fresh
@@ -346,7 +349,7 @@ impl FluxTransformer {
     fn masked_double_block(
         &self,
         i: usize,
-        block: &super::blocks::DoubleBlock,
+        block: &DoubleBlock,
         phase: &Phase,
         requests: &[MaskedRequest],
         (img, txt): (&Tensor, &Tensor),
@@ -356,6 +359,11 @@ impl FluxTransformer {
         let img_rows = |c: &Tensor| Phase::rows(&phase.img_rid, c);
         let txt_rows = |c: &Tensor| Phase::rows(&phase.txt_rid, c);
         let (img_mod, txt_mod) = block.mods(&cond.temb_silu, &img_rows, &txt_rows)?;
+        let read = CacheRead {
+            block: i,
+            layer: CachedLayer::Double(block),
+            cond,
+        };
         let (qi, qt) = block.pre(img, txt, &img_mod, &txt_mod)?;
         if let Some(padded) = &phase.padded {
             let cat = |t: &Tensor, i: &Tensor| Tensor::f_cat(&[t, i], 0);
@@ -364,7 +372,7 @@ impl FluxTransformer {
                 &cat(&qt.k, &qi.k)?,
                 &cat(&qt.v, &qi.v)?,
                 self.cfg.attention_head_dim,
-                |r| self.cached_kv_of(i, &phase.prep[r], requests[r].cache, &block.img),
+                |r| self.cached_kv_of(&read, r, &phase.prep[r], requests[r].cache),
             )?;
             let t = phase.total_txt;
             let attn_txt = attn.f_narrow(0, 0, t)?;
@@ -383,10 +391,10 @@ impl FluxTransformer {
                 )?)
             };
             let o = self.request_attention(
-                (i, r),
+                &read,
+                r,
                 p,
                 q.cache,
-                &block.img,
                 Streams {
                     q: join(&qt.q, &qi.q)?,
                     k: join(&qt.k, &qi.k)?,
@@ -406,7 +414,7 @@ impl FluxTransformer {
     fn masked_single_block(
         &self,
         b: usize,
-        block: &super::blocks::SingleBlock,
+        block: &SingleBlock,
         phase: &Phase,
         requests: &[MaskedRequest],
         x: &Tensor,
@@ -417,12 +425,17 @@ impl FluxTransformer {
         let m = block.mods(&cond.temb_silu, &all_rows)?;
         let pre = block.pre(x, &m)?;
         let qkv = &pre.qkv;
+        let read = CacheRead {
+            block: b,
+            layer: CachedLayer::Single(block),
+            cond,
+        };
         let attn = if phase.single_request() {
             self.request_attention(
-                (b, 0),
+                &read,
+                0,
                 &phase.prep[0],
                 requests[0].cache,
-                &block.attn,
                 Streams {
                     q: qkv.q.shallow_clone(),
                     k: qkv.k.shallow_clone(),
@@ -432,7 +445,7 @@ impl FluxTransformer {
             )?
         } else if let Some(padded) = &phase.padded {
             padded.attend(&qkv.q, &qkv.k, &qkv.v, self.cfg.attention_head_dim, |r| {
-                self.cached_kv_of(b, &phase.prep[r], requests[r].cache, &block.attn)
+                self.cached_kv_of(&read, r, &phase.prep[r], requests[r].cache)
             })?
         } else {
             let mut out_txt = Vec::with_capacity(phase.prep.len());
@@ -449,10 +462,10 @@ impl FluxTransformer {
                     )?)
                 };
                 let o = self.request_attention(
-                    (b, r),
+                    &read,
+                    r,
                     p,
                     q.cache,
-                    &block.attn,
                     Streams {
                         q: join(&qkv.q)?,
                         k: join(&qkv.k)?,
@@ -481,10 +494,10 @@ impl FluxTransformer {
     /// keys and values with the other ranks' before they join the cached ones.
     fn request_attention(
         &self,
-        (block, request): (usize, usize),
+        read: &CacheRead,
+        request: usize,
         p: &Prepared,
         cache: &dyn KvCache,
-        proj: &QkvProj,
         s: Streams,
         keys: Option<&mut (dyn SpreadKeys + '_)>,
     ) -> Result<Tensor> {
@@ -510,7 +523,7 @@ impl FluxTransformer {
             // result matches the full forward's.
             (gather_rows(&k, order)?, gather_rows(&v, order)?)
         } else {
-            let (ck, cv) = self.cached_kv(block, p, cache, proj)?;
+            let (ck, cv) = self.cached_kv(read, request, p, cache)?;
             // Cached rows at `T..T + N`, then the fresh rows written over their positions; text
             // rows are among the fresh ones, so every row of the buffer is written.
             let size = [p.txt + p.img, k.size()[1], head_dim];
@@ -523,46 +536,6 @@ impl FluxTransformer {
         };
         let o = attention(&q.f_unsqueeze(0)?, &k.f_unsqueeze(0)?, &v.f_unsqueeze(0)?)?;
         Ok(o.f_squeeze_dim(0)?)
-    }
-
-    /// [`Self::cached_kv`] of a request that reads its cache; `None` when it computes every token.
-    fn cached_kv_of(
-        &self,
-        block: usize,
-        p: &Prepared,
-        cache: &dyn KvCache,
-        proj: &QkvProj,
-    ) -> Result<Option<(Tensor, Tensor)>> {
-        if p.all_masked() {
-            return Ok(None);
-        }
-        self.cached_kv(block, p, cache, proj).map(Some)
-    }
-
-    /// One block's cached image K/V as `[N, H, D]`, keys normed and rotated (by us for a raw cache).
-    fn cached_kv(
-        &self,
-        block: usize,
-        p: &Prepared,
-        cache: &dyn KvCache,
-        proj: &QkvProj,
-    ) -> Result<(Tensor, Tensor)> {
-        let (device, kind) = self.device_kind();
-        let (inner, head_dim) = (self.cfg.inner_dim(), self.cfg.attention_head_dim);
-        let (k, v) = cache.block_kv(block)?;
-        let k = cached_rows("cache.k", block, k, p.img, inner, device, kind)?;
-        let v = cached_rows("cache.v", block, v, p.img, inner, device, kind)?;
-        let k = match (p.format, &p.rope_img) {
-            (KvFormat::Prepared, _) => to_heads(&k, head_dim)?,
-            (KvFormat::Raw, Some(rope)) => rope.apply(&proj.norm_k(&k)?)?,
-            (KvFormat::Raw, None) => {
-                return Err(ModelError::input(
-                    "cache",
-                    "raw cache read without image RoPE tables (internal error)",
-                ))
-            }
-        };
-        Ok((k, to_heads(&v, head_dim)?))
     }
 
     /// Validate one request and precompute its positions and RoPE rows; `full` prepares the
@@ -664,7 +637,9 @@ impl FluxTransformer {
         )?;
         let rope = Rope::new(&q_ids, &cfg.axes_dims_rope)?;
         let rope_img = match format {
-            KvFormat::Raw if !all_masked => Some(Rope::new(&img_ids, &cfg.axes_dims_rope)?),
+            KvFormat::Raw | KvFormat::Hidden if !all_masked => {
+                Some(Rope::new(&img_ids, &cfg.axes_dims_rope)?)
+            }
             _ => None,
         };
         let joint_rows = |index: &Tensor| -> Result<Tensor> {
@@ -719,26 +694,6 @@ struct Streams {
     k: Tensor,
     /// `[T + M, inner]` raw.
     v: Tensor,
-}
-
-/// A cached `[N, inner]` tensor on the model's device and dtype; errors name block and field.
-fn cached_rows(
-    field: &str,
-    block: usize,
-    t: Tensor,
-    n: i64,
-    inner: i64,
-    device: Device,
-    kind: Kind,
-) -> Result<Tensor> {
-    let s = t.size();
-    if s != [n, inner] {
-        return Err(ModelError::input(
-            field,
-            format!("block {block}: expected [{n}, {inner}], got {s:?}"),
-        ));
-    }
-    Ok(t.f_to_device(device)?.f_to_kind(kind)?)
 }
 
 /// Guidance of every request as `[R]`, or `None` when no request has one; a mix is an error.

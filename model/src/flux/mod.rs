@@ -192,8 +192,9 @@ impl FluxTransformer {
 
     /// Full forward of ONE request (`B = 1`) that also hands every block's K/V of the image tokens
     /// (`[N, inner]` each) to `sink`, block by block in cache order (double blocks, then single
-    /// blocks), in `sink.format()`: raw `to_k`/`to_v` projections (before QK norm and RoPE), or
-    /// keys after `norm_k` and RoPE (`KvFormat::Prepared`). Text K/V are not captured.
+    /// blocks), in `sink.format()`: raw `to_k`/`to_v` projections (before QK norm and RoPE),
+    /// keys after `norm_k` and RoPE (`KvFormat::Prepared`), or the block's input hidden stream
+    /// (`KvFormat::Hidden`, given as both `k` and `v`). Text K/V are not captured.
     pub fn forward_capture(&self, inputs: &FluxInputs, sink: &mut dyn KvSink) -> Result<Tensor> {
         let b = inputs.hidden_states.size().first().copied().unwrap_or(0);
         if b != 1 {
@@ -240,11 +241,16 @@ impl FluxTransformer {
             let q = rope.apply(&Tensor::f_cat(&[&qt.q, &qi.q], 1)?)?;
             let k = rope.apply(&Tensor::f_cat(&[&qt.k, &qi.k], 1)?)?;
             if let Some(sink) = sink.as_deref_mut() {
-                let ck = match format {
-                    Some(KvFormat::Prepared) => prepared_img(&k)?,
-                    _ => qi.k_raw.f_select(0, 0)?,
-                };
-                sink.put(i, &ck, &qi.v.f_select(0, 0)?)?;
+                match format {
+                    Some(KvFormat::Hidden) => {
+                        let h = img.f_select(0, 0)?;
+                        sink.put(i, &h, &h)?
+                    }
+                    Some(KvFormat::Prepared) => {
+                        sink.put(i, &prepared_img(&k)?, &qi.v.f_select(0, 0)?)?
+                    }
+                    _ => sink.put(i, &qi.k_raw.f_select(0, 0)?, &qi.v.f_select(0, 0)?)?,
+                }
             }
             let v = blocks::to_heads(&Tensor::f_cat(&[&qt.v, &qi.v], 1)?, head_dim)?;
             let o = attention(&q, &k, &v)?;
@@ -265,11 +271,17 @@ impl FluxTransformer {
             let q = rope.apply(&pre.qkv.q)?;
             let k = rope.apply(&pre.qkv.k)?;
             if let Some(sink) = sink.as_deref_mut() {
+                let image = |x: &Tensor| x.f_select(0, 0)?.f_narrow(0, t, n);
                 let ck = match format {
+                    // `x` is still this block's input.
+                    Some(KvFormat::Hidden) => image(&x)?,
                     Some(KvFormat::Prepared) => prepared_img(&k)?,
-                    _ => pre.qkv.k_raw.f_select(0, 0)?.f_narrow(0, t, n)?,
+                    _ => image(&pre.qkv.k_raw)?,
                 };
-                let v = pre.qkv.v.f_select(0, 0)?.f_narrow(0, t, n)?;
+                let v = match format {
+                    Some(KvFormat::Hidden) => ck.shallow_clone(),
+                    _ => image(&pre.qkv.v)?,
+                };
                 sink.put(first_single + j, &ck, &v)?;
             }
             let v = blocks::to_heads(&pre.qkv.v, head_dim)?;
