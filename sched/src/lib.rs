@@ -5,6 +5,8 @@
 //!   (with R^2).
 //! - [`planner`]: FlashPS Algorithm 1, made exact: per block, use the cached activations (loaded
 //!   in order on a copy stream) or recompute all tokens, minimising the step latency.
+//! - [`three_way`]: the per-block choice between full compute, loading K/V, and loading the
+//!   hidden stream (FlashPS's Y), exact over the plans an engine can run.
 //! - [`batching`]: the engine's step-level continuous-batching admission rule.
 //! - [`queue_order`]: the order a worker admits its waiting requests in (GF-DiT's FCFS, SRTF,
 //!   EDF), shared by the engine and the simulator.
@@ -30,6 +32,7 @@ pub mod profiles;
 pub mod queue_order;
 pub mod sim;
 pub mod synthetic;
+pub mod three_way;
 
 pub use compute_fit::ComputeFit;
 pub use cost_model::{CostModels, LinearFit, ModelShape, Profile};
