@@ -98,6 +98,13 @@ fn tokens(s: &DenoiseState) -> (f64, f64, f64) {
     (rows * t, rows * m, rows * n)
 }
 
+/// A cached state's compute per block in computed-token units: its text and masked tokens,
+/// plus what rebuilding K/V from a cache in `format` costs over all its image tokens.
+fn cached_block_tokens(s: &DenoiseState, format: KvFormat) -> f64 {
+    let (t, m, n) = tokens(s);
+    t + m + n * format.read_compute_per_token()
+}
+
 impl CachedStepper {
     /// `gpu`: the copy stream of the model's GPU (none on CPU).
     pub fn new(settings: CacheSettings, gpu: Option<Arc<GpuCopy>>) -> std::io::Result<Self> {
@@ -181,9 +188,13 @@ impl CachedStepper {
             .enumerate()
             .filter(|(_, s)| !s.is_done())
             .map(|(i, s)| {
-                let (t, m, n) = tokens(s);
+                let (t, _, n) = tokens(s);
                 let cached_here = matches!(modes[i], StepMode::Cached(_));
-                let per_block = if cached_here { t + m } else { t + n };
+                let per_block = if cached_here {
+                    cached_block_tokens(s, self.settings.format)
+                } else {
+                    t + n
+                };
                 let full_blocks = if cached_here {
                     prefix as f64
                 } else {
@@ -233,9 +244,9 @@ impl CachedStepper {
             .sum();
         let (mut all, mut masked, mut bytes) = (0.0, 0.0, 0.0);
         for (i, cache) in cached {
-            let (t, m, n) = tokens(states[*i]);
+            let (t, _, n) = tokens(states[*i]);
             all += t + n;
-            masked += t + m;
+            masked += cached_block_tokens(states[*i], cache.format);
             bytes += cache.bytes() as f64 / (cache.steps() * cache.blocks()).max(1) as f64;
         }
         // Before the loader has measured anything, assume loads are cheap (memory speed).
@@ -315,16 +326,9 @@ impl KvSink for CaptureSink {
 }
 
 pub fn format_name(f: KvFormat) -> &'static str {
-    match f {
-        KvFormat::Raw => "raw",
-        KvFormat::Prepared => "prepared",
-    }
+    f.as_str()
 }
 
 pub fn parse_format(s: &str) -> std::result::Result<KvFormat, String> {
-    match s {
-        "raw" => Ok(KvFormat::Raw),
-        "prepared" => Ok(KvFormat::Prepared),
-        other => Err(format!("expected `raw` or `prepared`, got `{other}`")),
-    }
+    KvFormat::parse(s).map_err(|e| e.to_string())
 }

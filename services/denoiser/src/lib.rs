@@ -120,8 +120,9 @@ pub struct DenoiserConfig {
     /// Retry hint sent with rejections.
     #[arg(long, env = "DENOISER_RETRY_AFTER", default_value = "500ms", value_parser = duration)]
     pub retry_after: Duration,
-    /// Key layout of captured template caches: `prepared` (keys after norm + RoPE, cheaper
-    /// edits) or `raw` (projections, as FlashPS caches them).
+    /// What captured template caches hold: `prepared` (K/V, keys after norm + RoPE: the
+    /// cheapest edits), `raw` (the K/V projections) or `hidden` (alias `y`: each block's input
+    /// hidden stream, FlashPS's Y cache: half the bytes, K/V re-projected in the edit).
     #[arg(long, env = "DENOISER_CACHE_FORMAT", default_value = "prepared")]
     pub cache_format: String,
     /// Storage dtype of template caches: f32, f16, bf16 or fp8 (lossy, per-row scaled).
@@ -335,8 +336,13 @@ impl DenoiserConfig {
             expected,
         };
         Ok(cached_step::CacheSettings {
-            format: cached_step::parse_format(&self.cache_format)
-                .map_err(|_| flag("cache-format", &self.cache_format, "prepared or raw"))?,
+            format: cached_step::parse_format(&self.cache_format).map_err(|_| {
+                flag(
+                    "cache-format",
+                    &self.cache_format,
+                    "prepared, raw or hidden (y)",
+                )
+            })?,
             dtype: diffmesh_model::flux::kv_codec::CacheDtype::parse(&self.cache_dtype)
                 .map_err(|_| flag("cache-dtype", &self.cache_dtype, "f32, f16, bf16 or fp8"))?,
             lookahead: self.cache_lookahead.max(1),

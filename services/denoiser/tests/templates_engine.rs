@@ -2,10 +2,11 @@
 //! job yields a cache; edits reading it at different steps of one continuous batch each read their
 //! own step and end as they do alone; an edit whose cache is still being fetched waits without
 //! holding up other jobs.
-use diffmesh_denoiser::cached_step::TemplateSlot;
+use diffmesh_denoiser::cached_step::{CacheSettings, TemplateSlot};
 use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineHandle, EngineJob};
 use diffmesh_denoiser::model::{EditInputs, EngineModel};
 use diffmesh_denoiser::templates::TemplateEntry;
+use diffmesh_model::flux::KvFormat;
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
 use diffmesh_shared::wire::messages::{DenoiseJob, JobKind, TemplateRef, TrueCfg};
@@ -20,7 +21,8 @@ const STEPS: u32 = 4;
 struct Harness {
     engine: EngineHandle,
     events: mpsc::Receiver<EngineEvent>,
-    _dir: tempfile::TempDir,
+    /// The model's directory (shared with another harness of the same weights).
+    dir: Arc<tempfile::TempDir>,
 }
 
 fn harness() -> Harness {
@@ -29,6 +31,12 @@ fn harness() -> Harness {
         .unwrap()
         .save(dir.path(), None)
         .unwrap();
+    harness_with(Arc::new(dir), CacheSettings::default())
+}
+
+/// An engine with cache settings `cache` over the model saved in `dir`: two harnesses of one
+/// directory have the same weights whatever other tests draw from torch's global RNG meanwhile.
+fn harness_with(dir: Arc<tempfile::TempDir>, cache: CacheSettings) -> Harness {
     let model = EngineModel::load(
         dir.path(),
         Device::Cpu,
@@ -41,13 +49,14 @@ fn harness() -> Harness {
     let config = EngineConfig {
         max_batch: 4,
         max_queue: 8,
+        cache,
         ..Default::default()
     };
     let (engine, _drained) = spawn_engine(model, config, 16, tx, None).unwrap();
     Harness {
         engine,
         events,
-        _dir: dir,
+        dir,
     }
 }
 
@@ -91,8 +100,10 @@ fn ready(entry: &Arc<TemplateEntry>) -> TemplateSlot {
 }
 
 async fn submit_edit(h: &Harness, id: &str, seed: u64, m: Vec<u8>, slot: TemplateSlot) {
-    submit_edit_with(h, id, seed, m, slot, None).await
+    submit_edit_with(h, id, seed, m, slot, None, EDIT_PROMPT).await
 }
+
+const EDIT_PROMPT: &str = "a red circle";
 
 async fn submit_edit_with(
     h: &Harness,
@@ -101,8 +112,9 @@ async fn submit_edit_with(
     m: Vec<u8>,
     slot: TemplateSlot,
     true_cfg: Option<TrueCfg>,
+    prompt: &str,
 ) {
-    let mut j = job(id, JobKind::Edit, "a red circle", seed);
+    let mut j = job(id, JobKind::Edit, prompt, seed);
     j.params.true_cfg = true_cfg;
     // What the codec sets: the repainted fraction of the token grid.
     j.inputs.mask_ratio = m.iter().filter(|&&t| t != 0).count() as f32 / m.len() as f32;
@@ -247,14 +259,23 @@ async fn a_guided_edit_reads_its_streamed_cache_in_both_rows() {
         })
     };
     let (mut images, mut log) = (HashMap::new(), Vec::new());
-    submit_edit_with(&h, "g-alone", 1, ma.clone(), ready(&entry), cfg()).await;
+    submit_edit_with(
+        &h,
+        "g-alone",
+        1,
+        ma.clone(),
+        ready(&entry),
+        cfg(),
+        EDIT_PROMPT,
+    )
+    .await;
     submit_edit(&h, "plain", 1, ma.clone(), ready(&entry)).await;
     events_until(&mut h, &mut images, &mut log, |l| {
         has(l, "finished g-alone") && has(l, "finished plain")
     })
     .await;
     assert!(max_abs_diff(&images["g-alone"], &images["plain"]) > 10);
-    submit_edit_with(&h, "g", 1, ma, ready(&entry), cfg()).await;
+    submit_edit_with(&h, "g", 1, ma, ready(&entry), cfg(), EDIT_PROMPT).await;
     submit_edit(&h, "other", 2, mb, ready(&entry)).await;
     events_until(&mut h, &mut images, &mut log, |l| {
         has(l, "finished g") && has(l, "finished other")
@@ -308,4 +329,90 @@ async fn an_edit_waiting_for_its_cache_lets_other_jobs_pass_then_runs() {
     // bytes would mean the first run did not read the cache).
     let d = max_abs_diff(&images["waiting"], &images["no-cache"]);
     assert!(d > 0, "mask-aware and full compute gave identical bytes");
+}
+
+/// An engine capturing FlashPS's Y cache (each block's input hidden stream) keeps half the
+/// bytes of a K/V engine's, and its streamed edits rebuild the K/V: with the template's own
+/// prompt they end as the K/V engine's edits end; with another prompt they differ (the K/V are
+/// projected under the edit's conditioning); and a guided edit's two rows, each under its own
+/// prompt's conditioning, batched with a plain edit end as they do alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hidden_stream_cache_serves_edits_at_half_the_bytes() {
+    let mut kv = harness();
+    let kv_entry = capture(&mut kv).await;
+    let mut y = harness_with(
+        kv.dir.clone(),
+        CacheSettings {
+            format: KvFormat::Hidden,
+            ..Default::default()
+        },
+    );
+    let y_entry = capture(&mut y).await;
+    assert_eq!(
+        (kv_entry.format, y_entry.format),
+        (KvFormat::Prepared, KvFormat::Hidden)
+    );
+    let ratio = y_entry.bytes() as f64 / kv_entry.bytes() as f64;
+    assert!((0.49..0.51).contains(&ratio), "Y over K/V bytes {ratio}");
+
+    let m = mask(2, 3, 6, 5);
+    let template_prompt = template_ref().prompt;
+    let (mut images, mut log, mut y_log) = (HashMap::new(), Vec::new(), Vec::new());
+    for (h, entry, log) in [
+        (&mut kv, &kv_entry, &mut log),
+        (&mut y, &y_entry, &mut y_log),
+    ] {
+        // One at a time: a batch's GEMMs may round differently from a lone edit's.
+        let prompt = template_prompt.as_str();
+        submit_edit_with(h, "same", 3, m.clone(), ready(entry), None, prompt).await;
+        events_until(h, &mut images, log, |l| has(l, "finished same")).await;
+        submit_edit_with(h, "other", 3, m.clone(), ready(entry), None, EDIT_PROMPT).await;
+        events_until(h, &mut images, log, |l| has(l, "finished other")).await;
+        for id in ["same", "other"] {
+            let image = images.remove(id).unwrap();
+            images.insert(format!("{id} {:?}", entry.format), image);
+        }
+    }
+    let diff =
+        |images: &HashMap<String, Vec<u8>>, a: &str, b: &str| max_abs_diff(&images[a], &images[b]);
+    let same = diff(&images, "same Prepared", "same Hidden");
+    let other = diff(&images, "other Prepared", "other Hidden");
+    println!("K/V against Y cache: with the template's prompt {same}, with another {other}");
+    assert!(same <= 1 && other > 2, "{same} {other}");
+
+    let cfg = || {
+        Some(TrueCfg {
+            negative_prompt: "a green square".into(),
+            scale: 4.0,
+        })
+    };
+    let mb = mask(9, 1, 4, 12);
+    submit_edit_with(
+        &y,
+        "g-alone",
+        1,
+        m.clone(),
+        ready(&y_entry),
+        cfg(),
+        EDIT_PROMPT,
+    )
+    .await;
+    events_until(&mut y, &mut images, &mut y_log, |l| {
+        has(l, "finished g-alone")
+    })
+    .await;
+    submit_edit(&y, "p-alone", 2, mb.clone(), ready(&y_entry)).await;
+    events_until(&mut y, &mut images, &mut y_log, |l| {
+        has(l, "finished p-alone")
+    })
+    .await;
+    submit_edit(&y, "p", 2, mb, ready(&y_entry)).await;
+    submit_edit_with(&y, "g", 1, m, ready(&y_entry), cfg(), EDIT_PROMPT).await;
+    events_until(&mut y, &mut images, &mut y_log, |l| {
+        has(l, "finished g") && has(l, "finished p")
+    })
+    .await;
+    assert!(diff(&images, "g", "g-alone") <= 1);
+    assert!(diff(&images, "p", "p-alone") <= 1);
+    assert!(diff(&images, "g", "p") > 10);
 }

@@ -54,7 +54,7 @@ impl Fp8Decoder {
     }
 
     /// K and V of an fp8 block whose encoded bytes are `raw` (u8, on the device), as bf16
-    /// `[rows, cols]` tensors, queued on `stream` (the compute stream: the output's memory
+    /// `[rows, cols]` tensors (a hidden-stream block's one part as both, as the tch decode gives), queued on `stream` (the compute stream: the output's memory
     /// comes from libtorch's allocator, which orders its reuse on that stream).
     pub fn decode(
         &self,
@@ -64,7 +64,8 @@ impl Fp8Decoder {
     ) -> Result<(Tensor, Tensor), String> {
         let (rows, cols) = (header.rows as u64, header.cols as u64);
         let part = rows * cols;
-        let expect = HEADER as u64 + 2 * (4 * rows + part);
+        let parts = header.format.parts() as u64;
+        let expect = HEADER as u64 + parts * (4 * rows + part);
         let len = raw.size().first().copied().unwrap_or(0) as u64;
         if raw.kind() != Kind::Uint8 || raw.dim() != 1 || len != expect {
             return Err(format!(
@@ -102,7 +103,10 @@ impl Fp8Decoder {
             Ok(out)
         };
         let k = next()?;
-        let v = next()?;
+        let v = match parts {
+            1 => k.shallow_clone(),
+            _ => next()?,
+        };
         Ok((k, v))
     }
 }
@@ -151,6 +155,13 @@ mod tests {
             let (tk, tv) = decode_block_bytes(&header, &raw, Kind::BFloat16).unwrap();
             assert!(fk.equal(&tk), "K of {rows}x{cols}");
             assert!(fv.equal(&tv), "V of {rows}x{cols}");
+            // A hidden-stream block: one part, read as both.
+            let blob = encode_block(&v, &v, KvFormat::Hidden, CacheDtype::Fp8).unwrap();
+            let header = read_header(&blob).unwrap();
+            let raw = Tensor::from_slice(&blob).to_device(cuda);
+            let (fh, fh2) = decoder.decode(&stream, &header, &raw).unwrap();
+            let (th, _) = decode_block_bytes(&header, &raw, Kind::BFloat16).unwrap();
+            assert!(fh.equal(&th) && fh2.equal(&th), "hidden {rows}x{cols}");
         }
         // A block of the wrong length is an error, not an out-of-bounds read.
         let blob = encode_block(
