@@ -7,9 +7,13 @@
 //!   (c) decoded completely before the compute starts ("naive");
 //! - throughput at batch 8, masks drawn from the mask-ratio file: a full batched forward of 8
 //!   against one packed mask-aware forward of the same 8 (pipelined loads);
+//! - the Y (hidden-stream) cache at mask 0.2, ideal and pipelined, and its bytes against K/V's;
+//! - the three-way planner (full, K/V or Y per block) against the K/V prefix planner, on
+//!   per-block costs from those steps, measured streamed where the plan reads one cache kind;
 //! - quality, with the trained tiny model: edits of a rendered template run to the end in full
 //!   compute and through the engine's `CachedStepper` (the serving path), composited like the
-//!   codec does; SSIM and PSNR of mask-aware against full, per cache dtype.
+//!   codec does; SSIM and PSNR of mask-aware against full, whole image, over the mask's box
+//!   and over the masked pixels, per K/V cache dtype and for the Y cache.
 use crate::driver::BenchModel;
 use crate::report::Report;
 use anyhow::{Context, Result};
@@ -30,6 +34,7 @@ use diffmesh_model::quality::{mask_box, psnr, psnr_masked, ssim, ssim_masked};
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 use diffmesh_model::tiny::data::{all_keys, render_rgb, rgb_to_tensor, scene_for};
 use diffmesh_model::tiny::IMAGE_SIZE;
+use diffmesh_sched::three_way::{plan_prefix_kv, plan_three_way, ThreeWayCosts, ThreeWayPlan};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Map, Value};
@@ -95,13 +100,14 @@ pub(crate) fn inputs_as(inputs: FluxInputs, kind: Kind) -> FluxInputs {
     }
 }
 
-/// Capture one forward's K/V as an encoded one-step cache entry.
+/// Capture one forward's K/V (or hidden stream) as an encoded one-step cache entry.
 fn capture_entry(
     model: &FluxTransformer,
     inputs: &FluxInputs,
     dtype: CacheDtype,
+    format: KvFormat,
 ) -> Result<Arc<TemplateEntry>> {
-    let mut sink = CaptureSink::new(KvFormat::Prepared, dtype);
+    let mut sink = CaptureSink::new(format, dtype);
     // Only the captured K/V are wanted here, not the step's output.
     let _output = model.forward_capture(inputs, &mut sink)?;
     sink.end_step();
@@ -139,7 +145,8 @@ fn masked_request<'a>(
         img_ids: inputs.img_ids.shallow_clone(),
         txt_ids: inputs.txt_ids.shallow_clone(),
         cache,
-        full_hidden_states: None,
+        // Read only when a full prefix of blocks runs.
+        full_hidden_states: Some(inputs.hidden_states.get(row)),
     }
 }
 
@@ -171,8 +178,15 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     vs.set_kind(kind);
     let n = side * side;
     let inputs = inputs_as(random_inputs_on(&cfg, side, txt, 1, device), kind);
-    let entry = capture_entry(&model, &inputs, opts.latency_cache_dtype)?;
+    let entry = capture_entry(
+        &model,
+        &inputs,
+        opts.latency_cache_dtype,
+        KvFormat::Prepared,
+    )?;
+    let entry_y = capture_entry(&model, &inputs, opts.latency_cache_dtype, KvFormat::Hidden)?;
     let resident = decode_all(&entry, kind, device)?;
+    let resident_y = decode_all(&entry_y, kind, device)?;
     // On a GPU: the local tier's pinned form and the copy stream, as a GPU denoiser runs them.
     let gpu = match device {
         Device::Cuda(ordinal) => {
@@ -184,10 +198,13 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
         let fused = gpu.use_fused_kernels(opts.fused_kernels);
         report.insert("fused_kernels", json!(fused));
     }
-    let entry = match &gpu {
-        Some(gpu) => Arc::new(gpu.pin(&entry).map_err(anyhow::Error::msg)?),
-        None => entry,
+    let pin = |entry: Arc<TemplateEntry>| -> Result<Arc<TemplateEntry>> {
+        Ok(match &gpu {
+            Some(gpu) => Arc::new(gpu.pin(&entry).map_err(anyhow::Error::msg)?),
+            None => entry,
+        })
     };
+    let (entry, entry_y) = (pin(entry)?, pin(entry_y)?);
     let loader = KvLoader::spawn(2, gpu)?;
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let index = random_index(&mut rng, n, 0.2).to_device(device);
@@ -198,26 +215,31 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
 
     let (mut full, mut ideal, mut pipelined, mut naive) = (vec![], vec![], vec![], vec![]);
     let (mut ideal_011, mut pipelined_011) = (vec![], vec![]);
-    // The mask-aware step at `index` from the resident cache (ideal) and streamed (pipelined).
-    let ideal_ms = |index: &Tensor| {
+    let (mut ideal_y, mut pipelined_y) = (vec![], vec![]);
+    // The mask-aware step at `index` from a resident cache (ideal) and streamed (pipelined)
+    // from `entry` with the first `prefix` blocks computed in full.
+    let ideal_ms = |index: &Tensor, resident: &CapturedKv| {
         ms(device, || {
             model
-                .forward_masked(&[masked_request(&inputs, 0, index, &resident)])
+                .forward_masked(&[masked_request(&inputs, 0, index, resident)])
                 .map(drop)
         })
     };
-    let pipelined_ms = |index: &Tensor| {
+    let streamed_ms = |index: &Tensor, entry: &Arc<TemplateEntry>, prefix: usize| {
         ms(device, || {
-            let stream = loader.load_step(vec![(entry.clone(), 0)], 0, kind, device);
+            let stream = loader.load_step(vec![(entry.clone(), 0)], prefix, kind, device);
             model
-                .forward_masked(&[masked_request(&inputs, 0, index, &stream[0])])
+                .forward_masked_prefix(&[masked_request(&inputs, 0, index, &stream[0])], prefix)
                 .map(drop)
         })
     };
+    let pipelined_ms = |index: &Tensor| streamed_ms(index, &entry, 0);
     for round in 0..opts.runs + 1 {
         let f = ms(device, || model.forward(&inputs).map(drop))?;
-        let i = ideal_ms(&index)?;
+        let i = ideal_ms(&index, &resident)?;
         let p = pipelined_ms(&index)?;
+        let iy = ideal_ms(&index, &resident_y)?;
+        let py = streamed_ms(&index, &entry_y, 0)?;
         let nv = ms(device, || {
             let kv = decode_all(&entry, kind, device)
                 .map_err(|e| diffmesh_model::ModelError::input("cache", e.to_string()))?;
@@ -225,7 +247,7 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
                 .forward_masked(&[masked_request(&inputs, 0, &index, &kv)])
                 .map(drop)
         })?;
-        let i11 = ideal_ms(&index_011)?;
+        let i11 = ideal_ms(&index_011, &resident)?;
         let p11 = pipelined_ms(&index_011)?;
         if round > 0 {
             full.push(f);
@@ -234,8 +256,11 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
             naive.push(nv);
             ideal_011.push(i11);
             pipelined_011.push(p11);
+            ideal_y.push(iy);
+            pipelined_y.push(py);
         }
     }
+    let (ideal_y, pipelined_y) = (median(ideal_y), median(pipelined_y));
     let (ideal_011, pipelined_011) = (median(ideal_011), median(pipelined_011));
     let (full, ideal, pipelined, naive) = (
         median(full),
@@ -278,6 +303,45 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     report.insert("speedup_at_0_11", json!(full / pipelined_011));
     report.insert("pipelined_over_ideal", json!(pipelined / ideal));
     report.insert("naive_over_ideal", json!(naive / ideal));
+
+    // The Y (hidden-stream) cache: half the bytes, K/V projected in the edit.
+    let y_over_kv = entry_y.bytes() as f64 / entry.bytes() as f64;
+    report.say(format!(
+        "Y cache at mask 0.2: ideal {ideal_y:.1} ms, pipelined {pipelined_y:.1} ms, {} bytes per step ({y_over_kv:.3} of K/V)",
+        entry_y.bytes()
+    ));
+    report.insert("y_masked_ideal_ms", json!(ideal_y));
+    report.insert("y_masked_pipelined_ms", json!(pipelined_y));
+    report.insert("y_cache_step_bytes", json!(entry_y.bytes()));
+    report.insert("y_over_kv_bytes", json!(y_over_kv));
+    report.insert("y_cache_speedup_at_0_2", json!(full / pipelined_y));
+    let steps = StepFigures {
+        full_ms: full,
+        kv_ideal_ms: ideal,
+        y_ideal_ms: ideal_y,
+        kv_bytes: entry.bytes() as f64,
+        y_bytes: entry_y.bytes() as f64,
+        bytes_per_s: loader.stats().bytes_per_second().unwrap_or(0.0),
+    };
+    three_way_planner(
+        &steps,
+        model.num_blocks(),
+        |plan| {
+            // A plan reading one cache kind runs as the engine runs it: streamed, the first
+            // blocks in full.
+            let (full_blocks, kv, y) = plan.counts();
+            let entry = match (kv, y) {
+                (_, 0) => &entry,
+                (0, _) => &entry_y,
+                _ => return Ok(None),
+            };
+            let runs: Result<Vec<f64>> = (0..opts.runs + 1)
+                .map(|_| streamed_ms(&index, entry, full_blocks))
+                .collect();
+            Ok(Some(median(runs?.split_off(1))))
+        },
+        report,
+    )?;
 
     // Batch of 8 with ratios from the trace.
     let b = 8i64;
@@ -324,6 +388,81 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     report.insert("b8_full_step_ms", json!(full_b));
     report.insert("b8_masked_step_ms", json!(masked_b));
     report.insert("throughput_ratio_b8", json!(full_b / masked_b));
+    Ok(())
+}
+
+/// Whole-step figures of one mask ratio that the planners' per-block costs come from.
+struct StepFigures {
+    full_ms: f64,
+    kv_ideal_ms: f64,
+    y_ideal_ms: f64,
+    kv_bytes: f64,
+    y_bytes: f64,
+    /// The loader's measured bandwidth (0: none measured).
+    bytes_per_s: f64,
+}
+
+/// The three-way planner (full, K/V or Y per block) against the K/V prefix planner the engine
+/// runs, on per-block costs from the measured steps (each step's time over its blocks: the
+/// blocks of a Flux model cost about the same per token) and the loader's measured bandwidth.
+/// `measure` runs a plan streamed where it can (a plan that mixes K/V and Y blocks needs a
+/// mixed cache entry, which the engine does not capture yet): then the figure is measured,
+/// otherwise predicted, and the report says which.
+fn three_way_planner(
+    s: &StepFigures,
+    blocks: usize,
+    mut measure: impl FnMut(&ThreeWayPlan) -> Result<Option<f64>>,
+    report: &mut Report,
+) -> Result<()> {
+    let per_block = |ms: f64| ms / 1e3 / blocks.max(1) as f64;
+    let load = |bytes: f64| match s.bytes_per_s > 0.0 {
+        true => bytes / blocks.max(1) as f64 / s.bytes_per_s,
+        false => 0.0,
+    };
+    let costs = vec![
+        ThreeWayCosts {
+            full_s: per_block(s.full_ms),
+            kv_compute_s: per_block(s.kv_ideal_ms),
+            kv_load_s: load(s.kv_bytes),
+            y_compute_s: per_block(s.y_ideal_ms),
+            y_load_s: load(s.y_bytes),
+        };
+        blocks
+    ];
+    let (prefix, three) = (plan_prefix_kv(&costs), plan_three_way(&costs));
+    let predicted = three.latency_s / prefix.latency_s;
+    let (f, kv, y) = three.counts();
+    // The same plan runs the same step: measuring it twice would only measure noise.
+    let same = three.choices == prefix.choices;
+    let measured = match same {
+        true => None,
+        false => match (measure(&prefix)?, measure(&three)?) {
+            (Some(a), Some(b)) => Some(b / a),
+            _ => None,
+        },
+    };
+    report.say(format!(
+        "three-way planner at mask 0.2: {f} full, {kv} K/V, {y} Y blocks; predicted {:.1} ms vs the K/V prefix planner's {:.1} ms ({predicted:.3}), measured streamed ratio {}",
+        three.latency_s * 1e3,
+        prefix.latency_s * 1e3,
+        match (same, measured) {
+            (true, _) => "1 (the same plan)".into(),
+            (false, Some(m)) => format!("{m:.3}"),
+            (false, None) => "n/a (a plan mixing K/V and Y blocks)".into(),
+        }
+    ));
+    let (value, basis) = match (same, measured) {
+        (true, _) => (1.0, "same plan"),
+        (false, Some(m)) => (m, "measured"),
+        (false, None) => (predicted, "predicted"),
+    };
+    report.insert("planner_three_way_over_prefix", json!(value));
+    report.insert("planner_three_way_basis", json!(basis));
+    report.insert("planner_three_way_predicted_over_prefix", json!(predicted));
+    report.insert(
+        "planner_three_way_blocks",
+        json!({"full": f, "kv": kv, "y": y}),
+    );
     Ok(())
 }
 
@@ -381,8 +520,16 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     let template = rgb_to_tensor(&render_rgb(&scene), size).unsqueeze(0);
     let side = size / (2 * p.codec.downscale_factor());
     let template_seed = 4242;
-    let mut summary = Map::new();
-    for dtype in [CacheDtype::F32, CacheDtype::Bf16, CacheDtype::Fp8] {
+    let (mut summary, mut by_format) = (Map::new(), Map::new());
+    // Every K/V storage dtype, and the Y (hidden-stream) cache in the served dtype.
+    let configs = [
+        (KvFormat::Prepared, CacheDtype::F32),
+        (KvFormat::Prepared, CacheDtype::Bf16),
+        (KvFormat::Prepared, CacheDtype::Fp8),
+        (KvFormat::Hidden, CacheDtype::Bf16),
+    ];
+    for (format, dtype) in configs {
+        let kv_bf16 = (format, dtype) == (KvFormat::Prepared, CacheDtype::Bf16);
         let spec = TemplateSpec {
             template: template.shallow_clone(),
             prompt: scene.key.prompt(),
@@ -391,7 +538,7 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
             guidance_scale: 1.0,
         };
         let mut state = capture_state(&p, &spec)?;
-        let mut sink = CaptureSink::new(KvFormat::Prepared, dtype);
+        let mut sink = CaptureSink::new(format, dtype);
         while !state.is_done() {
             state.capture_step(&p, &mut sink)?;
             sink.end_step();
@@ -402,7 +549,7 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
         );
         let mut stepper = CachedStepper::new(
             CacheSettings {
-                format: KvFormat::Prepared,
+                format,
                 dtype,
                 lookahead: 2,
                 prefix: PrefixPolicy::Fixed(0),
@@ -472,7 +619,7 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
             if let Some(q) = psnr_masked(&a, &b, &pixel_mask)? {
                 masked_psnrs.push(q.min(100.0));
             }
-            if let (Some(f32_model), CacheDtype::Bf16) = (&reference, dtype) {
+            if let (Some(f32_model), true) = (&reference, kv_bf16) {
                 let rp = f32_model.pipeline();
                 let mut f32_full = DenoiseState::new(&rp, &request)?;
                 while !f32_full.is_done() {
@@ -487,23 +634,33 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
         let ((bs, min_bs), (bq, _)) = (mean_min(&box_ssims), mean_min(&box_psnrs));
         let ((ms, _), (mq, _)) = (mean_min(&masked_ssims), mean_min(&masked_psnrs));
         report.say(format!(
-            "quality ({} cache, {} edits, {} steps): SSIM mean {s:.4} (min {min_s:.4}), PSNR mean {q:.2} dB; \
+            "quality ({} {} cache, {} edits, {} steps): SSIM mean {s:.4} (min {min_s:.4}), PSNR mean {q:.2} dB; \
              over the mask's box (+{BOX_MARGIN} px) SSIM {bs:.4} (min {min_bs:.4}), PSNR {bq:.2} dB; \
              over the masked pixels SSIM {ms:.4}, PSNR {mq:.2} dB; cache {} bytes",
+            format.as_str(),
             dtype.as_str(),
             opts.quality_edits,
             opts.quality_steps,
             entry.bytes()
         ));
-        summary.insert(
-            dtype.as_str().into(),
-            json!({"ssim_mean": s, "ssim_min": min_s, "psnr_mean": q,
-                "ssim_box_mean": mean_or_null(&box_ssims), "ssim_box_min": min_bs,
-                "psnr_box_mean": mean_or_null(&box_psnrs),
-                "ssim_masked_mean": mean_or_null(&masked_ssims),
-                "psnr_masked_mean": mean_or_null(&masked_psnrs), "cache_bytes": entry.bytes()}),
-        );
+        let figures = json!({"ssim_mean": s, "ssim_min": min_s, "psnr_mean": q,
+            "ssim_box_mean": mean_or_null(&box_ssims), "ssim_box_min": min_bs,
+            "psnr_box_mean": mean_or_null(&box_psnrs),
+            "ssim_masked_mean": mean_or_null(&masked_ssims),
+            "psnr_masked_mean": mean_or_null(&masked_psnrs), "cache_bytes": entry.bytes()});
+        if format == KvFormat::Prepared {
+            summary.insert(dtype.as_str().into(), figures.clone());
+        }
         if dtype == CacheDtype::Bf16 {
+            by_format.insert(format.as_str().into(), figures);
+        }
+        if format == KvFormat::Hidden {
+            report.insert("ssim_mean_y", json!(s));
+            report.insert("ssim_box_mean_y", mean_or_null(&box_ssims));
+            report.insert("psnr_box_mean_y", mean_or_null(&box_psnrs));
+            report.insert("ssim_masked_mean_y", mean_or_null(&masked_ssims));
+        }
+        if kv_bf16 {
             report.insert("ssim_mean", json!(s));
             report.insert("psnr_mean", json!(q));
             report.insert("ssim_box_mean", mean_or_null(&box_ssims));
@@ -513,6 +670,7 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
         }
     }
     report.insert("quality_by_cache_dtype", Value::Object(summary));
+    report.insert("quality_by_cache_format", Value::Object(by_format));
     if reference.is_some() {
         let ((s, min_s), (q, _)) = (mean_min(&vs_f32.0), mean_min(&vs_f32.1));
         report.say(format!(
