@@ -133,7 +133,7 @@ pub struct DoubleMods {
 }
 
 impl DoubleMods {
-    fn new(linear: &Linear, temb_silu: &Tensor, rows: RowMap) -> Result<Self> {
+    pub(crate) fn new(linear: &Linear, temb_silu: &Tensor, rows: RowMap) -> Result<Self> {
         let c = ada_chunks(linear, temb_silu, 6)?;
         let c: Vec<Tensor> = c.iter().map(rows).collect::<Result<_>>()?;
         // diffusers' order: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.

@@ -18,6 +18,7 @@ pub mod masked;
 pub mod masked_parallel;
 pub mod padded_attention;
 pub mod sequence_parallel;
+pub mod step_cache;
 
 use crate::error::{ModelError, Result};
 use blocks::{attention, DoubleBlock, SingleBlock};
@@ -209,13 +210,27 @@ impl FluxTransformer {
     fn forward_impl(
         &self,
         inputs: &FluxInputs,
-        mut sink: Option<&mut dyn KvSink>,
+        sink: Option<&mut dyn KvSink>,
         control: Option<&ControlResiduals>,
     ) -> Result<Tensor> {
+        let run = self.forward_blocks(inputs, sink, control)?;
+        let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
+        self.final_layer(&run.img_out, &run.cond.temb_silu, &rows)
+    }
+
+    /// Every block of a full forward: the image stream entering the first block and leaving
+    /// the last, and the conditioning (what the final layer and step caching need).
+    pub(crate) fn forward_blocks(
+        &self,
+        inputs: &FluxInputs,
+        mut sink: Option<&mut dyn KvSink>,
+        control: Option<&ControlResiduals>,
+    ) -> Result<BlockRun> {
         let shapes = check_inputs(&self.cfg, inputs)?;
         let (b, n, t) = (shapes.batch, shapes.img_tokens, shapes.txt_tokens);
         let head_dim = self.cfg.attention_head_dim;
         let mut img = self.x_embedder.forward(&inputs.hidden_states)?;
+        let img_in = img.shallow_clone();
         let cond = self.conditioning(
             &inputs.timestep,
             inputs.guidance.as_ref(),
@@ -293,10 +308,23 @@ impl FluxTransformer {
                 x = Tensor::f_cat(&[&x.f_narrow(1, 0, t)?, &x.f_narrow(1, t, n)?.f_add(r)?], 1)?;
             }
         }
-        let img = x.f_narrow(1, t, n)?;
-        debug_assert_eq!(img.size()[0], b);
-        self.final_layer(&img, &cond.temb_silu, &rows)
+        let img_out = x.f_narrow(1, t, n)?;
+        debug_assert_eq!(img_out.size()[0], b);
+        Ok(BlockRun {
+            img_in,
+            img_out,
+            cond,
+        })
     }
+}
+
+/// What [`FluxTransformer::forward_blocks`] leaves for the final layer.
+pub(crate) struct BlockRun {
+    /// `[B, N, inner]` after `x_embedder`.
+    pub img_in: Tensor,
+    /// `[B, N, inner]` after the last block.
+    pub img_out: Tensor,
+    pub cond: Conditioning,
 }
 
 /// Validate a forward's shapes against `cfg` (the transformer's or a ControlNet's); errors

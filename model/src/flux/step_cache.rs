@@ -1,0 +1,243 @@
+//! Step caching for the full-compute forward: TeaCache (Liu et al., 2024), the baseline the
+//! serving stacks people use offer (xDiT, SGLang, ComfyUI nodes), and the one FlashPS is
+//! compared against.
+//!
+//! Between neighbouring denoising steps a DiT's output changes little where its modulated input
+//! changes little. TeaCache probes each step cheaply (the first block's AdaLN-modulated image
+//! stream: `x_embedder`, then `norm1` under the step's conditioning) and accumulates the
+//! relative L1 change of that probe since the last computed step. While the sum stays below a
+//! threshold the step skips every block and reuses the residual the blocks added at the last
+//! computed step (`img_out - img_in`); at or above it, the step computes in full, stores the new
+//! residual, and resets the sum. The first and last steps always compute.
+//!
+//! TeaCache rescales the probe's change with a polynomial fitted per model (FLUX.1-dev has one
+//! published); diffmesh's tiny model has none, so the change is used as it is (the identity),
+//! and the threshold is in those units. Threshold 0 never skips.
+use super::blocks::{DoubleMods, Mod};
+use super::{FluxInputs, FluxTransformer};
+use crate::error::{ModelError, Result};
+use tch::{Kind, Tensor};
+
+/// One request's TeaCache state across its steps (one row: a guided request keeps one per row).
+#[derive(Debug)]
+pub struct StepCache {
+    threshold: f64,
+    accumulated: f64,
+    previous_probe: Option<Tensor>,
+    residual: Option<Tensor>,
+    /// Steps skipped so far (for reports).
+    pub skipped: usize,
+}
+
+/// What [`StepCache::decide`] chose for a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepChoice {
+    /// Run every block (and store the residual).
+    Compute,
+    /// Reuse the last computed step's residual.
+    Reuse,
+}
+
+impl StepCache {
+    /// A state skipping while the accumulated change stays below `threshold` (finite, >= 0).
+    pub fn new(threshold: f64) -> Result<Self> {
+        if !threshold.is_finite() || threshold < 0.0 {
+            return Err(ModelError::input(
+                "cache_threshold",
+                format!("must be a finite number >= 0, got {threshold}"),
+            ));
+        }
+        Ok(Self {
+            threshold,
+            accumulated: 0.0,
+            previous_probe: None,
+            residual: None,
+            skipped: 0,
+        })
+    }
+
+    /// Decide step `index` of `steps` from its probe; the probe is kept for the next step.
+    pub fn decide(&mut self, probe: &Tensor, index: usize, steps: usize) -> Result<StepChoice> {
+        let edge = index == 0 || index + 1 >= steps;
+        let choice = match (&self.previous_probe, &self.residual, edge) {
+            (Some(prev), Some(_), false) if self.threshold > 0.0 => {
+                let change = relative_l1(probe, prev)?;
+                self.accumulated += change;
+                match self.accumulated < self.threshold {
+                    true => StepChoice::Reuse,
+                    false => StepChoice::Compute,
+                }
+            }
+            _ => StepChoice::Compute,
+        };
+        if choice == StepChoice::Compute {
+            self.accumulated = 0.0;
+        }
+        self.previous_probe = Some(probe.shallow_clone());
+        Ok(choice)
+    }
+
+    /// The residual of the last computed step (`None` before the first).
+    pub fn residual(&self) -> Option<&Tensor> {
+        self.residual.as_ref()
+    }
+
+    /// Keep a computed step's residual.
+    pub fn store(&mut self, residual: Tensor) {
+        self.residual = Some(residual);
+    }
+}
+
+/// `mean|a - b| / mean|b|` (0 where `b` is all zeros and so is `a`).
+fn relative_l1(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.f_to_kind(Kind::Float)?;
+    let b = b.f_to_kind(Kind::Float)?;
+    let num = a
+        .f_sub(&b)?
+        .f_abs()?
+        .f_mean(Kind::Float)?
+        .f_double_value(&[])?;
+    let den = b.f_abs()?.f_mean(Kind::Float)?.f_double_value(&[])?;
+    Ok(match den > 0.0 {
+        true => num / den,
+        false if num == 0.0 => 0.0,
+        false => f64::INFINITY,
+    })
+}
+
+impl FluxTransformer {
+    /// TeaCache's probe of a step: the first double block's attention-modulated image stream
+    /// `[B, N, inner]` (`norm1` under the step's conditioning), without running any block.
+    pub fn step_probe(&self, inputs: &FluxInputs) -> Result<Tensor> {
+        let first = self.transformer_blocks.first().ok_or_else(|| {
+            ModelError::input("model", "step caching needs at least one double block")
+        })?;
+        let img = self.x_embedder.forward(&inputs.hidden_states)?;
+        let cond = self.conditioning(
+            &inputs.timestep,
+            inputs.guidance.as_ref(),
+            &inputs.pooled_projections,
+        )?;
+        let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
+        let m: DoubleMods = DoubleMods::new(&first.norm1, &cond.temb_silu, &rows)?;
+        let msa: &Mod = &m.msa;
+        msa.apply(&img, first.dim)
+    }
+
+    /// The full forward's output and the residual its blocks added to the image stream
+    /// (`[B, N, inner]`), which a later step may reuse.
+    pub fn forward_with_residual(&self, inputs: &FluxInputs) -> Result<(Tensor, Tensor)> {
+        let run = self.forward_blocks(inputs, None, None)?;
+        let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
+        let out = self.final_layer(&run.img_out, &run.cond.temb_silu, &rows)?;
+        Ok((out, run.img_out.f_sub(&run.img_in)?))
+    }
+
+    /// A step that skips every block: the final layer over the image stream plus `residual`
+    /// (from [`Self::forward_with_residual`] at an earlier step of the same request).
+    pub fn forward_from_residual(&self, inputs: &FluxInputs, residual: &Tensor) -> Result<Tensor> {
+        let img = self.x_embedder.forward(&inputs.hidden_states)?;
+        if img.size() != residual.size() {
+            return Err(ModelError::input(
+                "residual",
+                format!("expected {:?}, got {:?}", img.size(), residual.size()),
+            ));
+        }
+        let cond = self.conditioning(
+            &inputs.timestep,
+            inputs.guidance.as_ref(),
+            &inputs.pooled_projections,
+        )?;
+        let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
+        self.final_layer(&img.f_add(residual)?, &cond.temb_silu, &rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    fn t(v: &[f32]) -> Tensor {
+        Tensor::from_slice(v)
+    }
+
+    /// Threshold 0 computes every step; a large one reuses every middle step once a residual
+    /// is stored, and never the first or the last.
+    #[test]
+    fn the_threshold_decides_and_the_edges_always_compute() {
+        let probes = [
+            t(&[1.0, 2.0]),
+            t(&[1.1, 2.0]),
+            t(&[1.2, 2.1]),
+            t(&[1.3, 2.2]),
+        ];
+        let run = |threshold: f64| -> Vec<StepChoice> {
+            let mut c = StepCache::new(threshold).unwrap();
+            probes
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let choice = c.decide(p, i, probes.len()).unwrap();
+                    if choice == StepChoice::Compute {
+                        c.store(Tensor::zeros([2], (Kind::Float, Device::Cpu)));
+                    }
+                    choice
+                })
+                .collect()
+        };
+        use StepChoice::{Compute, Reuse};
+        assert_eq!(run(0.0), [Compute; 4]);
+        assert_eq!(run(10.0), [Compute, Reuse, Reuse, Compute]);
+        // ~0.033 per step: the sum passes 0.05 at step 2, which computes and resets.
+        assert_eq!(run(0.05), [Compute, Reuse, Compute, Compute]);
+    }
+
+    /// The residual path is the full forward: computing with the residual gives `forward`'s
+    /// output, and reusing that residual for the same inputs gives it again.
+    #[test]
+    fn reusing_a_steps_own_residual_gives_its_output() {
+        use crate::bench_inputs::random_inputs_on;
+        use crate::flux::FluxConfig;
+        tch::manual_seed(5);
+        let cfg = FluxConfig {
+            in_channels: 16,
+            out_channels: Some(8),
+            num_layers: 1,
+            num_single_layers: 2,
+            attention_head_dim: 16,
+            num_attention_heads: 2,
+            joint_attention_dim: 24,
+            pooled_projection_dim: 12,
+            guidance_embeds: true,
+            axes_dims_rope: vec![4, 6, 6],
+            ..Default::default()
+        };
+        let vs = tch::nn::VarStore::new(Device::Cpu);
+        let model = FluxTransformer::new(&vs.root(), cfg.clone()).unwrap();
+        let inputs = random_inputs_on(&cfg, 4, 5, 2, Device::Cpu);
+        tch::no_grad(|| {
+            let full = model.forward(&inputs).unwrap();
+            let (out, residual) = model.forward_with_residual(&inputs).unwrap();
+            assert!(out.equal(&full));
+            let reused = model.forward_from_residual(&inputs, &residual).unwrap();
+            let err = f64::try_from((&reused - &full).abs().max()).unwrap();
+            assert!(err <= 1e-5, "{err}");
+            assert!(f64::try_from(residual.abs().max()).unwrap() > 1e-3);
+            let probe = model.step_probe(&inputs).unwrap();
+            assert_eq!(probe.size(), [2, 16, model.inner_dim()]);
+            let wrong = residual.narrow(1, 0, 3);
+            let err = model.forward_from_residual(&inputs, &wrong).unwrap_err();
+            assert!(err.to_string().contains("residual"), "{err}");
+        });
+    }
+
+    #[test]
+    fn bad_thresholds_name_the_field() {
+        for bad in [-0.1, f64::NAN, f64::INFINITY] {
+            let err = StepCache::new(bad).unwrap_err().to_string();
+            assert!(err.contains("cache_threshold"), "{err}");
+        }
+        assert_eq!(relative_l1(&t(&[0.0]), &t(&[0.0])).unwrap(), 0.0);
+    }
+}
