@@ -306,7 +306,7 @@ impl CaptureSink {
             steps: self.steps.len() as u32,
             blocks: blocks as u32,
             bytes: self.steps.iter().map(|s| s.len() as u64).sum(),
-            format: format_name(self.format).into(),
+            format: self.format.as_str().into(),
             dtype: self.dtype.as_str().into(),
         };
         TemplateEntry::new(meta, self.steps)
@@ -323,12 +323,4 @@ impl KvSink for CaptureSink {
     fn format(&self) -> KvFormat {
         self.format
     }
-}
-
-pub fn format_name(f: KvFormat) -> &'static str {
-    f.as_str()
-}
-
-pub fn parse_format(s: &str) -> std::result::Result<KvFormat, String> {
-    KvFormat::parse(s).map_err(|e| e.to_string())
 }

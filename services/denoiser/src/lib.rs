@@ -336,7 +336,7 @@ impl DenoiserConfig {
             expected,
         };
         Ok(cached_step::CacheSettings {
-            format: cached_step::parse_format(&self.cache_format).map_err(|_| {
+            format: diffmesh_model::flux::KvFormat::parse(&self.cache_format).map_err(|_| {
                 flag(
                     "cache-format",
                     &self.cache_format,

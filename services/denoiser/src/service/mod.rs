@@ -6,7 +6,7 @@ mod intake;
 pub mod recapture;
 mod results;
 
-use crate::cached_step::{format_name, CacheSettings, TemplateSlot};
+use crate::cached_step::{CacheSettings, TemplateSlot};
 use crate::engine::EngineHandle;
 use crate::lora::LoraStore;
 use crate::metrics::DenoiserMetrics;
@@ -167,7 +167,7 @@ impl Service {
             job.inputs.model_width,
             job.inputs.model_height,
             t,
-            format_name(settings.format),
+            settings.format.as_str(),
             settings.dtype.as_str(),
         )))
     }
