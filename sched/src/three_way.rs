@@ -13,6 +13,8 @@
 //! [`plan_three_way`] is exact over those plans: a forward pass over the Pareto front of
 //! (compute finish, load finish) states of the plans that already read a cache, beside the one
 //! all-full state. Per-block costs may all differ (double and single blocks, measured per block).
+use crate::cost_model::BlockCosts;
+use crate::planner::plan_prefix;
 
 /// One block's costs for the batch of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -177,28 +179,29 @@ pub fn plan_three_way(costs: &[ThreeWayCosts]) -> ThreeWayPlan {
 /// The best plan of the two-way prefix planner on the same costs (K/V only): what the engine
 /// runs without a Y cache, the baseline of [`plan_three_way`].
 pub fn plan_prefix_kv(costs: &[ThreeWayCosts]) -> ThreeWayPlan {
-    let n = costs.len();
-    let mut best: Option<ThreeWayPlan> = None;
-    for full in (0..=n).rev() {
-        let choices: Vec<BlockChoice> = (0..n)
-            .map(|i| match i < full {
-                true => BlockChoice::Full,
-                false => BlockChoice::Kv,
-            })
-            .collect();
-        let p = schedule_three_way(costs, &choices);
-        if best.as_ref().is_none_or(|b| p.latency_s < b.latency_s) {
-            best = Some(p);
-        }
-    }
-    best.unwrap_or_else(|| schedule_three_way(&[], &[]))
+    let two_way: Vec<BlockCosts> = costs
+        .iter()
+        .map(|c| BlockCosts {
+            cached_s: c.kv_compute_s,
+            full_s: c.full_s,
+            load_s: c.kv_load_s,
+        })
+        .collect();
+    let choices: Vec<BlockChoice> = plan_prefix(&two_way)
+        .blocks
+        .iter()
+        .map(|b| match b.use_cache {
+            true => BlockChoice::Kv,
+            false => BlockChoice::Full,
+        })
+        .collect();
+    schedule_three_way(costs, &choices)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cost_model::BlockCosts;
-    use crate::planner::{plan_prefix, schedule};
+    use crate::planner::schedule;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
