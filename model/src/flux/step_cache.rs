@@ -13,8 +13,8 @@
 //! TeaCache rescales the probe's change with a polynomial fitted per model (FLUX.1-dev has one
 //! published); diffmesh's tiny model has none, so the change is used as it is (the identity),
 //! and the threshold is in those units. Threshold 0 never skips.
-use super::blocks::{DoubleMods, Mod};
-use super::{FluxInputs, FluxTransformer};
+use super::blocks::DoubleMods;
+use super::{Conditioning, FluxInputs, FluxTransformer};
 use crate::error::{ModelError, Result};
 use tch::{Kind, Tensor};
 
@@ -112,16 +112,21 @@ impl FluxTransformer {
         let first = self.transformer_blocks.first().ok_or_else(|| {
             ModelError::input("model", "step caching needs at least one double block")
         })?;
+        let (img, cond) = self.embedded(inputs)?;
+        let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
+        let m = DoubleMods::new(&first.norm1, &cond.temb_silu, &rows)?;
+        m.msa.apply(&img, first.dim)
+    }
+
+    /// The image stream after `x_embedder`, and the step's conditioning.
+    fn embedded(&self, inputs: &FluxInputs) -> Result<(Tensor, Conditioning)> {
         let img = self.x_embedder.forward(&inputs.hidden_states)?;
         let cond = self.conditioning(
             &inputs.timestep,
             inputs.guidance.as_ref(),
             &inputs.pooled_projections,
         )?;
-        let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
-        let m: DoubleMods = DoubleMods::new(&first.norm1, &cond.temb_silu, &rows)?;
-        let msa: &Mod = &m.msa;
-        msa.apply(&img, first.dim)
+        Ok((img, cond))
     }
 
     /// The full forward's output and the residual its blocks added to the image stream
@@ -136,18 +141,13 @@ impl FluxTransformer {
     /// A step that skips every block: the final layer over the image stream plus `residual`
     /// (from [`Self::forward_with_residual`] at an earlier step of the same request).
     pub fn forward_from_residual(&self, inputs: &FluxInputs, residual: &Tensor) -> Result<Tensor> {
-        let img = self.x_embedder.forward(&inputs.hidden_states)?;
+        let (img, cond) = self.embedded(inputs)?;
         if img.size() != residual.size() {
             return Err(ModelError::input(
                 "residual",
                 format!("expected {:?}, got {:?}", img.size(), residual.size()),
             ));
         }
-        let cond = self.conditioning(
-            &inputs.timestep,
-            inputs.guidance.as_ref(),
-            &inputs.pooled_projections,
-        )?;
         let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
         self.final_layer(&img.f_add(residual)?, &cond.temb_silu, &rows)
     }
