@@ -56,6 +56,7 @@ fn image(seed: i64) -> Tensor {
 fn req(prompt: &str, seed: u64, control: Option<ControlInput>) -> StepRequest {
     StepRequest {
         true_cfg: None,
+        cache_threshold: None,
         prompt: prompt.into(),
         seed,
         height: 64,

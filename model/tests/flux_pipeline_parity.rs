@@ -235,6 +235,7 @@ fn the_stepper_runs_fill_edits() {
             }),
             control: None,
             true_cfg: None,
+            cache_threshold: None,
         };
         let mut state = DenoiseState::new(&p, &req).expect("a Fill edit");
         while !state.is_done() {

@@ -75,8 +75,28 @@ impl Fixture {
         mask: &Tensor,
         true_cfg: Option<TrueCfg>,
     ) -> DenoiseState {
-        let req = StepRequest {
+        let req = self.edit_request(prompt, seed, steps, mask, true_cfg);
+        DenoiseState::new(&self.pipe(), &req).unwrap()
+    }
+
+    /// An edit with TeaCache at `threshold`.
+    fn caching_edit(&self, prompt: &str, seed: u64, mask: &Tensor, threshold: f64) -> DenoiseState {
+        let mut req = self.edit_request(prompt, seed, 5, mask, None);
+        req.cache_threshold = Some(threshold);
+        DenoiseState::new(&self.pipe(), &req).unwrap()
+    }
+
+    fn edit_request(
+        &self,
+        prompt: &str,
+        seed: u64,
+        steps: usize,
+        mask: &Tensor,
+        true_cfg: Option<TrueCfg>,
+    ) -> StepRequest {
+        StepRequest {
             true_cfg,
+            cache_threshold: None,
             control: None,
             prompt: prompt.into(),
             seed,
@@ -90,8 +110,7 @@ impl Fixture {
                 strength: 1.0,
                 template_seed: Some(TEMPLATE_SEED),
             }),
-        };
-        DenoiseState::new(&self.pipe(), &req).unwrap()
+        }
     }
 }
 
@@ -238,12 +257,46 @@ fn packed_requests_at_different_steps_match_each_alone() {
     }
 }
 
+/// Step caching combines with mask-aware edits: at threshold 0 a cached edit is bit for bit
+/// the uncached one; a threshold no change reaches skips every middle step (reading no cache
+/// block there) and changes only the masked tokens, packed beside a computing edit or alone.
+#[test]
+fn step_caching_combines_with_mask_aware_edits() {
+    let f = Fixture::new();
+    let kv = f.capture(5, KvFormat::Prepared);
+    let m = mask(40, 5);
+    let mut plain = f.edit("a red circle", 1, 5, &m);
+    run_cached(&f, &kv, &mut [&mut plain], 1);
+    let mut zero = f.caching_edit("a red circle", 1, &m, 0.0);
+    run_cached(&f, &kv, &mut [&mut zero], 1);
+    assert!(zero.latents().equal(plain.latents()));
+    assert_eq!(zero.skipped_steps(), 0);
+
+    let mut lazy_alone = f.caching_edit("a red circle", 1, &m, 1e9);
+    run_cached(&f, &kv, &mut [&mut lazy_alone], 1);
+    assert_eq!(lazy_alone.skipped_steps(), 3);
+    let change = max_err(lazy_alone.latents(), plain.latents());
+    assert!(change > 1e-4 && change.is_finite(), "{change}");
+    let keep = m.logical_not().to_kind(Kind::Float).view([1, TOKENS, 1]);
+    let outside = max_err(&(lazy_alone.latents() * &keep), &(plain.latents() * &keep));
+    assert_eq!(outside, 0.0, "skipping changed unmasked tokens");
+
+    let mut lazy = f.caching_edit("a red circle", 1, &m, 1e9);
+    let mut other = f.edit("a green square", 2, 5, &mask(90, 6));
+    run_cached(&f, &kv, &mut [&mut lazy, &mut other], 1);
+    let mut other_alone = f.edit("a green square", 2, 5, &mask(90, 6));
+    run_cached(&f, &kv, &mut [&mut other_alone], 1);
+    assert!(max_err(lazy.latents(), lazy_alone.latents()) <= 1e-4);
+    assert!(max_err(other.latents(), other_alone.latents()) <= 1e-4);
+}
+
 #[test]
 fn cached_mode_on_a_generation_names_the_field() {
     let f = Fixture::new();
     let kv = f.capture(2, KvFormat::Raw);
     let req = StepRequest {
         true_cfg: None,
+        cache_threshold: None,
         control: None,
         prompt: "x".into(),
         seed: 1,

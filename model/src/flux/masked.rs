@@ -205,6 +205,18 @@ impl FluxTransformer {
         self.forward_masked_spread(requests, full_prefix, None)
     }
 
+    /// [`Self::forward_masked_prefix`] that also returns each request's residual at its masked
+    /// tokens, `[M_i, inner]`: what the blocks added to the image stream, which a later step of
+    /// the same request may reuse (step caching, [`super::step_cache`]).
+    pub fn forward_masked_with_residuals(
+        &self,
+        requests: &[MaskedRequest],
+        full_prefix: usize,
+    ) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+        let (out, residuals) = self.forward_masked_run(requests, full_prefix, None, true)?;
+        Ok((out, residuals.unwrap_or_default()))
+    }
+
     /// [`Self::forward_masked_prefix`], computing only this rank's share of each request's
     /// masked tokens where `spread` is set (and then no full prefix).
     pub(crate) fn forward_masked_spread(
@@ -213,8 +225,21 @@ impl FluxTransformer {
         full_prefix: usize,
         spread: Option<Spread>,
     ) -> Result<Vec<Tensor>> {
+        Ok(self
+            .forward_masked_run(requests, full_prefix, spread, false)?
+            .0)
+    }
+
+    /// The mask-aware forward, with the masked tokens' residuals where `residuals` is set.
+    fn forward_masked_run(
+        &self,
+        requests: &[MaskedRequest],
+        full_prefix: usize,
+        spread: Option<Spread>,
+        residuals: bool,
+    ) -> Result<(Vec<Tensor>, Option<Vec<Tensor>>)> {
         if requests.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), residuals.then(Vec::new)));
         }
         let (device, kind) = self.device_kind();
         let n_double = self.transformer_blocks.len();
@@ -288,6 +313,11 @@ impl FluxTransformer {
             .map(|q| on_dev(&q.pooled_projections.f_reshape([1, -1])?))
             .collect::<Result<_>>()?;
         let mut img = self.x_embedder.forward(&cat_rows(&hs)?)?;
+        let img_in = match (residuals, &full) {
+            (false, _) => None,
+            (true, Some(f)) => Some(Phase::select_img(f, &masked, &img)?),
+            (true, None) => Some(img.shallow_clone()),
+        };
         let mut txt = self.context_embedder.forward(&cat_rows(&es)?)?;
 
         // Per-request conditioning rows, gathered per token below.
@@ -336,12 +366,19 @@ impl FluxTransformer {
         }
         let img_rows = |c: &Tensor| Phase::rows(&masked.img_rid, c);
         let out = self.final_layer(&img, &cond.temb_silu, &img_rows)?;
-        masked
-            .prep
-            .iter()
-            .zip(&masked.layout.img_off)
-            .map(|(p, &o)| Ok(out.f_narrow(0, o, p.masked)?))
-            .collect()
+        let per_request = |t: &Tensor| -> Result<Vec<Tensor>> {
+            masked
+                .prep
+                .iter()
+                .zip(&masked.layout.img_off)
+                .map(|(p, &o)| Ok(t.f_narrow(0, o, p.masked)?))
+                .collect()
+        };
+        let residuals = match img_in {
+            Some(start) => Some(per_request(&img.f_sub(&start)?)?),
+            None => None,
+        };
+        Ok((per_request(&out)?, residuals))
     }
 
     /// One double-stream block of the packed mask-aware forward.

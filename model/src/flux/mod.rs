@@ -178,6 +178,16 @@ impl FluxTransformer {
         inputs: &FluxInputs,
         control: &ControlResiduals,
     ) -> Result<Tensor> {
+        self.check_control(inputs, control)?;
+        self.forward_impl(inputs, None, Some(control))
+    }
+
+    /// ControlNet residuals must match the image stream, `[B, N, inner]`.
+    pub(crate) fn check_control(
+        &self,
+        inputs: &FluxInputs,
+        control: &ControlResiduals,
+    ) -> Result<()> {
         let hs = inputs.hidden_states.size();
         let want = [hs[0], hs.get(1).copied().unwrap_or(0), self.inner_dim()];
         for r in control.tensors() {
@@ -188,7 +198,7 @@ impl FluxTransformer {
                 ));
             }
         }
-        self.forward_impl(inputs, None, Some(control))
+        Ok(())
     }
 
     /// Full forward of ONE request (`B = 1`) that also hands every block's K/V of the image tokens

@@ -14,9 +14,14 @@
 //! published); diffmesh's tiny model has none, so the change is used as it is (the identity),
 //! and the threshold is in those units. Threshold 0 never skips.
 use super::blocks::DoubleMods;
-use super::{Conditioning, FluxInputs, FluxTransformer};
+use super::{Conditioning, ControlResiduals, FluxInputs, FluxTransformer};
 use crate::error::{ModelError, Result};
 use tch::{Kind, Tensor};
+
+/// The threshold the bench reports the baseline at (`teacache_*` figures); a request names its
+/// own. On the tiny model it skips about half the steps, about 2x: the operating point
+/// TeaCache reports for FLUX.1 (1.5x to 2.25x), picked from a sweep (docs/BENCHMARKS.md).
+pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.2;
 
 /// One request's TeaCache state across its steps (one row: a guided request keeps one per row).
 #[derive(Debug)]
@@ -29,13 +34,22 @@ pub struct StepCache {
     pub skipped: usize,
 }
 
-/// What [`StepCache::decide`] chose for a step.
+/// What [`StepCache::choose`] chose for a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepChoice {
     /// Run every block (and store the residual).
     Compute,
     /// Reuse the last computed step's residual.
     Reuse,
+}
+
+/// A step's choice, with what [`StepCache::commit`] keeps once the step is taken (a batch
+/// decides every state's step before it commits any, so a failed batch changes no state).
+#[derive(Debug)]
+pub struct StepDecision {
+    pub choice: StepChoice,
+    accumulated: f64,
+    probe: Tensor,
 }
 
 impl StepCache {
@@ -56,35 +70,42 @@ impl StepCache {
         })
     }
 
-    /// Decide step `index` of `steps` from its probe; the probe is kept for the next step.
-    pub fn decide(&mut self, probe: &Tensor, index: usize, steps: usize) -> Result<StepChoice> {
-        let edge = index == 0 || index + 1 >= steps;
-        let choice = match (&self.previous_probe, &self.residual, edge) {
+    /// Choose how step `taken` of `steps` (counted from this request's first step) runs, from
+    /// its probe; nothing changes until [`Self::commit`].
+    pub fn choose(&self, probe: Tensor, taken: usize, steps: usize) -> Result<StepDecision> {
+        let edge = taken == 0 || taken + 1 >= steps;
+        let (choice, accumulated) = match (&self.previous_probe, &self.residual, edge) {
             (Some(prev), Some(_), false) if self.threshold > 0.0 => {
-                let change = relative_l1(probe, prev)?;
-                self.accumulated += change;
-                match self.accumulated < self.threshold {
-                    true => StepChoice::Reuse,
-                    false => StepChoice::Compute,
+                let sum = self.accumulated + relative_l1(&probe, prev)?;
+                match sum < self.threshold {
+                    true => (StepChoice::Reuse, sum),
+                    false => (StepChoice::Compute, 0.0),
                 }
             }
-            _ => StepChoice::Compute,
+            _ => (StepChoice::Compute, 0.0),
         };
-        if choice == StepChoice::Compute {
-            self.accumulated = 0.0;
+        Ok(StepDecision {
+            choice,
+            accumulated,
+            probe,
+        })
+    }
+
+    /// Keep a taken step's decision; a computed step brings its blocks' residual (`computed`).
+    pub fn commit(&mut self, decision: StepDecision, computed: Option<Tensor>) {
+        if let Some(residual) = computed {
+            self.residual = Some(residual);
         }
-        self.previous_probe = Some(probe.shallow_clone());
-        Ok(choice)
+        if decision.choice == StepChoice::Reuse {
+            self.skipped += 1;
+        }
+        self.accumulated = decision.accumulated;
+        self.previous_probe = Some(decision.probe);
     }
 
     /// The residual of the last computed step (`None` before the first).
     pub fn residual(&self) -> Option<&Tensor> {
         self.residual.as_ref()
-    }
-
-    /// Keep a computed step's residual.
-    pub fn store(&mut self, residual: Tensor) {
-        self.residual = Some(residual);
     }
 }
 
@@ -129,10 +150,18 @@ impl FluxTransformer {
         Ok((img, cond))
     }
 
-    /// The full forward's output and the residual its blocks added to the image stream
+    /// The full forward's output (steered by `control` where given, as
+    /// [`Self::forward_controlled`]) and the residual its blocks added to the image stream
     /// (`[B, N, inner]`), which a later step may reuse.
-    pub fn forward_with_residual(&self, inputs: &FluxInputs) -> Result<(Tensor, Tensor)> {
-        let run = self.forward_blocks(inputs, None, None)?;
+    pub fn forward_with_residual(
+        &self,
+        inputs: &FluxInputs,
+        control: Option<&ControlResiduals>,
+    ) -> Result<(Tensor, Tensor)> {
+        if let Some(c) = control {
+            self.check_control(inputs, c)?;
+        }
+        let run = self.forward_blocks(inputs, None, control)?;
         let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
         let out = self.final_layer(&run.img_out, &run.cond.temb_silu, &rows)?;
         Ok((out, run.img_out.f_sub(&run.img_in)?))
@@ -178,10 +207,11 @@ mod tests {
                 .iter()
                 .enumerate()
                 .map(|(i, p)| {
-                    let choice = c.decide(p, i, probes.len()).unwrap();
-                    if choice == StepChoice::Compute {
-                        c.store(Tensor::zeros([2], (Kind::Float, Device::Cpu)));
-                    }
+                    let d = c.choose(p.shallow_clone(), i, probes.len()).unwrap();
+                    let choice = d.choice;
+                    let residual = (choice == StepChoice::Compute)
+                        .then(|| Tensor::zeros([2], (Kind::Float, Device::Cpu)));
+                    c.commit(d, residual);
                     choice
                 })
                 .collect()
@@ -218,7 +248,7 @@ mod tests {
         let inputs = random_inputs_on(&cfg, 4, 5, 2, Device::Cpu);
         tch::no_grad(|| {
             let full = model.forward(&inputs).unwrap();
-            let (out, residual) = model.forward_with_residual(&inputs).unwrap();
+            let (out, residual) = model.forward_with_residual(&inputs, None).unwrap();
             assert!(out.equal(&full));
             let reused = model.forward_from_residual(&inputs, &residual).unwrap();
             let err = f64::try_from((&reused - &full).abs().max()).unwrap();

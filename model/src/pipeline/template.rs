@@ -59,6 +59,7 @@ pub fn capture_state(p: &FluxPipeline<'_>, spec: &TemplateSpec) -> Result<Denois
     let tokens = (h / factor) * (w / factor);
     let request = StepRequest {
         true_cfg: None,
+        cache_threshold: None,
         control: None,
         prompt: spec.prompt.clone(),
         seed: spec.seed,

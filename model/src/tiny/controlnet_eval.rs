@@ -117,6 +117,7 @@ fn generate(
         guidance_scale: 1.0,
         edit: None,
         control,
+        cache_threshold: None,
     };
     let mut state = DenoiseState::new(p, &req)?;
     let mut previous: Option<ControlResiduals> = None;

@@ -15,7 +15,8 @@ use super::conditioning_cache::ConditioningCache;
 use super::control::{self, ControlInput, ControlState, ControlStep};
 use super::{FluxPipeline, GenerateOptions, GenerationRequest, Prepared};
 use crate::error::{ModelError, Result};
-use crate::flux::{ControlResiduals, FluxInputs, KvCache, KvSink, MaskedRequest, SharedBlockReads};
+use crate::flux::step_cache::StepCache;
+use crate::flux::{FluxInputs, KvCache, KvSink, MaskedRequest};
 use crate::noise_scheduler::scale_noise_with_sigmas;
 use crate::packing::{pack_latents, unpack_latents};
 use tch::{Kind, Tensor};
@@ -51,6 +52,10 @@ pub struct StepRequest {
     pub control: Option<ControlInput>,
     /// True classifier-free guidance (None: the prompt alone steers).
     pub true_cfg: Option<TrueCfg>,
+    /// TeaCache's threshold (see [`crate::flux::step_cache`]): a step whose probe changed less
+    /// than this since the last computed step reuses that step's residual. None: every step
+    /// computes; 0 caches but never skips.
+    pub cache_threshold: Option<f64>,
 }
 
 /// True classifier-free guidance: each step runs the request twice, with its prompt and with
@@ -101,6 +106,9 @@ pub struct DenoiseState {
     control: Option<ControlState>,
     /// `[1, N, extra]` FLUX.1-Fill conditioning (masked template latents, then the mask).
     fill: Option<Tensor>,
+    step_cache: Option<StepCache>,
+    /// This step's step-cache decision taken ahead (see [`DenoiseState::plan_step`]).
+    planned: Option<PlannedStep>,
 }
 
 /// Conditioning channels per token the transformer takes after the latents: 0, or a
@@ -200,6 +208,7 @@ impl DenoiseState {
                 prep.negative = Some(negative);
                 prep.true_cfg_scale = cfg.scale;
             }
+            let step_cache = req.cache_threshold.map(StepCache::new).transpose()?;
             let mut noise = prep.noise(&[req.seed], p.codec.latent_channels())?;
             let Some(edit) = &req.edit else {
                 let control = match &req.control {
@@ -214,6 +223,8 @@ impl DenoiseState {
                     edit: None,
                     control,
                     fill: None,
+                    step_cache,
+                    planned: None,
                 });
             };
             if req.control.is_some() {
@@ -300,6 +311,8 @@ impl DenoiseState {
                 }),
                 control: None,
                 fill,
+                step_cache,
+                planned: None,
             })
         })
     }
@@ -500,163 +513,6 @@ impl DenoiseState {
     }
 }
 
-/// One denoising step for every unfinished state, each at its own step index: states with the
-/// same [`DenoiseState::batch_key`] share one transformer forward (per-row timesteps).
-pub fn step_batch(p: &FluxPipeline<'_>, states: &mut [&mut DenoiseState]) -> Result<()> {
-    let modes = vec![StepMode::Full; states.len()];
-    step_batch_modes(p, states, &modes, 0)
-}
-
-/// [`step_batch`] where each state has its own [`StepMode`]: full-compute states are grouped by
-/// shape as there, and every mask-aware state (any shapes, masks, steps) is packed into one
-/// mask-aware forward whose first `full_prefix` blocks run over all tokens (see
-/// [`crate::flux::FluxTransformer::forward_masked_prefix`]).
-pub fn step_batch_modes(
-    p: &FluxPipeline<'_>,
-    states: &mut [&mut DenoiseState],
-    modes: &[StepMode<'_>],
-    full_prefix: usize,
-) -> Result<()> {
-    let none: Vec<Option<ControlResiduals>> = states.iter().map(|_| None).collect();
-    step_batch_controlled(p, states, modes, full_prefix, &none)
-}
-
-/// [`step_batch_modes`] where `residuals[i]` are state `i`'s ControlNet residuals for this step
-/// (from [`DenoiseState::control_step`], computed here or on a ControlNet worker). A steered
-/// state must bring them; full-compute groups mix steered and plain rows.
-pub fn step_batch_controlled(
-    p: &FluxPipeline<'_>,
-    states: &mut [&mut DenoiseState],
-    modes: &[StepMode<'_>],
-    full_prefix: usize,
-    residuals: &[Option<ControlResiduals>],
-) -> Result<()> {
-    if modes.len() != states.len() || residuals.len() != states.len() {
-        return Err(ModelError::input(
-            "modes",
-            format!(
-                "{} modes and {} residual sets for {} states",
-                modes.len(),
-                residuals.len(),
-                states.len()
-            ),
-        ));
-    }
-    for (i, s) in states.iter().enumerate().filter(|(_, s)| !s.is_done()) {
-        if s.has_control() != residuals[i].is_some() {
-            return Err(ModelError::input(
-                "control",
-                format!("state {i}: ControlNet residuals given iff the request is steered"),
-            ));
-        }
-    }
-    tch::no_grad(|| {
-        // Rows of the same shape share a forward; a guided state has two rows, possibly in
-        // two groups, so every state steps once all its rows are computed.
-        type Row = (usize, Branch);
-        let mut groups: Vec<((i64, i64, i64), Vec<Row>)> = Vec::new();
-        let mut cached: Vec<(usize, &dyn KvCache)> = Vec::new();
-        for (i, s) in states.iter().enumerate().filter(|(_, s)| !s.is_done()) {
-            if let StepMode::Cached(cache) = modes[i] {
-                if s.edit.is_none() {
-                    return Err(ModelError::input(
-                        "modes",
-                        format!("state {i}: a mask-aware step needs an edit (template + mask)"),
-                    ));
-                }
-                cached.push((i, cache));
-                continue;
-            }
-            for &branch in s.branches() {
-                let key = s.row_key(branch);
-                match groups.iter_mut().find(|(k, _)| *k == key) {
-                    Some((_, members)) => members.push((i, branch)),
-                    None => groups.push((key, vec![(i, branch)])),
-                }
-            }
-        }
-        let mut velocities: Vec<[Option<Tensor>; 2]> =
-            states.iter().map(|_| [None, None]).collect();
-        let (doubles, singles) = (
-            p.transformer.transformer_blocks.len(),
-            p.transformer.single_transformer_blocks.len(),
-        );
-        for (_, members) in &groups {
-            let rows: Vec<(&DenoiseState, Branch)> =
-                members.iter().map(|&(i, b)| (&*states[i], b)).collect();
-            let inputs = group_inputs(&rows)?;
-            // A guided steered state's negative row takes the prompt row's residuals, as in
-            // diffusers' `FluxControlNetPipeline` (the ControlNet runs once per step, on the
-            // prompt): guidance then pushes away from the negative prompt, not from the control.
-            let steered: Vec<Option<&ControlResiduals>> = members
-                .iter()
-                .map(|&(i, _)| residuals[i].as_ref())
-                .collect();
-            let merged = if steered.iter().all(Option::is_none) {
-                None
-            } else {
-                control::merge_rows(&steered, doubles, singles, &like_residual(&inputs, p)?)?
-            };
-            let velocity = match merged {
-                Some(r) => p.transformer.forward_controlled(&inputs, &r)?,
-                None => p.transformer.forward(&inputs)?,
-            };
-            for (row, &(i, b)) in members.iter().enumerate() {
-                velocities[i][b as usize] = Some(velocity.f_narrow(0, row as i64, 1)?);
-            }
-        }
-        // All or nothing: every state's next latents are computed before any is kept, so a
-        // batch that fails part-way (the mask-aware forward after the full ones, say) can be
-        // retried job by job without stepping anyone twice. Only full-compute states have
-        // velocities yet.
-        let mut stepped: Vec<(usize, Tensor)> = Vec::with_capacity(states.len());
-        for (i, rows) in velocities.iter_mut().enumerate() {
-            if rows[0].is_some() {
-                let v = states[i].guided(std::mem::take(rows))?;
-                stepped.push((i, states[i].next_latents(&v)?));
-            }
-        }
-        if !cached.is_empty() {
-            let rows: Vec<Row> = cached
-                .iter()
-                .flat_map(|&(i, _)| states[i].branches().iter().map(move |&b| (i, b)))
-                .collect();
-            // A guided state's two rows read one cache, which hands out each block once.
-            let shared: Vec<SharedBlockReads> = cached
-                .iter()
-                .map(|&(_, cache)| SharedBlockReads::new(cache))
-                .collect();
-            let requests: Vec<MaskedRequest> = cached
-                .iter()
-                .zip(&shared)
-                .flat_map(|(&(i, cache), shared)| {
-                    let s = &*states[i];
-                    let cache: &dyn KvCache = if s.rows() > 1 { shared } else { cache };
-                    s.branches()
-                        .iter()
-                        .map(move |&b| s.masked_request(cache, full_prefix > 0, b))
-                })
-                .collect::<Result<_>>()?;
-            let outputs = p
-                .transformer
-                .forward_masked_prefix(&requests, full_prefix)?;
-            drop(requests);
-            drop(shared);
-            for (&(i, b), v) in rows.iter().zip(outputs) {
-                velocities[i][b as usize] = Some(v);
-            }
-            for &(i, _) in &cached {
-                let rows = std::mem::take(&mut velocities[i]);
-                stepped.push((i, states[i].masked_next_latents(rows)?));
-            }
-        }
-        for (i, latents) in stepped {
-            states[i].commit(latents);
-        }
-        Ok(())
-    })
-}
-
 impl DenoiseState {
     /// This state's next step as one request of a mask-aware forward.
     fn masked_request<'c>(
@@ -720,16 +576,6 @@ impl DenoiseState {
     }
 }
 
-/// A `[1, N, inner]` tensor of the transformer's kind (what an unsteered row's residual is).
-fn like_residual(inputs: &FluxInputs, p: &FluxPipeline<'_>) -> Result<Tensor> {
-    let n = inputs.hidden_states.size()[1];
-    let (device, kind) = p.transformer.device_kind();
-    Ok(Tensor::f_empty(
-        [1, n, p.transformer.inner_dim()],
-        (kind, device),
-    )?)
-}
-
 /// The transformer inputs of a group of same-shaped states, one row each.
 fn group_inputs(rows: &[(&DenoiseState, Branch)]) -> Result<FluxInputs> {
     let (first, first_branch) = rows[0];
@@ -772,8 +618,12 @@ pub fn state_kind(state: &DenoiseState) -> Kind {
     state.prep.kind
 }
 
+mod batch;
 mod remote;
+mod step_caching;
+pub use batch::{step_batch, step_batch_controlled, step_batch_modes};
 pub use remote::MaskedRow;
+use step_caching::PlannedStep;
 
 #[cfg(test)]
 mod tests;

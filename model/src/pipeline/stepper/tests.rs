@@ -16,6 +16,7 @@ fn model() -> (TinyModel, FlowMatchEulerDiscreteScheduler) {
 fn req(prompt: &str, seed: u64, steps: usize) -> StepRequest {
     StepRequest {
         true_cfg: None,
+        cache_threshold: None,
         control: None,
         prompt: prompt.into(),
         seed,
@@ -365,4 +366,111 @@ fn a_batch_that_fails_part_way_steps_no_one() {
     assert_eq!(plain.progress(), (0, 4), "the plain state stepped");
     assert_eq!(max_diff(plain.latents(), &before), 0.0);
     assert_eq!(edit.progress(), (0, 4));
+}
+
+/// `r` with TeaCache at `threshold`.
+fn caching(mut r: StepRequest, threshold: f64) -> StepRequest {
+    r.cache_threshold = Some(threshold);
+    r
+}
+
+/// Run a state to its end alone; its final latents and the steps its step cache skipped.
+fn run_counting(p: &FluxPipeline<'_>, r: &StepRequest) -> (Tensor, usize) {
+    let mut st = DenoiseState::new(p, r).unwrap();
+    while !st.is_done() {
+        st.step(p).unwrap();
+    }
+    (st.latents().shallow_clone(), st.skipped_steps())
+}
+
+/// TeaCache at threshold 0 probes every step and skips none: bit for bit no caching, plain,
+/// guided and edited.
+#[test]
+fn step_caching_at_threshold_zero_equals_no_caching() {
+    let (m, s) = model();
+    let p = m.pipeline(&s);
+    let edit = || {
+        let mut r = req("a green triangle", 5, 4);
+        r.edit = Some(EditSpec {
+            template: Tensor::ones([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 0.3,
+            token_mask: Tensor::arange(256, (Kind::Int64, Device::Cpu))
+                .remainder(3)
+                .eq(0),
+            strength: 1.0,
+            template_seed: None,
+        });
+        r
+    };
+    let requests: [&dyn Fn() -> StepRequest; 3] = [
+        &|| req("a red circle", 3, 5),
+        &|| guided("a red circle", 4, 5, "blue", 3.0),
+        &edit,
+    ];
+    for make in requests {
+        let plain = run_alone(&p, &make());
+        let (cached, skipped) = run_counting(&p, &caching(make(), 0.0));
+        assert_eq!(skipped, 0);
+        assert!(cached.equal(&plain), "threshold 0 changed the latents");
+    }
+    let err = DenoiseState::new(&p, &caching(req("x", 1, 2), -1.0))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("cache_threshold"), "{err}");
+}
+
+/// A threshold no change reaches skips every step but the first and the last; skipping
+/// changes the image, and a caching state batched with a guided one at another step ends as
+/// each does alone.
+#[test]
+fn a_large_threshold_skips_the_middle_steps_and_batches_like_alone() {
+    let (m, s) = model();
+    let p = m.pipeline(&s);
+    let lazy = || caching(req("a red circle", 3, 6), 1e9);
+    let (alone, skipped) = run_counting(&p, &lazy());
+    assert_eq!(skipped, 4);
+    let computed = run_alone(&p, &req("a red circle", 3, 6));
+    let change = max_diff(&alone, &computed);
+    assert!(change > 1e-4 && change.is_finite(), "{change}");
+
+    let other = || caching(guided("a blue square", 8, 4, "", 2.0), 1e9);
+    let (other_alone, other_skipped) = run_counting(&p, &other());
+    assert_eq!(other_skipped, 2);
+    let mut a = DenoiseState::new(&p, &lazy()).unwrap();
+    let mut b = DenoiseState::new(&p, &other()).unwrap();
+    a.step(&p).unwrap();
+    while !(a.is_done() && b.is_done()) {
+        step_batch(&p, &mut [&mut a, &mut b]).unwrap();
+    }
+    assert_eq!((a.skipped_steps(), b.skipped_steps()), (4, 2));
+    assert!(max_diff(a.latents(), &alone) < 1e-4);
+    assert!(max_diff(b.latents(), &other_alone) < 1e-4);
+}
+
+/// A batch that fails part-way keeps no state's step-cache decision either: the caching
+/// state then ends exactly as one that never saw the failed batch.
+#[test]
+fn a_failed_batch_leaves_the_step_cache_as_it_was() {
+    let (m, s) = model();
+    let p = m.pipeline(&s);
+    let lazy = || caching(req("a red circle", 3, 5), 1e9);
+    let (reference, skipped) = run_counting(&p, &lazy());
+    let mut st = DenoiseState::new(&p, &lazy()).unwrap();
+    st.step(&p).unwrap();
+    st.step(&p).unwrap();
+    let mut r = req("a green triangle", 5, 4);
+    r.edit = Some(EditSpec {
+        template: Tensor::zeros([1, 3, 64, 64], (Kind::Float, Device::Cpu)),
+        token_mask: Tensor::arange(256, (Kind::Int64, Device::Cpu)).lt(64),
+        strength: 1.0,
+        template_seed: None,
+    });
+    let mut edit = DenoiseState::new(&p, &r).unwrap();
+    let modes = [StepMode::Full, StepMode::Cached(&FailingCache)];
+    step_batch_modes(&p, &mut [&mut st, &mut edit], &modes, 0).unwrap_err();
+    assert_eq!((st.progress().0, st.skipped_steps()), (2, 1));
+    while !st.is_done() {
+        st.step(&p).unwrap();
+    }
+    assert_eq!(st.skipped_steps(), skipped);
+    assert!(st.latents().equal(&reference));
 }
