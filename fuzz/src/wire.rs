@@ -189,6 +189,7 @@ fn params() -> GenerationParams {
         }),
         preview_steps: vec![1, 3],
         strength: None,
+        cache_threshold: Some(0.1),
     }
 }
 
@@ -365,6 +366,7 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
                     edit: true,
                     max_sequence_length: 16,
                     multi_controlnet: false,
+                    step_cache: true,
                     ..Default::default()
                 },
             }),

@@ -275,6 +275,7 @@ pub fn generation_job(
             loras: Vec::new(),
             preview_steps: Vec::new(),
             strength: None,
+            cache_threshold: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

@@ -50,6 +50,7 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
             loras: Vec::new(),
             preview_steps: Vec::new(),
             strength: None,
+            cache_threshold: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

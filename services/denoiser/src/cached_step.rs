@@ -74,6 +74,9 @@ pub struct StepReport {
     pub prefix: usize,
     /// Seconds the compute waited for the loader.
     pub load_wait_s: f64,
+    /// Batch rows whose step reused their last computed step's residual (step caching):
+    /// they ran no block.
+    pub reused: usize,
 }
 
 /// Seconds per (computed token x block), smoothed; a first guess until a step is measured.
@@ -157,11 +160,20 @@ impl CachedStepper {
         }
         let (device, kind) = p.transformer.device_kind();
         let n_blocks = p.transformer.num_blocks();
+        // Step caching decides first: a step that reuses its residual loads nothing and
+        // computes no block (mask-aware or full).
+        let mut reused = vec![false; states.len()];
+        for (i, s) in states.iter_mut().enumerate().filter(|(_, s)| !s.is_done()) {
+            if s.caches_steps() {
+                let masked = Self::usable(s, caches[i].as_ref()).is_some();
+                reused[i] = s.plan_step(p, masked)?;
+            }
+        }
         let cached: Vec<(usize, Arc<TemplateEntry>)> = states
             .iter()
             .zip(caches)
             .enumerate()
-            .filter(|(_, (s, _))| !s.is_done())
+            .filter(|(i, (s, _))| !s.is_done() && !reused[*i])
             .filter_map(|(i, (s, c))| Self::usable(s, c.as_ref()).map(|c| (i, c.clone())))
             .collect();
         let prefix = match self.settings.prefix {
@@ -183,10 +195,15 @@ impl CachedStepper {
         for (j, (i, _)) in cached.iter().enumerate() {
             modes[*i] = StepMode::Cached(streams.get(j).map_or(&empty as _, |s| s as _));
         }
+        for (i, s) in states.iter().enumerate().filter(|&(i, _)| reused[i]) {
+            if Self::usable(s, caches[i].as_ref()).is_some() {
+                modes[i] = StepMode::Cached(&empty);
+            }
+        }
         let work: f64 = states
             .iter()
             .enumerate()
-            .filter(|(_, s)| !s.is_done())
+            .filter(|(i, s)| !s.is_done() && !reused[*i])
             .map(|(i, s)| {
                 let (t, _, n) = tokens(s);
                 let cached_here = matches!(modes[i], StepMode::Cached(_));
@@ -222,6 +239,10 @@ impl CachedStepper {
             cached: cached.iter().map(|(i, _)| states[*i].rows()).sum(),
             prefix,
             load_wait_s,
+            reused: (0..states.len())
+                .filter(|&i| reused[i])
+                .map(|i| states[i].rows())
+                .sum(),
         })
     }
 

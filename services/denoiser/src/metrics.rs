@@ -52,7 +52,8 @@ pub struct DenoiserMetrics {
     pub running: IntGauge,
     /// Jobs and submits that failed, by reason.
     pub failures: IntCounterVec,
-    /// Image rows stepped, by mode (`mask_aware` with a template cache, `full`).
+    /// Image rows stepped, by mode (`mask_aware` with a template cache, `reused`: step caching
+    /// reused the last computed step's residual, `full`).
     pub step_rows: IntCounterVec,
     /// Time a step's compute waited for the cache loader, per step with cached rows.
     pub load_wait_seconds: Histogram,
@@ -173,7 +174,7 @@ impl DenoiserMetrics {
         let step_rows = IntCounterVec::new(
             Opts::new(
                 "diffmesh_denoiser_step_rows_total",
-                "Image rows stepped, by mode (mask_aware or full)",
+                "Image rows stepped, by mode (mask_aware, reused or full)",
             ),
             &["mode"],
         )?;

@@ -95,6 +95,8 @@ impl EngineModel {
         )?;
         let features = &mut self.card.features;
         features.lora = false;
+        // Ranks step with velocities they return; a step-caching decision lives on the state.
+        features.step_cache = false;
         self.ranks = Some(ranks);
         Ok(())
     }
@@ -162,6 +164,7 @@ pub fn announce(model: &LoadedModel, id: &str, default_size: Option<i64>) -> Mod
             guidance_embeds: model.transformer.cfg.guidance_embeds,
             max_sequence_length: model.text_encoder.max_tokens().max(0) as u32,
             multi_controlnet: false,
+            step_cache: true,
         },
     }
 }
@@ -242,6 +245,7 @@ pub fn step_requests(
             steps: p.num_inference_steps as usize,
             guidance_scale: p.guidance_scale as f64,
             edit,
+            cache_threshold: p.cache_threshold.map(f64::from),
         });
     }
     Ok(out)

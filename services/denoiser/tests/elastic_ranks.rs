@@ -269,6 +269,7 @@ async fn a_guided_step_runs_its_rows_on_the_two_halves_of_an_even_group() {
         guidance_scale: 1.0,
         edit: None,
         control: None,
+        cache_threshold: None,
         true_cfg: Some(Guidance {
             negative_prompt: "blue".into(),
             scale: 3.0,

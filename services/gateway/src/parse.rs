@@ -81,6 +81,7 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
             "true_cfg_scale" => raw.true_cfg_scale = Some(number_field(key, v)?),
             "negative_prompt" => raw.negative_prompt = Some(string()?),
             "seed" => raw.seed = Some(u64_field(key, v)?),
+            "cache_threshold" => raw.cache_threshold = Some(number_field(key, v)?),
             "loras" => raw.loras = Some(lora_params::from_json(v)?),
             "deadline_ms" => raw.deadline_ms = Some(int_field(key, v)?),
             "controlnet" => raw.controlnet = Some(crate::controlnet::from_json(v, key)?),
@@ -156,6 +157,7 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
         true_cfg_scale: parse(text, "true_cfg_scale", "a number")?,
         negative_prompt: text.get("negative_prompt").cloned(),
         seed: parse(text, "seed", "a non-negative integer")?,
+        cache_threshold: parse(text, "cache_threshold", "a number")?,
         loras: match text.get("loras") {
             Some(json) => lora_params::from_text(json)?,
             None => None,
@@ -271,9 +273,14 @@ mod tests {
             (raw.true_cfg_scale, raw.negative_prompt.as_deref()),
             (Some(4.0), Some(""))
         );
+        let raw = raw_from_json(br#"{"prompt": "x", "cache_threshold": 0.2}"#).unwrap();
+        assert_eq!(raw.cache_threshold, Some(0.2));
+        let text = HashMap::from([("cache_threshold".to_string(), "x".to_string())]);
+        assert_eq!(raw_from_text(&text).unwrap_err().field, "cache_threshold");
         for (body, field) in [
             (r#"{"true_cfg_scale": "4"}"#, "true_cfg_scale"),
             (r#"{"negative_prompt": 3}"#, "negative_prompt"),
+            (r#"{"cache_threshold": "0.1"}"#, "cache_threshold"),
         ] {
             assert_eq!(
                 raw_from_json(body.as_bytes()).unwrap_err().field,

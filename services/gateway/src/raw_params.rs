@@ -76,6 +76,14 @@ pub struct RawParams {
     /// Makes the result reproducible (random when left out).
     #[schema(minimum = 0)]
     pub seed: Option<u64>,
+    /// Step caching (TeaCache), 0 to 1: a step whose modulated input changed less than this
+    /// since the last computed step reuses that step's transformer residual instead of
+    /// running the blocks: faster, at some quality (`docs/BENCHMARKS.md` has the curve on the
+    /// tiny model). 0 computes every step. Absent: off. Flux models; combines with
+    /// mask-aware edits.
+    #[schema(minimum = 0.0, maximum = 1.0, example = 0.1)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_threshold: Option<f64>,
     /// Registered LoRAs to apply (`POST /v1/loras`): at most 4, each id once; none = the base
     /// model. Not for edits of a registered template.
     // Left out of the fingerprint's JSON when absent, so requests without it hash as before.

@@ -110,6 +110,9 @@ pub fn check_features(
     if !params.loras.is_empty() && !f.lora {
         return refuse("loras", "LoRAs");
     }
+    if params.cache_threshold.is_some() && !f.step_cache {
+        return refuse("cache_threshold", "step caching");
+    }
     Ok(())
 }
 
@@ -152,6 +155,7 @@ mod tests {
             loras: vec![],
             preview_steps: Vec::new(),
             strength: None,
+            cache_threshold: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),
@@ -237,5 +241,19 @@ mod tests {
             ..ModelFeatures::default()
         });
         assert!(check_features(&sums, JobKind::Generate, &two).is_ok());
+    }
+
+    #[test]
+    fn step_caching_needs_a_model_that_serves_it() {
+        let mut cached = params();
+        cached.cache_threshold = Some(0.1);
+        let unet = model(ModelFeatures::default());
+        let e = check_features(&unet, JobKind::Generate, &cached).unwrap_err();
+        assert_eq!(e.field, "cache_threshold");
+        let flux = model(ModelFeatures {
+            step_cache: true,
+            ..ModelFeatures::default()
+        });
+        assert!(check_features(&flux, JobKind::Generate, &cached).is_ok());
     }
 }

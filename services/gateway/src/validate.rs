@@ -37,6 +37,9 @@ pub fn preview_steps(steps: u32, partial: u32, every: Option<u32>) -> Vec<u32> {
     out
 }
 
+/// Largest step-caching threshold (`cache_threshold`): above it almost every step reuses.
+pub const MAX_CACHE_THRESHOLD: f64 = 1.0;
+
 /// Longest `deadline_ms` a request may give (a day).
 pub const MAX_DEADLINE_MS: i64 = 86_400_000;
 
@@ -107,6 +110,16 @@ fn validate_common(
             ),
         ));
     }
+    let cache_threshold = match raw.cache_threshold {
+        None => None,
+        Some(t) if (0.0..=MAX_CACHE_THRESHOLD).contains(&t) => Some(t as f32),
+        Some(t) => {
+            return Err(invalid(
+                "cache_threshold",
+                format!("must be between 0 and {MAX_CACHE_THRESHOLD}, got {t}"),
+            ))
+        }
+    };
     let true_cfg = validate_true_cfg(
         raw.true_cfg_scale.unwrap_or(f64::from(defaults.true_cfg)),
         raw.negative_prompt,
@@ -214,6 +227,7 @@ fn validate_common(
             preview_steps: preview_steps(steps, partial, every),
             // Set by the caller for variations.
             strength: None,
+            cache_threshold,
         },
         response_format,
         output,
@@ -401,6 +415,25 @@ mod tests {
         };
         let e = validate_generation(transparent, &l, &d).unwrap_err();
         assert_eq!(e.field, "background");
+    }
+
+    #[test]
+    fn cache_threshold_is_kept_in_range_and_errors_name_the_field() {
+        let (l, d) = (limits(), defaults());
+        let with = |t: Option<f64>| {
+            let raw = RawParams {
+                cache_threshold: t,
+                ..raw("x")
+            };
+            validate_generation(raw, &l, &d).map(|v| v.params.cache_threshold)
+        };
+        assert_eq!(with(None).unwrap(), None);
+        assert_eq!(with(Some(0.0)).unwrap(), Some(0.0));
+        assert_eq!(with(Some(0.25)).unwrap(), Some(0.25));
+        for bad in [-0.1, 1.5, f64::NAN, f64::INFINITY] {
+            let e = with(Some(bad)).unwrap_err();
+            assert_eq!(e.field, "cache_threshold", "{bad}");
+        }
     }
 
     #[test]

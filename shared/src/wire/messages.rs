@@ -82,6 +82,12 @@ pub struct GenerationParams {
     /// only outside the mask). Below 1 only for variations (`POST /v1/images/variations`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub strength: Option<f32>,
+    /// Step caching (TeaCache): a step whose modulated input changed less than this, summed
+    /// since the last computed step, reuses that step's transformer residual instead of
+    /// running the blocks. In [0, 1]; None: every step computes. Flux denoisers serve it
+    /// (`ModelFeatures::step_cache`); it combines with mask-aware edits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_threshold: Option<f32>,
 }
 
 /// Most previews one job may ask for (each is a small image on the job's event subject).
@@ -625,6 +631,7 @@ mod tests {
             loras: Vec::new(),
             preview_steps: Vec::new(),
             strength: None,
+            cache_threshold: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

@@ -63,6 +63,9 @@ pub struct ModelFeatures {
     /// older senders.
     #[serde(default)]
     pub multi_controlnet: bool,
+    /// Step caching per request (`cache_threshold`). False from older senders.
+    #[serde(default)]
+    pub step_cache: bool,
 }
 
 impl ModelGeometry {
@@ -151,6 +154,7 @@ mod tests {
                 guidance_embeds: true,
                 max_sequence_length: 512,
                 multi_controlnet: false,
+                step_cache: true,
                 ..ModelFeatures::default()
             },
         };

@@ -43,12 +43,14 @@ pub(super) fn refusal(job: &EngineJob) -> Option<EngineJobError> {
         "params.loras"
     } else if p.controlnet.is_some() || !job.control_rgb.is_empty() {
         "params.controlnet"
+    } else if p.cache_threshold.is_some() {
+        "params.cache_threshold"
     } else {
         return None;
     };
     Some(EngineJobError::Input(format!(
         "{field}: this denoiser steps on elastic ranks (--ranks), which run generations, \
-         edits and captures without adapters"
+         edits and captures without adapters or step caching"
     )))
 }
 

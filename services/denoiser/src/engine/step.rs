@@ -90,12 +90,16 @@ impl Engine {
         }
         if let Some(m) = &self.metrics {
             let mask_aware: usize = reports.iter().map(|r| r.cached).sum();
+            let reused: usize = reports.iter().map(|r| r.reused).sum();
             m.step_rows
                 .with_label_values(&["mask_aware"])
                 .inc_by(mask_aware as u64);
             m.step_rows
+                .with_label_values(&["reused"])
+                .inc_by(reused as u64);
+            m.step_rows
                 .with_label_values(&["full"])
-                .inc_by(rows.saturating_sub(mask_aware) as u64);
+                .inc_by(rows.saturating_sub(mask_aware + reused) as u64);
             for r in reports.iter().filter(|r| r.cached > 0) {
                 m.load_wait_seconds.observe(r.load_wait_s);
             }

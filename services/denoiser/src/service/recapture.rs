@@ -67,6 +67,7 @@ pub fn capture_of(edit: &DenoiseJob) -> Option<DenoiseJob> {
             loras: Vec::new(),
             preview_steps: Vec::new(),
             strength: None,
+            cache_threshold: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

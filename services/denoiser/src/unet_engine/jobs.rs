@@ -94,6 +94,7 @@ pub fn announce(pipeline: &SdPipeline, id: &str, default_size: Option<i64>) -> M
             guidance_embeds: false,
             max_sequence_length: u32::try_from(pipeline.max_tokens()).unwrap_or(u32::MAX),
             multi_controlnet: true,
+            step_cache: false,
         },
     }
 }
@@ -164,6 +165,13 @@ pub fn job_states(
     let p = &job.params;
     if p.n == 0 {
         return Err(ModelError::input("params.n", "must be at least 1"));
+    }
+    if p.cache_threshold.is_some() {
+        // Refused rather than ignored: the request asked for a trade it would not get.
+        return Err(ModelError::input(
+            "params.cache_threshold",
+            "step caching runs on Flux models; this UNet model computes every step",
+        ));
     }
     let (height, width) = job_resolution_of(job, &model.card);
     let names = p.controlnets().count();

@@ -48,7 +48,8 @@ pub struct CardView {
     /// Pixels per image-token side: masks are followed at this granularity.
     pub token_pixels: u32,
     /// What it serves beyond text-to-image: `edit`, `fill`, `controlnet`, `lora`, `true_cfg`,
-    /// `guidance` (guidance-distilled: `guidance_scale` steers it).
+    /// `guidance` (guidance-distilled: `guidance_scale` steers it), `step_cache`
+    /// (`cache_threshold`).
     pub features: Vec<String>,
     /// Longest prompt in text-encoder tokens.
     pub max_sequence_length: u32,
@@ -69,6 +70,7 @@ impl CardView {
             ("lora", f.lora),
             ("true_cfg", f.true_cfg),
             ("guidance", f.guidance_embeds),
+            ("step_cache", f.step_cache),
         ]
         .into_iter()
         .filter(|(_, on)| *on)
@@ -206,6 +208,7 @@ mod tests {
                 guidance_embeds: true,
                 max_sequence_length: 512,
                 multi_controlnet: false,
+                step_cache: true,
                 ..ModelFeatures::default()
             },
         });
@@ -218,7 +221,7 @@ mod tests {
         assert_eq!(flux["max_pixels"], 1 << 22);
         assert_eq!(
             flux["features"],
-            serde_json::json!(["edit", "lora", "guidance"])
+            serde_json::json!(["edit", "lora", "guidance", "step_cache"])
         );
         assert_eq!(flux["max_sequence_length"], 512);
         // A denoiser that announced only the id: the id alone.

@@ -61,6 +61,9 @@ pub struct VariationForm {
     pub negative_prompt: Option<String>,
     #[schema(minimum = 0)]
     pub seed: Option<u64>,
+    /// Step caching (TeaCache), 0 to 1, as in generations.
+    #[schema(minimum = 0.0, maximum = 1.0)]
+    pub cache_threshold: Option<f64>,
     #[schema(minimum = 1, maximum = 86_400_000)]
     pub deadline_ms: Option<i64>,
     /// Where the job's ending is posted (async jobs only), as in generations.

@@ -91,6 +91,7 @@ pub fn validate(
     for (field, given) in [
         ("true_cfg_scale", raw.true_cfg_scale.is_some()),
         ("negative_prompt", raw.negative_prompt.is_some()),
+        ("cache_threshold", raw.cache_threshold.is_some()),
     ] {
         if given {
             return Err(FieldError::invalid(
@@ -140,6 +141,7 @@ pub fn validate(
         loras: Vec::new(),
         preview_steps: Vec::new(),
         strength: None,
+        cache_threshold: None,
         deadline_unix_ms: None,
         controlnet: None,
         extra_controlnets: Vec::new(),
