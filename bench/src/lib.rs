@@ -6,7 +6,8 @@
 //! - [`disaggregation`]: pre/post-processing inline in the step loop against on codec workers;
 //! - [`engine_steps`]: whole engine steps by batch size, written into a scheduler profile;
 //! - [`mask_aware`]: FlashPS step latency with streamed cache loading, throughput at batch 8 and
-//!   quality (SSIM/PSNR) of mask-aware edits against full compute;
+//!   quality (SSIM/PSNR) of mask-aware edits against full compute, with [`step_caching`]
+//!   (TeaCache) as their baseline and beside them;
 //! - [`prompt_stage`]: text encoding on the step loop against on the denoiser's prompt stage;
 //! - [`elastic`]: a live run on elastic ranks against the simulator on the same arrivals;
 //! - [`lora`] (its own binary, `diffmesh-lora-bench`): LoRA switch costs and what bounded
@@ -22,11 +23,13 @@ pub mod codec_work;
 pub mod controlnet_service;
 pub mod disaggregation;
 pub mod driver;
+pub(crate) mod edit_quality;
 pub mod elastic;
 pub mod engine_steps;
 pub mod lora;
 pub mod mask_aware;
 pub mod prompt_stage;
 pub mod report;
+pub mod step_caching;
 pub mod template_caches;
 pub mod workload;

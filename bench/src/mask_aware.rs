@@ -13,8 +13,10 @@
 //! - quality, with the trained tiny model: edits of a rendered template run to the end in full
 //!   compute and through the engine's `CachedStepper` (the serving path), composited like the
 //!   codec does; SSIM and PSNR of mask-aware against full, whole image, over the mask's box
-//!   and over the masked pixels, per K/V cache dtype and for the Y cache.
+//!   and over the masked pixels, per K/V cache dtype and for the Y cache;
+//! - step caching (TeaCache) against and with mask-aware editing ([`crate::step_caching`]).
 use crate::driver::BenchModel;
+use crate::edit_quality::{mean_min, EditScores, QualityEdits};
 use crate::report::Report;
 use anyhow::{Context, Result};
 use diffmesh_denoiser::cached_step::{CacheSettings, CachedStepper, CaptureSink, PrefixPolicy};
@@ -27,22 +29,15 @@ use diffmesh_model::flux::{
     CapturedKv, FluxInputs, FluxTransformer, KvCache, KvFormat, MaskedAttention, MaskedRequest,
 };
 use diffmesh_model::model_dir::LoadedModel;
-use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest};
-use diffmesh_model::pipeline::template::{capture_state, TemplateSpec};
-use diffmesh_model::pipeline::FluxPipeline;
-use diffmesh_model::quality::{mask_box, psnr, psnr_masked, ssim, ssim_masked};
+use diffmesh_model::pipeline::stepper::DenoiseState;
+use diffmesh_model::quality::{psnr, ssim};
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
-use diffmesh_model::tiny::data::{all_keys, render_rgb, rgb_to_tensor, scene_for};
-use diffmesh_model::tiny::IMAGE_SIZE;
 use diffmesh_sched::three_way::{plan_prefix_kv, plan_three_way, ThreeWayCosts, ThreeWayPlan};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use std::time::Instant;
-
-/// Pixels the mask's box is grown by each side for the box figures (issue 50).
-const BOX_MARGIN: i64 = 8;
 
 /// Settings of the mask-aware measurements.
 #[derive(Debug, Clone)]
@@ -466,38 +461,6 @@ fn three_way_planner(
     Ok(())
 }
 
-/// A token mask (16x16 grid) repainting a rectangle of about `ratio` of the tokens.
-fn rect_mask(rng: &mut ChaCha8Rng, side: i64, ratio: f64) -> Tensor {
-    let area = (ratio * (side * side) as f64)
-        .round()
-        .clamp(1.0, (side * side - 1) as f64);
-    let aspect: f64 = rng.random_range(0.5..2.0);
-    let w = ((area * aspect).sqrt().round() as i64).clamp(1, side);
-    let h = ((area / w as f64).round() as i64).clamp(1, side);
-    let (x0, y0) = (
-        rng.random_range(0..=side - w),
-        rng.random_range(0..=side - h),
-    );
-    let mask = Tensor::zeros([side, side], (Kind::Bool, Device::Cpu));
-    let _ = mask.narrow(0, y0, h).narrow(1, x0, w).fill_(1);
-    mask.view([-1])
-}
-
-/// Mean and minimum of per-edit scores.
-/// The mean of `v` as a report value: null when nothing was measured (every mask at the border,
-/// say), not a zero that reads as a score.
-fn mean_or_null(v: &[f64]) -> Value {
-    match v.is_empty() {
-        true => Value::Null,
-        false => json!(mean_min(v).0),
-    }
-}
-
-fn mean_min(v: &[f64]) -> (f64, f64) {
-    let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
-    (mean, v.iter().copied().fold(f64::INFINITY, f64::min))
-}
-
 /// Quality of mask-aware edits against full compute with the trained tiny model.
 fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     let _guard = tch::no_grad_guard();
@@ -513,13 +476,7 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
         .then(|| load(Kind::Float))
         .transpose()?;
     let mut vs_f32 = (vec![], vec![]);
-    let keys = all_keys();
-    let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
-    let scene = scene_for(keys[rng.random_range(0..keys.len())], &mut rng);
-    let size = IMAGE_SIZE;
-    let template = rgb_to_tensor(&render_rgb(&scene), size).unsqueeze(0);
-    let side = size / (2 * p.codec.downscale_factor());
-    let template_seed = 4242;
+    let edits = QualityEdits::draw(opts, &p);
     let (mut summary, mut by_format) = (Map::new(), Map::new());
     // Every K/V storage dtype, and the Y (hidden-stream) cache in the served dtype.
     let configs = [
@@ -530,23 +487,7 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     ];
     for (format, dtype) in configs {
         let kv_bf16 = (format, dtype) == (KvFormat::Prepared, CacheDtype::Bf16);
-        let spec = TemplateSpec {
-            template: template.shallow_clone(),
-            prompt: scene.key.prompt(),
-            seed: template_seed,
-            steps: opts.quality_steps,
-            guidance_scale: 1.0,
-        };
-        let mut state = capture_state(&p, &spec)?;
-        let mut sink = CaptureSink::new(format, dtype);
-        while !state.is_done() {
-            state.capture_step(&p, &mut sink)?;
-            sink.end_step();
-        }
-        let entry = Arc::new(
-            sink.finish("quality".into(), p.transformer.num_blocks())
-                .map_err(anyhow::Error::msg)?,
-        );
+        let entry = edits.capture(&p, format, dtype)?;
         let mut stepper = CachedStepper::new(
             CacheSettings {
                 format,
@@ -556,32 +497,9 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
             },
             None,
         )?;
-        let mut edit_rng = ChaCha8Rng::seed_from_u64(opts.seed + 1);
-        let (mut ssims, mut psnrs) = (vec![], vec![]);
-        // Where the edit changes the image: the mask's box grown by BOX_MARGIN, and the masked
-        // pixels alone (the rest of a composite is the template's by construction).
-        let (mut box_ssims, mut box_psnrs) = (vec![], vec![]);
-        let (mut masked_ssims, mut masked_psnrs) = (vec![], vec![]);
-        for e in 0..opts.quality_edits {
-            let ratio = opts.mask_ratios[edit_rng.random_range(0..opts.mask_ratios.len())];
-            let token_mask = rect_mask(&mut edit_rng, side, ratio);
-            let prompt = keys[edit_rng.random_range(0..keys.len())].prompt();
-            let request = StepRequest {
-                true_cfg: None,
-                control: None,
-                prompt,
-                seed: 100 + e as u64,
-                height: size,
-                width: size,
-                steps: opts.quality_steps,
-                guidance_scale: 1.0,
-                edit: Some(EditSpec {
-                    template: template.shallow_clone(),
-                    token_mask: token_mask.shallow_clone(),
-                    strength: 1.0,
-                    template_seed: Some(template_seed),
-                }),
-            };
+        let mut scores = EditScores::default();
+        for e in 0..edits.edits.len() {
+            let request = edits.request(e, None);
             let mut full = DenoiseState::new(&p, &request)?;
             while !full.is_done() {
                 full.step(&p)?;
@@ -590,83 +508,61 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
             while !cached.is_done() {
                 stepper.step(&p, &mut [&mut cached], &[Some(entry.clone())])?;
             }
-            // Composite as the codec does: the template's pixels outside the mask.
-            let pixel_mask = token_mask
-                .view([side, side])
-                .to_kind(Kind::Float)
-                .repeat_interleave_self_int(size / side, Some(0), None)
-                .repeat_interleave_self_int(size / side, Some(1), None)
-                .view([1, 1, size, size]);
-            let comp = |x: &Tensor| -> Tensor {
-                let img = (x.clamp(-1.0, 1.0) + 1.0) / 2.0;
-                let tpl = (&template + 1.0) / 2.0;
-                &pixel_mask * img + (1.0 - &pixel_mask) * tpl
-            };
-            let decoded = |s: &DenoiseState, p: &FluxPipeline| -> Result<Tensor> {
-                Ok(comp(&s.decode(p)?.to_kind(Kind::Float)))
-            };
-            let (a, b) = (decoded(&full, &p)?, decoded(&cached, &p)?);
-            ssims.push(ssim(&a, &b)?);
-            psnrs.push(psnr(&a, &b)?.min(100.0));
-            if let Some(area) = mask_box(&pixel_mask, BOX_MARGIN)? {
-                let (ca, cb) = (area.crop(&a)?, area.crop(&b)?);
-                box_ssims.push(ssim(&ca, &cb)?);
-                box_psnrs.push(psnr(&ca, &cb)?.min(100.0));
-            }
-            if let Some(s) = ssim_masked(&a, &b, &pixel_mask)? {
-                masked_ssims.push(s);
-            }
-            if let Some(q) = psnr_masked(&a, &b, &pixel_mask)? {
-                masked_psnrs.push(q.min(100.0));
-            }
+            let (a, b) = (
+                edits.composite(e, &full, &p)?,
+                edits.composite(e, &cached, &p)?,
+            );
+            scores.add(&a, &b, &edits.pixel_mask(e))?;
             if let (Some(f32_model), true) = (&reference, kv_bf16) {
                 let rp = f32_model.pipeline();
                 let mut f32_full = DenoiseState::new(&rp, &request)?;
                 while !f32_full.is_done() {
                     f32_full.step(&rp)?;
                 }
-                let r = decoded(&f32_full, &rp)?;
+                let r = edits.composite(e, &f32_full, &rp)?;
                 vs_f32.0.push(ssim(&r, &b)?);
                 vs_f32.1.push(psnr(&r, &b)?.min(100.0));
             }
         }
-        let ((s, min_s), (q, _)) = (mean_min(&ssims), mean_min(&psnrs));
-        let ((bs, min_bs), (bq, _)) = (mean_min(&box_ssims), mean_min(&box_psnrs));
-        let ((ms, _), (mq, _)) = (mean_min(&masked_ssims), mean_min(&masked_psnrs));
         report.say(format!(
-            "quality ({} {} cache, {} edits, {} steps): SSIM mean {s:.4} (min {min_s:.4}), PSNR mean {q:.2} dB; \
-             over the mask's box (+{BOX_MARGIN} px) SSIM {bs:.4} (min {min_bs:.4}), PSNR {bq:.2} dB; \
-             over the masked pixels SSIM {ms:.4}, PSNR {mq:.2} dB; cache {} bytes",
+            "quality ({} {} cache, {} edits, {} steps): {}; cache {} bytes",
             format.as_str(),
             dtype.as_str(),
             opts.quality_edits,
             opts.quality_steps,
+            scores.summary(),
             entry.bytes()
         ));
-        let figures = json!({"ssim_mean": s, "ssim_min": min_s, "psnr_mean": q,
-            "ssim_box_mean": mean_or_null(&box_ssims), "ssim_box_min": min_bs,
-            "psnr_box_mean": mean_or_null(&box_psnrs),
-            "ssim_masked_mean": mean_or_null(&masked_ssims),
-            "psnr_masked_mean": mean_or_null(&masked_psnrs), "cache_bytes": entry.bytes()});
+        let mut figures = scores.figures();
+        figures["cache_bytes"] = json!(entry.bytes());
+        let (s, _, q) = scores.whole();
         if format == KvFormat::Prepared {
             summary.insert(dtype.as_str().into(), figures.clone());
         }
-        if dtype == CacheDtype::Bf16 {
-            by_format.insert(format.as_str().into(), figures);
-        }
         if format == KvFormat::Hidden {
             report.insert("ssim_mean_y", json!(s));
-            report.insert("ssim_box_mean_y", mean_or_null(&box_ssims));
-            report.insert("psnr_box_mean_y", mean_or_null(&box_psnrs));
-            report.insert("ssim_masked_mean_y", mean_or_null(&masked_ssims));
+            for (key, name) in [
+                ("ssim_box_mean_y", "ssim_box_mean"),
+                ("psnr_box_mean_y", "psnr_box_mean"),
+                ("ssim_masked_mean_y", "ssim_masked_mean"),
+            ] {
+                report.insert(key, figures[name].clone());
+            }
         }
         if kv_bf16 {
             report.insert("ssim_mean", json!(s));
             report.insert("psnr_mean", json!(q));
-            report.insert("ssim_box_mean", mean_or_null(&box_ssims));
-            report.insert("psnr_box_mean", mean_or_null(&box_psnrs));
-            report.insert("ssim_masked_mean", mean_or_null(&masked_ssims));
-            report.insert("psnr_masked_mean", mean_or_null(&masked_psnrs));
+            for key in [
+                "ssim_box_mean",
+                "psnr_box_mean",
+                "ssim_masked_mean",
+                "psnr_masked_mean",
+            ] {
+                report.insert(key, figures[key].clone());
+            }
+        }
+        if dtype == CacheDtype::Bf16 {
+            by_format.insert(format.as_str().into(), figures);
         }
     }
     report.insert("quality_by_cache_dtype", Value::Object(summary));
@@ -693,5 +589,6 @@ pub fn run(opts: &MaskAwareOptions, with_latency: bool, report: &mut Report) -> 
     if with_latency {
         latency(opts, report)?;
     }
-    quality(opts, report)
+    quality(opts, report)?;
+    crate::step_caching::run(opts, report)
 }
