@@ -256,3 +256,54 @@ fn bad_control_requests_name_the_field() {
     let err = step_batch_controlled(&p, &mut [&mut st], &[StepMode::Full], 0, &[None]).unwrap_err();
     assert!(err.to_string().contains("control"), "{err}");
 }
+
+/// A steered request with step caching: a step it reuses runs no ControlNet (the engine asks
+/// `plan_step` first and brings no residuals for it) and ends exactly where the same request
+/// ends when the residuals are computed every step anyway.
+#[test]
+fn a_reused_steered_step_needs_no_controlnet() {
+    let _turn = turn();
+    let m = TinyModel::random_for_tests(7, Device::Cpu).unwrap();
+    let s = scheduler();
+    let p = m.pipeline(&s);
+    let (net, _vs) = random_net(&m, 2, 2, 1);
+    let steered = || {
+        let mut r = req(
+            "a red circle",
+            3,
+            Some(ControlInput {
+                image: image(10),
+                scale: 1.0,
+            }),
+        );
+        r.cache_threshold = Some(1e9);
+        DenoiseState::new(&p, &r).unwrap()
+    };
+    let mut always = vec![steered()];
+    run(&p, &mut always, &[Some(&net)]);
+    let mut planned = steered();
+    let mut skipped_nets = 0;
+    while !planned.is_done() {
+        let reuse = planned.plan_step(&p, false).unwrap();
+        let residuals = match reuse {
+            true => None,
+            false => Some(
+                planned
+                    .control_step()
+                    .unwrap()
+                    .unwrap()
+                    .residuals(&net)
+                    .unwrap(),
+            ),
+        };
+        skipped_nets += reuse as usize;
+        step_batch_controlled(&p, &mut [&mut planned], &[StepMode::Full], 0, &[residuals]).unwrap();
+    }
+    assert_eq!((skipped_nets, planned.skipped_steps()), (2, 2));
+    assert!(planned.latents().equal(always[0].latents()));
+    // Without a plan, a computed steered step still needs its residuals.
+    let mut fresh = steered();
+    let modes = [StepMode::Full];
+    let err = step_batch_controlled(&p, &mut [&mut fresh], &modes, 0, &[None]).unwrap_err();
+    assert!(err.to_string().contains("control"), "{err}");
+}

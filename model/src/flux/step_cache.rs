@@ -75,7 +75,9 @@ impl StepCache {
     pub fn choose(&self, probe: Tensor, taken: usize, steps: usize) -> Result<StepDecision> {
         let edge = taken == 0 || taken + 1 >= steps;
         let (choice, accumulated) = match (&self.previous_probe, &self.residual, edge) {
-            (Some(prev), Some(_), false) if self.threshold > 0.0 => {
+            // A probe of another shape (a mask-aware step after a full one, or the reverse)
+            // measures other tokens: compute, and start over from this step.
+            (Some(prev), Some(_), false) if self.threshold > 0.0 && prev.size() == probe.size() => {
                 let sum = self.accumulated + relative_l1(&probe, prev)?;
                 match sum < self.threshold {
                     true => (StepChoice::Reuse, sum),
@@ -260,6 +262,18 @@ mod tests {
             let err = model.forward_from_residual(&inputs, &wrong).unwrap_err();
             assert!(err.to_string().contains("residual"), "{err}");
         });
+    }
+
+    /// A probe over other tokens (the step switched between full and mask-aware) computes.
+    #[test]
+    fn a_probe_of_another_shape_computes() {
+        let mut c = StepCache::new(10.0).unwrap();
+        let d = c.choose(t(&[1.0, 2.0]), 0, 4).unwrap();
+        c.commit(d, Some(Tensor::zeros([2], (Kind::Float, Device::Cpu))));
+        let d = c.choose(t(&[1.0, 2.0, 3.0]), 1, 4).unwrap();
+        assert_eq!(d.choice, StepChoice::Compute);
+        let d = c.choose(t(&[1.0, 2.0]), 1, 4).unwrap();
+        assert_eq!(d.choice, StepChoice::Reuse);
     }
 
     #[test]

@@ -179,7 +179,7 @@ impl CachedStepper {
         let prefix = match self.settings.prefix {
             _ if cached.is_empty() => 0,
             PrefixPolicy::Fixed(k) => k.min(n_blocks),
-            PrefixPolicy::Auto => self.plan(states, &cached, n_blocks),
+            PrefixPolicy::Auto => self.plan(states, &cached, &reused, n_blocks),
         };
         let parts = cached
             .iter()
@@ -225,7 +225,9 @@ impl CachedStepper {
         let elapsed = started.elapsed().as_secs_f64();
         let load_wait_s: f64 = streams.iter().map(|s| s.waited().as_secs_f64()).sum();
         if work > 0.0 {
-            // Compute only: time spent waiting for loads is not compute.
+            // Compute only: time spent waiting for loads is not compute. Step-caching probes
+            // and reused steps' final layers count in `elapsed` but not in `work`: an
+            // overestimate of up to the probe's cost (about 7% of a tiny-model step).
             let sample = (elapsed - load_wait_s).max(0.0) / work;
             let e = &mut self.compute;
             e.per_token_block_s = if e.measured {
@@ -251,13 +253,14 @@ impl CachedStepper {
         &self,
         states: &[&mut DenoiseState],
         cached: &[(usize, Arc<TemplateEntry>)],
+        reused: &[bool],
         n_blocks: usize,
     ) -> usize {
         let c = self.compute.per_token_block_s;
         let full_rows: f64 = states
             .iter()
             .enumerate()
-            .filter(|(i, s)| !s.is_done() && !cached.iter().any(|(j, _)| j == i))
+            .filter(|(i, s)| !s.is_done() && !reused[*i] && !cached.iter().any(|(j, _)| j == i))
             .map(|(_, s)| {
                 let (t, _, n) = tokens(s);
                 t + n

@@ -33,7 +33,8 @@ pub fn step_batch_modes(
 
 /// [`step_batch_modes`] where `residuals[i]` are state `i`'s ControlNet residuals for this step
 /// (from [`DenoiseState::control_step`], computed here or on a ControlNet worker). A steered
-/// state must bring them; full-compute groups mix steered and plain rows.
+/// state must bring them, unless its step reuses a cached residual (step caching: see
+/// [`DenoiseState::plan_step`]); full-compute groups mix steered and plain rows.
 pub fn step_batch_controlled(
     p: &FluxPipeline<'_>,
     states: &mut [&mut DenoiseState],
@@ -51,14 +52,6 @@ pub fn step_batch_controlled(
                 states.len()
             ),
         ));
-    }
-    for (i, s) in states.iter().enumerate().filter(|(_, s)| !s.is_done()) {
-        if s.has_control() != residuals[i].is_some() {
-            return Err(ModelError::input(
-                "control",
-                format!("state {i}: ControlNet residuals given iff the request is steered"),
-            ));
-        }
     }
     tch::no_grad(|| {
         // Rows of the same shape share a forward; a guided state has two rows, possibly in
@@ -83,9 +76,16 @@ pub fn step_batch_controlled(
                 None => s.choose_step(p, masked)?,
             };
             let s = &**s;
+            // A step that reuses its residual runs no block: it needs no ControlNet either.
             if step_caches[i].as_ref().is_some_and(CachedStep::reuses) {
                 reused.push((i, masked));
                 continue;
+            }
+            if s.has_control() != residuals[i].is_some() {
+                return Err(ModelError::input(
+                    "control",
+                    format!("state {i}: ControlNet residuals given iff the request is steered"),
+                ));
             }
             if let StepMode::Cached(cache) = modes[i] {
                 cached.push((i, cache));

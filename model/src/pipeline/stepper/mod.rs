@@ -440,6 +440,12 @@ impl DenoiseState {
                 "capture_step after the last step",
             ));
         }
+        if self.caches_steps() {
+            return Err(ModelError::input(
+                "cache_threshold",
+                "a capture records every step: it takes no step caching",
+            ));
+        }
         tch::no_grad(|| {
             let inputs = group_inputs(&[(&*self, Branch::Cond)])?;
             let velocity = p.transformer.forward_capture(&inputs, sink)?;

@@ -97,6 +97,12 @@ impl DenoiseState {
                 "a steered request steps with its ControlNet residuals, not on a remote forward",
             ));
         }
+        if self.caches_steps() {
+            return Err(ModelError::input(
+                "cache_threshold",
+                "a step-caching request decides its steps here, not on a remote forward",
+            ));
+        }
         tch::no_grad(|| self.branches().iter().map(|&b| row(b)).collect())
     }
 

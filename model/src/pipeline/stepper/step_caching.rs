@@ -43,9 +43,12 @@ impl DenoiseState {
     /// nor counts compute for it. The batch takes the decision as it is; a batch that steps
     /// this state otherwise (the other mode) decides again. False without a step cache.
     pub fn plan_step(&mut self, p: &FluxPipeline<'_>, masked: bool) -> Result<bool> {
+        if self.is_done() {
+            return Ok(false);
+        }
         let step = match self.take_planned(masked) {
             Some(step) => Some(step),
-            None => self.choose_step(p, masked)?,
+            None => tch::no_grad(|| self.choose_step(p, masked))?,
         };
         let reuses = step.as_ref().is_some_and(CachedStep::reuses);
         self.planned = step.map(|step| PlannedStep {

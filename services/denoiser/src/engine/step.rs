@@ -134,9 +134,12 @@ impl Engine {
             .filter(|j| j.mask_ratio < 1.0)
             .map(|j| j.rows)
             .sum();
+        // A step with rows that reused a cached residual ran less than its jobs say: not a
+        // sample of what they cost.
         let all_as_planned = reports
             .first()
-            .is_some_and(|r| r.cached >= mask_aware_rows as usize);
+            .is_some_and(|r| r.cached >= mask_aware_rows as usize)
+            && reports.iter().all(|r| r.reused == 0);
         let plain = batched_ok && !capturing && single_group && switches == 0;
         if plain && !step_jobs.is_empty() && all_as_planned {
             let sample = StepSample::of_jobs(step_jobs, seconds);
@@ -219,6 +222,23 @@ impl Engine {
         let (cached, active) = (&mut self.cached, &mut self.active);
         let denoising = |a: &Active| a.capture.is_none() && a.failed.is_none();
         let member = |i: usize| members.contains(&i);
+        // Step caching decides first: a steered job whose every image reuses its last
+        // computed step this time needs no ControlNet (an error here is met again, and
+        // reported, when the batch decides).
+        let mut reusing = vec![false; active.len()];
+        for (i, a) in active
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, a)| member(*i) && denoising(a))
+        {
+            let mut states = a.states.iter_mut().filter(|s| !s.is_done()).peekable();
+            reusing[i] = states.peek().is_some()
+                && states.all(|s| {
+                    s.caches_steps()
+                        && s.has_control()
+                        && s.plan_step(&pipeline, false).unwrap_or(false)
+                });
+        }
         // Steered jobs' ControlNet residuals first: a job whose ControlNet fails sits out.
         let control_started = Instant::now();
         let control = {
@@ -229,7 +249,7 @@ impl Engine {
                 metrics: self.metrics.as_ref(),
             };
             super::control::residuals_for_step(&mut sources, active, |i, a| {
-                member(i) && denoising(a)
+                member(i) && denoising(a) && !reusing[i]
             })
         };
         // The step loop's ControlNet time, shared evenly by the jobs it steered.
