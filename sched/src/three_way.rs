@@ -32,6 +32,17 @@ pub struct ThreeWayCosts {
     pub y_load_s: f64,
 }
 
+impl ThreeWayCosts {
+    /// The block's costs as the two-way (K/V only) prefix planner takes them.
+    pub fn kv_only(&self) -> BlockCosts {
+        BlockCosts {
+            cached_s: self.kv_compute_s,
+            full_s: self.full_s,
+            load_s: self.kv_load_s,
+        }
+    }
+}
+
 /// What a block does in a plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BlockChoice {
@@ -179,14 +190,7 @@ pub fn plan_three_way(costs: &[ThreeWayCosts]) -> ThreeWayPlan {
 /// The best plan of the two-way prefix planner on the same costs (K/V only): what the engine
 /// runs without a Y cache, the baseline of [`plan_three_way`].
 pub fn plan_prefix_kv(costs: &[ThreeWayCosts]) -> ThreeWayPlan {
-    let two_way: Vec<BlockCosts> = costs
-        .iter()
-        .map(|c| BlockCosts {
-            cached_s: c.kv_compute_s,
-            full_s: c.full_s,
-            load_s: c.kv_load_s,
-        })
-        .collect();
+    let two_way: Vec<BlockCosts> = costs.iter().map(ThreeWayCosts::kv_only).collect();
     let choices: Vec<BlockChoice> = plan_prefix(&two_way)
         .blocks
         .iter()
@@ -285,14 +289,7 @@ mod tests {
                     }
                 })
                 .collect();
-            let two_way: Vec<BlockCosts> = costs
-                .iter()
-                .map(|c| BlockCosts {
-                    cached_s: c.kv_compute_s,
-                    full_s: c.full_s,
-                    load_s: c.kv_load_s,
-                })
-                .collect();
+            let two_way: Vec<BlockCosts> = costs.iter().map(ThreeWayCosts::kv_only).collect();
             let prefix = plan_prefix(&two_way);
             let plan = plan_three_way(&costs);
             assert!((plan.latency_s - prefix.latency_s).abs() <= 1e-9);
