@@ -57,6 +57,7 @@ fn req(prompt: &str, seed: u64, control: Option<ControlInput>) -> StepRequest {
     StepRequest {
         true_cfg: None,
         cache_threshold: None,
+        cache_method: Default::default(),
         prompt: prompt.into(),
         seed,
         height: 64,

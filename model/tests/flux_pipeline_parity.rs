@@ -236,6 +236,7 @@ fn the_stepper_runs_fill_edits() {
             control: None,
             true_cfg: None,
             cache_threshold: None,
+            cache_method: Default::default(),
         };
         let mut state = DenoiseState::new(&p, &req).expect("a Fill edit");
         while !state.is_done() {

@@ -97,6 +97,7 @@ impl Fixture {
         StepRequest {
             true_cfg,
             cache_threshold: None,
+            cache_method: Default::default(),
             control: None,
             prompt: prompt.into(),
             seed,
@@ -297,6 +298,7 @@ fn cached_mode_on_a_generation_names_the_field() {
     let req = StepRequest {
         true_cfg: None,
         cache_threshold: None,
+        cache_method: Default::default(),
         control: None,
         prompt: "x".into(),
         seed: 1,

@@ -70,6 +70,17 @@ impl ControlResiduals {
     pub fn tensors(&self) -> impl Iterator<Item = &Tensor> {
         self.double.iter().chain(self.single.iter())
     }
+
+    /// The residuals of batch rows `index` (`[R]`, int64).
+    pub fn select_rows(&self, index: &Tensor) -> Result<Self> {
+        let pick = |v: &[Tensor]| -> Result<Vec<Tensor>> {
+            v.iter().map(|t| Ok(t.f_index_select(0, index)?)).collect()
+        };
+        Ok(Self {
+            double: pick(&self.double)?,
+            single: pick(&self.single)?,
+        })
+    }
 }
 
 /// The Flux ControlNet.

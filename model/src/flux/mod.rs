@@ -10,6 +10,8 @@ pub mod config;
 pub mod controlnet;
 pub mod elastic;
 pub mod embeddings;
+pub mod first_block;
+mod full_pass;
 pub mod gather;
 pub mod kv;
 pub mod kv_codec;
@@ -21,8 +23,8 @@ pub mod sequence_parallel;
 pub mod step_cache;
 
 use crate::error::{ModelError, Result};
-use blocks::{attention, DoubleBlock, SingleBlock};
-use embeddings::{Rope, TimeTextEmbed};
+use blocks::{DoubleBlock, SingleBlock};
+use embeddings::TimeTextEmbed;
 use layers::{layer_norm, modulate, Linear};
 use std::path::Path;
 use tch::{nn, Device, Kind, Tensor};
@@ -227,114 +229,6 @@ impl FluxTransformer {
         let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
         self.final_layer(&run.img_out, &run.cond.temb_silu, &rows)
     }
-
-    /// Every block of a full forward: the image stream entering the first block and leaving
-    /// the last, and the conditioning (what the final layer and step caching need).
-    pub(crate) fn forward_blocks(
-        &self,
-        inputs: &FluxInputs,
-        mut sink: Option<&mut dyn KvSink>,
-        control: Option<&ControlResiduals>,
-    ) -> Result<BlockRun> {
-        let shapes = check_inputs(&self.cfg, inputs)?;
-        let (b, n, t) = (shapes.batch, shapes.img_tokens, shapes.txt_tokens);
-        let head_dim = self.cfg.attention_head_dim;
-        let mut img = self.x_embedder.forward(&inputs.hidden_states)?;
-        let img_in = img.shallow_clone();
-        let cond = self.conditioning(
-            &inputs.timestep,
-            inputs.guidance.as_ref(),
-            &inputs.pooled_projections,
-        )?;
-        let mut txt = self
-            .context_embedder
-            .forward(&inputs.encoder_hidden_states)?;
-        let ids =
-            Tensor::f_cat(&[&shapes.txt_ids, &shapes.img_ids], 0)?.f_to_device(img.device())?;
-        let rope = Rope::new(&ids, &self.cfg.axes_dims_rope)?;
-        let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
-        let inner = self.cfg.inner_dim();
-        let format = sink.as_deref().map(|s| s.format());
-        // Image rows `t..t + n` of a prepared `[1, T + N, H, D]` key tensor, as `[N, inner]`.
-        let prepared_img = |k: &Tensor| -> Result<Tensor> {
-            Ok(k.f_select(0, 0)?.f_narrow(0, t, n)?.f_reshape([n, inner])?)
-        };
-
-        for (i, block) in self.transformer_blocks.iter().enumerate() {
-            let (img_mod, txt_mod) = block.mods(&cond.temb_silu, &rows, &rows)?;
-            let (qi, qt) = block.pre(&img, &txt, &img_mod, &txt_mod)?;
-            let q = rope.apply(&Tensor::f_cat(&[&qt.q, &qi.q], 1)?)?;
-            let k = rope.apply(&Tensor::f_cat(&[&qt.k, &qi.k], 1)?)?;
-            if let Some(sink) = sink.as_deref_mut() {
-                match format {
-                    Some(KvFormat::Hidden) => {
-                        let h = img.f_select(0, 0)?;
-                        sink.put(i, &h, &h)?
-                    }
-                    Some(KvFormat::Prepared) => {
-                        sink.put(i, &prepared_img(&k)?, &qi.v.f_select(0, 0)?)?
-                    }
-                    _ => sink.put(i, &qi.k_raw.f_select(0, 0)?, &qi.v.f_select(0, 0)?)?,
-                }
-            }
-            let v = blocks::to_heads(&Tensor::f_cat(&[&qt.v, &qi.v], 1)?, head_dim)?;
-            let o = attention(&q, &k, &v)?;
-            let (attn_txt, attn_img) = (o.f_narrow(1, 0, t)?, o.f_narrow(1, t, n)?);
-            (img, txt) = block.post(&img, &txt, &attn_img, &attn_txt, &img_mod, &txt_mod)?;
-            let doubles = self.transformer_blocks.len();
-            if let Some(r) = control.and_then(|c| c.for_double(i, doubles)) {
-                img = img.f_add(r)?;
-            }
-        }
-
-        // One concatenation for all single blocks (diffusers re-concatenates in every block).
-        let mut x = Tensor::f_cat(&[&txt, &img], 1)?;
-        let first_single = self.transformer_blocks.len();
-        for (j, block) in self.single_transformer_blocks.iter().enumerate() {
-            let m = block.mods(&cond.temb_silu, &rows)?;
-            let pre = block.pre(&x, &m)?;
-            let q = rope.apply(&pre.qkv.q)?;
-            let k = rope.apply(&pre.qkv.k)?;
-            if let Some(sink) = sink.as_deref_mut() {
-                let image = |x: &Tensor| x.f_select(0, 0)?.f_narrow(0, t, n);
-                let ck = match format {
-                    // `x` is still this block's input.
-                    Some(KvFormat::Hidden) => image(&x)?,
-                    Some(KvFormat::Prepared) => prepared_img(&k)?,
-                    _ => image(&pre.qkv.k_raw)?,
-                };
-                let v = match format {
-                    Some(KvFormat::Hidden) => ck.shallow_clone(),
-                    _ => image(&pre.qkv.v)?,
-                };
-                sink.put(first_single + j, &ck, &v)?;
-            }
-            let v = blocks::to_heads(&pre.qkv.v, head_dim)?;
-            let o = attention(&q, &k, &v)?;
-            x = block.post(&x, &o, &pre.mlp, &m)?;
-            let singles = self.single_transformer_blocks.len();
-            if let Some(r) = control.and_then(|c| c.for_single(j, singles)) {
-                // The residual belongs to the image tokens, after the text ones.
-                x = Tensor::f_cat(&[&x.f_narrow(1, 0, t)?, &x.f_narrow(1, t, n)?.f_add(r)?], 1)?;
-            }
-        }
-        let img_out = x.f_narrow(1, t, n)?;
-        debug_assert_eq!(img_out.size()[0], b);
-        Ok(BlockRun {
-            img_in,
-            img_out,
-            cond,
-        })
-    }
-}
-
-/// What [`FluxTransformer::forward_blocks`] leaves for the final layer.
-pub(crate) struct BlockRun {
-    /// `[B, N, inner]` after `x_embedder`.
-    pub img_in: Tensor,
-    /// `[B, N, inner]` after the last block.
-    pub img_out: Tensor,
-    pub cond: Conditioning,
 }
 
 /// Validate a forward's shapes against `cfg` (the transformer's or a ControlNet's); errors
@@ -371,7 +265,6 @@ pub(crate) fn check_inputs(cfg: &FluxConfig, x: &FluxInputs) -> Result<InputShap
     let img_ids = ids_2d("img_ids", &x.img_ids, n, axes)?;
     let txt_ids = ids_2d("txt_ids", &x.txt_ids, t, axes)?;
     Ok(InputShapes {
-        batch: b,
         img_tokens: n,
         txt_tokens: t,
         img_ids,
@@ -380,7 +273,6 @@ pub(crate) fn check_inputs(cfg: &FluxConfig, x: &FluxInputs) -> Result<InputShap
 }
 
 pub(crate) struct InputShapes {
-    pub batch: i64,
     pub img_tokens: i64,
     pub txt_tokens: i64,
     pub img_ids: Tensor,

@@ -13,6 +13,13 @@
 //! TeaCache rescales the probe's change with a polynomial fitted per model (FLUX.1-dev has one
 //! published); diffmesh's tiny model has none, so the change is used as it is (the identity),
 //! and the threshold is in those units. Threshold 0 never skips.
+//!
+//! First-block caching (ParaAttention's FBCache, diffusers' `FirstBlockCache`) probes with the
+//! model itself: every step runs the first double block, and the residual it added to the image
+//! stream is the probe. When it differs from the last computed step's by less than the
+//! threshold (relative L1, not summed), the step skips the remaining blocks and adds the
+//! residual they added at the last computed step to block 0's output. Only the first step
+//! always computes. The probe costs one block, but it is exact where TeaCache's is a proxy.
 use super::blocks::DoubleMods;
 use super::{Conditioning, ControlResiduals, FluxInputs, FluxTransformer};
 use crate::error::{ModelError, Result};
@@ -23,9 +30,25 @@ use tch::{Kind, Tensor};
 /// TeaCache reports for FLUX.1 (1.5x to 2.25x), picked from a sweep (docs/BENCHMARKS.md).
 pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.2;
 
-/// One request's TeaCache state across its steps (one row: a guided request keeps one per row).
+/// First-block caching's threshold for the bench's `fbcache_*` figures (its own units: the
+/// first block's residual against the last computed step's, not summed).
+pub const DEFAULT_FIRST_BLOCK_THRESHOLD: f64 = 0.1;
+
+/// Which step cache a request runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CacheMethod {
+    /// Probe the first block's modulated input before any block; reuse every block's residual.
+    #[default]
+    TeaCache,
+    /// Run the first block; reuse the residual of the blocks after it.
+    FirstBlock,
+}
+
+/// One request's step-cache state across its steps (a guided request's two rows decide
+/// together: their probes are concatenated).
 #[derive(Debug)]
 pub struct StepCache {
+    method: CacheMethod,
     threshold: f64,
     accumulated: f64,
     previous_probe: Option<Tensor>,
@@ -53,8 +76,8 @@ pub struct StepDecision {
 }
 
 impl StepCache {
-    /// A state skipping while the accumulated change stays below `threshold` (finite, >= 0).
-    pub fn new(threshold: f64) -> Result<Self> {
+    /// A state skipping while the change stays below `threshold` (finite, >= 0).
+    pub fn new(method: CacheMethod, threshold: f64) -> Result<Self> {
         if !threshold.is_finite() || threshold < 0.0 {
             return Err(ModelError::input(
                 "cache_threshold",
@@ -62,6 +85,7 @@ impl StepCache {
             ));
         }
         Ok(Self {
+            method,
             threshold,
             accumulated: 0.0,
             previous_probe: None,
@@ -73,12 +97,20 @@ impl StepCache {
     /// Choose how step `taken` of `steps` (counted from this request's first step) runs, from
     /// its probe; nothing changes until [`Self::commit`].
     pub fn choose(&self, probe: Tensor, taken: usize, steps: usize) -> Result<StepDecision> {
-        let edge = taken == 0 || taken + 1 >= steps;
+        // TeaCache computes the last step too; FBCache only the first (no reference yet).
+        let edge = match self.method {
+            CacheMethod::TeaCache => taken == 0 || taken + 1 >= steps,
+            CacheMethod::FirstBlock => taken == 0,
+        };
         let (choice, accumulated) = match (&self.previous_probe, &self.residual, edge) {
             // A probe of another shape (a mask-aware step after a full one, or the reverse)
             // measures other tokens: compute, and start over from this step.
             (Some(prev), Some(_), false) if self.threshold > 0.0 && prev.size() == probe.size() => {
-                let sum = self.accumulated + relative_l1(&probe, prev)?;
+                let sum = match self.method {
+                    CacheMethod::TeaCache => self.accumulated + relative_l1(&probe, prev)?,
+                    // Against the last computed step's probe, not summed.
+                    CacheMethod::FirstBlock => relative_l1(&probe, prev)?,
+                };
                 match sum < self.threshold {
                     true => (StepChoice::Reuse, sum),
                     false => (StepChoice::Compute, 0.0),
@@ -98,11 +130,21 @@ impl StepCache {
         if let Some(residual) = computed {
             self.residual = Some(residual);
         }
-        if decision.choice == StepChoice::Reuse {
-            self.skipped += 1;
-        }
+        let keep_probe = match decision.choice {
+            StepChoice::Reuse => {
+                self.skipped += 1;
+                self.method == CacheMethod::TeaCache
+            }
+            StepChoice::Compute => true,
+        };
         self.accumulated = decision.accumulated;
-        self.previous_probe = Some(decision.probe);
+        if keep_probe {
+            self.previous_probe = Some(decision.probe);
+        }
+    }
+
+    pub fn method(&self) -> CacheMethod {
+        self.method
     }
 
     /// The residual of the last computed step (`None` before the first).
@@ -204,7 +246,7 @@ mod tests {
             t(&[1.3, 2.2]),
         ];
         let run = |threshold: f64| -> Vec<StepChoice> {
-            let mut c = StepCache::new(threshold).unwrap();
+            let mut c = StepCache::new(CacheMethod::TeaCache, threshold).unwrap();
             probes
                 .iter()
                 .enumerate()
@@ -267,7 +309,7 @@ mod tests {
     /// A probe over other tokens (the step switched between full and mask-aware) computes.
     #[test]
     fn a_probe_of_another_shape_computes() {
-        let mut c = StepCache::new(10.0).unwrap();
+        let mut c = StepCache::new(CacheMethod::TeaCache, 10.0).unwrap();
         let d = c.choose(t(&[1.0, 2.0]), 0, 4).unwrap();
         c.commit(d, Some(Tensor::zeros([2], (Kind::Float, Device::Cpu))));
         let d = c.choose(t(&[1.0, 2.0, 3.0]), 1, 4).unwrap();
@@ -279,7 +321,9 @@ mod tests {
     #[test]
     fn bad_thresholds_name_the_field() {
         for bad in [-0.1, f64::NAN, f64::INFINITY] {
-            let err = StepCache::new(bad).unwrap_err().to_string();
+            let err = StepCache::new(CacheMethod::FirstBlock, bad)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("cache_threshold"), "{err}");
         }
         assert_eq!(relative_l1(&t(&[0.0]), &t(&[0.0])).unwrap(), 0.0);

@@ -60,6 +60,7 @@ pub fn capture_state(p: &FluxPipeline<'_>, spec: &TemplateSpec) -> Result<Denois
     let request = StepRequest {
         true_cfg: None,
         cache_threshold: None,
+        cache_method: Default::default(),
         control: None,
         prompt: spec.prompt.clone(),
         seed: spec.seed,

@@ -118,6 +118,7 @@ fn generate(
         edit: None,
         control,
         cache_threshold: None,
+        cache_method: Default::default(),
     };
     let mut state = DenoiseState::new(p, &req)?;
     let mut previous: Option<ControlResiduals> = None;

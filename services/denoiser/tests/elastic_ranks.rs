@@ -270,6 +270,7 @@ async fn a_guided_step_runs_its_rows_on_the_two_halves_of_an_even_group() {
         edit: None,
         control: None,
         cache_threshold: None,
+        cache_method: Default::default(),
         true_cfg: Some(Guidance {
             negative_prompt: "blue".into(),
             scale: 3.0,

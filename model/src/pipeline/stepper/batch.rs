@@ -3,6 +3,7 @@
 //! that reuse a cached residual (step caching) running no block; every state's latents and
 //! step-cache decision are kept only once all of them are computed.
 use super::control;
+use super::first_block::{self, FirstBlockGroup};
 use super::step_caching::CachedStep;
 use super::{group_inputs, Branch, DenoiseState, StepMode};
 use crate::error::{ModelError, Result};
@@ -71,6 +72,15 @@ pub fn step_batch_controlled(
                     format!("state {i}: a mask-aware step needs an edit (template + mask)"),
                 ));
             }
+            if masked && s.caches_first_block() {
+                return Err(ModelError::input(
+                    "cache_method",
+                    format!(
+                        "state {i}: first-block caching runs every token through the first \
+                         block; a mask-aware step combines with TeaCache only"
+                    ),
+                ));
+            }
             step_caches[i] = match s.take_planned(masked) {
                 Some(step) => Some(step),
                 None => s.choose_step(p, masked)?,
@@ -105,6 +115,7 @@ pub fn step_batch_controlled(
             p.transformer.transformer_blocks.len(),
             p.transformer.single_transformer_blocks.len(),
         );
+        let mut first_block_groups = Vec::new();
         for (_, members) in &groups {
             let rows: Vec<(&DenoiseState, Branch)> =
                 members.iter().map(|&(i, b)| (&*states[i], b)).collect();
@@ -121,6 +132,15 @@ pub fn step_batch_controlled(
             } else {
                 control::merge_rows(&steered, doubles, singles, &like_residual(&inputs, p)?)?
             };
+            // First-block caching decides after the group's first block: see `first_block`.
+            if members.iter().any(|&(i, _)| states[i].caches_first_block()) {
+                first_block_groups.push(FirstBlockGroup {
+                    members,
+                    inputs,
+                    control: merged,
+                });
+                continue;
+            }
             let caching = members.iter().any(|&(i, _)| step_caches[i].is_some());
             let (velocity, residual) = match (merged, caching) {
                 (r, true) => {
@@ -137,6 +157,13 @@ pub fn step_batch_controlled(
                 }
             }
         }
+        first_block::step_groups(
+            p,
+            states,
+            &first_block_groups,
+            &mut step_caches,
+            &mut velocities,
+        )?;
         for &(i, masked) in &reused {
             velocities[i] = states[i].reused_velocities(p, masked)?;
         }

@@ -15,7 +15,7 @@ use super::conditioning_cache::ConditioningCache;
 use super::control::{self, ControlInput, ControlState, ControlStep};
 use super::{FluxPipeline, GenerateOptions, GenerationRequest, Prepared};
 use crate::error::{ModelError, Result};
-use crate::flux::step_cache::StepCache;
+use crate::flux::step_cache::{CacheMethod, StepCache};
 use crate::flux::{FluxInputs, KvCache, KvSink, MaskedRequest};
 use crate::noise_scheduler::scale_noise_with_sigmas;
 use crate::packing::{pack_latents, unpack_latents};
@@ -56,6 +56,9 @@ pub struct StepRequest {
     /// than this since the last computed step reuses that step's residual. None: every step
     /// computes; 0 caches but never skips.
     pub cache_threshold: Option<f64>,
+    /// Which step cache runs at `cache_threshold`: TeaCache (the default) or first-block
+    /// caching (full-compute steps only: not with a mask-aware step).
+    pub cache_method: CacheMethod,
 }
 
 /// True classifier-free guidance: each step runs the request twice, with its prompt and with
@@ -208,7 +211,10 @@ impl DenoiseState {
                 prep.negative = Some(negative);
                 prep.true_cfg_scale = cfg.scale;
             }
-            let step_cache = req.cache_threshold.map(StepCache::new).transpose()?;
+            let step_cache = req
+                .cache_threshold
+                .map(|t| StepCache::new(req.cache_method, t))
+                .transpose()?;
             let mut noise = prep.noise(&[req.seed], p.codec.latent_channels())?;
             let Some(edit) = &req.edit else {
                 let control = match &req.control {
@@ -625,6 +631,7 @@ pub fn state_kind(state: &DenoiseState) -> Kind {
 }
 
 mod batch;
+mod first_block;
 mod remote;
 mod step_caching;
 pub use batch::{step_batch, step_batch_controlled, step_batch_modes};

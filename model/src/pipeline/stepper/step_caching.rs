@@ -96,7 +96,12 @@ impl DenoiseState {
         p: &FluxPipeline<'_>,
         masked: bool,
     ) -> Result<Option<CachedStep>> {
-        let Some(cache) = &self.step_cache else {
+        // First-block caching decides inside the forward, after the first block.
+        let Some(cache) = self
+            .step_cache
+            .as_ref()
+            .filter(|_| !self.caches_first_block())
+        else {
             return Ok(None);
         };
         let probes: Vec<Tensor> = self

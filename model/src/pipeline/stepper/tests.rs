@@ -17,6 +17,7 @@ fn req(prompt: &str, seed: u64, steps: usize) -> StepRequest {
     StepRequest {
         true_cfg: None,
         cache_threshold: None,
+        cache_method: Default::default(),
         control: None,
         prompt: prompt.into(),
         seed,
@@ -473,4 +474,86 @@ fn a_failed_batch_leaves_the_step_cache_as_it_was() {
     }
     assert_eq!(st.skipped_steps(), skipped);
     assert!(st.latents().equal(&reference));
+}
+
+/// `r` with first-block caching at `threshold`.
+fn first_block(mut r: StepRequest, threshold: f64) -> StepRequest {
+    r.cache_threshold = Some(threshold);
+    r.cache_method = CacheMethod::FirstBlock;
+    r
+}
+
+/// First-block caching at threshold 0 runs the first block and the rest as two parts of one
+/// forward and skips nothing: bit for bit no caching, plain, guided and a full-compute edit.
+#[test]
+fn first_block_caching_at_threshold_zero_equals_no_caching() {
+    let (m, s) = model();
+    let p = m.pipeline(&s);
+    let edit = || {
+        let mut r = req("a green triangle", 5, 4);
+        r.edit = Some(EditSpec {
+            template: Tensor::ones([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 0.3,
+            token_mask: Tensor::arange(256, (Kind::Int64, Device::Cpu)).lt(100),
+            strength: 1.0,
+            template_seed: None,
+        });
+        r
+    };
+    let requests: [&dyn Fn() -> StepRequest; 3] = [
+        &|| req("a red circle", 3, 5),
+        &|| guided("a red circle", 4, 5, "blue", 3.0),
+        &edit,
+    ];
+    for make in requests {
+        let plain = run_alone(&p, &make());
+        let (cached, skipped) = run_counting(&p, &first_block(make(), 0.0));
+        assert_eq!(skipped, 0);
+        assert!(cached.equal(&plain), "threshold 0 changed the latents");
+    }
+}
+
+/// With a threshold no change reaches, every step after the first reuses (first-block caching
+/// forces only the first); batched in one forward with a TeaCache state and a plain one at
+/// other steps, each ends as it does alone: the rows that compute run the rest of the blocks
+/// without the reusing row. A mask-aware step is refused by name.
+#[test]
+fn first_block_caching_skips_after_the_first_step_and_batches_like_alone() {
+    let (m, s) = model();
+    let p = m.pipeline(&s);
+    let lazy = || first_block(req("a red circle", 3, 6), 1e9);
+    let (alone, skipped) = run_counting(&p, &lazy());
+    assert_eq!(skipped, 5);
+    let computed = run_alone(&p, &req("a red circle", 3, 6));
+    let change = max_diff(&alone, &computed);
+    assert!(change > 1e-4 && change.is_finite(), "{change}");
+
+    let tea = || caching(guided("a blue square", 8, 4, "", 2.0), 1e9);
+    let (tea_alone, tea_skipped) = run_counting(&p, &tea());
+    let plain = || req("a green triangle", 4, 5);
+    let plain_alone = run_alone(&p, &plain());
+    let mut a = DenoiseState::new(&p, &lazy()).unwrap();
+    let mut b = DenoiseState::new(&p, &tea()).unwrap();
+    let mut c = DenoiseState::new(&p, &plain()).unwrap();
+    a.step(&p).unwrap();
+    while !(a.is_done() && b.is_done() && c.is_done()) {
+        step_batch(&p, &mut [&mut a, &mut b, &mut c]).unwrap();
+    }
+    assert_eq!((a.skipped_steps(), b.skipped_steps()), (5, tea_skipped));
+    assert!(max_diff(a.latents(), &alone) < 1e-4);
+    assert!(max_diff(b.latents(), &tea_alone) < 1e-4);
+    assert!(max_diff(c.latents(), &plain_alone) < 1e-4);
+
+    let mut r = first_block(req("a green triangle", 5, 4), 0.1);
+    r.edit = Some(EditSpec {
+        template: Tensor::zeros([1, 3, 64, 64], (Kind::Float, Device::Cpu)),
+        token_mask: Tensor::arange(256, (Kind::Int64, Device::Cpu)).lt(64),
+        strength: 1.0,
+        template_seed: None,
+    });
+    let mut edit = DenoiseState::new(&p, &r).unwrap();
+    let empty = crate::flux::CapturedKv::new(crate::flux::KvFormat::Raw);
+    let modes = [StepMode::Cached(&empty)];
+    let err = step_batch_modes(&p, &mut [&mut edit], &modes, 0).unwrap_err();
+    assert!(err.to_string().contains("cache_method"), "{err}");
+    assert_eq!(edit.progress().0, 0);
 }
