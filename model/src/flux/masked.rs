@@ -83,8 +83,12 @@ struct Prepared {
     key_rows: Option<Tensor>,
     /// RoPE rows of the computed tokens (text, then masked image tokens), for queries and keys.
     rope: Rope,
-    /// RoPE rows of all N image tokens: only for a raw or hidden cache that is read.
+    /// RoPE rows of the cached image tokens a read rotates: all N for a raw cache, the
+    /// unmasked ones for a hidden cache; only when a cache is read.
     rope_img: Option<Rope>,
+    /// `[N - M]` the unmasked image tokens (of the whole request, every rank's masked tokens
+    /// left out): the rows a hidden cache projects back to K/V (the others are computed).
+    unmasked: Option<Tensor>,
     format: KvFormat,
     /// Set when M = N (nothing is cached, the request is a plain full forward): the fresh
     /// key rows in token order (`key_rows()` inverted), so keys and values are gathered into
@@ -673,10 +677,20 @@ impl FluxTransformer {
             0,
         )?;
         let rope = Rope::new(&q_ids, &cfg.axes_dims_rope)?;
-        let rope_img = match format {
-            KvFormat::Raw | KvFormat::Hidden if !all_masked => {
-                Some(Rope::new(&img_ids, &cfg.axes_dims_rope)?)
+        let unmasked = match format {
+            KvFormat::Hidden if !all_masked => {
+                let masked = key_index.as_ref().unwrap_or(&index);
+                let keep = Tensor::f_ones([n], (Kind::Bool, device))?.f_index_fill(0, masked, 0)?;
+                Some(keep.f_nonzero()?.f_squeeze_dim(1)?)
             }
+            _ => None,
+        };
+        let rope_img = match (format, &unmasked) {
+            (KvFormat::Raw, _) if !all_masked => Some(Rope::new(&img_ids, &cfg.axes_dims_rope)?),
+            (KvFormat::Hidden, Some(rows)) => Some(Rope::new(
+                &img_ids.f_index_select(0, rows)?,
+                &cfg.axes_dims_rope,
+            )?),
             _ => None,
         };
         let joint_rows = |index: &Tensor| -> Result<Tensor> {
@@ -707,6 +721,7 @@ impl FluxTransformer {
             rows,
             rope,
             rope_img,
+            unmasked,
             format,
         })
     }

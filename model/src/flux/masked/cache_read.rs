@@ -56,7 +56,9 @@ impl FluxTransformer {
     }
 
     /// One block's cached image K/V of request `request` as `[N, H, D]`, keys normed and
-    /// rotated (by us for a raw cache; projected from the hidden stream first for a hidden one).
+    /// rotated (by us for a raw cache; projected from the hidden stream first for a hidden one,
+    /// at the unmasked tokens only: the masked rows are left zero, the caller writes the
+    /// computed ones over them).
     pub(super) fn cached_kv(
         &self,
         read: &CacheRead,
@@ -69,10 +71,17 @@ impl FluxTransformer {
         let block = read.block;
         let (k, v) = cache.block_kv(block)?;
         let k = cached_rows("cache.k", block, k, p.img, inner, device, kind)?;
-        let (k, v) = match p.format {
-            KvFormat::Hidden => {
+        let (k, v) = match (p.format, &p.unmasked) {
+            (KvFormat::Hidden, Some(rows)) => {
                 let temb_silu = read.cond.temb_silu.f_narrow(0, request as i64, 1)?;
-                read.layer.hidden_kv(&temb_silu, &k)?
+                read.layer
+                    .hidden_kv(&temb_silu, &k.f_index_select(0, rows)?)?
+            }
+            (KvFormat::Hidden, None) => {
+                return Err(ModelError::input(
+                    "cache",
+                    "hidden cache read without its unmasked rows (internal error)",
+                ))
             }
             _ => (
                 k,
@@ -91,8 +100,21 @@ impl FluxTransformer {
                 ))
             }
         };
-        Ok((k, to_heads(&v, head_dim)?))
+        let v = to_heads(&v, head_dim)?;
+        match (p.format, &p.unmasked) {
+            (KvFormat::Hidden, Some(rows)) => {
+                Ok((spread_rows(&k, rows, p.img)?, spread_rows(&v, rows, p.img)?))
+            }
+            _ => Ok((k, v)),
+        }
     }
+}
+
+/// `x`'s rows at `rows` of an `[n, ...]` zero tensor.
+fn spread_rows(x: &Tensor, rows: &Tensor, n: i64) -> Result<Tensor> {
+    let mut size = x.size();
+    size[0] = n;
+    Ok(Tensor::f_zeros(size.as_slice(), (x.kind(), x.device()))?.f_index_copy(0, rows, x)?)
 }
 
 /// A cached `[N, inner]` tensor on the model's device and dtype; errors name block and field.
