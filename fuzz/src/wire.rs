@@ -190,6 +190,7 @@ fn params() -> GenerationParams {
         preview_steps: vec![1, 3],
         strength: None,
         cache_threshold: Some(0.1),
+        cache_method: Some(diffmesh_shared::wire::messages::StepCacheMethod::FirstBlock),
     }
 }
 

@@ -276,6 +276,7 @@ pub fn generation_job(
             preview_steps: Vec::new(),
             strength: None,
             cache_threshold: None,
+            cache_method: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

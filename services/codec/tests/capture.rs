@@ -51,6 +51,7 @@ fn request(job_id: &str, kind: JobKind, mask_key: Option<String>) -> PreprocessR
             preview_steps: Vec::new(),
             strength: None,
             cache_threshold: None,
+            cache_method: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

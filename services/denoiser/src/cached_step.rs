@@ -75,7 +75,7 @@ pub struct StepReport {
     /// Seconds the compute waited for the loader.
     pub load_wait_s: f64,
     /// Batch rows whose step reused their last computed step's residual (step caching):
-    /// they ran no block.
+    /// they ran no block (TeaCache) or the first block only (first-block caching).
     pub reused: usize,
 }
 
@@ -126,12 +126,14 @@ impl CachedStepper {
     }
 
     /// The cache a state reads this step, if it can run mask-aware: an edit with a resident
-    /// cache that covers its step, with at least one unmasked token.
+    /// cache that covers its step, with at least one unmasked token, that does not cache its
+    /// steps by their first block (which runs every token; the gateway refuses that pairing,
+    /// so only a job from an older gateway computes in full here).
     pub fn usable<'e>(
         s: &DenoiseState,
         cache: Option<&'e Arc<TemplateEntry>>,
     ) -> Option<&'e Arc<TemplateEntry>> {
-        let cache = cache?;
+        let cache = cache.filter(|_| !s.caches_first_block())?;
         let m = s.masked_tokens()?;
         (m < s.image_tokens() && s.step_index() < cache.steps()).then_some(cache)
     }
@@ -220,11 +222,16 @@ impl CachedStepper {
                 per_block * (n_blocks as f64 - full_blocks) + (t + n) * full_blocks
             })
             .sum();
+        // First-block caching decides inside the step: count what each state skipped.
+        let skipped_before: Vec<usize> = states.iter().map(|s| s.skipped_steps()).collect();
         let started = Instant::now();
         step_batch_controlled(p, states, &modes, prefix, residuals)?;
         let elapsed = started.elapsed().as_secs_f64();
         let load_wait_s: f64 = streams.iter().map(|s| s.waited().as_secs_f64()).sum();
-        if work > 0.0 {
+        // A first-block-cached state that reused its step ran less than `work` counts for it.
+        let skipped_inside =
+            (0..states.len()).any(|i| !reused[i] && states[i].skipped_steps() > skipped_before[i]);
+        if work > 0.0 && !skipped_inside {
             // Compute only: time spent waiting for loads is not compute. Step-caching probes
             // and reused steps' final layers count in `elapsed` but not in `work`: an
             // overestimate of up to the probe's cost (about 7% of a tiny-model step).
@@ -242,7 +249,7 @@ impl CachedStepper {
             prefix,
             load_wait_s,
             reused: (0..states.len())
-                .filter(|&i| reused[i])
+                .filter(|&i| states[i].skipped_steps() > skipped_before[i])
                 .map(|i| states[i].rows())
                 .sum(),
         })

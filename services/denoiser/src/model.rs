@@ -2,6 +2,7 @@
 //! decoded images back into RGB bytes.
 use crate::templates::GpuCopy;
 use diffmesh_model::components::TextEncoder;
+use diffmesh_model::flux::step_cache::CacheMethod;
 use diffmesh_model::model_dir::{LoadedModel, FILL_PIPELINE};
 use diffmesh_model::pipeline::control::ControlInput;
 use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest, TrueCfg};
@@ -9,7 +10,7 @@ use diffmesh_model::pipeline::template::{self, TemplateSpec};
 use diffmesh_model::pipeline::FluxPipeline;
 use diffmesh_model::tch::{Device, Kind, Tensor};
 use diffmesh_model::ModelError;
-use diffmesh_shared::wire::messages::{DenoiseJob, JobKind};
+use diffmesh_shared::wire::messages::{DenoiseJob, JobKind, StepCacheMethod};
 use diffmesh_shared::wire::models::{ModelCard, ModelFeatures, ModelGeometry, Resolution};
 use std::path::Path;
 use std::sync::Arc;
@@ -246,9 +247,18 @@ pub fn step_requests(
             guidance_scale: p.guidance_scale as f64,
             edit,
             cache_threshold: p.cache_threshold.map(f64::from),
+            cache_method: step_cache_method(p.cache_method),
         });
     }
     Ok(out)
+}
+
+/// The model's step cache for a job's `cache_method` (absent: TeaCache).
+fn step_cache_method(method: Option<StepCacheMethod>) -> CacheMethod {
+    match method {
+        None | Some(StepCacheMethod::Teacache) => CacheMethod::TeaCache,
+        Some(StepCacheMethod::FirstBlock) => CacheMethod::FirstBlock,
+    }
 }
 
 /// Give each request of a steered generation its control image (`params.controlnet`, with the

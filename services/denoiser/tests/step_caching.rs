@@ -1,10 +1,12 @@
 //! Step caching (TeaCache) on the serving path, `CachedStepper` (random tiny model): a
 //! request's `cache_threshold` is decided before the loader starts, so a mask-aware edit whose
 //! step reuses its residual loads no cache block for it; threshold 0 is bit for bit no caching;
-//! a batch of caching and plain requests reports the reused rows.
+//! a batch of caching and plain requests reports the reused rows. A first-block-caching edit
+//! of a template computes in full (it reads no cache) and reports its reused rows too.
 use diffmesh_denoiser::cached_step::{CacheSettings, CachedStepper, CaptureSink, PrefixPolicy};
 use diffmesh_denoiser::templates::TemplateEntry;
 use diffmesh_model::flux::kv_codec::CacheDtype;
+use diffmesh_model::flux::step_cache::CacheMethod;
 use diffmesh_model::flux::KvFormat;
 use diffmesh_model::noise_scheduler::{
     FlowMatchEulerDiscreteScheduler, FlowMatchEulerDiscreteSchedulerConfig,
@@ -67,6 +69,7 @@ fn request(edit: bool, threshold: Option<f64>) -> StepRequest {
         control: None,
         true_cfg: None,
         cache_threshold: threshold,
+        cache_method: Default::default(),
     }
 }
 
@@ -133,5 +136,28 @@ fn reused_steps_load_nothing_and_threshold_zero_changes_nothing() {
     let err = (&together[0] - &lazy[0]).abs().max().double_value(&[]);
     assert!(err < 1e-4, "{err}");
     let err = (&together[2] - &plain[0]).abs().max().double_value(&[]);
+    assert!(err < 1e-4, "{err}");
+}
+
+/// First-block caching runs every token through the first block: its edit of a template runs
+/// full-compute steps (no cache block loaded) beside a mask-aware edit, ends as it does alone,
+/// and its steps after the first reuse.
+#[test]
+fn a_first_block_caching_edit_computes_in_full_and_reports_its_reuse() {
+    let model = TinyModel::random_for_tests(17, Device::Cpu).unwrap();
+    let scheduler = scheduler();
+    let p = model.pipeline(&scheduler);
+    let entry = capture(&p);
+    let blocks = p.transformer.num_blocks() as u64;
+    let first_block = || {
+        let mut r = request(true, Some(1e9));
+        r.cache_method = CacheMethod::FirstBlock;
+        r
+    };
+    let (alone, reused, loaded) = run(&p, &entry, &[first_block()]);
+    assert_eq!((reused, loaded), (STEPS - 1, 0));
+    let (together, reused, loaded) = run(&p, &entry, &[first_block(), request(true, None)]);
+    assert_eq!((reused, loaded), (STEPS - 1, STEPS as u64 * blocks));
+    let err = (&together[0] - &alone[0]).abs().max().double_value(&[]);
     assert!(err < 1e-4, "{err}");
 }

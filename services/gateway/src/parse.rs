@@ -82,6 +82,7 @@ pub fn raw_from_json(body: &[u8]) -> Result<RawParams, FieldError> {
             "negative_prompt" => raw.negative_prompt = Some(string()?),
             "seed" => raw.seed = Some(u64_field(key, v)?),
             "cache_threshold" => raw.cache_threshold = Some(number_field(key, v)?),
+            "cache_method" => raw.cache_method = Some(string()?),
             "loras" => raw.loras = Some(lora_params::from_json(v)?),
             "deadline_ms" => raw.deadline_ms = Some(int_field(key, v)?),
             "controlnet" => raw.controlnet = Some(crate::controlnet::from_json(v, key)?),
@@ -158,6 +159,7 @@ pub fn raw_from_text(text: &HashMap<String, String>) -> Result<RawParams, FieldE
         negative_prompt: text.get("negative_prompt").cloned(),
         seed: parse(text, "seed", "a non-negative integer")?,
         cache_threshold: parse(text, "cache_threshold", "a number")?,
+        cache_method: text.get("cache_method").cloned(),
         loras: match text.get("loras") {
             Some(json) => lora_params::from_text(json)?,
             None => None,

@@ -84,6 +84,13 @@ pub struct RawParams {
     #[schema(minimum = 0.0, maximum = 1.0, example = 0.1)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_threshold: Option<f64>,
+    /// Which step cache `cache_threshold` runs: `teacache` (the default: probes each step's
+    /// modulated input, a reused step runs no block) or `first_block` (runs each step's first
+    /// block and compares its residual, a reused step runs that block only; not for edits of a
+    /// registered template). Only with `cache_threshold`.
+    #[schema(example = "teacache")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_method: Option<String>,
     /// Registered LoRAs to apply (`POST /v1/loras`): at most 4, each id once; none = the base
     /// model. Not for edits of a registered template.
     // Left out of the fingerprint's JSON when absent, so requests without it hash as before.

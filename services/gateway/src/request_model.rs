@@ -156,6 +156,7 @@ mod tests {
             preview_steps: Vec::new(),
             strength: None,
             cache_threshold: None,
+            cache_method: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

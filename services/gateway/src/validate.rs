@@ -1,6 +1,8 @@
 //! Raw API requests -> validated requests. Every error names the field and, for ranges, the
 //! limit, so clients can fix the request without reading server logs.
-use diffmesh_shared::wire::messages::{FieldError, GenerationParams, TrueCfg, MAX_PREVIEWS};
+use diffmesh_shared::wire::messages::{
+    FieldError, GenerationParams, StepCacheMethod, TrueCfg, MAX_PREVIEWS,
+};
 
 use crate::loras::params as lora_params;
 use crate::output_format::{self, OutputFormat};
@@ -120,6 +122,7 @@ fn validate_common(
             ))
         }
     };
+    let cache_method = validate_cache_method(raw.cache_method.as_deref(), cache_threshold)?;
     let true_cfg = validate_true_cfg(
         raw.true_cfg_scale.unwrap_or(f64::from(defaults.true_cfg)),
         raw.negative_prompt,
@@ -228,6 +231,7 @@ fn validate_common(
             // Set by the caller for variations.
             strength: None,
             cache_threshold,
+            cache_method,
         },
         response_format,
         output,
@@ -273,6 +277,43 @@ pub(crate) fn validate_true_cfg(
         scale: scale as f32,
         negative_prompt: negative_prompt.unwrap_or_default(),
     }))
+}
+
+/// `cache_method`: a known name, and only with a `cache_threshold` (its units are the
+/// method's own). Absent: TeaCache where there is a threshold.
+fn validate_cache_method(
+    method: Option<&str>,
+    threshold: Option<f32>,
+) -> Result<Option<StepCacheMethod>, FieldError> {
+    let Some(name) = method.map(str::trim) else {
+        return Ok(None);
+    };
+    let method = StepCacheMethod::from_name(name).ok_or_else(|| {
+        invalid(
+            "cache_method",
+            format!("must be `teacache` or `first_block`, got {name:?}"),
+        )
+    })?;
+    match threshold {
+        Some(_) => Ok(Some(method)),
+        None => Err(invalid(
+            "cache_method",
+            "needs `cache_threshold` (each method's threshold is in its own units)",
+        )),
+    }
+}
+
+/// Edits of a registered template run mask-aware: first-block caching, which runs every token
+/// through the first block, does not combine with them (TeaCache does).
+pub fn refuse_first_block_for_template(method: Option<&str>) -> Result<(), FieldError> {
+    match method.map(str::trim).and_then(StepCacheMethod::from_name) {
+        Some(StepCacheMethod::FirstBlock) => Err(invalid(
+            "cache_method",
+            "`first_block` runs every token through the first block; edits of a registered \
+             template compute only the masked tokens and combine with `teacache`",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// `deadline_ms` after now as a Unix-ms deadline (checked: 1 ms to a day).
@@ -434,6 +475,34 @@ mod tests {
             let e = with(Some(bad)).unwrap_err();
             assert_eq!(e.field, "cache_threshold", "{bad}");
         }
+    }
+
+    #[test]
+    fn cache_method_needs_a_threshold_and_a_known_name() {
+        let (l, d) = (limits(), defaults());
+        let with = |m: &str, t: Option<f64>| {
+            let raw = RawParams {
+                cache_method: Some(m.into()),
+                cache_threshold: t,
+                ..raw("x")
+            };
+            validate_generation(raw, &l, &d).map(|v| v.params.cache_method)
+        };
+        assert_eq!(
+            with("first_block", Some(0.1)).unwrap(),
+            Some(StepCacheMethod::FirstBlock)
+        );
+        assert_eq!(
+            with(" teacache ", Some(0.1)).unwrap(),
+            Some(StepCacheMethod::Teacache)
+        );
+        for (m, t) in [("first_block", None), ("fbcache", Some(0.1))] {
+            assert_eq!(with(m, t).unwrap_err().field, "cache_method", "{m}");
+        }
+        let e = refuse_first_block_for_template(Some("first_block")).unwrap_err();
+        assert_eq!(e.field, "cache_method");
+        assert!(refuse_first_block_for_template(Some("teacache")).is_ok());
+        assert!(refuse_first_block_for_template(None).is_ok());
     }
 
     #[test]

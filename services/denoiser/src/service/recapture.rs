@@ -68,6 +68,7 @@ pub fn capture_of(edit: &DenoiseJob) -> Option<DenoiseJob> {
             preview_steps: Vec::new(),
             strength: None,
             cache_threshold: None,
+            cache_method: None,
             deadline_unix_ms: None,
             controlnet: None,
             extra_controlnets: Vec::new(),

@@ -96,6 +96,9 @@ pub struct EditForm {
     /// Step caching (TeaCache), 0 to 1, as in generations; combines with mask-aware edits.
     #[schema(minimum = 0.0, maximum = 1.0)]
     pub cache_threshold: Option<f64>,
+    /// `teacache` (default) or `first_block`, as in generations; `first_block` not with
+    /// `template_id` (400 naming `cache_method`).
+    pub cache_method: Option<String>,
     /// Registered LoRAs to apply: the JSON text of the generation body's `loras` array, e.g.
     /// `[{"id": "<LoRA id>", "scale": 1.0}]`. Not with `template_id` (400 naming `loras`).
     pub loras: Option<String>,

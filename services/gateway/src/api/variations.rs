@@ -64,6 +64,8 @@ pub struct VariationForm {
     /// Step caching (TeaCache), 0 to 1, as in generations.
     #[schema(minimum = 0.0, maximum = 1.0)]
     pub cache_threshold: Option<f64>,
+    /// `teacache` (default) or `first_block`, as in generations.
+    pub cache_method: Option<String>,
     #[schema(minimum = 1, maximum = 86_400_000)]
     pub deadline_ms: Option<i64>,
     /// Where the job's ending is posted (async jobs only), as in generations.

@@ -41,6 +41,7 @@ pub async fn read(
     let raw = raw_from_text(text)?;
     // Checked before the lookup: no template could take LoRAs.
     refuse_for_template(raw.loras.as_deref())?;
+    validate::refuse_first_block_for_template(raw.cache_method.as_deref())?;
     let template_id = template_id.trim();
     let found = state.templates.store.get(template_id).await?;
     let record = caller.owned(found, || not_found(template_id))?;

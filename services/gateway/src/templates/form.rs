@@ -92,6 +92,7 @@ pub fn validate(
         ("true_cfg_scale", raw.true_cfg_scale.is_some()),
         ("negative_prompt", raw.negative_prompt.is_some()),
         ("cache_threshold", raw.cache_threshold.is_some()),
+        ("cache_method", raw.cache_method.is_some()),
     ] {
         if given {
             return Err(FieldError::invalid(
@@ -142,6 +143,7 @@ pub fn validate(
         preview_steps: Vec::new(),
         strength: None,
         cache_threshold: None,
+        cache_method: None,
         deadline_unix_ms: None,
         controlnet: None,
         extra_controlnets: Vec::new(),
