@@ -8,6 +8,7 @@ use anyhow::Result;
 use diffmesh_denoiser::cached_step::CaptureSink;
 use diffmesh_denoiser::templates::TemplateEntry;
 use diffmesh_model::flux::kv_codec::CacheDtype;
+use diffmesh_model::flux::step_cache::CacheMethod;
 use diffmesh_model::flux::KvFormat;
 use diffmesh_model::pipeline::stepper::{DenoiseState, EditSpec, StepRequest};
 use diffmesh_model::pipeline::template::{capture_state, TemplateSpec};
@@ -89,12 +90,14 @@ impl QualityEdits {
         ))
     }
 
-    /// Edit `e` as a step request (TeaCache at `cache_threshold` where given).
-    pub fn request(&self, e: usize, cache_threshold: Option<f64>) -> StepRequest {
+    /// Edit `e` as a step request (caching steps by `step_cache`'s method at its threshold
+    /// where given).
+    pub fn request(&self, e: usize, step_cache: Option<(CacheMethod, f64)>) -> StepRequest {
         let (mask, prompt) = &self.edits[e];
         StepRequest {
             true_cfg: None,
-            cache_threshold,
+            cache_threshold: step_cache.map(|(_, t)| t),
+            cache_method: step_cache.map(|(m, _)| m).unwrap_or_default(),
             control: None,
             prompt: prompt.clone(),
             seed: 100 + e as u64,

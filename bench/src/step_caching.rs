@@ -1,10 +1,11 @@
-//! Step caching (TeaCache) as the baseline FlashPS is compared against, and combined with it
-//! (issue 50): the held-in edits of the quality figures, each run to the end with the trained
-//! tiny model four ways on the serving path (`CachedStepper`):
+//! Step caching (TeaCache and first-block caching) as the baselines FlashPS is compared
+//! against, and combined with it (issue 50): the held-in edits of the quality figures, each run
+//! to the end with the trained tiny model five ways on the serving path (`CachedStepper`):
 //!
 //! - full compute (the reference every score is taken against, and the time every speedup
 //!   divides);
 //! - TeaCache at a threshold, every token computed on the steps it does not skip;
+//! - first-block caching at a threshold (every step runs the first block);
 //! - mask-aware with the bf16 K/V cache;
 //! - mask-aware with TeaCache on top (skipped steps compute nothing, read no cache).
 //!
@@ -18,7 +19,9 @@ use anyhow::{Context, Result};
 use diffmesh_denoiser::cached_step::{CacheSettings, CachedStepper, PrefixPolicy};
 use diffmesh_denoiser::templates::TemplateEntry;
 use diffmesh_model::flux::kv_codec::CacheDtype;
-use diffmesh_model::flux::step_cache::DEFAULT_CACHE_THRESHOLD;
+use diffmesh_model::flux::step_cache::{
+    CacheMethod, DEFAULT_CACHE_THRESHOLD, DEFAULT_FIRST_BLOCK_THRESHOLD,
+};
 use diffmesh_model::flux::KvFormat;
 use diffmesh_model::model_dir::LoadedModel;
 use diffmesh_model::pipeline::stepper::DenoiseState;
@@ -28,8 +31,9 @@ use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Thresholds of the sweep besides the default (a speed/quality curve, not a tuned point).
-const SWEEP: [f64; 3] = [0.05, 0.1, 0.4];
+/// Thresholds of the sweep, for both methods (a speed/quality curve; each method's default is
+/// one of them).
+const SWEEP: [f64; 4] = [0.05, 0.1, 0.2, 0.4];
 
 /// One way of running every edit: its wall time, its skipped steps and its scores.
 struct Way {
@@ -39,13 +43,14 @@ struct Way {
     scores: EditScores,
 }
 
-/// Run every edit one way; `cache`: mask-aware with that entry, `threshold`: TeaCache.
+/// Run every edit one way; `cache`: mask-aware with that entry, `step_cache`: caching steps
+/// by that method at that threshold.
 fn run_way(
     p: &FluxPipeline<'_>,
     edits: &QualityEdits,
     references: &[diffmesh_model::tch::Tensor],
     cache: Option<&Arc<TemplateEntry>>,
-    threshold: Option<f64>,
+    step_cache: Option<(CacheMethod, f64)>,
 ) -> Result<Way> {
     let mut stepper = CachedStepper::new(
         CacheSettings {
@@ -63,7 +68,7 @@ fn run_way(
         scores: EditScores::default(),
     };
     for (e, reference) in references.iter().enumerate() {
-        let mut state = DenoiseState::new(p, &edits.request(e, threshold))?;
+        let mut state = DenoiseState::new(p, &edits.request(e, step_cache))?;
         let started = Instant::now();
         while !state.is_done() {
             stepper.step(p, &mut [&mut state], &[cache.cloned()])?;
@@ -121,23 +126,46 @@ pub fn run(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     let mask_aware = run_way(&p, &edits, &references, Some(&entry), None)?;
     let mask_aware = describe("mask-aware (bf16 K/V)", &mask_aware);
     let mut sweep = Map::new();
-    let mut thresholds: Vec<f64> = SWEEP.to_vec();
-    thresholds.push(DEFAULT_CACHE_THRESHOLD);
-    thresholds.sort_by(f64::total_cmp);
-    let mut default = (Value::Null, Value::Null);
-    for t in thresholds {
-        let alone = run_way(&p, &edits, &references, None, Some(t))?;
+    let (mut default, mut first_block) = ((Value::Null, Value::Null), Value::Null);
+    for t in SWEEP {
+        let tea = Some((CacheMethod::TeaCache, t));
+        let alone = run_way(&p, &edits, &references, None, tea)?;
         let alone = describe(&format!("TeaCache at {t}"), &alone);
-        let both = run_way(&p, &edits, &references, Some(&entry), Some(t))?;
+        let both = run_way(&p, &edits, &references, Some(&entry), tea)?;
         let both = describe(&format!("mask-aware + TeaCache at {t}"), &both);
+        let fb = Some((CacheMethod::FirstBlock, t));
+        let fb = run_way(&p, &edits, &references, None, fb)?;
+        let fb = describe(&format!("first-block caching at {t}"), &fb);
         if t == DEFAULT_CACHE_THRESHOLD {
             default = (alone.clone(), both.clone());
         }
+        if t == DEFAULT_FIRST_BLOCK_THRESHOLD {
+            first_block = fb.clone();
+        }
         sweep.insert(
             format!("{t}"),
-            json!({"teacache": alone, "mask_aware_teacache": both}),
+            json!({"teacache": alone, "mask_aware_teacache": both, "first_block": fb}),
         );
     }
+    anyhow::ensure!(
+        !default.0.is_null() && !first_block.is_null(),
+        "the sweep must hold each method's default threshold"
+    );
+    report.insert("fbcache_threshold", json!(DEFAULT_FIRST_BLOCK_THRESHOLD));
+    report.insert("fbcache_speedup", first_block["speedup"].clone());
+    report.insert(
+        "fbcache_skipped_fraction",
+        first_block["skipped_fraction"].clone(),
+    );
+    report.insert(
+        "ssim_box_mean_fbcache",
+        first_block["ssim_box_mean"].clone(),
+    );
+    report.insert(
+        "psnr_box_mean_fbcache",
+        first_block["psnr_box_mean"].clone(),
+    );
+    report.insert("ssim_mean_fbcache", first_block["ssim_mean"].clone());
     let (alone, both) = default;
     report.insert("teacache_threshold", json!(DEFAULT_CACHE_THRESHOLD));
     report.insert("teacache_speedup", alone["speedup"].clone());

@@ -368,6 +368,7 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
                     max_sequence_length: 16,
                     multi_controlnet: false,
                     step_cache: true,
+                    first_block_cache: true,
                     ..Default::default()
                 },
             }),

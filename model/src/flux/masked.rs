@@ -678,10 +678,24 @@ impl FluxTransformer {
         )?;
         let rope = Rope::new(&q_ids, &cfg.axes_dims_rope)?;
         let unmasked = match format {
+            // The whole request's masked tokens (every rank's), complemented on the host: no
+            // device sync in `nonzero`.
             KvFormat::Hidden if !all_masked => {
-                let masked = key_index.as_ref().unwrap_or(&index);
-                let keep = Tensor::f_ones([n], (Kind::Bool, device))?.f_index_fill(0, masked, 0)?;
-                Some(keep.f_nonzero()?.f_squeeze_dim(1)?)
+                let masked = Vec::<i64>::try_from(
+                    q.token_index
+                        .f_to_device(Device::Cpu)?
+                        .f_to_kind(Kind::Int64)?
+                        .f_reshape([-1])?,
+                )?;
+                let mut keep = vec![true; n as usize];
+                for &i in &masked {
+                    // `check_token_index` has checked the range.
+                    if let Some(k) = keep.get_mut(i as usize) {
+                        *k = false;
+                    }
+                }
+                let rows: Vec<i64> = (0..n).filter(|&i| keep[i as usize]).collect();
+                Some(Tensor::f_from_slice(&rows)?.f_to_device(device)?)
             }
             _ => None,
         };

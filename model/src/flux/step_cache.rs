@@ -306,6 +306,47 @@ mod tests {
         });
     }
 
+    /// First-block caching compares each probe with the last computed step's, not with the
+    /// previous step's and not summed, and does not force the last step: a slow drift reuses
+    /// until it has moved the threshold away from the last computed probe.
+    #[test]
+    fn first_block_caching_compares_with_the_last_computed_step() {
+        // The probe grows by 0.04 a step.
+        let probes = [1.0f32, 1.04, 1.08, 1.12, 1.16, 1.2].map(|v| t(&[v, v]));
+        let run = |method: CacheMethod, threshold: f64| -> Vec<StepChoice> {
+            let mut c = StepCache::new(method, threshold).unwrap();
+            probes
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let d = c.choose(p.shallow_clone(), i, probes.len()).unwrap();
+                    let choice = d.choice;
+                    let residual = (choice == StepChoice::Compute)
+                        .then(|| Tensor::zeros([2], (Kind::Float, Device::Cpu)));
+                    c.commit(d, residual);
+                    choice
+                })
+                .collect()
+        };
+        use StepChoice::{Compute, Reuse};
+        // |1.08 - 1.0| / 1.0 = 0.08 >= 0.07: step 2 computes; steps 3 and 4 are within 0.07
+        // of 1.08 (0.037, 0.074 -> step 4 computes), step 5 within 0.07 of 1.16, and reuses:
+        // the last step is not forced.
+        assert_eq!(
+            run(CacheMethod::FirstBlock, 0.07),
+            [Compute, Reuse, Compute, Reuse, Compute, Reuse]
+        );
+        // TeaCache sums the step-to-step changes (about 0.04, 0.038, ...) and computes the last.
+        assert_eq!(
+            run(CacheMethod::TeaCache, 0.07),
+            [Compute, Reuse, Compute, Reuse, Compute, Compute]
+        );
+        assert_eq!(
+            run(CacheMethod::FirstBlock, 10.0),
+            [Compute, Reuse, Reuse, Reuse, Reuse, Reuse]
+        );
+    }
+
     /// A probe over other tokens (the step switched between full and mask-aware) computes.
     #[test]
     fn a_probe_of_another_shape_computes() {

@@ -102,10 +102,15 @@ fn tokens(s: &DenoiseState) -> (f64, f64, f64) {
 }
 
 /// A cached state's compute per block in computed-token units: its text and masked tokens,
-/// plus what rebuilding K/V from a cache in `format` costs over all its image tokens.
+/// plus what rebuilding K/V from a cache in `format` costs over the image tokens it rebuilds
+/// (a hidden cache: the unmasked ones; a raw one rotates all N keys).
 fn cached_block_tokens(s: &DenoiseState, format: KvFormat) -> f64 {
     let (t, m, n) = tokens(s);
-    t + m + n * format.read_compute_per_token()
+    let rebuilt = match format {
+        KvFormat::Hidden => n - m,
+        _ => n,
+    };
+    t + m + rebuilt * format.read_compute_per_token()
 }
 
 impl CachedStepper {

@@ -98,6 +98,7 @@ impl EngineModel {
         features.lora = false;
         // Ranks step with velocities they return; a step-caching decision lives on the state.
         features.step_cache = false;
+        features.first_block_cache = false;
         self.ranks = Some(ranks);
         Ok(())
     }
@@ -166,6 +167,7 @@ pub fn announce(model: &LoadedModel, id: &str, default_size: Option<i64>) -> Mod
             max_sequence_length: model.text_encoder.max_tokens().max(0) as u32,
             multi_controlnet: false,
             step_cache: true,
+            first_block_cache: true,
         },
     }
 }

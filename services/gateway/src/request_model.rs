@@ -3,7 +3,7 @@
 //! and the features the request uses, checked against what the model's denoisers announce.
 use std::time::Duration;
 
-use diffmesh_shared::wire::messages::{FieldError, GenerationParams, JobKind};
+use diffmesh_shared::wire::messages::{FieldError, GenerationParams, JobKind, StepCacheMethod};
 
 use crate::error::ApiError;
 use crate::model_catalogue::{NoModel, ResolvedModel};
@@ -112,6 +112,9 @@ pub fn check_features(
     }
     if params.cache_threshold.is_some() && !f.step_cache {
         return refuse("cache_threshold", "step caching");
+    }
+    if params.cache_method == Some(StepCacheMethod::FirstBlock) && !f.first_block_cache {
+        return refuse("cache_method", "first-block step caching");
     }
     Ok(())
 }
@@ -253,8 +256,18 @@ mod tests {
         assert_eq!(e.field, "cache_threshold");
         let flux = model(ModelFeatures {
             step_cache: true,
+            first_block_cache: true,
             ..ModelFeatures::default()
         });
+        assert!(check_features(&flux, JobKind::Generate, &cached).is_ok());
+        // A denoiser from before first-block caching would run the threshold as TeaCache's.
+        cached.cache_method = Some(StepCacheMethod::FirstBlock);
+        let older = model(ModelFeatures {
+            step_cache: true,
+            ..ModelFeatures::default()
+        });
+        let e = check_features(&older, JobKind::Generate, &cached).unwrap_err();
+        assert_eq!(e.field, "cache_method");
         assert!(check_features(&flux, JobKind::Generate, &cached).is_ok());
     }
 }

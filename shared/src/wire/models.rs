@@ -66,6 +66,10 @@ pub struct ModelFeatures {
     /// Step caching per request (`cache_threshold`). False from older senders.
     #[serde(default)]
     pub step_cache: bool,
+    /// First-block step caching (`cache_method: first_block`). False from older senders,
+    /// which would read the request's threshold as TeaCache's.
+    #[serde(default)]
+    pub first_block_cache: bool,
 }
 
 impl ModelGeometry {
@@ -155,6 +159,7 @@ mod tests {
                 max_sequence_length: 512,
                 multi_controlnet: false,
                 step_cache: true,
+                first_block_cache: true,
                 ..ModelFeatures::default()
             },
         };

@@ -1,7 +1,8 @@
 //! One step for a batch of states ([`step_batch_controlled`]): full-compute rows grouped by
 //! shape into shared forwards, every mask-aware row packed into one mask-aware forward, steps
-//! that reuse a cached residual (step caching) running no block; every state's latents and
-//! step-cache decision are kept only once all of them are computed.
+//! that reuse a cached residual running no block (TeaCache) or only the first
+//! (first-block caching, which decides inside its group's forward: `first_block`); every
+//! state's latents and step-cache decision are kept only once all of them are computed.
 use super::control;
 use super::first_block::{self, FirstBlockGroup};
 use super::step_caching::CachedStep;
@@ -60,8 +61,8 @@ pub fn step_batch_controlled(
         type Row = (usize, Branch);
         let mut groups: Vec<((i64, i64, i64), Vec<Row>)> = Vec::new();
         let mut cached: Vec<(usize, &dyn KvCache)> = Vec::new();
-        // Step caching (TeaCache): every caching state's step is chosen before any forward;
-        // a reused step runs no block, mask-aware or full.
+        // TeaCache: every such state's step is chosen before any forward; a reused step runs
+        // no block, mask-aware or full. First-block caching chooses after the first block.
         let mut step_caches: Vec<Option<CachedStep>> = states.iter().map(|_| None).collect();
         let mut reused: Vec<(usize, bool)> = Vec::new();
         for (i, s) in states.iter_mut().enumerate().filter(|(_, s)| !s.is_done()) {

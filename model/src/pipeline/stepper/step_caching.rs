@@ -1,7 +1,7 @@
-//! TeaCache on the step-batching engine (see [`crate::flux::step_cache`]): a request with a
-//! `cache_threshold` probes each step before the batch's forwards, and a step whose modulated
-//! input changed little since the last computed one skips every block, reusing that step's
-//! residual. A full-compute request probes its whole image stream; a mask-aware edit probes
+//! TeaCache on the step-batching engine (see [`crate::flux::step_cache`]; first-block caching
+//! is in `first_block`): a request caching its steps with TeaCache probes each step before the
+//! batch's forwards, and a step whose modulated input changed little since the last computed
+//! one skips every block, reusing that step's residual. A full-compute request probes its whole image stream; a mask-aware edit probes
 //! and reuses at its masked tokens only, the ones it computes (its unmasked tokens follow the
 //! template anyway), so the two kinds of caching combine.
 //!
@@ -41,7 +41,8 @@ impl DenoiseState {
     /// Decide this request's next step ahead of its batch (a mask-aware one where `masked`):
     /// whether it reuses the last computed step's residual, so an engine neither loads a cache
     /// nor counts compute for it. The batch takes the decision as it is; a batch that steps
-    /// this state otherwise (the other mode) decides again. False without a step cache.
+    /// this state otherwise (the other mode) decides again. False without a step cache, and
+    /// with first-block caching (which decides inside the forward, after the first block).
     pub fn plan_step(&mut self, p: &FluxPipeline<'_>, masked: bool) -> Result<bool> {
         if self.is_done() {
             return Ok(false);

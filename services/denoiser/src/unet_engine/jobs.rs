@@ -95,6 +95,7 @@ pub fn announce(pipeline: &SdPipeline, id: &str, default_size: Option<i64>) -> M
             max_sequence_length: u32::try_from(pipeline.max_tokens()).unwrap_or(u32::MAX),
             multi_controlnet: true,
             step_cache: false,
+            first_block_cache: false,
         },
     }
 }

@@ -49,7 +49,7 @@ pub struct CardView {
     pub token_pixels: u32,
     /// What it serves beyond text-to-image: `edit`, `fill`, `controlnet`, `lora`, `true_cfg`,
     /// `guidance` (guidance-distilled: `guidance_scale` steers it), `step_cache`
-    /// (`cache_threshold`).
+    /// (`cache_threshold`), `first_block_cache` (`cache_method: first_block`).
     pub features: Vec<String>,
     /// Longest prompt in text-encoder tokens.
     pub max_sequence_length: u32,
@@ -71,6 +71,7 @@ impl CardView {
             ("true_cfg", f.true_cfg),
             ("guidance", f.guidance_embeds),
             ("step_cache", f.step_cache),
+            ("first_block_cache", f.step_cache && f.first_block_cache),
         ]
         .into_iter()
         .filter(|(_, on)| *on)
@@ -209,6 +210,7 @@ mod tests {
                 max_sequence_length: 512,
                 multi_controlnet: false,
                 step_cache: true,
+                first_block_cache: true,
                 ..ModelFeatures::default()
             },
         });
@@ -221,7 +223,13 @@ mod tests {
         assert_eq!(flux["max_pixels"], 1 << 22);
         assert_eq!(
             flux["features"],
-            serde_json::json!(["edit", "lora", "guidance", "step_cache"])
+            serde_json::json!([
+                "edit",
+                "lora",
+                "guidance",
+                "step_cache",
+                "first_block_cache"
+            ])
         );
         assert_eq!(flux["max_sequence_length"], 512);
         // A denoiser that announced only the id: the id alone.
