@@ -14,10 +14,10 @@ use diffmesh_shared::wire::controlnet_service::{
 };
 use diffmesh_shared::wire::lora::LoraRef;
 use diffmesh_shared::wire::messages::{
-    decode, encode, CancelJob, DenoiseJob, EvictTemplate, FieldError, GenerationParams, Heartbeat,
-    JobEvent, JobKind, OutcomeQuery, PostprocessReply, PostprocessRequest, PreparedInputs,
-    PreparedTemplate, PreprocessReply, PreprocessRequest, RunningJob, StepJob, StepSample,
-    SubmitReply, TemplateCaptured, TemplateImage, TemplateRef, TrueCfg, WantedEvent,
+    decode, encode, BlockPlan, CancelJob, DenoiseJob, EvictTemplate, FieldError, GenerationParams,
+    Heartbeat, JobEvent, JobKind, OutcomeQuery, PostprocessReply, PostprocessRequest,
+    PreparedInputs, PreparedTemplate, PreprocessReply, PreprocessRequest, RunningJob, StepJob,
+    StepSample, SubmitReply, TemplateCaptured, TemplateImage, TemplateRef, TrueCfg, WantedEvent,
 };
 use diffmesh_shared::wire::models::{ModelCard, ModelFeatures, ModelGeometry, Resolution};
 use diffmesh_shared::wire::templates::{pack_step, step_block_ranges};
@@ -386,6 +386,11 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
                     control_s: 0.0,
                 }],
                 seconds: 0.02,
+                block_plan: Some(BlockPlan {
+                    full: 2,
+                    cached: 10,
+                    format: "hidden".into(),
+                }),
             }],
             controlnet_step_s: Vec::new(),
             interval_ms: 500,

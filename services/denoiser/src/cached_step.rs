@@ -72,6 +72,8 @@ pub struct StepReport {
     pub cached: usize,
     /// Leading blocks computed over all tokens.
     pub prefix: usize,
+    /// The model's blocks (those after `prefix` read the cache where `cached` > 0).
+    pub blocks: usize,
     /// Seconds the compute waited for the loader.
     pub load_wait_s: f64,
     /// Batch rows whose step reused their last computed step's residual (step caching):
@@ -252,6 +254,7 @@ impl CachedStepper {
         Ok(StepReport {
             cached: cached.iter().map(|(i, _)| states[*i].rows()).sum(),
             prefix,
+            blocks: n_blocks,
             load_wait_s,
             reused: (0..states.len())
                 .filter(|&i| states[i].skipped_steps() > skipped_before[i])

@@ -55,6 +55,9 @@ pub struct DenoiserMetrics {
     /// Image rows stepped, by mode (`mask_aware` with a template cache, `reused`: step caching
     /// reused the last computed step's residual, `full`).
     pub step_rows: IntCounterVec,
+    /// Blocks of the steps with mask-aware rows, by how the planner ran them (`full`: over
+    /// every token, else the cache format they read: `raw`, `prepared`, `hidden`).
+    pub planned_blocks: IntCounterVec,
     /// Time a step's compute waited for the cache loader, per step with cached rows.
     pub load_wait_seconds: Histogram,
     /// Template caches looked up in the local tier, by result (`hit`, `miss`: fetched from the
@@ -178,6 +181,13 @@ impl DenoiserMetrics {
             ),
             &["mode"],
         )?;
+        let planned_blocks = IntCounterVec::new(
+            Opts::new(
+                "diffmesh_denoiser_planned_blocks_total",
+                "Blocks of mask-aware steps, by how the planner ran them (full or the cache format)",
+            ),
+            &["choice"],
+        )?;
         let load_wait_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 "diffmesh_denoiser_cache_load_wait_seconds",
@@ -288,6 +298,7 @@ impl DenoiserMetrics {
         registry.register(Box::new(conditioning_bytes.clone()))?;
         registry.register(Box::new(engine_busy_seconds.clone()))?;
         registry.register(Box::new(step_rows.clone()))?;
+        registry.register(Box::new(planned_blocks.clone()))?;
         registry.register(Box::new(load_wait_seconds.clone()))?;
         registry.register(Box::new(local_cache_lookups.clone()))?;
         registry.register(Box::new(local_cache_bytes.clone()))?;
@@ -323,6 +334,7 @@ impl DenoiserMetrics {
             running,
             failures,
             step_rows,
+            planned_blocks,
             load_wait_seconds,
             local_cache_lookups,
             local_cache_bytes,

@@ -416,3 +416,39 @@ async fn a_hidden_stream_cache_serves_edits_at_half_the_bytes() {
     assert!(diff(&images, "p", "p-alone") <= 1);
     assert!(diff(&images, "g", "p") > 10);
 }
+
+/// The planner's choice shows in the step samples the heartbeat carries: a mask-aware edit's
+/// steps say how many blocks ran over every token and how many read the cache, in its format.
+#[tokio::test]
+async fn step_samples_carry_the_planners_block_choices() {
+    let dir = harness().dir;
+    let mut y = harness_with(
+        dir,
+        CacheSettings {
+            format: KvFormat::Hidden,
+            ..Default::default()
+        },
+    );
+    let entry = capture(&mut y).await;
+    let before = y.engine.take_step_samples();
+    assert!(
+        before.iter().all(|s| s.block_plan.is_none()),
+        "a capture reads no cache"
+    );
+    submit_edit(&y, "e", 3, mask(2, 3, 6, 5), ready(&entry)).await;
+    let (mut images, mut log) = (HashMap::new(), Vec::new());
+    events_until(&mut y, &mut images, &mut log, |l| has(l, "finished e")).await;
+    let plans: Vec<_> = y
+        .engine
+        .take_step_samples()
+        .into_iter()
+        .filter_map(|s| s.block_plan)
+        .collect();
+    assert!(!plans.is_empty(), "no step sample carried its block plan");
+    let blocks = plans[0].full + plans[0].cached;
+    for p in &plans {
+        assert_eq!(p.format, "hidden");
+        assert_eq!(p.full + p.cached, blocks);
+        assert!(p.cached > 0, "{p:?}");
+    }
+}

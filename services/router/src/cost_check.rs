@@ -185,6 +185,7 @@ mod tests {
             row_ratios: vec![0.2, 1.0],
             jobs: vec![],
             seconds: 1.0,
+            block_plan: None,
         };
         let new = StepSample::of_jobs(rows(&[0.2, 1.0]), 1.0);
         assert_eq!(old.row_ratios, new.row_ratios);

@@ -536,6 +536,22 @@ pub struct StepSample {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub jobs: Vec<StepJob>,
     pub seconds: f64,
+    /// The planner's choice for the step's mask-aware rows: how many leading blocks it
+    /// computed over every token, and how many read the template cache (and in which
+    /// format). None: no mask-aware rows (or an older sender).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_plan: Option<BlockPlan>,
+}
+
+/// Blocks of a mask-aware step by how they ran (see [`StepSample::block_plan`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockPlan {
+    /// Leading blocks computed over every token.
+    pub full: u32,
+    /// Blocks whose unmasked tokens came from the cache.
+    pub cached: u32,
+    /// The cache's format (`raw`, `prepared`, `hidden`: the Y cache).
+    pub format: String,
 }
 
 impl StepSample {
@@ -549,6 +565,7 @@ impl StepSample {
             row_ratios,
             jobs,
             seconds,
+            block_plan: None,
         }
     }
 

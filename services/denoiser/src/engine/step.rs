@@ -9,7 +9,7 @@ use crate::model::job_resolution_of;
 use crate::previews;
 use diffmesh_model::flux::ControlResiduals;
 use diffmesh_model::pipeline::stepper::DenoiseState;
-use diffmesh_shared::wire::messages::{StepJob, StepSample};
+use diffmesh_shared::wire::messages::{BlockPlan, StepJob, StepSample};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 use tracing::Span;
@@ -100,8 +100,16 @@ impl Engine {
             m.step_rows
                 .with_label_values(&["full"])
                 .inc_by(rows.saturating_sub(mask_aware + reused) as u64);
+            let format = self.cached.settings().format.as_str();
             for r in reports.iter().filter(|r| r.cached > 0) {
                 m.load_wait_seconds.observe(r.load_wait_s);
+                let cached = r.blocks.saturating_sub(r.prefix);
+                m.planned_blocks
+                    .with_label_values(&["full"])
+                    .inc_by(r.prefix as u64);
+                m.planned_blocks
+                    .with_label_values(&[format])
+                    .inc_by(cached as u64);
             }
         }
         for (a, n) in self.active.iter_mut().zip(&needs) {
@@ -142,7 +150,12 @@ impl Engine {
             && reports.iter().all(|r| r.reused == 0);
         let plain = batched_ok && !capturing && single_group && switches == 0;
         if plain && !step_jobs.is_empty() && all_as_planned {
-            let sample = StepSample::of_jobs(step_jobs, seconds);
+            let mut sample = StepSample::of_jobs(step_jobs, seconds);
+            sample.block_plan = reports.first().filter(|r| r.cached > 0).map(|r| BlockPlan {
+                full: r.prefix as u32,
+                cached: r.blocks.saturating_sub(r.prefix) as u32,
+                format: self.cached.settings().format.as_str().into(),
+            });
             let gpu_ended = self.model.gpu_copy.as_ref().and_then(|g| g.compute_mark());
             match (gpu_started, gpu_ended) {
                 (Some(start), Some(end)) => self.steps.push_gpu_timed(start, end, sample),
