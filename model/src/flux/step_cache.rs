@@ -31,8 +31,11 @@ use tch::{Kind, Tensor};
 pub const DEFAULT_CACHE_THRESHOLD: f64 = 0.2;
 
 /// First-block caching's threshold for the bench's `fbcache_*` figures (its own units: the
-/// first block's residual against the last computed step's, not summed).
-pub const DEFAULT_FIRST_BLOCK_THRESHOLD: f64 = 0.1;
+/// first block's residual against the last computed step's, not summed). Picked by the same
+/// rule as TeaCache's, the point of the sweep nearest 2x: on the tiny model, whose first
+/// block is about a third of its blocks' work, that is 1.6x with 70% of steps skipped
+/// (docs/BENCHMARKS.md).
+pub const DEFAULT_FIRST_BLOCK_THRESHOLD: f64 = 0.4;
 
 /// Which step cache a request runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
