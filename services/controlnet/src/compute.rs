@@ -550,13 +550,16 @@ mod tests {
         let cfg = &m.transformer.cfg;
         let (steps_a, steps_b) = (step("a", cfg, 0.9), step("b", cfg, 0.3));
 
+        // Each session's inputs are drawn once (drawing them again from the same seed races with
+        // other tests on torch's global RNG).
+        let (open_a, open_b) = (open("a", cfg, 1), open("b", cfg, 2));
         // Alone: one forward per step.
         let mut alone = Vec::new();
-        for (id, seed, s) in [("a", 1, &steps_a), ("b", 2, &steps_b)] {
+        for (o, s) in [(&open_a, &steps_a), (&open_b, &steps_b)] {
             let (otx, _orx) = oneshot::channel();
             let (stx, srx) = oneshot::channel();
             let work = vec![
-                Work::Open(Box::new(open(id, cfg, seed)), otx),
+                Work::Open(Box::new(o.clone()), otx),
                 Work::Step(Box::new(s.clone()), stx),
             ];
             assert_eq!(run(dir.path(), work), 1);
@@ -569,8 +572,8 @@ mod tests {
         let (s2, r2) = oneshot::channel();
         let (s3, r3) = oneshot::channel();
         let work = vec![
-            Work::Open(Box::new(open("a", cfg, 1)), o1),
-            Work::Open(Box::new(open("b", cfg, 2)), o2),
+            Work::Open(Box::new(open_a), o1),
+            Work::Open(Box::new(open_b), o2),
             Work::Step(Box::new(steps_a), s1),
             Work::Step(Box::new(steps_b), s2),
             Work::Step(Box::new(step("nobody", cfg, 0.5)), s3),
@@ -687,7 +690,10 @@ mod tests {
             unet_step("a", 2, 801.0, true),
             unet_step("b", 1, 201.0, false),
         );
-        let expected: Vec<Vec<Tensor>> = [(&a, unet_open("a", 2, 1)), (&b, unet_open("b", 1, 2))]
+        // Each session's inputs are drawn once and used for both the expectation and the work:
+        // drawing them again from the same seed races with other tests on torch's global RNG.
+        let (open_a, open_b) = (unet_open("a", 2, 1), unet_open("b", 1, 2));
+        let expected: Vec<Vec<Tensor>> = [(&a, open_a.clone()), (&b, open_b.clone())]
             .iter()
             .map(|(s, o)| {
                 let w = |t: &WireTensor| from_wire(t, Device::Cpu, "x").unwrap();
@@ -710,8 +716,8 @@ mod tests {
         let (s1, r1) = oneshot::channel();
         let (s2, r2) = oneshot::channel();
         let work = vec![
-            Work::Open(Box::new(unet_open("a", 2, 1)), o1),
-            Work::Open(Box::new(unet_open("b", 1, 2)), o2),
+            Work::Open(Box::new(open_a), o1),
+            Work::Open(Box::new(open_b), o2),
             Work::Step(Box::new(a), s1),
             Work::Step(Box::new(b), s2),
         ];
