@@ -5,13 +5,13 @@
 use diffmesh_denoiser::engine::{
     spawn_engine, EngineConfig, EngineDrained, EngineEvent, EngineHandle, EngineJob,
 };
-use diffmesh_denoiser::lora::{LoadedLora, LoraBlob, LoraSlot};
+use diffmesh_denoiser::lora::{LoadedLora, LoraBlob, LoraFailure, LoraSlot};
 use diffmesh_denoiser::metrics::DenoiserMetrics;
 use diffmesh_denoiser::model::EngineModel;
 use diffmesh_model::lora::{LoraPatcher, WeightedLora};
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
-use diffmesh_shared::wire::messages::DenoiseJob;
+use diffmesh_shared::wire::messages::{error_types, DenoiseJob};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -132,7 +132,8 @@ async fn drain(
             }
             EngineEvent::Failed { job, error, .. } => {
                 left.retain(|j| j != &job.job_id);
-                errors.insert(job.job_id, error.to_string());
+                // The error type the job fails with (the gateway's status follows it).
+                errors.insert(job.job_id, format!("{error} [{}]", error.error_type()));
             }
             _ => {}
         }
@@ -293,8 +294,11 @@ async fn a_lora_that_cannot_be_had_fails_its_job_alone() {
     let (base, _, _) = drain(&mut h, &["base"]).await;
 
     let gone: LoraSlot = Default::default();
-    gone.set(Err("LoRA x: cannot read its weights: not found".into()))
-        .unwrap();
+    gone.set(Err(LoraFailure {
+        message: "LoRA x was deleted after the request was accepted (not found)".into(),
+        error_type: error_types::INVALID_REQUEST,
+    }))
+    .unwrap();
     let misfit = filled(vec![loaded(
         "m",
         lora_file(3, Some("transformer_blocks.9.attn.to_q")),
@@ -304,7 +308,12 @@ async fn a_lora_that_cannot_be_had_fails_its_job_alone() {
     submit(&h, job("misfit", 4, 5), Some(misfit)).await;
     submit(&h, job("base2", 4, 5), None).await;
     let (images, errors, _) = drain(&mut h, &["gone", "misfit", "base2"]).await;
+    // Deleted since the gateway checked it: the client's request, not a fault of the mesh.
     assert!(errors["gone"].contains("not found"), "{errors:?}");
+    assert!(
+        errors["gone"].ends_with("[invalid_request_error]"),
+        "{errors:?}"
+    );
     assert!(
         errors["misfit"].contains("transformer_blocks.9.attn.to_q"),
         "{errors:?}"

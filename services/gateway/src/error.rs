@@ -9,6 +9,11 @@ use diffmesh_shared::MeshError;
 use serde::Serialize;
 use utoipa::ToSchema;
 
+/// Seconds a client is told to wait before retrying a job the mesh could not serve for now
+/// (`Retry-After` of a 503 job failure): about a heartbeat or two, time for a store or worker
+/// to answer again or for the router to know of another placement.
+const JOB_RETRY_AFTER_S: u64 = 2;
+
 /// `error_type` values that only the gateway produces (the mesh's are in
 /// `shared::wire::messages::error_types`).
 pub mod gateway_error_types {
@@ -234,6 +239,16 @@ impl ResponseError for ApiError {
             ApiError::Unauthorized { .. } => {
                 response.insert_header((header::WWW_AUTHENTICATE, "Bearer realm=\"diffmesh\""));
             }
+            // A job the mesh could not serve for now (a LoRA store or ControlNet worker that
+            // did not answer, a lost worker): a 503 a client may retry, and when.
+            ApiError::JobFailed { error_type, .. }
+                if matches!(
+                    error_type.as_str(),
+                    error_types::UNAVAILABLE | error_types::WORKER_LOST
+                ) =>
+            {
+                response.insert_header((header::RETRY_AFTER, JOB_RETRY_AFTER_S.to_string()));
+            }
             _ => {}
         }
         let message = match self {
@@ -315,6 +330,22 @@ mod tests {
         );
         assert_eq!(body_json(&e)["error"]["type"], "rate_limit_error");
         assert_eq!(body_json(&e)["error"]["code"], error_types::RATE_LIMITED);
+
+        // A job the mesh could not serve for now: 503, retry later.
+        let e = ApiError::JobFailed {
+            message: "controlnet: no worker answered".into(),
+            error_type: error_types::UNAVAILABLE.into(),
+        };
+        let resp = e.error_response();
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(resp.headers().get(header::RETRY_AFTER).is_some());
+        let e = ApiError::JobFailed {
+            message: "model error".into(),
+            error_type: error_types::INTERNAL.into(),
+        };
+        let resp = e.error_response();
+        assert_eq!(resp.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(resp.headers().get(header::RETRY_AFTER).is_none());
 
         let e = ApiError::RateLimited {
             message: "slow down".into(),

@@ -82,7 +82,17 @@ pub(super) fn residuals_for_step(
             })
             .collect::<Result<Vec<_>, String>>();
         out.push(rows.unwrap_or_else(|e| {
-            a.failed = Some(super::EngineJobError::ControlNet(e));
+            // Not held here and not had from a worker: another placement may serve it.
+            let held = a
+                .job
+                .params
+                .controlnet
+                .as_ref()
+                .is_some_and(|c| src.local.holds(&c.name));
+            a.failed = Some(match held {
+                true => super::EngineJobError::ControlNet(e),
+                false => super::EngineJobError::ControlNetAway(e),
+            });
             Vec::new()
         }));
     }

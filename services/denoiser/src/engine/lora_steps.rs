@@ -7,7 +7,7 @@
 //! the early, layout-forming steps, where Katz found a LoRA changes little. At the bound it sits
 //! steps out until the adapters are in memory; a bound of 0 is synchronous loading.
 use crate::lora::metrics::LoraMetrics;
-use crate::lora::{LoadedLora, LoraSlot};
+use crate::lora::{LoadedLora, LoraFailure, LoraSlot};
 use diffmesh_model::lora::{LoraAdapter, LoraPatcher, LoraSetKey, PatchStats, WeightedLora};
 use diffmesh_model::ModelError;
 use std::time::Instant;
@@ -22,7 +22,7 @@ pub(crate) enum LoraNeed {
     /// Nothing this step: its adapters are late past its bound.
     Wait,
     /// Its adapters cannot be had (the reason).
-    Failed(String),
+    Failed(LoraFailure),
 }
 
 impl LoraNeed {
@@ -172,8 +172,10 @@ mod tests {
         slot.set(Ok(set("a"))).unwrap();
         assert!(matches!(need(Some(&slot), 4, 20, 0.2), LoraNeed::Set(..)));
         let failed: LoraSlot = Default::default();
-        failed.set(Err("gone".into())).unwrap();
-        assert!(matches!(need(Some(&failed), 0, 20, 0.2), LoraNeed::Failed(e) if e == "gone"));
+        failed.set(Err(LoraFailure::internal("gone"))).unwrap();
+        assert!(
+            matches!(need(Some(&failed), 0, 20, 0.2), LoraNeed::Failed(e) if e.message == "gone")
+        );
         assert!(matches!(need(None, 7, 20, 0.2), LoraNeed::Base));
     }
 

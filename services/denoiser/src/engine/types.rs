@@ -1,12 +1,12 @@
 //! What the engine's handle and the engine exchange: jobs in, events out, per-job errors, and
 //! the engine's configuration and load snapshot (its messages are in `actor`).
 use crate::cached_step::{CacheSettings, TemplateSlot};
-use crate::lora::LoraSlot;
+use crate::lora::{LoraFailure, LoraSlot};
 use crate::model::EditInputs;
 use crate::prompt_stage::PromptSlot;
 use crate::templates::TemplateEntry;
 use diffmesh_model::ModelError;
-use diffmesh_shared::wire::messages::{ControlNetStepCost, DenoiseJob, RunningJob};
+use diffmesh_shared::wire::messages::{error_types, ControlNetStepCost, DenoiseJob, RunningJob};
 use std::sync::Arc;
 use tracing::Span;
 
@@ -143,10 +143,14 @@ pub enum EngineJobError {
     Restarted(String),
     /// Its LoRA adapters could not be loaded (deleted, or the store unreachable).
     #[error("loras: {0}")]
-    Lora(String),
-    /// Its ControlNet is not here, does not fit the model, or failed.
+    Lora(LoraFailure),
+    /// Its ControlNet does not fit the model, or failed.
     #[error("{0}")]
     ControlNet(String),
+    /// Its ControlNet is served neither here nor by a ControlNet worker that answered: another
+    /// placement may have it (the job fails as unavailable, worth a retry).
+    #[error("{0}")]
+    ControlNetAway(String),
 }
 
 impl EngineJobError {
@@ -164,7 +168,21 @@ impl EngineJobError {
             EngineJobError::Panic(_) => "panic",
             EngineJobError::Restarted(_) => "engine_restarted",
             EngineJobError::Lora(_) => "lora_unavailable",
-            EngineJobError::ControlNet(_) => "controlnet_unavailable",
+            EngineJobError::ControlNet(_) | EngineJobError::ControlNetAway(_) => {
+                "controlnet_unavailable"
+            }
+        }
+    }
+
+    /// The error type its job fails with (`error_types`; the gateway's HTTP status follows it):
+    /// the client's input, a LoRA's own classification, an absent ControlNet's unavailability,
+    /// else internal.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            EngineJobError::Input(_) => error_types::INVALID_REQUEST,
+            EngineJobError::Lora(f) => f.error_type,
+            EngineJobError::ControlNetAway(_) => error_types::UNAVAILABLE,
+            _ => error_types::INTERNAL,
         }
     }
 }

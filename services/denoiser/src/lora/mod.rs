@@ -6,4 +6,4 @@ pub mod metrics;
 pub mod store;
 
 pub use adapter::{adapter_from_bytes, LoraBlob};
-pub use store::{LoadedLora, LoraSlot, LoraStore};
+pub use store::{LoadedLora, LoraFailure, LoraSlot, LoraStore};

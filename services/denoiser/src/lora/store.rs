@@ -2,8 +2,10 @@
 //! once from the `LORA_BUCKET` object store however many jobs ask for it at the same time.
 use super::LoraBlob;
 use crate::metrics::DenoiserMetrics;
+use diffmesh_shared::error::MeshError;
 use diffmesh_shared::stores::blob_store::BlobStore;
 use diffmesh_shared::wire::lora::{weights_key, LoraRef};
+use diffmesh_shared::wire::messages::error_types;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use tracing::Instrument;
@@ -17,7 +19,52 @@ pub struct LoadedLora {
 
 /// A job's adapters, set once they are in memory (or why they cannot be): the engine steps the
 /// job on the base model until then, for at most its asynchrony bound.
-pub type LoraSlot = Arc<OnceLock<Result<Vec<LoadedLora>, String>>>;
+pub type LoraSlot = Arc<OnceLock<Result<Vec<LoadedLora>, LoraFailure>>>;
+
+/// Why an adapter could not be had, with the error type its job fails with: the client's
+/// (deleted since the gateway checked it: `invalid_request_error`), the mesh's for now (the
+/// store did not answer in time: `service_unavailable`, worth a retry), or an internal one.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct LoraFailure {
+    pub message: String,
+    pub error_type: &'static str,
+}
+
+impl LoraFailure {
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            error_type: error_types::INTERNAL,
+        }
+    }
+
+    /// A failed read of adapter `id`'s weights from the store.
+    fn of_read(id: &str, e: &MeshError) -> Self {
+        let error_type = match e {
+            MeshError::BlobNotFound { .. } => error_types::INVALID_REQUEST,
+            MeshError::Timeout { .. }
+            | MeshError::Request { .. }
+            | MeshError::NoResponders { .. }
+            | MeshError::Connect { .. }
+            | MeshError::BlobStalled { .. }
+            | MeshError::BlobRead { .. }
+            | MeshError::BlobGet(_)
+            | MeshError::Io(_) => error_types::UNAVAILABLE,
+            _ => error_types::INTERNAL,
+        };
+        let message = match e {
+            MeshError::BlobNotFound { .. } => {
+                format!("LoRA {id} was deleted after the request was accepted (not found)")
+            }
+            other => format!("LoRA {id}: cannot read its weights: {other}"),
+        };
+        Self {
+            message,
+            error_type,
+        }
+    }
+}
 
 /// Sets a slot to an error unless it was filled, so a fetch that panics never leaves its job
 /// waiting forever.
@@ -25,7 +72,9 @@ struct SlotGuard(LoraSlot);
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        let _ = self.0.set(Err("LoRA fetch ended without a result".into()));
+        let _ = self.0.set(Err(LoraFailure::internal(
+            "LoRA fetch ended without a result",
+        )));
     }
 }
 
@@ -81,7 +130,7 @@ impl LoraStore {
     }
 
     /// One adapter: from the cache, else read once from the object store.
-    pub async fn get(&self, id: &str) -> Result<Arc<LoraBlob>, String> {
+    pub async fn get(&self, id: &str) -> Result<Arc<LoraBlob>, LoraFailure> {
         if let Some(a) = self.cache.get(id).await {
             self.count("hit");
             return Ok(a);
@@ -91,7 +140,7 @@ impl LoraStore {
             .cache
             .try_get_with(id.to_string(), self.read(id))
             .await
-            .map_err(|e| e.to_string());
+            .map_err(|e| (*e).clone());
         match &result {
             Ok(_) => {
                 self.count("miss");
@@ -109,16 +158,19 @@ impl LoraStore {
         result
     }
 
-    async fn read(&self, id: &str) -> Result<Arc<LoraBlob>, String> {
-        let blobs = self
-            .blobs
-            .as_ref()
-            .ok_or_else(|| format!("LoRA {id} is not loaded and no LoRA store is configured"))?;
+    async fn read(&self, id: &str) -> Result<Arc<LoraBlob>, LoraFailure> {
+        let blobs = self.blobs.as_ref().ok_or_else(|| {
+            LoraFailure::internal(format!(
+                "LoRA {id} is not loaded and no LoRA store is configured"
+            ))
+        })?;
         let bytes = blobs
             .get_limited(&weights_key(id), self.max_bytes)
             .await
-            .map_err(|e| format!("LoRA {id}: cannot read its weights: {e}"))?;
-        let blob = LoraBlob::new(id, bytes.into()).map_err(|e| format!("LoRA {id}: {e}"))?;
+            .map_err(|e| LoraFailure::of_read(id, &e))?;
+        // The gateway checked the file at upload: one that does not parse now is corrupt.
+        let blob = LoraBlob::new(id, bytes.into())
+            .map_err(|e| LoraFailure::internal(format!("LoRA {id}: {e}")))?;
         Ok(Arc::new(blob))
     }
 
@@ -180,5 +232,43 @@ impl LoraStore {
                 .with_label_values(&[result])
                 .inc_by(n as u64);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A deleted adapter is the client's (400), a store that did not answer is the mesh's for
+    /// now (503, worth a retry); the message names the adapter either way.
+    #[test]
+    fn read_failures_carry_the_error_type_their_job_fails_with() {
+        let gone = LoraFailure::of_read(
+            "a",
+            &MeshError::BlobNotFound {
+                key: weights_key("a"),
+            },
+        );
+        assert_eq!(gone.error_type, error_types::INVALID_REQUEST);
+        assert!(gone.message.contains("LoRA a"), "{gone}");
+        let slow = LoraFailure::of_read(
+            "b",
+            &MeshError::Timeout {
+                subject: "blobs".into(),
+                timeout: Duration::from_secs(1),
+            },
+        );
+        assert_eq!(slow.error_type, error_types::UNAVAILABLE);
+        assert!(slow.message.contains("LoRA b"), "{slow}");
+        let odd = LoraFailure::of_read(
+            "c",
+            &MeshError::BlobTooLarge {
+                key: weights_key("c"),
+                size: 2,
+                limit: 1,
+            },
+        );
+        assert_eq!(odd.error_type, error_types::INTERNAL);
     }
 }

@@ -148,22 +148,19 @@ impl Service {
                     post.spawn(async move { this.place_again(job, panic).await }.instrument(span));
                 }
                 EngineEvent::Failed { job, error, span } => {
-                    let error_type = match error {
-                        crate::engine::EngineJobError::Input(_) => error_types::INVALID_REQUEST,
-                        _ => {
-                            // Only the model's own errors can tell of this device's fault: a
-                            // ControlNet worker's or a LoRA store's are about someone else.
-                            let own = matches!(
-                                error,
-                                crate::engine::EngineJobError::Model(_)
-                                    | crate::engine::EngineJobError::Panic(_)
-                                    | crate::engine::EngineJobError::Restarted(_)
-                            );
-                            let text = error.to_string();
-                            self.note_failure(&job.job_id, own.then_some(text.as_str()));
-                            error_types::INTERNAL
-                        }
-                    };
+                    let error_type = error.error_type();
+                    if error_type != error_types::INVALID_REQUEST {
+                        // Only the model's own errors can tell of this device's fault: a
+                        // ControlNet worker's or a LoRA store's are about someone else.
+                        let own = matches!(
+                            error,
+                            crate::engine::EngineJobError::Model(_)
+                                | crate::engine::EngineJobError::Panic(_)
+                                | crate::engine::EngineJobError::Restarted(_)
+                        );
+                        let text = error.to_string();
+                        self.note_failure(&job.job_id, own.then_some(text.as_str()));
+                    }
                     self.publish_failed(&job.job_id, error.to_string(), error_type)
                         .instrument(span)
                         .await;

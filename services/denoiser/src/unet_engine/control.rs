@@ -180,10 +180,15 @@ impl UnetEngine {
         k: usize,
     ) -> Result<UNetResiduals, EngineJobError> {
         let base = &self.model.pipeline.unet.config;
+        let held = self.controlnets.holds(name);
         let (net, lookup) = self
             .controlnets
             .get(name, Some(base))
-            .map_err(EngineJobError::ControlNet)?;
+            .map_err(|e| match held {
+                true => EngineJobError::ControlNet(e),
+                // Served neither here nor (this step) by a worker: another placement may.
+                false => EngineJobError::ControlNetAway(e),
+            })?;
         let forward = Instant::now();
         let residuals = step.one(k, net).map_err(failed)?;
         if let Some(m) = self.shared.metrics.as_ref() {
@@ -230,7 +235,7 @@ impl UnetEngine {
                     "fallback_local"
                 }
                 Err(error) => {
-                    outcome = outcome.and(Err(EngineJobError::ControlNet(format!(
+                    outcome = outcome.and(Err(EngineJobError::ControlNetAway(format!(
                         "controlnet: {error}"
                     ))));
                     "failed"
