@@ -88,12 +88,7 @@ impl FluxTransformer {
     /// Embed the inputs: a pass before any block.
     pub(crate) fn begin_pass(&self, inputs: &FluxInputs) -> Result<Pass> {
         let shapes = check_inputs(&self.cfg, inputs)?;
-        let img = self.x_embedder.forward(&inputs.hidden_states)?;
-        let cond = self.conditioning(
-            &inputs.timestep,
-            inputs.guidance.as_ref(),
-            &inputs.pooled_projections,
-        )?;
+        let (img, cond) = self.embedded(inputs)?;
         let txt = self
             .context_embedder
             .forward(&inputs.encoder_hidden_states)?;

@@ -187,7 +187,7 @@ impl FluxTransformer {
     }
 
     /// The image stream after `x_embedder`, and the step's conditioning.
-    fn embedded(&self, inputs: &FluxInputs) -> Result<(Tensor, Conditioning)> {
+    pub(super) fn embedded(&self, inputs: &FluxInputs) -> Result<(Tensor, Conditioning)> {
         let img = self.x_embedder.forward(&inputs.hidden_states)?;
         let cond = self.conditioning(
             &inputs.timestep,
@@ -238,6 +238,24 @@ mod tests {
         Tensor::from_slice(v)
     }
 
+    /// The choices a cache of `method` at `threshold` takes over a request whose steps probe
+    /// `probes` (a computed step stores a dummy residual).
+    fn decide(method: CacheMethod, threshold: f64, probes: &[Tensor]) -> Vec<StepChoice> {
+        let mut c = StepCache::new(method, threshold).unwrap();
+        probes
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let d = c.choose(p.shallow_clone(), i, probes.len()).unwrap();
+                let choice = d.choice;
+                let residual = (choice == StepChoice::Compute)
+                    .then(|| Tensor::zeros([2], (Kind::Float, Device::Cpu)));
+                c.commit(d, residual);
+                choice
+            })
+            .collect()
+    }
+
     /// Threshold 0 computes every step; a large one reuses every middle step once a residual
     /// is stored, and never the first or the last.
     #[test]
@@ -248,21 +266,7 @@ mod tests {
             t(&[1.2, 2.1]),
             t(&[1.3, 2.2]),
         ];
-        let run = |threshold: f64| -> Vec<StepChoice> {
-            let mut c = StepCache::new(CacheMethod::TeaCache, threshold).unwrap();
-            probes
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    let d = c.choose(p.shallow_clone(), i, probes.len()).unwrap();
-                    let choice = d.choice;
-                    let residual = (choice == StepChoice::Compute)
-                        .then(|| Tensor::zeros([2], (Kind::Float, Device::Cpu)));
-                    c.commit(d, residual);
-                    choice
-                })
-                .collect()
-        };
+        let run = |threshold: f64| decide(CacheMethod::TeaCache, threshold, &probes);
         use StepChoice::{Compute, Reuse};
         assert_eq!(run(0.0), [Compute; 4]);
         assert_eq!(run(10.0), [Compute, Reuse, Reuse, Compute]);
@@ -316,21 +320,7 @@ mod tests {
     fn first_block_caching_compares_with_the_last_computed_step() {
         // The probe grows by 0.04 a step.
         let probes = [1.0f32, 1.04, 1.08, 1.12, 1.16, 1.2].map(|v| t(&[v, v]));
-        let run = |method: CacheMethod, threshold: f64| -> Vec<StepChoice> {
-            let mut c = StepCache::new(method, threshold).unwrap();
-            probes
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    let d = c.choose(p.shallow_clone(), i, probes.len()).unwrap();
-                    let choice = d.choice;
-                    let residual = (choice == StepChoice::Compute)
-                        .then(|| Tensor::zeros([2], (Kind::Float, Device::Cpu)));
-                    c.commit(d, residual);
-                    choice
-                })
-                .collect()
-        };
+        let run = |method: CacheMethod, threshold: f64| decide(method, threshold, &probes);
         use StepChoice::{Compute, Reuse};
         // |1.08 - 1.0| / 1.0 = 0.08 >= 0.07: step 2 computes; steps 3 and 4 are within 0.07
         // of 1.08 (0.037, 0.074 -> step 4 computes), step 5 within 0.07 of 1.16, and reuses:

@@ -384,8 +384,8 @@ fn run_counting(p: &FluxPipeline<'_>, r: &StepRequest) -> (Tensor, usize) {
     (st.latents().shallow_clone(), st.skipped_steps())
 }
 
-/// TeaCache at threshold 0 probes every step and skips none: bit for bit no caching, plain,
-/// guided and edited.
+/// Step caching at threshold 0 (TeaCache and first-block caching) probes every step and skips
+/// none: bit for bit no caching, plain, guided and edited.
 #[test]
 fn step_caching_at_threshold_zero_equals_no_caching() {
     let (m, s) = model();
@@ -409,9 +409,16 @@ fn step_caching_at_threshold_zero_equals_no_caching() {
     ];
     for make in requests {
         let plain = run_alone(&p, &make());
-        let (cached, skipped) = run_counting(&p, &caching(make(), 0.0));
-        assert_eq!(skipped, 0);
-        assert!(cached.equal(&plain), "threshold 0 changed the latents");
+        // First-block caching runs the first block and the rest as two parts of one forward.
+        for cache in [caching(make(), 0.0), first_block(make(), 0.0)] {
+            let (cached, skipped) = run_counting(&p, &cache);
+            assert_eq!(skipped, 0);
+            let method = cache.cache_method;
+            assert!(
+                cached.equal(&plain),
+                "threshold 0 changed the latents ({method:?})"
+            );
+        }
     }
     let err = DenoiseState::new(&p, &caching(req("x", 1, 2), -1.0))
         .err()
@@ -481,35 +488,6 @@ fn first_block(mut r: StepRequest, threshold: f64) -> StepRequest {
     r.cache_threshold = Some(threshold);
     r.cache_method = CacheMethod::FirstBlock;
     r
-}
-
-/// First-block caching at threshold 0 runs the first block and the rest as two parts of one
-/// forward and skips nothing: bit for bit no caching, plain, guided and a full-compute edit.
-#[test]
-fn first_block_caching_at_threshold_zero_equals_no_caching() {
-    let (m, s) = model();
-    let p = m.pipeline(&s);
-    let edit = || {
-        let mut r = req("a green triangle", 5, 4);
-        r.edit = Some(EditSpec {
-            template: Tensor::ones([1, 3, 64, 64], (Kind::Float, Device::Cpu)) * 0.3,
-            token_mask: Tensor::arange(256, (Kind::Int64, Device::Cpu)).lt(100),
-            strength: 1.0,
-            template_seed: None,
-        });
-        r
-    };
-    let requests: [&dyn Fn() -> StepRequest; 3] = [
-        &|| req("a red circle", 3, 5),
-        &|| guided("a red circle", 4, 5, "blue", 3.0),
-        &edit,
-    ];
-    for make in requests {
-        let plain = run_alone(&p, &make());
-        let (cached, skipped) = run_counting(&p, &first_block(make(), 0.0));
-        assert_eq!(skipped, 0);
-        assert!(cached.equal(&plain), "threshold 0 changed the latents");
-    }
 }
 
 /// With a threshold no change reaches, every step after the first reuses (first-block caching
