@@ -7,5 +7,6 @@ pub mod controlnet_service;
 pub mod lora;
 pub mod messages;
 pub mod models;
+pub mod step_cache;
 pub mod subjects;
 pub mod templates;
