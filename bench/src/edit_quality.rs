@@ -6,7 +6,7 @@
 use crate::mask_aware::MaskAwareOptions;
 use anyhow::Result;
 use diffmesh_denoiser::cached_step::CaptureSink;
-use diffmesh_denoiser::templates::TemplateEntry;
+use diffmesh_denoiser::templates::{CacheLayout, TemplateEntry};
 use diffmesh_model::flux::kv_codec::CacheDtype;
 use diffmesh_model::flux::step_cache::CacheMethod;
 use diffmesh_model::flux::KvFormat;
@@ -79,7 +79,7 @@ impl QualityEdits {
             guidance_scale: 1.0,
         };
         let mut state = capture_state(p, &spec)?;
-        let mut sink = CaptureSink::new(format, dtype);
+        let mut sink = CaptureSink::new(CacheLayout::One(format), dtype);
         while !state.is_done() {
             state.capture_step(p, &mut sink)?;
             sink.end_step();

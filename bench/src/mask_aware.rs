@@ -9,7 +9,7 @@
 //!   against one packed mask-aware forward of the same 8 (pipelined loads);
 //! - the Y (hidden-stream) cache at mask 0.2, ideal and pipelined, and its bytes against K/V's;
 //! - the three-way planner (full, K/V or Y per block) against the K/V prefix planner, on
-//!   per-block costs from those steps, measured streamed where the plan reads one cache kind;
+//!   per-block costs from those steps, both plans measured streamed from a cache holding both;
 //! - quality, with the trained tiny model: edits of a rendered template run to the end in full
 //!   compute and through the engine's `CachedStepper` (the serving path), composited like the
 //!   codec does; SSIM and PSNR of mask-aware against full, whole image, over the mask's box
@@ -20,7 +20,7 @@ use crate::edit_quality::{mean_min, EditScores, QualityEdits};
 use crate::report::Report;
 use anyhow::{Context, Result};
 use diffmesh_denoiser::cached_step::{CacheSettings, CachedStepper, CaptureSink, PrefixPolicy};
-use diffmesh_denoiser::templates::{GpuCopy, KvLoader, TemplateEntry};
+use diffmesh_denoiser::templates::{CacheLayout, GpuCopy, KvLoader, TemplateEntry};
 use diffmesh_model::bench_inputs::{
     flux_dev_config, medium_config, random_inputs_on, FLUX_SIDE, FLUX_TXT, MEDIUM_SIDE, MEDIUM_TXT,
 };
@@ -32,7 +32,9 @@ use diffmesh_model::model_dir::LoadedModel;
 use diffmesh_model::pipeline::stepper::DenoiseState;
 use diffmesh_model::quality::{psnr, ssim};
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
-use diffmesh_sched::three_way::{plan_prefix_kv, plan_three_way, ThreeWayCosts, ThreeWayPlan};
+use diffmesh_sched::three_way::{
+    plan_prefix_kv, plan_three_way, BlockChoice, ThreeWayCosts, ThreeWayPlan,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Map, Value};
@@ -95,14 +97,14 @@ pub(crate) fn inputs_as(inputs: FluxInputs, kind: Kind) -> FluxInputs {
     }
 }
 
-/// Capture one forward's K/V (or hidden stream) as an encoded one-step cache entry.
+/// Capture one forward's K/V and/or hidden stream as an encoded one-step cache entry.
 fn capture_entry(
     model: &FluxTransformer,
     inputs: &FluxInputs,
     dtype: CacheDtype,
-    format: KvFormat,
+    layout: CacheLayout,
 ) -> Result<Arc<TemplateEntry>> {
-    let mut sink = CaptureSink::new(format, dtype);
+    let mut sink = CaptureSink::new(layout, dtype);
     // Only the captured K/V are wanted here, not the step's output.
     let _output = model.forward_capture(inputs, &mut sink)?;
     sink.end_step();
@@ -115,7 +117,7 @@ fn capture_entry(
 /// Decode every block of step 0 onto `device` (the "naive" load, and the resident cache of
 /// "ideal").
 fn decode_all(entry: &TemplateEntry, kind: Kind, device: Device) -> Result<CapturedKv> {
-    let mut kv = CapturedKv::new(entry.format);
+    let mut kv = CapturedKv::new(entry.layout.kv());
     for b in 0..entry.blocks() {
         let blob = entry.block(0, b).context("block missing")?;
         let (k, v, _) = decode_block(blob, kind)?;
@@ -173,13 +175,16 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
     vs.set_kind(kind);
     let n = side * side;
     let inputs = inputs_as(random_inputs_on(&cfg, side, txt, 1, device), kind);
-    let entry = capture_entry(
+    let dtype = opts.latency_cache_dtype;
+    let entry = capture_entry(&model, &inputs, dtype, CacheLayout::One(KvFormat::Prepared))?;
+    let entry_y = capture_entry(&model, &inputs, dtype, CacheLayout::One(KvFormat::Hidden))?;
+    // Both, as `--cache-format prepared+hidden` holds them: what a mixed plan streams from.
+    let entry_both = capture_entry(
         &model,
         &inputs,
-        opts.latency_cache_dtype,
-        KvFormat::Prepared,
+        dtype,
+        CacheLayout::KvAndHidden(KvFormat::Prepared),
     )?;
-    let entry_y = capture_entry(&model, &inputs, opts.latency_cache_dtype, KvFormat::Hidden)?;
     let resident = decode_all(&entry, kind, device)?;
     let resident_y = decode_all(&entry_y, kind, device)?;
     // On a GPU: the local tier's pinned form and the copy stream, as a GPU denoiser runs them.
@@ -199,7 +204,7 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
             None => entry,
         })
     };
-    let (entry, entry_y) = (pin(entry)?, pin(entry_y)?);
+    let (entry, entry_y, entry_both) = (pin(entry)?, pin(entry_y)?, pin(entry_both)?);
     let loader = KvLoader::spawn(2, gpu)?;
     let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
     let index = random_index(&mut rng, n, 0.2).to_device(device);
@@ -322,17 +327,28 @@ fn latency(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
         &steps,
         model.num_blocks(),
         |plan| {
-            // A plan reading one cache kind runs as the engine runs it: streamed, the first
-            // blocks in full.
-            let (full_blocks, kv, y) = plan.counts();
-            let entry = match (kv, y) {
-                (_, 0) => &entry,
-                (0, _) => &entry_y,
-                _ => return Ok(None),
-            };
-            let runs: Result<Vec<f64>> = (0..opts.runs + 1)
-                .map(|_| streamed_ms(&index, entry, full_blocks))
+            // Each plan runs as the engine runs it: streamed from a cache holding K/V and Y,
+            // the first blocks in full, each later block loading the format its plan reads.
+            let (full_blocks, _, _) = plan.counts();
+            let formats: Vec<KvFormat> = plan
+                .choices
+                .iter()
+                .map(|c| match c {
+                    BlockChoice::Y => KvFormat::Hidden,
+                    BlockChoice::Full | BlockChoice::Kv => KvFormat::Prepared,
+                })
                 .collect();
+            let run = || {
+                ms(device, || {
+                    let parts = vec![(entry_both.clone(), 0, formats.clone())];
+                    let stream = loader.load_step_as(parts, full_blocks, kind, device);
+                    let request = masked_request(&inputs, 0, &index, &stream[0]);
+                    model
+                        .forward_masked_prefix(&[request], full_blocks)
+                        .map(drop)
+                })
+            };
+            let runs: Result<Vec<f64>> = (0..opts.runs + 1).map(|_| run()).collect();
             Ok(Some(median(runs?.split_off(1))))
         },
         report,
@@ -400,8 +416,8 @@ struct StepFigures {
 /// The three-way planner (full, K/V or Y per block) against the K/V prefix planner the engine
 /// runs, on per-block costs from the measured steps (each step's time over its blocks: the
 /// blocks of a Flux model cost about the same per token) and the loader's measured bandwidth.
-/// `measure` runs a plan streamed where it can (a plan that mixes K/V and Y blocks needs a
-/// mixed cache entry, which the engine does not capture yet): then the figure is measured,
+/// `measure` runs a plan streamed where it can (every plan, from a cache holding both
+/// formats): then the figure is measured,
 /// otherwise predicted, and the report says which.
 fn three_way_planner(
     s: &StepFigures,
@@ -490,7 +506,7 @@ fn quality(opts: &MaskAwareOptions, report: &mut Report) -> Result<()> {
         let entry = edits.capture(&p, format, dtype)?;
         let mut stepper = CachedStepper::new(
             CacheSettings {
-                format,
+                layout: CacheLayout::One(format),
                 dtype,
                 lookahead: 2,
                 prefix: PrefixPolicy::Fixed(0),

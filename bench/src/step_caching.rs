@@ -17,7 +17,7 @@ use crate::mask_aware::MaskAwareOptions;
 use crate::report::Report;
 use anyhow::{Context, Result};
 use diffmesh_denoiser::cached_step::{CacheSettings, CachedStepper, PrefixPolicy};
-use diffmesh_denoiser::templates::TemplateEntry;
+use diffmesh_denoiser::templates::{CacheLayout, TemplateEntry};
 use diffmesh_model::flux::kv_codec::CacheDtype;
 use diffmesh_model::flux::step_cache::{
     CacheMethod, DEFAULT_CACHE_THRESHOLD, DEFAULT_FIRST_BLOCK_THRESHOLD,
@@ -54,7 +54,7 @@ fn run_way(
 ) -> Result<Way> {
     let mut stepper = CachedStepper::new(
         CacheSettings {
-            format: KvFormat::Prepared,
+            layout: CacheLayout::One(KvFormat::Prepared),
             dtype: CacheDtype::Bf16,
             lookahead: 2,
             prefix: PrefixPolicy::Fixed(0),

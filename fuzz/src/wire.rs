@@ -389,7 +389,8 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
                 block_plan: Some(BlockPlan {
                     full: 2,
                     cached: 10,
-                    format: "hidden".into(),
+                    hidden: 4,
+                    format: "prepared+hidden".into(),
                 }),
             }],
             controlnet_step_s: Vec::new(),

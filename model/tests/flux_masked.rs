@@ -1,6 +1,7 @@
 //! The FlashPS mask-aware forward against the full forward (fp32 CPU, random weights).
 use diffmesh_model::flux::{
-    CapturedKv, FluxConfig, FluxInputs, FluxTransformer, KvFormat, MaskedAttention, MaskedRequest,
+    CapturedKv, FluxConfig, FluxInputs, FluxTransformer, KvCache, KvFormat, KvSink,
+    MaskedAttention, MaskedRequest,
 };
 use diffmesh_model::tch::{self, nn, Device, Kind, Tensor};
 use std::sync::{Mutex, MutexGuard};
@@ -108,7 +109,7 @@ impl Case {
         (out.squeeze_dim(0), cache)
     }
 
-    fn request<'a>(&self, index: &Tensor, cache: &'a CapturedKv) -> MaskedRequest<'a> {
+    fn request<'a>(&self, index: &Tensor, cache: &'a dyn KvCache) -> MaskedRequest<'a> {
         MaskedRequest {
             hidden_states: self.hs.squeeze_dim(0).index_select(0, index),
             token_index: index.shallow_clone(),
@@ -231,6 +232,139 @@ fn partial_mask_with_captured_cache_equals_full_forward_at_masked_tokens() {
     }
 }
 
+/// A capture keeping two formats of every block, as the three-way planner's caches do.
+struct TwoFormats(CapturedKv, CapturedKv);
+
+impl KvSink for TwoFormats {
+    fn put(&mut self, _block: usize, _k: &Tensor, _v: &Tensor) -> diffmesh_model::Result<()> {
+        unreachable!("a two-format sink is given put_as")
+    }
+
+    fn formats(&self) -> Vec<KvFormat> {
+        vec![self.0.format, self.1.format]
+    }
+
+    fn put_as(
+        &mut self,
+        block: usize,
+        format: KvFormat,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> diffmesh_model::Result<()> {
+        match format == self.0.format {
+            true => self.0.put(block, k, v),
+            false => self.1.put(block, k, v),
+        }
+    }
+}
+
+/// Per block, one of two caches of the same template: a plan mixing K/V and hidden blocks.
+struct Mixed<'a> {
+    kv: &'a CapturedKv,
+    hidden: &'a CapturedKv,
+    hidden_blocks: Vec<bool>,
+}
+
+impl KvCache for Mixed<'_> {
+    fn block_kv(&self, block: usize) -> diffmesh_model::Result<(Tensor, Tensor)> {
+        match self.hidden_blocks[block] {
+            true => self.hidden.block_kv(block),
+            false => self.kv.block_kv(block),
+        }
+    }
+
+    fn block_format(&self, block: usize) -> KvFormat {
+        match self.hidden_blocks[block] {
+            true => self.hidden.format,
+            false => self.kv.format,
+        }
+    }
+
+    fn formats(&self) -> Vec<KvFormat> {
+        vec![self.kv.format, self.hidden.format]
+    }
+}
+
+/// The three-way planner's plans read K/V at some blocks and the hidden stream at others: a
+/// capture keeping both formats stores what two one-format captures do, and any mix of the
+/// two equals full compute at the masked tokens, each block read in its own format.
+#[test]
+fn blocks_read_in_mixed_formats_equal_full_compute() {
+    let (model, _fixture) = model();
+    let case = Case::new(5, 0.4, 2.0);
+    let index = random_mask(13);
+    let blocks = model.num_blocks();
+    for kv_format in [KvFormat::Raw, KvFormat::Prepared] {
+        let (full, kv_alone) = case.full_with_cache(&model, kv_format);
+        let mut both = TwoFormats(
+            CapturedKv::new(kv_format),
+            CapturedKv::new(KvFormat::Hidden),
+        );
+        let _output = tch::no_grad(|| model.forward_capture(&case.inputs(), &mut both)).unwrap();
+        let (_, hidden_alone) = case.full_with_cache(&model, KvFormat::Hidden);
+        for (a, b) in [(&both.0, &kv_alone), (&both.1, &hidden_alone)] {
+            for ((ak, av), (bk, bv)) in a.blocks.iter().zip(&b.blocks) {
+                assert!(
+                    ak.equal(bk) && av.equal(bv),
+                    "{kv_format:?}: capture differs"
+                );
+            }
+        }
+        let expected = full.index_select(0, &index);
+        let plans: [Vec<bool>; 3] = [
+            (0..blocks).map(|b| b % 2 == 0).collect(),
+            (0..blocks).map(|b| b >= blocks / 2).collect(),
+            vec![true; blocks],
+        ];
+        for hidden_blocks in plans {
+            let mixed = Mixed {
+                kv: &both.0,
+                hidden: &both.1,
+                hidden_blocks: hidden_blocks.clone(),
+            };
+            let out = masked(&model, &[case.request(&index, &mixed)]);
+            let err = max_err(&out[0], &expected);
+            println!("{kv_format:?} + hidden at {hidden_blocks:?}: max abs err {err:.3e}");
+            assert!(err <= 1e-4, "{kv_format:?} {hidden_blocks:?}: {err}");
+        }
+        // Each block is read in its own format only: garbage in the format a block does not
+        // read changes nothing, garbage in the one it reads does.
+        let first_hidden: Vec<bool> = (0..blocks).map(|b| b == 0).collect();
+        let spoil = |c: &CapturedKv, block: usize| CapturedKv {
+            blocks: c
+                .blocks
+                .iter()
+                .enumerate()
+                .map(|(b, (k, v))| match b == block {
+                    true => (k.randn_like(), v.randn_like()),
+                    false => (k.shallow_clone(), v.shallow_clone()),
+                })
+                .collect(),
+            format: c.format,
+        };
+        let (kv_spoilt, hidden_spoilt) = (spoil(&both.0, 0), spoil(&both.1, 0));
+        let read = |kv: &CapturedKv, hidden: &CapturedKv| {
+            let mixed = Mixed {
+                kv,
+                hidden,
+                hidden_blocks: first_hidden.clone(),
+            };
+            max_err(
+                &masked(&model, &[case.request(&index, &mixed)])[0],
+                &expected,
+            )
+        };
+        assert!(
+            read(&kv_spoilt, &both.1) <= 1e-4,
+            "{kv_format:?}: unread K/V was read"
+        );
+        assert!(
+            read(&both.0, &hidden_spoilt) > 1e-3,
+            "{kv_format:?}: hidden block unread"
+        );
+    }
+}
+
 /// A hidden-stream (Y) cache rebuilds the unmasked tokens' K/V under the edit's own
 /// conditioning: an edit with another prompt (its pooled embedding enters every block's AdaLN)
 /// reads different K/V from it than from the template's stored K/V, while with the template's
@@ -250,7 +384,7 @@ fn hidden_cache_follows_the_edits_conditioning() {
     edit.text = template.text.shallow_clone();
     let outs: Vec<Tensor> = [&prepared, &hidden]
         .iter()
-        .map(|c| masked(&model, &[edit.request(&index, c)]).remove(0))
+        .map(|c| masked(&model, &[edit.request(&index, *c)]).remove(0))
         .collect();
     let err = max_err(&outs[0], &outs[1]);
     println!("another pooled prompt: prepared vs hidden {err:.3e}");

@@ -22,10 +22,28 @@ pub struct ModelShape {
     pub image_tokens: u32,
     /// Text tokens that every pass computes.
     pub text_tokens: u32,
-    /// Bytes of cached activations per unmasked image token per block (bf16 Y: 2*H).
+    /// Bytes of cached K/V per unmasked image token per block (f32 raw K and V: 8*H; the
+    /// hidden stream, FlashPS's Y, is half of it).
     pub cache_bytes_per_token: u64,
     /// Default denoising steps per request.
     pub steps: u32,
+    /// What the workers' template caches hold, which decides the planner the steps are
+    /// predicted under (absent from older profiles: K/V).
+    #[serde(default)]
+    pub cache_layout: ShapeLayout,
+}
+
+/// A worker's template-cache layout as the cost model prices it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShapeLayout {
+    /// K/V: the prefix planner over [`CostModels::block_costs`].
+    #[default]
+    Kv,
+    /// The hidden stream alone: half the bytes, K/V re-projected for the unmasked tokens.
+    Y,
+    /// Both: the three-way planner picks K/V or Y per block.
+    KvAndY,
 }
 
 impl ModelShape {
@@ -84,6 +102,14 @@ impl ModelShape {
     pub fn cache_bytes(&self, masked: u32) -> f64 {
         (self.image_tokens - masked.min(self.image_tokens)) as f64
             * self.cache_bytes_per_token as f64
+    }
+
+    /// FLOPs of one block for one request reading the hidden stream: [`Self::flops_cached`]
+    /// plus `to_k` and `to_v` over the unmasked tokens (2 of a token's 12 `H x H` products).
+    pub fn flops_hidden(&self, masked: u32) -> f64 {
+        let unmasked = (self.image_tokens - masked.min(self.image_tokens)) as f64;
+        let h = self.hidden as f64;
+        self.flops_cached(masked) + 4.0 * h * h * unmasked
     }
 }
 
@@ -213,64 +239,7 @@ impl Profile {
     }
 }
 
-/// `y = intercept + slope * x`, with its coefficient of determination.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct LinearFit {
-    pub slope: f64,
-    pub intercept: f64,
-    pub r2: f64,
-    pub samples: usize,
-}
-
-impl LinearFit {
-    /// Ordinary least squares of `ys` on `xs`; `what` names the data in errors.
-    pub fn fit(what: &str, xs: &[f64], ys: &[f64]) -> Result<Self, SchedError> {
-        let fail = |message: &str| SchedError::Fit {
-            what: what.to_string(),
-            message: message.to_string(),
-        };
-        if xs.len() != ys.len() {
-            return Err(fail("x and y lengths differ"));
-        }
-        if xs.len() < 2 {
-            return Err(fail("need at least 2 samples"));
-        }
-        if let Some(i) = xs.iter().chain(ys).position(|v| !v.is_finite()) {
-            return Err(fail(&format!("sample value {i} is not finite")));
-        }
-        let n = xs.len() as f64;
-        let mx = xs.iter().sum::<f64>() / n;
-        let my = ys.iter().sum::<f64>() / n;
-        let (mut sxx, mut sxy, mut syy) = (0.0, 0.0, 0.0);
-        for (x, y) in xs.iter().zip(ys) {
-            sxx += (x - mx) * (x - mx);
-            sxy += (x - mx) * (y - my);
-            syy += (y - my) * (y - my);
-        }
-        if sxx <= f64::EPSILON * mx.abs().max(1.0) {
-            return Err(fail("all x values are equal"));
-        }
-        let slope = sxy / sxx;
-        let intercept = my - slope * mx;
-        let sse: f64 = xs
-            .iter()
-            .zip(ys)
-            .map(|(x, y)| (y - intercept - slope * x).powi(2))
-            .sum();
-        let r2 = if syy > 0.0 { 1.0 - sse / syy } else { 1.0 };
-        Ok(LinearFit {
-            slope,
-            intercept,
-            r2,
-            samples: xs.len(),
-        })
-    }
-
-    /// Predicted latency, never negative.
-    pub fn predict(&self, x: f64) -> f64 {
-        (self.intercept + self.slope * x).max(0.0)
-    }
-}
+pub use crate::linear_fit::LinearFit;
 
 /// Per-block latencies of one batch, the planner's inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -336,6 +305,9 @@ pub struct BatchTotals {
     pub flops_cached: f64,
     pub flops_full: f64,
     pub bytes: f64,
+    /// FLOPs and bytes of the batch's blocks where they read the hidden stream (Y).
+    pub flops_hidden: f64,
+    pub bytes_hidden: f64,
     /// Seconds a step spends on its requests outside the batched forward ([`Footprint::control_s`]).
     pub control_s: f64,
 }
@@ -356,6 +328,8 @@ impl BatchTotals {
         self.flops_cached += row.flops_cached;
         self.flops_full += row.flops_full;
         self.bytes += row.bytes;
+        self.flops_hidden += row.flops_hidden;
+        self.bytes_hidden += row.bytes_hidden;
         self.control_s += row.control_s;
     }
 }
@@ -368,6 +342,8 @@ pub struct RowCost {
     pub flops_cached: f64,
     pub flops_full: f64,
     pub bytes: f64,
+    pub flops_hidden: f64,
+    pub bytes_hidden: f64,
     pub control_s: f64,
 }
 
@@ -385,6 +361,8 @@ impl RowCost {
             flops_cached: shape.flops_cached(masked) * rows,
             flops_full: shape.flops_full() * rows,
             bytes: shape.cache_bytes(masked) * f64::from(footprint.cache_streams),
+            flops_hidden: shape.flops_hidden(masked) * rows,
+            bytes_hidden: shape.cache_bytes(masked) / 2.0 * f64::from(footprint.cache_streams),
             control_s: footprint.control_s,
         }
     }
@@ -535,7 +513,36 @@ impl CostModels {
         }
     }
 
-    /// Predicted latency of one denoising step of a batch (every block alike, exact planner),
+    /// [`Self::block_costs`] where the blocks read the hidden stream (Y).
+    pub fn block_costs_hidden(&self, totals: &BatchTotals) -> BlockCosts {
+        if totals.requests == 0 {
+            return BlockCosts::default();
+        }
+        BlockCosts {
+            cached_s: self
+                .compute
+                .predict(totals.flops_hidden, totals.requests, true),
+            load_s: self.load.predict(totals.bytes_hidden),
+            ..self.block_costs(totals)
+        }
+    }
+
+    /// Latency of a step's blocks under the shape's cache layout and its planner.
+    pub fn blocks_latency(&self, totals: &BatchTotals) -> f64 {
+        let n = self.shape.blocks;
+        match self.shape.cache_layout {
+            ShapeLayout::Kv => crate::planner::uniform_latency(n, self.block_costs(totals)),
+            ShapeLayout::Y => crate::planner::uniform_latency(n, self.block_costs_hidden(totals)),
+            ShapeLayout::KvAndY => crate::three_way::uniform_three_way_latency(
+                n,
+                self.block_costs(totals),
+                self.block_costs_hidden(totals),
+            ),
+        }
+    }
+
+    /// Predicted latency of one denoising step of a batch (every block alike, exact planner
+    /// of the shape's layout),
     /// plus the engine's own work around the blocks when the profile measured it.
     ///
     /// The correction may be negative: where the block profile overpredicts whole engine steps
@@ -546,12 +553,10 @@ impl CostModels {
         if totals.requests == 0 {
             return 0.0;
         }
-        let c = self.block_costs(totals);
         let overhead = self
             .step_overhead
             .map_or(0.0, |o| o.intercept + o.slope * totals.requests as f64);
-        (crate::planner::uniform_latency(self.shape.blocks, c) + overhead).max(0.0)
-            + totals.control_s
+        (self.blocks_latency(totals) + overhead).max(0.0) + totals.control_s
     }
 
     /// Standalone service time of one request: its steps alone on an idle worker.
@@ -570,48 +575,6 @@ impl CostModels {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-
-    #[test]
-    fn exact_line_is_recovered() {
-        let xs: Vec<f64> = (0..10).map(|i| i as f64 * 3.5).collect();
-        let ys: Vec<f64> = xs.iter().map(|x| 0.25 + 2.0 * x).collect();
-        let f = LinearFit::fit("t", &xs, &ys).unwrap();
-        assert!((f.slope - 2.0).abs() < 1e-12, "{f:?}");
-        assert!((f.intercept - 0.25).abs() < 1e-12, "{f:?}");
-        assert!((f.r2 - 1.0).abs() < 1e-12, "{f:?}");
-    }
-
-    #[test]
-    fn noisy_line_has_high_r2_and_close_coefficients() {
-        let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let xs: Vec<f64> = (0..400).map(|_| rng.random_range(1e9..1e13)).collect();
-        let ys: Vec<f64> = xs
-            .iter()
-            .map(|x| (2e-4 + x / 4e14) * (1.0 + rng.random_range(-0.03..0.03)))
-            .collect();
-        let f = LinearFit::fit("t", &xs, &ys).unwrap();
-        assert!(f.r2 > 0.99, "{f:?}");
-        assert!((f.slope * 4e14 - 1.0).abs() < 0.02, "{f:?}");
-    }
-
-    #[test]
-    fn pure_noise_has_low_r2() {
-        let mut rng = ChaCha8Rng::seed_from_u64(3);
-        let xs: Vec<f64> = (0..400).map(|i| i as f64).collect();
-        let ys: Vec<f64> = xs.iter().map(|_| rng.random_range(0.0..1.0)).collect();
-        let f = LinearFit::fit("t", &xs, &ys).unwrap();
-        assert!(f.r2 < 0.1, "{f:?}");
-    }
-
-    #[test]
-    fn degenerate_inputs_are_rejected_with_the_name() {
-        let e = LinearFit::fit("load", &[1.0, 1.0], &[2.0, 3.0]).unwrap_err();
-        assert!(e.to_string().contains("load"), "{e}");
-        assert!(LinearFit::fit("x", &[1.0], &[2.0]).is_err());
-        assert!(LinearFit::fit("x", &[1.0, f64::NAN], &[2.0, 3.0]).is_err());
-    }
 
     #[test]
     fn flops_match_table1_scaling() {
@@ -622,6 +585,7 @@ mod tests {
             text_tokens: 0,
             cache_bytes_per_token: 16,
             steps: 4,
+            cache_layout: Default::default(),
         };
         // No text tokens: cached FLOPs scale exactly with the mask ratio (Table 1: speedup 1/m).
         let ratio = s.flops_cached(25) / s.flops_full();
@@ -629,6 +593,30 @@ mod tests {
         assert_eq!(s.cache_bytes(25), 75.0 * 16.0);
         assert_eq!(block_flops(8, 1, 1), 24.0 * 64.0 + 32.0);
         assert_eq!(s.masked_tokens(0.011), 2);
+    }
+
+    /// The shape's cache layout picks the planner a step is predicted under: both formats
+    /// (three-way) is never slower than either alone, and Y moves half the bytes.
+    #[test]
+    fn the_cache_layout_picks_the_steps_planner() {
+        let mut models = CostModels::fit(&crate::synthetic::profile(0)).unwrap();
+        let mut t = BatchTotals::default();
+        for masked in [400, 800, 1200] {
+            t.add(&models.shape, masked);
+        }
+        assert_eq!(t.bytes_hidden * 2.0, t.bytes);
+        assert!(t.flops_hidden > t.flops_cached);
+        let mut at = |layout| {
+            models.shape.cache_layout = layout;
+            models.step_latency(&t)
+        };
+        let (kv, y, both) = (
+            at(ShapeLayout::Kv),
+            at(ShapeLayout::Y),
+            at(ShapeLayout::KvAndY),
+        );
+        assert!(both <= kv.min(y) + 1e-12, "{kv} {y} {both}");
+        assert_ne!(kv, y);
     }
 
     #[test]
@@ -713,6 +701,7 @@ mod tests {
             text_tokens: 16,
             cache_bytes_per_token: 128,
             steps: 10,
+            cache_layout: Default::default(),
         };
         let compute = (1..6)
             .map(|b| ComputeSample {

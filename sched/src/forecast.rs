@@ -211,6 +211,7 @@ pub(crate) mod tests {
                 text_tokens: 0,
                 cache_bytes_per_token: 1,
                 steps: 10,
+                cache_layout: Default::default(),
             },
             compute: ComputeFit::from_line(LinearFit {
                 slope: 1.0 / 424.0,

@@ -25,6 +25,7 @@ pub mod cost_model;
 pub mod elastic;
 pub mod error;
 pub mod forecast;
+pub mod linear_fit;
 pub mod mask_aware;
 pub mod planner;
 pub mod policy;

@@ -27,6 +27,7 @@ pub fn flux_shape() -> ModelShape {
         text_tokens: 512,
         cache_bytes_per_token: 2 * 3072,
         steps: 28,
+        cache_layout: Default::default(),
     }
 }
 

@@ -202,6 +202,19 @@ pub fn plan_prefix_kv(costs: &[ThreeWayCosts]) -> ThreeWayPlan {
     schedule_three_way(costs, &choices)
 }
 
+/// The simulator's step: `n` blocks alike, each either computed, read as K/V (costs `kv`) or
+/// read as Y (costs `y`; their `full_s` is not read), under [`plan_three_way`].
+pub fn uniform_three_way_latency(n: u32, kv: BlockCosts, y: BlockCosts) -> f64 {
+    let block = ThreeWayCosts {
+        full_s: kv.full_s,
+        kv_compute_s: kv.cached_s,
+        kv_load_s: kv.load_s,
+        y_compute_s: y.cached_s,
+        y_load_s: y.load_s,
+    };
+    plan_three_way(&vec![block; n as usize]).latency_s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -316,5 +329,44 @@ mod tests {
         let compute_bound = plan_three_way(&[block(0.0); 10]);
         assert_eq!(compute_bound.counts(), (0, 10, 0));
         assert!(plan_three_way(&[]).choices.is_empty());
+    }
+
+    /// The simulator's three-way step is never slower than either format alone under the
+    /// prefix planner, and beats both where loads bound K/V and compute bounds Y.
+    #[test]
+    fn uniform_three_way_is_at_most_either_format_alone() {
+        use crate::planner::uniform_latency;
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for _ in 0..300 {
+            let c = random_costs(&mut rng);
+            let kv = c.kv_only();
+            let y = BlockCosts {
+                cached_s: c.y_compute_s,
+                full_s: c.full_s,
+                load_s: c.y_load_s,
+            };
+            let n = rng.random_range(1..20u32);
+            let three = uniform_three_way_latency(n, kv, y);
+            let best_one = uniform_latency(n, kv).min(uniform_latency(n, y));
+            assert!(
+                three <= best_one + 1e-9,
+                "{three} > {best_one} for {c:?} x {n}"
+            );
+        }
+        // K/V bound by its loads, Y (half the bytes) by its compute: a mix of the two keeps
+        // both streams busy.
+        let kv = BlockCosts {
+            cached_s: 0.3,
+            full_s: 1.0,
+            load_s: 0.6,
+        };
+        let y = BlockCosts {
+            cached_s: 0.5,
+            load_s: 0.3,
+            ..kv
+        };
+        let three = uniform_three_way_latency(12, kv, y);
+        let best_one = uniform_latency(12, kv).min(uniform_latency(12, y));
+        assert!(three < best_one - 1e-9, "{three} vs {best_one}");
     }
 }

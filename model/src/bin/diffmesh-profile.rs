@@ -514,6 +514,7 @@ fn profile_one(
         // Raw K and V rows in f32 for every unmasked image token of a block.
         cache_bytes_per_token: 2 * inner as u64 * 4,
         steps: s.steps,
+        cache_layout: Default::default(),
     };
     println!(
         "{}: {blocks} blocks timed ({} served), hidden {inner}, {} image + {} text tokens, {} timed rounds",

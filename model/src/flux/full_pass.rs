@@ -128,7 +128,7 @@ impl FluxTransformer {
         let head_dim = self.cfg.attention_head_dim;
         let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
         let inner = self.cfg.inner_dim();
-        let format = sink.as_deref().map(|s| s.format());
+        let formats = sink.as_deref().map(|s| s.formats()).unwrap_or_default();
         for i in pass.next_double..until {
             let block = &self.transformer_blocks[i];
             let (img, txt) = (&pass.img, &pass.txt);
@@ -137,17 +137,22 @@ impl FluxTransformer {
             let q = pass.rope.apply(&Tensor::f_cat(&[&qt.q, &qi.q], 1)?)?;
             let k = pass.rope.apply(&Tensor::f_cat(&[&qt.k, &qi.k], 1)?)?;
             if let Some(sink) = sink.as_deref_mut() {
-                match format {
-                    Some(KvFormat::Hidden) => {
-                        let h = img.f_select(0, 0)?;
-                        sink.put(i, &h, &h)?
+                for &format in &formats {
+                    match format {
+                        KvFormat::Hidden => {
+                            let h = img.f_select(0, 0)?;
+                            sink.put_as(i, format, &h, &h)?
+                        }
+                        KvFormat::Prepared => {
+                            // Image rows `t..t + n` of the prepared keys, as `[N, inner]`.
+                            let k = k.f_select(0, 0)?.f_narrow(0, t, n)?.f_reshape([n, inner])?;
+                            sink.put_as(i, format, &k, &qi.v.f_select(0, 0)?)?
+                        }
+                        KvFormat::Raw => {
+                            let (k, v) = (qi.k_raw.f_select(0, 0)?, qi.v.f_select(0, 0)?);
+                            sink.put_as(i, format, &k, &v)?
+                        }
                     }
-                    Some(KvFormat::Prepared) => {
-                        // Image rows `t..t + n` of the prepared keys, as `[N, inner]`.
-                        let k = k.f_select(0, 0)?.f_narrow(0, t, n)?.f_reshape([n, inner])?;
-                        sink.put(i, &k, &qi.v.f_select(0, 0)?)?
-                    }
-                    _ => sink.put(i, &qi.k_raw.f_select(0, 0)?, &qi.v.f_select(0, 0)?)?,
                 }
             }
             let v = blocks::to_heads(&Tensor::f_cat(&[&qt.v, &qi.v], 1)?, head_dim)?;
@@ -176,7 +181,7 @@ impl FluxTransformer {
         let head_dim = self.cfg.attention_head_dim;
         let rows = |c: &Tensor| -> Result<Tensor> { Ok(c.f_unsqueeze(1)?) };
         let inner = self.cfg.inner_dim();
-        let format = sink.as_deref().map(|s| s.format());
+        let formats = sink.as_deref().map(|s| s.formats()).unwrap_or_default();
         let rope = &pass.rope;
         // One concatenation for all single blocks (diffusers re-concatenates in every block).
         let mut x = Tensor::f_cat(&[&pass.txt, &pass.img], 1)?;
@@ -188,19 +193,21 @@ impl FluxTransformer {
             let k = rope.apply(&pre.qkv.k)?;
             if let Some(sink) = sink.as_deref_mut() {
                 let image = |x: &Tensor| x.f_select(0, 0)?.f_narrow(0, t, n);
-                let ck = match format {
-                    // `x` is still this block's input.
-                    Some(KvFormat::Hidden) => image(&x)?,
-                    Some(KvFormat::Prepared) => {
-                        k.f_select(0, 0)?.f_narrow(0, t, n)?.f_reshape([n, inner])?
-                    }
-                    _ => image(&pre.qkv.k_raw)?,
-                };
-                let v = match format {
-                    Some(KvFormat::Hidden) => ck.shallow_clone(),
-                    _ => image(&pre.qkv.v)?,
-                };
-                sink.put(doubles + j, &ck, &v)?;
+                for &format in &formats {
+                    let ck = match format {
+                        // `x` is still this block's input.
+                        KvFormat::Hidden => image(&x)?,
+                        KvFormat::Prepared => {
+                            k.f_select(0, 0)?.f_narrow(0, t, n)?.f_reshape([n, inner])?
+                        }
+                        KvFormat::Raw => image(&pre.qkv.k_raw)?,
+                    };
+                    let v = match format {
+                        KvFormat::Hidden => ck.shallow_clone(),
+                        _ => image(&pre.qkv.v)?,
+                    };
+                    sink.put_as(doubles + j, format, &ck, &v)?;
+                }
             }
             let v = blocks::to_heads(&pre.qkv.v, head_dim)?;
             let o = attention(&q, &k, &v)?;

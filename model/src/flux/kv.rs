@@ -87,6 +87,18 @@ pub trait KvSink {
     fn format(&self) -> KvFormat {
         KvFormat::Raw
     }
+
+    /// Every format this sink keeps of each block, in the order `put_as` gets them: `format()`
+    /// alone unless overridden (a sink keeping K/V and the hidden stream for the three-way
+    /// planner).
+    fn formats(&self) -> Vec<KvFormat> {
+        vec![self.format()]
+    }
+
+    /// Block `block` in `format` (one of `formats()`); `put` unless overridden.
+    fn put_as(&mut self, block: usize, _format: KvFormat, k: &Tensor, v: &Tensor) -> Result<()> {
+        self.put(block, k, v)
+    }
 }
 
 /// Adapts a closure into a `KvSink` (raw format).
@@ -107,6 +119,17 @@ pub trait KvCache {
     /// The key format of the tensors `block_kv` returns; `Raw` unless overridden.
     fn format(&self) -> KvFormat {
         KvFormat::Raw
+    }
+
+    /// The format of block `block`'s tensors: `format()`, unless the cache mixes formats
+    /// block by block (a plan of K/V and hidden blocks).
+    fn block_format(&self, _block: usize) -> KvFormat {
+        self.format()
+    }
+
+    /// Every format `block_format` may answer (what a reader prepares for).
+    fn formats(&self) -> Vec<KvFormat> {
+        vec![self.format()]
     }
 }
 
@@ -197,5 +220,13 @@ impl KvCache for SharedBlockReads<'_> {
 
     fn format(&self) -> KvFormat {
         self.inner.format()
+    }
+
+    fn block_format(&self, block: usize) -> KvFormat {
+        self.inner.block_format(block)
+    }
+
+    fn formats(&self) -> Vec<KvFormat> {
+        self.inner.formats()
     }
 }

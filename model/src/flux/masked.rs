@@ -58,8 +58,8 @@ pub struct MaskedRequest<'a> {
     pub img_ids: Tensor,
     /// `[T, 3]`.
     pub txt_ids: Tensor,
-    /// K/V of all N image tokens of this request's template at this request's step, in the
-    /// cache's `format()`. Not read when every token is masked (M = N).
+    /// K/V of all N image tokens of this request's template at this request's step, each block
+    /// in the cache's `block_format()`. Not read when every token is masked (M = N).
     pub cache: &'a dyn KvCache,
     /// `[N, in_channels]` packed latents of all N image tokens: read only when the batch runs a
     /// full prefix of blocks ([`FluxTransformer::forward_masked_prefix`]) and M < N.
@@ -83,13 +83,15 @@ struct Prepared {
     key_rows: Option<Tensor>,
     /// RoPE rows of the computed tokens (text, then masked image tokens), for queries and keys.
     rope: Rope,
-    /// RoPE rows of the cached image tokens a read rotates: all N for a raw cache, the
-    /// unmasked ones for a hidden cache; only when a cache is read.
-    rope_img: Option<Rope>,
+    /// RoPE rows of all N image tokens, which a raw block's cached keys need; only when the
+    /// cache holds a raw block and is read.
+    rope_all: Option<Rope>,
+    /// RoPE rows of the unmasked image tokens, which a hidden block's projected keys need;
+    /// only when the cache holds a hidden block and is read.
+    rope_unmasked: Option<Rope>,
     /// `[N - M]` the unmasked image tokens (of the whole request, every rank's masked tokens
     /// left out): the rows a hidden cache projects back to K/V (the others are computed).
     unmasked: Option<Tensor>,
-    format: KvFormat,
     /// Set when M = N (nothing is cached, the request is a plain full forward): the fresh
     /// key rows in token order (`key_rows()` inverted), so keys and values are gathered into
     /// token order rather than scattered into an uninitialised buffer.
@@ -651,7 +653,10 @@ impl FluxTransformer {
                 }
             }
         }
-        let format = q.cache.format();
+        // A cache may mix formats block by block (the three-way planner's plans): prepare
+        // what every format it holds needs.
+        let formats = q.cache.formats();
+        let reads = |f: KvFormat| formats.contains(&f);
         let all_masked = full || m == n;
         let (index, m, key_index) = match (full, shard) {
             (true, _) => (Tensor::f_arange(n, (Kind::Int64, device))?, n, None),
@@ -677,10 +682,10 @@ impl FluxTransformer {
             0,
         )?;
         let rope = Rope::new(&q_ids, &cfg.axes_dims_rope)?;
-        let unmasked = match format {
+        let unmasked = match reads(KvFormat::Hidden) {
             // The whole request's masked tokens (every rank's), complemented on the host: no
             // device sync in `nonzero`.
-            KvFormat::Hidden if !all_masked => {
+            true if !all_masked => {
                 let masked = Vec::<i64>::try_from(
                     q.token_index
                         .f_to_device(Device::Cpu)?
@@ -699,13 +704,16 @@ impl FluxTransformer {
             }
             _ => None,
         };
-        let rope_img = match (format, &unmasked) {
-            (KvFormat::Raw, _) if !all_masked => Some(Rope::new(&img_ids, &cfg.axes_dims_rope)?),
-            (KvFormat::Hidden, Some(rows)) => Some(Rope::new(
+        let rope_all = match reads(KvFormat::Raw) && !all_masked {
+            true => Some(Rope::new(&img_ids, &cfg.axes_dims_rope)?),
+            false => None,
+        };
+        let rope_unmasked = match &unmasked {
+            Some(rows) => Some(Rope::new(
                 &img_ids.f_index_select(0, rows)?,
                 &cfg.axes_dims_rope,
             )?),
-            _ => None,
+            None => None,
         };
         let joint_rows = |index: &Tensor| -> Result<Tensor> {
             Ok(Tensor::f_cat(
@@ -734,9 +742,9 @@ impl FluxTransformer {
             index,
             rows,
             rope,
-            rope_img,
+            rope_all,
+            rope_unmasked,
             unmasked,
-            format,
         })
     }
 }

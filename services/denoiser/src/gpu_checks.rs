@@ -3,7 +3,7 @@
 //! the copy stream, as a GPU denoiser runs it. Run where a GPU is:
 //! `cargo test -p diffmesh-denoiser --lib -- --ignored gpu_`.
 use crate::cached_step::CaptureSink;
-use crate::templates::{GpuCopy, KvLoader, TemplateEntry};
+use crate::templates::{CacheLayout, GpuCopy, KvLoader, TemplateEntry};
 use diffmesh_model::bench_inputs::{medium_config, random_inputs_on, MEDIUM_SIDE, MEDIUM_TXT};
 use diffmesh_model::flux::kv_codec::CacheDtype;
 use diffmesh_model::flux::{FluxInputs, FluxTransformer, KvCache, KvFormat, MaskedRequest};
@@ -53,7 +53,7 @@ fn request<'a>(inputs: &FluxInputs, index: &Tensor, cache: &'a dyn KvCache) -> M
 }
 
 fn capture(model: &FluxTransformer, inputs: &FluxInputs, dtype: CacheDtype) -> TemplateEntry {
-    let mut sink = CaptureSink::new(KvFormat::Prepared, dtype);
+    let mut sink = CaptureSink::new(CacheLayout::One(KvFormat::Prepared), dtype);
     let _output = model.forward_capture(inputs, &mut sink).unwrap();
     sink.end_step();
     sink.finish("gpu-check".into(), model.num_blocks()).unwrap()

@@ -122,7 +122,9 @@ pub struct DenoiserConfig {
     pub retry_after: Duration,
     /// What captured template caches hold: `prepared` (K/V, keys after norm + RoPE: the
     /// cheapest edits), `raw` (the K/V projections) or `hidden` (alias `y`: each block's input
-    /// hidden stream, FlashPS's Y cache: half the bytes, K/V re-projected in the edit).
+    /// hidden stream, FlashPS's Y cache: half the bytes, K/V re-projected in the edit), or
+    /// `prepared+hidden` / `raw+hidden`: both, 1.5x the bytes held, each step's planner
+    /// choosing per block which one to load (three-way: compute, load K/V or load Y).
     #[arg(long, env = "DENOISER_CACHE_FORMAT", default_value = "prepared")]
     pub cache_format: String,
     /// Storage dtype of template caches: f32, f16, bf16 or fp8 (lossy, per-row scaled).
@@ -200,8 +202,9 @@ pub struct DenoiserConfig {
     /// Cache blocks the loader thread decodes ahead of the compute, per request.
     #[arg(long, env = "DENOISER_CACHE_LOOKAHEAD", default_value_t = 2)]
     pub cache_lookahead: usize,
-    /// Leading blocks of a mask-aware step computed over all tokens: `auto` (planned from
-    /// measured compute and load costs) or a fixed count.
+    /// How the blocks of a mask-aware step run: `auto` (planned every step from measured
+    /// compute and load costs), a fixed count of leading blocks computed over all tokens, or
+    /// a fixed plan of `f` (full), `k` (K/V), `y` (Y) per block, full blocks first (benches).
     #[arg(long, env = "DENOISER_CACHE_PREFIX", default_value = "auto")]
     pub cache_prefix: String,
     /// Deadline of each cachestore request.
@@ -336,18 +339,24 @@ impl DenoiserConfig {
             expected,
         };
         Ok(cached_step::CacheSettings {
-            format: diffmesh_model::flux::KvFormat::parse(&self.cache_format).map_err(|_| {
+            layout: templates::CacheLayout::parse(&self.cache_format).map_err(|_| {
                 flag(
                     "cache-format",
                     &self.cache_format,
-                    "prepared, raw or hidden (y)",
+                    "prepared, raw or hidden (y), or prepared+hidden / raw+hidden (the three-way planner)",
                 )
             })?,
             dtype: diffmesh_model::flux::kv_codec::CacheDtype::parse(&self.cache_dtype)
                 .map_err(|_| flag("cache-dtype", &self.cache_dtype, "f32, f16, bf16 or fp8"))?,
             lookahead: self.cache_lookahead.max(1),
             prefix: cached_step::PrefixPolicy::parse(&self.cache_prefix)
-                .map_err(|_| flag("cache-prefix", &self.cache_prefix, "auto or a block count"))?,
+                .map_err(|_| {
+                    flag(
+                        "cache-prefix",
+                        &self.cache_prefix,
+                        "auto, a block count, or f/k/y per block",
+                    )
+                })?,
         })
     }
 

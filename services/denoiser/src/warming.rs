@@ -49,7 +49,7 @@ impl Service {
             cache_key: entry.meta.cache_key.clone(),
             bytes: entry.bytes(),
             model: self.cache_model(),
-            format: settings.format.as_str().into(),
+            format: settings.layout.as_str().into(),
             dtype: settings.dtype.as_str().into(),
             template_image_key: job.inputs.template_image_key.clone(),
         }
@@ -185,7 +185,7 @@ impl Service {
         if captured.worker_id == self.worker_id && heard == Heard::Live {
             Some(WarmOutcome::Own)
         } else if captured.model != self.cache_model()
-            || captured.format != settings.format.as_str()
+            || captured.format != settings.layout.as_str()
             || captured.dtype != settings.dtype.as_str()
         {
             Some(WarmOutcome::OtherSettings)

@@ -4,7 +4,7 @@
 //! a batch of caching and plain requests reports the reused rows. A first-block-caching edit
 //! of a template computes in full (it reads no cache) and reports its reused rows too.
 use diffmesh_denoiser::cached_step::{CacheSettings, CachedStepper, CaptureSink, PrefixPolicy};
-use diffmesh_denoiser::templates::TemplateEntry;
+use diffmesh_denoiser::templates::{CacheLayout, TemplateEntry};
 use diffmesh_model::flux::kv_codec::CacheDtype;
 use diffmesh_model::flux::step_cache::CacheMethod;
 use diffmesh_model::flux::KvFormat;
@@ -40,7 +40,7 @@ fn capture(p: &FluxPipeline<'_>) -> Arc<TemplateEntry> {
         guidance_scale: 1.0,
     };
     let mut state = capture_state(p, &spec).unwrap();
-    let mut sink = CaptureSink::new(KvFormat::Prepared, CacheDtype::F32);
+    let mut sink = CaptureSink::new(CacheLayout::One(KvFormat::Prepared), CacheDtype::F32);
     while !state.is_done() {
         state.capture_step(p, &mut sink).unwrap();
         sink.end_step();
@@ -81,7 +81,7 @@ fn run(
     requests: &[StepRequest],
 ) -> (Vec<Tensor>, usize, u64) {
     let settings = CacheSettings {
-        format: KvFormat::Prepared,
+        layout: CacheLayout::One(KvFormat::Prepared),
         dtype: CacheDtype::F32,
         lookahead: 2,
         prefix: PrefixPolicy::Fixed(0),

@@ -2,10 +2,10 @@
 //! job yields a cache; edits reading it at different steps of one continuous batch each read their
 //! own step and end as they do alone; an edit whose cache is still being fetched waits without
 //! holding up other jobs.
-use diffmesh_denoiser::cached_step::{CacheSettings, TemplateSlot};
+use diffmesh_denoiser::cached_step::{CacheSettings, PrefixPolicy, TemplateSlot};
 use diffmesh_denoiser::engine::{spawn_engine, EngineConfig, EngineEvent, EngineHandle, EngineJob};
 use diffmesh_denoiser::model::{EditInputs, EngineModel};
-use diffmesh_denoiser::templates::TemplateEntry;
+use diffmesh_denoiser::templates::{CacheLayout, TemplateEntry};
 use diffmesh_model::flux::KvFormat;
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
@@ -343,13 +343,13 @@ async fn a_hidden_stream_cache_serves_edits_at_half_the_bytes() {
     let mut y = harness_with(
         kv.dir.clone(),
         CacheSettings {
-            format: KvFormat::Hidden,
+            layout: CacheLayout::One(KvFormat::Hidden),
             ..Default::default()
         },
     );
     let y_entry = capture(&mut y).await;
     assert_eq!(
-        (kv_entry.format, y_entry.format),
+        (kv_entry.layout.kv(), y_entry.layout.kv()),
         (KvFormat::Prepared, KvFormat::Hidden)
     );
     let ratio = y_entry.bytes() as f64 / kv_entry.bytes() as f64;
@@ -370,7 +370,7 @@ async fn a_hidden_stream_cache_serves_edits_at_half_the_bytes() {
         events_until(h, &mut images, log, |l| has(l, "finished other")).await;
         for id in ["same", "other"] {
             let image = images.remove(id).unwrap();
-            images.insert(format!("{id} {:?}", entry.format), image);
+            images.insert(format!("{id} {:?}", entry.layout.kv()), image);
         }
     }
     let diff =
@@ -425,7 +425,7 @@ async fn step_samples_carry_the_planners_block_choices() {
     let mut y = harness_with(
         dir,
         CacheSettings {
-            format: KvFormat::Hidden,
+            layout: CacheLayout::One(KvFormat::Hidden),
             ..Default::default()
         },
     );
@@ -450,5 +450,104 @@ async fn step_samples_carry_the_planners_block_choices() {
         assert_eq!(p.format, "hidden");
         assert_eq!(p.full + p.cached, blocks);
         assert!(p.cached > 0, "{p:?}");
+    }
+}
+
+/// A cache holding K/V and the hidden stream (the three-way planner's layout) holds 1.5x the
+/// bytes of K/V alone. A fixed plan mixing full, K/V and Y blocks, and the live planner's own
+/// plans, end as the K/V engine's edit does with the template's prompt; the step samples say
+/// how many blocks read Y.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plans_mixing_kv_and_hidden_blocks_serve_edits() {
+    let mut kv = harness();
+    let kv_entry = capture(&mut kv).await;
+    let blocks = kv_entry.blocks();
+    assert!(blocks >= 3, "the tiny model has {blocks} blocks");
+    // One block in full, then Y and K/V in turn.
+    let plan: String = (0..blocks)
+        .map(|b| match b {
+            0 => 'f',
+            b if b % 2 == 1 => 'y',
+            _ => 'k',
+        })
+        .collect();
+    let y_blocks = plan.chars().filter(|&c| c == 'y').count() as u32;
+    let layout = CacheLayout::KvAndHidden(KvFormat::Prepared);
+    let settings = |prefix| CacheSettings {
+        layout,
+        prefix,
+        ..Default::default()
+    };
+    let mut fixed = harness_with(
+        kv.dir.clone(),
+        settings(PrefixPolicy::parse(&plan).unwrap()),
+    );
+    let both = capture(&mut fixed).await;
+    assert_eq!(both.layout, layout);
+    let ratio = both.bytes() as f64 / kv_entry.bytes() as f64;
+    assert!(
+        (1.49..1.51).contains(&ratio),
+        "K/V + Y over K/V bytes {ratio}"
+    );
+    let mut planned = harness_with(kv.dir.clone(), settings(PrefixPolicy::Auto));
+
+    let m = mask(2, 3, 6, 5);
+    let prompt = template_ref().prompt;
+    let mut images = HashMap::new();
+    for (h, entry, id) in [
+        (&mut kv, &kv_entry, "kv"),
+        (&mut fixed, &both, "fixed"),
+        (&mut planned, &both, "planned"),
+    ] {
+        let mut log = Vec::new();
+        submit_edit_with(h, id, 3, m.clone(), ready(entry), None, &prompt).await;
+        events_until(h, &mut images, &mut log, |l| {
+            has(l, &format!("finished {id}"))
+        })
+        .await;
+    }
+    for id in ["fixed", "planned"] {
+        let d = max_abs_diff(&images["kv"], &images[id]);
+        println!("K/V against {id}: {d}");
+        assert!(d <= 1, "{id}: {d}");
+    }
+    // Under another prompt the Y blocks follow the edit's conditioning: the fixed plan's
+    // image departs from the K/V engine's, so its Y blocks were read as Y.
+    for (h, entry, id) in [
+        (&mut kv, &kv_entry, "kv other"),
+        (&mut fixed, &both, "fixed other"),
+    ] {
+        let mut log = Vec::new();
+        submit_edit_with(h, id, 3, m.clone(), ready(entry), None, EDIT_PROMPT).await;
+        events_until(h, &mut images, &mut log, |l| {
+            has(l, &format!("finished {id}"))
+        })
+        .await;
+    }
+    let d = max_abs_diff(&images["kv other"], &images["fixed other"]);
+    println!("K/V against the fixed plan under another prompt: {d}");
+    assert!(d > 2, "{d}");
+    let plans: Vec<_> = fixed
+        .engine
+        .take_step_samples()
+        .into_iter()
+        .filter_map(|s| s.block_plan)
+        .collect();
+    assert!(!plans.is_empty(), "no step sample carried its block plan");
+    for p in &plans {
+        assert_eq!(p.format, "prepared+hidden");
+        assert_eq!(
+            (p.full, p.cached, p.hidden),
+            (1, blocks as u32 - 1, y_blocks)
+        );
+    }
+    for p in planned
+        .engine
+        .take_step_samples()
+        .into_iter()
+        .filter_map(|s| s.block_plan)
+    {
+        assert_eq!(p.full + p.cached, blocks as u32);
+        assert!(p.hidden <= p.cached, "{p:?}");
     }
 }

@@ -261,6 +261,7 @@ pub(crate) mod tests {
             text_tokens: 16,
             cache_bytes_per_token: 1024,
             steps: 20,
+            cache_layout: Default::default(),
         }
     }
 

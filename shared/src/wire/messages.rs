@@ -524,7 +524,12 @@ pub struct BlockPlan {
     pub full: u32,
     /// Blocks whose unmasked tokens came from the cache.
     pub cached: u32,
-    /// The cache's format (`raw`, `prepared`, `hidden`: the Y cache).
+    /// Of the `cached` blocks, those read as the hidden stream (the Y cache); the others
+    /// read K/V. Absent from older senders.
+    #[serde(default)]
+    pub hidden: u32,
+    /// The cache's layout (`raw`, `prepared`, `hidden`: the Y cache; `prepared+hidden`:
+    /// both, each block read as the three-way planner chose).
     pub format: String,
 }
 

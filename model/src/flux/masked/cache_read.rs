@@ -70,8 +70,9 @@ impl FluxTransformer {
         let (inner, head_dim) = (self.cfg.inner_dim(), self.cfg.attention_head_dim);
         let block = read.block;
         let (k, v) = cache.block_kv(block)?;
+        let format = cache.block_format(block);
         let k = cached_rows("cache.k", block, k, p.img, inner, device, kind)?;
-        let (k, v) = match (p.format, &p.unmasked) {
+        let (k, v) = match (format, &p.unmasked) {
             (KvFormat::Hidden, Some(rows)) => {
                 let temb_silu = read.cond.temb_silu.f_narrow(0, request as i64, 1)?;
                 read.layer
@@ -88,7 +89,12 @@ impl FluxTransformer {
                 cached_rows("cache.v", block, v, p.img, inner, device, kind)?,
             ),
         };
-        let k = match (p.format, &p.rope_img) {
+        let rope = match format {
+            KvFormat::Raw => p.rope_all.as_ref(),
+            KvFormat::Hidden => p.rope_unmasked.as_ref(),
+            KvFormat::Prepared => None,
+        };
+        let k = match (format, rope) {
             (KvFormat::Prepared, _) => to_heads(&k, head_dim)?,
             (KvFormat::Raw | KvFormat::Hidden, Some(rope)) => {
                 rope.apply(&read.layer.proj().norm_k(&k)?)?
@@ -101,7 +107,7 @@ impl FluxTransformer {
             }
         };
         let v = to_heads(&v, head_dim)?;
-        match (p.format, &p.unmasked) {
+        match (format, &p.unmasked) {
             (KvFormat::Hidden, Some(rows)) => {
                 Ok((spread_rows(&k, rows, p.img)?, spread_rows(&v, rows, p.img)?))
             }

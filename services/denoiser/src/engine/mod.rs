@@ -393,7 +393,7 @@ impl Engine {
                         elastic: None,
                         capture: job.capture_key.map(|key| {
                             (
-                                CaptureSink::new(settings.format, settings.dtype),
+                                CaptureSink::new(settings.layout, settings.dtype),
                                 key,
                                 Instant::now(),
                             )

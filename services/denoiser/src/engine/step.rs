@@ -100,7 +100,7 @@ impl Engine {
             m.step_rows
                 .with_label_values(&["full"])
                 .inc_by(rows.saturating_sub(mask_aware + reused) as u64);
-            let format = self.cached.settings().format.as_str();
+            let kv_format = self.cached.settings().layout.kv().as_str();
             for r in reports.iter().filter(|r| r.cached > 0) {
                 m.load_wait_seconds.observe(r.load_wait_s);
                 let cached = r.blocks.saturating_sub(r.prefix);
@@ -108,8 +108,13 @@ impl Engine {
                     .with_label_values(&["full"])
                     .inc_by(r.prefix as u64);
                 m.planned_blocks
-                    .with_label_values(&[format])
-                    .inc_by(cached as u64);
+                    .with_label_values(&["hidden"])
+                    .inc_by(r.hidden_blocks as u64);
+                if kv_format != "hidden" {
+                    m.planned_blocks
+                        .with_label_values(&[kv_format])
+                        .inc_by(cached.saturating_sub(r.hidden_blocks) as u64);
+                }
             }
         }
         for (a, n) in self.active.iter_mut().zip(&needs) {
@@ -154,7 +159,8 @@ impl Engine {
             sample.block_plan = reports.first().filter(|r| r.cached > 0).map(|r| BlockPlan {
                 full: r.prefix as u32,
                 cached: r.blocks.saturating_sub(r.prefix) as u32,
-                format: self.cached.settings().format.as_str().into(),
+                hidden: r.hidden_blocks as u32,
+                format: self.cached.settings().layout.as_str().into(),
             });
             let gpu_ended = self.model.gpu_copy.as_ref().and_then(|g| g.compute_mark());
             match (gpu_started, gpu_ended) {

@@ -167,7 +167,7 @@ impl Service {
             job.inputs.model_width,
             job.inputs.model_height,
             t,
-            settings.format.as_str(),
+            settings.layout.as_str(),
             settings.dtype.as_str(),
         )))
     }

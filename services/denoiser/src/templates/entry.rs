@@ -1,24 +1,26 @@
 //! One template's cache as the denoiser holds it (encoded step entries, shared read-only between
 //! the NATS side and the loader thread), and the local tier: a byte-weighed LRU of such caches.
 use super::gpu_copy::GpuCopy;
+use super::layout::CacheLayout;
 use diffmesh_model::flux::kv_codec::{read_header, BlobHeader};
 use diffmesh_model::flux::KvFormat;
 use diffmesh_shared::wire::templates::{step_block_ranges, CacheMeta};
 use std::ops::Range;
 use std::sync::Arc;
 
-/// A whole template cache: one encoded entry per step, each holding every block.
+/// A whole template cache: one encoded entry per step, each holding every block (every block
+/// once per format of its layout: all blocks in the first format, then all in the second).
 #[derive(Debug)]
 pub struct TemplateEntry {
     pub meta: CacheMeta,
-    pub format: KvFormat,
+    pub layout: CacheLayout,
     steps: Vec<bytes::Bytes>,
     ranges: Vec<Vec<Range<usize>>>,
 }
 
 impl TemplateEntry {
     /// Check the entries against the metadata: step and block counts, every block's header, one
-    /// shape and format throughout. A damaged cache is refused here, not mid-step.
+    /// shape and format throughout each layer. A damaged cache is refused here, not mid-step.
     pub fn new(meta: CacheMeta, steps: Vec<bytes::Bytes>) -> Result<Self, String> {
         if steps.len() != meta.steps as usize {
             return Err(format!(
@@ -29,16 +31,25 @@ impl TemplateEntry {
             ));
         }
         let mut ranges = Vec::with_capacity(steps.len());
-        // Block `b` of every step has the first step's block `b` shape; all share one format
-        // and dtype (a UNet's blocks differ in shape level by level, a Flux model's do not).
+        // Block `b` of every step has the first step's block `b` shape; each layer's blocks
+        // share one format and dtype (a UNet's blocks differ in shape level by level, a Flux
+        // model's do not).
+        let blocks = meta.blocks as usize;
         let mut first_step: Vec<BlobHeader> = Vec::new();
         for (s, entry) in steps.iter().enumerate() {
             let r = step_block_ranges(entry).map_err(|e| format!("step {s}: {e}"))?;
-            if r.len() != meta.blocks as usize {
+            if r.is_empty() || r.len() % blocks.max(1) != 0 || r.len() > 2 * blocks {
                 return Err(format!(
                     "step {s} has {} blocks, the metadata says {}",
                     r.len(),
                     meta.blocks
+                ));
+            }
+            if s > 0 && r.len() != first_step.len() {
+                return Err(format!(
+                    "step {s} has {} blocks, step 0 has {}",
+                    r.len(),
+                    first_step.len()
                 ));
             }
             for (b, range) in r.iter().enumerate() {
@@ -46,7 +57,7 @@ impl TemplateEntry {
                     .map_err(|e| format!("step {s} block {b}: {e}"))?;
                 let like = if s == 0 {
                     first_step.push(h);
-                    first_step.first()
+                    first_step.get(b - b % blocks.max(1))
                 } else {
                     first_step.get(b)
                 };
@@ -64,19 +75,41 @@ impl TemplateEntry {
             }
             ranges.push(r);
         }
-        let format = first_step.first().map(|h| h.format).unwrap_or_default();
+        let layers: Vec<KvFormat> = first_step
+            .iter()
+            .step_by(blocks.max(1))
+            .map(|h| h.format)
+            .collect();
+        let layout = match layers.is_empty() {
+            true => CacheLayout::default(),
+            false => CacheLayout::of_layers(&layers)?,
+        };
         Ok(Self {
             meta,
-            format,
+            layout,
             steps,
             ranges,
         })
     }
 
-    /// Encoded K/V of one (step, block).
+    /// Encoded cache of one (step, block) in the layout's first format.
     pub fn block(&self, step: usize, block: usize) -> Option<&[u8]> {
-        let range = self.ranges.get(step)?.get(block)?;
+        self.block_as(step, block, self.layout.kv())
+    }
+
+    /// Encoded cache of one (step, block) in `format`, if the layout holds it.
+    pub fn block_as(&self, step: usize, block: usize, format: KvFormat) -> Option<&[u8]> {
+        let layer = self.layout.formats().iter().position(|&f| f == format)?;
+        if block >= self.blocks() {
+            return None;
+        }
+        let range = self.ranges.get(step)?.get(layer * self.blocks() + block)?;
         Some(&self.steps[step][range.clone()])
+    }
+
+    /// Encoded bytes of block `block` in `format` (the same at every step), 0 if not held.
+    pub fn block_len(&self, block: usize, format: KvFormat) -> usize {
+        self.block_as(0, block, format).map_or(0, <[u8]>::len)
     }
 
     pub fn steps(&self) -> usize {
@@ -220,8 +253,8 @@ mod tests {
     fn entries_check_counts_and_serve_blocks() {
         let e = entry("k", 3, 2);
         assert_eq!(
-            (e.steps(), e.blocks(), e.format),
-            (3, 2, KvFormat::Prepared)
+            (e.steps(), e.blocks(), e.layout),
+            (3, 2, CacheLayout::One(KvFormat::Prepared))
         );
         assert!(e.block(2, 1).is_some() && e.block(3, 0).is_none() && e.block(0, 2).is_none());
         let mut meta = e.meta.clone();

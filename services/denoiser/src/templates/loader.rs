@@ -27,9 +27,18 @@ enum Loaded {
 
 type Block = std::result::Result<Loaded, String>;
 
-/// One step's load: for each request, its cache and step; blocks `from_block..blocks`.
+/// One request's part of a step's load: its cache, step, the format each block is read in, and
+/// where the blocks go.
+struct LoadPart {
+    entry: Arc<TemplateEntry>,
+    step: usize,
+    formats: Arc<[KvFormat]>,
+    tx: SyncSender<Block>,
+}
+
+/// One step's load: for each request, its part; blocks `from_block..blocks`.
 struct LoadJob {
-    parts: Vec<(Arc<TemplateEntry>, usize, SyncSender<Block>)>,
+    parts: Vec<LoadPart>,
     from_block: usize,
     blocks: usize,
     kind: Kind,
@@ -81,8 +90,9 @@ impl KvLoader {
         })
     }
 
-    /// Start streaming blocks `from_block..` of `step` of each cache; one [`StreamedKv`] per
-    /// part, in order. Tensors arrive as `kind` on `device`.
+    /// Start streaming blocks `from_block..` of `step` of each cache, every block in the
+    /// layout's first format; one [`StreamedKv`] per part, in order. Tensors arrive as `kind`
+    /// on `device`.
     pub fn load_step(
         &self,
         parts: Vec<(Arc<TemplateEntry>, usize)>,
@@ -90,19 +100,53 @@ impl KvLoader {
         kind: Kind,
         device: Device,
     ) -> Vec<StreamedKv> {
-        let blocks = parts.iter().map(|(e, _)| e.blocks()).max().unwrap_or(0);
+        let parts = parts
+            .into_iter()
+            .map(|(entry, step)| {
+                let formats = vec![entry.layout.kv(); entry.blocks()];
+                (entry, step, formats)
+            })
+            .collect();
+        self.load_step_as(parts, from_block, kind, device)
+    }
+
+    /// [`Self::load_step`] with the format each block of each part is read in (the three-way
+    /// planner's choice of K/V or Y per block; a format its cache does not hold fails that
+    /// block's read).
+    pub fn load_step_as(
+        &self,
+        parts: Vec<(Arc<TemplateEntry>, usize, Vec<KvFormat>)>,
+        from_block: usize,
+        kind: Kind,
+        device: Device,
+    ) -> Vec<StreamedKv> {
+        let blocks = parts.iter().map(|(e, _, _)| e.blocks()).max().unwrap_or(0);
         let mut caches = Vec::with_capacity(parts.len());
         let mut job_parts = Vec::with_capacity(parts.len());
-        for (entry, step) in parts {
+        for (entry, step, formats) in parts {
             let (tx, rx) = mpsc::sync_channel(self.lookahead);
+            let formats: Arc<[KvFormat]> = formats.into();
+            let mut reads: Vec<KvFormat> = Vec::new();
+            for &f in formats.iter().skip(from_block) {
+                if !reads.contains(&f) {
+                    reads.push(f);
+                }
+            }
             caches.push(StreamedKv {
                 rx: Mutex::new(rx),
-                format: entry.format,
+                formats: formats.clone(),
+                reads,
+                primary: entry.layout.kv(),
                 kind,
                 next: Mutex::new(from_block),
                 waited: Mutex::new(Duration::ZERO),
             });
-            job_parts.push((entry, step, tx));
+            job_parts.push(LoadPart {
+                entry,
+                step,
+                formats,
+                tx,
+            });
         }
         let job = LoadJob {
             parts: job_parts,
@@ -136,16 +180,22 @@ fn run_job(job: LoadJob, gpu: Option<&Arc<GpuCopy>>, stats: &Mutex<LoadStats>) {
     let gpu = gpu.filter(|g| g.device() == job.device);
     let mut open: Vec<bool> = vec![true; job.parts.len()];
     for block in job.from_block..job.blocks {
-        for (i, (entry, step, tx)) in job.parts.iter().enumerate() {
+        for (i, part) in job.parts.iter().enumerate() {
             if !open[i] {
                 continue;
             }
+            let (entry, step, tx) = (&part.entry, part.step, &part.tx);
+            let format = part
+                .formats
+                .get(block)
+                .copied()
+                .unwrap_or(entry.layout.kv());
             let started = Instant::now();
+            let blob = block_bytes(entry, step, block, format);
+            let loaded_bytes = blob.as_ref().map_or(0, |b| b.len() as u64);
             let result = match gpu {
-                Some(gpu) => block_bytes(entry, *step, block)
-                    .and_then(|blob| gpu.upload(blob))
-                    .map(Loaded::Device),
-                None => load_block(entry, *step, block, job.kind, job.device),
+                Some(gpu) => blob.and_then(|blob| gpu.upload(blob)).map(Loaded::Device),
+                None => blob.and_then(|blob| load_blob(blob, job.kind, job.device)),
             };
             if let Ok(mut s) = stats.lock() {
                 match gpu {
@@ -158,7 +208,7 @@ fn run_job(job: LoadJob, gpu: Option<&Arc<GpuCopy>>, stats: &Mutex<LoadStats>) {
                     }
                     None => {
                         s.blocks += 1;
-                        s.bytes += entry.block(*step, block).map_or(0, |b| b.len() as u64);
+                        s.bytes += loaded_bytes;
                         s.seconds += started.elapsed().as_secs_f64();
                     }
                 }
@@ -171,24 +221,36 @@ fn run_job(job: LoadJob, gpu: Option<&Arc<GpuCopy>>, stats: &Mutex<LoadStats>) {
     }
 }
 
-fn block_bytes(entry: &TemplateEntry, step: usize, block: usize) -> Result<&[u8], String> {
-    entry.block(step, block).ok_or_else(|| {
+fn block_bytes(
+    entry: &TemplateEntry,
+    step: usize,
+    block: usize,
+    format: KvFormat,
+) -> Result<&[u8], String> {
+    entry.block_as(step, block, format).ok_or_else(|| {
         format!(
-            "cache {} has no step {step} block {block}",
-            entry.meta.cache_key
+            "cache {} ({}) has no step {step} block {block} as {}",
+            entry.meta.cache_key,
+            entry.layout.as_str(),
+            format.as_str()
         )
     })
 }
 
-fn load_block(
-    entry: &TemplateEntry,
-    step: usize,
-    block: usize,
+/// One encoded block decoded on the host, as `kind` on `device`.
+fn load_blob(blob: &[u8], kind: Kind, device: Device) -> Block {
+    let (k, v) = decode_blob(blob, kind, device)?;
+    Ok(Loaded::Host(k, v))
+}
+
+fn decode_blob(
+    blob: &[u8],
     kind: Kind,
     device: Device,
-) -> Block {
-    let (k, v) = decode_on(entry, step, block, kind, device)?;
-    Ok(Loaded::Host(k, v))
+) -> std::result::Result<(Tensor, Tensor), String> {
+    let (k, v, _) = decode_block(blob, kind).map_err(|e| e.to_string())?;
+    let on = |t: Tensor| t.f_to_device(device).map_err(|e| e.to_string());
+    Ok((on(k)?, on(v)?))
 }
 
 /// Block `block` of `step` decoded on the host, as `kind` on `device`.
@@ -199,10 +261,11 @@ fn decode_on(
     kind: Kind,
     device: Device,
 ) -> std::result::Result<(Tensor, Tensor), String> {
-    let blob = block_bytes(entry, step, block)?;
-    let (k, v, _) = decode_block(blob, kind).map_err(|e| e.to_string())?;
-    let on = |t: Tensor| t.f_to_device(device).map_err(|e| e.to_string());
-    Ok((on(k)?, on(v)?))
+    decode_blob(
+        block_bytes(entry, step, block, entry.layout.kv())?,
+        kind,
+        device,
+    )
 }
 
 /// One step of a resident cache, each block decoded when attention asks for it, on the
@@ -233,14 +296,19 @@ impl KvCache for StepKv {
     }
 
     fn format(&self) -> KvFormat {
-        self.entry.format
+        self.entry.layout.kv()
     }
 }
 
 /// One request's K/V of one step, arriving block by block from the loader thread.
 pub struct StreamedKv {
     rx: Mutex<Receiver<Block>>,
-    format: KvFormat,
+    /// The format each block is read in.
+    formats: Arc<[KvFormat]>,
+    /// The formats of the blocks this step reads (those from its first streamed block on).
+    reads: Vec<KvFormat>,
+    /// The cache layout's first format (blocks past `formats`).
+    primary: KvFormat,
     /// What blocks decoded on the device become.
     kind: Kind,
     next: Mutex<usize>,
@@ -290,7 +358,18 @@ impl KvCache for StreamedKv {
     }
 
     fn format(&self) -> KvFormat {
-        self.format
+        self.primary
+    }
+
+    fn block_format(&self, block: usize) -> KvFormat {
+        self.formats.get(block).copied().unwrap_or(self.primary)
+    }
+
+    fn formats(&self) -> Vec<KvFormat> {
+        match self.reads.is_empty() {
+            true => vec![self.primary],
+            false => self.reads.clone(),
+        }
     }
 }
 
