@@ -350,6 +350,11 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
             steps: 4,
             blocks: 2,
             bytes: 1024,
+            quality: Some(diffmesh_shared::wire::templates::CacheQuality {
+                box_ssim: 0.93,
+                floor: 0.9,
+                full_compute: false,
+            }),
         }),
         seed(&Heartbeat {
             worker_id: "d1".into(),

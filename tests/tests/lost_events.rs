@@ -176,6 +176,7 @@ async fn a_registration_whose_capture_events_were_lost_still_ends_ready() {
             steps,
             blocks: 4,
             bytes: 8192,
+            quality: None,
         },
     );
     env.outcomes

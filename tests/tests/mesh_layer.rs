@@ -423,6 +423,7 @@ async fn a_lost_terminal_event_is_learned_from_the_denoiser_that_ended_the_job()
         steps: 4,
         blocks: 2,
         bytes: 4096,
+        quality: None,
     };
     ended_elsewhere.note(
         "job-c",
@@ -431,6 +432,7 @@ async fn a_lost_terminal_event_is_learned_from_the_denoiser_that_ended_the_job()
             steps: report.steps,
             blocks: report.blocks,
             bytes: report.bytes,
+            quality: report.quality,
         },
     );
     ended_elsewhere.note("job-c", &JobEvent::Done { png_keys: vec![] });

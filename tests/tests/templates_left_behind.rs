@@ -26,6 +26,7 @@ async fn captured_job(jobs: &JobStore, job_id: &str, cache_key: &str) {
         steps: STEPS,
         blocks: 4,
         bytes: 4096,
+        quality: None,
     });
     job.mark_done(Vec::new());
     jobs.create(&job).await.unwrap();

@@ -429,6 +429,22 @@ impl CaptureSink {
         self.steps.push(bytes::Bytes::from(pack_step(&blocks)));
     }
 
+    /// The last closed step's entry.
+    pub fn last_step(&self) -> Option<&bytes::Bytes> {
+        self.steps.last()
+    }
+
+    /// A cache of no steps in place of the captured one: every edit of the template computes
+    /// in full (the quality guard's fallback). Nothing is loaded for it, in any tier.
+    pub fn finish_full_compute(
+        mut self,
+        cache_key: String,
+        blocks: usize,
+    ) -> std::result::Result<TemplateEntry, String> {
+        self.steps.clear();
+        self.finish(cache_key, blocks)
+    }
+
     /// The finished cache.
     pub fn finish(
         self,

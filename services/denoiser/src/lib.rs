@@ -207,6 +207,12 @@ pub struct DenoiserConfig {
     /// a fixed plan of `f` (full), `k` (K/V), `y` (Y) per block, full blocks first (benches).
     #[arg(long, env = "DENOISER_CACHE_PREFIX", default_value = "auto")]
     pub cache_prefix: String,
+    /// Quality guard of captures (off unless set): each capture also runs a typical edit of
+    /// its template in full and mask-aware from the cache being captured (about twice a
+    /// capture's compute); where their SSIM over the mask's box is below this floor (0..=1),
+    /// the cache stored holds no steps and the template's edits compute in full.
+    #[arg(long, env = "DENOISER_CACHE_QUALITY_FLOOR", value_parser = quality_floor)]
+    pub cache_quality_floor: Option<f64>,
     /// Deadline of each cachestore request.
     #[arg(long, env = "DENOISER_CACHESTORE_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub cachestore_timeout: Duration,
@@ -275,6 +281,7 @@ impl DenoiserConfig {
             max_lora_bytes: 64 << 20,
             warm_on_capture: true,
             cache_lookahead: 2,
+            cache_quality_floor: None,
             cache_prefix: "auto".into(),
             cachestore_timeout: Duration::from_secs(5),
             ranks: 1,
@@ -561,6 +568,7 @@ pub async fn start(config: DenoiserConfig) -> Result<DenoiserHandle, DenoiserErr
         lora_async_fraction: config.lora_async_fraction,
         lora_originals: config.lora_originals,
         controlnet_cache: config.controlnet_cache,
+        cache_quality_floor: config.cache_quality_floor,
     };
     let cache_bucket =
         BlobStore::open_with(&js, &diffmesh_shared::stores::jetstream_layout::CACHES).await?;
@@ -754,5 +762,13 @@ pub async fn run(config: DenoiserConfig, shutdown: CancellationToken) -> Result<
             handle.shutdown().await?;
             Err(DenoiserError::DeviceFault)
         }
+    }
+}
+
+/// `--cache-quality-floor`: an SSIM floor in 0..=1.
+fn quality_floor(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("expected an SSIM between 0 and 1, got {value:?}")),
     }
 }

@@ -358,7 +358,15 @@ pub fn tensor_to_rgb(image: &Tensor) -> Result<Vec<u8>, ModelError> {
 /// for a capture, else the job's and, with true CFG, its negative prompt.
 pub fn job_prompts(job: &DenoiseJob) -> Vec<String> {
     if job.kind == JobKind::Capture {
-        return job.template.iter().map(|t| t.prompt.clone()).collect();
+        // The quality guard's typical edit asks for other content than the template's
+        // caption (cheap to encode; the guard may be off).
+        let probe = std::iter::once(crate::engine::QUALITY_PROBE_PROMPT.to_string());
+        return job
+            .template
+            .iter()
+            .map(|t| t.prompt.clone())
+            .chain(probe)
+            .collect();
     }
     let mut prompts = vec![job.params.prompt.clone()];
     if let Some(cfg) = &job.params.true_cfg {

@@ -116,6 +116,7 @@ mod tests {
             steps: 4,
             blocks: 2,
             bytes: 1024,
+            quality: None,
         };
         outcomes.note("c", &captured);
         outcomes.note("c", &done);

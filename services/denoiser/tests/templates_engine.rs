@@ -37,6 +37,17 @@ fn harness() -> Harness {
 /// An engine with cache settings `cache` over the model saved in `dir`: two harnesses of one
 /// directory have the same weights whatever other tests draw from torch's global RNG meanwhile.
 fn harness_with(dir: Arc<tempfile::TempDir>, cache: CacheSettings) -> Harness {
+    harness_of(
+        dir,
+        EngineConfig {
+            cache,
+            ..Default::default()
+        },
+    )
+}
+
+/// An engine of `config` (its batch and queue sizes those of every harness here).
+fn harness_of(dir: Arc<tempfile::TempDir>, config: EngineConfig) -> Harness {
     let model = EngineModel::load(
         dir.path(),
         Device::Cpu,
@@ -49,8 +60,7 @@ fn harness_with(dir: Arc<tempfile::TempDir>, cache: CacheSettings) -> Harness {
     let config = EngineConfig {
         max_batch: 4,
         max_queue: 8,
-        cache,
-        ..Default::default()
+        ..config
     };
     let (engine, _drained) = spawn_engine(model, config, 16, tx, None).unwrap();
     Harness {
@@ -153,8 +163,19 @@ async fn events_until(
                 log.push(format!("finished {}", job.job_id));
                 images.insert(job.job_id, imgs.remove(0));
             }
-            EngineEvent::Captured { job, entry, .. } => {
+            EngineEvent::Captured {
+                job,
+                entry,
+                quality,
+                ..
+            } => {
                 log.push(format!("captured {}", job.job_id));
+                if let Some(q) = quality {
+                    log.push(format!(
+                        "quality {} {} {}",
+                        q.box_ssim, q.floor, q.full_compute
+                    ));
+                }
                 captured = Some(entry);
             }
             EngineEvent::Failed { job, error, .. } => panic!("{} failed: {error}", job.job_id),
@@ -172,6 +193,13 @@ fn has(log: &[String], line: &str) -> bool {
 }
 
 async fn capture(h: &mut Harness) -> Arc<TemplateEntry> {
+    let (entry, _) = capture_logged(h).await;
+    assert_eq!(entry.steps(), STEPS as usize);
+    entry
+}
+
+/// A capture's entry and its event log.
+async fn capture_logged(h: &mut Harness) -> (Arc<TemplateEntry>, Vec<String>) {
     let mut ej = EngineJob::new(
         job("capture", JobKind::Capture, "", 0),
         Some(EditInputs {
@@ -185,10 +213,8 @@ async fn capture(h: &mut Harness) -> Arc<TemplateEntry> {
     let entry = events_until(h, &mut images, &mut log, |l| has(l, "captured capture"))
         .await
         .expect("capture event");
-    assert_eq!(entry.steps(), STEPS as usize);
     assert_eq!(entry.meta.cache_key, "key");
-    assert!(entry.bytes() > 0);
-    entry
+    (entry, log)
 }
 
 fn max_abs_diff(a: &[u8], b: &[u8]) -> u8 {
@@ -550,4 +576,57 @@ async fn plans_mixing_kv_and_hidden_blocks_serve_edits() {
         assert_eq!(p.full + p.cached, blocks as u32);
         assert!(p.hidden <= p.cached, "{p:?}");
     }
+}
+
+/// The captures' quality guard: each capture also runs a typical edit of its template in full
+/// and from the cache being captured. At a floor the cache reaches, the cache is kept and its
+/// figure reported; at a floor of 1 (no approximation reaches it) the cache stored holds no
+/// steps, and an edit of the template then computes in full, as an edit without a cache does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quality_guard_keeps_a_cache_above_its_floor_and_falls_back_below() {
+    let mut plain = harness();
+    let guarded = |floor| EngineConfig {
+        cache_quality_floor: Some(floor),
+        ..Default::default()
+    };
+    let mut kept = harness_of(plain.dir.clone(), guarded(0.0));
+    let mut dropped = harness_of(plain.dir.clone(), guarded(1.0));
+    let verdict = |log: &[String]| -> (f64, f64, bool) {
+        let line = log
+            .iter()
+            .find(|l| l.starts_with("quality "))
+            .expect("no verdict");
+        let v: Vec<&str> = line.split(' ').skip(1).collect();
+        (v[0].parse().unwrap(), v[1].parse().unwrap(), v[2] == "true")
+    };
+    let (entry, log) = capture_logged(&mut kept).await;
+    let (ssim, floor, full_compute) = verdict(&log);
+    println!("typical edit from the cache: box SSIM {ssim}");
+    assert!((0.0..1.0).contains(&ssim) && ssim > 0.2, "{ssim}");
+    assert_eq!(
+        (floor, full_compute, entry.steps()),
+        (0.0, false, STEPS as usize)
+    );
+
+    let (empty, log) = capture_logged(&mut dropped).await;
+    let (again, floor, full_compute) = verdict(&log);
+    assert_eq!((again, floor, full_compute), (ssim, 1.0, true));
+    assert_eq!((empty.steps(), empty.bytes()), (0, 0));
+    // No verdict where no guard runs.
+    let (_, log) = capture_logged(&mut plain).await;
+    assert!(log.iter().all(|l| !l.starts_with("quality ")), "{log:?}");
+
+    let m = mask(2, 3, 6, 5);
+    let mut images = HashMap::new();
+    let no_cache = TemplateSlot::default();
+    no_cache.set(None).unwrap();
+    for (slot, id) in [(ready(&empty), "fallback"), (no_cache, "no cache")] {
+        let mut log = Vec::new();
+        submit_edit(&dropped, id, 3, m.clone(), slot).await;
+        events_until(&mut dropped, &mut images, &mut log, |l| {
+            has(l, &format!("finished {id}"))
+        })
+        .await;
+    }
+    assert_eq!(max_abs_diff(&images["fallback"], &images["no cache"]), 0);
 }

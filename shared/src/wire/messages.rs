@@ -379,6 +379,9 @@ pub enum JobEvent {
         steps: u32,
         blocks: u32,
         bytes: u64,
+        /// The quality guard's verdict, where it ran; absent from older senders.
+        #[serde(default)]
+        quality: Option<super::templates::CacheQuality>,
     },
     /// The job lost its worker (or the worker failed it) and was placed again.
     Retrying {

@@ -88,6 +88,18 @@ pub fn meta_key(cache_key: &str) -> String {
     format!("{cache_key}/meta")
 }
 
+/// What a capture's quality guard measured (the denoiser's `--cache-quality-floor`): the SSIM,
+/// over the mask's box grown by 8 pixels, of a typical edit of the template read from its cache
+/// against the same edit in full compute.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct CacheQuality {
+    pub box_ssim: f64,
+    pub floor: f64,
+    /// Below the floor: the cache stored holds no steps and the template's edits compute in
+    /// full.
+    pub full_compute: bool,
+}
+
 /// What a stored cache holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CacheMeta {

@@ -37,6 +37,7 @@ mod elastic;
 mod handle;
 pub(crate) mod ledger;
 pub(crate) mod lora_steps;
+mod quality_guard;
 mod step;
 mod types;
 pub use actor::spawn_engine;
@@ -45,6 +46,7 @@ pub use handle::PanicMidBatch;
 pub use handle::{
     BeginShutdown, Cancel, EngineDrained, EngineHandle, RunInline, SetEventTap, Submit,
 };
+pub use quality_guard::QUALITY_PROBE_PROMPT;
 pub use types::{
     Batching, EngineConfig, EngineEvent, EngineJob, EngineJobError, EngineStatus, EventTap,
     InlineWork, SubmitError,
@@ -60,6 +62,8 @@ struct Active {
     cache: Option<Arc<TemplateEntry>>,
     /// A capture job: its sink, cache key and start.
     capture: Option<(CaptureSink, String, Instant)>,
+    /// A capture's quality guard, stepped beside it (`EngineConfig::cache_quality_floor`).
+    probe: Option<quality_guard::QualityProbe>,
     /// Its LoRA adapters, once in memory.
     lora: Option<LoraSlot>,
     /// Since when it sits steps out for its adapters (past its bound).
@@ -369,6 +373,12 @@ impl Engine {
                     },
                 ))
             };
+            // Before the offered prompt embeddings are withdrawn: the probe's edit uses the
+            // template's prompt too.
+            let probe = match (&prepared, &job.capture_key, self.config.cache_quality_floor) {
+                (Ok(Ok(_)), Some(_), Some(_)) => self.quality_probe(&job, &span),
+                _ => None,
+            };
             if let Some(handle) = offered {
                 handle.clear();
             }
@@ -391,6 +401,7 @@ impl Engine {
                         step_control_s: 0.0,
                         control_s: control_costs::Smoothed::default(),
                         elastic: None,
+                        probe,
                         capture: job.capture_key.map(|key| {
                             (
                                 CaptureSink::new(settings.layout, settings.dtype),
@@ -428,11 +439,17 @@ impl Engine {
             }
             if let Some((sink, key, started)) = a.capture.take() {
                 let blocks = self.model.pipeline().transformer.num_blocks();
-                match sink.finish(key, blocks) {
+                let quality = self.judge_capture(a.probe.take(), &a.span);
+                let finished = match quality {
+                    Some(q) if q.full_compute => sink.finish_full_compute(key, blocks),
+                    _ => sink.finish(key, blocks),
+                };
+                match finished {
                     Ok(entry) => self.ledger.emit(EngineEvent::Captured {
                         job: a.job,
                         entry: Arc::new(entry),
                         seconds: started.elapsed().as_secs_f64(),
+                        quality,
                         span: a.span,
                     }),
                     Err(e) => self.ledger.fail(a.job, EngineJobError::Model(e), a.span),

@@ -361,6 +361,13 @@ impl Engine {
                 Err(p) => a.failed = Some(EngineJobError::Panic(panic_message(p))),
             }
         }
+        if self.active.iter().any(|a| a.probe.is_some()) {
+            // A panic in a probe is the guard's, not the capture's: it drops the guards.
+            if catch_unwind(AssertUnwindSafe(|| self.step_probes())).is_err() {
+                tracing::warn!("capture quality guards dropped after a panic");
+                self.active.iter_mut().for_each(|a| a.probe = None);
+            }
+        }
     }
 
     /// The jobs of the coming step (where `runs`), by index into `active`: each one's mask

@@ -86,6 +86,8 @@ pub enum EngineEvent {
         job: DenoiseJob,
         entry: Arc<TemplateEntry>,
         seconds: f64,
+        /// The quality guard's verdict, where it ran (`--cache-quality-floor`).
+        quality: Option<diffmesh_shared::wire::templates::CacheQuality>,
         span: Span,
     },
     /// Model-resolution RGB outputs, one per image.
@@ -225,6 +227,10 @@ pub struct EngineConfig {
     pub lora_originals: diffmesh_model::lora::OriginalsOn,
     /// ControlNets kept loaded (least recently used evicted).
     pub controlnet_cache: usize,
+    /// The captures' quality guard: a template whose typical edit, read from its cache, would
+    /// have a box SSIM against full compute below this gets a cache of no steps (its edits
+    /// compute in full); `None`: no guard, every capture is kept.
+    pub cache_quality_floor: Option<f64>,
 }
 
 impl Default for EngineConfig {
@@ -240,6 +246,7 @@ impl Default for EngineConfig {
             lora_async_fraction: 0.2,
             lora_originals: Default::default(),
             controlnet_cache: 4,
+            cache_quality_floor: None,
         }
     }
 }

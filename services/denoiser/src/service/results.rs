@@ -11,6 +11,7 @@ use diffmesh_shared::stores::blob_store::blob_key;
 use diffmesh_shared::wire::messages::{
     error_types, DenoiseJob, JobEvent, PostprocessReply, PostprocessRequest, SubmitReply,
 };
+use diffmesh_shared::wire::templates::CacheQuality;
 use diffmesh_shared::{wire::subjects, MeshError};
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -22,7 +23,13 @@ const PLACEMENTS_AFTER_RESTART: u32 = 3;
 
 impl Service {
     /// Store a fresh capture (cachestore and local tier) and report it; then the job is done.
-    async fn finish_capture(&self, job: DenoiseJob, entry: Arc<TemplateEntry>, seconds: f64) {
+    async fn finish_capture(
+        &self,
+        job: DenoiseJob,
+        entry: Arc<TemplateEntry>,
+        seconds: f64,
+        quality: Option<CacheQuality>,
+    ) {
         let job_id = job.job_id.clone();
         self.metrics.capture_seconds.observe(seconds);
         if let Err(message) = self.templates.store.store(&entry).await {
@@ -46,6 +53,7 @@ impl Service {
             steps: meta.steps,
             blocks: meta.blocks,
             bytes: meta.bytes,
+            quality,
         };
         self.publish_event(&job_id, &event).await;
         self.submitted_at.lock().map(|mut m| m.remove(&job_id)).ok();
@@ -113,12 +121,13 @@ impl Service {
                     job,
                     entry,
                     seconds,
+                    quality,
                     span,
                 } => {
                     self.sickness.succeeded();
                     let this = self.clone();
                     post.spawn(
-                        async move { this.finish_capture(job, entry, seconds).await }
+                        async move { this.finish_capture(job, entry, seconds, quality).await }
                             .instrument(span),
                     );
                 }

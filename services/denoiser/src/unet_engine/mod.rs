@@ -510,6 +510,8 @@ impl UnetEngine {
                         job: a.job,
                         entry: Arc::new(entry),
                         seconds: started.elapsed().as_secs_f64(),
+                        // The quality guard runs for Flux captures only.
+                        quality: None,
                         span: a.span,
                     }),
                     Err(e) => self.ledger.fail(a.job, EngineJobError::Model(e), a.span),

@@ -42,6 +42,8 @@ pub struct TemplateView {
     /// Bytes of the stored cache and the number of transformer blocks it covers.
     pub cache_bytes: u64,
     pub blocks: u32,
+    /// The capture's quality guard, where the denoiser ran one (`--cache-quality-floor`).
+    pub cache_quality: Option<CacheQualityView>,
     /// Why the capture failed.
     pub error: Option<String>,
     /// Where the cache is now (single-template reads only).
@@ -68,10 +70,29 @@ impl TemplateView {
             cache_key: r.cache_key.clone(),
             cache_bytes: r.cache_bytes,
             blocks: r.blocks,
+            cache_quality: r.cache_quality.map(|q| CacheQualityView {
+                box_ssim: q.box_ssim,
+                floor: q.floor,
+                full_compute: q.full_compute,
+            }),
             error: r.error.clone(),
             cache,
         }
     }
+}
+
+/// What the capture's quality guard measured: a typical edit of the template (its prompt under
+/// another seed, a centred box of a fifth of the image) read from the cache against the same
+/// edit in full compute.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CacheQualityView {
+    /// SSIM over the mask's box, grown by 8 pixels.
+    pub box_ssim: f64,
+    /// The denoiser's floor.
+    pub floor: f64,
+    /// Below the floor: the cache holds no steps and every edit of the template computes in
+    /// full.
+    pub full_compute: bool,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -9,7 +9,7 @@ use diffmesh_shared::stores::job::{now_ms, CaptureReport, JobStore};
 use diffmesh_shared::stores::record::{Record, RecordStore};
 use diffmesh_shared::stores::transient::KvUpdated;
 use diffmesh_shared::wire::messages::{PreparedTemplate, TemplateImage, TemplateRef};
-use diffmesh_shared::wire::templates::{image_key, prepared_image_key};
+use diffmesh_shared::wire::templates::{image_key, prepared_image_key, CacheQuality};
 use diffmesh_shared::MeshError;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -77,6 +77,10 @@ pub struct TemplateRecord {
     pub cache_key: Option<String>,
     pub cache_bytes: u64,
     pub blocks: u32,
+    /// The capture's quality guard, where it ran: below its floor the cache holds no steps
+    /// and the template's edits compute in full.
+    #[serde(default)]
+    pub cache_quality: Option<CacheQuality>,
     pub error: Option<String>,
 }
 
@@ -103,6 +107,7 @@ impl TemplateRecord {
             cache_key: None,
             cache_bytes: 0,
             blocks: 0,
+            cache_quality: None,
             error: None,
         }
     }
@@ -146,7 +151,9 @@ impl TemplateRecord {
         if report.cache_key.is_empty() {
             return Some("the denoiser reported an empty cache key".into());
         }
-        (report.steps != self.steps).then(|| {
+        // The quality guard's fallback: a cache of no steps, every edit in full compute.
+        let full_compute = report.quality.is_some_and(|q| q.full_compute) && report.steps == 0;
+        (report.steps != self.steps && !full_compute).then(|| {
             format!(
                 "the denoiser captured {} steps, the template has {}",
                 report.steps, self.steps
@@ -160,6 +167,7 @@ impl TemplateRecord {
         self.cache_key = Some(report.cache_key.clone());
         self.cache_bytes = report.bytes;
         self.blocks = report.blocks;
+        self.cache_quality = report.quality;
         self.error = None;
     }
 
@@ -396,8 +404,22 @@ mod tests {
             steps: 4,
             blocks: 6,
             bytes: 512,
+            quality: None,
         };
         assert_eq!(r.capture_mismatch(&report), None);
+        // The quality guard's fallback stores a cache of no steps, and says so.
+        let guarded = |full_compute| CaptureReport {
+            steps: 0,
+            bytes: 0,
+            quality: Some(CacheQuality {
+                box_ssim: 0.7,
+                floor: 0.9,
+                full_compute,
+            }),
+            ..report.clone()
+        };
+        assert_eq!(r.capture_mismatch(&guarded(true)), None);
+        assert!(r.capture_mismatch(&guarded(false)).is_some());
         let other_steps = CaptureReport {
             steps: 8,
             ..report.clone()

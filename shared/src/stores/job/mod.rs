@@ -46,12 +46,15 @@ pub struct JobFailure {
 /// What a capture job stored (its [`JobEvent::Captured`]). Kept on the job's record too, so
 /// the template can still be finished, or its cache removed, when the gateway that registered
 /// it stopped before recording it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CaptureReport {
     pub cache_key: String,
     pub steps: u32,
     pub blocks: u32,
     pub bytes: u64,
+    /// The capture's quality guard, where it ran.
+    #[serde(default)]
+    pub quality: Option<crate::wire::templates::CacheQuality>,
 }
 
 impl CaptureReport {
@@ -63,11 +66,13 @@ impl CaptureReport {
                 steps,
                 blocks,
                 bytes,
+                quality,
             } => Some(Self {
                 cache_key: cache_key.clone(),
                 steps: *steps,
                 blocks: *blocks,
                 bytes: *bytes,
+                quality: *quality,
             }),
             _ => None,
         }
@@ -499,6 +504,7 @@ mod tests {
             steps: 4,
             blocks: 6,
             bytes: 1024,
+            quality: None,
         };
         let report = CaptureReport::from_event(&event).unwrap();
         assert_eq!((report.cache_key.as_str(), report.steps), ("tpl-abc", 4));
