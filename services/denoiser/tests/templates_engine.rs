@@ -9,7 +9,7 @@ use diffmesh_denoiser::templates::{CacheLayout, TemplateEntry};
 use diffmesh_model::flux::KvFormat;
 use diffmesh_model::tch::{Device, Kind};
 use diffmesh_model::tiny::model::TinyModel;
-use diffmesh_shared::wire::messages::{DenoiseJob, JobKind, TemplateRef, TrueCfg};
+use diffmesh_shared::wire::messages::{BlockPlan, DenoiseJob, JobKind, TemplateRef, TrueCfg};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -215,6 +215,18 @@ async fn capture_logged(h: &mut Harness) -> (Arc<TemplateEntry>, Vec<String>) {
         .expect("capture event");
     assert_eq!(entry.meta.cache_key, "key");
     (entry, log)
+}
+
+/// The block plans of the mask-aware steps sampled since the last call (at least one).
+fn block_plans(h: &Harness) -> Vec<BlockPlan> {
+    let plans: Vec<BlockPlan> = h
+        .engine
+        .take_step_samples()
+        .into_iter()
+        .filter_map(|s| s.block_plan)
+        .collect();
+    assert!(!plans.is_empty(), "no step sample carried its block plan");
+    plans
 }
 
 fn max_abs_diff(a: &[u8], b: &[u8]) -> u8 {
@@ -464,13 +476,7 @@ async fn step_samples_carry_the_planners_block_choices() {
     submit_edit(&y, "e", 3, mask(2, 3, 6, 5), ready(&entry)).await;
     let (mut images, mut log) = (HashMap::new(), Vec::new());
     events_until(&mut y, &mut images, &mut log, |l| has(l, "finished e")).await;
-    let plans: Vec<_> = y
-        .engine
-        .take_step_samples()
-        .into_iter()
-        .filter_map(|s| s.block_plan)
-        .collect();
-    assert!(!plans.is_empty(), "no step sample carried its block plan");
+    let plans = block_plans(&y);
     let blocks = plans[0].full + plans[0].cached;
     for p in &plans {
         assert_eq!(p.format, "hidden");
@@ -553,13 +559,7 @@ async fn plans_mixing_kv_and_hidden_blocks_serve_edits() {
     let d = max_abs_diff(&images["kv other"], &images["fixed other"]);
     println!("K/V against the fixed plan under another prompt: {d}");
     assert!(d > 2, "{d}");
-    let plans: Vec<_> = fixed
-        .engine
-        .take_step_samples()
-        .into_iter()
-        .filter_map(|s| s.block_plan)
-        .collect();
-    assert!(!plans.is_empty(), "no step sample carried its block plan");
+    let plans = block_plans(&fixed);
     for p in &plans {
         assert_eq!(p.format, "prepared+hidden");
         assert_eq!(
@@ -567,12 +567,7 @@ async fn plans_mixing_kv_and_hidden_blocks_serve_edits() {
             (1, blocks as u32 - 1, y_blocks)
         );
     }
-    for p in planned
-        .engine
-        .take_step_samples()
-        .into_iter()
-        .filter_map(|s| s.block_plan)
-    {
+    for p in block_plans(&planned) {
         assert_eq!(p.full + p.cached, blocks as u32);
         assert!(p.hidden <= p.cached, "{p:?}");
     }
