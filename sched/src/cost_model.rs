@@ -22,8 +22,9 @@ pub struct ModelShape {
     pub image_tokens: u32,
     /// Text tokens that every pass computes.
     pub text_tokens: u32,
-    /// Bytes of cached K/V per unmasked image token per block (f32 raw K and V: 8*H; the
-    /// hidden stream, FlashPS's Y, is half of it).
+    /// Bytes of cached K/V per unmasked image token per block, as profiled (the profiler's
+    /// f32 raw K and V: 8*H); the `y` and `kv_and_y` layouts price the hidden stream (FlashPS's
+    /// Y) at half of it.
     pub cache_bytes_per_token: u64,
     /// Default denoising steps per request.
     pub steps: u32,

@@ -25,6 +25,7 @@ pub fn flux_shape() -> ModelShape {
         hidden: 3072,
         image_tokens: 4096,
         text_tokens: 512,
+        // FlashPS's own cache (bf16 Y), priced as the default K/V layout prices its bytes.
         cache_bytes_per_token: 2 * 3072,
         steps: 28,
         cache_layout: Default::default(),

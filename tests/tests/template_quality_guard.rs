@@ -76,10 +76,25 @@ async fn a_template_below_the_quality_floor_is_edited_in_full_compute() {
             .await
             .unwrap();
         let sample = |name: &str| metric_sample(&metrics, name);
-        // The edit read its template's cache from the local tier either way: the fallback's
-        // holds no steps, so the edit computed in full, and no re-capture was asked for.
-        let hits = "diffmesh_denoiser_local_cache_lookups_total{result=\"hit\"}";
-        assert_eq!(sample(hits), 1.0, "{metrics}");
+        // Kept: the edit read the cache from the local tier. Fallen back: the edit named no
+        // cache (the router priced it in full), computed in full, and asked for no re-capture.
+        let lookups = |result: &str| {
+            sample(&format!(
+                "diffmesh_denoiser_local_cache_lookups_total{{result=\"{result}\"}}"
+            ))
+        };
+        let (hits, unavailable) = (lookups("hit"), lookups("unavailable"));
+        assert_eq!(
+            (hits, unavailable),
+            (f64::from(!fallback), f64::from(fallback)),
+            "{metrics}"
+        );
+        let url = format!("{api}/v1/templates/{id}");
+        let got: Value = http.get(url).send().await.unwrap().json().await.unwrap();
+        assert_eq!(got["cache_quality"], *quality, "{got}");
+        // Every entry its cache holds is stored: the fallback's is its metadata alone.
+        let cache = &got["cache"];
+        assert_eq!(cache["stored_entries"], cache["expected_entries"], "{got}");
         let mask_aware = sample("diffmesh_denoiser_step_rows_total{mode=\"mask_aware\"}");
         assert_eq!(
             mask_aware == 0.0,

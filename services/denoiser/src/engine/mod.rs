@@ -373,8 +373,8 @@ impl Engine {
                     },
                 ))
             };
-            // Before the offered prompt embeddings are withdrawn: the probe's edit uses the
-            // template's prompt too.
+            // Before the offered prompt embeddings are withdrawn: the probe's prompt was
+            // encoded with the capture's.
             let probe = match (&prepared, &job.capture_key, self.config.cache_quality_floor) {
                 (Ok(Ok(_)), Some(_), Some(_)) => self.quality_probe(&job, &span),
                 _ => None,

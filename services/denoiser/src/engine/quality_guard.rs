@@ -20,6 +20,7 @@ use diffmesh_model::tch::{Kind, Tensor};
 use diffmesh_model::{ModelError, Result};
 use diffmesh_shared::wire::messages::DenoiseJob;
 use diffmesh_shared::wire::templates::{step_block_ranges, CacheQuality};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// The typical edit's prompt. An edit under the template's own caption would change little
 /// and flatter the cache; the empty prompt departs from it as users' edits do.
@@ -140,7 +141,8 @@ impl QualityProbe {
 }
 
 /// The K/V blocks of an encoded step entry (the layout's first `blocks` blobs, all in one
-/// K/V or hidden format), decoded as `kind`.
+/// K/V or hidden format), decoded as `kind`. A `prepared+hidden` cache is judged by its K/V
+/// layer: its Y blocks rebuild the same K/V under the edit's conditioning.
 pub(super) fn decode_step(entry: &[u8], blocks: usize, kind: Kind) -> Result<CapturedKv> {
     let ranges = step_block_ranges(entry).map_err(|e| ModelError::input("cache", e.0))?;
     let mut cache = CapturedKv::new(KvFormat::default());
@@ -163,10 +165,17 @@ impl super::Engine {
         span: &tracing::Span,
     ) -> Option<QualityProbe> {
         let _e = span.enter();
-        match QualityProbe::new(&job.job, job.edit.as_ref(), &self.model) {
-            Ok(probe) => Some(probe),
-            Err(error) => {
+        let built = catch_unwind(AssertUnwindSafe(|| {
+            QualityProbe::new(&job.job, job.edit.as_ref(), &self.model)
+        }));
+        match built {
+            Ok(Ok(probe)) => Some(probe),
+            Ok(Err(error)) => {
                 tracing::warn!(%error, "capture quality guard not run");
+                None
+            }
+            Err(_) => {
+                tracing::warn!("capture quality guard not run: its probe panicked");
                 None
             }
         }
@@ -180,9 +189,19 @@ impl super::Engine {
     ) -> Option<CacheQuality> {
         let (probe, floor) = (probe?, self.config.cache_quality_floor?);
         let _e = span.enter();
-        match probe.box_ssim(&self.model.pipeline()) {
-            Ok(box_ssim) => {
-                let full_compute = box_ssim.is_nan() || box_ssim < floor;
+        let judged = catch_unwind(AssertUnwindSafe(|| probe.box_ssim(&self.model.pipeline())));
+        match judged {
+            // A probe that diverged says nothing of the cache (and NaN has no JSON form on
+            // the records the verdict goes to).
+            Ok(Ok(box_ssim)) if !box_ssim.is_finite() => {
+                tracing::warn!(
+                    box_ssim,
+                    "capture quality guard diverged; the cache is kept"
+                );
+                None
+            }
+            Ok(Ok(box_ssim)) => {
+                let full_compute = box_ssim < floor;
                 if full_compute {
                     tracing::warn!(
                         box_ssim,
@@ -198,8 +217,12 @@ impl super::Engine {
                     full_compute,
                 })
             }
-            Err(error) => {
+            Ok(Err(error)) => {
                 tracing::warn!(%error, "capture quality guard failed; the cache is kept");
+                None
+            }
+            Err(_) => {
+                tracing::warn!("capture quality guard panicked; the cache is kept");
                 None
             }
         }

@@ -81,9 +81,9 @@ impl TemplateView {
     }
 }
 
-/// What the capture's quality guard measured: a typical edit of the template (its prompt under
-/// another seed, a centred box of a fifth of the image) read from the cache against the same
-/// edit in full compute.
+/// What the capture's quality guard measured: a typical edit of the template (a centred box of
+/// a fifth of the image repainted under another seed toward the empty prompt) read from the
+/// cache against the same edit in full compute.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct CacheQualityView {
     /// SSIM over the mask's box, grown by 8 pixels.
@@ -252,11 +252,15 @@ pub async fn get_template(
     let cache = match &record.cache_key {
         Some(key) => {
             let t = &state.templates;
-            let located =
-                cache_view::locate(&state.mesh.client, key, record.steps, t.cachestore_timeout)
-                    .await;
+            let located = cache_view::locate(
+                &state.mesh.client,
+                key,
+                record.cached_steps(),
+                t.cachestore_timeout,
+            )
+            .await;
             Some(cache_view::view_of(
-                record.steps + 1,
+                record.cached_steps() + 1,
                 located,
                 cache_view::holders(&state.directory.denoisers().await, key),
             ))

@@ -138,7 +138,7 @@ impl Deleter {
         // No key recorded: the capture may still have stored one that its gateway never
         // recorded (it stopped, or the delete came first); the capture job's record has it.
         let cache = match &record.cache_key {
-            Some(key) => Some((key.clone(), record.steps)),
+            Some(key) => Some((key.clone(), record.cached_steps())),
             None => reported_capture(&self.jobs, &record)
                 .await?
                 .filter(|c| !c.cache_key.is_empty())

@@ -112,15 +112,34 @@ impl TemplateRecord {
         }
     }
 
-    /// What a capture records and an edit reads (`cache_key` empty until captured).
+    /// What a capture records and an edit reads (`cache_key` empty until captured, and for a
+    /// template the quality guard put on full compute: its edits read no cache, the router
+    /// prices them so and prefetches nothing).
     pub fn template_ref(&self) -> TemplateRef {
+        let cache_key = match self.full_compute() {
+            true => String::new(),
+            false => self.cache_key.clone().unwrap_or_default(),
+        };
         TemplateRef {
             template_id: self.id.clone(),
             prompt: self.prompt.clone(),
             seed: self.seed,
             steps: self.steps,
             guidance_scale: self.guidance_scale,
-            cache_key: self.cache_key.clone().unwrap_or_default(),
+            cache_key,
+        }
+    }
+
+    /// The quality guard put the template on full compute: its cache holds no steps.
+    pub fn full_compute(&self) -> bool {
+        self.cache_quality.is_some_and(|q| q.full_compute)
+    }
+
+    /// Steps its stored cache holds.
+    pub fn cached_steps(&self) -> u32 {
+        match self.full_compute() {
+            true => 0,
+            false => self.steps,
         }
     }
 
@@ -420,6 +439,14 @@ mod tests {
         };
         assert_eq!(r.capture_mismatch(&guarded(true)), None);
         assert!(r.capture_mismatch(&guarded(false)).is_some());
+        // Its edits name no cache: they read none, and the router prices them in full.
+        let mut fallback = r.clone();
+        fallback.mark_ready(&guarded(true));
+        assert!(fallback.template_ref().cache_key.is_empty());
+        assert_eq!(
+            (fallback.full_compute(), fallback.cached_steps()),
+            (true, 0)
+        );
         let other_steps = CaptureReport {
             steps: 8,
             ..report.clone()
